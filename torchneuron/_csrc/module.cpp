@@ -1,0 +1,30 @@
+// The Python face of the C++ glue: torchneuron._C.
+#include "neuron.h"
+
+#include <torch/csrc/Generator.h>
+#include <torch/extension.h>
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "TorchNeuron's C++ glue: allocator, device guard, hooks and core ops";
+  m.def("_configure", &torchneuron::configure, "Set the number of devices and HBM bytes per device.");
+  m.def("_device_count", []() { return int(torchneuron::device_count()); });
+  m.def("_current_device", []() { return int(torchneuron::current_device()); });
+  m.def("_set_device", [](int i) { torchneuron::set_current_device(c10::DeviceIndex(i)); });
+  m.def("_hbm_capacity", [](int i) { return torchneuron::hbm_capacity(c10::DeviceIndex(i)); });
+  m.def("_alias_as_cpu", &torchneuron::alias_as_cpu, "A CPU tensor over a neuron tensor's bytes.");
+  m.def("_stream_clock", [](int d, int64_t s) { return torchneuron::stream_clock(c10::DeviceIndex(d), s); });
+  m.def("_advance_stream_clock",
+        [](int d, int64_t s, int64_t ns) { torchneuron::advance_stream_clock(c10::DeviceIndex(d), s, ns); });
+  m.def("_current_stream_id", [](int d) { return torchneuron::current_stream_id(c10::DeviceIndex(d)); });
+  m.def("_set_strict", &torchneuron::set_strict);
+  m.def("_strict", &torchneuron::strict);
+  m.def("_fallback_counts", &torchneuron::fallback_counts);
+  m.def("_reset_fallback_counts", &torchneuron::reset_fallback_counts);
+  m.def("_default_generator", [](int i) {
+    return py::reinterpret_steal<py::object>(
+        THPGenerator_initDefaultGenerator(torchneuron::default_neuron_generator(c10::DeviceIndex(i))));
+  });
+  m.def("_is_pinned_pointer", [](uintptr_t p) { return torchneuron::is_pinned_pointer(reinterpret_cast<void*>(p)); });
+}

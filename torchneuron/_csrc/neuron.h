@@ -1,0 +1,55 @@
+// Shared declarations of the small C++ glue that makes `neuron` a PyTorch device.
+// Everything else (kernels, compiler, simulator, runtime) is Python.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace torchneuron {
+
+constexpr c10::DeviceType kNeuron = c10::DeviceType::PrivateUse1;
+
+// Device table, set once from Python (chip spec) before the first tensor exists.
+void configure(int num_devices, int64_t hbm_bytes_per_device);
+c10::DeviceIndex device_count() noexcept;
+c10::DeviceIndex current_device();
+void set_current_device(c10::DeviceIndex index);
+// Raises the error PyTorch raises for an invalid device ordinal.
+void check_device_index(c10::DeviceIndex index);
+int64_t hbm_capacity(c10::DeviceIndex index);
+
+// HBM: the caching allocator that owns all device memory.
+c10::Allocator* hbm_allocator();
+// Which device owns the allocation containing `ptr` (-1 when none does).
+c10::DeviceIndex device_of_pointer(const void* ptr);
+// Page-locked host memory (plain host memory here, tracked so is_pinned() is truthful).
+c10::Allocator* pinned_allocator();
+bool is_pinned_pointer(const void* ptr);
+
+// A CPU tensor over the same bytes as a neuron tensor (same sizes, strides,
+// offset). It keeps the neuron storage alive. Used by copies and the CPU fallback.
+at::Tensor alias_as_cpu(const at::Tensor& t);
+
+// Device clock of each stream, in simulated nanoseconds.
+int64_t stream_clock(c10::DeviceIndex device, c10::StreamId stream);
+void advance_stream_clock(c10::DeviceIndex device, c10::StreamId stream, int64_t ns);
+c10::StreamId current_stream_id(c10::DeviceIndex device);
+
+// Random numbers: the CPU generator that backs neuron:index's default generator.
+at::Generator default_neuron_generator(c10::DeviceIndex index);
+at::Generator cpu_generator_of(const at::Generator& neuron_generator);
+
+// CPU fallback accounting.
+void set_strict(bool strict);
+bool strict();
+std::vector<std::pair<std::string, int64_t>> fallback_counts();
+void reset_fallback_counts();
+void record_fallback(const std::string& op_name);
+
+}  // namespace torchneuron

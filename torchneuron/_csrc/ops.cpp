@@ -1,0 +1,282 @@
+// The ATen ops PyTorch needs from any device (creation, views, copies, scalars),
+// the catch-all CPU fallback, the convolution entry points, and autocast.
+// All of them reuse at::native; device kernels are registered from Python.
+#include "neuron.h"
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/native/CPUFallback.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/resize_native.h>
+#include <ATen/ops/set_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+
+namespace torchneuron {
+namespace {
+
+void check_dtype(c10::ScalarType dtype) {
+  TORCH_CHECK_TYPE(!c10::isComplexType(dtype), "neuron does not support complex dtypes (got ", dtype,
+                   "): NeuronCore engines have no complex arithmetic. Keep complex tensors on the CPU.");
+}
+
+c10::DeviceIndex index_or_current(std::optional<c10::Device> device) {
+  if (device.has_value() && device->has_index()) return device->index();
+  return current_device();
+}
+
+at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
+                               std::optional<c10::Layout> layout, std::optional<c10::Device> device,
+                               std::optional<bool> pin_memory, std::optional<c10::MemoryFormat> memory_format) {
+  c10::ScalarType st = c10::dtype_or_default(dtype);
+  check_dtype(st);
+  c10::DeviceIndex index = index_or_current(device);
+  check_device_index(index);
+  c10::DeviceGuard guard(c10::Device(kNeuron, index));
+  return at::detail::empty_generic(size, hbm_allocator(), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), st,
+                                   memory_format);
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<c10::ScalarType> dtype,
+                         std::optional<c10::Layout> layout, std::optional<c10::Device> device,
+                         std::optional<bool> pin_memory) {
+  c10::ScalarType st = c10::dtype_or_default(dtype);
+  check_dtype(st);
+  c10::DeviceIndex index = index_or_current(device);
+  check_device_index(index);
+  c10::DeviceGuard guard(c10::Device(kNeuron, index));
+  return at::detail::empty_strided_generic(size, stride, hbm_allocator(),
+                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), st);
+}
+
+const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size,
+                          std::optional<c10::MemoryFormat> memory_format) {
+  c10::DeviceGuard guard(self.device());
+  return at::native::resize__symint(self, size, memory_format);
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  TORCH_CHECK(self.defined() && dst.defined(), "copy: undefined tensor");
+  at::Tensor src_host = self.is_privateuseone() ? alias_as_cpu(self) : self;
+  at::Tensor dst_host = dst.is_privateuseone() ? alias_as_cpu(dst) : dst;
+  dst_host.copy_(src_host, non_blocking);
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  at::native::resize_(dst, self.sizes(), std::nullopt);
+  return copy_from(self, dst, false);
+}
+
+at::Scalar local_scalar_dense(const at::Tensor& self) { return at::_local_scalar_dense(alias_as_cpu(self)); }
+
+at::Tensor& set_source_storage(at::Tensor& self, at::Storage source) {
+  int64_t new_size = static_cast<int64_t>(source.nbytes() / self.dtype().itemsize());
+  return self.set_(source, 0, new_size, {});
+}
+
+at::Tensor& set_source_storage_offset(at::Tensor& self, at::Storage source, int64_t offset, c10::IntArrayRef size,
+                                      c10::IntArrayRef stride) {
+  return at::native::set_storage_cpu_(self, source, offset, size, stride);
+}
+
+at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& source) { return at::native::set_tensor_(self, source); }
+
+at::Tensor& set_empty(at::Tensor& self) {
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, hbm_allocator(), /*resizable=*/true);
+  return self.set_(storage, 0, {0}, {});
+}
+
+// ---- CPU fallback -------------------------------------------------------
+
+std::atomic<bool> g_strict{false};
+std::mutex g_counts_mutex;
+std::unordered_map<std::string, int64_t> g_counts;
+
+std::string op_name(const c10::OperatorHandle& op) {
+  const auto& n = op.schema().operator_name();
+  return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
+}
+
+// PyTorch's rule: tensors of one op live on one device, except CPU scalars (0-dim),
+// and index tensors, which may stay on the CPU.
+void check_same_device(const std::string& name, const torch::jit::Stack& args) {
+  std::optional<c10::Device> neuron_device, other;
+  bool allow_cpu_lists = name.rfind("aten::index", 0) == 0 || name.rfind("aten::_index_put", 0) == 0;
+  auto visit = [&](const at::Tensor& t, bool in_list) {
+    if (!t.defined()) return;
+    if (t.is_privateuseone()) {
+      if (!neuron_device) neuron_device = t.device();
+      else if (*neuron_device != t.device()) other = t.device();
+    } else if (t.is_cpu()) {
+      if (t.dim() == 0 || (in_list && allow_cpu_lists)) return;
+      if (!other) other = t.device();
+    }
+  };
+  for (const auto& v : args) {
+    if (v.isTensor()) visit(v.toTensor(), false);
+    else if (v.isTensorList()) for (const at::Tensor& t : v.toTensorList()) visit(t, true);
+    else if (v.isList()) {
+      for (const c10::IValue& e : v.toListRef()) if (e.isTensor()) visit(e.toTensor(), true);
+    }
+  }
+  if (neuron_device && other) {
+    TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two devices, ",
+                *neuron_device, " and ", *other, "! (when checking arguments for ", name, ")");
+  }
+}
+
+c10::DeviceIndex device_of_args(const torch::jit::Stack& args) {
+  for (const auto& v : args) {
+    if (v.isTensor() && v.toTensor().defined() && v.toTensor().is_privateuseone()) return v.toTensor().device().index();
+    if (v.isDevice() && v.toDevice().is_privateuseone() && v.toDevice().has_index()) return v.toDevice().index();
+  }
+  return current_device();
+}
+
+void neuron_cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  std::string name = op_name(op);
+  size_t n = schema.arguments().size();
+  auto first = stack->end() - n;
+  torch::jit::Stack args(first, stack->end());
+  check_same_device(name, args);
+  record_fallback(name);
+  // Random ops draw from the neuron generator: a neuron generator argument is
+  // replaced by the CPU generator it wraps, and a missing one by the default
+  // generator of the op's device.
+  for (size_t i = 0; i < n; ++i) {
+    c10::IValue& v = *(first + i);
+    const auto& type = schema.arguments()[i].type();
+    bool generator_arg = type->kind() == c10::TypeKind::GeneratorType ||
+                         (type->kind() == c10::TypeKind::OptionalType &&
+                          type->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::GeneratorType);
+    if (!generator_arg) continue;
+    if (v.isGenerator()) {
+      at::Generator g = v.toGenerator();
+      if (g.device().is_privateuseone()) v = c10::IValue(cpu_generator_of(g));
+    } else if (v.isNone()) {
+      v = c10::IValue(cpu_generator_of(default_neuron_generator(device_of_args(args))));
+    }
+  }
+  at::native::cpu_fallback(op, stack);
+}
+
+// native_dropout has no generator argument, so it would draw from the CPU generator
+// if it fell back as is: draw the mask from the neuron generator instead.
+std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p, std::optional<bool> train) {
+  record_fallback("aten::native_dropout");
+  if (!train.has_value() || *train) {
+    double keep = 1.0 - p;
+    double scale = keep == 0.0 ? 0.0 : 1.0 / keep;
+    at::Tensor host = alias_as_cpu(input);
+    at::Tensor mask = at::empty(input.sizes(), host.options());
+    mask.bernoulli_(keep, cpu_generator_of(default_neuron_generator(input.device().index())));
+    at::Tensor out = host.mul(mask).mul_(scale);
+    return {out.to(input.device()), mask.to(at::kBool).to(input.device())};
+  }
+  return {input.clone(), at::ones_like(input, input.options().dtype(at::kBool))};
+}
+
+// Convolution reaches a backend only through these two ops, whose default kernels
+// raise, so the catch-all fallback never sees them.
+at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
+                                    c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
+                                    c10::IntArrayRef output_padding, int64_t groups) {
+  record_fallback("aten::convolution_overrideable");
+  std::optional<at::Tensor> bias_cpu;
+  if (bias.has_value() && bias->defined()) bias_cpu = bias->cpu();
+  at::Tensor out = at::convolution(input.cpu(), weight.cpu(), bias_cpu, stride, padding, dilation, transposed,
+                                   output_padding, groups);
+  return out.to(input.device());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, c10::IntArrayRef stride,
+    c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed, c10::IntArrayRef output_padding,
+    int64_t groups, std::array<bool, 3> output_mask) {
+  record_fallback("aten::convolution_backward_overrideable");
+  int64_t out_channels = transposed ? weight.size(1) * groups : weight.size(0);
+  std::vector<int64_t> bias_sizes{out_channels};
+  auto [gi, gw, gb] = at::convolution_backward(grad_output.cpu(), input.cpu(), weight.cpu(),
+                                               at::OptionalIntArrayRef(bias_sizes), stride, padding, dilation,
+                                               transposed, output_padding, groups, output_mask);
+  auto back = [&](const at::Tensor& t) { return t.defined() ? t.to(input.device()) : t; };
+  return {back(gi), back(gw), back(gb)};
+}
+
+}  // namespace
+
+void set_strict(bool s) { g_strict = s; }
+bool strict() { return g_strict; }
+
+void record_fallback(const std::string& name) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!g_strict, "The operator '", name,
+                              "' has no neuron kernel and TORCHNEURON_STRICT=1 forbids the CPU fallback.");
+  bool first;
+  {
+    std::lock_guard<std::mutex> lock(g_counts_mutex);
+    first = g_counts[name]++ == 0;
+  }
+  if (first) {
+    TORCH_WARN("The operator '", name, "' has no neuron kernel yet; it ran on the CPU "
+               "(this warning is shown once per operator; see torchneuron.fallback_counts()).");
+  }
+}
+
+std::vector<std::pair<std::string, int64_t>> fallback_counts() {
+  std::lock_guard<std::mutex> lock(g_counts_mutex);
+  return {g_counts.begin(), g_counts.end()};
+}
+
+void reset_fallback_counts() {
+  std::lock_guard<std::mutex> lock(g_counts_mutex);
+  g_counts.clear();
+}
+
+at::Tensor alias_as_cpu(const at::Tensor& t) {
+  TORCH_CHECK(t.is_privateuseone(), "alias_as_cpu expects a neuron tensor, got ", t.device());
+  auto options = at::TensorOptions().dtype(t.dtype()).device(at::kCPU);
+  const c10::Storage& storage = t.storage();
+  if (storage.data() == nullptr) return at::empty_strided(t.sizes(), t.strides(), options);
+  char* base = static_cast<char*>(storage.mutable_data());
+  return at::for_blob(base, t.sizes())
+      .strides(t.strides())
+      .storage_offset(t.storage_offset())
+      .deleter([storage](void*) {})  // keeps the device storage alive
+      .options(options)
+      .target_device(at::Device(at::kCPU))
+      .make_tensor();
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", TORCH_FN(empty_memory_format));
+  m.impl("empty_strided", TORCH_FN(empty_strided));
+  m.impl("as_strided", TORCH_FN(at::native::as_strided_tensorimpl));
+  m.impl("view", TORCH_FN(at::native::view));
+  m.impl("_reshape_alias", TORCH_FN(at::native::_reshape_alias));
+  m.impl("resize_", TORCH_FN(resize_));
+  m.impl("_copy_from", TORCH_FN(copy_from));
+  m.impl("_copy_from_and_resize", TORCH_FN(copy_from_and_resize));
+  m.impl("_local_scalar_dense", TORCH_FN(local_scalar_dense));
+  m.impl("set_.source_Storage", TORCH_FN(set_source_storage));
+  m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_source_storage_offset));
+  m.impl("set_.source_Tensor", TORCH_FN(set_source_tensor));
+  m.impl("set_", TORCH_FN(set_empty));
+  m.impl("native_dropout", TORCH_FN(native_dropout));
+  m.impl("convolution_overrideable", TORCH_FN(convolution_overrideable));
+  m.impl("convolution_backward_overrideable", TORCH_FN(convolution_backward_overrideable));
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&neuron_cpu_fallback>());
+}
+
+}  // namespace torchneuron

@@ -1,0 +1,61 @@
+"""``Module.to("neuron")`` converts parameters in place, as it does for CUDA.
+
+PyTorch converts a parameter in place (``param.data = new``) only between backends it
+knows share a tensor type, a list that leaves out PrivateUse1; otherwise it makes new
+Parameter objects, which unties tied weights (GPT-2's embedding and LM head) and
+breaks references held by the user. Swapping the tensors' contents keeps every
+Parameter object, so we do that for conversions that involve a neuron device.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+def _involves_neuron(module: nn.Module, target: torch.device | None) -> bool:
+    if target is not None and target.type == "neuron":
+        return True
+    return any(t.device.type == "neuron" for t in module.parameters()) or any(
+        t.device.type == "neuron" for t in module.buffers())
+
+
+def _swapping(method: Callable[..., Any], target_of: Callable[..., torch.device | None]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.__future__.get_swap_module_params_on_conversion() or not _involves_neuron(
+                self, target_of(*args, **kwargs)):
+            return method(self, *args, **kwargs)
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+
+    return wrapper
+
+
+def _to_target(*args: Any, **kwargs: Any) -> torch.device | None:
+    device = torch._C._nn._parse_to(*args, **kwargs)[0]
+    return None if device is None else torch.device(device)
+
+
+def _neuron(self: nn.Module, device: Any = None) -> nn.Module:
+    """Move all parameters and buffers to a neuron device, in place."""
+    target = torch.device("neuron") if device is None else (
+        torch.device("neuron", device) if isinstance(device, int) else torch.device(device))
+    return self.to(target)
+
+
+def install() -> None:
+    """Route Module.to / cpu / to_empty through tensor swapping when neuron is involved."""
+    if getattr(nn.Module.to, "_torchneuron", False):
+        return
+    nn.Module.to = _swapping(nn.Module.to, _to_target)
+    nn.Module.cpu = _swapping(nn.Module.cpu, lambda *a, **k: torch.device("cpu"))
+    nn.Module.to_empty = _swapping(nn.Module.to_empty, lambda *a, device=None, **k: torch.device(device)
+                                   if device is not None else None)
+    nn.Module.to._torchneuron = True
+    nn.Module.neuron = _neuron
