@@ -35,6 +35,9 @@ c10::StreamId& tls_stream(c10::DeviceIndex d) {
   return tls_streams.at(d);
 }
 
+// An unindexed device ("neuron") means the current one.
+c10::DeviceIndex resolve(c10::Device d) { return d.has_index() ? d.index() : current_device(); }
+
 c10::Stream make_stream(c10::DeviceIndex d, c10::StreamId id) {
   return c10::Stream(c10::Stream::UNSAFE, c10::Device(kNeuron, d), id);
 }
@@ -55,11 +58,13 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     if (d.index() >= 0 && d.index() < device_count()) tls_device = d.index();
   }
   c10::Stream getStream(c10::Device d) const override {
-    check_device_index(d.index());
-    return make_stream(d.index(), tls_stream(d.index()));
+    c10::DeviceIndex i = resolve(d);
+    check_device_index(i);
+    return make_stream(i, tls_stream(i));
   }
-  c10::Stream getDefaultStream(c10::Device d) const override { return make_stream(d.index(), 0); }
-  c10::Stream getNewStream(c10::Device d, int) const override {
+  c10::Stream getDefaultStream(c10::Device d) const override { return make_stream(resolve(d), 0); }
+  c10::Stream getNewStream(c10::Device device, int) const override {
+    c10::Device d(kNeuron, resolve(device));
     check_device_index(d.index());
     std::lock_guard<std::mutex> lock(g_clock_mutex);
     if (g_next_stream.size() < size_t(device_count())) g_next_stream.resize(device_count(), 1);

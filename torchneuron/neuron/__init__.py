@@ -32,7 +32,16 @@ from torchneuron.neuron.random import (
     set_rng_state,
     set_rng_state_all,
 )
-from torchneuron.neuron.streams import Event, Stream, StreamContext, current_stream, default_stream, stream, synchronize
+from torchneuron.neuron.streams import (
+    Event,
+    Stream,
+    StreamContext,
+    current_stream,
+    default_stream,
+    stream,
+    stream_clock_ns,
+    synchronize,
+)
 from torchneuron.neuron._utils import device_index as _device_index
 
 __all__ = [

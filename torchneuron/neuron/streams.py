@@ -15,51 +15,53 @@ import torch
 from torchneuron.neuron._utils import resolved_index
 
 
-class Stream(torch.Stream):
-    """An in-order queue of work on a neuron device."""
+class _NeuronKind(type):
+    """isinstance(x, torch.neuron.Stream) holds for any torch.Stream on a neuron device.
 
-    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> "Stream":
-        if kwargs:  # wrapping an existing stream: stream_id, device_index, device_type
-            return super().__new__(cls, **kwargs)
-        return super().__new__(cls, device=torch.device("neuron", resolved_index(device)), priority=priority)
+    Streams and events are plain torch.Stream / torch.Event objects: several torch
+    methods accept only those exact types, so a subclass would not be usable.
+    """
 
-    def __enter__(self) -> "Stream":
-        self._previous = current_stream(self.device_index)
-        torch.accelerator.set_stream(self)
-        return self
+    base: type
 
-    def __exit__(self, *exc: object) -> None:
-        torch.accelerator.set_stream(self._previous)
-
-    @property
-    def clock_ns(self) -> int:
-        """This stream's device clock, in simulated nanoseconds."""
-        from torchneuron import _C
-
-        return _C._stream_clock(self.device_index, self.stream_id)
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, cls.base) and torch.device(obj.device).type == "neuron"
 
 
-class Event(torch.Event):
-    """A marker in a stream; ``elapsed_time`` between two is simulated device time."""
+class Stream(metaclass=_NeuronKind):
+    """An in-order queue of work on a neuron device (a ``torch.Stream``)."""
 
-    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> "Event":
-        return super().__new__(cls, device="neuron", enable_timing=enable_timing, blocking=blocking,
-                               interprocess=interprocess)
+    base = torch.Stream
 
-
-def _wrap(s: torch.Stream) -> Stream:
-    return Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+    def __new__(cls, device: Any = None, priority: int = 0) -> torch.Stream:
+        return torch.Stream(torch.device("neuron", resolved_index(device)), priority=priority)
 
 
-def current_stream(device: Any = None) -> Stream:
+class Event(metaclass=_NeuronKind):
+    """A marker in a stream (a ``torch.Event``); ``elapsed_time`` is simulated device time."""
+
+    base = torch.Event
+
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> torch.Event:
+        return torch.Event("neuron", enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
+
+
+def stream_clock_ns(stream: torch.Stream) -> int:
+    """A stream's device clock, in simulated nanoseconds."""
+    from torchneuron import _C
+
+    return _C._stream_clock(stream.device_index, stream.stream_id)
+
+
+def current_stream(device: Any = None) -> torch.Stream:
     """The stream work on ``device`` is queued to now."""
-    return _wrap(torch.accelerator.current_stream(resolved_index(device)))
+    return torch.accelerator.current_stream(resolved_index(device))
 
 
-def default_stream(device: Any = None) -> Stream:
+def default_stream(device: Any = None) -> torch.Stream:
     """The default stream of ``device``."""
     current = torch.accelerator.current_stream(resolved_index(device))
-    return Stream(stream_id=0, device_index=current.device_index, device_type=current.device_type)
+    return torch.Stream(stream_id=0, device_index=current.device_index, device_type=current.device_type)
 
 
 def synchronize(device: Any = None) -> None:
