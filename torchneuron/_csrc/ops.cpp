@@ -226,8 +226,12 @@ void record_fallback(const std::string& name) {
     first = g_counts[name]++ == 0;
   }
   if (first) {
-    TORCH_WARN("The operator '", name, "' has no neuron kernel yet; it ran on the CPU "
-               "(this warning is shown once per operator; see torchneuron.fallback_counts()).");
+    // Reported at the user's line; the C++ location is named relative to the repository.
+    c10::warn(c10::Warning(c10::Warning::UserWarning(),
+                           c10::SourceLocation{__func__, "torchneuron/_csrc/ops.cpp", __LINE__},
+                           "The operator '" + name + "' has no neuron kernel yet; it ran on the CPU "
+                           "(shown once per operator; see torchneuron.fallback_counts()).",
+                           /*verbatim=*/false));
   }
 }
 

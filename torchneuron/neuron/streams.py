@@ -70,21 +70,33 @@ def synchronize(device: Any = None) -> None:
 
 
 class StreamContext:
-    """Context manager that makes ``stream`` current on its device (None: no-op)."""
+    """Context manager that makes ``stream`` current on its device (None: no-op).
+
+    Like ``torch.cuda.StreamContext``: while active, the stream's device is the current
+    device; on exit the previous stream of that device and the previous current device
+    (with its stream) are restored.
+    """
 
     def __init__(self, stream: Stream | None) -> None:
         self.stream = stream
-        self.previous: torch.Stream | None = None
+        self.src_previous: torch.Stream | None = None  # current stream of the current device
+        self.dst_previous: torch.Stream | None = None  # current stream of the stream's device
 
     def __enter__(self) -> Stream | None:
         if self.stream is not None:
-            self.previous = torch.accelerator.current_stream(self.stream.device_index)
+            self.src_previous = torch.accelerator.current_stream()
+            if self.src_previous.device_index != self.stream.device_index:
+                self.dst_previous = torch.accelerator.current_stream(self.stream.device_index)
+            # set_stream also makes the stream's device the current device.
             torch.accelerator.set_stream(self.stream)
         return self.stream
 
     def __exit__(self, *exc: object) -> None:
-        if self.previous is not None:
-            torch.accelerator.set_stream(self.previous)
+        if self.dst_previous is not None:
+            torch.accelerator.set_stream(self.dst_previous)
+        if self.src_previous is not None:
+            torch.accelerator.set_stream(self.src_previous)  # restores the current device too
+        self.src_previous = self.dst_previous = None
 
 
 def stream(stream: Stream | None) -> StreamContext:
