@@ -5,6 +5,10 @@ knows share a tensor type, a list that leaves out PrivateUse1; otherwise it make
 Parameter objects, which unties tied weights (GPT-2's embedding and LM head) and
 breaks references held by the user. Swapping the tensors' contents keeps every
 Parameter object, so we do that for conversions that involve a neuron device.
+
+Swapping is refused for a tensor that something else holds (an autograd graph that
+saved a weight, for instance). Then, checked before anything changes, the conversion
+makes new Parameter objects as PyTorch would, and re-ties parameters that were shared.
 """
 from __future__ import annotations
 
@@ -22,12 +26,38 @@ def _involves_neuron(module: nn.Module, target: torch.device | None) -> bool:
         t.device.type == "neuron" for t in module.buffers())
 
 
+def _swappable(t: torch.Tensor | None) -> bool:
+    """Whether torch.utils.swap_tensors will accept ``t`` (nothing else holds its TensorImpl)."""
+    if t is None:
+        return True
+    count = t._use_count()
+    return count <= 1 or (count == 2 and t.is_leaf)
+
+
+def _convert_retied(module: nn.Module, convert: Callable[[], Any]) -> Any:
+    """Run ``convert`` with PyTorch's replacing conversion, then re-tie shared parameters."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((m, name))
+    result = convert()
+    for places in slots.values():
+        first_module, first_name = places[0]
+        for m, name in places[1:]:
+            m._parameters[name] = first_module._parameters[first_name]
+    return result
+
+
 def _swapping(method: Callable[..., Any], target_of: Callable[..., torch.device | None]) -> Callable[..., Any]:
     @functools.wraps(method)
     def wrapper(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.__future__.get_swap_module_params_on_conversion() or not _involves_neuron(
                 self, target_of(*args, **kwargs)):
             return method(self, *args, **kwargs)
+        # The grad is detached from its parameter before the swap, so only the parameter counts.
+        if not all(_swappable(p) for p in self.parameters()):
+            return _convert_retied(self, lambda: method(self, *args, **kwargs))
         torch.__future__.set_swap_module_params_on_conversion(True)
         try:
             return method(self, *args, **kwargs)
