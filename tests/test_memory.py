@@ -254,10 +254,6 @@ def test_oom_is_also_a_runtime_error_and_on_other_device():
     assert _stable(torch.neuron.memory_stats(last)) == _stable(before)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "hbm_allocator.cpp malloc_block releases every cached block before raising OOM even when "
-    "the request exceeds capacity with an empty cache: reserved_bytes, segment and "
-    "num_device_free change, contrary to 'leaves every count unchanged'"))
 def test_oom_with_cached_blocks_leaves_stats_unchanged():
     _u8(20_000)  # freed at once: a cached block
     before = torch.neuron.memory_stats()

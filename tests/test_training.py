@@ -191,10 +191,6 @@ def test_training_matches_cpu(case: str) -> None:
                                        atol=PARAM_ATOL, msg=lambda m, name=name, key=key: f"{key} of {name}: {m}")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "backend bug: aten::native_batch_norm runs through the CPU fallback, whose schema does not "
-    "mark running_mean/running_var as mutated, so the updates made on the CPU copies are never "
-    "written back and the neuron running statistics stay at their initial values"))
 def test_batchnorm_running_stats_match_cpu() -> None:
     torch.manual_seed(0)
     bn_cpu = nn.BatchNorm2d(4)

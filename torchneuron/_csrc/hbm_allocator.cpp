@@ -135,7 +135,9 @@ class HbmAllocator final : public c10::DeviceAllocator {
       ptr = it->second;
       d.cached.erase(it);
     } else {
-      if (d.reserved + int64_t(size) > d.capacity && !d.cached.empty()) {
+      // Release the cache only when that makes the request fit: a hopeless request
+      // must fail without changing anything.
+      if (d.reserved + int64_t(size) > d.capacity && d.reserved - cached_bytes(d) + int64_t(size) <= d.capacity) {
         d.stats.num_alloc_retries += 1;
         release_cached(d);
       }
@@ -182,6 +184,12 @@ class HbmAllocator final : public c10::DeviceAllocator {
   }
 
  private:
+  static int64_t cached_bytes(const DeviceState& d) {
+    int64_t total = 0;
+    for (const auto& entry : d.cached) total += int64_t(entry.first);
+    return total;
+  }
+
   void release_cached(DeviceState& d) {
     for (auto& [size, ptr] : d.cached) {
       std::free(ptr);

@@ -23,8 +23,12 @@ class NeuronGeneratorImpl final : public c10::GeneratorImpl {
         cpu_(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
 
   void set_current_seed(uint64_t seed) override { cpu_.set_current_seed(seed); }
-  void set_offset(uint64_t offset) override { cpu_.set_offset(offset); }
-  uint64_t get_offset() const override { return cpu_.get_offset(); }
+  // A Mersenne Twister has no Philox offset: its position lives in the state, which
+  // pickling and get/set_rng_state carry. Offset 0 keeps Generator pickling working.
+  void set_offset(uint64_t offset) override {
+    TORCH_CHECK(offset == 0, "neuron generators have no offset (their position is in get_state()); got ", offset);
+  }
+  uint64_t get_offset() const override { return 0; }
   uint64_t current_seed() const override { return cpu_.current_seed(); }
   uint64_t seed() override { return cpu_.seed(); }
   void set_state(const c10::TensorImpl& state) override { cpu_.unsafeGetGeneratorImpl()->set_state(state); }

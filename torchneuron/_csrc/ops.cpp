@@ -10,6 +10,7 @@
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/resize_native.h>
 #include <ATen/ops/set_native.h>
+#include <ATen/ops/unfold_native.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -55,10 +56,19 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::op
                                            c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), st);
 }
 
-const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size,
+// Device memory is host memory, so the CPU resize path applies: it grows the storage
+// through the storage's own allocator (ours) on the current device, which the guard
+// makes the tensor's device.
+const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
                           std::optional<c10::MemoryFormat> memory_format) {
   c10::DeviceGuard guard(self.device());
-  return at::native::resize__symint(self, size, memory_format);
+  auto* impl = self.unsafeGetTensorImpl();
+  at::native::resize_impl_cpu_(impl, size, std::nullopt, /*resize_storage=*/true);
+  if (memory_format.has_value()) {
+    TORCH_CHECK(*memory_format != c10::MemoryFormat::Preserve, "Unsupported memory format", *memory_format);
+    impl->empty_tensor_restride(*memory_format);
+  }
+  return self;
 }
 
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
@@ -70,7 +80,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
 }
 
 at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
-  at::native::resize_(dst, self.sizes(), std::nullopt);
+  resize_(dst, self.sizes(), std::nullopt);
   return copy_from(self, dst, false);
 }
 
@@ -184,6 +194,25 @@ std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, doubl
   return {input.clone(), at::ones_like(input, input.options().dtype(at::kBool))};
 }
 
+// native_batch_norm updates running_mean / running_var in place, but its schema does
+// not mark them as written, so the generic fallback would update host copies and drop
+// the result. Run the CPU kernel over aliases of the device memory instead.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> native_batch_norm(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
+    double momentum, double eps) {
+  torch::jit::Stack args{input, weight, bias, running_mean, running_var};
+  check_same_device("aten::native_batch_norm", args);
+  record_fallback("aten::native_batch_norm");
+  auto host = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
+    if (!t.has_value() || !t->defined()) return std::nullopt;
+    return t->is_privateuseone() ? alias_as_cpu(*t) : *t;
+  };
+  auto [out, mean, invstd] = at::native_batch_norm(alias_as_cpu(input), host(weight), host(bias), host(running_mean),
+                                                   host(running_var), training, momentum, eps);
+  return {out.to(input.device()), mean.to(input.device()), invstd.to(input.device())};
+}
+
 // Convolution reaches a backend only through these two ops, whose default kernels
 // raise, so the catch-all fallback never sees them.
 at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
@@ -266,6 +295,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("as_strided", TORCH_FN(at::native::as_strided_tensorimpl));
   m.impl("view", TORCH_FN(at::native::view));
   m.impl("_reshape_alias", TORCH_FN(at::native::_reshape_alias));
+  m.impl("unfold", TORCH_FN(at::native::unfold));
   m.impl("resize_", TORCH_FN(resize_));
   m.impl("_copy_from", TORCH_FN(copy_from));
   m.impl("_copy_from_and_resize", TORCH_FN(copy_from_and_resize));
@@ -275,6 +305,11 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Tensor", TORCH_FN(set_source_tensor));
   m.impl("set_", TORCH_FN(set_empty));
   m.impl("native_dropout", TORCH_FN(native_dropout));
+  m.impl("native_batch_norm", TORCH_FN(native_batch_norm));
+  // These have device-generic decompositions that would otherwise take precedence over
+  // the fallback and give results a rounding step away from the CPU kernels.
+  m.impl("native_layer_norm", torch::CppFunction::makeFromBoxedFunction<&neuron_cpu_fallback>());
+  m.impl("native_layer_norm_backward", torch::CppFunction::makeFromBoxedFunction<&neuron_cpu_fallback>());
   m.impl("convolution_overrideable", TORCH_FN(convolution_overrideable));
   m.impl("convolution_backward_overrideable", TORCH_FN(convolution_backward_overrideable));
 }
