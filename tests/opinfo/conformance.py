@@ -1,0 +1,273 @@
+"""OpInfo conformance of the neuron device: every op of PyTorch's ``op_db`` on neuron
+against the CPU, with a per-op table written to ``docs/op-conformance.md``.
+
+    python -m tests.opinfo.conformance                      # the whole op_db
+    python -m tests.opinfo.conformance --ops add,nn.functional.conv2d
+    python -m tests.opinfo.conformance --limit 40 --jobs 2
+
+Each op runs in a worker process under a time guard: the harness stops an op that runs
+past ``--timeout`` seconds between two samples, and the parent kills and replaces a
+worker that has not answered after ``2 * --timeout + 30`` seconds (a hang inside one
+kernel) or that died (a crash), recording the op as failed. The last line printed is
+``N passed, M failed, K skipped``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = REPO_ROOT / "docs" / "op-conformance.md"
+
+
+# ---------------------------------------------------------------------------
+# Worker side
+
+
+def _worker(conn, timeout: float, error_inputs: bool) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from tests.opinfo import harness
+
+    ops = harness.load_op_db()
+    by_key = {harness.op_key(op): op for op in ops}
+    conn.send(("ready", None))
+    while True:
+        try:
+            key = conn.recv()
+        except EOFError:
+            return
+        if key is None:
+            return
+        res = harness.run_op(by_key[key], time_budget=timeout, error_inputs=error_inputs)
+        conn.send(("result", dataclasses.asdict(res)))
+
+
+class _Worker:
+    def __init__(self, ctx, timeout: float, error_inputs: bool):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(child, timeout, error_inputs), daemon=True)
+        self.proc.start()
+        child.close()
+        self.key: str | None = None
+        self.started = 0.0
+        self.ready = False
+
+    def submit(self, key: str) -> None:
+        self.key, self.started = key, time.monotonic()
+        self.conn.send(key)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def _failed(key: str, op_names: dict, error: str, seconds: float) -> dict:
+    name, variant = op_names[key]
+    return {"key": key, "name": name, "variant": variant, "dtype": "", "status": "failed", "error": error,
+            "samples_passed": 0, "samples_skipped": 0, "error_inputs_checked": 0, "error_inputs_skipped": 0,
+            "notes": [], "fallback_ops": {}, "seconds": seconds, "traceback": ""}
+
+
+def run_all(keys: list[str], op_names: dict, *, jobs: int, timeout: float, error_inputs: bool,
+            verbose: bool = True) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    hard_limit = 2 * timeout + 30
+    pending = list(keys)
+    results: dict[str, dict] = {}
+    workers = [_Worker(ctx, timeout, error_inputs) for _ in range(max(1, min(jobs, len(keys))))]
+    done = 0
+
+    def record(res: dict) -> None:
+        nonlocal done
+        done += 1
+        results[res["key"]] = res
+        if verbose:
+            err = f"  {res['error'][:120]}" if res["status"] != "passed" else ""
+            print(f"[{done}/{len(keys)}] {res['key']}: {res['status']} ({res['seconds']:.1f}s){err}", flush=True)
+
+    try:
+        while len(results) < len(keys):
+            for w in workers:
+                if w.ready and w.key is None and pending:
+                    w.submit(pending.pop(0))
+            conns = [w.conn for w in workers]
+            ready = mp.connection.wait(conns, timeout=5.0)
+            for i, w in enumerate(list(workers)):
+                replace = None
+                if w.conn in ready:
+                    try:
+                        kind, payload = w.conn.recv()
+                    except (EOFError, OSError):
+                        code = w.proc.exitcode
+                        if w.key is not None:
+                            record(_failed(w.key, op_names, f"worker crashed (exit code {code}) while running "
+                                           f"this op", time.monotonic() - w.started))
+                        elif not w.ready:
+                            raise RuntimeError(f"a conformance worker failed to start (exit code {code})")
+                        replace = w
+                    else:
+                        if kind == "ready":
+                            w.ready = True
+                        else:
+                            record(payload)
+                            w.key = None
+                elif w.key is not None and time.monotonic() - w.started > hard_limit:
+                    record(_failed(w.key, op_names, f"timeout: no answer after {hard_limit:.0f}s, worker killed",
+                                   time.monotonic() - w.started))
+                    replace = w
+                if replace is not None:
+                    replace.kill()
+                    workers[i] = _Worker(ctx, timeout, error_inputs)
+    finally:
+        for w in workers:
+            if w.key is None and w.proc.is_alive():
+                w.stop()
+            else:
+                w.kill()
+    return [results[k] for k in keys]
+
+
+# ---------------------------------------------------------------------------
+# Report
+
+
+def _cell(text: str, limit: int = 160) -> str:
+    text = " ".join(str(text).split())
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    return text.replace("|", "\\|")
+
+
+def _fallback_cell(res: dict) -> str:
+    fb = res["fallback_ops"]
+    if not fb:
+        return "no" if res["status"] != "skipped" else "-"
+    calls = sum(fb.values())
+    names = sorted(fb, key=lambda k: -fb[k])
+    shown = ", ".join(n.replace("aten::", "") for n in names[:3])
+    more = f", +{len(names) - 3}" if len(names) > 3 else ""
+    return f"yes: {calls} calls ({shown}{more})"
+
+
+def write_report(results: list[dict], path: Path, *, argv: list[str], elapsed: float, total_ops: int) -> None:
+    import torch
+
+    counts = {s: sum(1 for r in results if r["status"] == s) for s in ("passed", "failed", "skipped")}
+    tested = [r for r in results if r["status"] != "skipped"]
+    native = [r for r in tested if not r["fallback_ops"]]
+    fallback_ops = sorted({k for r in results for k in r["fallback_ops"]})
+    partial = len(results) < total_ops
+    lines = [
+        "# OpInfo conformance of the `neuron` device",
+        "",
+        "Generated by `python -m tests.opinfo.conformance` (`make conformance`); do not edit by hand.",
+        "Each OpInfo of PyTorch's `op_db` runs its `sample_inputs` on `neuron` and on the CPU and the",
+        "outputs are compared with `torch.testing.assert_close` (the OpInfo's tolerances where it declares",
+        "them); its `error_inputs` must raise the CPU's exception type on neuron. Random ops are compared by",
+        "shape, dtype and device only. Complex-only ops are skipped: the device rejects complex dtypes by design.",
+        "See `tests/opinfo/harness.py`.",
+        "",
+        f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; torch {torch.__version__}; "
+        f"{elapsed / 60:.1f} min",
+        f"- command: `{' '.join(['python -m tests.opinfo.conformance', *argv])}`",
+        f"- ops run: {len(results)} of {total_ops} in `op_db`" + (" (a partial run)" if partial else ""),
+        f"- **{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped**",
+        f"- ops that ran without the CPU fallback: {len(native)} of {len(tested)} tested "
+        f"(the rest ran at least one ATen op on the CPU)",
+        f"- distinct ATen ops that fell back to the CPU: {len(fallback_ops)}",
+        "",
+        "Columns: *dtype* is the dtype tested (float32, else int64, else bool); *samples* is passed/skipped "
+        "samples and checked error inputs; *fallback* counts ATen calls that ran through the CPU fallback "
+        "(`torchneuron.fallback_counts()` before/after the op); *error / notes* is the first failure, "
+        "truncated, or why the op was skipped.",
+        "",
+        "| op | variant | dtype | status | fallback | samples | s | error / notes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(results, key=lambda r: (r["name"], r["variant"])):
+        detail = r["error"] if r["error"] else "; ".join(r["notes"])
+        samples = f"{r['samples_passed']}/{r['samples_skipped']}, err {r['error_inputs_checked']}"
+        lines.append(f"| `{r['name']}` | {_cell(r['variant'] or '')} | {r['dtype']} | {r['status']} | "
+                     f"{_cell(_fallback_cell(r), 90)} | {samples} | {r['seconds']:.1f} | {_cell(detail)} |")
+    lines += ["", "## ATen ops that ran through the CPU fallback", "",
+              ", ".join(f"`{n}`" for n in fallback_ops) if fallback_ops else "(none)", ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+
+
+# ---------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m tests.opinfo.conformance", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", default="", help="comma-separated op names (all variants) or name.variant keys")
+    p.add_argument("--limit", type=int, default=None, help="run only the first N ops (after --ops)")
+    p.add_argument("--timeout", type=float, default=120.0, help="per-op time budget in seconds (default 120)")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--no-error-inputs", action="store_true", help="skip error_inputs")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="markdown report (default docs/op-conformance.md)")
+    p.add_argument("--quiet", action="store_true", help="no per-op progress lines")
+    p.add_argument("--strict", action="store_true", help="exit with status 1 when an op fails")
+    args = p.parse_args(argv)
+
+    if str(REPO_ROOT) not in sys.path:  # workers import tests.opinfo.harness
+        sys.path.insert(0, str(REPO_ROOT))
+    # Workers inherit these: the fallback's once-per-op warnings are expected here, and
+    # those raised outside a Python call (torch.ops.aten.*) would go to stderr via c10.
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from tests.opinfo import harness
+
+    ops = harness.load_op_db()
+    if args.ops:
+        try:
+            ops = harness.find_ops(args.ops.split(","), ops)
+        except KeyError as e:
+            p.error(str(e.args[0]))
+    if args.limit is not None:
+        ops = ops[: args.limit]
+    keys = [harness.op_key(op) for op in ops]
+    op_names = {harness.op_key(op): (op.name, op.variant_test_name or "") for op in ops}
+    start = time.monotonic()
+    results = run_all(keys, op_names, jobs=args.jobs, timeout=args.timeout,
+                      error_inputs=not args.no_error_inputs, verbose=not args.quiet)
+    elapsed = time.monotonic() - start
+    write_report(results, Path(args.out), argv=argv, elapsed=elapsed, total_ops=len(harness.load_op_db()))
+    counts = {s: sum(1 for r in results if r["status"] == s) for s in ("passed", "failed", "skipped")}
+    failed = [r for r in results if r["status"] == "failed"]
+    if failed:
+        print("\nfailed:")
+        for r in failed:
+            print(f"  {r['key']}: {r['error'][:200]}")
+    print(f"\nreport: {args.out}")
+    summary = f"{counts['passed']} passed, {counts['failed']} failed"
+    if counts["skipped"]:
+        summary += f", {counts['skipped']} skipped"
+    print(summary, flush=True)
+    return 1 if failed and args.strict else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

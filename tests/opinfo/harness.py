@@ -1,0 +1,633 @@
+"""Run PyTorch OpInfo samples on ``neuron`` and compare them with the CPU.
+
+For one OpInfo (``torch.testing._internal.common_methods_invocations.op_db``) and one
+dtype, :func:`run_op`
+
+1. draws the OpInfo's ``sample_inputs("cpu", dtype)`` under a fixed seed, one sample at
+   a time;
+2. copies each sample to ``neuron`` (input, args, kwargs; recursively through
+   lists, tuples and dicts) *before* the CPU run, so in-place ops see the same data on
+   both devices; a tensor is copied together with its whole storage and re-viewed
+   with the same sizes, strides and storage offset, so views and ``as_strided``
+   samples mean the same thing on both devices;
+3. runs the op on both and compares the outputs (the neuron ones moved back to the
+   CPU) with ``torch.testing.assert_close(..., equal_nan=True)`` at the OpInfo's
+   tolerance for the dtype when it declares one, PyTorch's defaults otherwise; a tensor
+   computed on neuron must also live on neuron;
+4. runs ``op.error_inputs("cpu")`` and checks that whatever exception type the CPU
+   raises, neuron raises the same type.
+
+Outputs of random ops (and of ``empty*``, whose memory is uninitialized) are compared by
+shape, dtype and device only.
+
+Device arguments in samples are the one non-tensor that is rewritten: a ``"cpu"``
+device (string or ``torch.device``) becomes ``neuron``, otherwise factory ops
+(``ones``, ``arange``, ``randn``, ``Tensor.to(device)``, ...) would never reach the
+device. Tensors on other devices (``meta`` in some error inputs) stay where they are,
+and so do the few arguments an op requires on the CPU (``_CPU_ARGS``). A sample with
+neither a tensor nor a device argument (``arange(5)``) never reaches neuron: skipped.
+
+The device rejects complex dtypes on purpose (a TypeError). Complex-only ops are
+skipped, and so is each sample that takes a complex tensor, or whose neuron run raises
+that TypeError (a complex output or intermediate). An op none of whose samples could run
+is reported as skipped, with the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+import traceback
+import warnings
+from typing import Iterable
+
+import torch
+
+import torchneuron
+
+# The CPU fallback warns once per op; here that is expected.
+warnings.filterwarnings("ignore", message=r".*has no neuron kernel yet.*")
+
+DEVICE = "neuron"
+DEFAULT_SEED = 1234
+# Dtype order used when an op does not support float32.
+DTYPE_PREFERENCE = (torch.float32, torch.int64, torch.bool)
+
+STATUS_PASSED = "passed"
+STATUS_FAILED = "failed"
+STATUS_SKIPPED = "skipped"
+
+
+class OpSkipped(Exception):
+    """The op (or all of its samples) cannot be tested on neuron by design."""
+
+
+class SampleSkipped(Exception):
+    """This one sample cannot be tested on neuron by design (e.g. complex tensors)."""
+
+
+class OpTimeout(Exception):
+    """The op ran past its time budget."""
+
+
+# ---------------------------------------------------------------------------
+# Op identity and classification
+
+
+def op_key(op) -> str:
+    """A unique, readable id: ``name`` or ``name.variant``."""
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+def find_ops(keys: Iterable[str], ops=None) -> list:
+    """OpInfos by key; a bare op name selects all its variants. Unknown keys raise."""
+    if ops is None:
+        ops = load_op_db()
+    wanted = [k.strip() for k in keys if k.strip()]
+    found, missing = [], []
+    for k in wanted:
+        hits = [op for op in ops if op_key(op) == k]
+        if not hits:
+            hits = [op for op in ops if op.name == k]
+        if not hits:
+            missing.append(k)
+        for op in hits:
+            if op not in found:
+                found.append(op)
+    if missing:
+        raise KeyError(f"no OpInfo named {', '.join(missing)}")
+    return found
+
+
+_OP_DB = None
+
+
+def load_op_db() -> list:
+    global _OP_DB
+    if _OP_DB is None:
+        from torch.testing._internal.common_methods_invocations import op_db
+
+        _OP_DB = list(op_db)
+    return _OP_DB
+
+
+# Outputs that are random or uninitialized: compare shape/dtype/device only. Matched
+# against the last dotted component of op.name, whole words only (``__rand__`` is
+# bitwise and, ``nn.functional.normalize`` is deterministic).
+_RANDOM_NAME = re.compile(
+    r"^(rand|randn|randint|rand_like|randn_like|randint_like|normal|log_normal|bernoulli|"
+    r"multinomial|uniform|cauchy|exponential|geometric|rrelu|"
+    r"empty|empty_like|empty_strided|empty_permuted|new_empty|new_empty_strided|"
+    r"fractional_max_pool2d|fractional_max_pool3d)$"
+    r"|dropout")
+# Deterministic despite their names.
+_NOT_RANDOM = {"native_dropout_backward", "signal.windows.exponential",
+               "nn.functional.feature_alpha_dropout.without_train"}
+
+
+def is_random_op(op) -> bool:
+    if op.name in _NOT_RANDOM or op_key(op) in _NOT_RANDOM:
+        return False
+    return bool(_RANDOM_NAME.search(op.name.rsplit(".", 1)[-1]))
+
+
+def pick_dtype(op, dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype to test ``op`` at: ``dtype`` if given, else the first CPU-supported one
+    of float32, int64, bool. Raises OpSkipped for ops with none of these."""
+    supported = op.supported_dtypes("cpu")
+    if dtype is not None:
+        if dtype.is_complex:
+            raise OpSkipped(f"complex dtype {dtype}: the neuron device rejects complex dtypes")
+        if dtype not in supported:
+            raise OpSkipped(f"{dtype} is not supported by this op on the CPU")
+        return dtype
+    for d in DTYPE_PREFERENCE:
+        if d in supported:
+            return d
+    if not supported:
+        raise OpSkipped("no CPU dtypes (a CUDA-only op)")
+    if all(d.is_complex for d in supported):
+        raise OpSkipped("complex-only op: the neuron device rejects complex dtypes")
+    names = ", ".join(sorted(str(d).replace("torch.", "") for d in supported))
+    raise OpSkipped(f"supports none of float32/int64/bool (only {names})")
+
+
+def tolerance_for(op, dtype: torch.dtype) -> tuple[float | None, float | None]:
+    """(atol, rtol) the OpInfo declares for ``dtype``, or (None, None) for the defaults.
+
+    Reads ``toleranceOverride`` and ``precisionOverride`` decorators, whether applied to
+    every test of the op or through a DecorateInfo that is not tied to another device
+    (CUDA, MPS, ...). When several apply, the loosest wins.
+    """
+    from torch.testing._internal.common_device_type import precisionOverride, toleranceOverride
+    from torch.testing._internal.opinfo.core import DecorateInfo
+
+    candidates = []
+    for deco in getattr(op, "decorators", ()) or ():
+        if isinstance(deco, DecorateInfo):
+            if deco.device_type not in (None, "cpu") or not deco.active_if:
+                continue
+            if deco.dtypes is not None and dtype not in deco.dtypes:
+                continue
+            candidates.extend(deco.decorators)
+        else:
+            candidates.append(deco)
+    atol = rtol = None
+    for deco in candidates:
+        if isinstance(deco, toleranceOverride) and dtype in deco.d:
+            t = deco.d[dtype]
+            atol = t.atol if atol is None else max(atol, t.atol)
+            rtol = t.rtol if rtol is None else max(rtol, t.rtol)
+        elif isinstance(deco, precisionOverride) and dtype in deco.d:
+            a = deco.d[dtype]
+            atol = a if atol is None else max(atol, a)
+    if atol is not None and rtol is None:
+        # precisionOverride sets only atol; keep PyTorch's default rtol for the dtype.
+        from torch.testing._comparison import default_tolerances
+
+        rtol = default_tolerances(dtype)[0] if dtype.is_floating_point else 0.0
+    return atol, rtol
+
+
+# ---------------------------------------------------------------------------
+# Moving samples
+
+
+def _is_cpu_device(x) -> bool:
+    if isinstance(x, torch.device):
+        return x.type == "cpu"
+    return isinstance(x, str) and x in ("cpu", "cpu:0")
+
+
+def _has(obj, pred) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return pred(obj)
+    if isinstance(obj, (list, tuple)):
+        return any(_has(o, pred) for o in obj)
+    if isinstance(obj, dict):
+        return any(_has(o, pred) for o in obj.values())
+    return False
+
+
+def _tensors(obj) -> list:
+    """The tensors in ``obj``, depth first (lists, tuples, dict values)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def has_complex(obj) -> bool:
+    return _has(obj, lambda t: t.is_complex())
+
+
+def is_complex_rejection(exc: BaseException) -> bool:
+    """The TypeError the device raises, by design, for any complex tensor."""
+    return isinstance(exc, TypeError) and "neuron does not support complex dtypes" in str(exc)
+
+
+def involves_neuron(obj) -> bool:
+    """Whether a (moved) sample holds a neuron tensor or names the neuron device."""
+    if isinstance(obj, torch.Tensor):
+        return obj.device.type == DEVICE
+    if isinstance(obj, torch.device):
+        return obj.type == DEVICE
+    if isinstance(obj, str):
+        return obj == DEVICE
+    if isinstance(obj, (list, tuple)):
+        return any(involves_neuron(o) for o in obj)
+    if isinstance(obj, dict):
+        return any(involves_neuron(o) for o in obj.values())
+    return False
+
+
+def _tensor_to_neuron(t: torch.Tensor, cache: dict) -> torch.Tensor:
+    """A neuron copy of ``t`` with the same sizes, strides and storage offset, and the
+    same storage shared with other tensors of the sample that shared it on the CPU (the
+    same tensor passed twice, e.g. as input and as out=, stays one tensor)."""
+    same = cache.get(("id", id(t)))
+    if same is not None:
+        return same[1]
+    out = _tensor_to_neuron_new(t, cache)
+    cache[("id", id(t))] = (t, out)  # t kept alive so that its id stays unique
+    return out
+
+
+def _tensor_to_neuron_new(t: torch.Tensor, cache: dict) -> torch.Tensor:
+    if t.layout != torch.strided or t.is_quantized:
+        out = t.detach().to(DEVICE)
+    else:
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes(), t.dtype)
+        base = cache.get(key) if storage.data_ptr() else None
+        if base is None:
+            n = storage.nbytes() // t.element_size()
+            flat = torch.empty(0, dtype=t.dtype).set_(storage, 0, (n,), (1,))
+            base = flat.to(DEVICE)
+            if storage.data_ptr():
+                cache[key] = base
+        out = base.as_strided(t.size(), t.stride(), t.storage_offset())
+        if t.is_neg():
+            out = torch._neg_view(out)
+    if t.requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def to_neuron(obj, cache: dict | None = None):
+    """Copy tensors in ``obj`` to neuron (recursively); map CPU devices to neuron;
+    leave everything else alone."""
+    if cache is None:
+        cache = {}
+    if isinstance(obj, torch.Tensor):
+        # Only CPU tensors move; a meta tensor in an error input stays meta.
+        return _tensor_to_neuron(obj, cache) if obj.device.type == "cpu" else obj
+    if isinstance(obj, torch.device) and obj.type == "cpu":
+        return torch.device(DEVICE)
+    if isinstance(obj, str) and _is_cpu_device(obj):
+        return DEVICE
+    if isinstance(obj, list):
+        return [to_neuron(o, cache) for o in obj]
+    if isinstance(obj, tuple):
+        items = [to_neuron(o, cache) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        return {k: to_neuron(v, cache) for k, v in obj.items()}
+    return obj
+
+
+def to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, list):
+        return [to_cpu(o) for o in obj]
+    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
+        return tuple(to_cpu(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+# ---------------------------------------------------------------------------
+# Comparing outputs
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype}, device={x.device})"
+    return f"{type(x).__name__}({x!r})"[:200]
+
+
+def compare(actual, expected, *, atol=None, rtol=None, meta_only=False, path="output",
+            check_device=True) -> None:
+    """Assert that ``actual`` (computed on neuron) matches ``expected`` (on the CPU)."""
+    kw = {"atol": atol, "rtol": rtol, "meta_only": meta_only, "check_device": check_device}
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor):
+            raise AssertionError(f"{path}: expected {_describe(expected)}, got {_describe(actual)}")
+        if check_device and expected.device.type == "cpu" and actual.device.type != DEVICE:
+            raise AssertionError(f"{path}: a tensor computed on neuron came back on {actual.device}")
+        if actual.shape != expected.shape:
+            raise AssertionError(f"{path}: shape {tuple(actual.shape)} != CPU's {tuple(expected.shape)}")
+        if actual.dtype != expected.dtype:
+            raise AssertionError(f"{path}: dtype {actual.dtype} != CPU's {expected.dtype}")
+        if meta_only or expected.device.type != "cpu":
+            return
+        tol = {} if atol is None else {"atol": atol, "rtol": rtol}
+        a = actual.detach().cpu()
+        e = expected.detach()
+        if a.layout != torch.strided or e.layout != torch.strided:
+            a, e = a.to_dense(), e.to_dense()
+        torch.testing.assert_close(a, e, equal_nan=True, check_device=False, check_layout=False,
+                                   msg=lambda m: f"{path}: {m}", **tol)
+        return
+    if isinstance(expected, (list, tuple)) and not isinstance(expected, torch.Size):
+        if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
+            raise AssertionError(f"{path}: expected {type(expected).__name__} of {len(expected)}, "
+                                 f"got {_describe(actual)}")
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            compare(a, e, path=f"{path}[{i}]", **kw)
+        return
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or actual.keys() != expected.keys():
+            raise AssertionError(f"{path}: expected dict with keys {list(expected)}, got {_describe(actual)}")
+        for k in expected:
+            compare(actual[k], expected[k], path=f"{path}[{k!r}]", **kw)
+        return
+    if isinstance(expected, float) and isinstance(actual, (int, float)) and not meta_only:
+        tol = {} if atol is None else {"atol": atol, "rtol": rtol}
+        torch.testing.assert_close(float(actual), expected, equal_nan=True,
+                                   msg=lambda m: f"{path}: {m}", **tol)
+        return
+    if meta_only and isinstance(expected, (int, float)) and not isinstance(expected, bool):
+        if type(actual) is not type(expected):
+            raise AssertionError(f"{path}: expected {_describe(expected)}, got {_describe(actual)}")
+        return
+    if type(actual) is not type(expected) or actual != expected:
+        raise AssertionError(f"{path}: expected {_describe(expected)}, got {_describe(actual)}")
+
+
+# ---------------------------------------------------------------------------
+# Running one op
+
+
+@dataclasses.dataclass
+class OpResult:
+    key: str
+    name: str
+    variant: str
+    dtype: str = ""
+    status: str = STATUS_PASSED
+    error: str = ""
+    samples_passed: int = 0
+    samples_skipped: int = 0
+    error_inputs_checked: int = 0
+    error_inputs_skipped: int = 0
+    notes: list = dataclasses.field(default_factory=list)
+    fallback_ops: dict = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+    traceback: str = ""
+
+    @property
+    def fallback_calls(self) -> int:
+        return sum(self.fallback_ops.values())
+
+
+def _seeded(iterable, seed: int):
+    """Iterate ``iterable`` re-seeding the CPU RNGs before each item, so a sample does
+    not depend on how much randomness the previous op runs consumed."""
+    import random
+
+    it = iter(iterable)
+    i = 0
+    while True:
+        torch.manual_seed(seed + i)
+        random.seed(seed + i)
+        try:
+            import numpy
+
+            numpy.random.seed((seed + i) % 2**32)
+        except ImportError:  # pragma: no cover
+            pass
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        except Exception as e:
+            e.add_note(f"generating input {i}: the OpInfo's own generator failed on the CPU")
+            raise
+        yield item
+        i += 1
+
+
+def _sample_str(sample) -> str:
+    try:
+        s = repr(sample)
+    except Exception:  # noqa: BLE001
+        s = "<unprintable sample>"
+    return s if len(s) <= 600 else s[:600] + "..."
+
+
+def _parts(sample) -> tuple:
+    return (sample.input, tuple(sample.args), dict(sample.kwargs))
+
+
+class _StayOnCpu:
+    """Wraps a sample argument that the op requires on the CPU (see _CPU_ARGS)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+# Arguments an op requires on the CPU whatever the device of its input; their OpInfo
+# samples build them on the CPU on every device. {op name: positional arg indices}.
+_CPU_ARGS = {
+    "tensor_split": {0},  # tensor_indices_or_sections must be a CPU int64 tensor
+}
+
+# Error inputs where the CPU's own kernel raises a different exception type than the
+# device-generic one, which the OpInfo itself declares for non-CPU devices:
+# {op name: {(CPU exception type, accepted device exception type)}}.
+_ACCEPTED_ERROR_TYPES = {
+    # narrow_copy_dense_cpu checks dim with TORCH_CHECK (RuntimeError); the generic
+    # kernel goes through narrow(), an IndexError (see error_inputs_narrow_narrow_copy).
+    "narrow_copy": {(RuntimeError, IndexError)},
+}
+
+
+def _move_parts(op, parts: tuple) -> tuple:
+    inp, args, kwargs = parts
+    keep = _CPU_ARGS.get(op.name, ())
+    args = tuple(_StayOnCpu(a) if i in keep else a for i, a in enumerate(args))
+    inp, args, kwargs = to_neuron((inp, args, kwargs))
+    args = tuple(a.value if isinstance(a, _StayOnCpu) else a for a in args)
+    return inp, args, kwargs
+
+
+def _run(op, parts: tuple):
+    inp, args, kwargs = parts
+    return op(inp, *args, **kwargs)
+
+
+def check_sample(op, sample, *, atol=None, rtol=None, meta_only=False) -> None:
+    """Run one CPU sample on both devices and compare; raises AssertionError on a
+    mismatch, SampleSkipped for a complex sample that neuron rejects."""
+    parts = _parts(sample)
+    if has_complex(parts):
+        raise SampleSkipped("complex input tensors")
+    neuron_parts = _move_parts(op, parts)  # before the CPU run: in-place ops mutate inputs
+    if not involves_neuron(neuron_parts):
+        raise SampleSkipped("no tensor or device argument: the op would run on the CPU")
+    try:
+        expected = _run(op, parts)
+        cpu_exc = None
+    except Exception as e:  # noqa: BLE001
+        expected, cpu_exc = None, e
+    try:
+        actual = _run(op, neuron_parts)
+        neuron_exc = None
+    except Exception as e:  # noqa: BLE001
+        actual, neuron_exc = None, e
+    if cpu_exc is not None:
+        # A sample the CPU itself rejects: neuron must reject it the same way.
+        if neuron_exc is None:
+            raise AssertionError(f"CPU raised {type(cpu_exc).__name__}: {cpu_exc} but neuron did not")
+        if type(neuron_exc) is not type(cpu_exc):
+            raise AssertionError(f"CPU raised {type(cpu_exc).__name__}, neuron raised "
+                                 f"{type(neuron_exc).__name__}: {neuron_exc}") from neuron_exc
+        raise SampleSkipped(f"raises {type(cpu_exc).__name__} on CPU and on neuron")
+    if neuron_exc is not None:
+        if is_complex_rejection(neuron_exc):
+            why = "complex output" if has_complex(expected) else "complex intermediate"
+            raise SampleSkipped(f"{why}: rejected by neuron with TypeError (by design)")
+        raise neuron_exc
+    compare(actual, expected, atol=atol, rtol=rtol, meta_only=meta_only)
+    # In-place updates of the input tensors (running stats, out=, in-place variants) must
+    # match too.
+    compare(_tensors(neuron_parts), _tensors(parts), atol=atol, rtol=rtol, meta_only=meta_only,
+            path="input tensors after the op", check_device=False)
+
+
+def check_error_input(op, error_input) -> str:
+    """Run an ErrorInput on both devices; returns 'checked' or 'skipped' (with why).
+    Raises AssertionError when neuron does not raise the CPU's exception type."""
+    parts = _parts(error_input.sample_input)
+    if has_complex(parts):
+        return "skipped: complex inputs"
+    neuron_parts = _move_parts(op, parts)
+    try:
+        _run(op, parts)
+        return "skipped: does not raise on CPU"
+    except Exception as e:  # noqa: BLE001
+        cpu_exc = e
+    try:
+        _run(op, neuron_parts)
+    except Exception as e:  # noqa: BLE001
+        if type(e) is not type(cpu_exc):
+            if is_complex_rejection(e):
+                return "skipped: neuron rejects a complex tensor by design"
+            if (type(cpu_exc), type(e)) in _ACCEPTED_ERROR_TYPES.get(op.name, ()):
+                return "checked"
+            raise AssertionError(
+                f"CPU raised {type(cpu_exc).__name__}({str(cpu_exc)[:150]!r}), neuron raised "
+                f"{type(e).__name__}({str(e)[:300]!r})") from e
+        regex = error_input.error_regex
+        if regex and re.search(regex, str(cpu_exc)) and not re.search(regex, str(e)):
+            return f"checked; message differs: {str(e)[:120]}"
+        return "checked"
+    raise AssertionError(f"CPU raised {type(cpu_exc).__name__}({str(cpu_exc)[:200]!r}) "
+                         f"but neuron returned normally")
+
+
+def _fallback_delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0) > 0}
+
+
+def run_op(op, dtype: torch.dtype | None = None, *, seed: int = DEFAULT_SEED,
+           time_budget: float | None = None, max_samples: int | None = None,
+           samples: bool = True, error_inputs: bool = True, raise_errors: bool = False) -> OpResult:
+    """Test one OpInfo at one dtype: its samples and/or its error inputs. Never raises
+    unless ``raise_errors`` (then the first failure is re-raised, and a skip raises
+    OpSkipped)."""
+    res = OpResult(key=op_key(op), name=op.name, variant=op.variant_test_name or "")
+    start = time.monotonic()
+    deadline = None if time_budget is None else start + time_budget
+    before = torchneuron.fallback_counts()
+    sample_skips: list[str] = []
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=UserWarning)
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            dtype = pick_dtype(op, dtype)
+            res.dtype = str(dtype).replace("torch.", "")
+            atol, rtol = tolerance_for(op, dtype)
+            meta_only = is_random_op(op)
+            if meta_only:
+                res.notes.append("random op: compared shape/dtype/device only")
+            sample_iter = op.sample_inputs("cpu", dtype, set_seed=False) if samples else ()
+            for i, sample in enumerate(_seeded(sample_iter, seed)):
+                if max_samples is not None and i >= max_samples:
+                    break
+                try:
+                    check_sample(op, sample, atol=atol, rtol=rtol, meta_only=meta_only)
+                    res.samples_passed += 1
+                except SampleSkipped as e:
+                    res.samples_skipped += 1
+                    sample_skips.append(str(e))
+                except Exception as e:
+                    e.add_note(f"sample {i}: {_sample_str(sample)}")
+                    raise
+                if deadline is not None and time.monotonic() > deadline:
+                    raise OpTimeout(f"time budget of {time_budget:.0f}s exceeded after "
+                                    f"{res.samples_passed + res.samples_skipped} samples")
+            if error_inputs and op.error_inputs_func is not None:
+                errs = op.error_inputs("cpu", set_seed=False)
+                for i, err in enumerate(_seeded(errs, seed + 100_000)):
+                    try:
+                        outcome = check_error_input(op, err)
+                    except Exception as e:
+                        e.add_note(f"error input {i}: {_sample_str(err.sample_input)}")
+                        raise
+                    if outcome.startswith("checked"):
+                        res.error_inputs_checked += 1
+                        if outcome != "checked" and len(res.notes) < 4:
+                            res.notes.append(outcome[len("checked; "):])
+                    else:
+                        res.error_inputs_skipped += 1
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise OpTimeout(f"time budget of {time_budget:.0f}s exceeded in error inputs")
+            if samples and res.samples_passed == 0:
+                why = sample_skips[0] if sample_skips else "no samples"
+                raise OpSkipped(f"no sample runnable on neuron ({why})")
+            if sample_skips:
+                res.notes.append(f"{len(sample_skips)} samples skipped ({sample_skips[0]})")
+    except OpSkipped as e:
+        res.status, res.error = STATUS_SKIPPED, str(e)
+        if raise_errors:
+            raise
+    except Exception as e:  # noqa: BLE001
+        res.status = STATUS_FAILED
+        where = [n.split(":", 1)[0] for n in getattr(e, "__notes__", ())]
+        res.error = (f"[{where[0]}] " if where else "") + f"{type(e).__name__}: {e}"
+        res.traceback = "".join(traceback.format_exception(e))
+        if raise_errors:
+            raise
+    finally:
+        res.seconds = time.monotonic() - start
+        res.fallback_ops = _fallback_delta(before, torchneuron.fallback_counts())
+    return res
+
+
+def check_op(op, dtype: torch.dtype | None = None, **kwargs) -> OpResult:
+    """run_op for tests: raises the first failure, OpSkipped for a skipped op."""
+    return run_op(op, dtype, raise_errors=True, **kwargs)
+
+
+__all__ = [
+    "OpResult", "OpSkipped", "OpTimeout", "check_op", "compare", "find_ops", "is_random_op",
+    "load_op_db", "op_key", "pick_dtype", "run_op", "to_cpu", "to_neuron", "tolerance_for",
+]
