@@ -384,3 +384,10 @@ def test_module_to_while_a_graph_holds_a_parameter():
     assert all(p.device.type == "neuron" for p in m.parameters())
     assert m[0].weight is m[2].weight
     torch.testing.assert_close(m(x.to("neuron")).cpu(), ref.detach())
+
+
+def test_set_device_needs_an_index_like_cuda():
+    before = torch.neuron.current_device()
+    with pytest.raises(ValueError, match="index"):
+        torch.neuron.set_device("neuron")
+    assert torch.neuron.current_device() == before

@@ -785,8 +785,6 @@ def test_resized_output_on_second_device_keeps_its_storage_there():
     assert torch.neuron.memory_allocated(1) - before >= 4096 * 8
 
 
-@pytest.mark.xfail(strict=True, reason="the fallback copies each argument to the CPU separately, so CPU's "
-                   "partial-overlap check between input and output never sees the aliasing")
 def test_partial_overlap_raises_like_cpu():
     cpu = torch.arange(6.0)
     cpu_err = _error_of(lambda: torch.add(cpu[:-1], 1, out=cpu[1:]))

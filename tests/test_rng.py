@@ -336,18 +336,12 @@ def test_generator_deepcopy_and_pickle():
     assert torch.equal(_cpu(torch.rand(8, device=N, generator=g3)), ref)
 
 
-@pytest.mark.xfail(strict=True, reason="the CPU fallback passes a CPU generator through to the CPU kernel, so a "
-                   "neuron op silently draws from it; CUDA raises \"Expected a 'cuda' device type for generator\"")
 def test_cpu_generator_with_neuron_tensor_raises_like_cuda():
     g = torch.Generator().manual_seed(0)
     with pytest.raises(RuntimeError, match="generator"):
         torch.randn(4, device=N, generator=g)
 
 
-@pytest.mark.xfail(strict=True, reason="a neuron generator dispatches a CPU op to the neuron fallback, which fails "
-                   "with "
-                   "\"Could not run 'aten::_copy_from_and_resize' with arguments from the 'CPU' backend\" instead of "
-                   "naming the generator/device mismatch as CPU does for other devices' generators")
 def test_neuron_generator_with_cpu_tensor_error_names_generator():
     g = torch.Generator(device=N).manual_seed(0)
     with pytest.raises(RuntimeError, match="generator"):

@@ -4,6 +4,7 @@
 #include "neuron.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/native/Resize.h>
 #include <ATen/ops/_reshape_alias_native.h>
@@ -142,12 +143,38 @@ void check_same_device(const std::string& name, const torch::jit::Stack& args) {
   }
 }
 
-c10::DeviceIndex device_of_args(const torch::jit::Stack& args) {
+// The neuron device an op runs on: its first neuron tensor or device argument.
+std::optional<c10::DeviceIndex> device_of_args(const torch::jit::Stack& args) {
   for (const auto& v : args) {
     if (v.isTensor() && v.toTensor().defined() && v.toTensor().is_privateuseone()) return v.toTensor().device().index();
-    if (v.isDevice() && v.toDevice().is_privateuseone() && v.toDevice().has_index()) return v.toDevice().index();
+    if (v.isDevice() && v.toDevice().is_privateuseone()) {
+      return v.toDevice().has_index() ? v.toDevice().index() : current_device();
+    }
+    if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) if (t.defined() && t.is_privateuseone()) return t.device().index();
+    }
   }
-  return current_device();
+  return std::nullopt;
+}
+
+// The fallback hands each argument to the CPU kernel as a separate host copy, which
+// hides aliasing from the CPU kernel's own check; so check here what CPU refuses: an
+// output that partially overlaps an input (full overlap, i.e. in place, is fine).
+void check_no_partial_overlap(const c10::FunctionSchema& schema, const torch::jit::Stack& args) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::AliasInfo* alias = schema.arguments()[i].alias_info();
+    if (alias == nullptr || !alias->isWrite() || !args[i].isTensor()) continue;
+    const at::Tensor& written = args[i].toTensor();
+    if (!written.defined()) continue;
+    for (size_t j = 0; j < args.size(); ++j) {
+      if (j == i) continue;
+      if (args[j].isTensor() && args[j].toTensor().defined()) {
+        at::assert_no_partial_overlap(written, args[j].toTensor());
+      } else if (args[j].isTensorList()) {
+        for (const at::Tensor& t : args[j].toTensorList()) if (t.defined()) at::assert_no_partial_overlap(written, t);
+      }
+    }
+  }
 }
 
 void neuron_cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -157,10 +184,11 @@ void neuron_cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack
   auto first = stack->end() - n;
   torch::jit::Stack args(first, stack->end());
   check_same_device(name, args);
-  record_fallback(name);
+  check_no_partial_overlap(schema, args);
+  std::optional<c10::DeviceIndex> device = device_of_args(args);
   // Random ops draw from the neuron generator: a neuron generator argument is
   // replaced by the CPU generator it wraps, and a missing one by the default
-  // generator of the op's device.
+  // generator of the op's device. Generators of another device are refused, as CUDA does.
   for (size_t i = 0; i < n; ++i) {
     c10::IValue& v = *(first + i);
     const auto& type = schema.arguments()[i].type();
@@ -170,11 +198,16 @@ void neuron_cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack
     if (!generator_arg) continue;
     if (v.isGenerator()) {
       at::Generator g = v.toGenerator();
-      if (g.device().is_privateuseone()) v = c10::IValue(cpu_generator_of(g));
+      TORCH_CHECK(device.has_value() || !g.device().is_privateuseone(),
+                  "Expected a 'cpu' device type for generator but found '", g.device().type(), "'");
+      TORCH_CHECK(g.device().is_privateuseone(), "Expected a 'neuron' device type for generator but found '",
+                  g.device().type(), "'");
+      v = c10::IValue(cpu_generator_of(g));
     } else if (v.isNone()) {
-      v = c10::IValue(cpu_generator_of(default_neuron_generator(device_of_args(args))));
+      v = c10::IValue(cpu_generator_of(default_neuron_generator(device.value_or(current_device()))));
     }
   }
+  record_fallback(name);
   at::native::cpu_fallback(op, stack);
 }
 

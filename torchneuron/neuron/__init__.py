@@ -85,9 +85,7 @@ def current_device() -> int:
 
 def set_device(device: Any) -> None:
     """Select the current neuron device; ``device`` is an index, a string or a torch.device."""
-    index = _device_index(device, optional=True)
-    if index >= 0:
-        _C._set_device(index)
+    _C._set_device(_device_index(device))
 
 
 class device:
