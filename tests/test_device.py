@@ -391,3 +391,22 @@ def test_set_device_needs_an_index_like_cuda():
     with pytest.raises(ValueError, match="index"):
         torch.neuron.set_device("neuron")
     assert torch.neuron.current_device() == before
+
+
+def test_alias_as_cpu_shares_the_device_bytes():
+    """The runtime's bridge: a CPU tensor over a neuron tensor's memory, same view geometry."""
+    from torchneuron import _C
+
+    base = torch.arange(12.0).view(3, 4)
+    x = base.to("neuron")
+    view = x.t()[1:]
+    alias = _C._alias_as_cpu(view)
+    assert alias.device.type == "cpu"
+    assert (alias.shape, alias.stride(), alias.storage_offset()) == (view.shape, view.stride(), view.storage_offset())
+    torch.testing.assert_close(alias, base.t()[1:])
+    alias.fill_(-1.0)                         # writes land in device memory
+    expected = base.clone()
+    expected.t()[1:] = -1.0
+    torch.testing.assert_close(x.cpu(), expected)
+    with pytest.raises(RuntimeError, match="neuron tensor"):
+        _C._alias_as_cpu(base)

@@ -144,8 +144,6 @@ void set_current_device(c10::DeviceIndex index) {
   tls_device = index;
 }
 
-c10::StreamId current_stream_id(c10::DeviceIndex device) { return tls_stream(device); }
-
 int64_t stream_clock(c10::DeviceIndex device, c10::StreamId stream) {
   std::lock_guard<std::mutex> lock(g_clock_mutex);
   auto it = g_clocks.find({device, stream});

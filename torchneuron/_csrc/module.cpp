@@ -17,7 +17,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("_stream_clock", [](int d, int64_t s) { return torchneuron::stream_clock(c10::DeviceIndex(d), s); });
   m.def("_advance_stream_clock",
         [](int d, int64_t s, int64_t ns) { torchneuron::advance_stream_clock(c10::DeviceIndex(d), s, ns); });
-  m.def("_current_stream_id", [](int d) { return torchneuron::current_stream_id(c10::DeviceIndex(d)); });
   m.def("_set_strict", &torchneuron::set_strict);
   m.def("_strict", &torchneuron::strict);
   m.def("_fallback_counts", &torchneuron::fallback_counts);
@@ -26,5 +25,4 @@ PYBIND11_MODULE(_C, m) {
     return py::reinterpret_steal<py::object>(
         THPGenerator_initDefaultGenerator(torchneuron::default_neuron_generator(c10::DeviceIndex(i))));
   });
-  m.def("_is_pinned_pointer", [](uintptr_t p) { return torchneuron::is_pinned_pointer(reinterpret_cast<void*>(p)); });
 }

@@ -39,7 +39,6 @@ at::Tensor alias_as_cpu(const at::Tensor& t);
 // Device clock of each stream, in simulated nanoseconds.
 int64_t stream_clock(c10::DeviceIndex device, c10::StreamId stream);
 void advance_stream_clock(c10::DeviceIndex device, c10::StreamId stream, int64_t ns);
-c10::StreamId current_stream_id(c10::DeviceIndex device);
 
 // Random numbers: the CPU generator that backs neuron:index's default generator.
 at::Generator default_neuron_generator(c10::DeviceIndex index);

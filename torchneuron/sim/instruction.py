@@ -1,0 +1,79 @@
+"""The contract between the instruction set (isa.py) and the timing model (timing.py).
+
+An instruction is executed functionally by the core (``execute``) and accounted by the
+timing model, which sees it only through this interface: the engine queue it occupies,
+the memory it reads and writes (for dependencies), and its ``CostInputs`` (for its
+duration). Keeping the two apart lets the timing model be read, tested and tuned
+without the numerics, and the numerics without the clock.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+
+class Engine(enum.Enum):
+    """The NeuronCore's instruction queues (each executes its instructions in order)."""
+
+    TENSOR = "tensor"
+    VECTOR = "vector"
+    SCALAR = "scalar"
+    GPSIMD = "gpsimd"
+    DMA = "dma"
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A conservative box of memory an instruction touches.
+
+    ``memory`` is ``"sbuf"``, ``"psum"`` or ``"hbm:<buffer name>"``. On-chip memories are
+    2-D: ``partitions`` is the half-open partition range and ``byte_range`` the half-open
+    byte range inside each partition. HBM buffers are 1-D: ``partitions == (0, 1)``.
+    """
+
+    memory: str
+    partitions: tuple[int, int]
+    byte_range: tuple[int, int]
+
+    def overlaps(self, other: "Footprint") -> bool:
+        """Whether the two boxes share at least one byte."""
+        return (self.memory == other.memory
+                and self.partitions[0] < other.partitions[1] and other.partitions[0] < self.partitions[1]
+                and self.byte_range[0] < other.byte_range[1] and other.byte_range[0] < self.byte_range[1])
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """Everything the timing model needs to price one instruction (no data, only shape)."""
+
+    opcode: str                          # nki.isa name: "nc_matmul", "tensor_tensor", "dma_copy", ...
+    engine: Engine
+    partitions: int                      # partitions the instruction spans
+    free_elems: int                      # elements per partition of the main input ("N")
+    in_dtypes: tuple[str, ...] = ()      # torch dtype names of tensor inputs, e.g. "bfloat16"
+    out_dtype: str = "float32"
+    in_memories: tuple[str, ...] = ()    # "sbuf" / "psum" / "hbm" per tensor input
+    out_memory: str = "sbuf"
+    contiguous: bool = True              # innermost free dim physically contiguous (stride 1)
+    op: str | None = None                # ALU op or activation function name
+    matmul_kmn: tuple[int, int, int] | None = None  # (K, M, N) for nc_matmul / nc_transpose
+    dma_bytes: int = 0                   # bytes moved by a DMA
+    dma_chunks: int = 0                  # contiguous chunks (descriptors) of a DMA
+    flops: int = 0                       # arithmetic operations, for roofline reports
+
+
+class Instruction(Protocol):
+    """What every instruction of isa.py offers to the core and the timing model."""
+
+    engine: Engine
+    queue: int  # queue index within the engine (DMA queues); 0 for compute engines
+
+    def reads(self) -> Sequence[Footprint]:
+        """Memory the instruction reads."""
+
+    def writes(self) -> Sequence[Footprint]:
+        """Memory the instruction writes."""
+
+    def cost_inputs(self) -> CostInputs:
+        """Shape facts the timing model prices."""
