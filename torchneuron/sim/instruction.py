@@ -60,6 +60,7 @@ class CostInputs:
     matmul_kmn: tuple[int, int, int] | None = None  # (K, M, N) for nc_matmul / nc_transpose
     dma_bytes: int = 0                   # bytes moved by a DMA
     dma_chunks: int = 0                  # contiguous chunks (descriptors) of a DMA
+    dge_mode: str | None = None          # DMA descriptor generation: "hwdge" (NC-v3+), "swdge", "none"
     flops: int = 0                       # arithmetic operations, for roofline reports
 
 
