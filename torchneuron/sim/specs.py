@@ -7,7 +7,7 @@ nested frozen dataclasses (``tensor``, ``vector``, ``scalar``, ``gpsimd``, ``dma
 
 Every figure carries a source tag in the comment next to it. The tags name documents of
 the public ``aws-neuron/aws-neuron-sdk`` repository (paths in ``SOURCES`` below; the
-facts are collected with their tags in ``shared/reference/neuroncore-timing.md``):
+formulas are explained in ``docs/hardware-model.md``):
 
   DERIVED     arithmetic on published figures (the arithmetic is written next to it)
   ASSUMPTION  the documents give no number; the value is our choice, with the reason.
