@@ -1,4 +1,13 @@
-"""The NeuronCore hardware model: chip specs now; memories, engines and timing to come."""
+"""The NeuronCore hardware model: chip specs, numerics, memories, the instruction set, the core,
+programs and the timing model."""
 from torchneuron.sim.specs import CHIPS, ChipSpec, chip_spec
+from torchneuron.sim.instruction import CostInputs, Engine, Footprint, Instruction
+from torchneuron.sim.memory import AP, Memory, Region, SimulatorError, tile
+from torchneuron.sim import isa, numerics
+from torchneuron.sim.isa import OPCODES
+from torchneuron.sim.program import ArgSlot, Program
+from torchneuron.sim.core import NeuronCore, RunReport
 
-__all__ = ["CHIPS", "ChipSpec", "chip_spec"]
+__all__ = ["CHIPS", "ChipSpec", "chip_spec", "CostInputs", "Engine", "Footprint", "Instruction", "AP", "Memory",
+           "Region", "SimulatorError", "tile", "isa", "numerics", "OPCODES", "ArgSlot", "Program", "NeuronCore",
+           "RunReport"]

@@ -1,0 +1,446 @@
+"""The NeuronCore's memories and the access patterns (tiles) instructions use to touch them.
+
+A ``Memory`` is a 2-D uint8 torch tensor, partitions x bytes: SBUF (128 x 192-256 KiB),
+PSUM (128 x 16 KiB in 8 banks of 2 KiB) and, as a single row, each HBM buffer (the bytes
+of a host tensor the runtime binds). Reads and writes are zero-copy strided views of the
+bytes reinterpreted as the tile's dtype, so a tile costs one ``as_strided`` call.
+
+An ``AP`` (access pattern) names its memory by string ("sbuf", "psum", "hbm:<name>"), not
+by object, so an instruction list stays a plain value that can be serialized and run on
+any core with any HBM bindings. ``read``/``write``/``view`` take the memory space that
+resolves the name: a ``Memory`` or anything with ``memory(name) -> Memory`` (the core).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Protocol, Sequence
+
+import torch
+
+from torchneuron.sim.instruction import Footprint
+from torchneuron.sim.numerics import dtype_name, to_dtype
+
+PMAX = 128          # partitions of SBUF/PSUM and of any engine instruction (nl.tile_size.pmax)
+MAX_FREE_DIMS = 4   # free-dim access pattern entries of an engine operand (A-v2)
+MAX_HBM_DIMS = 5    # an HBM (DMA) pattern also carries the dimension that maps to partitions
+NAN_BYTE = 0xFF     # 0xFF.. is NaN in fp32/bf16/fp16/fp8 e4m3fn/e5m2 and -1 in signed ints
+
+
+class SimulatorError(ValueError):
+    """A kernel broke a NeuronCore rule or limit; the message names the instruction, operand and limit."""
+
+
+def nan_fill_enabled(flag: bool | None = None) -> bool:
+    """The NaN-fill debug option: ``flag`` when given, else env ``TORCHNEURON_SIM_NAN_FILL=1``."""
+    if flag is not None:
+        return bool(flag)
+    return os.environ.get("TORCHNEURON_SIM_NAN_FILL", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _align_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class Region:
+    """An allocated box of an on-chip memory: partitions [start, start+partitions) x bytes [offset, offset+nbytes)."""
+
+    memory: str
+    start_partition: int
+    partitions: int
+    offset: int
+    nbytes: int
+
+    def tile(self, dtype: torch.dtype | str, free_shape: Sequence[int] = ()) -> "AP":
+        """A dense row-major tile of this region: shape (partitions, *free_shape)."""
+        dtype = to_dtype(dtype)
+        if math.prod(free_shape) * dtype.itemsize > self.nbytes:
+            raise SimulatorError(f"{self.memory}: a {dtype_name(dtype)} tile of free shape {tuple(free_shape)} "
+                                 f"needs {math.prod(free_shape) * dtype.itemsize} bytes per partition; "
+                                 f"the region has {self.nbytes}")
+        return tile(self.memory, dtype, (self.partitions, *free_shape),
+                    start_partition=self.start_partition, offset=self.offset)
+
+
+class Memory:
+    """A byte-addressed memory of ``partitions`` rows with a first-fit allocator of [partitions, bytes] boxes."""
+
+    def __init__(self, name: str, partitions: int, bytes_per_partition: int, *, bank_bytes: int = 0,
+                 align: int = 4, nan_fill: bool | None = None, data: torch.Tensor | None = None):
+        self.name = name
+        self.partitions = partitions
+        self.bytes_per_partition = bytes_per_partition
+        self.bank_bytes = bank_bytes  # PSUM: an allocation never straddles a bank unless it needs more than one
+        self.align = align
+        self.nan_fill = nan_fill_enabled(nan_fill)
+        if data is None:
+            data = torch.full((partitions, bytes_per_partition), NAN_BYTE if self.nan_fill else 0, dtype=torch.uint8)
+        self.data = data
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._regions: list[Region] = []
+        # PSUM only: per 4-byte word, True where no matmul accumulation group is open, so the next
+        # nc_matmul with accumulate=None overwrites instead of adding
+        self.group_closed = torch.ones(partitions, bytes_per_partition // 4, dtype=torch.bool) if bank_bytes else None
+
+    @classmethod
+    def hbm(cls, name: str, tensor: torch.Tensor) -> "Memory":
+        """Wrap a contiguous tensor's bytes (CPU, or a neuron tensor's host memory) as buffer ``hbm:<name>``."""
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            from torchneuron import _C  # neuron tensors live in host memory owned by our allocator
+            t = _C._alias_as_cpu(t)
+        if not t.is_contiguous():
+            raise SimulatorError(f"hbm:{name}: a bound tensor must be contiguous (got strides {t.stride()})")
+        flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        return cls(f"hbm:{name}", 1, flat.numel(), align=1, data=flat.unsqueeze(0))
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The memory as a [partitions, bytes // itemsize] tensor of ``dtype`` (cached; shares storage)."""
+        view = self._typed.get(dtype)
+        if view is None:
+            size = dtype.itemsize
+            if self.partitions == 1:  # HBM: tolerate a byte length that is not a multiple of the itemsize
+                flat = self.data[0]
+                view = flat[: flat.numel() - flat.numel() % size].view(dtype).unsqueeze(0)
+            else:
+                view = self.data.view(dtype)
+            self._typed[dtype] = view
+        return view
+
+    # ---- allocation ---------------------------------------------------------------
+
+    def allocate(self, partitions: int, nbytes: int, *, start_partition: int = 0) -> Region:
+        """Reserve a [partitions, nbytes] box (first fit by byte offset); raise SimulatorError when it does not fit."""
+        cap = self.bytes_per_partition
+        request = f"{partitions} partitions x {nbytes} bytes"
+        if partitions < 1 or nbytes < 1:
+            raise SimulatorError(f"{self.name}: cannot allocate {request}: sizes must be positive")
+        if start_partition < 0 or start_partition + partitions > self.partitions:
+            raise SimulatorError(f"{self.name}: cannot allocate {request} from partition {start_partition}: "
+                                 f"the memory has {self.partitions} partitions")
+        end_p = start_partition + partitions
+        others = [r for r in self._regions
+                  if r.start_partition < end_p and start_partition < r.start_partition + r.partitions]
+        for cand in sorted({0, *(_align_up(r.offset + r.nbytes, self.align) for r in others)}):
+            if self.bank_bytes and (nbytes > self.bank_bytes
+                                    or cand // self.bank_bytes != (cand + nbytes - 1) // self.bank_bytes):
+                cand = _align_up(cand, self.bank_bytes)
+            if cand + nbytes > cap:
+                continue
+            if all(cand + nbytes <= r.offset or r.offset + r.nbytes <= cand for r in others):
+                region = Region(self.name, start_partition, partitions, cand, nbytes)
+                self._regions.append(region)
+                box = self.data[start_partition:end_p, cand:cand + nbytes]
+                if self.nan_fill:
+                    box.fill_(NAN_BYTE)
+                if self.group_closed is not None:
+                    self.group_closed[start_partition:end_p, cand // 4:_align_up(cand + nbytes, 4) // 4] = True
+                return region
+        in_use = sum(r.nbytes for r in others)
+        raise SimulatorError(f"{self.name} overflow: cannot allocate {request} at partitions "
+                             f"[{start_partition}, {end_p}); {in_use} bytes per partition are in use there "
+                             f"and the capacity is {self.partitions} partitions x {cap} bytes")
+
+    def free(self, region: Region) -> None:
+        """Release a region returned by ``allocate``."""
+        try:
+            self._regions.remove(region)
+        except ValueError:
+            raise SimulatorError(f"{self.name}: {region} is not allocated") from None
+
+    def free_all(self) -> None:
+        """Release every region."""
+        self._regions.clear()
+
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        """The regions currently allocated."""
+        return tuple(self._regions)
+
+    def __repr__(self) -> str:
+        return f"Memory({self.name!r}, {self.partitions} x {self.bytes_per_partition} bytes)"
+
+
+class MemorySpace(Protocol):
+    """Anything that resolves a memory name ("sbuf", "psum", "hbm:<name>") to a Memory (the core)."""
+
+    def memory(self, name: str) -> Memory: ...
+
+
+def tile(memory: str, dtype: torch.dtype | str, shape: Sequence[int], *, start_partition: int = 0,
+         offset: int = 0) -> "AP":
+    """A dense row-major tile. On-chip ``shape`` is (partitions, *free); an HBM ``shape`` is the tensor's shape."""
+    dtype = to_dtype(dtype)
+    shape = tuple(int(s) for s in shape)
+    on_chip = not memory.startswith("hbm:")
+    if on_chip and not shape:
+        raise SimulatorError(f"{memory}: an on-chip tile needs a partition dimension")
+    dims = shape[1:] if on_chip else shape
+    strides, acc = [], 1
+    for size in reversed(dims):
+        strides.append(acc)
+        acc *= size
+    pattern = tuple(zip(reversed(strides), dims))
+    return AP(memory, dtype, pattern, start_partition=start_partition,
+              partitions=shape[0] if on_chip else 1, offset=offset)
+
+
+@dataclass(frozen=True)
+class AP:
+    """An access pattern: which elements of one memory an instruction operand covers.
+
+    On-chip (SBUF/PSUM): partitions [start_partition, start_partition + partitions), and in
+    each partition the elements ``offset + sum(i_k * stride_k) * itemsize`` for the free
+    ``pattern`` ((stride in elements, size), outermost first, at most 4 dims); shape is
+    (partitions, *sizes). HBM: no partition dim; the pattern (at most 5 dims) addresses the
+    buffer from byte ``offset``; shape is the sizes.
+    """
+
+    memory: str
+    dtype: torch.dtype
+    pattern: tuple[tuple[int, int], ...]
+    start_partition: int = 0
+    partitions: int = 1
+    offset: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", to_dtype(self.dtype))
+        object.__setattr__(self, "pattern", tuple((int(st), int(sz)) for st, sz in self.pattern))
+        limit = MAX_FREE_DIMS if self.on_chip else MAX_HBM_DIMS
+        if len(self.pattern) > limit:
+            raise SimulatorError(f"{self!r}: {len(self.pattern)} pattern dims; the limit is {limit}")
+        if any(st < 0 or sz < 1 for st, sz in self.pattern):
+            raise SimulatorError(f"{self!r}: pattern strides must be >= 0 and sizes >= 1")
+        if self.offset < 0 or self.offset % self.dtype.itemsize:
+            raise SimulatorError(f"{self!r}: byte offset {self.offset} is not a non-negative multiple of "
+                                 f"{dtype_name(self.dtype)}'s {self.dtype.itemsize} bytes")
+        if self.on_chip and (self.partitions < 1 or self.start_partition < 0):
+            raise SimulatorError(f"{self!r}: partitions must be >= 1 and start at >= 0")
+        if not self.on_chip and (self.partitions != 1 or self.start_partition != 0):
+            raise SimulatorError(f"{self!r}: an HBM access pattern has no partition range")
+
+    # ---- geometry (cached: an AP is immutable) -------------------------------------
+
+    @cached_property
+    def on_chip(self) -> bool:
+        """Whether the memory is SBUF or PSUM."""
+        return not self.memory.startswith("hbm:")
+
+    @cached_property
+    def kind(self) -> str:
+        """ "sbuf", "psum" or "hbm" (CostInputs memory names)."""
+        return self.memory if self.on_chip else "hbm"
+
+    @cached_property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape: (partitions, *free sizes) on chip, the sizes in HBM."""
+        sizes = tuple(sz for _, sz in self.pattern)
+        return (self.partitions, *sizes) if self.on_chip else sizes
+
+    @cached_property
+    def free_elems(self) -> int:
+        """Elements per partition (on chip) or in total (HBM)."""
+        return math.prod(sz for _, sz in self.pattern)
+
+    @cached_property
+    def numel(self) -> int:
+        """Total elements."""
+        return self.free_elems * self.partitions
+
+    @cached_property
+    def nbytes(self) -> int:
+        """Bytes the pattern moves (elements x itemsize)."""
+        return self.numel * self.dtype.itemsize
+
+    @cached_property
+    def byte_range(self) -> tuple[int, int]:
+        """Half-open byte range touched inside each partition (HBM: inside the buffer)."""
+        last = sum((sz - 1) * st for st, sz in self.pattern)
+        return self.offset, self.offset + (last + 1) * self.dtype.itemsize
+
+    @cached_property
+    def contiguous_run(self) -> int:
+        """Elements per physically contiguous chunk (partitions are never contiguous with each other)."""
+        run = 1
+        for st, sz in reversed(self.pattern):
+            if sz == 1:
+                continue
+            if st != run:
+                break
+            run *= sz
+        return run
+
+    @cached_property
+    def inner_contiguous(self) -> bool:
+        """Whether the innermost non-trivial free dim has stride 1."""
+        inner = [st for st, sz in self.pattern if sz > 1]
+        return not inner or inner[-1] == 1
+
+    def footprint(self) -> Footprint:
+        """The box of memory this pattern touches, for dependency tracking."""
+        return self._footprint
+
+    @cached_property
+    def _footprint(self) -> Footprint:
+        parts = (self.start_partition, self.start_partition + self.partitions) if self.on_chip else (0, 1)
+        return Footprint(self.memory, parts, self.byte_range)
+
+    @cached_property
+    def _geometry(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        return (tuple(sz for _, sz in self.pattern), tuple(st for st, _ in self.pattern),
+                self.offset // self.dtype.itemsize)
+
+    # ---- data access ----------------------------------------------------------------
+
+    def check_bounds(self, mem: Memory) -> None:
+        """Raise SimulatorError if the pattern reaches outside ``mem``."""
+        end = self.byte_range[1]
+        if end > mem.bytes_per_partition or self.start_partition + self.partitions > mem.partitions:
+            if self.on_chip:
+                raise SimulatorError(
+                    f"{self!r} reaches partitions [{self.start_partition}, {self.start_partition + self.partitions}) "
+                    f"x bytes [{self.offset}, {end}); {mem.name} has {mem.partitions} partitions x "
+                    f"{mem.bytes_per_partition} bytes")
+            raise SimulatorError(f"{self!r} reaches bytes [{self.offset}, {end}) of {mem.name}, "
+                                 f"which has {mem.bytes_per_partition} bytes")
+
+    def view(self, space: Memory | MemorySpace) -> torch.Tensor:
+        """A zero-copy strided tensor over the memory (writes through it change the memory)."""
+        mem = space if isinstance(space, Memory) else space.memory(self.memory)
+        cached = self.__dict__.get("_view")
+        if cached is not None and cached[0] is mem:
+            return cached[1]
+        if self.byte_range[1] > mem.bytes_per_partition or self.start_partition + self.partitions > mem.partitions:
+            self.check_bounds(mem)
+        typed = mem.typed(self.dtype)
+        sizes, strides, elem_offset = self._geometry
+        base = typed.storage_offset() + elem_offset
+        if not self.on_chip:  # not cached: it would keep a bound tensor alive after its run
+            return typed.as_strided(sizes, strides, base)
+        row = typed.stride(0)
+        view = typed.as_strided((self.partitions, *sizes), (row, *strides), base + self.start_partition * row)
+        # SBUF/PSUM live as long as their core: keep the view (as_strided costs ~1.5 us per call)
+        self.__dict__["_view"] = (mem, view)
+        return view
+
+    def read(self, space: Memory | MemorySpace) -> torch.Tensor:
+        """A copy of the elements, shape ``self.shape``, dtype ``self.dtype``."""
+        return self.view(space).clone()
+
+    def write(self, space: Memory | MemorySpace, values: torch.Tensor | float | int) -> None:
+        """Store values (same element count; cast to ``self.dtype`` like a PyTorch CPU cast)."""
+        dst = self.view(space)
+        if not isinstance(values, torch.Tensor):
+            dst.fill_(values)
+            return
+        if values.shape != dst.shape:
+            if values.numel() != dst.numel():
+                raise SimulatorError(f"{self!r}: cannot write {tuple(values.shape)} values into shape {self.shape}")
+            values = values.reshape(self.shape)
+        if (values.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr()
+                and (values.storage_offset(), values.stride()) != (dst.storage_offset(), dst.stride())):
+            values = values.clone()  # a view of the same memory, shifted: torch cannot see the overlap
+        try:
+            dst.copy_(values)
+        except RuntimeError as e:
+            raise SimulatorError(f"{self!r}: cannot write through this pattern: {e}") from None
+
+    def __getstate__(self) -> dict:
+        # only the fields: cached geometry and views are rebuilt on demand
+        return {"memory": self.memory, "dtype": self.dtype, "pattern": self.pattern,
+                "start_partition": self.start_partition, "partitions": self.partitions, "offset": self.offset}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    # ---- derived patterns -------------------------------------------------------------
+
+    def __getitem__(self, index) -> "AP":
+        """Slice with ints and slices (positive steps). On chip, an int on dim 0 keeps a 1-partition dim."""
+        index = index if isinstance(index, tuple) else (index,)
+        if any(i is Ellipsis for i in index):
+            at = index.index(Ellipsis)
+            index = index[:at] + (slice(None),) * (len(self.shape) - len(index) + 1) + index[at + 1:]
+        if len(index) > len(self.shape):
+            raise IndexError(f"{self!r}: too many indices ({len(index)}) for shape {self.shape}")
+        start_p, parts, offset = self.start_partition, self.partitions, self.offset
+        dims = list(self.pattern)
+        if self.on_chip and index:
+            first, index = index[0], index[1:]
+            if isinstance(first, slice):
+                lo, hi, step = first.indices(parts)
+                if step != 1:
+                    raise SimulatorError(f"{self!r}: a partition range must be contiguous (step {step})")
+                start_p, parts = start_p + lo, max(hi - lo, 0)
+            else:
+                i = _index(first, parts)
+                start_p, parts = start_p + i, 1
+        pattern = []
+        for k, (st, sz) in enumerate(dims):
+            if k >= len(index):
+                pattern.append((st, sz))
+                continue
+            sel = index[k]
+            if isinstance(sel, slice):
+                lo, hi, step = sel.indices(sz)
+                if step < 1:
+                    raise SimulatorError(f"{self!r}: negative slice steps are not supported")
+                n = len(range(lo, hi, step))
+                offset += lo * st * self.dtype.itemsize
+                pattern.append((st * step, n))
+            else:
+                offset += _index(sel, sz) * st * self.dtype.itemsize
+        return AP(self.memory, self.dtype, tuple(pattern), start_partition=start_p, partitions=parts, offset=offset)
+
+    def reshape(self, shape: Sequence[int]) -> "AP":
+        """The same elements seen with another shape (on chip the partition dim stays); must be a view."""
+        shape = tuple(int(s) for s in shape)
+        if -1 in shape:
+            known = math.prod(s for s in shape if s != -1)
+            shape = tuple(self.numel // known if s == -1 else s for s in shape)
+        if math.prod(shape) != self.numel or (self.on_chip and shape[0] != self.partitions):
+            raise SimulatorError(f"{self!r}: cannot reshape {self.shape} to {shape}")
+        sizes = tuple(sz for _, sz in self.pattern)
+        strides = tuple(st for st, _ in self.pattern)
+        new = shape[1:] if self.on_chip else shape
+        try:
+            meta = torch.empty_strided(sizes, strides, device="meta").view(new)
+        except RuntimeError:
+            raise SimulatorError(f"{self!r}: reshape to {shape} is not expressible as one access pattern") from None
+        return AP(self.memory, self.dtype, tuple(zip(meta.stride(), new)), start_partition=self.start_partition,
+                  partitions=self.partitions, offset=self.offset)
+
+    def bitcast(self, dtype: torch.dtype | str) -> "AP":
+        """Reinterpret a dense innermost dim as another dtype (sizes scale with the itemsize ratio)."""
+        dtype = to_dtype(dtype)
+        old, new = self.dtype.itemsize, dtype.itemsize
+        if old == new:
+            return AP(self.memory, dtype, self.pattern, self.start_partition, self.partitions, self.offset)
+        if not self.pattern or self.pattern[-1][0] != 1 or (self.pattern[-1][1] * old) % new:
+            raise SimulatorError(f"{self!r}: cannot bitcast to {dtype_name(dtype)}: innermost dim must be dense "
+                                 f"and a whole number of {new}-byte elements")
+        inner = (1, self.pattern[-1][1] * old // new)
+        outer = []
+        for st, sz in self.pattern[:-1]:
+            if (st * old) % new:
+                raise SimulatorError(f"{self!r}: stride {st} is not a whole number of {dtype_name(dtype)} elements")
+            outer.append((st * old // new, sz))
+        return AP(self.memory, dtype, (*outer, inner), self.start_partition, self.partitions, self.offset)
+
+    def __repr__(self) -> str:
+        pat = ",".join(f"{st}x{sz}" for st, sz in self.pattern)
+        where = (f"{self.memory}[{self.start_partition}:{self.start_partition + self.partitions}]"
+                 if self.on_chip else self.memory)
+        return f"{where}+{self.offset}<{dtype_name(self.dtype)} {pat}>"
+
+
+def _index(i, size: int) -> int:
+    i = int(i)
+    if i < 0:
+        i += size
+    if not 0 <= i < size:
+        raise IndexError(f"index {i} is out of range for a dim of size {size}")
+    return i

@@ -1,0 +1,312 @@
+"""Numerics of the NeuronCore: the NKI dtypes, the dtype each operation computes in, rounding
+to the storage dtype, and the math tables (ALU operators, reductions, activation functions).
+
+The engines cast their inputs to fp32, compute in fp32 and cast the result to the
+destination dtype for free (``reference/nki-api.md`` section 7.3). We do the same with torch
+CPU tensors. Integers are kept exact: all-integer operands compute in int64, or in float64
+when the operator needs fractions (float64 holds every int32/uint32 exactly), so int32 math
+does not lose bits above 2**24 the way an fp32 detour would.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+# NKI dtype names (nki.language) as torch dtypes. float8_e4m3 is stored as torch's OCP
+# float8_e4m3fn (the closest CPU type; trn2's legacy e4m3 differs only near the top of range).
+bool_ = torch.bool
+int8, int16, int32 = torch.int8, torch.int16, torch.int32
+uint8, uint16, uint32 = torch.uint8, torch.uint16, torch.uint32
+float16, bfloat16, float32 = torch.float16, torch.bfloat16, torch.float32
+float8_e4m3, float8_e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+DTYPES: dict[str, torch.dtype] = {
+    "bool_": bool_, "int8": int8, "int16": int16, "int32": int32,
+    "uint8": uint8, "uint16": uint16, "uint32": uint32,
+    "float16": float16, "bfloat16": bfloat16, "float32": float32,
+    "float8_e4m3": float8_e4m3, "float8_e5m2": float8_e5m2,
+}
+_ALIASES = {"bool": "bool_", "float8_e4m3fn": "float8_e4m3", "fp32": "float32", "bf16": "bfloat16",
+            "fp16": "float16", "half": "float16", "float": "float32"}
+_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in DTYPES.items()}
+_F32 = struct.Struct("f")
+FLOAT_DTYPES = frozenset(dt for dt in DTYPES.values() if dt.is_floating_point)
+INT_DTYPES = frozenset(dt for dt in DTYPES.values() if not dt.is_floating_point)
+
+
+def to_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Resolve an NKI dtype name or a torch dtype to a supported torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _NAMES:
+            raise TypeError(f"dtype {dtype} is not a NeuronCore dtype; supported: {sorted(DTYPES)}")
+        return dtype
+    name = _ALIASES.get(str(dtype), str(dtype))
+    if name not in DTYPES:
+        raise TypeError(f"unknown NeuronCore dtype {dtype!r}; supported: {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The NKI name of a dtype (``torch.float8_e4m3fn`` -> ``"float8_e4m3"``)."""
+    return _NAMES[to_dtype(dtype)]
+
+
+def torch_name(dtype: torch.dtype) -> str:
+    """The torch name of a dtype without the ``torch.`` prefix, as CostInputs carries it."""
+    return str(dtype).removeprefix("torch.")
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element."""
+    return dtype.itemsize
+
+
+def is_float(dtype: torch.dtype) -> bool:
+    """Whether the dtype is a floating-point type."""
+    return dtype.is_floating_point
+
+
+def compute_dtype(*dtypes: torch.dtype, fractional: bool = False) -> torch.dtype:
+    """The dtype an operation on these operand dtypes computes in.
+
+    fp32 as soon as one operand is floating point (what the engines do); otherwise int64,
+    exact for every integer dtype, or float64 when ``fractional`` (divide, pow, activation
+    functions, a non-integral scalar), which is exact for 32-bit integers too.
+    """
+    if any(dt.is_floating_point for dt in dtypes):
+        return torch.float32
+    return torch.float64 if fractional else torch.int64
+
+
+def round_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round computed values to a storage dtype exactly like PyTorch's CPU cast.
+
+    Round-to-nearest-even for floats, NaN/inf kept, fp8 overflow as torch converts it
+    (e4m3fn saturates to +-448, e5m2 overflows to inf); float -> int truncates toward zero.
+    """
+    return values.to(to_dtype(dtype))
+
+
+def as_scalar(value: float | int, compute: torch.dtype) -> float | int:
+    """A Python scalar operand as the engine sees it: fp32-rounded when computing in fp32."""
+    if compute == torch.float32:
+        try:
+            return _F32.unpack(_F32.pack(float(value)))[0]
+        except OverflowError:  # beyond fp32's range: rounds to +-inf
+            return math.copysign(math.inf, value)
+    if compute == torch.int64:
+        return int(value)
+    return float(value)
+
+
+# ---------------------------------------------------------------------------------------
+# ALU operators (nki.language names). Binary: f(lhs, rhs) on tensors/scalars of the compute
+# dtype. Comparisons and logical ops return 1/0 in the compute dtype, as the ALU does, so
+# they chain into a second op.
+
+def _cmp(fn: Callable) -> Callable:
+    def op(a, b):
+        r = fn(a, b)
+        return r.to(a.dtype if isinstance(a, torch.Tensor) else b.dtype)
+    return op
+
+
+def _logical(fn: Callable) -> Callable:
+    def op(a, b):
+        r = fn(torch.as_tensor(a) != 0, torch.as_tensor(b) != 0)
+        return r.to(a.dtype if isinstance(a, torch.Tensor) else b.dtype)
+    return op
+
+
+ARITH_OPS: dict[str, Callable] = {
+    "add": torch.add,
+    "subtract": torch.sub,
+    "multiply": torch.mul,
+    "divide": torch.true_divide,
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
+    "power": torch.pow,
+    "mod": torch.fmod,
+    "abs_max": lambda a, b: torch.maximum(torch.as_tensor(a).abs(), torch.as_tensor(b).abs()),
+    "abs_min": lambda a, b: torch.minimum(torch.as_tensor(a).abs(), torch.as_tensor(b).abs()),
+    "equal": _cmp(torch.eq),
+    "not_equal": _cmp(torch.ne),
+    "greater": _cmp(torch.gt),
+    "greater_equal": _cmp(torch.ge),
+    "less": _cmp(torch.lt),
+    "less_equal": _cmp(torch.le),
+    "logical_and": _logical(torch.logical_and),
+    "logical_or": _logical(torch.logical_or),
+    "logical_xor": _logical(torch.logical_xor),
+    # unary ALU ops usable as tensor_scalar op0 (the operand is ignored)
+    "bypass": lambda a, b: a,
+    "abs": lambda a, b: torch.abs(a),
+    "rsqrt": lambda a, b: torch.rsqrt(a),
+}
+BITVEC_OPS: dict[str, Callable] = {
+    "bitwise_and": torch.bitwise_and,
+    "bitwise_or": torch.bitwise_or,
+    "bitwise_xor": torch.bitwise_xor,
+    "left_shift": torch.bitwise_left_shift,
+    "right_shift": torch.bitwise_right_shift,
+}
+ALU_OPS = {**ARITH_OPS, **BITVEC_OPS}
+UNARY_ALU_OPS = frozenset({"bypass", "abs", "rsqrt"})
+_TENSOR_RHS = frozenset({"maximum", "minimum", "abs_max", "abs_min", "logical_and", "logical_or", "logical_xor"})
+FRACTIONAL_OPS = frozenset({"divide", "power", "rsqrt"})  # need a float compute dtype for ints
+# numpy / legacy NKI tokens that name the same operators
+_OP_ALIASES = {"max": "maximum", "min": "minimum", "pow": "power", "sub": "subtract", "mul": "multiply",
+               "sum": "add", "true_divide": "divide", "amax": "maximum", "amin": "minimum", "fmod": "mod"}
+
+
+def alu_op(op: str | Callable) -> str:
+    """Canonical NKI name of an ALU operator given a name, alias or callable with a ``__name__``."""
+    name = op if isinstance(op, str) else getattr(op, "__name__", str(op))
+    name = _OP_ALIASES.get(name, name)
+    if name not in ALU_OPS:
+        raise ValueError(f"unknown ALU operator {op!r}; supported: {sorted(ALU_OPS)}")
+    return name
+
+
+def apply_alu(op: str, lhs, rhs):
+    """Apply a canonical ALU operator to compute-dtype operands (tensors or Python scalars)."""
+    # some torch ops take a Python number only on the right, some not at all: make it a 0-d tensor
+    if not isinstance(lhs, torch.Tensor):
+        lhs = torch.tensor(lhs, dtype=rhs.dtype)
+    elif not isinstance(rhs, torch.Tensor) and op in _TENSOR_RHS:
+        rhs = torch.tensor(rhs, dtype=lhs.dtype)
+    return ALU_OPS[op](lhs, rhs)
+
+
+# ---------------------------------------------------------------------------------------
+# Reductions over trailing axes. Identity values seed accumulation registers.
+
+def _fold(fn: Callable, x: torch.Tensor, d: int) -> torch.Tensor:
+    # bitwise reductions have no torch kernel: fold halves pairwise (log2(n) torch calls)
+    while x.shape[d] > 1:
+        n = x.shape[d]
+        half = n // 2
+        folded = fn(x.narrow(d, 0, half), x.narrow(d, half, half))
+        x = torch.cat([folded, x.narrow(d, 2 * half, n - 2 * half)], d) if n % 2 else folded
+    return x.squeeze(d)
+
+
+def _merged(fn: Callable[[torch.Tensor, int], torch.Tensor]) -> Callable:
+    # the reduced dims are consecutive: merge them into one and reduce that
+    def reduce(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+        return fn(x.flatten(dims[0], dims[-1]) if len(dims) > 1 else x, dims[0])
+    return reduce
+
+
+REDUCE_OPS: dict[str, Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]] = {
+    "add": _merged(lambda x, d: x.sum(d, dtype=x.dtype)),
+    "multiply": _merged(lambda x, d: x.prod(d, dtype=x.dtype)),
+    "maximum": _merged(lambda x, d: x.amax(d)),
+    "minimum": _merged(lambda x, d: x.amin(d)),
+    "logical_and": _merged(lambda x, d: (x != 0).all(d).to(x.dtype)),
+    "logical_or": _merged(lambda x, d: (x != 0).any(d).to(x.dtype)),
+    "bitwise_and": _merged(lambda x, d: _fold(torch.bitwise_and, x, d)),
+    "bitwise_or": _merged(lambda x, d: _fold(torch.bitwise_or, x, d)),
+    "bitwise_xor": _merged(lambda x, d: _fold(torch.bitwise_xor, x, d)),
+}
+REDUCE_IDENTITY = {"add": 0.0, "multiply": 1.0, "maximum": -math.inf, "minimum": math.inf,
+                   "logical_and": 1.0, "logical_or": 0.0, "bitwise_and": -1, "bitwise_or": 0, "bitwise_xor": 0}
+
+
+def reduce_op(op: str | Callable) -> str:
+    """Canonical name of a reduction operator (``np.max``/``nl.max`` -> ``"maximum"``)."""
+    name = alu_op(op)
+    if name not in REDUCE_OPS:
+        raise ValueError(f"{name!r} is not a reduction operator; supported: {sorted(REDUCE_OPS)}")
+    return name
+
+
+def apply_reduce(op: str, x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """Reduce ``x`` over ``dims`` (consecutive, ascending) with a canonical reduction operator."""
+    return REDUCE_OPS[op](x, dims)
+
+
+# ---------------------------------------------------------------------------------------
+# Activation functions (ScalarE), on fp32 (or float64 for integer inputs) tensors.
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def _gelu_dx(x: torch.Tensor) -> torch.Tensor:
+    # d/dx [x * Phi(x)] = Phi(x) + x * phi(x)
+    return 0.5 * (1.0 + torch.erf(x * _INV_SQRT_2)) + x * torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
+
+
+def _gelu_tanh_dx(x: torch.Tensor) -> torch.Tensor:
+    inner = _SQRT_2_OVER_PI * (x + 0.044715 * x ** 3)
+    t = torch.tanh(inner)
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x * x)
+
+
+def _silu_dx(x: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "copy": lambda x: x,
+    "identity": lambda x: x,
+    "exp": torch.exp,
+    "log": torch.log,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "relu": torch.relu,
+    "gelu": F.gelu,
+    "gelu_apprx_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_apprx_sigmoid": lambda x: x * torch.sigmoid(1.702 * x),
+    "gelu_dx": _gelu_dx,
+    "gelu_apprx_tanh_dx": _gelu_tanh_dx,
+    "silu": F.silu,
+    "silu_dx": _silu_dx,
+    "softplus": F.softplus,
+    "mish": F.mish,
+    "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt,
+    "reciprocal": torch.reciprocal,
+    "square": torch.square,
+    "sin": torch.sin,
+    "cos": torch.cos,
+    "tan": torch.tan,
+    "arctan": torch.atan,
+    "abs": torch.abs,
+    "sign": torch.sign,
+    "negative": torch.neg,
+    "erf": torch.erf,
+    "erf_dx": lambda x: (2.0 / math.sqrt(math.pi)) * torch.exp(-x * x),
+    "floor": torch.floor,
+    "ceil": torch.ceil,
+    "trunc": torch.trunc,
+}
+# the functions torch can write straight into an fp32 destination (``fn(x, out=out)``)
+ACTIVATIONS_OUT: dict[str, Callable] = {
+    "exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt, "reciprocal": torch.reciprocal, "square": torch.square, "sin": torch.sin,
+    "cos": torch.cos, "tan": torch.tan, "arctan": torch.atan, "abs": torch.abs, "sign": torch.sign,
+    "negative": torch.neg, "erf": torch.erf, "floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc,
+}
+_ACT_ALIASES = {"gelu_dx_apprx_tanh": "gelu_apprx_tanh_dx", "atan": "arctan", "neg": "negative"}
+
+
+def activation_fn(op: str | Callable) -> str:
+    """Canonical name of an activation function given a name or an ``nl``/numpy callable."""
+    name = op if isinstance(op, str) else getattr(op, "__name__", str(op))
+    name = _ACT_ALIASES.get(name, name)
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation function {op!r}; supported: {sorted(ACTIVATIONS)}")
+    return name
+
+
+def apply_activation(op: str, x: torch.Tensor) -> torch.Tensor:
+    """Apply a canonical activation function to a floating-point tensor."""
+    return ACTIVATIONS[op](x)

@@ -1,0 +1,205 @@
+"""A program: the instruction list of one kernel plus its named HBM argument slots (our NEFF).
+
+A Program is a value. It runs any number of times with different bindings without
+re-running the Python that traced it, and serializes to a small JSON form (stable across
+code changes that keep the nki.isa argument names) for the on-disk kernel cache.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from torchneuron.sim.instruction import Engine
+from torchneuron.sim.isa import OPCODES, DmaCopy, DmaTranspose, Instr
+from torchneuron.sim.memory import AP, NAN_BYTE, SimulatorError
+from torchneuron.sim.numerics import dtype_name, to_dtype
+from torchneuron.sim.specs import ChipSpec
+
+FORMAT = 1
+ARG_KINDS = ("input", "output", "scratch")
+
+
+@dataclass(frozen=True)
+class ArgSlot:
+    """One HBM argument of a program. ``input``: the caller binds it. ``output``: bound by the caller
+    or allocated by the run and returned. ``scratch``: kernel-private HBM, allocated per run."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str = "input"
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "dtype", to_dtype(self.dtype))
+        if self.kind not in ARG_KINDS:
+            raise SimulatorError(f"argument {self.name!r}: kind {self.kind!r} is not one of {ARG_KINDS}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffer."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def describe(self) -> str:
+        """``float32[128, 512]``."""
+        return f"{dtype_name(self.dtype)}[{', '.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True, eq=True)
+class Program:
+    """An instruction list and the HBM argument slots its access patterns name ("hbm:<slot>")."""
+
+    instructions: tuple[Instr, ...]
+    args: tuple[ArgSlot, ...] = ()
+    name: str = "kernel"
+
+    def __post_init__(self):
+        object.__setattr__(self, "instructions", tuple(self.instructions))
+        object.__setattr__(self, "args", tuple(self.args))
+        slots = {s.name: s for s in self.args}
+        if len(slots) != len(self.args):
+            raise SimulatorError(f"program {self.name!r}: duplicate argument names")
+        for i, instr in enumerate(self.instructions):  # HBM bounds are static: check them once, here
+            for operand, ap in instr.operands():
+                if ap.on_chip:
+                    continue
+                slot = slots.get(ap.memory.removeprefix("hbm:"))
+                if slot is None:
+                    raise SimulatorError(f"program {self.name!r}: instruction {i} ({instr.opcode}) {operand} "
+                                         f"names {ap.memory}, which is not an argument ({sorted(slots)})")
+                indirect = getattr(instr, f"{operand}_index", None) is not None
+                if not indirect and ap.byte_range[1] > slot.nbytes:
+                    raise SimulatorError(f"program {self.name!r}: instruction {i} ({instr.opcode}) {operand} "
+                                         f"reaches bytes [{ap.byte_range[0]}, {ap.byte_range[1]}) of "
+                                         f"{ap.memory}, which has {slot.nbytes} bytes")
+
+    # ---- static facts ---------------------------------------------------------------
+
+    @cached_property
+    def flops(self) -> int:
+        """Arithmetic operations of one run."""
+        return sum(i.cost_inputs().flops for i in self.instructions)
+
+    @cached_property
+    def _hbm_traffic(self) -> tuple[int, int]:
+        read = written = 0
+        for i in self.instructions:
+            if isinstance(i, (DmaCopy, DmaTranspose)):
+                read += i.src.nbytes if not i.src.on_chip else 0
+                written += i.dst.nbytes if not i.dst.on_chip else 0
+        return read, written
+
+    @property
+    def hbm_bytes_read(self) -> int:
+        """HBM bytes DMA reads in one run."""
+        return self._hbm_traffic[0]
+
+    @property
+    def hbm_bytes_written(self) -> int:
+        """HBM bytes DMA writes in one run."""
+        return self._hbm_traffic[1]
+
+    def schedule(self, spec: ChipSpec):
+        """The timing model's schedule of this program on ``spec`` (computed once per chip: it depends
+        only on the instructions)."""
+        cache = self.__dict__.setdefault("_schedules", {})
+        if spec not in cache:
+            from torchneuron.sim import timing  # imported only when a run is timed
+            cache[spec] = timing.schedule(list(self.instructions), spec)
+        return cache[spec]
+
+    def __getstate__(self) -> dict:
+        # only the fields: schedules and static facts are recomputed where the program is loaded
+        return {"instructions": self.instructions, "args": self.args, "name": self.name}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    # ---- binding --------------------------------------------------------------------
+
+    def bind(self, bindings: dict[str, torch.Tensor], *, nan_fill: bool = False) -> dict[str, torch.Tensor]:
+        """Check the caller's tensors against the slots; allocate unbound outputs and scratch buffers."""
+        unknown = set(bindings) - {s.name for s in self.args}
+        if unknown:
+            raise SimulatorError(f"program {self.name!r}: no argument named {sorted(unknown)}; "
+                                 f"arguments: {[s.name for s in self.args]}")
+        bound = {}
+        for slot in self.args:
+            t = bindings.get(slot.name)
+            if t is None:
+                if slot.kind == "input":
+                    raise SimulatorError(f"program {self.name!r}: input {slot.name!r} ({slot.describe()}) is not bound")
+                t = torch.zeros(slot.shape, dtype=slot.dtype)
+                if nan_fill and t.numel():
+                    t.view(-1).view(torch.uint8).fill_(NAN_BYTE)
+            elif tuple(t.shape) != slot.shape or t.dtype != slot.dtype:
+                raise SimulatorError(f"program {self.name!r}: argument {slot.name!r} expects {slot.describe()}, "
+                                     f"got {str(t.dtype).removeprefix('torch.')}[{', '.join(map(str, t.shape))}]")
+            bound[slot.name] = t
+        return bound
+
+    # ---- serialization ----------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        """A compact JSON encoding (UTF-8) for the on-disk kernel cache."""
+        doc = {"format": FORMAT, "name": self.name, "args": [_encode(s) for s in self.args],
+               "instructions": [_encode(i) for i in self.instructions]}
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Program":
+        """Decode ``to_bytes`` output; every instruction is checked again as it is rebuilt."""
+        doc = json.loads(data)
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"program format {doc.get('format')!r} is not {FORMAT}: re-trace the kernel")
+        memo: dict = {}  # identical patterns decode to one AP object: geometry and views are shared
+        return cls(tuple(_decode(i, memo) for i in doc["instructions"]), tuple(_decode(a, memo) for a in doc["args"]),
+                   doc["name"])
+
+
+def _encode(v: Any) -> Any:
+    if isinstance(v, Instr):
+        return {"opcode": v.opcode, "fields": {f.name: _encode(getattr(v, f.name)) for f in fields(v)}}
+    if isinstance(v, AP):
+        return {"ap": [v.memory, dtype_name(v.dtype), [list(p) for p in v.pattern], v.start_partition,
+                       v.partitions, v.offset]}
+    if isinstance(v, ArgSlot):
+        return {"arg": [v.name, list(v.shape), dtype_name(v.dtype), v.kind]}
+    if isinstance(v, Engine):
+        return {"engine": v.value}
+    if isinstance(v, torch.dtype):
+        return {"dtype": dtype_name(v)}
+    if isinstance(v, (tuple, list)):
+        return [_encode(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise TypeError(f"cannot serialize {type(v).__name__} {v!r}")
+
+
+def _decode(v: Any, memo: dict) -> Any:
+    if isinstance(v, list):
+        return tuple(_decode(x, memo) for x in v)
+    if not isinstance(v, dict):
+        return v
+    if "opcode" in v:
+        return OPCODES[v["opcode"]](**{k: _decode(x, memo) for k, x in v["fields"].items()})
+    if "ap" in v:
+        memory, dtype, pattern, start, parts, offset = v["ap"]
+        key = (memory, dtype, tuple(map(tuple, pattern)), start, parts, offset)
+        ap = memo.get(key)
+        if ap is None:
+            ap = memo[key] = AP(memory, to_dtype(dtype), key[2], start, parts, offset)
+        return ap
+    if "arg" in v:
+        name, shape, dtype, kind = v["arg"]
+        return ArgSlot(name, tuple(shape), to_dtype(dtype), kind)
+    if "engine" in v:
+        return Engine(v["engine"])
+    if "dtype" in v:
+        return to_dtype(v["dtype"])
+    raise ValueError(f"cannot decode {v!r}")
