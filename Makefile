@@ -31,6 +31,7 @@ conformance: setup
 
 bench: setup
 	$(PY) bench/dispatch.py
+	$(PY) bench/sim_speed.py
 
 clean:
 	rm -rf build $(VENV) torchneuron/*.so *.egg-info
