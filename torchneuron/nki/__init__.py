@@ -1,0 +1,210 @@
+"""TorchNeuron's NKI-compatible kernel language (current ``nki`` generation) on the NeuronCore simulator.
+
+    from torchneuron import nki
+    import torchneuron.nki.language as nl, torchneuron.nki.isa as nisa
+
+    @nki.jit
+    def kernel(a, b): ...          # traced once per (shapes, dtypes, meta-parameters) into a Program
+
+    out = kernel(a_np, b_np)              # simulate
+    rep = nki.profile(kernel)(a_np, b_np)  # simulate with timing: rep.device_time_ns, rep.to_chrome_trace(...)
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from torchneuron.nki import isa, language
+from torchneuron.nki.profile import ProfileReport, make_report
+from torchneuron.nki.tracing import NkiTensor, Trace, set_current
+from torchneuron.sim import NeuronCore, Program, SimulatorError
+from torchneuron.sim.specs import ChipSpec, chip_spec
+
+__all__ = ["jit", "simulate", "profile", "Kernel", "ProfileReport", "SimulatorError", "install_import_aliases",
+           "isa", "language"]
+
+
+def resolve_chip(chip: str | ChipSpec | None = None) -> ChipSpec:
+    """The chip: the argument, else ``TORCHNEURON_CHIP``, else trn2."""
+    if isinstance(chip, ChipSpec):
+        return chip
+    return chip_spec((chip or os.environ.get("TORCHNEURON_CHIP") or "trn2").strip().lower())
+
+
+@functools.lru_cache(maxsize=None)
+def _core(spec: ChipSpec) -> NeuronCore:
+    return NeuronCore(spec, nan_fill=False)
+
+
+def _is_array(v: Any) -> bool:
+    return isinstance(v, (np.ndarray, torch.Tensor))
+
+
+def _to_torch(v: Any) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    # NumPy has no bfloat16/fp8 (without ml_dtypes): those come back widened to float32, exactly
+    return t.numpy() if t.dtype in (torch.float32, torch.float16, torch.int32, torch.int8, torch.uint8,
+                                    torch.int16, torch.bool) else t.float().numpy()
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A kernel traced for one argument signature: its Program, inputs and how to rebuild its return value."""
+
+    program: Program
+    inputs: tuple[str, ...]      # parameter names bound to HBM inputs
+    result: Any                  # the return structure with slot names in place of tensors
+
+
+class Kernel:
+    """A ``@nki.jit`` kernel: traced per (shapes, dtypes, meta-parameters, grid, chip) and cached."""
+
+    def __init__(self, fn: Callable, grid: tuple[int, ...] = (), cache: dict | None = None, **options: Any):
+        self.fn, self.grid, self.options = fn, grid, options
+        self.cache: dict = {} if cache is None else cache
+        self.trace_count = 0 if cache is None else None  # counted on the root kernel
+        self._root = self
+        functools.update_wrapper(self, fn)
+
+    def __getitem__(self, grid: int | tuple[int, ...]) -> "Kernel":
+        """The same kernel launched on an SPMD grid: ``kernel[2](...)``, ``kernel[gx, gy](...)``."""
+        k = Kernel(self.fn, tuple(grid) if isinstance(grid, tuple) else (int(grid),), self.cache, **self.options)
+        k._root = self._root
+        return k
+
+    def _bind(self, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+        bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound
+
+    def trace(self, args: tuple, kwargs: dict, spec: ChipSpec) -> Traced:
+        """The traced program for these arguments (from the cache when seen before)."""
+        bound = self._bind(args, kwargs)
+        key = (self.grid, spec.name, tuple(
+            (n, ("array", tuple(v.shape), str(v.dtype)) if _is_array(v) else _hashable(v))
+            for n, v in bound.arguments.items()))
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = self.cache[key] = self._trace(bound, spec)
+            self._root.trace_count += 1
+        return hit
+
+    def _trace(self, bound: inspect.BoundArguments, spec: ChipSpec) -> Traced:
+        trace = Trace(spec, self.grid)
+        inputs = tuple(n for n, v in bound.arguments.items() if _is_array(v))
+        set_current(trace)
+        try:
+            result = None
+            for pid in np.ndindex(*self.grid) if self.grid else [()]:
+                trace.begin_instance(tuple(int(i) for i in pid))
+                call = {n: (trace.argument(n, v.shape, _to_torch(v).dtype) if n in inputs else v)
+                        for n, v in bound.arguments.items()}
+                result = _slots(self.fn(**call))
+        finally:
+            set_current(None)
+        outs = [s for s in _flatten(result)]
+        return Traced(trace.program(self.fn.__name__, outs), inputs, result)
+
+    def run(self, args: tuple, kwargs: dict, chip: str | ChipSpec | None = None, timed: bool = False):
+        """Trace (or reuse) and simulate; returns (outputs in the caller's array kind, RunReport, Traced)."""
+        spec = resolve_chip(chip)
+        traced = self.trace(args, kwargs, spec)
+        bound = self._bind(args, kwargs).arguments
+        arrays = {n: bound[n] for n in traced.inputs}
+        report = _core(spec).run(traced.program, {n: _to_torch(v) for n, v in arrays.items()}, timed=timed)
+        as_numpy = not arrays or any(isinstance(v, np.ndarray) for v in arrays.values())
+        convert = _to_numpy if as_numpy else (lambda t: t)
+        outputs = _rebuild(traced.result, lambda s: convert(report.bindings[s]))
+        return outputs, report, traced
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Simulate the kernel on NumPy arrays or CPU tensors and return its outputs."""
+        return self.run(args, kwargs)[0]
+
+
+def _hashable(v: Any) -> Any:
+    try:
+        hash(v)
+        return v
+    except TypeError:
+        return repr(v)
+
+
+def _slots(result: Any) -> Any:
+    """Replace returned HBM tensors by their slot names (tuples/lists kept)."""
+    if isinstance(result, NkiTensor):
+        a = result.access
+        if a.on_chip or result.base is not None:
+            raise SimulatorError("a kernel returns whole HBM tensors allocated with nl.ndarray(..., "
+                                 f"buffer=nl.shared_hbm); got {result!r}")
+        return a.memory.removeprefix("hbm:")
+    if isinstance(result, (tuple, list)):
+        return type(result)(_slots(r) for r in result)
+    if result is None:
+        return None
+    raise SimulatorError(f"a kernel returns HBM tensors (or a tuple of them), not {type(result).__name__}")
+
+
+def _flatten(result: Any) -> list[str]:
+    if isinstance(result, str):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        return [s for r in result for s in _flatten(r)]
+    return []
+
+
+def _rebuild(result: Any, get: Callable[[str], Any]) -> Any:
+    if isinstance(result, str):
+        return get(result)
+    if isinstance(result, (tuple, list)):
+        return type(result)(_rebuild(r, get) for r in result)
+    return None
+
+
+def jit(fn: Callable | None = None, **options: Any) -> Kernel | Callable[[Callable], Kernel]:
+    """``@nki.jit`` / ``@nki.jit(...)``: make a traced, cached kernel (options such as ``mode`` are accepted)."""
+    if fn is None:
+        return lambda f: Kernel(f, **options)
+    return fn if isinstance(fn, Kernel) else Kernel(fn, **options)
+
+
+def simulate(kernel: Callable) -> Callable[..., Any]:
+    """``nki.simulate(kernel)(*arrays)``: run the kernel on the simulator and return its outputs."""
+    k = jit(kernel)
+    return lambda *args, **kwargs: k.run(args, kwargs)[0]
+
+
+def profile(kernel: Callable, chip: str | ChipSpec | None = None) -> Callable[..., ProfileReport]:
+    """``nki.profile(kernel, chip)(*args)``: simulate with the timing model and return a ProfileReport."""
+    k = jit(kernel)
+
+    def run(*args: Any, **kwargs: Any) -> ProfileReport:
+        spec = resolve_chip(chip)
+        outputs, report, traced = k.run(args, kwargs, spec, timed=True)
+        return make_report(outputs, report, traced.program, spec)
+    return run
+
+
+_ALIASES = {"nki": "torchneuron.nki", "nki.language": "torchneuron.nki.language", "nki.isa": "torchneuron.nki.isa"}
+
+
+def install_import_aliases() -> None:
+    """Make ``import nki``, ``nki.language``, ``nki.isa`` resolve to TorchNeuron's (refuses if a real NKI is imported)."""
+    for alias, target in _ALIASES.items():
+        mod = sys.modules.get(alias)
+        if mod is not None and mod is not sys.modules[target]:
+            raise ImportError(f"cannot alias {alias!r} to {target!r}: a real NKI installation is already imported "
+                              f"({getattr(mod, '__file__', mod)}); run in a process that has not imported it")
+    for alias, target in _ALIASES.items():
+        sys.modules[alias] = sys.modules[target]

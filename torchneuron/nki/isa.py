@@ -1,0 +1,220 @@
+"""``nki.isa`` (current generation): one function per NeuronCore instruction, ``dst=`` first.
+
+Each call checks the instruction (the simulator's limits, raised as ``SimulatorError``)
+and appends it to the kernel's trace. Tensors are ``NkiTensor``; operator arguments take
+``nl`` functions (``nl.add``, ``nl.exp``...), NumPy ufuncs or names.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from torchneuron.sim import SimulatorError, isa as sim
+from torchneuron.nki.tracing import NkiTensor, current
+
+Tile = NkiTensor
+Operand = Any  # a Python scalar or a (P, 1) tile
+
+
+class engine(enum.Enum):
+    """``nisa.engine``: where an instruction runs (``unknown``: the default engine)."""
+    unknown = "unknown"
+    tensor = "tensor"
+    vector = "vector"
+    scalar = "scalar"
+    gpsimd = "gpsimd"
+    dma = "dma"
+    sync = "sync"
+
+
+vector_engine, scalar_engine, gpsimd_engine, tensor_engine = engine.vector, engine.scalar, engine.gpsimd, engine.tensor
+unknown_engine = engine.unknown
+reduce_cmd = enum.Enum("reduce_cmd", [("idle", 0), ("reset", 1), ("reduce", 2), ("reset_reduce", 3),
+                                      ("load_reduce", 4)])
+dge_mode = enum.Enum("dge_mode", ["unknown", "swdge", "hwdge", "none"])
+oob_mode = enum.Enum("oob_mode", ["error", "skip"])
+matmul_perf_mode = enum.Enum("matmul_perf_mode", ["none", "double_row"])
+
+
+def _a(v: Any) -> Any:
+    return v.access if isinstance(v, NkiTensor) else v
+
+
+def _emit(cls: type, **kw: Any) -> None:
+    current().emit(cls(**{k: _a(v) for k, v in kw.items()}))
+
+
+def _eng(e: Any) -> Any:
+    return "unknown" if e is None else e
+
+
+# ---- data movement ----------------------------------------------------------------------
+
+def dma_copy(dst: Tile, src: Tile, priority: int | None = None, oob_mode: Any = oob_mode.error,
+             dge_mode: Any = dge_mode.unknown, engine: Any = None, name: str | None = None) -> None:
+    """``dst = src`` by DMA (HBM <-> SBUF; never PSUM), converting dtypes."""
+    mode = getattr(dge_mode, "name", dge_mode)
+    _emit(sim.DmaCopy, dst=dst, src=src, oob_mode=oob_mode, dge_mode=mode, queue=current().next_dma_queue())
+
+
+def dma_transpose(dst: Tile, src: Tile, axes: tuple[int, ...] | None = None, dge_mode: Any = dge_mode.unknown,
+                  name: str | None = None) -> None:
+    """``dst = src`` with its axes permuted, by DMA into SBUF."""
+    _emit(sim.DmaTranspose, dst=dst, src=src, axes=axes, dge_mode=getattr(dge_mode, "name", dge_mode),
+          queue=current().next_dma_queue())
+
+
+def tensor_copy(dst: Tile, src: Tile, engine: Any = None, dtype: Any = None, name: str | None = None) -> None:
+    """Copy SBUF/PSUM -> SBUF/PSUM on Vector/Scalar/GpSimd, casting to ``dst.dtype``."""
+    if dtype is not None:
+        from torchneuron.nki.tracing import as_dtype
+        if as_dtype(dtype) != dst.dtype:
+            raise SimulatorError(f"tensor_copy: dtype={dtype} differs from dst.dtype {dst.dtype}")
+    _emit(sim.TensorCopy, dst=dst, src=src, engine=_eng(engine))
+
+
+def memset(dst: Tile, value: float | int, engine: Any = None, name: str | None = None) -> None:
+    """Fill ``dst`` with a constant (Vector or GpSimd)."""
+    _emit(sim.Memset, dst=dst, value=value, engine=_eng(engine))
+
+
+# ---- TensorE ----------------------------------------------------------------------------
+
+def nc_matmul(dst: Tile, stationary: Tile, moving: Tile, is_stationary_onezero: bool = False,
+              is_moving_onezero: bool = False, is_transpose: bool = False, accumulate: bool | None = None,
+              tile_position: tuple = (), tile_size: tuple = (), perf_mode: Any = None,
+              name: str | None = None) -> None:
+    """``dst[M, N] (+)= stationary[K, M].T @ moving[K, N]`` on TensorE into PSUM (fp32 accumulation).
+
+    ``accumulate=None``: overwrite where no accumulation group is open on ``dst``, else add."""
+    assert not tile_position and not tile_size, "nc_matmul tile_position/tile_size (PE tiling) is not modelled yet"
+    assert getattr(perf_mode, "name", perf_mode) in (None, "none"), "nc_matmul perf_mode is not modelled yet"
+    trace = current()
+    if accumulate is None and isinstance(dst, NkiTensor) and dst.buffer.name == "psum" and dst.dtype.itemsize == 4:
+        flags = trace.psum_flags(dst.access)
+        if bool(flags.all()) != bool(flags.any()):
+            raise SimulatorError("nc_matmul: dst partly overlaps an open accumulation group; pass accumulate=")
+        accumulate = bool(flags.all())
+    _emit(sim.NcMatmul, dst=dst, stationary=stationary, moving=moving, is_stationary_onezero=is_stationary_onezero,
+          is_moving_onezero=is_moving_onezero, is_transpose=is_transpose, accumulate=accumulate)
+
+
+def nc_transpose(dst: Tile, data: Tile, engine: Any = None, name: str | None = None) -> None:
+    """Swap partition and free axes (TensorE <= 128x128 into PSUM, VectorE <= 32x32)."""
+    _emit(sim.NcTranspose, dst=dst, data=data, engine=_eng(engine))
+
+
+# ---- Vector / Scalar / GpSimd ----------------------------------------------------------
+
+def tensor_tensor(dst: Tile, data1: Tile, data2: Tile, op: Any, engine: Any = None, name: str | None = None) -> None:
+    """``dst = data1 <op> data2`` element-wise."""
+    _emit(sim.TensorTensor, dst=dst, data1=data1, data2=data2, op=op, engine=_eng(engine))
+
+
+def tensor_scalar(dst: Tile, data: Tile, op0: Any, operand0: Operand, reverse0: bool = False, op1: Any = None,
+                  operand1: Operand = None, reverse1: bool = False, engine: Any = None,
+                  name: str | None = None) -> None:
+    """``dst = (data <op0> operand0) <op1> operand1`` with scalar or (P,1) operands."""
+    _emit(sim.TensorScalar, dst=dst, data=data, op0=op0, operand0=operand0, reverse0=reverse0, op1=op1,
+          operand1=operand1, reverse1=reverse1, engine=_eng(engine))
+
+
+def scalar_tensor_tensor(dst: Tile, data: Tile, op0: Any, operand0: Operand, op1: Any, operand1: Tile,
+                         reverse0: bool = False, reverse1: bool = False, name: str | None = None) -> None:
+    """``dst = (data <op0> operand0) <op1> operand1`` with operand1 a tile."""
+    _emit(sim.ScalarTensorTensor, dst=dst, data=data, op0=op0, operand0=operand0, op1=op1, operand1=operand1,
+          reverse0=reverse0, reverse1=reverse1)
+
+
+def reciprocal(dst: Tile, data: Tile, name: str | None = None) -> None:
+    """``dst = 1 / data`` on VectorE."""
+    _emit(sim.Reciprocal, dst=dst, data=data)
+
+
+def activation(dst: Tile, op: Any, data: Tile, bias: Operand = None, scale: Operand = 1.0, reduce_op: Any = None,
+               reduce_res: Tile | None = None, reduce_cmd: Any = reduce_cmd.idle, name: str | None = None) -> None:
+    """``dst = op(data * scale + bias)`` on ScalarE, optionally reducing the result per partition."""
+    _emit(sim.Activation, dst=dst, op=op, data=data, bias=bias, scale=scale, reduce_op=reduce_op,
+          reduce_res=reduce_res, reduce_cmd=reduce_cmd)
+
+
+def tensor_reduce(dst: Tile, op: Any, data: Tile, axis: int | tuple[int, ...], negate: bool = False,
+                  keepdims: bool = False, name: str | None = None) -> None:
+    """Reduce trailing free axes of ``data`` with ``op`` (never the partition axis)."""
+    _emit(sim.TensorReduce, dst=dst, op=op, data=data, axis=axis, negate=negate, keepdims=keepdims)
+
+
+def tensor_partition_reduce(dst: Tile, op: Any, data: Tile, name: str | None = None) -> None:
+    """Reduce across partitions on GpSimd into a 1-partition ``dst``."""
+    _emit(sim.TensorPartitionReduce, dst=dst, op=op, data=data)
+
+
+def tensor_scalar_reduce(dst: Tile, data: Tile, op0: Any, operand0: Operand, reduce_op: Any,
+                         reduce_res: Tile, reverse0: bool = False, reduce_cmd: Any = reduce_cmd.reset_reduce,
+                         reduce_init: Operand = None, reduce_res_negate: bool = False,
+                         name: str | None = None) -> None:
+    """``dst = data <op0> operand0`` plus a per-partition ``reduce_op`` of the result into ``reduce_res``."""
+    assert not reduce_res_negate, "tensor_scalar_reduce reduce_res_negate is not in the simulator yet"
+    _emit(sim.TensorScalarReduce, dst=dst, data=data, op0=op0, operand0=operand0, reduce_op=reduce_op,
+          reduce_res=reduce_res, reverse0=reverse0, reduce_cmd=reduce_cmd, reduce_init=reduce_init)
+
+
+def tensor_tensor_scan(dst: Tile, data0: Tile, data1: Tile, initial: Operand, op0: Any, op1: Any,
+                       reverse0: bool = False, reverse1: bool = False, name: str | None = None) -> None:
+    """Per partition ``r[i] = (data0[i] <op0> r[i-1]) <op1> data1[i]``, ``r[-1] = initial``."""
+    _emit(sim.TensorTensorScan, dst=dst, data0=data0, data1=data1, initial=initial, op0=op0, op1=op1,
+          reverse0=reverse0, reverse1=reverse1)
+
+
+def iota(dst: Tile, pattern: Any, offset: int = 0, channel_multiplier: int = 0, name: str | None = None) -> None:
+    """``dst[p, i...] = offset + channel_multiplier * p + sum(step_k * i_k)`` on GpSimd."""
+    _emit(sim.Iota, dst=dst, pattern=tuple(tuple(p) for p in pattern), offset=offset,
+          channel_multiplier=channel_multiplier)
+
+
+def affine_select(dst: Tile, pattern: Any, channel_multiplier: int, on_true_tile: Tile, on_false_value: float,
+                  cmp_op: Any = "equal", offset: int = 0, name: str | None = None) -> None:
+    """``dst = on_true_tile`` where ``cmp_op(affine index, 0)`` else ``on_false_value`` (GpSimd)."""
+    _emit(sim.AffineSelect, dst=dst, pattern=tuple(tuple(p) for p in pattern), channel_multiplier=channel_multiplier,
+          on_true_tile=on_true_tile, on_false_value=on_false_value,
+          cmp_op=getattr(cmp_op, "__name__", cmp_op), offset=offset)
+
+
+def bn_stats(dst: Tile, data: Tile, name: str | None = None) -> None:
+    """Per-partition (count, mean, var*count) of even and odd elements (6 values)."""
+    _emit(sim.BnStats, dst=dst, data=data)
+
+
+def bn_aggr(dst: Tile, data: Tile, name: str | None = None) -> None:
+    """Combine ``bn_stats`` triples into per-partition (mean, variance)."""
+    _emit(sim.BnAggr, dst=dst, data=data)
+
+
+def max8(dst: Tile, src: Tile, name: str | None = None) -> None:
+    """The 8 largest values of each partition, descending."""
+    _emit(sim.Max8, dst=dst, src=src)
+
+
+def nc_find_index8(dst: Tile, data: Tile, vals: Tile, name: str | None = None) -> None:
+    """Per partition, the index of each of the 8 ``vals`` in ``data``."""
+    _emit(sim.NcFindIndex8, dst=dst, data=data, vals=vals)
+
+
+def rng(dst: Tile, engine: Any = None, name: str | None = None) -> None:
+    """Random integer bits into ``dst``."""
+    _emit(sim.Rng, dst=dst, engine=_eng(engine))
+
+
+def set_rng_seed(src_seeds: Tile, name: str | None = None) -> None:
+    """Seed the core's PRNG from a [1, 1] tile."""
+    _emit(sim.SetRngSeed, src_seeds=src_seeds)
+
+
+def rand2(dst: Tile, min: Operand, max: Operand, name: str | None = None) -> None:
+    """Uniform random values in [min, max]."""
+    _emit(sim.Rand2, dst=dst, min=min, max=max)
+
+
+def dropout(dst: Tile, data: Tile, prob: Operand, name: str | None = None) -> None:
+    """Zero each element of ``data`` with probability ``prob`` (no rescaling)."""
+    _emit(sim.Dropout, dst=dst, data=data, prob=prob)

@@ -1,0 +1,331 @@
+"""``nki.language`` (current generation): buffers, dtypes, tensor creation, loops, indexing, SPMD ids and
+the convenience ops (``nl.load``, ``nl.add``, ``nl.matmul``, ``nl.sum``...), each lowered to ``nki.isa`` calls.
+
+The same ``nl`` functions are operator tokens for ISA calls: ``nisa.tensor_tensor(..., op=nl.add)``.
+Convenience ops return new SBUF tiles (``matmul``/``transpose``: PSUM tiles).
+"""
+from __future__ import annotations
+
+import builtins
+import math
+import os
+from typing import Any, Sequence
+
+import torch
+
+from torchneuron.nki import isa as nisa
+from torchneuron.nki.tracing import (Buffer, NkiTensor, as_dtype, current, ds, hbm, private_hbm, psum,  # noqa: F401
+                                     sbuf, shared_hbm)
+from torchneuron.sim import SimulatorError
+from torchneuron.sim.isa import BN_STATS_FMAX, GEMM_MOVING_FMAX, GEMM_STATIONARY_FMAX, PSUM_BANK_BYTES
+from torchneuron.sim.memory import PMAX
+from torchneuron.sim.specs import chip_spec
+
+Tile = NkiTensor
+Value = Any  # a tile or a Python scalar
+
+# ---- dtypes (torch dtypes; nl.float8_e4m3 is e4m3fn on the simulator) ------------------------
+bool_, int8, int16, int32 = torch.bool, torch.int8, torch.int16, torch.int32
+uint8, uint16, uint32 = torch.uint8, torch.uint16, torch.uint32
+float16, bfloat16, float32 = torch.float16, torch.bfloat16, torch.float32
+float8_e4m3 = float8_e4m3fn = torch.float8_e4m3fn
+float8_e5m2 = torch.float8_e5m2
+
+
+class _TileSize:
+    """``nl.tile_size``: hardware tile limits of the chip being traced (else ``TORCHNEURON_CHIP``)."""
+
+    pmax = PMAX
+    psum_fmax = psum_bank_fmax = GEMM_MOVING_FMAX
+    psum_bank_fmax_bytes = PSUM_BANK_BYTES
+    gemm_stationary_fmax = GEMM_STATIONARY_FMAX
+    gemm_moving_fmax = GEMM_MOVING_FMAX
+    bn_stats_fmax = BN_STATS_FMAX
+    psum_min_align = sbuf_min_align = 4
+
+    @staticmethod
+    def _spec():
+        try:
+            return current().spec
+        except RuntimeError:
+            return chip_spec(os.environ.get("TORCHNEURON_CHIP", "trn2"))
+
+    psum_num_banks = property(lambda self: self._spec().psum_banks)
+    sbuf_fmax_bytes = total_available_sbuf_size = property(lambda self: self._spec().sbuf_bytes_per_partition)
+    sbuf_fmax = property(lambda self: self._spec().sbuf_bytes_per_partition // 4)
+    sbuf_size_bytes = property(lambda self: self._spec().sbuf_bytes_per_partition * self._spec().sbuf_partitions)
+
+
+tile_size = _TileSize()
+
+
+# ---- creation -------------------------------------------------------------------------------
+
+def ndarray(shape: Sequence[int], dtype: Any, buffer: Buffer = sbuf, name: str = "") -> Tile:
+    """An uninitialised tensor on ``buffer`` (on chip, dim 0 is the partition dim, <= 128)."""
+    return current().allocate(shape, dtype, buffer, name)
+
+
+def full(shape: Sequence[int], fill_value: float | int, dtype: Any, buffer: Buffer = sbuf, name: str = "") -> Tile:
+    """A tensor filled with ``fill_value`` (memset; on-chip buffers only)."""
+    t = ndarray(shape, dtype, buffer, name)
+    assert t.buffer.on_chip, "nl.full/nl.zeros fill SBUF/PSUM tensors (memset cannot write HBM)"
+    nisa.memset(dst=t, value=fill_value)
+    return t
+
+
+def zeros(shape: Sequence[int], dtype: Any, buffer: Buffer = sbuf, name: str = "") -> Tile:
+    """A zero-filled tensor."""
+    return full(shape, 0, dtype, buffer, name)
+
+
+# ---- loops (every loop is unrolled at trace time) ------------------------------------------
+
+def affine_range(start: int, stop: int | None = None, step: int = 1, **directives: Any) -> range:
+    """A loop with no loop-carried dependency (unrolled)."""
+    return range(start, stop, step) if stop is not None else range(start)
+
+
+sequential_range = static_range = affine_range
+
+
+# ---- SPMD -----------------------------------------------------------------------------------
+
+def program_id(axis: int = 0) -> int:
+    """This instance's index along launch-grid ``axis``."""
+    pid = current().program_id
+    return pid[axis] if axis < len(pid) else 0
+
+
+def num_programs(axes: int | Sequence[int] | None = None) -> int:
+    """Instances along ``axes`` (default: all) of the launch grid."""
+    grid = current().grid or (1,)
+    axes = range(len(grid)) if axes is None else [axes] if isinstance(axes, int) else axes
+    return math.prod(grid[a] if a < len(grid) else 1 for a in axes)
+
+
+def program_ndim() -> int:
+    """Dims of the launch grid."""
+    return len(current().grid)
+
+
+# ---- data movement --------------------------------------------------------------------------
+
+def load(src: Tile, dtype: Any = None) -> Tile:
+    """HBM -> a new SBUF tile of the same shape (1-D becomes one partition) by DMA."""
+    shape = src.shape if len(src.shape) > 1 else (1, *src.shape)
+    t = ndarray(shape, dtype or src.dtype, sbuf)
+    nisa.dma_copy(dst=t, src=src)
+    return t
+
+
+def store(dst: Tile, value: Tile) -> None:
+    """SBUF tile -> HBM by DMA."""
+    nisa.dma_copy(dst=dst, src=value)
+
+
+def copy(x: Tile, dtype: Any = None) -> Tile:
+    """A new SBUF copy of an SBUF/PSUM tile (PSUM eviction), optionally cast."""
+    t = ndarray(x.shape, dtype or x.dtype, sbuf)
+    nisa.tensor_copy(dst=t, src=x)
+    return t
+
+
+def broadcast_to(x: Tile, shape: Sequence[int]) -> Tile:
+    """Broadcast size-1 dims: an HBM stride-0 view, or on chip a new SBUF tile (free and partition dims)."""
+    shape = tuple(shape)
+    if tuple(x.shape) == shape:
+        return x
+    a = x.access
+    if not a.on_chip:  # HBM: a stride-0 access pattern, no data movement
+        full_shape = (1,) * (len(shape) - len(a.shape)) + tuple(a.shape)
+        strides = [0] * (len(shape) - len(a.pattern)) + [st for st, _ in a.pattern]
+        pattern = [[0 if n == 1 else st, want] for st, n, want in zip(strides, full_shape, shape)]
+        return x.ap(pattern)
+    p, f = shape[0], math.prod(shape[1:])
+    out = ndarray(shape, x.dtype, sbuf)
+    if x.shape[0] == 1 and p > 1:  # partition broadcast: ones[1, P].T @ x[1, F] on TensorE
+        ones = full((1, p), 1.0, x.dtype if x.dtype in (bfloat16, float16, float32) else float32)
+        row = x.reshape((1, x.access.free_elems)) if x.dtype == ones.dtype else copy(x, ones.dtype).reshape((1, -1))
+        flat = out.reshape((p, f))
+        for n0 in range(0, f, GEMM_MOVING_FMAX):
+            n = builtins.min(GEMM_MOVING_FMAX, f - n0)
+            acc = ndarray((p, n), float32, psum)
+            nisa.nc_matmul(dst=acc, stationary=ones, moving=row[:, n0:n0 + n], accumulate=False)
+            nisa.tensor_copy(dst=flat[:, n0:n0 + n], src=acc)
+        return out
+    assert x.access.free_elems == 1, f"broadcast_to: cannot broadcast {x.shape} to {shape}"
+    nisa.memset(dst=out, value=0)
+    nisa.tensor_scalar(dst=out, data=out, op0=add, operand0=x)
+    return out
+
+
+# ---- element-wise ops -----------------------------------------------------------------------
+
+def _result_dtype(x: Value, y: Value, dtype: Any) -> torch.dtype:
+    if dtype is not None:
+        return as_dtype(dtype)
+    dts = [v.dtype for v in (x, y) if isinstance(v, NkiTensor)]
+    return dts[0] if len(dts) == 1 else torch.promote_types(*dts)
+
+
+def _is_column(t: NkiTensor, of: NkiTensor) -> bool:
+    return t.access.free_elems == 1 and t.shape[0] == of.shape[0] and of.access.free_elems > 1
+
+
+def _binary(op: str, x: Value, y: Value, dtype: Any) -> Tile:
+    tiles = [v for v in (x, y) if isinstance(v, NkiTensor)]
+    assert tiles, f"nl.{op} needs at least one tile"
+    if len(tiles) == 2 and tuple(x.shape) == tuple(y.shape):
+        out = ndarray(x.shape, _result_dtype(x, y, dtype))
+        nisa.tensor_tensor(dst=out, data1=x, data2=y, op=op)
+        return out
+    reverse = not isinstance(x, NkiTensor) or (isinstance(y, NkiTensor) and _is_column(x, y))
+    data, operand = (y, x) if reverse else (x, y)
+    if isinstance(operand, NkiTensor) and not _is_column(operand, data):
+        raise SimulatorError(f"nl.{op}: shapes {x.shape} and {y.shape} do not broadcast on one instruction "
+                             f"(use (P, F) with (P, F), (P, 1) or a scalar; nl.broadcast_to for rows)")
+    out = ndarray(data.shape, _result_dtype(x, y, dtype))
+    nisa.tensor_scalar(dst=out, data=data, op0=op, operand0=operand, reverse0=reverse)
+    return out
+
+
+def add(x: Value, y: Value, dtype: Any = None) -> Tile:
+    """``x + y`` element-wise (VectorE)."""
+    return _binary("add", x, y, dtype)
+
+
+def subtract(x: Value, y: Value, dtype: Any = None) -> Tile:
+    """``x - y`` element-wise (VectorE)."""
+    return _binary("subtract", x, y, dtype)
+
+
+def multiply(x: Value, y: Value, dtype: Any = None) -> Tile:
+    """``x * y`` element-wise (VectorE)."""
+    return _binary("multiply", x, y, dtype)
+
+
+def divide(x: Value, y: Value, dtype: Any = None) -> Tile:
+    """``x / y`` element-wise (VectorE)."""
+    return _binary("divide", x, y, dtype)
+
+
+def maximum(x: Value, y: Value, dtype: Any = None) -> Tile:
+    """Element-wise maximum (VectorE)."""
+    return _binary("maximum", x, y, dtype)
+
+
+def minimum(x: Value, y: Value, dtype: Any = None) -> Tile:
+    """Element-wise minimum (VectorE)."""
+    return _binary("minimum", x, y, dtype)
+
+
+def power(x: Value, y: Value, dtype: Any = None) -> Tile:
+    """``x ** y`` element-wise (VectorE)."""
+    return _binary("power", x, y, dtype)
+
+
+def _unary(fn: str, x: Tile, dtype: Any) -> Tile:
+    out = ndarray(x.shape, dtype or x.dtype)
+    nisa.activation(dst=out, op=fn, data=x)
+    return out
+
+
+def _activation(fn: str):
+    def op(x: Tile, dtype: Any = None) -> Tile:
+        return _unary(fn, x, dtype)
+    op.__name__ = op.__qualname__ = fn
+    op.__doc__ = f"``{fn}(x)`` element-wise (ScalarE activation); also an ``op=`` token."
+    return op
+
+
+exp, log, tanh, sigmoid, relu, gelu, silu, sqrt, rsqrt, square, sin, cos, erf, softplus = (
+    _activation(n) for n in ("exp", "log", "tanh", "sigmoid", "relu", "gelu", "silu", "sqrt", "rsqrt", "square",
+                             "sin", "cos", "erf", "softplus"))
+gelu_apprx_tanh, gelu_apprx_sigmoid, negative, sign, identity = (
+    _activation(n) for n in ("gelu_apprx_tanh", "gelu_apprx_sigmoid", "negative", "sign", "identity"))
+
+
+def abs(x: Tile, dtype: Any = None) -> Tile:  # noqa: A001 (NKI's name)
+    """``|x|`` element-wise (ScalarE)."""
+    return _unary("abs", x, dtype)
+
+
+def reciprocal(x: Tile, dtype: Any = None) -> Tile:
+    """``1 / x`` element-wise (VectorE)."""
+    out = ndarray(x.shape, dtype or x.dtype)
+    nisa.reciprocal(dst=out, data=x)
+    return out
+
+
+# comparison / bitwise operator tokens for ISA calls (nl.equal, nl.bitwise_and...)
+def _token(name: str):
+    def op(x: Value, y: Value, dtype: Any = None) -> Tile:
+        return _binary(name, x, y, dtype)
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"``{name}`` element-wise (VectorE); also an ``op=`` token."
+    return op
+
+
+equal, not_equal, greater, greater_equal, less, less_equal = (
+    _token(n) for n in ("equal", "not_equal", "greater", "greater_equal", "less", "less_equal"))
+bitwise_and, bitwise_or, bitwise_xor, left_shift, right_shift = (
+    _token(n) for n in ("bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "right_shift"))
+logical_and, logical_or, logical_xor = (_token(n) for n in ("logical_and", "logical_or", "logical_xor"))
+
+
+# ---- reductions over free axes (VectorE tensor_reduce) ------------------------------------
+
+def _reduce(op: str, x: Tile, axis: int | Sequence[int], dtype: Any, keepdims: bool) -> Tile:
+    rank = len(x.shape)
+    axes = sorted(a % rank for a in ((axis,) if isinstance(axis, int) else axis))
+    shape = [1 if i in axes else n for i, n in enumerate(x.shape) if keepdims or i not in axes]
+    out = ndarray(shape if len(shape) > 1 else (*shape, 1), dtype or x.dtype)
+    nisa.tensor_reduce(dst=out, op=op, data=x, axis=tuple(axes), keepdims=keepdims)
+    return out
+
+
+def sum(x: Tile, axis: int | Sequence[int], dtype: Any = None, keepdims: bool = False) -> Tile:  # noqa: A001
+    """Sum over trailing free axes; also the ``add`` reduce token."""
+    return _reduce("add", x, axis, dtype, keepdims)
+
+
+def max(x: Tile, axis: int | Sequence[int], dtype: Any = None, keepdims: bool = False) -> Tile:  # noqa: A001
+    """Maximum over trailing free axes."""
+    return _reduce("maximum", x, axis, dtype, keepdims)
+
+
+def min(x: Tile, axis: int | Sequence[int], dtype: Any = None, keepdims: bool = False) -> Tile:  # noqa: A001
+    """Minimum over trailing free axes."""
+    return _reduce("minimum", x, axis, dtype, keepdims)
+
+
+def mean(x: Tile, axis: int | Sequence[int], dtype: Any = None, keepdims: bool = False) -> Tile:
+    """Mean over trailing free axes (sum, then a multiply by 1/n)."""
+    s = _reduce("add", x, axis, dtype or float32, keepdims)
+    rank = len(x.shape)
+    n = math.prod(x.shape[a % rank] for a in ((axis,) if isinstance(axis, int) else axis))
+    nisa.tensor_scalar(dst=s, data=s, op0="multiply", operand0=1.0 / n)
+    return s
+
+
+# ---- TensorE --------------------------------------------------------------------------------
+
+def transpose(x: Tile, dtype: Any = None) -> Tile:
+    """Swap partition and free dims of a 2-D SBUF tile on TensorE; the result is a PSUM tile."""
+    out = ndarray((x.access.free_elems, x.shape[0]), x.dtype, psum)
+    nisa.nc_transpose(dst=out, data=x)
+    return out if dtype is None or as_dtype(dtype) == x.dtype else copy(out, dtype)
+
+
+def matmul(x: Tile, y: Tile, transpose_x: bool = False) -> Tile:
+    """``x @ y`` (``x.T @ y`` with ``transpose_x``) on TensorE; the result is an fp32 PSUM tile."""
+    if not transpose_x:  # TensorE contracts over partitions: bring x to [K, M] first
+        x = copy(transpose(x))
+    out = ndarray((x.access.free_elems, y.access.free_elems), float32, psum)
+    nisa.nc_matmul(dst=out, stationary=x, moving=y)
+    return out
+
+
+__all__ = [n for n in dir() if not n.startswith("_") and n not in (
+    "annotations", "builtins", "math", "os", "torch", "Any", "Sequence", "SimulatorError", "PMAX", "chip_spec")]

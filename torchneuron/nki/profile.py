@@ -1,0 +1,63 @@
+"""What ``nki.profile`` reports: simulated time, traffic, engine busy time, roofline, and a Chrome trace."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchneuron.sim import Program, RunReport
+from torchneuron.sim.specs import ChipSpec
+from torchneuron.sim.timing import roofline
+
+ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma")
+
+
+@dataclass
+class ProfileReport:
+    """One simulated, timed run of a kernel on a modelled chip."""
+
+    chip: str
+    device_time_ns: float
+    flops: int
+    hbm_bytes_read: int
+    hbm_bytes_written: int
+    engine_busy_ns: dict[str, float]
+    achieved_tflops: float             # flops / device time
+    achieved_gbps: float               # HBM bytes (read + written) / device time
+    roofline_fraction: float           # roofline lower bound / device time (1.0: at the roofline)
+    bound: str                         # "compute" or "memory"
+    instructions: int
+    program: Program = field(repr=False)
+    outputs: Any = field(default=None, repr=False)  # the kernel's return value (arrays of the caller's kind)
+    start_ns: list[float] = field(default_factory=list, repr=False)
+    end_ns: list[float] = field(default_factory=list, repr=False)
+
+    def to_chrome_trace(self, path: str) -> str:
+        """Write the instruction timeline as Chrome trace JSON (open in Perfetto / chrome://tracing)."""
+        events: list[dict] = []
+        tids: dict[str, int] = {}
+        for i, (ins, s, e) in enumerate(zip(self.program.instructions, self.start_ns, self.end_ns)):
+            lane = ins.engine.value + (f".q{ins.queue}" if ins.engine.value == "dma" else "")
+            tid = tids.setdefault(lane, len(tids))
+            args = {name: f"{ap!r}" for name, ap in ins.operands()}
+            events.append({"name": ins.opcode, "cat": ins.engine.value, "ph": "X", "pid": 0, "tid": tid,
+                           "ts": s / 1e3, "dur": max(e - s, 0.0) / 1e3, "args": {"index": i, **args}})
+        meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": lane}}
+                for lane, t in tids.items()]
+        meta.append({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"{self.chip} NeuronCore"}})
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events + meta, "displayTimeUnit": "ns"}, f)
+        return path
+
+
+def make_report(outputs: Any, run: RunReport, program: Program, spec: ChipSpec) -> ProfileReport:
+    """Build the profile of a timed run."""
+    t = max(run.device_time_ns or 0.0, 1e-9)
+    roof = roofline(program.schedule(spec), spec)
+    busy = {e: float(run.engine_busy_ns.get(e, 0.0)) for e in ENGINES}
+    traffic = run.hbm_bytes_read + run.hbm_bytes_written
+    return ProfileReport(outputs=outputs, chip=spec.name, device_time_ns=run.device_time_ns, flops=run.flops,
+                         hbm_bytes_read=run.hbm_bytes_read, hbm_bytes_written=run.hbm_bytes_written,
+                         engine_busy_ns=busy, achieved_tflops=run.flops / t / 1e3, achieved_gbps=traffic / t,
+                         roofline_fraction=roof.lower_bound_ns / t, bound=roof.bound,
+                         instructions=run.instructions, program=program, start_ns=run.start_ns, end_ns=run.end_ns)
