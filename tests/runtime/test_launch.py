@@ -1,0 +1,180 @@
+"""Kernel launch: zero-copy binding of neuron tensors, results, stream clocks, devices, errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchneuron import runtime
+from torchneuron.config import CONFIG
+from torchneuron.runtime import launch, profiler
+from torchneuron.sim import ArgSlot, NeuronCore, Program
+
+from .conftest import F32, SHAPE, add_program, clock, operands
+
+pytestmark = pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+
+OVERHEAD = CONFIG.chip.runtime.kernel_launch_overhead_ns
+
+
+def test_result_matches_cpu_and_is_written_in_place(add):
+    a, b, args = operands()
+    out = args["out"]
+    ptr = out.data_ptr()
+    rec = launch(add, args)
+    assert out.data_ptr() == ptr and rec.outputs["out"] is out
+    assert torch.equal(out.cpu(), a + b)
+    assert torch.equal(args["a"].cpu(), a) and torch.equal(args["b"].cpu(), b)  # inputs untouched
+    assert rec.name == "add" and rec.op is None and rec.device == 0
+    assert rec.stream == torch.neuron.default_stream(0).stream_id
+    assert rec.flops == 128 * 512
+    assert rec.hbm_bytes_read == 2 * 128 * 512 * 4 and rec.hbm_bytes_written == 128 * 512 * 4
+    assert rec.instructions == 4 and rec.device_time_ns > 0
+    assert rec.engine_busy_ns["dma"] > 0 and rec.engine_busy_ns["vector"] > 0
+
+
+def test_program_is_reused_with_new_bindings_and_outputs_are_allocated_on_the_device(add):
+    for seed in (1, 2):
+        a, b, args = operands(seed=seed)
+        del args["out"]
+        rec = launch(add, args, name="add_again", op="aten::add.Tensor")
+        out = rec.outputs["out"]
+        assert out.device == torch.device("neuron", 0) and out.dtype == F32 and tuple(out.shape) == SHAPE
+        assert torch.equal(out.cpu(), a + b)
+        assert rec.name == "add_again" and rec.op == "aten::add.Tensor"
+
+
+def test_event_measures_device_time_plus_launch_overhead(add):
+    _, _, args = operands()
+    start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
+    start.record()
+    rec = launch(add, args)
+    end.record()
+    assert rec.launch_overhead_ns == OVERHEAD
+    assert rec.end_ns - rec.start_ns == round(rec.device_time_ns + OVERHEAD)
+    assert start.elapsed_time(end) == (rec.end_ns - rec.start_ns) / 1e6
+    assert start.elapsed_time(end) == pytest.approx((rec.device_time_ns + OVERHEAD) / 1e6, abs=1e-6)
+    # a small eager kernel is launch-bound: the overhead dominates its stream time
+    assert rec.device_time_ns < OVERHEAD
+
+
+def test_launches_on_one_stream_serialize(add):
+    _, _, args = operands()
+    s = torch.neuron.current_stream()
+    t0 = clock(s)
+    r1 = launch(add, args)
+    r2 = launch(add, args)
+    assert r1.start_ns == t0 and r2.start_ns == r1.end_ns
+    assert clock(s) == r2.end_ns == t0 + r1.duration_ns + r2.duration_ns
+    assert r1.duration_ns == r2.duration_ns  # the same program costs the same time
+
+
+def test_launch_on_a_second_stream_advances_only_that_stream(add):
+    _, _, args = operands()
+    default = torch.neuron.default_stream()
+    s = torch.neuron.Stream()
+    t_default, t_s = clock(default), clock(s)
+    with torch.neuron.stream(s):
+        rec = launch(add, args)
+    assert rec.stream == s.stream_id and rec.start_ns == t_s
+    assert clock(s) == t_s + rec.duration_ns and clock(default) == t_default
+    # an explicit stream argument does the same without making it current
+    rec2 = launch(add, args, stream=s)
+    assert rec2.stream == s.stream_id and clock(s) == rec2.end_ns and clock(default) == t_default
+
+
+def test_launch_on_device_1_uses_device_1s_core(add, monkeypatch):
+    a, b, args = operands("neuron:1")
+    core0, core1 = runtime.core(0), runtime.core(1)
+    assert core0 is not core1 and isinstance(core1, NeuronCore) and core1.spec == CONFIG.chip
+    assert runtime.core("neuron:1") is core1 and runtime.core(torch.device("neuron", 1)) is core1
+    ran = []
+    for i, c in ((0, core0), (1, core1)):
+        monkeypatch.setattr(c, "run", lambda *x, _i=i, _run=c.run, **k: ran.append(_i) or _run(*x, **k))
+    d0, d1 = torch.neuron.current_stream(0), torch.neuron.current_stream(1)
+    t0, t1 = clock(d0), clock(d1)
+    rec = launch(add, args)
+    assert ran == [1] and rec.device == 1 and rec.stream == d1.stream_id
+    assert torch.equal(args["out"].cpu(), a + b)
+    assert clock(d1) == t1 + rec.duration_ns and clock(d0) == t0
+    assert torch.neuron.current_device() == 0
+    with pytest.raises(RuntimeError, match="Invalid device index"):
+        runtime.core(torch.neuron.device_count())
+
+
+def _bad_cases():
+    def cpu(args):
+        args["a"] = args["a"].cpu()
+
+    def dtype(args):
+        args["b"] = args["b"].double()
+
+    def out_dtype(args):
+        args["out"] = args["out"].half()
+
+    def shape(args):
+        args["a"] = torch.zeros(128, 256, device="neuron:0")
+
+    def missing(args):
+        del args["b"]
+
+    def unknown(args):
+        args["c"] = args["a"]
+
+    def not_tensor(args):
+        args["a"] = 1.0
+
+    def mixed_devices(args):
+        args["out"] = args["out"].to("neuron:1")
+
+    def non_contiguous(args):
+        args["b"] = torch.zeros(512, 128, device="neuron:0").t()
+
+    return [(cpu, RuntimeError, "neuron device.*'a' is on cpu"), (dtype, TypeError, "'b' expects dtype torch.float32"),
+            (out_dtype, TypeError, "'out' expects dtype"), (shape, ValueError, r"'a' expects shape \[128, 512\]"),
+            (missing, TypeError, "missing input.*'b'"), (unknown, TypeError, "unexpected argument.*'c'"),
+            (not_tensor, TypeError, "'a' must be a Tensor"), (mixed_devices, RuntimeError, "same device"),
+            (non_contiguous, ValueError, "'b' must be contiguous")]
+
+
+@pytest.mark.parametrize("mutate,exc,match", _bad_cases(), ids=lambda v: getattr(v, "__name__", None))
+def test_bad_inputs_raise_and_change_nothing(add, mutate, exc, match):
+    _, _, args = operands()
+    mutate(args)
+    streams = [torch.neuron.current_stream(i) for i in range(2)]
+    before = [clock(s) for s in streams]
+    outs = {k: v.cpu().clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    n = len(profiler.records())
+    with pytest.raises(exc, match=match):
+        launch(add, args)
+    assert [clock(s) for s in streams] == before
+    for k, v in outs.items():
+        assert torch.equal(args[k].cpu(), v)
+    assert len(profiler.records()) == n
+
+
+def test_bad_launch_arguments(add):
+    _, _, args = operands()
+    before = clock(torch.neuron.current_stream(0))
+    with pytest.raises(TypeError, match="Program"):
+        launch("add", args)
+    with pytest.raises(TypeError, match="dict"):
+        launch(add, [args["a"], args["b"]])
+    with pytest.raises(RuntimeError, match="stream is on neuron:1"):
+        launch(add, args, stream=torch.neuron.default_stream(1))
+    with pytest.raises(RuntimeError, match="same device"):
+        launch(add, args, device="neuron:1")
+    with pytest.raises(ValueError, match="neuron device"):
+        launch(add, args, device="cpu")
+    assert clock(torch.neuron.current_stream(0)) == before
+
+
+def test_scratch_and_program_without_inputs():
+    prog = Program([], [ArgSlot("tmp", (4,), F32, "scratch"), ArgSlot("o", (2, 2), F32, "output")], "empty")
+    rec = launch(prog, {})  # no tensors: the current device
+    assert rec.device == torch.neuron.current_device() and rec.device_time_ns == 0
+    assert rec.duration_ns == round(OVERHEAD) and rec.outputs["o"].device.type == "neuron"
+    assert set(rec.outputs) == {"o"}
+    prog2 = add_program(name="add_bf16", dtype=torch.bfloat16)
+    a, b, args = operands(dtype=torch.bfloat16)
+    launch(prog2, args)
+    torch.testing.assert_close(args["out"].cpu(), a + b)
