@@ -70,6 +70,8 @@ class Traced:
 class Kernel:
     """A ``@nki.jit`` kernel: traced per (shapes, dtypes, meta-parameters, grid, chip) and cached."""
 
+    tensor_cls: type = NkiTensor  # the tensors a trace makes (the legacy front-end uses its own subclass)
+
     def __init__(self, fn: Callable, grid: tuple[int, ...] = (), cache: dict | None = None, **options: Any):
         self.fn, self.grid, self.options = fn, grid, options
         self.cache: dict = {} if cache is None else cache
@@ -79,7 +81,7 @@ class Kernel:
 
     def __getitem__(self, grid: int | tuple[int, ...]) -> "Kernel":
         """The same kernel launched on an SPMD grid: ``kernel[2](...)``, ``kernel[gx, gy](...)``."""
-        k = Kernel(self.fn, tuple(grid) if isinstance(grid, tuple) else (int(grid),), self.cache, **self.options)
+        k = type(self)(self.fn, tuple(grid) if isinstance(grid, tuple) else (int(grid),), self.cache, **self.options)
         k._root = self._root
         return k
 
@@ -101,7 +103,7 @@ class Kernel:
         return hit
 
     def _trace(self, bound: inspect.BoundArguments, spec: ChipSpec) -> Traced:
-        trace = Trace(spec, self.grid)
+        trace = Trace(spec, self.grid, self.tensor_cls)
         inputs = tuple(n for n, v in bound.arguments.items() if _is_array(v))
         set_current(trace)
         try:
@@ -129,7 +131,11 @@ class Kernel:
         return outputs, report, traced
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Simulate the kernel on NumPy arrays or CPU tensors and return its outputs."""
+        """Simulate the kernel on NumPy arrays or CPU tensors and return its outputs; on neuron
+        tensors, launch it on their device's current stream (``torchneuron.nki.on_device``)."""
+        from torchneuron.nki import on_device
+        if on_device.has_neuron_tensor(args, kwargs):
+            return on_device.call_on_device(self, args, kwargs)
         return self.run(args, kwargs)[0]
 
 
@@ -197,14 +203,39 @@ def profile(kernel: Callable, chip: str | ChipSpec | None = None) -> Callable[..
 
 
 _ALIASES = {"nki": "torchneuron.nki", "nki.language": "torchneuron.nki.language", "nki.isa": "torchneuron.nki.isa"}
+_LEGACY_ALIASES = {"neuronxcc.nki": "torchneuron.nki.legacy", "neuronxcc.nki.language": "torchneuron.nki.legacy.language",
+                   "neuronxcc.nki.isa": "torchneuron.nki.legacy.isa"}
 
 
 def install_import_aliases() -> None:
-    """Make ``import nki``, ``nki.language``, ``nki.isa`` resolve to TorchNeuron's (refuses if a real NKI is imported)."""
-    for alias, target in _ALIASES.items():
+    """Make ``import nki`` (``nki.language``, ``nki.isa``) resolve to TorchNeuron's current generation and
+    ``neuronxcc.nki`` (``.language``, ``.isa``, ``.typing``, ``.compiler``) to the earlier one
+    (``torchneuron.nki.legacy``). Refuses if a real NKI or ``neuronxcc`` is already imported."""
+    import importlib
+    import types
+    legacy = importlib.import_module("torchneuron.nki.legacy")
+    aliases = {**_ALIASES, **_LEGACY_ALIASES}
+    for alias, target in aliases.items():
         mod = sys.modules.get(alias)
         if mod is not None and mod is not sys.modules[target]:
             raise ImportError(f"cannot alias {alias!r} to {target!r}: a real NKI installation is already imported "
                               f"({getattr(mod, '__file__', mod)}); run in a process that has not imported it")
-    for alias, target in _ALIASES.items():
+    root = sys.modules.get("neuronxcc")
+    if root is not None and not getattr(root, "__torchneuron_alias__", False):
+        raise ImportError("cannot alias 'neuronxcc': a real neuronxcc is already imported "
+                          f"({getattr(root, '__file__', root)}); run in a process that has not imported it")
+    for alias, target in aliases.items():
         sys.modules[alias] = sys.modules[target]
+    if root is None:
+        root = types.ModuleType("neuronxcc", "TorchNeuron alias: neuronxcc.nki is torchneuron.nki.legacy")
+        root.__path__ = []
+        root.__torchneuron_alias__ = True
+        sys.modules["neuronxcc"] = root
+    root.nki = legacy
+    sys.modules["neuronxcc.nki.typing"] = legacy.typing
+    sys.modules["neuronxcc.nki.compiler"] = legacy.compiler
+
+
+# NKI kernels as PyTorch custom ops (imported last: torch_op builds on Kernel and jit above)
+from torchneuron.nki.torch_op import custom_op  # noqa: E402
+__all__.append("custom_op")

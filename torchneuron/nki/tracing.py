@@ -91,7 +91,7 @@ class NkiTensor:
     ndim = property(lambda self: len(self.access.shape), doc="Number of dims.")
 
     def _view(self, ap: AP) -> "NkiTensor":
-        return NkiTensor(ap, self.buffer, self.name, self.base or self)
+        return type(self)(ap, self.buffer, self.name, self.base or self)
 
     def __getitem__(self, index: Any) -> "NkiTensor":
         index = tuple(_index(i) for i in (index if isinstance(index, tuple) else (index,)))
@@ -151,8 +151,9 @@ class NkiTensor:
 class Trace:
     """The instructions and HBM argument slots of one kernel launch being traced (all SPMD instances)."""
 
-    def __init__(self, spec: ChipSpec, grid: tuple[int, ...] = ()):
+    def __init__(self, spec: ChipSpec, grid: tuple[int, ...] = (), tensor_cls: type | None = None):
         self.spec, self.grid = spec, grid
+        self.tensor_cls = tensor_cls or NkiTensor  # the class of every tensor the trace makes (legacy: LegacyTile)
         self.instructions: list[Instr] = []
         self.slots: dict[str, ArgSlot] = {}
         self.hbm_kinds: dict[str, str] = {}   # slot name -> "shared" / "private"
@@ -176,7 +177,7 @@ class Trace:
     def argument(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> NkiTensor:
         """An HBM input of the kernel."""
         self.slots[name] = ArgSlot(name, tuple(shape), dtype, "input")
-        return NkiTensor(tile(f"hbm:{name}", dtype, shape), shared_hbm, name)
+        return self.tensor_cls(tile(f"hbm:{name}", dtype, shape), shared_hbm, name)
 
     def allocate(self, shape: Sequence[int], dtype: Any, buffer: Buffer, name: str = "") -> NkiTensor:
         """A new tensor on ``buffer`` (on chip: dim 0 is the partition dim)."""
@@ -190,7 +191,7 @@ class Trace:
         assert shape, "an on-chip tensor needs a partition dim"
         mem = self.sbuf if buffer is sbuf else self.psum
         region = mem.allocate(shape[0], max(math.prod(shape[1:]) * dtype.itemsize, 1))
-        t = NkiTensor(region.tile(dtype, shape[1:]), buffer, name)
+        t = self.tensor_cls(region.tile(dtype, shape[1:]), buffer, name)
         weakref.finalize(t, _free, mem, region)
         if buffer is psum:  # a fresh PSUM tile holds no open accumulation group
             self.psum_open[region.start_partition:region.start_partition + region.partitions,
@@ -208,7 +209,7 @@ class Trace:
                                  f"shapes/dtypes: {old.describe()} vs {dtype}{list(shape)}")
         self.slots[slot_name] = ArgSlot(slot_name, shape, dtype, "scratch")
         self.hbm_kinds[slot_name] = kind
-        return NkiTensor(tile(f"hbm:{slot_name}", dtype, shape), buffer, name or slot_name)
+        return self.tensor_cls(tile(f"hbm:{slot_name}", dtype, shape), buffer, name or slot_name)
 
     def psum_flags(self, ap: AP) -> torch.Tensor:
         """The trace-time "accumulation group open" flags under an fp32 PSUM pattern (one per element)."""

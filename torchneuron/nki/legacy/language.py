@@ -1,0 +1,237 @@
+"""``neuronxcc.nki.language`` (earlier generation) on top of ``torchneuron.nki.language``.
+
+Adds ``nl.arange``/``nl.mgrid`` index vectors, ``mask=`` on data movement and compute, ``nl.par_dim``
+block dims, ``buffer=None`` meaning SBUF, and NumPy dtypes. Every value-returning call allocates its
+result in SBUF (``matmul``/``transpose``: PSUM), as the generation did.
+"""
+from __future__ import annotations
+
+import builtins
+from typing import Any, Sequence
+
+from torchneuron.nki import isa as _nisa
+from torchneuron.nki import language as _nl
+from torchneuron.nki.language import *  # noqa: F401,F403
+from torchneuron.nki.language import (affine_range, bfloat16, float32, num_programs, program_id,  # noqa: F401
+                                      sequential_range, static_range, tile_size)
+from torchneuron.nki.legacy._tile import (IndexExpr, LegacyTile, ParDim, _Var, block_tile, is_empty, narrow,
+                                          narrow_dims, restriction)
+from torchneuron.nki.tracing import NkiTensor, current, psum, sbuf, shared_hbm, hbm, private_hbm  # noqa: F401
+
+Tile = NkiTensor
+
+
+# ---- index vectors ---------------------------------------------------------------------------
+
+def arange(start: int, stop: int | None = None) -> IndexExpr:
+    """A 1-D index vector ``start..stop-1``; place it with ``[:, None]`` (partition) / ``[None, :]`` (free)."""
+    lo, hi = (0, start) if stop is None else (start, stop)
+    return IndexExpr({_Var(hi - lo, 0, 1): 1}, lo)
+
+
+class _Grid(tuple):
+    """The tuple ``nl.mgrid[...]`` returns; also ``.p`` (dim 0) and ``.x``, ``.y``, ``.z`` (dims 1-3)."""
+
+    p = property(lambda s: s[0])
+    x = property(lambda s: s[1])
+    y = property(lambda s: s[2])
+    z = property(lambda s: s[3])
+
+
+class _MGrid:
+    def __getitem__(self, index: Any) -> _Grid:
+        index = index if isinstance(index, tuple) else (index,)
+        n = len(index)
+        out = []
+        for k, s in enumerate(index):
+            lo, hi = (s.start or 0), s.stop
+            out.append(IndexExpr({_Var(hi - lo, k, n): 1}, lo))
+        return _Grid(out)
+
+
+mgrid = _MGrid()
+
+
+def par_dim(n: int) -> ParDim:
+    """Mark the partition dim of a shape: ``(n_tiles, nl.par_dim(128), 512)`` has one block dim."""
+    return ParDim(n)
+
+
+def spmd_dim(*sizes: Any) -> int:
+    """``nl.spmd_dim(g, nl.nc(2))``: a grid dim of the product (instances run on one simulated core)."""
+    out = 1
+    for s in sizes:
+        out *= int(s)
+    return out
+
+
+def nc(n: int) -> int:
+    """``nl.nc(n)``: n NeuronCores (a grid factor here)."""
+    return int(n)
+
+
+# ---- creation --------------------------------------------------------------------------------
+
+def _buf(buffer: Any) -> Any:
+    return sbuf if buffer is None else buffer
+
+
+def ndarray(shape: Sequence[int], dtype: Any, buffer: Any = None, name: str = "", **_: Any) -> Tile:
+    """An uninitialised tensor (``buffer=None``: SBUF; a ``par_dim`` after leading dims makes block dims)."""
+    shape = tuple(shape)
+    if any(isinstance(s, ParDim) for s in shape[1:]):
+        return block_tile(shape, dtype, _buf(buffer), name)
+    return current().allocate(tuple(int(s) for s in shape), dtype, _buf(buffer), name)
+
+
+def full(shape: Sequence[int], fill_value: Any, dtype: Any, buffer: Any = None, name: str = "", **_: Any) -> Tile:
+    """A tensor filled with ``fill_value``."""
+    t = ndarray(shape, dtype, buffer, name)
+    _nisa.memset(dst=t[...] if not t._blocks else t._plain(), value=fill_value)
+    return t
+
+
+def zeros(shape: Sequence[int], dtype: Any, buffer: Any = None, name: str = "", **_: Any) -> Tile:
+    """A zero-filled tensor (in PSUM: a fresh accumulator for ``+=`` matmuls)."""
+    return full(shape, 0, dtype, buffer, name)
+
+
+def ones(shape: Sequence[int], dtype: Any, buffer: Any = None, name: str = "", **_: Any) -> Tile:
+    """A tensor of ones."""
+    return full(shape, 1, dtype, buffer, name)
+
+
+def zeros_like(x: Tile, dtype: Any = None, buffer: Any = None, name: str = "") -> Tile:
+    """Zeros shaped like ``x``."""
+    return zeros(x.shape, dtype or x.dtype, buffer, name)
+
+
+# ---- data movement ---------------------------------------------------------------------------
+
+def load(src: Tile, mask: Any = None, dtype: Any = None, **_: Any) -> Tile:
+    """HBM (or an index-vector view of it) -> a new SBUF tile; ``mask=`` loads only the selected box."""
+    box = restriction(mask)
+    shape = src.shape if len(src.shape) > 1 else (1, *src.shape)
+    t = current().allocate(shape, dtype or src.dtype, sbuf)
+    if not is_empty(box):
+        _nisa.dma_copy(dst=narrow_dims(t, box), src=narrow(src, box))
+    return t
+
+
+def store(dst: Tile, value: Any, mask: Any = None, **_: Any) -> None:
+    """SBUF tile -> HBM; ``mask=`` stores only the selected box."""
+    box = restriction(mask)
+    if is_empty(box):
+        return
+    if not isinstance(value, NkiTensor):
+        value = full(dst.shape, value, dst.dtype)
+    _nisa.dma_copy(dst=narrow(dst, box), src=narrow_dims(value, box))
+
+
+def load_transpose2d(src: Tile, mask: Any = None, dtype: Any = None) -> Tile:
+    """HBM [F, P] -> SBUF [P, F] with the axes swapped (DMA transpose)."""
+    assert mask is None, "load_transpose2d mask= is not supported"
+    t = current().allocate((src.shape[1], src.shape[0]), dtype or src.dtype, sbuf)
+    _nisa.dma_transpose(dst=t, src=src)
+    return t
+
+
+def _masked(fn, box, tiles: list, *rest: Any, **kw: Any) -> Tile:
+    """Run ``fn`` on the mask's box of each tile and place the result in a full-size tile."""
+    if not box:
+        return fn(*tiles, *rest, **kw)
+    full_shape = next(t.shape for t in tiles if isinstance(t, NkiTensor))
+    r = fn(*[narrow_dims(t, box) for t in tiles], *rest, **kw)
+    out_shape = [full_shape[d] if r.shape[d] == narrow_dims_size(box, d, full_shape) else r.shape[d]
+                 for d in range(len(r.shape))]
+    out = current().allocate(out_shape, r.dtype, sbuf if r.buffer.name != "psum" else psum)
+    _nisa.tensor_copy(dst=narrow_dims(out, box), src=r)
+    return out
+
+
+def narrow_dims_size(box, d: int, shape) -> int:
+    return box.get(d, (0, shape[d] if d < len(shape) else 1))[1]
+
+
+def copy(x: Tile, mask: Any = None, dtype: Any = None) -> Tile:
+    """A new SBUF copy (PSUM eviction)."""
+    return _masked(_nl.copy, restriction(mask), [x], dtype=dtype)
+
+
+def broadcast_to(x: Tile, shape: Sequence[int]) -> Tile:
+    """Broadcast size-1 dims (a (1, F) row over partitions, a (P, 1) column over the free dim)."""
+    return _nl.broadcast_to(x, tuple(shape))
+
+
+# ---- element-wise ----------------------------------------------------------------------------
+
+def _binary(name: str):
+    base = getattr(_nl, name)
+
+    def op(x: Any, y: Any, dtype: Any = None, mask: Any = None, **_: Any) -> Tile:
+        box = restriction(mask)
+        if not box:
+            return base(x, y, dtype=dtype)
+        return _masked(lambda a, b: base(a, b, dtype=dtype), box, [x, y])
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"``{name}`` element-wise (``mask=`` computes the selected box); also an ``op=`` token."
+    return op
+
+
+add, subtract, multiply, divide, maximum, minimum, power = (
+    _binary(n) for n in ("add", "subtract", "multiply", "divide", "maximum", "minimum", "power"))
+equal, not_equal, greater, greater_equal, less, less_equal = (
+    _binary(n) for n in ("equal", "not_equal", "greater", "greater_equal", "less", "less_equal"))
+
+
+def _unary(name: str):
+    base = getattr(_nl, name)
+
+    def op(x: Tile, dtype: Any = None, mask: Any = None, **_: Any) -> Tile:
+        return _masked(lambda a: base(a, dtype=dtype), restriction(mask), [x])
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"``{name}(x)`` element-wise (ScalarE); also an ``op=`` token."
+    return op
+
+
+exp, log, tanh, sigmoid, relu, gelu, silu, sqrt, rsqrt, square, sin, cos, erf, softplus, reciprocal, negative = (
+    _unary(n) for n in ("exp", "log", "tanh", "sigmoid", "relu", "gelu", "silu", "sqrt", "rsqrt", "square",
+                        "sin", "cos", "erf", "softplus", "reciprocal", "negative"))
+abs = _unary("abs")  # noqa: A001
+
+
+def _reduction(name: str):
+    base = getattr(_nl, name)
+
+    def op(x: Tile, axis: Any, dtype: Any = None, keepdims: bool = False, mask: Any = None, **_: Any) -> Tile:
+        box = restriction(mask)
+        if box and any(d in box for d in ((axis,) if isinstance(axis, int) else axis)):
+            # the reduced dims shrink: reduce the box directly, only the kept dims need the full tile
+            return base(narrow_dims(x, box), axis, dtype=dtype, keepdims=keepdims)
+        return _masked(lambda a: base(a, axis, dtype=dtype, keepdims=keepdims), box, [x])
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"``{name}`` over trailing free axes (``mask=`` reduces the selected box); also a reduce token."
+    return op
+
+
+sum, max, min, mean = (_reduction(n) for n in ("sum", "max", "min", "mean"))  # noqa: A001
+
+
+# ---- TensorE ---------------------------------------------------------------------------------
+
+def matmul(x: Tile, y: Tile, transpose_x: bool = False, mask: Any = None, **_: Any) -> Tile:
+    """``x @ y`` (``x.T @ y`` with ``transpose_x=True``): a new fp32 PSUM tile."""
+    assert mask is None, "nl.matmul mask= is not supported"
+    return _nl.matmul(x, y, transpose_x=transpose_x)
+
+
+def transpose(x: Tile, dtype: Any = None, mask: Any = None, **_: Any) -> Tile:
+    """Partition/free swap on TensorE: a new PSUM tile."""
+    assert mask is None, "nl.transpose mask= is not supported"
+    return _nl.transpose(x, dtype=dtype)
+
+
+__all__ = [n for n in dir() if not n.startswith("_") and n not in (
+    "annotations", "builtins", "Any", "Sequence", "IndexExpr", "LegacyTile", "ParDim", "block_tile",
+    "is_empty", "narrow", "narrow_dims", "restriction", "narrow_dims_size")]
+del builtins
