@@ -32,6 +32,7 @@ conformance: setup
 bench: setup
 	$(PY) bench/dispatch.py
 	$(PY) bench/sim_speed.py
+	$(PY) bench/kernels.py
 
 clean:
 	rm -rf build $(VENV) torchneuron/*.so *.egg-info

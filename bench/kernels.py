@@ -1,0 +1,63 @@
+"""Kernel library benchmark: simulated time (nki.profile, trn2), achieved TFLOPS or GB/s, fraction of the
+modelled roofline, and host wall time, per kernel and shape. Prints figures; asserts nothing.
+
+    .venv/bin/python bench/kernels.py            # full set (4096^3 matmul: ~20 s of host time)
+    .venv/bin/python bench/kernels.py --quick    # smaller shapes
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import torchneuron.nki.language as nl
+from torchneuron import nki
+from torchneuron.kernels import elementwise
+from torchneuron.kernels.matmul import matmul_kernel
+from torchneuron.kernels.norms import layer_norm_kernel
+from torchneuron.kernels.softmax import softmax_kernel
+
+CHIP = "trn2"
+
+
+def row(name, shape, rep, wall, target):
+    unit = f"{rep.achieved_tflops:7.1f} TFLOPS" if rep.flops and rep.bound == "compute" else \
+        f"{rep.achieved_gbps:7.1f} GB/s  "
+    print(f"{name:<22} {shape:<22} {rep.device_time_ns / 1e3:10.1f} us  {unit}  roofline {rep.roofline_fraction:6.1%}"
+          f"  ({rep.bound}, target {target})  host {wall:6.2f} s", flush=True)
+
+
+def timed(fn):
+    t = time.perf_counter()
+    rep = fn()
+    return rep, time.perf_counter() - t
+
+
+def main(quick: bool) -> None:
+    torch.manual_seed(0)
+    print(f"chip {CHIP}: simulated device time per kernel launch (launch overhead excluded)")
+    n = 2048 if quick else 4096
+    a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+    for ta in (True, False):
+        rep, wall = timed(lambda: nki.profile(matmul_kernel, CHIP)(a, b, transpose_a=ta))
+        row(f"matmul bf16 A{'[K,M]' if ta else '[M,K]'}", f"{n}x{n}x{n}", rep, wall, ">= 90% TensorE")
+    a32, b32 = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    rep, wall = timed(lambda: nki.profile(matmul_kernel, CHIP)(a32, b32, transpose_a=True))
+    row("matmul fp32 A[K,M]", "1024x1024x1024", rep, wall, "-")
+    elems = (8 if quick else 32) * 1024 * 1024 // 4
+    x, y = torch.randn(elems), torch.randn(elems)
+    rep, wall = timed(lambda: elementwise(nl.add, x, y, profile=True, chip=CHIP))
+    row("add fp32", f"2 x {elems * 4 >> 20} MiB", rep, wall, ">= 80% DMA")
+    print(f"{'':<22} {'':<22} (DMA bandwidth of one core 368 GB/s: {rep.achieved_gbps / 368:.1%})")
+    rows = 2048 if quick else 8192
+    s = torch.randn(rows, 4096)
+    rep, wall = timed(lambda: nki.profile(softmax_kernel, CHIP)(s))
+    row("softmax fp32", f"{rows}x4096", rep, wall, ">= 60% HBM")
+    w, bb = torch.randn(4096), torch.randn(4096)
+    rep, wall = timed(lambda: nki.profile(layer_norm_kernel, CHIP)(s, w, bb))
+    row("layer_norm fp32", f"{rows}x4096", rep, wall, ">= 60% HBM")
+
+
+if __name__ == "__main__":
+    main("--quick" in sys.argv)

@@ -1,0 +1,28 @@
+import pytest
+import torch
+
+from torchneuron.nki import SimulatorError
+from torchneuron.kernels import matmul
+from tests.kernels.conftest import DTYPES, close
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("mkn", [(1, 1, 1), (127, 129, 300), (129, 300, 513), (128, 128, 512)])
+def test_matmul_matches_torch(mkn, transpose_a, dtype):
+    M, K, N = mkn
+    a, b = torch.randn(M, K).to(dtype), torch.randn(K, N).to(dtype)
+    out = matmul(a.T.contiguous() if transpose_a else a, b, transpose_a=transpose_a)
+    assert out.dtype == dtype and out.shape == (M, N)
+    close(out, (a.float() @ b.float()), dtype, scale=2.0)
+
+
+def test_matmul_k_beyond_sbuf_budget_is_refused():
+    a, b = torch.zeros(1, 128 * 1024), torch.zeros(128 * 1024, 1)
+    with pytest.raises(AssertionError, match="SBUF"):
+        matmul(a, b)
+
+
+def test_matmul_mismatched_k():
+    with pytest.raises(AssertionError, match="contraction"):
+        matmul(torch.zeros(4, 5), torch.zeros(6, 4))

@@ -1,0 +1,186 @@
+"""Elementwise template: any pointwise expression over broadcast inputs, one pass over HBM.
+
+The expression is a Python callable over ``nl`` tiles (``lambda a, b: nl.relu(a * b + 1.0)``) or a
+small expression string over the inputs ``a, b, c`` (``"exp(a) * b - 2"``, any ``nl`` function by name).
+
+The host entry (``elementwise``) folds the broadcast into a 2-D problem [R, C]: every input is full
+(R, C), a row (1, C), a column (R, 1) or a scalar (1, 1). The kernel then streams tiles of
+[128, F] with F chosen so every DMA moves DMA_ROW_BYTES (8 KiB) per partition (>= 2 KiB):
+
+    all inputs full:  the flat tensor is cut into [128, F] tiles (each partition a contiguous run)
+    broadcast:        rows by 128 partitions, columns by F; rows (1, C) are loaded once into SBUF
+                      broadcast over partitions, columns (R, 1) are (P, 1) operands of the ops
+
+Each iteration allocates fresh tiles while the previous iteration's are still alive, so the
+allocator hands out alternate buffers: the loads of tile i+1 overlap the compute of tile i and
+the store of tile i-1 (double buffering through loop structure). Inputs are computed in fp32
+(the DMA casts on load) and cast to the output dtype by the store.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import collections
+
+import torch
+
+from torchneuron import nki
+import torchneuron.nki.isa as nisa
+import torchneuron.nki.language as nl
+from torchneuron.kernels._common import DMA_ROW_BYTES, PMAX, as_tensor, cdiv, check_sbuf, prod
+
+NAMES = ("a", "b", "c", "d")
+NBUF = 3                       # pipeline depth of the streaming loops (buffers per tile)
+
+
+def _apply(fn, tiles):
+    if isinstance(fn, str):  # a small expression description, evaluated over nl functions and the input tiles
+        env = {n: getattr(nl, n) for n in nl.__all__}
+        env.update(dict(zip(NAMES, tiles)))
+        return eval(fn, {"__builtins__": {}}, env)  # noqa: S307 (kernel author's own expression)
+    return fn(*tiles)
+
+
+def _body(ins, fn, out_dtype):
+    R, C = max(t.shape[0] for t in ins), max(t.shape[1] for t in ins)
+    out = nl.ndarray((R, C), out_dtype, buffer=nl.shared_hbm)
+    F = DMA_ROW_BYTES // 4                                    # fp32 compute tiles: 2048 elements, 8 KiB rows
+    # SBUF: (inputs + result + one temporary) x 2 buffers of F fp32, plus preloaded broadcast rows
+    check_sbuf((len(ins) + 2) * NBUF * F * 4 + len(ins) * min(C, F) * 4, "elementwise")
+    if all(tuple(t.shape) == (R, C) for t in ins):
+        n = R * C
+        flat = [t.reshape((n,)) for t in ins]
+        oflat = out.reshape((n,))
+        f = max(1, min(F, n // PMAX))
+        step = PMAX * f
+        ring = collections.deque(maxlen=NBUF)                # keeps NBUF iterations' tiles alive: NBUF-deep pipeline
+        for s in range(0, n - n % step, step):               # whole [128, f] tiles
+            tiles = []
+            ring.append(tiles)
+            for t in flat:
+                x = nl.ndarray((PMAX, f), nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=x, src=t[s:s + step].reshape((PMAX, f)))
+                tiles.append(x)
+            y = _apply(fn, tiles)
+            tiles.append(y)
+            nisa.dma_copy(dst=oflat[s:s + step].reshape((PMAX, f)), src=y)
+        s = n - n % step
+        if s < n:                                             # the tail: [p, f'] then a single partial row
+            r = n - s
+            p = min(PMAX, r)
+            q = r // p
+            for s0, pp, ff in ((s, p, q), (s + p * q, 1, r - p * q)):
+                if pp * ff == 0:
+                    continue
+                tiles = []
+                for t in flat:
+                    x = nl.ndarray((pp, ff), nl.float32, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=x, src=t[s0:s0 + pp * ff].reshape((pp, ff)))
+                    tiles.append(x)
+                nisa.dma_copy(dst=oflat[s0:s0 + pp * ff].reshape((pp, ff)), src=_apply(fn, tiles))
+        return out
+    kinds = ["full" if tuple(t.shape) == (R, C) else "scalar" if t.shape == (1, 1) else
+             "row" if t.shape[0] == 1 else "col" for t in ins]
+    assert all(k == "full" or tuple(t.shape) in ((1, C), (R, 1), (1, 1)) for k, t in zip(kinds, ins)), \
+        f"elementwise: inputs {[tuple(t.shape) for t in ins]} are not (R, C), (1, C), (R, 1) or (1, 1)"
+    f = min(F, C)
+    for c0 in range(0, C, f):
+        fw = min(f, C - c0)
+        pre = {}
+        for i, (k, t) in enumerate(zip(kinds, ins)):         # broadcast operands: loaded once per column block
+            if k == "row":
+                pre[i] = nl.ndarray((PMAX, fw), nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=pre[i], src=t[0:1, c0:c0 + fw].broadcast_to((PMAX, fw)))
+            elif k == "scalar":
+                pre[i] = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=pre[i], src=t.broadcast_to((PMAX, 1)))
+        for r0 in range(0, R, PMAX):
+            p = min(PMAX, R - r0)
+            tiles = []
+            for i, (k, t) in enumerate(zip(kinds, ins)):
+                if i in pre:
+                    tiles.append(pre[i][:p, :])
+                    continue
+                x = nl.ndarray((PMAX, fw if k == "full" else 1), nl.float32, buffer=nl.sbuf)
+                src = t[r0:r0 + p, c0:c0 + fw] if k == "full" else t[r0:r0 + p, 0:1]
+                nisa.dma_copy(dst=x[:p, :], src=src)
+                tiles.append(x[:p, :])
+            y = _apply(fn, tiles)
+            if y.shape[1] != fw:                               # every input was a column: widen the result
+                wide = nl.ndarray((PMAX, fw), nl.float32, buffer=nl.sbuf)
+                nisa.memset(dst=wide[:p, :], value=0.0)
+                nisa.tensor_scalar(dst=wide[:p, :], data=wide[:p, :], op0=nl.add, operand0=y)
+                y = wide[:p, :]
+            nisa.dma_copy(dst=out[r0:r0 + p, c0:c0 + fw], src=y)
+    return out
+
+
+@nki.jit
+def elementwise1(a, fn, out_dtype):
+    return _body([a], fn, out_dtype)
+
+
+@nki.jit
+def elementwise2(a, b, fn, out_dtype):
+    return _body([a, b], fn, out_dtype)
+
+
+@nki.jit
+def elementwise3(a, b, c, fn, out_dtype):
+    return _body([a, b, c], fn, out_dtype)
+
+
+@nki.jit
+def elementwise4(a, b, c, d, fn, out_dtype):
+    return _body([a, b, c, d], fn, out_dtype)
+
+
+KERNELS = {1: elementwise1, 2: elementwise2, 3: elementwise3, 4: elementwise4}
+
+
+def _fold(shape: tuple, shapes: list[tuple]) -> tuple[int, list[str]] | None:
+    """A split k of the broadcast shape such that every input is full, a row, a column or a scalar."""
+    nd = len(shape)
+    for k in range(nd, -1, -1):
+        kinds = []
+        for s in shapes:
+            s = (1,) * (nd - len(s)) + tuple(s)
+            lead_full, lead_one = s[:k] == shape[:k], all(d == 1 for d in s[:k])
+            tail_full, tail_one = s[k:] == shape[k:], all(d == 1 for d in s[k:])
+            kind = ("full" if lead_full and tail_full else "scalar" if lead_one and tail_one else
+                    "row" if lead_one and tail_full else "col" if lead_full and tail_one else None)
+            if kind is None:
+                break
+            kinds.append(kind)
+        else:
+            return k, kinds
+    return None
+
+
+def elementwise(fn: Callable | str, *inputs, out_dtype=None, profile: bool = False, chip=None):
+    """Apply ``fn`` element-wise over broadcast inputs (torch tensors) in one kernel launch.
+
+    ``fn``: a callable over nl tiles or an expression string over ``a, b, c, d``. Returns a tensor
+    of the broadcast shape in ``out_dtype`` (default: the inputs' promoted dtype); with
+    ``profile=True`` the ``nki.profile`` report (its ``outputs`` hold the result)."""
+    ts = [as_tensor(t) for t in inputs]
+    assert 1 <= len(ts) <= 4, "elementwise takes 1 to 4 inputs"
+    shape = tuple(torch.broadcast_shapes(*(t.shape for t in ts)))
+    if out_dtype is None:
+        out_dtype = ts[0].dtype
+        for t in ts[1:]:
+            out_dtype = torch.promote_types(out_dtype, t.dtype)
+    fold = _fold(shape, [tuple(t.shape) for t in ts])
+    if fold is None:  # a broadcast the [R, C] form cannot express: materialise those inputs (extra HBM traffic)
+        ts = [t.expand(shape).contiguous() for t in ts]
+        fold = (len(shape), ["full"] * len(ts))
+    k, kinds = fold
+    R, C = prod(shape[:k]), prod(shape[k:])
+    args = [t.reshape({"full": (R, C), "row": (1, C), "col": (R, 1), "scalar": (1, 1)}[kd])
+            for t, kd in zip(ts, kinds)]
+    kern = KERNELS[len(args)]
+    if profile:
+        rep = nki.profile(kern, chip)(*args, fn=fn, out_dtype=out_dtype)
+        rep.outputs = rep.outputs.reshape(shape)
+        return rep
+    return kern(*args, fn=fn, out_dtype=out_dtype).reshape(shape)
