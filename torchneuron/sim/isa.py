@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, ClassVar, Sequence
@@ -513,6 +514,54 @@ def _psum_closed(instr: Instr, core, ap: AP) -> torch.Tensor:
     return view
 
 
+# Per PSUM group_closed tensor (by id, checked through a weakref): [version, keys], meaning that as of
+# ``flags._version`` == version, every PSUM box named in keys has all its flags False (its group open).
+# Every write to the flags is a torch in-place op, which bumps the version, so a stale record never
+# matches; an unchanged version lets a TensorE write skip re-opening a group that is already open.
+_OPEN_GROUPS: dict[int, list] = {}
+
+
+def _open_record(flags: torch.Tensor) -> list | None:
+    """The shared open-group record of a PSUM flags tensor (None where torch tracks no version)."""
+    try:
+        flags._version
+    except RuntimeError:  # an inference-mode tensor: no version counter, so no record
+        return None
+    key = id(flags)
+    entry = _OPEN_GROUPS.get(key)
+    if entry is None or entry[0]() is not flags:  # (the callback runs before the id can be reused)
+        entry = _OPEN_GROUPS[key] = (weakref.ref(flags, lambda _r: _OPEN_GROUPS.pop(key, None)), [-1, set()])
+    return entry[1]
+
+
+def _view2(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor | None:
+    """``t`` as a [rows, cols] view sharing its memory, or None where its strides do not allow one."""
+    if t.shape == (rows, cols):
+        return t
+    try:
+        return t.view(rows, cols)
+    except RuntimeError:
+        return None
+
+
+def _group_open(rec: list | None, flags: torch.Tensor, box) -> bool:
+    """Whether ``box``'s flags are known all False (its accumulation group open) without reading them."""
+    return rec is not None and rec[0] == flags._version and box in rec[1]
+
+
+def _open_group(rec: list | None, flags: torch.Tensor, closed: torch.Tensor, box) -> None:
+    """Open the accumulation group under ``closed`` (clear its flags) and remember it in ``rec``."""
+    if rec is None:
+        closed.fill_(False)
+        return
+    before = flags._version
+    closed.fill_(False)
+    if rec[0] != before:
+        rec[1] = set()
+    rec[1].add(box)
+    rec[0] = flags._version
+
+
 def _one_bank(instr: Instr, name: str) -> None:
     lo, hi = getattr(instr, name).byte_range
     if lo // PSUM_BANK_BYTES != (hi - 1) // PSUM_BANK_BYTES:
@@ -576,29 +625,74 @@ class NcMatmul(Instr):
         names = ("stationary", "moving")
         return names if self.accumulate is False else (*names, "dst")
 
-    def execute(self, core) -> None:
+    def _state(self, core, sbuf, psum) -> tuple:
+        """Per-core constants of execute (cached): [K, M] / [K, N] views of the operands (None where
+        their strides allow no view), fp32 scratch they are converted into (None for fp32 operands),
+        the fp32 [K, M] operand transposed as the array reads it, the product buffer, [M, N] views of
+        dst and of its group flags (None where dst's free dims do not flatten) and the open-group record."""
         k, m, n = self.kmn
-        s = self.stationary.view(core).reshape(k, m).float()
-        mv = self.moving.view(core).reshape(k, n).float()
+        s, mv = _view2(self.stationary.view(sbuf), k, m), _view2(self.moving.view(sbuf), k, n)
+        s_f = torch.empty(k, m) if self.stationary.dtype != torch.float32 else None
+        mv_f = torch.empty(k, n) if self.moving.dtype != torch.float32 else None
+        s_t = s_f.T if s_f is not None else (s.T if s is not None else None)
+        mv_use = mv_f if mv_f is not None else mv
+        out2 = closed2 = flags = rec = None
+        if self.dst.dtype == torch.float32:
+            out2, closed2 = _view2(self.dst.view(psum), m, n), _view2(_psum_closed(self, core, self.dst), m, n)
+            if out2 is None or closed2 is None:
+                out2 = closed2 = None
+            flags = psum.group_closed
+            rec = _open_record(flags)
+        box = (self.dst.start_partition, self.dst.partitions, self.dst._geometry)
+        state = (sbuf, psum, s, s_f, s_t, mv, mv_f, mv_use, torch.empty(m, n), out2, closed2, flags, rec, box)
+        self.__dict__["_mm"] = state
+        return state
+
+    def execute(self, core) -> None:
+        sbuf, psum = core.memory("sbuf"), core.memory("psum")
+        st = self.__dict__.get("_mm")
+        if st is None or st[0] is not sbuf or st[1] is not psum:
+            st = self._state(core, sbuf, psum)
+        _, _, s, s_f, s_t, mv, mv_f, mv_use, r, out, closed, flags, rec, box = st
+        # the array multiplies in fp32 (bf16/fp16/fp8 -> fp32 is exact)
+        if s is None:  # operand strides allow no [K, M] view: read a fresh copy
+            k, m, _ = self.kmn
+            s = self.stationary.view(sbuf).reshape(k, m)
+            s_t = None if s_f is not None else s.T
+        if s_f is not None:
+            s_f.copy_(s)
+            s_t = s_f.T if s_t is None else s_t
+        if mv is None:
+            k, _, n = self.kmn
+            mv = self.moving.view(sbuf).reshape(k, n)
+            mv_use = mv
+        if mv_f is not None:
+            mv_use = mv_f.copy_(mv)
         if self.is_transpose:
             # bit-exact: each output is the stationary element a 1 in moving selects; 0 * NaN stays out
+            s, mv = s_t.T, mv_use
             r = torch.where(mv.unsqueeze(1) != 0, s.unsqueeze(2) * mv.unsqueeze(1), 0.0).sum(0)
         else:
-            r = s.T @ mv
+            r = torch.mm(s_t, mv_use, out=r)
         dst = self.dst
-        r = r.view(dst.shape)
         if dst.dtype != torch.float32:  # transpose mode keeping a 16/8-bit dtype: no accumulation groups
+            r = r.view(dst.shape)
             dst.write(core, dst.view(core).float() + r if self.accumulate else r)
             return
-        out = dst.view(core)  # PSUM accumulates in place, in fp32, after the array's fp32 dot products
-        closed = _psum_closed(self, core, dst)
+        if out is None:  # dst's free dims do not flatten to one: work in its own shape
+            out = dst.view(core)
+            closed = _psum_closed(self, core, dst)
+            r = r.view(dst.shape)
+        # PSUM accumulates in place, in fp32, after the array's fp32 dot products
+        is_open = _group_open(rec, flags, box)
         if self.accumulate is False:
             out.copy_(r)
-        elif self.accumulate:
+        elif self.accumulate or is_open:  # (an open group has no closed flag to clear)
             out.add_(r)
         else:
             out.masked_fill_(closed, 0.0).add_(r)  # overwrite where no group is open (NaN-safe)
-        closed.fill_(False)
+        if not is_open:
+            _open_group(rec, flags, closed, box)
 
     def price(self) -> CostInputs:
         k, m, n = self.kmn
@@ -638,7 +732,13 @@ class NcTranspose(Instr):
         x = self.data.view(core).reshape(self.data.partitions, self.data.free_elems)
         self.dst.write(core, x.T)
         if self.engine == Engine.TENSOR and self.dst.dtype == torch.float32:
-            _psum_closed(self, core, self.dst).fill_(False)
+            flags = core.memory("psum").group_closed
+            rec = self.__dict__.get("_open")
+            if rec is None or rec[0] is not flags:
+                box = (self.dst.start_partition, self.dst.partitions, self.dst._geometry)
+                rec = self.__dict__["_open"] = (flags, _open_record(flags), box)
+            if not _group_open(rec[1], flags, rec[2]):
+                _open_group(rec[1], flags, _psum_closed(self, core, self.dst), rec[2])
 
     def price(self) -> CostInputs:
         p, f = self.data.partitions, self.data.free_elems
