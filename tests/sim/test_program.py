@@ -62,6 +62,13 @@ def test_program_runs_twice_with_different_bindings():
     assert rep.hbm_bytes_read == (256 * 128 + 256 * 512) * 2 + 128 * 4
     assert rep.hbm_bytes_written == 128 * 512 * 2
     assert set(rep.bindings) == {"xT", "w", "b", "out"}
+    # roofline: achieved rates over the chip's peaks, from the same device time
+    roof = rep.roofline
+    seconds = rep.device_time_ns * 1e-9
+    spec = core.spec
+    assert roof.tensor_fraction == pytest.approx(2 * 256 * 128 * 512 / seconds / spec.tensor_peak_flops("bfloat16"))
+    assert roof.hbm_fraction == pytest.approx(roof.hbm_bytes / seconds / spec.hbm_bytes_per_second_per_core)
+    assert 0 < roof.tensor_fraction < 1 and 0 < roof.dma_fraction < 1
 
 
 def test_caller_bound_output_is_written_in_place():

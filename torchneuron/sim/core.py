@@ -15,6 +15,7 @@ from torchneuron.sim.isa import Instr
 from torchneuron.sim.memory import Memory, SimulatorError, nan_fill_enabled, NAN_BYTE
 from torchneuron.sim.program import Program
 from torchneuron.sim.specs import ChipSpec, chip_spec
+from torchneuron.sim.timing import Roofline, roofline
 
 
 @dataclass
@@ -31,6 +32,7 @@ class RunReport:
     hbm_bytes_read: int = 0
     hbm_bytes_written: int = 0
     instructions: int = 0
+    roofline: Roofline | None = None       # fractions of TensorE peak and DMA/HBM bandwidth reached
 
 
 class NeuronCore:
@@ -125,4 +127,5 @@ class NeuronCore:
             report.device_time_ns = sched.device_time_ns
             report.start_ns, report.end_ns = list(sched.start_ns), list(sched.end_ns)
             report.engine_busy_ns = dict(sched.engine_busy_ns)
+            report.roofline = roofline(sched, self.spec)
         return report
