@@ -26,3 +26,16 @@ def test_matmul_k_beyond_sbuf_budget_is_refused():
 def test_matmul_mismatched_k():
     with pytest.raises(AssertionError, match="contraction"):
         matmul(torch.zeros(4, 5), torch.zeros(6, 4))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("mkn", [(300, 1100, 1700), (384, 256, 3100), (129, 40, 1537)])
+def test_matmul_several_panels_and_strips(mkn, transpose_a, dtype):
+    # several N panels and M strips (with partial K/M/N tiles): with A as [M, K] the first panel
+    # transposes each strip (pipelined) and stores it to an HBM scratch that later panels read
+    M, K, N = mkn
+    a, b = torch.randn(M, K).to(dtype), torch.randn(K, N).to(dtype)
+    out = matmul(a.T.contiguous() if transpose_a else a, b, transpose_a=transpose_a)
+    assert out.dtype == dtype and out.shape == (M, N)
+    close(out, (a.float() @ b.float()), dtype, scale=2.0)

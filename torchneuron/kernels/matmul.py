@@ -13,6 +13,12 @@ Blocking (the loop nest below):
 
 Every B byte is read from HBM once and every A byte N/(bn*512) times; the output is written
 once with rows of bn*512 elements. PSUM: bn banks per M tile, two M tiles in flight.
+
+A as [M, K]: during the first N panel, strip i+1's row block is transposed on TensorE (one PSUM
+bank per 8 bf16 / 4 fp32 transposes, the 2 banks left by bn = 3) in groups spread between the K
+steps of strip i's matmuls, so the evictions (Scalar/Vector alternating) finish long before
+TensorE needs the result; each transposed strip is also stored to an HBM scratch in the SBUF
+strip layout, from which later panels load it (every strip is transposed once).
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ def matmul_kernel(a, b, transpose_a=False):
     assert K == Kb, f"matmul: contraction dims differ ({K} vs {Kb})"
     assert a.dtype == b.dtype, f"matmul: operand dtypes differ ({a.dtype} vs {b.dtype})"
     dt, isz = a.dtype, itemsize(a.dtype)
-    KT = cdiv(K, TK)
+    KT, MT = cdiv(K, TK), cdiv(M, TM)
+    full, kr = K // TK, K % TK                 # whole K tiles, rows of the partial last one
     budget = nl.tile_size.sbuf_fmax_bytes
     # widest B panel (up to 4 PSUM banks; 3 when 2 banks hold A transposes) that fits half of SBUF
     bn = 3 if not transpose_a else 4
@@ -45,42 +52,105 @@ def matmul_kernel(a, b, transpose_a=False):
     check_sbuf(need, f"matmul K={K}")
     out = nl.ndarray((M, N), dt, buffer=nl.shared_hbm)
     GT = max(1, 2048 // (TM * isz))            # A transposes per PSUM bank (8 bf16, 4 fp32)
+    NG = cdiv(KT, GT)                          # transpose groups (PSUM banks) per strip
+    # [M, K] with several N panels: the first panel transposes each strip once and also stores it
+    # to an HBM scratch laid out like the SBUF strip (rows of KT*128 elements); later panels load it
+    scratch = nl.ndarray((MT, TK, KT, TM), dt, buffer=nl.hbm) if not transpose_a and N > NW else None
+    evict_turn = [0]
+    # A^T strips and output staging tiles: 2-deep rings allocated before the B panels (first fit keeps
+    # them at the bottom of SBUF, so the next B panel finds a contiguous gap while the current one is used)
+    strips = [nl.ndarray((TK, KT, TM), dt, buffer=nl.sbuf) for _ in range(2)]
+    stage = [nl.ndarray((TM, NW), dt, buffer=nl.sbuf) for _ in range(2)]
+    step = 0                                   # strips processed so far (ring index), across panels
 
-    for n0 in range(0, N, NW):
+    def load_rows(m0):
+        """DMA the [mm, K] row block of A (the [M, K] layout) into SBUF."""
+        mm = min(TM, M - m0)
+        rows = nl.ndarray((TM, K), dt, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows[:mm, :], src=a[m0:m0 + mm, :])
+        return rows
+
+    def evict(dst, src):
+        """PSUM -> SBUF copy of transposes, alternating ScalarE and VectorE."""
+        if evict_turn[0] % 2 == 0:
+            nisa.activation(dst=dst, op=nl.identity, data=src)
+        else:
+            nisa.tensor_copy(dst=dst, src=src, engine=nisa.vector_engine)
+        evict_turn[0] += 1
+
+    def transpose_group(rows, aT, mm, q):
+        """Transpose K tiles [q*GT, q*GT + GT) of a row block on TensorE into one PSUM bank, evict to aT."""
+        g0 = q * GT
+        g = min(GT, KT - g0)
+        tp = nl.ndarray((TK, GT, TM), dt, buffer=nl.psum)
+        for j in range(g):
+            kt = g0 + j
+            kk = min(TK, K - kt * TK)
+            nisa.nc_transpose(dst=tp[:kk, j, :mm], data=rows[:mm, kt * TK:kt * TK + kk])
+        whole = min(g, full - g0)              # whole K tiles in this group
+        if whole > 0:
+            evict(aT[:, g0:g0 + whole, :mm], tp[:, :whole, :mm])
+        if whole < g:                          # the partial last K tile
+            evict(aT[:kr, full, :mm], tp[:kr, g - 1, :mm])
+
+    def load_strip(aT, src, mt, mm, kt_major):
+        """DMA a stationary strip A^T[K, mm] into SBUF, from A [K, M] or from the scratch."""
+        m0 = mt * TM
+        if kt_major:   # [K, M] layout: one DMA for all whole K tiles (partition = k within the tile)
+            if full:
+                s = src.ap([[M, TK], [TK * M, full], [1, mm]], offset=m0)   # (k, kt, m)
+                nisa.dma_copy(dst=aT[:, :full, :mm], src=s)
+            if kr:
+                nisa.dma_copy(dst=aT[:kr, full, :mm], src=src[full * TK:K, m0:m0 + mm])
+        else:          # scratch [MT, TK, KT, TM]: the strip's rows are contiguous
+            if full:
+                nisa.dma_copy(dst=aT[:, :full, :mm], src=src[mt, :, :full, :mm])
+            if kr:
+                nisa.dma_copy(dst=aT[:kr, full, :mm], src=src[mt, :kr, full, :mm])
+
+    def store_strip(aT, mt, mm):
+        if full:
+            nisa.dma_copy(dst=scratch[mt, :, :full, :mm], src=aT[:, :full, :mm])
+        if kr:
+            nisa.dma_copy(dst=scratch[mt, :kr, full, :mm], src=aT[:kr, full, :mm])
+
+    for pi, n0 in enumerate(range(0, N, NW)):
         nw = min(NW, N - n0)
         # B panel: one large DMA per K tile (rows of nw elements), spread over the DMA queues
         panel = nl.ndarray((TK, KT, NW), dt, buffer=nl.sbuf)
         for kt in range(KT):
             kk = min(TK, K - kt * TK)
             nisa.dma_copy(dst=panel[:kk, kt, :nw], src=b[kt * TK:kt * TK + kk, n0:n0 + nw])
-        for m0 in range(0, M, TM):
+        transposing = not transpose_a and pi == 0
+        if transposing:
+            # software pipeline: strip i+1 is transposed on TensorE between strip i's matmuls (its own
+            # PSUM banks), so TensorE never waits for an eviction; row blocks are prefetched 2 ahead
+            rows_next = load_rows(0)
+            rows_next2 = load_rows(TM) if MT > 1 else None
+            aT_next = strips[step % 2]
+            for q in range(NG):
+                transpose_group(rows_next, aT_next, min(TM, M), q)
+            rows_next = None
+            if scratch is not None:
+                store_strip(aT_next, 0, min(TM, M))
+        for mt in range(MT):
+            m0 = mt * TM
             mm = min(TM, M - m0)
-            aT = nl.ndarray((TK, KT, TM), dt, buffer=nl.sbuf)     # stationary strip A^T[K, m-tile]
-            if transpose_a:
-                full = K // TK
-                if full:   # [K, M] layout: one DMA for all whole K tiles (partition = k within the tile)
-                    src = a.ap([[M, TK], [TK * M, full], [1, mm]], offset=m0)   # (k, kt, m)
-                    nisa.dma_copy(dst=aT[:, :full, :mm], src=src)
-                if K % TK:
-                    kk = K % TK
-                    nisa.dma_copy(dst=aT[:kk, full, :mm], src=a[full * TK:K, m0:m0 + mm])
-            else:          # [M, K] layout: contiguous row block, transposed 128x128 at a time on TensorE
-                rows = nl.ndarray((TM, K), dt, buffer=nl.sbuf)
-                nisa.dma_copy(dst=rows[:mm, :], src=a[m0:m0 + mm, :])
-                for g0 in range(0, KT, GT):
-                    g = min(GT, KT - g0)
-                    tp = nl.ndarray((TK, GT, TM), dt, buffer=nl.psum)
-                    for j in range(g):
-                        kt = g0 + j
-                        kk = min(TK, K - kt * TK)
-                        nisa.nc_transpose(dst=tp[:kk, j, :mm], data=rows[:mm, kt * TK:kt * TK + kk])
-                    if K - g0 * TK >= g * TK:
-                        nisa.activation(dst=aT[:, g0:g0 + g, :mm], op=nl.identity, data=tp[:, :g, :mm])
-                    else:  # last group has a partial K tile: copy the whole tiles, then the partial one
-                        if g > 1:
-                            nisa.activation(dst=aT[:, g0:g0 + g - 1, :mm], op=nl.identity, data=tp[:, :g - 1, :mm])
-                        kk = K - (g0 + g - 1) * TK
-                        nisa.activation(dst=aT[:kk, g0 + g - 1, :mm], op=nl.identity, data=tp[:kk, g - 1, :mm])
+            if transposing:
+                aT = aT_next
+                more = mt + 1 < MT
+                if more:
+                    rows_cur = rows_next2
+                    rows_next2 = load_rows(m0 + 2 * TM) if mt + 2 < MT else None
+                    mm1 = min(TM, M - m0 - TM)
+                    aT_next = strips[(step + 1) % 2]
+                    at_kt = {(q * KT) // NG: q for q in range(NG)}   # spread the groups over the K loop
+            elif transpose_a:
+                aT = strips[step % 2]
+                load_strip(aT, a, mt, mm, kt_major=True)
+            else:
+                aT = strips[step % 2]
+                load_strip(aT, scratch, mt, mm, kt_major=False)
             accs = [nl.ndarray((TM, TN), nl.float32, buffer=nl.psum) for _ in range(cdiv(nw, TN))]
             for kt in range(KT):
                 kk = min(TK, K - kt * TK)
@@ -88,7 +158,14 @@ def matmul_kernel(a, b, transpose_a=False):
                     w = min(TN, nw - j * TN)
                     nisa.nc_matmul(dst=acc[:mm, :w], stationary=aT[:kk, kt, :mm],
                                    moving=panel[:kk, kt, j * TN:j * TN + w], accumulate=kt > 0)
-            res = nl.ndarray((TM, NW), dt, buffer=nl.sbuf)
+                if transposing and more and kt in at_kt:
+                    transpose_group(rows_cur, aT_next, mm1, at_kt[kt])
+            if transposing and more:
+                rows_cur = None
+                if scratch is not None:
+                    store_strip(aT_next, mt + 1, mm1)
+            res = stage[step % 2]
+            step += 1
             for j, acc in enumerate(accs):          # PSUM -> SBUF eviction with the cast to the output dtype
                 w = min(TN, nw - j * TN)
                 if j % 2 == 0:
