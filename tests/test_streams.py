@@ -23,17 +23,9 @@ def clock(stream: torch.Stream) -> int:
 
 
 @pytest.fixture(autouse=True)
-def _restore_device_and_streams():
-    device = torch.neuron.current_device()
-    streams = [torch.neuron.current_stream(i) for i in range(torch.neuron.device_count())]
-    # Each test starts as a fresh process does: device 0, default streams current.
-    for i in range(torch.neuron.device_count()):
-        torch.accelerator.set_stream(torch.neuron.default_stream(i))
-    torch.neuron.set_device(0)
+def _restore_device_and_streams(default_device_and_streams):
+    """Each test starts as a fresh process does: device 0, default streams current."""
     yield
-    for s in streams:
-        torch.accelerator.set_stream(s)
-    torch.neuron.set_device(device)
 
 
 def test_default_and_new_streams():

@@ -42,14 +42,6 @@ def add():
 
 
 @pytest.fixture(autouse=True)
-def _default_streams():
+def _default_streams(default_device_and_streams):
     """Each test starts on device 0 with default streams current; restored afterwards."""
-    device = torch.neuron.current_device()
-    streams = [torch.neuron.current_stream(i) for i in range(torch.neuron.device_count())]
-    for i in range(torch.neuron.device_count()):
-        torch.accelerator.set_stream(torch.neuron.default_stream(i))
-    torch.neuron.set_device(0)
     yield
-    for s in streams:
-        torch.accelerator.set_stream(s)
-    torch.neuron.set_device(device)

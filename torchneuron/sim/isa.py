@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar, Sequence
 import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine, Footprint
-from torchneuron.sim.memory import PMAX, AP, SimulatorError
+from torchneuron.sim.memory import PMAX, AP, SimulatorError, contiguous_run
 from torchneuron.sim.numerics import (ACTIVATIONS_OUT, BITVEC_OPS, FRACTIONAL_OPS, INT_DTYPES, REDUCE_IDENTITY,
                                       UNARY_ALU_OPS, activation_fn, alu_op, apply_activation, apply_alu,
                                       apply_reduce, as_scalar, compute_dtype, dtype_name, reduce_op, torch_name)
@@ -71,18 +71,6 @@ def _cmd(value) -> str:
     if name not in REDUCE_CMDS:
         raise SimulatorError(f"unknown reduce_cmd {value!r}; expected one of {REDUCE_CMDS}")
     return name
-
-
-def _run(dims: Sequence[tuple[int | None, int]]) -> int:
-    """Elements per physically contiguous chunk of logical dims (stride None: never contiguous)."""
-    run = 1
-    for st, sz in reversed(dims):
-        if sz == 1:
-            continue
-        if st != run:
-            break
-        run *= sz
-    return run
 
 
 def _dims(ap: AP) -> list[tuple[int | None, int]]:
@@ -438,8 +426,8 @@ class DmaCopy(Instr):
         onchip = [a for a in (self.dst, self.src) if a.on_chip]
         parts = onchip[0].partitions if onchip else 1
         n = self.src.numel
-        run_src = _run(self.src.pattern[1:]) if self.src_index is not None else _run(_dims(self.src))
-        run_dst = _run(self.dst.pattern[1:]) if self.dst_index is not None else _run(_dims(self.dst))
+        run_src = contiguous_run(self.src.pattern[1:] if self.src_index is not None else _dims(self.src))
+        run_dst = contiguous_run(self.dst.pattern[1:] if self.dst_index is not None else _dims(self.dst))
         op = "gather" if self.src_index is not None else "scatter" if self.dst_index is not None else None
         return CostInputs(opcode=self.opcode, engine=Engine.DMA, partitions=parts, free_elems=n // parts,
                           in_dtypes=(torch_name(self.src.dtype),), out_dtype=torch_name(self.dst.dtype),
@@ -489,12 +477,12 @@ class DmaTranspose(Instr):
     def price(self) -> CostInputs:
         n = self.src.numel
         src_dims = _dims(self.src)
-        run_src = _run([src_dims[a] for a in self.axes])
+        run_src = contiguous_run([src_dims[a] for a in self.axes])
         return CostInputs(opcode=self.opcode, engine=Engine.DMA, partitions=self.dst.partitions,
                           free_elems=self.dst.free_elems, in_dtypes=(torch_name(self.src.dtype),),
                           out_dtype=torch_name(self.dst.dtype), in_memories=(self.src.kind,), out_memory="sbuf",
                           contiguous=False, op="transpose", dma_bytes=self.src.nbytes,
-                          dma_chunks=_chunks(n, run_src, _run(_dims(self.dst))),
+                          dma_chunks=_chunks(n, run_src, contiguous_run(_dims(self.dst))),
                           dge_mode=None if self.dge_mode == "unknown" else self.dge_mode, flops=0)
 
 

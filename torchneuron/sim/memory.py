@@ -23,6 +23,18 @@ import torch
 from torchneuron.sim.instruction import Footprint
 from torchneuron.sim.numerics import dtype_name, to_dtype
 
+
+def contiguous_run(dims: Sequence[tuple[int | None, int]]) -> int:
+    """Elements per physically contiguous chunk of (stride, size) dims, innermost last (stride None: never)."""
+    run = 1
+    for st, sz in reversed(dims):
+        if sz == 1:
+            continue
+        if st != run:
+            break
+        run *= sz
+    return run
+
 PMAX = 128          # partitions of SBUF/PSUM and of any engine instruction (nl.tile_size.pmax)
 MAX_FREE_DIMS = 4   # free-dim access pattern entries of an engine operand (A-v2)
 MAX_HBM_DIMS = 5    # an HBM (DMA) pattern also carries the dimension that maps to partitions
@@ -264,14 +276,7 @@ class AP:
     @cached_property
     def contiguous_run(self) -> int:
         """Elements per physically contiguous chunk (partitions are never contiguous with each other)."""
-        run = 1
-        for st, sz in reversed(self.pattern):
-            if sz == 1:
-                continue
-            if st != run:
-                break
-            run *= sz
-        return run
+        return contiguous_run(self.pattern)
 
     @cached_property
     def inner_contiguous(self) -> bool:
