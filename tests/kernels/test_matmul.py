@@ -39,3 +39,21 @@ def test_matmul_several_panels_and_strips(mkn, transpose_a, dtype):
     out = matmul(a.T.contiguous() if transpose_a else a, b, transpose_a=transpose_a)
     assert out.dtype == dtype and out.shape == (M, N)
     close(out, (a.float() @ b.float()), dtype, scale=2.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("mkn", [(1, 1, 1), (127, 129, 300), (129, 300, 513), (513, 127, 129),
+                                 (300, 513, 1), (1, 300, 513), (300, 1100, 1700)])
+def test_matmul_transpose_b_matches_torch(mkn, transpose_a, dtype):
+    # B given as [N, K] (A @ B.T): each B panel is built by TensorE transposes of [128, K] row blocks
+    M, K, N = mkn
+    a, b = torch.randn(M, K).to(dtype), torch.randn(N, K).to(dtype)
+    out = matmul(a.T.contiguous() if transpose_a else a, b, transpose_a=transpose_a, transpose_b=True)
+    assert out.dtype == dtype and out.shape == (M, N)
+    close(out, (a.float() @ b.float().T), dtype, scale=2.0)
+
+
+def test_matmul_transpose_b_mismatched_k():
+    with pytest.raises(AssertionError, match="contraction"):
+        matmul(torch.zeros(4, 5), torch.zeros(4, 6), transpose_b=True)

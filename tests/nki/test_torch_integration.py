@@ -77,6 +77,57 @@ def test_stream_clock_advances_by_profile_time_plus_overhead():
     assert start.elapsed_time(end) == pytest.approx(expected_ns / 1e6, abs=1e-6)  # ms
 
 
+def test_profile_on_neuron_launches_through_the_runtime():
+    # nki.profile on neuron tensors launches like a call (one LaunchRecord, stream clock advanced by
+    # device time + overhead) and reports from that launch: same figures as the CPU-path profile
+    a, b = randn(256, 512, seed=9), randn(256, 512, seed=10)
+    spec = runtime.core(0).spec
+    cpu = nki.profile(K.tensor_add, chip=spec)(a.cpu(), b.cpu())
+    start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
+    start.record()
+    with profiler.record() as rs:
+        rep = nki.profile(K.tensor_add)(a, b)
+    end.record()
+    end.synchronize()
+    assert rep.outputs.device == a.device and rep.outputs.dtype == a.dtype
+    torch.testing.assert_close(rep.outputs.cpu(), cpu.outputs)
+    assert rep.chip == cpu.chip == spec.name
+    assert rep.device_time_ns == pytest.approx(cpu.device_time_ns)
+    assert (rep.flops, rep.hbm_bytes_read, rep.hbm_bytes_written, rep.instructions) == \
+        (cpu.flops, cpu.hbm_bytes_read, cpu.hbm_bytes_written, cpu.instructions)
+    assert rep.engine_busy_ns == pytest.approx(cpu.engine_busy_ns)
+    assert rep.roofline_fraction == pytest.approx(cpu.roofline_fraction)
+    assert rep.start_ns == pytest.approx(cpu.start_ns) and rep.end_ns == pytest.approx(cpu.end_ns)
+    assert len(rs) == 1 and rs[0].name == "tensor_add"
+    assert rep.launch is not None and rep.launch.device_time_ns == rep.device_time_ns
+    expected_ns = round(rep.device_time_ns + spec.runtime.kernel_launch_overhead_ns)
+    assert rs[0].end_ns - rs[0].start_ns == expected_ns
+    assert start.elapsed_time(end) == pytest.approx(expected_ns / 1e6, abs=1e-6)  # ms
+
+
+def test_profile_on_neuron_chrome_trace_and_grid(tmp_path):
+    import json
+    x = randn(256, 64, seed=11)
+    rep = nki.profile(K.spmd_scale[2])(x, 3.0)
+    torch.testing.assert_close(rep.outputs.cpu(), 3 * x.cpu())
+    cpu = nki.profile(K.spmd_scale[2], chip=runtime.core(0).spec)(x.cpu(), 3.0)
+    assert rep.device_time_ns == pytest.approx(cpu.device_time_ns)
+    events = json.load(open(rep.to_chrome_trace(str(tmp_path / "t.json"))))["traceEvents"]
+    assert sum(e["ph"] == "X" for e in events) == rep.instructions
+    assert max(e["ts"] + e["dur"] for e in events if e["ph"] == "X") == pytest.approx(rep.device_time_ns / 1e3)
+
+
+def test_profile_on_neuron_rejects_another_chip_and_mixed_devices():
+    a, b = randn(128, 512, seed=12), randn(128, 512, seed=13)
+    other = next(c for c in ("trn1", "trn2", "trn3") if c != runtime.core(0).spec.name)
+    before = len(profiler.records())
+    with pytest.raises(ValueError, match="chip"):
+        nki.profile(K.tensor_add, chip=other)(a, b)
+    with pytest.raises(RuntimeError, match="same device"):
+        nki.profile(K.tensor_add)(a, b.cpu())
+    assert len(profiler.records()) == before
+
+
 def test_launch_on_current_stream_and_device():
     s = torch.neuron.Stream()
     x = randn(128, 64, seed=9)

@@ -1,7 +1,10 @@
 """Tiled matmul: ``out[M, N] = A @ B`` for any M, K, N, bf16/fp16/fp32, fp32 PSUM accumulation.
 
 A is given as [M, K] (``transpose_a=False``; its tiles are transposed on TensorE) or as
-[K, M] (``transpose_a=True``, the layout TensorE's stationary operand wants). B is [K, N].
+[K, M] (``transpose_a=True``, the layout TensorE's stationary operand wants). B is [K, N], or
+[N, K] with ``transpose_b=True`` (``A @ B.T``): each B panel is then loaded as row blocks
+[128, K] and transposed on TensorE into the [K, bn*512] panel layout (every B block once, by the
+same transpose/eviction code as A's), before the panel's M loop.
 
 Blocking (the loop nest below):
 
@@ -31,10 +34,11 @@ TM, TK, TN = 128, 128, 512     # stationary M, contraction K, moving N (one fp32
 
 
 @nki.jit
-def matmul_kernel(a, b, transpose_a=False):
-    """``A @ B`` (A [M, K], or [K, M] with ``transpose_a``), output in A's dtype."""
+def matmul_kernel(a, b, transpose_a=False, transpose_b=False):
+    """``A @ B`` (A [M, K], or [K, M] with ``transpose_a``; B [K, N], or [N, K] with ``transpose_b``),
+    output in A's dtype."""
     K, M = a.shape if transpose_a else (a.shape[1], a.shape[0])
-    Kb, N = b.shape
+    N, Kb = b.shape if transpose_b else (b.shape[1], b.shape[0])
     assert K == Kb, f"matmul: contraction dims differ ({K} vs {Kb})"
     assert a.dtype == b.dtype, f"matmul: operand dtypes differ ({a.dtype} vs {b.dtype})"
     dt, isz = a.dtype, itemsize(a.dtype)
@@ -42,13 +46,13 @@ def matmul_kernel(a, b, transpose_a=False):
     full, kr = K // TK, K % TK                 # whole K tiles, rows of the partial last one
     budget = nl.tile_size.sbuf_fmax_bytes
     # widest B panel (up to 4 PSUM banks; 3 when 2 banks hold A transposes) that fits half of SBUF
-    bn = 3 if not transpose_a else 4
+    bn = 3 if not (transpose_a and not transpose_b) else 4
     while bn > 1 and KT * bn * TN * isz > budget // 2:
         bn -= 1
     bn = min(bn, cdiv(N, TN))
     NW = bn * TN
-    # SBUF per partition: B panel + 2 A^T strips + 2 A row blocks + 2 output staging tiles
-    need = KT * NW * isz + 2 * KT * TM * isz + (0 if transpose_a else 2 * K * isz) + 2 * NW * isz
+    # SBUF per partition: B panel + 2 A^T strips + 2 A (or B) row blocks + 2 output staging tiles
+    need = KT * NW * isz + 2 * KT * TM * isz + (0 if transpose_a and not transpose_b else 2 * K * isz) + 2 * NW * isz
     check_sbuf(need, f"matmul K={K}")
     out = nl.ndarray((M, N), dt, buffer=nl.shared_hbm)
     GT = max(1, 2048 // (TM * isz))            # A transposes per PSUM bank (8 bf16, 4 fp32)
@@ -63,11 +67,11 @@ def matmul_kernel(a, b, transpose_a=False):
     stage = [nl.ndarray((TM, NW), dt, buffer=nl.sbuf) for _ in range(2)]
     step = 0                                   # strips processed so far (ring index), across panels
 
-    def load_rows(m0):
-        """DMA the [mm, K] row block of A (the [M, K] layout) into SBUF."""
-        mm = min(TM, M - m0)
+    def load_rows(m0, src=a, rows_total=M):
+        """DMA the [mm, K] row block of A (the [M, K] layout), or of B ([N, K]), into SBUF."""
+        mm = min(TM, rows_total - m0)
         rows = nl.ndarray((TM, K), dt, buffer=nl.sbuf)
-        nisa.dma_copy(dst=rows[:mm, :], src=a[m0:m0 + mm, :])
+        nisa.dma_copy(dst=rows[:mm, :], src=src[m0:m0 + mm, :])
         return rows
 
     def evict(dst, src):
@@ -78,8 +82,9 @@ def matmul_kernel(a, b, transpose_a=False):
             nisa.tensor_copy(dst=dst, src=src, engine=nisa.vector_engine)
         evict_turn[0] += 1
 
-    def transpose_group(rows, aT, mm, q):
-        """Transpose K tiles [q*GT, q*GT + GT) of a row block on TensorE into one PSUM bank, evict to aT."""
+    def transpose_group(rows, aT, mm, q, c0=0):
+        """Transpose K tiles [q*GT, q*GT + GT) of a row block on TensorE into one PSUM bank, evict to
+        aT[:, kt, c0:c0 + mm] (an A^T strip, or columns of a B panel)."""
         g0 = q * GT
         g = min(GT, KT - g0)
         tp = nl.ndarray((TK, GT, TM), dt, buffer=nl.psum)
@@ -89,9 +94,9 @@ def matmul_kernel(a, b, transpose_a=False):
             nisa.nc_transpose(dst=tp[:kk, j, :mm], data=rows[:mm, kt * TK:kt * TK + kk])
         whole = min(g, full - g0)              # whole K tiles in this group
         if whole > 0:
-            evict(aT[:, g0:g0 + whole, :mm], tp[:, :whole, :mm])
+            evict(aT[:, g0:g0 + whole, c0:c0 + mm], tp[:, :whole, :mm])
         if whole < g:                          # the partial last K tile
-            evict(aT[:kr, full, :mm], tp[:kr, g - 1, :mm])
+            evict(aT[:kr, full, c0:c0 + mm], tp[:kr, g - 1, :mm])
 
     def load_strip(aT, src, mt, mm, kt_major):
         """DMA a stationary strip A^T[K, mm] into SBUF, from A [K, M] or from the scratch."""
@@ -118,9 +123,20 @@ def matmul_kernel(a, b, transpose_a=False):
         nw = min(NW, N - n0)
         # B panel: one large DMA per K tile (rows of nw elements), spread over the DMA queues
         panel = nl.ndarray((TK, KT, NW), dt, buffer=nl.sbuf)
-        for kt in range(KT):
-            kk = min(TK, K - kt * TK)
-            nisa.dma_copy(dst=panel[:kk, kt, :nw], src=b[kt * TK:kt * TK + kk, n0:n0 + nw])
+        if transpose_b:
+            # B as [N, K]: row blocks [128, K] (prefetched one ahead), each transposed on TensorE into
+            # panel columns [c0, c0 + 128) of every K tile
+            brows = load_rows(n0, b, N)
+            for c0 in range(0, nw, TM):
+                cur = brows
+                brows = load_rows(n0 + c0 + TM, b, N) if c0 + TM < nw else None
+                for q in range(NG):
+                    transpose_group(cur, panel, min(TM, nw - c0), q, c0)
+            cur = brows = None
+        else:
+            for kt in range(KT):
+                kk = min(TK, K - kt * TK)
+                nisa.dma_copy(dst=panel[:kk, kt, :nw], src=b[kt * TK:kt * TK + kk, n0:n0 + nw])
         transposing = not transpose_a and pi == 0
         if transposing:
             # software pipeline: strip i+1 is transposed on TensorE between strip i's matmuls (its own
@@ -176,6 +192,7 @@ def matmul_kernel(a, b, transpose_a=False):
     return out
 
 
-def matmul(a, b, transpose_a: bool = False):
-    """Host entry: ``A @ B`` through the simulator (torch tensors or NumPy arrays in, same kind out)."""
-    return matmul_kernel(a, b, transpose_a=transpose_a)
+def matmul(a, b, transpose_a: bool = False, transpose_b: bool = False):
+    """Host entry: ``A @ B`` through the simulator (torch tensors or NumPy arrays in, same kind out).
+    ``transpose_a``: A given as [K, M]; ``transpose_b``: B given as [N, K] (``A @ B.T``)."""
+    return matmul_kernel(a, b, transpose_a=transpose_a, transpose_b=transpose_b)

@@ -192,10 +192,20 @@ def simulate(kernel: Callable) -> Callable[..., Any]:
 
 
 def profile(kernel: Callable, chip: str | ChipSpec | None = None) -> Callable[..., ProfileReport]:
-    """``nki.profile(kernel, chip)(*args)``: simulate with the timing model and return a ProfileReport."""
+    """``nki.profile(kernel, chip)(*args)``: simulate with the timing model and return a ProfileReport.
+
+    On neuron tensors the kernel is launched through the runtime exactly as calling it would
+    (``on_device.launch_on_device``: the device's current stream advances by device time plus launch
+    overhead, one LaunchRecord) and the report is built from that launch record; ``chip``, if given,
+    must then be the device's chip. Outputs are neuron tensors."""
     k = jit(kernel)
 
     def run(*args: Any, **kwargs: Any) -> ProfileReport:
+        from torchneuron.nki import on_device
+        if on_device.has_neuron_tensor(args, kwargs):
+            from torchneuron.nki.profile import report_from_launch
+            outputs, record = on_device.launch_on_device(k, args, kwargs, chip=chip)
+            return report_from_launch(outputs, record)
         spec = resolve_chip(chip)
         outputs, report, traced = k.run(args, kwargs, spec, timed=True)
         return make_report(outputs, report, traced.program, spec)

@@ -5,7 +5,8 @@ device's chip (cached per shapes, dtypes, meta-parameters and grid, as on the CP
 launched with ``torchneuron.runtime.launch`` on the tensors' device and that device's current
 stream: inputs are bound zero-copy, outputs are allocated on the device and returned as neuron
 tensors, and the stream's device clock advances by the kernel's simulated time plus the launch
-overhead (one ``LaunchRecord`` per call in ``torchneuron.runtime.profiler``).
+overhead (one ``LaunchRecord`` per call in ``torchneuron.runtime.profiler``). ``nki.profile`` on
+neuron tensors takes the same path (``launch_on_device``) and reports from the launch record.
 
 Every array argument must then be a neuron tensor on one device: a CPU tensor or a NumPy array
 mixed in raises ``RuntimeError`` (PyTorch's "Expected all tensors to be on the same device").
@@ -47,6 +48,16 @@ def call_on_device(kernel: Any, args: tuple, kwargs: dict, *, stream: Any = None
     ``stream``: the stream whose clock advances (default: the device's current stream);
     ``op``: the op name recorded in the launch record.
     """
+    return launch_on_device(kernel, args, kwargs, stream=stream, op=op)[0]
+
+
+def launch_on_device(kernel: Any, args: tuple, kwargs: dict, *, stream: Any = None,
+                     op: str | None = None, chip: Any = None) -> tuple[Any, runtime.LaunchRecord]:
+    """``call_on_device`` that also returns the launch's ``LaunchRecord`` (what ``nki.profile`` reports).
+
+    ``chip``: if given (a name or ChipSpec), it must be the device's chip, else ValueError (a launch
+    runs on the device's modelled chip; profile on CPU tensors to model another one).
+    """
     from torchneuron.nki import _is_array, _rebuild  # the kernel-language package (imported lazily: no cycle)
 
     name = kernel.fn.__name__
@@ -54,6 +65,12 @@ def call_on_device(kernel: Any, args: tuple, kwargs: dict, *, stream: Any = None
     arrays = {n: v for n, v in bound.items() if _is_array(v)}
     index = _device_of(name, arrays)
     spec = runtime.core(index).spec
+    if chip is not None:
+        from torchneuron.nki import resolve_chip
+        want = resolve_chip(chip)
+        if want.name != spec.name:
+            raise ValueError(f"kernel {name!r}: its tensors are on neuron:{index}, a {spec.name} device, but "
+                             f"chip={want.name!r} was asked for; profile CPU tensors to model another chip")
     # contiguous device copies of strided inputs (launch binds memory zero-copy: it needs dense tensors)
     dense = {n: (v if v.is_contiguous() else v.contiguous()) for n, v in arrays.items()}
     call = {**bound, **dense}
@@ -64,7 +81,7 @@ def call_on_device(kernel: Any, args: tuple, kwargs: dict, *, stream: Any = None
         if dense[n] is not v and _is_written(traced.program, n):
             with torch.no_grad():
                 v.copy_(dense[n])
-    return _rebuild(traced.result, lambda s: record.outputs[s] if s in record.outputs else dense[s])
+    return _rebuild(traced.result, lambda s: record.outputs[s] if s in record.outputs else dense[s]), record
 
 
 def _is_written(program: Any, slot: str) -> bool:

@@ -29,8 +29,9 @@ class ProfileReport:
     instructions: int
     program: Program = field(repr=False)
     outputs: Any = field(default=None, repr=False)  # the kernel's return value (arrays of the caller's kind)
-    start_ns: list[float] = field(default_factory=list, repr=False)
+    start_ns: list[float] = field(default_factory=list, repr=False)   # per instruction, from the kernel's start
     end_ns: list[float] = field(default_factory=list, repr=False)
+    launch: Any = field(default=None, repr=False)   # the runtime LaunchRecord (profiles of neuron tensors), else None
 
     def to_chrome_trace(self, path: str) -> str:
         """Write the instruction timeline as Chrome trace JSON (open in Perfetto / chrome://tracing)."""
@@ -61,3 +62,21 @@ def make_report(outputs: Any, run: RunReport, program: Program, spec: ChipSpec) 
                          engine_busy_ns=busy, achieved_tflops=run.flops / t / 1e3, achieved_gbps=traffic / t,
                          roofline_fraction=roof.lower_bound_ns / t, bound=roof.bound,
                          instructions=run.instructions, program=program, start_ns=run.start_ns, end_ns=run.end_ns)
+
+
+def report_from_launch(outputs: Any, record: Any) -> ProfileReport:
+    """Build the profile of a runtime launch (``torchneuron.runtime.LaunchRecord``): time, busy, flops
+    and bytes from the record (what the stream clock advanced by, less the launch overhead); the
+    per-instruction timeline (trace) and roofline from the program's schedule on the device's chip."""
+    program, spec = record.program, record.spec
+    sched = program.schedule(spec)
+    t = max(record.device_time_ns or 0.0, 1e-9)
+    roof = roofline(sched, spec)
+    busy = {e: float(record.engine_busy_ns.get(e, 0.0)) for e in ENGINES}
+    traffic = record.hbm_bytes_read + record.hbm_bytes_written
+    return ProfileReport(outputs=outputs, chip=spec.name, device_time_ns=record.device_time_ns, flops=record.flops,
+                         hbm_bytes_read=record.hbm_bytes_read, hbm_bytes_written=record.hbm_bytes_written,
+                         engine_busy_ns=busy, achieved_tflops=record.flops / t / 1e3, achieved_gbps=traffic / t,
+                         roofline_fraction=roof.lower_bound_ns / t, bound=roof.bound,
+                         instructions=record.instructions, program=program, start_ns=list(sched.start_ns),
+                         end_ns=list(sched.end_ns), launch=record.without_outputs())
