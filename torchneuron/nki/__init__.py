@@ -132,8 +132,12 @@ class Kernel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Simulate the kernel on NumPy arrays or CPU tensors and return its outputs; on neuron
-        tensors, launch it on their device's current stream (``torchneuron.nki.on_device``)."""
+        tensors, launch it on their device's current stream (``torchneuron.nki.on_device``).
+        Called inside another kernel's trace, it runs inline on that trace (tiles in, tiles out)."""
         from torchneuron.nki import on_device
+        from torchneuron.nki import tracing as _tracing
+        if getattr(_tracing._state, "trace", None) is not None and not self.grid:
+            return self.fn(*args, **kwargs)  # called from a kernel being traced: inline (a sub-kernel helper)
         if on_device.has_neuron_tensor(args, kwargs):
             return on_device.call_on_device(self, args, kwargs)
         return self.run(args, kwargs)[0]
@@ -202,6 +206,9 @@ def profile(kernel: Callable, chip: str | ChipSpec | None = None) -> Callable[..
 
     def run(*args: Any, **kwargs: Any) -> ProfileReport:
         from torchneuron.nki import on_device
+        from torchneuron.nki import tracing as _tracing
+        if getattr(_tracing._state, "trace", None) is not None and not self.grid:
+            return self.fn(*args, **kwargs)  # called from a kernel being traced: inline (a sub-kernel helper)
         if on_device.has_neuron_tensor(args, kwargs):
             from torchneuron.nki.profile import report_from_launch
             outputs, record = on_device.launch_on_device(k, args, kwargs, chip=chip)

@@ -24,6 +24,7 @@ from torchneuron.nki import Kernel as _Kernel
 from torchneuron.nki import ProfileReport, SimulatorError, profile as _profile  # noqa: F401
 from torchneuron.nki.legacy import isa, language
 from torchneuron.nki.legacy._tile import LegacyTile
+from torchneuron.nki.tracing import psum as _psum, sbuf as _sbuf
 
 __all__ = ["jit", "simulate_kernel", "benchmark", "baremetal", "profile", "Kernel", "isa", "language", "typing",
            "compiler", "SimulatorError"]
@@ -110,3 +111,20 @@ typing.tensor = _TensorType()
 compiler = types.ModuleType(__name__ + ".compiler", "``nki.compiler``: directives accepted as no-ops.")
 compiler.skip_middle_end_transformations = lambda f: f
 compiler.no_reorder = lambda *a, **k: None
+
+
+class _AllocSpace:
+    """``nki.compiler.sbuf`` / ``.psum``: placement allocators; ``mod_alloc(...)`` returns the plain buffer
+    (the simulator places tensors itself, so addresses and buffer counts are hints only)."""
+
+    def __init__(self, buffer: Any):
+        self._buffer = buffer
+
+    def mod_alloc(self, *_: Any, **__: Any) -> Any:
+        return self._buffer
+
+    alloc = mod_alloc
+
+
+compiler.sbuf = _AllocSpace(_sbuf)
+compiler.psum = _AllocSpace(_psum)

@@ -192,6 +192,7 @@ class LegacyTile(NkiTensor):
     _blocks = 0       # leading block dims (shape (B..., par_dim(P), F...)): stored as (P, B..., F...)
     _adv = None       # (parent, items) for a view made with index expressions (so a mask can narrow it)
     _pending = None   # for an nc_matmul result: (instruction, stationary, moving, options)
+    _column = False   # an HBM view left 1-D by an integer index on the last dim: loads as (N, 1)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -216,7 +217,11 @@ class LegacyTile(NkiTensor):
         items = self._items(index)
         if any(isinstance(i, IndexExpr) for i in items):
             return self._plain()._advanced(items, None)
-        return self._plain()._view(self.access[tuple(int(i) if isinstance(i, np.integer) else i for i in items)])
+        t = self._plain()._view(self.access[tuple(int(i) if isinstance(i, np.integer) else i for i in items)])
+        if (not t.access.on_chip and len(items) == len(self.shape) >= 2 and len(t.shape) == 1
+                and isinstance(items[-1], (int, np.integer))):
+            t._column = True  # `A[c0:c0 + 128, j]`: the remaining dim loads onto partitions, as (128, 1)
+        return t
 
     def _plain(self) -> "LegacyTile":
         if not self._blocks:

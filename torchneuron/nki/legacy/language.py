@@ -16,6 +16,7 @@ from torchneuron.nki.language import (affine_range, bfloat16, float32, num_progr
                                       sequential_range, static_range, tile_size)
 from torchneuron.nki.legacy._tile import (IndexExpr, LegacyTile, ParDim, _Var, block_tile, is_empty, narrow,
                                           narrow_dims, restriction)
+from torchneuron.sim import AP
 from torchneuron.nki.tracing import NkiTensor, current, psum, sbuf, shared_hbm, hbm, private_hbm  # noqa: F401
 
 Tile = NkiTensor
@@ -111,6 +112,9 @@ def zeros_like(x: Tile, dtype: Any = None, buffer: Any = None, name: str = "") -
 def load(src: Tile, mask: Any = None, dtype: Any = None, **_: Any) -> Tile:
     """HBM (or an index-vector view of it) -> a new SBUF tile; ``mask=`` loads only the selected box."""
     box = restriction(mask)
+    if getattr(src, "_column", False):  # `A[c0:c0 + P, j]`: a (P, 1) column, not a (1, P) row
+        a = src.access
+        src = src._view(AP(a.memory, a.dtype, (*a.pattern, (1, 1)), a.start_partition, a.partitions, a.offset))
     shape = src.shape if len(src.shape) > 1 else (1, *src.shape)
     t = current().allocate(shape, dtype or src.dtype, sbuf)
     if not is_empty(box):
@@ -125,15 +129,30 @@ def store(dst: Tile, value: Any, mask: Any = None, **_: Any) -> None:
         return
     if not isinstance(value, NkiTensor):
         value = full(dst.shape, value, dst.dtype)
+    value = _evict(value)
     _nisa.dma_copy(dst=narrow(dst, box), src=narrow_dims(value, box))
+
+
+def _evict(t: Any) -> Any:
+    """A PSUM tile copied to SBUF (the compiler inserted this copy where ``nl.store`` / ``nl.matmul`` /
+    ``nl.transpose`` got a PSUM tile: DMA and TensorE cannot read PSUM); other values unchanged."""
+    if isinstance(t, NkiTensor) and t.buffer.name == "psum":
+        out = current().allocate(tuple(t.shape), t.dtype, sbuf)
+        _nisa.tensor_copy(dst=out, src=t)
+        return out
+    return t
 
 
 def load_transpose2d(src: Tile, mask: Any = None, dtype: Any = None) -> Tile:
     """HBM [F, P] -> SBUF [P, F] with the axes swapped (DMA transpose)."""
     assert mask is None, "load_transpose2d mask= is not supported"
-    t = current().allocate((src.shape[1], src.shape[0]), dtype or src.dtype, sbuf)
+    t = current().allocate((src.shape[1], src.shape[0]), src.dtype, sbuf)
     _nisa.dma_transpose(dst=t, src=src)
-    return t
+    if dtype is None or _nl.as_dtype(dtype) == t.dtype:
+        return t
+    out = current().allocate(tuple(t.shape), dtype, sbuf)  # DMA transposes do not cast: cast on chip
+    _nisa.tensor_copy(dst=out, src=t)
+    return out
 
 
 def _masked(fn, box, tiles: list, *rest: Any, **kw: Any) -> Tile:
@@ -200,17 +219,37 @@ exp, log, tanh, sigmoid, relu, gelu, silu, sqrt, rsqrt, square, sin, cos, erf, s
 abs = _unary("abs")  # noqa: A001
 
 
+def _trailing(x: Any, axis: Any, keepdims: bool) -> tuple:
+    """Reorder an on-chip tile's free dims so the reduced ones come last (a free access-pattern
+    permutation, as the compiler did for e.g. ``nl.sum(t[i0, 2*i1+i2, 2*i3+i4], axis=[2, 4])``).
+    Returns ``(x, axis)``, unchanged when the reduced axes already trail or keep their dims."""
+    if not isinstance(x, NkiTensor) or getattr(x, "_blocks", 0) or not x.access.on_chip:
+        return x, axis
+    rank = len(x.shape)
+    axes = sorted({a % rank for a in ((axis,) if isinstance(axis, int) else axis)})
+    if keepdims or 0 in axes or axes == list(range(rank - len(axes), rank)):
+        return x, axis
+    a = x.access
+    kept = [d for d in range(1, rank) if d not in axes]
+    pattern = tuple(a.pattern[d - 1] for d in kept + axes)
+    view = x._view(AP(a.memory, a.dtype, pattern, a.start_partition, a.partitions, a.offset))
+    return view, tuple(range(rank - len(axes), rank))
+
+
 def _reduction(name: str):
     base = getattr(_nl, name)
 
     def op(x: Tile, axis: Any, dtype: Any = None, keepdims: bool = False, mask: Any = None, **_: Any) -> Tile:
         box = restriction(mask)
+        if not box:
+            x, axis = _trailing(x, axis, keepdims)
         if box and any(d in box for d in ((axis,) if isinstance(axis, int) else axis)):
             # the reduced dims shrink: reduce the box directly, only the kept dims need the full tile
             return base(narrow_dims(x, box), axis, dtype=dtype, keepdims=keepdims)
         return _masked(lambda a: base(a, axis, dtype=dtype, keepdims=keepdims), box, [x])
     op.__name__ = op.__qualname__ = name
-    op.__doc__ = f"``{name}`` over trailing free axes (``mask=`` reduces the selected box); also a reduce token."
+    op.__doc__ = (f"``{name}`` over free axes (non-trailing ones are moved last by reordering the access "
+                  f"pattern; ``mask=`` reduces the selected box); also a reduce token.")
     return op
 
 
@@ -222,16 +261,16 @@ sum, max, min, mean = (_reduction(n) for n in ("sum", "max", "min", "mean"))  # 
 def matmul(x: Tile, y: Tile, transpose_x: bool = False, mask: Any = None, **_: Any) -> Tile:
     """``x @ y`` (``x.T @ y`` with ``transpose_x=True``): a new fp32 PSUM tile."""
     assert mask is None, "nl.matmul mask= is not supported"
-    return _nl.matmul(x, y, transpose_x=transpose_x)
+    return _nl.matmul(_evict(x), _evict(y), transpose_x=transpose_x)
 
 
 def transpose(x: Tile, dtype: Any = None, mask: Any = None, **_: Any) -> Tile:
     """Partition/free swap on TensorE: a new PSUM tile."""
     assert mask is None, "nl.transpose mask= is not supported"
-    return _nl.transpose(x, dtype=dtype)
+    return _nl.transpose(_evict(x), dtype=dtype)
 
 
 __all__ = [n for n in dir() if not n.startswith("_") and n not in (
     "annotations", "builtins", "Any", "Sequence", "IndexExpr", "LegacyTile", "ParDim", "block_tile",
-    "is_empty", "narrow", "narrow_dims", "restriction", "narrow_dims_size")]
+    "is_empty", "narrow", "narrow_dims", "restriction", "narrow_dims_size", "AP")]
 del builtins
