@@ -51,17 +51,23 @@ class ProfileReport:
         return path
 
 
+def _report(outputs: Any, source: Any, program: Program, spec: ChipSpec, roof: Any, start_ns: list[float],
+            end_ns: list[float], launch: Any = None) -> ProfileReport:
+    # ``source`` is a RunReport or a LaunchRecord: both carry time, busy, flops, bytes and a count
+    t = max(source.device_time_ns or 0.0, 1e-9)
+    busy = {e: float(source.engine_busy_ns.get(e, 0.0)) for e in ENGINES}
+    traffic = source.hbm_bytes_read + source.hbm_bytes_written
+    return ProfileReport(outputs=outputs, chip=spec.name, device_time_ns=source.device_time_ns, flops=source.flops,
+                         hbm_bytes_read=source.hbm_bytes_read, hbm_bytes_written=source.hbm_bytes_written,
+                         engine_busy_ns=busy, achieved_tflops=source.flops / t / 1e3, achieved_gbps=traffic / t,
+                         roofline_fraction=roof.lower_bound_ns / t, bound=roof.bound,
+                         instructions=source.instructions, program=program, start_ns=start_ns, end_ns=end_ns,
+                         launch=launch)
+
+
 def make_report(outputs: Any, run: RunReport, program: Program, spec: ChipSpec) -> ProfileReport:
     """Build the profile of a timed run."""
-    t = max(run.device_time_ns or 0.0, 1e-9)
-    roof = roofline(program.schedule(spec), spec)
-    busy = {e: float(run.engine_busy_ns.get(e, 0.0)) for e in ENGINES}
-    traffic = run.hbm_bytes_read + run.hbm_bytes_written
-    return ProfileReport(outputs=outputs, chip=spec.name, device_time_ns=run.device_time_ns, flops=run.flops,
-                         hbm_bytes_read=run.hbm_bytes_read, hbm_bytes_written=run.hbm_bytes_written,
-                         engine_busy_ns=busy, achieved_tflops=run.flops / t / 1e3, achieved_gbps=traffic / t,
-                         roofline_fraction=roof.lower_bound_ns / t, bound=roof.bound,
-                         instructions=run.instructions, program=program, start_ns=run.start_ns, end_ns=run.end_ns)
+    return _report(outputs, run, program, spec, run.roofline, run.start_ns, run.end_ns)
 
 
 def report_from_launch(outputs: Any, record: Any) -> ProfileReport:
@@ -70,13 +76,5 @@ def report_from_launch(outputs: Any, record: Any) -> ProfileReport:
     per-instruction timeline (trace) and roofline from the program's schedule on the device's chip."""
     program, spec = record.program, record.spec
     sched = program.schedule(spec)
-    t = max(record.device_time_ns or 0.0, 1e-9)
-    roof = roofline(sched, spec)
-    busy = {e: float(record.engine_busy_ns.get(e, 0.0)) for e in ENGINES}
-    traffic = record.hbm_bytes_read + record.hbm_bytes_written
-    return ProfileReport(outputs=outputs, chip=spec.name, device_time_ns=record.device_time_ns, flops=record.flops,
-                         hbm_bytes_read=record.hbm_bytes_read, hbm_bytes_written=record.hbm_bytes_written,
-                         engine_busy_ns=busy, achieved_tflops=record.flops / t / 1e3, achieved_gbps=traffic / t,
-                         roofline_fraction=roof.lower_bound_ns / t, bound=roof.bound,
-                         instructions=record.instructions, program=program, start_ns=list(sched.start_ns),
-                         end_ns=list(sched.end_ns), launch=record.without_outputs())
+    return _report(outputs, record, program, spec, roofline(sched, spec), list(sched.start_ns),
+                   list(sched.end_ns), launch=record.without_outputs())

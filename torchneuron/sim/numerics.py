@@ -163,13 +163,18 @@ _OP_ALIASES = {"max": "maximum", "min": "minimum", "pow": "power", "sub": "subtr
                "sum": "add", "true_divide": "divide", "amax": "maximum", "amin": "minimum", "fmod": "mod"}
 
 
+def _canonical(op: str | Callable, aliases: dict[str, str], known, kind: str) -> str:
+    # a name, alias, or callable with a ``__name__`` (nl / numpy functions) -> its canonical name
+    name = op if isinstance(op, str) else getattr(op, "__name__", str(op))
+    name = aliases.get(name, name)
+    if name not in known:
+        raise ValueError(f"unknown {kind} {op!r}; supported: {sorted(known)}")
+    return name
+
+
 def alu_op(op: str | Callable) -> str:
     """Canonical NKI name of an ALU operator given a name, alias or callable with a ``__name__``."""
-    name = op if isinstance(op, str) else getattr(op, "__name__", str(op))
-    name = _OP_ALIASES.get(name, name)
-    if name not in ALU_OPS:
-        raise ValueError(f"unknown ALU operator {op!r}; supported: {sorted(ALU_OPS)}")
-    return name
+    return _canonical(op, _OP_ALIASES, ALU_OPS, "ALU operator")
 
 
 def apply_alu(op: str, lhs, rhs):
@@ -300,11 +305,7 @@ _ACT_ALIASES = {"gelu_dx_apprx_tanh": "gelu_apprx_tanh_dx", "atan": "arctan", "n
 
 def activation_fn(op: str | Callable) -> str:
     """Canonical name of an activation function given a name or an ``nl``/numpy callable."""
-    name = op if isinstance(op, str) else getattr(op, "__name__", str(op))
-    name = _ACT_ALIASES.get(name, name)
-    if name not in ACTIVATIONS:
-        raise ValueError(f"unknown activation function {op!r}; supported: {sorted(ACTIVATIONS)}")
-    return name
+    return _canonical(op, _ACT_ALIASES, ACTIVATIONS, "activation function")
 
 
 def apply_activation(op: str, x: torch.Tensor) -> torch.Tensor:
