@@ -16,7 +16,9 @@ from torchneuron import nki
 from torchneuron.kernels import elementwise
 from torchneuron.kernels.matmul import matmul_kernel
 from torchneuron.kernels.norms import layer_norm_kernel
+from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.kernels.softmax import softmax_kernel
+from torchneuron.kernels.transpose import permute_kernel
 
 CHIP = "trn2"
 
@@ -42,6 +44,11 @@ def main(quick: bool) -> None:
     for ta in (True, False):
         rep, wall = timed(lambda: nki.profile(matmul_kernel, CHIP)(a, b, transpose_a=ta))
         row(f"matmul bf16 A{'[K,M]' if ta else '[M,K]'}", f"{n}x{n}x{n}", rep, wall, ">= 90% TensorE")
+    m = 2048
+    a2, b2 = torch.randn(m, m).bfloat16(), torch.randn(m, m).bfloat16()
+    for ta in (True, False):
+        rep, wall = timed(lambda: nki.profile(matmul_kernel, CHIP)(a2, b2, transpose_a=ta, transpose_b=True))
+        row(f"matmul bf16 A{'[K,M]' if ta else '[M,K]'} B[N,K]", f"{m}x{m}x{m}", rep, wall, "-")
     a32, b32 = torch.randn(1024, 1024), torch.randn(1024, 1024)
     rep, wall = timed(lambda: nki.profile(matmul_kernel, CHIP)(a32, b32, transpose_a=True))
     row("matmul fp32 A[K,M]", "1024x1024x1024", rep, wall, "-")
@@ -57,6 +64,22 @@ def main(quick: bool) -> None:
     w, bb = torch.randn(4096), torch.randn(4096)
     rep, wall = timed(lambda: nki.profile(layer_norm_kernel, CHIP)(s, w, bb))
     row("layer_norm fp32", f"{rows}x4096", rep, wall, ">= 60% HBM")
+    long = torch.randn(rows // 16, 65536)      # rows beyond SBUF: the online two-pass path
+    rep, wall = timed(lambda: nki.profile(softmax_kernel, CHIP)(long))
+    row("softmax fp32 long rows", f"{rows // 16}x65536", rep, wall, "<= 67% (x read twice)")
+    wl, bl = torch.randn(65536), torch.randn(65536)
+    rep, wall = timed(lambda: nki.profile(layer_norm_kernel, CHIP)(long, wl, bl))
+    row("layer_norm fp32 long", f"{rows // 16}x65536", rep, wall, "<= 67% (x read twice)")
+    r = torch.randn(1, 4096, 4096)             # reduce a non-last dim: [A, R, B] with R = 4096
+    for op in ("sum", "max", "argmax"):
+        rep, wall = timed(lambda: nki.profile(reduce_kernel, CHIP)(r, op=op))
+        row(f"{op} fp32 dim 0", "4096x4096 -> 4096", rep, wall, "-")
+    t = torch.randn(4096, 4096)
+    rep, wall = timed(lambda: nki.profile(permute_kernel, CHIP)(t.reshape(-1), shape=(4096, 4096), perm=(1, 0)))
+    row("transpose fp32", "4096x4096", rep, wall, "-")
+    t = torch.randn(8, 64, 112 * 112)          # NCHW -> NHWC
+    rep, wall = timed(lambda: nki.profile(permute_kernel, CHIP)(t.reshape(-1), shape=(8, 64, 12544), perm=(0, 2, 1)))
+    row("permute fp32 NCHW>NHWC", "8x64x112x112", rep, wall, "-")
 
 
 if __name__ == "__main__":

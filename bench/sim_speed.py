@@ -1,7 +1,12 @@
 """How fast the NeuronCore simulator itself runs (host time, not simulated device time).
 
+* Launch: host microseconds per ``torchneuron.runtime.launch`` of a cached 4-instruction
+  kernel (64x384 fp32 add: 2 DMA loads, 1 tensor_tensor, 1 DMA store) on a neuron device,
+  split into the launch machinery (target: at most 30 us) and the instructions' execution,
+  for the checked path (dict of tensors) and the unchecked fast path (list, ``check=False``).
 * Small tiles: host microseconds per executed instruction, i.e. the simulator's fixed cost
-  per instruction (target: under 10 us). Measured, not asserted.
+  per instruction (target: under 10 us), through ``core.execute`` and as the prepared step a
+  program run uses. Measured, not asserted.
 * Programs: a traced program of many small instructions run functionally, then with the
   timing model (the first timed run schedules; later runs reuse the cached schedule).
 * Large tiles: host time of one instruction divided by the time of the equivalent torch
@@ -66,6 +71,54 @@ def small_tiles(core: NeuronCore) -> dict[str, isa.Instr]:
     }
 
 
+def add_kernel(shape=(64, 384), dtype=F32) -> Program:
+    """out = a + b as an eager op's library kernel would run it: load both, add, store."""
+    p, f = shape
+    row = f * dtype.itemsize
+    sa, sb, so = (tile("sbuf", dtype, (p, f), offset=i * row) for i in range(3))
+    body = [isa.dma_copy(dst=sa, src=tile("hbm:a", dtype, shape), queue=0),
+            isa.dma_copy(dst=sb, src=tile("hbm:b", dtype, shape), queue=1),
+            isa.tensor_tensor(dst=so, data1=sa, data2=sb, op="add"),
+            isa.dma_copy(dst=tile("hbm:out", dtype, shape), src=so)]
+    args = [ArgSlot("a", shape, dtype), ArgSlot("b", shape, dtype), ArgSlot("out", shape, dtype, "output")]
+    return Program(body, args, "add")
+
+
+def launch_costs() -> dict[str, float]:
+    """Host us per launch of the cached add kernel, and of its parts."""
+    import torchneuron  # noqa: F401  (registers the neuron device)
+    from torchneuron import _C, runtime
+
+    prog = add_kernel()
+    a, b = torch.randn(64, 384).to("neuron"), torch.randn(64, 384).to("neuron")
+    out = torch.empty(64, 384, device="neuron")
+    args, order = {"a": a, "b": b, "out": out}, [a, b, out]
+    core = runtime.core(0)
+    runtime.launch(prog, args)  # prepares the program for the core, schedules it
+    host = [_C._alias_as_cpu(t) for t in order]
+    plan = core._plan(prog)
+    steps = [step for _, step, _ in plan.entries]
+
+    def execute() -> None:  # the instructions alone, as a launch runs them
+        for step in steps:
+            step(host)
+
+    empty = Program((), prog.args, "empty")
+    for _ in range(2000):  # steady state: the profiler's record list and the garbage collector warmed up
+        runtime.launch(prog, args)
+    costs = {
+        "launch (dict, checked)": best_us(lambda: runtime.launch(prog, args), 200, 15),
+        "launch (list, check=False)": best_us(lambda: runtime.launch(prog, order, check=False), 200, 15),
+        "instruction execution": best_us(execute, 200, 15),
+        "launch of a 0-instruction kernel (dict, checked)": best_us(lambda: runtime.launch(empty, args), 200, 15),
+        "launch of a 0-instruction kernel (list, check=False)":
+            best_us(lambda: runtime.launch(empty, order, check=False), 200, 15),
+    }
+    assert torch.equal(out.cpu(), a.cpu() + b.cpu())
+    runtime.profiler.clear()
+    return costs
+
+
 def small_program(core: NeuronCore, n: int = 1000) -> Program:
     """n small instructions, a realistic mix: loads, elementwise work, stores."""
     p, f = 16, 64
@@ -125,11 +178,26 @@ def large_tiles(core: NeuronCore) -> list[tuple[str, isa.Instr, Callable[[], obj
 
 def main() -> None:
     torch.set_num_threads(1)  # the simulator is single-threaded per core; compare like with like
-    core = NeuronCore("trn2")
     print("NeuronCore simulator speed (host time; torch threads = 1)\n")
-    print("Small tiles ([8, 16]): host microseconds per executed instruction (target < 10 us)")
+    costs = launch_costs()
+    execute = costs["instruction execution"]
+    print("Launch of a cached 4-instruction kernel (64x384 fp32 add), host us per launch")
+    for path in ("dict, checked", "list, check=False"):
+        total = costs[f"launch ({path})"]
+        print(f"  launch ({path}){'':{20 - len(path)}s} {total:7.1f} us = machinery {total - execute:5.1f} us "
+              f"(target <= 30) + instructions {execute:5.1f} us")
+    for path in ("dict, checked", "list, check=False"):
+        print(f"  0-instruction kernel ({path}){'':{6 - len(path) + 14}s}{costs[f'launch of a 0-instruction kernel ({path})']:7.1f} us")
+
+    core = NeuronCore("trn2")
+    print("\nSmall tiles ([8, 16]): host microseconds per executed instruction (target < 10 us)")
+    print(f"  {'instruction':32s} {'execute':>9s} {'step':>7s}")
+    slots = {"hbm:x": (0, ArgSlot("x", (8, 16), F32))}
+    host = [torch.zeros(8, 16)]
     for name, instr in small_tiles(core).items():
-        print(f"  {name:32s} {best_us(lambda: core.execute(instr), 300):7.1f} us")
+        step = instr.step(core, slots)
+        fast = f"{best_us(lambda: step(host), 300):5.1f} us" if step is not None else "      -"
+        print(f"  {name:32s} {best_us(lambda: core.execute(instr), 300):6.1f} us {fast}")
 
     core = NeuronCore("trn2")
     prog = small_program(core)

@@ -1,9 +1,12 @@
 """Train a tiny character-level GPT on Shakespeare, on ``neuron`` and on the CPU.
 
 The same model (same seed, same initial weights) is trained with AdamW on the same
-batches on both devices; the script prints the two loss curves side by side with their
-relative deviation, the device memory peak, which ops fell back to the CPU, and the
-host wall time of each run, and saves a plot to ``out/shakespeare_losses.png``.
+batches on both devices; on ``neuron`` every op runs as NeuronCore kernels on the
+simulated trn2 core. The script prints the two loss curves side by side with their
+relative deviation, the simulated device time of a training step and the model FLOPs
+utilization it implies, the device memory peak, which ops fell back to the CPU, and the
+host wall time of each run; it saves a plot to ``out/shakespeare_losses.png`` and a Chrome
+trace of one training step's kernels to ``out/shakespeare_step_trace.json``.
 It exits with status 1 if the largest relative deviation exceeds ``--tolerance``.
 
 Run:  python examples/shakespeare_gpt.py   (``make demo``)
@@ -155,9 +158,12 @@ def train(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], cfg: Con
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 10) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))))
     model.train()
-    losses, step_times = [], []
+    losses, step_times, device_ms = [], [], []
     for x, y in batches:
         step_start = time.perf_counter()
+        if device.type == "neuron":
+            start_event, end_event = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
+            start_event.record()
         x, y = x.to(device), y.to(device)
         _, loss = model(x, y)
         opt.zero_grad(set_to_none=True)
@@ -167,9 +173,20 @@ def train(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], cfg: Con
         sched.step()
         losses.append(loss.item())  # synchronizes
         step_times.append(time.perf_counter() - step_start)
+        if device.type == "neuron":
+            end_event.record()
+            device_ms.append(start_event.elapsed_time(end_event))  # simulated device time of the step
     if device.type == "neuron":
         torch.neuron.synchronize()
+    train.device_ms = device_ms
     return losses, time.perf_counter() - start, statistics.median(step_times)
+
+
+def step_flops(cfg: Config, n_params: int) -> float:
+    """Model FLOPs of one training step: 6 per parameter per token plus attention's 12 * layers *
+    d_model * context per token (the usual estimate; forward + backward)."""
+    tokens = cfg.batch_size * cfg.block_size
+    return tokens * (6 * n_params + 12 * cfg.n_layer * cfg.d_model * cfg.block_size)
 
 
 @torch.no_grad()
@@ -182,6 +199,20 @@ def generate(model: GPT, prompt: torch.Tensor, n: int) -> torch.Tensor:
         logits, _ = model(idx[:, -model.cfg.block_size:])
         idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     return idx[0].cpu()
+
+
+def trace_step(model: GPT, batch: tuple[torch.Tensor, torch.Tensor], path: Path) -> int:
+    """Run one forward/backward step on neuron with the launch profiler on; write its Chrome trace."""
+    from torchneuron.runtime import profiler
+
+    x, y = (t.to("neuron") for t in batch)
+    with profiler.record() as records:
+        _, loss = model(x, y)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profiler.to_chrome_trace(path, records)
+    return len(records)
 
 
 def plot(cpu: list[float], neuron: list[float], tolerance: float, path: Path) -> None:
@@ -245,8 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.neuron.reset_peak_memory_stats()
     neuron = torch.device("neuron")
     losses_neuron, wall_neuron, step_neuron = train(model_neuron, batches, cfg, neuron)
+    device_ms = statistics.median(train.device_ms)
     peak = torch.neuron.max_memory_allocated()
     counts = torchneuron.fallback_counts()
+    trace_path = args.plot.parent / "shakespeare_step_trace.json"
+    launches = trace_step(model_neuron, batches[0], trace_path)
     losses_cpu, wall_cpu, step_cpu = train(model_cpu, batches, cfg, torch.device("cpu"))
 
     print(f"{'step':>4}  {'cpu loss':>10}  {'neuron loss':>11}  {'rel. deviation':>14}")
@@ -273,6 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"largest final parameter difference: {param_dev:.3e}")
     print(f"greedy samples identical: {torch.equal(sample_neuron, sample_cpu)}; "
           f"neuron says: {decode(sample_neuron)!r}")
+    spec = torchneuron.runtime.core(0).spec
+    flops = step_flops(cfg, n_params)
+    mfu = flops / (device_ms * 1e-3) / spec.tensor_peak_flops("float32")
+    print(f"simulated {spec.name} step time: {device_ms:.3f} ms (median; torch.neuron.Event, launch overheads "
+          f"included); model FLOPs {flops / 1e9:.3f} GFLOP/step -> MFU {mfu:.2%} of one core's fp32 TensorE peak")
+    shown_trace = trace_path.relative_to(REPO_ROOT) if trace_path.is_relative_to(REPO_ROOT) else trace_path
+    print(f"Chrome trace of one training step ({launches} kernel launches): {shown_trace}")
     print(f"neuron memory peak: {peak / 2**20:.2f} MiB (torch.neuron.max_memory_allocated)")
     total = sum(counts.values())
     top = sorted(counts.items(), key=lambda kv: -kv[1])[:10]

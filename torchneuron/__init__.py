@@ -31,6 +31,7 @@ def _register() -> None:
     from torchneuron import _module_conversion
 
     _module_conversion.install()
+    from torchneuron import ops  # noqa: F401  (the eager ATen kernels register on import)
 
 
 _register()

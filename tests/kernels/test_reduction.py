@@ -4,7 +4,8 @@ import torch
 from torchneuron.kernels import reduce
 from tests.kernels.conftest import DTYPES, close
 
-CASES = [((1,), 0), ((127, 129), 1), ((127, 129), 0), ((3, 300, 5), 1), ((300,), 0), ((2, 7), 1)]
+CASES = [((1,), 0), ((127, 129), 1), ((127, 129), 0), ((3, 300, 5), 1), ((300,), 0), ((2, 7), 1),
+         ((4, 5, 600), 1), ((2, 9000), 1), ((5, 3, 130), 0), ((2, 150, 300), 1), ((), 0)]
 REF = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}
 
 
@@ -16,7 +17,24 @@ def test_reductions_match_torch(shape, dim, dtype):
         out = reduce(x, dim, op)
         # the kernel accumulates in fp32 and rounds once: compare with fp32 torch, bf16-scaled
         close(out, fn(x.float(), dim), dtype, scale=3.0 if op == "sum" else 1.0)
+    p = (1 + 0.01 * x.float()).to(dtype)
+    close(reduce(p, dim, "prod"), torch.prod(p.float(), dim), dtype, scale=3.0)
     assert torch.equal(reduce(x, dim, "argmax"), x.argmax(dim))
+    assert torch.equal(reduce(x, dim, "argmin"), x.argmin(dim))
+
+
+@pytest.mark.parametrize("shape,dim", [((3, 20000), 1), ((2, 140, 130), 1), ((40, 3), 0), ((4, 6), 1)])
+def test_arg_first_index_and_nan_like_torch(shape, dim):
+    x = torch.randint(0, 3, shape).float()           # many ties: the first index must win
+    assert torch.equal(reduce(x, dim, "argmax"), x.argmax(dim))
+    assert torch.equal(reduce(x, dim, "argmin"), x.argmin(dim))
+    idx = [0] * len(shape)
+    idx[dim] = shape[dim] - 2
+    x[tuple(idx)] = float("nan")                     # a NaN: its index, and NaN values, like PyTorch
+    assert torch.equal(reduce(x, dim, "argmax"), x.argmax(dim))
+    assert torch.equal(reduce(x, dim, "argmin"), x.argmin(dim))
+    assert torch.equal(reduce(x, dim, "max").isnan(), x.amax(dim).isnan())
+    assert torch.equal(reduce(x, dim, "sum").isnan(), x.sum(dim).isnan())
 
 
 def test_keepdim():
@@ -24,6 +42,6 @@ def test_keepdim():
     assert reduce(x, 1, "sum", keepdim=True).shape == (4, 1, 6)
 
 
-def test_argmax_too_long_is_refused():
-    with pytest.raises(AssertionError, match="max8"):
-        reduce(torch.zeros(1, 16385), 1, "argmax")
+def test_unknown_op_is_refused():
+    with pytest.raises(AssertionError, match="unknown"):
+        reduce(torch.zeros(2, 3), 1, "median")

@@ -78,10 +78,12 @@ def test_simulate_kernel_and_benchmark():
 def test_index_helpers():
     g = nl.mgrid[0:4, 0:8]
     assert g.p.terms and g.x.terms and len(g) == 2
-    with pytest.raises(NotImplementedError, match="box"):
-        from torchneuron.nki.legacy._tile import restriction
-        i_p, i_f = nl.arange(4)[:, None], nl.arange(4)[None, :]
-        restriction(i_p < i_f)  # a triangle, not a box
+    from torchneuron.nki.legacy._tile import boxes, is_box, restriction
+    i_p, i_f = nl.arange(4)[:, None], nl.arange(4)[None, :]
+    tri = i_p < i_f                                   # a triangle, not a box
+    assert not is_box(tri) and restriction(tri) == {0: (0, 3), 1: (1, 3)}   # its bounding box
+    assert boxes(tri) == [{0: (0, 1), 1: (1, 3)}, {0: (1, 1), 1: (2, 2)}, {0: (2, 1), 1: (3, 1)}]
+    assert is_box(i_p < 3) and boxes(i_p < 3) == [{0: (0, 3)}]
 
 
 _SUBPROCESS = r"""

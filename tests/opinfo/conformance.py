@@ -83,10 +83,12 @@ class _Worker:
 
 
 def _failed(key: str, op_names: dict, error: str, seconds: float) -> dict:
+    """The result of an op whose worker crashed or hung."""
+    from tests.opinfo.harness import STATUS_FAILED, OpResult
+
     name, variant = op_names[key]
-    return {"key": key, "name": name, "variant": variant, "dtype": "", "status": "failed", "error": error,
-            "samples_passed": 0, "samples_skipped": 0, "error_inputs_checked": 0, "error_inputs_skipped": 0,
-            "notes": [], "fallback_ops": {}, "seconds": seconds, "traceback": ""}
+    return dataclasses.asdict(OpResult(key=key, name=name, variant=variant, status=STATUS_FAILED,
+                                       error=error, seconds=seconds))
 
 
 def run_all(keys: list[str], op_names: dict, *, jobs: int, timeout: float, error_inputs: bool,
@@ -170,7 +172,8 @@ def _fallback_cell(res: dict) -> str:
     return f"yes: {calls} calls ({shown}{more})"
 
 
-def write_report(results: list[dict], path: Path, *, argv: list[str], elapsed: float, total_ops: int) -> None:
+def write_report(results: list[dict], path: Path, *, command: str, elapsed: float, total_ops: int) -> None:
+    """Write the per-op conformance table (markdown) to ``path``."""
     import torch
 
     counts = {s: sum(1 for r in results if r["status"] == s) for s in ("passed", "failed", "skipped")}
@@ -190,14 +193,15 @@ def write_report(results: list[dict], path: Path, *, argv: list[str], elapsed: f
         "",
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; torch {torch.__version__}; "
         f"{elapsed / 60:.1f} min",
-        f"- command: `{' '.join(['python -m tests.opinfo.conformance', *argv])}`",
+        f"- command: `{command}`",
         f"- ops run: {len(results)} of {total_ops} in `op_db`" + (" (a partial run)" if partial else ""),
         f"- **{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped**",
         f"- ops that ran without the CPU fallback: {len(native)} of {len(tested)} tested "
         f"(the rest ran at least one ATen op on the CPU)",
         f"- distinct ATen ops that fell back to the CPU: {len(fallback_ops)}",
         "",
-        "Columns: *dtype* is the dtype tested (float32, else int64, else bool); *samples* is passed/skipped "
+        "Columns: *dtype* is the dtype tested (float32, else the first the op supports of int64, bool, float64, "
+        "...; see `DTYPE_PREFERENCE` in the harness); *samples* is passed/skipped "
         "samples and checked error inputs; *fallback* counts ATen calls that ran through the CPU fallback "
         "(`torchneuron.fallback_counts()` before/after the op); *error / notes* is the first failure, "
         "truncated, or why the op was skipped.",
@@ -219,25 +223,29 @@ def write_report(results: list[dict], path: Path, *, argv: list[str], elapsed: f
 # ---------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m tests.opinfo.conformance", description=__doc__.split("\n\n")[0])
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The options that select and run ops, shared with ``tests.opinfo.coverage``."""
     p.add_argument("--ops", default="", help="comma-separated op names (all variants) or name.variant keys")
     p.add_argument("--limit", type=int, default=None, help="run only the first N ops (after --ops)")
     p.add_argument("--timeout", type=float, default=120.0, help="per-op time budget in seconds (default 120)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     p.add_argument("--no-error-inputs", action="store_true", help="skip error_inputs")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="markdown report (default docs/op-conformance.md)")
     p.add_argument("--quiet", action="store_true", help="no per-op progress lines")
-    p.add_argument("--strict", action="store_true", help="exit with status 1 when an op fails")
-    args = p.parse_args(argv)
 
+
+def _prepare_environment() -> None:
+    """Make ``tests.opinfo`` importable and quiet the expected warnings (workers inherit this)."""
     if str(REPO_ROOT) not in sys.path:  # workers import tests.opinfo.harness
         sys.path.insert(0, str(REPO_ROOT))
-    # Workers inherit these: the fallback's once-per-op warnings are expected here, and
-    # those raised outside a Python call (torch.ops.aten.*) would go to stderr via c10.
+    # the fallback's once-per-op warnings are expected here, and those raised outside a Python
+    # call (torch.ops.aten.*) would go to stderr via c10.
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
+def selected_ops(args: argparse.Namespace, p: argparse.ArgumentParser) -> list:
+    """The OpInfos chosen by --ops and --limit (all of op_db by default)."""
+    _prepare_environment()
     from tests.opinfo import harness
 
     ops = harness.load_op_db()
@@ -248,25 +256,54 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(e.args[0]))
     if args.limit is not None:
         ops = ops[: args.limit]
+    return ops
+
+
+def run_ops(ops: list, args: argparse.Namespace) -> tuple[list[dict], float]:
+    """Run ``ops`` in worker processes; returns (results as dicts, elapsed seconds)."""
+    _prepare_environment()
+    from tests.opinfo import harness
+
     keys = [harness.op_key(op) for op in ops]
     op_names = {harness.op_key(op): (op.name, op.variant_test_name or "") for op in ops}
     start = time.monotonic()
     results = run_all(keys, op_names, jobs=args.jobs, timeout=args.timeout,
-                      error_inputs=not args.no_error_inputs, verbose=not args.quiet)
-    elapsed = time.monotonic() - start
-    write_report(results, Path(args.out), argv=argv, elapsed=elapsed, total_ops=len(harness.load_op_db()))
+                      error_inputs=not args.no_error_inputs, verbose=not args.quiet) if keys else []
+    return results, time.monotonic() - start
+
+
+def print_summary(results: list[dict]) -> str:
+    """Print the failures and return the ``N passed, M failed, K skipped`` line."""
     counts = {s: sum(1 for r in results if r["status"] == s) for s in ("passed", "failed", "skipped")}
     failed = [r for r in results if r["status"] == "failed"]
     if failed:
         print("\nfailed:")
         for r in failed:
             print(f"  {r['key']}: {r['error'][:200]}")
-    print(f"\nreport: {args.out}")
     summary = f"{counts['passed']} passed, {counts['failed']} failed"
     if counts["skipped"]:
         summary += f", {counts['skipped']} skipped"
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m tests.opinfo.conformance", description=__doc__.split("\n\n")[0])
+    add_run_arguments(p)
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="markdown report (default docs/op-conformance.md)")
+    p.add_argument("--strict", action="store_true", help="exit with status 1 when an op fails")
+    args = p.parse_args(argv)
+
+    ops = selected_ops(args, p)
+    results, elapsed = run_ops(ops, args)
+    from tests.opinfo import harness
+
+    write_report(results, Path(args.out), command=" ".join(["python -m tests.opinfo.conformance", *argv]),
+                 elapsed=elapsed, total_ops=len(harness.load_op_db()))
+    summary = print_summary(results)
+    print(f"\nreport: {args.out}")
     print(summary, flush=True)
-    return 1 if failed and args.strict else 0
+    return 1 if args.strict and any(r["status"] == "failed" for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -43,6 +43,41 @@ def test_program_is_reused_with_new_bindings_and_outputs_are_allocated_on_the_de
         assert rec.name == "add_again" and rec.op == "aten::add.Tensor"
 
 
+def test_arguments_in_slot_order_and_the_unchecked_fast_path(add):
+    a, b, args = operands(seed=3)
+    rec = launch(add, [args["a"], args["b"], args["out"]])  # checked, slot order
+    assert torch.equal(args["out"].cpu(), a + b) and rec.outputs["out"] is args["out"]
+    rec = launch(add, [args["a"], args["b"], None], op="aten::add.Tensor")  # None: allocate the output
+    assert torch.equal(rec.outputs["out"].cpu(), a + b) and rec.outputs["out"].device.type == "neuron"
+    s = torch.neuron.Stream()
+    before = clock(s)
+    out = torch.zeros(SHAPE, device="neuron")
+    fast = launch(add, [args["a"], args["b"], out], check=False, stream=s, op="aten::add.Tensor")
+    assert torch.equal(out.cpu(), a + b) and fast.outputs["out"] is out
+    assert fast.stream == s.stream_id and clock(s) == before + fast.duration_ns
+    assert fast.device_time_ns == rec.device_time_ns and fast.engine_busy_ns == rec.engine_busy_ns
+    assert (fast.flops, fast.instructions) == (rec.flops, rec.instructions)
+    assert profiler.records()[-1] == fast and profiler.records()[-1].outputs == {}
+    fast = launch(add, {"a": args["a"], "b": args["b"]}, check=False, device=0)
+    assert torch.equal(fast.outputs["out"].cpu(), a + b)
+    _, _, args1 = operands("neuron:1")
+    assert launch(add, [args1["a"], args1["b"], None], check=False).device == 1  # the tensors' device
+    with pytest.raises(TypeError, match="one per slot"):
+        launch(add, [args["a"], args["b"]])
+    with pytest.raises(TypeError, match="missing input"):
+        launch(add, [args["a"], None, None])
+
+
+def test_records_fields_match_the_programs_static_facts(add):
+    _, _, args = operands()
+    rec = launch(add, args)
+    sched = add.schedule(rec.spec)
+    assert rec.engine_busy_ns == sched.engine_busy_ns and rec.engine_busy_ns is not sched.engine_busy_ns
+    assert rec.device_time_ns == sched.device_time_ns and rec.flops == add.flops
+    assert (rec.hbm_bytes_read, rec.hbm_bytes_written) == (add.hbm_bytes_read, add.hbm_bytes_written)
+    assert rec.without_outputs() == rec and rec.without_outputs().outputs == {} and rec.outputs
+
+
 def test_event_measures_device_time_plus_launch_overhead(add):
     _, _, args = operands()
     start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
@@ -89,7 +124,7 @@ def test_launch_on_device_1_uses_device_1s_core(add, monkeypatch):
     assert runtime.core("neuron:1") is core1 and runtime.core(torch.device("neuron", 1)) is core1
     ran = []
     for i, c in ((0, core0), (1, core1)):
-        monkeypatch.setattr(c, "run", lambda *x, _i=i, _run=c.run, **k: ran.append(_i) or _run(*x, **k))
+        monkeypatch.setattr(c, "run_bound", lambda *x, _i=i, _run=c.run_bound, **k: ran.append(_i) or _run(*x, **k))
     d0, d1 = torch.neuron.current_stream(0), torch.neuron.current_stream(1)
     t0, t1 = clock(d0), clock(d1)
     rec = launch(add, args)

@@ -2,6 +2,7 @@
 #include "neuron.h"
 
 #include <torch/csrc/Generator.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/extension.h>
 
 namespace py = pybind11;
@@ -21,6 +22,18 @@ PYBIND11_MODULE(_C, m) {
   m.def("_strict", &torchneuron::strict);
   m.def("_fallback_counts", &torchneuron::fallback_counts);
   m.def("_reset_fallback_counts", &torchneuron::reset_fallback_counts);
+  // Lets a Python kernel (torchneuron/ops) hand inputs it has no device kernel for to the
+  // same CPU fallback that unregistered operators take (counted, warned, refused when strict).
+  m.def("_cpu_fallback", [](const std::string& name, const std::string& overload, py::args args,
+                            const py::kwargs& kwargs) {
+    auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+    torch::jit::Stack stack = torch::jit::createStackForSchema(op.schema(), args, kwargs, std::nullopt);
+    {
+      py::gil_scoped_release no_gil;
+      torchneuron::run_cpu_fallback(op, &stack);
+    }
+    return torch::jit::createPyObjectForStack(std::move(stack));
+  });
   m.def("_default_generator", [](int i) {
     return py::reinterpret_steal<py::object>(
         THPGenerator_initDefaultGenerator(torchneuron::default_neuron_generator(c10::DeviceIndex(i))));

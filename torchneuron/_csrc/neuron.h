@@ -6,6 +6,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cstdint>
 #include <string>
@@ -50,5 +51,7 @@ bool strict();
 std::vector<std::pair<std::string, int64_t>> fallback_counts();
 void reset_fallback_counts();
 void record_fallback(const std::string& op_name);
+// The catch-all CPU fallback (boxed): also what a Python kernel calls for inputs it does not handle.
+void run_cpu_fallback(const c10::OperatorHandle& op, std::vector<c10::IValue>* stack);
 
 }  // namespace torchneuron

@@ -276,6 +276,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
 
 }  // namespace
 
+void run_cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) { neuron_cpu_fallback(op, stack); }
+
 void set_strict(bool s) { g_strict = s; }
 bool strict() { return g_strict; }
 
@@ -339,10 +341,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_", TORCH_FN(set_empty));
   m.impl("native_dropout", TORCH_FN(native_dropout));
   m.impl("native_batch_norm", TORCH_FN(native_batch_norm));
-  // These have device-generic decompositions that would otherwise take precedence over
-  // the fallback and give results a rounding step away from the CPU kernels.
-  m.impl("native_layer_norm", torch::CppFunction::makeFromBoxedFunction<&neuron_cpu_fallback>());
-  m.impl("native_layer_norm_backward", torch::CppFunction::makeFromBoxedFunction<&neuron_cpu_fallback>());
+  // native_layer_norm and its backward are lowered to device kernels in Python (torchneuron/ops).
   m.impl("convolution_overrideable", TORCH_FN(convolution_overrideable));
   m.impl("convolution_backward_overrideable", TORCH_FN(convolution_backward_overrideable));
 }

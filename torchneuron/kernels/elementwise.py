@@ -41,15 +41,20 @@ def _apply(fn, tiles):
     return fn(*tiles)
 
 
-def _body(ins, fn, out_dtype):
+def _body(ins, fn, out_dtype, compute=nl.float32):
     R, C = max(t.shape[0] for t in ins), max(t.shape[1] for t in ins)
     out = nl.ndarray((R, C), out_dtype, buffer=nl.shared_hbm)
-    F = DMA_ROW_BYTES // 4                                    # fp32 compute tiles: 2048 elements, 8 KiB rows
+    F = DMA_ROW_BYTES // 4                                    # 4-byte compute tiles: 2048 elements, 8 KiB rows
     # SBUF: (inputs + result + one temporary) x 2 buffers of F fp32, plus preloaded broadcast rows
     check_sbuf((len(ins) + 2) * NBUF * F * 4 + len(ins) * min(C, F) * 4, "elementwise")
-    if all(tuple(t.shape) == (R, C) for t in ins):
+    if all(tuple(t.shape) in ((R, C), (1, 1)) for t in ins):   # full inputs and scalars: stream the flat tensor
         n = R * C
-        flat = [t.reshape((n,)) for t in ins]
+        flat = [t.reshape((n,)) if tuple(t.shape) == (R, C) else None for t in ins]
+        scalars = {}                                          # (1, 1) operands: one [128, 1] column, loaded once
+        for i, t in enumerate(ins):
+            if flat[i] is None:
+                scalars[i] = nl.ndarray((PMAX, 1), compute, buffer=nl.sbuf)
+                nisa.dma_copy(dst=scalars[i], src=t.broadcast_to((PMAX, 1)))
         oflat = out.reshape((n,))
         f = max(1, min(F, n // PMAX))
         step = PMAX * f
@@ -57,11 +62,14 @@ def _body(ins, fn, out_dtype):
         for s in range(0, n - n % step, step):               # whole [128, f] tiles
             tiles = []
             ring.append(tiles)
-            for t in flat:
-                x = nl.ndarray((PMAX, f), nl.float32, buffer=nl.sbuf)
+            for i, t in enumerate(flat):
+                if t is None:
+                    tiles.append(scalars[i])
+                    continue
+                x = nl.ndarray((PMAX, f), compute, buffer=nl.sbuf)
                 nisa.dma_copy(dst=x, src=t[s:s + step].reshape((PMAX, f)))
                 tiles.append(x)
-            y = _apply(fn, tiles)
+            y = _widen(_apply(fn, tiles), PMAX, f, compute)
             tiles.append(y)
             nisa.dma_copy(dst=oflat[s:s + step].reshape((PMAX, f)), src=y)
         s = n - n % step
@@ -73,11 +81,15 @@ def _body(ins, fn, out_dtype):
                 if pp * ff == 0:
                     continue
                 tiles = []
-                for t in flat:
-                    x = nl.ndarray((pp, ff), nl.float32, buffer=nl.sbuf)
+                for i, t in enumerate(flat):
+                    if t is None:
+                        tiles.append(scalars[i][:pp, :])
+                        continue
+                    x = nl.ndarray((pp, ff), compute, buffer=nl.sbuf)
                     nisa.dma_copy(dst=x, src=t[s0:s0 + pp * ff].reshape((pp, ff)))
                     tiles.append(x)
-                nisa.dma_copy(dst=oflat[s0:s0 + pp * ff].reshape((pp, ff)), src=_apply(fn, tiles))
+                y = _widen(_apply(fn, tiles), pp, ff, compute)
+                nisa.dma_copy(dst=oflat[s0:s0 + pp * ff].reshape((pp, ff)), src=y)
         return out
     kinds = ["full" if tuple(t.shape) == (R, C) else "scalar" if t.shape == (1, 1) else
              "row" if t.shape[0] == 1 else "col" for t in ins]
@@ -89,10 +101,10 @@ def _body(ins, fn, out_dtype):
         pre = {}
         for i, (k, t) in enumerate(zip(kinds, ins)):         # broadcast operands: loaded once per column block
             if k == "row":
-                pre[i] = nl.ndarray((PMAX, fw), nl.float32, buffer=nl.sbuf)
+                pre[i] = nl.ndarray((PMAX, fw), compute, buffer=nl.sbuf)
                 nisa.dma_copy(dst=pre[i], src=t[0:1, c0:c0 + fw].broadcast_to((PMAX, fw)))
             elif k == "scalar":
-                pre[i] = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+                pre[i] = nl.ndarray((PMAX, 1), compute, buffer=nl.sbuf)
                 nisa.dma_copy(dst=pre[i], src=t.broadcast_to((PMAX, 1)))
         for r0 in range(0, R, PMAX):
             p = min(PMAX, R - r0)
@@ -101,44 +113,50 @@ def _body(ins, fn, out_dtype):
                 if i in pre:
                     tiles.append(pre[i][:p, :])
                     continue
-                x = nl.ndarray((PMAX, fw if k == "full" else 1), nl.float32, buffer=nl.sbuf)
+                x = nl.ndarray((PMAX, fw if k == "full" else 1), compute, buffer=nl.sbuf)
                 src = t[r0:r0 + p, c0:c0 + fw] if k == "full" else t[r0:r0 + p, 0:1]
                 nisa.dma_copy(dst=x[:p, :], src=src)
                 tiles.append(x[:p, :])
-            y = _apply(fn, tiles)
-            if y.shape[1] != fw:                               # every input was a column: widen the result
-                wide = nl.ndarray((PMAX, fw), nl.float32, buffer=nl.sbuf)
-                nisa.memset(dst=wide[:p, :], value=0.0)
-                nisa.tensor_scalar(dst=wide[:p, :], data=wide[:p, :], op0=nl.add, operand0=y)
-                y = wide[:p, :]
+            y = _widen(_apply(fn, tiles), p, fw, compute)
             nisa.dma_copy(dst=out[r0:r0 + p, c0:c0 + fw], src=y)
     return out
 
 
-@nki.jit
-def elementwise1(a, fn, out_dtype):
-    return _body([a], fn, out_dtype)
+def _widen(y, p: int, f: int, compute):
+    """The expression's result as a [p, f] tile: an expression over columns only yields a column."""
+    if tuple(y.shape) == (p, f):
+        return y
+    assert y.shape[0] == p and y.access.free_elems == 1, f"elementwise: result {y.shape} is not [{p}, {f}]"
+    wide = nl.ndarray((p, f), compute, buffer=nl.sbuf)
+    nisa.memset(dst=wide, value=0)
+    nisa.tensor_scalar(dst=wide, data=wide, op0=nl.add, operand0=y)
+    return wide
 
 
 @nki.jit
-def elementwise2(a, b, fn, out_dtype):
-    return _body([a, b], fn, out_dtype)
+def elementwise1(a, fn, out_dtype, compute=nl.float32):
+    return _body([a], fn, out_dtype, compute)
 
 
 @nki.jit
-def elementwise3(a, b, c, fn, out_dtype):
-    return _body([a, b, c], fn, out_dtype)
+def elementwise2(a, b, fn, out_dtype, compute=nl.float32):
+    return _body([a, b], fn, out_dtype, compute)
 
 
 @nki.jit
-def elementwise4(a, b, c, d, fn, out_dtype):
-    return _body([a, b, c, d], fn, out_dtype)
+def elementwise3(a, b, c, fn, out_dtype, compute=nl.float32):
+    return _body([a, b, c], fn, out_dtype, compute)
+
+
+@nki.jit
+def elementwise4(a, b, c, d, fn, out_dtype, compute=nl.float32):
+    return _body([a, b, c, d], fn, out_dtype, compute)
 
 
 KERNELS = {1: elementwise1, 2: elementwise2, 3: elementwise3, 4: elementwise4}
 
 
-def _fold(shape: tuple, shapes: list[tuple]) -> tuple[int, list[str]] | None:
+def fold_broadcast(shape: tuple, shapes: list[tuple]) -> tuple[int, list[str]] | None:
     """A split k of the broadcast shape such that every input is full, a row, a column or a scalar."""
     nd = len(shape)
     for k in range(nd, -1, -1):
@@ -170,7 +188,7 @@ def elementwise(fn: Callable | str, *inputs, out_dtype=None, profile: bool = Fal
         out_dtype = ts[0].dtype
         for t in ts[1:]:
             out_dtype = torch.promote_types(out_dtype, t.dtype)
-    fold = _fold(shape, [tuple(t.shape) for t in ts])
+    fold = fold_broadcast(shape, [tuple(t.shape) for t in ts])
     if fold is None:  # a broadcast the [R, C] form cannot express: materialise those inputs (extra HBM traffic)
         ts = [t.expand(shape).contiguous() for t in ts]
         fold = (len(shape), ["full"] * len(ts))

@@ -4,7 +4,8 @@ A is given as [M, K] (``transpose_a=False``; its tiles are transposed on TensorE
 [K, M] (``transpose_a=True``, the layout TensorE's stationary operand wants). B is [K, N], or
 [N, K] with ``transpose_b=True`` (``A @ B.T``): each B panel is then loaded as row blocks
 [128, K] and transposed on TensorE into the [K, bn*512] panel layout (every B block once, by the
-same transpose/eviction code as A's), before the panel's M loop.
+same transpose/eviction code as A's); panel p+1 is built while panel p's matmuls run (its transpose
+groups spread evenly over p's K steps, two panels in SBUF), so TensorE never waits on an eviction.
 
 Blocking (the loop nest below):
 
@@ -47,19 +48,27 @@ def matmul_kernel(a, b, transpose_a=False, transpose_b=False):
     budget = nl.tile_size.sbuf_fmax_bytes
     # widest B panel (up to 4 PSUM banks; 3 when 2 banks hold A transposes) that fits half of SBUF
     bn = 3 if not (transpose_a and not transpose_b) else 4
-    while bn > 1 and KT * bn * TN * isz > budget // 2:
+    panels = 2 if transpose_b else 1           # B as [N, K]: the next panel is built during this one
+    while bn > 1 and panels * KT * bn * TN * isz > budget // 2:
         bn -= 1
     bn = min(bn, cdiv(N, TN))
     NW = bn * TN
-    # SBUF per partition: B panel + 2 A^T strips + 2 A (or B) row blocks + 2 output staging tiles
-    need = KT * NW * isz + 2 * KT * TM * isz + (0 if transpose_a and not transpose_b else 2 * K * isz) + 2 * NW * isz
+    # SBUF per partition: B panel(s) + 2 A^T strips + 2 A row blocks + 2 B row blocks + 2 output staging tiles
+    need = (panels * KT * NW * isz + 2 * KT * TM * isz + (0 if transpose_a else 2 * K * isz)
+            + (2 * K * isz if transpose_b else 0) + 2 * NW * isz)
     check_sbuf(need, f"matmul K={K}")
     out = nl.ndarray((M, N), dt, buffer=nl.shared_hbm)
     GT = max(1, 2048 // (TM * isz))            # A transposes per PSUM bank (8 bf16, 4 fp32)
     NG = cdiv(KT, GT)                          # transpose groups (PSUM banks) per strip
     # [M, K] with several N panels: the first panel transposes each strip once and also stores it
     # to an HBM scratch laid out like the SBUF strip (rows of KT*128 elements); later panels load it
-    scratch = nl.ndarray((MT, TK, KT, TM), dt, buffer=nl.hbm) if not transpose_a and N > NW else None
+    # N panels; with B as [N, K] (and A as [K, M]) the first is one PSUM bank wide, so it is built (not
+    # overlapped) quickly and the next, full-width one is built during its matmuls. (With A as [M, K]
+    # the first panel also transposes A; a narrow one leaves too little matmul work to hide A's DMAs.)
+    W0 = TN if transpose_b and transpose_a and N > NW else NW
+    starts = [0] + list(range(W0, N, NW))
+    widths = [min(NW if i else W0, N - n0) for i, n0 in enumerate(starts)]
+    scratch = nl.ndarray((MT, TK, KT, TM), dt, buffer=nl.hbm) if not transpose_a and len(starts) > 1 else None
     evict_turn = [0]
     # A^T strips and output staging tiles: 2-deep rings allocated before the B panels (first fit keeps
     # them at the bottom of SBUF, so the next B panel finds a contiguous gap while the current one is used)
@@ -119,21 +128,39 @@ def matmul_kernel(a, b, transpose_a=False, transpose_b=False):
         if kr:
             nisa.dma_copy(dst=scratch[mt, :kr, full, :mm], src=aT[:kr, full, :mm])
 
-    for pi, n0 in enumerate(range(0, N, NW)):
-        nw = min(NW, N - n0)
-        # B panel: one large DMA per K tile (rows of nw elements), spread over the DMA queues
+    def build_panel(n0, nw):
+        """B as [N, K]: a generator that builds the panel of columns [n0, n0 + NW) from row blocks [128, K]
+        (prefetched one ahead), each transposed on TensorE into panel columns [c0, c0 + 128) of every K
+        tile; it yields the panel first, then once after each transpose group (one PSUM bank)."""
         panel = nl.ndarray((TK, KT, NW), dt, buffer=nl.sbuf)
+        yield panel
+        nxt = load_rows(n0, b, N)
+        for c0 in range(0, nw, TM):
+            cur = nxt
+            nxt = load_rows(n0 + c0 + TM, b, N) if c0 + TM < nw else None
+            for q in range(NG):
+                transpose_group(cur, panel, min(TM, nw - c0), q, c0)
+                yield None
+
+    builder = None
+    if transpose_b:                            # the first panel is built up front
+        builder = build_panel(0, widths[0])
+        next_panel = next(builder)
+        for _ in builder:
+            pass
+    for pi, (n0, nw) in enumerate(zip(starts, widths)):
         if transpose_b:
-            # B as [N, K]: row blocks [128, K] (prefetched one ahead), each transposed on TensorE into
-            # panel columns [c0, c0 + 128) of every K tile
-            brows = load_rows(n0, b, N)
-            for c0 in range(0, nw, TM):
-                cur = brows
-                brows = load_rows(n0 + c0 + TM, b, N) if c0 + TM < nw else None
-                for q in range(NG):
-                    transpose_group(cur, panel, min(TM, nw - c0), q, c0)
-            cur = brows = None
+            # this panel was built during the previous panel's matmuls; start building the next one:
+            # its transpose groups are spread evenly over this panel's (M tile, K tile) steps
+            panel = next_panel
+            more_panels = pi + 1 < len(starts)
+            builder = build_panel(starts[pi + 1], widths[pi + 1]) if more_panels else None
+            next_panel = next(builder) if more_panels else None
+            steps = cdiv(widths[pi + 1], TM) * NG if more_panels else 0
+            done = 0
         else:
+            # B panel: one large DMA per K tile (rows of nw elements), spread over the DMA queues
+            panel = nl.ndarray((TK, KT, NW), dt, buffer=nl.sbuf)
             for kt in range(KT):
                 kk = min(TK, K - kt * TK)
                 nisa.dma_copy(dst=panel[:kk, kt, :nw], src=b[kt * TK:kt * TK + kk, n0:n0 + nw])
@@ -176,6 +203,11 @@ def matmul_kernel(a, b, transpose_a=False, transpose_b=False):
                                    moving=panel[:kk, kt, j * TN:j * TN + w], accumulate=kt > 0)
                 if transposing and more and kt in at_kt:
                     transpose_group(rows_cur, aT_next, mm1, at_kt[kt])
+                if builder is not None:        # next B panel's transpose groups due by this step
+                    due = cdiv((mt * KT + kt + 1) * steps, MT * KT)
+                    while done < due:
+                        next(builder, None)
+                        done += 1
             if transposing and more:
                 rows_cur = None
                 if scratch is not None:
@@ -189,6 +221,9 @@ def matmul_kernel(a, b, transpose_a=False, transpose_b=False):
                 else:
                     nisa.activation(dst=res[:mm, j * TN:j * TN + w], op=nl.identity, data=acc[:mm, :w])
             nisa.dma_copy(dst=out[m0:m0 + mm, n0:n0 + nw], src=res[:mm, :nw])
+        if builder is not None:                # (nothing left unless the M loop was short)
+            for _ in builder:
+                pass
     return out
 
 

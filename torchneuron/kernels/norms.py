@@ -16,8 +16,20 @@ One row per partition, blocks of 128 rows, the whole row [128, D] in SBUF (fp32)
                      (ones[rows, 1]^T @ tile, 512 columns per PSUM bank), accumulated in SBUF fp32.
 
 Weight and bias rows are DMA-broadcast to all 128 partitions once. The tiles of the last NBUF
-blocks stay alive so DMA and the three engines overlap. Limits: D fp32 x (tiles) x NBUF in SBUF
-(D <= ~4700 forward, ~1700 backward on trn2); bn_stats chunks of <= 512 (nl.tile_size.bn_stats_fmax).
+blocks stay alive so DMA and the three engines overlap. The single pass holds whole rows: D fp32 x
+(tiles) x NBUF in SBUF (D <= ~4700 forward, ~1700 backward on trn2); bn_stats chunks of <= 512.
+
+Longer rows take several passes over column blocks of W (any D up to ~5 M), on super-blocks of up
+to SB x 128 rows whose per-row scalars stay in SBUF:
+
+    pass A (rows outer, columns inner): per block bn_stats/bn_aggr -> (n, mean, n*var) triplets,
+            one bn_aggr over the row's triplets (Chan's exact combination) -> rstd, -mean*rstd
+            (RMS: sum of squares per block, added up)
+    forward, pass B (columns outer, rows inner): w/b blocks loaded once per column block;
+            y = xhat * w + b as in the single pass                        x read twice: <= 2/3 of bound
+    backward, pass B: c1 = sum(g), c2 = sum(g * xhat) per row, g = dy * w; dw/db column sums
+            accumulate in PSUM over the super-block's rows (ones^T @ tile), stored per column block
+    backward, pass C: dx = rstd * (g - c1/D - xhat * c2/D)                x 3x, dy 2x: <= 1/2 of bound
 """
 from __future__ import annotations
 
@@ -30,6 +42,19 @@ from torchneuron.kernels._common import PMAX, PSUM_FP32, as_tensor, cdiv, check_
 
 NBUF = 3
 BN = 512   # nl.tile_size.bn_stats_fmax
+W = 2048   # columns per block of the multi-pass path (forward)
+WB = 1024  # ... backward (dw and db accumulate in 2 PSUM banks each)
+SB = 1024  # row blocks per super-block of the multi-pass path (their scalars stay in SBUF)
+
+
+def fwd_fits(D: int) -> bool:
+    """Whether a forward row of D elements takes the single-pass path."""
+    return (2 + (NBUF + 1) * 2) * D * 4 + 8 * D <= nl.tile_size.sbuf_fmax_bytes
+
+
+def bwd_fits(D: int) -> bool:
+    """Whether a backward row of D elements takes the single-pass path."""
+    return (1 + (NBUF + 1) * 7) * D * 4 + 16 * D <= nl.tile_size.sbuf_fmax_bytes
 
 
 def _row(v, D):
@@ -67,12 +92,97 @@ def _rms_stats(t, p, D, eps):
     return rstd
 
 
+def _long_stats(x, r0, p, D, eps, rms, sc):
+    """Pass A for one row block: (rstd, -mean*rstd) into sc[:, 0:2] (RMS: nmr = 0), column blocks of W."""
+    ncb = cdiv(D, W)
+    assert ncb * 12 <= 64 * 1024, f"layer_norm: rows of {D} elements exceed the {64 * 1024 // 12 * W} supported"
+    trip = nl.ndarray((PMAX, ncb, 3), nl.float32, buffer=nl.sbuf)   # (n, mean, n*var) per column block
+    ring = collections.deque(maxlen=NBUF)
+    for cb in range(ncb):
+        c0 = cb * W
+        w = min(W, D - c0)
+        t = nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t[:p, :w], src=x[r0:r0 + p, c0:c0 + w])
+        if rms:   # sum of squares of the block into the n*var slot (n = 1, mean = 0 are never read)
+            sq = nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=sq[:p, :w], op=nl.square, data=t[:p, :w], reduce_op=nl.add,
+                            reduce_res=trip[:p, cb, 2:3], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+            ring.append((t, sq))
+            continue
+        nch = cdiv(w, BN)
+        st = nl.ndarray((PMAX, 6 * cdiv(W, BN)), nl.float32, buffer=nl.sbuf)
+        for c in range(nch):
+            nisa.bn_stats(dst=st[:p, 6 * c:6 * c + 6], data=t[:p, c * BN:min(w, (c + 1) * BN)])
+        mv = nl.ndarray((PMAX, 2), nl.float32, buffer=nl.sbuf)
+        nisa.bn_aggr(dst=mv[:p], data=st[:p, :6 * nch])
+        nisa.memset(dst=trip[:p, cb, 0:1], value=float(w))
+        nisa.tensor_copy(dst=trip[:p, cb, 1:2], src=mv[:p, 0:1])
+        nisa.tensor_scalar(dst=trip[:p, cb, 2:3], data=mv[:p, 1:2], op0=nl.multiply, operand0=float(w))
+        ring.append((t, st, mv))
+    rstd, nmr = sc[:p, 0:1], sc[:p, 1:2]
+    if rms:
+        ss = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=ss[:p], op=nl.add, data=trip[:p, :, 2], axis=(1,))
+        nisa.tensor_scalar(dst=rstd, data=ss[:p], op0=nl.multiply, operand0=1.0 / D, op1=nl.add, operand1=eps)
+        nisa.tensor_scalar(dst=rstd, data=rstd, op0=nl.power, operand0=-0.5)
+        nisa.memset(dst=nmr, value=0.0)
+        return
+    mv = nl.ndarray((PMAX, 2), nl.float32, buffer=nl.sbuf)
+    nisa.bn_aggr(dst=mv[:p], data=trip[:p].reshape((p, 3 * ncb)))
+    nisa.tensor_scalar(dst=rstd, data=mv[:p, 1:2], op0=nl.add, operand0=eps, op1=nl.power, operand1=-0.5)
+    nisa.tensor_scalar(dst=nmr, data=mv[:p, 0:1], op0=nl.multiply, operand0=rstd, op1=nl.multiply, operand1=-1.0)
+
+
+def _blocks(N):
+    """Super-blocks: lists of (row block index in the super-block, r0, rows)."""
+    rbs = [(r0, min(PMAX, N - r0)) for r0 in range(0, N, PMAX)]
+    for s0 in range(0, len(rbs), SB):
+        yield [(i, r0, p) for i, (r0, p) in enumerate(rbs[s0:s0 + SB])]
+
+
+def _row_block(v, c0, w, Wd):
+    """Columns [c0, c0 + w) of a (D,) HBM vector broadcast over the partitions (fp32 SBUF)."""
+    t = nl.ndarray((PMAX, Wd), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t[:, :w], src=v[c0:c0 + w].reshape((1, w)).broadcast_to((PMAX, w)))
+    return t
+
+
+def _ln_fwd_long(x, weight, bias, out, eps, rms):
+    N, D = x.shape
+    ring = collections.deque(maxlen=NBUF)
+    for blk in _blocks(N):
+        sc = nl.ndarray((PMAX, len(blk), 2), nl.float32, buffer=nl.sbuf)    # rstd, -mean*rstd per row block
+        for i, r0, p in blk:
+            _long_stats(x, r0, p, D, eps, rms, sc[:, i, :])
+        for c0 in range(0, D, W):
+            w = min(W, D - c0)
+            wt = _row_block(weight, c0, w, W)
+            bt = None if rms else _row_block(bias, c0, w, W)
+            for i, r0, p in blk:
+                t = nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=t[:p, :w], src=x[r0:r0 + p, c0:c0 + w])
+                y = nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)
+                nisa.activation(dst=y[:p, :w], op=nl.identity, data=t[:p, :w], scale=sc[:p, i, 0:1],
+                                bias=sc[:p, i, 1:2])
+                nisa.tensor_tensor(dst=y[:p, :w], data1=y[:p, :w], data2=wt[:p, :w], op=nl.multiply,
+                                   engine=nisa.gpsimd_engine)
+                if not rms:
+                    nisa.tensor_tensor(dst=y[:p, :w], data1=y[:p, :w], data2=bt[:p, :w], op=nl.add,
+                                       engine=nisa.gpsimd_engine)
+                nisa.dma_copy(dst=out[r0:r0 + p, c0:c0 + w], src=y[:p, :w])
+                ring.append((t, y))
+            ring.append((wt, bt))
+
+
 @nki.jit
 def layer_norm_kernel(x, weight, bias, eps=1e-5, rms=False):
     """Forward layer norm (``rms``: RMS norm, ``bias`` ignored) of the rows of [N, D]."""
     N, D = x.shape
-    check_sbuf((2 + (NBUF + 1) * 2) * D * 4 + 8 * D, f"layer_norm D={D}")
     out = nl.ndarray((N, D), x.dtype, buffer=nl.shared_hbm)
+    if not fwd_fits(D):
+        _ln_fwd_long(x, weight, bias, out, eps, rms)
+        return out
+    check_sbuf((2 + (NBUF + 1) * 2) * D * 4 + 8 * D, f"layer_norm D={D}")
     w = _row(weight, D)
     b = None if rms else _row(bias, D)
     ring = collections.deque(maxlen=NBUF)
@@ -104,14 +214,96 @@ def _col_sum(acc, src, p, D, ones):
         nisa.tensor_tensor(dst=acc[:, c0:c0 + w], data1=acc[:, c0:c0 + w], data2=ps[:, :w], op=nl.add)
 
 
+def _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms):
+    N, D = x.shape
+    ones = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    ring = collections.deque(maxlen=NBUF)
+    for si, blk in enumerate(_blocks(N)):
+        nb = len(blk)
+        sc = nl.ndarray((PMAX, nb, 2), nl.float32, buffer=nl.sbuf)     # rstd, -mean*rstd per row block
+        cs = nl.ndarray((PMAX, nb, 2), nl.float32, buffer=nl.sbuf)     # sum(g), sum(g * xhat) per row block
+        nisa.memset(dst=cs, value=0.0)
+        for i, r0, p in blk:
+            _long_stats(x, r0, p, D, eps, rms, sc[:, i, :])
+        for phase in ("sums", "dx"):
+            for c0 in range(0, D, WB):
+                w = min(WB, D - c0)
+                wt = _row_block(weight, c0, w, WB)
+                if phase == "sums":    # dw, db of this column block accumulate over the rows in PSUM
+                    dw_ps = nl.ndarray((1, WB), nl.float32, buffer=nl.psum)
+                    db_ps = nl.ndarray((1, WB), nl.float32, buffer=nl.psum)
+                for i, r0, p in blk:
+                    t = nl.ndarray((PMAX, WB), nl.float32, buffer=nl.sbuf)
+                    g = nl.ndarray((PMAX, WB), nl.float32, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=t[:p, :w], src=x[r0:r0 + p, c0:c0 + w])
+                    nisa.dma_copy(dst=g[:p, :w], src=dy[r0:r0 + p, c0:c0 + w])
+                    xh = nl.ndarray((PMAX, WB), nl.float32, buffer=nl.sbuf)
+                    nisa.activation(dst=xh[:p, :w], op=nl.identity, data=t[:p, :w], scale=sc[:p, i, 0:1],
+                                    bias=sc[:p, i, 1:2])
+                    if phase == "sums":
+                        prod = nl.ndarray((PMAX, WB), nl.float32, buffer=nl.sbuf)
+                        nisa.tensor_tensor(dst=prod[:p, :w], data1=g[:p, :w], data2=xh[:p, :w], op=nl.multiply,
+                                           engine=nisa.gpsimd_engine)
+                        for q0 in range(0, w, PSUM_FP32):
+                            q = min(PSUM_FP32, w - q0)
+                            nisa.nc_matmul(dst=dw_ps[:, q0:q0 + q], stationary=ones[:p, :],
+                                           moving=prod[:p, q0:q0 + q], accumulate=i > 0)
+                            if not rms:
+                                nisa.nc_matmul(dst=db_ps[:, q0:q0 + q], stationary=ones[:p, :],
+                                               moving=g[:p, q0:q0 + q], accumulate=i > 0)
+                        # gw = dy * w; c1 += sum(gw) (VectorE reduce), c2 += sum(gw * xhat) (fused reduce)
+                        gw = nl.ndarray((PMAX, WB), nl.float32, buffer=nl.sbuf)
+                        part = nl.ndarray((PMAX, 2), nl.float32, buffer=nl.sbuf)
+                        nisa.tensor_tensor(dst=gw[:p, :w], data1=g[:p, :w], data2=wt[:p, :w], op=nl.multiply)
+                        nisa.tensor_reduce(dst=part[:p, 0:1], op=nl.add, data=gw[:p, :w], axis=(1,))
+                        nisa.tensor_tensor(dst=prod[:p, :w], data1=gw[:p, :w], data2=xh[:p, :w], op=nl.multiply,
+                                           engine=nisa.gpsimd_engine)
+                        nisa.tensor_reduce(dst=part[:p, 1:2], op=nl.add, data=prod[:p, :w], axis=(1,))
+                        nisa.tensor_tensor(dst=cs[:p, i, :], data1=cs[:p, i, :], data2=part[:p], op=nl.add)
+                        ring.append((t, g, xh, prod, gw))
+                    else:   # dx = rstd * (gw - c1/D - xhat * c2/D); cs holds -c1/D, -c2/D
+                        gw = nl.ndarray((PMAX, WB), nl.float32, buffer=nl.sbuf)
+                        nisa.tensor_tensor(dst=gw[:p, :w], data1=g[:p, :w], data2=wt[:p, :w], op=nl.multiply)
+                        corr = nl.ndarray((PMAX, WB), nl.float32, buffer=nl.sbuf)
+                        nisa.activation(dst=corr[:p, :w], op=nl.identity, data=xh[:p, :w], scale=cs[:p, i, 1:2],
+                                        bias=cs[:p, i, 0:1])
+                        nisa.tensor_tensor(dst=gw[:p, :w], data1=gw[:p, :w], data2=corr[:p, :w], op=nl.add,
+                                           engine=nisa.gpsimd_engine)
+                        nisa.activation(dst=corr[:p, :w], op=nl.identity, data=gw[:p, :w], scale=sc[:p, i, 0:1])
+                        nisa.dma_copy(dst=dx_out[r0:r0 + p, c0:c0 + w], src=corr[:p, :w])
+                        ring.append((t, g, xh, gw, corr))
+                if phase == "sums":   # this super-block's dw/db columns (added to earlier super-blocks')
+                    for ps, dst in ((dw_ps, dw_out), (db_ps, db_out)):
+                        acc = nl.ndarray((1, WB), nl.float32, buffer=nl.sbuf)
+                        if rms and dst is db_out:
+                            nisa.memset(dst=acc[:, :w], value=0.0)
+                        else:
+                            nisa.tensor_copy(dst=acc[:, :w], src=ps[:, :w])
+                        if si > 0:
+                            prev = nl.ndarray((1, WB), nl.float32, buffer=nl.sbuf)
+                            nisa.dma_copy(dst=prev[:, :w], src=dst[:, c0:c0 + w])
+                            nisa.tensor_tensor(dst=acc[:, :w], data1=acc[:, :w], data2=prev[:, :w], op=nl.add)
+                        nisa.dma_copy(dst=dst[:, c0:c0 + w], src=acc[:, :w])
+                        ring.append((acc,))
+                ring.append((wt,))
+            if phase == "sums":       # c1, c2 as the means the dx formula wants (RMS: no c1 term)
+                nisa.tensor_scalar(dst=cs, data=cs, op0=nl.multiply, operand0=-1.0 / D)
+                if rms:
+                    nisa.memset(dst=cs[:, :, 0:1], value=0.0)
+
+
 @nki.jit
 def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False):
     """Backward of layer norm (``rms``: RMS norm): returns (dx, dweight, dbias) (dbias zero for RMS)."""
     N, D = x.shape
-    check_sbuf((1 + (NBUF + 1) * 7) * D * 4 + 16 * D, f"layer_norm backward D={D}")
     dx_out = nl.ndarray((N, D), x.dtype, buffer=nl.shared_hbm)
     dw_out = nl.ndarray((1, D), weight.dtype, buffer=nl.shared_hbm)
     db_out = nl.ndarray((1, D), weight.dtype, buffer=nl.shared_hbm)
+    if not bwd_fits(D):
+        _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms)
+        return dx_out, dw_out, db_out
+    check_sbuf((1 + (NBUF + 1) * 7) * D * 4 + 16 * D, f"layer_norm backward D={D}")
     w = _row(weight, D)
     ones = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)

@@ -9,8 +9,18 @@
         store [128, D] (cast to the input dtype)                            DMA
 
 Tiles of the last NBUF blocks stay alive, so loads, the two engines and stores of consecutive
-blocks overlap. Limits: D fp32 elements per partition x 3 tiles x NBUF must fit SBUF
-(D <= ~4700 on trn2 at NBUF 3; the row is one engine operand, <= 64 Ki elements).
+blocks overlap. The single pass holds the whole row: D fp32 x 3 tiles x (NBUF + 1) must fit SBUF
+(D <= ~4700 on trn2). Longer rows take two passes over column blocks of W = 2048:
+
+    pass 1 (online max/sum), per column block:
+        bm = -max(x_blk)                                 VectorE
+        m' = min(m, bm)  (m is -max so far)              VectorE, (P, 1)
+        s  = s * exp(m' - m) + sum(exp(x_blk + m'))      ScalarE (activation + reduce), VectorE (P, 1)
+    pass 2, per column block:
+        softmax: y = exp(x + (m - log s))                one ScalarE activation
+        log_softmax: y = x + (m - log s)                 one ScalarE activation
+
+x is read twice and y written once: at most 2/3 of the bandwidth bound. Any D.
 """
 from __future__ import annotations
 
@@ -20,16 +30,72 @@ from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.kernels._common import PMAX, as_tensor, check_sbuf
+from torchneuron.kernels.transpose import permute
 
 NBUF = 3
+W = 2048        # columns per block of the two-pass path (8 KiB fp32 rows: 1 MiB DMAs)
+
+
+def fits_one_pass(D: int) -> bool:
+    """Whether a row of D elements takes the single-pass path (the whole row in SBUF)."""
+    return (NBUF + 1) * 3 * D * 4 + 64 <= nl.tile_size.sbuf_fmax_bytes
+
+
+def _col():
+    return nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+
+
+def _softmax_long(x, out, log):
+    """Two passes over column blocks of W: online max/sum, then the output (any row length)."""
+    N, D = x.shape
+    ring = collections.deque(maxlen=NBUF)
+    for r0 in range(0, N, PMAX):
+        p = min(PMAX, N - r0)
+        nm = s = None                             # -max and sum(exp(x + nm)) of the columns seen so far
+        for c0 in range(0, D, W):
+            w = min(W, D - c0)
+            t = nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t[:p, :w], src=x[r0:r0 + p, c0:c0 + w])
+            bm = _col()
+            nisa.tensor_reduce(dst=bm[:p], op=nl.maximum, data=t[:p, :w], axis=(1,), negate=True)
+            if nm is not None:                    # new running -max, and the factor for the old sum
+                nm2 = _col()
+                nisa.tensor_tensor(dst=nm2[:p], data1=nm[:p], data2=bm[:p], op=nl.minimum)
+                corr = _col()
+                nisa.tensor_tensor(dst=corr[:p], data1=nm2[:p], data2=nm[:p], op=nl.subtract)
+                nisa.activation(dst=corr[:p], op=nl.exp, data=corr[:p])
+                bm = nm2
+            e = nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)   # exp values are not kept
+            bs = _col()
+            nisa.activation(dst=e[:p, :w], op=nl.exp, data=t[:p, :w], bias=bm[:p], reduce_op=nl.add,
+                            reduce_res=bs[:p], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+            if nm is not None:                    # s = s * corr + bs
+                nisa.scalar_tensor_tensor(dst=bs[:p], data=s[:p], op0=nl.multiply, operand0=corr[:p],
+                                          op1=nl.add, operand1=bs[:p])
+            nm, s = bm, bs
+            ring.append((t, e))
+        bias = _col()                             # -max - log(sum)
+        nisa.activation(dst=bias[:p], op=nl.log, data=s[:p])
+        nisa.tensor_tensor(dst=bias[:p], data1=nm[:p], data2=bias[:p], op=nl.subtract)
+        for c0 in range(0, D, W):
+            w = min(W, D - c0)
+            t = nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t[:p, :w], src=x[r0:r0 + p, c0:c0 + w])
+            y = nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=y[:p, :w], op=nl.identity if log else nl.exp, data=t[:p, :w], bias=bias[:p])
+            nisa.dma_copy(dst=out[r0:r0 + p, c0:c0 + w], src=y[:p, :w])
+            ring.append((t, y))
 
 
 @nki.jit
 def softmax_kernel(x, log=False):
-    """softmax (or log_softmax) of every row of a 2-D [N, D] tensor."""
+    """softmax (or log_softmax) of every row of a 2-D [N, D] tensor (any D)."""
     N, D = x.shape
-    check_sbuf((NBUF + 1) * 3 * D * 4 + 64, f"softmax D={D}")
     out = nl.ndarray((N, D), x.dtype, buffer=nl.shared_hbm)
+    if not fits_one_pass(D):
+        _softmax_long(x, out, log)
+        return out
+    check_sbuf((NBUF + 1) * 3 * D * 4 + 64, f"softmax D={D}")
     ring = collections.deque(maxlen=NBUF)
     for r0 in range(0, N, PMAX):
         p = min(PMAX, N - r0)
@@ -57,13 +123,20 @@ def softmax_kernel(x, log=False):
 
 
 def softmax(x, dim: int = -1, log: bool = False):
-    """softmax (``log=True``: log_softmax) of a tensor over its last dim through the simulator."""
+    """softmax (``log=True``: log_softmax) of a tensor over ``dim`` through the simulator. The last dim
+    runs in place; another dim is moved last and back by the permute kernel (two extra copies)."""
     x = as_tensor(x)
-    assert dim in (-1, x.dim() - 1), "softmax kernels reduce the last dim (permute first)"
+    if x.dim() == 0 or x.numel() == 0:
+        return softmax(x.reshape(1, -1), -1, log).reshape(x.shape) if x.numel() else x.new_empty(x.shape)
+    dim = dim % x.dim()
+    if dim != x.dim() - 1:
+        perm = [d for d in range(x.dim()) if d != dim] + [dim]
+        inv = [perm.index(d) for d in range(x.dim())]
+        return permute(softmax(permute(x, perm), -1, log), inv)
     shape = x.shape
-    return softmax_kernel(x.reshape(-1, shape[-1]) if x.dim() != 2 else x, log=log).reshape(shape)
+    return softmax_kernel(x.reshape(-1, shape[-1]), log=log).reshape(shape)
 
 
 def log_softmax(x, dim: int = -1):
-    """log_softmax over the last dim."""
+    """log_softmax over ``dim``."""
     return softmax(x, dim, log=True)

@@ -15,7 +15,7 @@ import functools
 import inspect
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -65,6 +65,7 @@ class Traced:
     program: Program
     inputs: tuple[str, ...]      # parameter names bound to HBM inputs
     result: Any                  # the return structure with slot names in place of tensors
+    constants: dict = field(default_factory=dict)  # nl.shared_constant slots -> their data (bound every run)
 
 
 class Kernel:
@@ -100,6 +101,10 @@ class Kernel:
         if hit is None:
             hit = self.cache[key] = self._trace(bound, spec)
             self._root.trace_count += 1
+        if hit.constants and any(isinstance(v, torch.Tensor) and v.device.type == "neuron"
+                                 for v in bound.arguments.values()):
+            raise NotImplementedError(f"kernel {self.fn.__name__!r} uses nl.shared_constant, which is not yet "
+                                      f"supported on neuron tensors; call it with CPU tensors or NumPy arrays")
         return hit
 
     def _trace(self, bound: inspect.BoundArguments, spec: ChipSpec) -> Traced:
@@ -116,7 +121,7 @@ class Kernel:
         finally:
             set_current(None)
         outs = [s for s in _flatten(result)]
-        return Traced(trace.program(self.fn.__name__, outs), inputs, result)
+        return Traced(trace.program(self.fn.__name__, outs), inputs, result, dict(trace.constants))
 
     def run(self, args: tuple, kwargs: dict, chip: str | ChipSpec | None = None, timed: bool = False):
         """Trace (or reuse) and simulate; returns (outputs in the caller's array kind, RunReport, Traced)."""
@@ -124,7 +129,8 @@ class Kernel:
         traced = self.trace(args, kwargs, spec)
         bound = self._bind(args, kwargs).arguments
         arrays = {n: bound[n] for n in traced.inputs}
-        report = _core(spec).run(traced.program, {n: _to_torch(v) for n, v in arrays.items()}, timed=timed)
+        bindings = {**{n: _to_torch(v) for n, v in arrays.items()}, **traced.constants}
+        report = _core(spec).run(traced.program, bindings, timed=timed)
         as_numpy = not arrays or any(isinstance(v, np.ndarray) for v in arrays.values())
         convert = _to_numpy if as_numpy else (lambda t: t)
         outputs = _rebuild(traced.result, lambda s: convert(report.bindings[s]))

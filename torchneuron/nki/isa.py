@@ -54,7 +54,10 @@ def dma_copy(dst: Tile, src: Tile, priority: int | None = None, oob_mode: Any = 
              dge_mode: Any = dge_mode.unknown, engine: Any = None, name: str | None = None) -> None:
     """``dst = src`` by DMA (HBM <-> SBUF; never PSUM), converting dtypes."""
     mode = getattr(dge_mode, "name", dge_mode)
-    _emit(sim.DmaCopy, dst=dst, src=src, oob_mode=oob_mode, dge_mode=mode, queue=current().next_dma_queue())
+    indexed = {f"{side}_index": t.indirect for side, t in (("src", src), ("dst", dst))
+               if isinstance(t, NkiTensor) and t.indirect is not None}   # .ap(vector_offset=...)
+    _emit(sim.DmaCopy, dst=dst, src=src, oob_mode=getattr(oob_mode, "name", oob_mode), dge_mode=mode,
+          queue=current().next_dma_queue(), **indexed)
 
 
 def dma_transpose(dst: Tile, src: Tile, axes: tuple[int, ...] | None = None, dge_mode: Any = dge_mode.unknown,

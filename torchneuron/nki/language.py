@@ -11,6 +11,7 @@ import math
 import os
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from torchneuron.nki import isa as nisa
@@ -61,8 +62,9 @@ tile_size = _TileSize()
 
 # ---- creation -------------------------------------------------------------------------------
 
-def ndarray(shape: Sequence[int], dtype: Any, buffer: Buffer = sbuf, name: str = "") -> Tile:
-    """An uninitialised tensor on ``buffer`` (on chip, dim 0 is the partition dim, <= 128)."""
+def ndarray(shape: Sequence[int], dtype: Any, buffer: Buffer = sbuf, name: str = "", address: Any = None) -> Tile:
+    """An uninitialised tensor on ``buffer`` (on chip, dim 0 is the partition dim, <= 128). ``address`` is
+    accepted as a placement hint and ignored: the tracer places on-chip tensors itself (by liveness)."""
     return current().allocate(shape, dtype, buffer, name)
 
 
@@ -77,6 +79,44 @@ def full(shape: Sequence[int], fill_value: float | int, dtype: Any, buffer: Buff
 def zeros(shape: Sequence[int], dtype: Any, buffer: Buffer = sbuf, name: str = "") -> Tile:
     """A zero-filled tensor."""
     return full(shape, 0, dtype, buffer, name)
+
+
+def shared_constant(constant: Any, dtype: Any = None) -> Tile:
+    """A read-only shared-HBM tensor holding ``constant`` (a NumPy array, tensor or nested list), cast to
+    ``dtype`` if given; embedded in the program (bound with the inputs at every run)."""
+    if isinstance(constant, NkiTensor):
+        raise TypeError("nl.shared_constant takes host data (a NumPy array or tensor), not a kernel tensor")
+    data = constant.detach().cpu() if isinstance(constant, torch.Tensor) else _host_tensor(constant)
+    target = as_dtype(dtype if dtype is not None else data.dtype)  # (a float64 array needs dtype=)
+    data = data.to(target).contiguous()
+    return current().constant(data.reshape(1) if data.dim() == 0 else data)
+
+
+def _host_tensor(value: Any) -> torch.Tensor:
+    arr = np.ascontiguousarray(np.asarray(value))
+    if arr.dtype == object:
+        raise TypeError(f"expected numeric host data, got {type(value).__name__} of objects")
+    return torch.from_numpy(arr.copy())
+
+
+_TORCH_TO_NP = {torch.bool: np.bool_, torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32,
+                torch.uint8: np.uint8, torch.uint16: np.uint16, torch.uint32: np.uint32,
+                torch.float16: np.float16, torch.float32: np.float32}
+
+
+def static_cast(value: Any, dtype: Any) -> Any:
+    """Host-side cast of a NumPy array (or tensor) to an NKI dtype: a NumPy array where NumPy has the dtype,
+    else (bf16, fp8: NumPy has none here) a CPU tensor of that dtype; kernels accept both as inputs."""
+    if isinstance(value, NkiTensor):
+        raise TypeError("nl.static_cast casts host arrays; inside a kernel cast a tile with nl.copy(x, dtype=...) "
+                        "or the dtype= of the instruction that produces it")
+    target = as_dtype(dtype)
+    if isinstance(value, torch.Tensor):
+        return value.to(target)
+    np_dtype = _TORCH_TO_NP.get(target)
+    if np_dtype is not None:
+        return np.asarray(value).astype(np_dtype)
+    return _host_tensor(value).to(target)
 
 
 # ---- loops (every loop is unrolled at trace time) ------------------------------------------
@@ -327,5 +367,23 @@ def matmul(x: Tile, y: Tile, transpose_x: bool = False) -> Tile:
     return out
 
 
+# removed from the current generation (NKI 0.2.0): say what replaces them instead of a bare AttributeError
+_REMOVED = {
+    "arange": "index with slices (t[0:128, 0:512], steps allowed), nl.ds(start, size) or a raw .ap(pattern)",
+    "mgrid": "index with slices (t[0:128, 0:8, 0:64]), nl.ds(start, size) or a raw .ap(pattern)",
+    "par_dim": "use a Python list of tiles or fold the block dims into a free dim",
+    "spmd_dim": "launch kernel[lnc] (lnc 1 or 2)",
+    "nc": "launch kernel[lnc] (lnc 1 or 2)",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REMOVED:
+        raise AttributeError(f"nl.{name} is not in the current NKI generation (removed in NKI 0.2.0): "
+                             f"{_REMOVED[name]}; earlier-generation kernels run with torchneuron.nki.legacy "
+                             f"(neuronxcc.nki after install_import_aliases())")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [n for n in dir() if not n.startswith("_") and n not in (
-    "annotations", "builtins", "math", "os", "torch", "Any", "Sequence", "SimulatorError", "PMAX", "chip_spec")]
+    "annotations", "builtins", "math", "np", "os", "torch", "Any", "Sequence", "SimulatorError", "PMAX", "chip_spec")]

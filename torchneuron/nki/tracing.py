@@ -4,6 +4,10 @@ A kernel runs once as ordinary Python. Every tensor it makes is an access patter
 into a simulated memory: SBUF/PSUM boxes come from first-fit allocators sized by the chip
 spec (freed when the Python tensor dies, so loop bodies reuse them), HBM tensors are the
 program's argument slots. Every ``nki.isa`` call appends one simulator instruction.
+
+A tile that does not fit while earlier tiles are still bound in Python is given a virtual box past
+the capacity; when the trace ends, ``liveness.place_by_liveness`` moves it into memory whose tiles no
+later instruction touches (the compiler allocates by liveness), or raises the overflow error.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from torchneuron.nki.liveness import Alloc, place_by_liveness
 from torchneuron.sim import AP, Memory, SimulatorError, tile
 from torchneuron.sim.instruction import Engine
 from torchneuron.sim.isa import Instr
@@ -23,6 +28,7 @@ from torchneuron.sim.program import ArgSlot, Program
 from torchneuron.sim.specs import ChipSpec
 
 DMA_QUEUES = 16  # DMA instructions are spread round-robin over this many in-order queues
+VIRTUAL_BYTES = 1 << 40  # trace-time on-chip address space: overflowed tiles live past the capacity
 
 
 class Buffer:
@@ -111,9 +117,20 @@ class NkiTensor:
         """A view with another shape (on chip, dim 0 stays the partition dim)."""
         return self._view(self.access.reshape(tuple(shape)))
 
-    def ap(self, pattern: Sequence[Sequence[int]], offset: int = 0, dtype: Any = None) -> "NkiTensor":
+    indirect: "NkiTensor | None" = None  # ``.ap(vector_offset=...)``: the row indices of an indirect DMA
+
+    def ap(self, pattern: Sequence[Sequence[int]], offset: int = 0, dtype: Any = None,
+           vector_offset: "NkiTensor | None" = None, indirect_dim: int = 0) -> "NkiTensor":
         """A raw access pattern: ``pattern`` is [stride, count] pairs in elements (on chip the first pair
-        is the partition pair), ``offset`` an element offset from this view's start."""
+        is the partition pair), ``offset`` an element offset from this view's start. On HBM,
+        ``vector_offset`` (an SBUF [P, 1] int tile) makes it indirect: dim 0 is indexed by those rows
+        (a DMA gather as ``src``, a scatter as ``dst``; ``indirect_dim`` must be 0)."""
+        if vector_offset is not None:
+            if indirect_dim != 0 or self.access.on_chip:
+                raise SimulatorError("ap(vector_offset=...): only dim 0 of an HBM tensor can be indirect")
+            view = self.ap(pattern, offset, dtype)
+            view.indirect = vector_offset
+            return view
         dt = as_dtype(dtype) if dtype is not None else self.dtype
         pairs = [(int(s), int(c)) for s, c in pattern]
         a = self.access
@@ -155,22 +172,42 @@ class Trace:
         self.spec, self.grid = spec, grid
         self.tensor_cls = tensor_cls or NkiTensor  # the class of every tensor the trace makes (legacy: LegacyTile)
         self.instructions: list[Instr] = []
+        # emission times: tile lifetimes are measured on this clock, which a retracted instruction does not rewind
+        self.clock, self.clocks = 0, []
         self.slots: dict[str, ArgSlot] = {}
+        self.constants: dict[str, torch.Tensor] = {}  # nl.shared_constant data, bound as inputs at each run
         self.hbm_kinds: dict[str, str] = {}   # slot name -> "shared" / "private"
         self.program_id: tuple[int, ...] = ()
         self._dma_queue = 0
+        self.allocs: list[Alloc] = []   # every on-chip tile of the trace (for the liveness pass)
+        self.overflowed = False         # whether some tile only fit past the capacity
+        self.capacity = {"sbuf": spec.sbuf_bytes_per_partition, "psum": spec.psum_bytes_per_partition}
+        self.bank_bytes = {"psum": spec.psum_bytes_per_partition // spec.psum_banks}
         self.begin_instance(tuple(0 for _ in grid))
 
     def begin_instance(self, program_id: tuple[int, ...]) -> None:
         """Start an SPMD instance: fresh on-chip allocators and HBM allocation counter."""
+        self._close_allocs()  # the previous instance's tiles end here (its allocators are dropped)
         self.program_id = program_id
-        spec = self.spec
-        none = torch.empty((spec.sbuf_partitions, 0), dtype=torch.uint8)  # allocation only: no data
-        self.sbuf = Memory("sbuf", spec.sbuf_partitions, spec.sbuf_bytes_per_partition, nan_fill=False, data=none)
-        self.psum = Memory("psum", spec.sbuf_partitions, spec.psum_bytes_per_partition, nan_fill=False, data=none,
-                           bank_bytes=spec.psum_bytes_per_partition // spec.psum_banks)
-        self.psum_open = torch.zeros(spec.sbuf_partitions, spec.psum_bytes_per_partition // 4, dtype=torch.bool)
-        self._hbm_count = 0
+        self.sbuf = self._memory("sbuf")
+        self.psum = self._memory("psum")
+        self.psum_open = torch.zeros(self.spec.sbuf_partitions, self.capacity["psum"] // 4, dtype=torch.bool)
+        self.psum_written = torch.zeros_like(self.psum_open)  # written since its tile was allocated
+        self._hbm_count = self._const_count = 0
+
+    def _memory(self, name: str) -> Memory:
+        """An allocation-only memory (no data) whose first-fit allocator reaches past the capacity."""
+        none = torch.empty((self.spec.sbuf_partitions, 0), dtype=torch.uint8)
+        mem = Memory(name, self.spec.sbuf_partitions, self.capacity[name], nan_fill=False, data=none,
+                     bank_bytes=self.bank_bytes.get(name, 0))
+        # first fit prefers low offsets, so a box past the capacity is given only when none fits below it
+        mem.bytes_per_partition = VIRTUAL_BYTES
+        return mem
+
+    def _close_allocs(self) -> None:
+        for a in self.allocs:
+            if a.end is None:
+                a.end = self.clock
 
     # ---- tensors -------------------------------------------------------------------
 
@@ -179,8 +216,10 @@ class Trace:
         self.slots[name] = ArgSlot(name, tuple(shape), dtype, "input")
         return self.tensor_cls(tile(f"hbm:{name}", dtype, shape), shared_hbm, name)
 
-    def allocate(self, shape: Sequence[int], dtype: Any, buffer: Buffer, name: str = "") -> NkiTensor:
-        """A new tensor on ``buffer`` (on chip: dim 0 is the partition dim)."""
+    def allocate(self, shape: Sequence[int], dtype: Any, buffer: Buffer, name: str = "", blocks: int = 1) -> NkiTensor:
+        """A new tensor on ``buffer`` (on chip: dim 0 is the partition dim). ``blocks``: the tensor is that many
+        independent tiles laid out one after another in each partition (legacy block dims), each placed by its
+        own liveness when the tensor does not fit."""
         shape, dtype = tuple(int(s) for s in shape), as_dtype(dtype)
         if buffer is None:
             buffer = sbuf
@@ -190,13 +229,32 @@ class Trace:
             return self._allocate_hbm(shape, dtype, buffer, name)
         assert shape, "an on-chip tensor needs a partition dim"
         mem = self.sbuf if buffer is sbuf else self.psum
-        region = mem.allocate(shape[0], max(math.prod(shape[1:]) * dtype.itemsize, 1))
+        nbytes, cap = max(math.prod(shape[1:]) * dtype.itemsize, 1), self.capacity[mem.name]
+        if nbytes // blocks > cap:  # no liveness can help a tile larger than the memory
+            raise SimulatorError(f"{mem.name} overflow: cannot allocate {shape[0]} partitions x {nbytes // blocks} "
+                                 f"bytes: the capacity is {mem.partitions} partitions x {cap} bytes")
+        region = mem.allocate(shape[0], nbytes)
+        record = Alloc(region, self.clock, region.offset + region.nbytes > cap, blocks)
+        self.overflowed |= record.overflow
+        self.allocs.append(record)
         t = self.tensor_cls(region.tile(dtype, shape[1:]), buffer, name)
-        weakref.finalize(t, _free, mem, region)
-        if buffer is psum:  # a fresh PSUM tile holds no open accumulation group
-            self.psum_open[region.start_partition:region.start_partition + region.partitions,
-                           region.offset // 4:-(-(region.offset + region.nbytes) // 4)] = False
+        weakref.finalize(t, _free, mem, region, record, self)
+        if buffer is psum:  # a fresh PSUM tile holds no open accumulation group and nothing written
+            self._grow_psum_flags(region.offset + region.nbytes)
+            box = (slice(region.start_partition, region.start_partition + region.partitions),
+                   slice(region.offset // 4, -(-(region.offset + region.nbytes) // 4)))
+            self.psum_open[box] = False
+            self.psum_written[box] = False
         return t
+
+    def _grow_psum_flags(self, end: int) -> None:
+        """Widen the PSUM flags to cover bytes [0, end) (virtual boxes past the capacity)."""
+        have = self.psum_open.shape[1]
+        need = -(-end // 4)
+        if need > have:
+            self.psum_open, self.psum_written = (
+                torch.cat([f, torch.zeros(f.shape[0], max(need, 2 * have) - have, dtype=torch.bool)], 1)
+                for f in (self.psum_open, self.psum_written))
 
     def _allocate_hbm(self, shape, dtype, buffer: Buffer, name: str) -> NkiTensor:
         # the j-th shared_hbm allocation of every SPMD instance is the same tensor
@@ -211,14 +269,30 @@ class Trace:
         self.hbm_kinds[slot_name] = kind
         return self.tensor_cls(tile(f"hbm:{slot_name}", dtype, shape), buffer, name or slot_name)
 
-    def psum_flags(self, ap: AP) -> torch.Tensor:
-        """The trace-time "accumulation group open" flags under an fp32 PSUM pattern (one per element)."""
+    def constant(self, data: torch.Tensor) -> NkiTensor:
+        """A read-only HBM tensor holding ``data`` (``nl.shared_constant``); the j-th constant of every SPMD
+        instance is the same tensor."""
+        name = f"shared_constant{self._const_count}"
+        while name in self.slots and name not in self.constants:  # a kernel argument already has the name
+            name += "_"
+        self._const_count += 1
+        old = self.constants.get(name)
+        if old is not None and (old.shape != data.shape or old.dtype != data.dtype or not torch.equal(old, data)):
+            raise SimulatorError(f"SPMD instances make shared constant #{self._const_count - 1} with different "
+                                 f"values; a shared constant is one tensor for the whole launch")
+        self.constants[name] = data
+        self.slots[name] = ArgSlot(name, tuple(data.shape), data.dtype, "input")
+        return self.tensor_cls(tile(f"hbm:{name}", data.dtype, data.shape), shared_hbm, name)
+
+    def psum_flags(self, ap: AP, written: bool = False) -> torch.Tensor:
+        """The trace-time "accumulation group open" flags (``written``: "written since allocated") under an
+        fp32 PSUM pattern (one per element)."""
         assert ap.dtype.itemsize == 4, "accumulation groups are tracked for fp32 PSUM tiles"
+        flags = self.psum_written if written else self.psum_open
         st = [s for s, _ in ap.pattern]
         sizes = [n for _, n in ap.pattern]
-        row = self.psum_open.stride(0)
-        return self.psum_open.as_strided((ap.partitions, *sizes), (row, *st),
-                                         ap.start_partition * row + ap.offset // 4)
+        row = flags.stride(0)
+        return flags.as_strided((ap.partitions, *sizes), (row, *st), ap.start_partition * row + ap.offset // 4)
 
     # ---- instructions ----------------------------------------------------------------
 
@@ -228,21 +302,50 @@ class Trace:
         self._dma_queue = (q + 1) % DMA_QUEUES
         return q
 
+    def retract(self, instr: Instr) -> None:
+        """Drop ``instr``, the last instruction emitted (legacy ``+=`` re-targets a matmul)."""
+        assert self.instructions and self.instructions[-1] is instr, "only the last instruction can be retracted"
+        self.instructions.pop()
+        self.clocks.pop()
+
     def emit(self, instr: Instr) -> Instr:
         """Append an instruction and update the PSUM accumulation-group state it leaves behind."""
         self.instructions.append(instr)
+        self.clocks.append(self.clock)
+        self.clock += 1
         for f in instr.psum_writes:
             (p0, p1), (b0, b1) = f.partitions, f.byte_range
             self.psum_open[p0:p1, b0 // 4:-(-b1 // 4)] = instr.engine is Engine.TENSOR
+            self.psum_written[p0:p1, b0 // 4:-(-b1 // 4)] = True
         return instr
 
     def program(self, name: str, outputs: Sequence[str]) -> Program:
-        """The traced Program; ``outputs`` are the returned HBM slots."""
+        """The traced Program; ``outputs`` are the returned HBM slots. Tiles that overflowed are placed by
+        liveness first (raising the memory's overflow error if even that cannot fit them)."""
         args = [ArgSlot(s.name, s.shape, s.dtype, "output") if s.name in outputs else s for s in self.slots.values()]
-        return Program(tuple(self.instructions), tuple(args), name)
+        instructions = self.instructions
+        self._check_constants_unwritten()
+        if self.overflowed:
+            self._close_allocs()
+            instructions = place_by_liveness(instructions, self.clocks, self.allocs, self.capacity, self.bank_bytes)
+            self.instructions, self.overflowed = instructions, False  # placed once
+        return Program(tuple(instructions), tuple(args), name)
 
 
-def _free(mem: Memory, region) -> None:
+    def _check_constants_unwritten(self) -> None:
+        if not self.constants:
+            return
+        names = {f"hbm:{n}" for n in self.constants}
+        for instr in self.instructions:
+            for f in instr.writes():
+                if f.memory in names:
+                    raise SimulatorError(f"{instr.opcode}: writes {f.memory.removeprefix('hbm:')}, a shared constant "
+                                         f"(nl.shared_constant tensors are read-only)")
+
+
+def _free(mem: Memory, region, record: Alloc, trace: Trace) -> None:
+    if record.end is None:
+        record.end = trace.clock
     if region in mem.regions:
         mem.free(region)
 

@@ -12,10 +12,16 @@ Every argument is checked before anything runs; a bad argument raises the except
 PyTorch raises for the same mistake (TypeError: not a tensor, wrong dtype, missing or
 unknown argument; RuntimeError: wrong device or stream; ValueError: wrong shape or a
 non-contiguous tensor) and leaves device memory and every stream clock as they were.
+
+The host cost of a launch is kept small because eager ops launch one cached Program per call:
+the program's per-core preparation (``NeuronCore.run_bound``), schedule and roofline are
+computed once, and ``record_function`` ranges are opened only while a profiler is active.
+Callers that have already validated their tensors (the eager op layer) can pass
+``check=False`` and the arguments as a list in slot order to skip the per-argument checks.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -26,42 +32,90 @@ from torchneuron.runtime.record import LaunchRecord
 from torchneuron.sim import Program
 
 
+class _Slots:
+    """Per-program facts the launch path needs, computed once (cached on the Program)."""
+
+    __slots__ = ("by_name", "names", "inputs", "input_set", "outputs")
+
+    def __init__(self, program: Program):
+        self.by_name = {s.name: s for s in program.args}
+        self.names = tuple(s.name for s in program.args)
+        self.inputs = tuple(s.name for s in program.args if s.kind == "input")
+        self.input_set = frozenset(self.inputs)
+        self.outputs = tuple((i, s) for i, s in enumerate(program.args) if s.kind == "output")
+
+
+def _slots(program: Program) -> _Slots:
+    meta = program.__dict__.get("_launch_slots")
+    if meta is None:
+        meta = program.__dict__["_launch_slots"] = _Slots(program)
+    return meta
+
+
+_known: dict[torch.device, int] = {}
+
+
+def _known_devices() -> dict[torch.device, int]:
+    """torch.device("neuron", i) -> i for every neuron device."""
+    if not _known:
+        _known.update({torch.device("neuron", i): i for i in range(_C._device_count())})
+    return _known
+
+
 def _check_args(program: Program, args: Mapping[str, Any], device: Any) -> int:
     """Check ``args`` against ``program``'s slots; return the device index they run on."""
-    where = f"launch of {program.name!r}"
-    slots = {s.name: s for s in program.args}
-    unknown = [k for k in args if k not in slots]
-    if unknown:
-        raise TypeError(f"{where}: unexpected argument(s) {unknown}; the program's arguments are "
-                        f"{[s.name for s in program.args]}")
-    missing = [s.name for s in program.args if s.kind == "input" and s.name not in args]
-    if missing:
-        raise TypeError(f"{where}: missing input argument(s) "
+    meta = _slots(program)
+    slots = meta.by_name
+    keys = args.keys()
+    if not slots.keys() >= keys:
+        unknown = [k for k in args if k not in slots]
+        raise TypeError(f"launch of {program.name!r}: unexpected argument(s) {unknown}; the program's arguments "
+                        f"are {list(meta.names)}")
+    if not keys >= meta.input_set:
+        missing = [n for n in meta.inputs if n not in args]
+        raise TypeError(f"launch of {program.name!r}: missing input argument(s) "
                         + ", ".join(f"{n!r} ({slots[n].describe()})" for n in missing))
     index = None if device is None else _device.device_index(device)
+    known = _known_devices()
     first = None
+    valid = True  # whether index is known to name an existing device
     for name, t in args.items():
         slot = slots[name]
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: argument {name!r} must be a Tensor, not {type(t).__name__}")
-        if t.device.type != "neuron":
-            raise RuntimeError(f"{where}: expected all tensors to be on a neuron device, but argument "
-                               f"{name!r} is on {t.device}")
+            raise TypeError(f"launch of {program.name!r}: argument {name!r} must be a Tensor, not {type(t).__name__}")
+        dev = t.device
+        at = known.get(dev)  # (device.type costs more than the rest of the checks together)
+        if at is None:
+            if dev.type != "neuron":
+                raise RuntimeError(f"launch of {program.name!r}: expected all tensors to be on a neuron device, "
+                                   f"but argument {name!r} is on {t.device}")
+            at = dev.index
+            valid = False
         if index is None:
-            index, first = t.device.index, name
-        elif t.device.index != index:
+            index, first = at, name
+        elif at != index:
             other = f"argument {first!r} is on neuron:{index}" if first else f"the launch targets neuron:{index}"
-            raise RuntimeError(f"{where}: expected all tensors to be on the same device, but argument "
-                               f"{name!r} is on {t.device} and {other}")
+            raise RuntimeError(f"launch of {program.name!r}: expected all tensors to be on the same device, but "
+                               f"argument {name!r} is on {t.device} and {other}")
         if t.dtype != slot.dtype:
-            raise TypeError(f"{where}: argument {name!r} expects dtype {slot.dtype}, got {t.dtype}")
-        if tuple(t.shape) != slot.shape:
-            raise ValueError(f"{where}: argument {name!r} expects shape {list(slot.shape)} "
+            raise TypeError(f"launch of {program.name!r}: argument {name!r} expects dtype {slot.dtype}, "
+                            f"got {t.dtype}")
+        if t.shape != slot.shape:
+            raise ValueError(f"launch of {program.name!r}: argument {name!r} expects shape {list(slot.shape)} "
                              f"({slot.describe()}), got {list(t.shape)}")
         if not t.is_contiguous():
-            raise ValueError(f"{where}: argument {name!r} must be contiguous (strides {t.stride()}); "
-                             f"pass .contiguous()")
-    return _device.device_index(index)
+            raise ValueError(f"launch of {program.name!r}: argument {name!r} must be contiguous "
+                             f"(strides {t.stride()}); pass .contiguous()")
+    return index if valid and index is not None else _device.device_index(index)
+
+
+def _as_mapping(program: Program, args: Sequence[Any]) -> dict[str, Any]:
+    """Slot-ordered arguments as a name mapping (``None``: leave the slot unbound)."""
+    names = _slots(program).names
+    if len(args) != len(names):
+        raise TypeError(f"launch of {program.name!r}: expected a dict of argument tensors, or a list with one "
+                        f"per slot {list(names)} in order; got a list of {len(args)}")
+    return {n: t for n, t in zip(names, args) if t is not None}
 
 
 def _check_stream(stream: Any, index: int) -> torch.Stream:
@@ -74,11 +128,16 @@ def _check_stream(stream: Any, index: int) -> torch.Stream:
     return stream
 
 
-def launch(program: Program, args: Mapping[str, torch.Tensor], *, device: Any = None, stream: Any = None,
-           name: str | None = None, op: str | None = None) -> LaunchRecord:
+_devices: dict[int, torch.device] = {}
+
+
+def launch(program: Program, args: Mapping[str, torch.Tensor] | Sequence[torch.Tensor | None], *,
+           device: Any = None, stream: Any = None, name: str | None = None, op: str | None = None,
+           check: bool = True) -> LaunchRecord:
     """Run ``program`` on a neuron device with ``args`` bound to its HBM argument slots.
 
-    ``args`` maps slot names to neuron tensors of the slot's shape and dtype (contiguous).
+    ``args`` maps slot names to neuron tensors of the slot's shape and dtype (contiguous), or
+    lists them in slot order (``program.args``) with ``None`` for an output left unbound.
     Every ``input`` slot must be bound; an ``output`` slot left out is allocated on the device
     and returned in ``record.outputs``; ``scratch`` slots are allocated per launch. Outputs
     bound by the caller are written in place. ``device``: the device (default: the tensors'
@@ -86,36 +145,66 @@ def launch(program: Program, args: Mapping[str, torch.Tensor], *, device: Any = 
     (default: the device's current stream); ``name``: the kernel name in records and traces
     (default ``program.name``); ``op``: the op the kernel implements, for the profiler.
 
+    ``check=False`` is the fast path for callers that guarantee what the checks verify (every
+    input bound; tensors neuron, on one device, contiguous, of the slots' shapes and dtypes; a
+    stream of that device): nothing is checked, and a wrong argument gives wrong results or
+    an arbitrary error instead of PyTorch's exception. The default checks every argument.
+
     Returns the launch's LaunchRecord (also appended to ``torchneuron.runtime.profiler``).
     """
     if not isinstance(program, Program):
         raise TypeError(f"launch expects a torchneuron.sim.Program, not {type(program).__name__}")
-    if not isinstance(args, Mapping):
-        raise TypeError(f"launch expects a dict of argument tensors, not {type(args).__name__}")
-    name = name or program.name
-    with torch.autograd.profiler.record_function(f"neuron::{name}"):
+    if torch.autograd._profiler_enabled():  # a host range per launch in torch.profiler traces
+        with torch.autograd.profiler.record_function(f"neuron::{name or program.name}"):
+            return _launch(program, args, device, stream, name, op, check)
+    return _launch(program, args, device, stream, name, op, check)
+
+
+def _launch(program: Program, args: Any, device: Any, stream: Any, name: str | None, op: str | None,
+            check: bool) -> LaunchRecord:
+    meta = _slots(program)
+    if check:
+        if not isinstance(args, dict) and not isinstance(args, Mapping):  # (the ABC check is slow)
+            if not isinstance(args, (list, tuple)):
+                raise TypeError(f"launch expects a dict of argument tensors, not {type(args).__name__}")
+            args = _as_mapping(program, args)
         index = _check_args(program, args, device)
         stream = _check_stream(stream, index)
+        tensors = [args.get(n) for n in meta.names]
+    else:
+        tensors = (list(args) if isinstance(args, (list, tuple))
+                   else [args.get(n) for n in meta.names])
+        if device is None:
+            first = next((t for t in tensors if t is not None), None)
+            index = _device.device_index(None) if first is None else first.get_device()
+        else:
+            index = device if type(device) is int else _device.device_index(device)
+        if stream is None:
+            stream = torch.accelerator.current_stream(index)
+    core = _device._cores.get(index)
+    if core is None:
         core = _device.core(index)
-        dev = torch.device("neuron", index)
-        tensors = dict(args)
-        for slot in program.args:  # unbound outputs live on the device, like any result
-            if slot.kind == "output" and slot.name not in tensors:
-                tensors[slot.name] = torch.empty(slot.shape, dtype=slot.dtype, device=dev)
-        host = {k: _C._alias_as_cpu(t.detach()) for k, t in tensors.items()}
-        with _device.core_lock(index):
-            report = core.run(program, host)
-            overhead = float(core.spec.runtime.kernel_launch_overhead_ns)
-            # the stream clock counts whole nanoseconds: the launch takes the nearest one
-            duration = max(0, round(overhead + report.device_time_ns))
-            start = _C._stream_clock(index, stream.stream_id)
-            _C._advance_stream_clock(index, stream.stream_id, duration)
-        record = LaunchRecord(
-            name=name, op=op, device=index, stream=stream.stream_id, start_ns=start, end_ns=start + duration,
-            launch_overhead_ns=overhead, device_time_ns=report.device_time_ns,
-            engine_busy_ns=dict(report.engine_busy_ns), flops=report.flops,
-            hbm_bytes_read=report.hbm_bytes_read, hbm_bytes_written=report.hbm_bytes_written,
-            instructions=report.instructions, program=program, spec=core.spec,
-            outputs={s.name: tensors[s.name] for s in program.args if s.kind == "output"})
-        profiler._add(record)
+    for i, slot in meta.outputs:  # unbound outputs live on the device, like any result
+        if tensors[i] is None:
+            dev = _devices.get(index)
+            if dev is None:
+                dev = _devices[index] = torch.device("neuron", index)
+            tensors[i] = torch.empty(slot.shape, dtype=slot.dtype, device=dev)
+    alias = _C._alias_as_cpu
+    host = [None if t is None else alias(t) for t in tensors]
+    spec = core.spec
+    stream_id = stream.stream_id
+    with _device._locks[index]:
+        core.run_bound(program, host)
+        device_time = program.schedule(spec).device_time_ns
+        overhead = float(spec.runtime.kernel_launch_overhead_ns)
+        # the stream clock counts whole nanoseconds: the launch takes the nearest one
+        duration = max(0, round(overhead + device_time))
+        start = _C._stream_clock(index, stream_id)
+        _C._advance_stream_clock(index, stream_id, duration)
+    record = LaunchRecord._fast(
+        name=name or program.name, op=op, device=index, stream=stream_id, start_ns=start, end_ns=start + duration,
+        launch_overhead_ns=overhead, device_time_ns=device_time, program=program, spec=spec,
+        outputs={slot.name: tensors[i] for i, slot in meta.outputs})
+    profiler._add(record)
     return record

@@ -13,8 +13,9 @@ FLOPs, HBM bytes read and written). The API::
 
 The process-wide list keeps the latest ``MAX_RECORDS`` launches (a long eager run does not
 grow without bound); ``record()`` keeps every launch of its block. Records never hold the
-launch's tensors. Each launch also shows up in ``torch.profiler`` traces as a host range
-named ``neuron::<kernel>`` (a ``record_function`` around the launch's host work).
+launch's tensors. While a profiler is active, each launch also shows up in ``torch.profiler``
+traces as a host range named ``neuron::<kernel>`` (a ``record_function`` around the launch's
+host work; none is opened otherwise, to keep small launches cheap).
 """
 from __future__ import annotations
 

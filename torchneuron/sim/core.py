@@ -3,10 +3,19 @@
 Execution is functional and sequential in program order (an in-order core with perfect
 dependency tracking produces the same values); the timing model then schedules the same
 instruction list onto the engine queues to say how long it took on the modelled chip.
+
+A program is prepared once per core (``_Plan``): each instruction's step (``Instr.step``) does
+what its ``execute`` does with the per-core lookups (views of SBUF/PSUM, dtypes, torch
+functions) already made, so running a cached kernel again costs little more than its torch
+calls. HBM buffers are the run's bound tensors, passed to the steps in slot order; a
+``Memory`` is made for one only when an instruction without a step asks for it. PSUM
+accumulation-group flags are reset at the start of a run only where groups were opened.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -15,7 +24,7 @@ from torchneuron.sim.isa import Instr
 from torchneuron.sim.memory import Memory, SimulatorError, nan_fill_enabled, NAN_BYTE
 from torchneuron.sim.program import Program
 from torchneuron.sim.specs import ChipSpec, chip_spec
-from torchneuron.sim.timing import Roofline, roofline
+from torchneuron.sim.timing import Roofline
 
 
 @dataclass
@@ -35,6 +44,35 @@ class RunReport:
     roofline: Roofline | None = None       # fractions of TensorE peak and DMA/HBM bandwidth reached
 
 
+class _Plan:
+    """A program prepared for one core: per instruction its step (None: ``execute``) and, for a
+    non-TensorE instruction writing PSUM, the group-closed flag views it closes."""
+
+    __slots__ = ("program", "sbuf", "psum", "keys", "entries", "fills")
+
+    def __init__(self, core: "NeuronCore", program: Program):
+        self.program = weakref.ref(program)
+        self.sbuf, self.psum = core.sbuf, core.psum
+        self.keys = tuple(f"hbm:{s.name}" for s in program.args)
+        slots = {k: (i, s) for i, (k, s) in enumerate(zip(self.keys, program.args))}
+        entries = []
+        for instr in program.instructions:
+            make = getattr(instr, "step", None)
+            try:
+                step = make(core, slots) if make is not None else None
+            except (SimulatorError, RuntimeError):
+                step = None  # e.g. a tile beyond this core's SBUF: execute raises it, in program order
+            closes = None
+            if step is not None and instr.engine is not Engine.TENSOR and instr.psum_writes:
+                flags = core.psum.group_closed
+                closes = tuple(flags[f.partitions[0]:f.partitions[1], f.byte_range[0] // 4:-(-f.byte_range[1] // 4)]
+                               for f in instr.psum_writes)
+            entries.append((instr, step, closes))
+        self.entries = tuple(entries)
+        # scratch slots, and output slots a run may leave unbound: allocated per run
+        self.fills = tuple(i for i, s in enumerate(program.args) if s.kind != "input")
+
+
 class NeuronCore:
     """One NeuronCore: SBUF, PSUM, bound HBM buffers, per-engine accumulation registers and a PRNG."""
 
@@ -52,16 +90,23 @@ class NeuronCore:
         # ScalarE activation and VectorE reduce registers: one fp32 value per lane (partition)
         self.regs: dict[Engine, torch.Tensor] = {Engine.SCALAR: torch.zeros(parts), Engine.VECTOR: torch.zeros(parts)}
         self.rng = torch.Generator().manual_seed(seed)
+        # the HBM tensors of the run in progress, by memory name; their Memory objects are made
+        # only when an instruction without a step asks for one (most never do)
+        self._run_hbm: dict[str, torch.Tensor] = {}
+        self._plans: dict[int, _Plan] = {}  # by id(program); entries leave with their program
 
     # ---- memories -----------------------------------------------------------------
 
     def memory(self, name: str) -> Memory:
         """The memory an access pattern names: "sbuf", "psum" or "hbm:<buffer>"."""
-        try:
-            return self._memories[name]
-        except KeyError:
-            raise SimulatorError(f"no memory {name!r} on this core (HBM buffers: "
-                                 f"{sorted(n for n in self._memories if n.startswith('hbm:'))})") from None
+        mem = self._memories.get(name)
+        if mem is None:
+            t = self._run_hbm.get(name)
+            if t is None:
+                names = sorted({n for n in self._memories if n.startswith("hbm:")} | set(self._run_hbm))
+                raise SimulatorError(f"no memory {name!r} on this core (HBM buffers: {names})")
+            mem = self._memories[name] = Memory.hbm(name[4:], t)
+        return mem
 
     def bind(self, name: str, tensor: torch.Tensor) -> Memory:
         """Make ``tensor``'s bytes HBM buffer ``hbm:<name>`` (no copy: writes land in the tensor)."""
@@ -81,8 +126,9 @@ class NeuronCore:
             instr.execute(self)
         except SimulatorError as e:
             raise self._locate(instr, e) from None
-        if instr.engine is not Engine.TENSOR and instr.psum_writes:
-            # a non-matmul write ends the accumulation group there (nc_matmul accumulate=None)
+        if instr.engine is not Engine.TENSOR and instr.psum_writes and self.psum.opened:
+            # a non-matmul write ends the accumulation group there (nc_matmul accumulate=None);
+            # with no group open anywhere every flag is already set
             for f in instr.psum_writes:
                 (p0, p1), (b0, b1) = f.partitions, f.byte_range
                 self.psum.group_closed[p0:p1, b0 // 4:-(-b1 // 4)] = True
@@ -100,24 +146,67 @@ class NeuronCore:
 
     def begin_run(self) -> None:
         """Start a kernel: no PSUM accumulation group is open; with NaN fill, on-chip memory is all NaN."""
-        self.psum.group_closed.fill_(True)
+        self.psum.close_groups()
         if self.nan_fill:
             self.sbuf.data.fill_(NAN_BYTE)
             self.psum.data.fill_(NAN_BYTE)
+
+    def _plan(self, program: Program) -> _Plan:
+        """``program`` prepared for this core (cached while the program lives)."""
+        key = id(program)
+        plan = self._plans.get(key)
+        if plan is None or plan.program() is not program or plan.sbuf is not self.sbuf or plan.psum is not self.psum:
+            plan = _Plan(self, program)
+            plans = self._plans
+            # forget the plan when the program goes (its id may then be reused)
+            plan.program = weakref.ref(program, lambda _r, key=key, plans=plans: plans.pop(key, None))
+            plans[key] = plan
+        return plan
+
+    def run_bound(self, program: Program, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Execute ``program`` on HBM tensors given in slot order, unchecked: the caller guarantees
+        each is a contiguous CPU tensor (a neuron tensor's ``_alias_as_cpu``) of its slot's shape
+        and dtype. ``None`` for an output or scratch slot allocates it (zeros; NaN with NaN fill).
+        Returns the tensors used, in slot order. No timing: see ``Program.schedule``."""
+        plan = self._plan(program)
+        for i in plan.fills:
+            if tensors[i] is None:
+                if not isinstance(tensors, list):
+                    tensors = list(tensors)
+                tensors[i] = program.allocate(program.args[i], nan_fill=self.nan_fill)
+        mems = self._memories
+        keys = plan.keys
+        # run bindings shadow persistent ``bind``s of the same name for the run
+        shadowed = {k: mems.pop(k) for k in keys if k in mems} if len(mems) > 2 else None
+        self._run_hbm = dict(zip(keys, tensors))
+        instr = None
+        try:
+            self.begin_run()
+            psum = self.psum
+            for instr, step, closes in plan.entries:
+                if step is None:
+                    self.execute(instr)
+                    continue
+                step(tensors)
+                if closes is not None and psum.opened:
+                    for view in closes:
+                        view.fill_(True)
+        except SimulatorError as e:
+            raise self._locate(instr, e) from None
+        finally:
+            self._run_hbm = {}
+            if len(mems) > 2:  # Memory objects made during the run (or bindings to restore)
+                for k in keys:
+                    mems.pop(k, None)
+            if shadowed:
+                mems.update(shadowed)
+        return tensors
 
     def run(self, program: Program, bindings: dict[str, torch.Tensor] | None = None, *,
             timed: bool = True) -> RunReport:
         """Bind the arguments, execute every instruction in program order, then price the run."""
         bound = program.bind(bindings or {}, nan_fill=self.nan_fill)
-        for name, tensor in bound.items():
-            self.bind(name, tensor)
-        try:
-            self.begin_run()
-            for instr in program.instructions:
-                self.execute(instr)
-        finally:
-            for name in bound:
-                self.unbind(name)
+        self.run_bound(program, [_host(s.name, bound[s.name]) for s in program.args])
         report = RunReport(outputs={s.name: bound[s.name] for s in program.args if s.kind == "output"},
                            bindings=bound, device_time_ns=None, flops=program.flops,
                            hbm_bytes_read=program.hbm_bytes_read, hbm_bytes_written=program.hbm_bytes_written,
@@ -127,5 +216,16 @@ class NeuronCore:
             report.device_time_ns = sched.device_time_ns
             report.start_ns, report.end_ns = list(sched.start_ns), list(sched.end_ns)
             report.engine_busy_ns = dict(sched.engine_busy_ns)
-            report.roofline = roofline(sched, self.spec)
+            report.roofline = program.roofline(self.spec)
         return report
+
+
+def _host(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A bound tensor as the core reads it: detached, on the host, contiguous (what Memory.hbm checks)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        from torchneuron import _C  # neuron tensors live in host memory owned by our allocator
+        t = _C._alias_as_cpu(t)
+    if not t.is_contiguous():
+        raise SimulatorError(f"hbm:{name}: a bound tensor must be contiguous (got strides {t.stride()})")
+    return t

@@ -16,21 +16,24 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import weakref
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Sequence
 
 import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine, Footprint
-from torchneuron.sim.memory import PMAX, AP, SimulatorError, contiguous_run
+from torchneuron.sim.memory import PMAX, AP, SimulatorError, contiguous_run, store
 from torchneuron.sim.numerics import (ACTIVATIONS_OUT, BITVEC_OPS, FRACTIONAL_OPS, INT_DTYPES, REDUCE_IDENTITY,
+                                      REDUCE_OPS,
                                       UNARY_ALU_OPS, activation_fn, alu_op, apply_activation, apply_alu,
                                       apply_reduce, as_scalar, compute_dtype, dtype_name, reduce_op, torch_name)
 
 if TYPE_CHECKING:
     from torchneuron.sim.core import NeuronCore
+    from torchneuron.sim.program import ArgSlot
 
 # Limits (sources: reference/nki-api.md section 8, neuroncore-timing.md sections 3 and 7).
 FMAX_SBUF = 64 * 1024         # elements per partition of one Vector/Scalar/GpSimd operand read from SBUF (A-v2)
@@ -118,6 +121,15 @@ class Instr:
     def execute(self, core: "NeuronCore") -> None:
         """Run the instruction functionally on ``core``'s memories."""
         raise NotImplementedError
+
+    def step(self, core: "NeuronCore", slots: Mapping[str, tuple[int, "ArgSlot"]]) -> "Step | None":
+        """A function doing what ``execute(core)`` does, with every per-core lookup done now, or None
+        where there is none (the core then calls ``execute``).
+
+        The step takes the run's bound HBM tensors in slot order (CPU, contiguous, of the slot's shape
+        and dtype); ``slots`` maps ``"hbm:<name>"`` to (position, ArgSlot). A step keeps views of the
+        core's SBUF/PSUM, so it belongs to that core (``NeuronCore`` caches steps per program)."""
+        return None
 
     # ---- the Instruction protocol -------------------------------------------------
 
@@ -311,6 +323,114 @@ def _convert(values: torch.Tensor, dst: torch.dtype) -> torch.Tensor:
     return values.float()
 
 
+# ---- steps (per-core executors, see Instr.step) ----------------------------------------------
+# A step does what execute does with the lookups that stay the same from run to run done once:
+# on-chip views resolved, dtypes and torch functions chosen. Only HBM operands change per run;
+# a step reads them from the run's bound tensors. The torch calls are execute's, in its order,
+# so results are bit-identical.
+
+Step = Callable[[Sequence[torch.Tensor]], None]
+
+
+def _dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= size
+    return tuple(reversed(strides))
+
+
+def _hbm_getter(ap: AP, slots: Mapping[str, tuple[int, "ArgSlot"]]) -> Callable | None:
+    """A function of the run's bound tensors that returns ``ap``'s view of its buffer (what
+    ``ap.view(core)`` returns), or None where ``ap`` reinterprets the buffer's dtype."""
+    entry = slots.get(ap.memory)
+    if entry is None:
+        return None
+    k, slot = entry
+    if ap.dtype != slot.dtype:
+        return None
+    sizes, strides, offset = ap._geometry
+    if offset == 0 and sizes == slot.shape and strides == _dense_strides(slot.shape):
+        return operator.itemgetter(k)  # the whole buffer as bound: no view to build
+
+    def get(h: Sequence[torch.Tensor]) -> torch.Tensor:
+        t = h[k]
+        return t.as_strided(sizes, strides, t.storage_offset() + offset)
+    return get
+
+
+def _rhs(core, value, nd: int) -> torch.Tensor | None:
+    """A fused step's fp32 right-hand operand: a (P,1) tile's view shaped to broadcast over ``nd``
+    dims, or a planned scalar as its cached 0-d tensor (what ``_fused_into`` passes); None where
+    the tile's view cannot be reshaped without a copy."""
+    if not isinstance(value, AP):
+        return _f32(value)
+    v = value.view(core)
+    if v.dim() != nd:
+        try:
+            v = v.view(value.partitions, *([1] * (nd - 1)))
+        except RuntimeError:
+            return None
+    return v
+
+
+def _copy_step(core, dst: AP, src: AP, slots) -> Step | None:
+    """The step of ``dst.write(core, _convert(src.view(core), dst.dtype))`` (dma_copy, tensor_copy)."""
+    if not src.on_chip and not dst.on_chip:
+        return None  # HBM to HBM: two slots may be bound to one tensor; keep write's overlap check
+    # _convert goes through fp32 (a no-op for an fp32 source: .float() returns the tensor itself)
+    to_float = (src.dtype != dst.dtype and src.dtype != torch.float32
+                and not (src.dtype in INT_DTYPES and dst.dtype in INT_DTYPES))
+    if src.on_chip and dst.on_chip:
+        sv, dv = src.view(core), dst.view(core)
+        if src.memory == dst.memory and src.footprint().overlaps(dst.footprint()):
+            def step(h):  # overlapping source and destination: write's checks decide on a clone
+                store(dst, dv, sv.float() if to_float else sv)
+            return step
+        if src.shape != dst.shape:
+            def step(h):
+                store(dst, dv, sv.float() if to_float else sv, may_alias=False)
+            return step
+
+        def step(h):  # disjoint, same shape: the copy write ends in
+            try:
+                dv.copy_(sv.float() if to_float else sv)
+            except RuntimeError as e:
+                raise SimulatorError(f"{dst!r}: cannot write through this pattern: {e}") from None
+        return step
+    # one side in HBM, the other on chip: they never share memory
+    if dst.on_chip:
+        sget, dv = _hbm_getter(src, slots), dst.view(core)
+        if sget is None:
+            return None
+        if not to_float and src.shape == dst.shape:
+            def step(h):
+                try:
+                    dv.copy_(sget(h))
+                except RuntimeError as e:
+                    raise SimulatorError(f"{dst!r}: cannot write through this pattern: {e}") from None
+            return step
+
+        def step(h):
+            v = sget(h)
+            store(dst, dv, v.float() if to_float else v, may_alias=False)
+        return step
+    sv, dget = src.view(core), _hbm_getter(dst, slots)
+    if dget is None:
+        return None
+    if not to_float and src.shape == dst.shape:
+        def step(h):
+            try:
+                dget(h).copy_(sv)
+            except RuntimeError as e:
+                raise SimulatorError(f"{dst!r}: cannot write through this pattern: {e}") from None
+        return step
+
+    def step(h):
+        store(dst, dget(h), sv.float() if to_float else sv, may_alias=False)
+    return step
+
+
 # ---- DMA ----------------------------------------------------------------------------------
 
 def _dge(instr: Instr) -> None:
@@ -421,6 +541,11 @@ class DmaCopy(Instr):
                 table[idx[ok]] = values[ok]
         else:
             self.dst.write(core, _convert(self.src.view(core), self.dst.dtype))
+
+    def step(self, core, slots) -> Step | None:
+        if self.src_index is not None or self.dst_index is not None:
+            return None  # gathers and scatters index at run time: execute
+        return _copy_step(core, self.dst, self.src, slots)
 
     def price(self) -> CostInputs:
         onchip = [a for a in (self.dst, self.src) if a.on_chip]
@@ -537,8 +662,10 @@ def _group_open(rec: list | None, flags: torch.Tensor, box) -> bool:
     return rec is not None and rec[0] == flags._version and box in rec[1]
 
 
-def _open_group(rec: list | None, flags: torch.Tensor, closed: torch.Tensor, box) -> None:
-    """Open the accumulation group under ``closed`` (clear its flags) and remember it in ``rec``."""
+def _open_group(rec: list | None, flags: torch.Tensor, closed: torch.Tensor, box, opened: dict) -> None:
+    """Open the accumulation group under ``closed`` (clear its flags) and remember it in ``rec`` and in
+    the PSUM memory's ``opened`` (so that closing every group resets only the flags cleared)."""
+    opened[box] = closed
     if rec is None:
         closed.fill_(False)
         return
@@ -641,7 +768,14 @@ class NcMatmul(Instr):
         st = self.__dict__.get("_mm")
         if st is None or st[0] is not sbuf or st[1] is not psum:
             st = self._state(core, sbuf, psum)
-        _, _, s, s_f, s_t, mv, mv_f, mv_use, r, out, closed, flags, rec, box = st
+        self._multiply(core, st)
+
+    def step(self, core, slots) -> Step | None:
+        st = self._state(core, core.memory("sbuf"), core.memory("psum"))
+        return lambda h: self._multiply(core, st)
+
+    def _multiply(self, core, st: tuple) -> None:
+        sbuf, psum, s, s_f, s_t, mv, mv_f, mv_use, r, out, closed, flags, rec, box = st
         # the array multiplies in fp32 (bf16/fp16/fp8 -> fp32 is exact)
         if s is None:  # operand strides allow no [K, M] view: read a fresh copy
             k, m, _ = self.kmn
@@ -680,7 +814,7 @@ class NcMatmul(Instr):
         else:
             out.masked_fill_(closed, 0.0).add_(r)  # overwrite where no group is open (NaN-safe)
         if not is_open:
-            _open_group(rec, flags, closed, box)
+            _open_group(rec, flags, closed, box, psum.opened)
 
     def price(self) -> CostInputs:
         k, m, n = self.kmn
@@ -726,7 +860,7 @@ class NcTranspose(Instr):
                 box = (self.dst.start_partition, self.dst.partitions, self.dst._geometry)
                 rec = self.__dict__["_open"] = (flags, _open_record(flags), box)
             if not _group_open(rec[1], flags, rec[2]):
-                _open_group(rec[1], flags, _psum_closed(self, core, self.dst), rec[2])
+                _open_group(rec[1], flags, _psum_closed(self, core, self.dst), rec[2], core.memory("psum").opened)
 
     def price(self) -> CostInputs:
         p, f = self.data.partitions, self.data.free_elems
@@ -752,6 +886,9 @@ class TensorCopy(Instr):
 
     def execute(self, core) -> None:
         self.dst.write(core, _convert(self.src.view(core), self.dst.dtype))
+
+    def step(self, core, slots) -> Step | None:
+        return _copy_step(core, self.dst, self.src, slots)
 
     def price(self) -> CostInputs:
         return self._cost([self.src], self.dst, flops=0)
@@ -798,6 +935,12 @@ class TensorTensor(Instr):
         a = _load(core, self.data1, c)
         b = _load(core, self.data2, c, shape)
         self.dst.write(core, apply_alu(self.op, a, b))
+
+    def step(self, core, slots) -> Step | None:
+        if not self._fused:
+            return None
+        fn, out, a, b = _ALU_FN[self.op], self.dst.view(core), self.data1.view(core), self.data2.view(core)
+        return lambda h: fn(a, b, out=out)
 
     def price(self) -> CostInputs:
         return self._cost([self.data1, self.data2], self.dst, op=self.op)
@@ -878,6 +1021,25 @@ class TensorScalar(Instr):
         if self.op1 is not None:
             r = _apply(self.op1, r, _operand(core, operand1, c, x.dim()), self.reverse1)
         self.dst.write(core, r)
+
+    def step(self, core, slots) -> Step | None:
+        if not self._fused:
+            return None
+        _, operand0, operand1 = self._plan
+        out, x = self.dst.view(core), self.data.view(core)
+        fn0, r0 = _ALU_FN[self.op0], _rhs(core, operand0, out.dim())
+        if r0 is None:
+            return None
+        if self.op1 is None:
+            return lambda h: fn0(x, r0, out=out)
+        fn1, r1 = _ALU_FN[self.op1], _rhs(core, operand1, out.dim())
+        if r1 is None:
+            return None
+
+        def step(h):
+            fn0(x, r0, out=out)
+            fn1(out, r1, out=out)
+        return step
 
     def price(self) -> CostInputs:
         ops = self.op0 if self.op1 is None else f"{self.op0},{self.op1}"
@@ -1032,6 +1194,34 @@ class Activation(Instr):
         self.dst.write(core, y)
         self._reduce(core, y)
 
+    def step(self, core, slots) -> Step | None:
+        fn = self._fused
+        if fn is None:
+            return None
+        _, scale, bias = self._plan
+        out, x = self.dst.view(core), self.data.view(core)
+        nd = out.dim()
+        s = None if scale is None else _rhs(core, scale, nd)
+        b = None if bias is None else _rhs(core, bias, nd)
+        if (scale is not None and s is None) or (bias is not None and b is None):
+            return None
+        reduce = self.reduce_cmd != "idle" or self.reduce_res is not None
+        if s is None and b is None and not reduce:
+            return lambda h: fn(x, out=out)
+
+        def step(h):
+            y = x
+            if s is not None:
+                torch.mul(y, s, out=out)
+                y = out
+            if b is not None:
+                torch.add(y, b, out=out)
+                y = out
+            fn(y, out=out)
+            if reduce:
+                self._reduce(core, out)
+        return step
+
     def _execute_in_place(self, core, scale, bias) -> None:
         out, x = self.dst.view(core), self.data.view(core)
         nd = out.dim()
@@ -1101,6 +1291,18 @@ class TensorReduce(Instr):
         x = _load(core, self.data, compute_dtype(self.data.dtype))
         r = apply_reduce(self.op, x, self.axis)
         self.dst.write(core, -r if self.negate else r)
+
+    def step(self, core, slots) -> Step | None:
+        c, xv, dv, dst = compute_dtype(self.data.dtype), self.data.view(core), self.dst.view(core), self.dst
+        fn, axis, negate, convert = REDUCE_OPS[self.op], self.axis, self.negate, self.data.dtype != c
+
+        # the result is a new tensor unless a bitwise fold of one element returns a view of the data
+        alias = not convert and self.op.startswith("bitwise")
+
+        def step(h):
+            r = fn(xv.to(c) if convert else xv, axis)
+            store(dst, dv, -r if negate else r, may_alias=alias)
+        return step
 
     def price(self) -> CostInputs:
         return self._cost([self.data], self.dst, op=self.op)
@@ -1303,6 +1505,10 @@ class Memset(Instr):
 
     def execute(self, core) -> None:
         self.dst.view(core).fill_(self.value)
+
+    def step(self, core, slots) -> Step | None:
+        dv, value = self.dst.view(core), self.value
+        return lambda h: dv.fill_(value)
 
     def price(self) -> CostInputs:
         return self._cost([], self.dst, op="zero" if self.value == 0 else None, flops=0)

@@ -96,6 +96,22 @@ class Memory:
         # PSUM only: per 4-byte word, True where no matmul accumulation group is open, so the next
         # nc_matmul with accumulate=None overwrites instead of adding
         self.group_closed = torch.ones(partitions, bytes_per_partition // 4, dtype=torch.bool) if bank_bytes else None
+        # PSUM only: the flag views TensorE instructions cleared (opened a group in), by box. Only
+        # these can hold False, so closing every group resets them instead of the whole 512 KiB
+        # flag tensor, and an empty dict means every flag is True.
+        self.opened: dict = {}
+
+    def close_groups(self) -> None:
+        """Close every PSUM accumulation group (set every group-closed flag True)."""
+        opened = self.opened
+        if not opened:
+            return
+        if len(opened) > 32:  # many small boxes: one fill of the whole tensor is cheaper
+            self.group_closed.fill_(True)
+        else:
+            for view in opened.values():
+                view.fill_(True)
+        opened.clear()
 
     @classmethod
     def hbm(cls, name: str, tensor: torch.Tensor) -> "Memory":
@@ -107,7 +123,8 @@ class Memory:
         if not t.is_contiguous():
             raise SimulatorError(f"hbm:{name}: a bound tensor must be contiguous (got strides {t.stride()})")
         flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        return cls(f"hbm:{name}", 1, flat.numel(), align=1, data=flat.unsqueeze(0))
+        # nan_fill only affects allocation, which HBM buffers never do: skip the environment lookup
+        return cls(f"hbm:{name}", 1, flat.numel(), align=1, nan_fill=False, data=flat.unsqueeze(0))
 
     def typed(self, dtype: torch.dtype) -> torch.Tensor:
         """The memory as a [partitions, bytes // itemsize] tensor of ``dtype`` (cached; shares storage)."""
@@ -341,17 +358,7 @@ class AP:
         if not isinstance(values, torch.Tensor):
             dst.fill_(values)
             return
-        if values.shape != dst.shape:
-            if values.numel() != dst.numel():
-                raise SimulatorError(f"{self!r}: cannot write {tuple(values.shape)} values into shape {self.shape}")
-            values = values.reshape(self.shape)
-        if (values.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr()
-                and (values.storage_offset(), values.stride()) != (dst.storage_offset(), dst.stride())):
-            values = values.clone()  # a view of the same memory, shifted: torch cannot see the overlap
-        try:
-            dst.copy_(values)
-        except RuntimeError as e:
-            raise SimulatorError(f"{self!r}: cannot write through this pattern: {e}") from None
+        store(self, dst, values)
 
     def __getstate__(self) -> dict:
         # only the fields: cached geometry and views are rebuilt on demand
@@ -440,6 +447,22 @@ class AP:
         where = (f"{self.memory}[{self.start_partition}:{self.start_partition + self.partitions}]"
                  if self.on_chip else self.memory)
         return f"{where}+{self.offset}<{dtype_name(self.dtype)} {pat}>"
+
+
+def store(ap: AP, dst: torch.Tensor, values: torch.Tensor, *, may_alias: bool = True) -> None:
+    """``ap.write`` into ``dst`` (``ap``'s view, already looked up): reshape, clone a shifted view of
+    the same memory, copy. ``may_alias=False``: the caller knows ``values`` shares no memory with dst."""
+    if values.shape != dst.shape:
+        if values.numel() != dst.numel():
+            raise SimulatorError(f"{ap!r}: cannot write {tuple(values.shape)} values into shape {ap.shape}")
+        values = values.reshape(ap.shape)
+    if (may_alias and values.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr()
+            and (values.storage_offset(), values.stride()) != (dst.storage_offset(), dst.stride())):
+        values = values.clone()  # a view of the same memory, shifted: torch cannot see the overlap
+    try:
+        dst.copy_(values)
+    except RuntimeError as e:
+        raise SimulatorError(f"{ap!r}: cannot write through this pattern: {e}") from None
 
 
 def _index(i, size: int) -> int:

@@ -107,10 +107,26 @@ class Program:
     def schedule(self, spec: ChipSpec):
         """The timing model's schedule of this program on ``spec`` (computed once per chip: it depends
         only on the instructions)."""
+        last = self.__dict__.get("_last_schedule")
+        if last is not None and last[0] is spec:  # the same spec object as last time: skip hashing it
+            return last[1]
         cache = self.__dict__.setdefault("_schedules", {})
         if spec not in cache:
             from torchneuron.sim import timing  # imported only when a run is timed
             cache[spec] = timing.schedule(list(self.instructions), spec)
+        self.__dict__["_last_schedule"] = (spec, cache[spec])
+        return cache[spec]
+
+    def roofline(self, spec: ChipSpec):
+        """``timing.roofline`` of this program's schedule on ``spec`` (computed once per chip)."""
+        last = self.__dict__.get("_last_roofline")
+        if last is not None and last[0] is spec:
+            return last[1]
+        cache = self.__dict__.setdefault("_rooflines", {})
+        if spec not in cache:
+            from torchneuron.sim import timing
+            cache[spec] = timing.roofline(self.schedule(spec), spec)
+        self.__dict__["_last_roofline"] = (spec, cache[spec])
         return cache[spec]
 
     def __getstate__(self) -> dict:
@@ -134,14 +150,20 @@ class Program:
             if t is None:
                 if slot.kind == "input":
                     raise SimulatorError(f"program {self.name!r}: input {slot.name!r} ({slot.describe()}) is not bound")
-                t = torch.zeros(slot.shape, dtype=slot.dtype)
-                if nan_fill and t.numel():
-                    t.view(-1).view(torch.uint8).fill_(NAN_BYTE)
+                t = self.allocate(slot, nan_fill=nan_fill)
             elif tuple(t.shape) != slot.shape or t.dtype != slot.dtype:
                 raise SimulatorError(f"program {self.name!r}: argument {slot.name!r} expects {slot.describe()}, "
                                      f"got {str(t.dtype).removeprefix('torch.')}[{', '.join(map(str, t.shape))}]")
             bound[slot.name] = t
         return bound
+
+    @staticmethod
+    def allocate(slot: ArgSlot, *, nan_fill: bool = False) -> torch.Tensor:
+        """A host buffer for an unbound output or scratch slot: zeros, or NaN bytes with NaN fill."""
+        t = torch.zeros(slot.shape, dtype=slot.dtype)
+        if nan_fill and t.numel():
+            t.view(-1).view(torch.uint8).fill_(NAN_BYTE)
+        return t
 
     # ---- serialization ----------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from torchneuron.nki.tracing import NkiTensor, current, ds
+from torchneuron.nki.tracing import NkiTensor, current, ds, sbuf
 from torchneuron.sim import AP, SimulatorError
 
 
@@ -131,29 +131,109 @@ Restriction = dict  # position -> (lo, n): the values of that position's variabl
 
 
 def restriction(mask: Any) -> Restriction | None:
-    """The box a mask selects (``None``: no mask). Raise if it is not a box."""
+    """The box a mask selects (``None``: no mask); for a mask that is not a box, its bounding box (the
+    callers that must not touch the other elements use ``boxes`` or ``fill_masked``)."""
     if mask is None:
         return None
     if isinstance(mask, (bool, np.bool_)):
         return None if mask else {0: (0, 0)}
-    if not isinstance(mask, Pred):
-        raise TypeError(f"mask= takes a comparison of nl.arange/nl.mgrid index expressions, not {mask!r}")
-    g = mask.grid()
+    g = _grid(mask)
     box: Restriction = {}
     for pos in range(g.ndim):
         keep = np.flatnonzero(g.any(axis=tuple(a for a in range(g.ndim) if a != pos)))
         if len(keep) == 0:
             return {pos: (0, 0)}
         lo, n = int(keep[0]), int(keep[-1] - keep[0] + 1)
-        if n != len(keep):
-            raise NotImplementedError("mask= must select a contiguous range along each axis")
         if (lo, n) != (0, g.shape[pos]):
             box[pos] = (lo, n)
+    return box
+
+
+def _grid(mask: Any) -> np.ndarray:
+    if not isinstance(mask, Pred):
+        raise TypeError(f"mask= takes a comparison of nl.arange/nl.mgrid index expressions, not {mask!r}")
+    return mask.grid()
+
+
+def is_box(mask: Any) -> bool:
+    """Whether the mask selects exactly its bounding box (no mask counts as a box)."""
+    if not isinstance(mask, Pred):
+        return True
+    g = _grid(mask)
+    box = restriction(mask)
+    if is_empty(box):
+        return True
     want = np.zeros(g.shape, dtype=bool)
     want[tuple(slice(lo, lo + n) for lo, n in (box.get(p, (0, g.shape[p])) for p in range(g.ndim)))] = True
-    if not np.array_equal(g, want):
-        raise NotImplementedError("mask= must select a box (a range per axis) of the index grid")
-    return box
+    return bool(np.array_equal(g, want))
+
+
+def boxes(mask: Any) -> list[Restriction | None]:
+    """The mask as disjoint boxes that cover exactly its elements (one box, or ``[None]``, when it is one):
+    runs of equal sub-masks along each axis in turn (a ragged last row of a flattened tensor: two boxes)."""
+    if is_box(mask):
+        return [] if is_empty(restriction(mask)) else [restriction(mask)]
+    g = _grid(mask)
+    out = []
+    for ranges in _runs(g):
+        out.append({p: r for p, r in enumerate(ranges) if r != (0, g.shape[p])})
+    return out
+
+
+def _runs(g: np.ndarray) -> list[list[tuple[int, int]]]:
+    if g.ndim == 0:
+        return [[]] if bool(g) else []
+    out, k, n = [], 0, g.shape[0]
+    while k < n:
+        j = k + 1
+        while j < n and np.array_equal(g[j], g[k]):
+            j += 1
+        out.extend([(k, j - k), *sub] for sub in _runs(g[k]))
+        k = j
+    return out
+
+
+def contraction_range(mask: Any, what: str) -> tuple[int, int] | None:
+    """The contraction (partition, grid position 0) range a matmul ``mask=`` selects, or None for all of it.
+    The contraction must be one range for every output element (a box along position 0)."""
+    box = restriction(mask)
+    if box is None:
+        return None
+    if is_empty(box):
+        raise SimulatorError(f"{what}: the mask selects no elements")
+    g = _grid(mask)
+    rows = g.any(axis=tuple(range(1, g.ndim))) if g.ndim > 1 else g
+    lo, n = box.get(0, (0, g.shape[0]))
+    inside = g[lo:lo + n]
+    if not rows[lo:lo + n].all() or not np.array_equal(inside, np.broadcast_to(inside.any(0), inside.shape)):
+        raise NotImplementedError(f"{what}: mask= must select one contraction (partition) range for every "
+                                  f"output element")
+    return box.get(0)
+
+
+_CMP_NAMES = {"lt": "less", "le": "less_equal", "gt": "greater", "ge": "greater_equal"}
+
+
+def fill_masked(t: Any, mask: Any, box: Restriction, value: float) -> NkiTensor:
+    """A new SBUF copy of ``t``'s part inside the mask's bounding ``box`` with the elements the mask leaves
+    out set to ``value`` (one GpSimd ``affine_select`` per comparison of the mask)."""
+    from torchneuron.nki import isa as nisa
+    src = narrow_dims(t, box)
+    out = current().allocate(tuple(src.shape), src.dtype, sbuf)
+    nisa.tensor_copy(dst=out, src=src)
+    rank = len(out.shape)
+    for lhs, rhs, op in mask.clauses:
+        e = (lhs if isinstance(lhs, IndexExpr) else IndexExpr({}, lhs)) - rhs
+        coef = [0] * rank
+        for v, c in e.terms.items():
+            if v.pos >= rank:
+                raise NotImplementedError(f"mask= names grid position {v.pos} of a rank-{rank} operand")
+            coef[v.pos] += c
+        offset = e.const + sum(c * box.get(p, (0, 0))[0] for p, c in enumerate(coef))
+        nisa.affine_select(dst=out, pattern=[[coef[d], out.shape[d]] for d in range(1, rank)],
+                           channel_multiplier=coef[0], on_true_tile=out, on_false_value=value,
+                           cmp_op=_CMP_NAMES[op], offset=offset)
+    return out
 
 
 def is_empty(box: Restriction | None) -> bool:
@@ -298,7 +378,9 @@ class LegacyTile(NkiTensor):
         instr, stationary, moving, options = self._pending
         trace = current()
         if trace.instructions and trace.instructions[-1] is instr:
-            trace.instructions.pop()  # its own tile was never read: drop the first emission
+            trace.retract(instr)  # its own tile was never read: drop the first emission
+        if accumulate and dst.dtype.itemsize == 4 and not bool(trace.psum_flags(dst.access, written=True).any()):
+            accumulate = False  # `+=` into a never-written PSUM tile starts the group (the compiler zeroed it)
         nisa.nc_matmul(dst=dst, stationary=stationary, moving=moving, accumulate=accumulate, **options)
 
     def broadcast_to(self, shape: Any) -> NkiTensor:
@@ -317,7 +399,7 @@ def block_tile(shape: tuple, dtype: Any, buffer: Any, name: str) -> LegacyTile:
     """A tensor with leading block dims ``(B..., par_dim(P), F...)`` (stored as (P, B..., F...))."""
     k = next(i for i, s in enumerate(shape) if isinstance(s, ParDim))
     stored = (shape[k], *shape[:k], *shape[k + 1:])
-    t = current().allocate(stored, dtype, buffer, name)
+    t = current().allocate(stored, dtype, buffer, name, blocks=math.prod(int(s) for s in shape[:k]))
     t._blocks = k
     return t
 

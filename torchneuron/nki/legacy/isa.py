@@ -13,7 +13,9 @@ import torch
 from torchneuron.nki import isa as _isa
 from torchneuron.nki.isa import (dge_mode, engine, gpsimd_engine, matmul_perf_mode, oob_mode,  # noqa: F401
                                  reduce_cmd, scalar_engine, tensor_engine, unknown_engine, vector_engine)
-from torchneuron.nki.legacy._tile import IndexExpr, Pred, is_empty, narrow, narrow_dims, restriction
+from torchneuron.nki.legacy._tile import (IndexExpr, Pred, boxes, contraction_range, fill_masked, is_box, is_empty,
+                                          narrow, narrow_dims, restriction)
+from torchneuron.sim.numerics import alu_op
 from torchneuron.nki.tracing import NkiTensor, as_dtype, current, psum, sbuf
 
 Tile = NkiTensor
@@ -40,9 +42,8 @@ def _run(fn, out: Tile, box: Any, **kw: Any) -> Tile:
 # ---- data movement ----------------------------------------------------------------------
 
 def dma_copy(dst: Tile, src: Tile, mask: Any = None, **kw: Any) -> None:
-    """``dst = src`` by DMA (``mask=``: the selected box only)."""
-    box = restriction(mask)
-    if not is_empty(box):
+    """``dst = src`` by DMA (``mask=``: the selected elements only, one DMA per box of the mask)."""
+    for box in [None] if mask is None else boxes(mask):
         _isa.dma_copy(dst=narrow(dst, box), src=narrow(src, box), **kw)
 
 
@@ -66,7 +67,9 @@ def nc_matmul(stationary: Tile, moving: Tile, is_stationary_onezero: bool = Fals
 
     ``psum[...] += nisa.nc_matmul(a, b)`` accumulates into ``psum`` and ``psum[...] = ...`` overwrites it
     (the matmul is re-targeted; no extra copy)."""
-    assert mask is None, "nc_matmul mask= is not supported"
+    k = contraction_range(mask, "nc_matmul")  # output elements outside the mask are computed (undefined)
+    if k is not None:
+        stationary, moving = narrow_dims(stationary, {0: k}), narrow_dims(moving, {0: k})
     kw.pop("dtype", None)
     opts = dict(is_stationary_onezero=is_stationary_onezero, is_moving_onezero=is_moving_onezero,
                 is_transpose=is_transpose, **kw)
@@ -79,7 +82,7 @@ def nc_matmul(stationary: Tile, moving: Tile, is_stationary_onezero: bool = Fals
 
 def nc_transpose(data: Tile, mask: Any = None, dtype: Any = None, engine: Any = None, **_: Any) -> Tile:
     """Partition/free swap: TensorE (default) into a new PSUM tile, VectorE into SBUF."""
-    assert mask is None, "nc_transpose mask= is not supported"
+    restriction(mask)  # (checks the predicate) a transpose only moves values: outside the mask is undefined
     vector = getattr(engine, "name", engine) == "vector"
     out = _new((data.access.free_elems, data.shape[0]), _dt(dtype, data.dtype), sbuf if vector else psum)
     _isa.nc_transpose(dst=out, data=data, engine=engine)
@@ -135,9 +138,18 @@ def tensor_reduce(op: Any, data: Tile, axis: Any, mask: Any = None, dtype: Any =
     if is_empty(box):
         return out
     obox = {d: r for d, r in (box or {}).items() if d not in axes}
+    if not is_box(mask):  # the elements the mask leaves out take the reduction's identity
+        identity = _REDUCE_IDENTITY.get(alu_op(op))
+        if identity is None:
+            raise NotImplementedError(f"tensor_reduce: a mask that is not a box needs an add/max/min reduction, "
+                                      f"not {op!r}")
+        data, box = fill_masked(data, mask, box or {}, identity), None
     _isa.tensor_reduce(dst=_n(out, obox), op=op, data=_n(data, box), axis=tuple(axes), negate=negate,
                        keepdims=keepdims)
     return out
+
+
+_REDUCE_IDENTITY = {"add": 0.0, "maximum": float("-inf"), "minimum": float("inf")}
 
 
 def tensor_scalar_reduce(*, data: Tile, op0: Any, operand0: Any, reduce_op: Any, reduce_res: Tile,
@@ -212,4 +224,5 @@ def affine_select(pred: Pred, on_true_tile: Tile, on_false_value: float, mask: A
 
 __all__ = [n for n in dir() if not n.startswith("_") and n not in (
     "annotations", "Any", "torch", "IndexExpr", "Pred", "is_empty", "narrow", "narrow_dims", "restriction",
-    "as_dtype", "current", "psum", "sbuf")]
+    "as_dtype", "current", "psum", "sbuf", "boxes", "fill_masked", "is_box", "alu_op",
+    "contraction_range")]

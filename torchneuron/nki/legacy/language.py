@@ -7,6 +7,7 @@ result in SBUF (``matmul``/``transpose``: PSUM), as the generation did.
 from __future__ import annotations
 
 import builtins
+import itertools
 from typing import Any, Sequence
 
 from torchneuron.nki import isa as _nisa
@@ -14,8 +15,8 @@ from torchneuron.nki import language as _nl
 from torchneuron.nki.language import *  # noqa: F401,F403
 from torchneuron.nki.language import (affine_range, bfloat16, float32, num_programs, program_id,  # noqa: F401
                                       sequential_range, static_range, tile_size)
-from torchneuron.nki.legacy._tile import (IndexExpr, LegacyTile, ParDim, _Var, block_tile, is_empty, narrow,
-                                          narrow_dims, restriction)
+from torchneuron.nki.legacy._tile import (IndexExpr, LegacyTile, ParDim, _Var, block_tile, boxes, contraction_range,
+                                          fill_masked, is_box, is_empty, narrow, narrow_dims, restriction)
 from torchneuron.sim import AP
 from torchneuron.nki.tracing import NkiTensor, current, psum, sbuf, shared_hbm, hbm, private_hbm  # noqa: F401
 
@@ -88,7 +89,11 @@ def ndarray(shape: Sequence[int], dtype: Any, buffer: Any = None, name: str = ""
 def full(shape: Sequence[int], fill_value: Any, dtype: Any, buffer: Any = None, name: str = "", **_: Any) -> Tile:
     """A tensor filled with ``fill_value``."""
     t = ndarray(shape, dtype, buffer, name)
-    _nisa.memset(dst=t[...] if not t._blocks else t._plain(), value=fill_value)
+    if not t._blocks:
+        _nisa.memset(dst=t[...], value=fill_value)
+        return t
+    for index in itertools.product(*(range(n) for n in t.shape[:t._blocks])):
+        _nisa.memset(dst=t[index], value=fill_value)  # block tiles are independent: one memset each
     return t
 
 
@@ -110,27 +115,33 @@ def zeros_like(x: Tile, dtype: Any = None, buffer: Any = None, name: str = "") -
 # ---- data movement ---------------------------------------------------------------------------
 
 def load(src: Tile, mask: Any = None, dtype: Any = None, **_: Any) -> Tile:
-    """HBM (or an index-vector view of it) -> a new SBUF tile; ``mask=`` loads only the selected box."""
-    box = restriction(mask)
+    """HBM (or an index-vector view of it) -> a new SBUF tile; ``mask=`` loads only the selected elements
+    (one DMA per box of the mask)."""
     if getattr(src, "_column", False):  # `A[c0:c0 + P, j]`: a (P, 1) column, not a (1, P) row
         a = src.access
         src = src._view(AP(a.memory, a.dtype, (*a.pattern, (1, 1)), a.start_partition, a.partitions, a.offset))
     shape = src.shape if len(src.shape) > 1 else (1, *src.shape)
     t = current().allocate(shape, dtype or src.dtype, sbuf)
-    if not is_empty(box):
+    for box in _mask_boxes(mask):
         _nisa.dma_copy(dst=narrow_dims(t, box), src=narrow(src, box))
     return t
 
 
+def _mask_boxes(mask: Any) -> list:
+    """Boxes covering exactly the mask's elements (``[None]`` without a mask; ``[]`` when it selects none)."""
+    return [None] if mask is None else boxes(mask)
+
+
 def store(dst: Tile, value: Any, mask: Any = None, **_: Any) -> None:
-    """SBUF tile -> HBM; ``mask=`` stores only the selected box."""
-    box = restriction(mask)
-    if is_empty(box):
+    """SBUF tile -> HBM; ``mask=`` stores only the selected elements (one DMA per box of the mask)."""
+    regions = _mask_boxes(mask)
+    if not regions:
         return
     if not isinstance(value, NkiTensor):
         value = full(dst.shape, value, dst.dtype)
     value = _evict(value)
-    _nisa.dma_copy(dst=narrow(dst, box), src=narrow_dims(value, box))
+    for box in regions:
+        _nisa.dma_copy(dst=narrow(dst, box), src=narrow_dims(value, box))
 
 
 def _evict(t: Any) -> Any:
@@ -155,12 +166,15 @@ def load_transpose2d(src: Tile, mask: Any = None, dtype: Any = None) -> Tile:
     return out
 
 
-def _masked(fn, box, tiles: list, *rest: Any, **kw: Any) -> Tile:
-    """Run ``fn`` on the mask's box of each tile and place the result in a full-size tile."""
+def _masked(fn, box, tiles: list, *rest: Any, narrowed: bool = False, full_shape: Any = None, **kw: Any) -> Tile:
+    """Run ``fn`` on the mask's box of each tile and place the result in a full-size tile (``narrowed``:
+    the tiles are already the box, ``full_shape`` the shape they came from). A mask that is not a box
+    computes its bounding box: the elements it leaves out are undefined, as on the hardware."""
     if not box:
         return fn(*tiles, *rest, **kw)
-    full_shape = next(t.shape for t in tiles if isinstance(t, NkiTensor))
-    r = fn(*[narrow_dims(t, box) for t in tiles], *rest, **kw)
+    if full_shape is None:
+        full_shape = next(t.shape for t in tiles if isinstance(t, NkiTensor))
+    r = fn(*[t if narrowed else narrow_dims(t, box) for t in tiles], *rest, **kw)
     out_shape = [full_shape[d] if r.shape[d] == narrow_dims_size(box, d, full_shape) else r.shape[d]
                  for d in range(len(r.shape))]
     out = current().allocate(out_shape, r.dtype, sbuf if r.buffer.name != "psum" else psum)
@@ -243,7 +257,18 @@ def _reduction(name: str):
         box = restriction(mask)
         if not box:
             x, axis = _trailing(x, axis, keepdims)
-        if box and any(d in box for d in ((axis,) if isinstance(axis, int) else axis)):
+        axes = (axis,) if isinstance(axis, int) else tuple(axis)
+        if not is_box(mask) and name != "mean":
+            # the mask is not a box: the elements it leaves out get the reduction's identity first
+            filled = fill_masked(x, mask, box, _IDENTITY[name])
+            if any(d in box for d in axes):
+                return base(filled, axis, dtype=dtype, keepdims=keepdims)
+            return _masked(lambda a: base(a, axis, dtype=dtype, keepdims=keepdims), box, [filled], narrowed=True,
+                           full_shape=x.shape)
+        if not is_box(mask):
+            raise NotImplementedError("nl.mean with a mask that is not a box (a per-row count) is not supported; "
+                                      "use nl.sum with the mask and divide")
+        if box and any(d in box for d in axes):
             # the reduced dims shrink: reduce the box directly, only the kept dims need the full tile
             return base(narrow_dims(x, box), axis, dtype=dtype, keepdims=keepdims)
         return _masked(lambda a: base(a, axis, dtype=dtype, keepdims=keepdims), box, [x])
@@ -253,24 +278,32 @@ def _reduction(name: str):
     return op
 
 
+_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 sum, max, min, mean = (_reduction(n) for n in ("sum", "max", "min", "mean"))  # noqa: A001
 
 
 # ---- TensorE ---------------------------------------------------------------------------------
 
 def matmul(x: Tile, y: Tile, transpose_x: bool = False, mask: Any = None, **_: Any) -> Tile:
-    """``x @ y`` (``x.T @ y`` with ``transpose_x=True``): a new fp32 PSUM tile."""
-    assert mask is None, "nl.matmul mask= is not supported"
-    return _nl.matmul(_evict(x), _evict(y), transpose_x=transpose_x)
+    """``x @ y`` (``x.T @ y`` with ``transpose_x=True``): a new fp32 PSUM tile. ``mask=`` narrows the
+    contraction to the range its position 0 (``y``'s partitions) selects; output elements outside the
+    mask are computed too (their values are undefined, as on the hardware)."""
+    k = contraction_range(mask, "nl.matmul")
+    x, y = _evict(x), _evict(y)
+    if k is not None:
+        x, y = narrow_dims(x, {0 if transpose_x else 1: k}), narrow_dims(y, {0: k})
+    return _nl.matmul(x, y, transpose_x=transpose_x)
 
 
 def transpose(x: Tile, dtype: Any = None, mask: Any = None, **_: Any) -> Tile:
-    """Partition/free swap on TensorE: a new PSUM tile."""
-    assert mask is None, "nl.transpose mask= is not supported"
+    """Partition/free swap on TensorE: a new PSUM tile (``mask=``: elements outside it are undefined; a
+    transpose only moves values, so the whole tile is moved)."""
+    restriction(mask)  # (checks the predicate)
     return _nl.transpose(_evict(x), dtype=dtype)
 
 
 __all__ = [n for n in dir() if not n.startswith("_") and n not in (
-    "annotations", "builtins", "Any", "Sequence", "IndexExpr", "LegacyTile", "ParDim", "block_tile",
-    "is_empty", "narrow", "narrow_dims", "restriction", "narrow_dims_size", "AP")]
+    "annotations", "builtins", "itertools", "Any", "Sequence", "IndexExpr", "LegacyTile", "ParDim", "block_tile",
+    "is_empty", "narrow", "narrow_dims", "restriction", "narrow_dims_size", "AP", "boxes", "fill_masked", "is_box",
+    "contraction_range")]
 del builtins

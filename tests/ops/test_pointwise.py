@@ -1,0 +1,154 @@
+"""Element-wise ATen ops run on the device (strict mode: no CPU fallback) and match the CPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.ops.conftest import to_n
+
+torch.manual_seed(0)
+X = torch.randn(5, 33)
+Y = torch.randn(33)
+POS = X.abs() + 0.1
+UNIT = torch.rand(5, 33) * 1.8 - 0.9
+
+UNARY = {
+    "exp": (torch.exp, X), "log": (torch.log, POS), "log1p": (torch.log1p, POS), "expm1": (torch.expm1, X),
+    "exp2": (torch.exp2, X), "log2": (torch.log2, POS), "log10": (torch.log10, POS), "sqrt": (torch.sqrt, POS),
+    "rsqrt": (torch.rsqrt, POS), "sin": (torch.sin, X), "cos": (torch.cos, X), "tan": (torch.tan, UNIT),
+    "tanh": (torch.tanh, X), "sigmoid": (torch.sigmoid, X), "erf": (torch.erf, X), "atan": (torch.atan, X),
+    "asin": (torch.asin, UNIT), "acos": (torch.acos, UNIT), "atanh": (torch.atanh, UNIT), "sinh": (torch.sinh, X),
+    "cosh": (torch.cosh, X), "asinh": (torch.asinh, X), "acosh": (torch.acosh, POS + 1),
+    "reciprocal": (torch.reciprocal, POS), "neg": (torch.neg, X), "abs": (torch.abs, X), "sign": (torch.sign, X),
+    "floor": (torch.floor, X * 3), "ceil": (torch.ceil, X * 3), "trunc": (torch.trunc, X * 3),
+    "round": (torch.round, X * 3), "frac": (torch.frac, X * 3), "relu": (torch.relu, X), "gelu": (F.gelu, X),
+    "gelu_tanh": (lambda t: F.gelu(t, approximate="tanh"), X), "silu": (F.silu, X), "mish": (F.mish, X),
+    "softplus": (F.softplus, X), "elu": (F.elu, X), "leaky_relu": (F.leaky_relu, X),
+    "hardswish": (F.hardswish, X), "hardsigmoid": (F.hardsigmoid, X), "logit": (torch.logit, torch.rand(4, 9)),
+    "isnan": (torch.isnan, X), "signbit": (torch.signbit, X), "logical_not": (torch.logical_not, X.round()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_unary(name, strict):
+    fn, x = UNARY[name]
+    torch.testing.assert_close(fn(to_n(x)).cpu(), fn(x), atol=1e-5, rtol=2e-6)
+
+
+BINARY = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "maximum": torch.maximum,
+    "minimum": torch.minimum, "pow": lambda a, b: torch.pow(a.abs(), b), "atan2": torch.atan2,
+    "fmod": torch.fmod, "remainder": torch.remainder, "floor_divide": torch.floor_divide,
+    "div_trunc": lambda a, b: torch.div(a, b, rounding_mode="trunc"), "hypot": torch.hypot,
+    "copysign": torch.copysign, "xlogy": lambda a, b: torch.xlogy(a, b.abs()), "fmax": torch.fmax,
+    "eq": torch.eq, "lt": torch.lt, "ge": torch.ge, "ne": torch.ne, "logical_xor": torch.logical_xor,
+    "add_alpha": lambda a, b: torch.add(a, b, alpha=-0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BINARY))
+def test_binary_broadcast(name, strict):
+    fn = BINARY[name]
+    torch.testing.assert_close(fn(to_n(X), to_n(Y)).cpu(), fn(X, Y), atol=1e-5, rtol=2e-6)
+
+
+@pytest.mark.parametrize("scalar", [2, -0.75])
+def test_python_scalars_and_promotion(scalar, strict):
+    i = torch.arange(-6, 6, dtype=torch.int32).reshape(3, 4)
+    for fn in (lambda a, s: a + s, lambda a, s: s - a, lambda a, s: a * s, lambda a, s: a / s if s else a):
+        for x in (X, i):
+            got, want = fn(to_n(x), scalar), fn(x, scalar)
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got.cpu(), want)
+
+
+def test_cpu_scalar_tensor_operand(strict):
+    s = torch.tensor(1.5)
+    torch.testing.assert_close((to_n(X) * s).cpu(), X * s)
+
+
+def test_dtypes_and_mixed_precision(strict):
+    b = X.bfloat16()
+    torch.testing.assert_close((to_n(b) * to_n(Y)).cpu(), b * Y)          # bf16 * fp32 -> fp32
+    torch.testing.assert_close((to_n(b) + 1).cpu(), b + 1)                  # stays bf16
+    h = X.half()
+    torch.testing.assert_close(to_n(h).exp().cpu(), h.exp())
+    big = torch.tensor([2 ** 30 + 1, -7], dtype=torch.int32)
+    torch.testing.assert_close((to_n(big) + 2).cpu(), big + 2)              # ints stay exact above 2**24
+
+
+def test_where_and_clamp(strict):
+    c = X > 0
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0])
+    torch.testing.assert_close(torch.where(to_n(c), to_n(X), to_n(Y)).cpu(), torch.where(c, X, Y))
+    m = torch.tensor([True, False, True, False, True, False])
+    torch.testing.assert_close(torch.where(to_n(m), to_n(special), 2.0).cpu(), torch.where(m, special, 2.0),
+                               equal_nan=True)
+    torch.testing.assert_close(to_n(X).clamp(-0.5, 0.25).cpu(), X.clamp(-0.5, 0.25))
+    torch.testing.assert_close(to_n(X).clamp(min=to_n(Y)).cpu(), X.clamp(min=Y))
+    torch.testing.assert_close(to_n(special).clamp(-1, 1).cpu(), special.clamp(-1, 1), equal_nan=True)
+
+
+def test_ternary(strict):
+    a, b, c = X, torch.randn(5, 33), POS
+    torch.testing.assert_close(torch.addcmul(to_n(a), to_n(b), to_n(c), value=0.5).cpu(),
+                               torch.addcmul(a, b, c, value=0.5))
+    torch.testing.assert_close(torch.addcdiv(to_n(a), to_n(b), to_n(c), value=-2).cpu(),
+                               torch.addcdiv(a, b, c, value=-2))
+    torch.testing.assert_close(torch.lerp(to_n(a), to_n(b), 0.3).cpu(), torch.lerp(a, b, 0.3))
+
+
+def test_inplace_out_and_views(strict):
+    x = to_n(X)
+    x.mul_(2).add_(to_n(Y))
+    torch.testing.assert_close(x.cpu(), X * 2 + Y)
+    out = torch.empty(0, device="neuron")
+    torch.exp(to_n(X), out=out)
+    torch.testing.assert_close(out.cpu(), X.exp())
+    t = to_n(X).t()                                       # non-contiguous input and in-place target
+    t.add_(1)
+    torch.testing.assert_close(t.cpu(), X.t() + 1)
+    base = to_n(X)
+    base[:, 3].mul_(0)                                    # writes through the strided view into base
+    ref = X.clone()
+    ref[:, 3] = 0
+    torch.testing.assert_close(base.cpu(), ref)
+
+
+def test_backward_ops(strict):
+    for fn in (torch.sigmoid, torch.tanh, F.gelu, F.silu, torch.relu, lambda t: F.leaky_relu(t, 0.1),
+               F.hardtanh, lambda t: F.gelu(t, approximate="tanh")):
+        x = X.clone().requires_grad_()
+        xn = to_n(X).requires_grad_()
+        fn(x).mul(Y).sum().backward()
+        fn(xn).mul(to_n(Y)).sum().backward()
+        torch.testing.assert_close(xn.grad.cpu(), x.grad, atol=1e-5, rtol=1e-5)
+
+
+ERRORS = {
+    "broadcast": lambda x: x + torch.ones(7, device=x.device),
+    "inplace_broadcast": lambda x: x.add_(torch.ones(2, 5, 33, device=x.device)),
+    "inplace_cast": lambda x: torch.ones(3, dtype=torch.int32, device=x.device).add_(0.5),
+    "out_cast": lambda x: torch.add(x, 1, out=torch.empty(5, 33, dtype=torch.int32, device=x.device)),
+    "bool_sub": lambda x: (x > 0) - (x > 1),
+    "bool_neg": lambda x: -(x > 0),
+    "partial_overlap": lambda x: torch.add(x[:-1], 1, out=x[1:]),
+    "where_cond": lambda x: torch.where(x, x, x),
+    "clamp_none": lambda x: torch.clamp(x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ERRORS))
+def test_bad_input_errors_match_cpu(name):
+    fn = ERRORS[name]
+    with pytest.raises(Exception) as cpu:
+        fn(X.clone())
+    x = to_n(X)
+    with pytest.raises(type(cpu.value)) as dev:
+        fn(x)
+    assert str(dev.value).split("\n")[0] == str(cpu.value).split("\n")[0]
+    torch.testing.assert_close(x.cpu(), X)                # the failed call changed nothing
+
+
+def test_mixed_devices_raise_like_cpu():
+    with pytest.raises(RuntimeError, match="same device"):
+        to_n(X) + Y.reshape(1, 33).expand(5, 33).clone()

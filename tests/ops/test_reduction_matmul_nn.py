@@ -1,0 +1,123 @@
+"""Reductions, matrix products, softmax and layer norm run on the device (strict mode) and match the CPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.ops.conftest import to_n
+
+torch.manual_seed(0)
+A = torch.randn(4, 33, 7)
+
+REDUCTIONS = {
+    "sum": lambda t: t.sum(), "sum_1": lambda t: t.sum(1), "sum_02_keep": lambda t: t.sum((0, 2), keepdim=True),
+    "mean_-1": lambda t: t.mean(-1), "amax_1": lambda t: t.amax(1), "amin_02": lambda t: t.amin((0, 2)),
+    "max_dim": lambda t: t.max(1), "min_dim_keep": lambda t: t.min(2, keepdim=True), "argmax": lambda t: t.argmax(),
+    "argmin_0": lambda t: t.argmin(0), "prod_2": lambda t: t.prod(2), "max": lambda t: t.max(),
+    "transposed_sum": lambda t: t.transpose(0, 2).sum(0), "var": lambda t: t.var(1), "std": lambda t: t.std(-1),
+    "bf16_sum": lambda t: t.bfloat16().sum(1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REDUCTIONS))
+def test_reductions(name, strict):
+    fn = REDUCTIONS[name]
+    got, want = fn(to_n(A)), fn(A)
+    got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g.cpu(), w, atol=1e-4, rtol=1e-4)
+
+
+def test_reduction_errors_match_cpu():
+    for fn, exc in ((lambda t: t.sum(3), IndexError), (lambda t: t.sum((1, 1)), RuntimeError),
+                    (lambda t: t[:0].max(), RuntimeError)):
+        with pytest.raises(exc):
+            fn(A)
+        with pytest.raises(exc):
+            fn(to_n(A))
+
+
+@pytest.mark.parametrize("m,k,n", [(37, 130, 65), (1, 5, 1), (128, 128, 512), (3, 1, 200)])
+def test_mm_shapes_and_layouts(m, k, n, strict):
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    torch.testing.assert_close((to_n(a) @ to_n(b)).cpu(), a @ b, atol=1e-4, rtol=1e-4)
+    at, bt = to_n(a.t().contiguous()).t(), to_n(b.t().contiguous()).t()   # transposed operands: no copy
+    torch.testing.assert_close((at @ bt).cpu(), a @ b, atol=1e-4, rtol=1e-4)
+
+
+def test_matmul_family(strict):
+    q, k = torch.randn(2, 3, 10, 16), torch.randn(2, 3, 16, 12)
+    torch.testing.assert_close((to_n(q) @ to_n(k)).cpu(), q @ k, atol=1e-4, rtol=1e-4)
+    lin = torch.nn.Linear(16, 8)
+    x = torch.randn(5, 16)
+    ref = lin(x)
+    lin.to("neuron")
+    torch.testing.assert_close(lin(to_n(x)).cpu(), ref, atol=1e-5, rtol=1e-5)
+    c, m1, m2 = torch.randn(3, 1), torch.randn(3, 4), torch.randn(4, 5)
+    torch.testing.assert_close(torch.addmm(to_n(c), to_n(m1), to_n(m2), beta=0.5, alpha=2).cpu(),
+                               torch.addmm(c, m1, m2, beta=0.5, alpha=2), atol=1e-5, rtol=1e-5)
+    b0, b1, b2 = torch.randn(2, 3, 5), torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    torch.testing.assert_close(torch.baddbmm(to_n(b0), to_n(b1), to_n(b2)).cpu(), torch.baddbmm(b0, b1, b2),
+                               atol=1e-5, rtol=1e-5)
+    e = torch.einsum("bij,bjk->bik", to_n(b1), to_n(b2))
+    torch.testing.assert_close(e.cpu(), torch.einsum("bij,bjk->bik", b1, b2), atol=1e-5, rtol=1e-5)
+    bf = (to_n(m1.bfloat16()) @ to_n(m2.bfloat16())).cpu()
+    torch.testing.assert_close(bf, m1.bfloat16() @ m2.bfloat16(), atol=2e-2, rtol=2e-2)
+
+
+def test_mm_errors_match_cpu():
+    for a, b in ((torch.randn(2, 3), torch.randn(4, 5)), (torch.randn(2, 3), torch.randn(3, 5).bfloat16())):
+        with pytest.raises(RuntimeError) as cpu:
+            a @ b
+        with pytest.raises(RuntimeError) as dev:
+            to_n(a) @ to_n(b)
+        assert str(dev.value).split("\n")[0] == str(cpu.value).split("\n")[0]
+
+
+@pytest.mark.parametrize("dim", [-1, 0, 1])
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_forward_backward(dim, log, strict):
+    fn = F.log_softmax if log else F.softmax
+    x = torch.randn(6, 40, requires_grad=True)
+    xn = to_n(x.detach()).requires_grad_()
+    g = torch.randn(6, 40)
+    y, yn = fn(x, dim), fn(xn, dim)
+    torch.testing.assert_close(yn.detach().cpu(), y.detach(), atol=1e-5, rtol=1e-5)
+    y.backward(g)
+    yn.backward(to_n(g))
+    torch.testing.assert_close(xn.grad.cpu(), x.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_forward_backward(affine, strict):
+    ln = torch.nn.LayerNorm(48, elementwise_affine=affine)
+    if affine:
+        with torch.no_grad():
+            ln.weight.normal_()
+            ln.bias.normal_()
+    lnn = torch.nn.LayerNorm(48, elementwise_affine=affine)
+    lnn.load_state_dict(ln.state_dict())
+    lnn.to("neuron")
+    x = torch.randn(3, 5, 48, requires_grad=True)
+    xn = to_n(x.detach()).requires_grad_()
+    g = torch.randn(3, 5, 48)
+    y, yn = ln(x), lnn(xn)
+    torch.testing.assert_close(yn.detach().cpu(), y.detach(), atol=1e-5, rtol=1e-5)
+    y.backward(g)
+    yn.backward(to_n(g))
+    torch.testing.assert_close(xn.grad.cpu(), x.grad, atol=1e-5, rtol=1e-5)
+    if affine:
+        torch.testing.assert_close(lnn.weight.grad.cpu(), ln.weight.grad, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(lnn.bias.grad.cpu(), ln.bias.grad, atol=1e-4, rtol=1e-5)
+    stats = torch.native_layer_norm(to_n(x.detach()), [48], None, None, 1e-5)
+    ref = torch.native_layer_norm(x.detach(), [48], None, None, 1e-5)
+    for s, r in zip(stats, ref):
+        torch.testing.assert_close(s.cpu(), r, atol=1e-5, rtol=1e-5)
+
+
+def test_layer_norm_bad_shape_matches_cpu():
+    with pytest.raises(RuntimeError) as cpu:
+        F.layer_norm(A, (8,))
+    with pytest.raises(RuntimeError) as dev:
+        F.layer_norm(to_n(A), (8,))
+    assert str(dev.value) == str(cpu.value)

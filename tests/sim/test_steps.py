@@ -1,0 +1,191 @@
+"""Per-core steps (NeuronCore.run_bound): bit-identical to executing each instruction, the PSUM
+group flags reset only where groups were opened, and programs prepared once per core."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from torchneuron.sim import ArgSlot, NeuronCore, Program, SimulatorError, isa, tile
+
+F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
+P, F = 16, 24
+
+
+def _sb(i: int, dtype=F32, free=(F,), parts: int = P, start: int = 0):
+    """The i-th 512-byte column slot of SBUF as a tile."""
+    return tile("sbuf", dtype, (parts, *free), start_partition=start, offset=512 * i)
+
+
+def _ps(i: int, free=(F,), parts: int = P):
+    return tile("psum", F32, (parts, *free), offset=2048 * i)
+
+
+def mixed_program() -> Program:
+    """Every instruction that has a step, in its fused and unfused variants, and some without."""
+    x, y = tile("hbm:x", F32, (P, F)), tile("hbm:y", BF16, (P, F))
+    col = _sb(9, F32, (1,))
+    i = isa
+    body = [
+        i.dma_copy(dst=_sb(0), src=x, queue=0),                                   # whole buffer
+        i.dma_copy(dst=_sb(1, BF16), src=y, queue=1),
+        i.dma_copy(dst=_sb(2, F32, (F // 2,)), src=x[:, : F // 2]),               # strided HBM view
+        i.dma_copy(dst=_sb(3, BF16), src=x),                                      # cast on the way
+        i.dma_copy(dst=_sb(4, F32, (2, F // 2)), src=x),                          # reshape
+        i.dma_copy(dst=col, src=tile("hbm:c", F32, (P, 1))),
+        i.tensor_tensor(dst=_sb(5), data1=_sb(0), data2=_sb(1, BF16), op="add"),  # fused, mixed dtypes
+        i.tensor_tensor(dst=_sb(6, BF16), data1=_sb(5), data2=_sb(0), op="multiply"),
+        i.tensor_tensor(dst=_sb(7), data1=_sb(5), data2=_sb(0), op="maximum"),
+        i.tensor_tensor(dst=_sb(7), data1=_sb(7), data2=_sb(0), op="greater"),    # not fused
+        i.tensor_tensor(dst=_sb(0), data1=_sb(0), data2=_sb(5), op="subtract"),  # in place
+        i.tensor_scalar(dst=_sb(8), data=_sb(0), op0="multiply", operand0=0.3),
+        i.tensor_scalar(dst=_sb(8), data=_sb(8), op0="add", operand0=col, op1="multiply", operand1=1.7),
+        i.tensor_scalar(dst=_sb(10), data=_sb(8), op0="subtract", operand0=col, reverse0=True),  # not fused
+        i.tensor_scalar(dst=_sb(11, BF16), data=_sb(8), op0="multiply", operand0=2.5),            # not fused
+        i.activation(dst=_sb(12), op="exp", data=_sb(8), scale=0.5, bias=col),
+        i.activation(dst=_sb(13), op="tanh", data=_sb(12)),
+        i.activation(dst=_sb(14), op="sigmoid", data=_sb(13), scale=col, reduce_op="add",
+                     reduce_res=_sb(15, F32, (1,)), reduce_cmd="reset_reduce"),
+        i.activation(dst=_sb(16, BF16), op="gelu", data=_sb(13)),                 # not fused
+        i.tensor_reduce(dst=_sb(17, F32, (1,)), op="add", data=_sb(12), axis=1),
+        i.tensor_reduce(dst=_sb(18, F32, (1,)), op="maximum", data=_sb(6, BF16), axis=1, negate=True),
+        i.tensor_reduce(dst=_sb(19, F32, (2,)), op="add", data=_sb(4, F32, (2, F // 2)), axis=2),
+        i.tensor_copy(dst=_sb(20, BF16), src=_sb(12)),
+        i.tensor_copy(dst=_sb(21), src=_sb(20, BF16), engine="scalar"),
+        i.tensor_copy(dst=_sb(22, F32, (F - 2,)), src=tile("sbuf", F32, (P, F - 2), offset=512 * 22 + 8)),
+        i.memset(dst=_sb(23), value=0.0),
+        i.memset(dst=_sb(24, I32), value=7),
+        i.iota(dst=_sb(25, I32), pattern=[[1, F]]),                             # no step
+        # TensorE into PSUM: an accumulation group, closed by a VectorE write, then reopened
+        i.nc_matmul(dst=_ps(0, (F,), P), stationary=_sb(26, BF16, (P,)), moving=_sb(1, BF16)),
+        i.nc_matmul(dst=_ps(0, (F,), P), stationary=_sb(26, BF16, (P,)), moving=_sb(6, BF16)),
+        i.tensor_copy(dst=_sb(27), src=_ps(0, (F,), P)),
+        i.tensor_tensor(dst=_ps(0, (F,), P), data1=_sb(27), data2=_sb(5), op="add"),  # closes the group
+        i.nc_matmul(dst=_ps(0, (F,), P), stationary=_sb(26, BF16, (P,)), moving=_sb(1, BF16)),
+        i.nc_matmul(dst=_ps(1, (P,), P), stationary=_sb(28, F32, (P,)), moving=_sb(29, F32, (P,)),
+                    accumulate=True),
+        i.activation(dst=_sb(30), op="exp", data=_ps(0, (F,), P)),
+        i.dma_copy(dst=tile("hbm:out", F32, (P, F)), src=_sb(30)),
+        i.dma_copy(dst=tile("hbm:out2", BF16, (P, F)), src=_sb(12)),               # cast on the way out
+        i.dma_copy(dst=tile("hbm:out3", F32, (P * F,)), src=_sb(13)),              # reshape on the way out
+        i.dma_copy(dst=tile("hbm:out", F32, (P, F)), src=tile("hbm:x", F32, (P, F))),  # HBM to HBM
+        i.dma_copy(dst=_sb(31, BF16), src=tile("hbm:out2", BF16, (P, F))),
+    ]
+    args = [ArgSlot("x", (P, F), F32), ArgSlot("y", (P, F), BF16), ArgSlot("c", (P, 1), F32),
+            ArgSlot("out", (P, F), F32, "output"), ArgSlot("out2", (P, F), BF16, "output"),
+            ArgSlot("out3", (P * F,), F32, "output"), ArgSlot("tmp", (4,), F32, "scratch")]
+    return Program(body, args, "mixed")
+
+
+def _inputs(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(P, F, generator=g), "y": torch.randn(P, F, generator=g).to(BF16),
+            "c": torch.randn(P, 1, generator=g)}
+
+
+def _fill(core: NeuronCore, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for mem in (core.sbuf, core.psum):
+        mem.data.view(torch.float32).copy_(torch.randn(mem.data.view(torch.float32).shape, generator=g))
+
+
+def _reference(core: NeuronCore, prog: Program, bindings: dict[str, torch.Tensor]) -> None:
+    """The program run one ``execute`` at a time (no steps)."""
+    for name, t in bindings.items():
+        core.bind(name, t)
+    core.psum.group_closed.fill_(True)
+    for instr in prog.instructions:
+        core.execute(instr)
+
+
+def test_steps_are_bit_identical_to_execute():
+    prog = mixed_program()
+    probe = NeuronCore("trn2")
+    stepped = [s for s in (i.step(probe, {}) for i in prog.instructions) if s is not None]
+    assert len(stepped) > 20  # most of the program runs as steps
+    fast, slow = NeuronCore("trn2", seed=3), NeuronCore("trn2", seed=3)
+    for seed in (1, 2):  # twice: the second run reuses the prepared program
+        _fill(fast, seed)
+        _fill(slow, seed)
+        a = _inputs(seed)
+        rep = fast.run(prog, a)
+        outs = {n: torch.zeros_like(t) for n, t in rep.outputs.items()}
+        _reference(slow, prog, {**{k: v.clone() for k, v in a.items()}, **outs, "tmp": torch.zeros(4)})
+        for name in outs:
+            assert torch.equal(rep.outputs[name].view(torch.uint8), outs[name].view(torch.uint8)), name
+        assert torch.equal(fast.sbuf.data, slow.sbuf.data) and torch.equal(fast.psum.data, slow.psum.data)
+        assert torch.equal(fast.psum.group_closed, slow.psum.group_closed)
+        assert torch.equal(fast.regs[isa.Engine.SCALAR], slow.regs[isa.Engine.SCALAR])
+
+
+def test_psum_flags_reset_only_where_groups_opened():
+    core = NeuronCore("trn2")
+    prog = mixed_program()
+    core.run(prog, _inputs(1))
+    assert core.psum.opened and not core.psum.group_closed.all()  # the last matmuls left groups open
+    core.begin_run()
+    assert not core.psum.opened and core.psum.group_closed.all()
+    version = core.psum.group_closed._version
+    core.begin_run()  # nothing open: no fill at all
+    assert core.psum.group_closed._version == version
+
+
+def test_accumulate_none_overwrites_at_the_start_of_every_run():
+    # a matmul with accumulate=None in a later run must not add to the previous run's PSUM
+    core = NeuronCore("trn2")
+    acc = _ps(0, (8,), 4)
+    body = [isa.dma_copy(dst=_sb(0, F32, (4,), 4), src=tile("hbm:s", F32, (4, 4))),
+            isa.dma_copy(dst=_sb(1, F32, (8,), 4), src=tile("hbm:m", F32, (4, 8))),
+            isa.nc_matmul(dst=acc, stationary=_sb(0, F32, (4,), 4), moving=_sb(1, F32, (8,), 4)),
+            isa.tensor_copy(dst=_sb(2, F32, (8,), 4), src=acc),
+            isa.dma_copy(dst=tile("hbm:o", F32, (4, 8)), src=_sb(2, F32, (8,), 4))]
+    prog = Program(body, [ArgSlot("s", (4, 4), F32), ArgSlot("m", (4, 8), F32), ArgSlot("o", (4, 8), F32, "output")])
+    s, m = torch.randn(4, 4), torch.randn(4, 8)
+    first = core.run(prog, {"s": s, "m": m}).outputs["o"]
+    second = core.run(prog, {"s": s, "m": m}).outputs["o"]
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, s.T @ m)
+
+
+def test_run_bound_takes_slot_order_and_allocates_unbound():
+    core = NeuronCore("trn2")
+    prog = mixed_program()
+    a = _inputs(4)
+    tensors = core.run_bound(prog, [a["x"], a["y"], a["c"], None, None, None, None])
+    want = core.run(prog, a).outputs
+    assert torch.equal(tensors[3], want["out"]) and torch.equal(tensors[4], want["out2"])
+    assert tensors[6].shape == (4,)
+    assert not core._run_hbm and "hbm:x" not in core._memories  # nothing stays bound after the run
+
+
+def test_run_binding_shadows_a_persistent_bind_for_the_run_only():
+    core = NeuronCore("trn2")
+    kept = torch.full((P, F), 5.0)
+    core.bind("x", kept)
+    prog = Program([isa.dma_copy(dst=_sb(0), src=tile("hbm:x", F32, (P, F))),
+                    isa.dma_copy(dst=tile("hbm:o", F32, (P, F)), src=_sb(0))],
+                   [ArgSlot("x", (P, F), F32), ArgSlot("o", (P, F), F32, "output")])
+    x = torch.randn(P, F)
+    assert torch.equal(core.run(prog, {"x": x}).outputs["o"], x)
+    assert core.memory("hbm:x").data.data_ptr() == kept.data_ptr()
+
+
+def test_errors_still_name_the_instruction_and_leave_nothing_bound():
+    core = NeuronCore("trn1")  # a smaller SBUF than the trn3 tile below needs
+    far = tile("sbuf", F32, (P, 16), offset=core.spec.sbuf_bytes_per_partition - 32)
+    prog = Program([isa.dma_copy(dst=_sb(0), src=tile("hbm:x", F32, (P, F))), isa.memset(dst=far, value=1.0)],
+                   [ArgSlot("x", (P, F), F32)])
+    with pytest.raises(SimulatorError, match="memset: dst"):
+        core.run(prog, {"x": torch.randn(P, F)})
+    assert not core._run_hbm and "hbm:x" not in core._memories
+
+
+def test_prepared_programs_are_dropped_with_the_program():
+    core = NeuronCore("trn2")
+    prog = mixed_program()
+    core.run(prog, _inputs(1))
+    assert len(core._plans) == 1
+    del prog
+    gc.collect()
+    assert not core._plans

@@ -1,0 +1,63 @@
+"""Copies on the device: strided views (``strided_copy``) and int32 to int64 (``widen_int64``).
+
+``strided_copy``: ``dst[view] = src[view]`` as HBM-to-HBM DMAs through access patterns.
+
+Each view is ``(offset, sizes, strides)`` in elements of a flat HBM buffer, so any PyTorch
+view (transposed, sliced, broadcast with stride 0) is read or written where it lies, with no
+staging through SBUF. The DMA casts when the dtypes differ. The copy is cut along its outer
+dim into up to ``DMA_QUEUES`` transfers, which the runtime spreads over that many DMA queues,
+so a large copy runs on all of them at once. A transfer's cost depends on its contiguous runs
+(the timing model prices a DMA per descriptor): a copy whose innermost dim is strided pays
+for it, as on the device.
+"""
+from __future__ import annotations
+
+from torchneuron import nki
+import torchneuron.nki.isa as nisa
+import torchneuron.nki.language as nl
+from torchneuron.kernels._common import PMAX, cdiv
+
+DMA_QUEUES = 16          # transfers a large copy is cut into (the trace's round-robin DMA queues)
+SPLIT_BYTES = 64 * 1024  # below this one transfer: a descriptor's fixed cost outweighs the parallelism
+
+
+def _pattern(sizes: tuple, strides: tuple, lo: int, hi: int) -> list[list[int]]:
+    return [[strides[0], hi - lo]] + [[st, n] for st, n in zip(strides[1:], sizes[1:])]
+
+
+@nki.jit
+def strided_copy(dst, src, dst_view, src_view):
+    """Copy ``src`` viewed as ``src_view`` into ``dst`` viewed as ``dst_view`` (same sizes); returns nothing."""
+    (doff, sizes, dst_strides), (soff, src_sizes, src_strides) = dst_view, src_view
+    assert tuple(sizes) == tuple(src_sizes), f"strided_copy: sizes {sizes} and {src_sizes} differ"
+    assert len(sizes) >= 1, "strided_copy: views have at least one dim (a scalar is [1])"
+    n = 1
+    for s in sizes:
+        n *= s
+    pieces = min(DMA_QUEUES, sizes[0], max(1, n * dst.dtype.itemsize // SPLIT_BYTES))
+    step = cdiv(sizes[0], pieces)
+    for lo in range(0, sizes[0], step):
+        hi = min(sizes[0], lo + step)
+        nisa.dma_copy(dst=dst.ap(_pattern(sizes, dst_strides, lo, hi), offset=doff + lo * dst_strides[0]),
+                      src=src.ap(_pattern(sizes, src_strides, lo, hi), offset=soff + lo * src_strides[0]))
+
+
+@nki.jit
+def widen_int64(dst, src):
+    """int32 ``src`` [n] into int64 ``dst`` given as its [2n] int32 words (little endian: low, then the
+    sign-extended high word); returns nothing."""
+    (n,) = src.shape
+    assert dst.shape[0] == 2 * n, f"widen_int64: dst has {dst.shape[0]} words for {n} values"
+    f = max(1, min(2048, n // PMAX))
+    s = 0
+    while s < n:
+        p = min(PMAX, (n - s) // f) or 1                      # [p, w] tiles, then the remainder as one row
+        w = f if (n - s) >= f * p else n - s
+        lo = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
+        hi = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=lo[:p], src=src[s:s + p * w].reshape((p, w)))
+        # high word: -1 for negative values, 0 otherwise
+        nisa.tensor_scalar(dst=hi[:p], data=lo[:p], op0=nl.less, operand0=0, op1=nl.multiply, operand1=-1)
+        nisa.dma_copy(dst=dst.ap([[2 * w, p], [2, w]], offset=2 * s), src=lo[:p])
+        nisa.dma_copy(dst=dst.ap([[2 * w, p], [2, w]], offset=2 * s + 1), src=hi[:p])
+        s += p * w

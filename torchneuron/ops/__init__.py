@@ -1,0 +1,11 @@
+"""Eager ATen kernels of the ``neuron`` device: ATen ops lowered to launches of library kernels.
+
+Importing this package registers every lowering (``torchneuron.ops.registry``); ops without one
+take the C++ CPU fallback. One module per op family: ``copy`` (copies, fills), ``pointwise``
+(element-wise math, comparisons, ``where``, ``clamp``), ``matmul`` (mm, bmm, addmm, baddbmm).
+"""
+from torchneuron.ops import copy, indexing, matmul, nn, pointwise, reduction  # noqa: F401  (registration happens on import)
+from torchneuron.ops.kernel_call import cache_size
+from torchneuron.ops.registry import LOWERED
+
+__all__ = ["LOWERED", "cache_size"]

@@ -1,0 +1,211 @@
+"""Indexing and shape ops on the device: ``index_select`` (so ``embedding``), its backward,
+``arange``, ``tril``/``triu`` and ``cat``.
+
+- ``index_select`` gathers rows by indirect DMA (``kernels.indexing.gather_rows``); another dim
+  is moved first. int64 indices are read as the low words of their int32 pairs.
+- ``embedding_dense_backward`` sums gradient rows per index as a one-hot matrix product on
+  TensorE: ``onehot(indices)^T @ grad`` (fp32 accumulation, rows summed in index order, as the
+  CPU kernel does); the one-hot matrix is built from ``arange`` and a comparison.
+- ``arange`` is GpSimd's iota then ``start + i * step`` element-wise (int64 results widened).
+- ``tril``/``triu`` keep elements by comparing column - row with the diagonal (iota-built).
+- ``cat`` copies each input into its slice of the output with the strided DMA kernel.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
+from torch._prims_common import canonicalize_dim
+
+from torchneuron import runtime
+from torchneuron.kernels.indexing import gather_rows, iota
+from torchneuron.ops import tilemath as tm
+from torchneuron.ops.copy import can_copy, device_copy
+from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense
+from torchneuron.ops.pointwise import run_pointwise
+from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.sim import SimulatorError
+
+aten = torch.ops.aten
+ONEHOT_LIMIT = 1 << 26     # elements of the one-hot matrix embedding's backward builds
+
+
+def index_words(index: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A contiguous int index as int32 words and the stride between its values (2 for int64)."""
+    index = dense(index.reshape(-1))
+    if index.dtype == torch.int64:
+        return index.view(torch.int32), 2
+    if index.dtype != torch.int32:
+        index = index.to(torch.int32)
+    return index, 1
+
+
+def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows of a 2-D table; IndexError like PyTorch's for an index out of range."""
+    words, stride = index_words(index)
+    try:
+        (rows,) = call_kernel(gather_rows, {"table": dense(table), "index": words}, {"stride": stride},
+                              op="aten::index_select")
+    except SimulatorError as e:
+        if "outside" in str(e):
+            raise IndexError("index out of range in self") from None
+        raise
+    return rows
+
+
+@lowering("index_select", "index_select.out")
+def index_select(self: torch.Tensor, dim: int, index: torch.Tensor, *, out: torch.Tensor | None = None):
+    """``self.index_select(dim, index)`` by indirect-DMA row gathers."""
+    ok = (self.device.type == "neuron" and index.device == self.device and can_copy(self, self)
+          and self.dtype in DEVICE_DTYPES and index.dtype in (torch.int32, torch.int64) and index.dim() <= 1
+          and self.numel() > 0 and (out is None or (out.device == self.device and out.dtype == self.dtype)))
+    if not ok:
+        return cpu_fallback(aten.index_select.out if out is not None else aten.index_select.default, self, dim,
+                            index, **({"out": out} if out is not None else {}))
+    d = canonicalize_dim(max(self.dim(), 1), dim)
+    src = self.reshape(1) if self.dim() == 0 else self
+    moved = src.movedim(d, 0)
+    n = index.numel()
+    if n == 0:
+        res = torch.empty((0, *moved.shape[1:]), dtype=self.dtype, device=self.device)
+    else:
+        rows = _gather(moved.reshape(moved.shape[0], -1), index)
+        res = rows.reshape(n, *moved.shape[1:])
+    res = res.movedim(0, d)
+    if self.dim() == 0:
+        res = res.reshape(())
+    if out is not None:
+        if tuple(out.shape) != tuple(res.shape):
+            torch._refs._maybe_resize_out(out, res.shape)
+        device_copy(out, res)
+        return out
+    return res if res.is_contiguous() else dense(res)
+
+
+def arange_values(n: int, device: torch.device) -> torch.Tensor:
+    """int32 [0, 1, ..., n - 1] on the device (GpSimd iota)."""
+    spec = runtime.core(device.index).spec
+    key = (n, spec.name)
+    program = _IOTA.get(key)
+    if program is None:
+        program = _IOTA[key] = iota.trace((), {"n": n}, spec).program
+    record = runtime.launch(program, {}, device=device.index, op="aten::arange")
+    return next(iter(record.outputs.values()))
+
+
+_IOTA: dict = {}   # (n, chip) -> the iota Program (no tensor inputs: not in kernel_call's cache)
+
+
+@lowering("arange.start_out")
+def arange_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> torch.Tensor:
+    """``torch.arange(start, end, step, out=out)``: iota, then ``start + i * step``."""
+    if out.device.type != "neuron" or not can_copy(out, out) or out.dtype.is_complex:
+        return cpu_fallback(aten.arange.start_out, start, end, step, out=out)
+    n = max(0, math.ceil((float(end) - float(start)) / float(step)))
+    if step == 0:
+        raise RuntimeError("step must be nonzero")
+    if ((step > 0 and start > end) or (step < 0 and start < end)):
+        raise RuntimeError("upper bound and larger bound inconsistent with step sign")
+    if tuple(out.shape) != (n,):
+        out.resize_(n)
+    if n == 0:
+        return out
+    i = arange_values(n, out.device)
+    if out.dtype == torch.int64 or not out.dtype.is_floating_point:
+        if all(isinstance(v, int) or (isinstance(v, float) and v.is_integer()) for v in (start, step)):
+            vals = run_pointwise(tm.add_scaled, [start, i, step], KIND.DEFAULT, op="aten::arange") \
+                if (start, step) != (0, 1) else i
+            device_copy(out, vals)
+            return out
+        return cpu_fallback(aten.arange.start_out, start, end, step, out=out)
+    run_pointwise(tm.add_scaled, [float(start), i, float(step)], KIND.DEFAULT, out, op="aten::arange")
+    return out
+
+
+def _triangle(name: str, lower: bool) -> None:
+    packet, _, ov = name.partition(".")
+    overload = getattr(getattr(aten, packet), ov or "default")
+
+    def kernel(self: torch.Tensor, diagonal: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        inplace = packet.endswith("_")
+        if self.dim() < 2:
+            raise RuntimeError(f"{packet.rstrip('_')}: input tensor must have at least 2 dimensions")
+        if self.dtype not in DEVICE_DTYPES or self.numel() == 0 or (out is not None and out.device != self.device):
+            return cpu_fallback(overload, self, diagonal, **({"out": out} if out is not None else {}))
+        M, N = self.shape[-2], self.shape[-1]
+        rows = arange_values(M, self.device).reshape(M, 1)
+        cols = arange_values(N, self.device).reshape(1, N)
+        keep = run_pointwise(tm.tri_keep_lower if lower else tm.tri_keep_upper, [cols, rows, diagonal],
+                             KIND.ALWAYS_BOOL, result_dtype=torch.bool, op=f"aten::{packet}")
+        target = self if inplace else out
+        zero = False if self.dtype == torch.bool else 0
+        return run_pointwise(tm.where, [keep, self, zero], KIND.NO_OPMATH, target, inplace, self.dtype,
+                             op=f"aten::{packet}")
+    lowering(name)(kernel)
+
+
+for _name, _lower in (("tril", True), ("tril_", True), ("tril.out", True), ("triu", False), ("triu_", False),
+                      ("triu.out", False)):
+    _triangle(_name, _lower)
+
+
+@lowering("embedding_dense_backward")
+def embedding_dense_backward(grad_output: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int,
+                             scale_grad_by_freq: bool) -> torch.Tensor:
+    """Per-row sums of ``grad_output`` by index: ``onehot(indices)^T @ grad`` on TensorE."""
+    D = grad_output.shape[-1]
+    n = indices.numel()
+    if (scale_grad_by_freq or grad_output.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or num_weights * n > ONEHOT_LIMIT or n == 0 or indices.dtype not in (torch.int32, torch.int64)):
+        return cpu_fallback(aten.embedding_dense_backward.default, grad_output, indices, num_weights, padding_idx,
+                            scale_grad_by_freq)
+    words, stride = index_words(indices)
+    idx = words if stride == 1 else words.view(n, 2)[:, 0]
+    ids = arange_values(num_weights, grad_output.device).reshape(num_weights, 1)
+    onehot = run_pointwise(tm.onehot_rows, [ids, idx.reshape(1, n), padding_idx], KIND.DEFAULT,
+                           result_dtype=grad_output.dtype, op="aten::embedding_dense_backward")
+    return onehot @ grad_output.reshape(n, D)
+
+
+@lowering("cat", "cat.out")
+def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.cat``: each input copied into its slice of the result by strided DMAs."""
+    ts = list(tensors)
+    dev = ts[0].device if ts else None
+    live = [t for t in ts if not (t.dim() == 1 and t.numel() == 0)]   # legacy empty inputs are skipped
+    ok = (ts and all(t.device == dev for t in ts) and (out is None or out.device == dev) and live
+          and all(t.dim() == live[0].dim() for t in live))
+    if not ok:
+        return cpu_fallback(aten.cat.out if out is not None else aten.cat.default, tensors, dim,
+                            **({"out": out} if out is not None else {}))
+    d = canonicalize_dim(live[0].dim(), dim)
+    ref = live[0].shape
+    for i, t in enumerate(live):
+        for k in range(t.dim()):
+            if k != d and t.shape[k] != ref[k]:
+                raise RuntimeError(f"Sizes of tensors must match except in dimension {d}. Expected size {ref[k]} but "
+                                   f"got size {t.shape[k]} for tensor number {ts.index(t) if t in ts else i} in the "
+                                   "list.")
+    dtype = live[0].dtype
+    for t in ts[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    shape = list(ref)
+    shape[d] = sum(t.shape[d] for t in live)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=dev)
+    else:
+        if not torch.can_cast(dtype, out.dtype):
+            raise RuntimeError(f"torch.cat(): input types can't be cast to the desired output type {out.dtype}")
+        if tuple(out.shape) != tuple(shape):
+            torch._refs._maybe_resize_out(out, shape)
+    if any(not can_copy(out, t) for t in live):
+        return cpu_fallback(aten.cat.out, tensors, dim, out=out)
+    o = 0
+    for t in live:
+        n = t.shape[d]
+        if n:
+            device_copy(out.narrow(d, o, n), t)
+        o += n
+    return out

@@ -1,0 +1,80 @@
+"""Launching library kernels from eager ATen kernels.
+
+``call_kernel(kernel, inputs, meta, outputs)`` traces ``kernel`` once per (device chip, input
+shapes and dtypes, meta-parameters) and keeps the Program in a cache keyed the same way, then
+launches it with ``torchneuron.runtime.launch`` on the inputs' device and current stream. The
+caller may bind the kernel's outputs to existing tensors (``out=`` and in-place variants write
+straight into them); the rest are allocated on the device.
+
+``dense(t)`` gives the kernels the contiguous operands they read: a non-contiguous tensor is
+copied on the device by a DMA kernel that reads it through its strides (no host copy).
+``scalar_operand(v, dtype, device)`` turns a Python scalar into a (1, 1) device tensor, so a
+kernel's code does not depend on scalar values (one Program serves every learning rate).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from torchneuron import runtime
+
+# dtypes the NeuronCore computes and stores (torchneuron.sim.numerics.DTYPES)
+DEVICE_DTYPES = frozenset({torch.bool, torch.int8, torch.int16, torch.int32, torch.uint8, torch.uint16, torch.uint32,
+                           torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2})
+
+# cache key -> (Program, output slot names, the program's slot names in order)
+_programs: dict[tuple, tuple[Any, tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def cache_size() -> int:
+    """Number of kernel programs traced for eager ops so far."""
+    return len(_programs)
+
+
+def _output_slots(result: Any) -> tuple[str, ...]:
+    if result is None:
+        return ()
+    if isinstance(result, str):
+        return (result,)
+    return tuple(s for r in result for s in _output_slots(r))
+
+
+def call_kernel(kernel: Any, inputs: dict[str, torch.Tensor], meta: dict[str, Any] | None = None,
+                outputs: Sequence[torch.Tensor | None] = (), op: str | None = None) -> list[torch.Tensor]:
+    """Launch ``kernel`` on ``inputs`` (contiguous neuron tensors on one device); return its outputs.
+
+    ``meta``: the kernel's other (hashable) arguments; ``outputs``: tensors to write the kernel's
+    outputs into, in return order (``None`` or a short list: allocate the rest)."""
+    meta = meta or {}
+    first = next(iter(inputs.values()))
+    index = first.device.index
+    key = (kernel, index, tuple((n, tuple(t.shape), t.dtype) for n, t in inputs.items()), tuple(meta.items()))
+    hit = _programs.get(key)
+    if hit is None:
+        traced = kernel.trace((), {**inputs, **meta}, runtime.core(index).spec)
+        hit = _programs[key] = (traced.program, _output_slots(traced.result),
+                                tuple(s.name for s in traced.program.args))
+    program, slots, order = hit
+    args = dict(inputs)
+    for slot, t in zip(slots, outputs):
+        if t is not None:
+            args[slot] = t
+    # the arguments are what the trace saw (contiguous, one device): the unchecked fast path
+    record = runtime.launch(program, [args.get(n) for n in order], device=index, op=op, check=False)
+    return [args[s] if s in args else record.outputs[s] for s in slots]
+
+
+def scalar_operand(value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A (1, 1) neuron tensor holding ``value`` in ``dtype``, made for one launch and freed after it."""
+    return torch.tensor([[value]], dtype=dtype).to(device)
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if contiguous, else a contiguous copy made on the device by a strided-read DMA kernel."""
+    if t.is_contiguous():
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    from torchneuron.ops.copy import device_copy
+    device_copy(out, t)
+    return out

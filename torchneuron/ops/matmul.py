@@ -1,0 +1,161 @@
+"""Matrix products on the device: ``mm``, ``bmm``, ``addmm``, ``baddbmm`` on the tiled matmul kernel.
+
+``matmul``, ``linear`` and ``einsum`` are CompositeImplicitAutograd in PyTorch: they decompose
+into these (plus views), so they run here too. An operand that is the transpose of a contiguous
+matrix (``w.t()`` in ``linear``) is handed to the kernel in its stored layout with
+``transpose_a`` / ``transpose_b``, so no copy is made; other strided operands are made dense on
+the device first. ``bmm`` launches the kernel once per batch entry. ``addmm``/``baddbmm`` add
+``beta * input`` with one element-wise launch. fp32, bf16 and fp16 run on the device (fp32 PSUM
+accumulation); other dtypes take the CPU fallback.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchneuron.kernels.matmul import matmul_kernel
+from torchneuron.ops.kernel_call import call_kernel, dense
+from torchneuron.ops.pointwise import _type_name, run_pointwise
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
+
+from torchneuron.ops import tilemath as tm
+from torchneuron.ops.registry import cpu_fallback, lowering
+
+aten = torch.ops.aten
+MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _operand(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A 2-D operand as the kernel reads it: (tensor, given transposed)."""
+    if t.is_contiguous():
+        return t, False
+    if t.t().is_contiguous():
+        return t.t(), True
+    return dense(t), False
+
+
+def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``a @ b`` (2-D, same dtype, one device) by one kernel launch, written into ``out`` when given."""
+    M, N = a.shape[0], b.shape[1]
+    if a.shape[1] == 0 or M == 0 or N == 0:  # an empty contraction sums nothing: zeros
+        res = torch.zeros((M, N), dtype=a.dtype, device=a.device)
+        return res if out is None else out.copy_(res)
+    (ka, ta), (kb, tb) = _operand(a), _operand(b)
+    direct = out is not None and out.is_contiguous() and out.dtype == a.dtype
+    (res,) = call_kernel(matmul_kernel, {"a": ka, "b": kb}, {"transpose_a": ta, "transpose_b": tb},
+                         [out if direct else None], op="aten::mm")
+    if out is not None and not direct:
+        out.copy_(res)
+        return out
+    return res
+
+
+def _check_mm(a: torch.Tensor, b: torch.Tensor, name: str = "mm") -> None:
+    if a.dim() != 2:
+        raise RuntimeError("self must be a matrix")
+    if b.dim() != 2:
+        raise RuntimeError("mat2 must be a matrix")
+    if a.shape[1] != b.shape[0]:
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({a.shape[0]}x{a.shape[1]} and "
+                           f"{b.shape[0]}x{b.shape[1]})")
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: {_cpp_name(a.dtype)} != "
+                           f"{_cpp_name(b.dtype)}")
+
+
+def _cpp_name(dtype: torch.dtype) -> str:
+    """The C++ type name PyTorch's matmul messages use (``float``, ``c10::BFloat16``)."""
+    return {torch.float32: "float", torch.float64: "double", torch.bfloat16: "c10::BFloat16",
+            torch.float16: "c10::Half", torch.int64: "long int", torch.int32: "int"}.get(dtype, str(dtype))
+
+
+def _on_device(*ts: torch.Tensor) -> bool:
+    dev = ts[0].device
+    return all(isinstance(t, torch.Tensor) and t.device == dev and t.dtype in MATMUL_DTYPES for t in ts)
+
+
+@lowering("mm", "mm.out")
+def mm(self: torch.Tensor, mat2: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``self @ mat2`` for matrices."""
+    if not _on_device(self, mat2) or (out is not None and not _on_device(self, out)):
+        return cpu_fallback(aten.mm.out if out is not None else aten.mm.default, self, mat2,
+                            **({"out": out} if out is not None else {}))
+    _check_mm(self, mat2)
+    if out is not None and tuple(out.shape) != (self.shape[0], mat2.shape[1]):
+        torch._refs._maybe_resize_out(out, (self.shape[0], mat2.shape[1]))
+    return _mm_into(self, mat2, out)
+
+
+def _check_bmm(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dim() != 3:
+        raise RuntimeError("batch1 must be a 3D tensor")
+    if b.dim() != 3:
+        raise RuntimeError("batch2 must be a 3D tensor")
+    if a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+        raise RuntimeError(f"Expected size for first two dimensions of batch2 tensor to be: [{a.shape[0]}, "
+                           f"{a.shape[2]}] but got: [{b.shape[0]}, {b.shape[1]}].")
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"expected scalar type {_type_name(a.dtype)} but found {_type_name(b.dtype)}")
+
+
+@lowering("bmm", "bmm.out")
+def bmm(self: torch.Tensor, mat2: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Batched ``self[i] @ mat2[i]``: one matmul launch per batch entry."""
+    if not _on_device(self, mat2) or (out is not None and not _on_device(self, out)):
+        return cpu_fallback(aten.bmm.out if out is not None else aten.bmm.default, self, mat2,
+                            **({"out": out} if out is not None else {}))
+    _check_bmm(self, mat2)
+    shape = (self.shape[0], self.shape[1], mat2.shape[2])
+    if out is None:
+        out = torch.empty(shape, dtype=self.dtype, device=self.device)
+    elif tuple(out.shape) != shape:
+        torch._refs._maybe_resize_out(out, shape)
+    for i in range(shape[0]):
+        _mm_into(self[i], mat2[i], out[i])
+    return out
+
+
+def _add_scaled(res: torch.Tensor, inp: torch.Tensor, beta: Any, alpha: Any, out: torch.Tensor) -> torch.Tensor:
+    """``out = beta * inp + alpha * res`` (beta == 0 ignores inp, NaN included, as PyTorch does)."""
+    if beta == 0:
+        return run_pointwise(tm.mul, [res, alpha], KIND.DEFAULT, out, inplace=False, op="aten::addmm")
+    return run_pointwise(tm.addmm_epilogue, [res, inp, alpha, beta], KIND.DEFAULT, out, inplace=False,
+                         op="aten::addmm")
+
+
+def _addmm(inp, a, b, beta, alpha, out, batched: bool):
+    check = _check_bmm if batched else _check_mm
+    check(a, b)
+    shape = (a.shape[0], a.shape[1], b.shape[2]) if batched else (a.shape[0], b.shape[1])
+    torch.broadcast_shapes(inp.shape, shape)
+    prod = bmm(a, b) if batched else _mm_into(a, b, None)
+    if out is None:
+        out = torch.empty(shape, dtype=a.dtype, device=a.device)
+    elif tuple(out.shape) != shape:
+        torch._refs._maybe_resize_out(out, shape)
+    if beta == 1 and alpha == 1:
+        return run_pointwise(tm.add, [prod, inp], KIND.DEFAULT, out, inplace=False, op="aten::addmm")
+    return _add_scaled(prod, inp, beta, alpha, out)
+
+
+def _addmm_kernel(op_name: str, batched: bool):
+    def kernel(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        inplace = op_name.split(".")[0].endswith("_")
+        target = input if inplace else out
+        if not _on_device(input, mat1, mat2) or (target is not None and not _on_device(input, target)):
+            packet = getattr(aten, op_name.split(".")[0])
+            op = packet.out if out is not None else packet.default
+            return cpu_fallback(op, input, mat1, mat2, beta=beta, alpha=alpha,
+                                **({"out": out} if out is not None else {}))
+        if inplace:
+            res = _addmm(input, mat1, mat2, beta, alpha, None, batched)
+            return input.copy_(res)
+        return _addmm(input, mat1, mat2, beta, alpha, target, batched)
+    return kernel
+
+
+for _name, _batched in (("addmm", False), ("addmm.out", False), ("addmm_", False), ("baddbmm", True),
+                        ("baddbmm.out", True), ("baddbmm_", True)):
+    lowering(_name)(_addmm_kernel(_name, _batched))

@@ -1,0 +1,215 @@
+"""Neural-network ops on the device: softmax / log_softmax and layer norm, forward and backward.
+
+softmax over the last dim is one launch of ``kernels.softmax.softmax_kernel`` on the rows of an
+[N, D] view; another dim is moved last (a device copy) and back. Their backward ops follow the
+formulas of PyTorch's CPU kernels, ``y * (g - sum(g * y))`` and ``g - exp(y) * sum(g)``, as
+element-wise and reduction launches. Layer norm runs ``kernels.norms.layer_norm_kernel`` on the
+rows (missing weight/bias: ones/zeros); the mean and 1/std that ``native_layer_norm`` returns
+(autograd saves them) are computed by reductions; the backward uses them as the CPU kernel does,
+as element-wise and reduction launches.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch._prims_common import canonicalize_dim
+
+from torchneuron.kernels.norms import layer_norm_kernel
+from torchneuron.kernels.softmax import softmax_kernel
+from torchneuron.ops.copy import device_copy
+from torchneuron.ops.kernel_call import call_kernel, dense
+from torchneuron.ops.registry import cpu_fallback, lowering
+
+aten = torch.ops.aten
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _softmax(x: torch.Tensor, dim: int, log: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    dim = canonicalize_dim(max(x.dim(), 1), dim)
+    if x.dim() == 0:
+        x = x.reshape(1)
+    last = x.dim() - 1
+    moved = x if dim == last else x.movedim(dim, last)
+    rows = dense(moved).reshape(-1, moved.shape[-1])
+    (res,) = call_kernel(softmax_kernel, {"x": rows}, {"log": log}, op="aten::_log_softmax" if log else "aten::_softmax")
+    res = res.reshape(moved.shape)
+    res = res if dim == last else res.movedim(last, dim)
+    if out is not None:
+        if tuple(out.shape) != tuple(res.shape):
+            torch._refs._maybe_resize_out(out, res.shape)
+        device_copy(out, res)
+        return out
+    return res
+
+
+def _softmax_lowering(name: str, log: bool) -> None:
+    packet, _, ov = name.partition(".")
+    op = getattr(getattr(aten, packet), ov or "default")
+
+    def kernel(self: torch.Tensor, dim: int, half_to_float: bool, *, out: torch.Tensor | None = None):
+        if self.dtype not in FLOATS or half_to_float or self.numel() == 0 or \
+                (out is not None and (out.dtype != self.dtype or out.device != self.device)):
+            return cpu_fallback(op, self, dim, half_to_float, **({"out": out} if out is not None else {}))
+        scalar = self.dim() == 0
+        res = _softmax(self, dim, log, out)
+        return res.reshape(()) if scalar and out is None else res
+    lowering(name)(kernel)
+
+
+for _name, _log in (("_softmax", False), ("_softmax.out", False), ("_log_softmax", True),
+                    ("_log_softmax.out", True)):
+    _softmax_lowering(_name, _log)
+
+
+def _backward_lowering(name: str, log: bool) -> None:
+    packet, _, ov = name.partition(".")
+    op = getattr(getattr(aten, packet), ov or "default")
+
+    def kernel(grad_output: torch.Tensor, output: torch.Tensor, dim: int, input_dtype: torch.dtype, *,
+               grad_input: torch.Tensor | None = None):
+        if output.dtype not in FLOATS or input_dtype != output.dtype or grad_output.dtype != output.dtype:
+            return cpu_fallback(op, grad_output, output, dim, input_dtype,
+                                **({"grad_input": grad_input} if grad_input is not None else {}))
+        if log:
+            res = grad_output - output.exp() * grad_output.sum(dim, keepdim=True)
+        else:
+            res = output * (grad_output - (grad_output * output).sum(dim, keepdim=True))
+        if grad_input is not None:
+            device_copy(grad_input, res)
+            return grad_input
+        return res
+    lowering(name)(kernel)
+
+
+for _name, _log in (("_softmax_backward_data", False), ("_softmax_backward_data.out", False),
+                    ("_log_softmax_backward_data", True), ("_log_softmax_backward_data.out", True)):
+    _backward_lowering(_name, _log)
+
+
+# ---- layer norm -----------------------------------------------------------------------------------
+
+def _norm_shape(x: torch.Tensor, normalized_shape: Sequence[int]) -> tuple[int, int]:
+    """(rows, row length) of a layer norm over the trailing ``normalized_shape``, with PyTorch's error."""
+    k = len(normalized_shape)
+    if k == 0 or x.dim() < k or tuple(x.shape[x.dim() - k:]) != tuple(normalized_shape):
+        raise RuntimeError(f"Given normalized_shape={list(normalized_shape)}, expected input with shape "
+                           f"[*, {', '.join(str(s) for s in normalized_shape)}], but got input of size"
+                           f"{list(x.shape)}")
+    D = 1
+    for s in normalized_shape:
+        D *= s
+    return x.numel() // D if D else 0, D
+
+
+def _param(t: torch.Tensor | None, D: int, value: float, like: torch.Tensor) -> torch.Tensor:
+    if t is None:
+        return torch.full((D,), value, dtype=like.dtype, device=like.device)
+    return dense(t).reshape(D)
+
+
+@lowering("native_layer_norm")
+def native_layer_norm(input: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Tensor | None,
+                      bias: torch.Tensor | None, eps: float):
+    """(layer_norm(input), mean, 1/std) over the trailing ``normalized_shape`` dims."""
+    N, D = _norm_shape(input, normalized_shape)
+    params = [t for t in (weight, bias) if t is not None]
+    if input.dtype not in FLOATS or N == 0 or D == 0 or any(t.dtype != input.dtype for t in params):
+        return cpu_fallback(aten.native_layer_norm.default, input, normalized_shape, weight, bias, eps)
+    rows = dense(input).reshape(N, D)
+    (out,) = call_kernel(layer_norm_kernel, {"x": rows, "weight": _param(weight, D, 1.0, input),
+                                             "bias": _param(bias, D, 0.0, input)}, {"eps": float(eps)},
+                         op="aten::native_layer_norm")
+    stat_shape = list(input.shape[:input.dim() - len(normalized_shape)]) + [1] * len(normalized_shape)
+    x32 = rows if rows.dtype == torch.float32 else rows.float()
+    mean = x32.mean(1, keepdim=True)
+    rstd = ((x32 - mean) * (x32 - mean)).mean(1, keepdim=True).add(eps).rsqrt()
+    return (out.reshape(input.shape), mean.to(input.dtype).reshape(stat_shape),
+            rstd.to(input.dtype).reshape(stat_shape))
+
+
+@lowering("native_layer_norm_backward")
+def native_layer_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, normalized_shape: Sequence[int],
+                               mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None,
+                               bias: torch.Tensor | None, output_mask: Sequence[bool]):
+    """(grad_input, grad_weight, grad_bias) of layer norm, from the forward's saved mean and 1/std."""
+    N, D = _norm_shape(input, normalized_shape)
+    if input.dtype not in FLOATS or N == 0 or D == 0 or grad_out.dtype != input.dtype or \
+            (weight is not None and weight.dtype != input.dtype):
+        return cpu_fallback(aten.native_layer_norm_backward.default, grad_out, input, normalized_shape, mean, rstd,
+                            weight, bias, output_mask)
+    # from the saved statistics, as the CPU kernel does: x^ = (x - mean) * rstd, g = dy * w,
+    # dx = rstd * (g - mean(g) - x^ * mean(g * x^)), dw = sum(dy * x^), db = sum(dy) over rows
+    shape = tuple(normalized_shape)
+    dy = grad_out.reshape(N, D)
+    xhat = (input.reshape(N, D) - mean.reshape(N, 1)) * rstd.reshape(N, 1)
+    g = dy * weight.reshape(1, D) if weight is not None else dy
+    dx = dw = db = None
+    if output_mask[0]:
+        dx = (rstd.reshape(N, 1) * (g - g.mean(1, keepdim=True) - xhat * (g * xhat).mean(1, keepdim=True)))
+        dx = dx.to(input.dtype).reshape(input.shape)
+    if output_mask[1] and weight is not None:
+        dw = (dy * xhat).sum(0).to(weight.dtype).reshape(shape)
+    if output_mask[2] and bias is not None:
+        db = dy.sum(0).to(bias.dtype).reshape(shape)
+    return dx, dw, db
+
+
+# ---- negative log likelihood ------------------------------------------------------------------------
+
+def _nll_parts(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int):
+    """(input as [N, C], the per-row class mask [N, C], the per-row weight w_n [N]) for nll_loss."""
+    from torchneuron.ops.indexing import arange_values, index_words
+    x = self.reshape(1, -1) if self.dim() == 1 else self
+    N, C = x.shape
+    words, stride = index_words(target)
+    t = (words if stride == 1 else words.view(N, 2)[:, 0]).reshape(N, 1)
+    valid = t != ignore_index
+    bad = ((t < 0) | (t >= C)) & valid
+    if bool(bad.any().item()):
+        first = int(bad.reshape(-1).to(torch.float32).argmax().item())
+        raise IndexError(f"Target {int(t.reshape(-1)[first].item())} is out of bounds.")
+    mask = (arange_values(C, x.device).reshape(1, C) == t) & valid
+    if weight is None:
+        w = valid.reshape(N).to(x.dtype)
+    else:
+        w = torch.where(mask, weight.reshape(1, C), 0).sum(1)
+    return x, mask, w
+
+
+def _nll_ok(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    return (self.dtype in (torch.float32, torch.bfloat16) and self.dim() in (1, 2) and target.device == self.device
+            and target.dtype in (torch.int32, torch.int64) and target.numel() > 0
+            and (weight is None or (weight.device == self.device and weight.dtype == self.dtype)))
+
+
+@lowering("nll_loss_forward")
+def nll_loss_forward(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, reduction: int,
+                     ignore_index: int):
+    """(loss, total_weight) of the negative log likelihood: ``-w[t_n] * x[n, t_n]``, reduced."""
+    if not _nll_ok(self, target, weight) or (self.dim() == 2 and target.dim() != 1) or \
+            (self.dim() == 2 and target.shape[0] != self.shape[0]):
+        return cpu_fallback(aten.nll_loss_forward.default, self, target, weight, reduction, ignore_index)
+    x, mask, w = _nll_parts(self, target, weight, ignore_index)
+    losses = -(w * torch.where(mask, x, 0).sum(1))
+    total = w.sum()
+    if reduction == 0:
+        return (losses if self.dim() == 2 else losses.reshape(())), torch.zeros((), dtype=self.dtype,
+                                                                                 device=self.device)
+    loss = losses.sum()
+    return (loss / total if reduction == 1 else loss), total
+
+
+@lowering("nll_loss_backward")
+def nll_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor,
+                      weight: torch.Tensor | None, reduction: int, ignore_index: int, total_weight: torch.Tensor):
+    """d(loss)/d(input): ``-w[t_n] * g_n`` at (n, t_n), zero elsewhere."""
+    if not _nll_ok(self, target, weight) or grad_output.dtype != self.dtype:
+        return cpu_fallback(aten.nll_loss_backward.default, grad_output, self, target, weight, reduction,
+                            ignore_index, total_weight)
+    x, mask, w = _nll_parts(self, target, weight, ignore_index)
+    g = grad_output.reshape(-1, 1) if reduction == 0 else grad_output.reshape(1, 1)
+    if reduction == 1:
+        g = g / total_weight
+    grad = torch.where(mask, -(w.reshape(-1, 1) * g), 0)
+    return grad.reshape(self.shape)

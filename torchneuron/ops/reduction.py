@@ -1,0 +1,273 @@
+"""Reductions on the device: sum, mean, prod, amax/amin, max/min (values and indices), argmax/argmin,
+var and std (composed: mean, squared deviations, sum).
+
+Every call becomes one launch of ``kernels.reduction.reduce_kernel`` over an [outer, R, inner]
+view of the input, R being the reduced elements. Reduced dims that are adjacent in a contiguous
+input are that view for free; otherwise the input is permuted so the reduced dims come together
+and made dense on the device first. Indices come out of the kernel as int32 and are widened to
+PyTorch's int64 on the device. Floating inputs (fp32, bf16, fp16) run on the device; integer sums
+and products (int64 results), empty inputs and other dtypes take the CPU fallback.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch._prims_common import canonicalize_dim
+
+from torchneuron.kernels.reduction import reduce_kernel
+from torchneuron.ops.copy import device_copy, to_int64
+from torchneuron.ops.kernel_call import call_kernel, dense
+from torchneuron.ops.registry import cpu_fallback, lowering
+
+aten = torch.ops.aten
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Unsupported(Exception):
+    """The device does not run this reduction: take the CPU fallback."""
+
+
+def _dims(x: torch.Tensor, dim: Any) -> list[int]:
+    """The reduced dims, canonical and sorted (None or [] means all), with PyTorch's errors."""
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(x.dim()))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    out = [canonicalize_dim(max(x.dim(), 1), d) for d in dims]
+    for d in out:
+        if out.count(d) > 1:
+            raise RuntimeError(f"dim {d} appears multiple times in the list of dims")
+    return sorted(d for d in out if d < x.dim() or x.dim() == 0)
+
+
+def _reduce(x: torch.Tensor, dims: list[int], op: str, keepdim: bool) -> torch.Tensor:
+    """``op`` over ``dims`` of ``x`` by one kernel launch; the result has PyTorch's reduced shape."""
+    if x.dtype not in FLOATS or x.numel() == 0:
+        raise Unsupported
+    if x.dim() > 64:
+        raise RuntimeError("only tensors with up to 64 dims are supported")
+    kept = [d for d in range(x.dim()) if d not in dims]
+    out_shape = [1 if d in dims else n for d, n in enumerate(x.shape)] if keepdim else [x.shape[d] for d in kept]
+    if x.dim() == 0:
+        view = x.reshape(1, 1, 1)
+    else:
+        lo, hi = (dims[0], dims[-1]) if dims else (0, -1)
+        if dims and dims == list(range(lo, hi + 1)) and x.is_contiguous():
+            outer, inner = x.shape[:lo], x.shape[hi + 1:]
+            R = 1
+            for d in dims:
+                R *= x.shape[d]
+            view = x.reshape(_prod(outer), R, _prod(inner))
+        else:  # bring the reduced dims last (a device copy), then [kept, R, 1]
+            moved = dense(x.permute(*kept, *dims))
+            R = _prod(x.shape[d] for d in dims)
+            view = moved.reshape(_prod(x.shape[d] for d in kept), R, 1)
+    (res,) = call_kernel(reduce_kernel, {"x": view}, {"op": op}, op=f"aten::{op}")
+    if op in ("argmax", "argmin"):
+        res = to_int64(res)
+    return res.reshape(out_shape)
+
+
+def _prod(sizes) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _into(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return res
+    if tuple(out.shape) != tuple(res.shape):
+        torch._refs._maybe_resize_out(out, res.shape)
+    device_copy(out, res)
+    return out
+
+
+def _cast_input(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is None or dtype == x.dtype:
+        return x
+    if dtype not in FLOATS:
+        raise Unsupported
+    return x.to(dtype)
+
+
+def _lower(name: str, op: str, *, has_dtype: bool = True, default_dims: bool = False):
+    overload = _overload(name)
+
+    def kernel(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = kwargs.get("out")
+        try:
+            if self.device.type != "neuron" or (out is not None and out.device != self.device):
+                raise Unsupported
+            if default_dims:  # sum(x, dtype=None), prod(x, dtype=None) ... over everything
+                dim, keepdim = None, False
+                dtype = args[0] if args else kwargs.get("dtype")
+            else:
+                dim = args[0] if args else kwargs.get("dim")
+                keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
+                dtype = (args[2] if len(args) > 2 else kwargs.get("dtype")) if has_dtype else None
+            if dtype is None and out is not None and has_dtype:
+                dtype = out.dtype
+            x = _cast_input(self, dtype)
+            dims = _dims(x, dim)
+            if op == "mean" and not x.is_floating_point():
+                raise Unsupported
+            res = _reduce(x, dims, op, bool(keepdim))
+            return _into(res, out)
+        except Unsupported:
+            return cpu_fallback(overload, self, *args, **kwargs)
+    lowering(name)(kernel)
+
+
+def _overload(name: str) -> torch._ops.OpOverload:
+    packet, _, ov = name.partition(".")
+    return getattr(getattr(aten, packet), ov or "default")
+
+
+for _name in ("sum.dim_IntList", "sum.IntList_out"):
+    _lower(_name, "sum")
+_lower("sum", "sum", default_dims=True)
+for _name in ("mean.dim", "mean.out"):
+    _lower(_name, "mean")
+_lower("mean", "mean", default_dims=True)
+for _name, _op in (("amax", "max"), ("amax.out", "max"), ("amin", "min"), ("amin.out", "min")):
+    _lower(_name, _op, has_dtype=False)
+for _name in ("prod.dim_int", "prod.int_out"):
+    _lower(_name, "prod")
+_lower("prod", "prod", default_dims=True)
+
+
+def _full_extreme(name: str, op: str):
+    overload = _overload(name)
+
+    def kernel(self: torch.Tensor) -> torch.Tensor:
+        if self.numel() == 0:
+            raise RuntimeError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0. Specify "
+                               "the reduction dim with the 'dim' argument.")
+        try:
+            return _reduce(self, list(range(self.dim())), op, False)
+        except Unsupported:
+            return cpu_fallback(overload, self)
+    lowering(name)(kernel)
+
+
+_full_extreme("max", "max")
+_full_extreme("min", "min")
+
+
+def _with_indices(name: str, op: str):
+    overload = _overload(name)
+
+    def kernel(self: torch.Tensor, dim: int, keepdim: bool = False, **kwargs: Any):
+        outs = [kwargs.get(k) for k in ("max", "max_values", "min", "min_indices", "indices") if k in kwargs]
+        try:
+            if outs or self.dim() == 0 or self.numel() == 0:
+                raise Unsupported
+            d = _dims(self, dim)
+            values = _reduce(self, d, op, keepdim)
+            indices = _reduce(self, d, f"arg{op}", keepdim)
+            return values, indices
+        except Unsupported:
+            return cpu_fallback(overload, self, dim, keepdim, **kwargs)
+    lowering(name)(kernel)
+
+
+_with_indices("max.dim", "max")
+_with_indices("min.dim", "min")
+
+
+def _arg(name: str, op: str):
+    overload = _overload(name)
+
+    def kernel(self: torch.Tensor, dim: int | None = None, keepdim: bool = False, *, out=None) -> torch.Tensor:
+        try:
+            if self.numel() == 0 or self.device.type != "neuron":
+                raise Unsupported
+            if dim is None:
+                res = _reduce(self.reshape(-1), [0], op, False)
+                res = res.reshape([1] * self.dim()) if keepdim else res
+            else:
+                res = _reduce(self, _dims(self, dim), op, keepdim)
+            return _into(res, out)
+        except Unsupported:
+            return cpu_fallback(overload, self, dim, keepdim, **({"out": out} if out is not None else {}))
+    lowering(name)(kernel)
+
+
+for _name, _op in (("argmax", "argmax"), ("argmax.out", "argmax"), ("argmin", "argmin"), ("argmin.out", "argmin")):
+    _arg(_name, _op)
+
+
+def _var_lowering(name: str, take_sqrt: bool):
+    overload = _overload(name)
+
+    def kernel(self: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """var/std as sum((x - mean)**2) / (N - correction), each step a device launch."""
+        if self.dtype not in FLOATS or self.numel() == 0 or (out is not None and out.device != self.device):
+            return cpu_fallback(overload, self, dim, correction=correction, keepdim=keepdim,
+                                **({"out": out} if out is not None else {}))
+        dims = _dims(self, dim)
+        n = _prod(self.shape[d] for d in dims) if self.dim() else 1
+        c = 1 if correction is None else correction
+        d = self - self.mean(dims, keepdim=True) if dims else self - self
+        res = (d * d).sum(dims, keepdim=keepdim) if dims else d * d
+        res = res / max(n - c, 0)
+        res = res.sqrt() if take_sqrt else res
+        return _into(res, out)
+    lowering(name)(kernel)
+
+
+for _name, _sqrt in (("var.correction", False), ("var.correction_out", False), ("std.correction", True),
+                     ("std.correction_out", True)):
+    _var_lowering(_name, _sqrt)
+
+
+def _any_all(name: str, is_all: bool):
+    overload = _overload(name)
+
+    def kernel(self: torch.Tensor, dim: Any = None, keepdim: bool = False, *, out=None) -> torch.Tensor:
+        """all/any: the min/max over the dims of (x != 0) in fp32, as bool."""
+        if self.device.type != "neuron" or self.numel() == 0 or self.dtype.is_complex or \
+                (out is not None and (out.device != self.device or out.dtype not in (torch.bool, torch.uint8))):
+            return cpu_fallback(overload, self, *([] if dim is None and name in ("all", "any") else [dim, keepdim]),
+                                **({"out": out} if out is not None else {}))
+        flags = (self != 0).to(torch.float32)
+        res = _reduce(flags, _dims(self, dim), "min" if is_all else "max", bool(keepdim)) != 0
+        if self.dtype == torch.uint8:
+            res = res.to(torch.uint8)
+        return _into(res, out)
+    lowering(name)(kernel)
+
+
+for _name in ("all", "all.dim", "all.dims", "all.out", "all.dims_out", "all.all_out"):
+    _any_all(_name, True)
+for _name in ("any", "any.dim", "any.dims", "any.out", "any.dims_out", "any.all_out"):
+    _any_all(_name, False)
+
+
+@lowering("linalg_vector_norm", "linalg_vector_norm.out")
+def linalg_vector_norm(self: torch.Tensor, ord: Any = 2, dim: Any = None, keepdim: bool = False, *,  # noqa: A002
+                       dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Vector p-norms: inf/-inf as amax/amin of |x|, 0 as a count of non-zeros, p as (sum |x|**p)**(1/p)."""
+    x = self if dtype is None else self.to(dtype) if dtype in FLOATS else None
+    if x is None or x.dtype not in FLOATS or x.numel() == 0 or (out is not None and out.device != self.device):
+        return cpu_fallback(aten.linalg_vector_norm.out if out is not None else aten.linalg_vector_norm.default,
+                            self, ord, dim, keepdim, dtype=dtype, **({"out": out} if out is not None else {}))
+    dims = _dims(x, dim)
+    a = x.abs()
+    p = float(ord)
+    if p == float("inf"):
+        res = _reduce(a, dims, "max", keepdim)
+    elif p == float("-inf"):
+        res = _reduce(a, dims, "min", keepdim)
+    elif p == 0:
+        res = _reduce((a != 0).to(x.dtype), dims, "sum", keepdim)
+    elif p == 1:
+        res = _reduce(a, dims, "sum", keepdim)
+    elif p == 2:
+        res = _reduce(a * a, dims, "sum", keepdim).sqrt()
+    else:
+        res = _reduce(a.pow(p), dims, "sum", keepdim).pow(1.0 / p)
+    return _into(res, out)

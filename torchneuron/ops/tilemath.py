@@ -1,0 +1,533 @@
+"""The math of element-wise ATen ops over ``nl`` tiles (what ``kernels.elementwise`` applies per tile).
+
+Each function takes tiles (a [P, F] tile or a [P, 1] column holding a broadcast scalar) and
+returns a tile; it runs at trace time, so every call below is one or a few engine instructions.
+Where the ScalarE has the function (exp, log, tanh, erf, ...) it is one activation. The rest
+are composed, following the formulas PyTorch's CPU kernels use where that keeps the results
+within a few ulps (``log1p``/``expm1`` use Kahan's forms, which stay accurate near 0).
+``where`` is an exact bitwise select on the operands' bits, so it passes NaN and inf through.
+Functions that bake a constant into the Program (``pow_scalar(2.0)``) are cached per constant.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torchneuron.nki.isa as nisa
+import torchneuron.nki.language as nl
+
+INV_LN2, INV_LN10 = 1 / math.log(2), 1 / math.log(10)
+
+
+def _float(t) -> bool:
+    return t.dtype.is_floating_point
+
+
+def _bits(t):
+    """The int32 view of a 4-byte tile's bits (the same SBUF bytes)."""
+    if not _float(t):
+        return t
+    return t.ap([[0, t.shape[0]], [1, t.access.free_elems]], dtype=nl.int32).reshape(t.shape)
+
+
+def _from_bits(t, like):
+    """An int32 bit tile read back as ``like``'s dtype."""
+    if not _float(like):
+        return t
+    return t.ap([[0, t.shape[0]], [1, t.access.free_elems]], dtype=like.dtype).reshape(t.shape)
+
+
+def _mask(c):
+    """-1 where ``c`` is non-zero, 0 elsewhere (int32): the select mask."""
+    m = nl.ndarray(c.shape, nl.int32)
+    nisa.tensor_scalar(dst=m, data=c, op0=nl.not_equal, operand0=0, op1=nl.multiply, operand1=-1)
+    return m
+
+
+def where(c, a, b):
+    """``c ? a : b`` bit-exactly: ``(a & m) | (b & ~m)`` on the operands' bits."""
+    m = _mask(c)
+    ta = nl.bitwise_and(_bits(a), m)
+    nm = nl.ndarray(m.shape, nl.int32)
+    nisa.tensor_scalar(dst=nm, data=m, op0=nl.bitwise_xor, operand0=-1)
+    tb = nl.bitwise_and(_bits(b), nm)
+    return _from_bits(nl.bitwise_or(ta, tb), a if _float(a) else b)
+
+
+def _const(like, value):
+    """A tile shaped like ``like`` filled with ``value``."""
+    t = nl.ndarray(like.shape, like.dtype)
+    nisa.memset(dst=t, value=value)
+    return t
+
+
+def where_value(c, value, b):
+    """``c ? value : b`` for a constant ``value``."""
+    return where(c, _const(b, value), b)
+
+
+# ---- arithmetic -------------------------------------------------------------------------------
+
+def identity(x):
+    return x
+
+
+def add(a, b):
+    return nl.add(a, b)
+
+
+def sub(a, b):
+    return nl.subtract(a, b)
+
+
+def mul(a, b):
+    return nl.multiply(a, b)
+
+
+def div(a, b):
+    return nl.divide(a, b)
+
+
+def add_scaled(a, b, alpha):
+    return nl.add(a, nl.multiply(b, alpha))
+
+
+def sub_scaled(a, b, alpha):
+    return nl.subtract(a, nl.multiply(b, alpha))
+
+
+def neg(x):
+    return nl.multiply(x, -1)
+
+
+def abs_(x):
+    out = nl.ndarray(x.shape, x.dtype)
+    nisa.tensor_scalar(dst=out, data=x, op0="abs", operand0=None)
+    return out
+
+
+def _act(name: str):
+    fn = getattr(nl, name)
+
+    def op(x):
+        return fn(x)
+    op.__name__ = name
+    return op
+
+
+exp, log, sqrt, rsqrt, sin, cos, tanh, sigmoid, erf = (
+    _act(n) for n in ("exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "erf"))
+
+
+def _activation(name: str):
+    def op(x):
+        out = nl.ndarray(x.shape, x.dtype)
+        nisa.activation(dst=out, op=name, data=x)
+        return out
+    op.__name__ = name
+    return op
+
+
+tan, atan, _floor, _ceil, _trunc, _sign, _relu, gelu, gelu_tanh, silu = (
+    _activation(n) for n in ("tan", "arctan", "floor", "ceil", "trunc", "sign", "relu", "gelu", "gelu_apprx_tanh",
+                             "silu"))
+
+
+def _float_only(fn, int_fn=identity):
+    def op(x):
+        return fn(x) if _float(x) else int_fn(x)
+    op.__name__ = fn.__name__
+    return op
+
+
+floor, ceil, trunc = _float_only(_floor), _float_only(_ceil), _float_only(_trunc)
+relu = _float_only(_relu, lambda x: nl.maximum(x, 0))
+sign = _float_only(_sign, lambda x: nl.subtract(nl.greater(x, 0), nl.less(x, 0)))
+
+
+def reciprocal(x):
+    return nl.divide(1.0, x)
+
+
+def frac(x):
+    return nl.subtract(x, trunc(x)) if _float(x) else nl.multiply(x, 0)
+
+
+def exp2(x):
+    return nl.exp(nl.multiply(x, math.log(2)))
+
+
+def log2(x):
+    return nl.multiply(nl.log(x), INV_LN2)
+
+
+def log10(x):
+    return nl.multiply(nl.log(x), INV_LN10)
+
+
+def isnan(x):
+    return nl.not_equal(x, x)
+
+
+def isinf(x):
+    return nl.equal(abs_(x), math.inf)
+
+
+def log1p(x):
+    """Kahan: ``log(u) * x / (u - 1)`` with ``u = 1 + x`` (exact where ``u`` rounds to 1 or overflows)."""
+    u = nl.add(x, 1.0)
+    d = nl.subtract(u, 1.0)
+    r = nl.divide(nl.multiply(nl.log(u), x), d)
+    r = where(nl.equal(d, 0.0), x, r)
+    return where(isinf(u), u, r)
+
+
+def expm1(x):
+    """Kahan: ``(u - 1) * x / log(u)`` with ``u = exp(x)``."""
+    u = nl.exp(x)
+    d = nl.subtract(u, 1.0)
+    r = nl.divide(nl.multiply(d, x), nl.log(u))
+    r = where(nl.equal(u, 1.0), x, r)
+    r = where(nl.equal(d, -1.0), d, r)
+    return where(isinf(u), u, r)
+
+
+def sinh(x):
+    return nl.multiply(nl.subtract(nl.exp(x), nl.exp(neg(x))), 0.5)
+
+
+def cosh(x):
+    return nl.multiply(nl.add(nl.exp(x), nl.exp(neg(x))), 0.5)
+
+
+def asinh(x):
+    ax = abs_(x)
+    r = nl.log(nl.add(ax, nl.sqrt(nl.add(nl.multiply(x, x), 1.0))))
+    return where(nl.less(x, 0.0), neg(r), r)
+
+
+def acosh(x):
+    return nl.log(nl.add(x, nl.sqrt(nl.subtract(nl.multiply(x, x), 1.0))))
+
+
+def atanh(x):
+    return nl.multiply(nl.subtract(log1p(x), log1p(neg(x))), 0.5)
+
+
+def asin(x):
+    return atan(nl.divide(x, nl.sqrt(nl.subtract(1.0, nl.multiply(x, x)))))
+
+
+def acos(x):
+    return nl.subtract(math.pi / 2, asin(x))
+
+
+def deg2rad(x):
+    return nl.multiply(x, math.pi / 180)
+
+
+def rad2deg(x):
+    return nl.multiply(x, 180 / math.pi)
+
+
+def sinc(x):
+    px = nl.multiply(x, math.pi)
+    r = nl.divide(nl.sin(px), px)
+    return where(nl.equal(x, 0.0), _const(r, 1.0), r)
+
+
+def _round_even(x):
+    # adding and subtracting 1.5 * 2**23 rounds an fp32 to an integer, ties to even (|x| < 2**22)
+    magic = 12582912.0
+    r = nl.subtract(nl.add(x, magic), magic)
+    return where(nl.less(abs_(x), 4194304.0), r, x)
+
+
+def round_(x):
+    return _round_even(x) if _float(x) else x
+
+
+@functools.cache
+def round_decimals(decimals: int):
+    ten = 10.0 ** abs(decimals)
+
+    def op(x):
+        if decimals < 0:
+            return nl.multiply(_round_even(nl.divide(x, ten)), ten)
+        return nl.divide(_round_even(nl.multiply(x, ten)), ten)
+    return op
+
+
+def signbit(x):
+    if _float(x):
+        return nl.less(_bits(x), 0)
+    return nl.less(x, 0)
+
+
+def logical_not(x):
+    return nl.equal(x, 0)
+
+
+def maximum(a, b):
+    return nl.maximum(a, b)
+
+
+def minimum(a, b):
+    return nl.minimum(a, b)
+
+
+maximum_nan, minimum_nan = maximum, minimum  # NaN-propagating, as torch.maximum / clamp
+
+
+def fmax(a, b):
+    m = nl.maximum(a, b)
+    return where(isnan(a), b, where(isnan(b), a, m))
+
+
+def fmin(a, b):
+    m = nl.minimum(a, b)
+    return where(isnan(a), b, where(isnan(b), a, m))
+
+
+def clamp(x, lo, hi):
+    return nl.minimum(nl.maximum(x, lo), hi)
+
+
+def fmod(a, b):
+    return _alu(a, b, "mod")
+
+
+def _alu(a, b, op):
+    out = nl.ndarray(a.shape if a.access.free_elems >= b.access.free_elems else b.shape, a.dtype)
+    if tuple(a.shape) == tuple(b.shape):
+        nisa.tensor_tensor(dst=out, data1=a, data2=b, op=op)
+    elif b.access.free_elems == 1:
+        nisa.tensor_scalar(dst=out, data=a, op0=op, operand0=b)
+    else:
+        nisa.tensor_scalar(dst=out, data=b, op0=op, operand0=a, reverse0=True)
+    return out
+
+
+def remainder(a, b):
+    """Python's modulo (sign of the divisor), as ATen: fmod, then add b where the signs differ."""
+    m = _alu(a, b, "mod")
+    fix = nl.logical_and(nl.not_equal(m, 0.0), nl.not_equal(nl.less(b, 0.0), nl.less(m, 0.0)))
+    return where(fix, nl.add(m, b), m)
+
+
+def div_trunc(a, b):
+    return trunc(nl.divide(a, b))
+
+
+def div_floor(a, b):
+    """ATen's floor division for floats: from fmod, so that ``a == b * q + remainder(a, b)`` holds."""
+    m = _alu(a, b, "mod")
+    q = nl.divide(nl.subtract(a, m), b)
+    fix = nl.logical_and(nl.not_equal(m, 0.0), nl.not_equal(nl.less(b, 0.0), nl.less(m, 0.0)))
+    q = nl.subtract(q, fix)
+    fq = floor(q)
+    fq = nl.add(fq, nl.greater(nl.subtract(q, fq), 0.5))
+    plain = nl.divide(a, b)
+    r = where(nl.equal(q, 0.0), nl.multiply(abs_(fq), sign(plain)), fq)  # a signed zero like a / b
+    return where(nl.equal(b, 0.0), plain, r)
+
+
+def atan2(y, x):
+    r = atan(nl.divide(y, x))
+    shift = where(nl.less(x, 0.0), where(nl.less(y, 0.0), _const_like(r, -math.pi), _const_like(r, math.pi)),
+                  _const_like(r, 0.0))
+    r = nl.add(r, shift)
+    both0 = nl.logical_and(nl.equal(x, 0.0), nl.equal(y, 0.0))
+    return where(both0, where(nl.less(_bits(x), 0), _const_like(r, math.pi), _const_like(r, 0.0)), r)
+
+
+def _const_like(t, value):
+    return _const(t, value)
+
+
+def _fill(a, b, value):
+    """A tile of the broadcast shape of ``a`` and ``b`` holding ``value`` (a constant or a column)."""
+    big = a if a.access.free_elems >= b.access.free_elems else b
+    z = _const(big, 0)
+    return z if isinstance(value, (int, float)) and value == 0 else nl.add(z, value)
+
+
+def hypot(a, b):
+    return nl.sqrt(nl.add(nl.multiply(a, a), nl.multiply(b, b)))
+
+
+def copysign(a, b):
+    mag = nl.bitwise_and(_bits(a), 0x7FFFFFFF)
+    sgn = nl.bitwise_and(_bits(b), -0x80000000)
+    return _from_bits(nl.bitwise_or(mag, sgn), a)
+
+
+def xlogy(x, y):
+    r = where(nl.equal(x, 0.0), _fill(x, y, 0), nl.multiply(x, nl.log(y)))
+    return where(isnan(y), y, r)
+
+
+@functools.cache
+def pow_scalar(exponent: float):
+    def op(x):
+        if exponent == 2.0:
+            return nl.multiply(x, x)
+        if exponent == 1.0:
+            return nl.multiply(x, 1.0)
+        return nl.power(x, exponent)
+    op.__name__ = f"pow_{exponent}"
+    return op
+
+
+def pow_(a, b):
+    return nl.power(a, b)
+
+
+def from_words(hi, lo, two32):
+    """An int64 from its int32 high and low words, in fp32: ``(hi + (lo < 0)) * 2**32 + lo``
+    (the low word read signed, which fp32 holds more exactly than the unsigned value)."""
+    return nl.add(nl.multiply(nl.add(hi, nl.less(lo, 0.0)), two32), lo)
+
+
+def tri_keep_lower(cols, rows, diagonal):
+    """``tril``'s mask: column - row <= diagonal."""
+    return nl.less_equal(nl.subtract(cols, rows), diagonal)
+
+
+def tri_keep_upper(cols, rows, diagonal):
+    """``triu``'s mask: column - row >= diagonal."""
+    return nl.greater_equal(nl.subtract(cols, rows), diagonal)
+
+
+def onehot_rows(ids, idx, padding_idx):
+    """1 where row id == index (and the index is not ``padding_idx``), else 0."""
+    return nl.logical_and(nl.equal(ids, idx), nl.not_equal(idx, padding_idx))
+
+
+# ---- comparisons, logic -----------------------------------------------------------------------
+
+eq, ne, lt, le, gt, ge = nl.equal, nl.not_equal, nl.less, nl.less_equal, nl.greater, nl.greater_equal
+logical_and, logical_or, logical_xor = nl.logical_and, nl.logical_or, nl.logical_xor
+
+
+bitwise_and, bitwise_or, bitwise_xor = nl.bitwise_and, nl.bitwise_or, nl.bitwise_xor
+
+
+def bitwise_not(x):
+    return nl.bitwise_xor(x, -1)
+
+
+def isneginf(x):
+    return nl.equal(x, -math.inf)
+
+
+def isposinf(x):
+    return nl.equal(x, math.inf)
+
+
+# ---- ternary ------------------------------------------------------------------------------------
+
+def addcmul(s, a, b, value):
+    return nl.add(s, nl.multiply(nl.multiply(a, value), b))
+
+
+def addcdiv(s, a, b, value):
+    return nl.add(s, nl.divide(nl.multiply(a, value), b))
+
+
+def addmm_epilogue(prod, inp, alpha, beta):
+    return nl.add(nl.multiply(prod, alpha), nl.multiply(inp, beta))
+
+
+def lerp(s, e, w):
+    """ATen's lerp: ``s + w * (e - s)`` for ``|w| < 0.5``, else ``e - (e - s) * (1 - w)``."""
+    d = nl.subtract(e, s)
+    lo = nl.add(s, nl.multiply(w, d))
+    hi = nl.subtract(e, nl.multiply(d, nl.subtract(1.0, w)))
+    return where(nl.less(abs_(w), 0.5), lo, hi)
+
+
+# ---- activations and their gradients -----------------------------------------------------------
+
+def _act_grad(name: str, g, x):
+    d = nl.ndarray(x.shape, x.dtype)
+    nisa.activation(dst=d, op=name, data=x)
+    return nl.multiply(g, d)
+
+
+def gelu_backward(g, x):
+    return _act_grad("gelu_dx", g, x)
+
+
+def gelu_tanh_backward(g, x):
+    return _act_grad("gelu_apprx_tanh_dx", g, x)
+
+
+def silu_backward(g, x):
+    return _act_grad("silu_dx", g, x)
+
+
+def sigmoid_backward(g, y):
+    return nl.multiply(nl.multiply(g, nl.subtract(1.0, y)), y)
+
+
+def tanh_backward(g, y):
+    return nl.multiply(g, nl.subtract(1.0, nl.multiply(y, y)))
+
+
+def threshold(x, t, v):
+    return where(nl.less_equal(x, t), _fill(x, x, v), x)
+
+
+def threshold_backward(g, x, t):
+    return where(nl.less_equal(x, t), _fill(g, x, 0), g)
+
+
+def leaky_relu(x, slope):
+    return where(nl.greater(x, 0.0), x, nl.multiply(x, slope))
+
+
+def leaky_relu_backward(g, x, slope):
+    return where(nl.greater(x, 0.0), g, nl.multiply(g, slope))
+
+
+def hardtanh_backward(g, x, lo, hi):
+    out = nl.logical_or(nl.less_equal(x, lo), nl.greater_equal(x, hi))
+    return where(out, _fill(g, x, 0), g)
+
+
+def hardsigmoid(x):
+    return nl.divide(nl.minimum(nl.maximum(nl.add(x, 3.0), 0.0), 6.0), 6.0)
+
+
+def hardswish(x):
+    return nl.divide(nl.multiply(x, nl.minimum(nl.maximum(nl.add(x, 3.0), 0.0), 6.0)), 6.0)
+
+
+def softplus(x, beta, threshold_):
+    xb = nl.multiply(x, beta)
+    soft = nl.divide(log1p(nl.exp(xb)), beta)
+    return where(nl.greater(xb, threshold_), x, soft)
+
+
+def mish(x):
+    return nl.multiply(x, nl.tanh(log1p(nl.exp(x))))
+
+
+def elu(x, alpha, scale, input_scale):
+    neg_part = nl.multiply(expm1(nl.multiply(x, input_scale)), nl.multiply(alpha, scale))
+    return where(nl.less_equal(x, 0.0), neg_part, nl.multiply(x, scale))
+
+
+def logit(x):
+    return nl.log(nl.divide(x, nl.subtract(1.0, x)))
+
+
+def logit_eps(x, lo, hi):
+    return logit(clamp(x, lo, hi))
+
+
+def nan_to_num(x, nan, posinf, neginf):
+    r = where(isnan(x), _fill(x, x, nan), x)
+    r = where(nl.equal(x, math.inf), _fill(x, x, posinf), r)
+    return where(nl.equal(x, -math.inf), _fill(x, x, neginf), r)
