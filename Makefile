@@ -33,6 +33,7 @@ bench: setup
 	$(PY) bench/dispatch.py
 	$(PY) bench/sim_speed.py
 	$(PY) bench/kernels.py
+	$(PY) bench/eager.py
 
 clean:
 	rm -rf build $(VENV) torchneuron/*.so *.egg-info

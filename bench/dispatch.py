@@ -3,7 +3,7 @@
 For each small op the script times many calls on 8x8 float32 tensors, on ``neuron`` and
 on the CPU, alternating the two so that both see the same load on a shared machine, and
 prints the median microseconds per call, the ratio, and the route each neuron call took
-(CPU-fallback ops per call, or none for the core view/copy ops implemented in C++).
+(device kernel launches, CPU-fallback ops per call, or neither for the C++ core view/copy ops).
 Small tensors make the arithmetic negligible, so the numbers are dispatch cost.
 A benchmark reports; it does not assert.
 
@@ -101,13 +101,20 @@ def sample_ns(fn: Callable[[], object], inner: int, device: torch.device) -> flo
 
 
 def route(fn: Callable[[], object], calls: int = 10) -> str:
-    """Which ops a neuron call sent through the CPU fallback, per call."""
+    """How a neuron call ran: device kernel launches, ops sent through the CPU fallback, or neither
+    (a C++ core op: views, host transfers)."""
+    from torchneuron.runtime import profiler
+
     torchneuron.reset_fallback_counts()
-    for _ in range(calls):
-        fn()
+    with profiler.record() as launches:
+        for _ in range(calls):
+            fn()
     counts = torchneuron.fallback_counts()
     if not counts:
-        return "C++ core op (no fallback)"
+        if launches:
+            names = sorted({r.name for r in launches})
+            return f"device kernel x{len(launches) / calls:g} ({', '.join(names)})"
+        return "C++ core op (no kernel)"
     return ", ".join(f"{name}" + (f" x{c / calls:g}" if c != calls else "") for name, c in counts.items())
 
 

@@ -1,6 +1,7 @@
-"""Training runs natively on the simulated core: a small GPT-style transformer trains 20 steps on
-``neuron`` in strict mode (any CPU fallback is an error) and its losses follow the CPU's:
-within 1e-4 relative in fp32, within 2e-2 under ``torch.autocast("neuron", torch.bfloat16)``.
+"""Training runs natively on the simulated core: a small GPT-style transformer and an LSTM
+sequence model train 20 steps on ``neuron`` in strict mode (any CPU fallback is an error) and
+their losses follow the CPU's: within 1e-4 relative in fp32, within 2e-2 under
+``torch.autocast("neuron", torch.bfloat16)`` (GPT). The CNN's run is in tests/ops/test_cnn.py.
 """
 from __future__ import annotations
 
@@ -77,3 +78,46 @@ def test_gpt_trains_natively_like_cpu(autocast, rtol):
     assert dev[-1] < dev[0]                                   # it learns
     for step, (a, b) in enumerate(zip(dev, cpu)):
         assert abs(a - b) <= rtol * abs(b), f"step {step}: neuron {a} vs cpu {b}"
+
+
+class SeqModel(nn.Module):
+    """A two-layer LSTM over a sequence, its last hidden state through a linear head (regression)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(6, 12, num_layers=2, batch_first=True)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+def _train_lstm(device: str) -> list[float]:
+    torch.manual_seed(0)
+    model = SeqModel().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(2)
+    losses = []
+    for _ in range(STEPS):
+        x, y = torch.randn(4, 9, 6, generator=gen), torch.randn(4, 3, generator=gen)
+        loss = F.mse_loss(model(x.to(device)), y.to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_lstm_trains_natively_like_cpu():
+    cpu = _train_lstm("cpu")
+    before = dict(torchneuron.fallback_counts())
+    strict = torchneuron.is_strict()
+    torchneuron.set_strict(True)
+    try:
+        dev = _train_lstm("neuron")
+    finally:
+        torchneuron.set_strict(strict)
+    assert torchneuron.fallback_counts() == before
+    assert dev[-1] < dev[0]
+    for step, (a, b) in enumerate(zip(dev, cpu)):
+        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: neuron {a} vs cpu {b}"

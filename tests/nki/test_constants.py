@@ -37,6 +37,13 @@ def test_shared_constant_values_reach_the_kernel():
     assert any(s.name.startswith("shared_constant") and s.kind == "input" for s in rep.program.args)
 
 
+def test_shared_constant_on_neuron_tensors():
+    x, t = randn(128, 64), randn(128, 64)
+    out = add_table_kernel(torch.from_numpy(x).to("neuron"), t.tobytes())   # the constant goes to the device
+    assert out.device.type == "neuron"
+    np.testing.assert_allclose(out.cpu().numpy(), x + t, rtol=1e-6)
+
+
 @legacy.jit
 def transpose_by_identity_kernel(v):
     """The attention tutorials' pattern: an identity built with nl.shared_constant(np.identity, dtype=)

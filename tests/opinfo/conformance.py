@@ -227,7 +227,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """The options that select and run ops, shared with ``tests.opinfo.coverage``."""
     p.add_argument("--ops", default="", help="comma-separated op names (all variants) or name.variant keys")
     p.add_argument("--limit", type=int, default=None, help="run only the first N ops (after --ops)")
-    p.add_argument("--timeout", type=float, default=120.0, help="per-op time budget in seconds (default 120)")
+    p.add_argument("--timeout", type=float, default=300.0, help="per-op time budget in seconds (default 300)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     p.add_argument("--no-error-inputs", action="store_true", help="skip error_inputs")
     p.add_argument("--quiet", action="store_true", help="no per-op progress lines")

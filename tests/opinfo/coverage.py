@@ -177,16 +177,26 @@ def blockers(results: list[dict]) -> list[dict]:
     return sorted(table.values(), key=lambda b: (-len(b["opinfos"]), -b["core"], b["aten"]))
 
 
+def lowered_overloads() -> set[str]:
+    """The ATen overloads (``add.Tensor``) that have a neuron kernel in this checkout."""
+    from torchneuron.ops import LOWERED
+
+    return set(LOWERED)
+
+
 def _todo_table(results: list[dict], rows: int = TODO_ROWS) -> list[str]:
     """The lowering to-do list: the top ATen ops by OpInfos blocked."""
     bs = blockers(results)
+    lowered = lowered_overloads()
     lines = [f"{len(bs)} distinct ATen ops fell back; the {min(rows, len(bs))} that block the most OpInfos:", "",
-             "| # | ATen op | OpInfos blocked | of them core | sole blocker | fallback calls | OpInfos (first 6) |",
-             "|---|---|---|---|---|---|---|"]
+             "| # | ATen op | OpInfos blocked | of them core | sole blocker | fallback calls | has a kernel | "
+             "OpInfos (first 6) |",
+             "|---|---|---|---|---|---|---|---|"]
     for i, b in enumerate(bs[:rows], 1):
         ops = ", ".join(f"`{k}`" for k in b["opinfos"][:6]) + (" …" if len(b["opinfos"]) > 6 else "")
+        kernel = "yes" if _short(b["aten"]) in lowered else ""
         lines.append(f"| {i} | `{_short(b['aten'])}` | {len(b['opinfos'])} | {b['core']} | {b['sole']} | "
-                     f"{b['calls']} | {ops} |")
+                     f"{b['calls']} | {kernel} | {ops} |")
     rest = bs[rows:]
     if rest:
         lines += ["", "The others (OpInfos blocked): " +
@@ -250,7 +260,9 @@ def write_report(results: list[dict], path: Path, *, meta: dict, total_ops: int)
         "",
         "*OpInfos blocked*: the fallback and failing OpInfos in which the ATen op ran through the CPU fallback;",
         "*of them core*: those outside the linalg/fft/special/sparse families; *sole blocker*: fallback OpInfos",
-        "for which it is the only ATen op that fell back (lowering it alone makes them native).",
+        "for which it is the only ATen op that fell back (lowering it alone makes them native); *has a kernel*:",
+        "the overload has a neuron kernel (`torchneuron.ops.LOWERED`) whose own `cpu_fallback` ran, for inputs",
+        "it does not handle (a dtype, a CPU argument, ...).",
         "",
         *_todo_table(results),
         "",
@@ -284,6 +296,22 @@ def merge(old: list[dict], new: list[dict], order: list[str]) -> list[dict]:
     by_key = {r["key"]: r for r in old}
     by_key.update({r["key"]: r for r in new})
     return [by_key[k] for k in order if k in by_key]
+
+
+_FILE_OPTIONS = ("--out", "--conformance-out", "--results", "--from-results")
+
+
+def run_command(argv: list[str]) -> str:
+    """The command line that selected and ran the ops, without the options naming files."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in _FILE_OPTIONS:
+            skip = True
+        elif not a.startswith(tuple(f"{o}=" for o in _FILE_OPTIONS)):
+            kept.append(a)
+    return " ".join([COMMAND, *kept])
 
 
 def _ops_to_run(args: argparse.Namespace, p: argparse.ArgumentParser, old: list[dict]) -> list:
@@ -320,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
 
     order = [harness.op_key(op) for op in harness.load_op_db()]
     results = merge(old, new, order)
-    meta = {"elapsed": meta["elapsed"] + elapsed, "commands": [*meta["commands"], " ".join([COMMAND, *argv])]}
+    if ops:
+        meta = {"elapsed": meta["elapsed"] + elapsed, "commands": [*meta["commands"], run_command(argv)]}
     write_report(results, Path(args.out), meta=meta, total_ops=len(order))
     if args.conformance_out:
         conformance.write_report(results, Path(args.conformance_out), command="; then ".join(meta["commands"]),

@@ -61,6 +61,13 @@ def test_python_scalars_and_promotion(scalar, strict):
             torch.testing.assert_close(got.cpu(), want)
 
 
+def test_broadcasts_the_kernel_cannot_fold(strict):
+    a, b, s = torch.randn(2, 1, 3), torch.randn(1, 4, 1), torch.tensor(2.5)
+    torch.testing.assert_close((to_n(a) + to_n(b)).cpu(), a + b)
+    torch.testing.assert_close(torch.addcmul(to_n(s), to_n(a), to_n(b)).cpu(), torch.addcmul(s, a, b))
+    torch.testing.assert_close(torch.where(to_n(a) > 0, to_n(b), to_n(s)).cpu(), torch.where(a > 0, b, s))
+
+
 def test_cpu_scalar_tensor_operand(strict):
     s = torch.tensor(1.5)
     torch.testing.assert_close((to_n(X) * s).cpu(), X * s)

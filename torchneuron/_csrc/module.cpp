@@ -34,6 +34,10 @@ PYBIND11_MODULE(_C, m) {
     }
     return torch::jit::createPyObjectForStack(std::move(stack));
   });
+  m.def("_fallback_native_dropout", &torchneuron::fallback_native_dropout);
+  m.def("_fallback_native_batch_norm", &torchneuron::fallback_native_batch_norm);
+  m.def("_fallback_convolution", &torchneuron::fallback_convolution);
+  m.def("_fallback_convolution_backward", &torchneuron::fallback_convolution_backward);
   m.def("_default_generator", [](int i) {
     return py::reinterpret_steal<py::object>(
         THPGenerator_initDefaultGenerator(torchneuron::default_neuron_generator(c10::DeviceIndex(i))));

@@ -8,7 +8,10 @@
 #include <c10/core/Stream.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <array>
 #include <cstdint>
+#include <optional>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -53,5 +56,20 @@ void reset_fallback_counts();
 void record_fallback(const std::string& op_name);
 // The catch-all CPU fallback (boxed): also what a Python kernel calls for inputs it does not handle.
 void run_cpu_fallback(const c10::OperatorHandle& op, std::vector<c10::IValue>* stack);
+// CPU routes of ops lowered in Python whose fallback needs special care (see ops.cpp).
+std::tuple<at::Tensor, at::Tensor> fallback_native_dropout(const at::Tensor& input, double p,
+                                                           std::optional<bool> train);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fallback_native_batch_norm(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
+    double momentum, double eps);
+at::Tensor fallback_convolution(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                std::vector<int64_t> stride, std::vector<int64_t> padding,
+                                std::vector<int64_t> dilation, bool transposed, std::vector<int64_t> output_padding,
+                                int64_t groups);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fallback_convolution_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, std::vector<int64_t> stride,
+    std::vector<int64_t> padding, std::vector<int64_t> dilation, bool transposed,
+    std::vector<int64_t> output_padding, int64_t groups, std::array<bool, 3> output_mask);
 
 }  // namespace torchneuron

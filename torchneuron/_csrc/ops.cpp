@@ -278,6 +278,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
 
 void run_cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) { neuron_cpu_fallback(op, stack); }
 
+// The CPU routes of the ops whose kernels are Python lowerings (torchneuron/ops) but whose
+// fallback needs more than the generic one: the lowering calls these for inputs it does not run.
+std::tuple<at::Tensor, at::Tensor> fallback_native_dropout(const at::Tensor& input, double p,
+                                                           std::optional<bool> train) {
+  return torchneuron::native_dropout(input, p, train);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fallback_native_batch_norm(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
+    double momentum, double eps) {
+  return torchneuron::native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps);
+}
+
+at::Tensor fallback_convolution(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                std::vector<int64_t> stride, std::vector<int64_t> padding,
+                                std::vector<int64_t> dilation, bool transposed, std::vector<int64_t> output_padding,
+                                int64_t groups) {
+  return torchneuron::convolution_overrideable(input, weight, bias, stride, padding, dilation, transposed,
+                                               output_padding, groups);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fallback_convolution_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, std::vector<int64_t> stride,
+    std::vector<int64_t> padding, std::vector<int64_t> dilation, bool transposed,
+    std::vector<int64_t> output_padding, int64_t groups, std::array<bool, 3> output_mask) {
+  return torchneuron::convolution_backward_overrideable(grad_output, input, weight, stride, padding, dilation, transposed,
+                                           output_padding, groups, output_mask);
+}
+
 void set_strict(bool s) { g_strict = s; }
 bool strict() { return g_strict; }
 
@@ -339,11 +369,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_source_storage_offset));
   m.impl("set_.source_Tensor", TORCH_FN(set_source_tensor));
   m.impl("set_", TORCH_FN(set_empty));
-  m.impl("native_dropout", TORCH_FN(native_dropout));
-  m.impl("native_batch_norm", TORCH_FN(native_batch_norm));
   // native_layer_norm and its backward are lowered to device kernels in Python (torchneuron/ops).
-  m.impl("convolution_overrideable", TORCH_FN(convolution_overrideable));
-  m.impl("convolution_backward_overrideable", TORCH_FN(convolution_backward_overrideable));
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

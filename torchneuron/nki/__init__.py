@@ -101,10 +101,6 @@ class Kernel:
         if hit is None:
             hit = self.cache[key] = self._trace(bound, spec)
             self._root.trace_count += 1
-        if hit.constants and any(isinstance(v, torch.Tensor) and v.device.type == "neuron"
-                                 for v in bound.arguments.values()):
-            raise NotImplementedError(f"kernel {self.fn.__name__!r} uses nl.shared_constant, which is not yet "
-                                      f"supported on neuron tensors; call it with CPU tensors or NumPy arrays")
         return hit
 
     def _trace(self, bound: inspect.BoundArguments, spec: ChipSpec) -> Traced:

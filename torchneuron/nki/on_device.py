@@ -76,6 +76,8 @@ def launch_on_device(kernel: Any, args: tuple, kwargs: dict, *, stream: Any = No
     call = {**bound, **dense}
     traced = kernel.trace((), call, spec)
     launch_args = {n: dense[n].detach() for n in traced.inputs}
+    device = torch.device("neuron", index)
+    launch_args.update({slot: torch.as_tensor(data).to(device) for slot, data in traced.constants.items()})
     record = runtime.launch(traced.program, launch_args, device=index, stream=stream, name=name, op=op)
     for n, v in arrays.items():  # a kernel may store into an input: keep the caller's strided tensor in step
         if dense[n] is not v and _is_written(traced.program, n):

@@ -182,12 +182,13 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: torch.Tensor | No
                             **({"out": out} if out is not None else {}))
     d = canonicalize_dim(live[0].dim(), dim)
     ref = live[0].shape
-    for i, t in enumerate(live):
+    for i, t in enumerate(ts):
+        if t.dim() == 1 and t.numel() == 0:
+            continue
         for k in range(t.dim()):
             if k != d and t.shape[k] != ref[k]:
                 raise RuntimeError(f"Sizes of tensors must match except in dimension {d}. Expected size {ref[k]} but "
-                                   f"got size {t.shape[k]} for tensor number {ts.index(t) if t in ts else i} in the "
-                                   "list.")
+                                   f"got size {t.shape[k]} for tensor number {i} in the list.")
     dtype = live[0].dtype
     for t in ts[1:]:
         dtype = torch.promote_types(dtype, t.dtype)

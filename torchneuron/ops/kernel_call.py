@@ -70,10 +70,37 @@ def scalar_operand(value: Any, dtype: torch.dtype, device: torch.device) -> torc
     return torch.tensor([[value]], dtype=dtype).to(device)
 
 
+PERMUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int8, torch.uint8, torch.bool)
+
+
+def _permutation(t: torch.Tensor) -> tuple[int, ...] | None:
+    """``perm`` such that ``t == base.permute(perm)`` for a contiguous ``base`` (None if there is none)."""
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d]))
+    base = t.permute(order)
+    if not base.is_contiguous():
+        return None
+    perm = [0] * t.dim()
+    for k, d in enumerate(order):
+        perm[d] = k
+    return tuple(perm)
+
+
 def dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` if contiguous, else a contiguous copy made on the device by a strided-read DMA kernel."""
+    """``t`` if contiguous, else a contiguous copy made on the device: a transpose of a contiguous tensor
+    that moves its last dim by the permute kernel (TensorE transposes), anything else by a DMA kernel
+    that reads the view through its strides."""
     if t.is_contiguous():
         return t
+    perm = _permutation(t) if t.dtype in PERMUTE_DTYPES and t.numel() > 1 else None
+    if perm is not None and perm[-1] != t.dim() - 1:
+        from torchneuron.kernels.transpose import permute_kernel
+        inverse = [0] * len(perm)
+        for k, d in enumerate(perm):
+            inverse[d] = k
+        base = t.permute(inverse)
+        (flat,) = call_kernel(permute_kernel, {"x": base.reshape(-1)}, {"shape": tuple(base.shape), "perm": perm},
+                              op="aten::clone")
+        return flat.view(t.shape)
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     from torchneuron.ops.copy import device_copy
     device_copy(out, t)

@@ -213,3 +213,49 @@ def nll_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: tor
         g = g / total_weight
     grad = torch.where(mask, -(w.reshape(-1, 1) * g), 0)
     return grad.reshape(self.shape)
+
+
+# ---- regression losses ---------------------------------------------------------------------------------
+
+def _reduce_loss(losses: torch.Tensor, reduction: int) -> torch.Tensor:
+    """ATen's reduction enum: 0 none, 1 mean, 2 sum."""
+    return losses if reduction == 0 else losses.mean() if reduction == 1 else losses.sum()
+
+
+def _mse_ok(*ts: torch.Tensor) -> bool:
+    return all(t.device == ts[0].device and t.dtype in FLOATS and t.dtype == ts[0].dtype for t in ts)
+
+
+@lowering("mse_loss", "mse_loss.out")
+def mse_loss(self: torch.Tensor, target: torch.Tensor, reduction: int = 1, *, out: torch.Tensor | None = None):
+    """Mean squared error: ``(self - target) ** 2``, reduced."""
+    if not _mse_ok(self, target) or (out is not None and not _mse_ok(self, out)):
+        return cpu_fallback(aten.mse_loss.out if out is not None else aten.mse_loss.default, self, target,
+                            reduction, **({"out": out} if out is not None else {}))
+    d = self - target
+    res = _reduce_loss(d * d, reduction)
+    if out is not None:
+        if tuple(out.shape) != tuple(res.shape):
+            torch._refs._maybe_resize_out(out, res.shape)
+        device_copy(out, res)
+        return out
+    return res
+
+
+@lowering("mse_loss_backward", "mse_loss_backward.grad_input")
+def mse_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor, reduction: int, *,
+                      grad_input: torch.Tensor | None = None):
+    """``2 * (self - target) * grad`` (divided by the element count for the mean)."""
+    if not _mse_ok(grad_output, self, target):
+        return cpu_fallback(aten.mse_loss_backward.grad_input if grad_input is not None
+                            else aten.mse_loss_backward.default, grad_output, self, target, reduction,
+                            **({"grad_input": grad_input} if grad_input is not None else {}))
+    scale = 2.0 / self.numel() if reduction == 1 else 2.0
+    res = (self - target) * grad_output * scale
+    res = res.expand(torch.broadcast_shapes(self.shape, target.shape)) if res.shape != self.shape else res
+    if grad_input is not None:
+        if tuple(grad_input.shape) != tuple(res.shape):
+            torch._refs._maybe_resize_out(grad_input, res.shape)
+        device_copy(grad_input, res)
+        return grad_input
+    return res

@@ -87,6 +87,39 @@ def _check_overlap(target: torch.Tensor, inputs: list) -> None:
                                    "performing the operation.")
 
 
+_PROMOTIONS: dict = {}
+_FOLDS: dict = {}
+
+
+def _promote(operands: list, kind: KIND) -> tuple[torch.dtype, torch.dtype]:
+    """(compute dtype, result dtype) by PyTorch's rules, memoised on what they depend on."""
+    key = (kind, *((o.dtype, o.dim() == 0) if isinstance(o, torch.Tensor) else type(o) for o in operands))
+    hit = _PROMOTIONS.get(key)
+    if hit is None:
+        hit = _PROMOTIONS[key] = elementwise_dtypes(*operands, type_promotion_kind=kind)
+    return hit
+
+
+def _fold(shape: tuple, shapes: tuple) -> tuple[bool, list, int, int]:
+    """(materialise broadcasts first, kind of each operand, R, C) of the kernel's [R, C] problem (memoised)."""
+    key = (shape, shapes)
+    hit = _FOLDS.get(key)
+    if hit is None:
+        # shapes: a tensor's shape, None for a Python scalar (a (1, 1) operand either way)
+        fold = fold_broadcast(shape, [() if s is None else s for s in shapes])
+        materialise = fold is None
+        if materialise:
+            fold = fold_broadcast(shape, [() if s is None else shape for s in shapes])
+        k, kinds = fold
+        R = C = 1
+        for n in shape[:k]:
+            R *= n
+        for n in shape[k:]:
+            C *= n
+        hit = _FOLDS[key] = (materialise, kinds, R, C)
+    return hit
+
+
 def run_pointwise(fn: Callable, operands: list, kind: KIND, target: torch.Tensor | None = None,
                   inplace: bool = False, result_dtype: torch.dtype | None = None, op: str | None = None) -> torch.Tensor:
     """Apply tile function ``fn`` to ``operands`` (tensors and Python scalars) element-wise on the device.
@@ -108,8 +141,7 @@ def run_pointwise(fn: Callable, operands: list, kind: KIND, target: torch.Tensor
         args.append(o)
     if device is None or (target is not None and target.device != device):
         raise Unsupported
-    compute, result = elementwise_dtypes(*[o if not isinstance(o, torch.Tensor) or o.dim() else o for o in operands
-                                           ], type_promotion_kind=kind)
+    compute, result = _promote(operands, kind)
     if result_dtype is not None:
         result = result_dtype
     tensors = [o for o in args if isinstance(o, torch.Tensor)]
@@ -133,17 +165,9 @@ def run_pointwise(fn: Callable, operands: list, kind: KIND, target: torch.Tensor
     if n == 0:
         return target if target is not None else torch.empty(shape, dtype=out_dtype, device=device)
     # the kernel's [R, C] problem: each tensor full, a row, a column or a scalar of it
-    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else () for t in args]
-    fold = fold_broadcast(shape, [s for s in shapes])
-    if fold is None:  # a broadcast the [R, C] form cannot express: materialise the broadcast operands
+    materialise, kinds, R, C = _fold(shape, tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in args))
+    if materialise:  # a broadcast the [R, C] form cannot express: materialise the broadcast operands
         args = [a.expand(shape) if isinstance(a, torch.Tensor) and tuple(a.shape) != shape else a for a in args]
-        fold = fold_broadcast(shape, [tuple(a.shape) if isinstance(a, torch.Tensor) else () for a in args])
-    k, kinds = fold
-    R, C = 1, 1
-    for s in shape[:k]:
-        R *= s
-    for s in shape[k:]:
-        C *= s
     two_d = {"full": (R, C), "row": (1, C), "col": (R, 1), "scalar": (1, 1)}
     inputs = {}
     for name, a, kd in zip(NAMES, args, kinds):

@@ -18,6 +18,7 @@ from torch._prims_common import canonicalize_dim
 from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.ops.copy import device_copy, to_int64
 from torchneuron.ops.kernel_call import call_kernel, dense
+from torchneuron.ops.pointwise import _type_name
 from torchneuron.ops.registry import cpu_fallback, lowering
 
 aten = torch.ops.aten
@@ -109,6 +110,10 @@ def _lower(name: str, op: str, *, has_dtype: bool = True, default_dims: bool = F
                 dtype = (args[2] if len(args) > 2 else kwargs.get("dtype")) if has_dtype else None
             if dtype is None and out is not None and has_dtype:
                 dtype = out.dtype
+            if out is not None and not has_dtype and out.dtype != self.dtype:
+                raise RuntimeError(f"Expected the dtype for input and out to match, but got "
+                                   f"{_type_name(self.dtype)} for input's dtype and {_type_name(out.dtype)} for "
+                                   "out's dtype.")
             x = _cast_input(self, dtype)
             dims = _dims(x, dim)
             if op == "mean" and not x.is_floating_point():

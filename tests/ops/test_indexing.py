@@ -1,0 +1,139 @@
+"""Indexing, shape and factory ops run on the device (strict mode) and match the CPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.ops.conftest import to_n
+
+torch.manual_seed(0)
+W = torch.randn(11, 6)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_embedding_and_index_select(dtype, strict):
+    i = torch.tensor([[3, 0], [10, 3]], dtype=dtype)
+    torch.testing.assert_close(F.embedding(to_n(i), to_n(W)).cpu(), F.embedding(i, W))
+    j = torch.tensor([5, 0, 5], dtype=dtype)
+    for dim in (0, 1, -1):
+        k = j.clamp(max=W.shape[dim] - 1)
+        torch.testing.assert_close(to_n(W).index_select(dim, to_n(k)).cpu(), W.index_select(dim, k))
+    x = torch.randn(3, 4, 5)
+    torch.testing.assert_close(to_n(x).index_select(1, to_n(j.clamp(max=3))).cpu(), x.index_select(1, j.clamp(max=3)))
+
+
+def test_embedding_backward_with_padding(strict):
+    i = torch.tensor([[3, 0, 3], [10, 3, 7]])
+    w, wn = W.clone().requires_grad_(), to_n(W).requires_grad_()
+    g = torch.randn(2, 3, 6)
+    F.embedding(i, w, padding_idx=3).backward(g)
+    F.embedding(to_n(i), wn, padding_idx=3).backward(to_n(g))
+    torch.testing.assert_close(wn.grad.cpu(), w.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_index_out_of_range_raises_like_cpu():
+    bad = torch.tensor([11])
+    with pytest.raises(IndexError):
+        F.embedding(bad, W)
+    with pytest.raises(IndexError, match="index out of range"):
+        F.embedding(to_n(bad), to_n(W))
+
+
+def test_arange_tril_triu_cat(strict):
+    torch.testing.assert_close(torch.arange(7, device="neuron").cpu(), torch.arange(7))
+    torch.testing.assert_close(torch.arange(2, 9, 3, device="neuron", dtype=torch.float32).cpu(),
+                               torch.arange(2, 9, 3, dtype=torch.float32))
+    torch.testing.assert_close(torch.arange(-1.5, 2.0, 0.25, device="neuron").cpu(), torch.arange(-1.5, 2.0, 0.25))
+    x = torch.randn(2, 4, 5)
+    for k in (-1, 0, 2):
+        torch.testing.assert_close(to_n(x).tril(k).cpu(), x.tril(k))
+        torch.testing.assert_close(to_n(x).triu(k).cpu(), x.triu(k))
+    torch.testing.assert_close(torch.cat([to_n(x), to_n(x[:, :2])], 1).cpu(), torch.cat([x, x[:, :2]], 1))
+    torch.testing.assert_close(torch.stack([to_n(x), to_n(x)], -1).cpu(), torch.stack([x, x], -1))
+    torch.testing.assert_close(torch.cat([to_n(x.int()), to_n(x)], 0).cpu(), torch.cat([x.int(), x], 0))
+
+
+def test_cat_errors_match_cpu():
+    a, b = torch.randn(2, 3), torch.randn(2, 4)
+    with pytest.raises(RuntimeError) as cpu:
+        torch.cat([a, b], 0)
+    with pytest.raises(RuntimeError) as dev:
+        torch.cat([to_n(a), to_n(b)], 0)
+    assert str(dev.value) == str(cpu.value)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_nll_loss_and_cross_entropy(reduction, weighted, strict):
+    x, t, w = torch.randn(6, 5), torch.tensor([0, 4, 2, -100, 1, 4]), torch.rand(5)
+    a, b = x.clone().requires_grad_(), to_n(x).requires_grad_()
+    la = F.cross_entropy(a, t, weight=w if weighted else None, reduction=reduction)
+    lb = F.cross_entropy(b, to_n(t), weight=to_n(w) if weighted else None, reduction=reduction)
+    torch.testing.assert_close(lb.detach().cpu(), la.detach(), atol=1e-6, rtol=1e-6)
+    la.sum().backward()
+    lb.sum().backward()
+    torch.testing.assert_close(b.grad.cpu(), a.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_nll_loss_bad_target_raises_like_cpu():
+    x, t = torch.randn(3, 4), torch.tensor([0, 7, 1])
+    with pytest.raises(IndexError) as cpu:
+        F.nll_loss(x, t)
+    with pytest.raises(IndexError) as dev:
+        F.nll_loss(to_n(x), to_n(t))
+    assert str(dev.value) == str(cpu.value)
+
+
+def test_mse_loss_any_all_norms_bitwise(strict):
+    a, b = torch.randn(4, 5, requires_grad=True), torch.randn(4, 5)
+    an = to_n(a.detach()).requires_grad_()
+    la, lb = F.mse_loss(a, b), F.mse_loss(an, to_n(b))
+    la.backward()
+    lb.backward()
+    torch.testing.assert_close(lb.detach().cpu(), la.detach())
+    torch.testing.assert_close(an.grad.cpu(), a.grad)
+    x = torch.tensor([[0.0, 1.0, 2.0], [0.0, 0.0, 3.0]])
+    for fn in (torch.all, torch.any, lambda t: t.all(1), lambda t: t.any(0, keepdim=True)):
+        torch.testing.assert_close(fn(to_n(x)).cpu(), fn(x))
+    y = torch.randn(3, 7)
+    for ord in (2, 1, float("inf"), 0, 3):
+        torch.testing.assert_close(torch.linalg.vector_norm(to_n(y), ord, dim=1).cpu(),
+                                   torch.linalg.vector_norm(y, ord, dim=1), atol=1e-5, rtol=1e-5)
+    i, j = torch.tensor([5, -3, 12], dtype=torch.int32), torch.tensor([3, 6, -1], dtype=torch.int32)
+    for fn in (torch.bitwise_and, torch.bitwise_or, torch.bitwise_xor):
+        torch.testing.assert_close(fn(to_n(i), to_n(j)).cpu(), fn(i, j))
+    torch.testing.assert_close((~to_n(i)).cpu(), ~i)
+    m = torch.tensor([True, False, True])
+    torch.testing.assert_close((to_n(m) | ~to_n(m)).cpu(), m | ~m)
+
+
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU])
+def test_recurrent_cells(cls, strict):
+    m = cls(8, 16, num_layers=2, batch_first=True)
+    mn = cls(8, 16, num_layers=2, batch_first=True)
+    mn.load_state_dict(m.state_dict())
+    mn.to("neuron")
+    x, g = torch.randn(3, 7, 8), torch.randn(3, 7, 16)
+    y, yn = m(x)[0], mn(to_n(x))[0]
+    torch.testing.assert_close(yn.detach().cpu(), y.detach(), atol=1e-5, rtol=1e-5)
+    y.backward(g)
+    yn.backward(to_n(g))
+    for p, pn in zip(m.parameters(), mn.parameters()):
+        torch.testing.assert_close(pn.grad.cpu(), p.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cls,wd", [(torch.optim.AdamW, 0.1), (torch.optim.Adam, 0.01)])
+def test_fused_adam(cls, wd, strict):
+    torch.manual_seed(0)
+    m, mn = torch.nn.Linear(33, 17), torch.nn.Linear(33, 17)
+    mn.load_state_dict(m.state_dict())
+    mn.to("neuron")
+    opt, optn = cls(m.parameters(), lr=1e-2, weight_decay=wd), cls(mn.parameters(), lr=1e-2, weight_decay=wd,
+                                                                      fused=True)
+    for _ in range(4):
+        x = torch.randn(8, 33)
+        for mod, o, xx in ((m, opt, x), (mn, optn, to_n(x))):
+            o.zero_grad()
+            mod(xx).square().mean().backward()
+            o.step()
+    for p, pn in zip(m.parameters(), mn.parameters()):
+        torch.testing.assert_close(pn.detach().cpu(), p.detach(), atol=1e-6, rtol=1e-5)

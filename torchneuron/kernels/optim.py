@@ -1,0 +1,78 @@
+"""Optimizer steps: AdamW / Adam on one parameter tensor, in place, one pass over HBM.
+
+Every tile of [128, F] elements of the parameter, its gradient and the two moment estimates is
+loaded once, updated on VectorE/ScalarE and stored back in place:
+
+    p = p * (1 - lr * wd)                         (AdamW; Adam adds wd * p to g instead)
+    m = m + (1 - beta1) * (g - m)                  (torch's lerp form)
+    v = beta2 * v + (1 - beta2) * g * g
+    p = p - step_size * m / (sqrt(v) * inv_bc2 + eps)
+
+The per-step scalars (``1 - lr*wd``, ``1 - beta1``, ``beta2``, ``1 - beta2``, ``-step_size``,
+``1/sqrt(bias_correction2)``, ``eps``, ``wd``) come in a small fp32 HBM vector loaded once,
+broadcast over the partitions, so one Program serves every step. The loop keeps NBUF iterations'
+tiles alive, so loads of tile i+1 overlap the math of tile i.
+"""
+from __future__ import annotations
+
+import collections
+
+from torchneuron import nki
+import torchneuron.nki.isa as nisa
+import torchneuron.nki.language as nl
+from torchneuron.kernels._common import PMAX
+
+NBUF = 2
+F = 1024                                     # elements per partition per tile (4 KiB fp32 rows)
+SCALARS = ("decay", "one_minus_beta1", "beta2", "one_minus_beta2", "neg_step_size", "inv_bc2", "eps", "wd")
+
+
+def _blocks(n: int):
+    """(start, partitions, width) tiles covering a flat vector of n elements."""
+    f = max(1, min(F, n // PMAX))
+    s = 0
+    while s < n:
+        p = min(PMAX, (n - s) // f) or 1
+        w = f if n - s >= f * p else n - s
+        yield s, p, w
+        s += p * w
+
+
+@nki.jit
+def adam_step(param, grad, exp_avg, exp_avg_sq, scalars, decoupled=True):
+    """One Adam(W) step on flat fp32/bf16 tensors, in place; ``scalars``: fp32 [len(SCALARS)]."""
+    (n,) = param.shape
+    assert grad.shape == exp_avg.shape == exp_avg_sq.shape == param.shape, "adam_step: shapes differ"
+    k = len(SCALARS)
+    sc = nl.ndarray((PMAX, k), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=sc, src=scalars.reshape((1, k)).broadcast_to((PMAX, k)))
+    c = {name: sc[:, i:i + 1] for i, name in enumerate(SCALARS)}
+    ring = collections.deque(maxlen=NBUF)
+    for s, p, w in _blocks(n):
+        tiles = [nl.ndarray((PMAX, w), nl.float32, buffer=nl.sbuf) for _ in range(4)]
+        ring.append(tiles)
+        pt, gt, mt, vt = tiles
+        for t, src in zip(tiles, (param, grad, exp_avg, exp_avg_sq)):
+            nisa.dma_copy(dst=t[:p], src=src[s:s + p * w].reshape((p, w)))
+        pt, gt, mt, vt = pt[:p], gt[:p], mt[:p], vt[:p]
+        col = {name: v[:p] for name, v in c.items()}
+        if decoupled:
+            nisa.tensor_scalar(dst=pt, data=pt, op0=nl.multiply, operand0=col["decay"])
+        else:                                    # Adam's L2 term: g = g + wd * p
+            nisa.scalar_tensor_tensor(dst=gt, data=pt, op0=nl.multiply, operand0=col["wd"], op1=nl.add, operand1=gt)
+        d = nl.ndarray((PMAX, w), nl.float32, buffer=nl.sbuf)[:p]
+        nisa.tensor_tensor(dst=d, data1=gt, data2=mt, op=nl.subtract)                   # g - m
+        nisa.scalar_tensor_tensor(dst=mt, data=d, op0=nl.multiply, operand0=col["one_minus_beta1"],
+                                  op1=nl.add, operand1=mt)                              # m += (1-b1)(g-m)
+        nisa.tensor_tensor(dst=d, data1=gt, data2=gt, op=nl.multiply)                   # g * g
+        nisa.tensor_scalar(dst=d, data=d, op0=nl.multiply, operand0=col["one_minus_beta2"])
+        nisa.scalar_tensor_tensor(dst=vt, data=vt, op0=nl.multiply, operand0=col["beta2"], op1=nl.add,
+                                  operand1=d)                                           # v = b2 v + (1-b2) g^2
+        nisa.activation(dst=d, op=nl.sqrt, data=vt)
+        nisa.tensor_scalar(dst=d, data=d, op0=nl.multiply, operand0=col["inv_bc2"], op1=nl.add,
+                           operand1=col["eps"])                                         # sqrt(v)/sqrt(bc2) + eps
+        nisa.tensor_tensor(dst=d, data1=mt, data2=d, op=nl.divide)                      # m / denom
+        nisa.scalar_tensor_tensor(dst=pt, data=d, op0=nl.multiply, operand0=col["neg_step_size"], op1=nl.add,
+                                  operand1=pt)                                          # p -= step_size * ...
+        for t, dst in zip((pt, mt, vt), (param, exp_avg, exp_avg_sq)):
+            nisa.dma_copy(dst=dst[s:s + p * w].reshape((p, w)), src=t)
