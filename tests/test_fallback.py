@@ -587,10 +587,11 @@ def test_fallback_counts_per_op_name():
 
 
 def test_conv_and_dropout_are_counted():
+    # the cases their device kernels leave to the CPU route: transposed convolution, float64 dropout
     x, w = torch.randn(1, 1, 4, 4).to(N), torch.randn(1, 1, 3, 3).to(N)
     torchneuron.reset_fallback_counts()
-    F.conv2d(x, w)
-    F.dropout(x, 0.5, training=True)
+    F.conv_transpose2d(x, w)
+    F.dropout(x.double(), 0.5, training=True)
     counts = torchneuron.fallback_counts()
     assert counts.get("aten::convolution_overrideable") == 1
     assert counts.get("aten::native_dropout") == 1
@@ -644,12 +645,13 @@ def test_strict_mode_inplace_op_leaves_tensor_unchanged():
 
 def test_strict_mode_covers_convolution_and_dropout():
     x, w = torch.randn(1, 1, 4, 4).to(N), torch.randn(1, 1, 3, 3).to(N)
+    xd = x.double()
     torchneuron.set_strict(True)
     try:
         with pytest.raises(NotImplementedError, match="aten::convolution_overrideable"):
-            F.conv2d(x, w)
+            F.conv_transpose2d(x, w)                       # transposed: the CPU route
         with pytest.raises(NotImplementedError, match="aten::native_dropout"):
-            F.dropout(x, 0.5, training=True)
+            F.dropout(xd, 0.5, training=True)
         # Core ops PyTorch needs from every device never fall back.
         y = torch.empty(3, device=N)
         z = x.view(16)[2:5].clone()

@@ -52,6 +52,14 @@ def test_arange_tril_triu_cat(strict):
     torch.testing.assert_close(torch.cat([to_n(x.int()), to_n(x)], 0).cpu(), torch.cat([x.int(), x], 0))
 
 
+def test_flip(strict):
+    x = torch.randn(3, 4, 5)
+    for dims in ([0], [1, 2], [-1], []):
+        torch.testing.assert_close(torch.flip(to_n(x), dims).cpu(), torch.flip(x, dims))
+    with pytest.raises(RuntimeError, match="multiple times"):
+        torch.flip(to_n(x), [0, 0])
+
+
 def test_cat_errors_match_cpu():
     a, b = torch.randn(2, 3), torch.randn(2, 4)
     with pytest.raises(RuntimeError) as cpu:

@@ -159,3 +159,17 @@ def test_bad_input_errors_match_cpu(name):
 def test_mixed_devices_raise_like_cpu():
     with pytest.raises(RuntimeError, match="same device"):
         to_n(X) + Y.reshape(1, 33).expand(5, 33).clone()
+
+
+def test_int64_add_and_sub_carry_across_words(strict):
+    x = torch.tensor([0, 1, -1, 2 ** 32 - 1, 2 ** 31, -(2 ** 40), 2 ** 63 - 1], dtype=torch.int64)
+    n = to_n(x)
+    torch.testing.assert_close((n + 1).cpu(), x + 1)                 # wraps at 2**63 like the CPU
+    torch.testing.assert_close((n - 7).cpu(), x - 7)
+    y = x.flip(0)
+    torch.testing.assert_close((n + to_n(y)).cpu(), x + y)
+    n.add_(2, alpha=3)
+    torch.testing.assert_close(n.cpu(), x + 6)
+    bn = torch.nn.BatchNorm1d(3).to("neuron")                      # num_batches_tracked += 1 on the device
+    bn(to_n(torch.randn(4, 3)))
+    assert int(bn.num_batches_tracked.item()) == 1

@@ -38,6 +38,27 @@ TM, TK, TN = 128, 128, 512     # stationary M, contraction K, moving N (one fp32
 def matmul_kernel(a, b, transpose_a=False, transpose_b=False):
     """``A @ B`` (A [M, K], or [K, M] with ``transpose_a``; B [K, N], or [N, K] with ``transpose_b``),
     output in A's dtype."""
+    M = a.shape[1] if transpose_a else a.shape[0]
+    N = b.shape[0] if transpose_b else b.shape[1]
+    out = nl.ndarray((M, N), a.dtype, buffer=nl.shared_hbm)
+    matmul_into(a, b, out, transpose_a, transpose_b)
+    return out
+
+
+@nki.jit
+def bmm_kernel(a, b, transpose_a=False, transpose_b=False):
+    """Batched ``A[i] @ B[i]`` over the leading dim of 3-D operands (layouts as ``matmul_kernel``), one launch."""
+    assert a.shape[0] == b.shape[0], f"bmm: batch sizes differ ({a.shape[0]} vs {b.shape[0]})"
+    M = a.shape[2] if transpose_a else a.shape[1]
+    N = b.shape[1] if transpose_b else b.shape[2]
+    out = nl.ndarray((a.shape[0], M, N), a.dtype, buffer=nl.shared_hbm)
+    for i in range(a.shape[0]):          # TensorE works the batch entries back to back; DMAs overlap them
+        matmul_into(a[i], b[i], out[i], transpose_a, transpose_b)
+    return out
+
+
+def matmul_into(a, b, out, transpose_a=False, transpose_b=False):
+    """The matmul loop nest: ``out[M, N] = A @ B`` into an HBM view (called while tracing a kernel)."""
     K, M = a.shape if transpose_a else (a.shape[1], a.shape[0])
     N, Kb = b.shape if transpose_b else (b.shape[1], b.shape[0])
     assert K == Kb, f"matmul: contraction dims differ ({K} vs {Kb})"
@@ -57,7 +78,6 @@ def matmul_kernel(a, b, transpose_a=False, transpose_b=False):
     need = (panels * KT * NW * isz + 2 * KT * TM * isz + (0 if transpose_a else 2 * K * isz)
             + (2 * K * isz if transpose_b else 0) + 2 * NW * isz)
     check_sbuf(need, f"matmul K={K}")
-    out = nl.ndarray((M, N), dt, buffer=nl.shared_hbm)
     GT = max(1, 2048 // (TM * isz))            # A transposes per PSUM bank (8 bf16, 4 fp32)
     NG = cdiv(KT, GT)                          # transpose groups (PSUM banks) per strip
     # [M, K] with several N panels: the first panel transposes each strip once and also stores it
@@ -224,7 +244,6 @@ def matmul_kernel(a, b, transpose_a=False, transpose_b=False):
         if builder is not None:                # (nothing left unless the M loop was short)
             for _ in builder:
                 pass
-    return out
 
 
 def matmul(a, b, transpose_a: bool = False, transpose_b: bool = False):

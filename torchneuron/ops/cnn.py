@@ -201,7 +201,10 @@ def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         torch.mm(w2[g], cols[g], out=out[g * OCg:(g + 1) * OCg])
     if bias is not None:
         out = out + bias.view(OC, 1)
-    return dense(out.view(OC, B, OH * OW).permute(1, 0, 2)).view(B, OC, OH, OW)
+    res = out.view(OC, B, OH, OW).permute(1, 0, 2, 3)
+    if input.dim() == 4 and input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous():
+        return res.contiguous(memory_format=torch.channels_last)  # the output follows the input's layout, as on CPU
+    return dense(res)
 
 
 @lowering("convolution_backward_overrideable")

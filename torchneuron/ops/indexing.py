@@ -1,5 +1,5 @@
 """Indexing and shape ops on the device: ``index_select`` (so ``embedding``), its backward,
-``arange``, ``tril``/``triu`` and ``cat``.
+``arange``, ``tril``/``triu``, ``cat`` and ``flip``.
 
 - ``index_select`` gathers rows by indirect DMA (``kernels.indexing.gather_rows``); another dim
   is moved first. int64 indices are read as the low words of their int32 pairs.
@@ -9,6 +9,7 @@
 - ``arange`` is GpSimd's iota then ``start + i * step`` element-wise (int64 results widened).
 - ``tril``/``triu`` keep elements by comparing column - row with the diagonal (iota-built).
 - ``cat`` copies each input into its slice of the output with the strided DMA kernel.
+- ``flip`` gathers rows in reversed order along each flipped dim.
 """
 from __future__ import annotations
 
@@ -210,3 +211,28 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: torch.Tensor | No
             device_copy(out.narrow(d, o, n), t)
         o += n
     return out
+
+
+@lowering("flip", "flip.out")
+def flip(self: torch.Tensor, dims: Sequence[int], *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.flip``: one reversed-index row gather per flipped dim."""
+    ds = [canonicalize_dim(max(self.dim(), 1), d) for d in dims]
+    for d in ds:
+        if ds.count(d) > 1:
+            raise RuntimeError(f"dim {d} appears multiple times in the list of dims")
+    if self.dtype not in DEVICE_DTYPES or (out is not None and (out.device != self.device or out.dtype != self.dtype)):
+        return cpu_fallback(aten.flip.out if out is not None else aten.flip.default, self, dims,
+                            **({"out": out} if out is not None else {}))
+    res = self
+    for d in ds:
+        n = self.shape[d] if self.dim() else 1
+        if n > 1:
+            rev = run_pointwise(tm.sub, [n - 1, arange_values(n, self.device)], KIND.DEFAULT, op="aten::flip")
+            res = index_select(res, d, rev)
+    res = dense(res) if res is self else res
+    if out is not None:
+        if tuple(out.shape) != tuple(res.shape):
+            torch._refs._maybe_resize_out(out, res.shape)
+        device_copy(out, res)
+        return out
+    return res.clone() if res is self else res

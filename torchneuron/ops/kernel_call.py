@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from torchneuron import runtime
+from torchneuron import _C, runtime
 
 # dtypes the NeuronCore computes and stores (torchneuron.sim.numerics.DTYPES)
 DEVICE_DTYPES = frozenset({torch.bool, torch.int8, torch.int16, torch.int32, torch.uint8, torch.uint16, torch.uint32,
@@ -66,8 +66,11 @@ def call_kernel(kernel: Any, inputs: dict[str, torch.Tensor], meta: dict[str, An
 
 
 def scalar_operand(value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A (1, 1) neuron tensor holding ``value`` in ``dtype``, made for one launch and freed after it."""
-    return torch.tensor([[value]], dtype=dtype).to(device)
+    """A (1, 1) neuron tensor holding ``value`` in ``dtype``, made for one launch and freed after it
+    (the value is written straight into the device memory, as a host-to-device transfer would)."""
+    t = torch.empty((1, 1), dtype=dtype, device=device)
+    _C._alias_as_cpu(t).fill_(value)
+    return t
 
 
 PERMUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int8, torch.uint8, torch.bool)

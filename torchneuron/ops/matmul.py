@@ -4,7 +4,7 @@
 into these (plus views), so they run here too. An operand that is the transpose of a contiguous
 matrix (``w.t()`` in ``linear``) is handed to the kernel in its stored layout with
 ``transpose_a`` / ``transpose_b``, so no copy is made; other strided operands are made dense on
-the device first. ``bmm`` launches the kernel once per batch entry. ``addmm``/``baddbmm`` add
+the device first. ``bmm`` is one launch of the batched kernel. ``addmm``/``baddbmm`` add
 ``beta * input`` with one element-wise launch. fp32, bf16 and fp16 run on the device (fp32 PSUM
 accumulation); other dtypes take the CPU fallback.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from torchneuron.kernels.matmul import matmul_kernel
+from torchneuron.kernels.matmul import bmm_kernel, matmul_kernel
 from torchneuron.ops.kernel_call import call_kernel, dense
 from torchneuron.ops.pointwise import _type_name, run_pointwise
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
@@ -35,9 +35,20 @@ def _operand(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return dense(t), False
 
 
+K_CHUNK = 2048   # the kernel keeps a [K, 512] B panel in SBUF: longer contractions are split
+
+
 def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """``a @ b`` (2-D, same dtype, one device) by one kernel launch, written into ``out`` when given."""
+    """``a @ b`` (2-D, same dtype, one device) by one kernel launch, written into ``out`` when given.
+    A contraction longer than ``K_CHUNK`` is split; the partial products are summed in fp32."""
     M, N = a.shape[0], b.shape[1]
+    if a.shape[1] > K_CHUNK:
+        acc = None
+        for k0 in range(0, a.shape[1], K_CHUNK):
+            part = _mm_into(a[:, k0:k0 + K_CHUNK], b[k0:k0 + K_CHUNK], None).float()
+            acc = part if acc is None else acc.add_(part)
+        res = acc.to(a.dtype)
+        return res if out is None else out.copy_(res)
     if a.shape[1] == 0 or M == 0 or N == 0:  # an empty contraction sums nothing: zeros
         res = torch.zeros((M, N), dtype=a.dtype, device=a.device)
         return res if out is None else out.copy_(res)
@@ -107,13 +118,28 @@ def bmm(self: torch.Tensor, mat2: torch.Tensor, *, out: torch.Tensor | None = No
                             **({"out": out} if out is not None else {}))
     _check_bmm(self, mat2)
     shape = (self.shape[0], self.shape[1], mat2.shape[2])
-    if out is None:
-        out = torch.empty(shape, dtype=self.dtype, device=self.device)
-    elif tuple(out.shape) != shape:
+    if out is not None and tuple(out.shape) != shape:
         torch._refs._maybe_resize_out(out, shape)
-    for i in range(shape[0]):
-        _mm_into(self[i], mat2[i], out[i])
-    return out
+    if 0 in shape or self.shape[2] == 0:
+        res = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return res if out is None else out.copy_(res)
+    (ka, ta), (kb, tb) = _batched_operand(self), _batched_operand(mat2)
+    direct = out is not None and out.is_contiguous()
+    (res,) = call_kernel(bmm_kernel, {"a": ka, "b": kb}, {"transpose_a": ta, "transpose_b": tb},
+                         [out if direct else None], op="aten::bmm")
+    if out is not None and not direct:
+        out.copy_(res)
+        return out
+    return res
+
+
+def _batched_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A 3-D operand as the batched kernel reads it: (tensor, its matrices given transposed)."""
+    if t.is_contiguous():
+        return t, False
+    if t.transpose(1, 2).is_contiguous():
+        return t.transpose(1, 2), True
+    return dense(t), False
 
 
 def _add_scaled(res: torch.Tensor, inp: torch.Tensor, beta: Any, alpha: Any, out: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ Inputs the device cannot compute (int64, float64, complex) go to the CPU fallbac
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -88,6 +89,9 @@ def _check_overlap(target: torch.Tensor, inputs: list) -> None:
 
 
 _PROMOTIONS: dict = {}
+_PLANS: dict = {}      # call signature -> _Plan
+_SHAPES: dict = {}     # operand shapes -> their broadcast shape (errors are raised, never cached)
+_MEMO_LIMIT = 4096     # entries per memo before it starts over (a program that keeps changing shapes)
 _FOLDS: dict = {}
 
 
@@ -96,6 +100,8 @@ def _promote(operands: list, kind: KIND) -> tuple[torch.dtype, torch.dtype]:
     key = (kind, *((o.dtype, o.dim() == 0) if isinstance(o, torch.Tensor) else type(o) for o in operands))
     hit = _PROMOTIONS.get(key)
     if hit is None:
+        if len(_PROMOTIONS) > _MEMO_LIMIT:
+            _PROMOTIONS.clear()
         hit = _PROMOTIONS[key] = elementwise_dtypes(*operands, type_promotion_kind=kind)
     return hit
 
@@ -105,6 +111,8 @@ def _fold(shape: tuple, shapes: tuple) -> tuple[bool, list, int, int]:
     key = (shape, shapes)
     hit = _FOLDS.get(key)
     if hit is None:
+        if len(_FOLDS) > _MEMO_LIMIT:
+            _FOLDS.clear()
         # shapes: a tensor's shape, None for a Python scalar (a (1, 1) operand either way)
         fold = fold_broadcast(shape, [() if s is None else s for s in shapes])
         materialise = fold is None
@@ -126,6 +134,11 @@ def run_pointwise(fn: Callable, operands: list, kind: KIND, target: torch.Tensor
 
     ``target``: the ``out=`` tensor, or ``self`` when ``inplace``; ``result_dtype``: overrides the
     promoted result dtype (comparisons: bool). Raises Unsupported for what the device cannot run."""
+    key = (fn, kind, result_dtype, inplace, None if target is None else _signature(target),
+           *(_signature(o) for o in operands))
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return _run_plan(plan, operands, target, op)
     device = None
     args = []
     for o in operands:
@@ -148,7 +161,12 @@ def run_pointwise(fn: Callable, operands: list, kind: KIND, target: torch.Tensor
     if any(t.dtype not in DEVICE_DTYPES for t in tensors) or result not in DEVICE_DTYPES \
             or (target is not None and target.dtype not in DEVICE_DTYPES) or compute.is_complex:
         raise Unsupported
-    shape = broadcast_shape([t.shape for t in tensors])
+    shapes = tuple(t.shape for t in tensors)
+    shape = _SHAPES.get(shapes)
+    if shape is None:
+        if len(_SHAPES) > _MEMO_LIMIT:
+            _SHAPES.clear()
+        shape = _SHAPES[shapes] = broadcast_shape(list(shapes))
     if len(shape) > 64:
         raise RuntimeError("only tensors with up to 64 dims are supported")
     if target is not None:
@@ -169,21 +187,62 @@ def run_pointwise(fn: Callable, operands: list, kind: KIND, target: torch.Tensor
     if materialise:  # a broadcast the [R, C] form cannot express: materialise the broadcast operands
         args = [a.expand(shape) if isinstance(a, torch.Tensor) and tuple(a.shape) != shape else a for a in args]
     two_d = {"full": (R, C), "row": (1, C), "col": (R, 1), "scalar": (1, 1)}
+    plan = _Plan(kernel=KERNELS[len(args)], meta={"fn": fn, "out_dtype": out_dtype, "compute": tile_dtype},
+                 shape=shape, R=R, C=C, tile_dtype=tile_dtype, materialise=materialise,
+                 views=[two_d[kd] if isinstance(a, torch.Tensor) else None for a, kd in zip(args, kinds)],
+                 direct=target is not None and target.is_contiguous(), out_dtype=out_dtype, device=device)
+    if len(_PLANS) > _MEMO_LIMIT:
+        _PLANS.clear()
+    if target is None or tuple(target.shape) == tuple(key[4][1]):  # not when an out= target was resized
+        _PLANS[key] = plan
+    return _run_plan(plan, operands, target, op, checked=True)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What ``run_pointwise`` decided for one signature of operands: replayed on later calls."""
+
+    kernel: Any
+    meta: dict
+    shape: tuple
+    R: int
+    C: int
+    tile_dtype: torch.dtype
+    materialise: bool
+    views: list            # per operand: its [R, C]-problem shape, or None for a scalar
+    direct: bool           # the target is written by the kernel itself (contiguous)
+    out_dtype: torch.dtype
+    device: torch.device
+
+
+def _signature(o: Any) -> Any:
+    """What a plan depends on in an operand: dtype, shape, strides and device, or a scalar's type."""
+    if isinstance(o, torch.Tensor):
+        return (o.dtype, o.shape, o.stride(), o.device)
+    return type(o)
+
+
+def _run_plan(plan: _Plan, operands: list, target: torch.Tensor | None, op: str | None,
+              checked: bool = False) -> torch.Tensor:
+    """Launch a planned element-wise op (operand and target checks done unless a plan replays them)."""
+    if target is not None and not checked and target.numel():
+        _check_overlap(target, [o for o in operands if isinstance(o, torch.Tensor) and o.device.type == "neuron"])
     inputs = {}
-    for name, a, kd in zip(NAMES, args, kinds):
-        if isinstance(a, torch.Tensor):
-            inputs[name] = dense(a).reshape(two_d[kd])
+    for name, o, view in zip(NAMES, operands, plan.views):
+        if view is None:
+            if isinstance(o, torch.Tensor):  # a CPU 0-dim tensor: a weak scalar
+                o = o.item()
+            inputs[name] = scalar_operand(o, plan.tile_dtype, plan.device)
         else:
-            inputs[name] = scalar_operand(a, tile_dtype, device)
-    direct = target is not None and target.is_contiguous()
-    out = target.view(R, C) if direct else None
-    (res,) = call_kernel(KERNELS[len(inputs)], inputs, {"fn": fn, "out_dtype": out_dtype, "compute": tile_dtype},
-                         [out], op=op)
-    res = res.view(shape)
+            if plan.materialise and tuple(o.shape) != plan.shape:
+                o = o.expand(plan.shape)
+            inputs[name] = (o if o.is_contiguous() else dense(o)).view(view)
+    out = target.view(plan.R, plan.C) if plan.direct else None
+    (res,) = call_kernel(plan.kernel, inputs, plan.meta, [out], op=op)
     if target is None:
-        return res
-    if not direct:
-        device_copy(target, res)
+        return res.view(plan.shape)
+    if not plan.direct:
+        device_copy(target, res.view(plan.shape))
     return target
 
 
@@ -202,13 +261,17 @@ def _pointwise(names: list[str], build: Callable, kind: KIND, result_dtype: torc
         op = _overload(name)
         inplace = name.split(".")[0].endswith("_")
 
-        def kernel(*args: Any, _op=op, _inplace=inplace, **kwargs: Any) -> torch.Tensor:
+        def kernel(*args: Any, _op=op, _inplace=inplace, _name=str(op), **kwargs: Any) -> torch.Tensor:
             out = kwargs.pop("out", None)
             try:
                 fn, operands = build(*args, **kwargs)
                 target = args[0] if _inplace else out
-                return run_pointwise(fn, operands, kind, target, _inplace, result_dtype, op=str(_op))
+                return run_pointwise(fn, operands, kind, target, _inplace, result_dtype, op=_name)
             except Unsupported:
+                alternative = ALTERNATIVES.get(_op._schema.name.removeprefix("aten::").rstrip("_"))
+                res = alternative(args, kwargs, out, _inplace) if alternative is not None else None
+                if res is not None:
+                    return res
                 if out is not None:
                     kwargs["out"] = out
                 return cpu_fallback(_op, *args, **kwargs)
@@ -303,6 +366,38 @@ def _rsub(x, y, alpha=1):
     return _sub(y, x, alpha)
 
 
+def _int64_add(args: tuple, kwargs: dict, out: torch.Tensor | None, inplace: bool, sign: int = 1):
+    """``add``/``sub`` of int64 tensors (no 64-bit ALU): the two-word kernel; None when not that case."""
+    from torchneuron.kernels.int64 import int64_add
+    x, y = args[0], args[1]
+    alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+    target = x if inplace else out
+    if not (isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.device.type == "neuron"
+            and isinstance(alpha, int) and (target is None or (target.dtype == torch.int64 and target.device == x.device))):
+        return None
+    if isinstance(y, int) and not isinstance(y, bool):
+        y = torch.tensor([sign * alpha * y], dtype=torch.int64).to(x.device)
+    elif not (isinstance(y, torch.Tensor) and y.dtype == torch.int64 and y.device == x.device and sign * alpha == 1
+              and (y.numel() == 1 or y.shape == x.shape)):
+        return None
+    if x.numel() == 0:
+        return target if target is not None else torch.empty_like(x)
+    words = lambda t: dense(t).reshape(-1).view(torch.int32).view(-1, 2)  # noqa: E731
+    (res,) = call_kernel(int64_add, {"a": words(x), "b": words(y)}, op="aten::add")
+    res = res.view(torch.int64).view(x.shape)
+    if target is None:
+        return res
+    if tuple(target.shape) != tuple(x.shape):
+        if inplace:
+            return None
+        torch._refs._maybe_resize_out(target, x.shape)
+    device_copy(target, res)
+    return target
+
+
+ALTERNATIVES: dict[str, Callable] = {   # tried before the CPU fallback, by op name
+    "add": _int64_add, "sub": lambda a, k, o, i: _int64_add(a, k, o, i, -1),
+}
 _pointwise(_variants("add", "Tensor", "Scalar"), _add, KIND.DEFAULT)
 _pointwise(_variants("sub", "Tensor", "Scalar"), _sub, KIND.DEFAULT)
 _pointwise(["rsub.Tensor", "rsub.Scalar", "rsub.Tensor_out", "rsub.Scalar_out"], _rsub, KIND.DEFAULT)

@@ -1,0 +1,150 @@
+"""Gathers, scatters, index puts, masks and nonzero run on the device (strict mode) and match the CPU."""
+import pytest
+import torch
+
+from tests.ops.conftest import to_n
+
+torch.manual_seed(0)
+
+
+def same(dev, cpu, **kw):
+    torch.testing.assert_close(dev.cpu() if isinstance(dev, torch.Tensor) else dev, cpu, equal_nan=True, **kw)
+
+
+def raises_like_cpu(fn_cpu, fn_dev):
+    with pytest.raises(Exception) as cpu:
+        fn_cpu()
+    with pytest.raises(cpu.type) as dev:
+        fn_dev()
+    assert str(dev.value) == str(cpu.value)
+
+
+@pytest.mark.parametrize("idt", [torch.int64, torch.int32])
+def test_gather_take(idt, strict):
+    x = torch.randn(4, 5, 3)
+    for dim in (0, 1, -1):
+        idx = torch.randint(0, x.shape[dim], (3, 4, 2), dtype=idt)
+        same(torch.gather(to_n(x), dim, to_n(idx)), torch.gather(x, dim, idx))
+    i = torch.tensor([[0, -1], [59, 7]])
+    same(torch.take(to_n(x), to_n(i)), torch.take(x, i))
+    out = to_n(torch.empty(0))
+    torch.gather(to_n(x), 1, to_n(idx[:, :5]), out=out)
+    same(out, torch.gather(x, 1, idx[:, :5]))
+
+
+def test_scatter_src_value(strict):
+    x, src = torch.randn(4, 6), torch.randn(3, 7)
+    idx = torch.stack([torch.randperm(6)[:4] for _ in range(3)])      # unique per line
+    same(to_n(x).scatter(1, to_n(idx), to_n(src)), x.scatter(1, idx, src))
+    same(to_n(x).scatter(1, to_n(idx), 2.5), x.scatter(1, idx, 2.5))
+    idx0 = torch.stack([torch.randperm(4)[:3] for _ in range(5)], 1)
+    a = to_n(x)
+    a.scatter_(0, to_n(idx0), to_n(src))
+    same(a, x.clone().scatter_(0, idx0, src))
+
+
+@pytest.mark.parametrize("reduce", ["sum", "prod", "amax", "amin", "mean"])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_scatter_reduce_duplicates(reduce, include_self, strict):
+    x, src = torch.randn(3, 5), torch.randn(3, 8)
+    idx = torch.randint(0, 5, (3, 8))
+    same(to_n(x).scatter_reduce(1, to_n(idx), to_n(src), reduce, include_self=include_self),
+         x.scatter_reduce(1, idx, src, reduce, include_self=include_self), atol=1e-5, rtol=1e-5)
+
+
+def test_scatter_add_index_add(strict):
+    x, src = torch.randn(5, 4), torch.randn(7, 4)
+    idx = torch.randint(0, 5, (7, 4))
+    same(to_n(x).scatter_add(0, to_n(idx), to_n(src)), x.scatter_add(0, idx, src), atol=1e-5, rtol=1e-5)
+    i = torch.tensor([0, 4, 0, 2, 4, 4, 1])
+    same(to_n(x).index_add(0, to_n(i), to_n(src), alpha=2.0), x.index_add(0, i, src, alpha=2.0), atol=1e-5, rtol=1e-5)
+    a = to_n(x.t().contiguous())
+    a.index_add_(1, to_n(i), to_n(src.t().contiguous()))
+    same(a, x.t().index_add(1, i, src.t()), atol=1e-5, rtol=1e-5)
+    xi = torch.randint(0, 9, (5, 4), dtype=torch.int32)
+    same(to_n(xi).index_add(0, to_n(i), to_n(xi[:1].expand(7, 4).contiguous())), xi.index_add(0, i, xi[:1].expand(7, 4)))
+
+
+def test_index_copy_fill(strict):
+    x, src = torch.randn(5, 4), torch.randn(3, 4)
+    i = torch.tensor([4, 0, 2])
+    same(to_n(x).index_copy(0, to_n(i), to_n(src)), x.index_copy(0, i, src))
+    s2 = torch.randn(5, 2)
+    same(to_n(x).index_copy(1, to_n(i[1:]), to_n(s2)), x.index_copy(1, i[1:], s2))
+    same(to_n(x).index_fill(1, to_n(torch.tensor([-1, 1])), -3.0), x.index_fill(1, torch.tensor([-1, 1]), -3.0))
+    same(to_n(x).index_fill(0, to_n(i), to_n(torch.tensor(7.0))), x.index_fill(0, i, torch.tensor(7.0)))
+
+
+def test_advanced_indexing(strict):
+    x = torch.randn(4, 5, 6)
+    i, j = torch.tensor([3, -1, 0, 3]), torch.tensor([[1], [3]])
+    m = torch.rand(4, 5) > 0.5
+    for key in ((i,), (slice(None), i[:3]), (i, slice(None), i[:1]), (j, i), (Ellipsis, i), (m,), (m[:, 0],),
+                (slice(None), m[0]), (slice(None), slice(1, 3), i[:2])):
+        dev_key = tuple(to_n(k) if isinstance(k, torch.Tensor) else k for k in key)
+        same(to_n(x)[dev_key], x[key])
+
+
+def test_index_put(strict):
+    x = torch.randn(4, 5)
+    i = torch.tensor([3, 0, -2])
+    for acc in (False, True):
+        v = torch.randn(3, 5)
+        same(to_n(x).index_put((to_n(i),), to_n(v), accumulate=acc), x.index_put((i,), v, accumulate=acc))
+    d = torch.tensor([1, 1, 3, 1])
+    v = torch.randn(4, 5)
+    same(to_n(x).index_put((to_n(d),), to_n(v), accumulate=True), x.index_put((d,), v, accumulate=True), atol=1e-5,
+         rtol=1e-5)
+    a, b = to_n(x), x.clone()
+    a[:, to_n(i)] = to_n(torch.randn(4, 3) * 0 + 1.5)
+    b[:, i] = 1.5
+    same(a, b)
+    m = x > 0
+    a, b = to_n(x), x.clone()
+    a[to_n(m)] = 0.0
+    b[m] = 0.0
+    same(a, b)
+    a, b = to_n(x), x.clone()
+    a[to_n(m)] = to_n(torch.arange(int(m.sum()), dtype=torch.float32))
+    b[m] = torch.arange(int(m.sum()), dtype=torch.float32)
+    same(a, b)
+
+
+def test_masked_fill_scatter_select_nonzero(strict):
+    x = torch.randn(3, 4)
+    m = torch.rand(3, 4) > 0.5
+    same(to_n(x).masked_fill(to_n(m), -1.0), x.masked_fill(m, -1.0))
+    same(to_n(x).masked_fill(to_n(m[0]), to_n(torch.tensor(2.0))), x.masked_fill(m[0], torch.tensor(2.0)))
+    same(to_n(x.int()).masked_fill(to_n(m), 5), x.int().masked_fill(m, 5))
+    src = torch.randn(12)
+    same(to_n(x).masked_scatter(to_n(m), to_n(src)), x.masked_scatter(m, src))
+    same(torch.masked_select(to_n(x), to_n(m)), torch.masked_select(x, m))
+    same(torch.masked_select(to_n(x), to_n(m[1])), torch.masked_select(x, m[1]))
+    for t in (x > 0, x.int(), torch.zeros(2, 3), torch.tensor(1.0), torch.randn(2, 3, 4) > 0):
+        same(torch.nonzero(to_n(t)), torch.nonzero(t))
+    same(to_n(x).nonzero(as_tuple=True)[1], x.nonzero(as_tuple=True)[1])
+
+
+def test_errors_match_cpu():
+    x = torch.randn(3, 4)
+    bad = torch.tensor([[4]])
+    raises_like_cpu(lambda: x.gather(1, bad), lambda: to_n(x).gather(1, to_n(bad)))
+    raises_like_cpu(lambda: x.gather(1, bad.reshape(1)), lambda: to_n(x).gather(1, to_n(bad.reshape(1))))
+    raises_like_cpu(lambda: x.scatter_add(1, bad, x), lambda: to_n(x).scatter_add(1, to_n(bad), to_n(x)))
+    raises_like_cpu(lambda: x.take(torch.tensor([12])), lambda: to_n(x).take(to_n(torch.tensor([12]))))
+    raises_like_cpu(lambda: x[torch.tensor([5])], lambda: to_n(x)[to_n(torch.tensor([5]))])
+    raises_like_cpu(lambda: x.index_copy(0, torch.tensor([3]), x[:1]),
+                    lambda: to_n(x).index_copy(0, to_n(torch.tensor([3])), to_n(x[:1])))
+    raises_like_cpu(lambda: x.index_fill(0, torch.tensor([-4]), 1.0),
+                    lambda: to_n(x).index_fill(0, to_n(torch.tensor([-4])), 1.0))
+    raises_like_cpu(lambda: x.index_put_((torch.tensor([0, 1, 2]),), torch.ones(2)),
+                    lambda: to_n(x).index_put_((to_n(torch.tensor([0, 1, 2])),), to_n(torch.ones(2))))
+    raises_like_cpu(lambda: x[torch.ones(2, dtype=torch.bool)], lambda: to_n(x)[to_n(torch.ones(2, dtype=torch.bool))])
+    raises_like_cpu(lambda: x.masked_fill(torch.ones(3, 4, dtype=torch.int32), 1.0),
+                    lambda: to_n(x).masked_fill(to_n(torch.ones(3, 4, dtype=torch.int32)), 1.0))
+    raises_like_cpu(lambda: torch.masked_select(x, torch.ones(3, 4)),
+                    lambda: torch.masked_select(to_n(x), to_n(torch.ones(3, 4))))
+    raises_like_cpu(lambda: x.masked_scatter(x > -9, torch.ones(3)),
+                    lambda: to_n(x).masked_scatter(to_n(x > -9), to_n(torch.ones(3))))
+    raises_like_cpu(lambda: x.gather(1, torch.zeros(3, 4, 2, dtype=torch.long)),
+                    lambda: to_n(x).gather(1, to_n(torch.zeros(3, 4, 2, dtype=torch.long))))

@@ -1,0 +1,687 @@
+"""Gathers, scatters and data-dependent selections on the device.
+
+Element-wise along a dim (``gather``, ``scatter``, ``scatter_add``, ``scatter_reduce``): the dim is
+moved last and the tensors are seen as lines [L, S] (self) and [L, I] (index, src), L being the
+index's other dims. A position of line l is the flat element ``l * S + index`` of the dense line
+block, so ``gather`` is a one-element-row gather (``kernels.indexing.gather_rows``) and ``scatter``
+a one-element-row scatter (``kernels.scatter.scatter_rows``, indirect DMA as the destination).
+Accumulating scatters build ``where(index == s, src, identity)`` over [L, S, I] and reduce the last
+dim on the device (sum, prod, amax, amin, mean), so duplicate indices combine like the CPU's.
+
+Rows (``index_select``-like ops: ``index.Tensor``, ``index_put_``, ``index_copy_``, ``index_add_``,
+``index_fill_``, ``take``): the indexed dims are moved first and flattened into one row number per
+index; gathers and plain puts move whole rows by indirect DMA; accumulating puts sum rows as a
+one-hot matrix product on TensorE (``onehot(rows)^T``-style, fp32 accumulation).
+
+Data-dependent sizes (``nonzero``, ``masked_select``, boolean-mask indexing, ``masked_scatter_``):
+the device scans the mask (``kernels.scan.scan_rows``), the host reads the count (one sync, as
+CUDA does), then each selected element is scattered to its rank.
+
+Index dtypes int32/int64 (int64 read as their low words); ranges are checked on the device and an
+error is raised by re-running the op on CPU copies, so the exception and message are the CPU's.
+Shapes and dtypes are checked by running the op on ``meta`` tensors (the CPU's checks). Integer
+data accumulates in fp32 (exact below 2**24); int64/float64 data takes the CPU fallback.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
+from torch._prims_common import canonicalize_dim
+
+import torchneuron.nki.language as nl
+from torchneuron.kernels.indexing import gather_rows
+from torchneuron.kernels.scan import scan_rows
+from torchneuron.kernels.scatter import scatter_rows
+from torchneuron.ops import tilemath as tm
+from torchneuron.ops.copy import device_copy, to_int64
+from torchneuron.ops.indexing import arange_values
+from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense
+from torchneuron.ops.pointwise import run_pointwise
+from torchneuron.ops.registry import cpu_fallback, lowering
+
+aten = torch.ops.aten
+INDEX_DTYPES = (torch.int32, torch.int64)
+DATA_DTYPES = DEVICE_DTYPES - {torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32}
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+LINES_LIMIT = 1 << 24      # elements of the [L, S, I] selection an accumulating scatter builds
+ONEHOT_LIMIT = 1 << 26     # elements of the one-hot matrix an accumulating row put builds
+
+
+class Unsupported(Exception):
+    """The device does not run this call: take the CPU fallback."""
+
+
+# ---- tile functions (per element of the element-wise kernel) -----------------------------------
+
+def _outside(x, lo, hi):
+    """1 where x < lo or x >= hi."""
+    return nl.logical_or(nl.less(x, lo), nl.greater_equal(x, hi))
+
+
+def _wrap(x, n):
+    """A negative index counted from the end: x + n where x < 0."""
+    return nl.add(x, nl.multiply(nl.less(x, 0), n))
+
+
+def _fma(a, b, s):
+    """a * s + b (row numbers from per-dim indices)."""
+    return nl.add(nl.multiply(a, s), b)
+
+
+def _pick(idx, ids, v, identity):
+    """v where idx == id, else the reduction's identity (an exact select: NaN/inf pass through)."""
+    return tm.where(nl.equal(idx, ids), v, identity)
+
+
+def _hit(idx, ids):
+    """1.0 where idx == id."""
+    return nl.equal(idx, ids)
+
+
+def _slot(flag, rank, dummy):
+    """The output row of a selected element (its rank - 1), or the spare row ``dummy``."""
+    return tm.where(flag, nl.subtract(rank, 1), dummy)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+def _meta(t: Any) -> Any:
+    """A meta twin of a tensor (lists and tuples mapped), for the CPU's shape and dtype checks."""
+    if isinstance(t, torch.Tensor):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    if isinstance(t, (list, tuple)):
+        return type(t)(_meta(x) for x in t)
+    return t
+
+
+def _cpu(t: Any) -> Any:
+    if isinstance(t, torch.Tensor):
+        return t.cpu()
+    if isinstance(t, (list, tuple)):
+        return type(t)(_cpu(x) for x in t)
+    return t
+
+
+def _raise_like_cpu(op: Any, *args: Any, **kwargs: Any) -> None:
+    """Re-run ``op`` on CPU copies so a bad index raises the CPU's exception (type and message)."""
+    kwargs = {k: _cpu(v) for k, v in kwargs.items() if k != "out"}
+    op(*[_cpu(a) for a in args], **kwargs)
+    raise IndexError("index out of range")
+
+
+def _on_device(*ts: Any) -> bool:
+    dev = None
+    for t in ts:
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.device.type != "neuron" or (dev is not None and t.device != dev):
+            return False
+        dev = t.device
+    return True
+
+
+def _i32(index: torch.Tensor) -> torch.Tensor:
+    """A contiguous int32 copy of an integer index tensor's values (int64: its low words)."""
+    index = dense(index)
+    if index.dtype == torch.int64:
+        return dense(index.reshape(-1).view(torch.int32)[0::2]).reshape(index.shape)
+    return index if index.dtype == torch.int32 else index.to(torch.int32)
+
+
+def _bad(idx: torch.Tensor, lo: int, hi: int) -> bool:
+    """Whether any index lies outside [lo, hi) (computed on the device, read by the host)."""
+    if idx.numel() == 0:
+        return False
+    flags = run_pointwise(_outside, [idx, lo, hi], KIND.ALWAYS_BOOL, result_dtype=torch.bool, op="aten::index")
+    return bool(flags.any().item())
+
+
+def _gather_elems(table: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """``table.reshape(-1)[flat]`` for int32 ``flat`` (any shape); one-element-row indirect DMAs."""
+    (rows,) = call_kernel(gather_rows, {"table": dense(table).reshape(-1, 1), "index": dense(flat).reshape(-1)},
+                          {"stride": 1}, op="aten::gather")
+    return rows.reshape(flat.shape)
+
+
+def _scatter_into(table: torch.Tensor, flat: torch.Tensor, values: torch.Tensor) -> None:
+    """``table.view(V, D)[flat] = values`` in place (a contiguous table; rows of D elements)."""
+    n = flat.numel()
+    if n == 0:
+        return
+    D = values.numel() // n
+    call_kernel(scatter_rows, {"table": table.view(-1, D), "index": dense(flat).reshape(-1),
+                               "values": dense(values).reshape(n, D)}, {"stride": 1}, op="aten::scatter")
+
+
+def _into(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return res
+    if tuple(out.shape) != tuple(res.shape):
+        torch._refs._maybe_resize_out(out, res.shape)
+    device_copy(out, res)
+    return out
+
+
+def _write(target: torch.Tensor, view_of_target: torch.Tensor, block: torch.Tensor) -> None:
+    """Store a computed dense block into a view of ``target`` (skipped when it is that view's storage)."""
+    if block.data_ptr() != view_of_target.data_ptr() or block.stride() != view_of_target.stride():
+        device_copy(view_of_target, block)
+
+
+def _overload(name: str) -> torch._ops.OpOverload:
+    packet, _, ov = name.partition(".")
+    return getattr(getattr(aten, packet), ov or "default")
+
+
+# ---- gather / scatter along a dim -------------------------------------------------------------
+
+def _lines(t: torch.Tensor, ishape: Sequence[int], d: int) -> torch.Tensor:
+    """The view of ``t`` with dim ``d`` last, cut to the index's sizes in the other dims."""
+    moved = t.movedim(d, -1)
+    return moved[tuple(slice(0, n) for n in ishape)]
+
+
+def _line_setup(self: torch.Tensor, dim: int, index: torch.Tensor):
+    """(d, index moved last, L, S, I, int32 index [L, I]) of an along-dim op (0-dim seen as 1-dim)."""
+    d = canonicalize_dim(max(self.dim(), 1), dim)
+    index_m = index.reshape(1) if index.dim() == 0 else index.movedim(d, -1)
+    S = self.shape[d] if self.dim() else 1
+    I = index_m.shape[-1]
+    L = index_m.numel() // max(I, 1)
+    return d, index_m, L, S, I, _i32(index_m).reshape(L, I)
+
+
+def _flat(idx: torch.Tensor, L: int, S: int) -> torch.Tensor:
+    """Flat element numbers ``l * S + idx[l, i]`` of the dense [L, S] line block."""
+    return run_pointwise(_fma, [arange_values(L, idx.device).reshape(L, 1), idx, S], KIND.DEFAULT, op="aten::gather")
+
+
+@lowering("gather", "gather.out")
+def gather(self: torch.Tensor, dim: int, index: torch.Tensor, *, sparse_grad: bool = False,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.gather``: element gathers along ``dim`` by indirect DMA."""
+    op = aten.gather.out if out is not None else aten.gather.default
+    kw = {"sparse_grad": sparse_grad, **({"out": out} if out is not None else {})}
+    if not _on_device(self, index, out) or self.dtype not in DATA_DTYPES or index.dtype not in INDEX_DTYPES:
+        return cpu_fallback(op, self, dim, index, **kw)
+    res_meta = op(_meta(self), dim, _meta(index), **{k: _meta(v) for k, v in kw.items()})
+    if index.numel() == 0:
+        return _into(torch.empty(res_meta.shape, dtype=self.dtype, device=self.device), out)
+    d, index_m, L, S, I, idx = _line_setup(self, dim, index)
+    if _bad(idx, 0, S):
+        _raise_like_cpu(aten.gather.default, self, dim, index)
+    src = self.reshape(1) if self.dim() == 0 else _lines(self, index_m.shape[:-1], d)
+    vals = _gather_elems(dense(src), _flat(idx, L, S))
+    res = vals.reshape(index_m.shape)
+    res = res.reshape(res_meta.shape) if index.dim() == 0 else dense(res.movedim(-1, d))
+    return _into(res, out)
+
+
+def _scatter_impl(target: torch.Tensor, dim: int, index: torch.Tensor, src: Any, reduce: str | None,
+                  include_self: bool, check_op: Any, check_args: tuple) -> None:
+    """``target.scatter_*(dim, index, src)`` in place: a plain scatter by indirect DMA, or a reduction."""
+    if index.numel() == 0:
+        return
+    d, index_m, L, S, I, idx = _line_setup(target, dim, index)
+    if _bad(idx, 0, S):
+        _raise_like_cpu(check_op, *check_args)
+    view = target.reshape(1) if target.dim() == 0 else _lines(target, index_m.shape[:-1], d)
+    if isinstance(src, torch.Tensor):
+        vals = src.reshape(1) if src.dim() == 0 else _lines(src, index_m.shape[:-1], d)[..., :I]
+    else:
+        vals = torch.full(index_m.shape, src, dtype=target.dtype, device=target.device)
+    block = dense(view)
+    if reduce is None:
+        _scatter_into(block, _flat(idx, L, S), vals.to(target.dtype))
+        _write(target, view, block)
+        return
+    if L * S * I > LINES_LIMIT:
+        raise Unsupported
+    x = block.reshape(L, S).to(torch.float32)
+    v = dense(vals).reshape(L, 1, I).to(torch.float32)
+    ids = arange_values(S, target.device).reshape(1, S, 1)
+    ix = idx.reshape(L, 1, I)
+    identity = {"sum": 0.0, "mean": 0.0, "prod": 1.0, "amax": float("-inf"), "amin": float("inf")}[reduce]
+    picked = run_pointwise(_pick, [ix, ids, v, identity], KIND.DEFAULT, op="aten::scatter_reduce")
+    red = {"sum": torch.sum, "mean": torch.sum, "prod": torch.prod, "amax": torch.amax,
+           "amin": torch.amin}[reduce](picked, -1)
+    if reduce == "mean" or not include_self:
+        count = run_pointwise(_hit, [ix, ids], KIND.DEFAULT, result_dtype=torch.float32,
+                              op="aten::scatter_reduce").sum(-1)
+    if reduce == "mean":
+        total = red + x if include_self else red
+        n = count + 1 if include_self else count.clamp(min=1)
+        new = total / n
+    elif include_self:
+        new = {"sum": torch.add, "prod": torch.mul, "amax": torch.maximum, "amin": torch.minimum}[reduce](x, red)
+    else:
+        new = red
+    if not include_self or reduce == "mean":
+        new = torch.where(count > 0, new, x) if not include_self else new
+    if reduce == "mean" and not target.dtype.is_floating_point:
+        new = new.floor()
+    _write(target, view, new.to(target.dtype).reshape(view.shape))
+
+
+def _scatter_lowering(name: str, kind: str) -> None:
+    """Register one overload of scatter (src/value), scatter_add or scatter_reduce."""
+    overload = _overload(name)
+    inplace = name.split(".")[0].endswith("_")
+    def kernel(self: torch.Tensor, dim: int, index: torch.Tensor, src: Any, *args: Any, **kwargs: Any):
+        out = kwargs.get("out")
+        reduce = None if kind == "scatter" else "sum" if kind == "add" else (args[0] if args else kwargs["reduce"])
+        include_self = kwargs.get("include_self", args[1] if len(args) > 1 else True) if kind == "reduce" else True
+        try:
+            tensors = [self, index, out] + ([src] if isinstance(src, torch.Tensor) else [])
+            if not _on_device(*tensors) or index.dtype not in INDEX_DTYPES or self.dtype not in DATA_DTYPES:
+                raise Unsupported
+            if isinstance(src, torch.Tensor) and src.dtype != self.dtype:
+                raise Unsupported  # the CPU (meta) check raises its dtype error below when it must
+            if reduce is not None and reduce not in ("sum", "mean", "prod", "amax", "amin"):
+                raise Unsupported
+            if reduce == "mean" and self.dtype not in FLOATS:
+                raise Unsupported
+            overload(*_meta((self, dim, index, src)), *args, **{k: _meta(v) for k, v in kwargs.items()})
+            target = self if inplace else _into(self, out) if out is not None else self.clone()
+            # the functional op re-run on CPU copies when an index is out of range
+            check = {"scatter": aten.scatter.src if isinstance(src, torch.Tensor) else aten.scatter.value,
+                     "add": aten.scatter_add.default, "reduce": aten.scatter_reduce.two}[kind]
+            check_args = (self, dim, index, src) + ((reduce,) if kind == "reduce" else ())
+            _scatter_impl(target, dim, index, src, reduce, include_self, check, check_args)
+            return target
+        except Unsupported:
+            return cpu_fallback(overload, self, dim, index, src, *args, **kwargs)
+    lowering(name)(kernel)
+
+
+for _name in ("scatter.src", "scatter_.src", "scatter.src_out", "scatter.value", "scatter_.value", "scatter.value_out"):
+    _scatter_lowering(_name, "scatter")
+for _name in ("scatter_add", "scatter_add_", "scatter_add.out"):
+    _scatter_lowering(_name, "add")
+for _name in ("scatter_reduce.two", "scatter_reduce_.two", "scatter_reduce.two_out"):
+    _scatter_lowering(_name, "reduce")
+
+
+# ---- row ops along one dim: index_copy, index_add, index_fill ----------------------------------
+
+def _rows_of(t: torch.Tensor, d: int) -> torch.Tensor:
+    """``t`` with dim ``d`` first (a view)."""
+    return t.reshape(1) if t.dim() == 0 else t.movedim(d, 0)
+
+
+def _row_put(target: torch.Tensor, d: int, rows: torch.Tensor, source: torch.Tensor, accumulate: bool,
+             alpha: Any = 1) -> None:
+    """``target.movedim(d, 0)[rows] = source`` (or ``+= alpha * source``) for int32 in-range rows [n]."""
+    view = _rows_of(target, d)
+    S = view.shape[0]
+    n = rows.numel()
+    block = dense(view)
+    vals = dense(_rows_of(source, d) if source.dim() else source.reshape(1)).reshape(n, -1)
+    if not accumulate:
+        _scatter_into(block, rows, vals.to(target.dtype))
+        _write(target, view, block)
+        return
+    if S * n > ONEHOT_LIMIT:
+        raise Unsupported
+    # sums of the rows per destination: onehot [S, n] @ values [n, R] on TensorE (fp32 accumulation)
+    onehot = run_pointwise(_hit, [arange_values(S, target.device).reshape(S, 1), rows.reshape(1, n)], KIND.DEFAULT,
+                           result_dtype=torch.float32, op="aten::index_add")
+    sums = onehot @ vals.to(torch.float32)
+    new = run_pointwise(tm.add_scaled, [block.reshape(S, -1).to(torch.float32), sums, alpha], KIND.DEFAULT,
+                        op="aten::index_add")
+    if not target.dtype.is_floating_point:
+        new = new.round()
+    _write(target, view, new.to(target.dtype).reshape(view.shape))
+
+
+def _row_lowering(name: str, kind: str) -> None:
+    overload = _overload(name)
+    packet = name.split(".")[0]
+    inplace = packet.endswith("_")
+    fn_op = {"copy": aten.index_copy.default, "add": aten.index_add.default, "fill": aten.index_fill.int_Scalar,
+             "fillt": aten.index_fill.int_Tensor}[kind]
+
+    def kernel(self: torch.Tensor, dim: int, index: torch.Tensor, source: Any, *args: Any, **kwargs: Any):
+        out = kwargs.get("out")
+        alpha = kwargs.get("alpha", args[0] if args else 1)
+        try:
+            tensors = [self, index, out] + ([source] if isinstance(source, torch.Tensor) and kind != "fillt" else [])
+            if (not _on_device(*tensors) or index.dtype not in INDEX_DTYPES or self.dtype not in DATA_DTYPES
+                    or (isinstance(source, torch.Tensor) and source.dtype not in DATA_DTYPES)):
+                raise Unsupported
+            overload(*_meta((self, dim, index, source)), *args, **{k: _meta(v) for k, v in kwargs.items()})
+            if kind == "fillt":
+                if source.device.type == "cpu":
+                    source = source.item()
+                elif source.device != self.device:
+                    raise Unsupported
+            target = self if inplace else (self.clone() if out is None else _into(self.clone(), out))
+            if index.numel() == 0 or self.numel() == 0:
+                return target
+            d = canonicalize_dim(max(self.dim(), 1), dim)
+            S = self.shape[d] if self.dim() else 1
+            rows = _i32(index).reshape(-1)
+            lo = -S if kind in ("fill", "fillt") else 0
+            if _bad(rows, lo, S):
+                _raise_like_cpu(fn_op, self, dim, index, source, *args, **kwargs)
+            if kind in ("fill", "fillt"):
+                rows = run_pointwise(_wrap, [rows, S], KIND.DEFAULT, op="aten::index_fill")
+                hit = run_pointwise(_hit, [arange_values(S, self.device).reshape(S, 1), rows.reshape(1, -1)],
+                                    KIND.DEFAULT, result_dtype=torch.float32, op="aten::index_fill")
+                selected = hit.amax(-1) > 0
+                shape = [1] * max(self.dim(), 1)
+                shape[d] = S
+                mask = selected.reshape(shape)
+                value = source if isinstance(source, torch.Tensor) else source
+                run_pointwise(tm.where, [mask, value, target], KIND.NO_OPMATH, target, True, target.dtype,
+                              op="aten::index_fill_")
+                return target
+            _row_put(target, d, rows, source, kind == "add", alpha)
+            return target
+        except Unsupported:
+            return cpu_fallback(overload, self, dim, index, source, *args, **kwargs)
+    lowering(name)(kernel)
+
+
+for _name in ("index_copy", "index_copy_", "index_copy.out"):
+    _row_lowering(_name, "copy")
+for _name in ("index_add", "index_add_", "index_add.out"):
+    _row_lowering(_name, "add")
+_row_lowering("index_fill_.int_Scalar", "fill")
+_row_lowering("index_fill_.int_Tensor", "fillt")
+
+
+@lowering("take", "take.out")
+def take(self: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.take``: elements of the flattened tensor by indirect DMA (negative indices from the end)."""
+    op = aten.take.out if out is not None else aten.take.default
+    if not _on_device(self, index, out) or self.dtype not in DATA_DTYPES or index.dtype not in INDEX_DTYPES:
+        return cpu_fallback(op, self, index, **({"out": out} if out is not None else {}))
+    op(_meta(self), _meta(index), **({"out": _meta(out)} if out is not None else {}))
+    if index.numel() == 0:
+        return _into(torch.empty(index.shape, dtype=self.dtype, device=self.device), out)
+    n = self.numel()
+    flat = _i32(index)
+    if _bad(flat, -n, n):
+        _raise_like_cpu(aten.take.default, self, index)
+    flat = run_pointwise(_wrap, [flat, n], KIND.DEFAULT, op="aten::take")
+    return _into(_gather_elems(dense(self), flat), out)
+
+
+# ---- data-dependent sizes: nonzero, masked_select ------------------------------------------------
+
+def _compact(flags: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The rows of ``values`` [N, D] whose ``flags`` [N] (bool) are set, in order: a device scan of the
+    flags gives each selected row its rank; the host reads the count; rows are scattered to their ranks."""
+    N = flags.numel()
+    D = values.numel() // max(N, 1)
+    if N == 0:
+        return torch.empty((0, D), dtype=values.dtype, device=values.device)
+    (rank,) = call_kernel(scan_rows, {"x": dense(flags).reshape(1, N)},
+                          {"op": "sum", "out_dtype": torch.int32, "compute": nl.int32}, op="aten::nonzero")
+    count = int(rank[0, N - 1].item())   # the one host sync: the result's size
+    out = torch.empty((count + 1, D), dtype=values.dtype, device=values.device)
+    slots = run_pointwise(_slot, [flags.reshape(-1), rank.reshape(-1), count], KIND.DEFAULT, op="aten::nonzero")
+    _scatter_into(out, slots, values.reshape(N, D))
+    return out[:count]
+
+
+def _nonzero32(self: torch.Tensor) -> torch.Tensor:
+    """int32 [count, ndim] coordinates of the non-zero elements, in row-major order."""
+    flags = self != 0 if self.dtype != torch.bool else self
+    nd = self.dim()
+    N = self.numel()
+    coords = torch.empty((N, max(nd, 1)), dtype=torch.int32, device=self.device)
+    for k in range(nd):   # column k: the k-th coordinate of every element (an arange broadcast by DMA)
+        shape = [1] * nd
+        shape[k] = self.shape[k]
+        device_copy(coords[:, k].view(self.shape), arange_values(self.shape[k], self.device).reshape(shape))
+    res = _compact(flags.reshape(-1), coords)
+    return res[:, :nd]
+
+
+@lowering("nonzero", "nonzero.out")
+def nonzero(self: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.nonzero``: the mask scanned on the device, the count read by the host, coordinates scattered."""
+    op = aten.nonzero.out if out is not None else aten.nonzero.default
+    if not _on_device(self, out) or self.dtype not in DATA_DTYPES or self.numel() >= 1 << 24 \
+            or (out is not None and out.dtype != torch.int64):
+        return cpu_fallback(op, self, **({"out": out} if out is not None else {}))
+    res = _nonzero32(self)
+    return _into(to_int64(dense(res)), out)
+
+
+@lowering("masked_select", "masked_select.out")
+def masked_select(self: torch.Tensor, mask: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.masked_select``: the selected elements compacted on the device (one host sync for the count)."""
+    op = aten.masked_select.out if out is not None else aten.masked_select.default
+    if mask.dtype != torch.bool:
+        raise RuntimeError("masked_select: expected BoolTensor for mask")
+    if not _on_device(self, mask, out) or self.dtype not in DATA_DTYPES \
+            or (out is not None and out.dtype != self.dtype):
+        return cpu_fallback(op, self, mask, **({"out": out} if out is not None else {}))
+    from torchneuron.ops.pointwise import broadcast_shape
+    shape = broadcast_shape([self.shape, mask.shape])
+    if _numel(shape) >= 1 << 24:
+        return cpu_fallback(op, self, mask, **({"out": out} if out is not None else {}))
+    x = dense(self.expand(shape)).reshape(-1, 1)
+    res = _compact(dense(mask.expand(shape)).reshape(-1), x).reshape(-1)
+    return _into(dense(res), out)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# ---- advanced indexing: index.Tensor, index_put_ ------------------------------------------------
+
+def _expand_masks(self: torch.Tensor, indices: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Index tensors as int32 (bool/uint8 masks become their nonzero coordinates, one tensor per dim),
+    with the CPU's errors for masks of the wrong shape."""
+    out: list[torch.Tensor | None] = []
+    for i in indices:
+        if i is None:
+            out.append(None)
+            continue
+        if i.dtype in (torch.bool, torch.uint8):
+            k = len(out)
+            for j in range(i.dim()):
+                if k + j >= self.dim() or i.shape[j] != self.shape[k + j]:
+                    raise IndexError(f"The shape of the mask {list(i.shape)} at index {j} does not match the shape of "
+                                     f"the indexed tensor {list(self.shape)} at index {k + j}")
+            coords = _nonzero32(i)
+            out.extend(dense(coords[:, j]) for j in range(i.dim()))
+        elif i.dtype in INDEX_DTYPES:
+            out.append(_i32(i))
+        else:
+            raise Unsupported
+    return out
+
+
+def _row_numbers(self: torch.Tensor, idx: list[torch.Tensor | None], op: Any, args: tuple):
+    """(indexed dims, their broadcast index shape B, int32 flat row numbers [n] over the indexed dims)."""
+    dims = [k for k, i in enumerate(idx) if i is not None]
+    B = torch.broadcast_shapes(*(idx[k].shape for k in dims))
+    flat = None
+    for k in dims:
+        S = self.shape[k]
+        if _bad(idx[k], -S, S):
+            _raise_like_cpu(op, *args)
+        w = run_pointwise(_wrap, [idx[k], S], KIND.DEFAULT, op="aten::index")
+        flat = w if flat is None else run_pointwise(_fma, [flat, w, S], KIND.DEFAULT, op="aten::index")
+    return dims, tuple(B), dense(flat.expand(B)).reshape(-1)
+
+
+def _layout(self: torch.Tensor, dims: list[int], B: tuple):
+    """(permutation putting the indexed dims first, the shape in that order, where B lands in the result)."""
+    others = [k for k in range(self.dim()) if k not in dims]
+    perm = dims + others
+    adjacent = dims == list(range(dims[0], dims[-1] + 1))
+    at = dims[0] if adjacent else 0
+    return perm, others, at
+
+
+@lowering("index.Tensor", "index.Tensor_out")
+def index(self: torch.Tensor, indices: Sequence[torch.Tensor | None], *, out: torch.Tensor | None = None):
+    """Advanced indexing ``x[idx]``: indexed dims flattened to row numbers, rows gathered by indirect DMA."""
+    op = aten.index.Tensor_out if out is not None else aten.index.Tensor
+    kw = {"out": out} if out is not None else {}
+    try:
+        if not _on_device(self, out, *indices) or self.dtype not in DATA_DTYPES or self.dim() == 0:
+            raise Unsupported
+        idx = _expand_masks(self, indices)
+        if not any(i is not None for i in idx):
+            raise Unsupported
+        res_meta = aten.index.Tensor(_meta(self), _meta(idx))
+        dims, B, rows = _row_numbers(self, idx + [None] * (self.dim() - len(idx)), aten.index.Tensor, (self, indices))
+        perm, others, at = _layout(self, dims, B)
+        V = _numel(self.shape[k] for k in dims)
+        if rows.numel() == 0 or self.numel() == 0:
+            return _into(torch.empty(res_meta.shape, dtype=self.dtype, device=self.device), out)
+        table = dense(self.permute(perm)).reshape(V, -1)
+        (got,) = call_kernel(gather_rows, {"table": table, "index": rows}, {"stride": 1}, op="aten::index")
+        res = got.reshape(*B, *(self.shape[k] for k in others))
+        if at:
+            nb = len(B)
+            order = list(range(nb, nb + at)) + list(range(nb)) + list(range(nb + at, res.dim()))
+            res = dense(res.permute(order))
+        assert tuple(res.shape) == tuple(res_meta.shape), (res.shape, res_meta.shape)
+        return _into(res, out)
+    except Unsupported:
+        return cpu_fallback(op, self, indices, **kw)
+
+
+def _put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: torch.Tensor, accumulate: bool,
+         check: tuple) -> None:
+    """``self[indices] = values`` (``+=`` when ``accumulate``) in place on the device."""
+    if values.dtype != self.dtype:
+        raise RuntimeError(f"Index put requires the source and destination dtypes match, got "
+                           f"{_dtype_name(self.dtype)} for the destination and {_dtype_name(values.dtype)} for the "
+                           "source.")
+    ind = list(indices)
+    # x[mask] = scalar: a select, no sync
+    if (not accumulate and len(ind) == 1 and ind[0] is not None and ind[0].dtype == torch.bool
+            and values.numel() == 1 and tuple(ind[0].shape) == tuple(self.shape[:ind[0].dim()])):
+        mask = ind[0].reshape(*ind[0].shape, *([1] * (self.dim() - ind[0].dim())))
+        run_pointwise(tm.where, [mask, values.reshape(()), self], KIND.NO_OPMATH, self, True, self.dtype,
+                      op="aten::index_put_")
+        return
+    idx = _expand_masks(self, ind)
+    if not any(i is not None for i in idx):
+        raise Unsupported
+    res_meta = aten.index.Tensor(_meta(self), _meta(idx))
+    try:
+        vshape = torch.broadcast_shapes(values.shape, res_meta.shape)
+        assert tuple(vshape) == tuple(res_meta.shape)
+    except (RuntimeError, AssertionError):
+        raise RuntimeError(f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to "
+                           f"indexing result of shape {list(res_meta.shape)}") from None
+    dims, B, rows = _row_numbers(self, idx + [None] * (self.dim() - len(idx)), *check)
+    if rows.numel() == 0 or self.numel() == 0:
+        return
+    perm, others, at = _layout(self, dims, B)
+    vals = values.expand(res_meta.shape)
+    if at:  # the result has B at position ``at``: bring it first, like the rows
+        nb = len(B)
+        order = list(range(at, at + nb)) + list(range(at)) + list(range(at + nb, vals.dim()))
+        vals = vals.permute(order)
+    n = rows.numel()
+    view = self.permute(perm)
+    V = _numel(self.shape[k] for k in dims)
+    block = dense(view)
+    table = block.reshape(V, -1)
+    v2 = dense(vals).reshape(n, -1)
+    if not accumulate:
+        _scatter_into(table, rows, v2)
+    else:
+        if V * n > ONEHOT_LIMIT or self.dtype not in DATA_DTYPES - {torch.bool}:
+            raise Unsupported
+        onehot = run_pointwise(_hit, [arange_values(V, self.device).reshape(V, 1), rows.reshape(1, n)], KIND.DEFAULT,
+                               result_dtype=torch.float32, op="aten::index_put_")
+        new = table.to(torch.float32) + onehot @ v2.to(torch.float32)
+        if not self.dtype.is_floating_point:
+            new = new.round()
+        block = new.to(self.dtype).reshape(view.shape)
+    _write(self, view, block)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    from torchneuron.ops.pointwise import _type_name
+    return _type_name(dtype)
+
+
+@lowering("_index_put_impl_")
+def index_put_impl_(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: torch.Tensor,
+                    accumulate: bool = False, unsafe: bool = False) -> torch.Tensor:
+    """``self[indices] = values`` / ``index_put_(..., accumulate=True)``: row scatter or one-hot matmul."""
+    try:
+        if not _on_device(self, values, *indices) or self.dtype not in DATA_DTYPES or self.dim() == 0:
+            raise Unsupported
+        _put(self, indices, values, accumulate, (aten.index_put.default, (self, indices, values, accumulate)))
+        return self
+    except Unsupported:
+        return cpu_fallback(aten._index_put_impl_.default, self, indices, values, accumulate, unsafe)
+
+
+# ---- masks: masked_fill_, masked_scatter_ ---------------------------------------------------------
+
+def _masked_fill(name: str) -> None:
+    overload = _overload(name)
+
+    def kernel(self: torch.Tensor, mask: torch.Tensor, value: Any) -> torch.Tensor:
+        """``self.masked_fill_(mask, value)``: an exact select on the device."""
+        if mask.dtype != torch.bool:
+            raise RuntimeError(f"masked_fill_ only supports boolean masks, but got mask with dtype {mask.dtype}"
+                               .replace("torch.", "").replace("int32", "int").replace("int64", "long"))
+        if isinstance(value, torch.Tensor):
+            if value.dim() != 0:
+                raise RuntimeError("masked_fill_ only supports a 0-dimensional value tensor, but got tensor with "
+                                   f"{value.dim()} dimension(s).")
+            if value.device.type == "cpu":
+                value = value.item()
+        tensors = [self, mask] + ([value] if isinstance(value, torch.Tensor) else [])
+        if not _on_device(*tensors) or self.dtype not in DATA_DTYPES:
+            return cpu_fallback(overload, self, mask, value)
+        from torchneuron.ops.pointwise import broadcast_shape
+        shape = broadcast_shape([self.shape, mask.shape])
+        if tuple(shape) != tuple(self.shape):
+            raise RuntimeError(f"output with shape {list(self.shape)} doesn't match the broadcast shape {list(shape)}")
+        if self.numel():
+            if not isinstance(value, torch.Tensor) and not self.dtype.is_floating_point and self.dtype != torch.bool:
+                value = int(value)
+            run_pointwise(tm.where, [mask, value, self], KIND.NO_OPMATH, self, True, self.dtype,
+                          op="aten::masked_fill_")
+        return self
+    lowering(name)(kernel)
+
+
+_masked_fill("masked_fill_.Scalar")
+_masked_fill("masked_fill_.Tensor")
+
+
+@lowering("masked_scatter_")
+def masked_scatter_(self: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``self.masked_scatter_(mask, source)``: the masked positions (compacted on the device) take the
+    leading elements of ``source`` by row scatter."""
+    if not _on_device(self, mask, source) or self.dtype not in DATA_DTYPES or mask.dtype != torch.bool \
+            or source.dtype != self.dtype:
+        return cpu_fallback(aten.masked_scatter_.default, self, mask, source)
+    aten.masked_scatter_(_meta(self), _meta(mask), _meta(source))
+    if self.numel() == 0:
+        return self
+    m = dense(mask.expand(self.shape)).reshape(-1)
+    N = m.numel()
+    positions = _compact(m, arange_values(N, self.device).reshape(N, 1)).reshape(-1)
+    n = positions.numel()
+    if source.numel() < n:
+        raise RuntimeError("Number of elements of source < number of ones in mask")
+    if n:
+        block = dense(self)
+        _scatter_into(block, positions, dense(source).reshape(-1)[:n].reshape(n, 1))
+        _write(self, self, block)
+    return self
