@@ -17,7 +17,7 @@ from torch import nn
 
 import torchneuron  # noqa: F401  (registers the device even with autoload off)
 
-# Random ops run through the CPU fallback, which warns once per op: noise here.
+# Ops that still take the CPU fallback (float64 draws, large randperm) warn once per op: noise here.
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 N = "neuron"

@@ -54,10 +54,10 @@ _OVERLAP = ("backend gap: the CPU fallback copies out= arguments to fresh CPU te
 
 # {(test, op key): reason}; test is "samples" or "error_inputs".
 EXPECTED_FAILURES: dict[tuple[str, str], str] = {
-    ("error_inputs", "index_select"): _OVERLAP,
     ("error_inputs", "gather"): _OVERLAP,
-    ("error_inputs", "masked_select"): _OVERLAP,
-    ("error_inputs", "cat"): _OVERLAP,
+    ("error_inputs", "cat"): "one error input (an out= that shares storage with an input and gets resized) returns "
+                             "normally here although the same call made directly on neuron tensors raises like the "
+                             "CPU; not yet explained",
 }
 
 _OPS = find_ops(FAST_OPS, load_op_db())

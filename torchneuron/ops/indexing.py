@@ -25,7 +25,7 @@ from torchneuron.kernels.indexing import gather_rows, iota
 from torchneuron.ops import tilemath as tm
 from torchneuron.ops.copy import can_copy, device_copy
 from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense
-from torchneuron.ops.pointwise import run_pointwise
+from torchneuron.ops.pointwise import check_no_internal_overlap, check_no_overlap, run_pointwise
 from torchneuron.ops.registry import cpu_fallback, lowering
 from torchneuron.sim import SimulatorError
 
@@ -66,6 +66,8 @@ def index_select(self: torch.Tensor, dim: int, index: torch.Tensor, *, out: torc
         return cpu_fallback(aten.index_select.out if out is not None else aten.index_select.default, self, dim,
                             index, **({"out": out} if out is not None else {}))
     d = canonicalize_dim(max(self.dim(), 1), dim)
+    if out is not None:
+        check_no_internal_overlap(out)
     src = self.reshape(1) if self.dim() == 0 else self
     moved = src.movedim(d, 0)
     n = index.numel()
@@ -87,6 +89,8 @@ def index_select(self: torch.Tensor, dim: int, index: torch.Tensor, *, out: torc
 
 def arange_values(n: int, device: torch.device) -> torch.Tensor:
     """int32 [0, 1, ..., n - 1] on the device (GpSimd iota)."""
+    if n == 0:
+        return torch.empty(0, dtype=torch.int32, device=device)
     spec = runtime.core(device.index).spec
     key = (n, spec.name)
     program = _IOTA.get(key)
@@ -198,10 +202,12 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: torch.Tensor | No
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=dev)
     else:
+        check_no_internal_overlap(out)
         if not torch.can_cast(dtype, out.dtype):
             raise RuntimeError(f"torch.cat(): input types can't be cast to the desired output type {out.dtype}")
         if tuple(out.shape) != tuple(shape):
             torch._refs._maybe_resize_out(out, shape)
+        check_no_overlap(out, live)           # (after the resize: an out= that now covers an input)
     if any(not can_copy(out, t) for t in live):
         return cpu_fallback(aten.cat.out, tensors, dim, out=out)
     o = 0

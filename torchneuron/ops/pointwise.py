@@ -73,11 +73,29 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
-def _check_overlap(target: torch.Tensor, inputs: list) -> None:
-    """TensorIterator's refusals: a target whose elements alias each other, or that partly aliases an input."""
+def check_no_internal_overlap(target: torch.Tensor) -> None:
+    """PyTorch's refusal to write a tensor whose elements alias each other (an expanded ``out=``)."""
     if any(st == 0 and n > 1 for n, st in zip(target.shape, target.stride())):
         raise RuntimeError("unsupported operation: more than one element of the written-to tensor refers to a single "
                            "memory location. Please clone() the tensor before performing the operation.")
+
+
+def check_no_overlap(target: torch.Tensor, inputs: list) -> None:
+    """PyTorch's ``assert_no_overlap``: ops that write ``target`` while reading ``inputs`` refuse any
+    shared byte (``cat``, ``gather``: their kernels do not read each element before writing it)."""
+    lo, hi = _byte_range(target)
+    for t in inputs:
+        if t.numel() and t.device == target.device:
+            a, b = _byte_range(t)
+            if a < hi and lo < b:
+                raise RuntimeError("unsupported operation: some elements of the input tensor and the written-to "
+                                   "tensor refer to a single memory location. Please clone() the tensor before "
+                                   "performing the operation.")
+
+
+def _check_overlap(target: torch.Tensor, inputs: list) -> None:
+    """TensorIterator's refusals: a target whose elements alias each other, or that partly aliases an input."""
+    check_no_internal_overlap(target)
     lo, hi = _byte_range(target)
     for t in inputs:
         if t.numel() and not _same_view(t, target):

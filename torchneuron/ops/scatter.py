@@ -155,6 +155,24 @@ def _scatter_into(table: torch.Tensor, flat: torch.Tensor, values: torch.Tensor)
                                "values": dense(values).reshape(n, D)}, {"stride": 1}, op="aten::scatter")
 
 
+def check_out(out: torch.Tensor | None, *inputs: Any) -> None:
+    """The CPU's refusals for an ``out=`` tensor that overlaps itself or an input."""
+    if out is None or out.numel() == 0:
+        return
+    from torchneuron.ops.pointwise import _byte_range
+    if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
+        raise RuntimeError("unsupported operation: more than one element of the written-to tensor refers to a single "
+                           "memory location. Please clone() the tensor before performing the operation.")
+    lo, hi = _byte_range(out)
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.numel() and t.device == out.device:
+            a, b = _byte_range(t)
+            if a < hi and lo < b:
+                raise RuntimeError("unsupported operation: some elements of the input tensor and the written-to "
+                                   "tensor refer to a single memory location. Please clone() the tensor before "
+                                   "performing the operation.")
+
+
 def _into(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
         return res
@@ -207,6 +225,7 @@ def gather(self: torch.Tensor, dim: int, index: torch.Tensor, *, sparse_grad: bo
     if not _on_device(self, index, out) or self.dtype not in DATA_DTYPES or index.dtype not in INDEX_DTYPES:
         return cpu_fallback(op, self, dim, index, **kw)
     res_meta = op(_meta(self), dim, _meta(index), **{k: _meta(v) for k, v in kw.items()})
+    check_out(out, self, index)
     if index.numel() == 0:
         return _into(torch.empty(res_meta.shape, dtype=self.dtype, device=self.device), out)
     d, index_m, L, S, I, idx = _line_setup(self, dim, index)
@@ -352,6 +371,13 @@ def _row_lowering(name: str, kind: str) -> None:
                     or (isinstance(source, torch.Tensor) and source.dtype not in DATA_DTYPES)):
                 raise Unsupported
             overload(*_meta((self, dim, index, source)), *args, **{k: _meta(v) for k, v in kwargs.items()})
+            if kind == "add" and self.dim() > 1:   # a check the meta function leaves out
+                d0 = canonicalize_dim(self.dim(), dim)
+                if source.dim() != self.dim() or any(source.shape[k] != self.shape[k] for k in range(self.dim())
+                                                     if k != d0):
+                    raise RuntimeError("source tensor shape must match self tensor shape, excluding the specified "
+                                       f"dimension. Got self.shape = {list(self.shape)} source.shape = "
+                                       f"{list(source.shape)}")
             if kind == "fillt":
                 if source.device.type == "cpu":
                     source = source.item()
@@ -371,8 +397,9 @@ def _row_lowering(name: str, kind: str) -> None:
                 hit = run_pointwise(_hit, [arange_values(S, self.device).reshape(S, 1), rows.reshape(1, -1)],
                                     KIND.DEFAULT, result_dtype=torch.float32, op="aten::index_fill")
                 selected = hit.amax(-1) > 0
-                shape = [1] * max(self.dim(), 1)
-                shape[d] = S
+                shape = [1] * self.dim()
+                if self.dim():
+                    shape[d] = S
                 mask = selected.reshape(shape)
                 value = source if isinstance(source, torch.Tensor) else source
                 run_pointwise(tm.where, [mask, value, target], KIND.NO_OPMATH, target, True, target.dtype,
@@ -400,6 +427,7 @@ def take(self: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | None = 
     if not _on_device(self, index, out) or self.dtype not in DATA_DTYPES or index.dtype not in INDEX_DTYPES:
         return cpu_fallback(op, self, index, **({"out": out} if out is not None else {}))
     op(_meta(self), _meta(index), **({"out": _meta(out)} if out is not None else {}))
+    check_out(out, self, index)
     if index.numel() == 0:
         return _into(torch.empty(index.shape, dtype=self.dtype, device=self.device), out)
     n = self.numel()
@@ -433,6 +461,8 @@ def _nonzero32(self: torch.Tensor) -> torch.Tensor:
     flags = self != 0 if self.dtype != torch.bool else self
     nd = self.dim()
     N = self.numel()
+    if N == 0:
+        return torch.empty((0, nd), dtype=torch.int32, device=self.device)
     coords = torch.empty((N, max(nd, 1)), dtype=torch.int32, device=self.device)
     for k in range(nd):   # column k: the k-th coordinate of every element (an arange broadcast by DMA)
         shape = [1] * nd
@@ -464,6 +494,7 @@ def masked_select(self: torch.Tensor, mask: torch.Tensor, *, out: torch.Tensor |
         return cpu_fallback(op, self, mask, **({"out": out} if out is not None else {}))
     from torchneuron.ops.pointwise import broadcast_shape
     shape = broadcast_shape([self.shape, mask.shape])
+    check_out(out, self, mask)
     if _numel(shape) >= 1 << 24:
         return cpu_fallback(op, self, mask, **({"out": out} if out is not None else {}))
     x = dense(self.expand(shape)).reshape(-1, 1)
@@ -651,9 +682,10 @@ def _masked_fill(name: str) -> None:
         shape = broadcast_shape([self.shape, mask.shape])
         if tuple(shape) != tuple(self.shape):
             raise RuntimeError(f"output with shape {list(self.shape)} doesn't match the broadcast shape {list(shape)}")
+        if not isinstance(value, torch.Tensor):
+            # the CPU's scalar conversion (overflow errors, int truncation), on a one-element host tensor
+            value = torch.zeros(1, dtype=self.dtype).masked_fill_(torch.ones(1, dtype=torch.bool), value).item()
         if self.numel():
-            if not isinstance(value, torch.Tensor) and not self.dtype.is_floating_point and self.dtype != torch.bool:
-                value = int(value)
             run_pointwise(tm.where, [mask, value, self], KIND.NO_OPMATH, self, True, self.dtype,
                           op="aten::masked_fill_")
         return self

@@ -27,7 +27,7 @@ from torchneuron.ops.indexing import arange_values
 from torchneuron.ops.kernel_call import call_kernel, dense
 from torchneuron.ops.pointwise import run_pointwise
 from torchneuron.ops.registry import cpu_fallback, lowering
-from torchneuron.ops.scatter import DATA_DTYPES, _into, _meta, _on_device, _overload, _scatter_into
+from torchneuron.ops.scatter import DATA_DTYPES, _into, check_out, _meta, _on_device, _overload, _scatter_into
 
 aten = torch.ops.aten
 SORT_LIMIT = 1 << 24       # comparisons (L * n * n) of one device sort
@@ -156,6 +156,8 @@ def sort(self: torch.Tensor, *, stable: bool | None = None, dim: int = -1, desce
             raise Unsupported
         overload(_meta(self), stable=stable, dim=dim, descending=descending,
                  **({"values": _meta(values), "indices": _meta(indices)} if outs else {}))
+        check_out(values, self)
+        check_out(indices, self)
         v, i = _sort(self, dim, descending)
         if outs:
             return _into(v, values), _into(i, indices)
@@ -175,8 +177,12 @@ def topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted
     try:
         if not _on_device(self, values, indices):
             raise Unsupported
-        overload(_meta(self), k, dim, largest, sorted, **{a: _meta(b) for a, b in kw.items()})
         d = canonicalize_dim(max(self.dim(), 1), dim)
+        if not 0 <= k <= (self.shape[d] if self.dim() else 1):
+            raise RuntimeError("selected index k out of range")   # the CPU's words (the meta check's differ)
+        overload(_meta(self), k, dim, largest, sorted, **{a: _meta(b) for a, b in kw.items()})
+        check_out(values, self)
+        check_out(indices, self)
         v, i = _sort(self, dim, largest)
         if self.dim():
             v, i = dense(v.narrow(d, 0, k)), dense(i.narrow(d, 0, k))
@@ -195,6 +201,8 @@ def kthvalue(self: torch.Tensor, k: int, dim: int = -1, keepdim: bool = False, *
         if not _on_device(self, values, indices):
             raise Unsupported
         aten.kthvalue.values(_meta(self), k, dim, keepdim, values=_meta(values), indices=_meta(indices))
+        check_out(values, self)
+        check_out(indices, self)
         d = canonicalize_dim(max(self.dim(), 1), dim)
         v, i = _sort(self, dim, False)
         if self.dim():
