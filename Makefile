@@ -7,7 +7,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.torchneuron-setup
 SOURCES := pyproject.toml setup.py constraints.txt $(wildcard torchneuron/_csrc/*.cpp torchneuron/_csrc/*.h)
 
-.PHONY: setup test demo conformance bench clean
+.PHONY: setup test demo conformance coverage bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,9 @@ demo: setup
 
 conformance: setup
 	$(PY) -m tests.opinfo.conformance
+
+coverage: setup
+	$(PY) -m tests.opinfo.coverage --jobs 2
 
 bench: setup
 	$(PY) bench/dispatch.py
