@@ -39,3 +39,15 @@ def as_tensor(x) -> torch.Tensor:
 
 def prod(shape) -> int:
     return int(math.prod(shape))
+
+
+def flat_blocks(n: int, fmax: int = 2048):
+    """(start, partitions, width) blocks covering a flat vector of n elements: [128, f] tiles with
+    f = min(fmax, n // 128) elements per partition, then the remainder as one row."""
+    f = max(1, min(fmax, n // PMAX))
+    s = 0
+    while s < n:
+        p = min(PMAX, (n - s) // f) or 1
+        w = f if n - s >= f * p else n - s
+        yield s, p, w
+        s += p * w

@@ -15,7 +15,7 @@ from __future__ import annotations
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import PMAX, cdiv
+from torchneuron.kernels._common import PMAX, cdiv, flat_blocks
 
 DMA_QUEUES = 16          # transfers a large copy is cut into (the trace's round-robin DMA queues)
 SPLIT_BYTES = 64 * 1024  # below this one transfer: a descriptor's fixed cost outweighs the parallelism
@@ -48,11 +48,7 @@ def widen_int64(dst, src):
     sign-extended high word); returns nothing."""
     (n,) = src.shape
     assert dst.shape[0] == 2 * n, f"widen_int64: dst has {dst.shape[0]} words for {n} values"
-    f = max(1, min(2048, n // PMAX))
-    s = 0
-    while s < n:
-        p = min(PMAX, (n - s) // f) or 1                      # [p, w] tiles, then the remainder as one row
-        w = f if (n - s) >= f * p else n - s
+    for s, p, w in flat_blocks(n):
         lo = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
         hi = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=lo[:p], src=src[s:s + p * w].reshape((p, w)))
@@ -60,4 +56,3 @@ def widen_int64(dst, src):
         nisa.tensor_scalar(dst=hi[:p], data=lo[:p], op0=nl.less, operand0=0, op1=nl.multiply, operand1=-1)
         nisa.dma_copy(dst=dst.ap([[2 * w, p], [2, w]], offset=2 * s), src=lo[:p])
         nisa.dma_copy(dst=dst.ap([[2 * w, p], [2, w]], offset=2 * s + 1), src=hi[:p])
-        s += p * w

@@ -16,7 +16,7 @@ from __future__ import annotations
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import DMA_ROW_BYTES, PMAX, itemsize
+from torchneuron.kernels._common import DMA_ROW_BYTES, PMAX, flat_blocks, itemsize
 
 
 @nki.jit
@@ -43,13 +43,8 @@ def gather_rows(table, index, stride=1):
 def iota(n):
     """The int32 vector [0, 1, ..., n - 1]."""
     out = nl.ndarray((n,), nl.int32, buffer=nl.shared_hbm)
-    F = max(1, min(2048, n // PMAX))
-    s = 0
-    while s < n:
-        p = min(PMAX, (n - s) // F) or 1                      # [p, F] blocks, then the rest as one row
-        w = F if n - s >= F * p else n - s
+    for s, p, w in flat_blocks(n):
         t = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
         nisa.iota(dst=t[:p], pattern=[[1, w]], offset=s, channel_multiplier=w)
         nisa.dma_copy(dst=out[s:s + p * w].reshape((p, w)), src=t[:p])
-        s += p * w
     return out

@@ -20,22 +20,11 @@ import collections
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import PMAX
+from torchneuron.kernels._common import PMAX, flat_blocks
 
 NBUF = 2
 F = 1024                                     # elements per partition per tile (4 KiB fp32 rows)
 SCALARS = ("decay", "one_minus_beta1", "beta2", "one_minus_beta2", "neg_step_size", "inv_bc2", "eps", "wd")
-
-
-def _blocks(n: int):
-    """(start, partitions, width) tiles covering a flat vector of n elements."""
-    f = max(1, min(F, n // PMAX))
-    s = 0
-    while s < n:
-        p = min(PMAX, (n - s) // f) or 1
-        w = f if n - s >= f * p else n - s
-        yield s, p, w
-        s += p * w
 
 
 @nki.jit
@@ -48,7 +37,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, scalars, decoupled=True):
     nisa.dma_copy(dst=sc, src=scalars.reshape((1, k)).broadcast_to((PMAX, k)))
     c = {name: sc[:, i:i + 1] for i, name in enumerate(SCALARS)}
     ring = collections.deque(maxlen=NBUF)
-    for s, p, w in _blocks(n):
+    for s, p, w in flat_blocks(n, F):
         tiles = [nl.ndarray((PMAX, w), nl.float32, buffer=nl.sbuf) for _ in range(4)]
         ring.append(tiles)
         pt, gt, mt, vt = tiles

@@ -48,6 +48,9 @@ def _softmax_lowering(name: str, log: bool) -> None:
     op = getattr(getattr(aten, packet), ov or "default")
 
     def kernel(self: torch.Tensor, dim: int, half_to_float: bool, *, out: torch.Tensor | None = None):
+        if self.numel() == 0 and self.dtype in FLOATS and not half_to_float and out is None:
+            canonicalize_dim(max(self.dim(), 1), dim)   # IndexError for a bad dim, as on CPU
+            return torch.empty_like(self)
         if self.dtype not in FLOATS or half_to_float or self.numel() == 0 or \
                 (out is not None and (out.dtype != self.dtype or out.device != self.device)):
             return cpu_fallback(op, self, dim, half_to_float, **({"out": out} if out is not None else {}))

@@ -531,6 +531,10 @@ def _where_lowering(name: str) -> None:
             _, result = elementwise_dtypes(x, y, type_promotion_kind=KIND.NO_OPMATH)
             return run_pointwise(fn, operands, KIND.NO_OPMATH, out, False, result, op=str(op))
         except Unsupported:
+            alternative = ALTERNATIVES.get("where")
+            res = alternative((cond, x, y), {}, out, False) if alternative is not None else None
+            if res is not None:
+                return res
             return cpu_fallback(op, cond, x, y, **({"out": out} if out is not None else {}))
     lowering(name)(kernel)
 

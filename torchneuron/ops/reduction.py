@@ -23,6 +23,7 @@ from torchneuron.ops.registry import cpu_fallback, lowering
 
 aten = torch.ops.aten
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+INT_SUM = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 class Unsupported(Exception):
@@ -43,12 +44,21 @@ def _dims(x: torch.Tensor, dim: Any) -> list[int]:
 
 def _reduce(x: torch.Tensor, dims: list[int], op: str, keepdim: bool) -> torch.Tensor:
     """``op`` over ``dims`` of ``x`` by one kernel launch; the result has PyTorch's reduced shape."""
-    if x.dtype not in FLOATS or x.numel() == 0:
+    if x.dtype in INT_SUM and (op == "sum" or (op in ("max", "min") and x.numel())):
+        from torchneuron.ops.int64 import int_reduce  # exact integer math (fp32 is exact only below 2**24)
+        return int_reduce(x, dims, op, keepdim)
+    if x.dtype not in FLOATS:
         raise Unsupported
     if x.dim() > 64:
         raise RuntimeError("only tensors with up to 64 dims are supported")
     kept = [d for d in range(x.dim()) if d not in dims]
     out_shape = [1 if d in dims else n for d, n in enumerate(x.shape)] if keepdim else [x.shape[d] for d in kept]
+    if x.numel() == 0:  # nothing to read: the reduction's value over no elements (extremes have none)
+        empty_value = {"sum": 0.0, "prod": 1.0, "mean": float("nan")}.get(op)
+        if empty_value is None and _prod(out_shape) != 0:
+            raise Unsupported  # the CPU's error for an extreme over an empty dim
+        out_dtype = torch.int64 if op in ("argmax", "argmin") else x.dtype
+        return torch.full(out_shape, 0 if empty_value is None else empty_value, dtype=out_dtype, device=x.device)
     if x.dim() == 0:
         view = x.reshape(1, 1, 1)
     else:
@@ -88,6 +98,8 @@ def _into(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 def _cast_input(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype is None or dtype == x.dtype:
         return x
+    if dtype in INT_SUM[1:] and x.dtype in INT_SUM:  # integer sums run in int64; the caller casts the result
+        return x
     if dtype not in FLOATS:
         raise Unsupported
     return x.to(dtype)
@@ -119,6 +131,8 @@ def _lower(name: str, op: str, *, has_dtype: bool = True, default_dims: bool = F
             if op == "mean" and not x.is_floating_point():
                 raise Unsupported
             res = _reduce(x, dims, op, bool(keepdim))
+            if dtype is not None and res.dtype != dtype:  # an integer sum in another int dtype: wraps like the CPU
+                res = res.to(dtype)
             return _into(res, out)
         except Unsupported:
             return cpu_fallback(overload, self, *args, **kwargs)
@@ -256,6 +270,9 @@ for _name in ("any", "any.dim", "any.dims", "any.out", "any.dims_out", "any.all_
 def linalg_vector_norm(self: torch.Tensor, ord: Any = 2, dim: Any = None, keepdim: bool = False, *,  # noqa: A002
                        dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Vector p-norms: inf/-inf as amax/amin of |x|, 0 as a count of non-zeros, p as (sum |x|**p)**(1/p)."""
+    if not (self.is_floating_point() or self.is_complex()):
+        raise RuntimeError(f"linalg.vector_norm: Expected a floating point or complex tensor as input. Got "
+                           f"{_type_name(self.dtype)}")
     x = self if dtype is None else self.to(dtype) if dtype in FLOATS else None
     if x is None or x.dtype not in FLOATS or x.numel() == 0 or (out is not None and out.device != self.device):
         return cpu_fallback(aten.linalg_vector_norm.out if out is not None else aten.linalg_vector_norm.default,

@@ -174,12 +174,13 @@ def isinf(x):
 
 
 def log1p(x):
-    """Kahan: ``log(u) * x / (u - 1)`` with ``u = 1 + x`` (exact where ``u`` rounds to 1 or overflows)."""
+    """Kahan: ``log(u) * x / (u - 1)`` with ``u = 1 + x`` (exact where ``u`` rounds to 1); for |x| > 1e6,
+    where 1 + x loses nothing that matters and the product would overflow, plain ``log(1 + x)``."""
     u = nl.add(x, 1.0)
     d = nl.subtract(u, 1.0)
     r = nl.divide(nl.multiply(nl.log(u), x), d)
     r = where(nl.equal(d, 0.0), x, r)
-    return where(isinf(u), u, r)
+    return where(nl.greater(abs_(x), 1e6), nl.log(u), r)
 
 
 def expm1(x):

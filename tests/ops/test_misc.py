@@ -1,0 +1,97 @@
+"""Vector products, trace, roll, equal, norm, 2-D nll_loss and max_unpool run on the device (strict
+mode) and match the CPU; bad arguments raise the CPU's errors."""
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.ops.conftest import to_n
+
+torch.manual_seed(0)
+A, B = torch.randn(37), torch.randn(37)
+M, V, S = torch.randn(9, 37), torch.randn(37), torch.randn(9)
+X4, T3 = torch.randn(2, 5, 3, 4), torch.randint(0, 5, (2, 3, 4))
+T3[0, 0, 0] = -100
+POOLED, IDX = F.max_pool2d(torch.randn(2, 3, 8, 8), 2, return_indices=True)
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def _addmv_out(s, m, v):
+    out = torch.empty(0, device=s.device)
+    torch.addmv(s, m, v, beta=0.5, alpha=2, out=out)
+    return out
+
+
+def _ce_grad(reduction):
+    def grad(x, t, w):
+        x = x.detach().requires_grad_()
+        y = F.cross_entropy(x, t, w, reduction=reduction)
+        return torch.autograd.grad(y, x, torch.ones_like(y))[0]
+    return grad
+
+
+def _loss_grad(fn, a, b, **kw):
+    a = a.detach().requires_grad_()
+    return torch.autograd.grad(fn(a, b, **kw), a)[0]
+
+
+CASES = {
+    "dot": (torch.dot, A, B), "dot_strided": (lambda a, b: torch.dot(a[::2], b[::2]), A, B), "vdot": (torch.vdot, A, B),
+    "mv": (torch.mv, M, V), "mv_t": (lambda m, v: torch.mv(m.t(), v), M.t().contiguous(), V),
+    "vecmat": (torch.matmul, S, M), "addmv": (torch.addmv, S, M, V), "addmv_out": (_addmv_out, S, M, V),
+    "addmv_beta0_nan": (lambda s, m, v: torch.addmv(s, m, v, beta=0), torch.full((9,), float("nan")), M, V),
+    "addmv_": (lambda s, m, v: s.clone().addmv_(m, v), S, M, V),
+    "trace": (torch.trace, torch.randn(5, 7)),
+    "roll": (lambda t: torch.roll(t, 2), M), "roll_dims": (lambda t: torch.roll(t, (1, -3), (0, 1)), M),
+    "roll_int32": (lambda t: torch.roll(t, 1, 0), torch.arange(6, dtype=torch.int32).reshape(3, 2)),
+    "fftshift": (torch.fft.fftshift, M),
+    "norm": (lambda t: torch.norm(t, dim=1), M), "norm_p3": (lambda t: torch.norm(t, 3, (0, 1), True), M),
+    "dist": (torch.dist, M, M.flip(0)),
+    "nll2d_mean": (F.nll_loss, X4, T3), "nll2d_none": (lambda x, t: F.nll_loss(x, t, reduction="none"), X4, T3),
+    "ce2d_sum_w": (lambda x, t, w: F.cross_entropy(x, t, w, reduction="sum"), X4, T3, torch.rand(5)),
+    "ce2d_grad_mean": (_ce_grad("mean"), X4, T3, torch.rand(5)),
+    "ce2d_grad_none": (_ce_grad("none"), X4, T3, None),
+    "unpool2d": (lambda p, i: F.max_unpool2d(p, i, 2), POOLED, IDX),
+    "unpool2d_3d": (lambda p, i: F.max_unpool2d(p, i, 2), POOLED[0], IDX[0]),
+    "smooth_l1": (lambda a, b: F.smooth_l1_loss(a, b, beta=0.5), M, M.flip(0) * 2),
+    "huber_none": (lambda a, b: F.huber_loss(a, b, reduction="none", delta=0.7), M, M.flip(0) * 2),
+    "smooth_l1_grad": (lambda a, b: _loss_grad(F.smooth_l1_loss, a, b, beta=0.5), M, M.flip(0) * 2),
+    "huber_grad_sum": (lambda a, b: _loss_grad(F.huber_loss, a, b, reduction="sum", delta=0.7), M, M.flip(0) * 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_cpu(name, strict):
+    fn, *args = CASES[name]
+    got = fn(*[to_n(a) if isinstance(a, torch.Tensor) else a for a in args]).cpu()
+    torch.testing.assert_close(got, fn(*args), **TOL)
+
+
+def test_equal(strict):
+    nan = torch.tensor([1.0, float("nan")])
+    for x, y in ((A, A.clone()), (A, B), (A, A[:5]), (nan, nan.clone()), (A[:0], B[:0])):
+        assert torch.equal(to_n(x), to_n(y)) == torch.equal(x, y)
+
+
+@pytest.mark.parametrize("call", [
+    lambda n: torch.dot(n(A), n(A[:3])), lambda n: torch.dot(n(M), n(M)), lambda n: torch.mv(n(M), n(S)),
+    lambda n: torch.trace(n(A)), lambda n: torch.roll(n(M), (1, 2), (0,)), lambda n: torch.roll(n(M), 1, 5),
+    lambda n: F.nll_loss(n(X4), n(torch.full((2, 3, 4), 7))), lambda n: F.nll_loss(n(X4), n(T3[:, 0])),
+    lambda n: F.huber_loss(n(A), n(B), delta=0.0), lambda n: F.smooth_l1_loss(n(A), n(B), beta=-1.0),
+])
+def test_errors_match_cpu(call, strict):
+    with pytest.raises(Exception) as cpu:
+        call(lambda t: t)
+    with pytest.raises(type(cpu.value)) as dev:
+        call(to_n)
+    assert str(dev.value) == str(cpu.value)
+
+
+def test_unpool_bad_index(strict):
+    # which invalid index the CPU names depends on its threads (planes run in parallel): compare the rest
+    with pytest.raises(RuntimeError) as cpu:
+        F.max_unpool2d(POOLED, IDX + 100, 2)
+    with pytest.raises(RuntimeError) as dev:
+        F.max_unpool2d(to_n(POOLED), to_n(IDX + 100), 2)
+    assert re.sub(r"\d+ \(", "N (", str(dev.value)) == re.sub(r"\d+ \(", "N (", str(cpu.value))

@@ -1,0 +1,112 @@
+"""Special functions and less common activations run on the device (strict mode) and match the CPU,
+special values (inf, nan, +-0, poles, negatives) and bad-argument errors included."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.ops.conftest import to_n
+
+torch.manual_seed(0)
+INF, NAN = float("inf"), float("nan")
+SPECIAL = torch.tensor([-3.5, -2.5, -2.0, -1.2, -0.5, -1e-3, -0.0, 0.0, 1e-30, 1e-3, 0.3, 1.0, 1.4616, 2.0, 2.5,
+                        7.9, 8.0, 10.0, 33.3, 1e4, 3e38, INF, -INF, NAN])
+X = torch.cat([SPECIAL, torch.randn(300) * 5, torch.rand(100) * 20, torch.randn(100) * 60])
+UNIT = torch.cat([torch.tensor([-1.0, 1.0, 0.0, -0.0, 1.5, -2.0, NAN, 0.5, -0.5, 0.9999999, -0.99999994, 1e-30]),
+                  torch.rand(400) * 2 - 1, 1 - torch.rand(50) * 1e-3])
+Y = X[torch.randperm(X.numel())]
+TOL = {"atol": 1e-5, "rtol": 1.3e-6, "equal_nan": True}
+
+
+def _bw(fn):
+    def grad(t):
+        t = t.detach().requires_grad_()
+        y = fn(t)
+        return torch.autograd.grad(y, t, torch.ones_like(y))[0]
+    return grad
+
+
+UNARY = {
+    "lgamma": (torch.lgamma, X), "digamma": (torch.digamma, X), "erfinv": (torch.erfinv, UNIT),
+    "erfc": (torch.erfc, X), "i0": (torch.i0, X), "i0e": (torch.special.i0e, X), "i1": (torch.special.i1, X),
+    "i1e": (torch.special.i1e, X), "entr": (torch.special.entr, X), "logsigmoid": (F.logsigmoid, X),
+    "erfcx": (torch.special.erfcx, X), "log_ndtr": (torch.special.log_ndtr, X),
+    "logsigmoid_bw": (_bw(F.logsigmoid), X), "softshrink": (F.softshrink, X),
+    "softshrink_3": (lambda t: F.softshrink(t, 3.0), X), "hardshrink": (F.hardshrink, X),
+    "softshrink_bw": (_bw(F.softshrink), X), "hardshrink_bw": (_bw(lambda t: F.hardshrink(t, 2.0)), X),
+    "logit_bw": (_bw(torch.logit), UNIT.abs()), "logit_bw_eps": (_bw(lambda t: torch.logit(t, 0.1)), UNIT.abs()),
+    "rrelu_eval": (lambda t: F.rrelu(t, training=False), X), "mvlgamma": (lambda t: torch.mvlgamma(t, 3), X.abs() + 1),
+    "lgamma_int32": (torch.lgamma, torch.arange(-3, 10, dtype=torch.int32)),
+}
+UNARY.update({f"polygamma_{n}": ((lambda k: lambda t: torch.polygamma(k, t))(n), X) for n in range(4)})
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_unary(name, strict):
+    fn, x = UNARY[name]
+    torch.testing.assert_close(fn(to_n(x)).cpu(), fn(x), **TOL)
+
+
+BINARY = {
+    "logaddexp": torch.logaddexp, "logaddexp2": torch.logaddexp2, "nextafter": torch.nextafter,
+    "xlog1py": lambda a, b: torch.special.xlog1py(torch.where(a.abs() < 1, 0, a), b),
+    "heaviside": lambda a, b: torch.heaviside(torch.where(a.abs() < 1, 0, a), b),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BINARY))
+def test_binary(name, strict):
+    fn = BINARY[name]
+    for a, b in ((X, Y), (SPECIAL, SPECIAL), (SPECIAL, SPECIAL.flip(0))):
+        torch.testing.assert_close(fn(to_n(a), to_n(b)).cpu(), fn(a, b), **TOL)
+
+
+def test_nextafter_zeros_and_frexp(strict):
+    a, b = torch.tensor([0.0, 0.0, -0.0, 1.0, 1e-45]), torch.tensor([-0.0, 1.0, 0.0, 1.0, -1.0])
+    got = torch.nextafter(to_n(a), to_n(b)).cpu()
+    assert torch.equal(got.view(torch.int32), torch.nextafter(a, b).view(torch.int32))
+    x = torch.cat([X, torch.tensor([1e-40, -3e-42])])
+    m, e = torch.frexp(to_n(x))
+    cm, ce = torch.frexp(x)
+    torch.testing.assert_close(m.cpu(), cm, **TOL)
+    assert torch.equal(e.cpu(), ce)
+
+
+def test_glu_prelu(strict):
+    x = torch.randn(4, 6, 8)
+    for dim in (-1, 1):
+        torch.testing.assert_close(F.glu(to_n(x), dim).cpu(), F.glu(x, dim))
+        torch.testing.assert_close(_bw(lambda t: F.glu(t, dim))(to_n(x)).cpu(), _bw(lambda t: F.glu(t, dim))(x))
+    w = torch.randn(6)
+
+    def prelu_grads(t, w):
+        t, w = t.detach().requires_grad_(), w.detach().requires_grad_()
+        y = F.prelu(t, w)
+        return (y, *torch.autograd.grad(y, (t, w), torch.ones_like(y)))
+    for got, want in zip(prelu_grads(to_n(x), to_n(w)), prelu_grads(x, w)):
+        torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("call", [
+    lambda t: torch.polygamma(-1, t), lambda t: F.softshrink(t, -1.0), lambda t: torch.heaviside(t, t.int()),
+    lambda t: F.glu(t[:5]), lambda t: F.glu(t[:4].reshape(2, 2), 3),
+])
+def test_errors_match_cpu(call, strict):
+    with pytest.raises(Exception) as cpu:
+        call(X)
+    with pytest.raises(type(cpu.value)) as dev:
+        call(to_n(X))
+    assert str(dev.value) == str(cpu.value)
+
+
+@pytest.mark.parametrize("call, dtype", [
+    (torch.special.erfcx, torch.bfloat16), (torch.special.log_ndtr, torch.float16),
+    (lambda t: torch.logaddexp(t, t), torch.int32), (lambda t: torch.nextafter(t, t), torch.int32),
+    (F.logsigmoid, torch.int32), (F.softshrink, torch.int32), (F.hardshrink, torch.uint8), (F.glu, torch.int32),
+])
+def test_dtype_errors_match_cpu(call, dtype, strict):
+    t = torch.ones(4, dtype=dtype)
+    with pytest.raises(Exception) as cpu:
+        call(t)
+    with pytest.raises(type(cpu.value)) as dev:
+        call(to_n(t))
+    assert str(dev.value) == str(cpu.value)

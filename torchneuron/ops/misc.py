@@ -1,0 +1,313 @@
+"""Assorted ATen ops on the device, composed from lowered ones: vector products (``dot``, ``vdot``,
+``addmv``) on the matmul kernel, ``trace``, ``roll``, ``equal``, ``norm``, ``nll_loss2d`` (the 2-D loss
+as ``nll_loss`` over [N*H*W, C] rows) and ``max_unpool2d`` (a scatter into zeros).
+
+Bad inputs raise the CPU's own exception: the op is re-run on CPU twins of the arguments (zeros of the
+same shapes and dtypes), so the type and message match without reimplementing every check.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from torchneuron.ops.matmul import MATMUL_DTYPES, _add_scaled, _mm_into
+from torchneuron.ops.registry import cpu_fallback, lowering
+
+aten = torch.ops.aten
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _twin(t: Any) -> Any:
+    """A CPU stand-in for an argument: zeros of a tensor's shape and dtype (lists mapped)."""
+    if isinstance(t, torch.Tensor):
+        return torch.zeros(t.shape, dtype=t.dtype)
+    if isinstance(t, (list, tuple)):
+        return type(t)(_twin(x) for x in t)
+    return t
+
+
+def _raise_like_cpu(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> None:
+    """Run ``op`` on CPU twins so invalid arguments raise the CPU's exception; a RuntimeError if it does not."""
+    op(*[_twin(a) for a in args], **{k: _twin(v) for k, v in kwargs.items()})
+    raise RuntimeError(f"{op}: arguments the device cannot run")
+
+
+def _neuron(*ts: Any) -> bool:
+    """All tensors given (None skipped) on one neuron device."""
+    devs = {t.device for t in ts if isinstance(t, torch.Tensor)}
+    return len(devs) == 1 and next(iter(devs)).type == "neuron" and all(
+        t is None or isinstance(t, torch.Tensor) for t in ts)
+
+
+def _into(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return res
+    if tuple(out.shape) != tuple(res.shape):
+        torch._refs._maybe_resize_out(out, res.shape)
+    return out.copy_(res)
+
+
+# ---- vector products -------------------------------------------------------------------------------
+
+def _dot_lowering(name: str) -> None:
+    op = getattr(aten, name).default
+
+    def kernel(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """``sum(self * other)`` of two vectors: a [1, n] x [n, 1] matmul (fp32 PSUM accumulation)."""
+        if not _neuron(self, other):
+            return cpu_fallback(op, self, other)
+        if self.dim() != 1 or other.dim() != 1 or self.shape != other.shape or self.dtype != other.dtype:
+            _raise_like_cpu(op, self, other)
+        if self.dtype not in MATMUL_DTYPES:
+            return cpu_fallback(op, self, other)
+        n = self.shape[0]
+        return _mm_into(self.view(1, n), other.view(n, 1), None).reshape(())
+    lowering(name)(kernel)
+
+
+_dot_lowering("dot")
+_dot_lowering("vdot")   # real inputs: no conjugation
+
+
+def _addmv_lowering(name: str) -> None:
+    inplace = name == "addmv_"
+    packet = aten.addmv
+    op = packet.out if name == "addmv.out" else getattr(aten, "addmv_").default if inplace else packet.default
+
+    def kernel(self: torch.Tensor, mat: torch.Tensor, vec: torch.Tensor, *, beta: Any = 1, alpha: Any = 1,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``beta * self + alpha * (mat @ vec)``: one matmul launch and one element-wise launch."""
+        kw = {"beta": beta, "alpha": alpha, **({"out": out} if out is not None else {})}
+        if not _neuron(self, mat, vec, out):
+            return cpu_fallback(op, self, mat, vec, **kw)
+        ok = (mat.dim() == 2 and vec.dim() == 1 and mat.shape[1] == vec.shape[0] and self.dim() <= 1
+              and self.shape in ((), (1,), (mat.shape[0],)) and mat.dtype == vec.dtype == self.dtype
+              and (not inplace or self.shape == (mat.shape[0],)))
+        if not ok:
+            _raise_like_cpu(op, self, mat, vec, **{k: v for k, v in kw.items() if k != "out"})
+        if mat.dtype not in MATMUL_DTYPES or (out is not None and out.dtype != mat.dtype):
+            return cpu_fallback(op, self, mat, vec, **kw)
+        prod = _mm_into(mat, vec.reshape(-1, 1), None).reshape(mat.shape[0])
+        if inplace:
+            return self.copy_(_add_scaled(prod, self, beta, alpha, None))
+        if out is not None and tuple(out.shape) != (mat.shape[0],):
+            torch._refs._maybe_resize_out(out, (mat.shape[0],))
+        return _add_scaled(prod, self, beta, alpha, out)
+    lowering(name)(kernel)
+
+
+for _name in ("addmv", "addmv_", "addmv.out"):
+    _addmv_lowering(_name)
+
+
+@lowering("trace")
+def trace(self: torch.Tensor) -> torch.Tensor:
+    """The sum of the diagonal (a strided view, reduced on the device)."""
+    if not _neuron(self) or self.dtype not in FLOATS:
+        return cpu_fallback(aten.trace.default, self)   # integer traces sum into int64
+    if self.dim() != 2:
+        _raise_like_cpu(aten.trace.default, self)
+    if self.numel() == 0:
+        return torch.zeros((), dtype=self.dtype, device=self.device)
+    return self.diagonal().sum()
+
+
+# ---- roll, equal ---------------------------------------------------------------------------------
+
+@lowering("roll")
+def roll(self: torch.Tensor, shifts: Sequence[int], dims: Sequence[int] = ()) -> torch.Tensor:
+    """Each rolled dim as two slices joined by ``cat`` (strided copies); no dims rolls the flattened tensor."""
+    shifts, dims = list(shifts), list(dims)
+    if not _neuron(self):
+        return cpu_fallback(aten.roll.default, self, shifts, dims)
+    if not shifts or (not dims and len(shifts) != 1) or (dims and len(shifts) != len(dims)) or \
+            any(not -max(self.dim(), 1) <= d < max(self.dim(), 1) for d in dims):
+        _raise_like_cpu(aten.roll.default, self, shifts, dims)
+    if self.numel() == 0:
+        return self.clone()
+    if not dims:
+        return roll(self.reshape(-1), shifts, [0]).view(self.shape)
+    res = self
+    for s, d in zip(shifts, dims):
+        d = d % max(self.dim(), 1)
+        n = res.shape[d]
+        s = s % n
+        if s:
+            res = torch.cat([res.narrow(d, n - s, s), res.narrow(d, 0, n - s)], d)
+    return res if res is not self else self.clone()
+
+
+@lowering("equal")
+def equal(self: torch.Tensor, other: torch.Tensor) -> bool:
+    """Same shape and every element equal (NaN never is): one comparison, one reduction, one host read."""
+    if not _neuron(self, other):
+        return cpu_fallback(aten.equal.default, self, other)
+    if self.shape != other.shape:
+        return False
+    if self.numel() == 0:
+        return True
+    return bool(torch.eq(self, other).all().item())
+
+
+# ---- norm ------------------------------------------------------------------------------------------
+
+def _norm_lowering(name: str) -> None:
+    packet, _, ov = name.partition(".")
+    op = getattr(aten.norm, ov)
+
+    def kernel(self: torch.Tensor, p: Any = None, dim: Sequence[int] = (), keepdim: bool = False, *,
+               dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The vector p-norm over ``dim`` (2 when ``p`` is None): ``linalg_vector_norm``."""
+        kw = {**({"dtype": dtype} if dtype is not None else {}), **({"out": out} if out is not None else {})}
+        if not _neuron(self, out):
+            return cpu_fallback(op, self, p, dim, keepdim, **kw)
+        if not self.is_floating_point() or (dtype is not None and not dtype.is_floating_point):
+            _raise_like_cpu(op, self, p, dim, keepdim, **{k: v for k, v in kw.items() if k != "out"})
+        res = torch.linalg.vector_norm(self, 2 if p is None else p, list(dim) or None, keepdim, dtype=dtype)
+        return _into(res, out)
+    lowering(name)(kernel)
+
+
+for _name in ("norm.ScalarOpt_dim", "norm.out", "norm.ScalarOpt_dim_dtype", "norm.dtype_out"):
+    _norm_lowering(_name)
+
+
+# ---- losses, unpooling -------------------------------------------------------------------------------
+
+def _nll2d_ok(self: torch.Tensor, target: torch.Tensor) -> bool:
+    return (self.dim() == 4 and target.dim() == 3 and self.shape[0] == target.shape[0]
+            and tuple(self.shape[2:]) == tuple(target.shape[1:]))
+
+
+def _rows(self: torch.Tensor) -> torch.Tensor:
+    """[N, C, H, W] as [N*H*W, C] rows: the class dim moved last (one device copy)."""
+    return self.permute(0, 2, 3, 1).reshape(-1, self.shape[1])
+
+
+@lowering("nll_loss2d_forward")
+def nll_loss2d_forward(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, reduction: int,
+                       ignore_index: int):
+    """``nll_loss_forward`` over the pixels' rows; 'none' reshaped back to [N, H, W]."""
+    op = aten.nll_loss2d_forward.default
+    if not _neuron(self, target, weight) or self.dtype not in FLOATS:
+        return cpu_fallback(op, self, target, weight, reduction, ignore_index)
+    if not _nll2d_ok(self, target):
+        _raise_like_cpu(op, self, target, weight, reduction, ignore_index)
+    if self.numel() == 0 or target.numel() == 0:
+        return cpu_fallback(op, self, target, weight, reduction, ignore_index)
+    loss, total = aten.nll_loss_forward(_rows(self), target.reshape(-1), weight, reduction, ignore_index)
+    return (loss.reshape(target.shape) if reduction == 0 else loss), total
+
+
+@lowering("nll_loss2d_backward")
+def nll_loss2d_backward(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor,
+                        weight: torch.Tensor | None, reduction: int, ignore_index: int, total_weight: torch.Tensor):
+    """``nll_loss_backward`` over the pixels' rows, moved back to [N, C, H, W]."""
+    op = aten.nll_loss2d_backward.default
+    args = (grad_output, self, target, weight, reduction, ignore_index, total_weight)
+    if not _neuron(grad_output, self, target, weight) or self.dtype not in FLOATS:
+        return cpu_fallback(op, *args)
+    if not _nll2d_ok(self, target):
+        _raise_like_cpu(op, *args)
+    if self.numel() == 0 or target.numel() == 0:
+        return cpu_fallback(op, *args)
+    g = grad_output.reshape(-1) if reduction == 0 else grad_output
+    rows = aten.nll_loss_backward(g, _rows(self), target.reshape(-1), weight, reduction, ignore_index, total_weight)
+    N, C, H, W = self.shape
+    return rows.reshape(N, H, W, C).permute(0, 3, 1, 2).contiguous()
+
+
+def _unpool_lowering(name: str) -> None:
+    op = aten.max_unpool2d.out if name.endswith(".out") else aten.max_unpool2d.default
+
+    def kernel(self: torch.Tensor, indices: torch.Tensor, output_size: Sequence[int], *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Zeros of the output size, ``self`` scattered at ``indices`` into each plane's flat H*W."""
+        kw = {"out": out} if out is not None else {}
+        if not _neuron(self, indices, out) or self.dtype not in FLOATS:
+            return cpu_fallback(op, self, indices, output_size, **kw)
+        oh, ow = (list(output_size) + [0, 0])[:2]
+        ok = (len(output_size) == 2 and self.dim() in (3, 4) and indices.dtype == torch.int64
+              and indices.shape == self.shape and all(n > 0 for n in self.shape[-3:]) and oh > 0 and ow > 0
+              and (out is None or out.dtype == self.dtype))
+        if not ok:
+            _raise_like_cpu(op, self, indices, output_size)
+        lead = tuple(self.shape[:-2])
+        planes = self.reshape(-1, self.shape[-2] * self.shape[-1])
+        idx = indices.reshape(planes.shape)
+        # indices are int64: range-check their int32 words (low in [0, oh*ow), high 0), one host read
+        words = idx.contiguous().view(torch.int32).view(-1, 2)
+        bad = (words[:, 1] != 0) | (words[:, 0] < 0) | (words[:, 0] >= oh * ow)
+        if bool(bad.any().item()):
+            # the CPU's loop keeps the last invalid index it meets
+            last = bad.numel() - 1 - int(bad.flip(0).to(torch.float32).argmax().item())
+            value = int(idx.reshape(-1)[last:last + 1].cpu().item())
+            raise RuntimeError(f"Found an invalid max index: {value} (output volumes are of size {oh}x{ow})")
+        res = torch.zeros((planes.shape[0], oh * ow), dtype=self.dtype, device=self.device)
+        res.scatter_(1, idx, planes)
+        return _into(res.reshape(*lead, oh, ow), out)
+    lowering(name)(kernel)
+
+
+for _name in ("max_unpool2d", "max_unpool2d.out"):
+    _unpool_lowering(_name)
+
+
+# ---- robust regression losses ------------------------------------------------------------------------
+
+def _loss_ok(*ts: torch.Tensor | None) -> bool:
+    real = [t for t in ts if t is not None]
+    return _neuron(*real) and all(t.dtype in FLOATS and t.dtype == real[0].dtype for t in real)
+
+
+def _reduce(losses: torch.Tensor, reduction: int) -> torch.Tensor:
+    """ATen's reduction enum: 0 none, 1 mean, 2 sum."""
+    return losses if reduction == 0 else losses.mean() if reduction == 1 else losses.sum()
+
+
+def _piecewise_loss(name: str, quadratic_scale: bool) -> None:
+    """smooth_l1 (``quadratic_scale``: 0.5 z^2 / beta | z - beta/2) or huber (0.5 z^2 | delta (z - delta/2))."""
+    op = getattr(aten, name)
+
+    def kernel(self: torch.Tensor, target: torch.Tensor, reduction: int = 1, param: float = 1.0, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        ov = op.out if out is not None else op.default
+        if _neuron(self, target, out) and (param < 0 or (param == 0 and not quadratic_scale)):
+            _raise_like_cpu(op.default, self, target, reduction, param)   # the CPU's range message
+        if not _loss_ok(self, target, out) or param == 0:   # beta == 0: smooth_l1 is l1 (host)
+            return cpu_fallback(ov, self, target, reduction, param, **({"out": out} if out is not None else {}))
+        z = (self - target).abs()
+        if quadratic_scale:
+            losses = torch.where(z < param, z * z * (0.5 / param), z - 0.5 * param)
+        else:
+            losses = torch.where(z < param, z * z * 0.5, (z - 0.5 * param) * param)
+        return _into(_reduce(losses, reduction), out)
+    lowering(name, f"{name}.out")(kernel)
+
+
+def _piecewise_loss_backward(name: str, out_name: str, quadratic_scale: bool) -> None:
+    """The gradients: ``norm * g * clamp(x / beta, -1, 1)`` (smooth_l1), ``norm * g * clamp(x, -delta, delta)``
+    (huber), ``x = self - target``, ``norm`` 1/numel for the mean."""
+    op = getattr(aten, name)
+
+    def kernel(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor, reduction: int, param: float,
+               *, grad_input: torch.Tensor | None = None) -> torch.Tensor:
+        ov = getattr(op, out_name) if grad_input is not None else op.default
+        if not _loss_ok(grad_output, self, target, grad_input) or param <= 0:
+            return cpu_fallback(ov, grad_output, self, target, reduction, param,
+                                **({"grad_input": grad_input} if grad_input is not None else {}))
+        x = self - target
+        slope = (x / param).clamp(-1, 1) if quadratic_scale else x.clamp(-param, param)
+        norm = 1.0 / self.numel() if reduction == 1 else 1.0
+        res = slope * grad_output * norm
+        shape = torch.broadcast_shapes(self.shape, target.shape)
+        res = res.expand(shape) if res.shape != shape else res
+        return _into(res if grad_input is not None else res.contiguous(), grad_input)
+    lowering(name, f"{name}.{out_name}")(kernel)
+
+
+_piecewise_loss("smooth_l1_loss", True)
+_piecewise_loss("huber_loss", False)
+_piecewise_loss_backward("smooth_l1_loss_backward", "grad_input", True)
+_piecewise_loss_backward("huber_loss_backward", "out", False)
