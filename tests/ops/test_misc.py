@@ -95,3 +95,29 @@ def test_unpool_bad_index(strict):
     with pytest.raises(RuntimeError) as dev:
         F.max_unpool2d(to_n(POOLED), to_n(IDX + 100), 2)
     assert re.sub(r"\d+ \(", "N (", str(dev.value)) == re.sub(r"\d+ \(", "N (", str(cpu.value))
+
+
+def test_cross_and_batch_norm_variants(strict):
+    a, b = torch.randn(4, 3), torch.randn(1, 3)
+    torch.testing.assert_close(torch.linalg.cross(a.to("neuron"), b.to("neuron")).cpu(), torch.linalg.cross(a, b))
+    with pytest.raises(IndexError):
+        torch.linalg.cross(a.to("neuron"), a.to("neuron"), dim=2)
+    x = torch.randn(4, 3, 5)
+    for fn in (lambda t, rm, rv: torch.ops.aten._native_batch_norm_legit(t, None, None, rm, rv, True, 0.1, 1e-5),
+               lambda t, rm, rv: torch.ops.aten._batch_norm_with_update(t, None, None, rm, rv, 0.1, 1e-5)[:3]):
+        rm, rv = torch.zeros(3), torch.ones(3)
+        rmn, rvn = rm.to("neuron"), rv.to("neuron")
+        got, want = fn(x.to("neuron"), rmn, rvn), fn(x, rm, rv)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rmn.cpu(), rm, atol=1e-6, rtol=1e-5)      # running stats updated in place
+
+
+def test_empty_inputs_stay_on_the_device(strict):
+    e = torch.randn(0, 5)
+    n = e.to("neuron")
+    for fn in (lambda t: torch.nn.functional.layer_norm(t, (5,)), lambda t: t.std(), lambda t: t.var(0),
+               lambda t: t.index_select(1, torch.tensor([4, 0], device=t.device)), lambda t: t.softmax(1),
+               lambda t: t.sum(0), lambda t: t.mean(1)):
+        torch.testing.assert_close(fn(n).cpu(), fn(e), equal_nan=True)
+    torch.testing.assert_close(torch.cat([torch.tensor([], device="neuron")] * 2).cpu(), torch.cat([torch.tensor([])] * 2))

@@ -705,3 +705,27 @@ def native_dropout_backward(grad_output: torch.Tensor, mask: torch.Tensor, scale
         return cpu_fallback(aten.native_dropout_backward.default, grad_output, mask, scale)
     return run_pointwise(_dropout_grad_tile, [grad_output, mask, float(scale)], KIND.DEFAULT,
                          result_dtype=grad_output.dtype, op="aten::native_dropout_backward")
+
+
+# The functional batch-norm variants export / torch.compile paths and some modules call: the same kernel.
+@lowering("_native_batch_norm_legit")
+def native_batch_norm_legit(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                            running_mean: torch.Tensor, running_var: torch.Tensor, training: bool, momentum: float,
+                            eps: float):
+    """``native_batch_norm`` with running statistics."""
+    return native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+@lowering("_native_batch_norm_legit.no_stats")
+def native_batch_norm_legit_no_stats(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                                     training: bool, momentum: float, eps: float):
+    """``native_batch_norm`` without running statistics."""
+    return native_batch_norm(input, weight, bias, None, None, training, momentum, eps)
+
+
+@lowering("_batch_norm_with_update")
+def batch_norm_with_update(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                           running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float, eps: float):
+    """Training batch norm that updates the running statistics; the reserve tensor is empty, as on CPU."""
+    out, mean, invstd = native_batch_norm(input, weight, bias, running_mean, running_var, True, momentum, eps)
+    return out, mean, invstd, torch.empty(0, dtype=torch.uint8, device=input.device)

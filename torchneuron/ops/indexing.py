@@ -61,7 +61,8 @@ def index_select(self: torch.Tensor, dim: int, index: torch.Tensor, *, out: torc
     """``self.index_select(dim, index)`` by indirect-DMA row gathers."""
     ok = (self.device.type == "neuron" and index.device == self.device and can_copy(self, self)
           and self.dtype in DEVICE_DTYPES and index.dtype in (torch.int32, torch.int64) and index.dim() <= 1
-          and self.numel() > 0 and (out is None or (out.device == self.device and out.dtype == self.dtype)))
+          and (self.numel() > 0 or self.dim() > 0)
+          and (out is None or (out.device == self.device and out.dtype == self.dtype)))
     if not ok:
         return cpu_fallback(aten.index_select.out if out is not None else aten.index_select.default, self, dim,
                             index, **({"out": out} if out is not None else {}))
@@ -71,8 +72,8 @@ def index_select(self: torch.Tensor, dim: int, index: torch.Tensor, *, out: torc
     src = self.reshape(1) if self.dim() == 0 else self
     moved = src.movedim(d, 0)
     n = index.numel()
-    if n == 0:
-        res = torch.empty((0, *moved.shape[1:]), dtype=self.dtype, device=self.device)
+    if n == 0 or moved.numel() == 0:  # nothing to gather: an empty result of the gathered shape
+        res = torch.empty((n, *moved.shape[1:]), dtype=self.dtype, device=self.device)
     else:
         rows = _gather(moved.reshape(moved.shape[0], -1), index)
         res = rows.reshape(n, *moved.shape[1:])
@@ -180,6 +181,11 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: torch.Tensor | No
     ts = list(tensors)
     dev = ts[0].device if ts else None
     live = [t for t in ts if not (t.dim() == 1 and t.numel() == 0)]   # legacy empty inputs are skipped
+    if ts and not live and all(t.device == dev for t in ts) and out is None and dev.type == "neuron":
+        dtype = ts[0].dtype                    # only legacy empty inputs: an empty result
+        for t in ts[1:]:
+            dtype = torch.promote_types(dtype, t.dtype)
+        return torch.empty((0,), dtype=dtype, device=dev)
     ok = (ts and all(t.device == dev for t in ts) and (out is None or out.device == dev) and live
           and all(t.dim() == live[0].dim() for t in live))
     if not ok:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+from torch._prims_common import canonicalize_dim
 
 from torchneuron.ops.matmul import MATMUL_DTYPES, _add_scaled, _mm_into
 from torchneuron.ops.registry import cpu_fallback, lowering
@@ -311,3 +312,28 @@ _piecewise_loss("smooth_l1_loss", True)
 _piecewise_loss("huber_loss", False)
 _piecewise_loss_backward("smooth_l1_loss_backward", "grad_input", True)
 _piecewise_loss_backward("huber_loss_backward", "out", False)
+
+
+@lowering("linalg_cross", "linalg_cross.out")
+def linalg_cross(self: torch.Tensor, other: torch.Tensor, *, dim: int = -1,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """3-vector cross products along ``dim`` (broadcast), from the components' products."""
+    if self.dim() != other.dim():
+        raise RuntimeError("linalg.cross: inputs must have the same number of dimensions.")
+    d = canonicalize_dim(self.dim(), dim)          # IndexError for a dim out of range, as on CPU
+    if self.shape[d] != 3 or other.shape[d] != 3:
+        raise RuntimeError(f"linalg.cross: inputs dimension {dim} must have length 3. Got {self.shape[d]} and "
+                           f"{other.shape[d]}")
+    if self.dtype != other.dtype or not self.is_floating_point() or \
+            (out is not None and (out.device != self.device or out.dtype != self.dtype)):
+        return cpu_fallback(aten.linalg_cross.out if out is not None else aten.linalg_cross.default, self, other,
+                            dim=dim, **({"out": out} if out is not None else {}))
+    a = [self.select(d, i) for i in range(3)]
+    b = [other.select(d, i) for i in range(3)]
+    res = torch.stack([a[1] * b[2] - a[2] * b[1], a[2] * b[0] - a[0] * b[2], a[0] * b[1] - a[1] * b[0]], d)
+    if out is not None:
+        if tuple(out.shape) != tuple(res.shape):
+            torch._refs._maybe_resize_out(out, res.shape)
+        out.copy_(res)
+        return out
+    return res

@@ -117,13 +117,16 @@ def native_layer_norm(input: torch.Tensor, normalized_shape: Sequence[int], weig
     """(layer_norm(input), mean, 1/std) over the trailing ``normalized_shape`` dims."""
     N, D = _norm_shape(input, normalized_shape)
     params = [t for t in (weight, bias) if t is not None]
+    stat_shape = list(input.shape[:input.dim() - len(normalized_shape)]) + [1] * len(normalized_shape)
+    if input.numel() == 0 and input.dtype in FLOATS:   # nothing to normalise: empty results of the right shapes
+        empty = torch.empty(stat_shape, dtype=input.dtype, device=input.device)
+        return torch.empty_like(input), empty, empty.clone()
     if input.dtype not in FLOATS or N == 0 or D == 0 or any(t.dtype != input.dtype for t in params):
         return cpu_fallback(aten.native_layer_norm.default, input, normalized_shape, weight, bias, eps)
     rows = dense(input).reshape(N, D)
     (out,) = call_kernel(layer_norm_kernel, {"x": rows, "weight": _param(weight, D, 1.0, input),
                                              "bias": _param(bias, D, 0.0, input)}, {"eps": float(eps)},
                          op="aten::native_layer_norm")
-    stat_shape = list(input.shape[:input.dim() - len(normalized_shape)]) + [1] * len(normalized_shape)
     x32 = rows if rows.dtype == torch.float32 else rows.float()
     mean = x32.mean(1, keepdim=True)
     rstd = ((x32 - mean) * (x32 - mean)).mean(1, keepdim=True).add(eps).rsqrt()

@@ -224,11 +224,15 @@ def _var_lowering(name: str, take_sqrt: bool):
     def kernel(self: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """var/std as sum((x - mean)**2) / (N - correction), each step a device launch."""
-        if self.dtype not in FLOATS or self.numel() == 0 or (out is not None and out.device != self.device):
+        if self.dtype not in FLOATS or (out is not None and out.device != self.device):
             return cpu_fallback(overload, self, dim, correction=correction, keepdim=keepdim,
                                 **({"out": out} if out is not None else {}))
         dims = _dims(self, dim)
         n = _prod(self.shape[d] for d in dims) if self.dim() else 1
+        if self.numel() == 0:  # no elements: NaN for each (empty) group, as on CPU
+            shape = [1 if d in dims else s for d, s in enumerate(self.shape)] if keepdim else \
+                [s for d, s in enumerate(self.shape) if d not in dims]
+            return _into(torch.full(shape, float("nan"), dtype=self.dtype, device=self.device), out)
         c = 1 if correction is None else correction
         d = self - self.mean(dims, keepdim=True) if dims else self - self
         res = (d * d).sum(dims, keepdim=keepdim) if dims else d * d

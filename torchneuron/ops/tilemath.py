@@ -5,7 +5,8 @@ returns a tile; it runs at trace time, so every call below is one or a few engin
 Where the ScalarE has the function (exp, log, tanh, erf, ...) it is one activation. The rest
 are composed, following the formulas PyTorch's CPU kernels use where that keeps the results
 within a few ulps (``log1p``/``expm1`` use Kahan's forms, which stay accurate near 0).
-``where`` is an exact bitwise select on the operands' bits, so it passes NaN and inf through.
+``where`` is an exact bitwise select on the operands' bits (``b ^ ((a ^ b) & mask)``), so it passes
+NaN and inf through.
 Functions that bake a constant into the Program (``pow_scalar(2.0)``) are cached per constant.
 """
 from __future__ import annotations
@@ -45,13 +46,11 @@ def _mask(c):
 
 
 def where(c, a, b):
-    """``c ? a : b`` bit-exactly: ``(a & m) | (b & ~m)`` on the operands' bits."""
+    """``c ? a : b`` bit-exactly: ``b ^ ((a ^ b) & m)`` on the operands' bits, m all ones where c."""
     m = _mask(c)
-    ta = nl.bitwise_and(_bits(a), m)
-    nm = nl.ndarray(m.shape, nl.int32)
-    nisa.tensor_scalar(dst=nm, data=m, op0=nl.bitwise_xor, operand0=-1)
-    tb = nl.bitwise_and(_bits(b), nm)
-    return _from_bits(nl.bitwise_or(ta, tb), a if _float(a) else b)
+    ba = _bits(b)
+    picked = nl.bitwise_and(nl.bitwise_xor(_bits(a), ba), m)
+    return _from_bits(nl.bitwise_xor(ba, picked), a if _float(a) else b)
 
 
 def _const(like, value):

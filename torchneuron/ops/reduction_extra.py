@@ -1,0 +1,301 @@
+"""Less common reductions and scans, composed from lowered ops: ``nansum``, ``std_mean``, ``median`` /
+``nanmedian``, ``aminmax``, ``count_nonzero``, ``cummax`` / ``cummin``, ``logcumsumexp``, ``index_reduce``.
+
+- ``median``/``nanmedian``: a stable ascending sort (NaN last), then the column the CPU picks:
+  ``(n - 1) // 2`` (the lower median), the first NaN when ``median`` meets one, and
+  ``(n - nans - 1) // 2`` for ``nanmedian``. The stable order gives the CPU's index among ties.
+- ``cummax``/``cummin``/``logcumsumexp``: the prefix j <= i of every element of a row is one row of a
+  lower-triangular [L*n, n] selection (O(L n^2), like the sorts), reduced by the lowered
+  ``amax``/``amin``/``logsumexp``; so NaN and infinities behave like the reductions (and the CPU).
+- ``index_reduce``: a ``scatter_reduce`` with the index broadcast along the source.
+Inputs outside what these run on (dtypes, sizes) take the CPU fallback.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._prims_common import canonicalize_dim
+
+from torchneuron.ops.indexing import arange_values
+from torchneuron.ops.kernel_call import dense
+from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.scatter import DATA_DTYPES, _into, _on_device, check_out
+from torchneuron.ops.sort import SORT_LIMIT, _sort
+
+aten = torch.ops.aten
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Unsupported(Exception):
+    """The device does not run this call: take the CPU fallback."""
+
+
+def _outs(**kw: Any) -> dict[str, Any]:
+    """The keyword arguments that were given (out tensors left out when None)."""
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+# ---- nansum, std_mean, aminmax, count_nonzero ---------------------------------------------------
+
+@lowering("nansum", "nansum.out")
+def nansum(self: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: torch.dtype | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``nansum``: NaNs replaced by zero, then the lowered ``sum``."""
+    overload = aten.nansum.out if out is not None else aten.nansum.default
+    if self.is_complex():
+        raise RuntimeError("nansum does not support complex inputs")
+    if not _on_device(self, out) or self.dtype == torch.float64 or dtype == torch.float64:
+        return cpu_fallback(overload, self, dim, keepdim, dtype=dtype, **_outs(out=out))
+    if dtype is None and out is not None:
+        dtype = out.dtype   # the CPU sums in out's dtype
+    x = torch.where(self.isnan(), 0.0, self) if self.is_floating_point() else self
+    res = torch.sum(x, dim, keepdim, dtype=dtype)
+    return _into(res, out)
+
+
+@lowering("std_mean.correction")
+def std_mean(self: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False):
+    """(std, mean): the lowered ``var_mean`` and a square root."""
+    var, mean = aten.var_mean.correction(self, dim, correction=correction, keepdim=keepdim)
+    return var.sqrt(), mean
+
+
+@lowering("aminmax", "aminmax.out")
+def aminmax(self: torch.Tensor, *, dim: int | None = None, keepdim: bool = False,
+            min: torch.Tensor | None = None, max: torch.Tensor | None = None):  # noqa: A002
+    """(amin, amax) by the lowered reductions."""
+    outs = _outs(min=min, max=max)
+    overload = aten.aminmax.out if outs else aten.aminmax.default
+    if not _on_device(self, min, max) or self.dtype not in DATA_DTYPES or self.numel() == 0:
+        if self.numel() == 0 and self.device.type == "neuron":
+            # the CPU's error (no identity) or its empty result, computed on an empty CPU twin
+            lo, hi = aten.aminmax.default(torch.empty(self.shape, dtype=self.dtype), dim=dim, keepdim=keepdim)
+            return _into(lo.to(self.device), min), _into(hi.to(self.device), max)
+        return cpu_fallback(overload, self, dim=dim, keepdim=keepdim, **outs)
+    for o in (min, max):
+        if o is not None and o.dtype != self.dtype:
+            raise RuntimeError(f"Expected out tensor to have dtype {self.dtype}, but got {o.dtype} instead")
+    if dim is None:
+        x = self.reshape(-1)
+        lo, hi = x.amin(0), x.amax(0)
+        if keepdim:
+            lo, hi = lo.reshape([1] * self.dim()), hi.reshape([1] * self.dim())
+    else:
+        canonicalize_dim(max_dim(self), dim)
+        lo, hi = self.amin(dim, keepdim), self.amax(dim, keepdim)
+    return _into(lo, min), _into(hi, max)
+
+
+def max_dim(t: torch.Tensor) -> int:
+    """The rank dims are canonicalized against (a 0-dim tensor takes dims 0 and -1)."""
+    return t.dim() if t.dim() else 1
+
+
+@lowering("count_nonzero.dim_IntList")
+def count_nonzero(self: torch.Tensor, dim: list[int]) -> torch.Tensor:
+    """The number of non-zeros: an exact integer sum of ``x != 0``."""
+    if self.device.type != "neuron" or self.dtype not in DATA_DTYPES:
+        return cpu_fallback(aten.count_nonzero.dim_IntList, self, dim)
+    return (self != 0).sum(list(dim), dtype=torch.int64)
+
+
+# ---- median, nanmedian --------------------------------------------------------------------------
+
+def _median_along(x: torch.Tensor, d: int, ignore_nan: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, int64 indices) of the (nan)median along dim ``d`` of ``x`` (dim kept, size 1)."""
+    values, indices = _sort(x, d, False)
+    n = x.shape[d]
+    if x.is_floating_point():
+        nans = x.isnan().sum(d, keepdim=True, dtype=torch.float32)
+        if ignore_nan:
+            # (n - nans - 1) // 2, truncated toward zero like the CPU's C++ (0 for an all-NaN line)
+            col = ((n - 1 - nans).clamp_min(0) * 0.5).floor()
+        else:
+            col = torch.where(nans > 0, n - nans, float((n - 1) // 2))  # the first NaN in stable order
+        col = col.to(torch.int64)
+    else:
+        shape = list(x.shape)
+        shape[d] = 1
+        col = torch.full(shape, (n - 1) // 2, dtype=torch.int64, device=x.device)
+    # int64 data has no device gather: pick the int32 positions, widened after
+    return values.gather(d, col), indices.to(torch.int32).gather(d, col).to(torch.int64)
+
+
+def _median_full(name: str, ignore_nan: bool) -> None:
+    overload = getattr(aten, name).default
+
+    def kernel(self: torch.Tensor) -> torch.Tensor:
+        """The (nan)median of all elements (NaN for an empty input, as the CPU)."""
+        if self.device.type != "neuron" or self.dtype not in DATA_DTYPES or self.numel() > SORT_LIMIT ** 0.5:
+            return cpu_fallback(overload, self)
+        if self.numel() == 0:
+            return overload(torch.empty(0, dtype=self.dtype)).to(self.device)
+        v, _ = _median_along(self.reshape(-1), 0, ignore_nan)
+        return v.reshape(())
+    lowering(name)(kernel)
+
+
+def _median_dim(name: str, ignore_nan: bool) -> None:
+    overload = getattr(aten, name).dim_values
+
+    def kernel(self: torch.Tensor, dim: int, keepdim: bool = False, *, values: torch.Tensor,
+               indices: torch.Tensor):
+        """(values, indices) of the (nan)median along ``dim``, into ``values``/``indices``."""
+        try:
+            if not _on_device(self, values, indices) or self.dtype not in DATA_DTYPES:
+                raise Unsupported
+            d = canonicalize_dim(max_dim(self), dim)
+            if self.numel() == 0:   # the CPU's error for an empty dim, or its empty result
+                v, i = overload(torch.empty(self.shape, dtype=self.dtype), dim, keepdim,
+                                values=torch.empty(0, dtype=values.dtype), indices=torch.empty(0, dtype=torch.int64))
+                return _into(v.to(self.device), values), _into(i.to(self.device), indices)
+            if values.dtype != self.dtype or indices.dtype != torch.int64:
+                raise Unsupported   # the CPU's dtype errors
+            check_out(values, self)
+            check_out(indices, self)
+            x = self.reshape(1) if self.dim() == 0 else self
+            v, i = _median_along(x, d, ignore_nan)
+            if not keepdim or self.dim() == 0:
+                v, i = v.squeeze(d), i.squeeze(d)
+            if self.dim() == 0:
+                v, i = v.reshape(()), i.reshape(())
+            return _into(dense(v), values), _into(dense(i), indices)
+        except Unsupported:
+            return cpu_fallback(overload, self, dim, keepdim, values=values, indices=indices)
+    lowering(f"{name}.dim_values")(kernel)
+
+
+for _name, _ignore in (("median", False), ("nanmedian", True)):
+    _median_full(_name, _ignore)
+    _median_dim(_name, _ignore)
+
+
+# ---- prefix reductions: cummax, cummin, logcumsumexp --------------------------------------------
+
+def _prefixes(x: torch.Tensor, d: int, fill: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The rows of ``x`` along ``d`` as [L*n, n] prefixes (``fill`` after position i), the rows, n."""
+    moved = dense(x.movedim(d, -1))
+    n = moved.shape[-1]
+    L = moved.numel() // n
+    if L * n * n > SORT_LIMIT:
+        raise Unsupported
+    rows = moved.reshape(L, n)
+    j = arange_values(n, x.device)
+    upto = j.reshape(1, n) <= j.reshape(n, 1)                      # [i, j]: j <= i
+    full = dense(rows.reshape(L, 1, n).expand(L, n, n))
+    return torch.where(upto, full, fill).reshape(L * n, n), rows, n
+
+
+def _restore(res: torch.Tensor, like: torch.Tensor, d: int) -> torch.Tensor:
+    """A [L*n] result along the moved-last dim back in the layout of ``like``."""
+    moved_shape = list(like.movedim(d, -1).shape)
+    return dense(res.reshape(moved_shape).movedim(-1, d)).reshape(like.shape)
+
+
+def _cum_extreme(name: str, is_max: bool) -> None:
+    overload = getattr(aten, name).default
+
+    def kernel(self: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, dim: int) -> None:
+        """Running max/min with the CPU's index: the last position holding the running value (NaN sticks)."""
+        try:
+            if not _on_device(self, values, indices) or self.dtype not in DATA_DTYPES or self.numel() == 0:
+                raise Unsupported
+            d = canonicalize_dim(max_dim(self), dim)
+            x = self.reshape(1) if self.dim() == 0 else self
+            key = x.to(torch.float32) if x.dtype != torch.float32 else x   # exact for the device's dtypes
+            prefix, rows, n = _prefixes(key, d, float("-inf") if is_max else float("inf"))
+            run = prefix.amax(-1, keepdim=True) if is_max else prefix.amin(-1, keepdim=True)
+            L = rows.shape[0]
+            pos = arange_values(n, self.device)
+            j = pos.to(torch.float32).reshape(1, 1, n)
+            upto = pos.reshape(1, n) <= pos.reshape(n, 1)              # [i, j]: j <= i
+            rows_i = rows.reshape(L, 1, n)
+            run3 = run.reshape(L, n, 1)
+            same = ((rows_i == run3) | (rows_i.isnan() & run3.isnan())) & upto
+            last = torch.where(same, j, -1.0).amax(-1).reshape(-1)
+            v = _restore(run.reshape(-1), x, d).to(self.dtype).reshape(self.shape)
+            idx = _restore(last, x, d).to(torch.int64).reshape(self.shape)
+            _into(v, values)
+            _into(idx, indices)
+        except Unsupported:
+            cpu_fallback(overload, self, values, indices, dim)
+    lowering(name)(kernel)
+
+
+_cum_extreme("_cummax_helper", True)
+_cum_extreme("_cummin_helper", False)
+
+
+@lowering("_logcumsumexp", "_logcumsumexp.out")
+def logcumsumexp(self: torch.Tensor, dim: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """log(cumsum(exp(x))) as a stable ``logsumexp`` over every prefix (no running-sum overflow)."""
+    overload = aten._logcumsumexp.out if out is not None else aten._logcumsumexp.default
+    try:
+        if not _on_device(self, out) or self.dtype not in FLOATS:
+            raise Unsupported
+        if out is not None and out.dtype != self.dtype:
+            raise Unsupported   # the CPU's dtype error
+        d = canonicalize_dim(max_dim(self), dim)
+        if self.numel() == 0:
+            return _into(torch.empty(self.shape, dtype=self.dtype, device=self.device), out)
+        x = self.reshape(1) if self.dim() == 0 else self
+        prefix, _, _ = _prefixes(x.to(torch.float32), d, float("-inf"))
+        res = _restore(torch.logsumexp(prefix, -1), x, d).to(self.dtype).reshape(self.shape)
+        check_out(out, self)
+        return _into(res, out)
+    except Unsupported:
+        return cpu_fallback(overload, self, dim, **_outs(out=out))
+
+
+# ---- index_reduce ------------------------------------------------------------------------------
+
+def _index_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, reduce: str,
+                  include_self: bool) -> torch.Tensor:
+    """``index_reduce`` as a ``scatter_reduce`` whose index is ``index`` broadcast along ``source``."""
+    if not _on_device(self, index, source) or self.dtype not in FLOATS or self.dim() == 0:
+        raise Unsupported
+    if reduce not in ("prod", "mean", "amax", "amin"):   # the meta kernel does not check it
+        aten.index_reduce.default(self.cpu(), dim, index.cpu(), source.cpu(), reduce, include_self=include_self)
+        raise RuntimeError(f"index_reduce(): unknown reduce {reduce}")
+    # the CPU's shape/dtype checks, on meta twins
+    meta = lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")  # noqa: E731
+    aten.index_reduce.default(meta(self), dim, meta(index), meta(source), reduce, include_self=include_self)
+    d = canonicalize_dim(self.dim(), dim)
+    if index.numel() and bool(((index < 0) | (index >= self.shape[d])).any().item()):
+        aten.index_reduce.default(self.cpu(), dim, index.cpu(), source.cpu(), reduce, include_self=include_self)
+        raise IndexError("index out of bounds")
+    if index.numel() == 0:
+        return self.clone()
+    shape = [1] * source.dim()
+    shape[d] = index.numel()
+    idx = dense(index.to(torch.int64).reshape(shape).expand(source.shape))
+    return torch.scatter_reduce(self, d, idx, source, reduce, include_self=include_self)
+
+
+@lowering("index_reduce", "index_reduce.out")
+def index_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, reduce: str, *,
+                 include_self: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``index_reduce`` (prod, mean, amax, amin), out-of-place, in place or into ``out``."""
+    try:
+        res = _index_reduce(self, dim, index, source, reduce, include_self)
+        if out is not None:
+            if out.device != self.device:
+                raise Unsupported
+            return _into(res, out)
+        return res
+    except Unsupported:
+        overload = aten.index_reduce.out if out is not None else aten.index_reduce.default
+        return cpu_fallback(overload, self, dim, index, source, reduce, include_self=include_self,
+                            **_outs(out=out))
+
+
+@lowering("index_reduce_")
+def index_reduce_(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, reduce: str, *,
+                  include_self: bool = True) -> torch.Tensor:
+    """In-place ``index_reduce_``: the out-of-place result copied back into ``self``."""
+    try:
+        check_out(self, index, source)
+        return _into(_index_reduce(self, dim, index, source, reduce, include_self), self)
+    except Unsupported:
+        return cpu_fallback(aten.index_reduce_.default, self, dim, index, source, reduce, include_self=include_self)
