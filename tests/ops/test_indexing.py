@@ -145,3 +145,18 @@ def test_fused_adam(cls, wd, strict):
             o.step()
     for p, pn in zip(m.parameters(), mn.parameters()):
         torch.testing.assert_close(pn.detach().cpu(), p.detach(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_embedding_bag_and_max_norm(mode, strict):
+    w = torch.randn(10, 4)
+    i, o = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4, 4, 6])
+    psw = torch.rand(8) if mode == "sum" else None
+    want = F.embedding_bag(i, w, o, mode=mode, per_sample_weights=psw, padding_idx=4)
+    got = F.embedding_bag(to_n(i), to_n(w), to_n(o), mode=mode,
+                          per_sample_weights=None if psw is None else to_n(psw), padding_idx=4)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-6, rtol=1e-5)
+    wn, wc = to_n(w), w.clone()
+    F.embedding(to_n(i), wn, max_norm=1.0)                      # renormalises the looked-up rows in place
+    F.embedding(i, wc, max_norm=1.0)
+    torch.testing.assert_close(wn.cpu(), wc, atol=1e-6, rtol=1e-5)

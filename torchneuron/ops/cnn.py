@@ -304,6 +304,11 @@ def _max_pool(self: torch.Tensor, kernel_size, stride, padding, dilation, ceil_m
 def max_pool2d_with_indices(self: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int] = (),
                             padding: Sequence[int] = (0,), dilation: Sequence[int] = (1,), ceil_mode: bool = False):
     """(values, flat input indices) of 2-D max pooling: window gather, max and argmax reductions."""
+    shape = _meta_run(aten.max_pool2d_with_indices.default, self, kernel_size, stride, padding, dilation,
+                      ceil_mode)[0].shape                         # the CPU's errors for bad arguments
+    if self.numel() == 0 and _on(self.device, self):
+        return (torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=torch.int64, device=self.device))
     if not _max_pool_ok(self):
         return cpu_fallback(aten.max_pool2d_with_indices.default, self, kernel_size, stride, padding, dilation,
                             ceil_mode)
@@ -447,6 +452,10 @@ def avg_pool2d(self: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[
                padding: Sequence[int] = (0,), ceil_mode: bool = False, count_include_pad: bool = True,
                divisor_override: int | None = None) -> torch.Tensor:
     """2-D average pooling as ``Mh @ x @ Mw^T`` (band matrices of 1/count)."""
+    shape = _meta_run(aten.avg_pool2d.default, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                      divisor_override).shape                     # the CPU's errors for bad arguments
+    if self.numel() == 0 and _on(self.device, self):
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
     if not _avg_ok(self):
         return cpu_fallback(aten.avg_pool2d.default, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
                             divisor_override)
@@ -650,7 +659,7 @@ def native_group_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, mean
 
 def _var_mean(self: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False):
     """(var, mean) over ``dim``: the device's var and mean reductions."""
-    if not _on(self.device, self) or self.numel() == 0:
+    if not _on(self.device, self):
         return cpu_fallback(aten.var_mean.correction, self, dim, correction=correction, keepdim=keepdim)
     var = torch.var(self, dim, correction=correction, keepdim=keepdim)
     dims = [] if dim is None else dim

@@ -248,3 +248,64 @@ def flip(self: torch.Tensor, dims: Sequence[int], *, out: torch.Tensor | None = 
         device_copy(out, res)
         return out
     return res.clone() if res is self else res
+
+
+@lowering("embedding_renorm_")
+def embedding_renorm_(self: torch.Tensor, indices: torch.Tensor, max_norm: float, norm_type: float) -> torch.Tensor:
+    """Rescale the rows ``indices`` of ``self`` whose ``norm_type``-norm exceeds ``max_norm`` (in place),
+    as the CPU kernel does: ``scale = max_norm / (norm + 1e-7)``."""
+    if self.dtype not in (torch.float32, torch.bfloat16, torch.float16) or self.dim() != 2 or \
+            indices.device != self.device or indices.dtype not in (torch.int32, torch.int64):
+        return cpu_fallback(aten.embedding_renorm_.default, self, indices, max_norm, norm_type)
+    if indices.numel() == 0:
+        return self
+    idx = indices.reshape(-1)
+    rows = index_select(self, 0, idx)
+    norms = torch.linalg.vector_norm(rows.float(), norm_type, dim=1, keepdim=True)
+    scale = torch.where(norms > max_norm, max_norm / (norms + 1e-7), 1.0)
+    self.index_copy_(0, idx, (rows.float() * scale).to(self.dtype))
+    return self
+
+
+@lowering("_embedding_bag_forward_only")
+def embedding_bag_forward_only(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+                               scale_grad_by_freq: bool = False, mode: int = 0, sparse: bool = False,
+                               per_sample_weights: torch.Tensor | None = None, include_last_offset: bool = False,
+                               padding_idx: int = -1):
+    """Sum / mean bags of embedding rows (inference): a row gather, then ``onehot(bag)^T``-style sums on
+    TensorE. The bag boundaries are read on the host (one sync); ``max`` bags take the CPU fallback.
+    Returns (output, offset2bag, bag_size, max_indices) shaped as the CPU kernel's."""
+    args = (weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset,
+            padding_idx)
+    ok = (mode in (0, 1) and weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+          and indices.dim() == 1 and offsets.dim() == 1 and indices.device == weight.device == offsets.device
+          and (per_sample_weights is None or per_sample_weights.device == weight.device))
+    if not ok:
+        return cpu_fallback(aten._embedding_bag_forward_only.default, *args)
+    # the CPU's argument checks (index range, offsets order ...) on host copies of the small integer inputs
+    idx_cpu, off_cpu = indices.cpu(), offsets.cpu()
+    aten._embedding_bag_forward_only(torch.zeros((weight.shape[0], 1)), idx_cpu, off_cpu, scale_grad_by_freq, mode,
+                                     sparse, None if per_sample_weights is None else per_sample_weights.cpu(),
+                                     include_last_offset, padding_idx)
+    n, D = indices.numel(), weight.shape[1]
+    starts = off_cpu[:-1] if include_last_offset else off_cpu
+    B = starts.numel()
+    bag = torch.bucketize(torch.arange(n), starts, right=True) - 1          # the bag of each index
+    keep = idx_cpu != padding_idx if padding_idx >= 0 else torch.ones(n, dtype=torch.bool)
+    counts = torch.zeros(B, dtype=torch.int64).index_add_(0, bag[keep], torch.ones(int(keep.sum()), dtype=torch.int64))
+    onehot = torch.zeros(B, n, dtype=torch.float32)
+    if n:
+        onehot[bag[keep], torch.arange(n)[keep]] = 1.0
+    if mode == 1:
+        onehot = onehot / counts.clamp(min=1).to(torch.float32).reshape(B, 1)
+    rows = _gather(weight, indices) if n else torch.empty((0, D), dtype=weight.dtype, device=weight.device)
+    rows = rows.float()
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.float().reshape(n, 1)
+    out = (onehot.to(weight.device) @ rows).to(weight.dtype) if n else torch.zeros((B, D), dtype=weight.dtype,
+                                                                                      device=weight.device)
+    dev = weight.device
+    if mode == 0:
+        return out, torch.empty(0, dtype=torch.int64, device=dev), torch.zeros(B, dtype=torch.int64, device=dev), \
+            torch.zeros(B, dtype=torch.int64, device=dev)
+    return out, bag.to(dev), counts.to(dev), counts.to(dev)

@@ -253,8 +253,12 @@ def logcumsumexp(self: torch.Tensor, dim: int, *, out: torch.Tensor | None = Non
 def _index_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, reduce: str,
                   include_self: bool) -> torch.Tensor:
     """``index_reduce`` as a ``scatter_reduce`` whose index is ``index`` broadcast along ``source``."""
-    if not _on_device(self, index, source) or self.dtype not in FLOATS or self.dim() == 0:
+    if not _on_device(self, index, source) or self.dtype not in FLOATS:
         raise Unsupported
+    if self.dim() == 0:   # a scalar is a 1-element vector along dim 0 (after the CPU's own checks)
+        meta = lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")  # noqa: E731
+        aten.index_reduce.default(meta(self), dim, meta(index), meta(source), reduce, include_self=include_self)
+        return _index_reduce(self.reshape(1), 0, index, source.reshape(-1), reduce, include_self).reshape(())
     if reduce not in ("prod", "mean", "amax", "amin"):   # the meta kernel does not check it
         aten.index_reduce.default(self.cpu(), dim, index.cpu(), source.cpu(), reduce, include_self=include_self)
         raise RuntimeError(f"index_reduce(): unknown reduce {reduce}")
