@@ -47,6 +47,8 @@ from torchneuron.ops.copy import device_copy, to_int64
 from torchneuron.ops.kernel_call import call_kernel, dense
 from torchneuron.ops.pointwise import run_pointwise
 from torchneuron.ops.registry import LOWERED, cpu_fallback, lowering
+from torchneuron.ops.copy import write_result as _into
+from torchneuron.ops.registry import meta_twin as _meta
 
 aten = torch.ops.aten
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -54,15 +56,6 @@ EXACT = 1 << 24          # flat indices computed in fp32 are exact below this
 
 
 # ---- shared helpers ---------------------------------------------------------------------------------
-
-def _meta(x: Any) -> Any:
-    """A meta tensor standing for a device tensor (shape, strides, dtype), to run PyTorch's checks."""
-    if isinstance(x, torch.Tensor):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-    if isinstance(x, (list, tuple)):
-        return type(x)(_meta(v) for v in x)
-    return x
-
 
 def _meta_run(op: torch._ops.OpOverload, *args: Any) -> Any:
     """``op`` on meta stand-ins: raises what the CPU kernel raises for bad arguments, returns the output meta."""
@@ -326,15 +319,6 @@ def max_pool2d_with_indices_out(self: torch.Tensor, kernel_size: Sequence[int], 
                             out=out, indices=indices)
     values, idx = _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode)
     return _into(values, out), _into(idx, indices)
-
-
-def _into(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return res
-    if tuple(out.shape) != tuple(res.shape):
-        torch._refs._maybe_resize_out(out, res.shape)
-    device_copy(out, res)
-    return out
 
 
 def _max_pool_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):

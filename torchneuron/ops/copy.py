@@ -168,3 +168,14 @@ def fill_tensor(self: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 def zero_(self: torch.Tensor) -> torch.Tensor:
     """``self.zero_()``."""
     return fill_scalar(self, False if self.dtype == torch.bool else 0)
+
+
+def write_result(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``res`` itself, or copied into the ``out=`` tensor (resized first when its shape differs, with
+    PyTorch's warning for a non-empty one) on the device."""
+    if out is None:
+        return res
+    if tuple(out.shape) != tuple(res.shape):
+        torch._refs._maybe_resize_out(out, res.shape)
+    device_copy(out, res)
+    return out

@@ -23,7 +23,7 @@ from torch._prims_common import canonicalize_dim
 from torchneuron import runtime
 from torchneuron.kernels.indexing import gather_rows, iota
 from torchneuron.ops import tilemath as tm
-from torchneuron.ops.copy import can_copy, device_copy
+from torchneuron.ops.copy import can_copy, device_copy, write_result
 from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense
 from torchneuron.ops.pointwise import check_no_internal_overlap, check_no_overlap, run_pointwise
 from torchneuron.ops.registry import cpu_fallback, lowering

@@ -14,6 +14,7 @@ from torch._prims_common import canonicalize_dim
 
 from torchneuron.ops.matmul import MATMUL_DTYPES, _add_scaled, _mm_into
 from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.copy import write_result as _into
 
 aten = torch.ops.aten
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -39,14 +40,6 @@ def _neuron(*ts: Any) -> bool:
     devs = {t.device for t in ts if isinstance(t, torch.Tensor)}
     return len(devs) == 1 and next(iter(devs)).type == "neuron" and all(
         t is None or isinstance(t, torch.Tensor) for t in ts)
-
-
-def _into(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return res
-    if tuple(out.shape) != tuple(res.shape):
-        torch._refs._maybe_resize_out(out, res.shape)
-    return out.copy_(res)
 
 
 # ---- vector products -------------------------------------------------------------------------------

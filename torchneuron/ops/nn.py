@@ -17,7 +17,7 @@ from torch._prims_common import canonicalize_dim
 
 from torchneuron.kernels.norms import layer_norm_kernel
 from torchneuron.kernels.softmax import softmax_kernel
-from torchneuron.ops.copy import device_copy
+from torchneuron.ops.copy import device_copy, write_result
 from torchneuron.ops.kernel_call import call_kernel, dense
 from torchneuron.ops.registry import cpu_fallback, lowering
 
@@ -35,12 +35,7 @@ def _softmax(x: torch.Tensor, dim: int, log: bool, out: torch.Tensor | None = No
     (res,) = call_kernel(softmax_kernel, {"x": rows}, {"log": log}, op="aten::_log_softmax" if log else "aten::_softmax")
     res = res.reshape(moved.shape)
     res = res if dim == last else res.movedim(last, dim)
-    if out is not None:
-        if tuple(out.shape) != tuple(res.shape):
-            torch._refs._maybe_resize_out(out, res.shape)
-        device_copy(out, res)
-        return out
-    return res
+    return write_result(res, out)
 
 
 def _softmax_lowering(name: str, log: bool) -> None:
@@ -240,12 +235,7 @@ def mse_loss(self: torch.Tensor, target: torch.Tensor, reduction: int = 1, *, ou
                             reduction, **({"out": out} if out is not None else {}))
     d = self - target
     res = _reduce_loss(d * d, reduction)
-    if out is not None:
-        if tuple(out.shape) != tuple(res.shape):
-            torch._refs._maybe_resize_out(out, res.shape)
-        device_copy(out, res)
-        return out
-    return res
+    return write_result(res, out)
 
 
 @lowering("mse_loss_backward", "mse_loss_backward.grad_input")
@@ -259,9 +249,4 @@ def mse_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: tor
     scale = 2.0 / self.numel() if reduction == 1 else 2.0
     res = (self - target) * grad_output * scale
     res = res.expand(torch.broadcast_shapes(self.shape, target.shape)) if res.shape != self.shape else res
-    if grad_input is not None:
-        if tuple(grad_input.shape) != tuple(res.shape):
-            torch._refs._maybe_resize_out(grad_input, res.shape)
-        device_copy(grad_input, res)
-        return grad_input
-    return res
+    return write_result(res, grad_input)

@@ -20,6 +20,7 @@ from torchneuron.ops.copy import device_copy, to_int64
 from torchneuron.ops.kernel_call import call_kernel, dense
 from torchneuron.ops.pointwise import _type_name
 from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.copy import write_result as _into
 
 aten = torch.ops.aten
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -84,15 +85,6 @@ def _prod(sizes) -> int:
     for s in sizes:
         n *= s
     return n
-
-
-def _into(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return res
-    if tuple(out.shape) != tuple(res.shape):
-        torch._refs._maybe_resize_out(out, res.shape)
-    device_copy(out, res)
-    return out
 
 
 def _cast_input(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

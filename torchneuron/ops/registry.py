@@ -46,3 +46,13 @@ def cpu_fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     kwargs = {k: torch.tensor(v) if k in tensor_args and isinstance(v, (int, float, bool, complex)) else v
               for k, v in kwargs.items()}
     return _C._cpu_fallback(schema.name, schema.overload_name, *args, **kwargs)
+
+
+def meta_twin(x: Any) -> Any:
+    """A meta tensor standing for a device tensor (shape, strides, dtype; lists and tuples mapped), to run
+    PyTorch's own argument checks without touching data."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(meta_twin(v) for v in x)
+    return x

@@ -40,6 +40,8 @@ from torchneuron.ops.indexing import arange_values
 from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense
 from torchneuron.ops.pointwise import run_pointwise
 from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.copy import write_result as _into
+from torchneuron.ops.registry import meta_twin as _meta
 
 aten = torch.ops.aten
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -86,15 +88,6 @@ def _slot(flag, rank, dummy):
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-
-def _meta(t: Any) -> Any:
-    """A meta twin of a tensor (lists and tuples mapped), for the CPU's shape and dtype checks."""
-    if isinstance(t, torch.Tensor):
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    if isinstance(t, (list, tuple)):
-        return type(t)(_meta(x) for x in t)
-    return t
-
 
 def _cpu(t: Any) -> Any:
     if isinstance(t, torch.Tensor):
@@ -171,15 +164,6 @@ def check_out(out: torch.Tensor | None, *inputs: Any) -> None:
                 raise RuntimeError("unsupported operation: some elements of the input tensor and the written-to "
                                    "tensor refer to a single memory location. Please clone() the tensor before "
                                    "performing the operation.")
-
-
-def _into(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return res
-    if tuple(out.shape) != tuple(res.shape):
-        torch._refs._maybe_resize_out(out, res.shape)
-    device_copy(out, res)
-    return out
 
 
 def _write(target: torch.Tensor, view_of_target: torch.Tensor, block: torch.Tensor) -> None:
