@@ -121,3 +121,17 @@ def test_empty_inputs_stay_on_the_device(strict):
                lambda t: t.sum(0), lambda t: t.mean(1)):
         torch.testing.assert_close(fn(n).cpu(), fn(e), equal_nan=True)
     torch.testing.assert_close(torch.cat([torch.tensor([], device="neuron")] * 2).cpu(), torch.cat([torch.tensor([])] * 2))
+
+
+def test_shuffle_indices_repeats_renorm(strict):
+    x = torch.randn(2, 6, 3, 3)
+    torch.testing.assert_close(F.channel_shuffle(x.to("neuron"), 3).cpu(), F.channel_shuffle(x, 3))
+    for fn in (torch.tril_indices, torch.triu_indices):
+        torch.testing.assert_close(fn(4, 5, 1, device="neuron").cpu(), fn(4, 5, 1))
+    r = torch.tensor([2, 0, 3])
+    torch.testing.assert_close(torch.repeat_interleave(r.to("neuron")).cpu(), torch.repeat_interleave(r))
+    y = torch.randn(4, 5) * 3
+    torch.testing.assert_close(torch.renorm(y.to("neuron"), 2, 0, 1.5).cpu(), torch.renorm(y, 2, 0, 1.5),
+                               atol=1e-6, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="at least 2 dimensions"):
+        torch.renorm(torch.ones(3, device="neuron"), 2, 0, 1.0)

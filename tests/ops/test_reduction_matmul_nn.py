@@ -121,3 +121,18 @@ def test_layer_norm_bad_shape_matches_cpu():
     with pytest.raises(RuntimeError) as dev:
         F.layer_norm(to_n(A), (8,))
     assert str(dev.value) == str(cpu.value)
+
+
+def test_addbmm_scalar_extremes_and_mean_dtype_errors(strict):
+    i, b1, b2 = torch.randn(3, 5), torch.randn(4, 3, 2), torch.randn(4, 2, 5)
+    torch.testing.assert_close(torch.addbmm(to_n(i), to_n(b1), to_n(b2), beta=0.5, alpha=2).cpu(),
+                               torch.addbmm(i, b1, b2, beta=0.5, alpha=2), atol=1e-5, rtol=1e-5)
+    s = torch.tensor(2.5)
+    for got, want in zip(torch.max(to_n(s), 0), torch.max(s, 0)):
+        torch.testing.assert_close(got.cpu(), want)
+    for fn in (lambda t: t.long().mean(), lambda t: t.mean(dtype=torch.int64)):
+        with pytest.raises(RuntimeError) as cpu:
+            fn(A)
+        with pytest.raises(RuntimeError) as dev:
+            fn(to_n(A))
+        assert str(dev.value) == str(cpu.value)

@@ -185,3 +185,22 @@ def _addmm_kernel(op_name: str, batched: bool):
 for _name, _batched in (("addmm", False), ("addmm.out", False), ("addmm_", False), ("baddbmm", True),
                         ("baddbmm.out", True), ("baddbmm_", True)):
     lowering(_name)(_addmm_kernel(_name, _batched))
+
+
+@lowering("addbmm", "addbmm.out")
+def addbmm(input: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``beta * input + alpha * sum_i batch1[i] @ batch2[i]``: one batched matmul, a sum over the batch."""
+    if not _on_device(input, batch1, batch2) or (out is not None and not _on_device(input, out)):
+        return cpu_fallback(aten.addbmm.out if out is not None else aten.addbmm.default, input, batch1, batch2,
+                            beta=beta, alpha=alpha, **({"out": out} if out is not None else {}))
+    _check_bmm(batch1, batch2)
+    shape = (batch1.shape[1], batch2.shape[2])
+    torch.broadcast_shapes(input.shape, shape)
+    prod = bmm(batch1, batch2).sum(0) if batch1.shape[0] else torch.zeros(shape, dtype=input.dtype,
+                                                                             device=input.device)
+    if out is None:
+        out = torch.empty(shape, dtype=input.dtype, device=input.device)
+    elif tuple(out.shape) != shape:
+        torch._refs._maybe_resize_out(out, shape)
+    return _add_scaled(prod, input, beta, alpha, out)

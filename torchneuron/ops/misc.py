@@ -330,3 +330,55 @@ def linalg_cross(self: torch.Tensor, other: torch.Tensor, *, dim: int = -1,
         out.copy_(res)
         return out
     return res
+
+
+@lowering("channel_shuffle")
+def channel_shuffle(self: torch.Tensor, groups: int) -> torch.Tensor:
+    """Interleave channel groups: ``[b, g, c/g, *] -> [b, c/g, g, *]``, a strided copy on the device."""
+    if self.dim() < 3 or groups <= 0 or self.shape[1] % groups:
+        return cpu_fallback(aten.channel_shuffle.default, self, groups)   # the CPU's argument errors
+    b, c = self.shape[:2]
+    rest = self.shape[2:]
+    view = self.reshape(b, groups, c // groups, *rest).transpose(1, 2)
+    return view.contiguous().reshape(self.shape)
+
+
+def _triangle_indices(name: str, lower: bool):
+    packet = getattr(aten, name)
+
+    def kernel(row: int, col: int, offset: int = 0, *, dtype=torch.int64, layout=None, device=None,
+               pin_memory=None) -> torch.Tensor:
+        """The (2, N) coordinates of a matrix triangle: index metadata made on the host, then transferred
+        (the values depend only on the sizes, like a factory's fill)."""
+        host = packet.default(row, col, offset, dtype=dtype)
+        return host.to(device)
+    lowering(name)(kernel)
+
+
+_triangle_indices("tril_indices", True)
+_triangle_indices("triu_indices", False)
+
+
+@lowering("repeat_interleave.Tensor")
+def repeat_interleave(repeats: torch.Tensor, *, output_size: int | None = None) -> torch.Tensor:
+    """``repeat_interleave(repeats)``: the repeat counts are read on the host (one sync, as CUDA does to size
+    the output), the index vector is built there and transferred."""
+    host = aten.repeat_interleave.Tensor(repeats.cpu(), output_size=output_size)   # the CPU's checks
+    return host.to(repeats.device)
+
+
+@lowering("renorm", "renorm.out")
+def renorm(self: torch.Tensor, p: float, dim: int, maxnorm: float, *, out: torch.Tensor | None = None):
+    """Rescale each slice along ``dim`` whose p-norm exceeds ``maxnorm`` to that norm (CPU: 1e-7 guard)."""
+    if self.dim() < 2:
+        raise RuntimeError(f"renorm: input needs at least 2 dimensions, got {self.dim()} dimensions")
+    if not self.is_floating_point() or self.dtype == torch.float64 or p <= 0 or maxnorm < 0 or \
+            (out is not None and (out.device != self.device or out.dtype != self.dtype)):
+        return cpu_fallback(aten.renorm.out if out is not None else aten.renorm.default, self, p, dim, maxnorm,
+                            **({"out": out} if out is not None else {}))
+    d = canonicalize_dim(self.dim(), dim)
+    others = [k for k in range(self.dim()) if k != d]
+    norms = torch.linalg.vector_norm(self.float(), p, dim=others, keepdim=True)
+    scale = torch.where(norms > maxnorm, maxnorm / (norms + 1e-7), 1.0)
+    res = (self.float() * scale).to(self.dtype)
+    return _into(res, out)

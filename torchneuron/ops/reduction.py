@@ -112,6 +112,12 @@ def _lower(name: str, op: str, *, has_dtype: bool = True, default_dims: bool = F
                 dim = args[0] if args else kwargs.get("dim")
                 keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
                 dtype = (args[2] if len(args) > 2 else kwargs.get("dtype")) if has_dtype else None
+            if op == "mean" and not (self.is_floating_point() or self.is_complex()) and dtype is None:
+                raise RuntimeError(f"mean(): could not infer output dtype. Input dtype must be either a floating "
+                                   f"point or complex dtype. Got: {_type_name(self.dtype)}")
+            if op == "mean" and dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+                raise RuntimeError(f"mean(): could not infer output dtype. Optional dtype must be either a floating "
+                                   f"point or complex dtype. Got: {_type_name(dtype)}")
             if dtype is None and out is not None and has_dtype:
                 dtype = out.dtype
             if out is not None and not has_dtype and out.dtype != self.dtype:
@@ -173,6 +179,9 @@ def _with_indices(name: str, op: str):
     def kernel(self: torch.Tensor, dim: int, keepdim: bool = False, **kwargs: Any):
         outs = [kwargs.get(k) for k in ("max", "max_values", "min", "min_indices", "indices") if k in kwargs]
         try:
+            if not outs and self.dim() == 0 and self.device.type == "neuron":   # a scalar is its own extreme
+                canonicalize_dim(1, dim)                                        # IndexError as on CPU
+                return self.clone(), torch.zeros((), dtype=torch.int64, device=self.device)
             if outs or self.dim() == 0 or self.numel() == 0:
                 raise Unsupported
             d = _dims(self, dim)
