@@ -110,3 +110,11 @@ def test_adaptive_avg_pool3d(strict):
                                 dict(kernel_size=2, divisor_override=3)])
 def test_avg_pool3d(strict, kw):
     _check(lambda t: F.avg_pool3d(t, **kw), torch.randn(2, 2, 5, 6, 7))
+
+
+@pytest.mark.parametrize("size", [(5,), (7, 3), (4, 6, 5)])
+def test_nearest_exact(size, strict):
+    x = torch.randn(2, 3, *[3] * len(size))
+    want = F.interpolate(x, size=size, mode="nearest-exact")
+    got = F.interpolate(x.to("neuron"), size=size, mode="nearest-exact")
+    torch.testing.assert_close(got.cpu(), want)

@@ -48,14 +48,16 @@ def _nearest_scale(n: int, out: int, scale: float | None) -> float:
 
 
 @functools.lru_cache(maxsize=256)
-def _nearest_index(n: int, out: int, scale: float | None) -> torch.Tensor:
-    """int64 [out]: ``min(floor(dst * scale), n - 1)`` in float32, as the CPU kernel computes it."""
+def _nearest_index(n: int, out: int, scale: float | None, exact: bool = False) -> torch.Tensor:
+    """int64 [out]: ``min(floor(dst * scale), n - 1)`` in float32, as the CPU kernel computes it
+    (``exact``: the pixel-centre rule of nearest-exact, ``floor((dst + 0.5) * scale)``)."""
     if out == n:
         return torch.arange(n, dtype=torch.int64)
     if out == 2 * n:
         return torch.arange(out, dtype=torch.int64) // 2
     s = torch.tensor(_nearest_scale(n, out, scale), dtype=torch.float32)
-    src = torch.floor(torch.arange(out, dtype=torch.float32) * s).to(torch.int64)
+    dst = torch.arange(out, dtype=torch.float32) + (0.5 if exact else 0.0)
+    src = torch.floor(dst * s).to(torch.int64)
     return src.clamp(max=n - 1)
 
 
@@ -233,8 +235,8 @@ def _scales(k: int, scales: Sequence[Any]) -> list[float | None]:
     return (list(scales) + [None] * k)[:k]
 
 
-def _nearest_lowerings(k: int) -> None:
-    name = f"upsample_nearest{k}d"
+def _nearest_lowerings(k: int, exact: bool = False) -> None:
+    name = f"_upsample_nearest_exact{k}d" if exact else f"upsample_nearest{k}d"
     fwd_op = getattr(aten, name).default
     bwd_op = getattr(aten, f"{name}_backward").default
 
@@ -242,7 +244,7 @@ def _nearest_lowerings(k: int) -> None:
         meta = _meta_run(fwd_op, self, output_size, *scales)
         sc = _scales(k, scales)
         n = self.shape[-k:]
-        idx = [_dev(self.device, _nearest_index, n[i], int(output_size[i]), sc[i]) for i in range(k)]
+        idx = [_dev(self.device, _nearest_index, n[i], int(output_size[i]), sc[i], exact) for i in range(k)]
         return _gather_dims(self, idx).view(meta.shape)
 
     def backward(grad_output: torch.Tensor, output_size: Sequence[int], input_size: Sequence[int],
@@ -250,7 +252,7 @@ def _nearest_lowerings(k: int) -> None:
         _meta_run(bwd_op, grad_output, output_size, input_size, *scales)
         sc = _scales(k, scales)
         n = [int(v) for v in input_size[-k:]]
-        idx = [_nearest_index(n[i], int(output_size[i]), sc[i]) for i in range(k)]
+        idx = [_nearest_index(n[i], int(output_size[i]), sc[i], exact) for i in range(k)]
         return _scatter_dims(grad_output, idx, n).view([int(v) for v in input_size])
 
     _register(name, "out", forward, 1)
@@ -259,6 +261,7 @@ def _nearest_lowerings(k: int) -> None:
 
 for _k in (1, 2, 3):
     _nearest_lowerings(_k)
+    _nearest_lowerings(_k, exact=True)
 
 
 def _bilinear(x: torch.Tensor, out_hw: Sequence[int], in_hw: Sequence[int], align_corners: bool,
