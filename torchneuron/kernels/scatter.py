@@ -14,7 +14,8 @@ from __future__ import annotations
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import DMA_ROW_BYTES, PMAX, itemsize
+from torchneuron.kernels._common import PMAX
+from torchneuron.kernels.indexing import row_blocks
 
 
 @nki.jit
@@ -24,13 +25,7 @@ def scatter_rows(table, index, values, stride=1):
     N = index.shape[0] // stride
     assert index.dtype == nl.int32, f"scatter_rows: indices must be int32 words, got {index.dtype}"
     assert tuple(values.shape) == (N, D), f"scatter_rows: values {values.shape} for {N} rows of {D}"
-    W = max(1, min(D, 4 * DMA_ROW_BYTES // itemsize(table.dtype)))   # columns per scattered block
-    for n0 in range(0, N, PMAX):                                       # 128 indices per block
-        p = min(PMAX, N - n0)
-        ix = nl.ndarray((PMAX, 1), nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=ix[:p], src=index.ap([[stride, p], [1, 1]], offset=n0 * stride))
-        for c0 in range(0, D, W):
-            w = min(W, D - c0)
-            rows = nl.ndarray((PMAX, w), table.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=rows[:p], src=values[n0:n0 + p, c0:c0 + w])
-            nisa.dma_copy(dst=table.ap([[D, p], [1, w]], offset=c0, vector_offset=ix[:p]), src=rows[:p])
+    for n0, p, ix, c0, w in row_blocks(index, N, D, table.dtype, stride):
+        rows = nl.ndarray((PMAX, w), table.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows[:p], src=values[n0:n0 + p, c0:c0 + w])
+        nisa.dma_copy(dst=table.ap([[D, p], [1, w]], offset=c0, vector_offset=ix), src=rows[:p])

@@ -25,14 +25,10 @@ from torchneuron.kernels.elementwise import KERNELS, NAMES, fold_broadcast
 from torchneuron.ops import tilemath as tm
 from torchneuron.ops.copy import device_copy
 from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense, scalar_operand
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import Unsupported, cpu_fallback, lowering
 
 aten = torch.ops.aten
 Number = (int, float, bool)
-
-
-class Unsupported(Exception):
-    """The device cannot run this call: take the CPU fallback."""
 
 
 def _type_name(dtype: torch.dtype) -> str:

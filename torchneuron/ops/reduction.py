@@ -19,16 +19,12 @@ from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.ops.copy import device_copy, to_int64
 from torchneuron.ops.kernel_call import call_kernel, dense
 from torchneuron.ops.pointwise import _type_name
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import Unsupported, cpu_fallback, lowering
 from torchneuron.ops.copy import write_result as _into
 
 aten = torch.ops.aten
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INT_SUM = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-
-
-class Unsupported(Exception):
-    """The device does not run this reduction: take the CPU fallback."""
 
 
 def _dims(x: torch.Tensor, dim: Any) -> list[int]:

@@ -19,16 +19,12 @@ from torch._prims_common import canonicalize_dim
 
 from torchneuron.ops.indexing import arange_values
 from torchneuron.ops.kernel_call import dense
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import Unsupported, cpu_fallback, lowering
 from torchneuron.ops.scatter import DATA_DTYPES, _into, _on_device, check_out
-from torchneuron.ops.sort import SORT_LIMIT, _sort
+from torchneuron.ops.sort import SORT_LIMIT, _sort, lines
 
 aten = torch.ops.aten
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class Unsupported(Exception):
-    """The device does not run this call: take the CPU fallback."""
 
 
 def _outs(**kw: Any) -> dict[str, Any]:
@@ -175,12 +171,7 @@ for _name, _ignore in (("median", False), ("nanmedian", True)):
 
 def _prefixes(x: torch.Tensor, d: int, fill: float) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The rows of ``x`` along ``d`` as [L*n, n] prefixes (``fill`` after position i), the rows, n."""
-    moved = dense(x.movedim(d, -1))
-    n = moved.shape[-1]
-    L = moved.numel() // n
-    if L * n * n > SORT_LIMIT:
-        raise Unsupported
-    rows = moved.reshape(L, n)
+    rows, L, n = lines(x, d)
     j = arange_values(n, x.device)
     upto = j.reshape(1, n) <= j.reshape(n, 1)                      # [i, j]: j <= i
     full = dense(rows.reshape(L, 1, n).expand(L, n, n))

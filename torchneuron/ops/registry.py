@@ -16,6 +16,10 @@ import torch
 
 from torchneuron import _C
 
+class Unsupported(Exception):
+    """A lowering cannot run this call on the device: the caller takes the CPU fallback."""
+
+
 _LIB = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (kept alive for the process)
 LOWERED: dict[str, Callable] = {}             # overload name ("add.Tensor") -> its neuron kernel
 

@@ -39,7 +39,7 @@ from torchneuron.ops.copy import device_copy, to_int64
 from torchneuron.ops.indexing import arange_values
 from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense
 from torchneuron.ops.pointwise import run_pointwise
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import Unsupported, cpu_fallback, lowering
 from torchneuron.ops.copy import write_result as _into
 from torchneuron.ops.registry import meta_twin as _meta
 
@@ -49,10 +49,6 @@ DATA_DTYPES = DEVICE_DTYPES - {torch.float8_e4m3fn, torch.float8_e5m2, torch.uin
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 LINES_LIMIT = 1 << 24      # elements of the [L, S, I] selection an accumulating scatter builds
 ONEHOT_LIMIT = 1 << 26     # elements of the one-hot matrix an accumulating row put builds
-
-
-class Unsupported(Exception):
-    """The device does not run this call: take the CPU fallback."""
 
 
 # ---- tile functions (per element of the element-wise kernel) -----------------------------------

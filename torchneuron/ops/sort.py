@@ -26,16 +26,12 @@ from torchneuron.ops.copy import to_int64
 from torchneuron.ops.indexing import arange_values
 from torchneuron.ops.kernel_call import call_kernel, dense
 from torchneuron.ops.pointwise import run_pointwise
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import Unsupported, cpu_fallback, lowering
 from torchneuron.ops.scatter import DATA_DTYPES, _into, check_out, _meta, _on_device, _overload, _scatter_into
 
 aten = torch.ops.aten
 SORT_LIMIT = 1 << 24       # comparisons (L * n * n) of one device sort
 INTS = (torch.bool, torch.int8, torch.int16, torch.int32, torch.uint8)
-
-
-class Unsupported(Exception):
-    """The device does not run this call: take the CPU fallback."""
 
 
 # ---- scans --------------------------------------------------------------------------------------
@@ -113,6 +109,17 @@ def _slot(line, rank, n):
     return nl.add(nl.multiply(line, n), rank)
 
 
+def lines(x: torch.Tensor, d: int) -> tuple[torch.Tensor, int, int]:
+    """``x``'s lines along dim ``d`` as a dense [L, n] tensor, with L and n; Unsupported when the all-pairs
+    work (L * n * n elements) of the rank-based sorts and scans is over ``SORT_LIMIT``."""
+    moved = dense(x.movedim(d, -1))
+    n = moved.shape[-1]
+    L = moved.numel() // n
+    if L * n * n > SORT_LIMIT:
+        raise Unsupported
+    return moved.reshape(L, n), L, n
+
+
 def _sort(self: torch.Tensor, dim: int, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, int64 indices) of a stable sort along ``dim``."""
     if self.dtype not in DATA_DTYPES:
@@ -121,12 +128,7 @@ def _sort(self: torch.Tensor, dim: int, descending: bool) -> tuple[torch.Tensor,
     if self.numel() == 0:
         return self.clone(), torch.empty(self.shape, dtype=torch.int64, device=self.device)
     x = self.reshape(1) if self.dim() == 0 else self
-    moved = dense(x.movedim(d, -1))
-    n = moved.shape[-1]
-    L = moved.numel() // n
-    if L * n * n > SORT_LIMIT:
-        raise Unsupported
-    rows = moved.reshape(L, n)
+    rows, L, n = lines(x, d)
     key = rows.to(torch.int32) if rows.dtype == torch.bool else rows
     j = arange_values(n, self.device)
     ii = dense(j.reshape(1, n).expand(L, n)).reshape(L * n, 1)      # i of every (line, i)
@@ -141,7 +143,8 @@ def _sort(self: torch.Tensor, dim: int, descending: bool) -> tuple[torch.Tensor,
     indices = torch.empty((L * n, 1), dtype=torch.int32, device=self.device)
     _scatter_into(values, slots, rows.reshape(L * n, 1))
     _scatter_into(indices, slots, ii)
-    back = [dense(t.reshape(moved.shape).movedim(-1, d)).reshape(self.shape) for t in (values, indices)]
+    moved_shape = x.movedim(d, -1).shape
+    back = [dense(t.reshape(moved_shape).movedim(-1, d)).reshape(self.shape) for t in (values, indices)]
     return back[0], to_int64(back[1])
 
 
