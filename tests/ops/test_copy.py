@@ -35,6 +35,47 @@ def test_casts(src, dst, strict):
     torch.testing.assert_close(to_n(x).to(dst).cpu(), x.to(dst))
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical, NaNs compared as NaNs (their payload may differ between CPUs' conversions)."""
+    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16}[a.dtype.itemsize]
+    return bool(((a.view(ints) == b.view(ints)) | (a.isnan() & b.isnan())).all())
+
+
+def test_float32_to_float64_is_exact(strict):
+    # every fp32 class: random bit patterns, subnormals, signed zeros, inf, NaN, the extremes
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (3000,), dtype=torch.int32)
+    edges = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -1e-45, 1.1754942e-38,
+                          1.17549435e-38, 3.4028235e38, 1.0, -2.5, 1e-40])
+    x = torch.cat([bits.view(torch.float32), edges])
+    assert _same_bits(to_n(x).double().cpu(), x.double())
+    h = torch.randn(64, dtype=torch.float16)
+    assert _same_bits(to_n(h).double().cpu(), h.double())
+
+
+def test_float64_to_float32_rounds_like_cpu(strict):
+    # random doubles over the whole exponent range (fp32 overflow, subnormal and underflow included),
+    # round-to-nearest-even ties at normal and subnormal magnitudes, NaN and inf
+    bits = torch.randint(-2 ** 62, 2 ** 62, (2000,), dtype=torch.int64).view(torch.float64)
+    scaled = torch.randn(2000, dtype=torch.float64) * 2.0 ** torch.randint(-160, 140, (2000,)).double()
+    tiny = 2.0 ** -149
+    edges = torch.tensor([tiny * 0.5, tiny * 1.5, tiny * 2.5, tiny * 0.5000001, 2.0 ** -126 * (1 - 2 ** -25),
+                          1 + 2.0 ** -24, 1 + 3 * 2.0 ** -24, 3.4028235677973366e38, 3.4028236e38, 1e300, -1e-300,
+                          float("nan"), float("inf"), -float("inf"), 0.0, -0.0], dtype=torch.float64)
+    d = torch.cat([bits, scaled, edges])
+    assert _same_bits(to_n(d).float().cpu(), d.float())
+    assert _same_bits(to_n(d).bfloat16().cpu(), d.bfloat16())  # through fp32, as the CPU casts
+
+
+def test_float64_conversions_through_views(strict):
+    m = torch.randn(6, 8)
+    assert torch.equal(to_n(m).t().double().cpu(), m.t().double())
+    assert torch.equal(to_n(m.double())[:, ::2].float().cpu(), m[:, ::2])
+    dst = to_n(torch.zeros(8, 6, dtype=torch.float64))
+    dst.t().copy_(to_n(m))  # write through a transposed float64 view
+    assert torch.equal(dst.cpu(), m.t().double())
+    assert torch.equal(to_n(torch.tensor(2.5)).double().cpu(), torch.tensor(2.5, dtype=torch.float64))
+
+
 def test_int64_sign_and_range(strict):
     x = torch.tensor([-5, 0, 7, -(2 ** 31), 2 ** 31 - 1], dtype=torch.int32)
     torch.testing.assert_close(to_n(x).long().cpu(), x.long())

@@ -56,6 +56,9 @@ def can_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
         return src.dtype in DEVICE_DTYPES
     if src.dtype == torch.int64:
         return dst.dtype in DEVICE_DTYPES
+    if torch.float64 in (dst.dtype, src.dtype):  # to or from a float dtype of the core, by integer work
+        other = src.dtype if dst.dtype == torch.float64 else dst.dtype
+        return other.is_floating_point and other in DEVICE_DTYPES
     return dst.dtype in DEVICE_DTYPES and src.dtype in DEVICE_DTYPES
 
 
@@ -92,6 +95,25 @@ def _int64_to_float(dst: torch.Tensor, src: torch.Tensor) -> None:
                   KIND.INT_TO_FLOAT, dst, op="aten::_to_copy")
 
 
+def _float64_convert(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst = src`` between float64 and a float dtype of the core, through fp32 (as the CPU casts
+    half and bfloat16 to and from double): fp32 bits <-> the two words of the float64."""
+    from torchneuron.ops import tilemath
+    from torchneuron.ops.pointwise import KIND, run_pointwise
+    if dst.dtype == torch.float64:
+        if src.dtype != torch.float32:
+            src = src.to(torch.float32)
+        bits = src.view(torch.int32)
+        run_pointwise(tilemath.f64_high_word, [bits], KIND.DEFAULT, _word(dst, 1), op="aten::_to_copy")
+        run_pointwise(tilemath.f64_low_word, [bits], KIND.DEFAULT, _word(dst, 0), op="aten::_to_copy")
+        return
+    narrow = dst if dst.dtype == torch.float32 else torch.empty(dst.shape, dtype=torch.float32, device=dst.device)
+    run_pointwise(tilemath.f64_to_f32_bits, [_word(src, 1), _word(src, 0)], KIND.DEFAULT,
+                  narrow.view(torch.int32), op="aten::_to_copy")
+    if narrow is not dst:
+        device_copy(dst, narrow)
+
+
 def device_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[...] = src`` (broadcast to dst's shape) on dst's neuron device, through the views' strides."""
     src = src.expand(dst.shape)
@@ -104,6 +126,9 @@ def device_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
             _int64_to_float(dst, src)
         else:  # int64 -> narrower ints: the low words, cast (values beyond int32 wrap, as a C cast does)
             device_copy(dst, _word(src, 0))
+        return
+    if dst.dtype != src.dtype and torch.float64 in (dst.dtype, src.dtype):
+        _float64_convert(dst, src)
         return
     dspan, sspan = _span(dst), _span(src)
     sizes, dstr, sstr = list(dst.shape), list(dst.stride()), list(src.stride())

@@ -389,6 +389,63 @@ def from_words(hi, lo, two32):
     return nl.add(nl.multiply(nl.add(hi, nl.less(lo, 0.0)), two32), lo)
 
 
+# ---- float64 words (the core has no fp64: conversions are integer work on the IEEE fields) ---
+
+def _f32_fields_as_f64(b):
+    """(biased fp64 exponent, 23-bit fraction) of the fp32 value with bits ``b``: normals rebias
+    (+896), subnormals are normalised through an exact int -> fp32 cast of their fraction (the
+    cast's exponent, rebiased by +747), zeros keep 0, inf/NaN get 2047."""
+    e = nl.bitwise_and(nl.right_shift(b, 23), 255)
+    m = nl.bitwise_and(b, 0x7FFFFF)
+    mf = _bits(nl.copy(m, dtype=nl.float32))  # exact: m < 2**23
+    sub = nl.equal(e, 0)
+    frac = where(sub, nl.bitwise_and(mf, 0x7FFFFF), m)
+    exp = where(sub, nl.subtract(nl.bitwise_and(nl.right_shift(mf, 23), 255), 149), e)
+    exp = nl.add(nl.add(exp, 896), nl.multiply(nl.equal(e, 255), 896))
+    return where_value(nl.equal(nl.bitwise_and(b, 0x7FFFFFFF), 0), 0, exp), frac
+
+
+def f64_high_word(b):
+    """The high int32 word of float64(x), from fp32 bits ``b``: sign, 11-bit exponent, 20 fraction bits."""
+    exp, frac = _f32_fields_as_f64(b)
+    return nl.bitwise_or(nl.bitwise_or(nl.bitwise_and(b, -0x80000000), nl.left_shift(exp, 20)),
+                         nl.right_shift(frac, 3))
+
+
+def f64_low_word(b):
+    """The low int32 word of float64(x), from fp32 bits ``b``: the last 3 fraction bits, at the top."""
+    _, frac = _f32_fields_as_f64(b)
+    return nl.left_shift(nl.bitwise_and(frac, 7), 29)
+
+
+def f64_to_f32_bits(hi, lo):
+    """The fp32 bits of a float64 given as int32 words, rounded to nearest-even like a C cast:
+    normals round their 29 dropped bits; results below 2**-126 shift the 24-bit significand right
+    by 1..25 with guard and sticky bits; overflow gives inf; NaN stays a quiet NaN with its payload."""
+    exp = nl.bitwise_and(nl.right_shift(hi, 20), 0x7FF)
+    top = nl.bitwise_or(nl.left_shift(nl.bitwise_and(hi, 0xFFFFF), 3), nl.bitwise_and(nl.right_shift(lo, 29), 7))
+    rest = nl.bitwise_and(lo, 0x1FFFFFFF)  # the 29 fraction bits fp32 drops
+    half = 0x10000000
+    odd = nl.bitwise_and(top, 1)
+    up = nl.bitwise_or(nl.greater(rest, half), nl.bitwise_and(nl.equal(rest, half), odd))
+    normal = nl.add(nl.bitwise_or(nl.left_shift(nl.subtract(exp, 896), 23), top), up)
+    # subnormal results: q = significand >> j, rounded on the guard bit and the bits below it
+    sig = nl.bitwise_or(top, 0x800000)
+    j = nl.minimum(nl.maximum(nl.subtract(897, exp), 1), 25)
+    j1 = nl.subtract(j, 1)
+    q = nl.right_shift(sig, j)
+    upper = nl.right_shift(sig, j1)
+    guard = nl.bitwise_and(upper, 1)
+    below = nl.subtract(sig, nl.left_shift(upper, j1))
+    sticky = nl.bitwise_or(nl.not_equal(below, 0), nl.not_equal(rest, 0))
+    tiny = nl.add(q, nl.bitwise_and(guard, nl.bitwise_or(sticky, nl.bitwise_and(q, 1))))
+    r = where(nl.greater_equal(exp, 897), normal, tiny)
+    r = where_value(nl.greater_equal(exp, 1151), 0x7F800000, r)
+    nan = nl.bitwise_and(nl.equal(exp, 2047), nl.not_equal(nl.bitwise_or(nl.bitwise_and(hi, 0xFFFFF), lo), 0))
+    r = where(nan, nl.bitwise_or(top, 0x7FC00000), r)
+    return nl.bitwise_or(r, nl.bitwise_and(hi, -0x80000000))
+
+
 def tri_keep_lower(cols, rows, diagonal):
     """``tril``'s mask: column - row <= diagonal."""
     return nl.less_equal(nl.subtract(cols, rows), diagonal)
