@@ -37,6 +37,18 @@ def test_reduction_errors_match_cpu():
             fn(to_n(A))
 
 
+def test_amax_amin_of_empty_tensors_match_cpu(strict):
+    # no identity element: an empty reduced dim (IndexError) or no dim at all (RuntimeError) is refused,
+    # while reducing a non-empty dim of an empty tensor gives an empty result
+    x = torch.zeros(5, 0, 5)
+    for fn in (lambda t: t.amax(1), lambda t: t.amin((0, 1)), lambda t: t.amax(), lambda t: t.amin([])):
+        with pytest.raises(Exception) as cpu_err:
+            fn(x)
+        with pytest.raises(cpu_err.type, match=r"Expected reduction dim"):
+            fn(to_n(x))
+    assert to_n(x).amax(2).shape == x.amax(2).shape
+
+
 @pytest.mark.parametrize("m,k,n", [(37, 130, 65), (1, 5, 1), (128, 128, 512), (3, 1, 200)])
 def test_mm_shapes_and_layouts(m, k, n, strict):
     a, b = torch.randn(m, k), torch.randn(k, n)

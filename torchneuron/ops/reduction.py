@@ -122,6 +122,8 @@ def _lower(name: str, op: str, *, has_dtype: bool = True, default_dims: bool = F
                                    "out's dtype.")
             x = _cast_input(self, dtype)
             dims = _dims(x, dim)
+            if op in ("max", "min") and x.numel() == 0:
+                _check_empty_extreme(name.partition(".")[0], x, dim, dims)
             if op == "mean" and not x.is_floating_point():
                 raise Unsupported
             res = _reduce(x, dims, op, bool(keepdim))
@@ -131,6 +133,16 @@ def _lower(name: str, op: str, *, has_dtype: bool = True, default_dims: bool = F
         except Unsupported:
             return cpu_fallback(overload, self, *args, **kwargs)
     lowering(name)(kernel)
+
+
+def _check_empty_extreme(name: str, x: torch.Tensor, dim: Any, dims: list[int]) -> None:
+    """amax/amin of an empty tensor: PyTorch's errors (no identity element to return)."""
+    if not dim:
+        raise RuntimeError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0. Specify "
+                           "the reduction dim with the 'dim' argument.")
+    for d in dims:
+        if x.shape[d] == 0:
+            raise IndexError(f"{name}(): Expected reduction dim {d} to have non-zero size.")
 
 
 def _overload(name: str) -> torch._ops.OpOverload:
