@@ -1,4 +1,6 @@
 """Extra reductions and scans run on the device (strict mode) and match the CPU."""
+import re
+
 import pytest
 import torch
 
@@ -119,3 +121,29 @@ def test_index_reduce_errors():
         x.index_reduce(0, to_n(torch.tensor([0, 5])), src, "amax")
     with pytest.raises(RuntimeError):
         x.index_reduce(0, to_n(torch.tensor([0, 1])), src, "sum")
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "prod", "max", "min"])
+@pytest.mark.parametrize("initial", [None, 1.5])
+def test_segment_reduce_matches_cpu(reduce, initial, strict):
+    # batched lengths along axis 1 with empty segments; offsets; a trailing inner dim
+    data = torch.randn(5, 6, 3)
+    lengths = torch.tensor([[2, 0, 4], [1, 2, 3], [6, 0, 0], [0, 0, 6], [3, 3, 0]])
+    offsets = torch.tensor([[0, 2, 2, 6]] * 5)
+    for kw in ({"lengths": lengths}, {"offsets": offsets}):
+        want = torch.segment_reduce(data, reduce, axis=1, initial=initial, **kw)
+        got = torch.segment_reduce(to_n(data), reduce, axis=1, initial=initial,
+                                   **{k: to_n(v) for k, v in kw.items()})
+        torch.testing.assert_close(got.cpu(), want, equal_nan=True)
+    flat = torch.randn(7)
+    want = torch.segment_reduce(flat, reduce, lengths=torch.tensor([3, 0, 4]), initial=initial)
+    got = torch.segment_reduce(to_n(flat), reduce, lengths=to_n(torch.tensor([3, 0, 4])), initial=initial)
+    torch.testing.assert_close(got.cpu(), want, equal_nan=True)
+
+
+def test_segment_reduce_bad_lengths_match_cpu(strict):
+    for lengths in ([2, -1, 5], [2, 2]):
+        with pytest.raises(RuntimeError) as cpu_err:
+            torch.segment_reduce(torch.randn(6), "sum", lengths=torch.tensor(lengths))
+        with pytest.raises(RuntimeError, match=re.escape(str(cpu_err.value))):
+            torch.segment_reduce(to_n(torch.randn(6)), "sum", lengths=to_n(torch.tensor(lengths)))

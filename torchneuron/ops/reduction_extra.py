@@ -1,5 +1,6 @@
 """Less common reductions and scans, composed from lowered ops: ``nansum``, ``std_mean``, ``median`` /
-``nanmedian``, ``aminmax``, ``count_nonzero``, ``cummax`` / ``cummin``, ``logcumsumexp``, ``index_reduce``.
+``nanmedian``, ``aminmax``, ``count_nonzero``, ``cummax`` / ``cummin``, ``logcumsumexp``, ``index_reduce``,
+``segment_reduce``.
 
 - ``median``/``nanmedian``: a stable ascending sort (NaN last), then the column the CPU picks:
   ``(n - 1) // 2`` (the lower median), the first NaN when ``median`` meets one, and
@@ -8,10 +9,15 @@
   lower-triangular [L*n, n] selection (O(L n^2), like the sorts), reduced by the lowered
   ``amax``/``amin``/``logsumexp``; so NaN and infinities behave like the reductions (and the CPU).
 - ``index_reduce``: a ``scatter_reduce`` with the index broadcast along the source.
+- ``segment_reduce``: a [segments x length] membership mask from the offsets (a prefix sum of the
+  lengths), the data masked with the reduction's identity outside each segment, then the lowered
+  sum/prod/amax/amin over the length (O(S n) per row, like the sorts).
 Inputs outside what these run on (dtypes, sizes) take the CPU fallback.
 """
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import torch
@@ -294,3 +300,72 @@ def index_reduce_(self: torch.Tensor, dim: int, index: torch.Tensor, source: tor
         return _into(_index_reduce(self, dim, index, source, reduce, include_self), self)
     except Unsupported:
         return cpu_fallback(aten.index_reduce_.default, self, dim, index, source, reduce, include_self=include_self)
+
+
+# ---- segment_reduce -------------------------------------------------------------------------------
+
+_SEGMENT_FILL = {"sum": 0.0, "mean": 0.0, "prod": 1.0, "max": -float("inf"), "min": float("inf")}
+_SEGMENT_NAMES = {"sum": "sum", "mean": "mean", "prod": "prod", "max": "max", "amax": "max", "min": "min",
+                  "amin": "min"}
+SEGMENT_LIMIT = 1 << 24  # elements of the [segments x length x inner] selection it builds
+
+
+def _segment_offsets(lengths: torch.Tensor | None, offsets: torch.Tensor | None, n: int,
+                     unsafe: bool) -> torch.Tensor:
+    """The [B, S + 1] int32 segment boundaries, from ``offsets`` or a prefix sum of ``lengths``
+    (checked like the CPU when not ``unsafe``: one device-to-host read of a flag)."""
+    if offsets is not None:
+        return offsets.to(torch.int32).reshape(-1, offsets.shape[-1])
+    lens = lengths.to(torch.int32).reshape(-1, lengths.shape[-1])
+    if not unsafe:
+        if bool((lens < 0).any()):
+            raise RuntimeError("lengths contains negative value!")
+        if lens.numel() and not bool((lens.sum(-1) == n).all()):
+            raise RuntimeError("segment_reduce(): Expected all rows of lengths along axis to sum to "
+                               "data.size(lengths.dim()-1) when !unsafe.")
+    return torch.cat([torch.zeros_like(lens[:, :1]), lens.cumsum(-1, dtype=torch.int32)], -1)
+
+
+@lowering("segment_reduce")
+def segment_reduce(data: torch.Tensor, reduce: str, *, lengths: torch.Tensor | None = None,
+                   indices: torch.Tensor | None = None, offsets: torch.Tensor | None = None, axis: int = 0,
+                   unsafe: bool = False, initial: Any = None) -> torch.Tensor:
+    """``segment_reduce``: element n of a row belongs to segment s when offset[s] <= n < offset[s+1];
+    each segment reduces the row masked to it (filled with the reduction's identity elsewhere)."""
+    bounds = offsets if offsets is not None else lengths
+    kind = _SEGMENT_NAMES.get(reduce)
+    fallback = functools.partial(cpu_fallback, aten.segment_reduce.default, data, reduce, lengths=lengths,
+                                 indices=indices, offsets=offsets, axis=axis, unsafe=unsafe, initial=initial)
+    if (kind is None or indices is not None or bounds is None or data.dtype not in FLOATS
+            or bounds.dtype not in (torch.int32, torch.int64) or not _on_device(data, bounds)
+            or data.dim() < bounds.dim() or bounds.dim() == 0 or not -data.dim() <= axis < data.dim()):
+        return fallback()  # raises the CPU's error for bad arguments
+    axis = canonicalize_dim(data.dim(), axis)
+    if axis != bounds.dim() - 1:
+        return fallback()
+    lead, n, rest = data.shape[:axis], data.shape[axis], data.shape[axis + 1:]
+    b, inner = math.prod(lead), math.prod(rest)
+    bounds_off = _segment_offsets(lengths if offsets is None else None, offsets, n, unsafe)
+    s = bounds_off.shape[-1] - 1
+    if b * s * n * max(inner, 1) > SEGMENT_LIMIT:
+        return fallback()
+    pos = torch.arange(n, dtype=torch.int32, device=data.device)
+    member = (pos >= bounds_off[:, :s, None]) & (pos < bounds_off[:, 1:, None])          # [B, S, N]
+    x = data.reshape(b, 1, n, inner)
+    masked = torch.where(member[..., None], x, _SEGMENT_FILL[kind])                           # [B, S, N, I]
+    if kind in ("sum", "mean"):
+        res = masked.sum(2)
+    elif kind == "prod":
+        res = masked.prod(2)
+    else:
+        res = masked.amax(2) if kind == "max" else masked.amin(2)
+    if initial is not None:
+        res = {"sum": torch.add, "mean": torch.add, "prod": torch.mul, "max": torch.maximum,
+               "min": torch.minimum}[kind](res, torch.full_like(res, initial))
+    if kind == "mean":
+        count = (bounds_off[:, 1:] - bounds_off[:, :s]).to(res.dtype)[..., None]
+        res = res / count
+        if initial is not None:  # an empty segment's mean is the initial value
+            res = torch.where(count == 0, torch.full_like(res, initial), res)
+    return res.reshape(*lead, s, *rest)
+
