@@ -49,6 +49,16 @@ def test_amax_amin_of_empty_tensors_match_cpu(strict):
     assert to_n(x).amax(2).shape == x.amax(2).shape
 
 
+def test_any_all_of_empty_tensors_match_cpu(strict):
+    for shape, dim, keepdim in [((0,), None, False), ((2, 0), 1, False), ((2, 0), 0, True), ((0, 3), (0, 1), False)]:
+        x = torch.zeros(shape)
+        for name in ("any", "all"):
+            args = () if dim is None else (dim, keepdim)
+            want = getattr(x, name)(*args)
+            got = getattr(to_n(x), name)(*args)
+            assert got.dtype == want.dtype and torch.equal(got.cpu(), want)
+
+
 @pytest.mark.parametrize("m,k,n", [(37, 130, 65), (1, 5, 1), (128, 128, 512), (3, 1, 200)])
 def test_mm_shapes_and_layouts(m, k, n, strict):
     a, b = torch.randn(m, k), torch.randn(k, n)

@@ -261,10 +261,17 @@ def _any_all(name: str, is_all: bool):
 
     def kernel(self: torch.Tensor, dim: Any = None, keepdim: bool = False, *, out=None) -> torch.Tensor:
         """all/any: the min/max over the dims of (x != 0) in fp32, as bool."""
-        if self.device.type != "neuron" or self.numel() == 0 or self.dtype.is_complex or \
+        if self.device.type != "neuron" or self.dtype.is_complex or \
                 (out is not None and (out.device != self.device or out.dtype not in (torch.bool, torch.uint8))):
             return cpu_fallback(overload, self, *([] if dim is None and name in ("all", "any") else [dim, keepdim]),
                                 **({"out": out} if out is not None else {}))
+        if self.numel() == 0:  # the empty identity: all() is True, any() is False
+            dims = _dims(self, dim)
+            shape = [1 if d in dims else n for d, n in enumerate(self.shape)] if keepdim else \
+                [n for d, n in enumerate(self.shape) if d not in dims]
+            res = torch.full(shape, is_all, dtype=torch.uint8 if self.dtype == torch.uint8 else torch.bool,
+                             device=self.device)
+            return _into(res, out)
         flags = (self != 0).to(torch.float32)
         res = _reduce(flags, _dims(self, dim), "min" if is_all else "max", bool(keepdim)) != 0
         if self.dtype == torch.uint8:
