@@ -67,6 +67,21 @@ UPS = {
     "bilinear_aligned": ((2, 3, 4, 5), dict(size=(7, 3), mode="bilinear", align_corners=True)),
     "bilinear_scale": ((1, 2, 5, 6), dict(scale_factor=(1.5, 0.6), mode="bilinear", align_corners=False)),
     "bilinear_recompute": ((1, 2, 5, 6), dict(scale_factor=2.3, mode="bilinear", recompute_scale_factor=True)),
+    "linear": ((2, 3, 5), dict(size=11, mode="linear")),
+    "linear_aligned_down": ((2, 3, 9), dict(size=4, mode="linear", align_corners=True)),
+    "linear_scale": ((2, 3, 4), dict(scale_factor=0.45, mode="linear")),
+    "linear_from_one": ((1, 2, 1), dict(size=3, mode="linear")),
+    "trilinear": ((1, 2, 3, 4, 2), dict(size=(5, 3, 6), mode="trilinear")),
+    "trilinear_aligned": ((1, 2, 3, 4, 5), dict(scale_factor=(1.5, 2, 0.6), mode="trilinear", align_corners=True)),
+    "bicubic": ((2, 2, 4, 5), dict(size=(7, 9), mode="bicubic")),
+    "bicubic_aligned": ((1, 2, 6, 5), dict(size=(3, 8), mode="bicubic", align_corners=True)),
+    "bicubic_scale": ((1, 2, 5, 6), dict(scale_factor=(1.7, 0.4), mode="bicubic")),
+    "bicubic_to_one": ((1, 1, 4, 3), dict(size=(1, 1), mode="bicubic", align_corners=True)),
+    # a dim whose size a scale leaves unchanged is copied by the CPU's linear kernels and bicubic backward
+    "linear_same_size_scale": ((2, 3, 4), dict(scale_factor=1.1, mode="linear")),
+    "bilinear_same_size_scale": ((1, 2, 10, 6), dict(scale_factor=(1.05, 1.4), mode="bilinear")),
+    "bicubic_same_size_scale": ((1, 2, 4, 4), dict(scale_factor=1.1, mode="bicubic")),
+    "bicubic_one_dim_same": ((1, 2, 4, 8), dict(scale_factor=(1.1, 1.3), mode="bicubic")),
 }
 
 
@@ -118,3 +133,64 @@ def test_nearest_exact(size, strict):
     want = F.interpolate(x, size=size, mode="nearest-exact")
     got = F.interpolate(x.to("neuron"), size=size, mode="nearest-exact")
     torch.testing.assert_close(got.cpu(), want)
+
+
+@pytest.mark.parametrize("mode", ["linear", "bicubic", "trilinear"])
+def test_interpolate_half_and_out(strict, mode):
+    nd = {"linear": 1, "bicubic": 2, "trilinear": 3}[mode]
+    x = torch.randn((1, 2) + (4,) * nd)
+    for dt in (torch.bfloat16, torch.float16):
+        want = F.interpolate(x.to(dt), scale_factor=1.5, mode=mode)
+        got = F.interpolate(to_n(x.to(dt)), scale_factor=1.5, mode=mode)
+        assert got.dtype == dt
+        torch.testing.assert_close(got.cpu(), want, atol=2e-2, rtol=2e-2)
+    op = {"linear": torch.ops.aten.upsample_linear1d, "bicubic": torch.ops.aten.upsample_bicubic2d,
+          "trilinear": torch.ops.aten.upsample_trilinear3d}[mode]
+    out = to_n(torch.empty(0))
+    op.out(to_n(x), [6] * nd, False, out=out)
+    torch.testing.assert_close(out.cpu(), op(x, [6] * nd, False))
+
+
+def test_interpolate_errors_like_cpu(strict):
+    """The CPU's size checks, which PyTorch's meta decompositions skip, raise on the device too."""
+    aten = torch.ops.aten
+    calls = [(aten.upsample_linear1d, (1, 2, 4), [0], False), (aten.upsample_bicubic2d, (1, 2, 4), [3, 3], False),
+             (aten.upsample_trilinear3d, (1, 2, 4, 4, 4), [3, 0, 3], False),
+             (aten.upsample_bicubic2d, (2, 0, 4, 4), [3, 3], False), (aten.upsample_nearest1d, (2, 1, 4), [0]),
+             (aten.upsample_bicubic2d_backward, (2, 1, 3, 2), [3, 3], [2, 1, 4, 4], False)]
+    for op, shape, *args in calls:
+        with pytest.raises(RuntimeError) as want:
+            op(torch.zeros(shape), *args)
+        with pytest.raises(RuntimeError) as got:
+            op(to_n(torch.zeros(shape)), *args)
+        assert str(got.value).split(",")[0] == str(want.value).split(",")[0]
+
+
+def test_empty_batches(strict):
+    """Empty operands run the CPU's checks and give empty results on the device, forward and backward."""
+    _check(lambda t: F.pad(t, (1, 2), mode="reflect"), torch.randn(0, 3, 3))
+    _check(lambda t: F.pad(t, (0, 2, 0, 1), mode="replicate"), torch.randn(0, 3, 3, 3))
+    _check(lambda t: F.adaptive_avg_pool3d(t, (5, 7, 4)), torch.randn(0, 2, 8, 8, 8))
+    _check(lambda t: F.avg_pool3d(t, (2, 3, 1), (2, 1, 2)), torch.randn(0, 1, 4, 5, 4))
+    _check(lambda t: F.interpolate(t, size=(3, 5), mode="bicubic"), torch.randn(0, 2, 4, 4))
+    for pad in ([-1, -1, -1], [4, 4, 4]):
+        with pytest.raises(RuntimeError, match="pad"):
+            torch.ops.aten.avg_pool3d(to_n(torch.randn(0, 1, 49, 50)), [2, 2, 2], [50, 50, 50], pad)
+
+
+def test_max_unpool3d(strict):
+    x = torch.randn(2, 3, 4, 6, 4)
+    v, i = F.max_pool3d(x, 2, return_indices=True)
+    _check(lambda t: F.max_unpool3d(t, to_n(i) if t.is_neuron else i, 2, output_size=(5, 7, 4)), v)
+    got = F.max_unpool3d(to_n(v[0]), to_n(i[0]), 2)          # unbatched
+    assert torch.equal(got.cpu(), F.max_unpool3d(v[0], i[0], 2))
+    out = to_n(torch.empty(0))
+    torch.ops.aten.max_unpool3d.out(to_n(v), to_n(i), [4, 6, 4], [2, 2, 2], [0, 0, 0], out=out)
+    assert torch.equal(out.cpu(), F.max_unpool3d(v, i, 2))
+    bad = i.clone()
+    bad[1, 2, 1, 2, 1] = 96
+    for t, j in ((v, bad), (to_n(v), to_n(bad))):
+        with pytest.raises(RuntimeError, match=r"invalid max index: 96 \(output volumes are of size 4x6x4\)"):
+            F.max_unpool3d(t, j, 2)
+        with pytest.raises(RuntimeError, match="should be type int64"):
+            F.max_unpool3d(t, j.to(torch.int32), 2)

@@ -2,14 +2,16 @@
 
 Every op here is separable: along each spatial dim the output is either a gather of input rows
 (replication/reflection padding, nearest upsampling: ``index_select`` with an index built on the
-host, exact) or a small matrix applied to that dim (bilinear interpolation weights, pooling bands:
+host, exact) or a small matrix applied to that dim (linear or cubic interpolation weights, pooling bands:
 a matmul in fp32). A gather's backward is the transposed one-hot matrix, so gradients are summed
 by TensorE in fp32, as ``index_add`` does. Shapes and argument errors come from running the op on
 meta stand-ins first, so bad input raises what the CPU kernel raises.
 
 - **Padding** ``replication_pad{1,2,3}d``, ``reflection_pad{1,2,3}d`` and their backward ops.
-- **Upsampling** ``upsample_nearest{1,2,3}d`` (PyTorch's float index rule) and ``upsample_bilinear2d``
-  (both ``align_corners``), with backward ops.
+- **Upsampling** ``upsample_nearest{1,2,3}d`` (PyTorch's float index rule) and ``upsample_linear1d``,
+  ``upsample_bilinear2d``, ``upsample_trilinear3d``, ``upsample_bicubic2d`` (one interpolation matrix per dim,
+  both ``align_corners``), with backward ops. Empty operands get the CPU's argument checks and empty results.
+- **Unpooling** ``max_unpool3d`` (through ``max_unpool2d`` on volumes flattened to one row).
 - **Pooling** ``adaptive_max_pool2d`` (windows gathered with clamped indices, ``max`` over the window,
   flat indices looked up in a host table) and backward (``scatter_add``); ``_adaptive_avg_pool3d``
   and ``avg_pool3d`` with backward (one band matrix per dim, as ``cnn.py`` does in 2-D).
@@ -21,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from torchneuron.ops.cnn import FLOATS, _adaptive_band, _avg_band, _into, _meta_run
+from torchneuron.ops.cnn import FLOATS, _adaptive_band, _avg_band, _f32, _into, _meta_run
 from torchneuron.ops.copy import to_int64
 from torchneuron.ops.kernel_call import dense
 from torchneuron.ops.registry import cpu_fallback, lowering
@@ -69,23 +71,55 @@ def _gather_t(index: tuple[int, ...], n: int) -> torch.Tensor:
     return m
 
 
+CUBIC_A = -0.75          # the cubic convolution coefficient PyTorch's bicubic uses
+
+
+def _cubic_weights(t: torch.Tensor) -> list[torch.Tensor]:
+    """fp32 weights of the four taps at -1, 0, 1, 2 around a source at fraction ``t`` (Keys' cubic
+    convolution kernel: one cubic within distance 1, another between 1 and 2)."""
+    A = CUBIC_A
+
+    def near(x: torch.Tensor) -> torch.Tensor:      # |x| <= 1
+        return ((A + 2) * x - (A + 3)) * x * x + 1
+
+    def far(x: torch.Tensor) -> torch.Tensor:       # 1 < |x| < 2
+        return ((A * x - 5 * A) * x + 8 * A) * x - 4 * A
+
+    return [far(t + 1.0), near(t), near(1.0 - t), far(2.0 - t)]
+
+
 @functools.lru_cache(maxsize=256)
-def _linear_matrix(n: int, out: int, align_corners: bool, scale: float | None) -> torch.Tensor:
-    """fp32 [out, n]: PyTorch's linear interpolation weights (``area_pixel_compute_source_index``)."""
+def _interp_matrix(mode: str, n: int, out: int, align_corners: bool, scale: float | None) -> torch.Tensor:
+    """fp32 [out, n]: PyTorch's ``linear`` or ``cubic`` interpolation weights along one dim, with the CPU
+    kernel's source index (``area_pixel_compute_source_index`` in float32) and its edge rules: linear
+    clamps the source at 0 and its fraction to [0, 1], cubic clamps each of its four taps into the input.
+    A linear dim whose size does not change is copied whatever the scale, as the CPU kernel does."""
+    if mode == "linear" and out == n:
+        return torch.eye(n, dtype=torch.float32)
     if align_corners:
         s = (n - 1) / (out - 1) if out > 1 else 0.0
     else:
         s = 1.0 / scale if scale is not None and scale > 0 else n / out
     s32 = torch.tensor(s, dtype=torch.float32)
     dst = torch.arange(out, dtype=torch.float32)
-    src = dst * s32 if align_corners else torch.clamp(s32 * (dst + 0.5) - 0.5, min=0.0)
-    i0 = src.to(torch.int64).clamp(max=n - 1)
-    i1 = torch.where(i0 < n - 1, i0 + 1, i0)
-    l1 = src - i0.to(torch.float32)
+    if align_corners:
+        src = dst * s32
+    else:
+        src = s32 * (dst + 0.5) - 0.5
+        if mode == "linear":
+            src = torch.clamp(src, min=0.0)
     m = torch.zeros(out, n, dtype=torch.float32)
     rows = torch.arange(out)
-    m.index_put_((rows, i0), 1.0 - l1, accumulate=True)
-    m.index_put_((rows, i1), l1, accumulate=True)
+    if mode == "linear":
+        i0 = src.to(torch.int64).clamp(max=n - 1)
+        i1 = torch.where(i0 < n - 1, i0 + 1, i0)
+        l1 = (src - i0.to(torch.float32)).clamp(0.0, 1.0)
+        m.index_put_((rows, i0), 1.0 - l1, accumulate=True)
+        m.index_put_((rows, i1), l1, accumulate=True)
+        return m
+    base = torch.floor(src)
+    for tap, w in enumerate(_cubic_weights(src - base)):
+        m.index_put_((rows, (base.to(torch.int64) - 1 + tap).clamp(0, n - 1)), w, accumulate=True)
     return m
 
 
@@ -131,10 +165,6 @@ def _apply(x: torch.Tensor, m: torch.Tensor, d: int) -> torch.Tensor:
     return dense(y.reshape(*shape[:-1], m.shape[0]).movedim(-1, d))
 
 
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.to(torch.float32)
-
-
 def _gather_dims(x: torch.Tensor, indices: Sequence[torch.Tensor]) -> torch.Tensor:
     """``x`` gathered along its last ``len(indices)`` dims (exact row copies)."""
     k = len(indices)
@@ -154,19 +184,34 @@ def _scatter_dims(g: torch.Tensor, indices: Sequence[torch.Tensor], sizes: Seque
 
 
 def _ok(*ts: torch.Tensor | None) -> bool:
-    """Every tensor is a non-empty float tensor on the same neuron device."""
+    """Every tensor is a float tensor on the same neuron device."""
     dev = ts[0].device
-    return dev.type == "neuron" and all(t is None or (t.device == dev and t.dtype in FLOATS and t.numel() > 0)
-                                        for t in ts)
+    return dev.type == "neuron" and all(t is None or (t.device == dev and t.dtype in FLOATS) for t in ts)
 
 
-def _register(base: str, out_overload: str | None, fn: Callable[..., Any], n_tensors: int) -> None:
-    """Lower ``aten.base`` (and its ``out_overload``) to ``fn``; inputs it cannot run go to the CPU fallback."""
+def _empty_result(op: torch._ops.OpOverload, *args: Any) -> Any:
+    """The result of ``op`` when an operand is empty: the CPU's argument checks (on meta stand-ins), then
+    zeros of the output shapes (a backward whose gradient is empty yields zeros of the input's shape)."""
+    meta = _meta_run(op, *args)
+    dev = args[0].device
+    if isinstance(meta, tuple):
+        return tuple(torch.zeros(m.shape, dtype=m.dtype, device=dev) for m in meta)
+    return torch.zeros(meta.shape, dtype=meta.dtype, device=dev)
+
+
+def _register(base: str, out_overload: str | None, fn: Callable[..., Any], n_tensors: int,
+              check: Callable[..., None] | None = None) -> None:
+    """Lower ``aten.base`` (and its ``out_overload``) to ``fn``; inputs it cannot run go to the CPU fallback.
+    ``check(*args)`` raises for bad arguments the meta kernel lets through, before empty operands are served."""
     packet = getattr(aten, base)
+    check = check or (lambda *args: None)
 
     def functional(*args: Any) -> Any:
         if not _ok(*args[:n_tensors]) or args[0].dtype != args[n_tensors - 1].dtype:
             return cpu_fallback(packet.default, *args)
+        check(*args)
+        if any(t.numel() == 0 for t in args[:n_tensors]):
+            return _empty_result(packet.default, *args)
         return fn(*args)
 
     functional.__doc__ = f"``{base}`` on the device (separable gathers or matmuls)."
@@ -181,7 +226,9 @@ def _register(base: str, out_overload: str | None, fn: Callable[..., Any], n_ten
         if (not _ok(*args[:n_tensors]) or args[0].dtype != args[n_tensors - 1].dtype
                 or any(o.device != args[0].device for o in outs) or outs[0].dtype != args[0].dtype):
             return cpu_fallback(op, *args, **kwargs)
-        res = fn(*args)
+        check(*args)
+        res = (_empty_result(packet.default, *args) if any(t.numel() == 0 for t in args[:n_tensors])
+               else fn(*args))
         if isinstance(res, tuple):
             if outs[1].dtype != torch.int64:
                 return cpu_fallback(op, *args, **kwargs)
@@ -231,6 +278,40 @@ for _kind in ("replicate", "reflect"):
 
 # ---- upsampling ---------------------------------------------------------------------------------
 
+def _upsample_sizes(k: int, input_size: Sequence[int], output_size: Sequence[int]) -> list[int]:
+    """The CPU's ``upsample_common_check`` (PyTorch's meta decompositions skip it): the full output size."""
+    if len(output_size) != k:
+        raise RuntimeError(f"It is expected output_size equals to {k}, but got size {len(output_size)}")
+    if len(input_size) != k + 2:
+        raise RuntimeError(f"It is expected input_size equals to {k + 2}, but got size {len(input_size)}")
+    spatial, out = [int(v) for v in input_size[2:]], [int(v) for v in output_size]
+    if min(spatial + out) <= 0:
+        raise RuntimeError(f"Input and output sizes should be greater than 0, but got input {spatial} and output {out}")
+    return [int(input_size[0]), int(input_size[1])] + out
+
+
+def _upsample_check(k: int, backward: bool) -> Callable[..., None]:
+    """The argument checks of an upsampling op in ``k`` dims (its backward when ``backward``), as the CPU's."""
+    def forward_check(self: torch.Tensor, output_size: Sequence[int], *rest: Any) -> None:
+        _upsample_sizes(k, self.shape, output_size)
+        if self.numel() == 0 and self.shape[1:].numel() == 0:   # only the batch may be empty
+            raise RuntimeError(f"Non-empty {k + 2}D data tensor expected but got a tensor with sizes "
+                               f"{list(self.shape)}")
+
+    def backward_check(grad_output: torch.Tensor, output_size: Sequence[int], input_size: Sequence[int],
+                       *rest: Any) -> None:
+        full = _upsample_sizes(k, input_size, output_size)
+        if grad_output.dim() != k + 2:
+            raise RuntimeError(f"Expected grad_output to be a tensor of dimension {k + 2} but got: dimension "
+                               f"{grad_output.dim()}")
+        for i, n in enumerate(full):
+            if grad_output.shape[i] != n:
+                raise RuntimeError(f"Expected grad_output to have the same shape as output; output.size({i}) = {n} "
+                                   f"but got grad_output.size({i}) = {grad_output.shape[i]}")
+
+    return backward_check if backward else forward_check
+
+
 def _scales(k: int, scales: Sequence[Any]) -> list[float | None]:
     return (list(scales) + [None] * k)[:k]
 
@@ -255,8 +336,8 @@ def _nearest_lowerings(k: int, exact: bool = False) -> None:
         idx = [_nearest_index(n[i], int(output_size[i]), sc[i], exact) for i in range(k)]
         return _scatter_dims(grad_output, idx, n).view([int(v) for v in input_size])
 
-    _register(name, "out", forward, 1)
-    _register(f"{name}_backward", "grad_input", backward, 1)
+    _register(name, "out", forward, 1, _upsample_check(k, False))
+    _register(f"{name}_backward", "grad_input", backward, 1, _upsample_check(k, True))
 
 
 for _k in (1, 2, 3):
@@ -264,33 +345,43 @@ for _k in (1, 2, 3):
     _nearest_lowerings(_k, exact=True)
 
 
-def _bilinear(x: torch.Tensor, out_hw: Sequence[int], in_hw: Sequence[int], align_corners: bool,
-              scales: Sequence[Any], transpose: bool) -> torch.Tensor:
-    """Rows then columns interpolated by ``_linear_matrix`` (its transpose for the backward), in fp32."""
-    sc = _scales(2, scales)
+def _interp(x: torch.Tensor, mode: str, out_size: Sequence[int], in_size: Sequence[int], align_corners: bool,
+            scales: Sequence[Any], transpose: bool) -> torch.Tensor:
+    """Each of the last ``len(out_size)`` dims interpolated by ``_interp_matrix`` in turn (its transpose for
+    the backward), in fp32."""
+    k = len(out_size)
+    if transpose and mode == "cubic" and list(map(int, out_size)) == list(map(int, in_size)):
+        return x.clone()           # the CPU's bicubic backward copies when no size changes (not its forward)
+    sc = _scales(k, scales)
     y = _f32(x)
-    for i, d in enumerate((-2, -1)):
-        m = _dev(x.device, _linear_matrix, int(in_hw[i]), int(out_hw[i]), bool(align_corners), sc[i])
-        y = _apply(y, m.t() if transpose else m, y.dim() + d)
+    for i in range(k):
+        m = _dev(x.device, _interp_matrix, mode, int(in_size[i]), int(out_size[i]), bool(align_corners), sc[i])
+        y = _apply(y, m.t() if transpose else m, y.dim() - k + i)
     return y.to(x.dtype)
 
 
-def _bilinear_forward(self: torch.Tensor, output_size: Sequence[int], align_corners: bool,
-                      *scales: float | None) -> torch.Tensor:
-    meta = _meta_run(aten.upsample_bilinear2d.default, self, output_size, align_corners, *scales)
-    return _bilinear(self, output_size, self.shape[-2:], align_corners, scales, False).view(meta.shape)
+def _interp_lowerings(name: str, mode: str, k: int) -> None:
+    fwd_op = getattr(aten, name).default
+    bwd_op = getattr(aten, f"{name}_backward").default
+
+    def forward(self: torch.Tensor, output_size: Sequence[int], align_corners: bool,
+                *scales: float | None) -> torch.Tensor:
+        meta = _meta_run(fwd_op, self, output_size, align_corners, *scales)
+        return _interp(self, mode, output_size, self.shape[-k:], align_corners, scales, False).view(meta.shape)
+
+    def backward(grad_output: torch.Tensor, output_size: Sequence[int], input_size: Sequence[int],
+                 align_corners: bool, *scales: float | None) -> torch.Tensor:
+        _meta_run(bwd_op, grad_output, output_size, input_size, align_corners, *scales)
+        res = _interp(grad_output, mode, output_size, input_size[-k:], align_corners, scales, True)
+        return res.view([int(v) for v in input_size])
+
+    _register(name, "out", forward, 1, _upsample_check(k, False))
+    _register(f"{name}_backward", "grad_input", backward, 1, _upsample_check(k, True))
 
 
-def _bilinear_backward(grad_output: torch.Tensor, output_size: Sequence[int], input_size: Sequence[int],
-                       align_corners: bool, *scales: float | None) -> torch.Tensor:
-    _meta_run(aten.upsample_bilinear2d_backward.default, grad_output, output_size, input_size, align_corners,
-              *scales)
-    res = _bilinear(grad_output, output_size, input_size[-2:], align_corners, scales, True)
-    return res.view([int(v) for v in input_size])
-
-
-_register("upsample_bilinear2d", "out", _bilinear_forward, 1)
-_register("upsample_bilinear2d_backward", "grad_input", _bilinear_backward, 1)
+for _name, _mode, _k in (("upsample_linear1d", "linear", 1), ("upsample_bilinear2d", "linear", 2),
+                         ("upsample_trilinear3d", "linear", 3), ("upsample_bicubic2d", "cubic", 2)):
+    _interp_lowerings(_name, _mode, _k)
 
 
 # ---- pooling ------------------------------------------------------------------------------------
@@ -420,3 +511,27 @@ def _avg_pool3d_backward(grad_output: torch.Tensor, self: torch.Tensor, kernel_s
 
 _register("avg_pool3d", "out", _avg_pool3d, 1)
 _register("avg_pool3d_backward", "grad_input", _avg_pool3d_backward, 2)
+
+
+# ---- unpooling ----------------------------------------------------------------------------------
+
+def _max_unpool3d(self: torch.Tensor, indices: torch.Tensor, output_size: Sequence[int], stride: Sequence[int],
+                  padding: Sequence[int]) -> torch.Tensor:
+    """``max_unpool2d`` over volumes flattened to one row: the indices are flat in D*H*W either way."""
+    op = aten.max_unpool3d.default
+    if indices.device != self.device:
+        return cpu_fallback(op, self, indices, output_size, stride, padding)
+    meta = _meta_run(op, self, indices, output_size, stride, padding)
+    if meta.numel() == 0:
+        return torch.zeros(meta.shape, dtype=self.dtype, device=self.device)
+    od, oh, ow = (int(v) for v in output_size)
+    rows = self.shape[:-3] + (1, -1)
+    try:
+        res = aten.max_unpool2d(self.reshape(rows), indices.reshape(rows), [1, od * oh * ow])
+    except RuntimeError as e:
+        # the CPU names the volume's three sizes
+        raise RuntimeError(str(e).replace(f"size 1x{od * oh * ow})", f"size {od}x{oh}x{ow})")) from None
+    return res.view(meta.shape)
+
+
+_register("max_unpool3d", "out", _max_unpool3d, 1)
