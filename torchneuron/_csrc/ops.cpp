@@ -165,13 +165,14 @@ void check_no_partial_overlap(const c10::FunctionSchema& schema, const torch::ji
     const c10::AliasInfo* alias = schema.arguments()[i].alias_info();
     if (alias == nullptr || !alias->isWrite() || !args[i].isTensor()) continue;
     const at::Tensor& written = args[i].toTensor();
-    if (!written.defined()) continue;
+    if (!written.defined() || written.layout() != c10::kStrided) continue;
+    auto strided = [](const at::Tensor& t) { return t.defined() && t.layout() == c10::kStrided; };
     for (size_t j = 0; j < args.size(); ++j) {
       if (j == i) continue;
-      if (args[j].isTensor() && args[j].toTensor().defined()) {
+      if (args[j].isTensor() && strided(args[j].toTensor())) {
         at::assert_no_partial_overlap(written, args[j].toTensor());
       } else if (args[j].isTensorList()) {
-        for (const at::Tensor& t : args[j].toTensorList()) if (t.defined()) at::assert_no_partial_overlap(written, t);
+        for (const at::Tensor& t : args[j].toTensorList()) if (strided(t)) at::assert_no_partial_overlap(written, t);
       }
     }
   }
