@@ -240,3 +240,132 @@ def test_scaled_add(strict):
     _same(torch.add(to_n(A), to_n(B), alpha=3), torch.add(A, B, alpha=3))
     _same(torch.sub(to_n(A), to_n(C), alpha=-(2**35)), torch.sub(A, C, alpha=-(2**35)))
     _same(torch.rsub(to_n(A), to_n(B), alpha=5), torch.rsub(A, B, alpha=5))
+
+
+# shift counts: in range, whole-word moves, and the CPU's answers outside [0, 64)
+COUNTS = torch.tensor([0, 1, 31, 32, 33, 63, 64, 65, -1, -64, 2**40, 17, 5, 40, 2, -(2**40)])
+
+
+@pytest.mark.parametrize("op", ["bitwise_left_shift", "bitwise_right_shift"])
+def test_shifts(strict, op):
+    fn = getattr(torch, op)
+    _same(fn(to_n(A), to_n(COUNTS)), fn(A, COUNTS))
+    _same(fn(to_n(B), to_n(COUNTS.flip(0))), fn(B, COUNTS.flip(0)))
+    _same(fn(to_n(A), 33), fn(A, 33))                                             # Tensor_Scalar
+    _same(fn(-(2**40), to_n(COUNTS[:8])), fn(-(2**40), COUNTS[:8]))                # Scalar_Tensor
+    _same(fn(to_n(A), to_n(C.clamp(0, 70))), fn(A, C.clamp(0, 70)))               # int32 counts
+    _same(fn(to_n(C), to_n(COUNTS)), fn(C, COUNTS))                               # int32 values, promoted
+    x = to_n(A.clone())
+    getattr(x, f"{op}_")(to_n(COUNTS))
+    _same(x, getattr(A.clone(), f"{op}_")(COUNTS))
+    out = to_n(torch.empty(0, dtype=torch.int64))
+    assert fn(to_n(A[:4, None]), to_n(COUNTS[None, :5]), out=out) is out
+    _same(out, fn(A[:4, None], COUNTS[None, :5]))
+
+
+def test_shift_operators(strict):
+    _same(to_n(A) << 3, A << 3)
+    _same(to_n(A) >> to_n(COUNTS), A >> COUNTS)
+    x = to_n(A.clone())
+    x <<= 2
+    x >>= to_n(COUNTS)
+    y = A.clone()
+    y <<= 2
+    y >>= COUNTS
+    _same(x, y)
+
+
+def test_shift_float_error_through_fallback():
+    with pytest.raises(NotImplementedError, match="not implemented for 'Float'"):
+        torch.bitwise_left_shift(to_n(A), to_n(torch.ones(16)))
+
+
+# divisors: +-1, word boundaries, the extremes (-2**63 // -1 wraps as on the CPU), values of one word
+D = torch.tensor([1, -1, 2, -2**63, 2**63 - 1, -(2**32), 3, 2**31, -7, 2**32 + 1, -1, 10, 7, -3, 99, -(2**33) + 1])
+DIVISION = {
+    "floor_divide": torch.floor_divide, "remainder": torch.remainder, "fmod": torch.fmod,
+    "trunc": lambda x, y, **kw: torch.div(x, y, rounding_mode="trunc", **kw),
+    "floor": lambda x, y, **kw: torch.div(x, y, rounding_mode="floor", **kw),
+}
+
+
+@pytest.mark.parametrize("op", list(DIVISION))
+def test_division(strict, op):
+    fn = DIVISION[op]
+    _same(fn(to_n(A), to_n(D)), fn(A, D))
+    _same(fn(to_n(B), to_n(D.flip(0))), fn(B, D.flip(0)))
+    for s in (7, -3, 2**40 + 3):                                                  # one divisor for all
+        _same(fn(to_n(A), s), fn(A, s))
+    _same(fn(to_n(A[:4, None]), to_n(D[None, :5])), fn(A[:4, None], D[None, :5]))
+    _same(fn(to_n(A), to_n(C.clamp(1, 2**31 - 1))), fn(A, C.clamp(1, 2**31 - 1)))  # int32 divisors
+    out = to_n(torch.empty(0, dtype=torch.int64))
+    assert fn(to_n(A), to_n(D), out=out) is out
+    _same(out, fn(A, D))
+
+
+def test_division_variants(strict):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(-2**63, 2**63 - 1, (100,), generator=g)
+    y = torch.randint(-2**20, 2**20, (100,), generator=g) | 1
+    _same(to_n(x) // to_n(y), x // y)
+    _same(to_n(x) % to_n(x.flip(0)), x % x.flip(0))
+    _same(7 % to_n(D), 7 % D)                                                     # remainder.Scalar_Tensor
+    _same(to_n(A) // 2.5, A // 2.5)                                               # float operands: float path
+    _same(to_n(A) % 2.5, A % 2.5)
+    z = to_n(A.clone())
+    z //= to_n(D)
+    _same(z, A // D)
+    z = to_n(A.clone())
+    z %= 10
+    _same(z, A % 10)
+
+
+def test_division_by_zero_raises_like_cpu(strict):
+    for case in (lambda d: d(A) // d(B), lambda d: torch.remainder(d(A), 0), lambda d: torch.fmod(d(A), d(B)),
+                 lambda d: torch.div(d(A), d(C), rounding_mode="trunc"), lambda d: 7 % d(B)):
+        with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+            case(lambda t: t)
+        with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+            case(to_n)
+    x = to_n(A.clone())
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        x.floor_divide_(0)
+    _same(x, A)                                                                   # nothing written
+
+
+def test_gcd(strict):
+    # gcd with -2**63 follows the CPU's Euclid loop on wrapped abs values: gcd(-2**63, 6) is -2 there
+    m = -2**63
+    x = torch.tensor([m, m, m, m, m, 0, 0, 12, -18, 2**62, 7 * 2**40, 2**63 - 1, 1, -4, 99, 35])
+    y = torch.tensor([0, 6, 12, m, 2**63 - 1, 0, -5, 18, 12, -(2**61), -21 * 2**33, 3, -9, -6, 0, 14])
+    _same(torch.gcd(to_n(x), to_n(y)), torch.gcd(x, y))
+    _same(torch.gcd(to_n(y), to_n(x)), torch.gcd(y, x))
+    _same(torch.gcd(to_n(x), to_n(C)), torch.gcd(x, C))                          # int32 operand
+    z = to_n(x.clone())
+    z.gcd_(to_n(y))
+    _same(z, torch.gcd(x, y))
+
+
+def test_lcm(strict):
+    a = torch.tensor([0, 0, 12, -18, 2**62, 7 * 2**40, 2**63 - 1, 1, -4, 99, 35, 2**40])   # the CPU traps at -2**63
+    b = torch.tensor([0, -5, 18, 12, -(2**61), -21 * 2**33, 3, -9, -6, 0, 14, 2**40 + 1])  # the last one wraps
+    _same(torch.lcm(to_n(a), to_n(b)), torch.lcm(a, b))
+    _same(torch.lcm(to_n(a[:4, None]), to_n(b[None, 1:4])), torch.lcm(a[:4, None], b[None, 1:4]))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.uint8])
+def test_narrow_int_division_and_shifts(strict, dtype):
+    # computed on widened int64 values, wrapped back to the dtype: the CPU's narrow results
+    g = torch.Generator().manual_seed(5)
+    info = torch.iinfo(dtype)
+    x = torch.randint(info.min, info.max + 1, (40,), generator=g).to(dtype)
+    y = torch.randint(info.min, info.max + 1, (40,), generator=g).to(dtype)
+    y[y == 0] = 1
+    if dtype != torch.int32:  # the CPU traps on INT32_MIN // -1
+        x[0], y[0] = info.min, -1 if info.min else 1
+    counts = torch.randint(0 if dtype == torch.uint8 else -3, 40, (40,), generator=g).to(dtype)
+    for f in (torch.floor_divide, torch.remainder, torch.fmod, lambda a, b: torch.div(a, b, rounding_mode="trunc"),
+              lambda a, b: a // 3, lambda a, b: a % 5):
+        _same(f(to_n(x), to_n(y)), f(x, y))
+    for f in (torch.bitwise_left_shift, torch.bitwise_right_shift, lambda a, b: a << 3, lambda a, b: a >> b):
+        _same(f(to_n(x), to_n(counts)), f(x, counts))

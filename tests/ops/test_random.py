@@ -241,3 +241,36 @@ def test_eye_matches_cpu(dtype):
         assert torch.equal(torch.eye(*args, dtype=dtype, device=N).cpu(), torch.eye(*args, dtype=dtype))
     with pytest.raises(RuntimeError, match="n must be greater or equal to 0"):
         torch.eye(-1, device=N)
+
+
+def test_float64_draws_are_made_in_fp32_and_widened():
+    # the core has no float64: fp32 draws widened by copy_ (native), so still no CPU fallback
+    torch.neuron.manual_seed(7)
+    x = torch.empty(20_000, dtype=torch.float64, device=N).normal_(1.0, 2.0).cpu()
+    assert x.dtype == torch.float64 and _z(x, 1.0, 2.0) < 5 and abs(x.std().item() - 2.0) < 0.05
+    assert torch.equal(x, x.float().double())                                  # fp32 values
+    u = torch.rand(20_000, dtype=torch.float64, device=N).cpu()
+    assert u.min() >= 0 and u.max() < 1 and _z(u, 0.5, 1 / math.sqrt(12)) < 5
+    r = torch.randint(2, 10, (5000,), dtype=torch.float64, device=N).cpu()
+    assert set(r.unique().tolist()) == set(range(2, 10))
+    like = torch.randn_like(torch.zeros(3, 4, dtype=torch.float64, device=N))
+    assert like.dtype == torch.float64 and like.shape == (3, 4)
+    b = torch.empty(5000, dtype=torch.float64, device=N).bernoulli_(0.25).cpu()
+    assert set(b.unique().tolist()) == {0.0, 1.0} and abs(b.mean().item() - 0.25) < 0.03
+    e = torch.empty(5000, dtype=torch.float64, device=N).exponential_(2.0).cpu()
+    assert e.min() > 0 and _z(e, 0.5, 0.5) < 5
+    torch.neuron.manual_seed(7)
+    assert torch.equal(torch.empty(20_000, dtype=torch.float64, device=N).normal_(1.0, 2.0).cpu(), x)
+
+
+def test_float64_draws_beyond_fp32_take_the_fallback():
+    # bounds fp32 cannot hold, integers beyond 2**24: the CPU draws them in float64
+    torchneuron.set_strict(False)
+    before = dict(torchneuron.fallback_counts())
+    u = torch.empty(1000, dtype=torch.float64, device=N).uniform_(0.1, 0.2).cpu()
+    assert u.min() >= 0.1 and u.max() < 0.2
+    r = torch.empty(1000, dtype=torch.float64, device=N).random_(0, 2 ** 40).cpu()
+    assert r.max() < 2 ** 40 and bool((r == r.round()).all())
+    after = torchneuron.fallback_counts()
+    assert after.get("aten::uniform_", 0) == before.get("aten::uniform_", 0) + 1
+    assert after.get("aten::random_.from", 0) == before.get("aten::random_.from", 0) + 1

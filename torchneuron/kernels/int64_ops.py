@@ -15,7 +15,11 @@ integer op on the engines is exact on such tiles, so:
   pieces whose block sums cannot overflow int32, the running sums are renormalised to 16-bit digits
   after each block, and the top digit wraps mod 2**32 as int64 sums wrap in PyTorch;
 - ``int64_extreme`` (row max/min) takes the high words' extreme, then the low words' extreme among
-  the elements that attain it.
+  the elements that attain it;
+- ``int64_shift`` shifts both words by the count mod 32 and moves a whole word for counts of 32..63
+  (no engine shift is ever by 32 bits or more);
+- ``int64_divmod`` divides the magnitudes by restoring long division, one quotient bit per step, and
+  applies the signs (trunc/floor quotients, fmod/remainder remainders).
 """
 from __future__ import annotations
 
@@ -68,6 +72,18 @@ def _select(m, x, y, p, w, dtype):
     nisa.tensor_tensor(dst=d[:p], data1=d[:p], data2=m[:p], op=nl.multiply)
     nisa.tensor_tensor(dst=r[:p], data1=y[:p], data2=d[:p], op=nl.add)
     return r
+
+
+def _negate(lo, hi, p, w, hi_dtype=nl.int32):
+    """``-(lo, hi)`` as (low uint32, high ``hi_dtype``) tiles, and the borrow ``lo != 0`` (an int32 0/1 tile)."""
+    nlo = nl.ndarray((PMAX, w), nl.uint32, buffer=nl.sbuf)
+    nhi = nl.ndarray((PMAX, w), hi_dtype, buffer=nl.sbuf)
+    borrow = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=nlo[:p], data=lo[:p], op0=nl.multiply, operand0=-1)         # the store wraps mod 2**32
+    nisa.tensor_scalar(dst=borrow[:p], data=lo[:p], op0=nl.not_equal, operand0=0)
+    nisa.tensor_scalar(dst=nhi[:p], data=hi[:p], op0=nl.multiply, operand0=-1)
+    nisa.tensor_tensor(dst=nhi[:p], data1=nhi[:p], data2=borrow[:p], op=nl.subtract)   # the store wraps
+    return nlo, nhi, borrow
 
 
 def _store(out, s, p, w, lo, hi):
@@ -133,13 +149,7 @@ def int64_unary(a, op):
     out = nl.ndarray((n, 2), nl.int32, buffer=nl.shared_hbm)
     for s, p, w in flat_blocks(n, F):
         lo, hi = _load(a, s, p, w)
-        nlo = nl.ndarray((PMAX, w), nl.uint32, buffer=nl.sbuf)
-        nhi = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
-        borrow = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=nlo[:p], data=lo[:p], op0=nl.multiply, operand0=-1)         # the store wraps mod 2**32
-        nisa.tensor_scalar(dst=borrow[:p], data=lo[:p], op0=nl.not_equal, operand0=0)
-        nisa.tensor_scalar(dst=nhi[:p], data=hi[:p], op0=nl.multiply, operand0=-1)
-        nisa.tensor_tensor(dst=nhi[:p], data1=nhi[:p], data2=borrow[:p], op=nl.subtract)   # int32 store wraps
+        nlo, nhi, borrow = _negate(lo, hi, p, w)
         if op == "sign":  # low word: 1, 0 or -1 (all ones); high word: 0 or -1
             pos = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=nhi[:p], data=hi[:p], op0=nl.less, operand0=0)             # negative
@@ -311,4 +321,146 @@ def int64_mul(a, b):
                                       op1=nl.add, operand1=col[k][:p])
         nisa.dma_copy(dst=out.ap([[2 * w, p], [2, w]], offset=2 * s, dtype=nl.uint32), src=col[0][:p])
         nisa.dma_copy(dst=out.ap([[2 * w, p], [2, w]], offset=2 * s + 1, dtype=nl.uint32), src=col[2][:p])
+    return out
+
+
+def _u32(w):
+    return nl.ndarray((PMAX, w), nl.uint32, buffer=nl.sbuf)
+
+
+def _i32(w):
+    return nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
+
+
+@nki.jit
+def int64_shift(a, b, op):
+    """``a << b`` (op "left") or ``a >> b`` ("right", arithmetic) of int64 words [n, 2] by int64 counts given
+    as words [n, 2] (either may be [1, 2]). Counts outside [0, 64) give 0 (left) or the sign fill (right), as
+    the CPU's kernel does. Every engine shift is by 0..31 bits: a count of 32..63 moves a whole word."""
+    n = _n(a, b)
+    out = nl.ndarray((n, 2), nl.int32, buffer=nl.shared_hbm)
+    for s, p, w in flat_blocks(n, F):
+        lo, hi = _load(a, s, p, w)
+        clo, chi = _load(b, s, p, w)
+        ok, big, k, rk = _i32(w), _i32(w), _i32(w), _i32(w)
+        nisa.tensor_scalar(dst=ok[:p], data=chi[:p], op0=nl.equal, operand0=0)
+        nisa.tensor_scalar(dst=big[:p], data=clo[:p], op0=nl.less, operand0=64)
+        nisa.tensor_tensor(dst=ok[:p], data1=ok[:p], data2=big[:p], op=nl.multiply)          # 0 <= count < 64
+        nisa.tensor_scalar(dst=big[:p], data=clo[:p], op0=nl.right_shift, operand0=5, op1=nl.bitwise_and,
+                           operand1=1)                                                       # count >= 32
+        nisa.tensor_scalar(dst=k[:p], data=clo[:p], op0=nl.bitwise_and, operand0=31)
+        nisa.tensor_scalar(dst=rk[:p], data=k[:p], op0=nl.subtract, operand0=31, reverse0=True)   # 31 - k
+        slo, shi, cross = _u32(w), _i32(w), _u32(w)
+        if op == "left":
+            nisa.tensor_tensor(dst=slo[:p], data1=lo[:p], data2=k[:p], op=nl.left_shift)      # the store wraps
+            nisa.tensor_tensor(dst=shi[:p], data1=hi[:p], data2=k[:p], op=nl.left_shift)
+            # the low word's top k bits move up: (lo >> 1) >> (31 - k) never shifts by 32
+            nisa.tensor_scalar(dst=cross[:p], data=lo[:p], op0=nl.right_shift, operand0=1)
+            nisa.tensor_tensor(dst=cross[:p], data1=cross[:p], data2=rk[:p], op=nl.right_shift)
+            nisa.tensor_tensor(dst=shi[:p], data1=shi[:p], data2=cross[:p], op=nl.bitwise_or)
+            rhi = _select(big, slo, shi, p, w, nl.int32)                                      # count >= 32: lo << k
+            nisa.tensor_scalar(dst=big[:p], data=big[:p], op0=nl.subtract, operand0=1, reverse0=True)
+            nisa.tensor_tensor(dst=big[:p], data1=big[:p], data2=ok[:p], op=nl.multiply)      # keep the low word
+            nisa.tensor_tensor(dst=slo[:p], data1=slo[:p], data2=big[:p], op=nl.multiply)
+            nisa.tensor_tensor(dst=rhi[:p], data1=rhi[:p], data2=ok[:p], op=nl.multiply)
+            _store(out, s, p, w, slo, rhi)
+        else:
+            sign = _i32(w)
+            nisa.tensor_scalar(dst=sign[:p], data=hi[:p], op0=nl.right_shift, operand0=31)    # 0 or -1
+            nisa.tensor_tensor(dst=shi[:p], data1=hi[:p], data2=k[:p], op=nl.right_shift)     # arithmetic: int32
+            nisa.tensor_tensor(dst=slo[:p], data1=lo[:p], data2=k[:p], op=nl.right_shift)     # logical: uint32
+            # the high word's low k bits move down: (hi << 1) << (31 - k), wrapped to 32 bits
+            nisa.tensor_scalar(dst=cross[:p], data=hi[:p], op0=nl.left_shift, operand0=1)
+            nisa.tensor_tensor(dst=cross[:p], data1=cross[:p], data2=rk[:p], op=nl.left_shift)
+            nisa.tensor_tensor(dst=slo[:p], data1=slo[:p], data2=cross[:p], op=nl.bitwise_or)
+            rlo = _select(big, shi, slo, p, w, nl.uint32)                                     # count >= 32: hi >> k
+            rhi = _select(big, sign, shi, p, w, nl.int32)
+            _store(out, s, p, w, _select(ok, rlo, sign, p, w, nl.uint32), _select(ok, rhi, sign, p, w, nl.int32))
+    return out
+
+
+DIV_F = 512       # elements per partition of a division block: about 20 live tiles of 2 KiB per partition
+
+
+def _magnitude(t, s, p, w):
+    """(|x| low, |x| high) uint32 tiles of a block of int64 words and the sign (int32 0/1: x < 0)."""
+    lo, hi = _load(t, s, p, w)
+    neg = _i32(w)
+    nisa.tensor_scalar(dst=neg[:p], data=hi[:p], op0=nl.less, operand0=0)
+    nlo, nhi, _ = _negate(lo, hi, p, w, nl.uint32)
+    return _select(neg, nlo, lo, p, w, nl.uint32), _select(neg, nhi, hi, p, w, nl.uint32), neg
+
+
+def _udivmod(nlo, nhi, dlo, dhi, p, w):
+    """Unsigned 64-bit ``n // d`` and ``n % d`` (d <= 2**63, nonzero) by restoring long division: 64 steps
+    of bringing down the dividend's next bit into the remainder and subtracting d where it fits, which sets
+    that quotient bit. Returns (q lo, q hi, r lo, r hi)."""
+    rlo, rhi, qlo, qhi = _u32(w), _u32(w), _u32(w), _u32(w)
+    for t in (rlo, rhi, qlo, qhi):
+        nisa.memset(dst=t[:p], value=0)
+    bit, b1, m, md = _u32(w), _u32(w), _u32(w), _u32(w)
+    for i in range(64):
+        src, q, k = (nhi, qhi, 63 - i) if i < 32 else (nlo, qlo, 31 - i % 32)
+        nisa.tensor_scalar(dst=bit[:p], data=src[:p], op0=nl.right_shift, operand0=k % 32, op1=nl.bitwise_and,
+                           operand1=1)
+        if i >= 32:  # r < 2**i before this step: only then can its low word's top bit carry into the high word
+            nisa.tensor_scalar(dst=b1[:p], data=rlo[:p], op0=nl.right_shift, operand0=31)
+            nisa.scalar_tensor_tensor(dst=rhi[:p], data=rhi[:p], op0=nl.multiply, operand0=2, op1=nl.add,
+                                      operand1=b1[:p])
+        nisa.scalar_tensor_tensor(dst=rlo[:p], data=rlo[:p], op0=nl.multiply, operand0=2, op1=nl.add, operand1=bit[:p])
+        # r >= d: no borrow out of r - d. r < 2**64 and d's high word <= 2**31, so dhi + borrow fits 32 bits
+        nisa.tensor_tensor(dst=b1[:p], data1=rlo[:p], data2=dlo[:p], op=nl.less)
+        nisa.tensor_tensor(dst=bit[:p], data1=dhi[:p], data2=b1[:p], op=nl.add)
+        nisa.tensor_tensor(dst=m[:p], data1=rhi[:p], data2=bit[:p], op=nl.greater_equal)
+        nisa.tensor_tensor(dst=md[:p], data1=dlo[:p], data2=m[:p], op=nl.multiply)
+        nisa.tensor_tensor(dst=rlo[:p], data1=rlo[:p], data2=md[:p], op=nl.subtract)          # the store wraps
+        nisa.tensor_tensor(dst=bit[:p], data1=bit[:p], data2=m[:p], op=nl.multiply)
+        nisa.tensor_tensor(dst=rhi[:p], data1=rhi[:p], data2=bit[:p], op=nl.subtract)
+        nisa.scalar_tensor_tensor(dst=q[:p], data=q[:p], op0=nl.multiply, operand0=2, op1=nl.add, operand1=m[:p])
+    return qlo, qhi, rlo, rhi
+
+
+def _sign_select(m, lo, hi, p, w):
+    """``-x`` where m (0/1) is set, else x, for x given as uint32 words."""
+    nlo, nhi, _ = _negate(lo, hi, p, w, nl.uint32)
+    return _select(m, nlo, lo, p, w, nl.uint32), _select(m, nhi, hi, p, w, nl.uint32)
+
+
+@nki.jit
+def int64_divmod(a, b, mode):
+    """Integer division of int64 words [n, 2] by nonzero int64 words (either may be [1, 2]; the caller checks
+    for zeros): the quotient rounded toward zero ("trunc") or down ("floor"), or the remainder with the
+    dividend's sign ("fmod") or the divisor's ("remainder"). Magnitudes are divided as unsigned 64-bit values,
+    then signs applied; -2**63 // -1 wraps to -2**63 as on the CPU. A zero divisor is defined too (every
+    step subtracts 0): quotient all ones, remainder the dividend (fmod: ``x % 0 == x``, which gcd relies on)."""
+    assert mode in ("trunc", "floor", "fmod", "remainder"), mode
+    n = _n(a, b)
+    out = nl.ndarray((n, 2), nl.int32, buffer=nl.shared_hbm)
+    for s, p, w in flat_blocks(n, DIV_F):
+        nlo, nhi, sa = _magnitude(a, s, p, w)
+        dlo, dhi, sb = _magnitude(b, s, p, w)
+        qlo, qhi, rlo, rhi = _udivmod(nlo, nhi, dlo, dhi, p, w)
+        differ, inexact = _i32(w), _i32(w)
+        nisa.tensor_tensor(dst=differ[:p], data1=sa[:p], data2=sb[:p], op=nl.not_equal)
+        nisa.tensor_tensor(dst=inexact[:p], data1=rlo[:p], data2=rhi[:p], op=nl.bitwise_or)
+        nisa.tensor_scalar(dst=inexact[:p], data=inexact[:p], op0=nl.not_equal, operand0=0)
+        nisa.tensor_tensor(dst=inexact[:p], data1=inexact[:p], data2=differ[:p], op=nl.multiply)
+        if mode in ("trunc", "floor"):
+            lo, hi = _sign_select(differ, qlo, qhi, p, w)
+            if mode == "floor":   # a negative inexact quotient rounds down: -q - 1 is ~q
+                nisa.tensor_scalar(dst=qlo[:p], data=qlo[:p], op0=nl.bitwise_xor, operand0=0xFFFFFFFF)
+                nisa.tensor_scalar(dst=qhi[:p], data=qhi[:p], op0=nl.bitwise_xor, operand0=0xFFFFFFFF)
+                lo, hi = _select(inexact, qlo, lo, p, w, nl.uint32), _select(inexact, qhi, hi, p, w, nl.uint32)
+        elif mode == "fmod":
+            lo, hi = _sign_select(sa, rlo, rhi, p, w)
+        else:                 # signs differ and r != 0: |result| = d - r; the result takes the divisor's sign
+            bw, clo, chi = _i32(w), _u32(w), _u32(w)
+            nisa.tensor_tensor(dst=bw[:p], data1=dlo[:p], data2=rlo[:p], op=nl.less)
+            nisa.tensor_tensor(dst=clo[:p], data1=dlo[:p], data2=rlo[:p], op=nl.subtract)
+            nisa.tensor_tensor(dst=chi[:p], data1=dhi[:p], data2=rhi[:p], op=nl.subtract)
+            nisa.tensor_tensor(dst=chi[:p], data1=chi[:p], data2=bw[:p], op=nl.subtract)
+            lo, hi = _select(inexact, clo, rlo, p, w, nl.uint32), _select(inexact, chi, rhi, p, w, nl.uint32)
+            lo, hi = _sign_select(sb, lo, hi, p, w)
+        nisa.dma_copy(dst=out.ap([[2 * w, p], [2, w]], offset=2 * s, dtype=nl.uint32), src=lo[:p])
+        nisa.dma_copy(dst=out.ap([[2 * w, p], [2, w]], offset=2 * s + 1, dtype=nl.uint32), src=hi[:p])
     return out

@@ -9,8 +9,13 @@ lowerings try before the CPU fallback:
 - int64 results: comparisons (eq, ne, lt, le, gt, ge; one launch, bool result), maximum/minimum,
   clamp/clamp_min/clamp_max, neg, abs, sign/sgn, bitwise and/or/xor/not, add/sub/rsub (any int
   operands and broadcasts, via ``int64_add``), mul (exact mod 2**64), and ``where`` (registered for
-  when its lowering consults ALTERNATIVES). Operands promoted to int64 (narrower ints, bools,
-  Python ints) are widened on the device.
+  when its lowering consults ALTERNATIVES), shifts (``bitwise_left/right_shift``, ``<<``, ``>>``: across both
+  words), integer division (floor_divide, remainder, fmod, div with a rounding mode: 64-step long division;
+  a zero divisor raises the CPU's ``ZeroDivisionError``, read with one sync), and gcd/lcm (the CPU's Euclid
+  loop, one division launch and one sync per step). Operands promoted to int64 (narrower ints, bools,
+  Python ints) are widened on the device. Shifts and divisions of 8-32-bit ints run the same kernels on
+  widened operands, their results wrapped back to the narrow dtype (what the CPU's narrow math gives);
+  gcd/lcm of those take the CPU fallback (its abs wraps at the narrow dtype's minimum).
 - float results: an int64 operand promoted to a float dtype (``x / 3``, ``x * 0.5``, ``exp(x)``,
   ``x > 0.5``) is cast to it on the device and the op runs on the ordinary float path, as the CPU
   casts to the common dtype.
@@ -26,15 +31,17 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 
 from torchneuron.kernels.int64_ops import int64_bitwise, int64_compare, int64_minmax, int64_unary, int64_where
-from torchneuron.kernels.int64_ops import int64_extreme, int64_mul, int_sum as _sum_kernel
-from torchneuron.ops import pointwise
+from torchneuron.kernels.int64_ops import int64_divmod, int64_extreme, int64_mul, int64_shift, int_sum as _sum_kernel
+from torchneuron.ops import pointwise, tilemath
 from torchneuron.ops.copy import device_copy, to_int64
 from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense
 from torchneuron.ops.pointwise import _check_overlap, _check_target, _promote, broadcast_shape
+from torchneuron.ops.registry import Unsupported, cpu_fallback, lowering
 
 aten = torch.ops.aten
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+NARROW_INTS = (torch.int8, torch.int16, torch.int32, torch.uint8)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -105,8 +112,10 @@ def _checked_target(target: torch.Tensor | None, inplace: bool, shape: tuple, re
 
 def _run(op: Callable, kind: KIND, operands: list, target: torch.Tensor | None, inplace: bool,
          int64_fn: Callable[[list, tuple, torch.device], torch.Tensor | None],
-         result_dtype: torch.dtype | None = None) -> torch.Tensor | None:
-    """Promote, check and run an element-wise op with an int64 operand or target; None: not handled here."""
+         result_dtype: torch.dtype | None = None, narrow: bool = False) -> torch.Tensor | None:
+    """Promote, check and run an element-wise op with an int64 operand or target; None: not handled here.
+    ``narrow``: ops on 8-32-bit ints run too, computed in int64 and wrapped to their dtype (for ops whose
+    narrow results are the int64 results wrapped: division, shifts)."""
     found = _operands(operands, target)
     if found is None:
         return None
@@ -114,10 +123,13 @@ def _run(op: Callable, kind: KIND, operands: list, target: torch.Tensor | None, 
     tensors = [o for o in args if isinstance(o, torch.Tensor)]
     compute, result = _promote(operands, kind)
     result = result_dtype or result
-    if not any(t.dtype == torch.int64 for t in tensors) and (target is None or target.dtype != torch.int64):
+    widened = narrow and compute in NARROW_INTS and all(
+        isinstance(o, torch.Tensor) or torch.iinfo(compute).min <= o <= torch.iinfo(compute).max for o in args)
+    if not widened and not any(t.dtype == torch.int64 for t in tensors) and (target is None
+                                                                                 or target.dtype != torch.int64):
         return None
     shape = broadcast_shape([tuple(t.shape) for t in tensors])
-    if compute != torch.int64:
+    if compute != torch.int64 and not widened:
         if compute not in FLOATS:
             return None
         # the CPU computes in the promoted dtype too: cast the int64 operands on the device, run the usual path
@@ -134,7 +146,12 @@ def _run(op: Callable, kind: KIND, operands: list, target: torch.Tensor | None, 
     res = int64_fn(args, shape, device)
     if res is None:
         return None
-    return _write(res.view(shape), target)
+    res = res.view(shape)
+    if widened:  # the CPU computes in the narrow dtype: its results are the int64 ones wrapped to it
+        narrowed = torch.empty(shape, dtype=compute, device=device)
+        device_copy(narrowed, res)
+        res = narrowed
+    return _write(res, target)
 
 
 def _binary_kernel(kernel: Any, meta: dict, name: str) -> Callable:
@@ -293,6 +310,137 @@ def _add_words(args: list, shape: tuple, device: torch.device, sign: int, alpha:
     return res.view(torch.int64)
 
 
+def _has_float(values: list) -> bool:
+    """Whether a float scalar or tensor is among ``values``."""
+    return any(isinstance(v, float) or (isinstance(v, torch.Tensor) and v.is_floating_point()) for v in values)
+
+
+def _shift(name: str) -> Callable:
+    op = getattr(aten, f"bitwise_{name}_shift")
+
+    def alternative(args: tuple, kwargs: dict, out: torch.Tensor | None, inplace: bool) -> torch.Tensor | None:
+        """``bitwise_{left,right}_shift`` with an int64 operand: across both words (counts outside [0, 64)
+        give 0, or the sign fill for a right shift, as on the CPU)."""
+        x, y = args[0], _arg(args, kwargs, 1, "other")
+        if _has_float([x, y]):
+            return None  # the CPU's "not implemented for 'Float'" error
+        return _run(op, KIND.DEFAULT, [x, y], x if inplace else out, inplace,
+                    _binary_kernel(int64_shift, {"op": name}, f"bitwise_{name}_shift"), narrow=True)
+    return alternative
+
+
+def _register_operator_shifts() -> None:
+    """``x << y`` / ``x >> y`` and their in-place forms (``__lshift__``, ``__ilshift__``, ...): the shifts above."""
+    for d, direction in (("l", "left"), ("r", "right")):
+        for packet, inplace in ((f"__{d}shift__", False), (f"__i{d}shift__", True)):
+            for ov in ("Tensor", "Scalar") if inplace else ("Tensor", "Scalar", "Tensor_out", "Scalar_out"):
+                def kernel(self: torch.Tensor, other: Any, *, out: torch.Tensor | None = None,
+                           _op: Any = getattr(getattr(aten, packet), ov), _inplace: bool = inplace,
+                           _alt: Callable = _shift(direction)) -> torch.Tensor:
+                    res = _alt((self, other), {}, out, _inplace)
+                    if res is not None:
+                        return res
+                    return cpu_fallback(_op, self, other, **({} if out is None else {"out": out}))
+                lowering(f"{packet}.{ov}")(kernel)
+
+
+def _no_tile(*args: Any, **kwargs: Any) -> None:
+    """Element-wise ops with only an int64 path: the other dtypes take the CPU fallback."""
+    raise Unsupported
+
+
+def _nonzero_divisor(y: Any) -> None:
+    """The CPU's error for an integer division by zero (one device reduction and a sync for a tensor)."""
+    zero = int(y) == 0 if not isinstance(y, torch.Tensor) else bool(torch.eq(y, 0).any().item())
+    if zero:
+        raise RuntimeError("ZeroDivisionError")
+
+
+def _bucket(n: int) -> int:
+    """The length a long-division launch pads n elements to: few distinct shapes, so few ~1000-instruction
+    traces (powers of two from 128, then multiples of 8192: one or two [128, f] blocks each)."""
+    if n > 8192:
+        return -(-n // 8192) * 8192
+    return max(128, 1 << (n - 1).bit_length())
+
+
+def _divmod_words(a: torch.Tensor, b: torch.Tensor, mode: str, op: str) -> torch.Tensor:
+    """``int64_divmod`` of [n, 2] / [1, 2] words, launched on a padded length; returns [n, 2] words."""
+    n = max(a.shape[0], b.shape[0])
+    N = _bucket(n)
+    if N != n:  # the padding's quotients are garbage, never read (no exception on the device)
+        a, b = (w if w.shape[0] == 1 else torch.cat([w, w.new_empty((N - n, 2))]) for w in (a, b))
+    (res,) = call_kernel(int64_divmod, {"a": a, "b": b}, {"mode": mode}, op=op)
+    return res[:n]
+
+
+def _divide(args: list, shape: tuple, device: torch.device, mode: str) -> torch.Tensor | None:
+    """Integer ``args[0] / args[1]`` rounded by ``mode`` (or its remainder) as int64 on the device."""
+    a, b = _as_int64(args[0], shape, device), _as_int64(args[1], shape, device)
+    if a is None or b is None:
+        return None
+    _nonzero_divisor(args[1])
+    return _divmod_words(a, b, mode, f"aten::{mode}").view(torch.int64)
+
+
+def _gcd_words(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """gcd of [n, 2] int64 words the way the CPU computes it: Euclid's ``(x, y) <- (y % x, x)`` on
+    ``|a|, |b|`` (abs wraps at -2**63, the remainder takes the dividend's sign, so gcd(-2**63, 6) is -2 there
+    too), each step a division launch, until every pair holds a zero (one sync per step)."""
+    n = max(a.shape[0], b.shape[0])
+    full = [dense(w.view(torch.int64).view(()).expand(n)) if w.shape[0] < n else w.view(torch.int64).view(n)
+            for w in (a, b)]
+    x, y = (call_kernel(int64_unary, {"a": _words(t)}, {"op": "abs"}, op="aten::gcd")[0].view(torch.int64).view(n)
+            for t in full)
+    while bool(torch.logical_and(torch.ne(x, 0), torch.ne(y, 0)).any().item()):
+        # x == 0: y % 0 leaves y (the kernel's defined zero-divisor remainder), so a finished pair only swaps
+        x, y = _divmod_words(_words(y), _words(x), "fmod", "aten::gcd").view(torch.int64).view(n), x
+    (g,) = call_kernel(int64_bitwise, {"a": _words(x), "b": _words(y)}, {"op": "or"}, op="aten::gcd")
+    return g
+
+
+def _gcd(name: str) -> Callable:
+    op = getattr(aten, name)
+
+    def alternative(args: tuple, kwargs: dict, out: torch.Tensor | None, inplace: bool) -> torch.Tensor | None:
+        """``gcd``/``lcm`` with an int64 operand: Euclid over the long division; lcm is ``|a / g * b|`` (0 where
+        g is 0), wrapping as on the CPU."""
+        x, y = args[0], _arg(args, kwargs, 1, "other")
+        if _has_float([x, y]) or not all(isinstance(v, torch.Tensor) for v in (x, y)):
+            return None
+
+        def run(a: list, shape: tuple, device: torch.device) -> torch.Tensor | None:
+            wa, wb = _as_int64(a[0], shape, device), _as_int64(a[1], shape, device)
+            if wa is None or wb is None:
+                return None
+            g = _gcd_words(wa, wb)
+            if name == "gcd":
+                return g.view(torch.int64)
+            (m,) = call_kernel(int64_mul, {"a": _divmod_words(wa, g, "trunc", "aten::lcm"), "b": wb}, op="aten::lcm")
+            (m,) = call_kernel(int64_unary, {"a": m}, {"op": "abs"}, op="aten::lcm")
+            zero = torch.eq(g.view(torch.int64).view(-1), 0)
+            (res,) = call_kernel(int64_where, {"c": zero, "a": _as_int64(0, shape, device), "b": m}, op="aten::lcm")
+            return res.view(torch.int64)
+        return _run(op, KIND.DEFAULT, [x, y], x if inplace else out, inplace, run)
+    return alternative
+
+
+def _division(name: str) -> Callable:
+    op = getattr(aten, name)
+
+    def alternative(args: tuple, kwargs: dict, out: torch.Tensor | None, inplace: bool) -> torch.Tensor | None:
+        """floor_divide, remainder, fmod and div with a rounding mode of int64 operands: 64-bit long division
+        on the device; a zero divisor raises as on the CPU."""
+        x, y = args[0], _arg(args, kwargs, 1, "other")
+        mode = {"floor_divide": "floor", "remainder": "remainder", "fmod": "fmod"}.get(name)
+        mode = mode or _arg(args, kwargs, 2, "rounding_mode")
+        if mode is None or _has_float([x, y]):
+            return None  # true division or a float operand: the float path
+        return _run(op, KIND.DEFAULT, [x, y], x if inplace else out, inplace,
+                    lambda a, shape, device: _divide(a, shape, device, mode), narrow=True)
+    return alternative
+
+
 def _promoted(name: str, kind: KIND, previous: Callable | None = None, sign: int = 0) -> Callable:
     """An alternative for ``name`` with int64 operands: the op's own int64 kernel first (``previous``), then
     int64 add/sub (``sign``) or mul for any int operands, else the float path when a float operand promotes."""
@@ -375,9 +523,23 @@ for _name in ("clamp", "clamp_min", "clamp_max"):
 for _name, _sign in (("add", 1), ("sub", -1)):
     pointwise.ALTERNATIVES[_name] = _promoted(_name, KIND.DEFAULT, pointwise.ALTERNATIVES.get(_name), _sign)
 pointwise.ALTERNATIVES["rsub"] = _promoted("rsub", KIND.DEFAULT, sign=-1)   # y - x: the operands swapped
-for _name in ("mul", "remainder", "fmod", "hypot", "pow"):
+for _name in ("mul", "hypot", "pow"):
     pointwise.ALTERNATIVES[_name] = _promoted(_name, KIND.DEFAULT)
-for _name in ("div", "atan2", "copysign", "xlogy", *pointwise._UNARY_FLOAT):
+for _name in ("remainder", "fmod", "floor_divide"):
+    pointwise.ALTERNATIVES[_name] = _promoted(_name, KIND.DEFAULT, _division(_name))
+pointwise.ALTERNATIVES["div"] = _promoted("div", KIND.INT_TO_FLOAT, _division("div"))
+for _name in ("atan2", "copysign", "xlogy", *pointwise._UNARY_FLOAT):
     pointwise.ALTERNATIVES[_name] = _promoted(_name, KIND.INT_TO_FLOAT)
+_register_operator_shifts()
+# ``7 % x``: floats by the usual tile function, int64 by the long division (via ALTERNATIVES["remainder"])
+pointwise._pointwise(["remainder.Scalar_Tensor", "remainder.Scalar_Tensor_out"],
+                     pointwise._float_only(tilemath.remainder), KIND.DEFAULT)
+for _name in ("gcd", "lcm"):
+    pointwise.ALTERNATIVES[_name] = _gcd(_name)
+    pointwise._pointwise(pointwise._variants(_name, ""), _no_tile, KIND.DEFAULT)
+for _name in ("left", "right"):
+    pointwise.ALTERNATIVES[f"bitwise_{_name}_shift"] = _shift(_name)
+    pointwise._pointwise(pointwise._variants(f"bitwise_{_name}_shift", "Tensor", "Tensor_Scalar", "Scalar_Tensor"),
+                         _no_tile, KIND.DEFAULT)
 # where's lowering (pointwise._where_lowering) does not consult ALTERNATIVES yet: ready for when it does
 pointwise.ALTERNATIVES["where"] = _where

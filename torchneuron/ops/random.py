@@ -13,8 +13,9 @@ with floats are CompositeExplicitAutograd: they reach these kernels through ``no
 
 Arguments are validated by running the CPU op on an empty tensor of the same dtype (no numbers are
 drawn, no generator moves), so errors carry PyTorch's exact messages, before any seed is drawn.
-float64 (and dtypes the CPU refuses) take the CPU fallback, which draws from the CPU generator the
-neuron generator wraps.
+float64 tensors get fp32 draws made on the device, widened by ``copy_`` (the core has no float64): their
+values have fp32's resolution; ``random_`` into float64 beyond 2**24 and dtypes the CPU refuses take the
+CPU fallback, which draws from the CPU generator the neuron generator wraps.
 """
 from __future__ import annotations
 
@@ -108,6 +109,20 @@ def _sample_(self: torch.Tensor, dist: str, params: list[float], generator: torc
     return _into(self, sample_kernel, inputs, {"n": self.numel(), "dist": dist, "dtype": kdt}, op)
 
 
+def _float64_native(self: torch.Tensor) -> bool:
+    """Whether a float64 draw runs on the device: drawn in fp32 (no float64 on the core), then widened."""
+    return self.dtype == torch.float64 and self.device.type == "neuron"
+
+
+def _widened(self: torch.Tensor, draw: Any) -> torch.Tensor:
+    """Fill float64 ``self`` with fp32 draws made by ``draw(tmp)`` on the device, widened by ``copy_``."""
+    if self.numel() == 0:
+        return self
+    tmp = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+    draw(tmp)
+    return self.copy_(tmp)
+
+
 def _native(self: torch.Tensor, *tensors: Any) -> bool:
     """Whether the draw can run on the device: a dtype it stores, other tensors on the same device."""
     return (_kernel_dtype(self.dtype) is not None and self.device.type == "neuron"
@@ -121,6 +136,8 @@ def normal_(self: torch.Tensor, mean: float = 0.0, std: float = 1.0, *,
             generator: torch.Generator | None = None) -> torch.Tensor:
     """``self.normal_(mean, std)``: Box-Muller on the device."""
     _validate(aten.normal_.default, self.dtype, mean, std)
+    if _float64_native(self):
+        return _widened(self, lambda t: normal_(t, mean, std, generator=generator))
     if not _native(self) or self.dtype not in FLOATS:
         return cpu_fallback(aten.normal_.default, self, mean, std, generator=generator)
     return _sample_(self, "normal", [mean, std], generator, "aten::normal_")
@@ -132,10 +149,17 @@ def uniform_(self: torch.Tensor, from_: float = 0.0, to: float = 1.0, *,
     """``self.uniform_(from, to)``: values in [from, to) of self's dtype."""
     from_ = kwargs.pop("from", from_)
     _validate(aten.uniform_.default, self.dtype, from_, to)
+    if _float64_native(self) and all(_fp32_exact(v) for v in (from_, to)):  # else fp32 draws could leave [from, to)
+        return _widened(self, lambda t: uniform_(t, from_, to, generator=generator))
     if not _native(self) or self.dtype not in FLOATS:
         return cpu_fallback(aten.uniform_.default, self, from_, to, generator=generator)
     cap = max(float(from_), _largest_below(float(to), self.dtype))
     return _sample_(self, "uniform", [from_, to, cap], generator, "aten::uniform_")
+
+
+def _fp32_exact(x: float) -> bool:
+    """Whether ``x`` is a value of fp32."""
+    return torch.tensor(float(x), dtype=torch.float64).to(torch.float32).item() == float(x)
 
 
 def _largest_below(x: float, dtype: torch.dtype) -> float:
@@ -159,6 +183,8 @@ def exponential_(self: torch.Tensor, lambd: float = 1.0, *,
                  generator: torch.Generator | None = None) -> torch.Tensor:
     """``self.exponential_(lambd)``: ``-log(1 - u) / lambd``, never 0 (as on CUDA)."""
     _validate(aten.exponential_.default, self.dtype, lambd)
+    if _float64_native(self):
+        return _widened(self, lambda t: exponential_(t, lambd, generator=generator))
     if not _native(self) or self.dtype not in FLOATS:
         return cpu_fallback(aten.exponential_.default, self, lambd, generator=generator)
     eps = torch.finfo(self.dtype).eps
@@ -182,6 +208,8 @@ def log_normal_(self: torch.Tensor, mean: float = 1.0, std: float = 2.0, *,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """``self.log_normal_(mean, std)``: ``exp`` of a normal draw."""
     _validate(aten.log_normal_.default, self.dtype, mean, std)
+    if _float64_native(self):
+        return _widened(self, lambda t: log_normal_(t, mean, std, generator=generator))
     if not _native(self) or self.dtype not in FLOATS:
         return cpu_fallback(aten.log_normal_.default, self, mean, std, generator=generator)
     return _sample_(self, "log_normal", [mean, std], generator, "aten::log_normal_")
@@ -192,6 +220,8 @@ def cauchy_(self: torch.Tensor, median: float = 0.0, sigma: float = 1.0, *,
             generator: torch.Generator | None = None) -> torch.Tensor:
     """``self.cauchy_(median, sigma)``: ``median + sigma * tan(pi (u - 1/2))``."""
     _validate(aten.cauchy_.default, self.dtype, median, sigma)
+    if _float64_native(self):
+        return _widened(self, lambda t: cauchy_(t, median, sigma, generator=generator))
     if not _native(self) or self.dtype not in FLOATS:
         return cpu_fallback(aten.cauchy_.default, self, median, sigma, generator=generator)
     return _sample_(self, "cauchy", [median, sigma], generator, "aten::cauchy_")
@@ -202,6 +232,8 @@ def bernoulli_float_(self: torch.Tensor, p: float = 0.5, *,
                      generator: torch.Generator | None = None) -> torch.Tensor:
     """``self.bernoulli_(p)``: 1 with probability p, else 0, in self's dtype."""
     _validate(aten.bernoulli_.float, self.dtype, p)
+    if _float64_native(self):
+        return _widened(self, lambda t: bernoulli_float_(t, p, generator=generator))
     if not _native(self):
         return cpu_fallback(aten.bernoulli_.float, self, p, generator=generator)
     return _sample_(self, "bernoulli", [p], generator, "aten::bernoulli_")
@@ -248,6 +280,9 @@ def _int_range(dtype: torch.dtype) -> tuple[int, int]:
 def _random(self: torch.Tensor, low: int, high: int, generator: torch.Generator | None,
             fallback: Any) -> torch.Tensor:
     span = high - low
+    if _float64_native(self) and -2 ** 24 <= low and high <= 2 ** 24 + 1:
+        # integers up to 2**24 are exact in fp32: drawn as fp32, widened
+        return _widened(self, lambda t: _random(t, low, high, generator, fallback))
     kdt = _kernel_dtype(self.dtype)
     # 32-bit lanes: the bounds and every value must fit int32
     if not _native(self) or not (0 < span < 2 ** 31 and -2 ** 31 <= low and high <= 2 ** 31):
