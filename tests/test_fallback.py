@@ -587,10 +587,10 @@ def test_fallback_counts_per_op_name():
 
 
 def test_conv_and_dropout_are_counted():
-    # the cases their device kernels leave to the CPU route: transposed convolution, float64 dropout
+    # the cases their device kernels leave to the CPU route: float64 convolution and dropout
     x, w = torch.randn(1, 1, 4, 4).to(N), torch.randn(1, 1, 3, 3).to(N)
     torchneuron.reset_fallback_counts()
-    F.conv_transpose2d(x, w)
+    F.conv_transpose2d(x.double(), w.double())
     F.dropout(x.double(), 0.5, training=True)
     counts = torchneuron.fallback_counts()
     assert counts.get("aten::convolution_overrideable") == 1
@@ -649,7 +649,7 @@ def test_strict_mode_covers_convolution_and_dropout():
     torchneuron.set_strict(True)
     try:
         with pytest.raises(NotImplementedError, match="aten::convolution_overrideable"):
-            F.conv_transpose2d(x, w)                       # transposed: the CPU route
+            F.conv_transpose2d(xd, w.double())             # float64: the CPU route
         with pytest.raises(NotImplementedError, match="aten::native_dropout"):
             F.dropout(xd, 0.5, training=True)
         # Core ops PyTorch needs from every device never fall back.

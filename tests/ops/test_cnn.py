@@ -37,13 +37,59 @@ CONVS = {
     "depthwise": (lambda x, w, b: F.conv2d(x, w, b, padding=1, groups=4), (2, 4, 5, 5), (4, 1, 3, 3)),
     "kernel_eq_input": (lambda x, w, b: F.conv2d(x, w, b), (2, 3, 4, 4), (2, 3, 4, 4)),
     "conv1d": (lambda x, w, b: F.conv1d(x, w, b, stride=2, padding=1), (2, 3, 11), (5, 3, 4)),
+    "conv3d_groups_dil": (lambda x, w, b: F.conv3d(x, w, b, stride=(1, 2, 1), padding=1, dilation=(1, 1, 2), groups=2),
+                          (2, 4, 4, 5, 6), (6, 2, 3, 2, 3)),
+    "conv3d_1x1x1": (lambda x, w, b: F.conv3d(x, w, b), (1, 3, 2, 3, 4), (2, 3, 1, 1, 1)),
+    "convT1d": (lambda x, w, b: F.conv_transpose1d(x, w, b, stride=2, padding=1, output_padding=1, groups=2,
+                                                   dilation=2), (2, 4, 7), (4, 3, 3), 6),
+    "convT2d_overlap": (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=(2, 3), padding=(1, 0),
+                                                           output_padding=(1, 2), dilation=(1, 2)),
+                        (2, 4, 5, 6), (4, 3, 3, 2), 3),
+    "convT2d_disjoint": (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=3), (1, 2, 4, 3), (2, 3, 2, 3), 3),
+    "convT2d_plain": (lambda x, w, b: F.conv_transpose2d(x, w, b), (2, 3, 4, 5), (3, 2, 3, 3), 2),
+    "convT3d": (lambda x, w, b: F.conv_transpose3d(x, w, b, stride=2, padding=1, output_padding=1, groups=2),
+                (2, 4, 3, 4, 3), (4, 2, 3, 3, 2), 4),
+    # output_padding >= stride is allowed when below the dilation
+    "convT2d_outpad_dilation": (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=1, output_padding=1, dilation=2),
+                                (1, 2, 4, 4), (2, 2, 2, 2), 2),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CONVS))
 def test_conv_forward_backward(name, strict):
-    fn, xs, ws = CONVS[name]
-    _check(fn, torch.randn(xs), torch.randn(ws), torch.randn(ws[0]))
+    fn, xs, ws, *bias_size = CONVS[name]       # (a transposed convolution's bias size is given)
+    _check(fn, torch.randn(xs), torch.randn(ws), torch.randn(bias_size[0] if bias_size else ws[0]))
+
+
+def test_conv_channels_last_3d(strict):
+    x = torch.randn(2, 3, 4, 5, 3).contiguous(memory_format=torch.channels_last_3d)
+    _check(lambda x, w: F.conv3d(x, w, padding=1), x, torch.randn(4, 3, 2, 3, 3))
+    _check(lambda x, w: F.conv_transpose3d(x, w, stride=2), x, torch.randn(3, 2, 2, 2, 2))
+
+
+def test_conv_transpose_bf16(strict):
+    x, w = torch.randn(2, 3, 4, 5).bfloat16(), torch.randn(3, 2, 3, 3).bfloat16()
+    _check(lambda x, w: F.conv_transpose2d(x, w, stride=2, padding=1), x, w, atol=5e-2, rtol=2e-2)
+
+
+def test_conv_transpose_errors_match_cpu():
+    x = torch.randn(1, 4, 5, 5)
+    cases = [(lambda t: F.conv_transpose2d(t, torch.randn(4, 2, 3, 3, device=t.device), stride=2,
+                                           output_padding=2), RuntimeError),       # output_padding >= stride
+             (lambda t: F.conv_transpose2d(t, torch.randn(3, 2, 3, 3, device=t.device)), RuntimeError),  # channels
+             (lambda t: F.conv_transpose3d(t.unsqueeze(2), torch.randn(4, 2, 1, 3, 3, device=t.device), padding=4),
+              RuntimeError)]                                                       # output size below 1
+    for fn, exc in cases:
+        with pytest.raises(exc):
+            fn(x)
+        with pytest.raises(exc):
+            fn(to_n(x))
+
+
+def test_conv_transpose_float64_takes_the_cpu_route():
+    x, w = torch.randn(1, 2, 4, 4, dtype=torch.float64), torch.randn(2, 3, 3, 3, dtype=torch.float64)
+    torch.testing.assert_close(F.conv_transpose2d(to_n(x), to_n(w), stride=2).cpu(),
+                               F.conv_transpose2d(x, w, stride=2))
 
 
 def test_conv_bf16(strict):
@@ -88,6 +134,44 @@ POOLS = {
 @pytest.mark.parametrize("name", sorted(POOLS))
 def test_pooling_forward_backward(name, strict):
     _check(POOLS[name], X)
+
+
+POOLS_3D = {
+    "max3d": lambda t: F.max_pool3d(t, 2),
+    "max3d_ceil_dil": lambda t: F.max_pool3d(t, 3, 2, 1, dilation=(1, 2, 1), ceil_mode=True),
+    "max3d_rect_unbatched": lambda t: F.max_pool3d(t[0], (2, 1, 3), (1, 2, 2)),
+    "unfold": lambda t: F.unfold(t[:, 0], (2, 3), dilation=(1, 2), padding=1, stride=(2, 1)),
+    "unfold_unbatched": lambda t: F.unfold(t[0, 0], 2),
+    "fold": lambda t: F.fold(t.reshape(2, 12, 30), (7, 7), (2, 3)),
+    "adaptive_avg1d_empty": lambda t: F.adaptive_avg_pool1d(t[:0, 0, 0], 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(POOLS_3D))
+def test_pooling_3d_unfold_forward_backward(name, strict):
+    _check(POOLS_3D[name], torch.randn(2, 3, 5, 6, 4))
+
+
+def test_max_pool3d_indices(strict):
+    x = torch.randn(2, 2, 5, 6, 7)
+    v, i = F.max_pool3d(to_n(x), 3, 2, 1, return_indices=True)
+    wv, wi = F.max_pool3d(x, 3, 2, 1, return_indices=True)
+    torch.testing.assert_close(v.cpu(), wv)
+    torch.testing.assert_close(i.cpu(), wi)
+
+
+def test_pooling_3d_unfold_errors_match_cpu():
+    x = torch.randn(2, 3, 5, 6, 4)
+    cases = [(lambda t: F.max_pool3d(t, 3, 2, 2), RuntimeError),              # padding over half the kernel
+             (lambda t: F.max_pool3d(t, 7), RuntimeError),                    # output size 0
+             (lambda t: F.unfold(t[:, 0], 2, padding=-1), RuntimeError),
+             (lambda t: F.unfold(t[:, 0], 9), RuntimeError),                  # kernel > input
+             (lambda t: F.fold(t.reshape(2, 12, 30), (6, 7), (2, 3)), RuntimeError)]   # 30 blocks, 25 expected
+    for fn, exc in cases:
+        with pytest.raises(exc):
+            fn(x)
+        with pytest.raises(exc):
+            fn(to_n(x))
 
 
 def test_max_pool_indices(strict):

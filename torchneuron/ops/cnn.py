@@ -7,16 +7,20 @@ generic CPU fallback cannot serve any of them. Inputs these kernels do not run o
 to the dedicated CPU routes of the C++ glue (``torchneuron._C._fallback_*``), which count as
 fallbacks like any other.
 
-- **Convolution** (2-D; 1-D arrives as 2-D with H = 1): im2col, then the matmul kernel. The
-  patches ``cols[C, KH, KW, B, OH, OW]`` are gathered from the zero-padded input by one strided
-  DMA copy per kernel row (each a 5-dim access pattern over the input), so group g's patches are
-  the contiguous rows ``[g*Cg*KH*KW, (g+1)*Cg*KH*KW)`` and ``out_g = W_g[OCg, K] @ cols_g[K, L]``.
-  Backward: ``grad_W_g = grad_g @ cols_g^T`` and ``grad_cols_g = W_g^T @ grad_g`` (both operands
-  handed to the kernel in their stored layout), then col2im: each kernel offset's columns are added
-  into a strided window view of a zero-padded gradient (one copy per kernel row when windows do
-  not overlap). Stride, padding, dilation and groups are PyTorch's.
-- **Max pooling**: the same window gather with -inf padding, ``max`` and ``argmax`` over the
-  window axis by the reduction kernel, the argmax turned into PyTorch's flat input index by one
+- **Convolution** (1-3-D, plain or transposed; 1-D arrives as 2-D with H = 1): im2col and the matmul
+  kernel. The patches ``cols[C, *K, B, *O]`` are gathered from the padded input by strided DMA copies
+  of one window view (split into pieces of at most 5 access-pattern dims), so group g's patches are
+  contiguous rows and ``out_g = W_g[OCg, K] @ cols_g[K, L]``. Backward: ``grad_W_g = grad_g @ cols_g^T``
+  and ``grad_cols_g = W_g^T @ grad_g`` (both operands handed to the kernel in their stored layout), then
+  col2im: the columns of all kernel offsets whose windows cannot overlap are copied (or added) into a
+  strided window view of a zero-padded gradient at once, the offsets along dims whose windows overlap
+  one at a time. A transposed convolution is the input gradient of a plain one: ``cols_g = W_g^T @ x_g``
+  then col2im (output_padding only widens the col2im target); its backward is the plain forward
+  (im2col of the output gradient, ``grad_x_g = W_g @ cols_g``) and ``grad_W_g = x_g @ cols_g^T``.
+  Stride, padding, dilation, groups and output_padding are PyTorch's. ``im2col`` / ``col2im``
+  (``F.unfold`` / ``F.fold``) are the same gather and scatter with the batch dim first.
+- **Max pooling** (2-D and 3-D): the same window gather with -inf padding, ``max`` and ``argmax`` over
+  the window axis by the reduction kernel, the argmax turned into PyTorch's flat input index by one
   element-wise launch. Backward: ``where(index == window_index[k], grad, 0)`` per window offset k,
   then col2im.
 - **Average pooling** (also adaptive): separable, so ``out = Mh @ x @ Mw^T`` with 1-D band
@@ -32,7 +36,9 @@ fallbacks like any other.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+import itertools
+import math
+from typing import Any, Callable, Sequence
 
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
@@ -43,7 +49,7 @@ from torchneuron.kernels.random import dropout_kernel
 from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.ops import reduction as _reduction  # noqa: F401  (its lowerings first: var_mean below defers)
 from torchneuron.ops import tilemath as tm
-from torchneuron.ops.copy import device_copy, to_int64
+from torchneuron.ops.copy import _coalesce, device_copy, to_int64
 from torchneuron.ops.kernel_call import call_kernel, dense
 from torchneuron.ops.pointwise import run_pointwise
 from torchneuron.ops.registry import LOWERED, cpu_fallback, lowering
@@ -67,11 +73,12 @@ def _on(device: torch.device, *ts: torch.Tensor | None) -> bool:
     return device.type == "neuron" and all(t is None or (t.device == device and t.dtype in FLOATS) for t in ts)
 
 
-def _pair(v: Any, default: Sequence[int] | None = None) -> tuple[int, int]:
+def _tuple(v: Any, n: int, default: Sequence[int] | None = None) -> tuple[int, ...]:
+    """``v`` (an int, or a sequence of 1 or n ints; empty means ``default``) as n ints."""
     if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
         v = default
     v = [v] if isinstance(v, int) else list(v)
-    return (int(v[0]), int(v[-1]))
+    return tuple(int(v[min(i, len(v) - 1)]) for i in range(n))
 
 
 def _padded_size(n: int, k: int, s: int, p: int, d: int, out: int) -> int:
@@ -79,13 +86,30 @@ def _padded_size(n: int, k: int, s: int, p: int, d: int, out: int) -> int:
     return max(n + 2 * p, (out - 1) * s + (k - 1) * d + 1)
 
 
-def _pad(x: torch.Tensor, ph: int, pw: int, Hp: int, Wp: int, fill: float) -> torch.Tensor:
-    """x [B, C, H, W] inside a [B, C, Hp, Wp] tensor filled with ``fill``, at offset (ph, pw)."""
-    B, C, H, W = x.shape
-    if (ph, pw, Hp, Wp) == (0, 0, H, W):
+def _fit5(fn: Callable[[torch.Tensor, torch.Tensor], Any], dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``fn(dst, src)`` (a copy or an in-place add of same-shaped views) on slices small enough for one DMA
+    access pattern (at most 5 dims once the views are coalesced), splitting the smallest outer dim first."""
+    if len(_coalesce(list(dst.shape), list(dst.stride()), list(src.stride()))[0]) <= 5:
+        fn(dst, src)
+        return
+    # never the innermost dim: its contiguous runs are what makes a DMA cheap
+    i = min((j for j in range(dst.dim() - 1) if dst.shape[j] > 1), key=lambda j: dst.shape[j])
+    for j in range(dst.shape[i]):
+        _fit5(fn, dst.select(i, j), src.select(i, j))
+
+
+def _add_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst += src`` (the accumulating step of col2im)."""
+    dst.add_(src)
+
+
+def _pad(x: torch.Tensor, p: Sequence[int], sizes: Sequence[int], fill: float) -> torch.Tensor:
+    """x [B, C, *S] inside a [B, C, *sizes] tensor filled with ``fill``, at offset p."""
+    S = tuple(x.shape[2:])
+    if not any(p) and tuple(sizes) == S:
         return x
-    out = torch.full((B, C, Hp, Wp), fill, dtype=x.dtype, device=x.device)
-    device_copy(out[:, :, ph:ph + H, pw:pw + W], x)
+    out = torch.full((*x.shape[:2], *sizes), fill, dtype=x.dtype, device=x.device)
+    _fit5(device_copy, out[(slice(None), slice(None), *(slice(pp, pp + n) for pp, n in zip(p, S)))], x)
     return out
 
 
@@ -94,47 +118,52 @@ def _window(xp: torch.Tensor, sizes: tuple, strides: tuple, offset: int) -> torc
     return xp.as_strided(sizes, strides, xp.storage_offset() + offset)
 
 
-def _im2col(x: torch.Tensor, k: tuple, s: tuple, p: tuple, d: tuple, o: tuple, fill: float = 0.0) -> torch.Tensor:
-    """Patches ``cols[C, KH, KW, B, OH, OW]`` of x [B, C, H, W]: one strided DMA copy per kernel row."""
-    B, C, H, W = x.shape
-    (KH, KW), (sh, sw), (ph, pw), (dh, dw), (OH, OW) = k, s, p, d, o
-    xp = _pad(x, ph, pw, _padded_size(H, KH, sh, ph, dh, OH), _padded_size(W, KW, sw, pw, dw, OW), fill)
-    sB, sC, sH, sW = xp.stride()
-    cols = torch.empty((C, KH, KW, B, OH, OW), dtype=x.dtype, device=x.device)
-    for kh in range(KH):   # a [C, KW, B, OH, OW] window view: 5 dims, what one DMA access pattern holds
-        device_copy(cols[:, kh], _window(xp, (C, KW, B, OH, OW), (sC, dw * sW, sB, sh * sH, sw * sW), kh * dh * sH))
+def _window_layout(xp: torch.Tensor, k: tuple, s: tuple, d: tuple, o: tuple, batch_first: bool) -> tuple:
+    """(sizes, strides) of the patch view of the padded [B, C, *S] tensor ``xp``: ``[C, *K, B, *O]``, or
+    ``[B, C, *K, *O]`` when ``batch_first``."""
+    sB, sC, *sS = xp.stride()
+    kst = tuple(dd * st for dd, st in zip(d, sS))
+    ost = tuple(ss * st for ss, st in zip(s, sS))
+    B, C = xp.shape[:2]
+    if batch_first:
+        return (B, C, *k, *o), (sB, sC, *kst, *ost)
+    return (C, *k, B, *o), (sC, *kst, sB, *ost)
+
+
+def _im2col(x: torch.Tensor, k: tuple, s: tuple, p: tuple, d: tuple, o: tuple, fill: float = 0.0,
+            batch_first: bool = False) -> torch.Tensor:
+    """Patches ``cols[C, *K, B, *O]`` (``[B, C, *K, *O]`` when ``batch_first``) of x [B, C, *S] (1 to 3 spatial
+    dims): strided DMA copies of window views of the padded input."""
+    S = x.shape[2:]
+    xp = _pad(x, p, [_padded_size(*g) for g in zip(S, k, s, p, d, o)], fill)
+    sizes, strides = _window_layout(xp, k, s, d, o, batch_first)
+    cols = torch.empty(sizes, dtype=x.dtype, device=x.device)
+    _fit5(device_copy, cols, _window(xp, sizes, strides, 0))
     return cols
 
 
 def _col2im(cols: torch.Tensor, shape: tuple, k: tuple, s: tuple, p: tuple, d: tuple) -> torch.Tensor:
-    """The adjoint of ``_im2col``: sum ``cols[C, KH, KW, B, OH, OW]`` into a [B, C, H, W] gradient."""
-    B, C, H, W = shape
-    (KH, KW), (sh, sw), (ph, pw), (dh, dw) = k, s, p, d
-    OH, OW = cols.shape[-2:]
-    Hp, Wp = _padded_size(H, KH, sh, ph, dh, OH), _padded_size(W, KW, sw, pw, dw, OW)
-    gp = torch.zeros((B, C, Hp, Wp), dtype=cols.dtype, device=cols.device)
-    sB, sC, sH, sW = gp.stride()
-    # windows of different kernel offsets overlap when the stride is below the dilated kernel extent;
-    # offsets whose targets are disjoint are written by one launch
-    rows_overlap = KH > 1 and sh < (KH - 1) * dh + 1
-    cols_overlap = KW > 1 and sw < (KW - 1) * dw + 1
-    if not rows_overlap and not cols_overlap:       # every element has one source: plain copies
-        for kh in range(KH):
-            device_copy(_window(gp, (C, KW, B, OH, OW), (sC, dw * sW, sB, sh * sH, sw * sW), kh * dh * sH), cols[:, kh])
-    elif not cols_overlap:                          # one kernel row at a time, all its columns at once
-        for kh in range(KH):
-            _window(gp, (C, KW, B, OH, OW), (sC, dw * sW, sB, sh * sH, sw * sW), kh * dh * sH).add_(cols[:, kh])
-    elif not rows_overlap:
-        for kw in range(KW):
-            _window(gp, (C, KH, B, OH, OW), (sC, dh * sH, sB, sh * sH, sw * sW), kw * dw * sW).add_(cols[:, :, kw])
-    else:
-        for kh in range(KH):
-            for kw in range(KW):
-                _window(gp, (C, B, OH, OW), (sC, sB, sh * sH, sw * sW), kh * dh * sH + kw * dw * sW).add_(
-                    cols[:, kh, kw])
-    if (Hp, Wp) == (H, W):
+    """The adjoint of ``_im2col``: sum ``cols[C, *K, B, *O]`` (any strides) into a [B, C, *S] gradient."""
+    B, C, *S = shape
+    n = len(S)
+    O = tuple(cols.shape[-n:])
+    Sp = [_padded_size(*g) for g in zip(S, k, s, p, d, O)]
+    gp = torch.zeros((B, C, *Sp), dtype=cols.dtype, device=cols.device)
+    sB, sC, *sS = gp.stride()
+    # windows of different offsets along a dim overlap when its stride is below the dilated kernel extent:
+    # those dims' offsets are added one at a time, the other dims' offsets all at once (disjoint targets)
+    loop = [i for i in range(n) if k[i] > 1 and s[i] < (k[i] - 1) * d[i] + 1]
+    at_once = [i for i in range(n) if i not in loop]
+    sizes = (C, *(k[i] for i in at_once), B, *O)
+    strides = (sC, *(d[i] * sS[i] for i in at_once), sB, *(s[i] * sS[i] for i in range(n)))
+    for offs in itertools.product(*(range(k[i]) for i in loop)):
+        pick = dict(zip(loop, offs))
+        src = cols[(slice(None), *(pick.get(i, slice(None)) for i in range(n)))]
+        dst = _window(gp, sizes, strides, sum(pick[i] * d[i] * sS[i] for i in loop))
+        _fit5(device_copy if not loop else _add_into, dst, src)
+    if tuple(Sp) == tuple(S):
         return gp
-    return dense(gp[:, :, ph:ph + H, pw:pw + W])
+    return dense(gp[(slice(None), slice(None), *(slice(pp, pp + m) for pp, m in zip(p, S)))])
 
 
 @functools.lru_cache(maxsize=256)
@@ -158,154 +187,267 @@ def _table(device: torch.device, kind: str, *args: Any) -> torch.Tensor:
 
 
 # ---- convolution ------------------------------------------------------------------------------------
+# A convolution's input side is "patches" and its output side "rows"; a transposed one swaps them.
+# With the weight as W_g [R, Kp] per group (R = weight.shape[0] / G rows, Kp the rest):
+#   rows_g = W_g @ cols_g,   cols_g = W_g^T @ rows_g,   grad W_g = rows_g @ cols_g^T
+# where rows are [channels, (b, *spatial)] and cols the im2col patches [(c, *k), (b, *spatial)].
 
-def _conv_args(input: torch.Tensor, weight: torch.Tensor, stride, padding, dilation, transposed: bool,
-               output_padding, groups: int):
-    """The geometry of a convolution the device runs, or None (fallback)."""
-    if transposed or input.dim() != 4 or weight.dim() != 4 or groups < 1 or input.numel() == 0 \
-            or weight.numel() == 0 or input.dtype != weight.dtype or any(output_padding):
+def _conv_geometry(input: torch.Tensor, weight: torch.Tensor, stride, padding, dilation, transposed: bool,
+                   output_padding, groups: int):
+    """(k, s, p, d, patch-side spatial size, row-side spatial size) of a convolution the device runs, or None."""
+    n = input.dim() - 2
+    if n not in (1, 2, 3) or weight.dim() != n + 2 or groups < 1 or input.numel() == 0 or weight.numel() == 0 \
+            or input.dtype != weight.dtype:
         return None
-    k = (weight.shape[2], weight.shape[3])
-    s, p, d = _pair(stride), _pair(padding), _pair(dilation)
-    o = tuple((n + 2 * pp - dd * (kk - 1) - 1) // ss + 1 for n, kk, ss, pp, dd in zip(input.shape[2:], k, s, p, d))
-    if min(o) <= 0 or min(s) <= 0 or min(d) <= 0 or min(p) < 0 or input.shape[1] != weight.shape[1] * groups \
-            or weight.shape[0] % groups:
+    k = tuple(weight.shape[2:])
+    s, p, d, op = (_tuple(v, n, (0,)) for v in (stride, padding, dilation, output_padding))
+    if min(s) <= 0 or min(d) <= 0 or min(p) < 0 or min(op) < 0 or weight.shape[0] % groups:
         return None
-    return k, s, p, d, o
+    S = tuple(input.shape[2:])
+    if transposed:
+        if input.shape[1] != weight.shape[0] or any(o >= max(ss, dd) for o, ss, dd in zip(op, s, d)):
+            return None
+        rows = S
+        patch = tuple((i - 1) * ss - 2 * pp + dd * (kk - 1) + o + 1 for i, kk, ss, pp, dd, o in zip(S, k, s, p, d, op))
+    else:
+        if any(op) or input.shape[1] != weight.shape[1] * groups:
+            return None
+        patch = S
+        rows = tuple((i + 2 * pp - dd * (kk - 1) - 1) // ss + 1 for i, kk, ss, pp, dd in zip(S, k, s, p, d))
+    if min(rows) <= 0 or min(patch) <= 0:
+        return None
+    return k, s, p, d, patch, rows
+
+
+def _to_rows(t: torch.Tensor) -> torch.Tensor:
+    """[B, C, *S] as dense rows [C, B * prod(S)]."""
+    B, C = t.shape[:2]
+    return dense(t.reshape(B, C, -1).transpose(0, 1)).view(C, -1)
+
+
+def _from_rows(r: torch.Tensor, B: int, S: tuple) -> torch.Tensor:
+    """Rows [C, B * prod(S)] as a dense [B, C, *S] tensor."""
+    return dense(r.view(r.shape[0], B, -1).transpose(0, 1)).view(B, r.shape[0], *S)
+
+
+def _group_weight(weight: torch.Tensor, G: int) -> torch.Tensor:
+    """The weight as [G, weight.shape[0] / G, rest] (W_g [R, Kp] per group)."""
+    return dense(weight).view(G, weight.shape[0] // G, -1)
+
+
+def _rows_from_cols(w2: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """rows_g = W_g @ cols_g for w2 [G, R, Kp], cols [G, Kp, L]: [G * R, L]."""
+    G, R, _ = w2.shape
+    out = torch.empty((G * R, cols.shape[-1]), dtype=cols.dtype, device=cols.device)
+    for g in range(G):
+        torch.mm(w2[g], cols[g], out=out[g * R:(g + 1) * R])
+    return out
+
+
+def _cols_from_rows(w2: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """cols_g = W_g^T @ rows_g for w2 [G, R, Kp], rows [G * R, L]: [G, Kp, L] (W_g^T in its stored layout)."""
+    G, R, Kp = w2.shape
+    out = torch.empty((G, Kp, rows.shape[-1]), dtype=rows.dtype, device=rows.device)
+    for g in range(G):
+        torch.mm(w2[g].t(), rows[g * R:(g + 1) * R], out=out[g])
+    return out
+
+
+def _weight_grad(rows: torch.Tensor, cols: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """grad W_g = rows_g @ cols_g^T for rows [G * R, L], cols [G, Kp, L]: the weight's gradient, ``shape``."""
+    G, Kp, _ = cols.shape
+    R = rows.shape[0] // G
+    out = torch.empty((G * R, Kp), dtype=rows.dtype, device=rows.device)
+    for g in range(G):
+        torch.mm(rows[g * R:(g + 1) * R], cols[g].t(), out=out[g * R:(g + 1) * R])
+    return out.view(shape)
+
+
+def _follow_layout(res: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """The output in the input's channels-last layout when it has one, as on CPU."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(input.dim())
+    if fmt is not None and input.is_contiguous(memory_format=fmt) and not input.is_contiguous():
+        return res.contiguous(memory_format=fmt)
+    return res
 
 
 @lowering("convolution_overrideable")
 def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Sequence[int],
                 padding: Sequence[int], dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
                 groups: int) -> torch.Tensor:
-    """N-d convolution (``F.conv1d/2d``): im2col + one matmul per group; others on the CPU route."""
-    geo = _conv_args(input, weight, stride, padding, dilation, transposed, output_padding, groups)
+    """1-3-D convolution, plain or transposed (``F.conv*d``, ``F.conv_transpose*d``): im2col + one matmul per
+    group, or one matmul per group + col2im; others on the CPU route."""
+    geo = _conv_geometry(input, weight, stride, padding, dilation, transposed, output_padding, groups)
     if geo is None or not _on(input.device, input, weight, bias) or (bias is not None and bias.dtype != input.dtype):
         return _C._fallback_convolution(input, weight, bias, list(stride), list(padding), list(dilation), transposed,
                                         list(output_padding), groups)
-    k, s, p, d, (OH, OW) = geo
-    B, OC = input.shape[0], weight.shape[0]
-    G = groups
-    K, L, OCg = weight[0].numel(), B * OH * OW, OC // G
-    cols = _im2col(input, k, s, p, d, (OH, OW)).view(G, K, L)
-    w2 = dense(weight).view(G, OCg, K)
-    out = torch.empty((OC, L), dtype=input.dtype, device=input.device)
-    for g in range(G):
-        torch.mm(w2[g], cols[g], out=out[g * OCg:(g + 1) * OCg])
-    if bias is not None:
-        out = out + bias.view(OC, 1)
-    res = out.view(OC, B, OH, OW).permute(1, 0, 2, 3)
-    if input.dim() == 4 and input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous():
-        return res.contiguous(memory_format=torch.channels_last)  # the output follows the input's layout, as on CPU
-    return dense(res)
+    k, s, p, d, patch, rows = geo
+    B, G = input.shape[0], groups
+    w2 = _group_weight(weight, G)
+    if transposed:
+        OC = weight.shape[1] * G
+        cols = _cols_from_rows(w2, _to_rows(input))
+        res = _col2im(cols.view(OC, *k, B, *rows), (B, OC, *patch), k, s, p, d)
+        if bias is not None:
+            res = res + bias.view(OC, *[1] * len(k))
+    else:
+        OC = weight.shape[0]
+        out = _rows_from_cols(w2, _im2col(input, k, s, p, d, rows).view(G, -1, B * math.prod(rows)))
+        if bias is not None:
+            out = out + bias.view(OC, 1)
+        res = _from_rows(out, B, rows)
+    return _follow_layout(res, input)
 
 
 @lowering("convolution_backward_overrideable")
 def convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor,
                          stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], transposed: bool,
                          output_padding: Sequence[int], groups: int, output_mask: Sequence[bool]):
-    """(grad_input, grad_weight, grad_bias) of a convolution: two matmuls per group and col2im."""
-    geo = _conv_args(input, weight, stride, padding, dilation, transposed, output_padding, groups)
+    """(grad_input, grad_weight, grad_bias) of a convolution, plain or transposed: matmuls per group, im2col
+    of the patch side and col2im back to it."""
+    geo = _conv_geometry(input, weight, stride, padding, dilation, transposed, output_padding, groups)
     if geo is None or not _on(input.device, grad_output, input, weight) or grad_output.dtype != input.dtype \
-            or tuple(grad_output.shape[2:]) != tuple(geo[4]):
+            or tuple(grad_output.shape[2:]) != tuple(geo[4] if transposed else geo[5]) \
+            or grad_output.shape[0] != input.shape[0]:
         return _C._fallback_convolution_backward(grad_output, input, weight, list(stride), list(padding),
                                                  list(dilation), transposed, list(output_padding), groups,
                                                  list(output_mask))
-    k, s, p, d, (OH, OW) = geo
-    B, C = input.shape[:2]
-    OC, G = weight.shape[0], groups
-    K, L, OCg = weight[0].numel(), B * OH * OW, OC // G
-    g2 = dense(grad_output.reshape(B, OC, OH * OW).permute(1, 0, 2)).view(OC, L)     # [OC, (b, oh, ow)]
+    k, s, p, d, patch, rows = geo
+    B, G = input.shape[0], groups
+    L = B * math.prod(rows)
     grad_input = grad_weight = grad_bias = None
     if output_mask[2]:
-        grad_bias = grad_output.sum((0, 2, 3))
-    if output_mask[1]:
-        cols = _im2col(input, k, s, p, d, (OH, OW)).view(G, K, L)
-        gw = torch.empty((OC, K), dtype=input.dtype, device=input.device)
-        for g in range(G):
-            torch.mm(g2[g * OCg:(g + 1) * OCg], cols[g].t(), out=gw[g * OCg:(g + 1) * OCg])
-        grad_weight = gw.view(weight.shape)
-    if output_mask[0]:
-        w2 = dense(weight).view(G, OCg, K)
-        gcols = torch.empty((G, K, L), dtype=input.dtype, device=input.device)
-        for g in range(G):
-            torch.mm(w2[g].t(), g2[g * OCg:(g + 1) * OCg], out=gcols[g])
-        grad_input = _col2im(gcols.view(C, k[0], k[1], B, OH, OW), tuple(input.shape), k, s, p, d)
+        grad_bias = grad_output.sum([0, *range(2, grad_output.dim())])
+    if transposed:      # the output is the patch side: its im2col serves both gradients
+        cols = _im2col(grad_output, k, s, p, d, rows).view(G, -1, L)
+        if output_mask[0]:
+            grad_input = _follow_layout(_from_rows(_rows_from_cols(_group_weight(weight, G), cols), B, rows), input)
+        if output_mask[1]:
+            grad_weight = _weight_grad(_to_rows(input), cols, weight.shape)
+    else:
+        g2 = _to_rows(grad_output)
+        if output_mask[1]:
+            grad_weight = _weight_grad(g2, _im2col(input, k, s, p, d, rows).view(G, -1, L), weight.shape)
+        if output_mask[0]:
+            gcols = _cols_from_rows(_group_weight(weight, G), g2)
+            grad_input = _follow_layout(_col2im(gcols.view(input.shape[1], *k, B, *rows), tuple(input.shape),
+                                                k, s, p, d), input)
     return grad_input, grad_weight, grad_bias
 
 
 # ---- max pooling --------------------------------------------------------------------------------------
 
-def _pool_geometry(kernel_size, stride, padding, dilation=1) -> tuple:
-    """(kernel, stride, padding, dilation) pairs; an empty stride means the kernel size."""
-    k = _pair(kernel_size)
-    return k, _pair(stride, k), _pair(padding), _pair(dilation)
+def _pool_geometry(n: int, kernel_size, stride, padding, dilation=1) -> tuple:
+    """(kernel, stride, padding, dilation) n-tuples; an empty stride means the kernel size."""
+    k = _tuple(kernel_size, n)
+    return k, _tuple(stride, n, k), _tuple(padding, n), _tuple(dilation, n)
 
 
-def _window_index(H: int, W: int, k: tuple, s: tuple, p: tuple, d: tuple, o: tuple) -> torch.Tensor:
-    """int32 [K, 1, OH*OW]: the flat input index (h * W + w) each window offset reads; -1 in the padding."""
-    (KH, KW), (OH, OW) = k, o
-    kh = torch.arange(KH).view(KH, 1, 1, 1)
-    kw = torch.arange(KW).view(1, KW, 1, 1)
-    h = torch.arange(OH).view(1, 1, OH, 1) * s[0] - p[0] + kh * d[0]
-    w = torch.arange(OW).view(1, 1, 1, OW) * s[1] - p[1] + kw * d[1]
-    idx = torch.where((h >= 0) & (h < H) & (w >= 0) & (w < W), h * W + w, -1)
-    return idx.to(torch.int32).reshape(KH * KW, 1, OH * OW)
+def _window_index(S: tuple, k: tuple, s: tuple, p: tuple, d: tuple, o: tuple) -> torch.Tensor:
+    """int32 [K, 1, prod(O)]: the flat input index each window offset reads (row-major over S); -1 in the
+    padding."""
+    n = len(S)
+    idx = torch.zeros([1] * (2 * n), dtype=torch.int64)
+    inside = torch.ones([1] * (2 * n), dtype=torch.bool)
+    for i in range(n):   # dims (k_0..k_{n-1}, o_0..o_{n-1}); position along dim i of offset k_i, window o_i
+        shape_k, shape_o = [1] * (2 * n), [1] * (2 * n)
+        shape_k[i], shape_o[n + i] = k[i], o[i]
+        pos = torch.arange(o[i]).view(shape_o) * s[i] - p[i] + torch.arange(k[i]).view(shape_k) * d[i]
+        inside = inside & (pos >= 0) & (pos < S[i])
+        idx = idx * S[i] + pos
+    idx = torch.where(inside, idx, -1)
+    return idx.to(torch.int32).reshape(math.prod(k), 1, math.prod(o))
 
 
-def _window_base(H: int, W: int, s: tuple, p: tuple, o: tuple) -> torch.Tensor:
-    """fp32 [1, OH*OW]: the flat index of each window's first (padded) element."""
-    h = torch.arange(o[0]).view(-1, 1) * s[0] - p[0]
-    w = torch.arange(o[1]).view(1, -1) * s[1] - p[1]
-    return (h * W + w).to(torch.float32).reshape(1, -1)
+def _window_base(S: tuple, s: tuple, p: tuple, o: tuple) -> torch.Tensor:
+    """fp32 [1, prod(O)]: the flat index of each window's first (padded) element."""
+    n = len(S)
+    base = torch.zeros([1] * n, dtype=torch.int64)
+    for i in range(n):
+        shape = [1] * n
+        shape[i] = o[i]
+        base = base * S[i] + torch.arange(o[i]).view(shape) * s[i] - p[i]
+    return base.to(torch.float32).reshape(1, -1)
 
 
 @functools.lru_cache(maxsize=None)
-def _pool_index_fn(KW: int, A: int, dw: int):
-    """Tile function: flat input index of window offset ``k``, ``base + kh * A + k * dw`` with kh = k // KW
-    (the constants depend only on the geometry, which the Program is traced for anyway)."""
-    def pool_index(k, base):
-        kh = tm.floor(nl.multiply(nl.add(k, 0.5), 1.0 / KW))   # k >= 0 and small: exact
-        return nl.add(nl.add(nl.multiply(kh, float(A)), nl.multiply(k, float(dw))), base)
+def _pool_index_fn(k: tuple, steps: tuple):
+    """Tile function: flat input index of window offset ``j``, ``base + sum_i j_i * steps[i]`` with
+    ``(j_0, .., j_n-1)`` the digits of j in the mixed radix k (constants of the geometry, which the Program
+    is traced for anyway)."""
+    def pool_index(j, base):
+        acc = base
+        for i in range(len(k) - 1):
+            radix = math.prod(k[i + 1:])
+            digit = tm.floor(nl.multiply(nl.add(j, 0.5), 1.0 / radix))   # j >= 0 and small: exact
+            acc = nl.add(acc, nl.multiply(digit, float(steps[i])))
+            j = nl.subtract(j, nl.multiply(digit, float(radix)))
+        return nl.add(acc, nl.multiply(j, float(steps[-1])))
     return pool_index
 
 
 _TABLES: dict = {"window_index": _window_index, "window_base": _window_base}
+_MAX_POOL = {2: (aten.max_pool2d_with_indices, aten.max_pool2d_with_indices_backward),
+             3: (aten.max_pool3d_with_indices, aten.max_pool3d_with_indices_backward)}
 
 
-def _max_pool_ok(x: torch.Tensor) -> bool:
-    return _on(x.device, x) and x.dim() in (3, 4) and x.numel() > 0 and x.shape[-1] * x.shape[-2] < EXACT
+def _max_pool_ok(x: torch.Tensor, n: int) -> bool:
+    """An n-D max pooling the device runs: a float input with its flat spatial indices exact in fp32."""
+    return _on(x.device, x) and x.dim() in (n + 1, n + 2) and x.numel() > 0 and math.prod(x.shape[-n:]) < EXACT
 
 
-def _max_pool(self: torch.Tensor, kernel_size, stride, padding, dilation, ceil_mode):
-    meta, _ = _meta_run(aten.max_pool2d_with_indices.default, self, kernel_size, stride, padding, dilation, ceil_mode)
-    k, s, p, d = _pool_geometry(kernel_size, stride, padding, dilation)
-    H, W = self.shape[-2:]
-    OH, OW = meta.shape[-2:]
-    BC = self.numel() // (H * W)
-    cols = _im2col(self.reshape(BC, 1, H, W), k, s, p, d, (OH, OW), fill=float("-inf"))
-    view = cols.view(1, k[0] * k[1], BC * OH * OW)
-    (values,) = call_kernel(reduce_kernel, {"x": view}, {"op": "max"}, op="aten::max_pool2d_with_indices")
-    (arg,) = call_kernel(reduce_kernel, {"x": view}, {"op": "argmax"}, op="aten::max_pool2d_with_indices")
-    base = _table(self.device, "window_base", H, W, s, p, (OH, OW))
-    flat = run_pointwise(_pool_index_fn(k[1], d[0] * W - k[1] * d[1], d[1]), [arg.view(BC, OH * OW), base],
-                         KIND.DEFAULT, result_dtype=torch.float32, op="aten::max_pool2d_with_indices")
+def _max_pool(n: int, self: torch.Tensor, kernel_size, stride, padding, dilation, ceil_mode):
+    """(values, int64 flat indices) of n-D max pooling on the device."""
+    op = f"aten::max_pool{n}d_with_indices"
+    meta, _ = _meta_run(_MAX_POOL[n][0].default, self, kernel_size, stride, padding, dilation, ceil_mode)
+    k, s, p, d = _pool_geometry(n, kernel_size, stride, padding, dilation)
+    S, O = tuple(self.shape[-n:]), tuple(meta.shape[-n:])
+    BC = self.numel() // math.prod(S)
+    cols = _im2col(self.reshape(BC, 1, *S), k, s, p, d, O, fill=float("-inf"))
+    view = cols.view(1, math.prod(k), BC * math.prod(O))
+    (values,) = call_kernel(reduce_kernel, {"x": view}, {"op": "max"}, op=op)
+    (arg,) = call_kernel(reduce_kernel, {"x": view}, {"op": "argmax"}, op=op)
+    base = _table(self.device, "window_base", S, s, p, O)
+    steps = tuple(dd * math.prod(S[i + 1:]) for i, dd in enumerate(d))
+    flat = run_pointwise(_pool_index_fn(k, steps), [arg.view(BC, math.prod(O)), base], KIND.DEFAULT,
+                         result_dtype=torch.float32, op=op)
     return values.view(meta.shape), to_int64(flat).view(meta.shape)
+
+
+def _max_pool_forward(n: int, self, kernel_size, stride, padding, dilation, ceil_mode):
+    """``max_pool{n}d_with_indices``: the CPU's errors, empty inputs, the device or the fallback."""
+    shape = _meta_run(_MAX_POOL[n][0].default, self, kernel_size, stride, padding, dilation,
+                      ceil_mode)[0].shape                         # the CPU's errors for bad arguments
+    if self.numel() == 0 and _on(self.device, self):
+        return (torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=torch.int64, device=self.device))
+    if not _max_pool_ok(self, n):
+        return cpu_fallback(_MAX_POOL[n][0].default, self, kernel_size, stride, padding, dilation, ceil_mode)
+    return _max_pool(n, self, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+def _max_pool_forward_out(n: int, self, kernel_size, stride, padding, dilation, ceil_mode, out, indices):
+    """``max_pool{n}d_with_indices.out``."""
+    if not _max_pool_ok(self, n) or out.device != self.device or indices.device != self.device \
+            or out.dtype != self.dtype or indices.dtype != torch.int64:
+        return cpu_fallback(_MAX_POOL[n][0].out, self, kernel_size, stride, padding, dilation, ceil_mode,
+                            out=out, indices=indices)
+    values, idx = _max_pool(n, self, kernel_size, stride, padding, dilation, ceil_mode)
+    return _into(values, out), _into(idx, indices)
 
 
 @lowering("max_pool2d_with_indices")
 def max_pool2d_with_indices(self: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int] = (),
                             padding: Sequence[int] = (0,), dilation: Sequence[int] = (1,), ceil_mode: bool = False):
     """(values, flat input indices) of 2-D max pooling: window gather, max and argmax reductions."""
-    shape = _meta_run(aten.max_pool2d_with_indices.default, self, kernel_size, stride, padding, dilation,
-                      ceil_mode)[0].shape                         # the CPU's errors for bad arguments
-    if self.numel() == 0 and _on(self.device, self):
-        return (torch.empty(shape, dtype=self.dtype, device=self.device),
-                torch.empty(shape, dtype=torch.int64, device=self.device))
-    if not _max_pool_ok(self):
-        return cpu_fallback(aten.max_pool2d_with_indices.default, self, kernel_size, stride, padding, dilation,
-                            ceil_mode)
-    return _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode)
+    return _max_pool_forward(2, self, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+@lowering("max_pool3d_with_indices")
+def max_pool3d_with_indices(self: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int] = (),
+                            padding: Sequence[int] = (0,), dilation: Sequence[int] = (1,), ceil_mode: bool = False):
+    """(values, flat input indices) of 3-D max pooling: window gather, max and argmax reductions."""
+    return _max_pool_forward(3, self, kernel_size, stride, padding, dilation, ceil_mode)
 
 
 @lowering("max_pool2d_with_indices.out")
@@ -313,34 +455,51 @@ def max_pool2d_with_indices_out(self: torch.Tensor, kernel_size: Sequence[int], 
                                 padding: Sequence[int] = (0,), dilation: Sequence[int] = (1,), ceil_mode: bool = False,
                                 *, out: torch.Tensor, indices: torch.Tensor):
     """``max_pool2d_with_indices`` into ``out`` and ``indices``."""
-    if not _max_pool_ok(self) or out.device != self.device or indices.device != self.device \
-            or out.dtype != self.dtype or indices.dtype != torch.int64:
-        return cpu_fallback(aten.max_pool2d_with_indices.out, self, kernel_size, stride, padding, dilation, ceil_mode,
-                            out=out, indices=indices)
-    values, idx = _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode)
-    return _into(values, out), _into(idx, indices)
+    return _max_pool_forward_out(2, self, kernel_size, stride, padding, dilation, ceil_mode, out, indices)
 
 
-def _max_pool_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
-    _meta_run(aten.max_pool2d_with_indices_backward.default, grad_output, self, kernel_size, stride, padding, dilation,
-              ceil_mode, indices)
-    k, s, p, d = _pool_geometry(kernel_size, stride, padding, dilation)
-    H, W = self.shape[-2:]
-    OH, OW = grad_output.shape[-2:]
-    BC = self.numel() // (H * W)
+@lowering("max_pool3d_with_indices.out")
+def max_pool3d_with_indices_out(self: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int] = (),
+                                padding: Sequence[int] = (0,), dilation: Sequence[int] = (1,), ceil_mode: bool = False,
+                                *, out: torch.Tensor, indices: torch.Tensor):
+    """``max_pool3d_with_indices`` into ``out`` and ``indices``."""
+    return _max_pool_forward_out(3, self, kernel_size, stride, padding, dilation, ceil_mode, out, indices)
+
+
+def _max_pool_backward(n: int, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    """Gradient of n-D max pooling on the device: window compare against the indices, then col2im."""
+    _meta_run(_MAX_POOL[n][1].default, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
+    k, s, p, d = _pool_geometry(n, kernel_size, stride, padding, dilation)
+    S, O = tuple(self.shape[-n:]), tuple(grad_output.shape[-n:])
+    BC, L = self.numel() // math.prod(S), math.prod(O)
     # the low int32 words of the int64 indices (indices are below 2**24)
-    low = dense(indices.reshape(BC, OH * OW)).view(torch.int32).view(1, BC, OH * OW, 2)[..., 0]
-    table = _table(self.device, "window_index", H, W, k, s, p, d, (OH, OW))           # [K, 1, OH*OW]
-    g = grad_output.reshape(1, BC, OH * OW)
-    contrib = torch.where(low == table, g, 0)                                          # [K, BC, OH*OW]
-    cols = contrib.view(1, k[0], k[1], BC, OH, OW)
-    return _col2im(cols, (BC, 1, H, W), k, s, p, d).view(self.shape)
+    low = dense(indices.reshape(BC, L)).view(torch.int32).view(1, BC, L, 2)[..., 0]
+    table = _table(self.device, "window_index", S, k, s, p, d, O)           # [K, 1, prod(O)]
+    contrib = torch.where(low == table, grad_output.reshape(1, BC, L), 0)   # [K, BC, prod(O)]
+    return _col2im(contrib.view(1, *k, BC, *O), (BC, 1, *S), k, s, p, d).view(self.shape)
 
 
-def _max_pool_backward_ok(grad_output, self, indices) -> bool:
-    return (_max_pool_ok(self) and _on(self.device, grad_output) and grad_output.dtype == self.dtype
+def _max_pool_backward_ok(n: int, grad_output, self, indices) -> bool:
+    """The device runs this max pooling gradient."""
+    return (_max_pool_ok(self, n) and _on(self.device, grad_output) and grad_output.dtype == self.dtype
             and indices.device == self.device and indices.dtype == torch.int64
             and tuple(indices.shape) == tuple(grad_output.shape))
+
+
+def _max_pool_grad(n: int, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices,
+                   grad_input=None):
+    """``max_pool{n}d_with_indices_backward`` (into ``grad_input`` when given): the device or the fallback."""
+    ok = _max_pool_backward_ok(n, grad_output, self, indices)
+    if grad_input is None:
+        if not ok:
+            return cpu_fallback(_MAX_POOL[n][1].default, grad_output, self, kernel_size, stride, padding, dilation,
+                                ceil_mode, indices)
+        return _max_pool_backward(n, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
+    if not ok or grad_input.device != self.device:
+        return cpu_fallback(_MAX_POOL[n][1].grad_input, grad_output, self, kernel_size, stride, padding, dilation,
+                            ceil_mode, indices, grad_input=grad_input)
+    return _into(_max_pool_backward(n, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode,
+                                    indices), grad_input)
 
 
 @lowering("max_pool2d_with_indices_backward")
@@ -348,10 +507,15 @@ def max_pool2d_with_indices_backward(grad_output: torch.Tensor, self: torch.Tens
                                      stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
                                      ceil_mode: bool, indices: torch.Tensor) -> torch.Tensor:
     """Gradient of max pooling: each output's gradient added at its argmax (window compare, then col2im)."""
-    if not _max_pool_backward_ok(grad_output, self, indices):
-        return cpu_fallback(aten.max_pool2d_with_indices_backward.default, grad_output, self, kernel_size, stride,
-                            padding, dilation, ceil_mode, indices)
-    return _max_pool_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
+    return _max_pool_grad(2, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
+
+
+@lowering("max_pool3d_with_indices_backward")
+def max_pool3d_with_indices_backward(grad_output: torch.Tensor, self: torch.Tensor, kernel_size: Sequence[int],
+                                     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+                                     ceil_mode: bool, indices: torch.Tensor) -> torch.Tensor:
+    """Gradient of 3-D max pooling: each output's gradient added at its argmax (window compare, then col2im)."""
+    return _max_pool_grad(3, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
 
 
 @lowering("max_pool2d_with_indices_backward.grad_input")
@@ -360,11 +524,53 @@ def max_pool2d_with_indices_backward_out(grad_output: torch.Tensor, self: torch.
                                          ceil_mode: bool, indices: torch.Tensor, *,
                                          grad_input: torch.Tensor) -> torch.Tensor:
     """``max_pool2d_with_indices_backward`` into ``grad_input``."""
-    if not _max_pool_backward_ok(grad_output, self, indices) or grad_input.device != self.device:
-        return cpu_fallback(aten.max_pool2d_with_indices_backward.grad_input, grad_output, self, kernel_size, stride,
-                            padding, dilation, ceil_mode, indices, grad_input=grad_input)
-    return _into(_max_pool_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices),
-                 grad_input)
+    return _max_pool_grad(2, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices,
+                          grad_input)
+
+
+@lowering("max_pool3d_with_indices_backward.grad_input")
+def max_pool3d_with_indices_backward_out(grad_output: torch.Tensor, self: torch.Tensor, kernel_size: Sequence[int],
+                                         stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+                                         ceil_mode: bool, indices: torch.Tensor, *,
+                                         grad_input: torch.Tensor) -> torch.Tensor:
+    """``max_pool3d_with_indices_backward`` into ``grad_input``."""
+    return _max_pool_grad(3, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices,
+                          grad_input)
+
+
+# ---- unfold / fold (im2col, col2im) -------------------------------------------------------------------
+
+@lowering("im2col")
+def im2col(self: torch.Tensor, kernel_size: Sequence[int], dilation: Sequence[int], padding: Sequence[int],
+           stride: Sequence[int]) -> torch.Tensor:
+    """``F.unfold``: [B, C*KH*KW, L] patches by strided DMA copies of window views of the padded input."""
+    meta = _meta_run(aten.im2col.default, self, kernel_size, dilation, padding, stride)   # the CPU's errors
+    if self.numel() == 0 and _on(self.device, self):
+        return torch.zeros(meta.shape, dtype=self.dtype, device=self.device)
+    if not _on(self.device, self):
+        return cpu_fallback(aten.im2col.default, self, kernel_size, dilation, padding, stride)
+    k, s, p, d = _pool_geometry(2, kernel_size, stride, padding, dilation)
+    x = self if self.dim() == 4 else self.unsqueeze(0)
+    o = tuple((n + 2 * pp - dd * (kk - 1) - 1) // ss + 1 for n, kk, ss, pp, dd in zip(x.shape[2:], k, s, p, d))
+    return _im2col(x, k, s, p, d, o, batch_first=True).view(meta.shape)
+
+
+@lowering("col2im")
+def col2im(self: torch.Tensor, output_size: Sequence[int], kernel_size: Sequence[int], dilation: Sequence[int],
+           padding: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
+    """``F.fold`` (and the gradient of ``F.unfold``): each patch column summed into its window (col2im)."""
+    meta = _meta_run(aten.col2im.default, self, output_size, kernel_size, dilation, padding, stride)
+    if self.numel() == 0 and _on(self.device, self):
+        return torch.zeros(meta.shape, dtype=self.dtype, device=self.device)
+    if not _on(self.device, self):
+        return cpu_fallback(aten.col2im.default, self, output_size, kernel_size, dilation, padding, stride)
+    k, s, p, d = _pool_geometry(2, kernel_size, stride, padding, dilation)
+    S = _tuple(output_size, 2)
+    o = tuple((n + 2 * pp - dd * (kk - 1) - 1) // ss + 1 for n, kk, ss, pp, dd in zip(S, k, s, p, d))
+    cols = self if self.dim() == 3 else self.unsqueeze(0)
+    B, C = cols.shape[0], cols.shape[1] // math.prod(k)
+    cols = cols.reshape(B, C, *k, *o).permute(1, 2, 3, 0, 4, 5)      # [C, KH, KW, B, OH, OW], strided
+    return _col2im(cols, (B, C, *S), k, s, p, d).view(meta.shape)
 
 
 # ---- average pooling (separable band matrices) ------------------------------------------------------
@@ -409,7 +615,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _avg_matrices(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, out_hw):
-    k, s, p, _ = _pool_geometry(kernel_size, stride, padding)
+    k, s, p, _ = _pool_geometry(2, kernel_size, stride, padding)
     H, W = self.shape[-2:]
     scale = 1.0 / divisor_override if divisor_override else 0.0
     mh = _table(self.device, "avg_band", H, out_hw[0], k[0], s[0], p[0], count_include_pad, scale)
@@ -499,9 +705,11 @@ def avg_pool2d_backward_out(grad_output: torch.Tensor, self: torch.Tensor, kerne
 @lowering("_adaptive_avg_pool2d")
 def adaptive_avg_pool2d(self: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
     """Adaptive average pooling as ``Mh @ x @ Mw^T`` (PyTorch's floor/ceil windows)."""
+    meta = _meta_run(aten._adaptive_avg_pool2d.default, self, output_size)   # the CPU's errors
+    if self.numel() == 0 and _on(self.device, self):
+        return torch.empty(meta.shape, dtype=self.dtype, device=self.device)
     if not _avg_ok(self):
         return cpu_fallback(aten._adaptive_avg_pool2d.default, self, output_size)
-    meta = _meta_run(aten._adaptive_avg_pool2d.default, self, output_size)
     H, W = self.shape[-2:]
     OH, OW = meta.shape[-2:]
     mh = _table(self.device, "adaptive_band", H, OH)
@@ -512,6 +720,8 @@ def adaptive_avg_pool2d(self: torch.Tensor, output_size: Sequence[int]) -> torch
 @lowering("_adaptive_avg_pool2d_backward")
 def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, self: torch.Tensor) -> torch.Tensor:
     """Gradient of adaptive average pooling: ``Mh^T @ g @ Mw``."""
+    if self.numel() == 0 and _on(self.device, self, grad_output) and grad_output.numel() == 0:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
     if not _avg_backward_ok(grad_output, self) or grad_output.dim() != self.dim():
         return cpu_fallback(aten._adaptive_avg_pool2d_backward.default, grad_output, self)
     H, W = self.shape[-2:]
