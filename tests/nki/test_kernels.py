@@ -153,3 +153,23 @@ def test_install_import_aliases_refuses_a_real_nki(monkeypatch):
     monkeypatch.setitem(sys.modules, "nki", types.ModuleType("nki"))
     with pytest.raises(ImportError, match="real NKI installation"):
         nki.install_import_aliases()
+
+
+@nki.jit
+def copy_rounded_kernel(x):
+    """x [128, 64] fp32 -> a copy rounded to bf16 but held in an fp32 tile (the tutorials' ``dtype=``)."""
+    out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
+    t = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=x)
+    r = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=r, src=t, dtype=nl.bfloat16)
+    nisa.dma_copy(dst=out, src=r)
+    return out
+
+
+def test_tensor_copy_dtype_rounds_through_that_dtype():
+    x = randn(128, 64)
+    got = nki.simulate(copy_rounded_kernel)(x)
+    want = torch.from_numpy(x).bfloat16().float().numpy()
+    np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(got, x)  # the rounding happened

@@ -68,11 +68,19 @@ def dma_transpose(dst: Tile, src: Tile, axes: tuple[int, ...] | None = None, dge
 
 
 def tensor_copy(dst: Tile, src: Tile, engine: Any = None, dtype: Any = None, name: str | None = None) -> None:
-    """Copy SBUF/PSUM -> SBUF/PSUM on Vector/Scalar/GpSimd, casting to ``dst.dtype``."""
+    """Copy SBUF/PSUM -> SBUF/PSUM on Vector/Scalar/GpSimd, casting to ``dst.dtype``.
+
+    ``dtype=`` (not in the current API's signature, but passed by published tutorial kernels, e.g.
+    ``tensor_copy(dst=<fp32 tile>, src=psum, dtype=bf16)`` "to cast to the output dtype"): the values
+    are rounded to ``dtype`` and then held in ``dst``'s dtype, modelled as two copies through an SBUF
+    tile of ``dtype``."""
     if dtype is not None:
         from torchneuron.nki.tracing import as_dtype
         if as_dtype(dtype) != dst.dtype:
-            raise SimulatorError(f"tensor_copy: dtype={dtype} differs from dst.dtype {dst.dtype}")
+            from torchneuron.nki import language as nl
+            rounded = nl.ndarray(tuple(dst.shape), as_dtype(dtype), buffer=nl.sbuf)
+            _emit(sim.TensorCopy, dst=rounded, src=src, engine=_eng(engine))
+            src = rounded
     _emit(sim.TensorCopy, dst=dst, src=src, engine=_eng(engine))
 
 
