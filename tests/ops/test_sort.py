@@ -86,3 +86,140 @@ def test_errors_match_cpu():
         with pytest.raises(c.type) as d:
             dev()
         assert str(d.value) == str(c.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.bool])
+def test_bitonic_sort_long_rows(dtype, strict):
+    # rows past RANK_COLS take the bitonic network: ties stay in input order, NaN sorts as the largest
+    x = torch.randint(-20, 20, (3, 300)).to(dtype)
+    if dtype.is_floating_point:
+        x[0, 5] = x[0, 200] = x[2, 0] = float("nan")
+        x[0, 7] = x[1, 9] = float("inf")
+        x[1, 3] = float("-inf")
+    for descending in (False, True):
+        for dim in (1, 0):
+            v, i = torch.sort(to_n(x), dim=dim, descending=descending, stable=True)
+            cv, ci = torch.sort(x, dim=dim, descending=descending, stable=True)
+            same(v, cv, atol=0, rtol=0)
+            same(i, ci, atol=0, rtol=0)
+
+
+def test_bitonic_sort_in_several_launches(strict, monkeypatch):
+    import torchneuron.ops.sort as sort_ops
+    monkeypatch.setattr(sort_ops, "BITONIC_LIMIT", 30)        # 21 steps per 128 lines of 64: 128 lines a launch
+    x = torch.randint(-5, 5, (300, 64)).float()
+    x[5, 3] = float("nan")
+    v, i = torch.sort(to_n(x), stable=True, descending=True)
+    cv, ci = torch.sort(x, stable=True, descending=True)
+    same(v, cv, atol=0, rtol=0)
+    same(i, ci, atol=0, rtol=0)
+
+
+def test_sort_8000(strict):
+    x = torch.randn(8000)
+    x[::97] = 0.5
+    v, i = torch.sort(to_n(x), stable=True)
+    cv, ci = torch.sort(x, stable=True)
+    same(v, cv, atol=0, rtol=0)
+    same(i, ci, atol=0, rtol=0)
+
+
+def test_mode(strict):
+    x = torch.randint(0, 4, (5, 6, 7)).float()
+    for dim, keepdim in ((0, False), (1, True), (-1, False)):
+        v, i = torch.mode(to_n(x), dim, keepdim)
+        cv, _ = torch.mode(x, dim, keepdim)
+        same(v, cv)
+        same(to_n(x).gather(dim, i if keepdim else i.unsqueeze(dim)).cpu(), cv if keepdim else cv.unsqueeze(dim))
+    y = torch.randn(7, 9)                                       # distinct values: the indices are determined
+    for dim in (0, 1):
+        v, i = torch.mode(to_n(y), dim)
+        cv, ci = torch.mode(y, dim)
+        same(v, cv)
+        same(i, ci)
+    v, i = torch.mode(to_n(torch.tensor([1.0, 2, 1, 2, 1])))
+    assert (v.item(), i.item()) == (1.0, 4)                     # the CPU's pick: the last copy
+
+
+def test_searchsorted_bucketize(strict):
+    seq = torch.randn(4, 10).sort(-1).values
+    vals = torch.randn(4, 6)
+    vals[0, 0] = seq[0, 3]                                      # exactly on a boundary
+    vals[1, 1] = float("nan")
+    for right in (False, True):
+        for out_int32 in (False, True):
+            same(torch.searchsorted(to_n(seq), to_n(vals), right=right, out_int32=out_int32),
+                 torch.searchsorted(seq, vals, right=right, out_int32=out_int32))
+            same(torch.bucketize(to_n(vals), to_n(seq[0]), right=right, out_int32=out_int32),
+                 torch.bucketize(vals, seq[0], right=right, out_int32=out_int32))
+    unsorted = torch.randn(10)
+    sorter = unsorted.argsort()
+    same(torch.searchsorted(to_n(unsorted), to_n(vals), side="right", sorter=to_n(sorter)),
+         torch.searchsorted(unsorted, vals, side="right", sorter=sorter))
+    same(torch.searchsorted(to_n(seq[0]), 0.25), torch.searchsorted(seq[0], 0.25))
+    out = to_n(torch.empty(0, dtype=torch.int64))
+    torch.searchsorted(to_n(seq), to_n(vals), out=out)
+    same(out, torch.searchsorted(seq, vals))
+
+
+def test_histc_bincount(strict):
+    x = torch.randn(6, 7) * 4
+    x[0, 0] = 10.0                                             # the top edge goes to the last bin
+    for kw in ({}, {"bins": 7, "min": -5, "max": 10}, {"bins": 3, "min": 0, "max": 0}):
+        same(torch.histc(to_n(x), **kw), torch.histc(x, **kw))
+    same(torch.histc(to_n(torch.tensor(2.0)), bins=4), torch.histc(torch.tensor(2.0), bins=4))
+    i = torch.randint(0, 9, (30,))
+    same(torch.bincount(to_n(i)), torch.bincount(i))
+    same(torch.bincount(to_n(i), minlength=20), torch.bincount(i, minlength=20))
+    w = torch.randint(-5, 5, (30,))
+    same(torch.bincount(to_n(i), to_n(w)), torch.bincount(i, w))          # float64 result, as the CPU
+    w = torch.randn(30)
+    same(torch.bincount(to_n(i), to_n(w)), torch.bincount(i, w), atol=1e-5, rtol=1e-5)
+    same(torch.bincount(to_n(torch.empty(0, dtype=torch.int64)), minlength=3),
+         torch.bincount(torch.empty(0, dtype=torch.int64), minlength=3))
+
+
+def _all_same(dev, cpu):
+    for d, c in zip(dev, cpu):
+        assert d.shape == c.shape and d.dtype == c.dtype
+        same(d, c, atol=0, rtol=0)
+
+
+def test_unique(strict):
+    x = torch.tensor([[3.0, 1, 2, 1], [float("nan"), float("nan"), -0.0, 0.0]])
+    aten = torch.ops.aten
+    for inv in (False, True):
+        for cnt in (False, True):
+            _all_same(aten._unique2(to_n(x), True, inv, cnt), aten._unique2(x, True, inv, cnt))
+            _all_same(aten.unique_consecutive(to_n(x), inv, cnt), aten.unique_consecutive(x, inv, cnt))
+    y = torch.randint(0, 2, (5, 3, 4)).float()
+    for dim in (0, 1, -1):
+        _all_same(aten.unique_dim(to_n(y), dim, True, True, True), aten.unique_dim(y, dim, True, True, True))
+        _all_same(aten.unique_consecutive(to_n(y), True, True, dim), aten.unique_consecutive(y, True, True, dim))
+    z = torch.randint(0, 3, (9,), dtype=torch.int32)
+    _all_same(torch.unique(to_n(z), return_inverse=True, return_counts=True),
+              torch.unique(z, return_inverse=True, return_counts=True))
+    _all_same(aten.unique_consecutive(to_n(z), True, True, 0), aten.unique_consecutive(z, True, True, 0))
+
+
+def test_search_count_unique_errors_match_cpu(strict):
+    x = torch.randn(3, 4)
+    i = torch.tensor([1, 2])
+    cases = ((lambda t: torch.bucketize(t, t), x),
+             (lambda t: torch.searchsorted(t[0], t, side="left", right=True), x),
+             (lambda t: torch.searchsorted(t[:2], t), x),
+             (lambda t: torch.searchsorted(t, 0.5), x),
+             (lambda t: torch.searchsorted(t[0], t, sorter=torch.full((4,), 9, device=t.device)), x),
+             (lambda t: torch.histc(t, min=2, max=1), x),
+             (lambda t: torch.histc(t, bins=0), x),
+             (lambda t: torch.bincount(t - 3), i),
+             (lambda t: torch.bincount(t, minlength=-1), i),
+             (lambda t: torch.bincount(t.reshape(2, 1)), i),
+             (lambda t: torch.ops.aten.unique_dim(t, 2, True, False, False), x),
+             (lambda t: torch.ops.aten.unique_dim(t[0, 0], 0, True, False, False), x),
+             (lambda t: torch.mode(t[:, :0], 1), x))
+    for fn, arg in cases:
+        with pytest.raises(Exception) as c:
+            fn(arg)
+        with pytest.raises(c.type):
+            fn(to_n(arg))

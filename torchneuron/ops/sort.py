@@ -1,19 +1,25 @@
-"""Scans and sorts on the device: ``cumsum``, ``cumprod``, ``sort`` (stable), ``topk``, ``kthvalue``
-(hence ``argsort``, ``msort``).
+"""Scans and sorts on the device: ``cumsum``, ``cumprod``, ``sort`` (stable), ``topk``, ``kthvalue``,
+``mode`` (hence ``argsort``, ``msort``).
 
 - Scans move the dim last and run ``kernels.scan.scan_rows`` (VectorE ``tensor_tensor_scan``, fp32
   for floats, int32 for integers; integer inputs give int64 results like the CPU, widened on the
   device). Their backward ops come from autograd's formulas over lowered ops (flip, cumsum, ...).
-- Sorts are a stable rank sort: with the dim last as rows [L, n], element i of a row goes to position
-  ``rank[i] = #{j : x[j] before x[i]}``, where "before" is ``x[j] < x[i]`` (``>`` descending), or equal
-  with ``j < i`` (the stable tie order), NaN after every number (before, descending) like the CPU.
-  The [L*n, n] comparison is one element-wise launch, the count one reduction, and values and
-  indices are scattered to their ranks by indirect DMA. ``topk``/``kthvalue`` take the leading
-  slice / the (k-1)-th column of that sort (values exact; tie indices in stable order).
-  Work is O(L n^2): rows up to ``SORT_LIMIT`` comparisons run on the device, larger ones fall back.
+- Short lines (up to ``RANK_COLS``) sort by a stable rank sort: with the dim last as rows [L, n], element
+  i of a row goes to position ``rank[i] = #{j : x[j] before x[i]}``, where "before" is ``x[j] < x[i]``
+  (``>`` descending), or equal with ``j < i`` (the stable tie order), NaN after every number (before,
+  descending) like the CPU. The [L*n, n] comparison is one element-wise launch, the count one
+  reduction, and values and indices are scattered to their ranks by indirect DMA (O(L n^2) work).
+- Longer lines (up to ``kernels.sort.MAX_COLS``) sort by a bitonic network in SBUF
+  (``kernels.sort.bitonic_sort_rows``, O(n log^2 n)) over (key, tie) pairs: the tie is the position,
+  so equal keys keep their input order (stable); floats' NaN becomes +inf with a tie past every
+  number's (after them ascending, before them descending), and comes back as NaN from the tie.
+  Many lines go in several launches of one program (``BITONIC_LIMIT``); longer lines fall back.
+- ``topk``/``kthvalue`` take the leading slice / the (k-1)-th column of that sort (values exact; tie
+  indices in stable order); ``mode`` counts equal neighbours in the sorted lines.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -21,7 +27,10 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torch._prims_common import canonicalize_dim
 
 import torchneuron.nki.language as nl
+from torchneuron.kernels._common import PMAX
 from torchneuron.kernels.scan import scan_rows
+from torchneuron.kernels.sort import MAX_COLS, bitonic_sort_rows
+from torchneuron.ops import tilemath as tm
 from torchneuron.ops.copy import to_int64
 from torchneuron.ops.indexing import arange_values
 from torchneuron.ops.kernel_call import call_kernel, dense
@@ -30,7 +39,9 @@ from torchneuron.ops.registry import Unsupported, cpu_fallback, lowering
 from torchneuron.ops.scatter import DATA_DTYPES, _into, check_out, _meta, _on_device, _overload, _scatter_into
 
 aten = torch.ops.aten
-SORT_LIMIT = 1 << 24       # comparisons (L * n * n) of one device sort
+SORT_LIMIT = 1 << 24       # comparisons (L * n * n) of one device rank sort
+RANK_COLS = 16             # longer lines take the bitonic network (faster from about there on)
+BITONIC_LIMIT = 1 << 11    # compare-exchange steps (about 24 instructions each) of one bitonic launch
 INTS = (torch.bool, torch.int8, torch.int16, torch.int32, torch.uint8)
 
 
@@ -120,31 +131,104 @@ def lines(x: torch.Tensor, d: int) -> tuple[torch.Tensor, int, int]:
     return moved.reshape(L, n), L, n
 
 
-def _sort(self: torch.Tensor, dim: int, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, int64 indices) of a stable sort along ``dim``."""
-    if self.dtype not in DATA_DTYPES:
-        raise Unsupported
-    d = canonicalize_dim(max(self.dim(), 1), dim)
-    if self.numel() == 0:
-        return self.clone(), torch.empty(self.shape, dtype=torch.int64, device=self.device)
-    x = self.reshape(1) if self.dim() == 0 else self
-    rows, L, n = lines(x, d)
+def _rank_sort(rows: torch.Tensor, L: int, n: int, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, int32 indices) [L * n, 1] of the stable rank sort of the dense lines ``rows`` [L, n]."""
     key = rows.to(torch.int32) if rows.dtype == torch.bool else rows
-    j = arange_values(n, self.device)
+    j = arange_values(n, rows.device)
     ii = dense(j.reshape(1, n).expand(L, n)).reshape(L * n, 1)      # i of every (line, i)
     xj = dense(key.reshape(L, 1, n).expand(L, n, n)).reshape(L * n, n)   # the line's row, per i
     before = run_pointwise(_before_desc if descending else _before_asc,
                            [xj, key.reshape(L * n, 1), j.reshape(1, n), ii], KIND.DEFAULT,
                            result_dtype=torch.float32, op="aten::sort")
     rank = before.sum(-1, keepdim=True)                                # exact below 2**24
-    slots = run_pointwise(_slot, [arange_values(L, self.device).reshape(L, 1), rank.reshape(L, n), n],
+    slots = run_pointwise(_slot, [arange_values(L, rows.device).reshape(L, 1), rank.reshape(L, n), n],
                           KIND.DEFAULT, op="aten::sort").to(torch.int32)
-    values = torch.empty((L * n, 1), dtype=self.dtype, device=self.device)
-    indices = torch.empty((L * n, 1), dtype=torch.int32, device=self.device)
+    values = torch.empty((L * n, 1), dtype=rows.dtype, device=rows.device)
+    indices = torch.empty((L * n, 1), dtype=torch.int32, device=rows.device)
     _scatter_into(values, slots, rows.reshape(L * n, 1))
     _scatter_into(indices, slots, ii)
-    moved_shape = x.movedim(d, -1).shape
-    back = [dense(t.reshape(moved_shape).movedim(-1, d)).reshape(self.shape) for t in (values, indices)]
+    return values, indices
+
+
+def _nan_largest(x):
+    """NaN as +inf: the bitonic keys (the tie then tells NaN from inf)."""
+    return tm.where_value(tm.isnan(x), math.inf, x)
+
+
+def _tie_asc(x, j, m):
+    """Position j, plus m for NaN: NaN after +inf, in input order."""
+    return nl.add(j, nl.multiply(tm.isnan(x), m))
+
+
+def _tie_desc(x, j, m):
+    """Position j, plus m unless NaN: NaN before +inf (descending puts NaN first), in input order."""
+    return nl.add(j, nl.multiply(nl.equal(tm.isnan(x), 0), m))
+
+
+def _nan_back(v, t, m):
+    """NaN again where the tie marks one (ascending: t >= m)."""
+    return tm.where_value(nl.greater_equal(t, m), math.nan, v)
+
+
+def _nan_back_desc(v, t, m):
+    """NaN again where the tie marks one (descending: t < m)."""
+    return tm.where_value(nl.less(t, m), math.nan, v)
+
+
+def _bitonic_sort(rows: torch.Tensor, L: int, n: int, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, int32 indices) [L, n] of a stable sort of the dense lines ``rows`` [L, n] by the bitonic
+    kernel: (key, tie) pairs, floats' NaN as +inf with a tie past every number's (m = the padded width)."""
+    m = 1 << max(1, (n - 1).bit_length())
+    key = rows.to(torch.int32) if rows.dtype == torch.bool else rows
+    if not key.is_floating_point():
+        v, t = _bitonic_launches(key, None, descending)
+        return (v.to(torch.bool) if rows.dtype == torch.bool else v), t
+    j = arange_values(n, rows.device).reshape(1, n)
+    tie = run_pointwise(_tie_desc if descending else _tie_asc, [key, j, m], KIND.DEFAULT,
+                        result_dtype=torch.int32, op="aten::sort")
+    key = run_pointwise(_nan_largest, [key], KIND.DEFAULT, op="aten::sort")
+    v, t = _bitonic_launches(key, tie, descending)
+    v = run_pointwise(_nan_back_desc if descending else _nan_back, [v, t, m], KIND.DEFAULT,
+                      result_dtype=rows.dtype, op="aten::sort")
+    # the position a tie encodes: its bits below m
+    return v, run_pointwise(tm.bitwise_and, [t, m - 1], KIND.DEFAULT, result_dtype=torch.int32, op="aten::sort")
+
+
+def _bitonic_launches(key: torch.Tensor, tie: torch.Tensor | None, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bitonic kernel over the lines ``key`` [L, n], in launches of at most ``BITONIC_LIMIT``
+    compare-exchange steps (one per (k, j) per block of 128 lines) so each program stays short to trace."""
+    L, n = key.shape
+    lg = max(1, (n - 1).bit_length())
+    chunk = PMAX * max(1, BITONIC_LIMIT // (lg * (lg + 1) // 2))
+    v = torch.empty((L, n), dtype=key.dtype, device=key.device)
+    t = torch.empty((L, n), dtype=torch.int32, device=key.device)
+    for r0 in range(0, L, chunk):
+        r1 = min(L, r0 + chunk)
+        inputs = {"key": key[r0:r1]} if tie is None else {"key": key[r0:r1], "tie": tie[r0:r1]}
+        call_kernel(bitonic_sort_rows, inputs, {"descending": descending}, outputs=[v[r0:r1], t[r0:r1]],
+                    op="aten::sort")
+    return v, t
+
+
+def _sort(self: torch.Tensor, dim: int, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, int64 indices) of a stable sort along ``dim``: the rank sort for short lines, the bitonic
+    network for longer ones (up to ``MAX_COLS``); Unsupported beyond."""
+    if self.dtype not in DATA_DTYPES:
+        raise Unsupported
+    d = canonicalize_dim(max(self.dim(), 1), dim)
+    if self.numel() == 0:
+        return self.clone(), torch.empty(self.shape, dtype=torch.int64, device=self.device)
+    x = self.reshape(1) if self.dim() == 0 else self
+    moved = dense(x.movedim(d, -1))
+    n = moved.shape[-1]
+    L = moved.numel() // n
+    if n <= RANK_COLS and L * n * n <= SORT_LIMIT:
+        values, indices = _rank_sort(moved.reshape(L, n), L, n, descending)
+    elif n <= MAX_COLS:
+        values, indices = _bitonic_sort(moved.reshape(L, n), L, n, descending)
+    else:
+        raise Unsupported
+    back = [dense(t.reshape(moved.shape).movedim(-1, d)).reshape(self.shape) for t in (values, indices)]
     return back[0], to_int64(back[1])
 
 
@@ -215,3 +299,65 @@ def kthvalue(self: torch.Tensor, k: int, dim: int = -1, keepdim: bool = False, *
         return _into(dense(v), values), _into(dense(i), indices)
     except Unsupported:
         return cpu_fallback(aten.kthvalue.values, self, k, dim, keepdim, values=values, indices=indices)
+
+
+def _same(xj, xi):
+    """1 where two elements are equal (NaN equal to NaN: one run in a sorted line)."""
+    return nl.logical_or(nl.equal(xj, xi), nl.logical_and(tm.isnan(xj), tm.isnan(xi)))
+
+
+def _mode(x: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, int64 indices) of the mode along ``d`` (dim kept): the smallest of the most frequent values
+    (NaN counts as one value, the largest) and the last index holding it."""
+    sv, si = _sort(x, d, False)
+    rows, L, n = lines(sv, d)                    # sorted lines: each value's copies are one run
+    key = rows.to(torch.int32) if rows.dtype == torch.bool else rows
+    xj = dense(key.reshape(L, 1, n).expand(L, n, n)).reshape(L * n, n)
+    count = run_pointwise(_same, [xj, key.reshape(L * n, 1)], KIND.DEFAULT, result_dtype=torch.float32,
+                          op="aten::mode").sum(-1).reshape(L, n)          # the length of each one's run
+    most = count.amax(-1, keepdim=True)
+    j = arange_values(n, x.device).reshape(1, n).to(torch.float32)
+    first = torch.where(count == most, j, float(n)).amin(-1, keepdim=True)  # the smallest such value's run
+    last = first + most - 1                                                 # its last copy, stably sorted
+    values = rows.gather(1, to_int64(first.to(torch.int32)))
+    # int64 data has no device gather: pick the int32 positions, widened after
+    positions, _, _ = lines(si.to(torch.int32), d)
+    indices = to_int64(positions.gather(1, to_int64(last.to(torch.int32))))
+    shape = list(x.movedim(d, -1).shape)
+    shape[-1] = 1
+    return (dense(t.reshape(shape).movedim(-1, d)) for t in (values, indices))
+
+
+@lowering("mode", "mode.values")
+def mode(self: torch.Tensor, dim: int = -1, keepdim: bool = False, *, values: torch.Tensor | None = None,
+         indices: torch.Tensor | None = None):
+    """``torch.mode``: run lengths of a stable sort (lines up to ``SORT_LIMIT`` pairs)."""
+    outs = values is not None
+    overload = aten.mode.values if outs else aten.mode.default
+    kw = {"values": values, "indices": indices} if outs else {}
+    try:
+        if not _on_device(self, values, indices) or self.dtype not in DATA_DTYPES:
+            raise Unsupported
+        d = canonicalize_dim(max(self.dim(), 1), dim)
+        if self.numel() == 0:       # the CPU's error for an empty dim, or its empty result
+            v, i = aten.mode.default(torch.empty(self.shape, dtype=self.dtype), dim, keepdim)
+            v, i = v.to(self.device), i.to(self.device)
+        else:
+            if outs and (values.dtype != self.dtype or indices.dtype != torch.int64):
+                raise Unsupported   # the CPU's dtype errors
+            check_out(values, self)
+            check_out(indices, self)
+            x = self.reshape(1) if self.dim() == 0 else self
+            v, i = _mode(x, d)
+            if not keepdim or self.dim() == 0:
+                v, i = v.squeeze(d), i.squeeze(d)
+            if self.dim() == 0:
+                v, i = v.reshape(()), i.reshape(())
+        if outs:
+            return _into(v, values), _into(i, indices)
+        return v, i
+    except Unsupported:
+        return cpu_fallback(overload, self, dim, keepdim, **kw)
+
+
+from torchneuron.ops import search  # noqa: E402,F401  (searchsorted, bucketize: registered on import)
