@@ -48,17 +48,8 @@ FAST_OPS = [
     "ones", "full", "arange", "randn", "eye", "linspace", "to", "sort", "topk", "unique",
 ]
 
-_OVERLAP = ("backend gap: the CPU fallback copies out= arguments to fresh CPU tensors, so PyTorch's "
-            "memory-overlap checks (out= aliasing the input, or an expanded out=) never see the "
-            "overlap; neuron writes instead of raising")
-
 # {(test, op key): reason}; test is "samples" or "error_inputs".
-EXPECTED_FAILURES: dict[tuple[str, str], str] = {
-    ("error_inputs", "gather"): _OVERLAP,
-    ("error_inputs", "cat"): "one error input (an out= that shares storage with an input and gets resized) returns "
-                             "normally here although the same call made directly on neuron tensors raises like the "
-                             "CPU; not yet explained",
-}
+EXPECTED_FAILURES: dict[tuple[str, str], str] = {}
 
 _OPS = find_ops(FAST_OPS, load_op_db())
 _UNKNOWN = {test_op for _, test_op in EXPECTED_FAILURES} - {op_key(op) for op in _OPS}

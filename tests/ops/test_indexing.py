@@ -160,3 +160,44 @@ def test_embedding_bag_and_max_norm(mode, strict):
     F.embedding(to_n(i), wn, max_norm=1.0)                      # renormalises the looked-up rows in place
     F.embedding(i, wc, max_norm=1.0)
     torch.testing.assert_close(wn.cpu(), wc, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_arange_out_integer_truncation(dtype, strict):
+    for args in ((0.5, 5, 1), (0.7, 5.2, 1.9), (2.9, -1, -1.5), (0, 10, 3)):
+        got = torch.arange(*args, out=to_n(torch.empty(0, dtype=dtype)))
+        torch.testing.assert_close(got.cpu(), torch.arange(*args, out=torch.empty(0, dtype=dtype)))
+    if dtype == torch.int64:    # a step truncated to 0: the CPU's ValueError
+        with pytest.raises(ValueError, match="step must be nonzero"):
+            torch.arange(0, 64, 0.5, out=to_n(torch.empty(0, dtype=dtype)))
+
+
+def test_cat_rank_and_overlap_errors_match_cpu(strict):
+    for ts in ([torch.randn(5), torch.randn(2, 5, 1, 1)], [torch.randn(4, 0), torch.randn(5, 0, 3)],
+               [torch.tensor(1.0), torch.tensor(2.0)]):
+        with pytest.raises(RuntimeError) as cpu:
+            torch.hstack(ts) if ts[0].dim() else torch.cat(ts)
+        with pytest.raises(RuntimeError) as dev:
+            torch.hstack([to_n(t) for t in ts]) if ts[0].dim() else torch.cat([to_n(t) for t in ts])
+        assert str(dev.value) == str(cpu.value)
+    for dev in (lambda t: t, to_n):      # out= is a legacy empty input, which the resize makes overlap
+        x = dev(torch.zeros(0))
+        with pytest.raises(RuntimeError, match="refer to a single memory location"):
+            torch.cat((x, dev(torch.randn(4, 6))), out=x)
+
+
+def test_embedding_bag_max(strict):
+    w = torch.randn(6, 3)
+    w[3, 1], w[0, 2], w[4, 2] = float("nan"), 7.0, 7.0     # NaN wins its bag; ties go to the first row
+    i, o = torch.tensor([1, 2, 4, 2, 0, 3, 4, 0]), torch.tensor([0, 2, 2, 5, 8])
+    for pad in (-1, 2):
+        for last in (False, True):
+            want = torch.ops.aten._embedding_bag_forward_only(w, i, o, False, 2, False, None, last, pad)
+            got = torch.ops.aten._embedding_bag_forward_only(to_n(w), to_n(i), to_n(o), False, 2, False, None, last,
+                                                             pad)
+            for g, e in zip(got, want):
+                torch.testing.assert_close(g.cpu(), e, equal_nan=True)
+    # a NaN row reaches only its own bags in sum mode
+    want = F.embedding_bag(i, w, o[:-1], mode="sum")
+    torch.testing.assert_close(F.embedding_bag(to_n(i), to_n(w), to_n(o[:-1]), mode="sum").cpu(), want,
+                               equal_nan=True)

@@ -135,3 +135,22 @@ def test_shuffle_indices_repeats_renorm(strict):
                                atol=1e-6, rtol=1e-5)
     with pytest.raises(RuntimeError, match="at least 2 dimensions"):
         torch.renorm(torch.ones(3, device="neuron"), 2, 0, 1.0)
+
+
+def test_angle_isin(strict):
+    for x in (torch.tensor([-0.0, float("nan"), -float("inf"), 3, -1e-30]),
+              torch.tensor([1, -2, 0], dtype=torch.int32)):
+        torch.testing.assert_close(torch.angle(to_n(x)).cpu(), torch.angle(x), equal_nan=True)
+    pairs = [(torch.tensor([1.0, 2, 3, float("nan")]), torch.tensor([2, 3, float("nan")])),
+             (torch.tensor([[1, 2], [3, 2 ** 40]]), torch.tensor([2.5, 3.0])),
+             (torch.tensor([1, 2 ** 40, 5]), torch.tensor([2 ** 40 + 1, 5])),
+             (torch.tensor([1, 2, 3], dtype=torch.uint8), 3), (3, torch.tensor([1, 2, 3], dtype=torch.uint8)),
+             (torch.arange(4.0), torch.empty(0))]
+    for a, b in pairs:
+        for invert in (False, True):
+            got = torch.isin(to_n(a) if isinstance(a, torch.Tensor) else a,
+                             to_n(b) if isinstance(b, torch.Tensor) else b, invert=invert)
+            assert got.device.type == "neuron"
+            assert torch.equal(got.cpu(), torch.isin(a, b, invert=invert))
+    with pytest.raises(RuntimeError, match="Unsupported input type encountered for isin"):
+        torch.isin(to_n(torch.tensor([True])), to_n(torch.tensor([True])))

@@ -274,3 +274,12 @@ def test_float64_draws_beyond_fp32_take_the_fallback():
     after = torchneuron.fallback_counts()
     assert after.get("aten::uniform_", 0) == before.get("aten::uniform_", 0) + 1
     assert after.get("aten::random_.from", 0) == before.get("aten::random_.from", 0) + 1
+
+
+def test_random_fills_refuse_an_expanded_target_like_cpu():
+    for fill in (lambda t: t.bernoulli_(0.5), lambda t: t.uniform_(), lambda t: t.normal_(),
+                 lambda t: t.bernoulli_(torch.full((3,), 0.5, device=t.device)),
+                 lambda t: torch.bernoulli(torch.full((3,), 0.5, device=t.device), out=t)):
+        for device in ("cpu", "neuron"):
+            with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+                fill(torch.zeros(1, device=device).expand(3))

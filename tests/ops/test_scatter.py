@@ -148,3 +148,80 @@ def test_errors_match_cpu():
                     lambda: to_n(x).masked_scatter(to_n(x > -9), to_n(torch.ones(3))))
     raises_like_cpu(lambda: x.gather(1, torch.zeros(3, 4, 2, dtype=torch.long)),
                     lambda: to_n(x).gather(1, to_n(torch.zeros(3, 4, 2, dtype=torch.long))))
+
+
+@pytest.mark.parametrize("reduce", ["add", "multiply"])
+def test_scatter_legacy_reduce(reduce, strict):
+    x, src = torch.randn(3, 5), torch.randn(3, 6)
+    idx = torch.randint(0, 5, (3, 6))
+    same(to_n(x).scatter(1, to_n(idx), to_n(src), reduce=reduce), x.scatter(1, idx, src, reduce=reduce),
+         atol=1e-5, rtol=1e-5)
+    same(to_n(x).scatter_(0, to_n(idx[:, :4] % 3), 1.5, reduce=reduce),
+         x.clone().scatter_(0, idx[:, :4] % 3, 1.5, reduce=reduce), atol=1e-5, rtol=1e-5)
+
+
+def test_put(strict):
+    x = torch.randn(4, 5)
+    i, v = torch.tensor([[3, -1], [19, 0]]), torch.randn(2, 2)
+    for acc in (False, True):
+        same(to_n(x).put_(to_n(i), to_n(v), accumulate=acc), x.clone().put_(i, v, accumulate=acc))
+    d = torch.tensor([1, 7, 1, -19])      # duplicates sum when accumulating
+    a, b = to_n(x).t(), x.clone().t()      # a non-contiguous self
+    a.put_(to_n(d), to_n(torch.arange(4.0)), accumulate=True)
+    b.put_(d, torch.arange(4.0), accumulate=True)
+    same(a, b)
+    same(to_n(x).put(to_n(i), to_n(v)), x.put(i, v))
+
+
+def test_put_errors_match_cpu(strict):
+    x, v = torch.randn(2, 3), torch.randn(2)
+    raises_like_cpu(lambda: x.put_(torch.tensor([0, 1], dtype=torch.int32), v),
+                    lambda: to_n(x).put_(to_n(torch.tensor([0, 1], dtype=torch.int32)), to_n(v)))
+    raises_like_cpu(lambda: x.put_(torch.tensor([0, 1]), v.double()),
+                    lambda: to_n(x).put_(to_n(torch.tensor([0, 1])), to_n(v.double())))
+    raises_like_cpu(lambda: x.put_(torch.tensor([0, 1, 2]), v),
+                    lambda: to_n(x).put_(to_n(torch.tensor([0, 1, 2])), to_n(v)))
+    raises_like_cpu(lambda: x.put_(torch.tensor([0, 6]), v), lambda: to_n(x).put_(to_n(torch.tensor([0, 6])), to_n(v)))
+
+
+def test_nonzero_static(strict):
+    for t in (torch.tensor([[0, 1.0], [2, 0]]), torch.randn(3, 4, 2) > 0, torch.tensor(3.0), torch.zeros(0, 3),
+              torch.tensor([1, 0, 3], dtype=torch.int32)):
+        for kw in ({"size": 0}, {"size": 3}, {"size": 30, "fill_value": 2 ** 40}):
+            same(torch.nonzero_static(to_n(t), **kw), torch.nonzero_static(t, **kw))
+    raises_like_cpu(lambda: torch.nonzero_static(torch.ones(2), size=-1),
+                    lambda: torch.nonzero_static(to_n(torch.ones(2)), size=-1))
+
+
+def test_out_overlap_and_dtype_errors_before_any_fallback(strict):
+    ind = torch.tensor([2, 1, 0])
+    for dev in (lambda t: t, to_n):     # out= that overlaps the index only once resized to the result
+        i = dev(ind.clone())
+        with pytest.raises(RuntimeError, match="refer to a single memory location"):
+            torch.gather(dev(ind.clone()), 0, i[1:], out=i[:1])
+    x, idx = torch.zeros(3, 5, dtype=torch.float64), torch.tensor([[0, 1], [1, 2]])
+    raises_like_cpu(lambda: x.scatter_add(0, idx, torch.randn(2, 5)),
+                    lambda: to_n(x).scatter_add(0, to_n(idx), to_n(torch.randn(2, 5))))
+    m = torch.ones(1, 3)
+    for mask in (m, m.to(torch.uint8)):
+        raises_like_cpu(lambda: torch.zeros(1, 3).masked_scatter_(mask, torch.randn(3, 4)),
+                        lambda: to_n(torch.zeros(1, 3)).masked_scatter_(to_n(mask), to_n(torch.randn(3, 4))))
+    same(torch.gather(to_n(x[0].float()), 0, to_n(torch.empty(0, dtype=torch.uint8))),
+         torch.gather(x[0].float(), 0, torch.empty(0, dtype=torch.uint8)))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64])
+def test_eight_byte_elements_move_as_word_pairs(dtype, strict):
+    x = (torch.randn(4, 5) * 1e12).to(dtype) + (2 ** 40 if dtype == torch.int64 else 0.123456789012)
+    idx = torch.randint(0, 4, (3, 5))
+    same(torch.gather(to_n(x), 0, to_n(idx)), torch.gather(x, 0, idx), atol=0, rtol=0)
+    same(to_n(x).t().gather(1, to_n(idx.t()[:, :2])), x.t().gather(1, idx.t()[:, :2]), atol=0, rtol=0)
+    k = torch.tensor([[0, -1], [7, 19]])
+    same(torch.take(to_n(x), to_n(k)), torch.take(x, k), atol=0, rtol=0)
+    u, src = torch.stack([torch.randperm(4)[:3] for _ in range(5)], 1), (torch.randn(3, 5) * 1e12).to(dtype)
+    same(to_n(x).scatter(0, to_n(u), to_n(src)), x.scatter(0, u, src), atol=0, rtol=0)
+    i, v = torch.tensor([3, -1, 12]), (torch.randn(3) * 1e12).to(dtype)
+    same(to_n(x).put_(to_n(i), to_n(v)), x.clone().put_(i, v), atol=0, rtol=0)
+    if dtype == torch.int64:
+        same(torch.nn.functional.one_hot(to_n(torch.tensor([0, 3, 1])), 5),
+             torch.nn.functional.one_hot(torch.tensor([0, 3, 1]), 5))

@@ -109,23 +109,36 @@ def arange_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> tor
     """``torch.arange(start, end, step, out=out)``: iota, then ``start + i * step``."""
     if out.device.type != "neuron" or not can_copy(out, out) or out.dtype.is_complex:
         return cpu_fallback(aten.arange.start_out, start, end, step, out=out)
-    n = max(0, math.ceil((float(end) - float(start)) / float(step)))
     if step == 0:
         raise RuntimeError("step must be nonzero")
     if ((step > 0 and start > end) or (step < 0 and start < end)):
-        raise RuntimeError("upper bound and larger bound inconsistent with step sign")
+        raise RuntimeError("upper bound and lower bound inconsistent with step sign")
+    if out.dtype == torch.bool or (out.dtype.is_floating_point and out.dtype not in DEVICE_DTYPES):
+        return cpu_fallback(aten.arange.start_out, start, end, step, out=out)
+    n = max(0, math.ceil((float(end) - float(start)) / float(step)))
+    if not out.dtype.is_floating_point:
+        # integer results: start and step truncated to integers first, as the CPU's kernel does
+        first, delta = int(start), int(step)
+        if out.dtype == torch.int64:   # whose length comes from the truncated integers too
+            if delta == 0:
+                raise ValueError("step must be nonzero")
+            span = int(end) - first + delta - (1 if delta > 0 else -1)
+            n = max(0, abs(span) // abs(delta) if (span >= 0) == (delta > 0) else 0)
+        info = torch.iinfo(out.dtype)
+        lo, hi = sorted((first, first + (max(n, 1) - 1) * delta))
+        if lo < max(info.min, -2 ** 24) or hi > min(info.max, 2 ** 24):   # exact in the fp32 lanes, no wrapping
+            return cpu_fallback(aten.arange.start_out, start, end, step, out=out)
+        start, step = first, delta
     if tuple(out.shape) != (n,):
         out.resize_(n)
     if n == 0:
         return out
     i = arange_values(n, out.device)
-    if out.dtype == torch.int64 or not out.dtype.is_floating_point:
-        if all(isinstance(v, int) or (isinstance(v, float) and v.is_integer()) for v in (start, step)):
-            vals = run_pointwise(tm.add_scaled, [start, i, step], KIND.DEFAULT, op="aten::arange") \
-                if (start, step) != (0, 1) else i
-            device_copy(out, vals)
-            return out
-        return cpu_fallback(aten.arange.start_out, start, end, step, out=out)
+    if not out.dtype.is_floating_point:
+        vals = run_pointwise(tm.add_scaled, [start, i, step], KIND.DEFAULT, op="aten::arange") \
+            if (start, step) != (0, 1) else i
+        device_copy(out, vals)
+        return out
     run_pointwise(tm.add_scaled, [float(start), i, float(step)], KIND.DEFAULT, out, op="aten::arange")
     return out
 
@@ -186,8 +199,13 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: torch.Tensor | No
         for t in ts[1:]:
             dtype = torch.promote_types(dtype, t.dtype)
         return torch.empty((0,), dtype=dtype, device=dev)
-    ok = (ts and all(t.device == dev for t in ts) and (out is None or out.device == dev) and live
-          and all(t.dim() == live[0].dim() for t in live))
+    for i, t in enumerate(ts):     # the CPU's rank checks, whatever then runs the op
+        if t.dim() == 0:
+            raise RuntimeError(f"zero-dimensional tensor (at position {i}) cannot be concatenated")
+    for t in live:
+        if t.dim() != live[0].dim():
+            raise RuntimeError(f"Tensors must have same number of dimensions: got {live[0].dim()} and {t.dim()}")
+    ok = ts and all(t.device == dev for t in ts) and (out is None or out.device == dev) and live
     if not ok:
         return cpu_fallback(aten.cat.out if out is not None else aten.cat.default, tensors, dim,
                             **({"out": out} if out is not None else {}))
@@ -213,7 +231,7 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: torch.Tensor | No
             raise RuntimeError(f"torch.cat(): input types can't be cast to the desired output type {out.dtype}")
         if tuple(out.shape) != tuple(shape):
             torch._refs._maybe_resize_out(out, shape)
-        check_no_overlap(out, live)           # (after the resize: an out= that now covers an input)
+        check_no_overlap(out, ts)             # (after the resize: an out= that now covers an input, or is one)
     if any(not can_copy(out, t) for t in live):
         return cpu_fallback(aten.cat.out, tensors, dim, out=out)
     o = 0
@@ -273,18 +291,20 @@ def embedding_bag_forward_only(weight: torch.Tensor, indices: torch.Tensor, offs
                                per_sample_weights: torch.Tensor | None = None, include_last_offset: bool = False,
                                padding_idx: int = -1):
     """Sum / mean bags of embedding rows (inference): a row gather, then ``onehot(bag)^T``-style sums on
-    TensorE. The bag boundaries are read on the host (one sync); ``max`` bags take the CPU fallback.
-    Returns (output, offset2bag, bag_size, max_indices) shaped as the CPU kernel's."""
+    TensorE; ``max`` bags: the rows outside a bag masked to -inf, then amax / argmax over the bag's rows. The
+    bag boundaries are read on the host (one sync). Returns (output, offset2bag, bag_size, max_indices) shaped
+    as the CPU kernel's."""
     args = (weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset,
             padding_idx)
-    ok = (mode in (0, 1) and weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    ok = (mode in (0, 1, 2) and weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
           and indices.dim() == 1 and offsets.dim() == 1 and indices.device == weight.device == offsets.device
           and (per_sample_weights is None or per_sample_weights.device == weight.device))
     if not ok:
         return cpu_fallback(aten._embedding_bag_forward_only.default, *args)
     # the CPU's argument checks (index range, offsets order ...) on host copies of the small integer inputs
     idx_cpu, off_cpu = indices.cpu(), offsets.cpu()
-    aten._embedding_bag_forward_only(torch.zeros((weight.shape[0], 1)), idx_cpu, off_cpu, scale_grad_by_freq, mode,
+    aten._embedding_bag_forward_only(torch.zeros((weight.shape[0], 1), dtype=weight.dtype), idx_cpu, off_cpu,
+                                     scale_grad_by_freq, mode,
                                      sparse, None if per_sample_weights is None else per_sample_weights.cpu(),
                                      include_last_offset, padding_idx)
     n, D = indices.numel(), weight.shape[1]
@@ -296,16 +316,52 @@ def embedding_bag_forward_only(weight: torch.Tensor, indices: torch.Tensor, offs
     onehot = torch.zeros(B, n, dtype=torch.float32)
     if n:
         onehot[bag[keep], torch.arange(n)[keep]] = 1.0
-    if mode == 1:
-        onehot = onehot / counts.clamp(min=1).to(torch.float32).reshape(B, 1)
+    if B * n * D > ONEHOT_LIMIT // 4 and mode == 2:
+        return cpu_fallback(aten._embedding_bag_forward_only.default, *args)
+    dev = weight.device
+    if mode == 2:
+        return _embedding_bag_max(weight, indices, onehot, bag, counts)
     rows = _gather(weight, indices) if n else torch.empty((0, D), dtype=weight.dtype, device=weight.device)
     rows = rows.float()
     if per_sample_weights is not None:
         rows = rows * per_sample_weights.float().reshape(n, 1)
-    out = (onehot.to(weight.device) @ rows).to(weight.dtype) if n else torch.zeros((B, D), dtype=weight.dtype,
-                                                                                      device=weight.device)
-    dev = weight.device
-    if mode == 0:
-        return out, torch.empty(0, dtype=torch.int64, device=dev), torch.zeros(B, dtype=torch.int64, device=dev), \
-            torch.zeros(B, dtype=torch.int64, device=dev)
+    if not n:
+        out = torch.zeros((B, D), dtype=torch.float32, device=dev)
+    elif B * n * D <= ONEHOT_LIMIT // 4:
+        # a masked sum: a NaN or inf row reaches only its own bags (0 * inf in a matmul would reach them all)
+        out = torch.where(onehot.to(dev).reshape(B, n, 1) > 0, rows.reshape(1, n, D), 0.0).sum(1)
+    else:
+        out = onehot.to(dev) @ rows
+    if mode == 1:
+        out = out / counts.clamp(min=1).to(torch.float32).to(dev).reshape(B, 1)
+    out = out.to(weight.dtype)
+    if mode == 0:   # (the CPU fills offset2bag only when it needed it for padding)
+        extra = off_cpu.numel()
+        o2b = bag.to(dev) if padding_idx >= 0 else torch.empty(0, dtype=torch.int64, device=dev)
+        return out, o2b, torch.zeros(extra, dtype=torch.int64, device=dev), \
+            torch.zeros(extra, dtype=torch.int64, device=dev)
     return out, bag.to(dev), counts.to(dev), counts.to(dev)
+
+
+def _embedding_bag_max(weight: torch.Tensor, indices: torch.Tensor, member: torch.Tensor, bag: torch.Tensor,
+                       counts: torch.Tensor):
+    """``max`` bags: per bag and column the largest row value (NaN wins, ties to the first row, as the CPU
+    kernel scans) and the embedding index it came from; empty bags give 0 and index 0. ``member``: the
+    host-built [B, n] 0/1 matrix of the rows each bag takes (padding left out); ``bag``, ``counts``: host
+    offset2bag and bag sizes."""
+    dev = weight.device
+    B, n = member.shape
+    D = weight.shape[1]
+    if n == 0:
+        zeros = torch.zeros((B, D), dtype=torch.int64, device=dev)
+        return torch.zeros((B, D), dtype=weight.dtype, device=dev), bag.to(dev), counts.to(dev), zeros
+    rows = _gather(weight, indices)
+    inside = (member.to(dev) > 0).reshape(B, n, 1)
+    masked = torch.where(inside, rows.reshape(1, n, D), float("-inf"))
+    filled = (counts > 0).to(dev).reshape(B, 1)
+    out = torch.where(filled, masked.amax(1), 0).to(weight.dtype)
+    pos = masked.argmax(1)                                   # [B, D] positions in ``indices``
+    words, stride = index_words(indices)
+    idx32 = words if stride == 1 else dense(words.view(n, 2)[:, 0])
+    which = torch.where(filled, torch.take(idx32, pos), 0).to(torch.int64)
+    return out, bag.to(dev), counts.to(dev), which

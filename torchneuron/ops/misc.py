@@ -1,19 +1,28 @@
 """Assorted ATen ops on the device, composed from lowered ones: vector products (``dot``, ``vdot``,
 ``addmv``) on the matmul kernel, ``trace``, ``roll``, ``equal``, ``norm``, ``nll_loss2d`` (the 2-D loss
-as ``nll_loss`` over [N*H*W, C] rows) and ``max_unpool2d`` (a scatter into zeros).
+as ``nll_loss`` over [N*H*W, C] rows), ``max_unpool2d`` (a scatter into zeros), ``angle`` of real
+numbers (a select) and ``isin`` (blocks of all-pairs comparisons).
 
 Bad inputs raise the CPU's own exception: the op is re-run on CPU twins of the arguments (zeros of the
 same shapes and dtypes), so the type and message match without reimplementing every check.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torch._prims_common import canonicalize_dim
 
+import torchneuron.nki.language as nl
+from torchneuron.ops import tilemath as tm
 from torchneuron.ops.matmul import MATMUL_DTYPES, _add_scaled, _mm_into
+from torchneuron.ops.nn import _reduce_loss
+from torchneuron.ops.pointwise import _pointwise, _unary, _variants
+from torchneuron.ops.kernel_call import DEVICE_DTYPES
 from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import meta_twin as _meta_twin
 from torchneuron.ops.copy import write_result as _into
 
 aten = torch.ops.aten
@@ -255,11 +264,6 @@ def _loss_ok(*ts: torch.Tensor | None) -> bool:
     return _neuron(*real) and all(t.dtype in FLOATS and t.dtype == real[0].dtype for t in real)
 
 
-def _reduce(losses: torch.Tensor, reduction: int) -> torch.Tensor:
-    """ATen's reduction enum: 0 none, 1 mean, 2 sum."""
-    return losses if reduction == 0 else losses.mean() if reduction == 1 else losses.sum()
-
-
 def _piecewise_loss(name: str, quadratic_scale: bool) -> None:
     """smooth_l1 (``quadratic_scale``: 0.5 z^2 / beta | z - beta/2) or huber (0.5 z^2 | delta (z - delta/2))."""
     op = getattr(aten, name)
@@ -276,7 +280,7 @@ def _piecewise_loss(name: str, quadratic_scale: bool) -> None:
             losses = torch.where(z < param, z * z * (0.5 / param), z - 0.5 * param)
         else:
             losses = torch.where(z < param, z * z * 0.5, (z - 0.5 * param) * param)
-        return _into(_reduce(losses, reduction), out)
+        return _into(_reduce_loss(losses, reduction), out)
     lowering(name, f"{name}.out")(kernel)
 
 
@@ -382,3 +386,57 @@ def renorm(self: torch.Tensor, p: float, dim: int, maxnorm: float, *, out: torch
     scale = torch.where(norms > maxnorm, maxnorm / (norms + 1e-7), 1.0)
     res = (self.float() * scale).to(self.dtype)
     return _into(res, out)
+
+
+# ---- angle ---------------------------------------------------------------------------------------------
+
+def _angle(x):
+    """The argument of a real number: pi where x < 0, else 0; NaN stays NaN (a tile function)."""
+    return tm.where(tm.isnan(x), x, nl.multiply(nl.less(x, 0), math.pi))
+
+
+_pointwise(_variants("angle", ""), _unary(_angle), KIND.INT_TO_FLOAT)
+
+
+# ---- isin ----------------------------------------------------------------------------------------------
+
+ISIN_LIMIT = 1 << 24      # elements of one [N, M] comparison block isin builds
+
+
+def _isin_lowering(name: str) -> None:
+    overload = getattr(aten.isin, name.partition(".")[2])
+
+    def kernel(elements: Any, test_elements: Any, *, assume_unique: bool = False, invert: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``torch.isin``: every element compared with every test element ([N, M] blocks), any() per element."""
+        kw = {"assume_unique": assume_unique, "invert": invert, **({"out": out} if out is not None else {})}
+        ts = [t for t in (elements, test_elements) if isinstance(t, torch.Tensor)]
+        if any(t.dtype == torch.bool for t in ts):   # the CPU's refusal (its meta function has none)
+            raise RuntimeError("Unsupported input type encountered for isin(): Bool")
+        res_meta = overload(_meta_twin(elements), _meta_twin(test_elements),
+                            **{k: _meta_twin(v) for k, v in kw.items()})
+        if not _neuron(*ts, out) or any(t.dtype not in DEVICE_DTYPES | {torch.int64} for t in ts):
+            return cpu_fallback(overload, elements, test_elements, **kw)
+        x = elements.reshape(-1, 1) if isinstance(elements, torch.Tensor) else elements
+        tests = test_elements.reshape(1, -1) if isinstance(test_elements, torch.Tensor) else test_elements
+        N = x.shape[0] if isinstance(x, torch.Tensor) else 1
+        M = tests.shape[1] if isinstance(tests, torch.Tensor) else 1
+        if isinstance(x, torch.Tensor) and isinstance(tests, torch.Tensor) and N * M > 4 * ISIN_LIMIT:
+            return cpu_fallback(overload, elements, test_elements, **kw)
+        step = max(1, ISIN_LIMIT // max(N, 1))
+        hit = None
+        for m0 in range(0, M, step):   # blocks of test elements, their hits or-ed together
+            part = tests[:, m0:m0 + step] if isinstance(tests, torch.Tensor) else tests
+            block = torch.eq(x, part) if isinstance(x, torch.Tensor) else torch.eq(part, x)
+            block = block.any(-1) if block.dim() else block
+            hit = block if hit is None else hit | block
+        if hit is None:
+            hit = torch.zeros((N,), dtype=torch.bool, device=ts[0].device)
+        hit = hit.reshape(res_meta.shape)
+        return _into(~hit if invert else hit, out)
+    lowering(name)(kernel)
+
+
+for _name in ("isin.Tensor_Tensor", "isin.Tensor_Tensor_out", "isin.Tensor_Scalar", "isin.Tensor_Scalar_out",
+              "isin.Scalar_Tensor", "isin.Scalar_Tensor_out"):
+    _isin_lowering(_name)

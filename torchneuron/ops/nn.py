@@ -7,10 +7,15 @@ element-wise and reduction launches. Layer norm runs ``kernels.norms.layer_norm_
 rows (missing weight/bias: ones/zeros); the mean and 1/std that ``native_layer_norm`` returns
 (autograd saves them) are computed by reductions; the backward uses them as the CPU kernel does,
 as element-wise and reduction launches.
+
+Losses (``nll_loss``, ``mse_loss``, ``binary_cross_entropy``, ``multi_margin_loss``,
+``multilabel_margin_loss``) are composed of element-wise, comparison and reduction launches; class targets
+become [N, C] masks against an iota row. Targets and inputs out of range raise the CPU's errors after one
+host read of the device's range flags.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch._prims_common import canonicalize_dim
@@ -19,7 +24,8 @@ from torchneuron.kernels.norms import layer_norm_kernel
 from torchneuron.kernels.softmax import softmax_kernel
 from torchneuron.ops.copy import device_copy, write_result
 from torchneuron.ops.kernel_call import call_kernel, dense
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import cpu_fallback, lowering, meta_twin
+from torchneuron.ops.scatter import _on_device
 
 aten = torch.ops.aten
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -250,3 +256,221 @@ def mse_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: tor
     res = (self - target) * grad_output * scale
     res = res.expand(torch.broadcast_shapes(self.shape, target.shape)) if res.shape != self.shape else res
     return write_result(res, grad_input)
+
+
+# ---- classification losses: binary cross entropy, multi-class and multi-label margins ------------------
+
+def _checked(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """PyTorch's shape and dtype checks for ``op``: run on meta twins (the result's shape); when they refuse,
+    the CPU's own exception (type and message) from the op run on zero-filled CPU twins."""
+    try:
+        return op(*meta_twin(args), **{k: meta_twin(v) for k, v in kwargs.items()})
+    except Exception:
+        from torchneuron.ops.misc import _raise_like_cpu
+        _raise_like_cpu(op, *args, **kwargs)
+        raise
+
+
+def _any_true(*flags: torch.Tensor) -> list[bool]:
+    """Whether each boolean tensor has a set element, read by the host in one sync."""
+    return torch.cat([f.any().reshape(1) for f in flags]).tolist()
+
+
+def _check_long(target: torch.Tensor) -> None:
+    """The CPU margin kernels' refusal of a class target that is not int64 (their meta functions take int32)."""
+    if target.dtype != torch.int64:
+        from torchneuron.ops.pointwise import _type_name
+        raise RuntimeError(f"expected scalar type Long but found {_type_name(target.dtype)}")
+
+
+def _class_rows(self: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``self`` and ``target`` as [N, C] / [N, -1] rows (a vector or 0-dim input is one row)."""
+    C = self.shape[-1] if self.dim() else 1
+    return self.reshape(-1, C), target.reshape(self.reshape(-1, C).shape[0], -1)
+
+
+MARGIN_DTYPES = (torch.float32,)   # the CPU's margin-loss kernels have no half types (theirs raise)
+
+
+@lowering("binary_cross_entropy", "binary_cross_entropy.out")
+def binary_cross_entropy(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                         reduction: int = 1, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``-w (t log(x) + (1 - t) log(1 - x))`` with the logs clamped at -100, as the CPU kernel computes it."""
+    op = aten.binary_cross_entropy.out if out is not None else aten.binary_cross_entropy.default
+    kw = {"out": out} if out is not None else {}
+    _checked(op, self, target, weight, reduction, **kw)
+    ts = [t for t in (self, target, weight) if t is not None]
+    if not _on_device(*ts, out) or not _mse_ok(*ts):
+        return cpu_fallback(op, self, target, weight, reduction, **kw)
+    bad_x, bad_t = _any_true(~((self >= 0) & (self <= 1)), ~((target >= 0) & (target <= 1)))  # NaN is outside
+    if bad_x:
+        raise RuntimeError("all elements of input should be between 0 and 1")
+    if bad_t:
+        raise RuntimeError("all elements of target should be between 0 and 1")
+    losses = (target - 1) * torch.log1p(-self).clamp(min=-100) - target * torch.log(self).clamp(min=-100)
+    if weight is not None:
+        losses = losses * weight
+    return write_result(_reduce_loss(losses, reduction), out)
+
+
+@lowering("binary_cross_entropy_backward", "binary_cross_entropy_backward.grad_input")
+def binary_cross_entropy_backward(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor,
+                                  weight: torch.Tensor | None = None, reduction: int = 1, *,
+                                  grad_input: torch.Tensor | None = None) -> torch.Tensor:
+    """``g (x - t) / max((1 - x) x, 1e-12)``, times the weight, over the element count for the mean."""
+    op = aten.binary_cross_entropy_backward.grad_input if grad_input is not None \
+        else aten.binary_cross_entropy_backward.default
+    kw = {"grad_input": grad_input} if grad_input is not None else {}
+    _checked(op, grad_output, self, target, weight, reduction, **kw)
+    ts = [t for t in (grad_output, self, target, weight) if t is not None]
+    if not _on_device(*ts, grad_input) or not _mse_ok(*ts):
+        return cpu_fallback(op, grad_output, self, target, weight, reduction, **kw)
+    res = grad_output * (self - target) / ((1 - self) * self).clamp(min=1e-12)
+    if weight is not None:
+        res = res * weight
+    if reduction == 1:
+        res = res / self.numel()
+    res = res.expand(self.shape) if res.shape != self.shape else res
+    return write_result(res if grad_input is not None else res.contiguous(), grad_input)
+
+
+@lowering("multi_margin_loss", "multi_margin_loss.out")
+def multi_margin_loss(self: torch.Tensor, target: torch.Tensor, p: int = 1, margin: float = 1,
+                      weight: torch.Tensor | None = None, reduction: int = 1, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row, ``sum_{i != y} w_y max(0, margin - x_y + x_i)^p / C`` (y the row's target class)."""
+    op = aten.multi_margin_loss.out if out is not None else aten.multi_margin_loss.default
+    kw = {"out": out} if out is not None else {}
+    _checked(op, self, target, p, margin, weight, reduction, **kw)
+    _check_long(target)
+    ok = _on_device(self, target, weight, out) and self.dtype in MARGIN_DTYPES and target.dtype == torch.int64
+    if not ok or (weight is not None and weight.dtype != self.dtype) or p not in (1, 2):
+        return cpu_fallback(op, self, target, p, margin, weight, reduction, **kw)
+    from torchneuron.ops.indexing import arange_values
+    x, t = _class_rows(self, target)
+    C = x.shape[1]
+    if _any_true((t < 0) | (t >= C))[0]:
+        raise RuntimeError("target out of range")
+    mask = arange_values(C, x.device).reshape(1, C) == t                    # [N, C]: the target class
+    x_y = torch.where(mask, x, 0).sum(1, keepdim=True)
+    z = float(margin) - x_y + x
+    h = torch.where(z > 0, z, 0)                                           # (a NaN z adds nothing, as on CPU)
+    if p == 2:
+        h = h * h
+    if weight is not None:
+        h = h * torch.where(mask, weight.reshape(1, C), 0).sum(1, keepdim=True)
+    losses = torch.where(mask, 0, h).sum(1) / C
+    if reduction == 0:   # shaped like the target (the meta function says [1] for a 0-dim one)
+        return write_result(losses.reshape(target.shape), out)
+    return write_result(_reduce_loss(losses, reduction), out)
+
+
+MARGIN_LIMIT = 1 << 24    # elements of the [N, C, C] blocks multilabel_margin_loss builds
+
+
+def _multilabel_terms(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For [N, C] inputs and targets: (listed [N, C]: target slot j comes before the row's first -1; hot
+    [N, C, C]: slot j names class i; z [N, C, C]: ``1 - x_{y_j} + x_i``), after the CPU's range check."""
+    from torchneuron.ops.indexing import arange_values
+    N, C = x.shape
+    if _any_true((t < -1) | (t >= C))[0]:
+        raise RuntimeError("argument #2 'target' is out of range")
+    listed = (t < 0).to(torch.int32).cumsum(1) == 0
+    hot = (t.reshape(N, C, 1) == arange_values(C, x.device).reshape(1, 1, C)) & listed.reshape(N, C, 1)
+    x_y = torch.where(hot, x.reshape(N, 1, C), 0).sum(2)                       # [N, C]: x of the j-th target
+    return listed, hot, 1 - x_y.reshape(N, C, 1) + x.reshape(N, 1, C)
+
+
+def _scale_by_grad(grad: torch.Tensor, grad_output: torch.Tensor, reduction: int, N: int) -> torch.Tensor:
+    """Per-row gradients [N, C] times the loss's incoming gradient (one per row when unreduced)."""
+    return grad * (grad_output.reshape(N, 1) if reduction == 0 else grad_output.reshape(1, 1))
+
+
+@lowering("multilabel_margin_loss_forward", "multilabel_margin_loss_forward.output")
+def multilabel_margin_loss_forward(self: torch.Tensor, target: torch.Tensor, reduction: int, *,
+                                   output: torch.Tensor | None = None, is_target: torch.Tensor | None = None):
+    """(loss, is_target): per row, ``sum_j sum_{i not a target} max(0, 1 - x_{y_j} + x_i) / C`` over the target
+    classes y_j listed before the row's first -1."""
+    op = aten.multilabel_margin_loss_forward.output if output is not None \
+        else aten.multilabel_margin_loss_forward.default
+    kw = {"output": output, "is_target": is_target} if output is not None else {}
+    _checked(op, self, target, reduction, **kw)
+    _check_long(target)
+    x, t = _class_rows(self, target)
+    N, C = x.shape
+    if not _on_device(self, target, output, is_target) or self.dtype not in MARGIN_DTYPES or \
+            target.dtype != torch.int64 or N * C * C > MARGIN_LIMIT:
+        return cpu_fallback(op, self, target, reduction, **kw)
+    listed, hot, z = _multilabel_terms(x, t)
+    targets = hot.any(1)                                                      # [N, C]: class i is a target
+    h = torch.where(listed.reshape(N, C, 1) & ~targets.reshape(N, 1, C) & (z > 0), z, 0)   # NaN z: nothing
+    losses = h.sum((1, 2)) / C
+    # a vector input gives a 0-dim loss (the meta function says [1])
+    loss = losses.reshape(() if self.dim() <= 1 else (N,)) if reduction == 0 else _reduce_loss(losses, reduction)
+    flags = targets.to(self.dtype).reshape(target.shape)
+    if output is not None:
+        write_result(loss, output)
+        write_result(flags, is_target)
+        return output, is_target
+    return loss, flags
+
+
+@lowering("multilabel_margin_loss_backward", "multilabel_margin_loss_backward.grad_input")
+def multilabel_margin_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor,
+                                    reduction: int, is_target: torch.Tensor, *,
+                                    grad_input: torch.Tensor | None = None) -> torch.Tensor:
+    """Each active term ``1 - x_{y_j} + x_i > 0`` adds g to x_i's gradient and -g to x_{y_j}'s,
+    g = 1/C (1/(N C) for the mean), times the incoming gradient."""
+    op = aten.multilabel_margin_loss_backward.grad_input if grad_input is not None \
+        else aten.multilabel_margin_loss_backward.default
+    kw = {"grad_input": grad_input} if grad_input is not None else {}
+    x, t = _class_rows(self, target)
+    N, C = x.shape
+    ok = (_on_device(grad_output, self, target, is_target, grad_input) and self.dtype in MARGIN_DTYPES
+          and target.dtype == torch.int64 and t.shape == x.shape and is_target.shape == target.shape
+          and grad_output.dtype == self.dtype and N * C * C <= MARGIN_LIMIT and self.numel() > 0
+          and grad_output.numel() == (N if reduction == 0 else 1))
+    if not ok:   # (the CPU's checks and errors for anything unexpected)
+        return cpu_fallback(op, grad_output, self, target, reduction, is_target, **kw)
+    listed, hot, z = _multilabel_terms(x, t)
+    others = ~(is_target.reshape(N, C) > 0)
+    active = (listed.reshape(N, C, 1) & others.reshape(N, 1, C) & (z > 0)).to(torch.float32)   # [N, j, i]
+    per_target = active.sum(2)                                                          # [N, j]
+    taken = torch.where(hot, per_target.reshape(N, C, 1), 0).sum(1)                    # [N, i] as a target
+    g = 1.0 / (C * N) if reduction == 1 else 1.0 / C
+    grad = (active.sum(1) - taken) * g
+    grad = _scale_by_grad(grad.to(self.dtype), grad_output, reduction, N).reshape(self.shape)
+    return write_result(grad, grad_input)
+
+
+@lowering("multi_margin_loss_backward", "multi_margin_loss_backward.grad_input")
+def multi_margin_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor, p: int,
+                               margin: float, weight: torch.Tensor | None = None, reduction: int = 1, *,
+                               grad_input: torch.Tensor | None = None) -> torch.Tensor:
+    """For each active class ``margin - x_y + x_i > 0``: ``g`` (p = 1) or ``2 g z`` (p = 2), times ``w_y``, at
+    x_i, their negated sum at x_y; g = 1/C (1/(N C) for the mean), times the incoming gradient."""
+    op = aten.multi_margin_loss_backward.grad_input if grad_input is not None \
+        else aten.multi_margin_loss_backward.default
+    kw = {"grad_input": grad_input} if grad_input is not None else {}
+    x = self.reshape(-1, self.shape[-1] if self.dim() else 1)
+    N, C = x.shape
+    ok = (_on_device(grad_output, self, target, weight, grad_input) and self.dtype in MARGIN_DTYPES
+          and target.dtype == torch.int64 and target.numel() == N and p in (1, 2)
+          and grad_output.dtype == self.dtype and (weight is None or weight.dtype == self.dtype) and C > 0
+          and grad_output.numel() == (N if reduction == 0 else 1))
+    if not ok:
+        return cpu_fallback(op, grad_output, self, target, p, margin, weight, reduction, **kw)
+    from torchneuron.ops.indexing import arange_values
+    t = target.reshape(N, 1)
+    if _any_true((t < 0) | (t >= C))[0]:
+        raise RuntimeError("target out of range")
+    mask = arange_values(C, x.device).reshape(1, C) == t
+    x_y = torch.where(mask, x, 0).sum(1, keepdim=True)
+    z = float(margin) - x_y + x
+    g = 1.0 / (C * N) if reduction == 1 else 1.0 / C
+    h = torch.where(~mask & (z > 0), z * (2 * g) if p == 2 else g, 0)
+    if weight is not None:
+        h = h * torch.where(mask, weight.reshape(1, C), 0).sum(1, keepdim=True)
+    grad = torch.where(mask, -h.sum(1, keepdim=True), h).to(self.dtype)
+    grad = _scale_by_grad(grad, grad_output, reduction, N).reshape(self.shape)
+    return write_result(grad, grad_input)

@@ -31,7 +31,7 @@ from torchneuron.kernels.sampling import count_kernel, randint_kernel, sample_ke
 from torchneuron.ops.copy import device_copy
 from torchneuron.ops.indexing import arange_values
 from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense, scalar_operand
-from torchneuron.ops.pointwise import run_pointwise
+from torchneuron.ops.pointwise import check_no_internal_overlap, run_pointwise
 from torchneuron.ops.registry import cpu_fallback, lowering
 
 aten = torch.ops.aten
@@ -104,6 +104,7 @@ def _sample_(self: torch.Tensor, dist: str, params: list[float], generator: torc
     """Fill ``self`` with draws of ``dist`` made on its device."""
     if self.numel() == 0:
         return self
+    check_no_internal_overlap(self)  # an expanded self: PyTorch's RuntimeError, before any draw
     kdt = dtype or _kernel_dtype(self.dtype)
     inputs = {"seed": _seed_operand(generator, self.device), "params": _params(params, self.device)}
     return _into(self, sample_kernel, inputs, {"n": self.numel(), "dist": dist, "dtype": kdt}, op)
@@ -248,6 +249,7 @@ def bernoulli_tensor_(self: torch.Tensor, p: torch.Tensor, *,
     p = p.expand(self.shape)    # PyTorch's error if p does not broadcast to self
     if self.numel() == 0:
         return self
+    check_no_internal_overlap(self)
     u = torch.empty(self.shape, dtype=torch.float32, device=self.device)
     _sample_(u, "uniform", [0.0, 1.0, _largest_below(1.0, torch.float32)], generator, "aten::bernoulli_")
     device_copy(self, torch.lt(u, p))

@@ -19,8 +19,10 @@ CUDA does), then each selected element is scattered to its rank.
 
 Index dtypes int32/int64 (int64 read as their low words); ranges are checked on the device and an
 error is raised by re-running the op on CPU copies, so the exception and message are the CPU's.
-Shapes and dtypes are checked by running the op on ``meta`` tensors (the CPU's checks). Integer
-data accumulates in fp32 (exact below 2**24); int64/float64 data takes the CPU fallback.
+Shapes and dtypes are checked by running the op on ``meta`` tensors (the CPU's checks), before any
+fallback, and ``out=`` overlaps after its resize (as the CPU does). Integer data accumulates in fp32
+(exact below 2**24); int64/float64 data moves (gather, plain scatter, take, put) as pairs of int32
+words, and takes the CPU fallback where it would accumulate.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from torchneuron.ops import tilemath as tm
 from torchneuron.ops.copy import device_copy, to_int64
 from torchneuron.ops.indexing import arange_values
 from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense
-from torchneuron.ops.pointwise import run_pointwise
+from torchneuron.ops.pointwise import check_no_internal_overlap, check_no_overlap, run_pointwise
 from torchneuron.ops.registry import Unsupported, cpu_fallback, lowering
 from torchneuron.ops.copy import write_result as _into
 from torchneuron.ops.registry import meta_twin as _meta
@@ -46,6 +48,8 @@ from torchneuron.ops.registry import meta_twin as _meta
 aten = torch.ops.aten
 INDEX_DTYPES = (torch.int32, torch.int64)
 DATA_DTYPES = DEVICE_DTYPES - {torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32}
+# ops that only move elements (gather, plain scatter, take, put): 8-byte ones move as int32 word pairs
+MOVE_DTYPES = DATA_DTYPES | {torch.int64, torch.float64}
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 LINES_LIMIT = 1 << 24      # elements of the [L, S, I] selection an accumulating scatter builds
 ONEHOT_LIMIT = 1 << 26     # elements of the one-hot matrix an accumulating row put builds
@@ -128,10 +132,13 @@ def _bad(idx: torch.Tensor, lo: int, hi: int) -> bool:
 
 
 def _gather_elems(table: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """``table.reshape(-1)[flat]`` for int32 ``flat`` (any shape); one-element-row indirect DMAs."""
-    (rows,) = call_kernel(gather_rows, {"table": dense(table).reshape(-1, 1), "index": dense(flat).reshape(-1)},
-                          {"stride": 1}, op="aten::gather")
-    return rows.reshape(flat.shape)
+    """``table.reshape(-1)[flat]`` for int32 ``flat`` (any shape); one-element-row indirect DMAs (8-byte
+    elements: rows of two int32 words)."""
+    src = dense(table).reshape(-1, 1)
+    wide = src.element_size() == 8
+    (rows,) = call_kernel(gather_rows, {"table": src.view(torch.int32) if wide else src,
+                                        "index": dense(flat).reshape(-1)}, {"stride": 1}, op="aten::gather")
+    return (rows.view(table.dtype) if wide else rows).reshape(flat.shape)
 
 
 def _scatter_into(table: torch.Tensor, flat: torch.Tensor, values: torch.Tensor) -> None:
@@ -140,26 +147,23 @@ def _scatter_into(table: torch.Tensor, flat: torch.Tensor, values: torch.Tensor)
     if n == 0:
         return
     D = values.numel() // n
-    call_kernel(scatter_rows, {"table": table.view(-1, D), "index": dense(flat).reshape(-1),
-                               "values": dense(values).reshape(n, D)}, {"stride": 1}, op="aten::scatter")
+    rows, vals = table.view(-1, D), dense(values).reshape(n, D)
+    if table.element_size() == 8:   # 8-byte elements move as pairs of int32 words
+        rows, vals = rows.view(torch.int32), vals.view(torch.int32)
+    call_kernel(scatter_rows, {"table": rows, "index": dense(flat).reshape(-1), "values": vals}, {"stride": 1},
+                op="aten::scatter")
 
 
-def check_out(out: torch.Tensor | None, *inputs: Any) -> None:
-    """The CPU's refusals for an ``out=`` tensor that overlaps itself or an input."""
-    if out is None or out.numel() == 0:
+def check_out(out: torch.Tensor | None, *inputs: Any, shape: Sequence[int] | None = None) -> None:
+    """Resize an ``out=`` tensor to the result's ``shape`` when known (PyTorch's warning when it had elements),
+    then the CPU's refusals for one that overlaps itself or an input (after the resize, as the CPU checks)."""
+    if out is None:
         return
-    from torchneuron.ops.pointwise import _byte_range
-    if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
-        raise RuntimeError("unsupported operation: more than one element of the written-to tensor refers to a single "
-                           "memory location. Please clone() the tensor before performing the operation.")
-    lo, hi = _byte_range(out)
-    for t in inputs:
-        if isinstance(t, torch.Tensor) and t.numel() and t.device == out.device:
-            a, b = _byte_range(t)
-            if a < hi and lo < b:
-                raise RuntimeError("unsupported operation: some elements of the input tensor and the written-to "
-                                   "tensor refer to a single memory location. Please clone() the tensor before "
-                                   "performing the operation.")
+    if shape is not None and tuple(out.shape) != tuple(shape):
+        torch._refs._maybe_resize_out(out, shape)
+    if out.numel():
+        check_no_internal_overlap(out)
+        check_no_overlap(out, [t for t in inputs if isinstance(t, torch.Tensor)])
 
 
 def _write(target: torch.Tensor, view_of_target: torch.Tensor, block: torch.Tensor) -> None:
@@ -202,10 +206,11 @@ def gather(self: torch.Tensor, dim: int, index: torch.Tensor, *, sparse_grad: bo
     """``torch.gather``: element gathers along ``dim`` by indirect DMA."""
     op = aten.gather.out if out is not None else aten.gather.default
     kw = {"sparse_grad": sparse_grad, **({"out": out} if out is not None else {})}
-    if not _on_device(self, index, out) or self.dtype not in DATA_DTYPES or index.dtype not in INDEX_DTYPES:
-        return cpu_fallback(op, self, dim, index, **kw)
     res_meta = op(_meta(self), dim, _meta(index), **{k: _meta(v) for k, v in kw.items()})
-    check_out(out, self, index)
+    check_out(out, self, index, shape=res_meta.shape)   # (the fallback's CPU copies would no longer overlap)
+    if not _on_device(self, index, out) or (index.numel() and (self.dtype not in MOVE_DTYPES
+                                                               or index.dtype not in INDEX_DTYPES)):
+        return cpu_fallback(op, self, dim, index, **kw)
     if index.numel() == 0:
         return _into(torch.empty(res_meta.shape, dtype=self.dtype, device=self.device), out)
     d, index_m, L, S, I, idx = _line_setup(self, dim, index)
@@ -271,23 +276,30 @@ def _scatter_lowering(name: str, kind: str) -> None:
     def kernel(self: torch.Tensor, dim: int, index: torch.Tensor, src: Any, *args: Any, **kwargs: Any):
         out = kwargs.get("out")
         reduce = None if kind == "scatter" else "sum" if kind == "add" else (args[0] if args else kwargs["reduce"])
+        if kind == "legacy":   # scatter(..., reduce="add" | "multiply"): self always included
+            reduce = {"add": "sum", "multiply": "prod"}.get(reduce, reduce)
         include_self = kwargs.get("include_self", args[1] if len(args) > 1 else True) if kind == "reduce" else True
         try:
+            # the CPU's shape and dtype checks first (meta raises them alike), whatever then runs the op
+            overload(*_meta((self, dim, index, src)), *args, **{k: _meta(v) for k, v in kwargs.items()})
             tensors = [self, index, out] + ([src] if isinstance(src, torch.Tensor) else [])
-            if not _on_device(*tensors) or index.dtype not in INDEX_DTYPES or self.dtype not in DATA_DTYPES:
+            if not _on_device(*tensors) or index.dtype not in INDEX_DTYPES or \
+                    self.dtype not in (MOVE_DTYPES if reduce is None else DATA_DTYPES):
                 raise Unsupported
             if isinstance(src, torch.Tensor) and src.dtype != self.dtype:
-                raise Unsupported  # the CPU (meta) check raises its dtype error below when it must
+                raise Unsupported
             if reduce is not None and reduce not in ("sum", "mean", "prod", "amax", "amin"):
                 raise Unsupported
             if reduce == "mean" and self.dtype not in FLOATS:
                 raise Unsupported
-            overload(*_meta((self, dim, index, src)), *args, **{k: _meta(v) for k, v in kwargs.items()})
             target = self if inplace else _into(self, out) if out is not None else self.clone()
             # the functional op re-run on CPU copies when an index is out of range
-            check = {"scatter": aten.scatter.src if isinstance(src, torch.Tensor) else aten.scatter.value,
+            tensor_src = isinstance(src, torch.Tensor)
+            check = {"scatter": aten.scatter.src if tensor_src else aten.scatter.value,
+                     "legacy": aten.scatter.reduce if tensor_src else aten.scatter.value_reduce,
                      "add": aten.scatter_add.default, "reduce": aten.scatter_reduce.two}[kind]
-            check_args = (self, dim, index, src) + ((reduce,) if kind == "reduce" else ())
+            check_args = (self, dim, index, src) + ((args[0] if args else kwargs["reduce"],)
+                                                    if kind in ("reduce", "legacy") else ())
             _scatter_impl(target, dim, index, src, reduce, include_self, check, check_args)
             return target
         except Unsupported:
@@ -297,6 +309,9 @@ def _scatter_lowering(name: str, kind: str) -> None:
 
 for _name in ("scatter.src", "scatter_.src", "scatter.src_out", "scatter.value", "scatter_.value", "scatter.value_out"):
     _scatter_lowering(_name, "scatter")
+for _name in ("scatter.reduce", "scatter_.reduce", "scatter.reduce_out", "scatter.value_reduce",
+              "scatter_.value_reduce", "scatter.value_reduce_out"):
+    _scatter_lowering(_name, "legacy")
 for _name in ("scatter_add", "scatter_add_", "scatter_add.out"):
     _scatter_lowering(_name, "add")
 for _name in ("scatter_reduce.two", "scatter_reduce_.two", "scatter_reduce.two_out"):
@@ -404,10 +419,10 @@ _row_lowering("index_fill_.int_Tensor", "fillt")
 def take(self: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.take``: elements of the flattened tensor by indirect DMA (negative indices from the end)."""
     op = aten.take.out if out is not None else aten.take.default
-    if not _on_device(self, index, out) or self.dtype not in DATA_DTYPES or index.dtype not in INDEX_DTYPES:
-        return cpu_fallback(op, self, index, **({"out": out} if out is not None else {}))
     op(_meta(self), _meta(index), **({"out": _meta(out)} if out is not None else {}))
-    check_out(out, self, index)
+    check_out(out, self, index, shape=index.shape)
+    if not _on_device(self, index, out) or self.dtype not in MOVE_DTYPES or index.dtype not in INDEX_DTYPES:
+        return cpu_fallback(op, self, index, **({"out": out} if out is not None else {}))
     if index.numel() == 0:
         return _into(torch.empty(index.shape, dtype=self.dtype, device=self.device), out)
     n = self.numel()
@@ -416,6 +431,37 @@ def take(self: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | None = 
         _raise_like_cpu(aten.take.default, self, index)
     flat = run_pointwise(_wrap, [flat, n], KIND.DEFAULT, op="aten::take")
     return _into(_gather_elems(dense(self), flat), out)
+
+
+@lowering("put_")
+def put_(self: torch.Tensor, index: torch.Tensor, source: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+    """``self.put_(index, source, accumulate)``: elements of the flattened tensor written by indirect DMA, or
+    summed in as a one-hot matrix product (negative indices from the end)."""
+    # the CPU's checks, in its order (the meta function has none of them)
+    if index.dtype != torch.int64:
+        raise RuntimeError(f"put_(): Expected a long tensor for index, but got {_dtype_name(index.dtype)}")
+    if self.dtype != source.dtype:
+        raise RuntimeError(f"put_(): self and source expected to have the same dtype, but got self.dtype = "
+                           f"{_dtype_name(self.dtype)} and source.dtype = {_dtype_name(source.dtype)}")
+    if source.numel() != index.numel():
+        raise IndexError(f"put_(): Expected source and index to have the same number of elements, but got "
+                         f"source.numel() = {source.numel()}, index.numel() = {index.numel()}")
+    try:
+        if not _on_device(self, index, source) or self.dtype not in (DATA_DTYPES if accumulate else MOVE_DTYPES):
+            raise Unsupported
+        if index.numel() == 0:
+            return self
+        n = self.numel()
+        flat = _i32(index).reshape(-1)
+        if _bad(flat, -n, n):
+            _raise_like_cpu(aten.put.default, self, index, source, accumulate)
+        flat = run_pointwise(_wrap, [flat, n], KIND.DEFAULT, op="aten::put_")
+        block = dense(self).reshape(-1)
+        _row_put(block, 0, flat, source.reshape(-1), accumulate)
+        _write(self, self, block.reshape(self.shape))
+        return self
+    except Unsupported:
+        return cpu_fallback(aten.put_.default, self, index, source, accumulate)
 
 
 # ---- data-dependent sizes: nonzero, masked_select ------------------------------------------------
@@ -461,6 +507,27 @@ def nonzero(self: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Ten
         return cpu_fallback(op, self, **({"out": out} if out is not None else {}))
     res = _nonzero32(self)
     return _into(to_int64(dense(res)), out)
+
+
+@lowering("nonzero_static", "nonzero_static.out")
+def nonzero_static(self: torch.Tensor, *, size: int, fill_value: int = -1,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.nonzero_static``: the first ``size`` coordinates of ``nonzero`` (device scan and scatter), the
+    remaining rows ``fill_value``."""
+    op = aten.nonzero_static.out if out is not None else aten.nonzero_static.default
+    kw = {"size": size, "fill_value": fill_value, **({"out": out} if out is not None else {})}
+    if size < 0:
+        raise RuntimeError("nonzero_static: 'size' must be an non-negative integer")
+    if not _on_device(self, out) or self.dtype not in DATA_DTYPES or self.numel() >= 1 << 24 \
+            or (out is not None and out.dtype != torch.int64):
+        return cpu_fallback(op, self, **kw)
+    nd = self.dim()
+    res = torch.full((size, nd), fill_value, dtype=torch.int64, device=self.device)
+    coords = _nonzero32(self)
+    k = min(size, coords.shape[0])
+    if k and nd:
+        device_copy(res[:k], to_int64(dense(coords[:k])))
+    return _into(res, out)
 
 
 @lowering("masked_select", "masked_select.out")
@@ -680,6 +747,9 @@ _masked_fill("masked_fill_.Tensor")
 def masked_scatter_(self: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """``self.masked_scatter_(mask, source)``: the masked positions (compacted on the device) take the
     leading elements of ``source`` by row scatter."""
+    if mask.dtype != torch.bool:   # the CPU's check, before its device checks
+        raise RuntimeError(f"masked_scatter_ only supports boolean masks, but got mask with dtype "
+                           f"{_dtype_name(mask.dtype)}")
     if not _on_device(self, mask, source) or self.dtype not in DATA_DTYPES or mask.dtype != torch.bool \
             or source.dtype != self.dtype:
         return cpu_fallback(aten.masked_scatter_.default, self, mask, source)

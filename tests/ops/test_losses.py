@@ -1,0 +1,106 @@
+"""Classification losses (binary cross entropy, multi-class and multi-label margins) run on the device
+(strict mode) and match the CPU; bad inputs and targets raise the CPU's errors."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.ops.conftest import to_n
+
+torch.manual_seed(0)
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def _n(t):
+    return None if t is None else to_n(t)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_binary_cross_entropy_and_grad(reduction, strict):
+    x, t, w = torch.rand(4, 5), torch.rand(4, 5), torch.rand(4, 5)
+    x[0, 0], x[1, 1] = 0.0, 1.0                     # the logs clamp at -100
+    for weight in (None, w):
+        xc, xn = x.clone().requires_grad_(), to_n(x).requires_grad_()
+        want = F.binary_cross_entropy(xc, t, weight, reduction=reduction)
+        got = F.binary_cross_entropy(xn, to_n(t), _n(weight), reduction=reduction)
+        torch.testing.assert_close(got.cpu(), want, **TOL)
+        g = torch.rand_like(want)
+        want.backward(g)
+        got.backward(to_n(g))
+        torch.testing.assert_close(xn.grad.cpu(), xc.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_multi_margin_loss(p, strict):
+    x, t, w = torch.randn(6, 7), torch.randint(0, 7, (6,)), torch.rand(7)
+    x[2, 3], x[4, 1] = float("nan"), float("inf")    # a NaN margin term adds nothing, as on CPU
+    for margin in (1.0, -0.5):
+        for weight in (None, w):
+            for reduction in ("none", "mean", "sum"):
+                want = F.multi_margin_loss(x, t, p, margin, weight, reduction=reduction)
+                got = F.multi_margin_loss(to_n(x), to_n(t), p, margin, _n(weight), reduction=reduction)
+                torch.testing.assert_close(got.cpu(), want, equal_nan=True, **TOL)
+    for xx, tt in ((torch.randn(5), torch.tensor(2)), (torch.randn(5), torch.tensor([2])),
+                   (torch.randn(()), torch.tensor(0))):
+        torch.testing.assert_close(F.multi_margin_loss(to_n(xx), to_n(tt), reduction="none").cpu(),
+                                   F.multi_margin_loss(xx, tt, reduction="none"))
+
+
+def test_multilabel_margin_loss(strict):
+    x = torch.randn(6, 5)
+    x[1, 1], x[3, 2] = float("inf"), float("nan")
+    t = torch.tensor([[0, 1, -1, 3, 4], [2, 2, 0, -1, -1], [-1, 0, 0, 0, 0], [4, 3, 2, 1, 0], [1, -1, 3, -1, 2],
+                      [0, 0, 0, 0, 0]])
+    for reduction in ("none", "mean", "sum"):
+        torch.testing.assert_close(F.multilabel_margin_loss(to_n(x), to_n(t), reduction=reduction).cpu(),
+                                   F.multilabel_margin_loss(x, t, reduction=reduction), equal_nan=True, **TOL)
+    got = torch.ops.aten.multilabel_margin_loss_forward(to_n(x), to_n(t), 0)
+    for g, e in zip(got, torch.ops.aten.multilabel_margin_loss_forward(x, t, 0)):
+        torch.testing.assert_close(g.cpu(), e, equal_nan=True, **TOL)
+    for xx, tt in ((torch.randn(5), torch.tensor([3, 0, -1, 2, 1])), (torch.randn(()), torch.tensor(0))):
+        torch.testing.assert_close(F.multilabel_margin_loss(to_n(xx), to_n(tt), reduction="none").cpu(),
+                                   F.multilabel_margin_loss(xx, tt, reduction="none"))
+
+
+@pytest.mark.parametrize("call", [
+    lambda n: F.binary_cross_entropy(n(torch.tensor([0.5, 1.5])), n(torch.tensor([0.5, 0.5]))),
+    lambda n: F.binary_cross_entropy(n(torch.tensor([0.5, 0.5])), n(torch.tensor([float("nan"), 0.5]))),
+    lambda n: F.multi_margin_loss(n(torch.randn(3, 4)), n(torch.tensor([0, 4, 1]))),
+    lambda n: F.multi_margin_loss(n(torch.randn(5, 0)), n(torch.tensor([0, 0, 0, 0, 0]))),
+    lambda n: F.multi_margin_loss(n(torch.randn(5, 4)), n(torch.zeros(5, 4, dtype=torch.long))),
+    lambda n: F.multilabel_margin_loss(n(torch.randn(3, 4)), n(torch.tensor([[0, 1, -1, 5]] * 3))),
+    lambda n: F.multilabel_margin_loss(n(torch.randn(5, 4)), n(torch.zeros(4, dtype=torch.long))),
+])
+def test_errors_match_cpu(call, strict):
+    with pytest.raises(Exception) as cpu:
+        call(lambda t: t)
+    with pytest.raises(type(cpu.value)) as dev:
+        call(to_n)
+    assert str(dev.value) == str(cpu.value)
+
+
+def test_margin_loss_grads(strict):
+    x, t, w = torch.randn(6, 7), torch.randint(0, 7, (6,)), torch.rand(7)
+    tl = torch.tensor([[0, 1, -1, 3, 4], [2, 2, 0, -1, -1], [-1, 0, 0, 0, 0], [4, 3, 2, 1, 0]])
+    cases = [(F.multi_margin_loss, x, t, {"p": p, "margin": m, "weight": ww, "reduction": r})
+             for p in (1, 2) for m in (1.0, -0.5) for ww in (None, w) for r in ("none", "mean")]
+    cases += [(F.multi_margin_loss, torch.randn(5), torch.tensor(2), {"reduction": "none"})]
+    cases += [(F.multilabel_margin_loss, torch.randn(4, 5), tl, {"reduction": r}) for r in ("none", "mean", "sum")]
+    cases += [(F.multilabel_margin_loss, torch.randn(5), tl[0], {"reduction": "none"})]
+    for fn, x, t, kw in cases:
+        xc, xn = x.clone().requires_grad_(), to_n(x).requires_grad_()
+        y = fn(xc, t, **kw)
+        g = torch.rand_like(y)
+        y.backward(g)
+        fn(xn, to_n(t), **{k: _n(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}).backward(to_n(g))
+        torch.testing.assert_close(xn.grad.cpu(), xc.grad, **TOL)
+
+
+def test_margin_losses_refuse_int32_targets(strict):
+    x, t = torch.randn(3, 4), torch.tensor([0, 1, 2], dtype=torch.int32)
+    for call in (lambda n: F.multi_margin_loss(n(x), n(t)),
+                 lambda n: F.multilabel_margin_loss(n(x), n(t.reshape(3, 1).expand(3, 4)))):
+        with pytest.raises(RuntimeError) as cpu:
+            call(lambda v: v)
+        with pytest.raises(RuntimeError) as dev:
+            call(to_n)
+        assert str(dev.value) == str(cpu.value)
