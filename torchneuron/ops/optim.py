@@ -5,8 +5,8 @@ The step count lives in a device tensor (``state_steps``, incremented by the opt
 call); it is read on the host to form the bias corrections, which reach the kernel with the other
 per-step scalars as a small device vector, so the Program does not change from step to step.
 ``amsgrad``, ``maximize``, gradient scaling and non-contiguous or non-fp32/bf16 tensors take the
-CPU fallback. The unfused optimizers need no lowering: their ``_foreach_*`` ops decompose into
-element-wise ops that run on the device.
+CPU fallback. The default (``foreach``) optimizers run their ``_foreach_*`` ops as multi-tensor
+launches (``ops/foreach.py``).
 """
 from __future__ import annotations
 

@@ -1,0 +1,100 @@
+"""``torch._foreach_*`` ops run as multi-tensor launches (strict mode): bit-identical to the per-tensor
+ops on the device, close to the CPU, one launch per op, and the per-tensor loop for lists that mix
+devices, dtypes or layouts."""
+import pytest
+import torch
+
+from torchneuron.runtime import profiler
+from tests.ops.conftest import to_n
+
+torch.manual_seed(0)
+SHAPES = [(3, 4), (17,), (2, 300, 5), (0,), (1,)]
+
+
+def _lists():
+    x = [torch.randn(s) for s in SHAPES]
+    y = [torch.randn(s) for s in SHAPES]
+    z = [torch.rand(s) + 0.5 for s in SHAPES]
+    return x, y, z
+
+
+CASES = {
+    "add_scalar": (lambda x, y, z: torch._foreach_add(x, 2.5), lambda x, y, z: [a.add(2.5) for a in x]),
+    "add_list_alpha": (lambda x, y, z: torch._foreach_add(x, y, alpha=0.3),
+                       lambda x, y, z: [a.add(b, alpha=0.3) for a, b in zip(x, y)]),
+    "sub_scalarlist": (lambda x, y, z: torch._foreach_sub(x, [1.0, 2, 3, 4, 5]),
+                       lambda x, y, z: [a.sub(s) for a, s in zip(x, [1.0, 2, 3, 4, 5])]),
+    "mul_list": (lambda x, y, z: torch._foreach_mul(x, y), lambda x, y, z: [a.mul(b) for a, b in zip(x, y)]),
+    "div_list": (lambda x, y, z: torch._foreach_div(x, z), lambda x, y, z: [a.div(b) for a, b in zip(x, z)]),
+    "sqrt": (lambda x, y, z: torch._foreach_sqrt(z), lambda x, y, z: [a.sqrt() for a in z]),
+    "exp": (lambda x, y, z: torch._foreach_exp(x), lambda x, y, z: [a.exp() for a in x]),
+    "mul_tensor": (lambda x, y, z: torch._foreach_mul(x, z[4][0]), lambda x, y, z: [a.mul(z[4][0]) for a in x]),
+    "addcdiv": (lambda x, y, z: torch._foreach_addcdiv(x, y, z, 0.1),
+                lambda x, y, z: [a.addcdiv(b, c, value=0.1) for a, b, c in zip(x, y, z)]),
+    "addcmul_tensor": (lambda x, y, z: torch._foreach_addcmul(x, y, z, torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5])),
+                       lambda x, y, z: [a.addcmul(b, c, value=v) for a, b, c, v in
+                                        zip(x, y, z, [0.1, 0.2, 0.3, 0.4, 0.5])]),
+    "lerp_scalar": (lambda x, y, z: torch._foreach_lerp(x, y, 0.9),
+                    lambda x, y, z: [a.lerp(b, 0.9) for a, b in zip(x, y)]),
+    "lerp_list": (lambda x, y, z: torch._foreach_lerp(x, y, z), lambda x, y, z: [a.lerp(b, c) for a, b, c in
+                                                                               zip(x, y, z)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_foreach_matches_per_tensor_ops_and_cpu(case, strict):
+    fused, per_tensor = CASES[case]
+    cpu = _lists()
+    dev = [[to_n(t) for t in lst] for lst in cpu]
+    got = fused(*dev)
+    for g, d, c in zip(got, per_tensor(*dev), fused(*cpu)):
+        assert torch.equal(g.cpu(), d.cpu())        # the same tile math as the per-tensor lowering
+        torch.testing.assert_close(g.cpu(), c)
+
+
+def test_in_place_foreach_and_one_launch(strict):
+    x, y, z = _lists()
+    dx, dy, dz = ([to_n(t) for t in lst] for lst in (x, y, z))
+    with profiler.record() as records:
+        torch._foreach_addcdiv_(dx, dy, dz, [0.1] * 5)
+    torch._foreach_addcdiv_(x, y, z, [0.1] * 5)
+    assert len(records) == 1
+    for a, b in zip(dx, x):
+        torch.testing.assert_close(a.cpu(), b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_foreach_norm_is_the_per_tensor_norm(dtype, strict):
+    x = [torch.randn(s, device="neuron").to(dtype) for s in [(3, 4), (17,), (2, 300, 5), (1,)]]
+    with profiler.record() as records:
+        got = torch._foreach_norm(x)
+    assert len(records) == 3
+    for g, t in zip(got, x):
+        want = torch.linalg.vector_norm(t)
+        assert g.shape == want.shape and g.dtype == want.dtype and torch.equal(g.cpu(), want.cpu())
+
+
+def test_lists_that_do_not_fuse_take_the_per_tensor_loop():
+    a = [torch.randn(3), torch.randn(4)]
+    mixed = [to_n(a[0]), to_n(a[1]).double()]               # two dtypes: the loop (float64 falls back)
+    torch.testing.assert_close([t.cpu() for t in torch._foreach_mul(mixed, 2.0)], [a[0] * 2, a[1].double() * 2])
+    with pytest.raises(RuntimeError):                        # lists of different lengths: PyTorch's error
+        torch._foreach_add([to_n(a[0])], [to_n(a[0]), to_n(a[1])])
+
+
+def test_default_adamw_and_clipping_match_cpu(strict):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    dev = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    dev.load_state_dict(model.state_dict())
+    dev.to("neuron")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, dev)]
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    for _ in range(3):
+        for m, opt, (xi, yi) in ((model, opts[0], (x, y)), (dev, opts[1], (to_n(x), to_n(y)))):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(xi), yi).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            opt.step()
+    for p, q in zip(model.parameters(), dev.parameters()):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=1e-5, rtol=1e-4)

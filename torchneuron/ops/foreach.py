@@ -1,0 +1,191 @@
+"""``torch._foreach_*`` ops as multi-tensor launches: one ``kernels.foreach`` program applies an op to
+every tensor of the lists (the default ``foreach`` optimizers, ``clip_grad_norm_``'s scaling),
+instead of PyTorch's composite loop of one launch per tensor.
+
+Each op applies the tile function its single-tensor lowering uses (``ops/tilemath.py``), so the
+results are bit-identical to the per-tensor ops. Scalars (one, or one per tensor) reach the kernel
+as (1, 1) device operands written in one host-to-device transfer, so a new learning rate or bias
+correction does not mean a new Program. Lists that are not all contiguous float tensors of one
+dtype on one neuron device, whose tensors differ in shape at one index, or with a scalar that is
+not a real number, take the per-tensor loop (each op then lowers, or falls back, on its own).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from torchneuron import _C
+from torchneuron.kernels.foreach import foreach_kernel, foreach_sum_kernel, operand_name
+from torchneuron.ops import tilemath as tm
+from torchneuron.ops.kernel_call import call_kernel
+from torchneuron.ops.pointwise import _UNARY_FLOAT, _UNARY_SAME
+from torchneuron.ops.registry import lowering
+
+aten = torch.ops.aten
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+MAX_GROUPS = 64  # tensors per launch: longer lists are cut into launches of this many
+
+
+class _Loop(Exception):
+    """These arguments take the per-tensor loop."""
+
+
+def _fusable(lists: Sequence[Sequence[torch.Tensor]]) -> bool:
+    """Whether the tensor lists can run as one multi-tensor launch (see the module docstring)."""
+    first = lists[0]
+    if not first:
+        return False
+    device, dtype = first[0].device, first[0].dtype
+    if device.type != "neuron" or dtype not in FLOATS:
+        return False
+    return all(len(lst) == len(first) and all(
+        t.device == device and t.dtype == dtype and t.shape == s.shape and t.is_contiguous()
+        for t, s in zip(lst, first)) for lst in lists)
+
+
+def _real(v: Any) -> float:
+    if isinstance(v, torch.Tensor) or isinstance(v, complex):
+        raise _Loop
+    return float(v)
+
+
+def _scalars(values: Sequence[Any], device: torch.device) -> list[torch.Tensor]:
+    """One (1, 1) fp32 device operand per value, from one device buffer written in one transfer."""
+    host = torch.tensor([[_real(v)] for v in values], dtype=torch.float32)
+    buf = torch.empty((len(values), 1), dtype=torch.float32, device=device)
+    _C._alias_as_cpu(buf).copy_(host)
+    return [buf[i:i + 1] for i in range(len(values))]
+
+
+def _operand(o: Any, device: torch.device) -> Any:
+    """A per-position operand: a same-shape tensor list stays; a one-element tensor on the device is a
+    (1, 1) operand; a CPU scalar tensor or a number is a shared scalar; a sequence is one per tensor."""
+    if isinstance(o, torch.Tensor):
+        if o.device.type == "cpu" and o.dim() == 0:
+            return _real(o.item())
+        if o.device != device or o.numel() != 1 or not o.is_floating_point():
+            raise _Loop
+        return o.reshape(1, 1)
+    return o
+
+
+def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inplace: bool, op: str):
+    """``fn(self[i], *operands at i)`` for every i, in launches of up to MAX_GROUPS tensors.
+
+    ``operands``: per position, a tensor list (the shapes of ``self``), a tuple of per-tensor scalars,
+    or one shared operand (a number, or a scalar tensor)."""
+    device, dtype = self[0].device, self[0].dtype
+    if not _fusable([self] + [o for o in operands if isinstance(o, list)]):
+        raise _Loop
+    fixed = {}
+    for j, o in enumerate(operands):
+        if isinstance(o, tuple):
+            fixed[j] = _scalars(o, device)
+        elif not isinstance(o, list):
+            o = _operand(o, device)
+            fixed[j] = [o if isinstance(o, torch.Tensor) else _scalars([o], device)[0]] * len(self)
+    results = list(self) if inplace else [torch.empty_like(t) for t in self]
+    live = [i for i, t in enumerate(self) if t.numel()]
+    for lo in range(0, len(live), MAX_GROUPS):
+        chunk = live[lo:lo + MAX_GROUPS]
+        inputs = {}
+        for k, i in enumerate(chunk):
+            inputs[operand_name(k, 0)] = self[i].view(1, -1)
+            for j, o in enumerate(operands):
+                inputs[operand_name(k, j + 1)] = fixed[j][i] if j in fixed else o[i].view(1, -1)
+        call_kernel(foreach_kernel(len(chunk), 1 + len(operands)), inputs, {"fn": fn, "out_dtype": dtype},
+                    [results[i].view(1, -1) for i in chunk], op=op)
+    return None if inplace else results
+
+
+def _register(overload: str, build: Callable, each: Callable) -> None:
+    """Lower ``aten::_foreach_<overload>``: ``build(*args, **kw)`` gives (tile function, operands after
+    self, see ``_launch``); ``each(call, i, t, *args, **kw)`` is tensor i's op in the per-tensor loop,
+    ``call`` being the ``torch.Tensor`` method of the same name."""
+    packet, _, ov = overload.partition(".")
+    inplace = packet.endswith("_")
+    op = str(getattr(getattr(aten, "_foreach_" + packet), ov or "default"))
+    call = getattr(torch.Tensor, packet)
+
+    def kernel(self, *args, **kwargs):
+        try:
+            if not self:
+                raise _Loop
+            fn, operands = build(*args, **kwargs)
+            return _launch(fn, self, operands, inplace, op)
+        except _Loop:
+            out = [each(call, i, t, *args, **kwargs) for i, t in enumerate(self)]
+            return None if inplace else out
+    lowering("_foreach_" + overload)(kernel)
+
+
+def _alpha(fn: Callable, scaled: Callable | None, alpha: Any) -> tuple[Callable, list]:
+    if alpha == 1:
+        return fn, []
+    if scaled is None:
+        raise _Loop
+    return scaled, [alpha]
+
+
+def _binary(name: str, fn: Callable, scaled: Callable | None) -> None:
+    """``_foreach_<name>(_)`` with a scalar, a list of scalars, a tensor list or a scalar tensor."""
+    def with_other(other, *, alpha=1):
+        f, extra = _alpha(fn, scaled, alpha)
+        return f, [other, *extra]
+    shared = lambda call, i, t, x, **kw: call(t, x, **kw)           # noqa: E731
+    item = lambda call, i, t, xs, **kw: call(t, xs[i], **kw)        # noqa: E731
+    for packet in (name, name + "_"):
+        _register(f"{packet}.Scalar", lambda s: (fn, [s]), shared)
+        _register(f"{packet}.ScalarList", lambda ss: (fn, [tuple(ss)]), item)
+        _register(f"{packet}.List", lambda other, **kw: with_other(list(other), **kw), item)
+        if hasattr(getattr(aten, "_foreach_" + packet), "Tensor"):
+            _register(f"{packet}.Tensor", with_other, shared)
+
+
+_binary("add", tm.add, tm.add_scaled)
+_binary("sub", tm.sub, tm.sub_scaled)
+_binary("mul", tm.mul, None)
+_binary("div", tm.div, None)
+
+for _name, _fn in {**_UNARY_FLOAT, **_UNARY_SAME}.items():
+    if hasattr(aten, "_foreach_" + _name):
+        for _packet in (_name, _name + "_"):
+            _register(_packet, lambda _fn=_fn: (_fn, []), lambda call, i, t: call(t))
+
+
+def _value_list(scalars: Any) -> tuple:
+    """addcmul/addcdiv's per-tensor values, from a list or a (CPU) tensor of them."""
+    return tuple(scalars.tolist()) if isinstance(scalars, torch.Tensor) else tuple(scalars)
+
+
+for _name, _fn in (("addcmul", tm.addcmul), ("addcdiv", tm.addcdiv)):
+    for _packet in (_name, _name + "_"):
+        _register(f"{_packet}.Scalar", lambda a, b, value=1, _fn=_fn: (_fn, [list(a), list(b), value]),
+                  lambda call, i, t, a, b, value=1: call(t, a[i], b[i], value=value))
+        for _ov in ("ScalarList", "Tensor"):
+            _register(f"{_packet}.{_ov}", lambda a, b, scalars, _fn=_fn: (_fn, [list(a), list(b), _value_list(scalars)]),
+                      lambda call, i, t, a, b, scalars: call(t, a[i], b[i], value=_value_list(scalars)[i]))
+
+for _packet in ("lerp", "lerp_"):
+    _register(f"{_packet}.Scalar", lambda e, w: (tm.lerp, [list(e), w]), lambda call, i, t, e, w: call(t, e[i], w))
+    _register(f"{_packet}.ScalarList", lambda e, ws: (tm.lerp, [list(e), tuple(ws)]),
+              lambda call, i, t, e, ws: call(t, e[i], ws[i]))
+    _register(f"{_packet}.List", lambda e, w: (tm.lerp, [list(e), list(w)]),
+              lambda call, i, t, e, w: call(t, e[i], w[i]))
+
+
+@lowering("_foreach_norm.Scalar")
+def foreach_norm(self: list, ord: Any = 2, dtype: torch.dtype | None = None) -> list:
+    """``_foreach_norm`` (``clip_grad_norm_``): for the 2-norm, three multi-tensor launches (squares,
+    sums, square roots) computing what ``linalg_vector_norm`` computes per tensor, bit for bit."""
+    if ord != 2 or dtype is not None or not _fusable([self]) or any(t.numel() == 0 for t in self):
+        return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in self]
+    squares = _launch(tm.mul, self, [list(self)], False, "aten::_foreach_norm")
+    sums: list[torch.Tensor] = []
+    for lo in range(0, len(self), MAX_GROUPS):
+        chunk = squares[lo:lo + MAX_GROUPS]
+        sums += call_kernel(foreach_sum_kernel(len(chunk)), {operand_name(k, 0): t.view(1, -1)
+                                                              for k, t in enumerate(chunk)},
+                            op="aten::_foreach_norm")
+    return [n.view(()) for n in _launch(tm.sqrt, sums, [], False, "aten::_foreach_norm")]
