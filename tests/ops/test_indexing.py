@@ -201,3 +201,18 @@ def test_embedding_bag_max(strict):
     want = F.embedding_bag(i, w, o[:-1], mode="sum")
     torch.testing.assert_close(F.embedding_bag(to_n(i), to_n(w), to_n(o[:-1]), mode="sum").cpu(), want,
                                equal_nan=True)
+
+
+def test_cat_of_many_inputs_is_one_launch(strict):
+    from torchneuron.runtime import profiler
+    parts = [torch.randn(()) for _ in range(28)]                  # clip_grad_norm_'s stack of norms
+    dev = [to_n(p) for p in parts]
+    with profiler.record() as records:
+        got = torch.stack(dev)
+    assert len(records) == 1 and torch.equal(got.cpu(), torch.stack(parts))
+    words = [torch.randint(-2 ** 40, 2 ** 40, (2, 3)) for _ in range(3)]    # int64: moved as int32 words
+    assert torch.equal(torch.cat([to_n(w) for w in words], 1).cpu(), torch.cat(words, 1))
+    base = torch.randn(4, 6)
+    views = [to_n(base)[:, ::2], to_n(torch.randn(0, 3)), to_n(base).t()[:3, :4].t()[:, :3]]
+    want = torch.cat([base[:, ::2], torch.randn(0, 3), base.t()[:3, :4].t()[:, :3]], 0)
+    assert torch.equal(torch.cat(views, 0).cpu(), want)

@@ -12,6 +12,9 @@ for it, as on the device.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
@@ -28,6 +31,27 @@ def _pattern(sizes: tuple, strides: tuple, lo: int, hi: int) -> list[list[int]]:
 @nki.jit
 def strided_copy(dst, src, dst_view, src_view):
     """Copy ``src`` viewed as ``src_view`` into ``dst`` viewed as ``dst_view`` (same sizes); returns nothing."""
+    _copy_view(dst, src, dst_view, src_view)
+
+
+@functools.cache
+def multi_copy(count: int) -> nki.Kernel:
+    """The kernel copying ``count`` sources (arguments ``src0, src1, ...``) into views of one ``dst``
+    (``views``: one (dst_view, src_view) pair per source), as ``strided_copy`` copies each: one launch
+    for what would be ``count`` (``torch.cat`` of many tensors)."""
+    def body(**kw):
+        for i, (dst_view, src_view) in enumerate(kw["views"]):
+            _copy_view(kw["dst"], kw[f"src{i}"], dst_view, src_view)
+
+    kind = inspect.Parameter.KEYWORD_ONLY
+    body.__signature__ = inspect.Signature([inspect.Parameter("dst", kind)] + [
+        inspect.Parameter(f"src{i}", kind) for i in range(count)] + [inspect.Parameter("views", kind)])
+    body.__name__ = body.__qualname__ = f"multi_copy_x{count}"
+    return nki.jit(body)
+
+
+def _copy_view(dst, src, dst_view, src_view):
+    """The DMAs of one view-to-view copy, cut along the outer dim over the DMA queues."""
     (doff, sizes, dst_strides), (soff, src_sizes, src_strides) = dst_view, src_view
     assert tuple(sizes) == tuple(src_sizes), f"strided_copy: sizes {sizes} and {src_sizes} differ"
     assert len(sizes) >= 1, "strided_copy: views have at least one dim (a scalar is [1])"

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from torchneuron.kernels.copy import strided_copy, widen_int64
+from torchneuron.kernels.copy import multi_copy, strided_copy, widen_int64
 from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, scalar_operand
 from torchneuron.ops.registry import cpu_fallback, lowering
 
@@ -138,6 +138,34 @@ def device_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     sizes, dstr, sstr = _coalesce(sizes, dstr, sstr)
     call_kernel(strided_copy, {"dst": dspan, "src": sspan},
                 {"dst_view": (0, sizes, dstr), "src_view": (0, sizes, sstr)}, op="aten::copy_")
+
+
+def copy_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst[...] = src`` for each (dst, src) pair, the dsts being non-overlapping views of one tensor and
+    every src of the dsts' dtype: one ``multi_copy`` launch (``torch.cat`` of many inputs)."""
+    parts = [(d, s.expand(d.shape)) for d, s in parts if d.numel()]
+    if not parts:
+        return
+    base = parts[0][0]
+    start = min(d.storage_offset() for d, _ in parts)
+    end = max(d.storage_offset() + sum((n - 1) * st for n, st in zip(d.shape, d.stride())) for d, _ in parts)
+    dspan = base.as_strided((end - start + 1,), (1,), start)
+    words = base.dtype not in DEVICE_DTYPES
+    if words:
+        dspan = dspan.view(torch.int32)
+    inputs, views = {"dst": dspan}, []
+    for i, (d, src) in enumerate(parts):
+        sspan = _span(src)
+        sizes, dstr, sstr = list(d.shape), list(d.stride()), list(src.stride())
+        if words:
+            k = d.dtype.itemsize // 4
+            sspan = sspan.view(torch.int32)
+            sizes, dstr, sstr = [*sizes, k], [*(x * k for x in dstr), 1], [*(x * k for x in sstr), 1]
+        sizes, dstr, sstr = _coalesce(sizes, dstr, sstr)
+        scale = d.dtype.itemsize // 4 if words else 1
+        inputs[f"src{i}"] = sspan
+        views.append(((scale * (d.storage_offset() - start), sizes, dstr), (0, sizes, sstr)))
+    call_kernel(multi_copy(len(parts)), inputs, {"views": tuple(views)}, op="aten::cat")
 
 
 def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:

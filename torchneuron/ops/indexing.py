@@ -23,7 +23,7 @@ from torch._prims_common import canonicalize_dim
 from torchneuron import runtime
 from torchneuron.kernels.indexing import gather_rows, iota
 from torchneuron.ops import tilemath as tm
-from torchneuron.ops.copy import can_copy, device_copy, write_result
+from torchneuron.ops.copy import can_copy, copy_parts, device_copy, write_result
 from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense
 from torchneuron.ops.pointwise import check_no_internal_overlap, check_no_overlap, run_pointwise
 from torchneuron.ops.registry import cpu_fallback, lowering
@@ -234,12 +234,17 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: torch.Tensor | No
         check_no_overlap(out, ts)             # (after the resize: an out= that now covers an input, or is one)
     if any(not can_copy(out, t) for t in live):
         return cpu_fallback(aten.cat.out, tensors, dim, out=out)
-    o = 0
+    parts, o = [], 0
     for t in live:
         n = t.shape[d]
         if n:
-            device_copy(out.narrow(d, o, n), t)
+            parts.append((out.narrow(d, o, n), t))
         o += n
+    if len(parts) > 1 and all(t.dtype == out.dtype for _, t in parts):
+        copy_parts(parts)      # one launch for all the inputs
+    else:
+        for dst, t in parts:
+            device_copy(dst, t)
     return out
 
 
