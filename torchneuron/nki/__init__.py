@@ -121,7 +121,7 @@ class Kernel:
 
     def run(self, args: tuple, kwargs: dict, chip: str | ChipSpec | None = None, timed: bool = False):
         """Trace (or reuse) and simulate; returns (outputs in the caller's array kind, RunReport, Traced)."""
-        spec = resolve_chip(chip)
+        spec = resolve_chip(chip or self.options.get("platform_target"))  # (trn3-only kernels name their chip)
         traced = self.trace(args, kwargs, spec)
         bound = self._bind(args, kwargs).arguments
         arrays = {n: bound[n] for n in traced.inputs}
@@ -215,7 +215,7 @@ def profile(kernel: Callable, chip: str | ChipSpec | None = None) -> Callable[..
             from torchneuron.nki.profile import report_from_launch
             outputs, record = on_device.launch_on_device(k, args, kwargs, chip=chip)
             return report_from_launch(outputs, record)
-        spec = resolve_chip(chip)
+        spec = resolve_chip(chip or k.options.get("platform_target"))
         outputs, report, traced = k.run(args, kwargs, spec, timed=True)
         return make_report(outputs, report, traced.program, spec)
     return run

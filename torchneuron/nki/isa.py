@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from torchneuron.sim import SimulatorError, isa as sim
+from torchneuron.sim import SimulatorError, isa as sim, isa_extra
 from torchneuron.nki.tracing import NkiTensor, current
 
 Tile = NkiTensor
@@ -56,6 +56,15 @@ def dma_copy(dst: Tile, src: Tile, priority: int | None = None, oob_mode: Any = 
     mode = getattr(dge_mode, "name", dge_mode)
     indexed = {f"{side}_index": t.indirect for side, t in (("src", src), ("dst", dst))
                if isinstance(t, NkiTensor) and t.indirect is not None}   # .ap(vector_offset=...)
+    dynamic = {f"{side}_offset": t.dynamic for side, t in (("src", src), ("dst", dst))
+               if isinstance(t, NkiTensor) and t.dynamic is not None}    # .ap(scalar_offset=<tile>)
+    if dynamic:
+        if indexed:
+            raise SimulatorError("dma_copy: one side has a runtime scalar_offset and the other a vector_offset; "
+                                 "a DMA has one indirect side")
+        _emit(isa_extra.DmaCopyDynamic, dst=dst, src=src, oob_mode=getattr(oob_mode, "name", oob_mode),
+              dge_mode=mode, queue=current().next_dma_queue(), **dynamic)
+        return
     _emit(sim.DmaCopy, dst=dst, src=src, oob_mode=getattr(oob_mode, "name", oob_mode), dge_mode=mode,
           queue=current().next_dma_queue(), **indexed)
 
@@ -97,17 +106,44 @@ def nc_matmul(dst: Tile, stationary: Tile, moving: Tile, is_stationary_onezero: 
               name: str | None = None) -> None:
     """``dst[M, N] (+)= stationary[K, M].T @ moving[K, N]`` on TensorE into PSUM (fp32 accumulation).
 
-    ``accumulate=None``: overwrite where no accumulation group is open on ``dst``, else add."""
-    assert not tile_position and not tile_size, "nc_matmul tile_position/tile_size (PE tiling) is not modelled yet"
-    assert getattr(perf_mode, "name", perf_mode) in (None, "none"), "nc_matmul perf_mode is not modelled yet"
+    ``accumulate=None``: overwrite where no accumulation group is open on ``dst``, else add.
+    ``tile_position=(row, col)`` with ``tile_size=(rows, cols)`` runs it on that tile of the PE array;
+    ``perf_mode=matmul_perf_mode.double_row`` (fp8, NC-v3+) contracts ``[K, 2, M]`` x ``[K, 2, N]``."""
     trace = current()
+    mode = str(getattr(perf_mode, "name", perf_mode or "none"))
+    tiled = _pe_tiling(trace, tile_position, tile_size, mode)
     if accumulate is None and isinstance(dst, NkiTensor) and dst.buffer.name == "psum" and dst.dtype.itemsize == 4:
         flags = trace.psum_flags(dst.access)
         if bool(flags.all()) != bool(flags.any()):
             raise SimulatorError("nc_matmul: dst partly overlaps an open accumulation group; pass accumulate=")
         accumulate = bool(flags.all())
+    if tiled is not None:
+        _emit(isa_extra.NcMatmulTiled, dst=dst, stationary=stationary, moving=moving,
+              is_stationary_onezero=is_stationary_onezero, is_moving_onezero=is_moving_onezero,
+              is_transpose=is_transpose, accumulate=accumulate, tile_position=tiled[0], tile_size=tiled[1],
+              perf_mode=mode)
+        return
     _emit(sim.NcMatmul, dst=dst, stationary=stationary, moving=moving, is_stationary_onezero=is_stationary_onezero,
           is_moving_onezero=is_moving_onezero, is_transpose=is_transpose, accumulate=accumulate)
+
+
+def _pe_tiling(trace: Any, tile_position: Any, tile_size: Any, mode: str) -> tuple | None:
+    """The (tile_position, tile_size) of a tiled / performance-mode matmul (None: a plain one), after the
+    checks that depend on the chip being traced."""
+    spec = trace.spec
+    if bool(tile_position) != bool(tile_size):
+        raise SimulatorError(f"nc_matmul: tile_position={tile_position!r} and tile_size={tile_size!r}: set both "
+                             f"to enable PE tiling, or neither (the whole 128x128 array)")
+    if mode == "double_row" and not spec.tensor.fp8_double_row:
+        raise SimulatorError(f"nc_matmul: perf_mode=double_row (FP8 double-row) needs NeuronCore-v3 or newer; "
+                             f"{spec.name} is {spec.core_generation}")
+    if not tile_position and mode == "none":
+        return None
+    position, size = (tuple(tile_position), tuple(tile_size)) if tile_position else ((0, 0), (128, 128))
+    if spec.core_generation == "NeuronCore-v2" and any(int(v) not in (64, 128) for v in size):
+        raise SimulatorError(f"nc_matmul: tile_size={size}: {spec.name} ({spec.core_generation}) tiles the PE "
+                             f"array in 64 or 128 rows/columns (32 needs NeuronCore-v3 or newer)")
+    return position, size
 
 
 def nc_transpose(dst: Tile, data: Tile, engine: Any = None, name: str | None = None) -> None:
@@ -229,3 +265,47 @@ def rand2(dst: Tile, min: Operand, max: Operand, name: str | None = None) -> Non
 def dropout(dst: Tile, data: Tile, prob: Operand, name: str | None = None) -> None:
     """Zero each element of ``data`` with probability ``prob`` (no rescaling)."""
     _emit(sim.Dropout, dst=dst, data=data, prob=prob)
+
+
+# ---- MX (microscaling) on NeuronCore-v4 --------------------------------------------------
+
+def _mx_chip(opcode: str) -> None:
+    spec = current().spec
+    if not spec.tensor.mx_contraction:
+        raise SimulatorError(f"{opcode}: MX formats need NeuronCore-v4 (trn3); {spec.name} is {spec.core_generation}")
+
+
+def _mx_of(t: Any, name: str, opcode: str) -> str:
+    fmt = getattr(t, "mx", None)
+    if fmt is None:
+        raise SimulatorError(f"{opcode}: {name} must be MX x4 data (nl.float8_e5m2_x4, nl.float8_e4m3fn_x4 or "
+                             f"nl.float4_e2m1fn_x4: allocate it with that dtype or view it with .ap(dtype=...))")
+    return fmt.element
+
+
+def quantize_mx(dst: Tile, src: Tile, dst_scale: Tile, name: str | None = None) -> None:
+    """Quantize bf16/fp16 ``src[P, 4F]`` into MX fp8 x4 ``dst[P, F]`` and its scales (VectorE, trn3)."""
+    _mx_chip("quantize_mx")
+    _emit(isa_extra.QuantizeMx, dst=dst, src=src, dst_scale=dst_scale,
+          dst_format=_mx_of(dst, "dst", "quantize_mx"))
+
+
+def nc_matmul_mx(dst: Tile, stationary: Tile, moving: Tile, stationary_scale: Tile, moving_scale: Tile,
+                 tile_position: tuple | None = None, tile_size: tuple | None = None, accumulate: bool | None = None,
+                 name: str | None = None) -> None:
+    """``dst[M, N] (+)= `` the dequantized MX ``stationary[K, M].T @ moving[K, N]`` (contraction 4K) on TensorE (trn3)."""
+    _mx_chip("nc_matmul_mx")
+    trace = current()
+    if bool(tile_position) != bool(tile_size):
+        raise SimulatorError("nc_matmul_mx: set both tile_position and tile_size to enable row tiling, or neither")
+    if accumulate is None:
+        accumulate = False
+        if dst.buffer.name == "psum" and dst.dtype.itemsize == 4:  # same rule as nc_matmul
+            flags = trace.psum_flags(dst.access)
+            if bool(flags.all()) != bool(flags.any()):
+                raise SimulatorError("nc_matmul_mx: dst partly overlaps an open accumulation group; pass accumulate=")
+            accumulate = bool(flags.all())
+    tiling = dict(tile_position=tuple(tile_position), tile_size=tuple(tile_size)) if tile_position else {}
+    _emit(isa_extra.NcMatmulMx, dst=dst, stationary=stationary, moving=moving, stationary_scale=stationary_scale,
+          moving_scale=moving_scale, stationary_format=_mx_of(stationary, "stationary", "nc_matmul_mx"),
+          moving_format=_mx_of(moving, "moving", "nc_matmul_mx"), accumulate=accumulate, **tiling)

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from torchneuron.nki import isa as nisa
-from torchneuron.nki.tracing import (Buffer, NkiTensor, as_dtype, current, ds, hbm, private_hbm, psum,  # noqa: F401
-                                     sbuf, shared_hbm)
+from torchneuron.nki.tracing import (Buffer, MxDtype, NkiTensor, as_dtype, current, ds, hbm,  # noqa: F401
+                                     private_hbm, psum, sbuf, shared_hbm)
 from torchneuron.sim import SimulatorError
 from torchneuron.sim.isa import BN_STATS_FMAX, GEMM_MOVING_FMAX, GEMM_STATIONARY_FMAX, PSUM_BANK_BYTES
 from torchneuron.sim.memory import PMAX
@@ -31,6 +31,10 @@ uint8, uint16, uint32 = torch.uint8, torch.uint16, torch.uint32
 float16, bfloat16, float32 = torch.float16, torch.bfloat16, torch.float32
 float8_e4m3 = float8_e4m3fn = torch.float8_e4m3fn
 float8_e5m2 = torch.float8_e5m2
+# MX (NC-v4): 4-packed x4 data, stored as uint32 (fp8) / uint16 (fp4); e8m0 scales are held as their uint8 bits
+float8_e5m2_x4, float8_e4m3fn_x4 = MxDtype("float8_e5m2", torch.uint32), MxDtype("float8_e4m3fn", torch.uint32)
+float4_e2m1fn_x4 = MxDtype("float4_e2m1fn", torch.uint16)
+float8_e8m0fnu = torch.uint8
 
 
 class _TileSize:
@@ -63,9 +67,12 @@ tile_size = _TileSize()
 # ---- creation -------------------------------------------------------------------------------
 
 def ndarray(shape: Sequence[int], dtype: Any, buffer: Buffer = sbuf, name: str = "", address: Any = None) -> Tile:
-    """An uninitialised tensor on ``buffer`` (on chip, dim 0 is the partition dim, <= 128). ``address`` is
-    accepted as a placement hint and ignored: the tracer places on-chip tensors itself (by liveness)."""
-    return current().allocate(shape, dtype, buffer, name)
+    """An uninitialised tensor on ``buffer`` (on chip, dim 0 is the partition dim, <= 128). On chip,
+    ``address=(partition_offset, free_offset_bytes)`` places it at that box (SimulatorError if it does not
+    fit); the allocator keeps other tiles out of the box while it is held."""
+    if address is not None and isinstance(buffer, Buffer) and not buffer.on_chip:
+        raise SimulatorError(f"nl.ndarray: address= places SBUF/PSUM tensors; {buffer!r} tensors have no address")
+    return current().allocate(shape, dtype, buffer, name, address=address)
 
 
 def full(shape: Sequence[int], fill_value: float | int, dtype: Any, buffer: Buffer = sbuf, name: str = "") -> Tile:
@@ -127,6 +134,61 @@ def affine_range(start: int, stop: int | None = None, step: int = 1, **directive
 
 
 sequential_range = static_range = affine_range
+
+MAX_TRACED_TRIPS = 1 << 20  # a while_loop still running after this many traced iterations is taken as endless
+
+
+def _trace_time_int(value: Any, what: str) -> int:
+    """A loop bound or condition known at trace time (a Python/NumPy integer), else a clear error."""
+    if isinstance(value, NkiTensor):
+        raise NotImplementedError(
+            f"{what} is a tensor: a trip count read from device data at run time is not modelled (the simulator "
+            f"traces loops by unrolling them); pass a trace-time integer")
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    try:
+        return int(value.__index__())
+    except (AttributeError, TypeError):
+        raise TypeError(f"{what} must be a trace-time integer, got {type(value).__name__}") from None
+
+
+def _positive_step(step: Any) -> int:
+    step = _trace_time_int(step, "step")
+    if step <= 0:
+        raise ValueError(f"step must be a compile-time positive integer, got {step}")
+    return step
+
+
+def dynamic_range(start: int, stop: int | None = None, step: int = 1) -> range:
+    """A loop the hardware would run with runtime bounds; here the bounds are trace-time integers and
+    the body is traced once per iteration (like ``sequential_range``)."""
+    if stop is None:
+        start, stop = 0, start
+    return range(_trace_time_int(start, "start"), _trace_time_int(stop, "stop"), _positive_step(step))
+
+
+def fori_loop(lower: int, upper: int, body_fun: Any, step: int = 1) -> None:
+    """Call ``body_fun(i)`` for ``i`` in ``range(lower, upper, step)``; bounds known at trace time, the body
+    traced once per iteration (like ``sequential_range``). Returns None."""
+    if not callable(body_fun):
+        raise TypeError(f"body_fun must be callable, got {type(body_fun).__name__}")
+    for i in dynamic_range(lower, upper, step):
+        body_fun(i)
+
+
+def while_loop(init: int, body_fun: Any) -> None:
+    """``r = init; while r != 0: r = body_fun(r)`` with the condition known at trace time (the body
+    returns the next condition as an integer); the body is traced once per iteration. Returns None."""
+    if not callable(body_fun):
+        raise TypeError(f"body_fun must be callable, got {type(body_fun).__name__}")
+    r = _trace_time_int(init, "while_loop init")
+    trips = 0
+    while r != 0:
+        if trips >= MAX_TRACED_TRIPS:
+            raise RuntimeError(f"nl.while_loop: the condition is still nonzero after {MAX_TRACED_TRIPS} traced "
+                               f"iterations (an endless loop?)")
+        r = _trace_time_int(body_fun(r), "the condition returned by the while_loop body")
+        trips += 1
 
 
 # ---- SPMD -----------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ _BLOCK = 256  # instructions per bucket of the time index used to find tiles who
 class Alloc:
     """One on-chip tile of a trace: its box and the instructions over which Python held it."""
 
-    __slots__ = ("region", "start", "end", "overflow", "blocks", "first", "last", "offset", "reserved")
+    __slots__ = ("region", "start", "end", "overflow", "blocks", "first", "last", "offset", "reserved", "pinned")
 
     def __init__(self, region: Region, start: int, overflow: bool, blocks: int = 1):
         self.region, self.start, self.overflow, self.blocks = region, start, overflow, blocks
@@ -48,6 +48,7 @@ class Alloc:
         self.first = self.last = -1          # first / last instruction that accesses it (-1: none)
         self.offset = region.offset          # the byte offset it ends up at
         self.reserved: tuple[int, int] | None = None  # the instruction range it is placed over
+        self.pinned: int | None = None       # nl.ndarray(address=...): the byte offset it must end up at
 
     @property
     def hold(self) -> tuple[int, int]:
@@ -162,11 +163,12 @@ def _owners(entry: tuple[list[int], list[Alloc]], ap: AP) -> list[Alloc]:
 def _assign(allocs: list[Alloc], cap: int, bank: int, align: int, instructions: Sequence[Instr]) -> None:
     """Place the overflowed tiles of one memory (the others keep their trace-time boxes)."""
     index: dict[int, list[Alloc]] = {}
+    _settle_pinned(allocs, instructions)
     for a in allocs:
-        if not a.overflow:
+        if not a.overflow or a.pinned is not None:
             a.reserved = a.hold
             _index(index, a)
-    for a in sorted((a for a in allocs if a.overflow), key=lambda a: a.start):
+    for a in sorted((a for a in allocs if a.overflow and a.pinned is None), key=lambda a: a.start):
         if a.live is None:
             continue  # never accessed: no instruction names its box
         for mine, others in ((a.hold, "reserved"), (a.hold, "live"), (a.live, "live")):
@@ -177,6 +179,41 @@ def _assign(allocs: list[Alloc], cap: int, bank: int, align: int, instructions: 
                 break
         else:
             raise _overflow(a, _busy(index, a.live, "live", a.region), cap, instructions)
+
+
+def _settle_pinned(allocs: list[Alloc], instructions: Sequence[Instr]) -> None:
+    """Put pinned tiles (``address=``) at their requested offsets; a tile the tracer left at a box that a
+    pinned tile claims while both are held is re-placed like an overflowed one. Two pinned tiles may share
+    a box only if no instruction range touches both (else SimulatorError: the kernel aliased them)."""
+    pinned = [a for a in allocs if a.pinned is not None]
+    if not pinned:
+        return
+    for a in pinned:
+        a.offset = a.pinned
+    for i, a in enumerate(pinned):
+        for b in pinned[i + 1:]:
+            if _boxes_meet(a, b) and a.live and b.live and a.live[0] <= b.live[1] and b.live[0] <= a.live[1]:
+                first = max(a.live[0], b.live[0])
+                raise SimulatorError(
+                    f"{a.region.memory}: two tiles placed with address= share partitions and bytes at offset "
+                    f"{a.offset} while both are in use (instruction {first}, {instructions[first].opcode}); "
+                    f"give them disjoint addresses or let the allocator place one")
+    virtual = [a for a in pinned if a.region.offset != a.pinned]  # only these can collide with traced boxes
+    for b in allocs:
+        if b.pinned is not None or b.overflow:
+            continue
+        for a in virtual:
+            (alo, ahi), (blo, bhi) = a.hold, b.hold
+            if alo <= bhi and blo <= ahi and _boxes_meet(a, b):
+                b.overflow = True
+                break
+
+
+def _boxes_meet(a: Alloc, b: Alloc) -> bool:
+    """Whether two tiles share a byte at their final offsets."""
+    ra, rb = a.region, b.region
+    return (ra.start_partition < rb.start_partition + rb.partitions and rb.start_partition < ra.start_partition
+            + ra.partitions and a.offset < b.offset + rb.nbytes and b.offset < a.offset + ra.nbytes)
 
 
 def _index(index: dict[int, list[Alloc]], a: Alloc) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from torchneuron.nki.liveness import Alloc, place_by_liveness
 from torchneuron.sim import AP, Memory, SimulatorError, tile
+from torchneuron.sim.memory import Region
 from torchneuron.sim.instruction import Engine
 from torchneuron.sim.isa import Instr
 from torchneuron.sim.numerics import to_dtype
@@ -54,8 +55,21 @@ _NP_TO_TORCH = {np.dtype(k): v for k, v in {
     "uint16": torch.uint16, "uint32": torch.uint32, "float16": torch.float16, "float32": torch.float32}.items()}
 
 
+class MxDtype:
+    """An MX 4-packed dtype (``nl.float8_e5m2_x4``, ``nl.float8_e4m3fn_x4``, ``nl.float4_e2m1fn_x4``): each element
+    holds 4 quantized values, stored as an unsigned integer of its size (the tensor remembers the format)."""
+
+    def __init__(self, element: str, storage: torch.dtype):
+        self.element, self.storage = element, storage
+
+    def __repr__(self) -> str:
+        return f"nl.{self.element}_x4"
+
+
 def as_dtype(dtype: Any) -> torch.dtype:
     """Resolve an ``nl`` dtype, torch dtype, NumPy dtype or dtype name to a NeuronCore torch dtype."""
+    if isinstance(dtype, MxDtype):
+        return dtype.storage
     if isinstance(dtype, torch.dtype):
         return to_dtype(dtype)
     try:
@@ -89,6 +103,8 @@ def _index(i: Any) -> Any:
 class NkiTensor:
     """A kernel tensor: an access pattern into SBUF, PSUM or an HBM argument, with NumPy-like views."""
 
+    mx: "MxDtype | None" = None  # the MX format of x4 data (the AP holds its storage integers)
+
     def __init__(self, access: AP, buffer: Buffer, name: str = "", base: "NkiTensor | None" = None):
         self.access, self.buffer, self.name, self.base = access, buffer, name, base  # access: the simulator AP
 
@@ -97,7 +113,10 @@ class NkiTensor:
     ndim = property(lambda self: len(self.access.shape), doc="Number of dims.")
 
     def _view(self, ap: AP) -> "NkiTensor":
-        return type(self)(ap, self.buffer, self.name, self.base or self)
+        view = type(self)(ap, self.buffer, self.name, self.base or self)
+        if self.mx is not None and ap.dtype == self.access.dtype:
+            view.mx = self.mx
+        return view
 
     def __getitem__(self, index: Any) -> "NkiTensor":
         index = tuple(_index(i) for i in (index if isinstance(index, tuple) else (index,)))
@@ -118,27 +137,57 @@ class NkiTensor:
         return self._view(self.access.reshape(tuple(shape)))
 
     indirect: "NkiTensor | None" = None  # ``.ap(vector_offset=...)``: the row indices of an indirect DMA
+    dynamic: "NkiTensor | None" = None   # ``.ap(scalar_offset=<tile>)``: the runtime start row of a DMA
 
-    def ap(self, pattern: Sequence[Sequence[int]], offset: int = 0, dtype: Any = None,
-           vector_offset: "NkiTensor | None" = None, indirect_dim: int = 0) -> "NkiTensor":
+    def ap(self, pattern: Sequence[Sequence[int]], offset: int | None = 0, scalar_offset: Any = None,
+           vector_offset: "NkiTensor | None" = None, indirect_dim: int = 0, dtype: Any = None) -> "NkiTensor":
         """A raw access pattern: ``pattern`` is [stride, count] pairs in elements (on chip the first pair
         is the partition pair), ``offset`` an element offset from this view's start. On HBM,
         ``vector_offset`` (an SBUF [P, 1] int tile) makes it indirect: dim 0 is indexed by those rows
-        (a DMA gather as ``src``, a scatter as ``dst``; ``indirect_dim`` must be 0)."""
+        (a DMA gather as ``src``, a scatter as ``dst``; ``indirect_dim`` must be 0). ``scalar_offset`` moves
+        the start of dim ``indirect_dim`` by that many steps: a trace-time integer, or on HBM an SBUF [1, 1]
+        int tile read when a DMA runs (``indirect_dim`` 0)."""
+        offset = 0 if offset is None else offset
+        if scalar_offset is not None and vector_offset is not None:
+            raise SimulatorError("ap(): scalar_offset and vector_offset cannot be combined on one access pattern")
+        if isinstance(scalar_offset, NkiTensor):
+            if indirect_dim != 0 or self.access.on_chip:
+                raise SimulatorError("ap(scalar_offset=<tile>): a runtime offset moves dim 0 of an HBM tensor "
+                                     "(indirect_dim=0) in a dma_copy; on-chip access patterns take trace-time "
+                                     "integers only")
+            view = self.ap(pattern, offset, dtype=dtype)
+            view.dynamic = scalar_offset
+            return view
+        if scalar_offset is not None:  # known at trace time: a static shift of the indirect dim's start
+            dims = [(int(st), int(c)) for st, c in pattern]
+            dims = dims[1:] if self.access.on_chip else dims
+            if not 0 <= indirect_dim < len(dims):
+                raise SimulatorError(f"ap(scalar_offset=...): indirect_dim {indirect_dim} is not a free dim of "
+                                     f"the pattern {list(map(list, pattern))}")
+            offset = int(offset) + int(scalar_offset) * dims[indirect_dim][0]
         if vector_offset is not None:
             if indirect_dim != 0 or self.access.on_chip:
                 raise SimulatorError("ap(vector_offset=...): only dim 0 of an HBM tensor can be indirect")
-            view = self.ap(pattern, offset, dtype)
+            view = self.ap(pattern, offset, dtype=dtype)
             view.indirect = vector_offset
             return view
         dt = as_dtype(dtype) if dtype is not None else self.dtype
         pairs = [(int(s), int(c)) for s, c in pattern]
         a = self.access
-        byte_offset = a.offset + int(offset) * dt.itemsize
+        offset = int(offset)
         if a.on_chip:
-            (_, parts), pairs = pairs[0], pairs[1:]
-            return self._view(AP(a.memory, dt, tuple(pairs), a.start_partition, parts, byte_offset))
-        return self._view(AP(a.memory, dt, tuple(pairs), 0, 1, byte_offset))
+            (pitch, parts), pairs = pairs[0], pairs[1:]
+            # the offset counts elements of the [partitions, pitch] layout: whole rows move the start partition
+            rows, offset = divmod(offset, pitch) if pitch > 0 else (0, offset)
+            view = self._view(AP(a.memory, dt, tuple(pairs), a.start_partition + rows, parts,
+                                 a.offset + offset * dt.itemsize))
+        else:
+            view = self._view(AP(a.memory, dt, tuple(pairs), 0, 1, a.offset + offset * dt.itemsize))
+        if isinstance(dtype, MxDtype):  # reinterpreted as MX x4 data
+            view.mx = dtype
+        elif dtype is not None:
+            view.mx = None
+        return view
 
     def broadcast_to(self, shape: Sequence[int]) -> "NkiTensor":
         """Broadcast size-1 dims (an HBM view with stride 0; on chip see ``nl.broadcast_to``)."""
@@ -216,28 +265,38 @@ class Trace:
         self.slots[name] = ArgSlot(name, tuple(shape), dtype, "input")
         return self.tensor_cls(tile(f"hbm:{name}", dtype, shape), shared_hbm, name)
 
-    def allocate(self, shape: Sequence[int], dtype: Any, buffer: Buffer, name: str = "", blocks: int = 1) -> NkiTensor:
+    def allocate(self, shape: Sequence[int], dtype: Any, buffer: Buffer, name: str = "", blocks: int = 1,
+                 address: Any = None) -> NkiTensor:
         """A new tensor on ``buffer`` (on chip: dim 0 is the partition dim). ``blocks``: the tensor is that many
         independent tiles laid out one after another in each partition (legacy block dims), each placed by its
-        own liveness when the tensor does not fit."""
+        own liveness when the tensor does not fit. ``address=(partition_offset, free_offset_bytes)`` pins an
+        on-chip tensor at that box (``nl.ndarray(address=...)``)."""
+        mx = dtype if isinstance(dtype, MxDtype) else None
         shape, dtype = tuple(int(s) for s in shape), as_dtype(dtype)
         if buffer is None:
             buffer = sbuf
         if not isinstance(buffer, Buffer):
             raise TypeError(f"buffer must be nl.sbuf, nl.psum, nl.shared_hbm or nl.private_hbm, got {buffer!r}")
         if not buffer.on_chip:
-            return self._allocate_hbm(shape, dtype, buffer, name)
+            t = self._allocate_hbm(shape, dtype, buffer, name)
+            t.mx = mx
+            return t
         assert shape, "an on-chip tensor needs a partition dim"
         mem = self.sbuf if buffer is sbuf else self.psum
         nbytes, cap = max(math.prod(shape[1:]) * dtype.itemsize, 1), self.capacity[mem.name]
         if nbytes // blocks > cap:  # no liveness can help a tile larger than the memory
             raise SimulatorError(f"{mem.name} overflow: cannot allocate {shape[0]} partitions x {nbytes // blocks} "
                                  f"bytes: the capacity is {mem.partitions} partitions x {cap} bytes")
-        region = mem.allocate(shape[0], nbytes)
+        if address is not None:
+            region, pinned = self._pinned_region(mem, shape, nbytes, address, blocks)
+        else:
+            region, pinned = mem.allocate(shape[0], nbytes), None
         record = Alloc(region, self.clock, region.offset + region.nbytes > cap, blocks)
+        record.pinned = pinned
         self.overflowed |= record.overflow
         self.allocs.append(record)
         t = self.tensor_cls(region.tile(dtype, shape[1:]), buffer, name)
+        t.mx = mx
         weakref.finalize(t, _free, mem, region, record, self)
         if buffer is psum:  # a fresh PSUM tile holds no open accumulation group and nothing written
             self._grow_psum_flags(region.offset + region.nbytes)
@@ -246,6 +305,44 @@ class Trace:
             self.psum_open[box] = False
             self.psum_written[box] = False
         return t
+
+    def _pinned_region(self, mem: Memory, shape: tuple[int, ...], nbytes: int, address: Any,
+                       blocks: int) -> tuple[Region, int]:
+        """The trace-time box of a tile pinned at ``address``, and the byte offset it must end up at.
+
+        The box is the requested one when no tile held in Python overlaps it now; otherwise a virtual box at
+        the same partitions (past the capacity), moved to the requested offset by the liveness pass, which
+        also moves any other tile whose box and lifetime collide with it."""
+        try:
+            p0, off = (int(v) for v in address)
+        except (TypeError, ValueError):
+            raise TypeError(f"address must be (partition_offset, free_offset_bytes), got {address!r}") from None
+        cap, parts = self.capacity[mem.name], shape[0]
+        if blocks != 1:
+            raise SimulatorError(f"{mem.name}: address= cannot place a tensor of legacy block tiles")
+        if p0 < 0 or off < 0 or p0 + parts > mem.partitions or off + nbytes > cap:
+            raise SimulatorError(
+                f"{mem.name} overflow: address=({p0}, {off}) asks for partitions [{p0}, {p0 + parts}) x bytes "
+                f"[{off}, {off + nbytes}) for a {list(shape)} tile; the {mem.name} has {mem.partitions} partitions "
+                f"x {cap} bytes per partition")
+        itemsize = max(nbytes // max(math.prod(shape[1:]), 1), 1)
+        if off % itemsize:
+            raise SimulatorError(f"{mem.name}: address=({p0}, {off}): the byte offset must be a multiple of the "
+                                 f"element size ({itemsize} bytes)")
+        bank = self.bank_bytes.get(mem.name, 0)
+        if bank and nbytes <= bank and off // bank != (off + nbytes - 1) // bank:
+            raise SimulatorError(f"{mem.name}: address=({p0}, {off}): a {nbytes}-byte tile there crosses a "
+                                 f"{bank}-byte PSUM bank boundary")
+        held = [r for r in mem._regions if r.start_partition < p0 + parts and p0 < r.start_partition + r.partitions
+                and r.offset < off + nbytes and off < r.offset + r.nbytes]
+        if held:  # a tile still bound in Python sits there now: place virtually, settle by liveness
+            self.overflowed = True
+            top = max([cap, *(r.offset + r.nbytes for r in mem._regions)])
+            region = Region(mem.name, p0, parts, -(-top // (1 << 16)) * (1 << 16) + off, nbytes)
+        else:
+            region = Region(mem.name, p0, parts, off, nbytes)
+        mem._regions.append(region)  # the trace-time first-fit allocator keeps other tiles out of it
+        return region, off
 
     def _grow_psum_flags(self, end: int) -> None:
         """Widen the PSUM flags to cover bytes [0, end) (virtual boxes past the capacity)."""

@@ -16,6 +16,7 @@ import torch
 
 from torchneuron.sim.instruction import Engine
 from torchneuron.sim.isa import OPCODES, DmaCopy, DmaTranspose, Instr
+from torchneuron.sim.isa_extra import EXTRA_OPCODES, DmaCopyDynamic
 from torchneuron.sim.memory import AP, NAN_BYTE, SimulatorError
 from torchneuron.sim.numerics import dtype_name, to_dtype
 from torchneuron.sim.specs import ChipSpec
@@ -89,7 +90,7 @@ class Program:
     def _hbm_traffic(self) -> tuple[int, int]:
         read = written = 0
         for i in self.instructions:
-            if isinstance(i, (DmaCopy, DmaTranspose)):
+            if isinstance(i, (DmaCopy, DmaTranspose, DmaCopyDynamic)):
                 read += i.src.nbytes if not i.src.on_chip else 0
                 written += i.dst.nbytes if not i.dst.on_chip else 0
         return read, written
@@ -209,7 +210,8 @@ def _decode(v: Any, memo: dict) -> Any:
     if not isinstance(v, dict):
         return v
     if "opcode" in v:
-        return OPCODES[v["opcode"]](**{k: _decode(x, memo) for k, x in v["fields"].items()})
+        cls = OPCODES.get(v["opcode"]) or EXTRA_OPCODES[v["opcode"]]
+        return cls(**{k: _decode(x, memo) for k, x in v["fields"].items()})
     if "ap" in v:
         memory, dtype, pattern, start, parts, offset = v["ap"]
         key = (memory, dtype, tuple(map(tuple, pattern)), start, parts, offset)

@@ -102,7 +102,7 @@ def tensor_cycles(ci: CostInputs, spec: ChipSpec) -> float:
     cycles = max(mm, ls) * passes
     if _is_fp32(dtypes):
         cycles *= t.fp32_factor
-    return cycles
+    return cycles * ci.pe_fraction  # PE tiling: matmuls on disjoint array tiles overlap (hardware-model.md)
 
 
 # ---------------------------------------------------------------------------------------
