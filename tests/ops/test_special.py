@@ -110,3 +110,39 @@ def test_dtype_errors_match_cpu(call, dtype, strict):
     with pytest.raises(type(cpu.value)) as dev:
         call(to_n(t))
     assert str(dev.value) == str(cpu.value)
+
+
+# incomplete gamma: every pair of special values, random (a, x) over the series / continued-fraction
+# split, and large a (Temme's expansion; against float64 there, where the CPU's float kernel is less
+# accurate): one tensor, so one kernel trace per function
+_GS = torch.tensor([0.0, -0.0, 1e-30, 1e-3, 0.5, 1.0, 2.5, 8.0, 8.5, 33.0, 99.0, 150.0, 1e4, INF, -INF, NAN, -1.0])
+_GA = torch.cat([_GS.repeat_interleave(17), torch.rand(200) * 12, torch.rand(100) * 100, torch.rand(50) * 0.01])
+_GX = torch.cat([_GS.repeat(17), torch.rand(200) * 14, _GA[-150:-50] * (0.7 + 0.6 * torch.rand(100)),
+                 torch.rand(50) * 3])
+_BIG_A = 10 ** (2 + torch.rand(200) * 5)
+_BIG_X = torch.cat([_BIG_A[:100] + torch.randn(100) * _BIG_A[:100].sqrt() * 3, _BIG_A[100:] * torch.rand(100) * 3])
+GAMMA_A, GAMMA_X = torch.cat([_GA, _BIG_A]), torch.cat([_GX, _BIG_X])
+
+
+@pytest.mark.parametrize("fn", [torch.igamma, torch.igammac])
+def test_incomplete_gamma(fn, strict):
+    k = _GA.numel()
+    got = fn(to_n(GAMMA_A), to_n(GAMMA_X)).cpu()
+    torch.testing.assert_close(got[:k], fn(_GA, _GX), **TOL)
+    torch.testing.assert_close(got[k:], fn(_BIG_A.double(), _BIG_X.double()).float(), atol=1e-6, rtol=1e-5)
+    out = to_n(torch.empty_like(GAMMA_A))   # out= and in-place reuse the kernel
+    fn(to_n(GAMMA_A), to_n(GAMMA_X), out=out)
+    torch.testing.assert_close(out.cpu(), got, atol=0, rtol=0, equal_nan=True)
+    inplace = to_n(GAMMA_A)
+    getattr(inplace, fn.__name__ + "_")(to_n(GAMMA_X))
+    torch.testing.assert_close(inplace.cpu(), got, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_incomplete_gamma_dtype_errors(dtype, strict):
+    t = torch.ones(3, dtype=dtype)   # the CPU's "not implemented for 'Int'"
+    with pytest.raises(Exception) as cpu:
+        torch.igamma(t, t)
+    with pytest.raises(type(cpu.value)) as dev:
+        torch.igamma(to_n(t), to_n(t))
+    assert str(dev.value) == str(cpu.value)

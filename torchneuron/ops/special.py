@@ -1,6 +1,7 @@
 """Special functions and less common activations on the device: element-wise launches whose tile math
 lives in ``tilemath_special`` (lgamma, digamma, polygamma, erfinv, erfc, Bessel I0/I1, logaddexp,
-nextafter, frexp, ...), registered with ``pointwise._pointwise`` like the rest of the element-wise ops.
+nextafter, frexp, incomplete gamma, ...), registered with ``pointwise._pointwise`` like the rest of the
+element-wise ops. CTC loss lives in ``ctc`` (imported at the end, so importing this module registers it).
 """
 from __future__ import annotations
 
@@ -21,6 +22,13 @@ def _unary(fn: Callable) -> Callable:
     """The build function of a one-operand op."""
     def build(x, *_):
         return fn, [x]
+    return build
+
+
+def _binary(fn: Callable) -> Callable:
+    """The build function of a two-operand op."""
+    def build(a, b):
+        return fn, [a, b]
     return build
 
 
@@ -84,6 +92,10 @@ _pointwise(["logaddexp", "logaddexp.out"], _guarded(aten.logaddexp.default, lamb
 _pointwise(["logaddexp2", "logaddexp2.out"], _guarded(aten.logaddexp2.default, lambda a, b: (ts.logaddexp2, [a, b])),
            KIND.INT_TO_FLOAT)
 _pointwise(["special_xlog1py", "special_xlog1py.out"], lambda x, y: (ts.xlog1py, [x, y]), KIND.INT_TO_FLOAT)
+
+
+for _name, _fn in {"igamma": ts.igamma, "igammac": ts.igammac}.items():   # ints raise, as on the CPU
+    _pointwise(_variants(_name, ""), _guarded(getattr(aten, _name).default, _binary(_fn)), KIND.INT_TO_FLOAT)
 
 
 def _heaviside(x, values):
@@ -260,3 +272,6 @@ def glu_backward(grad_output: torch.Tensor, self: torch.Tensor, dim: int, *,
     if tuple(grad_input.shape) != tuple(res.shape):
         torch._refs._maybe_resize_out(grad_input, res.shape)
     return grad_input.copy_(res)
+
+
+from torchneuron.ops import ctc  # noqa: E402,F401  (registers _ctc_loss)

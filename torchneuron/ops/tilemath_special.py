@@ -479,3 +479,160 @@ def prelu_grad_input(g, x, w):
 def prelu_grad_weight(g, x):
     """``x > 0 ? 0 : x * g`` (summed over the non-channel dims afterwards)."""
     return tm.where(nl.greater(x, 0.0), tm._fill(g, x, 0), nl.multiply(g, x))
+
+
+# ---- regularized incomplete gamma P(a, x), Q(a, x) --------------------------------------------------
+
+IGAMMA_SERIES_TERMS = 48    # sum x^n / ((a+1)...(a+n)) for x < a + 1: converged for a <= IGAMMA_A_MAX
+IGAMMA_CF_TERMS = 32        # Lentz steps of Legendre's continued fraction for x >= a + 1
+IGAMMA_A_MAX = 40.0         # above: Temme's uniform expansion (the two above would need more terms)
+# lgamma(a+1) - ((a+1/2) log a - a + log(2 pi)/2) = sum B_2k / (2k (2k-1) a^(2k-1)): within 5e-8 for a >= 3
+_STIRLING_TAIL = [1 / 12, -1 / 360, 1 / 1260, -1 / 1680, 1 / 1188]
+IGAMMA_STIRLING_A = 3.0
+# d - log1p(d) = d^2 sum (-1)^k d^k / (k + 2) for |d| < 1/4 (14 terms: 4^-14 below fp32's ulp)
+_DM_LOG1P = [(-1) ** k / (k + 2) for k in range(14)]
+# Temme's coefficients c0, c1 of eta (DLMF 8.12) as Taylor series about eta = 0, where their closed
+# forms cancel; derived by reverting eta^2 / 2 = lambda - 1 - log(lambda)
+_TEMME_C0 = [-1 / 3, 1 / 12, -2 / 135, 1 / 864, 1 / 2835, -139 / 777600, 1 / 25515, -571 / 261273600]
+_TEMME_C1 = [-1 / 540, -1 / 288, 1 / 378, -77 / 77760, 1 / 4860, -1 / 2488320]
+TEMME_TAYLOR_ETA = 0.5
+
+
+# lgamma(2 + e) = (1 - gamma) e + sum_k>=2 (-1)^k (zeta(k) - 1) e^k / k: for |e| <= 1/2 the terms fall as 4^-k
+_ZETA_M1 = [0.6449340668482264, 0.2020569031595943, 0.08232323371113819, 0.03692775514336993,
+            0.01734306198444914, 0.008349277381922827, 0.00407735619794434, 0.0020083928260822143,
+            0.0009945751278180853, 0.0004941886041194645, 0.0002460865533080483, 0.00012271334757848915,
+            6.124813505870483e-05]                                       # zeta(k) - 1, k = 2..14
+_LGAMMA2_SERIES = [0.0, 0.42278433509846713] + [(-1) ** k * z / k for k, z in enumerate(_ZETA_M1, 2)]
+
+
+def _lgamma1p_small(a):
+    """``lgamma(1 + a)`` for ``0 <= a <= IGAMMA_STIRLING_A``, accurate in absolute terms near its zeros
+    (a = 0, 1), unlike the shifted Stirling of ``lgamma``: the series of ``lgamma(2 + e)`` at
+    ``e = a - 1 - m``, ``m = floor(a + 1/2) - 1``, and the recurrence's logs for the shift m."""
+    m = nl.subtract(tm.floor(nl.add(a, 0.5)), 1.0)
+    e = nl.subtract(nl.subtract(a, 1.0), m)
+    r = _horner(e, _LGAMMA2_SERIES)
+    r = tm.where(nl.less(m, 0.0), nl.subtract(r, tm.log1p(a)), r)
+    r = tm.where(nl.equal(m, 1.0), nl.add(r, nl.log(a)), r)
+    return tm.where(nl.greater(m, 1.0), nl.add(r, nl.log(nl.multiply(a, nl.subtract(a, 1.0)))), r)
+
+
+def _d_minus_log1p(d):
+    """``d - log1p(d)`` (>= 0), by its series near 0 where the difference cancels."""
+    near = nl.less(tm.abs_(d), 0.25)
+    dn = tm.where(near, d, _c(d, 0.0))
+    series = nl.multiply(nl.multiply(dn, dn), _horner(dn, _DM_LOG1P))
+    return tm.where(near, series, nl.subtract(d, log1p_wide(d)))
+
+
+def _igamma_log_prefactor(a, x):
+    """``log(x^a e^-x / Gamma(a + 1))``: directly for small a; for larger a as ``-a (d - log1p d)`` with
+    ``d = (x - a) / a`` minus Stirling's rest, which keeps the cancelling a log x and lgamma out of fp32."""
+    big = nl.greater(a, IGAMMA_STIRLING_A)
+    a_small = tm.where(big, _c(a, 1.0), a)
+    small = nl.subtract(nl.subtract(nl.multiply(a, nl.log(x)), x), _lgamma1p_small(a_small))
+    ab = tm.where(big, a, _c(a, IGAMMA_STIRLING_A))      # keeps the unused branch finite
+    lead = nl.multiply(_d_minus_log1p(nl.divide(nl.subtract(x, ab), ab)), ab)
+    iz = nl.divide(1.0, ab)
+    tail = nl.multiply(iz, _horner(nl.multiply(iz, iz), _STIRLING_TAIL))
+    large = tm.neg(nl.add(nl.add(lead, nl.multiply(nl.log(nl.multiply(ab, 2 * math.pi)), 0.5)), tail))
+    return tm.where(big, large, small)
+
+
+def _igamma_temme(a, x):
+    """(P, Q) for large a by Temme's uniform expansion: ``Q = erfc(eta sqrt(a/2)) / 2 + R``,
+    ``R = e^(-a eta^2 / 2) / sqrt(2 pi a) (c0(eta) + c1(eta) / a)``, ``eta = sign(x - a) sqrt(2 (d - log1p d))``
+    (the next term, c2 / a^2, is below fp32's resolution for a > 40: c2(0) / a^2 / sqrt(2 pi a) < 3e-7)."""
+    d = nl.divide(nl.subtract(x, a), a)
+    half_eta2 = _d_minus_log1p(d)
+    eta = tm.copysign(nl.sqrt(nl.multiply(half_eta2, 2.0)), d)
+    near = nl.less(tm.abs_(eta), TEMME_TAYLOR_ETA)
+    en = tm.where(near, eta, _c(eta, 0.0))
+    ef = tm.where(near, _c(eta, 1.0), eta)               # the closed forms, kept away from eta = 0
+    u = tm.where(near, _c(d, 1.0), d)                    # lambda - 1
+    iu = nl.divide(1.0, u)
+    ie = nl.divide(1.0, ef)
+    c0 = tm.where(near, _horner(en, _TEMME_C0), nl.subtract(iu, ie))
+    c1_far = nl.subtract(nl.multiply(nl.multiply(ie, ie), ie),
+                         nl.add(nl.multiply(nl.multiply(iu, iu), nl.add(iu, 1.0)), nl.multiply(iu, 1 / 12)))
+    c1 = tm.where(near, _horner(en, _TEMME_C1), c1_far)
+    ia = nl.divide(1.0, a)
+    r = nl.multiply(nl.exp(nl.multiply(half_eta2, tm.neg(a))), nl.multiply(nl.sqrt(ia), 1 / math.sqrt(2 * math.pi)))
+    r = nl.multiply(r, nl.add(c0, nl.multiply(c1, ia)))
+    half = nl.multiply(erfc(nl.multiply(tm.abs_(eta), nl.sqrt(nl.multiply(a, 0.5)))), 0.5)
+    upper = nl.greater_equal(eta, 0.0)
+    q_up = nl.add(half, r)
+    p_low = nl.subtract(half, r)
+    return (tm.where(upper, nl.subtract(1.0, q_up), p_low), tm.where(upper, q_up, nl.subtract(1.0, p_low)))
+
+
+def _igamma_main(a, x):
+    """(P, Q) for finite a > 0, x > 0: the series of P below x = a + 1, the continued fraction of Q above,
+    Temme's expansion for a > IGAMMA_A_MAX."""
+    big = nl.greater(a, IGAMMA_A_MAX)
+    a_s = tm.where(big, _c(a, 1.0), a)                   # each branch kept finite where unused
+    x_s = tm.where(big, _c(x, 1.0), x)
+    a_t = tm.where(big, a, _c(a, 2 * IGAMMA_A_MAX))
+    pre = nl.exp(_igamma_log_prefactor(a_s, x_s))
+    term = _c(x, 1.0)
+    acc = term
+    den = a_s
+    for _ in range(IGAMMA_SERIES_TERMS):
+        den = nl.add(den, 1.0)
+        term = nl.multiply(term, nl.divide(x_s, den))
+        acc = nl.add(acc, term)
+    p_series = nl.multiply(pre, acc)
+    # modified Lentz on Q = pre * a / (x + 1 - a - 1 (1 - a) / (x + 3 - a - 2 (2 - a) / ...)); in this
+    # branch b >= 2 and the denominators stay away from 0, so no tiny-value guards are needed
+    b = nl.subtract(nl.add(x_s, 1.0), a_s)
+    c = _c(x, 1e30)
+    d = nl.divide(1.0, b)
+    h = d
+    for i in range(1, IGAMMA_CF_TERMS + 1):
+        an = nl.multiply(nl.subtract(a_s, float(i)), float(i))       # -i (i - a)
+        b = nl.add(b, 2.0)
+        d = nl.divide(1.0, nl.add(nl.multiply(d, an), b))
+        c = nl.add(b, nl.divide(an, c))
+        h = nl.multiply(h, nl.multiply(d, c))
+    q_cf = nl.multiply(nl.multiply(pre, a_s), h)
+    series = nl.less(x_s, nl.add(a_s, 1.0))
+    p_t, q_t = _igamma_temme(a_t, tm.where(big, x, _c(x, 2 * IGAMMA_A_MAX)))
+    p = tm.where(series, p_series, nl.subtract(1.0, q_cf))
+    q = tm.where(series, nl.subtract(1.0, p_series), q_cf)
+    return tm.where(big, p_t, p), tm.where(big, q_t, q)
+
+
+def _igamma_edges(a, x, r, lower: bool):
+    """The CPU's boundary values over ``r``, in its order of precedence (the last select wins)."""
+    one, zero = (1.0, 0.0) if lower else (0.0, 1.0)
+    r = _sel(tm.isinf(x), one, r)
+    r = _sel(nl.equal(a, INF), zero, r)
+    r = _sel(nl.logical_and(nl.equal(a, INF), tm.isinf(x)), NAN, r)
+    r = _sel(nl.equal(x, 0.0), zero, r)
+    r = _sel(nl.equal(a, 0.0), one, r)
+    r = _sel(nl.logical_and(nl.equal(a, 0.0), tm.logical_not(nl.greater(x, 0.0))), NAN, r)
+    return _sel(nl.logical_or(nl.less(x, 0.0), nl.less(a, 0.0)), NAN, r)
+
+
+def igamma(a, x):
+    """Regularized lower incomplete gamma ``P(a, x)``."""
+    return _igamma_edges(a, x, _igamma_main(a, x)[0], True)
+
+
+def igammac(a, x):
+    """Regularized upper incomplete gamma ``Q(a, x)``."""
+    return _igamma_edges(a, x, _igamma_main(a, x)[1], False)
+
+
+# ---- CTC ---------------------------------------------------------------------------------------------
+
+def ctc_alpha_step(stay, step, skip, emit):
+    """One time step of CTC's forward recursion in log space: ``emit + log(e^stay + e^step + e^skip)``
+    (``skip`` already -inf where the transition from two positions back is not allowed); -inf where no
+    predecessor is reachable (the shift of the log-sum-exp is then 0, not -inf, to avoid inf - inf)."""
+    m = nl.maximum(nl.maximum(stay, step), skip)
+    m = tm.where(tm.isinf(m), _c(m, 0.0), m)
+    total = nl.add(nl.add(nl.exp(nl.subtract(stay, m)), nl.exp(nl.subtract(step, m))),
+                   nl.exp(nl.subtract(skip, m)))
+    return nl.add(nl.add(nl.log(total), m), emit)

@@ -1,0 +1,55 @@
+"""CTC loss (``_ctc_loss`` and its backward) on the device (strict mode) against the CPU: padded and
+concatenated targets, repeated labels, impossible targets, empty inputs, the reductions and
+``zero_infinity``, and the CPU's errors for invalid lengths."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.ops.conftest import to_n
+
+torch.manual_seed(0)
+T, N, C, S = 12, 5, 6, 5
+LOG_PROBS = torch.randn(T, N, C).log_softmax(2)
+TARGETS = torch.randint(1, C, (N, S))
+TARGETS[3, 1] = TARGETS[3, 0]                      # a repeat: needs a blank between, no skip
+INPUT_LENGTHS = [12, 0, 2, 12, 9]                  # 0: empty input; 2 < 4 labels: impossible
+TARGET_LENGTHS = [0, 2, 4, 5, 3]
+CONCAT = torch.cat([TARGETS[b, :n] for b, n in enumerate(TARGET_LENGTHS)])
+
+
+def _loss_and_grad(log_probs, targets, reduction, zero_infinity):
+    x = log_probs.detach().requires_grad_()
+    loss = F.ctc_loss(x, targets, INPUT_LENGTHS, TARGET_LENGTHS, reduction=reduction, zero_infinity=zero_infinity)
+    (grad,) = torch.autograd.grad(loss.sum(), x)
+    return loss, grad
+
+
+@pytest.mark.parametrize("concat", [False, True])
+@pytest.mark.parametrize("reduction, zero_infinity", [("none", False), ("mean", True), ("sum", False)])
+def test_ctc_loss(concat, reduction, zero_infinity, strict):
+    targets = CONCAT if concat else TARGETS
+    got = _loss_and_grad(to_n(LOG_PROBS), to_n(targets), reduction, zero_infinity)
+    want = _loss_and_grad(LOG_PROBS, targets, reduction, zero_infinity)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, equal_nan=True)
+
+
+def test_ctc_loss_tensor_lengths_and_alphas(strict):
+    args = (torch.tensor(INPUT_LENGTHS), torch.tensor(TARGET_LENGTHS), 0, False)
+    nll, alpha = torch.ops.aten._ctc_loss.Tensor(to_n(LOG_PROBS), to_n(TARGETS), *args)
+    cnll, calpha = torch.ops.aten._ctc_loss.Tensor(LOG_PROBS, TARGETS, *args)
+    torch.testing.assert_close(nll.cpu(), cnll)
+    assert alpha.shape == calpha.shape
+    for b, (il, tl) in enumerate(zip(INPUT_LENGTHS, TARGET_LENGTHS)):   # the part the CPU writes
+        torch.testing.assert_close(alpha[b, :il, :2 * tl + 1].cpu(), calpha[b, :il, :2 * tl + 1])
+
+
+@pytest.mark.parametrize("input_lengths, target_lengths", [
+    ([12, 0, 2, 13, 9], TARGET_LENGTHS), (INPUT_LENGTHS, [0, 2, 4, 6, 3]), (INPUT_LENGTHS[:4], TARGET_LENGTHS),
+])
+def test_ctc_loss_errors_match_cpu(input_lengths, target_lengths, strict):
+    with pytest.raises(Exception) as cpu:
+        torch.ops.aten._ctc_loss(LOG_PROBS, TARGETS, input_lengths, target_lengths)
+    with pytest.raises(type(cpu.value)) as dev:
+        torch.ops.aten._ctc_loss(to_n(LOG_PROBS), to_n(TARGETS), input_lengths, target_lengths)
+    assert str(dev.value) == str(cpu.value)
