@@ -173,3 +173,24 @@ def test_int64_add_and_sub_carry_across_words(strict):
     bn = torch.nn.BatchNorm1d(3).to("neuron")                      # num_batches_tracked += 1 on the device
     bn(to_n(torch.randn(4, 3)))
     assert int(bn.num_batches_tracked.item()) == 1
+
+
+def test_a_plan_replays_its_kernel_program_on_every_device(strict):
+    # a replayed element-wise plan launches the program it kept: same results, no new trace, and
+    # tensors of another device get their own plan (and program)
+    from torchneuron.ops import cache_size
+    from torchneuron.ops.pointwise import _PLANS
+    from torchneuron.runtime import profiler
+    a, b = torch.randn(5, 7), torch.randn(5, 7)
+    for device in ("neuron:0", "neuron:1"):
+        x, y = a.to(device), b.to(device)
+        torch.testing.assert_close((x * y + 0.5).cpu(), a * b + 0.5, rtol=0, atol=0)
+        size = cache_size()
+        with profiler.record() as records:
+            for k in range(3):
+                out = x * y + (0.5 + k)
+                assert out.device == torch.device(device)
+                torch.testing.assert_close(out.cpu(), a * b + (0.5 + k), rtol=0, atol=0)
+        assert cache_size() == size
+        assert records and {r.device for r in records} == {torch.device(device).index}
+    assert any(p.traced is not None for p in _PLANS.values())

@@ -189,3 +189,23 @@ def test_activation_names():
     with pytest.raises(ValueError, match="unknown activation"):
         nx.activation_fn("softmax9")
     assert math.isclose(nx.REDUCE_IDENTITY["maximum"], -math.inf)
+
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def test_gelu_dx_in_place_matches_the_formula_bit_for_bit():
+    # the in-place evaluation must round exactly like the plain expression it replaces
+    from torchneuron.sim.numerics import _INV_SQRT_2, _INV_SQRT_2PI, apply_activation
+    g = torch.Generator().manual_seed(0)
+    special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-30, -1e30, 8.5, -8.5])
+    for dtype in (torch.float32, torch.float64):
+        base = torch.cat([torch.randn(4096, generator=g) * 4, special]).to(dtype)
+        for x in (base, base.view(-1, 1).expand(-1, 3)[:, 1], base[::2]):  # dense and strided
+            want = 0.5 * (1.0 + torch.erf(x * _INV_SQRT_2)) + x * torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
+            before = _bits(x)
+            got = apply_activation("gelu_dx", x)
+            assert torch.equal(_bits(x), before)  # the input is not written
+            assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want))

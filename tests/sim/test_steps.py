@@ -71,10 +71,55 @@ def mixed_program() -> Program:
         i.dma_copy(dst=tile("hbm:out3", F32, (P * F,)), src=_sb(13)),              # reshape on the way out
         i.dma_copy(dst=tile("hbm:out", F32, (P, F)), src=tile("hbm:x", F32, (P, F))),  # HBM to HBM
         i.dma_copy(dst=_sb(31, BF16), src=tile("hbm:out2", BF16, (P, F))),
+        # transposes: TensorE opens a group the next matmul accumulates into; VectorE into SBUF and
+        # into PSUM (closing a group there); one in place (no step)
+        i.nc_transpose(dst=tile("psum", F32, (F, P), offset=2048 * 2), data=_sb(12)),
+        i.nc_matmul(dst=tile("psum", F32, (F, P), offset=2048 * 2), stationary=_sb(12), moving=_sb(33, F32, (P,))),
+        i.nc_transpose(dst=_sb(34, F32, (P,), parts=F), data=_sb(13), engine="vector"),
+        i.nc_transpose(dst=_ps(1, (P,), P), data=_sb(35, F32, (P,)), engine="vector"),
+        i.nc_transpose(dst=_sb(35, F32, (P,)), data=_sb(35, F32, (P,)), engine="vector"),
+        i.nc_transpose(dst=tile("psum", BF16, (F, P), offset=2048 * 3), data=_sb(1, BF16)),
+        # identity activations: a plain copy, scaled and biased, PSUM eviction, in place, with a reduction
+        i.activation(dst=_sb(37), op="identity", data=_sb(12)),
+        i.activation(dst=_sb(38), op="copy", data=_sb(13), scale=col, bias=0.25),
+        i.activation(dst=_sb(39, F32, (P,)), op="identity", data=tile("psum", F32, (F, P), offset=2048 * 2)[:P, :]),
+        i.activation(dst=_sb(37), op="identity", data=_sb(37), scale=1.5),
+        i.activation(dst=_sb(40), op="identity", data=_sb(14), reduce_op="add", reduce_res=_sb(41, F32, (1,)),
+                     reduce_cmd="reset_reduce"),
+        i.activation(dst=_sb(42, BF16), op="identity", data=_sb(14)),
+        # unfused ALU instructions: integer bit ops and comparisons (int64 compute), mixed shapes
+        i.tensor_copy(dst=_sb(43, I32), src=_sb(12)),
+        i.tensor_copy(dst=_sb(44, I32), src=_sb(13)),
+        i.tensor_tensor(dst=_sb(45, I32), data1=_sb(43, I32), data2=_sb(44, I32), op="bitwise_xor"),
+        i.tensor_tensor(dst=_sb(46, I32, (2, F // 2)), data1=_sb(45, I32, (2, F // 2)), data2=_sb(44, I32),
+                        op="bitwise_and"),
+        i.tensor_tensor(dst=_sb(47), data1=_sb(12), data2=_sb(13), op="greater_equal"),
+        i.tensor_tensor(dst=_sb(48, BF16), data1=_sb(12), data2=_sb(13), op="divide"),
+        i.tensor_scalar(dst=_sb(49, I32), data=_sb(47), op0="not_equal", operand0=0, op1="multiply", operand1=-1),
+        i.tensor_scalar(dst=_sb(50, I32), data=_sb(45, I32), op0="bitwise_and", operand0=_sb(51, I32, (1,))),
+        i.tensor_scalar(dst=_sb(52, I32), data=_sb(45, I32), op0="bitwise_xor", operand0=_sb(51, I32, (1,)),
+                        reverse0=True),
+        i.tensor_scalar(dst=_sb(53, I32, (2, F // 2)), data=_sb(44, I32, (2, F // 2)), op0="equal",
+                        operand0=_sb(51, I32, (1,))),
+        i.tensor_scalar(dst=_sb(54), data=_sb(12), op0="abs"),
+        i.tensor_scalar(dst=_sb(55), data=_sb(12), op0="subtract", operand0=1.0, reverse0=True, op1="power",
+                        operand1=-0.5),
+        i.tensor_scalar(dst=_sb(56), data=_sb(12), op0="multiply", operand0=col, reverse0=True),
+        # int32 bit ops and comparisons (computed in int32 by the steps), into int32, fp32 and int8
+        i.tensor_scalar(dst=_sb(57, I32), data=_sb(45, I32), op0="bitwise_or", operand0=-7, reverse0=True,
+                        op1="bitwise_and", operand1=12345),
+        i.tensor_scalar(dst=_sb(58), data=_sb(45, I32), op0="less", operand0=_sb(51, I32, (1,)),
+                        op1="not_equal", operand1=1, reverse1=True),
+        i.tensor_tensor(dst=_sb(59, torch.int8), data1=_sb(45, I32), data2=_sb(44, I32), op="bitwise_or"),
+        i.tensor_scalar(dst=_sb(60, I32), data=_sb(45, I32), op0="equal", operand0=2 ** 40),  # int64 compute
+        i.tensor_scalar(dst=_sb(61, I32), data=_sb(45, I32), op0="add", operand0=_sb(51, I32, (1,))),
+        i.dma_copy(dst=tile("hbm:out4", I32, (P, F)), src=_sb(50, I32)),
+        i.dma_copy(dst=tile("hbm:out4", I32, (P, F))[:, 1:], src=tile("hbm:out4", I32, (P, F))[:, :F - 1]),
     ]
     args = [ArgSlot("x", (P, F), F32), ArgSlot("y", (P, F), BF16), ArgSlot("c", (P, 1), F32),
             ArgSlot("out", (P, F), F32, "output"), ArgSlot("out2", (P, F), BF16, "output"),
-            ArgSlot("out3", (P * F,), F32, "output"), ArgSlot("tmp", (4,), F32, "scratch")]
+            ArgSlot("out3", (P * F,), F32, "output"), ArgSlot("tmp", (4,), F32, "scratch"),
+            ArgSlot("out4", (P, F), I32, "output")]
     return Program(body, args, "mixed")
 
 
@@ -152,7 +197,7 @@ def test_run_bound_takes_slot_order_and_allocates_unbound():
     core = NeuronCore("trn2")
     prog = mixed_program()
     a = _inputs(4)
-    tensors = core.run_bound(prog, [a["x"], a["y"], a["c"], None, None, None, None])
+    tensors = core.run_bound(prog, [a["x"], a["y"], a["c"], None, None, None, None, None])
     want = core.run(prog, a).outputs
     assert torch.equal(tensors[3], want["out"]) and torch.equal(tensors[4], want["out2"])
     assert tensors[6].shape == (4,)
@@ -189,3 +234,13 @@ def test_prepared_programs_are_dropped_with_the_program():
     del prog
     gc.collect()
     assert not core._plans
+
+
+def test_int32_exact_computation_is_chosen_only_where_values_agree():
+    t, col = _sb(0, I32), _sb(1, I32, (1,))
+    assert isa._int32_exact(t, [("bitwise_and", col, False, True), ("not_equal", 0, False, True)])
+    assert isa._int32_exact(t, [("bitwise_xor", -2 ** 31, True, True)])
+    assert not isa._int32_exact(t, [("add", col, False, True)])                  # may overflow int32
+    assert not isa._int32_exact(t, [("equal", 2 ** 31, False, True)])            # scalar beyond int32
+    assert not isa._int32_exact(t, [("bitwise_and", _sb(1, torch.uint32, (1,)), False, True)])
+    assert not isa._int32_exact(_sb(0, torch.int16), [("bitwise_and", 3, False, True)])

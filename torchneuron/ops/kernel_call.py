@@ -46,6 +46,13 @@ def call_kernel(kernel: Any, inputs: dict[str, torch.Tensor], meta: dict[str, An
 
     ``meta``: the kernel's other (hashable) arguments; ``outputs``: tensors to write the kernel's
     outputs into, in return order (``None`` or a short list: allocate the rest)."""
+    return launch_traced(traced_kernel(kernel, inputs, meta), inputs, outputs, op)
+
+
+def traced_kernel(kernel: Any, inputs: dict[str, torch.Tensor], meta: dict[str, Any] | None = None) -> tuple:
+    """``call_kernel``'s (Program, output slot names, slot order) for these inputs and meta (traced once)."""
+    # a caller that knows the device, shapes, dtypes and meta stay the same (an element-wise plan)
+    # may keep the result and skip this key-building lookup with ``launch_traced``
     meta = meta or {}
     first = next(iter(inputs.values()))
     index = first.device.index
@@ -55,7 +62,15 @@ def call_kernel(kernel: Any, inputs: dict[str, torch.Tensor], meta: dict[str, An
         traced = kernel.trace((), {**inputs, **meta}, runtime.core(index).spec)
         hit = _programs[key] = (traced.program, _output_slots(traced.result),
                                 tuple(s.name for s in traced.program.args))
-    program, slots, order = hit
+    return hit
+
+
+def launch_traced(traced: tuple, inputs: dict[str, torch.Tensor], outputs: Sequence[torch.Tensor | None] = (),
+                  op: str | None = None, index: int | None = None) -> list[torch.Tensor]:
+    """Launch a ``traced_kernel`` result on inputs of the device (``index``), shapes and dtypes it was traced for."""
+    program, slots, order = traced
+    if index is None:
+        index = next(iter(inputs.values())).device.index
     args = dict(inputs)
     for slot, t in zip(slots, outputs):
         if t is not None:

@@ -24,7 +24,7 @@ import torchneuron.nki.language as nl
 from torchneuron.kernels.elementwise import KERNELS, NAMES, fold_broadcast
 from torchneuron.ops import tilemath as tm
 from torchneuron.ops.copy import device_copy
-from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense, scalar_operand
+from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense, launch_traced, scalar_operand, traced_kernel
 from torchneuron.ops.registry import Unsupported, cpu_fallback, lowering
 
 aten = torch.ops.aten
@@ -227,6 +227,7 @@ class _Plan:
     direct: bool           # the target is written by the kernel itself (contiguous)
     out_dtype: torch.dtype
     device: torch.device
+    traced: Any = None     # the kernel's traced_kernel entry, once the plan has run
 
 
 def _signature(o: Any) -> Any:
@@ -252,7 +253,10 @@ def _run_plan(plan: _Plan, operands: list, target: torch.Tensor | None, op: str 
                 o = o.expand(plan.shape)
             inputs[name] = (o if o.is_contiguous() else dense(o)).view(view)
     out = target.view(plan.R, plan.C) if plan.direct else None
-    (res,) = call_kernel(plan.kernel, inputs, plan.meta, [out], op=op)
+    traced = plan.traced
+    if traced is None:  # the plan fixes the kernel's device, shapes, dtypes and meta: look it up once
+        traced = plan.traced = traced_kernel(plan.kernel, inputs, plan.meta)
+    (res,) = launch_traced(traced, inputs, [out], op=op, index=plan.device.index)
     if target is None:
         return res.view(plan.shape)
     if not plan.direct:

@@ -374,10 +374,73 @@ def _rhs(core, value, nd: int) -> torch.Tensor | None:
     return v
 
 
+_INT32_EXACT_OPS = frozenset({"bitwise_and", "bitwise_or", "bitwise_xor", *COMPARE_OPS})
+
+
+def _int32_exact(data: AP, ops: list) -> bool:
+    """Whether an int64 computation of ``ops`` on ``data`` gives the values int32 gives: int32 tiles,
+    int32-range scalars, and only bitwise and/or/xor and comparisons, whose int64 results on
+    sign-extended int32 inputs are the sign-extended int32 results (so any dst dtype stores the same)."""
+    if data.dtype != torch.int32:
+        return False
+    for op, operand, _, _ in ops:
+        if op not in _INT32_EXACT_OPS:
+            return False
+        if isinstance(operand, AP):
+            if operand.dtype != torch.int32:
+                return False
+        elif type(operand) is not int or not -2**31 <= operand < 2**31:
+            return False
+    return True
+
+
+def _planned_alu_step(core, dst: AP, data: AP, ops: list, c: torch.dtype) -> Step | None:
+    """The step of an unfused tensor_tensor / tensor_scalar execute: ``data`` loaded in compute dtype
+    ``c``, then each (op, operand, reverse, column) of ``ops`` applied (an operand: a tile, a (P,1) tile
+    when ``column``, or a scalar the plan already rounded) and the result stored into ``dst``. The same
+    torch calls as execute with the views resolved once; None where a reshape would copy."""
+    xv, dv = data.view(core), dst.view(core)
+    nd = xv.dim()
+    if c == torch.int64 and _int32_exact(data, ops):
+        c = torch.int32  # the same values, without widening every operand to int64 and back
+    planned = []
+    for op, operand, reverse, column in ops:
+        if isinstance(operand, AP):
+            v = operand.view(core)
+            # as _col (a (P,1) tile broadcast over data's dims) and _load (a tile in data's shape) reshape
+            want = (operand.partitions, *([1] * (nd - 1))) if column else tuple(xv.shape)
+            if (v.dim() != nd) if column else (tuple(v.shape) != want):
+                try:
+                    v = v.view(want)  # a view, not a copy: the step reads the tile each run
+                except RuntimeError:
+                    return None
+            planned.append((op, v, v.dtype != c, reverse))
+        else:
+            planned.append((op, operand, False, reverse))
+    convert = xv.dtype != c
+
+    def step(h):
+        r = xv.to(c) if convert else xv
+        for op, v, conv, reverse in planned:
+            v = v.to(c) if conv else v
+            r = apply_alu(op, v, r) if reverse else apply_alu(op, r, v)
+        store(dst, dv, r)
+    return step
+
+
 def _copy_step(core, dst: AP, src: AP, slots) -> Step | None:
     """The step of ``dst.write(core, _convert(src.view(core), dst.dtype))`` (dma_copy, tensor_copy)."""
     if not src.on_chip and not dst.on_chip:
-        return None  # HBM to HBM: two slots may be bound to one tensor; keep write's overlap check
+        # HBM to HBM: two slots may be bound to one tensor, so keep write's overlap check (store)
+        sget, dget = _hbm_getter(src, slots), _hbm_getter(dst, slots)
+        if sget is None or dget is None:
+            return None
+        hbm_float = src.dtype != dst.dtype and not (src.dtype in INT_DTYPES and dst.dtype in INT_DTYPES)
+
+        def step(h):
+            v = sget(h)
+            store(dst, dget(h), v.float() if hbm_float else v)
+        return step
     # _convert goes through fp32 (a no-op for an fp32 source: .float() returns the tensor itself)
     to_float = (src.dtype != dst.dtype and src.dtype != torch.float32
                 and not (src.dtype in INT_DTYPES and dst.dtype in INT_DTYPES))
@@ -862,6 +925,40 @@ class NcTranspose(Instr):
             if not _group_open(rec[1], flags, rec[2]):
                 _open_group(rec[1], flags, _psum_closed(self, core, self.dst), rec[2], core.memory("psum").opened)
 
+    def step(self, core, slots) -> Step | None:
+        dst, data = self.dst, self.data
+        if dst.memory == data.memory and dst.footprint().overlaps(data.footprint()):
+            return None  # in place or overlapping: write's alias check decides on a clone
+        dv = dst.view(core)
+        # execute's reshapes, as views of the same memory (a copy here would freeze the tile's values)
+        values = _view2(data.view(core), data.partitions, data.free_elems)
+        if values is None:
+            return None
+        values = values.T
+        if values.shape != dv.shape:
+            try:
+                values = values.view(dv.shape)
+            except RuntimeError:
+                return None
+
+        def copy(h):
+            try:
+                dv.copy_(values)
+            except RuntimeError as e:
+                raise SimulatorError(f"{dst!r}: cannot write through this pattern: {e}") from None
+        if self.engine != Engine.TENSOR or dst.dtype != torch.float32:
+            return copy
+        psum = core.memory("psum")
+        flags, opened = psum.group_closed, psum.opened
+        rec, box = _open_record(flags), (dst.start_partition, dst.partitions, dst._geometry)
+        closed = _psum_closed(self, core, dst)
+
+        def step(h):  # the write, then TensorE opens the accumulation group there (as execute)
+            copy(h)
+            if not _group_open(rec, flags, box):
+                _open_group(rec, flags, closed, box, opened)
+        return step
+
     def price(self) -> CostInputs:
         p, f = self.data.partitions, self.data.free_elems
         kmn = (p, f, p) if self.engine == Engine.TENSOR else None  # a matmul against a [p, p] identity
@@ -938,7 +1035,9 @@ class TensorTensor(Instr):
 
     def step(self, core, slots) -> Step | None:
         if not self._fused:
-            return None
+            return _planned_alu_step(core, self.dst, self.data1, [(self.op, self.data2, False, False)],
+                                     compute_dtype(self.data1.dtype, self.data2.dtype,
+                                                   fractional=self.op in FRACTIONAL_OPS))
         fn, out, a, b = _ALU_FN[self.op], self.dst.view(core), self.data1.view(core), self.data2.view(core)
         return lambda h: fn(a, b, out=out)
 
@@ -1024,7 +1123,11 @@ class TensorScalar(Instr):
 
     def step(self, core, slots) -> Step | None:
         if not self._fused:
-            return None
+            c, operand0, operand1 = self._plan
+            ops = [(self.op0, operand0, self.reverse0, True)]
+            if self.op1 is not None:
+                ops.append((self.op1, operand1, self.reverse1, True))
+            return _planned_alu_step(core, self.dst, self.data, ops, c)
         _, operand0, operand1 = self._plan
         out, x = self.dst.view(core), self.data.view(core)
         fn0, r0 = _ALU_FN[self.op0], _rhs(core, operand0, out.dim())
@@ -1110,6 +1213,11 @@ class Reciprocal(Instr):
 
 # ---- ScalarE activation ------------------------------------------------------------------------
 
+def _identity_out(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    """The identity activation written into ``out`` (fp32 to fp32: a bit copy, as execute's store)."""
+    return out if x is out else out.copy_(x)
+
+
 def _regs(core, engine: Engine, ap: AP) -> torch.Tensor:
     """The engine's per-lane fp32 accumulation registers for the lanes (partitions) of ``ap``."""
     return core.regs[engine][ap.start_partition:ap.start_partition + ap.partitions]
@@ -1178,6 +1286,10 @@ class Activation(Instr):
         tiles = [v for v in (self.data, self.dst, self.scale, self.bias) if isinstance(v, AP)]
         ok = (all(t.dtype == torch.float32 for t in tiles) and self.data.shape == self.dst.shape
               and _disjoint_or_same(self.dst, self.data, self.scale, self.bias))
+        if ok and self.op in ("identity", "copy"):
+            # execute reduces its own result's layout: only a run without a reduction takes the copy
+            reduce = self.reduce_cmd != "idle" or self.reduce_res is not None
+            return None if reduce else _identity_out
         return ACTIVATIONS_OUT.get(self.op) if ok else None
 
     def execute(self, core) -> None:

@@ -39,6 +39,7 @@ PMAX = 128          # partitions of SBUF/PSUM and of any engine instruction (nl.
 MAX_FREE_DIMS = 4   # free-dim access pattern entries of an engine operand (A-v2)
 MAX_HBM_DIMS = 5    # an HBM (DMA) pattern also carries the dimension that maps to partitions
 NAN_BYTE = 0xFF     # 0xFF.. is NaN in fp32/bf16/fp16/fp8 e4m3fn/e5m2 and -1 in signed ints
+ROW_PAD = 64        # host bytes between the end of one on-chip partition row and the next (cache sets)
 
 
 class SimulatorError(ValueError):
@@ -89,7 +90,12 @@ class Memory:
         self.align = align
         self.nan_fill = nan_fill_enabled(nan_fill)
         if data is None:
-            data = torch.full((partitions, bytes_per_partition), NAN_BYTE if self.nan_fill else 0, dtype=torch.uint8)
+            # Rows are laid out ROW_PAD bytes apart beyond their length: SBUF's 192 KiB rows (a multiple
+            # of 64 KiB) would otherwise put every partition's row of a tile into the same few host
+            # cache sets, and copying a tile would miss the cache on nearly every row.
+            pitch = bytes_per_partition + (ROW_PAD if partitions > 1 else 0)
+            data = torch.full((partitions, pitch), NAN_BYTE if self.nan_fill else 0,
+                              dtype=torch.uint8)[:, :bytes_per_partition]
         self.data = data
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._regions: list[Region] = []
