@@ -65,3 +65,89 @@ def test_cholesky_runs_natively_then_falls_back_only_for_failures():
     torchneuron.reset_fallback_counts()
     torch.linalg.cholesky(to_n(_pd(4)))
     assert torchneuron.fallback_counts() == {}
+
+
+def _close(got, want, **tol) -> None:
+    """Each result of a neuron call (a tensor or a tuple of them) matches the CPU's."""
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert g.device.type == "neuron"
+        torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-4, **tol)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 3), (4, 3), (3, 4), (0, 2, 2)])
+def test_lu_family_matches_cpu(shape, strict):
+    a = torch.randn(*shape)
+    _close(torch.linalg.lu_factor_ex(to_n(a)), torch.linalg.lu_factor_ex(a))
+    _close(torch.linalg.lu(to_n(a)), torch.linalg.lu(a))
+    lu, piv = torch.linalg.lu_factor(a)
+    _close(torch.lu_unpack(to_n(lu), to_n(piv)), torch.lu_unpack(lu, piv))
+    if shape[-1] == shape[-2]:
+        _close(torch.linalg.slogdet(to_n(a)), torch.linalg.slogdet(a))
+        _close(torch.linalg.det(to_n(a)), torch.linalg.det(a))
+        for left, adjoint in ((True, False), (True, True), (False, False), (False, True)):
+            b = torch.randn(*shape[:-1], 2) if left else torch.randn(*shape[:-2], 2, shape[-1])
+            _close(torch.linalg.lu_solve(to_n(lu), to_n(piv), to_n(b), left=left, adjoint=adjoint),
+                   torch.linalg.lu_solve(lu, piv, b, left=left, adjoint=adjoint))
+
+
+def test_lu_pivots_and_info_follow_lapack(strict):
+    # ties pick the first row of largest |a|; an exactly zero pivot sets info (the first one) and goes on
+    a = torch.tensor([[[0., 1, 2], [0, 3, 4], [0, 5, 7]],
+                      [[1., 2, 3], [-1, -2, 6], [1, 2, 1]]])
+    got, want = torch.linalg.lu_factor_ex(to_n(a)), torch.linalg.lu_factor_ex(a)
+    assert torch.equal(got.pivots.cpu(), want.pivots) and torch.equal(got.info.cpu(), want.info)
+    assert want.info.tolist() == [1, 2]
+    _close(got.LU, want.LU)
+    _close(torch.linalg.slogdet(to_n(a)), torch.linalg.slogdet(a))
+    _close(torch.linalg.det(to_n(a)), torch.linalg.det(a))
+    lu_out, piv_out = torch.empty(0, device="neuron"), torch.empty(0, dtype=torch.int32, device="neuron")
+    info_out = torch.empty(0, dtype=torch.int32, device="neuron")
+    torch.linalg.lu_factor_ex(to_n(a), out=(lu_out, piv_out, info_out))
+    _close((lu_out, piv_out, info_out), tuple(want))
+
+
+def test_lu_errors_raise_like_cpu():
+    with pytest.raises(RuntimeError, match=r"U\[1,1\] is zero"):   # lu_factor checks info itself
+        torch.linalg.lu_factor(to_n(torch.zeros(2, 2)))
+    with pytest.raises(RuntimeError):
+        torch.linalg.lu_solve(to_n(torch.eye(3)), to_n(torch.ones(3, dtype=torch.int32)), to_n(torch.ones(2, 1)))
+    with pytest.raises(RuntimeError):
+        torch.linalg.det(to_n(torch.ones(2, 3)))
+
+
+def test_nan_and_inf_propagate_like_lapack(strict):
+    # i?amax never moves to a NaN below the diagonal (one on it wins); the updates touch trailing blocks only
+    nan, inf = float("nan"), float("inf")
+    a = torch.tensor([[[1., 2, 3], [nan, 4, 6], [5, 0, 1]], [[nan, 2, 3], [1, inf, 6], [5, 0, 1]]])
+    got, want = torch.linalg.lu_factor_ex(to_n(a)), torch.linalg.lu_factor_ex(a)
+    assert torch.equal(got.pivots.cpu(), want.pivots)
+    _close(got.LU, want.LU, equal_nan=True)
+    q = torch.randn(2, 3, 4)
+    q[0, 2, 1], q[1, 0, 2] = nan, inf
+    _close(torch.geqrf(to_n(q)), torch.geqrf(q), equal_nan=True)
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (2, 3, 4)])
+def test_qr_family_matches_cpu(shape, strict):
+    a = torch.randn(*shape)
+    a[..., 1] = 0                                   # a zero column below the diagonal: tau = 0
+    a[..., 0, 1] = 1
+    _close(torch.geqrf(to_n(a)), torch.geqrf(a))
+    for mode in ("reduced", "complete", "r"):
+        _close(torch.linalg.qr(to_n(a), mode=mode), torch.linalg.qr(a, mode=mode))
+    refl, tau = torch.geqrf(a)
+    m = shape[-2]
+    for left, transpose in ((True, False), (True, True), (False, False), (False, True)):
+        c = torch.randn(*shape[:-2], m, 2) if left else torch.randn(*shape[:-2], 2, m)
+        _close(torch.ormqr(to_n(refl), to_n(tau), to_n(c), left, transpose), torch.ormqr(refl, tau, c, left, transpose))
+    if shape[-2] >= shape[-1]:
+        _close(torch.linalg.householder_product(to_n(refl), to_n(tau)), torch.linalg.householder_product(refl, tau))
+
+
+def test_qr_errors_raise_like_cpu(strict):
+    with pytest.raises(RuntimeError):   # the argument checks run on the device's side: no CPU fallback
+        torch.ormqr(to_n(torch.ones(5, 0)), to_n(torch.ones(5)), to_n(torch.ones(5, 5)), True, True)
+    with pytest.raises(RuntimeError):
+        torch.linalg.qr(to_n(torch.ones(3, 3)), mode="bad")
+    with pytest.raises(RuntimeError):
+        torch.linalg.householder_product(to_n(torch.ones(3, 4)), to_n(torch.ones(2)))

@@ -1,24 +1,36 @@
 """Small dense linear algebra on the device, composed from lowered ops: Cholesky factorisation
 (``cholesky``, ``linalg_cholesky_ex``), triangular solves (``triangular_solve``,
-``linalg_solve_triangular``), and what is built on them (``cholesky_solve``, ``cholesky_inverse``).
+``linalg_solve_triangular``), and what is built on them (``cholesky_solve``, ``cholesky_inverse``);
+LU with partial pivoting (``linalg_lu_factor_ex``, ``linalg_lu``, ``lu_unpack``, ``linalg_lu_solve``,
+``_linalg_slogdet``, ``_linalg_det``); Householder QR (``geqrf``, ``linalg_qr``, ``ormqr``,
+``linalg_householder_product``).
 
-Both are the unblocked column algorithms LAPACK uses for small matrices (``potf2``, ``trsv``-style
-substitution), run over the whole batch at once: step j is a few vector ops and one batched
-matrix-vector product, so an n x n problem is O(n) launches. That suits the small matrices these
-ops meet in models (covariances, Gaussian-process kernels); above ``MAX_N`` rows, and for dtypes
-other than fp32 (the CPU's LAPACK kernels take fp32/fp64 only), the CPU fallback runs.
+All are the unblocked column algorithms LAPACK uses for small matrices (``potf2``, ``trsv``-style
+substitution, ``getf2``, ``geqr2``/``org2r``/``orm2r``), run over the whole batch at once: step j is a
+few vector ops and one batched matrix-vector product, so an n x n problem is O(n) launches. That suits
+the small matrices these ops meet in models (covariances, Gaussian-process kernels); above ``MAX_N``
+rows, and for dtypes other than fp32 (the CPU's LAPACK kernels take fp32/fp64 only), the CPU fallback
+runs. LU and QR steps work on whole matrices under row/column masks rather than on shrinking
+slices, so an n-step factorisation compiles its kernels once (per shape), not n times.
 
 A Cholesky factorisation that meets a non-positive pivot is handed to the CPU fallback (one
 device-to-host read of the failure flags per call): the CPU then raises its ``LinAlgError`` with
-the failing minor, or returns its own ``info`` and partial factor for ``linalg_cholesky_ex``.
+the failing minor, or returns its own ``info`` and partial factor for ``linalg_cholesky_ex``. An LU
+factorisation goes on past a zero pivot, as LAPACK's does, and reports it in ``info``.
+
+``linalg_matrix_exp`` stays on the CPU: its float32 result for the OpInfo samples (1-norms near 28, so
+several squarings) is itself off the float64 one by up to ~30x the fp32 comparison tolerance, so no
+independent fp32 evaluation (Taylor or Pade, checked) lands within tolerance of it.
 """
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
 
 from torchneuron.ops.copy import write_result
+from torchneuron.ops.nn import _checked   # PyTorch's argument checks on meta twins, raising like the CPU
 from torchneuron.ops.registry import cpu_fallback, lowering
 
 aten = torch.ops.aten
@@ -172,3 +184,352 @@ def cholesky_inverse(self: torch.Tensor, upper: bool = False, *, out: torch.Tens
     inv = _solve(chol, eye, False)
     return write_result(inv.mT @ inv, out)
 
+
+# ---- LU factorisation with partial pivoting (getrf) and what is built on it ---------------------------
+
+def _native(op: torch._ops.OpOverload, *args, **kwargs) -> Any:
+    """The meta results of ``op`` (shapes) when this module runs the call on the device, else None (the
+    caller takes the CPU fallback). On one neuron device, PyTorch's argument checks come first and raise
+    the CPU's exception; then the floating tensors must be fp32 with matrix dims within ``MAX_N``."""
+    ts = [a for a in args if isinstance(a, torch.Tensor)]
+    if ts[0].device.type != "neuron" or any(t.device != ts[0].device for t in ts):
+        return None
+    metas = _checked(op, *args, **kwargs)
+    if all(t.dtype == torch.float32 and max(t.shape[-2:], default=0) <= MAX_N for t in ts if t.is_floating_point()):
+        return metas
+    return None
+
+
+def _outs(**outs: torch.Tensor | None) -> dict:
+    """The out= keyword arguments actually given."""
+    return {k: v for k, v in outs.items() if v is not None}
+
+
+def _write_all(res: tuple, outs: tuple) -> tuple:
+    """Each result, or copied into its out= tensor."""
+    return tuple(write_result(r, o) for r, o in zip(res, outs))
+
+
+def _batched(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [..., m, n] as one batch dim [B, m, n] (B may be 0)."""
+    return t.reshape(math.prod(t.shape[:-2]), *t.shape[-2:])
+
+
+def _lu_factor(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(LU, 1-based int32 pivots, int32 info) of a batch [B, m, n], as LAPACK's ``getf2``: step j picks the
+    first row of largest |a| in column j at or below the diagonal (``i?amax``), swaps it up, divides the column below
+    by the pivot (skipped for an exact zero, which sets ``info`` to the first such j + 1 and goes on) and
+    takes the rank-1 update of the trailing block. Each step works on whole [B, m, n] tensors under
+    row/column masks, so every step reuses the kernels the first one compiled."""
+    b, m, n = a.shape
+    k = min(m, n)
+    rows = torch.arange(m, device=a.device)
+    cols = torch.arange(n, device=a.device)
+    a = a.contiguous()
+    pivots, zeros = [], []
+    for j in range(k if a.numel() else 0):
+        mag = a[:, :, j].abs()
+        # LAPACK's i?amax keeps the first maximum and never moves to a NaN: one at row j wins, others lose
+        mag = torch.where(mag != mag, torch.where(rows == j, math.inf, -0.5), mag)
+        p = torch.where(rows >= j, mag, -1.0).argmax(-1, keepdim=True)                       # [B, 1]
+        pivots.append(p)
+        swap = torch.where(rows == j, p, torch.where(rows == p, j, rows))                   # [B, m]
+        a = a.gather(1, swap.unsqueeze(-1).expand(b, m, n))
+        d = a[:, j:j + 1, j]
+        zero = d == 0
+        zeros.append(zero)
+        if j + 1 < m:
+            low = a[:, :, j] / torch.where(zero, 1.0, d)                                   # L's column j, below
+            # the update touches the trailing block only (a masked product could make 0 * inf = NaN elsewhere)
+            trail = (rows > j).unsqueeze(-1) & (cols > j)
+            a = torch.where(trail, a - low.unsqueeze(-1) * a[:, j:j + 1, :], a)
+            a[:, :, j] = torch.where(rows > j, low, a[:, :, j])
+    if not pivots:
+        return a.clone(), a.new_ones((b, k), dtype=torch.int32), a.new_zeros((b,), dtype=torch.int32)
+    zero = torch.cat(zeros, -1)
+    info = torch.where(zero.any(-1), zero.float().argmax(-1) + 1, 0).int()
+    return a, (torch.cat(pivots, -1) + 1).int(), info
+
+
+def _perm(pivots: torch.Tensor, m: int) -> torch.Tensor:
+    """The row order ``perm`` [B, m] (int64) with ``LU = A[perm]``, from LAPACK's sequential swaps
+    (row j with row ``pivots[j] - 1``)."""
+    rows = torch.arange(m, device=pivots.device)
+    perm = rows.expand(pivots.shape[0], m)
+    piv = pivots.long() - 1
+    for j in range(pivots.shape[-1]):
+        p = piv[:, j:j + 1]
+        perm = torch.where(rows == j, perm.gather(1, p), torch.where(rows == p, perm[:, j:j + 1], perm))
+    return perm
+
+
+@lowering("linalg_lu_factor_ex", "linalg_lu_factor_ex.out")
+def linalg_lu_factor_ex(A: torch.Tensor, *, pivot: bool = True, check_errors: bool = False,
+                        LU: torch.Tensor | None = None, pivots: torch.Tensor | None = None,
+                        info: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``torch.linalg.lu_factor_ex`` (so ``lu``, ``linalg.lu_factor``): getrf over the batch."""
+    outs = _outs(LU=LU, pivots=pivots, info=info)
+    overload = aten.linalg_lu_factor_ex.out if outs else aten.linalg_lu_factor_ex.default
+    if _native(aten.linalg_lu_factor_ex.default, A) is None or not pivot:   # the CPU refuses pivot=False
+        return cpu_fallback(overload, A, pivot=pivot, check_errors=check_errors, **outs)
+    m, n = A.shape[-2:]
+    lu, piv, inf = _lu_factor(_batched(A))
+    if check_errors and bool((inf > 0).any()):   # the CPU raises its LinAlgError naming the batch element
+        return cpu_fallback(overload, A, pivot=pivot, check_errors=check_errors, **outs)
+    res = (lu.reshape(A.shape), piv.reshape(*A.shape[:-2], min(m, n)), inf.reshape(A.shape[:-2]))
+    return _write_all(res, (LU, pivots, info)) if outs else res
+
+
+def _lu_solve(lu: torch.Tensor, pivots: torch.Tensor, b: torch.Tensor, adjoint: bool) -> torch.Tensor:
+    """X with ``A X = B`` (``A^T X = B`` when ``adjoint``) for ``A = P L U`` given as getrf's (LU, pivots),
+    batch dims already broadcast and flattened: the row permutation and two triangular solves."""
+    n = lu.size(-1)
+    perm = _perm(pivots, n).unsqueeze(-1).expand(b.shape)
+    if not adjoint:   # L U X = P^T B, whose row i is B's row perm[i]
+        return _solve(lu, _solve(lu, b.gather(1, perm), False, True), True)
+    y = _solve(lu.mT, _solve(lu.mT, b, False), True, True)   # U^T L^T (P^T X) = B
+    return torch.empty_like(y).scatter_(1, perm, y)          # X's row perm[i] is row i of P^T X
+
+
+@lowering("linalg_lu_solve", "linalg_lu_solve.out")
+def linalg_lu_solve(LU: torch.Tensor, pivots: torch.Tensor, B: torch.Tensor, *, left: bool = True,
+                    adjoint: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.linalg.lu_solve`` (so ``lu_solve``): ``X A = B`` is ``A^T X^T = B^T``."""
+    outs = _outs(out=out)
+    meta = _native(aten.linalg_lu_solve.default, LU, pivots, B, left=left, adjoint=adjoint)
+    if meta is None:
+        overload = aten.linalg_lu_solve.out if outs else aten.linalg_lu_solve.default
+        return cpu_fallback(overload, LU, pivots, B, left=left, adjoint=adjoint, **outs)
+    shape = meta.shape
+    if math.prod(shape) == 0:
+        return write_result(B.new_zeros(shape), out)
+    n = LU.size(-1)
+    rhs = B if left else B.mT
+    batch = shape[:-2]
+    lu = _batched(LU.expand(*batch, n, n))
+    piv = pivots.expand(*batch, n).reshape(-1, n)
+    x = _lu_solve(lu, piv, _batched(rhs.expand(*batch, *rhs.shape[-2:])), adjoint == left)
+    x = x.reshape(*batch, *rhs.shape[-2:])
+    return write_result(x if left else x.mT, out)
+
+
+def _unpack(lu: torch.Tensor, piv: torch.Tensor, data: bool = True,
+            perm: bool = True) -> tuple[torch.Tensor | None, ...]:
+    """(P, L, U) of getrf's output [B, m, n] (P None unless ``perm``, L and U None unless ``data``)."""
+    m, n = lu.shape[-2:]
+    k = min(m, n)
+    p = low = up = None
+    if perm:
+        rows = torch.arange(m, device=lu.device)
+        p = (_perm(piv, m).unsqueeze(-2) == rows.unsqueeze(-1)).float()   # P[r, i] = 1 where perm[i] == r
+    if data:
+        low = lu[..., :k].tril(-1) + torch.eye(m, k, device=lu.device)
+        up = lu[..., :k, :].triu()
+    return p, low, up
+
+
+@lowering("lu_unpack", "lu_unpack.out")
+def lu_unpack(LU_data: torch.Tensor, LU_pivots: torch.Tensor, unpack_data: bool = True,
+              unpack_pivots: bool = True, *, P: torch.Tensor | None = None, L: torch.Tensor | None = None,
+              U: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``torch.lu_unpack``: the permutation matrix and the unit-lower and upper factors."""
+    outs = _outs(P=P, L=L, U=U)
+    metas = _native(aten.lu_unpack.default, LU_data, LU_pivots, unpack_data, unpack_pivots)
+    if metas is None:
+        overload = aten.lu_unpack.out if outs else aten.lu_unpack.default
+        return cpu_fallback(overload, LU_data, LU_pivots, unpack_data, unpack_pivots, **outs)
+    m, n = LU_data.shape[-2:]
+    if LU_data.numel() == 0:
+        res = tuple(LU_data.new_zeros(t.shape) for t in metas)
+    else:
+        k = min(m, n)
+        p, low, up = _unpack(_batched(LU_data), LU_pivots.reshape(-1, k), unpack_data, unpack_pivots)
+        batch = LU_data.shape[:-2]
+        res = (p.reshape(*batch, m, m) if p is not None else LU_data.new_empty(metas[0].shape),
+               low.reshape(*batch, m, k) if low is not None else LU_data.new_empty(metas[1].shape),
+               up.reshape(*batch, k, n) if up is not None else LU_data.new_empty(metas[2].shape))
+    return _write_all(res, (P, L, U)) if outs else res
+
+
+@lowering("linalg_lu", "linalg_lu.out")
+def linalg_lu(A: torch.Tensor, *, pivot: bool = True, P: torch.Tensor | None = None,
+              L: torch.Tensor | None = None, U: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``torch.linalg.lu``: getrf, then unpacked."""
+    outs = _outs(P=P, L=L, U=U)
+    if _native(aten.linalg_lu.default, A) is None or not pivot:
+        overload = aten.linalg_lu.out if outs else aten.linalg_lu.default
+        return cpu_fallback(overload, A, pivot=pivot, **outs)
+    m, n = A.shape[-2:]
+    k, batch = min(m, n), A.shape[:-2]
+    if A.numel() == 0:
+        res = (A.new_zeros(*batch, m, m), A.new_zeros(*batch, m, k), A.new_zeros(*batch, k, n))
+    else:
+        lu, piv, _ = _lu_factor(_batched(A))
+        p, low, up = _unpack(lu, piv)
+        res = (p.reshape(*batch, m, m), low.reshape(*batch, m, k), up.reshape(*batch, k, n))
+    return _write_all(res, (P, L, U)) if outs else res
+
+
+def _det_parts(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(LU, pivots, diagonal of U, the permutation's sign) of square matrices [B, n, n]."""
+    lu, piv, _ = _lu_factor(a)
+    swaps = (piv != torch.arange(1, a.size(-1) + 1, device=a.device, dtype=torch.int32)).sum(-1)
+    return lu, piv, lu.diagonal(dim1=-2, dim2=-1), 1.0 - 2.0 * (swaps % 2).float()
+
+
+def _det_family(op: torch._ops.OpOverload, out_op: torch._ops.OpOverload, A: torch.Tensor, outs: dict,
+                empty: Callable, from_lu: Callable) -> tuple[torch.Tensor, ...]:
+    """slogdet/det: the CPU fallback, the empty-batch and 0 x 0 cases (``empty(batch)``), or
+    ``from_lu(lu, pivots, diag U, the permutation's sign)`` over the batch; written to the out= tensors."""
+    metas = _native(op, A)
+    if metas is None:
+        return cpu_fallback(out_op if outs else op, A, **outs)
+    n, batch = A.size(-1), A.shape[:-2]
+    if math.prod(batch) == 0:
+        res = tuple(torch.empty(t.shape, dtype=t.dtype, device=A.device) for t in metas)
+    elif n == 0:   # the empty product: det 1
+        res = empty(batch)
+    else:
+        lu, piv, diag, psign = _det_parts(_batched(A))
+        res = from_lu(lu.reshape(A.shape), piv.reshape(*batch, n), diag, psign, batch)
+    return _write_all(res, tuple(outs.get(k) for k in [a.name for a in out_op._schema.arguments
+                                                       if a.is_out])) if outs else res
+
+
+@lowering("_linalg_slogdet", "_linalg_slogdet.sign")
+def linalg_slogdet(A: torch.Tensor, *, sign: torch.Tensor | None = None, logabsdet: torch.Tensor | None = None,
+                   LU: torch.Tensor | None = None, pivots: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``torch.linalg.slogdet`` (so ``logdet``): from the LU, the sign of prod(diag U) times the
+    permutation's, and the sum of log|diag U|."""
+    return _det_family(
+        aten._linalg_slogdet.default, aten._linalg_slogdet.sign, A,
+        _outs(sign=sign, logabsdet=logabsdet, LU=LU, pivots=pivots),
+        lambda batch: (A.new_ones(batch), A.new_zeros(batch), A.new_empty(A.shape),
+                       A.new_empty((*batch, 0), dtype=torch.int32)),
+        lambda lu, piv, diag, psign, batch: ((psign * diag.sign().prod(-1)).reshape(batch),
+                                             diag.abs().log().sum(-1).reshape(batch), lu, piv))
+
+
+@lowering("_linalg_det", "_linalg_det.result")
+def linalg_det(A: torch.Tensor, *, result: torch.Tensor | None = None, LU: torch.Tensor | None = None,
+               pivots: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``torch.linalg.det`` (so ``det``): prod(diag U) times the permutation's sign."""
+    return _det_family(
+        aten._linalg_det.default, aten._linalg_det.result, A, _outs(result=result, LU=LU, pivots=pivots),
+        lambda batch: (A.new_ones(batch), A.new_empty(A.shape), A.new_empty((*batch, 0), dtype=torch.int32)),
+        lambda lu, piv, diag, psign, batch: ((psign * diag.prod(-1)).reshape(batch), lu, piv))
+
+
+# ---- Householder QR (geqrf) and the products with its Q (orgqr, ormqr) ---------------------------------
+
+def _geqrf(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reflectors and R, tau [B, min(m, n)]) of a batch [B, m, n], as LAPACK's ``geqr2``/``larfg``: column
+    j's reflector ``H = I - tau v v^T`` (``v_j = 1``) maps (alpha, x) to (beta, 0) with
+    ``beta = -sign(alpha) |(alpha, x)|``, ``tau = (beta - alpha) / beta`` and ``v = x / (alpha - beta)``;
+    ``x = 0`` gives ``tau = 0`` (H = I). Masked whole-matrix steps, as in ``_lu_factor``."""
+    b, m, n = a.shape
+    rows = torch.arange(m, device=a.device)
+    cols = torch.arange(n, device=a.device)
+    taus = []
+    for j in range(min(m, n) if a.numel() else 0):
+        col = a[:, :, j]
+        alpha = a[:, j:j + 1, j]
+        below = torch.where(rows > j, col, 0.0)
+        xnorm = torch.linalg.vector_norm(below, dim=-1, keepdim=True)
+        moves = xnorm != 0
+        beta = -torch.copysign(torch.hypot(alpha, xnorm), alpha)
+        tau = torch.where(moves, (beta - alpha) / beta, 0.0)
+        v = torch.where(rows > j, below / torch.where(moves, alpha - beta, 1.0), torch.where(rows == j, 1.0, 0.0))
+        w = tau * (v.unsqueeze(1) @ a).squeeze(1)                                  # tau v^T A
+        trail = (rows >= j).unsqueeze(-1) & (cols > j)   # H acts on rows j.. of the columns after j only
+        a = torch.where(trail, a - v.unsqueeze(-1) * w.unsqueeze(1), a)
+        a[:, :, j] = torch.where(rows > j, v, torch.where(rows == j, torch.where(moves, beta, alpha), col))
+        taus.append(tau)
+    if not taus:   # nothing to factor (an empty matrix): a copy, never the input itself
+        return a.clone(), a.new_zeros((b, min(m, n)))
+    return a, torch.cat(taus, -1)
+
+
+def _apply_q(refl: torch.Tensor, tau: torch.Tensor, c: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """``Q C`` (``Q^T C`` when ``transpose``) for ``Q = H_0 ... H_{k-1}`` whose reflectors are stored below
+    the diagonal of ``refl`` [B, m, >= k] with ``tau`` [B, k], and ``C`` [B, m, p]: one reflector at a time,
+    ``H C = C - tau v (v^T C)``."""
+    m, k = refl.size(-2), tau.size(-1)
+    if k == 0 or c.numel() == 0:
+        return c.clone()
+    vs = refl[..., :k].tril(-1) + torch.eye(m, k, device=c.device)
+    for j in (range(k) if transpose else reversed(range(k))):
+        v = vs[:, :, j:j + 1]                                                     # [B, m, 1]
+        c = c - (tau[:, j:j + 1].unsqueeze(-1) * v) * (v.mT @ c)
+    return c
+
+
+@lowering("geqrf", "geqrf.a")
+def geqrf(self: torch.Tensor, *, a: torch.Tensor | None = None,
+          tau: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``torch.geqrf``: the reflectors below the diagonal, R on and above it, and the ``tau`` factors."""
+    outs = _outs(a=a, tau=tau)
+    if not (self.device.type == "neuron" and self.dtype == torch.float32 and self.dim() >= 2
+            and max(self.shape[-2:]) <= MAX_N):   # geqrf has no meta kernel: the CPU checks a 1-d input
+        return cpu_fallback(aten.geqrf.a if outs else aten.geqrf.default, self, **outs)
+    m, n = self.shape[-2:]
+    qr, t = _geqrf(_batched(self))
+    res = (qr.reshape(self.shape), t.reshape(*self.shape[:-2], min(m, n)))
+    return _write_all(res, (a, tau)) if outs else res
+
+
+@lowering("linalg_qr", "linalg_qr.out")
+def linalg_qr(A: torch.Tensor, mode: str = "reduced", *, Q: torch.Tensor | None = None,
+              R: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``torch.linalg.qr`` (so ``qr``): geqrf, then Q as the reflectors applied to the identity's first
+    columns (orgqr) and R as the upper triangle."""
+    outs = _outs(Q=Q, R=R)
+    metas = _native(aten.linalg_qr.default, A, mode)
+    if metas is None:
+        return cpu_fallback(aten.linalg_qr.out if outs else aten.linalg_qr.default, A, mode, **outs)
+    q_meta, r_meta = metas
+    m, n = A.shape[-2:]
+    batch = A.shape[:-2]
+    refl, tau = _geqrf(_batched(A))
+    r = refl[:, :r_meta.size(-2), :]
+    r = (r.triu() if r.numel() else r.clone()).reshape(r_meta.shape)   # triu takes no empty tensor
+    if mode == "r":
+        q = A.new_empty(q_meta.shape)
+    else:
+        cols = q_meta.size(-1)
+        eye = torch.eye(m, cols, device=A.device).expand(refl.size(0), m, cols)
+        q = _apply_q(refl, tau, eye, False).reshape(*batch, m, cols)
+    return _write_all((q, r), (Q, R)) if outs else (q, r)
+
+
+@lowering("linalg_householder_product", "linalg_householder_product.out")
+def linalg_householder_product(input: torch.Tensor, tau: torch.Tensor, *,
+                               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.linalg.householder_product`` (orgqr): the first n columns of ``H_0 ... H_{k-1}``."""
+    outs = _outs(out=out)
+    meta = _native(aten.linalg_householder_product.default, input, tau)
+    if meta is None:
+        overload = aten.linalg_householder_product.out if outs else aten.linalg_householder_product.default
+        return cpu_fallback(overload, input, tau, **outs)
+    shape = meta.shape
+    m, n = input.shape[-2:]
+    refl = _batched(input)
+    eye = torch.eye(m, n, device=input.device).expand(refl.size(0), m, n)
+    return write_result(_apply_q(refl, tau.reshape(refl.size(0), tau.size(-1)), eye, False).reshape(shape), out)
+
+
+@lowering("ormqr", "ormqr.out")
+def ormqr(self: torch.Tensor, input2: torch.Tensor, input3: torch.Tensor, left: bool = True,
+          transpose: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.ormqr``: ``op(Q) C`` or ``C op(Q)`` with Q from geqrf's output; ``C Q`` is ``(Q^T C^T)^T``."""
+    outs = _outs(out=out)
+    meta = _native(aten.ormqr.default, self, input2, input3, left, transpose)
+    if meta is None:
+        return cpu_fallback(aten.ormqr.out if outs else aten.ormqr.default, self, input2, input3, left, transpose,
+                            **outs)
+    shape = meta.shape
+    refl = _batched(self)
+    tau = input2.reshape(refl.size(0), input2.size(-1))
+    c = _batched(input3)
+    res = _apply_q(refl, tau, c, transpose) if left else _apply_q(refl, tau, c.mT, not transpose).mT
+    return write_result(res.reshape(shape), out)
