@@ -194,3 +194,81 @@ def test_max_unpool3d(strict):
             F.max_unpool3d(t, j, 2)
         with pytest.raises(RuntimeError, match="should be type int64"):
             F.max_unpool3d(t, j.to(torch.int32), 2)
+
+
+# ---- grid sampling, fractional and 3-D adaptive max pooling, antialiased resizing ---------------------
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
+@pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
+def test_grid_sample_2d(strict, mode, padding):
+    """Coordinates beyond [-1, 1] exercise every padding rule; the CPU's index math is followed exactly."""
+    x = torch.randn(2, 3, 5, 7)
+    g = torch.rand(2, 6, 4, 2) * 3.2 - 1.6
+    for align in (False, True):
+        want = F.grid_sample(x, g, mode=mode, padding_mode=padding, align_corners=align)
+        got = F.grid_sample(to_n(x), to_n(g), mode=mode, padding_mode=padding, align_corners=align)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest"])
+def test_grid_sample_3d(strict, mode):
+    x = torch.randn(2, 3, 4, 5, 3)
+    g = torch.rand(2, 3, 2, 4, 3) * 3 - 1.5
+    for padding in ("zeros", "border", "reflection"):
+        for align in (False, True):
+            want = F.grid_sample(x, g, mode=mode, padding_mode=padding, align_corners=align)
+            got = F.grid_sample(to_n(x), to_n(g), mode=mode, padding_mode=padding, align_corners=align)
+            torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_grid_sample_errors_like_cpu(strict):
+    aten = torch.ops.aten
+    calls = [(aten.grid_sampler_2d, (2, 1, 3, 3), (1, 2, 2, 2), 0),     # batch sizes differ
+             (aten.grid_sampler_2d, (1, 1, 3, 3), (1, 2, 2, 3), 0),     # wrong coordinate count
+             (aten.grid_sampler_3d, (1, 1, 3, 3, 3), (1, 2, 2, 2, 3), 2),  # no bicubic in 3-D
+             (aten.grid_sampler_2d, (1, 1, 0, 3), (1, 2, 2, 2), 0)]     # empty spatial dim
+    for op, shape, gshape, mode in calls:
+        with pytest.raises(RuntimeError) as want:
+            op(torch.zeros(shape), torch.zeros(gshape), mode, 0, False)
+        with pytest.raises(RuntimeError) as got:
+            op(to_n(torch.zeros(shape)), to_n(torch.zeros(gshape)), mode, 0, False)
+        assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_fractional_max_pool(strict, k):
+    """Given the random samples the op is deterministic: windows, values and indices match the CPU's."""
+    x = torch.randn((2, 3) + (9, 8, 7)[:k])
+    x[0, 1].view(-1)[5] = float("nan")
+    u = torch.rand(2, 3, k)
+    kernel, out = (3, 2, 2)[:k], (4, 3, 2)[:k]
+    op = torch.ops.aten.fractional_max_pool2d if k == 2 else torch.ops.aten.fractional_max_pool3d
+    wv, wi = op(x, kernel, out, u)
+    gv, gi = op(to_n(x), kernel, out, to_n(u))
+    torch.testing.assert_close(gv.cpu(), wv, equal_nan=True)
+    assert torch.equal(gi.cpu(), wi)
+    pool = F.fractional_max_pool2d if k == 2 else F.fractional_max_pool3d
+    xs = torch.randn((1, 2) + (16, 9, 8)[:k])
+    samples = torch.tensor([[[0.96, 0.2, 0.5][:k], [0.0, 0.7, 0.33][:k]]])
+    _check(lambda t: pool(t, 2, output_ratio=(0.5,) * k, _random_samples=to_n(samples) if t.is_neuron else samples), xs)
+
+
+def test_adaptive_max_pool3d(strict):
+    x = torch.randn(2, 3, 5, 7, 4)
+    x[1, 2, 3, 3, 3] = float("nan")
+    v, i = F.adaptive_max_pool3d(to_n(x), (2, 3, 3), return_indices=True)
+    wv, wi = F.adaptive_max_pool3d(x, (2, 3, 3), return_indices=True)
+    torch.testing.assert_close(v.cpu(), wv, equal_nan=True)
+    assert torch.equal(i.cpu(), wi)
+    _check(lambda t: F.adaptive_max_pool3d(t, (3, 2, 4)), torch.randn(3, 6, 5, 4))
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+def test_antialiased_resize(strict, mode):
+    """``_upsample_{bilinear,bicubic}2d_aa`` forward (their backward ops take the CPU fallback)."""
+    x = torch.randn(2, 3, 10, 20)
+    for kw in (dict(size=(3, 7)), dict(size=(23, 9)), dict(size=(4, 20), align_corners=True),
+               dict(scale_factor=(1.7, 0.45))):
+        want = F.interpolate(x, mode=mode, antialias=True, **kw)
+        got = F.interpolate(to_n(x), mode=mode, antialias=True, **kw)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)

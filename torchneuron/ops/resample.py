@@ -12,15 +12,23 @@ meta stand-ins first, so bad input raises what the CPU kernel raises.
   ``upsample_bilinear2d``, ``upsample_trilinear3d``, ``upsample_bicubic2d`` (one interpolation matrix per dim,
   both ``align_corners``), with backward ops. Empty operands get the CPU's argument checks and empty results.
 - **Unpooling** ``max_unpool3d`` (through ``max_unpool2d`` on volumes flattened to one row).
-- **Pooling** ``adaptive_max_pool2d`` (windows gathered with clamped indices, ``max`` over the window,
-  flat indices looked up in a host table) and backward (``scatter_add``); ``_adaptive_avg_pool3d``
-  and ``avg_pool3d`` with backward (one band matrix per dim, as ``cnn.py`` does in 2-D).
+- **Antialiased resizing** ``_upsample_bilinear2d_aa``, ``_upsample_bicubic2d_aa``: the same matmuls, with
+  the filter's support widened by the downsampling factor and each row normalized (forward only).
+- **Pooling** ``adaptive_max_pool2d``/``3d`` (each window's flat positions gathered in one ``index_select``,
+  padded by repeating the last, ``max`` over the window; the winner's flat index looked up in the same
+  table) and backward (``scatter_add``); ``fractional_max_pool2d``/``3d`` and backward (window starts
+  computed on the device from the given samples, as the CPU's ``generate_intervals`` in fp32, then a
+  ``gather`` and the same window max); ``_adaptive_avg_pool3d`` and ``avg_pool3d`` with backward (one band
+  matrix per dim, as ``cnn.py`` does in 2-D).
+- **Grid sampling** ``grid_sampler_2d``/``3d`` forward: ``sampling_grid.py``.
 """
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from torchneuron.ops.cnn import FLOATS, _adaptive_band, _avg_band, _f32, _into, _meta_run
@@ -88,19 +96,61 @@ def _cubic_weights(t: torch.Tensor) -> list[torch.Tensor]:
     return [far(t + 1.0), near(t), near(1.0 - t), far(2.0 - t)]
 
 
+def _aa_filter(mode: str, x: float) -> float:
+    """The antialiasing filter at ``x`` in fp32: the triangle (``linear_aa``) or Keys' cubic with a = -0.5
+    (``cubic_aa``, PIL's bicubic)."""
+    f = np.float32
+    x = abs(f(x))
+    if mode == "linear_aa":
+        return f(1) - x if x < 1 else f(0)
+    a = f(-0.5)
+    if x < 1:
+        return ((a + f(2)) * x - (a + f(3))) * x * x + f(1)
+    if x < 2:
+        return ((a * x - f(5) * a) * x + f(8) * a) * x - f(4) * a
+    return f(0)
+
+
+def _aa_matrix(mode: str, n: int, out: int, scale: float) -> torch.Tensor:
+    """fp32 [out, n]: antialiased interpolation weights (``_upsample_*2d_aa``): the filter's support widened
+    by the downsampling factor, each row's taps normalized to sum to 1, with the CPU kernel's mix of fp32
+    and double rounding term by term."""
+    f = np.float32
+    taps = 2 if mode == "linear_aa" else 4
+    support = f(taps * 0.5 * scale) if scale >= 1.0 else f(taps * 0.5)
+    width = int(math.ceil(support)) * 2 + 1
+    invscale = f(1.0 / scale) if scale >= 1.0 else f(1.0)
+    m = torch.zeros(out, n, dtype=torch.float32)
+    for i in range(out):
+        center = f(scale * (i + 0.5))
+        lo = max(int(float(center - support) + 0.5), 0)
+        size = min(max(min(int(float(center + support) + 0.5), n) - lo, 0), width)
+        ws = [_aa_filter(mode, (float(f(j + lo) - center) + 0.5) * float(invscale)) for j in range(size)]
+        total = f(0)
+        for w in ws:
+            total = total + w
+        if total != 0:
+            ws = [w / total for w in ws]
+        if size:
+            m[i, lo:lo + size] = torch.tensor(np.array(ws, dtype=np.float32))
+    return m
+
+
 @functools.lru_cache(maxsize=256)
 def _interp_matrix(mode: str, n: int, out: int, align_corners: bool, scale: float | None) -> torch.Tensor:
     """fp32 [out, n]: PyTorch's ``linear`` or ``cubic`` interpolation weights along one dim, with the CPU
     kernel's source index (``area_pixel_compute_source_index`` in float32) and its edge rules: linear
     clamps the source at 0 and its fraction to [0, 1], cubic clamps each of its four taps into the input.
     A linear dim whose size does not change is copied whatever the scale, as the CPU kernel does."""
-    if mode == "linear" and out == n:
+    if mode != "cubic" and out == n:
         return torch.eye(n, dtype=torch.float32)
     if align_corners:
         s = (n - 1) / (out - 1) if out > 1 else 0.0
     else:
         s = 1.0 / scale if scale is not None and scale > 0 else n / out
     s32 = torch.tensor(s, dtype=torch.float32)
+    if mode.endswith("_aa"):
+        return _aa_matrix(mode, n, out, float(s32))
     dst = torch.arange(out, dtype=torch.float32)
     if align_corners:
         src = dst * s32
@@ -133,12 +183,22 @@ def _window_index(n: int, out: int) -> tuple[torch.Tensor, int]:
 
 
 @functools.lru_cache(maxsize=256)
-def _max_flat_table(H: int, W: int, OH: int, OW: int) -> torch.Tensor:
-    """fp32 [OH, OW, KH*KW]: the flat input index ``h * W + w`` of each gathered window element."""
-    ih, KH = _window_index(H, OH)
-    iw, KW = _window_index(W, OW)
-    t = ih.view(OH, KH, 1, 1) * W + iw.view(1, 1, OW, KW)
-    return t.permute(0, 2, 1, 3).reshape(OH, OW, KH * KW).to(torch.float32)
+def _max_flat_table(sizes: tuple[int, ...], outs: tuple[int, ...]) -> torch.Tensor:
+    """fp32 [*outs, K]: the flat input index (row-major over ``sizes``) of each gathered window element."""
+    k = len(sizes)
+    flat = torch.zeros([1] * (2 * k), dtype=torch.int64)
+    for d, (n, o) in enumerate(zip(sizes, outs)):
+        idx, K = _window_index(n, o)
+        shape = [1] * (2 * k)
+        shape[2 * d], shape[2 * d + 1] = o, K
+        flat = flat * n + idx.view(shape)
+    perm = list(range(0, 2 * k, 2)) + list(range(1, 2 * k, 2))      # outputs first, then window offsets
+    return flat.permute(perm).reshape(*outs, -1).to(torch.float32)
+
+
+def _max_flat_index(sizes: tuple[int, ...], outs: tuple[int, ...]) -> torch.Tensor:
+    """``_max_flat_table`` flattened to int64 (a gather index)."""
+    return _max_flat_table(sizes, outs).reshape(-1).to(torch.int64)
 
 
 _DEVICE_TABLES: dict[tuple, torch.Tensor] = {}
@@ -376,42 +436,58 @@ def _interp_lowerings(name: str, mode: str, k: int) -> None:
         return res.view([int(v) for v in input_size])
 
     _register(name, "out", forward, 1, _upsample_check(k, False))
-    _register(f"{name}_backward", "grad_input", backward, 1, _upsample_check(k, True))
+    if not name.endswith("_aa"):
+        # the antialiased backward ops stay on the CPU fallback: with them lowered, a process that ran one
+        # under autograd sometimes aborted at exit ("terminate called without an active exception")
+        _register(f"{name}_backward", "grad_input", backward, 1, _upsample_check(k, True))
 
 
 for _name, _mode, _k in (("upsample_linear1d", "linear", 1), ("upsample_bilinear2d", "linear", 2),
-                         ("upsample_trilinear3d", "linear", 3), ("upsample_bicubic2d", "cubic", 2)):
+                         ("upsample_trilinear3d", "linear", 3), ("upsample_bicubic2d", "cubic", 2),
+                         ("_upsample_bilinear2d_aa", "linear_aa", 2), ("_upsample_bicubic2d_aa", "cubic_aa", 2)):
     _interp_lowerings(_name, _mode, _k)
 
 
 # ---- pooling ------------------------------------------------------------------------------------
 
-def _adaptive_max_pool2d(self: torch.Tensor, output_size: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    values_meta, _ = _meta_run(aten.adaptive_max_pool2d.default, self, output_size)
-    H, W = self.shape[-2:]
-    OH, OW = values_meta.shape[-2:]
-    if values_meta.numel() == 0:
-        return (torch.empty(values_meta.shape, dtype=self.dtype, device=self.device),
-                torch.empty(values_meta.shape, dtype=torch.int64, device=self.device))
-    if H * W >= EXACT:
-        return cpu_fallback(aten.adaptive_max_pool2d.default, self, output_size)
-    ih, KH = _window_index(H, OH)
-    iw, KW = _window_index(W, OW)
-    x = self.reshape(-1, H, W)
-    B = x.shape[0]
-    # windows padded by repeating their last element: a repeat never beats the first occurrence it copies
-    win = _gather_dims(x, [_dev(self.device, _window_rows, H, OH), _dev(self.device, _window_rows, W, OW)])
-    win = dense(win.view(B, OH, KH, OW, KW).permute(0, 1, 3, 2, 4)).view(B, OH, OW, KH * KW)
+def _adaptive_max_pool(k: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    op = getattr(aten, f"adaptive_max_pool{k}d").default
+
+    def pool(self: torch.Tensor, output_size: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        values_meta, _ = _meta_run(op, self, output_size)
+        sizes = tuple(int(v) for v in self.shape[-k:])
+        outs = tuple(int(v) for v in values_meta.shape[-k:])
+        if values_meta.numel() == 0:
+            return (torch.empty(values_meta.shape, dtype=self.dtype, device=self.device),
+                    torch.empty(values_meta.shape, dtype=torch.int64, device=self.device))
+        if math.prod(sizes) >= EXACT:
+            return cpu_fallback(op, self, output_size)
+        x = self.reshape(-1, math.prod(sizes))
+        B = x.shape[0]
+        # windows padded by repeating their last element: a repeat never beats the first occurrence it copies;
+        # one gather of the flat positions, in the CPU kernel's scan order within each window
+        table = _dev(self.device, _max_flat_table, sizes, outs)
+        win = x.index_select(1, _dev(self.device, _max_flat_index, sizes, outs)).view(B, *table.shape)
+        values, flat = _window_max(win, table)
+        return values.view(values_meta.shape), to_int64(flat.view(values_meta.shape))
+
+    pool.__doc__ = f"``adaptive_max_pool{k}d``: windows gathered with clamped indices, the max over each."
+    return pool
+
+
+def _window_max(win: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Max over the last dim of ``win`` and the fp32 flat index ``table`` holds for the winner (``table``
+    broadcasts against ``win``): the first maximum, or the last NaN as the CPU kernels take
+    (``val > max || isnan(val)``)."""
     values, k = win.max(-1, keepdim=True)
-    table = _dev(self.device, _max_flat_table, H, W, OH, OW).expand(B, OH, OW, KH * KW)
+    table = table.expand(win.shape)
     flat = torch.gather(table, -1, k)
-    # the CPU kernel takes the last NaN of a window (``val > max || isnan(val)``): the NaN with the largest
-    # position weight; positions are distinct, so its argmax is exact
+    # the NaN with the largest position weight; positions are distinct, so its argmax is exact
     nan = win.isnan()
-    weights = _dev(self.device, _positions, KH * KW)
+    weights = _dev(win.device, _positions, win.shape[-1])
     _, last_nan = (nan.to(torch.float32) * weights).max(-1, keepdim=True)
     flat = torch.where(values.isnan(), torch.gather(table, -1, last_nan), flat)
-    return values.view(values_meta.shape), to_int64(flat.view(values_meta.shape))
+    return values.squeeze(-1), flat.squeeze(-1)
 
 
 def _positions(K: int) -> torch.Tensor:
@@ -419,19 +495,106 @@ def _positions(K: int) -> torch.Tensor:
     return torch.arange(1, K + 1, dtype=torch.float32)
 
 
-def _window_rows(n: int, out: int) -> torch.Tensor:
-    """The index of ``_window_index`` alone (a table builder for ``_dev``)."""
-    return _window_index(n, out)[0]
+def _adaptive_max_pool_backward(k: int) -> Callable[..., torch.Tensor]:
+    op = getattr(aten, f"adaptive_max_pool{k}d_backward").default
+
+    def backward(grad_output: torch.Tensor, self: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The gradient summed into each window's argmax (``scatter_add`` over the flat indices, fp32)."""
+        _meta_run(op, grad_output, self, indices)
+        return _argmax_scatter(grad_output, self, indices, k)
+
+    return backward
 
 
-def _adaptive_max_pool2d_backward(grad_output: torch.Tensor, self: torch.Tensor,
-                                  indices: torch.Tensor) -> torch.Tensor:
-    _meta_run(aten.adaptive_max_pool2d_backward.default, grad_output, self, indices)
-    H, W = self.shape[-2:]
-    B = self.numel() // (H * W)
-    grad = torch.zeros(B, H * W, dtype=torch.float32, device=self.device)
+def _argmax_scatter(grad_output: torch.Tensor, self: torch.Tensor, indices: torch.Tensor, k: int) -> torch.Tensor:
+    """A max pool's input gradient: each output's gradient added at its flat argmax over the last ``k``
+    dims (``scatter_add`` in fp32)."""
+    S = math.prod(self.shape[-k:])
+    B = self.numel() // S
+    grad = torch.zeros(B, S, dtype=torch.float32, device=self.device)
     grad.scatter_add_(1, indices.reshape(B, -1), _f32(grad_output).reshape(B, -1))
     return grad.to(self.dtype).view(self.shape)
+
+
+# ---- fractional max pooling ---------------------------------------------------------------------------
+
+def _fractional_positions(u: torch.Tensor, n: int, out: int, K: int) -> torch.Tensor:
+    """fp32 [B, out, K]: the input positions of each window along one dim, from the planes' samples ``u [B]``
+    as the CPU's ``generate_intervals`` computes them in fp32: ``int((i + u) * alpha) - int(u * alpha)`` with
+    ``alpha = (n - K) / (out - 1)``, the last window ending at the input's end."""
+    B = u.shape[0]
+    last = torch.full((B, 1), float(n - K), dtype=torch.float32, device=u.device)
+    if out > 1:
+        alpha = float(np.float32(n - K) / np.float32(out - 1))
+        i = _dev(u.device, _positions, out - 1) - 1.0                          # 0 .. out - 2
+        starts = torch.trunc((i.view(1, -1) + u.view(B, 1)) * alpha) - torch.trunc(u * alpha).view(B, 1)
+        starts = torch.cat([starts, last], dim=1)
+    else:
+        starts = last
+    offsets = _dev(u.device, _positions, K) - 1.0
+    # out-of-range samples are not the CPU's contract: clamping keeps the gather inside the input
+    return (starts.view(B, out, 1) + offsets.view(1, 1, K)).clamp(0.0, float(n - 1))
+
+
+def _fractional_max_pool(k: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    op = getattr(aten, f"fractional_max_pool{k}d").default
+
+    def pool(self: torch.Tensor, kernel_size: Sequence[int], output_size: Sequence[int],
+             random_samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``fractional_max_pool{k}d`` given its samples: windows gathered per plane, the max over each."""
+        if random_samples.device != self.device or random_samples.dtype != self.dtype:
+            return cpu_fallback(op, self, kernel_size, output_size, random_samples)
+        values_meta, _ = _meta_run(op, self, kernel_size, output_size, random_samples)
+        sizes = [int(v) for v in self.shape[-k:]]
+        outs = [int(v) for v in values_meta.shape[-k:]]
+        Ks = [int(v) for v in kernel_size]
+        if values_meta.numel() == 0:
+            return (torch.empty(values_meta.shape, dtype=self.dtype, device=self.device),
+                    torch.empty(values_meta.shape, dtype=torch.int64, device=self.device))
+        if math.prod(sizes) >= EXACT:
+            return cpu_fallback(op, self, kernel_size, output_size, random_samples)
+        N = 1 if self.dim() == k + 1 else self.shape[0]
+        x = self.reshape(-1, math.prod(sizes))
+        B = x.shape[0]
+        u = _f32(random_samples[:N]).reshape(B, k)
+        # the 2-D op's samples are (w, h), the 3-D op's (t, h, w)
+        order = [1, 0] if k == 2 else [0, 1, 2]
+        flat = None
+        for d in range(k):
+            pos = _fractional_positions(dense(u[:, order[d]]), sizes[d], outs[d], Ks[d])
+            shape = [B] + [1] * (2 * k)
+            shape[1 + d], shape[1 + k + d] = outs[d], Ks[d]
+            pos = pos.view(shape)
+            flat = pos if flat is None else flat * float(sizes[d]) + pos
+        flat = dense(flat).view(B, *outs, -1)
+        win = torch.gather(x, 1, to_int64(flat.view(B, -1))).view(flat.shape)
+        values, idx = _window_max(win, flat)
+        return values.view(values_meta.shape), to_int64(idx.view(values_meta.shape))
+
+    return pool
+
+
+def _fractional_max_pool_backward(k: int) -> Callable[..., torch.Tensor]:
+    op = getattr(aten, f"fractional_max_pool{k}d_backward").default
+
+    def backward(grad_output: torch.Tensor, self: torch.Tensor, kernel_size: Sequence[int],
+                 output_size: Sequence[int], indices: torch.Tensor) -> torch.Tensor:
+        """The gradient summed into each window's argmax."""
+        if indices.device != self.device or indices.dtype != torch.int64:
+            return cpu_fallback(op, grad_output, self, kernel_size, output_size, indices)
+        try:
+            _meta_run(op, grad_output, self, kernel_size, output_size, indices)
+        except NotImplementedError:      # the 3-D backward has no meta kernel: the CPU checks mismatches
+            if grad_output.shape != indices.shape or self.dim() not in (k + 1, k + 2):
+                return cpu_fallback(op, grad_output, self, kernel_size, output_size, indices)
+        return _argmax_scatter(grad_output, self, indices, k)
+
+    return backward
+
+
+for _k in (2, 3):
+    _register(f"fractional_max_pool{_k}d", "output", _fractional_max_pool(_k), 1)
+    _register(f"fractional_max_pool{_k}d_backward", "grad_input", _fractional_max_pool_backward(_k), 2)
 
 
 def _max_ok(fn: Callable[..., Any], op: torch._ops.OpOverload) -> Callable[..., Any]:
@@ -444,9 +607,10 @@ def _max_ok(fn: Callable[..., Any], op: torch._ops.OpOverload) -> Callable[..., 
     return wrapped
 
 
-_register("adaptive_max_pool2d", "out", _adaptive_max_pool2d, 1)
-_register("adaptive_max_pool2d_backward", "grad_input",
-          _max_ok(_adaptive_max_pool2d_backward, aten.adaptive_max_pool2d_backward.default), 2)
+for _k in (2, 3):
+    _register(f"adaptive_max_pool{_k}d", "out", _adaptive_max_pool(_k), 1)
+    _register(f"adaptive_max_pool{_k}d_backward", "grad_input",
+              _max_ok(_adaptive_max_pool_backward(_k), getattr(aten, f"adaptive_max_pool{_k}d_backward").default), 2)
 
 
 def _bands(x: torch.Tensor, mats: Sequence[torch.Tensor], transpose: bool) -> torch.Tensor:
@@ -535,3 +699,6 @@ def _max_unpool3d(self: torch.Tensor, indices: torch.Tensor, output_size: Sequen
 
 
 _register("max_unpool3d", "out", _max_unpool3d, 1)
+
+
+from torchneuron.ops import sampling_grid  # noqa: E402,F401  (grid sampling builds on the helpers above; registers on import)
