@@ -272,3 +272,16 @@ def test_antialiased_resize(strict, mode):
         want = F.interpolate(x, mode=mode, antialias=True, **kw)
         got = F.interpolate(to_n(x), mode=mode, antialias=True, **kw)
         torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+def test_antialiased_resize_backward(mode, strict):
+    for size in ((5, 5), (12, 3)):
+        x = torch.randn(2, 3, 8, 8, requires_grad=True)
+        xn = x.detach().to("neuron").requires_grad_()
+        y = F.interpolate(x, size=size, mode=mode, antialias=True)
+        yn = F.interpolate(xn, size=size, mode=mode, antialias=True)
+        g = torch.randn_like(y)
+        y.backward(g)
+        yn.backward(g.to("neuron"))
+        torch.testing.assert_close(xn.grad.cpu(), x.grad, atol=1e-5, rtol=1e-4)

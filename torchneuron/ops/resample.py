@@ -13,7 +13,7 @@ meta stand-ins first, so bad input raises what the CPU kernel raises.
   both ``align_corners``), with backward ops. Empty operands get the CPU's argument checks and empty results.
 - **Unpooling** ``max_unpool3d`` (through ``max_unpool2d`` on volumes flattened to one row).
 - **Antialiased resizing** ``_upsample_bilinear2d_aa``, ``_upsample_bicubic2d_aa``: the same matmuls, with
-  the filter's support widened by the downsampling factor and each row normalized (forward only).
+  the filter's support widened by the downsampling factor and each row normalized (forward and backward).
 - **Pooling** ``adaptive_max_pool2d``/``3d`` (each window's flat positions gathered in one ``index_select``,
   padded by repeating the last, ``max`` over the window; the winner's flat index looked up in the same
   table) and backward (``scatter_add``); ``fractional_max_pool2d``/``3d`` and backward (window starts
@@ -436,10 +436,7 @@ def _interp_lowerings(name: str, mode: str, k: int) -> None:
         return res.view([int(v) for v in input_size])
 
     _register(name, "out", forward, 1, _upsample_check(k, False))
-    if not name.endswith("_aa"):
-        # the antialiased backward ops stay on the CPU fallback: with them lowered, a process that ran one
-        # under autograd sometimes aborted at exit ("terminate called without an active exception")
-        _register(f"{name}_backward", "grad_input", backward, 1, _upsample_check(k, True))
+    _register(f"{name}_backward", "grad_input", backward, 1, _upsample_check(k, True))
 
 
 for _name, _mode, _k in (("upsample_linear1d", "linear", 1), ("upsample_bilinear2d", "linear", 2),
