@@ -19,3 +19,13 @@ def strict():
 def to_n(t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor's copy on neuron."""
     return t.to("neuron")
+
+
+def assert_raises_like_cpu(call) -> None:
+    """``call(convert)`` raises the same exception type and message with ``convert`` = identity (CPU
+    tensors) and ``to_n`` (neuron tensors)."""
+    with pytest.raises(Exception) as cpu:
+        call(lambda t: t)
+    with pytest.raises(type(cpu.value)) as dev:
+        call(to_n)
+    assert str(dev.value) == str(cpu.value)

@@ -529,6 +529,14 @@ def _indices(core, instr: "DmaCopy", index: AP, rows: int, side: str) -> tuple[t
     return idx, ok
 
 
+def dma_modes(instr: Instr) -> None:
+    """The mode checks every DMA makes: ``oob_mode`` one of OOB_MODES, ``dge_mode`` resolved (``_dge``)."""
+    instr._set("oob_mode", str(getattr(instr.oob_mode, "name", instr.oob_mode)))
+    if instr.oob_mode not in OOB_MODES:
+        raise instr._fail("oob_mode", f"is {instr.oob_mode!r}; expected one of {OOB_MODES}")
+    _dge(instr)
+
+
 @dataclass(frozen=True)
 class DmaCopy(Instr):
     """``nisa.dma_copy``: ``dst = src`` by the DMA engines between HBM and SBUF (not PSUM), casting
@@ -549,10 +557,7 @@ class DmaCopy(Instr):
     engine = Engine.DMA
 
     def check(self) -> None:
-        self._set("oob_mode", str(getattr(self.oob_mode, "name", self.oob_mode)))
-        if self.oob_mode not in OOB_MODES:
-            raise self._fail("oob_mode", f"is {self.oob_mode!r}; expected one of {OOB_MODES}")
-        _dge(self)
+        dma_modes(self)
         if self.src_index is not None or self.dst_index is not None:
             if self.dge_mode not in ("unknown", "swdge"):
                 raise self._fail("dge_mode", f"is {self.dge_mode}; indirect (gather/scatter) DMAs need swdge")

@@ -14,7 +14,7 @@ from functools import cached_property
 import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine, Footprint
-from torchneuron.sim.isa import DmaCopy, Instr, NcMatmul, Step, _convert, _dge, _rows_view
+from torchneuron.sim.isa import DmaCopy, Instr, NcMatmul, Step, _convert, _rows_view, dma_modes
 from torchneuron.sim.memory import PMAX, AP
 from torchneuron.sim.numerics import dtype_name
 
@@ -150,10 +150,7 @@ class DmaCopyDynamic(Instr):
     engine = Engine.DMA
 
     def check(self) -> None:
-        self._set("oob_mode", str(getattr(self.oob_mode, "name", self.oob_mode)))
-        if self.oob_mode not in ("error", "skip"):
-            raise self._fail("oob_mode", f"is {self.oob_mode!r}; expected one of ('error', 'skip')")
-        _dge(self)
+        dma_modes(self)
         if self.dge_mode == "none":
             raise self._fail("dge_mode", "is none; a runtime start address needs swdge or hwdge descriptors")
         if (self.src_offset is None) == (self.dst_offset is None):
