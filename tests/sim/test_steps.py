@@ -244,3 +244,18 @@ def test_int32_exact_computation_is_chosen_only_where_values_agree():
     assert not isa._int32_exact(t, [("equal", 2 ** 31, False, True)])            # scalar beyond int32
     assert not isa._int32_exact(t, [("bitwise_and", _sb(1, torch.uint32, (1,)), False, True)])
     assert not isa._int32_exact(_sb(0, torch.int16), [("bitwise_and", 3, False, True)])
+
+
+def test_run_uses_one_thread_and_restores_the_callers(monkeypatch):
+    seen = []
+    core = NeuronCore("trn2", seed=3)
+    prog = mixed_program()
+    _fill(core, 1)
+    monkeypatch.setattr(core, "begin_run", lambda: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        core.run(prog, _inputs(1))
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
