@@ -124,6 +124,19 @@ def _widened(self: torch.Tensor, draw: Any) -> torch.Tensor:
     return self.copy_(tmp)
 
 
+def _float_draw(op: torch._ops.OpOverload, dist: str, self: torch.Tensor, args: list, generator: Any,
+                params: Any, widen: bool = True) -> torch.Tensor:
+    """Fill float ``self`` by ``op(self, *args)``'s distribution ``dist``: PyTorch's argument checks, then
+    float64 as widened fp32 draws (when ``widen``), the CPU fallback for what the device cannot draw, else
+    ``params(dtype)`` (or the list ``params``) handed to the sampling kernel."""
+    _validate(op, self.dtype, *args)
+    if widen and _float64_native(self):
+        return _widened(self, lambda t: _float_draw(op, dist, t, args, generator, params))
+    if not _native(self) or self.dtype not in FLOATS:
+        return cpu_fallback(op, self, *args, generator=generator)
+    return _sample_(self, dist, params(self.dtype) if callable(params) else params, generator, op._schema.name)
+
+
 def _native(self: torch.Tensor, *tensors: Any) -> bool:
     """Whether the draw can run on the device: a dtype it stores, other tensors on the same device."""
     return (_kernel_dtype(self.dtype) is not None and self.device.type == "neuron"
@@ -136,12 +149,7 @@ def _native(self: torch.Tensor, *tensors: Any) -> bool:
 def normal_(self: torch.Tensor, mean: float = 0.0, std: float = 1.0, *,
             generator: torch.Generator | None = None) -> torch.Tensor:
     """``self.normal_(mean, std)``: Box-Muller on the device."""
-    _validate(aten.normal_.default, self.dtype, mean, std)
-    if _float64_native(self):
-        return _widened(self, lambda t: normal_(t, mean, std, generator=generator))
-    if not _native(self) or self.dtype not in FLOATS:
-        return cpu_fallback(aten.normal_.default, self, mean, std, generator=generator)
-    return _sample_(self, "normal", [mean, std], generator, "aten::normal_")
+    return _float_draw(aten.normal_.default, "normal", self, [mean, std], generator, [mean, std])
 
 
 @lowering("uniform_")
@@ -149,13 +157,9 @@ def uniform_(self: torch.Tensor, from_: float = 0.0, to: float = 1.0, *,
              generator: torch.Generator | None = None, **kwargs: Any) -> torch.Tensor:
     """``self.uniform_(from, to)``: values in [from, to) of self's dtype."""
     from_ = kwargs.pop("from", from_)
-    _validate(aten.uniform_.default, self.dtype, from_, to)
-    if _float64_native(self) and all(_fp32_exact(v) for v in (from_, to)):  # else fp32 draws could leave [from, to)
-        return _widened(self, lambda t: uniform_(t, from_, to, generator=generator))
-    if not _native(self) or self.dtype not in FLOATS:
-        return cpu_fallback(aten.uniform_.default, self, from_, to, generator=generator)
-    cap = max(float(from_), _largest_below(float(to), self.dtype))
-    return _sample_(self, "uniform", [from_, to, cap], generator, "aten::uniform_")
+    return _float_draw(aten.uniform_.default, "uniform", self, [from_, to], generator,
+                       lambda dtype: [from_, to, max(float(from_), _largest_below(float(to), dtype))],
+                       widen=all(_fp32_exact(v) for v in (from_, to)))  # else fp32 draws could leave [from, to)
 
 
 def _fp32_exact(x: float) -> bool:
@@ -183,13 +187,8 @@ def _largest_below(x: float, dtype: torch.dtype) -> float:
 def exponential_(self: torch.Tensor, lambd: float = 1.0, *,
                  generator: torch.Generator | None = None) -> torch.Tensor:
     """``self.exponential_(lambd)``: ``-log(1 - u) / lambd``, never 0 (as on CUDA)."""
-    _validate(aten.exponential_.default, self.dtype, lambd)
-    if _float64_native(self):
-        return _widened(self, lambda t: exponential_(t, lambd, generator=generator))
-    if not _native(self) or self.dtype not in FLOATS:
-        return cpu_fallback(aten.exponential_.default, self, lambd, generator=generator)
-    eps = torch.finfo(self.dtype).eps
-    return _sample_(self, "exponential", [-1.0 / lambd, -eps / 2], generator, "aten::exponential_")
+    return _float_draw(aten.exponential_.default, "exponential", self, [lambd], generator,
+                       lambda dtype: [-1.0 / lambd, -torch.finfo(dtype).eps / 2])
 
 
 @lowering("geometric_")
@@ -208,24 +207,14 @@ def geometric_(self: torch.Tensor, p: float, *, generator: torch.Generator | Non
 def log_normal_(self: torch.Tensor, mean: float = 1.0, std: float = 2.0, *,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """``self.log_normal_(mean, std)``: ``exp`` of a normal draw."""
-    _validate(aten.log_normal_.default, self.dtype, mean, std)
-    if _float64_native(self):
-        return _widened(self, lambda t: log_normal_(t, mean, std, generator=generator))
-    if not _native(self) or self.dtype not in FLOATS:
-        return cpu_fallback(aten.log_normal_.default, self, mean, std, generator=generator)
-    return _sample_(self, "log_normal", [mean, std], generator, "aten::log_normal_")
+    return _float_draw(aten.log_normal_.default, "log_normal", self, [mean, std], generator, [mean, std])
 
 
 @lowering("cauchy_")
 def cauchy_(self: torch.Tensor, median: float = 0.0, sigma: float = 1.0, *,
             generator: torch.Generator | None = None) -> torch.Tensor:
     """``self.cauchy_(median, sigma)``: ``median + sigma * tan(pi (u - 1/2))``."""
-    _validate(aten.cauchy_.default, self.dtype, median, sigma)
-    if _float64_native(self):
-        return _widened(self, lambda t: cauchy_(t, median, sigma, generator=generator))
-    if not _native(self) or self.dtype not in FLOATS:
-        return cpu_fallback(aten.cauchy_.default, self, median, sigma, generator=generator)
-    return _sample_(self, "cauchy", [median, sigma], generator, "aten::cauchy_")
+    return _float_draw(aten.cauchy_.default, "cauchy", self, [median, sigma], generator, [median, sigma])
 
 
 @lowering("bernoulli_.float")
