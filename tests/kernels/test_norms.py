@@ -60,3 +60,17 @@ def test_long_rows_over_several_super_blocks(monkeypatch):
     x2 = torch.randn(257, 4900) + 100.0
     w2, b2 = torch.randn(4900), torch.randn(4900)
     close(layer_norm(x2, w2, b2), F.layer_norm(x2, (4900,), w2, b2), torch.float32, scale=10.0)
+
+
+@pytest.mark.parametrize("shape", [(130, 300), (129, 5003)])
+def test_forward_returns_row_statistics(shape):
+    # stats=True: (out, mean, rstd) as (N, 1) fp32, the values native_layer_norm saves for the backward
+    from torchneuron.kernels import layer_norm_kernel
+    x, w, b, _ = _inputs(shape, torch.float32)
+    out, mean, rstd = layer_norm_kernel(x, w, b, eps=1e-5, stats=True)
+    want = torch.native_layer_norm(x, [shape[-1]], w, b, 1e-5)
+    for got, ref in zip((out, mean, rstd), want):
+        assert got.shape == ref.shape and got.dtype == torch.float32
+        close(got, ref, torch.float32, scale=2.0)
+    with pytest.raises(AssertionError, match="not RMS norm"):
+        layer_norm_kernel(x, w, b, rms=True, stats=True)

@@ -137,6 +137,24 @@ def test_layer_norm_forward_backward(affine, strict):
         torch.testing.assert_close(s.cpu(), r, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("D,dtype", [(48, torch.float32), (40, torch.bfloat16), (2000, torch.float32)])
+@pytest.mark.parametrize("mask", [(True, True, True), (True, False, False), (False, True, True)])
+def test_native_layer_norm_backward_uses_saved_stats(D, dtype, mask, strict):
+    # the backward reads the statistics it is given (as the CPU does), including a long-row multi-pass case
+    x, g = torch.randn(6, D, dtype=dtype) * 3 + 1, torch.randn(6, D, dtype=dtype)
+    w, b = torch.randn(D, dtype=dtype), torch.randn(D, dtype=dtype)
+    _, mean, rstd = torch.native_layer_norm(x, [D], w, b, 1e-5)
+    rstd = rstd * 1.5   # not what the input implies: a recomputing backward would not match
+    want = torch.ops.aten.native_layer_norm_backward(g, x, [D], mean, rstd, w, b, list(mask))
+    got = torch.ops.aten.native_layer_norm_backward(*(to_n(t) for t in (g, x)), [D], to_n(mean), to_n(rstd),
+                                                    to_n(w), to_n(b), list(mask))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for gt, wt in zip(got, want):
+        assert (gt is None) == (wt is None)
+        if wt is not None:
+            torch.testing.assert_close(gt.cpu().float(), wt.float(), atol=tol * max(1, D / 100), rtol=tol)
+
+
 def test_layer_norm_bad_shape_matches_cpu():
     with pytest.raises(RuntimeError) as cpu:
         F.layer_norm(A, (8,))

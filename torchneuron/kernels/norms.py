@@ -65,7 +65,7 @@ def _row(v, D):
 
 
 def _ln_stats(t, p, D, eps):
-    """(rstd, -mean*rstd) columns of the rows of t[:p]: bn_stats/bn_aggr on VectorE."""
+    """(rstd, -mean*rstd, mean) columns of the rows of t[:p]: bn_stats/bn_aggr on VectorE."""
     nch = cdiv(D, BN)
     stats = nl.ndarray((PMAX, 6 * nch), nl.float32, buffer=nl.sbuf)
     for c in range(nch):
@@ -77,7 +77,17 @@ def _ln_stats(t, p, D, eps):
     nmr = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=nmr[:p], data=mv[:p, 0:1], op0=nl.multiply, operand0=rstd[:p], op1=nl.multiply,
                        operand1=-1.0)
-    return rstd, nmr
+    return rstd, nmr, mv[:, 0:1]
+
+
+def _saved_stats(mean, rstd, r0, p, sc):
+    """(rstd, -mean*rstd) of rows [r0, r0 + p) into sc[:, 0:2], from a forward's saved (N, 1) statistics
+    (the backward then uses exactly the forward's values, as PyTorch's CPU kernel does)."""
+    m = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=m[:p], src=mean[r0:r0 + p, :])
+    nisa.dma_copy(dst=sc[:p, 0:1], src=rstd[r0:r0 + p, :])
+    nisa.tensor_scalar(dst=sc[:p, 1:2], data=m[:p], op0=nl.multiply, operand0=sc[:p, 0:1], op1=nl.multiply,
+                       operand1=-1.0)
 
 
 def _rms_stats(t, p, D, eps):
@@ -92,8 +102,9 @@ def _rms_stats(t, p, D, eps):
     return rstd
 
 
-def _long_stats(x, r0, p, D, eps, rms, sc):
-    """Pass A for one row block: (rstd, -mean*rstd) into sc[:, 0:2] (RMS: nmr = 0), column blocks of W."""
+def _long_stats(x, r0, p, D, eps, rms, sc, mean=None):
+    """Pass A for one row block: (rstd, -mean*rstd) into sc[:, 0:2] (RMS: nmr = 0), column blocks of W;
+    the mean also into the (P, 1) tile ``mean`` when given."""
     ncb = cdiv(D, W)
     assert ncb * 12 <= 64 * 1024, f"layer_norm: rows of {D} elements exceed the {64 * 1024 // 12 * W} supported"
     trip = nl.ndarray((PMAX, ncb, 3), nl.float32, buffer=nl.sbuf)   # (n, mean, n*var) per column block
@@ -131,6 +142,8 @@ def _long_stats(x, r0, p, D, eps, rms, sc):
     nisa.bn_aggr(dst=mv[:p], data=trip[:p].reshape((p, 3 * ncb)))
     nisa.tensor_scalar(dst=rstd, data=mv[:p, 1:2], op0=nl.add, operand0=eps, op1=nl.power, operand1=-0.5)
     nisa.tensor_scalar(dst=nmr, data=mv[:p, 0:1], op0=nl.multiply, operand0=rstd, op1=nl.multiply, operand1=-1.0)
+    if mean is not None:
+        nisa.tensor_copy(dst=mean[:p], src=mv[:p, 0:1])
 
 
 def _blocks(N):
@@ -147,13 +160,15 @@ def _row_block(v, c0, w, Wd):
     return t
 
 
-def _ln_fwd_long(x, weight, bias, out, eps, rms):
+def _ln_fwd_long(x, weight, bias, out, eps, rms, stats):
     N, D = x.shape
     ring = collections.deque(maxlen=NBUF)
     for blk in _blocks(N):
-        sc = nl.ndarray((PMAX, len(blk), 2), nl.float32, buffer=nl.sbuf)    # rstd, -mean*rstd per row block
+        sc = nl.ndarray((PMAX, len(blk), 3), nl.float32, buffer=nl.sbuf)    # rstd, -mean*rstd, mean per row block
         for i, r0, p in blk:
-            _long_stats(x, r0, p, D, eps, rms, sc[:, i, :])
+            _long_stats(x, r0, p, D, eps, rms, sc[:, i, :], sc[:, i, 2:3] if stats else None)
+            if stats:
+                _store_stats(stats, r0, p, sc[:, i, 2:3], sc[:, i, 0:1])
         for c0 in range(0, D, W):
             w = min(W, D - c0)
             wt = _row_block(weight, c0, w, W)
@@ -174,14 +189,27 @@ def _ln_fwd_long(x, weight, bias, out, eps, rms):
             ring.append((wt, bt))
 
 
+def _store_stats(stats, r0, p, mean, rstd):
+    """DMA the (P, 1) mean and rstd columns of rows [r0, r0 + p) to the (N, 1) HBM outputs ``stats``."""
+    mean_out, rstd_out = stats
+    nisa.dma_copy(dst=mean_out[r0:r0 + p, :], src=mean[:p])
+    nisa.dma_copy(dst=rstd_out[r0:r0 + p, :], src=rstd[:p])
+
+
 @nki.jit
-def layer_norm_kernel(x, weight, bias, eps=1e-5, rms=False):
-    """Forward layer norm (``rms``: RMS norm, ``bias`` ignored) of the rows of [N, D]."""
+def layer_norm_kernel(x, weight, bias, eps=1e-5, rms=False, stats=False):
+    """Forward layer norm (``rms``: RMS norm, ``bias`` ignored) of the rows of [N, D]. With ``stats``
+    (layer norm only) it returns (out, mean, rstd), the row statistics as (N, 1) fp32, which the
+    backward takes (``layer_norm_bwd_kernel(..., mean=, rstd=)``)."""
+    assert not (stats and rms), "layer_norm: stats are the layer norm's mean and rstd (not RMS norm)"
     N, D = x.shape
     out = nl.ndarray((N, D), x.dtype, buffer=nl.shared_hbm)
+    saved = (nl.ndarray((N, 1), nl.float32, buffer=nl.shared_hbm),
+             nl.ndarray((N, 1), nl.float32, buffer=nl.shared_hbm)) if stats else None
+    result = (out, *saved) if stats else out
     if not fwd_fits(D):
-        _ln_fwd_long(x, weight, bias, out, eps, rms)
-        return out
+        _ln_fwd_long(x, weight, bias, out, eps, rms, saved)
+        return result
     check_sbuf((2 + (NBUF + 1) * 2) * D * 4 + 8 * D, f"layer_norm D={D}")
     w = _row(weight, D)
     b = None if rms else _row(bias, D)
@@ -196,13 +224,15 @@ def layer_norm_kernel(x, weight, bias, eps=1e-5, rms=False):
             nisa.activation(dst=xh[:p], op=nl.identity, data=t[:p], scale=rstd[:p])
             nisa.tensor_tensor(dst=y[:p], data1=xh[:p], data2=w[:p], op=nl.multiply)
         else:
-            rstd, nmr = _ln_stats(t, p, D, eps)
+            rstd, nmr, mean = _ln_stats(t, p, D, eps)
             nisa.activation(dst=xh[:p], op=nl.identity, data=t[:p], scale=rstd[:p], bias=nmr[:p])
             nisa.tensor_tensor(dst=y[:p], data1=xh[:p], data2=w[:p], op=nl.multiply, engine=nisa.gpsimd_engine)
             nisa.tensor_tensor(dst=y[:p], data1=y[:p], data2=b[:p], op=nl.add, engine=nisa.gpsimd_engine)
+            if stats:
+                _store_stats(saved, r0, p, mean, rstd)
         nisa.dma_copy(dst=out[r0:r0 + p, :], src=y[:p])
         ring.append((t, y))
-    return out
+    return result
 
 
 def _col_sum(acc, src, p, D, ones):
@@ -214,7 +244,7 @@ def _col_sum(acc, src, p, D, ones):
         nisa.tensor_tensor(dst=acc[:, c0:c0 + w], data1=acc[:, c0:c0 + w], data2=ps[:, :w], op=nl.add)
 
 
-def _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms):
+def _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved):
     N, D = x.shape
     ones = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
@@ -225,7 +255,10 @@ def _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms):
         cs = nl.ndarray((PMAX, nb, 2), nl.float32, buffer=nl.sbuf)     # sum(g), sum(g * xhat) per row block
         nisa.memset(dst=cs, value=0.0)
         for i, r0, p in blk:
-            _long_stats(x, r0, p, D, eps, rms, sc[:, i, :])
+            if saved:
+                _saved_stats(*saved, r0, p, sc[:, i, :])
+            else:
+                _long_stats(x, r0, p, D, eps, rms, sc[:, i, :])
         for phase in ("sums", "dx"):
             for c0 in range(0, D, WB):
                 w = min(WB, D - c0)
@@ -294,14 +327,21 @@ def _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms):
 
 
 @nki.jit
-def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False):
-    """Backward of layer norm (``rms``: RMS norm): returns (dx, dweight, dbias) (dbias zero for RMS)."""
+def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=None):
+    """Backward of layer norm (``rms``: RMS norm): returns (dx, dweight, dbias) (dbias zero for RMS).
+    Given the forward's saved ``mean`` and ``rstd`` (N, 1) (layer norm only), it uses them instead of
+    recomputing the row statistics."""
     N, D = x.shape
+    saved = None
+    if mean is not None or rstd is not None:
+        assert mean is not None and rstd is not None and not rms, "layer_norm backward: saved stats are mean and rstd"
+        assert tuple(mean.shape) == tuple(rstd.shape) == (N, 1), f"layer_norm backward: stats are not ({N}, 1)"
+        saved = (mean, rstd)
     dx_out = nl.ndarray((N, D), x.dtype, buffer=nl.shared_hbm)
     dw_out = nl.ndarray((1, D), weight.dtype, buffer=nl.shared_hbm)
     db_out = nl.ndarray((1, D), weight.dtype, buffer=nl.shared_hbm)
     if not bwd_fits(D):
-        _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms)
+        _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved)
         return dx_out, dw_out, db_out
     check_sbuf((1 + (NBUF + 1) * 7) * D * 4 + 16 * D, f"layer_norm backward D={D}")
     w = _row(weight, D)
@@ -320,11 +360,16 @@ def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False):
         nisa.dma_copy(dst=g[:p], src=dy[r0:r0 + p, :])
         xh = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
         if rms:
-            rstd = _rms_stats(t, p, D, eps)
-            nisa.activation(dst=xh[:p], op=nl.identity, data=t[:p], scale=rstd[:p])
+            rs = _rms_stats(t, p, D, eps)
+            nisa.activation(dst=xh[:p], op=nl.identity, data=t[:p], scale=rs[:p])
         else:
-            rstd, nmr = _ln_stats(t, p, D, eps)
-            nisa.activation(dst=xh[:p], op=nl.identity, data=t[:p], scale=rstd[:p], bias=nmr[:p])
+            if saved:
+                sc = nl.ndarray((PMAX, 2), nl.float32, buffer=nl.sbuf)
+                _saved_stats(*saved, r0, p, sc)
+                rs, nmr = sc[:, 0:1], sc[:, 1:2]
+            else:
+                rs, nmr, _ = _ln_stats(t, p, D, eps)
+            nisa.activation(dst=xh[:p], op=nl.identity, data=t[:p], scale=rs[:p], bias=nmr[:p])
         # weight/bias gradients: column sums of dy * xhat and dy over the rows of this block
         prod = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=prod[:p], data1=g[:p], data2=xh[:p], op=nl.multiply, engine=nisa.gpsimd_engine)
@@ -348,7 +393,7 @@ def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False):
             nisa.tensor_scalar(dst=c1[:p], data=c1[:p], op0=nl.multiply, operand0=1.0 / D)
             nisa.activation(dst=corr[:p], op=nl.identity, data=xh[:p], scale=c2[:p], bias=c1[:p])
         nisa.tensor_tensor(dst=gw[:p], data1=gw[:p], data2=corr[:p], op=nl.subtract)
-        nisa.activation(dst=corr[:p], op=nl.identity, data=gw[:p], scale=rstd[:p])
+        nisa.activation(dst=corr[:p], op=nl.identity, data=gw[:p], scale=rs[:p])
         nisa.dma_copy(dst=dx_out[r0:r0 + p, :], src=corr[:p])
         ring.append((t, g, xh, prod, gw, corr, junk))
     nisa.dma_copy(dst=dw_out, src=dw)

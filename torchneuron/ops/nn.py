@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 from torch._prims_common import canonicalize_dim
 
-from torchneuron.kernels.norms import layer_norm_kernel
+from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.softmax import softmax_kernel
 from torchneuron.ops.copy import device_copy, write_result
 from torchneuron.ops.kernel_call import call_kernel, dense
@@ -125,12 +125,9 @@ def native_layer_norm(input: torch.Tensor, normalized_shape: Sequence[int], weig
     if input.dtype not in FLOATS or N == 0 or D == 0 or any(t.dtype != input.dtype for t in params):
         return cpu_fallback(aten.native_layer_norm.default, input, normalized_shape, weight, bias, eps)
     rows = dense(input).reshape(N, D)
-    (out,) = call_kernel(layer_norm_kernel, {"x": rows, "weight": _param(weight, D, 1.0, input),
-                                             "bias": _param(bias, D, 0.0, input)}, {"eps": float(eps)},
-                         op="aten::native_layer_norm")
-    x32 = rows if rows.dtype == torch.float32 else rows.float()
-    mean = x32.mean(1, keepdim=True)
-    rstd = ((x32 - mean) * (x32 - mean)).mean(1, keepdim=True).add(eps).rsqrt()
+    out, mean, rstd = call_kernel(layer_norm_kernel, {"x": rows, "weight": _param(weight, D, 1.0, input),
+                                                      "bias": _param(bias, D, 0.0, input)},
+                                  {"eps": float(eps), "stats": True}, op="aten::native_layer_norm")
     return (out.reshape(input.shape), mean.to(input.dtype).reshape(stat_shape),
             rstd.to(input.dtype).reshape(stat_shape))
 
@@ -142,23 +139,18 @@ def native_layer_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, norm
     """(grad_input, grad_weight, grad_bias) of layer norm, from the forward's saved mean and 1/std."""
     N, D = _norm_shape(input, normalized_shape)
     if input.dtype not in FLOATS or N == 0 or D == 0 or grad_out.dtype != input.dtype or \
-            (weight is not None and weight.dtype != input.dtype):
+            (weight is not None and weight.dtype != input.dtype) or mean.numel() != N or rstd.numel() != N or \
+            any(t.device != input.device for t in (grad_out, mean, rstd)):
         return cpu_fallback(aten.native_layer_norm_backward.default, grad_out, input, normalized_shape, mean, rstd,
                             weight, bias, output_mask)
     # from the saved statistics, as the CPU kernel does: x^ = (x - mean) * rstd, g = dy * w,
     # dx = rstd * (g - mean(g) - x^ * mean(g * x^)), dw = sum(dy * x^), db = sum(dy) over rows
-    shape = tuple(normalized_shape)
-    dy = grad_out.reshape(N, D)
-    xhat = (input.reshape(N, D) - mean.reshape(N, 1)) * rstd.reshape(N, 1)
-    g = dy * weight.reshape(1, D) if weight is not None else dy
-    dx = dw = db = None
-    if output_mask[0]:
-        dx = (rstd.reshape(N, 1) * (g - g.mean(1, keepdim=True) - xhat * (g * xhat).mean(1, keepdim=True)))
-        dx = dx.to(input.dtype).reshape(input.shape)
-    if output_mask[1] and weight is not None:
-        dw = (dy * xhat).sum(0).to(weight.dtype).reshape(shape)
-    if output_mask[2] and bias is not None:
-        db = dy.sum(0).to(bias.dtype).reshape(shape)
+    dx, dw, db = call_kernel(layer_norm_bwd_kernel, {
+        "dy": dense(grad_out).reshape(N, D), "x": dense(input).reshape(N, D), "weight": _param(weight, D, 1.0, input),
+        "mean": dense(mean).reshape(N, 1), "rstd": dense(rstd).reshape(N, 1)}, op="aten::native_layer_norm_backward")
+    dx = dx.reshape(input.shape) if output_mask[0] else None
+    dw = dw.reshape(normalized_shape) if output_mask[1] and weight is not None else None
+    db = db.to(bias.dtype).reshape(normalized_shape) if output_mask[2] and bias is not None else None
     return dx, dw, db
 
 
