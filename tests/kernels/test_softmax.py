@@ -47,3 +47,40 @@ def test_without_the_budget_assert_the_simulator_refuses(monkeypatch):
     monkeypatch.setattr(sm, "fits_one_pass", lambda D: True)
     with pytest.raises(SimulatorError, match="sbuf overflow"):
         sm.softmax_kernel(torch.zeros(1, 40 * 1024 + 1))
+
+
+def _masked_scores(x, scale, L):
+    z = x.float() * scale
+    if L:
+        pos = (torch.arange(x.shape[0]) % L)[:, None]
+        z = z.masked_fill(torch.arange(x.shape[1])[None, :] > pos, float("-inf"))
+    return z
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,S,L", [(4096, 64, 64), (300, 100, 150), (130, 33, 0), (1000, 64, 128), (4096, 64, 48),
+                                   (5, 2500, 5), (1, 1, 1)])
+def test_attention_softmax_rows(N, S, L, dtype):
+    # grouped rows per partition, the causal mask by query position (shared or per block), the logsumexp
+    from torchneuron.kernels.softmax import attention_softmax_kernel
+    x = (torch.randn(N, S) * 3).to(dtype)
+    probs, lse = attention_softmax_kernel(x, scale=0.25, causal_len=L)
+    z = _masked_scores(x, 0.25, L)
+    assert probs.dtype == dtype and lse.shape == (N, 1) and lse.dtype == torch.float32
+    close(probs, torch.softmax(z, -1), dtype)
+    close(lse, torch.logsumexp(z, -1, keepdim=True), torch.float32)
+    if L:   # masked probabilities are exactly zero
+        assert bool((probs.float()[torch.isinf(z)] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,D", [(4096, 64), (300, 100), (130, 3000), (7, 1)])
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_backward_rows(N, D, log, dtype):
+    from torchneuron.kernels.softmax import softmax_bwd_kernel
+    z = torch.randn(N, D) * 2
+    y = (torch.log_softmax(z, -1) if log else torch.softmax(z, -1)).to(dtype)
+    g = torch.randn(N, D).to(dtype)
+    backward = torch._log_softmax_backward_data if log else torch._softmax_backward_data
+    want = backward(g.float(), y.float(), -1, torch.float32) * 0.5
+    close(softmax_bwd_kernel(g, y, log=log, scale=0.5), want, dtype, scale=2.0)

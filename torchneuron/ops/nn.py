@@ -2,11 +2,12 @@
 
 softmax over the last dim is one launch of ``kernels.softmax.softmax_kernel`` on the rows of an
 [N, D] view; another dim is moved last (a device copy) and back. Their backward ops follow the
-formulas of PyTorch's CPU kernels, ``y * (g - sum(g * y))`` and ``g - exp(y) * sum(g)``, as
-element-wise and reduction launches. Layer norm runs ``kernels.norms.layer_norm_kernel`` on the
-rows (missing weight/bias: ones/zeros); the mean and 1/std that ``native_layer_norm`` returns
-(autograd saves them) are computed by reductions; the backward uses them as the CPU kernel does,
-as element-wise and reduction launches.
+formulas of PyTorch's CPU kernels, ``y * (g - sum(g * y))`` and ``g - exp(y) * sum(g)``: one launch
+of ``softmax_bwd_kernel`` over the last dim (rows that fit SBUF), else element-wise and reduction
+launches. Layer norm runs ``kernels.norms.layer_norm_kernel`` on the rows (missing weight/bias:
+ones/zeros), which also returns the mean and 1/std that ``native_layer_norm`` returns (autograd saves
+them); the backward is one ``layer_norm_bwd_kernel`` launch on those saved statistics, as the CPU
+kernel uses them.
 
 Losses (``nll_loss``, ``mse_loss``, ``binary_cross_entropy``, ``multi_margin_loss``,
 ``multilabel_margin_loss``) are composed of element-wise, comparison and reduction launches; class targets
@@ -21,7 +22,7 @@ import torch
 from torch._prims_common import canonicalize_dim
 
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
-from torchneuron.kernels.softmax import softmax_kernel
+from torchneuron.kernels.softmax import fits_one_pass, softmax_bwd_kernel, softmax_kernel
 from torchneuron.ops.copy import device_copy, write_result
 from torchneuron.ops.kernel_call import call_kernel, dense
 from torchneuron.ops.registry import cpu_fallback, lowering, meta_twin
@@ -66,6 +67,22 @@ for _name, _log in (("_softmax", False), ("_softmax.out", False), ("_log_softmax
     _softmax_lowering(_name, _log)
 
 
+def softmax_backward(grad: torch.Tensor, out: torch.Tensor, dim: int, log: bool, scale: float = 1.0) -> torch.Tensor:
+    """``scale`` times the input gradient of softmax (``log``: log_softmax) over ``dim``, given its output."""
+    dim = canonicalize_dim(max(out.dim(), 1), dim)
+    if out.dim() and dim == out.dim() - 1 and out.numel() and fits_one_pass(out.shape[-1]):
+        D = out.shape[-1]
+        (res,) = call_kernel(softmax_bwd_kernel, {"grad": dense(grad).reshape(-1, D), "y": dense(out).reshape(-1, D)},
+                             {"log": log, "scale": float(scale)},
+                             op="aten::_log_softmax_backward_data" if log else "aten::_softmax_backward_data")
+        return res.reshape(out.shape)
+    if log:
+        res = grad - out.exp() * grad.sum(dim, keepdim=True)
+    else:
+        res = out * (grad - (grad * out).sum(dim, keepdim=True))
+    return res if scale == 1.0 else res * scale
+
+
 def _backward_lowering(name: str, log: bool) -> None:
     packet, _, ov = name.partition(".")
     op = getattr(getattr(aten, packet), ov or "default")
@@ -75,10 +92,7 @@ def _backward_lowering(name: str, log: bool) -> None:
         if output.dtype not in FLOATS or input_dtype != output.dtype or grad_output.dtype != output.dtype:
             return cpu_fallback(op, grad_output, output, dim, input_dtype,
                                 **({"grad_input": grad_input} if grad_input is not None else {}))
-        if log:
-            res = grad_output - output.exp() * grad_output.sum(dim, keepdim=True)
-        else:
-            res = output * (grad_output - (grad_output * output).sum(dim, keepdim=True))
+        res = softmax_backward(grad_output, output, dim, log)
         if grad_input is not None:
             device_copy(grad_input, res)
             return grad_input

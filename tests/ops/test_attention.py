@@ -1,0 +1,100 @@
+"""scaled_dot_product_attention on neuron: the fused forward/backward against the CPU, and which path runs."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from torchneuron.runtime import profiler
+from tests.ops.conftest import to_n
+
+FUSED = "aten::_scaled_dot_product_fused_attention_overrideable"
+
+
+def _inputs(q_shape, kv_len, ev, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, H, _, E = q_shape
+    q = torch.randn(q_shape, generator=g).to(dtype)
+    k = torch.randn((B, H, kv_len, E), generator=g).to(dtype)
+    v = torch.randn((B, H, kv_len, ev), generator=g).to(dtype)
+    return q, k, v
+
+
+def _run(q, k, v, **kw):
+    """(output, grads, launched op names) of SDPA forward + backward on the given device's tensors."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with profiler.record() as recs:
+        y = F.scaled_dot_product_attention(*leaves, **kw)
+        y.backward(torch.ones_like(y) * 0.5 + torch.arange(y.shape[-1], device=y.device, dtype=y.dtype) / 8)
+    return y.detach().cpu(), [t.grad.cpu() for t in leaves], {r.op for r in recs}
+
+
+def _tol(dtype):
+    return dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=4e-2, rtol=4e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_shape,kv_len,ev,causal,scale", [
+    ((2, 4, 64, 16), 64, 16, True, None),     # the GPT demo's attention
+    ((1, 2, 10, 8), 7, 5, False, None),       # fewer keys than queries, another value width
+    ((2, 1, 9, 8), 12, 8, True, 0.3),         # causal with more keys, an explicit scale
+    ((1, 1, 130, 4), 130, 4, True, None),     # row blocks that do not start at query 0
+])
+def test_fused_attention_matches_cpu(q_shape, kv_len, ev, causal, scale, dtype, strict):
+    q, k, v = _inputs(q_shape, kv_len, ev, dtype)
+    want, want_grads, _ = _run(q, k, v, is_causal=causal, scale=scale)
+    got, grads, ops = _run(to_n(q), to_n(k), to_n(v), is_causal=causal, scale=scale)
+    assert FUSED in ops
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, **_tol(dtype))
+
+
+def test_heads_split_from_a_fused_projection(strict):
+    # strided q/k/v views (the usual qkv split + transpose) are read correctly
+    x = torch.randn(2, 12, 3 * 16)
+    q, k, v = (t.view(2, 12, 2, 8).transpose(1, 2) for t in x.split(16, dim=2))
+    xn = to_n(x)
+    qn, kn, vn = (t.view(2, 12, 2, 8).transpose(1, 2) for t in xn.split(16, dim=2))
+    want, want_grads, _ = _run(q, k, v, is_causal=True)
+    got, grads, _ = _run(qn, kn, vn, is_causal=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_long_key_rows_take_the_unfused_softmax(strict):
+    q, k, v = _inputs((1, 1, 3, 4), 2900, 4, torch.float32)
+    want, want_grads, _ = _run(q, k, v, is_causal=True)
+    got, grads, _ = _run(to_n(q), to_n(k), to_n(v), is_causal=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kw", [dict(attn_mask=torch.randn(5, 6)), dict(enable_gqa=True)])
+def test_masks_and_grouped_heads_take_the_math_path(kw, strict):
+    q, k, v = _inputs((1, 2, 5, 4), 6, 4, torch.float32)
+    if kw.get("enable_gqa"):
+        k, v = k[:, :1], v[:, :1]
+    dev_kw = {n: to_n(t) if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+    want, _, _ = _run(q, k, v, **kw)
+    got, _, ops = _run(to_n(q), to_n(k), to_n(v), **dev_kw)
+    assert FUSED not in ops
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_sdpa_kernel_math_choice_is_respected(strict):
+    q, k, v = _inputs((1, 2, 5, 4), 5, 4, torch.float32)
+    with sdpa_kernel([SDPBackend.MATH]):
+        got, _, ops = _run(to_n(q), to_n(k), to_n(v), is_causal=True)
+    assert FUSED not in ops
+    want, _, _ = _run(q, k, v, is_causal=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_direct_call_with_a_bias_is_refused():
+    q = to_n(torch.randn(1, 1, 4, 4))
+    with pytest.raises(RuntimeError, match="math path"):
+        torch.ops.aten._scaled_dot_product_fused_attention_overrideable(q, q, q, to_n(torch.zeros(4, 4)))
+    with pytest.raises(RuntimeError, match="4-D"):
+        torch.ops.aten._scaled_dot_product_fused_attention_overrideable(q[0], q[0], q[0])

@@ -1,0 +1,108 @@
+"""Fused scaled dot-product attention: ``torch.nn.functional.scaled_dot_product_attention`` on neuron.
+
+The device's SDPA backend choice (``_csrc/attention.cpp``) sends 4-D floating inputs without an
+attention mask, dropout or grouped-query heads here, through PyTorch's "overrideable" backend; the
+rest takes PyTorch's math path. Per (batch, head) matrix, with ``s`` the scale (1/sqrt(E) unless
+given) and the top-left causal mask of ``is_causal``:
+
+    forward:   S = Q K^T                      one batched matmul launch
+               P, lse = softmax(s S + mask)   one launch (attention_softmax_kernel), lse = logsumexp
+               O = P V                        one batched matmul launch
+    backward:  P recomputed as above          two launches
+               dV = P^T dO,  dP = dO V^T      two batched matmul launches
+               dS = s P (dP - rowsum(P dP))   one launch (softmax_bwd_kernel)
+               dQ = dS K,  dK = dS^T Q        two batched matmul launches
+
+against about twenty element-wise, mask and copy launches per direction on the math path.
+Strided query/key/value views (heads split out of a fused projection) are made dense on the device.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from torchneuron.kernels.softmax import attention_fits, attention_softmax_kernel
+from torchneuron.ops.kernel_call import call_kernel
+from torchneuron.ops.nn import softmax_backward
+from torchneuron.ops.registry import lowering
+
+
+def _scale(scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: torch.Tensor | None,
+           dropout_p: float) -> None:
+    """The fused path's contract (what the backend choice guarantees), checked for direct calls."""
+    if attn_bias is not None or dropout_p != 0.0:
+        raise RuntimeError("neuron fused attention: attention masks and dropout take the math path "
+                           "(scaled_dot_product_attention chooses it)")
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise RuntimeError(f"neuron fused attention: expected 4-D query, key and value, got {query.dim()}-D, "
+                           f"{key.dim()}-D and {value.dim()}-D")
+    B, H, _, E = query.shape
+    if tuple(key.shape[:2]) != (B, H) or tuple(value.shape[:2]) != (B, H) or key.shape[3] != E or \
+            key.shape[2] != value.shape[2]:
+        raise RuntimeError(f"neuron fused attention: incompatible shapes query {list(query.shape)}, key "
+                           f"{list(key.shape)}, value {list(value.shape)}")
+
+
+def _matrices(t: torch.Tensor) -> torch.Tensor:
+    """[B, H, n, d] as the [B*H, n, d] batch the matmul kernel takes (a device copy when strided)."""
+    return t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
+
+
+def _probabilities(scores: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(scale * scores + causal mask), logsumexp in fp32) over the last dim of [BH, L, S] scores."""
+    BH, L, S = scores.shape
+    if attention_fits(S):
+        probs, lse = call_kernel(attention_softmax_kernel, {"x": scores.reshape(BH * L, S)},
+                                 {"scale": scale, "causal_len": L if causal else 0},
+                                 op="aten::_scaled_dot_product_fused_attention_overrideable")
+        return probs.reshape(BH, L, S), lse.reshape(BH, L)
+    z = scores.float() * scale                      # rows too long for one pass: the same math as separate ops
+    if causal:
+        keep = torch.ones((L, S), dtype=torch.bool, device=scores.device).tril()
+        z = z.masked_fill(~keep, float("-inf"))
+    return torch.softmax(z, -1).to(scores.dtype), torch.logsumexp(z, -1)
+
+
+@lowering("_scaled_dot_product_fused_attention_overrideable")
+def sdpa_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: torch.Tensor | None = None,
+               dropout_p: float = 0.0, is_causal: bool = False, return_debug_mask: bool = False, *,
+               scale: float | None = None):
+    """Attention forward: (output, logsumexp, and the flash-attention bookkeeping outputs, empty here)."""
+    _check(query, key, value, attn_bias, dropout_p)
+    B, H, L, E = query.shape
+    S, Ev = key.shape[2], value.shape[3]
+    scores = torch.bmm(_matrices(query), _matrices(key).transpose(1, 2))
+    probs, lse = _probabilities(scores, _scale(scale, E), is_causal)
+    out = torch.bmm(probs, _matrices(value)).view(B, H, L, Ev)
+    empty = query.new_empty(0)
+    seed = torch.zeros((), dtype=torch.int64, device=query.device)
+    return out, lse.view(B, H, L), empty, empty, L, S, seed, seed.clone(), empty
+
+
+@lowering("_scaled_dot_product_fused_attention_overrideable_backward")
+def sdpa_fused_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attn_bias: torch.Tensor | None, grad_input_mask: Sequence[bool], out: torch.Tensor,
+                        logsumexp: torch.Tensor, cum_seq_q: torch.Tensor, cum_seq_k: torch.Tensor, max_q: int,
+                        max_k: int, dropout_p: float, is_causal: bool, philox_seed: torch.Tensor,
+                        philox_offset: torch.Tensor, *, scale: float | None = None):
+    """Attention backward: (grad_query, grad_key, grad_value, grad_attn_bias = None)."""
+    _check(query, key, value, attn_bias if attn_bias is not None and attn_bias.numel() else None, dropout_p)
+    s = _scale(scale, query.shape[3])
+    q, k, v, do = _matrices(query), _matrices(key), _matrices(value), _matrices(grad_out)
+    probs, _ = _probabilities(torch.bmm(q, k.transpose(1, 2)), s, is_causal)
+    dq = dk = dv = None
+    if grad_input_mask[2]:
+        dv = torch.bmm(probs.transpose(1, 2), do).view(value.shape)
+    if grad_input_mask[0] or grad_input_mask[1]:
+        ds = softmax_backward(torch.bmm(do, v.transpose(1, 2)), probs, -1, log=False, scale=s)
+        if grad_input_mask[0]:
+            dq = torch.bmm(ds, k).view(query.shape)
+        if grad_input_mask[1]:
+            dk = torch.bmm(ds.transpose(1, 2), q).view(key.shape)
+    return dq, dk, dv, None
