@@ -19,6 +19,13 @@ this pass gives each such tile a real box:
 A tensor of legacy block tiles (``(n, par_dim(128), 512)``) is n independent tiles: each block is
 placed by its own liveness.
 
+4. Spilling (PSUM only, where step 2 would raise): a PSUM tensor larger than the whole PSUM whose tiles
+   fit nowhere is left out of PSUM and lives in a spill buffer instead: an SBUF box free over its
+   liveness, else a private HBM scratch buffer. Each instruction that writes it writes a temporary
+   PSUM box and is followed by a copy out (tensor_copy to SBUF, plus a DMA to HBM when backed there);
+   each instruction that reads it reads the SBUF backing, or a temporary SBUF box a DMA loads first.
+   Accumulating into a spilled tensor is refused. Kernels that fit never reach this step.
+
 Liveness covers every later access, reads and writes alike, so a tile whose box was reclaimed is
 never touched after it was given away: writing through a reclaimed tile is impossible by
 construction. A tile that fits nowhere even by liveness raises the memory's overflow error.
@@ -27,20 +34,24 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from dataclasses import replace
-from typing import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Iterable, Protocol, Sequence
 
 from torchneuron.sim import AP, SimulatorError
-from torchneuron.sim.isa import Instr
+from torchneuron.sim.isa import DmaCopy, Instr, TensorCopy
 from torchneuron.sim.memory import Region
 
 _BLOCK = 256  # instructions per bucket of the time index used to find tiles whose ranges overlap
+# instructions a spill's temporary box stays reserved from its use: consecutive spilled accesses rotate
+# through that many boxes, so TensorE can write the next tile while the previous one is copied out
+SPILL_WINDOW = 4
 
 
 class Alloc:
     """One on-chip tile of a trace: its box and the instructions over which Python held it."""
 
-    __slots__ = ("region", "start", "end", "overflow", "blocks", "first", "last", "offset", "reserved", "pinned")
+    __slots__ = ("region", "start", "end", "overflow", "blocks", "first", "last", "offset", "reserved", "pinned",
+                 "tensor")
 
     def __init__(self, region: Region, start: int, overflow: bool, blocks: int = 1):
         self.region, self.start, self.overflow, self.blocks = region, start, overflow, blocks
@@ -49,6 +60,7 @@ class Alloc:
         self.offset = region.offset          # the byte offset it ends up at
         self.reserved: tuple[int, int] | None = None  # the instruction range it is placed over
         self.pinned: int | None = None       # nl.ndarray(address=...): the byte offset it must end up at
+        self.tensor = self                   # the whole tensor (a legacy block tile: the tensor it is a block of)
 
     @property
     def hold(self) -> tuple[int, int]:
@@ -64,9 +76,21 @@ class Alloc:
         return (self.first, self.last) if self.first >= 0 else None
 
 
+class SpillHost(Protocol):
+    """What the pass needs from the trace to spill a PSUM tensor: HBM scratch and DMA queues."""
+
+    def spill_scratch(self, partitions: int, nbytes: int) -> str:
+        """A new kernel-private HBM buffer of ``partitions`` rows of ``nbytes`` bytes; its memory name."""
+
+    def next_dma_queue(self) -> int:
+        """The DMA queue for the next transfer."""
+
+
 def place_by_liveness(instructions: Sequence[Instr], clocks: Sequence[int], allocs: Sequence[Alloc],
-                      capacity: dict[str, int], bank_bytes: dict[str, int], align: int = 4) -> list[Instr]:
-    """Give every overflowed tile a box within ``capacity`` and rewrite the instructions that access it.
+                      capacity: dict[str, int], bank_bytes: dict[str, int], align: int = 4,
+                      host: SpillHost | None = None) -> list[Instr]:
+    """Give every overflowed tile a box within ``capacity`` and rewrite the instructions that access it;
+    with ``host``, spill the PSUM tensors larger than PSUM that fit nowhere (step 4) instead of raising.
 
     ``clocks[i]`` is the trace clock at which instruction i was emitted; tile ``start``/``end`` are on
     that clock and are converted to instruction indices here."""
@@ -75,13 +99,18 @@ def place_by_liveness(instructions: Sequence[Instr], clocks: Sequence[int], allo
         a.end = bisect.bisect_left(clocks, a.end)
     allocs = [b for a in allocs for b in _split(a)]
     touches = _accesses(instructions, allocs)
-    moved = False
-    for memory in capacity:
+    boxes: dict[str, _Boxes] = {}
+    spilled: set[Alloc] = set()
+    for memory in sorted(capacity, key=lambda m: m != "psum"):  # PSUM first: its spills need SBUF room
         mine = [a for a in allocs if a.region.memory == memory]
-        if any(a.overflow for a in mine):
-            _assign(mine, capacity[memory], bank_bytes.get(memory, 0), align, instructions)
-            moved = True
-    return _rewrite(instructions, touches) if moved else list(instructions)
+        if any(a.overflow for a in mine) or (spilled and memory == "sbuf"):
+            boxes[memory], lost = _place(mine, capacity[memory], bank_bytes.get(memory, 0), align, instructions,
+                                         spill=host is not None and memory == "psum")
+            spilled |= lost
+    if not boxes:
+        return list(instructions)
+    spills = _plan_spills(instructions, touches, spilled, boxes, host) if spilled else {}
+    return _rewrite(instructions, touches, spills, host)
 
 
 def _split(a: Alloc) -> list[Alloc]:
@@ -93,7 +122,7 @@ def _split(a: Alloc) -> list[Alloc]:
     for b in range(a.blocks):
         part = Alloc(Region(r.memory, r.start_partition, r.partitions, r.offset + b * size, size), a.start,
                      a.overflow)
-        part.end = a.end
+        part.end, part.tensor = a.end, a
         out.append(part)
     return out
 
@@ -160,25 +189,80 @@ def _owners(entry: tuple[list[int], list[Alloc]], ap: AP) -> list[Alloc]:
 
 # ---- placement ---------------------------------------------------------------------------------
 
-def _assign(allocs: list[Alloc], cap: int, bank: int, align: int, instructions: Sequence[Instr]) -> None:
-    """Place the overflowed tiles of one memory (the others keep their trace-time boxes)."""
-    index: dict[int, list[Alloc]] = {}
+class _Boxes:
+    """The tiles placed in one memory, indexed by instruction range, and first-fit queries among them."""
+
+    def __init__(self, cap: int, bank: int, align: int):
+        self.cap, self.bank, self.align = cap, bank, align
+        self.index: dict[int, list[Alloc]] = {}  # bucket of _BLOCK instructions -> tiles reserved there
+
+    def add(self, a: Alloc, span: tuple[int, int]) -> None:
+        """Record ``a`` at its offset over instructions ``span``."""
+        a.reserved = span
+        for b in range(span[0] // _BLOCK, span[1] // _BLOCK + 1):
+            self.index.setdefault(b, []).append(a)
+
+    def busy(self, span: tuple[int, int], others: str, region: Region) -> list[tuple[int, int]]:
+        """Byte ranges of placed tiles that share partitions with ``region`` over instructions ``span``
+        (``others``: "reserved" counts each tile over its reservation, "live" over its accesses only)."""
+        lo, hi = span
+        seen, out = set(), []
+        for b in range(lo // _BLOCK, hi // _BLOCK + 1):
+            for o in self.index.get(b, ()):
+                if id(o) in seen:
+                    continue
+                seen.add(id(o))
+                when = o.reserved if others == "reserved" else o.live
+                if when is None or when[1] < lo or hi < when[0]:
+                    continue
+                r = o.region
+                if r.start_partition < region.start_partition + region.partitions \
+                        and region.start_partition < r.start_partition + r.partitions:
+                    out.append((o.offset, o.offset + r.nbytes))
+        return sorted(out)
+
+    def place(self, a: Alloc, tiers: Sequence[tuple[tuple[int, int], str]]) -> bool:
+        """Put ``a`` at the first box free under the first tier (its span, how others count) that has one."""
+        for mine, others in tiers:
+            offset = _first_fit(a.region, self.busy(mine, others, a.region), self.cap, self.bank, self.align)
+            if offset is not None:
+                a.offset = offset
+                self.add(a, mine)
+                return True
+        return False
+
+
+def _place(allocs: list[Alloc], cap: int, bank: int, align: int, instructions: Sequence[Instr],
+           spill: bool) -> tuple[_Boxes, set[Alloc]]:
+    """Place one memory's overflowed tiles; return its boxes and the tensors spilled out of it.
+
+    With ``spill``, a tensor larger than the memory one of whose tiles fits nowhere is spilled whole (that
+    rule names the tensor to move unambiguously) and the placement redone without it; otherwise, and for
+    any other tile that fits nowhere, the memory's overflow error is raised as before."""
+    spilled: set[Alloc] = set()
+    while True:
+        boxes = _Boxes(cap, bank, align)
+        failed = _assign([a for a in allocs if a.tensor not in spilled], boxes, instructions)
+        if failed is None:
+            return boxes, spilled
+        if not (spill and failed.tensor.region.nbytes > cap):
+            raise _overflow(failed, boxes.busy(failed.live, "live", failed.region), cap, instructions)
+        spilled.add(failed.tensor)
+
+
+def _assign(allocs: list[Alloc], boxes: _Boxes, instructions: Sequence[Instr]) -> Alloc | None:
+    """Place the overflowed tiles of one memory (the others keep their trace-time boxes); return the first
+    tile that fits nowhere (None: all placed)."""
     _settle_pinned(allocs, instructions)
     for a in allocs:
         if not a.overflow or a.pinned is not None:
-            a.reserved = a.hold
-            _index(index, a)
+            boxes.add(a, a.hold)
     for a in sorted((a for a in allocs if a.overflow and a.pinned is None), key=lambda a: a.start):
         if a.live is None:
             continue  # never accessed: no instruction names its box
-        for mine, others in ((a.hold, "reserved"), (a.hold, "live"), (a.live, "live")):
-            offset = _first_fit(a.region, _busy(index, mine, others, a.region), cap, bank, align)
-            if offset is not None:
-                a.offset, a.reserved = offset, mine
-                _index(index, a)
-                break
-        else:
-            raise _overflow(a, _busy(index, a.live, "live", a.region), cap, instructions)
+        if not boxes.place(a, ((a.hold, "reserved"), (a.hold, "live"), (a.live, "live"))):
+            return a
+    return None
 
 
 def _settle_pinned(allocs: list[Alloc], instructions: Sequence[Instr]) -> None:
@@ -216,31 +300,6 @@ def _boxes_meet(a: Alloc, b: Alloc) -> bool:
             + ra.partitions and a.offset < b.offset + rb.nbytes and b.offset < a.offset + ra.nbytes)
 
 
-def _index(index: dict[int, list[Alloc]], a: Alloc) -> None:
-    lo, hi = a.reserved
-    for b in range(lo // _BLOCK, hi // _BLOCK + 1):
-        index.setdefault(b, []).append(a)
-
-
-def _busy(index: dict[int, list[Alloc]], span: tuple[int, int], others: str, region: Region) -> list[tuple[int, int]]:
-    """Byte ranges of placed tiles that share partitions with ``region`` over instructions ``span``."""
-    lo, hi = span
-    seen, out = set(), []
-    for b in range(lo // _BLOCK, hi // _BLOCK + 1):
-        for o in index.get(b, ()):
-            if id(o) in seen:
-                continue
-            seen.add(id(o))
-            when = o.reserved if others == "reserved" else o.live
-            if when is None or when[1] < lo or hi < when[0]:
-                continue
-            r = o.region
-            if r.start_partition < region.start_partition + region.partitions \
-                    and region.start_partition < r.start_partition + r.partitions:
-                out.append((o.offset, o.offset + r.nbytes))
-    return sorted(out)
-
-
 def _first_fit(region: Region, busy: list[tuple[int, int]], cap: int, bank: int, align: int) -> int | None:
     """The lowest offset where ``region``'s bytes fit between ``busy`` ranges (PSUM: never across a bank
     unless it needs more than one), or None."""
@@ -264,22 +323,182 @@ def _overflow(a: Alloc, busy: Iterable[tuple[int, int]], cap: int, instructions:
         f"and the capacity is {cap} bytes per partition")
 
 
+# ---- spilling -----------------------------------------------------------------------------------
+
+@dataclass
+class _Backing:
+    """Where a spilled PSUM tensor lives: a box of SBUF (``sbuf_offset``) or an HBM scratch buffer (``hbm``)
+    holding each partition's bytes of the tensor as one row of ``row_bytes``."""
+
+    tensor: Alloc
+    sbuf_offset: int | None = None
+    hbm: str | None = None
+    row_bytes: int = 0
+
+    def of(self, ap: AP) -> AP:
+        """``ap`` (inside the tensor's PSUM box) as the same bytes of the backing."""
+        r = self.tensor.region
+        rel = ap.offset - r.offset
+        if self.hbm is None:
+            return AP("sbuf", ap.dtype, ap.pattern, ap.start_partition, ap.partitions, self.sbuf_offset + rel)
+        row = self.row_bytes // ap.dtype.itemsize
+        first = (ap.start_partition - r.start_partition) * self.row_bytes
+        return AP(self.hbm, ap.dtype, ((row, ap.partitions), *ap.pattern), offset=first + rel)
+
+
+@dataclass
+class _SpillAccess:
+    """One operand of one instruction that touches a spilled tensor, and the temporary boxes it goes through:
+    a write goes to ``psum_temp`` (then, HBM-backed, through ``sbuf_temp``); an HBM-backed read is loaded
+    into ``sbuf_temp``."""
+
+    t: int
+    name: str
+    ap: AP
+    backing: _Backing
+    write: bool
+    psum_temp: int = -1
+    sbuf_temp: int = -1
+
+    @property
+    def in_hbm(self) -> bool:
+        """Whether the tensor is backed in HBM."""
+        return self.backing.hbm is not None
+
+    def lower(self, host: SpillHost) -> tuple[list[Instr], dict[str, AP], list[Instr]]:
+        """The instructions to emit before the access, its operand's replacement, and those to emit after."""
+        ap, backing = self.ap, self.backing
+        if self.write:  # write a PSUM box, then copy it out (through SBUF to HBM)
+            temp = _at(ap, "psum", self.psum_temp)
+            if not self.in_hbm:
+                return [], {self.name: temp}, [TensorCopy(dst=backing.of(ap), src=temp)]
+            staged = _at(ap, "sbuf", self.sbuf_temp)
+            return [], {self.name: temp}, [TensorCopy(dst=staged, src=temp),
+                                           DmaCopy(dst=backing.of(ap), src=staged, queue=host.next_dma_queue())]
+        if not self.in_hbm:  # the data is in SBUF already: read it there
+            return [], {self.name: backing.of(ap)}, []
+        # load every byte the operand spans (a dense box: no broadcast or gaps in the DMA's destination)
+        dense = AP(ap.memory, ap.dtype, ((1, _span(ap) // ap.dtype.itemsize),), ap.start_partition, ap.partitions,
+                   ap.offset)
+        load = DmaCopy(dst=_at(dense, "sbuf", self.sbuf_temp), src=backing.of(dense), queue=host.next_dma_queue())
+        return [load], {self.name: _at(ap, "sbuf", self.sbuf_temp)}, []
+
+
+def _at(ap: AP, memory: str, offset: int) -> AP:
+    """``ap``'s pattern over the same partitions, starting at byte ``offset`` of ``memory``."""
+    return AP(memory, ap.dtype, ap.pattern, ap.start_partition, ap.partitions, offset)
+
+
+def _span(ap: AP) -> int:
+    """Bytes per partition from the first to the last byte ``ap`` touches."""
+    lo, hi = ap.byte_range
+    return hi - lo
+
+
+def _plan_spills(instructions: Sequence[Instr], touches: dict[int, list], spilled: set[Alloc],
+                 boxes: dict[str, _Boxes], host: SpillHost) -> dict[tuple[int, str], _SpillAccess]:
+    """Back each spilled tensor (SBUF if a box is free over its liveness, else HBM) and give each access
+    its temporary boxes; {(instruction index, operand name): access}."""
+    accesses = _spill_accesses(instructions, touches, spilled)
+    for backing in {id(a.backing): a.backing for a in accesses}.values():
+        _back(backing, [a for a in accesses if a.backing is backing], boxes["sbuf"], host)
+    for a in accesses:
+        window = (a.t, min(a.t + SPILL_WINDOW, len(instructions)) - 1)
+        if a.write:
+            a.psum_temp = _temp(a, "psum", window, boxes["psum"], instructions)
+        if a.in_hbm:
+            a.sbuf_temp = _temp(a, "sbuf", window, boxes["sbuf"], instructions)
+    return {(a.t, a.name): a for a in accesses}
+
+
+def _spill_accesses(instructions: Sequence[Instr], touches: dict[int, list],
+                    spilled: set[Alloc]) -> list[_SpillAccess]:
+    """Every operand that touches a spilled tensor, in instruction order (raising for what cannot be spilled)."""
+    backings = {id(t): _Backing(t) for t in spilled}
+    out = []
+    for t in sorted(touches):
+        instr = instructions[t]
+        for name, ap, owners in touches[t]:
+            tensors = {id(o.tensor) for o in owners}
+            if not tensors & backings.keys():
+                continue
+            if len(tensors) > 1:
+                raise SimulatorError(f"{instr.opcode}: {name} {ap!r} spans a spilled PSUM tensor and other tiles; "
+                                     f"access one tile per operand")
+            write = name in type(instr).WRITES
+            # the instructions that also read what they write are the accumulating matmuls (accumulate=True,
+            # or None: add where a group is open); a sum spread over instructions cannot live in a spill buffer
+            if write and getattr(instr, "accumulate", False) is not False:
+                raise SimulatorError(
+                    f"{instr.opcode} (instruction {t}): accumulates into {name} {ap!r}, a PSUM tensor larger than "
+                    f"PSUM that was spilled to SBUF/HBM; accumulation into a spilled PSUM tensor is not "
+                    f"supported: accumulate in a PSUM tile that fits, then copy it into the large tensor")
+            out.append(_SpillAccess(t, name, ap, backings[tensors.pop()], write))
+    return out
+
+
+def _back(backing: _Backing, accesses: list[_SpillAccess], sbuf: _Boxes, host: SpillHost) -> None:
+    """Put a spilled tensor in an SBUF box free from its first to its last access, else in HBM scratch."""
+    r = backing.tensor.region
+    box = Region("sbuf", r.start_partition, r.partitions, 0, r.nbytes)
+    backing.sbuf_offset = _new_box(sbuf, box, (accesses[0].t, accesses[-1].t))
+    if backing.sbuf_offset is None:
+        backing.row_bytes = -(-r.nbytes // 4) * 4
+        backing.hbm = host.spill_scratch(r.partitions, backing.row_bytes)
+
+
+def _temp(access: _SpillAccess, memory: str, window: tuple[int, int], boxes: _Boxes,
+          instructions: Sequence[Instr]) -> int:
+    """The offset of a temporary ``memory`` box for ``access``, free over ``window`` (raise if none is)."""
+    ap = access.ap
+    box = Region(memory, ap.start_partition, ap.partitions, 0, _span(ap))
+    offset = _new_box(boxes, box, window)
+    if offset is None:
+        in_use = sum(e - s for s, e in boxes.busy(window, "live", box))
+        raise SimulatorError(
+            f"{memory} overflow: no box of {box.partitions} partitions x {box.nbytes} bytes is free at instruction "
+            f"{access.t} ({instructions[access.t].opcode}) to stage {access.name} of a spilled PSUM tensor: "
+            f"{in_use} bytes per partition are live there and the capacity is {boxes.cap} bytes per partition")
+    return offset
+
+
+def _new_box(boxes: _Boxes, region: Region, span: tuple[int, int]) -> int | None:
+    """The offset at which a new tile of ``region``'s size is placed among ``boxes`` over instructions ``span``
+    (None: no box is free)."""
+    box = Alloc(region, span[0], True)
+    box.first, box.last = span
+    return box.offset if boxes.place(box, ((span, "reserved"), (span, "live"))) else None
+
+
 # ---- rewriting ---------------------------------------------------------------------------------
 
-def _rewrite(instructions: Sequence[Instr], touches: dict[int, list]) -> list[Instr]:
-    """The instructions with every operand inside a moved tile shifted to its new box."""
-    out = list(instructions)
-    for t, ops in touches.items():
-        changes = {}
-        for name, ap, owners in ops:
-            deltas = {a.offset - a.region.offset for a in owners}
-            if deltas == {0}:
+def _rewrite(instructions: Sequence[Instr], touches: dict[int, list], spills: dict[tuple[int, str], _SpillAccess],
+             host: SpillHost | None) -> list[Instr]:
+    """The instructions with every operand inside a moved tile shifted to its new box, and every access to a
+    spilled tensor going through its temporary boxes."""
+    out: list[Instr] = []
+    for t, instr in enumerate(instructions):
+        before, changes, after = [], {}, []
+        for name, ap, owners in touches.get(t, ()):
+            spill = spills.get((t, name))
+            if spill is not None:
+                pre, change, post = spill.lower(host)
+                before, after = before + pre, after + post
+                changes.update(change)
                 continue
-            if len(deltas) > 1:
-                raise SimulatorError(f"{out[t].opcode}: {name} {ap!r} spans several tiles and the liveness "
-                                     f"allocator placed them apart; access one tile per operand")
-            changes[name] = AP(ap.memory, ap.dtype, ap.pattern, ap.start_partition, ap.partitions,
-                               ap.offset + deltas.pop())
-        if changes:
-            out[t] = replace(out[t], **changes)
+            moved = _moved(instr, name, ap, owners)
+            if moved is not None:
+                changes[name] = moved
+        out += [*before, replace(instr, **changes) if changes else instr, *after]
     return out
+
+
+def _moved(instr: Instr, name: str, ap: AP, owners: list[Alloc]) -> AP | None:
+    """``ap`` shifted with the tile it lies in (None: that tile kept its box)."""
+    deltas = {a.offset - a.region.offset for a in owners}
+    if deltas == {0}:
+        return None
+    if len(deltas) > 1:
+        raise SimulatorError(f"{instr.opcode}: {name} {ap!r} spans several tiles and the liveness "
+                             f"allocator placed them apart; access one tile per operand")
+    return AP(ap.memory, ap.dtype, ap.pattern, ap.start_partition, ap.partitions, ap.offset + deltas.pop())

@@ -8,6 +8,12 @@ program's argument slots. Every ``nki.isa`` call appends one simulator instructi
 A tile that does not fit while earlier tiles are still bound in Python is given a virtual box past
 the capacity; when the trace ends, ``liveness.place_by_liveness`` moves it into memory whose tiles no
 later instruction touches (the compiler allocates by liveness), or raises the overflow error.
+
+PSUM spilling is done there too, in that one place, because only that pass knows that a tensor fits
+nowhere: a PSUM tensor larger than PSUM (even a single tile, which here gets a virtual box instead of
+raising) that cannot be placed is backed by SBUF or a private HBM scratch buffer (``spill_scratch``), and
+the instructions that touch it are rewritten to go through temporary boxes. A kernel whose tiles can be
+placed never reaches that code, so its instructions are exactly those it emitted.
 """
 from __future__ import annotations
 
@@ -284,7 +290,8 @@ class Trace:
         assert shape, "an on-chip tensor needs a partition dim"
         mem = self.sbuf if buffer is sbuf else self.psum
         nbytes, cap = max(math.prod(shape[1:]) * dtype.itemsize, 1), self.capacity[mem.name]
-        if nbytes // blocks > cap:  # no liveness can help a tile larger than the memory
+        # no liveness can help an SBUF tile larger than the memory (a PSUM one gets a virtual box: it is spilled)
+        if nbytes // blocks > cap and buffer is not psum:
             raise SimulatorError(f"{mem.name} overflow: cannot allocate {shape[0]} partitions x {nbytes // blocks} "
                                  f"bytes: the capacity is {mem.partitions} partitions x {cap} bytes")
         if address is not None:
@@ -418,15 +425,28 @@ class Trace:
 
     def program(self, name: str, outputs: Sequence[str]) -> Program:
         """The traced Program; ``outputs`` are the returned HBM slots. Tiles that overflowed are placed by
-        liveness first (raising the memory's overflow error if even that cannot fit them)."""
-        args = [ArgSlot(s.name, s.shape, s.dtype, "output") if s.name in outputs else s for s in self.slots.values()]
+        liveness first (spilling PSUM tensors larger than PSUM, raising the memory's overflow error for any
+        other tile that even that cannot fit)."""
         instructions = self.instructions
         self._check_constants_unwritten()
         if self.overflowed:
             self._close_allocs()
-            instructions = place_by_liveness(instructions, self.clocks, self.allocs, self.capacity, self.bank_bytes)
+            instructions = place_by_liveness(instructions, self.clocks, self.allocs, self.capacity, self.bank_bytes,
+                                             host=self)
             self.instructions, self.overflowed = instructions, False  # placed once
+        # (after placement: spilling may add scratch slots)
+        args = [ArgSlot(s.name, s.shape, s.dtype, "output") if s.name in outputs else s for s in self.slots.values()]
         return Program(tuple(instructions), tuple(args), name)
+
+    def spill_scratch(self, partitions: int, nbytes: int) -> str:
+        """A new kernel-private HBM scratch buffer of ``partitions`` rows of ``nbytes`` bytes (a multiple of 4)
+        for a spilled PSUM tensor (see ``liveness``); its memory name."""
+        name = f"psum_spill{sum(k.startswith('psum_spill') for k in self.slots)}"
+        while name in self.slots:  # a kernel argument already has the name
+            name += "_"
+        self.slots[name] = ArgSlot(name, (partitions, nbytes // 4), torch.float32, "scratch")
+        self.hbm_kinds[name] = "private"
+        return f"hbm:{name}"
 
 
     def _check_constants_unwritten(self) -> None:
