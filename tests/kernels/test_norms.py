@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torchneuron.kernels import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 from tests.kernels.conftest import DTYPES, close
 
-SHAPES = [(1, 1), (127, 129), (300, 513), (2, 3, 300)]
+SHAPES = [(1, 1), (127, 129), (300, 513), (2, 3, 300), (1030, 64)]   # (1030, 64): 8 rows per partition + a tail
 LONG = [(3, 5003), (130, 1801)]   # rows beyond the single pass (forward > ~4700, backward > ~1700)
 
 

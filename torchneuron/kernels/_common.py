@@ -51,3 +51,38 @@ def flat_blocks(n: int, fmax: int = 2048):
         w = f if n - s >= f * p else n - s
         yield s, p, w
         s += p * w
+
+
+# ---- grouped rows: G short rows per partition --------------------------------------------------------
+# A row kernel over short rows (a few hundred elements) with one row per partition spends most of each
+# instruction on its fixed cost. Grouped, partition i of a [128, G, D] tile holds rows r0 + i*G .. +G-1
+# (one contiguous DMA), per-row statistics are [128, G] tiles, and ``spread`` reads them back over the
+# D columns through a stride-0 access pattern.
+
+ROW_ELEMS = 2048    # elements per partition of a grouped tile
+
+
+def row_blocks(N: int, D: int) -> tuple[list[tuple[int, int, int]], int]:
+    """((first row, partitions, rows per partition) blocks covering N rows of D elements, G): [128, G]
+    blocks with G * D <= max(D, ROW_ELEMS), then the rows left over one per partition."""
+    G = max(1, min(ROW_ELEMS // D, N // PMAX))
+    step = PMAX * G
+    full = N - N % step
+    blocks = [(r0, PMAX, G) for r0 in range(0, full, step)]
+    blocks += [(r0, min(PMAX, N - r0), 1) for r0 in range(full, N, PMAX)]
+    return blocks, G
+
+
+def grouped_rows(t, r0: int, p: int, g: int):
+    """Rows [r0, r0 + p*g) of an HBM [N, D] tensor as [p, g, D]: partition i holds rows r0 + i*g ..."""
+    return t[r0:r0 + p * g, :].reshape((p, g, t.shape[1]))
+
+
+def spread(stat, p: int, g: int, D: int):
+    """A [p, g] tile of per-row values read as [p, g, D] (stride 0 over the columns)."""
+    return stat[:p, :g].ap([[g, p], [1, g], [0, D]])
+
+
+def spread_row(row, p: int, g: int, D: int):
+    """A [P, D] tile (one vector on every partition) read as [p, g, D] (stride 0 over the rows)."""
+    return row[:p, :D].ap([[D, p], [0, g], [1, D]])

@@ -38,7 +38,8 @@ import collections
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import PMAX, PSUM_FP32, as_tensor, cdiv, check_sbuf
+from torchneuron.kernels._common import (PMAX, PSUM_FP32, ROW_ELEMS, as_tensor, cdiv, check_sbuf, grouped_rows,
+                                         row_blocks, spread, spread_row)
 
 NBUF = 3
 BN = 512   # nl.tile_size.bn_stats_fmax
@@ -189,6 +190,58 @@ def _ln_fwd_long(x, weight, bias, out, eps, rms, stats):
             ring.append((wt, bt))
 
 
+def grouped(D: int) -> bool:
+    """Whether rows of D elements take the grouped path (several rows per partition)."""
+    return 2 * D <= ROW_ELEMS
+
+
+def _grouped_stats(t, p, g, D, eps, rms):
+    """(mean or None for RMS, centred rows, rstd) of a grouped [p, g, D] tile: two-pass reductions
+    (sum, then the sum of squared deviations), per row [P, g] statistics."""
+    mean = None
+    xc = t
+    if not rms:
+        mean = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=mean[:p], op=nl.add, data=t[:p], axis=(2,))
+        nisa.tensor_scalar(dst=mean[:p], data=mean[:p], op0=nl.multiply, operand0=1.0 / D)
+        xc = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=xc[:p], data1=t[:p], data2=spread(mean, p, g, D), op=nl.subtract)
+    sq = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=sq[:p], data1=xc[:p], data2=xc[:p], op=nl.multiply, engine=nisa.gpsimd_engine)
+    rstd = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=rstd[:p], op=nl.add, data=sq[:p], axis=(2,))
+    nisa.tensor_scalar(dst=rstd[:p], data=rstd[:p], op0=nl.multiply, operand0=1.0 / D, op1=nl.add, operand1=eps)
+    nisa.tensor_scalar(dst=rstd[:p], data=rstd[:p], op0=nl.power, operand0=-0.5)
+    return mean, xc, rstd
+
+
+def _ln_fwd_grouped(x, weight, bias, out, eps, rms, stats):
+    """Short rows (``grouped(D)``): G rows per partition, y = (x - mean) * rstd * w + b per [128, G, D] tile."""
+    N, D = x.shape
+    blocks, G = row_blocks(N, D)
+    check_sbuf((2 + (NBUF + 1) * 3 * G) * D * 4 + 8 * G, f"layer_norm D={D}")
+    w = _row(weight, D)
+    b = None if rms else _row(bias, D)
+    ring = collections.deque(maxlen=NBUF)
+    for r0, p, g in blocks:
+        t = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t[:p], src=grouped_rows(x, r0, p, g))
+        mean, xc, rstd = _grouped_stats(t, p, g, D, eps, rms)
+        y = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=y[:p], data1=xc[:p], data2=spread(rstd, p, g, D), op=nl.multiply)
+        nisa.tensor_tensor(dst=y[:p], data1=y[:p], data2=spread_row(w, p, g, D), op=nl.multiply,
+                           engine=nisa.gpsimd_engine)
+        if not rms:
+            nisa.tensor_tensor(dst=y[:p], data1=y[:p], data2=spread_row(b, p, g, D), op=nl.add,
+                               engine=nisa.gpsimd_engine)
+        nisa.dma_copy(dst=grouped_rows(out, r0, p, g), src=y[:p])
+        if stats:
+            mean_out, rstd_out = stats
+            nisa.dma_copy(dst=mean_out[r0:r0 + p * g, :].reshape((p, g)), src=mean[:p])
+            nisa.dma_copy(dst=rstd_out[r0:r0 + p * g, :].reshape((p, g)), src=rstd[:p])
+        ring.append((t, xc, y))
+
+
 def _store_stats(stats, r0, p, mean, rstd):
     """DMA the (P, 1) mean and rstd columns of rows [r0, r0 + p) to the (N, 1) HBM outputs ``stats``."""
     mean_out, rstd_out = stats
@@ -209,6 +262,9 @@ def layer_norm_kernel(x, weight, bias, eps=1e-5, rms=False, stats=False):
     result = (out, *saved) if stats else out
     if not fwd_fits(D):
         _ln_fwd_long(x, weight, bias, out, eps, rms, saved)
+        return result
+    if grouped(D):
+        _ln_fwd_grouped(x, weight, bias, out, eps, rms, saved)
         return result
     check_sbuf((2 + (NBUF + 1) * 2) * D * 4 + 8 * D, f"layer_norm D={D}")
     w = _row(weight, D)
@@ -326,6 +382,66 @@ def _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved):
                     nisa.memset(dst=cs[:, :, 0:1], value=0.0)
 
 
+def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved):
+    """Short rows (``grouped(D)``): G rows per partition. dw/db column sums run on TensorE over the
+    [p, G*D] tiles into a [1, G, D] accumulator, summed over G at the end."""
+    N, D = x.shape
+    blocks, G = row_blocks(N, D)
+    check_sbuf((3 + (NBUF + 1) * 6 * G) * D * 4 + 16 * G, f"layer_norm backward D={D}")
+    w = _row(weight, D)
+    ones = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    acc = {k: nl.ndarray((1, G, D), nl.float32, buffer=nl.sbuf) for k in ("dw", "db")}
+    for a in acc.values():
+        nisa.memset(dst=a, value=0.0)
+    ring = collections.deque(maxlen=NBUF)
+    for r0, p, g in blocks:
+        t = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
+        gr = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t[:p], src=grouped_rows(x, r0, p, g))
+        nisa.dma_copy(dst=gr[:p], src=grouped_rows(dy, r0, p, g))
+        if saved:
+            mean = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
+            rstd = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=mean[:p], src=saved[0][r0:r0 + p * g, :].reshape((p, g)))
+            nisa.dma_copy(dst=rstd[:p], src=saved[1][r0:r0 + p * g, :].reshape((p, g)))
+            xh = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=xh[:p], data1=t[:p], data2=spread(mean, p, g, D), op=nl.subtract)
+        else:
+            _, xh, rstd = _grouped_stats(t, p, g, D, eps, rms)
+            if rms:   # (the statistics leave x uncentred for RMS: scale a copy, not the loaded rows)
+                xh = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=xh[:p], src=t[:p])
+        nisa.tensor_tensor(dst=xh[:p], data1=xh[:p], data2=spread(rstd, p, g, D), op=nl.multiply)
+        # weight/bias gradients: column sums of dy * xhat and dy over this block's rows
+        prod = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=prod[:p], data1=gr[:p], data2=xh[:p], op=nl.multiply, engine=nisa.gpsimd_engine)
+        _col_sum(acc["dw"].reshape((1, G * D)), prod.reshape((PMAX, g * D)), p, g * D, ones)
+        if not rms:
+            _col_sum(acc["db"].reshape((1, G * D)), gr.reshape((PMAX, g * D)), p, g * D, ones)
+        # dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)),  gw = dy * w
+        gw = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=gw[:p], data1=gr[:p], data2=spread_row(w, p, g, D), op=nl.multiply)
+        nisa.tensor_tensor(dst=prod[:p], data1=gw[:p], data2=xh[:p], op=nl.multiply, engine=nisa.gpsimd_engine)
+        c2 = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=c2[:p], op=nl.add, data=prod[:p], axis=(2,))
+        nisa.tensor_scalar(dst=c2[:p], data=c2[:p], op0=nl.multiply, operand0=1.0 / D)
+        nisa.tensor_tensor(dst=prod[:p], data1=xh[:p], data2=spread(c2, p, g, D), op=nl.multiply)
+        if not rms:
+            c1 = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_reduce(dst=c1[:p], op=nl.add, data=gw[:p], axis=(2,))
+            nisa.tensor_scalar(dst=c1[:p], data=c1[:p], op0=nl.multiply, operand0=1.0 / D)
+            nisa.tensor_tensor(dst=gw[:p], data1=gw[:p], data2=spread(c1, p, g, D), op=nl.subtract)
+        nisa.tensor_tensor(dst=gw[:p], data1=gw[:p], data2=prod[:p], op=nl.subtract)
+        nisa.tensor_tensor(dst=gw[:p], data1=gw[:p], data2=spread(rstd, p, g, D), op=nl.multiply)
+        nisa.dma_copy(dst=grouped_rows(dx_out, r0, p, g), src=gw[:p])
+        ring.append((t, gr, xh, prod, gw))
+    for key, dst in (("dw", dw_out), ("db", db_out)):   # sum the G row slots of each column
+        col = nl.ndarray((1, D), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=col, op=nl.add, data=acc[key].ap([[G * D, 1], [1, D], [D, G]]), axis=(2,))
+        nisa.dma_copy(dst=dst, src=col)
+
+
 @nki.jit
 def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=None):
     """Backward of layer norm (``rms``: RMS norm): returns (dx, dweight, dbias) (dbias zero for RMS).
@@ -342,6 +458,9 @@ def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=No
     db_out = nl.ndarray((1, D), weight.dtype, buffer=nl.shared_hbm)
     if not bwd_fits(D):
         _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved)
+        return dx_out, dw_out, db_out
+    if grouped(D):
+        _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved)
         return dx_out, dw_out, db_out
     check_sbuf((1 + (NBUF + 1) * 7) * D * 4 + 16 * D, f"layer_norm backward D={D}")
     w = _row(weight, D)

@@ -29,7 +29,8 @@ import collections
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import PMAX, as_tensor, check_sbuf
+from torchneuron.kernels._common import (PMAX, ROW_ELEMS, as_tensor, check_sbuf, grouped_rows, row_blocks,
+                                         spread)
 from torchneuron.kernels.transpose import permute
 
 NBUF = 3
@@ -143,38 +144,14 @@ def log_softmax(x, dim: int = -1):
 
 
 # ---- attention probabilities, softmax backward -------------------------------------------------------
-# Attention rows are short (S keys, often 64-512): a [128, S] tile per instruction would leave each
-# instruction mostly fixed cost, so these kernels put G consecutive rows on each partition ([128, G, S]
-# tiles, G * S ~ 2048 elements): per-row statistics are [128, G] tiles, broadcast back over the S
-# columns by stride-0 access patterns. Rows left over take [p, 1, S] tiles.
+# Attention rows are short (S keys, often 64-512): these kernels take grouped rows (kernels._common).
 
 NEG_BIG = -3.0e38   # a finite "minus infinity" for masked scores: exp() of it underflows to exactly 0
-ROW_ELEMS = 2048    # elements per partition of a grouped tile
 
 
 def attention_fits(S: int) -> bool:
     """Whether rows of S keys take ``attention_softmax_kernel`` (a grouped tile holds max(S, ROW_ELEMS))."""
     return ((NBUF + 1) * 4 + 5) * max(S, ROW_ELEMS) * 4 + 64 <= nl.tile_size.sbuf_fmax_bytes
-
-
-def _row_blocks(N: int, S: int):
-    """(first row, partitions, rows per partition) blocks covering N rows of S elements."""
-    G = max(1, min(ROW_ELEMS // S, N // PMAX))
-    step = PMAX * G
-    full = N - N % step
-    blocks = [(r0, PMAX, G) for r0 in range(0, full, step)]
-    blocks += [(r0, min(PMAX, N - r0), 1) for r0 in range(full, N, PMAX)]
-    return blocks, G
-
-
-def _rows(t, r0, p, g):
-    """Rows [r0, r0 + p*g) of an HBM [N, S] tensor as [p, g, S]: partition i holds rows r0 + i*g ..."""
-    return t[r0:r0 + p * g, :].reshape((p, g, t.shape[1]))
-
-
-def _spread(stat, p, g, S):
-    """A [p, g] tile of per-row values read as [p, g, S] (stride 0 over the columns)."""
-    return stat[:p, :g].ap([[g, p], [1, g], [0, S]])
 
 
 def _causal_mask(mask, cols, r0, p, g, L):
@@ -185,7 +162,7 @@ def _causal_mask(mask, cols, r0, p, g, L):
     nisa.iota(dst=pos[:p], pattern=[[1, g]], offset=r0, channel_multiplier=g)
     nisa.tensor_scalar(dst=pos[:p], data=pos[:p], op0="mod", operand0=float(L))
     S = cols.shape[-1]
-    nisa.tensor_tensor(dst=keep[:p], data1=cols[:p, :g, :], data2=_spread(pos, p, g, S), op=nl.less_equal)
+    nisa.tensor_tensor(dst=keep[:p], data1=cols[:p, :g, :], data2=spread(pos, p, g, S), op=nl.less_equal)
     nisa.tensor_scalar(dst=bias[:p], data=keep[:p], op0=nl.subtract, operand0=1.0, op1=nl.multiply,
                        operand1=-NEG_BIG)
 
@@ -202,7 +179,7 @@ def attention_softmax_kernel(x, scale=1.0, causal_len=0):
     which costs the simulator's host ~20x)."""
     N, S = x.shape
     assert attention_fits(S), f"attention softmax: rows of {S} keys do not fit SBUF in one pass"
-    blocks, G = _row_blocks(N, S)
+    blocks, G = row_blocks(N, S)
     out = nl.ndarray((N, S), x.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((N, 1), nl.float32, buffer=nl.shared_hbm)
     cols = shared = None
@@ -215,7 +192,7 @@ def attention_softmax_kernel(x, scale=1.0, causal_len=0):
     ring = collections.deque(maxlen=NBUF)
     for r0, p, g in blocks:
         t = nl.ndarray((PMAX, g, S), nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t[:p], src=_rows(x, r0, p, g))
+        nisa.dma_copy(dst=t[:p], src=grouped_rows(x, r0, p, g))
         if scale != 1.0:
             nisa.tensor_scalar(dst=t[:p], data=t[:p], op0=nl.multiply, operand0=float(scale))
         neg_max = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
@@ -230,7 +207,7 @@ def attention_softmax_kernel(x, scale=1.0, causal_len=0):
             nisa.tensor_reduce(dst=neg_max[:p], op=nl.maximum, data=u[:p], axis=(2,), negate=True)
         else:
             nisa.tensor_reduce(dst=neg_max[:p], op=nl.maximum, data=t[:p], axis=(2,), negate=True)
-        nisa.tensor_tensor(dst=t[:p], data1=t[:p], data2=_spread(neg_max, p, g, S), op=nl.add)
+        nisa.tensor_tensor(dst=t[:p], data1=t[:p], data2=spread(neg_max, p, g, S), op=nl.add)
         if mask is not None:
             nisa.tensor_tensor(dst=t[:p], data1=t[:p], data2=mask[0][:p], op=nl.multiply)
         e = nl.ndarray((PMAX, g, S), nl.float32, buffer=nl.sbuf)
@@ -241,11 +218,11 @@ def attention_softmax_kernel(x, scale=1.0, causal_len=0):
         nisa.tensor_reduce(dst=ssum[:p], op=nl.add, data=e[:p], axis=(2,))
         rs = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
         nisa.reciprocal(dst=rs[:p], data=ssum[:p])
-        nisa.tensor_tensor(dst=e[:p], data1=e[:p], data2=_spread(rs, p, g, S), op=nl.multiply)
+        nisa.tensor_tensor(dst=e[:p], data1=e[:p], data2=spread(rs, p, g, S), op=nl.multiply)
         ls = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)            # logsumexp = log(sum) + max
         nisa.activation(dst=ls[:p], op=nl.log, data=ssum[:p])
         nisa.tensor_tensor(dst=ls[:p], data1=ls[:p], data2=neg_max[:p], op=nl.subtract)
-        nisa.dma_copy(dst=_rows(out, r0, p, g), src=e[:p])
+        nisa.dma_copy(dst=grouped_rows(out, r0, p, g), src=e[:p])
         nisa.dma_copy(dst=lse[r0:r0 + p * g, :].reshape((p, g)), src=ls[:p])
         ring.append((t, e))
     return out, lse
@@ -257,29 +234,29 @@ def softmax_bwd_kernel(grad, y, log=False, scale=1.0):
     ``scale * y * (g - sum(g * y))`` (log: ``scale * (g - exp(y) * sum(g))``)."""
     N, D = y.shape
     assert fits_one_pass(D), f"softmax backward: rows of {D} do not fit SBUF in one pass"
-    blocks, G = _row_blocks(N, D)
+    blocks, G = row_blocks(N, D)
     check_sbuf((NBUF + 1) * 3 * G * D * 4 + 64, f"softmax backward D={D}")
     out = nl.ndarray((N, D), y.dtype, buffer=nl.shared_hbm)
     ring = collections.deque(maxlen=NBUF)
     for r0, p, g in blocks:
         gr = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
         t = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=gr[:p], src=_rows(grad, r0, p, g))
-        nisa.dma_copy(dst=t[:p], src=_rows(y, r0, p, g))
+        nisa.dma_copy(dst=gr[:p], src=grouped_rows(grad, r0, p, g))
+        nisa.dma_copy(dst=t[:p], src=grouped_rows(y, r0, p, g))
         s = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
         w = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
         if log:   # dx = g - exp(y) * sum(g)
             nisa.tensor_reduce(dst=s[:p], op=nl.add, data=gr[:p], axis=(2,))
             nisa.activation(dst=w[:p], op=nl.exp, data=t[:p])
-            nisa.tensor_tensor(dst=w[:p], data1=w[:p], data2=_spread(s, p, g, D), op=nl.multiply)
+            nisa.tensor_tensor(dst=w[:p], data1=w[:p], data2=spread(s, p, g, D), op=nl.multiply)
             nisa.tensor_tensor(dst=w[:p], data1=gr[:p], data2=w[:p], op=nl.subtract)
         else:     # dx = (g - sum(g * y)) * y
             nisa.tensor_tensor(dst=w[:p], data1=gr[:p], data2=t[:p], op=nl.multiply)
             nisa.tensor_reduce(dst=s[:p], op=nl.add, data=w[:p], axis=(2,))
-            nisa.tensor_tensor(dst=w[:p], data1=gr[:p], data2=_spread(s, p, g, D), op=nl.subtract)
+            nisa.tensor_tensor(dst=w[:p], data1=gr[:p], data2=spread(s, p, g, D), op=nl.subtract)
             nisa.tensor_tensor(dst=w[:p], data1=w[:p], data2=t[:p], op=nl.multiply)
         if scale != 1.0:
             nisa.tensor_scalar(dst=w[:p], data=w[:p], op0=nl.multiply, operand0=float(scale))
-        nisa.dma_copy(dst=_rows(out, r0, p, g), src=w[:p])
+        nisa.dma_copy(dst=grouped_rows(out, r0, p, g), src=w[:p])
         ring.append((gr, t, w))
     return out
