@@ -100,3 +100,41 @@ def test_margin_losses_refuse_int32_targets(strict):
         with pytest.raises(RuntimeError) as dev:
             call(to_n)
         assert str(dev.value) == str(cpu.value)
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("shape,weighted,dtype", [((1030, 65), False, torch.float32), ((300, 7), True, torch.float32),
+                                                  ((7,), True, torch.float32), ((5,), False, torch.float32),
+                                                  ((260, 33), True, torch.bfloat16)])
+def test_nll_loss_forward_backward_ops(shape, weighted, dtype, reduction, strict):
+    # the aten ops directly: grouped rows (1030 = 8 per partition + a tail), one sample, weights, ignored rows
+    C = shape[-1]
+    x = torch.randn(shape).to(dtype)
+    t = torch.randint(0, C, shape[:-1])
+    if t.dim():
+        t[::5] = -100
+    w = torch.rand(C).to(dtype) if weighted else None
+    want = torch.ops.aten.nll_loss_forward(x, t, w, reduction, -100)
+    got = torch.ops.aten.nll_loss_forward(to_n(x), to_n(t), _n(w), reduction, -100)
+    tol = TOL if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for g_, w_ in zip(got, want):
+        assert g_.shape == w_.shape and g_.dtype == w_.dtype
+        torch.testing.assert_close(g_.cpu(), w_, **{k: v * 10 for k, v in tol.items()})
+    g = torch.randn(want[0].shape).to(dtype)
+    dx = torch.ops.aten.nll_loss_backward(to_n(g), to_n(x), to_n(t), _n(w), reduction, -100, to_n(want[1]))
+    torch.testing.assert_close(dx.cpu(), torch.ops.aten.nll_loss_backward(g, x, t, w, reduction, -100, want[1]), **tol)
+
+
+@pytest.mark.parametrize("bad", [9, -3, 2 ** 33 + 1])
+def test_nll_loss_out_of_range_targets_raise_like_cpu(bad):
+    # an int64 target whose low word is in range (2**33 + 1) is out of range too
+    x, g = torch.randn(4, 9), torch.tensor(1.0)
+    t = torch.tensor([0, bad, 1, -100])
+    assert_raises_like_cpu(lambda c: torch.ops.aten.nll_loss_forward(c(x), c(t), None, 1, -100))
+    assert_raises_like_cpu(lambda c: torch.ops.aten.nll_loss_backward(c(g), c(x), c(t), None, 1, -100,
+                                                                      c(torch.tensor(3.0))))
+
+
+def test_nll_loss_refuses_int32_targets_like_cpu():
+    x, t = torch.randn(4, 3), torch.tensor([0, 1, 2, 1], dtype=torch.int32)
+    assert_raises_like_cpu(lambda c: torch.ops.aten.nll_loss_forward(c(x), c(t), None, 1, -100))

@@ -9,10 +9,11 @@ ones/zeros), which also returns the mean and 1/std that ``native_layer_norm`` re
 them); the backward is one ``layer_norm_bwd_kernel`` launch on those saved statistics, as the CPU
 kernel uses them.
 
-Losses (``nll_loss``, ``mse_loss``, ``binary_cross_entropy``, ``multi_margin_loss``,
-``multilabel_margin_loss``) are composed of element-wise, comparison and reduction launches; class targets
-become [N, C] masks against an iota row. Targets and inputs out of range raise the CPU's errors after one
-host read of the device's range flags.
+``nll_loss`` forward and backward are one launch each (``kernels.losses``: the targets become one-hot
+rows against an iota, the reduction runs in the kernel). The other losses (``mse_loss``,
+``binary_cross_entropy``, ``multi_margin_loss``, ``multilabel_margin_loss``) are composed of element-wise,
+comparison and reduction launches; class targets become [N, C] masks against an iota row. Targets and
+inputs out of range raise the CPU's errors after one host read of the device's range flags.
 """
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ from typing import Any, Sequence
 import torch
 from torch._prims_common import canonicalize_dim
 
+from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.softmax import fits_one_pass, softmax_bwd_kernel, softmax_kernel
 from torchneuron.ops.copy import device_copy, write_result
 from torchneuron.ops.kernel_call import call_kernel, dense
 from torchneuron.ops.registry import cpu_fallback, lowering, meta_twin
+from torchneuron.ops.indexing import index_words
 from torchneuron.ops.scatter import _on_device
 
 aten = torch.ops.aten
@@ -170,62 +173,70 @@ def native_layer_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, norm
 
 # ---- negative log likelihood ------------------------------------------------------------------------
 
-def _nll_parts(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int):
-    """(input as [N, C], the per-row class mask [N, C], the per-row weight w_n [N]) for nll_loss."""
-    from torchneuron.ops.indexing import arange_values, index_words
-    x = self.reshape(1, -1) if self.dim() == 1 else self
-    N, C = x.shape
-    words, stride = index_words(target)
-    t = (words if stride == 1 else words.view(N, 2)[:, 0]).reshape(N, 1)
-    valid = t != ignore_index
-    bad = ((t < 0) | (t >= C)) & valid
-    if bool(bad.any().item()):
-        first = int(bad.reshape(-1).to(torch.float32).argmax().item())
-        raise IndexError(f"Target {int(t.reshape(-1)[first].item())} is out of bounds.")
-    mask = (arange_values(C, x.device).reshape(1, C) == t) & valid
-    if weight is None:
-        w = valid.reshape(N).to(x.dtype)
-    else:
-        w = torch.where(mask, weight.reshape(1, C), 0).sum(1)
-    return x, mask, w
-
-
-def _nll_ok(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None) -> bool:
+def _nll_ok(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int) -> bool:
+    """Whether the nll kernels take these arguments (int64 class targets, as the CPU demands; the rest,
+    with its errors, goes to the CPU)."""
     return (self.dtype in (torch.float32, torch.bfloat16) and self.dim() in (1, 2) and target.device == self.device
-            and target.dtype in (torch.int32, torch.int64) and target.numel() > 0
-            and (weight is None or (weight.device == self.device and weight.dtype == self.dtype)))
+            and target.dtype == torch.int64 and target.numel() > 0 and target.dim() == self.dim() - 1
+            and (self.dim() == 1 or target.shape[0] == self.shape[0]) and self.shape[-1] < EXACT
+            and abs(ignore_index) < EXACT
+            and (weight is None or (weight.device == self.device and weight.dtype == self.dtype
+                                    and weight.numel() == self.shape[-1])))
+
+
+def _nll_args(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None) -> tuple[dict, int]:
+    """The kernels' tensor arguments (target as its int32 word pairs) and the class count."""
+    C = self.shape[-1]
+    words, _ = index_words(target)
+    args = {"words": words.reshape(-1, 2)}
+    if weight is not None:
+        args["weight"] = dense(weight).reshape(1, C)
+    return args, C
+
+
+def _raise_bad_target(bad: torch.Tensor, target: torch.Tensor, C: int, ignore_index: int) -> None:
+    """The CPU's IndexError naming the first out-of-range target, after one host read of the count."""
+    if bad.item():
+        t = target.reshape(-1).cpu()
+        first = int(((t != ignore_index) & ((t < 0) | (t >= C))).nonzero()[0, 0])
+        raise IndexError(f"Target {int(t[first])} is out of bounds.")
 
 
 @lowering("nll_loss_forward")
 def nll_loss_forward(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, reduction: int,
                      ignore_index: int):
     """(loss, total_weight) of the negative log likelihood: ``-w[t_n] * x[n, t_n]``, reduced."""
-    if not _nll_ok(self, target, weight) or (self.dim() == 2 and target.dim() != 1) or \
-            (self.dim() == 2 and target.shape[0] != self.shape[0]):
+    if not _nll_ok(self, target, weight, ignore_index):
         return cpu_fallback(aten.nll_loss_forward.default, self, target, weight, reduction, ignore_index)
-    x, mask, w = _nll_parts(self, target, weight, ignore_index)
-    losses = -(w * torch.where(mask, x, 0).sum(1))
-    total = w.sum()
-    if reduction == 0:
-        return (losses if self.dim() == 2 else losses.reshape(())), torch.zeros((), dtype=self.dtype,
-                                                                                 device=self.device)
-    loss = losses.sum()
-    return (loss / total if reduction == 1 else loss), total
+    args, C = _nll_args(self, target, weight)
+    red = reduction if self.dim() == 2 or reduction else 2   # one sample unreduced: its loss, a scalar
+    loss, total, bad = call_kernel(nll_fwd_kernel, {"x": dense(self).reshape(-1, C), **args},
+                                   {"ignore_index": int(ignore_index), "reduction": red}, op="aten::nll_loss_forward")
+    _raise_bad_target(bad, target, C, ignore_index)
+    if self.dim() == 2 and reduction == 0:       # the CPU reports no total weight when nothing is reduced
+        return loss.reshape(-1), torch.zeros((), dtype=self.dtype, device=self.device)
+    return loss.reshape(()), total.reshape(())
 
 
 @lowering("nll_loss_backward")
 def nll_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor,
                       weight: torch.Tensor | None, reduction: int, ignore_index: int, total_weight: torch.Tensor):
     """d(loss)/d(input): ``-w[t_n] * g_n`` at (n, t_n), zero elsewhere."""
-    if not _nll_ok(self, target, weight) or grad_output.dtype != self.dtype:
+    if not _nll_ok(self, target, weight, ignore_index) or grad_output.dtype != self.dtype or \
+            total_weight.device != self.device or total_weight.numel() != 1:
         return cpu_fallback(aten.nll_loss_backward.default, grad_output, self, target, weight, reduction,
                             ignore_index, total_weight)
-    x, mask, w = _nll_parts(self, target, weight, ignore_index)
-    g = grad_output.reshape(-1, 1) if reduction == 0 else grad_output.reshape(1, 1)
-    if reduction == 1:
-        g = g / total_weight
-    grad = torch.where(mask, -(w.reshape(-1, 1) * g), 0)
-    return grad.reshape(self.shape)
+    args, C = _nll_args(self, target, weight)
+    red = reduction if self.dim() == 2 or reduction else 2
+    grad = dense(grad_output).reshape(-1, 1)
+    if grad.shape[0] != (target.numel() if red == 0 else 1):
+        return cpu_fallback(aten.nll_loss_backward.default, grad_output, self, target, weight, reduction,
+                            ignore_index, total_weight)
+    dx, bad = call_kernel(nll_bwd_kernel, {"grad": grad, "total": dense(total_weight).reshape(1, 1), **args},
+                          {"num_classes": C, "ignore_index": int(ignore_index), "reduction": red},
+                          op="aten::nll_loss_backward")
+    _raise_bad_target(bad, target, C, ignore_index)
+    return dx.reshape(self.shape)
 
 
 # ---- regression losses ---------------------------------------------------------------------------------

@@ -1,0 +1,185 @@
+"""Negative log likelihood over class scores [N, C] with class targets: forward and backward, one launch each.
+
+Rows are grouped (``kernels._common.row_blocks``: G rows per partition, [128, G, C] tiles). Targets
+arrive as int32 words ([N, 1], or [N, 2] for int64 targets: low and high word) and are compared in
+fp32 (exact for classes and ignore_index below 2**24; the host checks those bounds):
+
+    per block:  lo = target (fp32), valid = target != ignore_index
+                (int64: also the high word must be the low word's sign extension, else out of range)
+                bad = valid and not 0 <= target < C              (counted, the host raises IndexError)
+                onehot[i, k, c] = (c == target)                    iota columns vs. the targets, VectorE
+                w_n = valid (or sum(onehot * weight) * valid)     the row's class weight
+    forward:    loss_n = -w_n * sum(onehot * x)                    the picked score
+                per-partition sums of loss_n, w_n and bad, then one ones^T @ sums matmul (TensorE)
+                gives the totals: sum, mean = sum / sum(w_n)
+    backward:   grad = onehot * (-w_n * g_n)   (g_n: the row's grad for reduction none, else the
+                                                scalar grad, divided by the total weight for mean)
+"""
+from __future__ import annotations
+
+import collections
+
+from torchneuron import nki
+import torchneuron.nki.isa as nisa
+import torchneuron.nki.language as nl
+from torchneuron.kernels._common import PMAX, check_sbuf, grouped_rows, row_blocks, spread, spread_row
+
+NBUF = 2
+EXACT = 2 ** 24   # fp32 holds every integer below this exactly
+
+
+def _col(g: int = 1):
+    return nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
+
+
+def _class_iota(G: int, C: int):
+    """cols[i, k, c] = c: the class index of every column, made once per launch."""
+    cols = nl.ndarray((PMAX, G, C), nl.float32, buffer=nl.sbuf)
+    nisa.iota(dst=cols, pattern=[[0, G], [1, C]], offset=0)
+    return cols
+
+
+def _targets(words, weight, cols, r0, p, g, C, ignore_index):
+    """(onehot [P, g, C], w_n [P, g], bad [P, g]) of the rows' targets (see the module docstring)."""
+    S = words.shape[1]
+    wd = nl.ndarray((PMAX, g, S), nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=wd[:p], src=grouped_rows(words, r0, p, g))
+    tf = nl.ndarray((PMAX, g, S), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=tf[:p], src=wd[:p])
+    lo = tf[:p, :, 0]
+    inr = _col(g)   # 1 where 0 <= target < C
+    nisa.tensor_scalar(dst=inr[:p], data=lo, op0=nl.greater_equal, operand0=0.0)
+    lt = _col(g)
+    nisa.tensor_scalar(dst=lt[:p], data=lo, op0=nl.less, operand0=float(C))
+    nisa.tensor_tensor(dst=inr[:p], data1=inr[:p], data2=lt[:p], op=nl.multiply)
+    ignored = _col(g)
+    nisa.tensor_scalar(dst=ignored[:p], data=lo, op0=nl.equal, operand0=float(ignore_index))
+    if S == 2:      # int64: the value is the low word only where the high word is its sign extension
+        wide = _col(g)
+        nisa.tensor_scalar(dst=wide[:p], data=lo, op0=nl.less, operand0=0.0)
+        nisa.tensor_tensor(dst=wide[:p], data1=wide[:p], data2=tf[:p, :, 1], op=nl.add)
+        nisa.tensor_scalar(dst=wide[:p], data=wide[:p], op0=nl.equal, operand0=0.0)
+        nisa.tensor_tensor(dst=inr[:p], data1=inr[:p], data2=wide[:p], op=nl.multiply)
+        nisa.tensor_tensor(dst=ignored[:p], data1=ignored[:p], data2=wide[:p], op=nl.multiply)
+    valid = _col(g)
+    nisa.tensor_scalar(dst=valid[:p], data=ignored[:p], op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
+    bad = _col(g)   # valid * (1 - inr)
+    nisa.tensor_scalar(dst=bad[:p], data=inr[:p], op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
+    nisa.tensor_tensor(dst=bad[:p], data1=bad[:p], data2=valid[:p], op=nl.multiply)
+    onehot = nl.ndarray((PMAX, g, C), nl.float32, buffer=nl.sbuf)
+    target = tf[:p, :, 0:1].ap([[g * S, p], [S, g], [0, C]])     # the low words spread over the classes
+    nisa.tensor_tensor(dst=onehot[:p], data1=cols[:p, :g, :], data2=target, op=nl.equal)
+    w = valid
+    if weight is not None:
+        pick = nl.ndarray((PMAX, g, C), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=pick[:p], data1=onehot[:p], data2=spread_row(weight, p, g, C), op=nl.multiply)
+        w = _col(g)
+        nisa.tensor_reduce(dst=w[:p], op=nl.add, data=pick[:p], axis=(2,))
+        nisa.tensor_tensor(dst=w[:p], data1=w[:p], data2=valid[:p], op=nl.multiply)
+    return onehot, w, bad
+
+
+def _weight_row(weight, C):
+    if weight is None:
+        return None
+    t = nl.ndarray((PMAX, C), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=weight.broadcast_to((PMAX, C)))
+    return t
+
+
+def _total(acc, k, dst):
+    """dst[0, :k] = the sums over partitions of acc[:, :k] (ones^T @ acc on TensorE)."""
+    ones = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    ps = nl.ndarray((1, k), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=ps, stationary=ones, moving=acc[:, :k], accumulate=False)
+    nisa.tensor_copy(dst=dst, src=ps)
+
+
+@nki.jit
+def nll_fwd_kernel(x, words, weight=None, ignore_index=-100, reduction=1):
+    """(losses [N, 1] (reduction 0) or the reduced loss [1, 1], total weight [1, 1], out-of-range target
+    count [1, 1] fp32) of the negative log likelihood of scores x [N, C] at the targets ``words``."""
+    N, C = x.shape
+    assert C < EXACT and abs(ignore_index) < EXACT, "nll_loss: classes and ignore_index must be below 2**24"
+    blocks, G = row_blocks(N, C)
+    check_sbuf((NBUF + 1) * 4 * G * C * 4 + 2 * C * 4 + 256, f"nll_loss C={C}")
+    losses = nl.ndarray((N, 1) if reduction == 0 else (1, 1), x.dtype, buffer=nl.shared_hbm)
+    total = nl.ndarray((1, 1), x.dtype, buffer=nl.shared_hbm)
+    bad_count = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
+    cols, wrow = _class_iota(G, C), _weight_row(weight, C)
+    acc = nl.ndarray((PMAX, 3), nl.float32, buffer=nl.sbuf)    # per partition: sum loss, sum w, sum bad
+    nisa.memset(dst=acc, value=0.0)
+    ring = collections.deque(maxlen=NBUF)
+    for r0, p, g in blocks:
+        xt = nl.ndarray((PMAX, g, C), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=xt[:p], src=grouped_rows(x, r0, p, g))
+        onehot, w, bad = _targets(words, wrow, cols, r0, p, g, C, ignore_index)
+        nisa.tensor_tensor(dst=xt[:p], data1=xt[:p], data2=onehot[:p], op=nl.multiply)
+        loss = _col(g)
+        nisa.tensor_reduce(dst=loss[:p], op=nl.add, data=xt[:p], axis=(2,))
+        nisa.scalar_tensor_tensor(dst=loss[:p], data=loss[:p], op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
+                                  operand1=w[:p])
+        if reduction == 0:
+            nisa.dma_copy(dst=losses[r0:r0 + p * g, :].reshape((p, g)), src=loss[:p])
+        part = nl.ndarray((PMAX, 3), nl.float32, buffer=nl.sbuf)
+        for k, v in enumerate((loss, w, bad)):
+            nisa.tensor_reduce(dst=part[:p, k:k + 1], op=nl.add, data=v[:p], axis=(1,))
+        nisa.tensor_tensor(dst=acc[:p], data1=acc[:p], data2=part[:p], op=nl.add)
+        ring.append((xt, onehot))
+    tot = nl.ndarray((1, 3), nl.float32, buffer=nl.sbuf)
+    _total(acc, 3, tot)
+    if reduction == 1:   # mean: sum / total weight (0 / 0 is NaN, as on the CPU)
+        r = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
+        nisa.reciprocal(dst=r, data=tot[:, 1:2])
+        nisa.tensor_tensor(dst=tot[:, 0:1], data1=tot[:, 0:1], data2=r, op=nl.multiply)
+    if reduction != 0:
+        nisa.dma_copy(dst=losses, src=tot[:, 0:1])
+    nisa.dma_copy(dst=total, src=tot[:, 1:2])
+    nisa.dma_copy(dst=bad_count, src=tot[:, 2:3])
+    return losses, total, bad_count
+
+
+@nki.jit
+def nll_bwd_kernel(grad, words, total, weight=None, num_classes=1, ignore_index=-100, reduction=1):
+    """(d loss / d x [N, C] in grad's dtype, out-of-range target count [1, 1] fp32); ``grad`` is [N, 1] for
+    reduction 0, else [1, 1]; ``total`` the forward's total weight [1, 1]."""
+    N, C = words.shape[0], num_classes
+    assert C < EXACT and abs(ignore_index) < EXACT, "nll_loss: classes and ignore_index must be below 2**24"
+    blocks, G = row_blocks(N, C)
+    check_sbuf((NBUF + 1) * 3 * G * C * 4 + 2 * C * 4 + 256, f"nll_loss backward C={C}")
+    dx = nl.ndarray((N, C), grad.dtype, buffer=nl.shared_hbm)
+    bad_count = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
+    cols, wrow = _class_iota(G, C), _weight_row(weight, C)
+    scale = None
+    if reduction != 0:   # the scalar gradient on every partition, over the total weight for mean
+        scale = _col()
+        nisa.dma_copy(dst=scale, src=grad.broadcast_to((PMAX, 1)))
+        nisa.tensor_scalar(dst=scale, data=scale, op0=nl.multiply, operand0=-1.0)
+        if reduction == 1:
+            tw = _col()
+            nisa.dma_copy(dst=tw, src=total.broadcast_to((PMAX, 1)))
+            nisa.reciprocal(dst=tw, data=tw)
+            nisa.tensor_tensor(dst=scale, data1=scale, data2=tw, op=nl.multiply)
+    acc = _col()
+    nisa.memset(dst=acc, value=0.0)
+    ring = collections.deque(maxlen=NBUF)
+    for r0, p, g in blocks:
+        onehot, w, bad = _targets(words, wrow, cols, r0, p, g, C, ignore_index)
+        coef = _col(g)
+        if reduction == 0:
+            nisa.dma_copy(dst=coef[:p], src=grad[r0:r0 + p * g, :].reshape((p, g)))
+            nisa.scalar_tensor_tensor(dst=coef[:p], data=coef[:p], op0=nl.multiply, operand0=-1.0,
+                                      op1=nl.multiply, operand1=w[:p])
+        else:
+            nisa.tensor_scalar(dst=coef[:p], data=w[:p], op0=nl.multiply, operand0=scale[:p])
+        nisa.tensor_tensor(dst=onehot[:p], data1=onehot[:p], data2=spread(coef, p, g, C), op=nl.multiply)
+        nisa.dma_copy(dst=grouped_rows(dx, r0, p, g), src=onehot[:p])
+        part = _col()
+        nisa.tensor_reduce(dst=part[:p], op=nl.add, data=bad[:p], axis=(1,))
+        nisa.tensor_tensor(dst=acc[:p], data1=acc[:p], data2=part[:p], op=nl.add)
+        ring.append((onehot,))
+    tot = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
+    _total(acc, 1, tot)
+    nisa.dma_copy(dst=bad_count, src=tot)
+    return dx, bad_count
