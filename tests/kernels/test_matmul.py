@@ -2,7 +2,9 @@ import pytest
 import torch
 
 from torchneuron.nki import SimulatorError
+from torchneuron import nki
 from torchneuron.kernels import matmul
+from torchneuron.kernels.matmul import bmm_group_size, bmm_kernel
 from tests.kernels.conftest import DTYPES, close
 
 
@@ -57,3 +59,73 @@ def test_matmul_transpose_b_matches_torch(mkn, transpose_a, dtype):
 def test_matmul_transpose_b_mismatched_k():
     with pytest.raises(AssertionError, match="contraction"):
         matmul(torch.zeros(4, 5), torch.zeros(4, 6), transpose_b=True)
+
+
+def _bmm_operands(B, M, K, N, transpose_a, transpose_b, dtype):
+    """Random batched operands in the stored layouts the kernel reads, and the fp32 reference product."""
+    a, b = torch.randn(B, M, K).to(dtype), torch.randn(B, K, N).to(dtype)
+    ref = a.float() @ b.float()
+    a_in = a.transpose(1, 2).contiguous() if transpose_a else a
+    b_in = b.transpose(1, 2).contiguous() if transpose_b else b
+    return a_in, b_in, ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("bmkn", [(64, 64, 16, 64), (64, 16, 64, 64), (13, 65, 100, 1), (5, 1, 1, 1),
+                                  (3, 128, 128, 512), (11, 100, 65, 130)])
+def test_bmm_small_matrices_grouped(bmkn, transpose_a, transpose_b, dtype):
+    # each entry fits one TensorE tile: groups of entries share loads, one PSUM bank, one eviction and
+    # one store; the batch need not divide into whole groups and rows need not fill 128-row chunks
+    a, b, ref = _bmm_operands(*bmkn, transpose_a, transpose_b, dtype)
+    out = bmm_kernel(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    assert out.dtype == dtype and out.shape == ref.shape
+    close(out, ref, dtype, scale=2.0)
+
+
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_bmm_small_matrices_fp16(transpose_a, transpose_b):
+    # fp16 transposes pack 1024 columns per PSUM bank, like bf16
+    a, b, ref = _bmm_operands(13, 65, 100, 7, transpose_a, transpose_b, torch.float16)
+    out = bmm_kernel(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    assert out.dtype == torch.float16
+    close(out, ref, torch.bfloat16, scale=2.0)
+
+
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_bmm_large_matrices_per_entry(transpose_a, transpose_b):
+    # M above one TensorE tile: each entry takes the tiled matmul loop nest
+    a, b, ref = _bmm_operands(2, 129, 20, 30, transpose_a, transpose_b, torch.float32)
+    close(bmm_kernel(a, b, transpose_a=transpose_a, transpose_b=transpose_b), ref, torch.float32, scale=2.0)
+
+
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("bmkn", [(64, 64, 16, 64), (64, 64, 64, 16), (64, 16, 64, 64)])
+def test_bmm_small_matrices_instruction_count(bmkn, transpose_a, transpose_b):
+    # the grouped path: per group of G entries G matmuls, one load per operand in its K-major layout
+    # (else one load, one TensorE transpose per 128 rows and one eviction), one eviction, one store
+    B, M, K, N = bmkn
+    G = bmm_group_size(M, N, 4, transpose_a, transpose_b)
+    groups = -(-B // G)
+    load_a = 1 if transpose_a else 2 + -(-G * M // 128)
+    load_b = 1 if not transpose_b else 2 + -(-G * N // 128)
+    a, b, ref = _bmm_operands(B, M, K, N, transpose_a, transpose_b, torch.float32)
+    report = nki.profile(bmm_kernel)(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    assert report.instructions <= groups * (G + load_a + load_b + 2) < 3 * B
+    close(report.outputs, ref, torch.float32, scale=2.0)
+
+
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_bmm_grouped_entries_stay_independent(transpose_a, transpose_b):
+    # a group shares tiles and TensorE transposes but no contraction: inf/NaN in one entry stay in it
+    a, b, _ = _bmm_operands(9, 64, 16, 64, transpose_a, transpose_b, torch.float32)
+    a[3].fill_(float("inf"))
+    b[5].view(-1)[7] = float("nan")
+    ref = (a.transpose(1, 2) if transpose_a else a) @ (b.transpose(1, 2) if transpose_b else b)
+    out = bmm_kernel(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    torch.testing.assert_close(out, ref, equal_nan=True)
