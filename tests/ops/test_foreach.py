@@ -98,3 +98,25 @@ def test_default_adamw_and_clipping_match_cpu(strict):
             opt.step()
     for p, q in zip(model.parameters(), dev.parameters()):
         torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["lerp_scalar", "addcmul_tensor", "sub_scalarlist"])
+def test_packed_tiles_span_segments_and_tiles(case, strict):
+    # a tensor longer than one packed tile (split into column segments), tails of n % 128, many small tensors
+    shapes = [(300000,), (129,), (5,), (64, 33), (1,), (2050, 3)]
+    cpu = [[torch.randn(s) + (2.0 if k == 2 else 0.0) for s in shapes] for k in range(3)]
+    dev = [[to_n(t) for t in lst] for lst in cpu]
+    fused, per_tensor = CASES[case]
+    if case == "sub_scalarlist":  # its scalar list has one value per tensor of SHAPES: one per tensor here
+        fused = lambda x, y, z: torch._foreach_sub(x, [float(i) for i in range(len(x))])  # noqa: E731
+        per_tensor = lambda x, y, z: [a.sub(float(i)) for i, a in enumerate(x)]  # noqa: E731
+    elif case == "addcmul_tensor":
+        vals = torch.linspace(0.1, 0.6, len(shapes))
+        fused = lambda x, y, z: torch._foreach_addcmul(x, y, z, vals)  # noqa: E731
+        per_tensor = lambda x, y, z: [a.addcmul(b, c, value=float(v)) for a, b, c, v in zip(x, y, z, vals)]  # noqa: E731
+    with profiler.record() as records:
+        got = fused(*dev)
+    assert len(records) == 1
+    for g, d, c in zip(got, per_tensor(*dev), fused(*cpu)):
+        assert torch.equal(g.cpu(), d.cpu())
+        torch.testing.assert_close(g.cpu(), c)

@@ -79,12 +79,17 @@ def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inp
     if not _fusable([self] + [o for o in operands if isinstance(o, list)]):
         raise _Loop
     fixed = {}
+    kinds = ["full"]
     for j, o in enumerate(operands):
         if isinstance(o, tuple):
             fixed[j] = _scalars(o, device)
+            kinds.append("each")
         elif not isinstance(o, list):
             o = _operand(o, device)
             fixed[j] = [o if isinstance(o, torch.Tensor) else _scalars([o], device)[0]] * len(self)
+            kinds.append("shared")
+        else:
+            kinds.append("full")
     results = list(self) if inplace else [torch.empty_like(t) for t in self]
     live = [i for i, t in enumerate(self) if t.numel()]
     for lo in range(0, len(live), MAX_GROUPS):
@@ -94,7 +99,7 @@ def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inp
             inputs[operand_name(k, 0)] = self[i].view(1, -1)
             for j, o in enumerate(operands):
                 inputs[operand_name(k, j + 1)] = fixed[j][i] if j in fixed else o[i].view(1, -1)
-        call_kernel(foreach_kernel(len(chunk), 1 + len(operands)), inputs, {"fn": fn, "out_dtype": dtype},
+        call_kernel(foreach_kernel(len(chunk), 1 + len(operands), tuple(kinds)), inputs, {"fn": fn, "out_dtype": dtype},
                     [results[i].view(1, -1) for i in chunk], op=op)
     return None if inplace else results
 
