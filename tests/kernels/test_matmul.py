@@ -4,7 +4,7 @@ import torch
 from torchneuron.nki import SimulatorError
 from torchneuron import nki
 from torchneuron.kernels import matmul
-from torchneuron.kernels.matmul import bmm_group_size, bmm_kernel
+from torchneuron.kernels.matmul import bmm_group_size, bmm_kernel, matmul_kernel
 from tests.kernels.conftest import DTYPES, close
 
 
@@ -129,3 +129,21 @@ def test_bmm_grouped_entries_stay_independent(transpose_a, transpose_b):
     ref = (a.transpose(1, 2) if transpose_a else a) @ (b.transpose(1, 2) if transpose_b else b)
     out = bmm_kernel(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
     torch.testing.assert_close(out, ref, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("mkn", [(1024, 64, 192), (1030, 65, 64), (129, 1, 512), (2050, 128, 1), (5, 3, 7)])
+def test_matmul_one_k_tile_groups_row_chunks(mkn, transpose_a, transpose_b, dtype):
+    # K <= 128, N <= 512: B loaded once, A's 128-row chunks in groups (one load, one transpose eviction,
+    # one output eviction and store per group); partial chunks and groups
+    M, K, N = mkn
+    a, b = torch.randn(M, K).to(dtype), torch.randn(K, N).to(dtype)
+    report = nki.profile(matmul_kernel)(
+        a.T.contiguous() if transpose_a else a, b.T.contiguous() if transpose_b else b,
+        transpose_a=transpose_a, transpose_b=transpose_b)
+    close(report.outputs, a.float() @ b.float(), dtype, scale=2.0)
+    chunks = -(-M // 128)
+    per_chunk = 1 if transpose_a else 2          # the matmul (+ its transpose)
+    assert report.instructions <= chunks * per_chunk + 6 * -(-chunks // 2) + 8
