@@ -24,11 +24,11 @@ steps of strip i's matmuls, so the evictions (Scalar/Vector alternating) finish 
 TensorE needs the result; each transposed strip is also stored to an HBM scratch in the SBUF
 strip layout, from which later panels load it (every strip is transposed once).
 
-One K tile and one PSUM bank of N (K <= 128, N <= 512, any M; the projections of a small model):
+Up to 4 K tiles and one PSUM bank of N (K <= 512, N <= 512, any M; the projections of a small model):
 ``mm_rows_grouped_into`` loads B once and takes A's rows in groups of up to 4 (fp32) 128-row chunks,
-one DMA, one transpose per chunk into a single PSUM tile evicted once, one matmul per chunk into one
-bank [128, chunks * N], one eviction and one store per group: about 2-3 instructions per 128 rows
-instead of ~6.
+one DMA, one transpose per (chunk, K tile) into one PSUM tile per K tile evicted once, the K tiles
+accumulated per chunk into one bank [128, chunks * N], one eviction and one store per group: about
+1 + 2 * KT instructions per 128 rows instead of ~3 + 2 * KT.
 
 Batched (``bmm_kernel``): entries larger than one TensorE tile run this loop nest one after the other.
 Small entries (M, K <= 128, N <= 512: attention in a small transformer) are worked in groups of G, G
@@ -63,7 +63,7 @@ def matmul_kernel(a, b, transpose_a=False, transpose_b=False):
     Kb = b.shape[1] if transpose_b else b.shape[0]
     assert K == Kb, f"matmul: contraction dims differ ({K} vs {Kb})"
     assert a.dtype == b.dtype, f"matmul: operand dtypes differ ({a.dtype} vs {b.dtype})"
-    if K <= TK and N <= TN:
+    if K <= KMAX_GROUPED and N <= TN:
         mm_rows_grouped_into(a, b, out, transpose_a, transpose_b)
     else:
         matmul_into(a, b, out, transpose_a, transpose_b)
@@ -151,74 +151,95 @@ def bmm_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool = F
 def load_group(src, b0: int, g: int, R: int, K: int, k_major: bool):
     """DMA batch entries [b0, b0 + g) of a 3-D operand (src [B, K, R] if ``k_major``, else [B, R, K]) into SBUF."""
     # K-major: the tile is [K, g*R] (entry j's [K, R] at columns j*R..), one DMA. Otherwise the group's
-    # g*R rows are contiguous in HBM and load as 128-row chunks [128, chunks, K] (one DMA for the whole
-    # chunks, one for a partial last chunk)
-    dt = src.dtype
+    # g*R rows are contiguous in HBM and load as 128-row chunks (``_load_rows``)
     if k_major:
-        kT = nl.ndarray((K, g * R), dt, buffer=nl.sbuf)
+        kT = nl.ndarray((K, g * R), src.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=kT, src=src.ap([[R, K], [K * R, g], [1, R]], offset=b0 * K * R))
         return kT
-    full, rem = divmod(g * R, PMAX)          # whole 128-row chunks, rows of the partial last one
-    chunks = nl.ndarray((PMAX, full + (rem > 0), K), dt, buffer=nl.sbuf)
-    if full:
-        nisa.dma_copy(dst=chunks[:, :full, :], src=src.ap([[K, PMAX], [PMAX * K, full], [1, K]], offset=b0 * R * K))
-    if rem:
-        nisa.dma_copy(dst=chunks[:rem, full, :], src=src.ap([[K, rem], [1, K]], offset=(b0 * R + full * PMAX) * K))
-    return chunks
+    return _load_rows(src, b0 * R, g * R, K, src.dtype)
 
 
 def k_major(loaded, g: int, R: int, K: int, is_k_major: bool, evict: Callable):
     """A loaded group operand as the SBUF tile [K, g*R] TensorE reads (``loaded`` itself if K-major)."""
     # else the 128-row chunks are transposed on TensorE into one PSUM tile [K, g*R] (columns in
     # (entry, row) order, one bank) and evicted once
-    if is_k_major:
-        return loaded
-    rows = g * R
-    tp = nl.ndarray((K, rows), loaded.dtype, buffer=nl.psum)
-    for c in range(loaded.shape[1]):
-        n = min(PMAX, rows - c * PMAX)
-        nisa.nc_transpose(dst=tp[:, c * PMAX:c * PMAX + n], data=loaded[:n, c, :])
-    kT = nl.ndarray((K, rows), loaded.dtype, buffer=nl.sbuf)
-    evict(kT, tp)
+    return loaded if is_k_major else _transpose_rows(loaded, g * R, K, evict)[:K, 0, :]
+
+
+KMAX_GROUPED = 4 * TK   # contraction handled by mm_rows_grouped_into (its K tiles accumulate in one bank)
+
+
+def _k_tiles(K: int) -> list[tuple[int, int]]:
+    """(first row, rows) of the 128-row K tiles of a contraction of K."""
+    return [(k0, min(TK, K - k0)) for k0 in range(0, K, TK)]
+
+
+def _load_k_major(src, c0: int, width: int, K: int, dt):
+    """Columns [c0, c0 + width) of a K-major HBM matrix [K, C] as SBUF [128, KT, width] (one DMA per K tile)."""
+    t = nl.ndarray((TK, cdiv(K, TK), width), dt, buffer=nl.sbuf)
+    for kt, (k0, kk) in enumerate(_k_tiles(K)):
+        nisa.dma_copy(dst=t[:kk, kt, :], src=src[k0:k0 + kk, c0:c0 + width])
+    return t
+
+
+def _load_rows(src, r0: int, rows: int, K: int, dt):
+    """Rows [r0, r0 + rows) of a row-major HBM matrix [R, K] as 128-row chunks [128, chunks, K] (DMAs only)."""
+    full, rem = divmod(rows, PMAX)
+    chunks = nl.ndarray((PMAX, cdiv(rows, PMAX), K), dt, buffer=nl.sbuf)
+    if full:
+        nisa.dma_copy(dst=chunks[:, :full, :], src=src.ap([[K, PMAX], [PMAX * K, full], [1, K]], offset=r0 * K))
+    if rem:
+        nisa.dma_copy(dst=chunks[:rem, full, :], src=src.ap([[K, rem], [1, K]], offset=(r0 + full * PMAX) * K))
+    return chunks
+
+
+def _transpose_rows(chunks, rows: int, K: int, evict: Callable):
+    """Loaded row chunks (``_load_rows``, rows <= 512 fp32) as K-major SBUF [128, KT, rows]: each (chunk,
+    K tile) transposed on TensorE into one PSUM tile per K tile, each evicted once."""
+    kT = nl.ndarray((TK, cdiv(K, TK), rows), chunks.dtype, buffer=nl.sbuf)
+    for kt, (k0, kk) in enumerate(_k_tiles(K)):
+        tp = nl.ndarray((TK, rows), chunks.dtype, buffer=nl.psum)
+        for c in range(chunks.shape[1]):
+            n = min(PMAX, rows - c * PMAX)
+            nisa.nc_transpose(dst=tp[:kk, c * PMAX:c * PMAX + n], data=chunks[:n, c, k0:k0 + kk])
+        evict(kT[:kk, kt, :], tp[:kk, :])
     return kT
 
 
 def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool = False) -> None:
-    """``out[M, N] = A @ B`` for one K tile (K <= 128) and one PSUM bank of N (N <= 512), any M: B is
-    loaded once as [K, N]; A's rows go in groups of up to 4 (fp32; 8 bf16) 128-row chunks, each group
-    one DMA, its chunks transposed on TensorE into one PSUM tile [K, rows] evicted once (or, A given as
-    [K, M], one DMA of its columns), one matmul per chunk into one PSUM bank [128, chunks * N], one
-    eviction and one store."""
+    """``out[M, N] = A @ B`` for up to 4 K tiles (K <= 512) and one PSUM bank of N (N <= 512), any M:
+    B is loaded once as [128, KT, N]; A's rows go in groups of up to 4 (fp32; 8 bf16) 128-row chunks,
+    each group one DMA whose (chunk, K tile) blocks are transposed on TensorE into one PSUM tile per K
+    tile, evicted once (or, A given as [K, M], one DMA per K tile), the K tiles of every chunk
+    accumulated by TensorE into one PSUM bank [128, chunks * N], then one eviction and one store."""
     K, M = a.shape if transpose_a else (a.shape[1], a.shape[0])
     N = out.shape[1]
-    assert K <= TK and N <= TN, f"mm_rows_grouped_into: K={K} > {TK} or N={N} > {TN}"
+    assert K <= KMAX_GROUPED and N <= TN, f"mm_rows_grouped_into: K={K} > {KMAX_GROUPED} or N={N} > {TN}"
     dt, isz = a.dtype, itemsize(a.dtype)
     evict = alternating_evict()
     chunks_per_group = max(1, min(PSUM_FP32 // N, PSUM_FP32 * 4 // isz // PMAX))
     step = chunks_per_group * PMAX
     groups = [(m0, min(step, M - m0)) for m0 in range(0, M, step)]
-    bK = k_major(load_group(b, 0, 1, N, K, not transpose_b), 1, N, K, not transpose_b, evict)
+    bK = _transpose_rows(_load_rows(b, 0, N, K, dt), N, K, evict) if transpose_b else _load_k_major(b, 0, N, K, dt)
+    ktiles = _k_tiles(K)
 
     def load(m0, rows):
-        """The group's A rows (DMAs only): K-major [K, rows], or 128-row chunks to transpose."""
-        if transpose_a:
-            aT = nl.ndarray((K, rows), dt, buffer=nl.sbuf)
-            nisa.dma_copy(dst=aT, src=a.ap([[M, K], [1, rows]], offset=m0))
-            return aT
-        return load_group(a, m0, rows, 1, K, False)
+        """The group's A loads (DMAs only, issued a group ahead): K-major [128, KT, rows] or row chunks."""
+        return _load_k_major(a, m0, rows, K, dt) if transpose_a else _load_rows(a, m0, rows, K, dt)
 
     stage = [nl.ndarray((PMAX, chunks_per_group * N), dt, buffer=nl.sbuf) for _ in range(2)]
     nxt = load(*groups[0])
     for i, (m0, rows) in enumerate(groups):
         cur = nxt
         nxt = load(*groups[i + 1]) if i + 1 < len(groups) else None
-        aT = k_major(cur, rows, 1, K, transpose_a, evict)
+        aT = cur if transpose_a else _transpose_rows(cur, rows, K, evict)
         nch, last = cdiv(rows, PMAX), rows - (cdiv(rows, PMAX) - 1) * PMAX
         acc = nl.ndarray((PMAX, nch * N), nl.float32, buffer=nl.psum)
         for c in range(nch):
             n = PMAX if c < nch - 1 else last
-            nisa.nc_matmul(dst=acc[:n, c * N:(c + 1) * N], stationary=aT[:, c * PMAX:c * PMAX + n],
-                           moving=bK, accumulate=False)
+            for kt, (_, kk) in enumerate(ktiles):
+                nisa.nc_matmul(dst=acc[:n, c * N:(c + 1) * N], stationary=aT[:kk, kt, c * PMAX:c * PMAX + n],
+                               moving=bK[:kk, kt, :], accumulate=kt > 0)
         res = stage[i % 2]
         full = nch if last == PMAX else nch - 1
         if full:   # out[m0 + c*128 + p, :] <- res[p, c*N:(c+1)*N]: one store of the whole chunks
