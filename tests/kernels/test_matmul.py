@@ -148,3 +148,14 @@ def test_matmul_grouped_row_chunks(mkn, transpose_a, transpose_b, dtype):
     chunks, kt = -(-M // 128), -(-K // 128)
     per_chunk = kt if transpose_a else 2 * kt    # the matmuls (+ their transposes)
     assert report.instructions <= chunks * per_chunk + (4 + 2 * kt) * chunks + 4 * kt + 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mkn,transpose_b", [((1030, 64, 192), True), ((300, 256, 64), False), ((5, 3, 1), True)])
+def test_matmul_adds_a_bias_row_at_the_eviction(mkn, transpose_b, dtype):
+    M, K, N = mkn
+    a, b, bias = torch.randn(M, K).to(dtype), torch.randn(K, N).to(dtype), torch.randn(1, N).to(dtype)
+    report = nki.profile(matmul_kernel)(a, b.T.contiguous() if transpose_b else b, transpose_b=transpose_b, bias=bias)
+    close(report.outputs, torch.addmm(bias.float(), a.float(), b.float()), dtype, scale=2.0)
+    with pytest.raises(AssertionError, match="bias"):   # the tiled path (K > 512) does not add one
+        matmul_kernel(torch.randn(4, 600), torch.randn(600, 3), bias=torch.randn(1, 3))

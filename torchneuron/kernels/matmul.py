@@ -47,15 +47,16 @@ from typing import Callable
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import PMAX, PSUM_FP32, cdiv, check_sbuf, itemsize
+from torchneuron.kernels._common import PMAX, PSUM_FP32, cdiv, check_sbuf, itemsize, spread_row
 
 TM, TK, TN = 128, 128, 512     # stationary M, contraction K, moving N (one fp32 PSUM bank)
 
 
 @nki.jit
-def matmul_kernel(a, b, transpose_a=False, transpose_b=False):
+def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None):
     """``A @ B`` (A [M, K], or [K, M] with ``transpose_a``; B [K, N], or [N, K] with ``transpose_b``),
-    output in A's dtype."""
+    output in A's dtype; plus a [1, N] ``bias`` row added at the PSUM eviction (``linear``), for
+    K <= 512 and N <= 512 (``fuses_bias``)."""
     M = a.shape[1] if transpose_a else a.shape[0]
     N = b.shape[0] if transpose_b else b.shape[1]
     out = nl.ndarray((M, N), a.dtype, buffer=nl.shared_hbm)
@@ -63,8 +64,9 @@ def matmul_kernel(a, b, transpose_a=False, transpose_b=False):
     Kb = b.shape[1] if transpose_b else b.shape[0]
     assert K == Kb, f"matmul: contraction dims differ ({K} vs {Kb})"
     assert a.dtype == b.dtype, f"matmul: operand dtypes differ ({a.dtype} vs {b.dtype})"
+    assert bias is None or fuses_bias(K, N), f"matmul: a bias is added in the kernel only for K, N <= 512"
     if K <= KMAX_GROUPED and N <= TN:
-        mm_rows_grouped_into(a, b, out, transpose_a, transpose_b)
+        mm_rows_grouped_into(a, b, out, transpose_a, transpose_b, bias)
     else:
         matmul_into(a, b, out, transpose_a, transpose_b)
     return out
@@ -169,6 +171,11 @@ def k_major(loaded, g: int, R: int, K: int, is_k_major: bool, evict: Callable):
 KMAX_GROUPED = 4 * TK   # contraction handled by mm_rows_grouped_into (its K tiles accumulate in one bank)
 
 
+def fuses_bias(K: int, N: int) -> bool:
+    """Whether ``matmul_kernel`` adds a bias row for a contraction of K into N columns (the grouped path)."""
+    return K <= KMAX_GROUPED and N <= TN
+
+
 def _k_tiles(K: int) -> list[tuple[int, int]]:
     """(first row, rows) of the 128-row K tiles of a contraction of K."""
     return [(k0, min(TK, K - k0)) for k0 in range(0, K, TK)]
@@ -206,12 +213,13 @@ def _transpose_rows(chunks, rows: int, K: int, evict: Callable):
     return kT
 
 
-def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool = False) -> None:
+def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool = False, bias=None) -> None:
     """``out[M, N] = A @ B`` for up to 4 K tiles (K <= 512) and one PSUM bank of N (N <= 512), any M:
     B is loaded once as [128, KT, N]; A's rows go in groups of up to 4 (fp32; 8 bf16) 128-row chunks,
     each group one DMA whose (chunk, K tile) blocks are transposed on TensorE into one PSUM tile per K
     tile, evicted once (or, A given as [K, M], one DMA per K tile), the K tiles of every chunk
-    accumulated by TensorE into one PSUM bank [128, chunks * N], then one eviction and one store."""
+    accumulated by TensorE into one PSUM bank [128, chunks * N], then one eviction (adding the ``bias``
+    row when given) and one store."""
     K, M = a.shape if transpose_a else (a.shape[1], a.shape[0])
     N = out.shape[1]
     assert K <= KMAX_GROUPED and N <= TN, f"mm_rows_grouped_into: K={K} > {KMAX_GROUPED} or N={N} > {TN}"
@@ -222,6 +230,19 @@ def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool
     groups = [(m0, min(step, M - m0)) for m0 in range(0, M, step)]
     bK = _transpose_rows(_load_rows(b, 0, N, K, dt), N, K, evict) if transpose_b else _load_k_major(b, 0, N, K, dt)
     ktiles = _k_tiles(K)
+
+    brow = None
+    if bias is not None:   # the bias row on every partition, added by the evictions
+        brow = nl.ndarray((PMAX, N), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=brow, src=bias.broadcast_to((PMAX, N)))
+
+    def finish(dst, src, p, nch):
+        """PSUM [p, nch * N] -> SBUF with the cast, plus the bias row of each chunk."""
+        if brow is None:
+            evict(dst, src)
+        else:
+            nisa.tensor_tensor(dst=dst.reshape((p, nch, N)), data1=src.reshape((p, nch, N)),
+                               data2=spread_row(brow, p, nch, N), op=nl.add)
 
     def load(m0, rows):
         """The group's A loads (DMAs only, issued a group ahead): K-major [128, KT, rows] or row chunks."""
@@ -243,10 +264,10 @@ def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool
         res = stage[i % 2]
         full = nch if last == PMAX else nch - 1
         if full:   # out[m0 + c*128 + p, :] <- res[p, c*N:(c+1)*N]: one store of the whole chunks
-            evict(res[:, :full * N], acc[:, :full * N])
+            finish(res[:, :full * N], acc[:, :full * N], PMAX, full)
             nisa.dma_copy(dst=out.ap([[N, PMAX], [PMAX * N, full], [1, N]], offset=m0 * N), src=res[:, :full * N])
         if full < nch:
-            evict(res[:last, full * N:nch * N], acc[:last, full * N:nch * N])
+            finish(res[:last, full * N:nch * N], acc[:last, full * N:nch * N], last, 1)
             nisa.dma_copy(dst=out[m0 + full * PMAX:m0 + rows, :], src=res[:last, full * N:nch * N])
 
 

@@ -4,8 +4,9 @@
 into these (plus views), so they run here too. An operand that is the transpose of a contiguous
 matrix (``w.t()`` in ``linear``) is handed to the kernel in its stored layout with
 ``transpose_a`` / ``transpose_b``, so no copy is made; other strided operands are made dense on
-the device first. ``bmm`` is one launch of the batched kernel. ``addmm``/``baddbmm`` add
-``beta * input`` with one element-wise launch. fp32, bf16 and fp16 run on the device (fp32 PSUM
+the device first. ``bmm`` is one launch of the batched kernel. ``addmm`` with a bias row
+(``linear``: beta = alpha = 1, K and N <= 512) adds it inside the matmul launch, at the PSUM
+eviction; otherwise ``addmm``/``baddbmm`` add ``beta * input`` with one element-wise launch. fp32, bf16 and fp16 run on the device (fp32 PSUM
 accumulation); other dtypes take the CPU fallback.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torchneuron.kernels.matmul import bmm_kernel, matmul_kernel
+from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
 from torchneuron.ops.kernel_call import call_kernel, dense
 from torchneuron.ops.pointwise import _type_name, run_pointwise
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
@@ -38,8 +39,10 @@ def _operand(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 K_CHUNK = 2048   # the kernel keeps a [K, 512] B panel in SBUF: longer contractions are split
 
 
-def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """``a @ b`` (2-D, same dtype, one device) by one kernel launch, written into ``out`` when given.
+def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` (2-D, same dtype, one device) by one kernel launch, written into ``out`` when given;
+    plus a [1, N] ``bias`` row added in the kernel (``_bias_row`` decides when).
     A contraction longer than ``K_CHUNK`` is split; the partial products are summed in fp32."""
     M, N = a.shape[0], b.shape[1]
     if a.shape[1] > K_CHUNK:
@@ -54,8 +57,9 @@ def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torc
         return res if out is None else out.copy_(res)
     (ka, ta), (kb, tb) = _operand(a), _operand(b)
     direct = out is not None and out.is_contiguous() and out.dtype == a.dtype
-    (res,) = call_kernel(matmul_kernel, {"a": ka, "b": kb}, {"transpose_a": ta, "transpose_b": tb},
-                         [out if direct else None], op="aten::mm")
+    operands = {"a": ka, "b": kb} if bias is None else {"a": ka, "b": kb, "bias": bias}
+    (res,) = call_kernel(matmul_kernel, operands, {"transpose_a": ta, "transpose_b": tb},
+                         [out if direct else None], op="aten::mm" if bias is None else "aten::addmm")
     if out is not None and not direct:
         out.copy_(res)
         return out
@@ -150,11 +154,26 @@ def _add_scaled(res: torch.Tensor, inp: torch.Tensor, beta: Any, alpha: Any, out
                          op="aten::addmm")
 
 
+def _bias_row(inp: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: Any, alpha: Any) -> torch.Tensor | None:
+    """``inp`` as the [1, N] row ``matmul_kernel`` adds at its eviction (``linear``'s bias), or None where
+    the sum takes its own launch (scaled terms, another shape or dtype, a contraction the kernel tiles)."""
+    N = b.shape[1]
+    if beta != 1 or alpha != 1 or inp.dtype != a.dtype or inp.numel() != N or tuple(inp.shape) not in ((N,), (1, N)) \
+            or not fuses_bias(a.shape[1], N) or 0 in a.shape or N == 0:
+        return None
+    return dense(inp).reshape(1, N)
+
+
 def _addmm(inp, a, b, beta, alpha, out, batched: bool):
     check = _check_bmm if batched else _check_mm
     check(a, b)
     shape = (a.shape[0], a.shape[1], b.shape[2]) if batched else (a.shape[0], b.shape[1])
     torch.broadcast_shapes(inp.shape, shape)
+    bias = None if batched else _bias_row(inp, a, b, beta, alpha)
+    if bias is not None:
+        if out is not None and tuple(out.shape) != shape:
+            torch._refs._maybe_resize_out(out, shape)
+        return _mm_into(a, b, out, bias)
     prod = bmm(a, b) if batched else _mm_into(a, b, None)
     if out is None:
         out = torch.empty(shape, dtype=a.dtype, device=a.device)
