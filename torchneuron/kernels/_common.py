@@ -6,6 +6,7 @@ import math
 import numpy as np
 import torch
 
+import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 
 PMAX = 128                     # partitions of SBUF/PSUM (nl.tile_size.pmax)
@@ -76,6 +77,13 @@ def row_blocks(N: int, D: int) -> tuple[list[tuple[int, int, int]], int]:
 def grouped_rows(t, r0: int, p: int, g: int):
     """Rows [r0, r0 + p*g) of an HBM [N, D] tensor as [p, g, D]: partition i holds rows r0 + i*g ..."""
     return t[r0:r0 + p * g, :].reshape((p, g, t.shape[1]))
+
+
+def load_grouped(t, r0: int, p: int, g: int, dtype=nl.float32):
+    """A new SBUF [128, g, D] tile holding rows [r0, r0 + p*g) of an HBM [N, D] tensor (the DMA casts)."""
+    tile = nl.ndarray((PMAX, g, t.shape[1]), dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile[:p], src=grouped_rows(t, r0, p, g))
+    return tile
 
 
 def spread(stat, p: int, g: int, D: int):

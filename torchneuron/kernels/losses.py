@@ -22,7 +22,8 @@ import collections
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import PMAX, check_sbuf, grouped_rows, row_blocks, spread, spread_row
+from torchneuron.kernels._common import (PMAX, check_sbuf, grouped_rows, load_grouped, row_blocks, spread,
+                                         spread_row)
 
 NBUF = 2
 EXACT = 2 ** 24   # fp32 holds every integer below this exactly
@@ -42,8 +43,7 @@ def _class_iota(G: int, C: int):
 def _targets(words, weight, cols, r0, p, g, C, ignore_index):
     """(onehot [P, g, C], w_n [P, g], bad [P, g]) of the rows' targets (see the module docstring)."""
     S = words.shape[1]
-    wd = nl.ndarray((PMAX, g, S), nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=wd[:p], src=grouped_rows(words, r0, p, g))
+    wd = load_grouped(words, r0, p, g, nl.int32)
     tf = nl.ndarray((PMAX, g, S), nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=tf[:p], src=wd[:p])
     lo = tf[:p, :, 0]
@@ -112,8 +112,7 @@ def nll_fwd_kernel(x, words, weight=None, ignore_index=-100, reduction=1):
     nisa.memset(dst=acc, value=0.0)
     ring = collections.deque(maxlen=NBUF)
     for r0, p, g in blocks:
-        xt = nl.ndarray((PMAX, g, C), nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=xt[:p], src=grouped_rows(x, r0, p, g))
+        xt = load_grouped(x, r0, p, g)
         onehot, w, bad = _targets(words, wrow, cols, r0, p, g, C, ignore_index)
         nisa.tensor_tensor(dst=xt[:p], data1=xt[:p], data2=onehot[:p], op=nl.multiply)
         loss = _col(g)

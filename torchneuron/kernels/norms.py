@@ -39,7 +39,7 @@ from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.kernels._common import (PMAX, PSUM_FP32, ROW_ELEMS, as_tensor, cdiv, check_sbuf, grouped_rows,
-                                         row_blocks, spread, spread_row)
+                                         load_grouped, row_blocks, spread, spread_row)
 
 NBUF = 3
 BN = 512   # nl.tile_size.bn_stats_fmax
@@ -224,8 +224,7 @@ def _ln_fwd_grouped(x, weight, bias, out, eps, rms, stats):
     b = None if rms else _row(bias, D)
     ring = collections.deque(maxlen=NBUF)
     for r0, p, g in blocks:
-        t = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t[:p], src=grouped_rows(x, r0, p, g))
+        t = load_grouped(x, r0, p, g)
         mean, xc, rstd = _grouped_stats(t, p, g, D, eps, rms)
         y = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=y[:p], data1=xc[:p], data2=spread(rstd, p, g, D), op=nl.multiply)
@@ -396,10 +395,7 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved):
         nisa.memset(dst=a, value=0.0)
     ring = collections.deque(maxlen=NBUF)
     for r0, p, g in blocks:
-        t = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
-        gr = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t[:p], src=grouped_rows(x, r0, p, g))
-        nisa.dma_copy(dst=gr[:p], src=grouped_rows(dy, r0, p, g))
+        t, gr = load_grouped(x, r0, p, g), load_grouped(dy, r0, p, g)
         if saved:
             mean = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
             rstd = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)

@@ -29,8 +29,8 @@ import collections
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import (PMAX, ROW_ELEMS, as_tensor, check_sbuf, grouped_rows, row_blocks,
-                                         spread)
+from torchneuron.kernels._common import (PMAX, ROW_ELEMS, as_tensor, check_sbuf, grouped_rows, load_grouped,
+                                         row_blocks, spread)
 from torchneuron.kernels.transpose import permute
 
 NBUF = 3
@@ -191,8 +191,7 @@ def attention_softmax_kernel(x, scale=1.0, causal_len=0):
             _causal_mask(shared, cols, 0, PMAX, G, causal_len)
     ring = collections.deque(maxlen=NBUF)
     for r0, p, g in blocks:
-        t = nl.ndarray((PMAX, g, S), nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t[:p], src=grouped_rows(x, r0, p, g))
+        t = load_grouped(x, r0, p, g)
         if scale != 1.0:
             nisa.tensor_scalar(dst=t[:p], data=t[:p], op0=nl.multiply, operand0=float(scale))
         neg_max = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
@@ -239,10 +238,7 @@ def softmax_bwd_kernel(grad, y, log=False, scale=1.0):
     out = nl.ndarray((N, D), y.dtype, buffer=nl.shared_hbm)
     ring = collections.deque(maxlen=NBUF)
     for r0, p, g in blocks:
-        gr = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
-        t = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=gr[:p], src=grouped_rows(grad, r0, p, g))
-        nisa.dma_copy(dst=t[:p], src=grouped_rows(y, r0, p, g))
+        gr, t = load_grouped(grad, r0, p, g), load_grouped(y, r0, p, g)
         s = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
         w = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
         if log:   # dx = g - exp(y) * sum(g)
