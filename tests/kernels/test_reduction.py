@@ -5,7 +5,8 @@ from torchneuron.kernels import reduce
 from tests.kernels.conftest import DTYPES, close
 
 CASES = [((1,), 0), ((127, 129), 1), ((127, 129), 0), ((3, 300, 5), 1), ((300,), 0), ((2, 7), 1),
-         ((4, 5, 600), 1), ((2, 9000), 1), ((5, 3, 130), 0), ((2, 150, 300), 1), ((), 0)]
+         ((4, 5, 600), 1), ((2, 9000), 1), ((5, 3, 130), 0), ((2, 150, 300), 1), ((), 0),
+         ((1030, 192), 0), ((4000, 7), 0)]   # (the last two: grouped rows, then a transpose per 128 columns)
 REF = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}
 
 
@@ -45,3 +46,12 @@ def test_keepdim():
 def test_unknown_op_is_refused():
     with pytest.raises(AssertionError, match="unknown"):
         reduce(torch.zeros(2, 3), 1, "median")
+
+
+def test_leading_dim_reduction_propagates_nan():
+    x = torch.randn(300, 5)
+    x[7, 2] = float("nan")
+    for op, fn in REF.items():
+        out = reduce(x, 0, op)
+        want = fn(x, 0)
+        assert torch.isnan(out[2]) and torch.allclose(out[[0, 1, 3, 4]], want[[0, 1, 3, 4]], atol=1e-4)

@@ -5,6 +5,9 @@ axis of an fp32 tile, with every DMA reading contiguous runs:
 
     inner == 1: 128 rows of [outer, R] on the partitions, R in column blocks of RW (8 Ki) along the
                 free axis (contiguous rows); a running result combines the blocks
+    outer == 1, inner <= 512 (a bias gradient): rows grouped G per partition, reduced over their G
+                rows into a running [128, inner]; at the end one TensorE transpose per 128 columns puts
+                the 128 partials on the free axis, reduced there (all ops but arg*)
     inner  > 1: rows (o, r) of (no outer indices x up to 128 reduced positions) on the partitions,
                 512 contiguous inner columns per load (2 KiB runs); four nc_transpose (TensorE,
                 bit-exact) put 128 inner positions on the partitions and (o, r) on the free axis of
@@ -28,7 +31,7 @@ import torch
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import PMAX, as_tensor, cdiv, prod
+from torchneuron.kernels._common import PMAX, as_tensor, cdiv, load_grouped, prod, row_blocks
 
 NBUF = 3
 RW = 8192        # reduced elements per block of the inner == 1 path (32 KiB fp32 per partition)
@@ -190,6 +193,37 @@ def _reduce_inner(x, out, op, O, R, I):
             ring.append((acc, idx, rt, ro))
 
 
+IDENTITY = {"sum": 0.0, "mean": 0.0, "prod": 1.0, "max": float("-inf"), "min": float("inf")}
+
+
+def _reduce_leading(x, out, op, R, I):
+    """outer == 1, inner <= 512 (a bias gradient: sum over the rows of [R, I]): rows grouped G per
+    partition ([128, G, I] tiles, one DMA each), each tile reduced over its G rows into a running
+    [128, I] (the op's identity where a partition has no rows); at the end the 128 partials of each
+    column are brought to the free axis by one TensorE transpose per 128 columns and reduced there."""
+    flat = x.reshape((R, I))
+    blocks, G = row_blocks(R, I)
+    acc = _col(PMAX, I)
+    nisa.memset(dst=acc, value=IDENTITY[op])
+    ring = collections.deque(maxlen=NBUF)
+    for r0, p, g in blocks:
+        t = load_grouped(flat, r0, p, g)
+        part = _col(PMAX, I)
+        nisa.tensor_reduce(dst=part[:p], op=OPS[op], data=t[:p].ap([[g * I, p], [1, I], [I, g]]), axis=(2,))
+        nisa.tensor_tensor(dst=acc[:p], data1=acc[:p], data2=part[:p], op=OPS[op])
+        ring.append((t, part))
+    for i0 in range(0, I, PMAX):
+        w = min(PMAX, I - i0)
+        tp = nl.ndarray((PMAX, PMAX), nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(dst=tp[:w, :], data=acc[:, i0:i0 + w])
+        res = _col()
+        nisa.tensor_reduce(dst=res[:w], op=OPS[op], data=tp[:w, :], axis=(1,))
+        if op == "mean":
+            nisa.tensor_scalar(dst=res[:w], data=res[:w], op0=nl.multiply, operand0=1.0 / R)
+        nisa.dma_copy(dst=out.ap([[1, w], [1, 1]], offset=i0), src=res[:w])
+        ring.append((tp, res))
+
+
 @nki.jit
 def reduce_kernel(x, op="sum"):
     """Reduce the middle dim of [outer, R, inner]; returns [outer, inner] (argmax/argmin: int32 indices)."""
@@ -201,6 +235,8 @@ def reduce_kernel(x, op="sum"):
     out = nl.ndarray((O, I), nl.int32 if op in ARG else x.dtype, buffer=nl.shared_hbm)
     if I == 1:
         _reduce_rows(x, out, op, O, R)
+    elif O == 1 and I <= 4 * PMAX and op not in ARG:
+        _reduce_leading(x, out, op, R, I)
     else:
         _reduce_inner(x, out, op, O, R, I)
     return out
