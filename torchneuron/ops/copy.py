@@ -178,7 +178,8 @@ def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
     """``self.copy_(src)``: a DMA kernel within one neuron device, else a host transfer."""
     if self.device == src.device and self.device.type == "neuron" and can_copy(self, src) \
             and not self.is_conj() and not src.is_conj() and not self.is_neg() and not src.is_neg():
-        torch.broadcast_shapes(src.shape, self.shape)  # RuntimeError for shapes that do not broadcast
+        if src.shape != self.shape:
+            torch.broadcast_shapes(src.shape, self.shape)  # RuntimeError for shapes that do not broadcast
         if self.numel() and not _same_data(self, src):
             device_copy(self, src)
         return self

@@ -168,9 +168,10 @@ def _addmm(inp, a, b, beta, alpha, out, batched: bool):
     check = _check_bmm if batched else _check_mm
     check(a, b)
     shape = (a.shape[0], a.shape[1], b.shape[2]) if batched else (a.shape[0], b.shape[1])
-    torch.broadcast_shapes(inp.shape, shape)
     bias = None if batched else _bias_row(inp, a, b, beta, alpha)
-    if bias is not None:
+    if bias is None:
+        torch.broadcast_shapes(inp.shape, shape)   # (PyTorch's error for an input that does not broadcast)
+    else:
         if out is not None and tuple(out.shape) != shape:
             torch._refs._maybe_resize_out(out, shape)
         return _mm_into(a, b, out, bias)
