@@ -63,8 +63,9 @@ def time_steps(steps: dict, n: int) -> tuple[dict, dict]:
     return {k: statistics.median(v) for k, v in wall.items()}, {k: min(v) for k, v in cpu.items()}
 
 
-def small_op_cost(reps: int = 2000) -> tuple[float, float, float]:
-    """(total, instruction execution, dispatch) host microseconds of one cached 8x8 ``a + b``."""
+def small_op_cost(reps: int = 2000, rounds: int = 5) -> tuple[float, float, float]:
+    """(total, instruction execution, dispatch) host microseconds of one cached 8x8 ``a + b``: the
+    round of ``reps`` calls with the least total (a shared machine only ever adds time)."""
     a, b = torch.randn(8, 8, device="neuron"), torch.randn(8, 8, device="neuron")
     for _ in range(200):
         a + b
@@ -79,15 +80,20 @@ def small_op_cost(reps: int = 2000) -> tuple[float, float, float]:
         finally:
             spent[0] += time.perf_counter() - t0
     core.run_bound = timed
+    best = None
     try:
-        start = time.perf_counter()
-        for _ in range(reps):
-            a + b
-        total = (time.perf_counter() - start) / reps * 1e6
+        for _ in range(rounds):
+            spent[0] = 0.0
+            start = time.perf_counter()
+            for _ in range(reps):
+                a + b
+            total = (time.perf_counter() - start) / reps * 1e6
+            sim = spent[0] / reps * 1e6
+            if best is None or total < best[0]:
+                best = (total, sim, total - sim)
     finally:
         del core.run_bound
-    sim = spent[0] / reps * 1e6
-    return total, sim, total - sim
+    return best
 
 
 def main() -> None:
@@ -117,7 +123,7 @@ def main() -> None:
     print(f"  CPU fallbacks in the neuron steps: {fb}; eager kernel programs cached: {torchneuron.ops.cache_size()}")
 
     total, sim, dispatch = small_op_cost()
-    print("\nsmall op with a cached kernel (8x8 a + b), host time per call:")
+    print("\nsmall op with a cached kernel (8x8 a + b), host time per call (least of 5 rounds):")
     print(f"  total {total:6.1f} us = instruction execution {sim:6.1f} us + dispatch {dispatch:6.1f} us "
           f"(target <= 30 us)")
 

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from torchneuron import _C, runtime
+from torchneuron.runtime.launch import launch_slots
 
 # dtypes the NeuronCore computes and stores (torchneuron.sim.numerics.DTYPES)
 DEVICE_DTYPES = frozenset({torch.bool, torch.int8, torch.int16, torch.int32, torch.uint8, torch.uint16, torch.uint32,
@@ -76,8 +77,8 @@ def launch_traced(traced: tuple, inputs: dict[str, torch.Tensor], outputs: Seque
         if t is not None:
             args[slot] = t
     # the arguments are what the trace saw (contiguous, one device): the unchecked fast path
-    record = runtime.launch(program, [args.get(n) for n in order], device=index, op=op, check=False)
-    return [args[s] if s in args else record.outputs[s] for s in slots]
+    tensors = launch_slots(program, [args.get(n) for n in order], index, op)
+    return [tensors[order.index(s)] if s not in args else args[s] for s in slots]
 
 
 def scalar_operand(value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

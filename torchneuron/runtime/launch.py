@@ -154,6 +154,19 @@ def launch(program: Program, args: Mapping[str, torch.Tensor] | Sequence[torch.T
     """
     if not isinstance(program, Program):
         raise TypeError(f"launch expects a torchneuron.sim.Program, not {type(program).__name__}")
+    record, tensors = _annotated(program, args, device, stream, name, op, check)
+    return record.with_outputs({slot.name: tensors[i] for i, slot in _slots(program).outputs})
+
+
+def launch_slots(program: Program, tensors: list[torch.Tensor | None], device: int, op: str | None) -> list:
+    """The eager fast path: ``launch(program, tensors, device=device, op=op, check=False)`` for callers
+    that need the tensors, not a record: returns ``tensors`` (slot order) with the unbound outputs
+    and scratch slots allocated and the outputs written."""
+    return _annotated(program, tensors, device, None, None, op, False)[1]
+
+
+def _annotated(program: Program, args: Any, device: Any, stream: Any, name: str | None, op: str | None,
+               check: bool) -> tuple[LaunchRecord, list]:
     if torch.autograd._profiler_enabled():  # a host range per launch in torch.profiler traces
         with torch.autograd.profiler.record_function(f"neuron::{name or program.name}"):
             return _launch(program, args, device, stream, name, op, check)
@@ -161,7 +174,8 @@ def launch(program: Program, args: Mapping[str, torch.Tensor] | Sequence[torch.T
 
 
 def _launch(program: Program, args: Any, device: Any, stream: Any, name: str | None, op: str | None,
-            check: bool) -> LaunchRecord:
+            check: bool) -> tuple[LaunchRecord, list]:
+    """Run the launch; return its record (without outputs, as the profiler keeps it) and the slot tensors."""
     meta = _slots(program)
     if check:
         if not isinstance(args, dict) and not isinstance(args, Mapping):  # (the ABC check is slow)
@@ -204,7 +218,6 @@ def _launch(program: Program, args: Any, device: Any, stream: Any, name: str | N
         _C._advance_stream_clock(index, stream_id, duration)
     record = LaunchRecord._fast(
         name=name or program.name, op=op, device=index, stream=stream_id, start_ns=start, end_ns=start + duration,
-        launch_overhead_ns=overhead, device_time_ns=device_time, program=program, spec=spec,
-        outputs={slot.name: tensors[i] for i, slot in meta.outputs})
+        launch_overhead_ns=overhead, device_time_ns=device_time, program=program, spec=spec, outputs={})
     profiler._add(record)
-    return record
+    return record, tensors

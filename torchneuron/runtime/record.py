@@ -79,11 +79,13 @@ class LaunchRecord:
 
     def without_outputs(self) -> "LaunchRecord":
         """This record without references to the output tensors."""
-        if not self.outputs:
-            return self
-        record = object.__new__(type(self))  # a field-for-field copy (see _fast)
+        return self.with_outputs({}) if self.outputs else self
+
+    def with_outputs(self, outputs: dict[str, torch.Tensor]) -> "LaunchRecord":
+        """This record with ``outputs`` (a field-for-field copy, see ``_fast``)."""
+        record = object.__new__(type(self))
         record.__dict__.update(self.__dict__)
-        record.__dict__["outputs"] = {}
+        record.__dict__["outputs"] = outputs
         return record
 
     def instruction_events(self) -> Iterator[InstructionEvent]:
