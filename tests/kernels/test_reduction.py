@@ -38,6 +38,19 @@ def test_arg_first_index_and_nan_like_torch(shape, dim):
     assert torch.equal(reduce(x, dim, "sum").isnan(), x.sum(dim).isnan())
 
 
+@pytest.mark.parametrize("shape", [(3, 300, 130), (1, 260, 600), (40, 3, 7)])
+def test_arg_over_a_middle_dim_with_ties_infs_and_nans(shape):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 4, shape, generator=g).float()     # ties in every column
+    x[..., 1] = float("-inf")                                 # a column of -inf: index 0
+    x[:, -1, 2] = float("inf")
+    cols = torch.rand(shape, generator=g) < 0.002             # NaNs scattered over rows and blocks
+    x[cols] = float("nan")
+    x[:, 0, 3], x[:, -1, 3] = float("nan"), float("nan")      # a column with two NaNs: the first wins
+    assert torch.equal(reduce(x, 1, "argmax"), x.argmax(1))
+    assert torch.equal(reduce(x, 1, "argmin"), x.argmin(1))
+
+
 def test_keepdim():
     x = torch.randn(4, 5, 6)
     assert reduce(x, 1, "sum", keepdim=True).shape == (4, 1, 6)

@@ -76,19 +76,46 @@ def _arg_block(data, p, w, r0):
     return m8[:p, 0:1], idx[:p]
 
 
-def _arg_combine(m, i, mc, ic, p):
-    """Running (m, i) <- (mc, ic) where mc > m, or mc is NaN and m is not (earlier blocks win ties)."""
-    take, t2 = _col(p), _col(p)
+def _arg_combine(m, i, mc, ic, p, w=1):
+    """Running (m, i) <- (mc, ic) where mc > m, or mc is NaN and m is not (earlier blocks win ties);
+    all four are [p, w] columns."""
+    take, t2, nan_c, d = (_col(PMAX, w)[:p, :w] for _ in range(4))
     nisa.tensor_tensor(dst=take, data1=mc, data2=m, op=nl.greater)
     nisa.tensor_tensor(dst=t2, data1=m, data2=m, op=nl.equal)                # m is not NaN
-    nan_c = _col(p)
     nisa.tensor_tensor(dst=nan_c, data1=mc, data2=mc, op=nl.not_equal)
     nisa.tensor_tensor(dst=t2, data1=t2, data2=nan_c, op=nl.multiply)
     nisa.tensor_tensor(dst=take, data1=take, data2=t2, op=nl.maximum)
-    d = _col(p)
     nisa.tensor_tensor(dst=d, data1=ic, data2=i, op=nl.subtract)
-    nisa.scalar_tensor_tensor(dst=i, data=d, op0=nl.multiply, operand0=take, op1=nl.add, operand1=i)
+    if w == 1:
+        nisa.scalar_tensor_tensor(dst=i, data=d, op0=nl.multiply, operand0=take, op1=nl.add, operand1=i)
+    else:                                                                    # (P, 1) operands only
+        nisa.tensor_tensor(dst=d, data1=d, data2=take, op=nl.multiply)
+        nisa.tensor_tensor(dst=i, data1=i, data2=d, op=nl.add)
     nisa.tensor_tensor(dst=m, data1=m, data2=mc, op=nl.maximum)              # NaN propagates
+
+
+def _arg_columns(view, pw, ns, no, rp, r0, desc):
+    """(max, first index) of every row view[:pw, s, o, :rp] at once, as [pw, ns*no] columns: the max by
+    one reduction, then the first position equal to it (or the first NaN: x == NaN is never true, so
+    the NaN mask alone marks the hits of a row holding one) scored by rp - r and taken by a max."""
+    k, shape = ns * no, (PMAX, 4, no, rp)
+    m, sc = _col(PMAX, 4 * no), _col(PMAX, 4 * no)
+    nisa.tensor_reduce(dst=m[:pw, :k].reshape((pw, ns, no)), op=nl.maximum, data=view, axis=(3,))
+    hit, nan = (nl.ndarray(shape, nl.float32, buffer=nl.sbuf) for _ in range(2))
+    # the NaN mask on GpSimd (it runs ahead: nothing of VectorE's feeds it), the rest on VectorE
+    nisa.tensor_tensor(dst=nan[:pw, :ns], data1=view, data2=view, op=nl.not_equal, engine=nisa.gpsimd_engine)
+    for s in range(ns):
+        for o in range(no):
+            c = s * no + o                   # hit = (x == max) or x is NaN, one fused pass per row
+            nisa.scalar_tensor_tensor(dst=hit[:pw, s, o], data=view[:, s, o], op0=nl.equal, operand0=m[:pw, c:c + 1],
+                                      op1=nl.maximum, operand1=nan[:pw, s, o])
+    nisa.tensor_tensor(dst=hit[:pw, :ns], data1=hit[:pw, :ns], op=nl.multiply,
+                       data2=desc[:pw, :rp].ap([[desc.shape[1], pw], [0, ns], [0, no], [1, rp]]))
+    nisa.tensor_reduce(dst=sc[:pw, :k].reshape((pw, ns, no)), op=nl.maximum, data=hit[:pw, :ns], axis=(3,))
+    # first index = r0 + RP - score (desc holds RP - r for r < RP)
+    nisa.tensor_scalar(dst=sc[:pw, :k], data=sc[:pw, :k], op0=nl.subtract, operand0=float(r0 + desc.shape[1]),
+                       reverse0=True)
+    return m[:pw, :k], sc[:pw, :k]
 
 
 def _reduce_rows(x, out, op, O, R):
@@ -134,6 +161,10 @@ def _reduce_inner(x, out, op, O, R, I):
     xf = x.reshape((O * R * I,))
     of = out.reshape((O * I,))
     ring = collections.deque(maxlen=NBUF)
+    desc = None
+    if op in ARG:                                            # RP - r along the free axis: scores first hits
+        desc = nl.ndarray((PMAX, RP), nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=desc, pattern=[[-1, RP]], offset=RP)
     for o0 in range(0, O, NO):
         no = min(NO, O - o0)
         for i0 in range(0, I, IW):
@@ -155,18 +186,18 @@ def _reduce_inner(x, out, op, O, R, I):
                 # (a ragged last slice leaves partitions >= w of its column unused: never stored)
                 view = tp[:pw, :ns, :rows].reshape((pw, ns, no, rp))
                 if op in ARG:
+                    # to SBUF on ScalarE (GpSimd cannot read PSUM); argmin(x) = argmax(-x) (NaN stays NaN)
                     ev = nl.ndarray((PMAX, 4, no, rp), nl.float32, buffer=nl.sbuf)
                     nisa.activation(dst=ev[:pw, :ns], op=nl.identity, data=view, scale=-1.0 if op == "argmin" else 1.0)
-                    for s in range(ns):
-                        for o in range(no):
-                            k = s * no + o
-                            mc, ic = _arg_block(ev[:pw, s, o, :], pw, rp, r0)
-                            if r0 == 0:
-                                nisa.tensor_copy(dst=acc[:pw, k:k + 1], src=mc)
-                                nisa.tensor_copy(dst=idx[:pw, k:k + 1], src=ic)
-                            else:
-                                _arg_combine(acc[:pw, k:k + 1], idx[:pw, k:k + 1], mc, ic, pw)
-                    ring.append((t, tp, ev))
+                    view = ev[:pw, :ns]
+                    mc, ic = _arg_columns(view, pw, ns, no, rp, r0, desc)
+                    k = ns * no
+                    if r0 == 0:
+                        nisa.tensor_copy(dst=acc[:pw, :k], src=mc)
+                        nisa.tensor_copy(dst=idx[:pw, :k], src=ic)
+                    else:
+                        _arg_combine(acc[:pw, :k], idx[:pw, :k], mc, ic, pw, k)
+                    ring.append((t, tp, view, mc, ic))
                     continue
                 part = acc if r0 == 0 else _col(PMAX, 4 * no)
                 nisa.tensor_reduce(dst=part[:pw, :ns * no].reshape((pw, ns, no)), op=OPS[op], data=view, axis=(3,))
