@@ -5,6 +5,7 @@ or the environment the process was started with.
 """
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import subprocess
@@ -277,6 +278,32 @@ def test_tied_weights_stay_tied_through_to_and_cpu():
     assert m.emb.weight is w and m.head.weight is w and w.device.type == "cpu"
     m.neuron()
     assert m.head.weight is m.emb.weight is w and w.is_neuron
+
+
+def test_lazy_module_moved_before_its_first_forward_initializes_on_neuron():
+    """As on CUDA: uninitialized parameters/buffers stay uninitialized (device and dtype follow the
+    move) and the first forward fills them in on the device; the result matches the CPU module."""
+    from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
+    m = nn.Sequential(nn.LazyLinear(5), nn.LazyBatchNorm1d()).to("neuron", torch.bfloat16)
+    assert isinstance(m[0].weight, UninitializedParameter) and isinstance(m[1].running_mean, UninitializedBuffer)
+    assert m[0].weight.device == torch.device("neuron", 0) and m[0].weight.dtype == torch.bfloat16
+    assert m[1].num_batches_tracked.dtype == torch.int64             # integer buffers keep their dtype
+    x = torch.randn(4, 3)
+    y = m(x.to("neuron", torch.bfloat16))
+    assert type(m[0].weight) is nn.Parameter and m[0].weight.shape == (5, 3) and m[0].weight.is_neuron
+    assert m[1].running_mean.shape == (5,) and m[1].running_mean.dtype == torch.bfloat16
+    ref = copy.deepcopy(m).cpu()
+    torch.testing.assert_close(y.cpu(), ref(x.bfloat16()), atol=2e-2, rtol=2e-2)
+    back = nn.LazyLinear(2).to("neuron").cpu()
+    assert isinstance(back.weight, UninitializedParameter) and back.weight.device.type == "cpu"
+
+
+def test_failed_module_to_leaves_lazy_parameters_in_place():
+    m = nn.LazyLinear(3)
+    w = m.weight
+    with pytest.raises(RuntimeError):
+        m.to("neuron:99")
+    assert m.weight is w and w.device.type == "cpu"
 
 
 # ---- errors leave no trace -------------------------------------------------------------

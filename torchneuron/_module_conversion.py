@@ -9,6 +9,10 @@ Parameter object, so we do that for conversions that involve a neuron device.
 Swapping is refused for a tensor that something else holds (an autograd graph that
 saved a weight, for instance). Then, checked before anything changes, the conversion
 makes new Parameter objects as PyTorch would, and re-ties parameters that were shared.
+
+Uninitialized parameters and buffers of lazy modules (``nn.LazyLinear`` before its first
+forward) stay uninitialized, on the new device and dtype, as they do when moved to CUDA:
+swapping would turn them into ordinary empty tensors the lazy module no longer fills in.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, is_lazy
 
 
 def _involves_neuron(module: nn.Module, target: torch.device | None) -> bool:
@@ -49,27 +54,62 @@ def _convert_retied(module: nn.Module, convert: Callable[[], Any]) -> Any:
     return result
 
 
-def _swapping(method: Callable[..., Any], target_of: Callable[..., torch.device | None]) -> Callable[..., Any]:
+def _swapping(method: Callable[..., Any], target_of: Callable[..., torch.device | None],
+              dtype_of: Callable[..., torch.dtype | None] = lambda *a, **k: None) -> Callable[..., Any]:
     @functools.wraps(method)
     def wrapper(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.__future__.get_swap_module_params_on_conversion() or not _involves_neuron(
                 self, target_of(*args, **kwargs)):
             return method(self, *args, **kwargs)
-        # The grad is detached from its parameter before the swap, so only the parameter counts.
-        if not all(_swappable(p) for p in self.parameters()):
-            return _convert_retied(self, lambda: method(self, *args, **kwargs))
-        torch.__future__.set_swap_module_params_on_conversion(True)
+        lazy = _uninitialized(self)
+        device, dtype = target_of(*args, **kwargs), dtype_of(*args, **kwargs)
+        moved = [_moved_uninitialized(t, device, dtype) for _, _, t in lazy]    # (a bad device raises here)
+        for store, name, _ in lazy:                      # the conversion skips them
+            store[name] = None
         try:
-            return method(self, *args, **kwargs)
-        finally:
-            torch.__future__.set_swap_module_params_on_conversion(False)
+            # The grad is detached from its parameter before the swap, so only the parameter counts.
+            if not all(_swappable(p) for p in self.parameters()):
+                result = _convert_retied(self, lambda: method(self, *args, **kwargs))
+            else:
+                torch.__future__.set_swap_module_params_on_conversion(True)
+                try:
+                    result = method(self, *args, **kwargs)
+                finally:
+                    torch.__future__.set_swap_module_params_on_conversion(False)
+        except BaseException:
+            for store, name, t in lazy:                  # a failed conversion changes nothing
+                store[name] = t
+            raise
+        for (store, name, _), t in zip(lazy, moved):
+            store[name] = t
+        return result
 
     return wrapper
+
+
+def _uninitialized(module: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
+    """(dict, name, tensor) of every uninitialized parameter and buffer of a lazy module."""
+    return [(store, name, t) for m in module.modules() for store in (m._parameters, m._buffers)
+            for name, t in store.items() if t is not None and is_lazy(t)]
+
+
+def _moved_uninitialized(t: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None) -> torch.Tensor:
+    """A new uninitialized parameter or buffer like ``t`` on ``device``, in ``dtype`` if ``t`` is floating."""
+    device = t.device if device is None else device
+    dtype = dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
+    if isinstance(t, UninitializedParameter):
+        return UninitializedParameter(requires_grad=t.requires_grad, device=device, dtype=dtype)
+    return UninitializedBuffer(requires_grad=t.requires_grad, device=device, dtype=dtype,
+                               persistent=getattr(t, "persistent", True))
 
 
 def _to_target(*args: Any, **kwargs: Any) -> torch.device | None:
     device = torch._C._nn._parse_to(*args, **kwargs)[0]
     return None if device is None else torch.device(device)
+
+
+def _to_dtype(*args: Any, **kwargs: Any) -> torch.dtype | None:
+    return torch._C._nn._parse_to(*args, **kwargs)[1]
 
 
 def _neuron(self: nn.Module, device: Any = None) -> nn.Module:
@@ -83,7 +123,7 @@ def install() -> None:
     """Route Module.to / cpu / to_empty through tensor swapping when neuron is involved."""
     if getattr(nn.Module.to, "_torchneuron", False):
         return
-    nn.Module.to = _swapping(nn.Module.to, _to_target)
+    nn.Module.to = _swapping(nn.Module.to, _to_target, _to_dtype)
     nn.Module.cpu = _swapping(nn.Module.cpu, lambda *a, **k: torch.device("cpu"))
     nn.Module.to_empty = _swapping(nn.Module.to_empty, lambda *a, device=None, **k: torch.device(device)
                                    if device is not None else None)
