@@ -125,6 +125,44 @@ def test_nll_loss_forward_backward_ops(shape, weighted, dtype, reduction, strict
     torch.testing.assert_close(dx.cpu(), torch.ops.aten.nll_loss_backward(g, x, t, w, reduction, -100, want[1]), **tol)
 
 
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("rows", [6, 1030])
+def test_nll_loss_keeps_non_finite_values_in_their_own_element(rows, reduction, strict):
+    # masked logits (-inf, NaN) in other classes, a NaN class weight, ignored rows: only the picked
+    # element of a counted row enters its loss and its gradient, as on the CPU
+    C = 5
+    x = torch.randn(rows, C)
+    x[0, 3], x[1, 0], x[2, 4], x[3, 1] = float("-inf"), float("nan"), float("inf"), float("-inf")
+    t = torch.randint(0, C, (rows,))
+    t[:4] = torch.tensor([0, 2, 2, 1])                      # row 3 picks its -inf: an inf loss
+    t[4] = 7                                                # ignored (ignore_index 7 is out of range)
+    w = torch.rand(C)
+    w[4] = float("nan")                                     # a weight no target picks... except row 2's
+    t[2] = 3
+    for weight in (None, w):
+        want = torch.ops.aten.nll_loss_forward(x, t, weight, reduction, 7)
+        got = torch.ops.aten.nll_loss_forward(to_n(x), to_n(t), _n(weight), reduction, 7)
+        for g_, w_ in zip(got, want):
+            torch.testing.assert_close(g_.cpu(), w_, **TOL, equal_nan=True)
+        g = torch.randn(want[0].shape)
+        dx = torch.ops.aten.nll_loss_backward(to_n(g), to_n(x), to_n(t), _n(weight), reduction, 7, to_n(want[1]))
+        ref = torch.ops.aten.nll_loss_backward(g, x, t, weight, reduction, 7, want[1])
+        torch.testing.assert_close(dx.cpu(), ref, **TOL, equal_nan=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cross_entropy_with_every_target_ignored(reduction, strict):
+    # mean over no counted rows is 0/0 = NaN, yet the gradient is exactly 0 (nothing was picked)
+    x = torch.randn(3, 4, requires_grad=True)
+    xn = to_n(x.detach()).requires_grad_()
+    t = torch.tensor([1, 1, 1])
+    for inp, tt in ((x, t), (xn, to_n(t))):
+        F.cross_entropy(inp, tt, ignore_index=1, label_smoothing=0.15, reduction=reduction).backward()
+    torch.testing.assert_close(F.cross_entropy(xn, to_n(t), ignore_index=1, reduction=reduction).cpu(),
+                               F.cross_entropy(x, t, ignore_index=1, reduction=reduction), equal_nan=True)
+    torch.testing.assert_close(xn.grad.cpu(), x.grad, **TOL, equal_nan=True)
+
+
 @pytest.mark.parametrize("bad", [9, -3, 2 ** 33 + 1])
 def test_nll_loss_out_of_range_targets_raise_like_cpu(bad):
     # an int64 target whose low word is in range (2**33 + 1) is out of range too

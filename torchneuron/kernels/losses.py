@@ -8,12 +8,17 @@ fp32 (exact for classes and ignore_index below 2**24; the host checks those boun
                 (int64: also the high word must be the low word's sign extension, else out of range)
                 bad = valid and not 0 <= target < C              (counted, the host raises IndexError)
                 onehot[i, k, c] = (c == target)                    iota columns vs. the targets, VectorE
-                w_n = valid (or sum(onehot * weight) * valid)     the row's class weight
-    forward:    loss_n = -w_n * sum(onehot * x)                    the picked score
+                pick = -1 (all bits) where onehot and valid, else 0 (int32)
+                w_n = valid (or sum(weight & pick))             the row's class weight
+    forward:    loss_n = -w_n * sum(x & pick)                     the picked score: a bitwise select, so
+                                                                   an inf/NaN in another class (a masked
+                                                                   logit) stays out of the row, as on the CPU
                 per-partition sums of loss_n, w_n and bad, then one ones^T @ sums matmul (TensorE)
                 gives the totals: sum, mean = sum / sum(w_n)
-    backward:   grad = onehot * (-w_n * g_n)   (g_n: the row's grad for reduction none, else the
-                                                scalar grad, divided by the total weight for mean)
+    backward:   grad = (-w_n * g_n) & pick     (g_n: the row's grad for reduction none, else the
+                                                scalar grad, divided by the total weight for mean; an
+                                                inf/NaN coefficient, e.g. a total weight of 0, reaches only
+                                                the target element of a counted row, as on the CPU)
 """
 from __future__ import annotations
 
@@ -22,8 +27,7 @@ import collections
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import (PMAX, check_sbuf, grouped_rows, load_grouped, row_blocks, spread,
-                                         spread_row)
+from torchneuron.kernels._common import PMAX, check_sbuf, grouped_rows, load_grouped, row_blocks, spread
 
 NBUF = 2
 EXACT = 2 ** 24   # fp32 holds every integer below this exactly
@@ -40,8 +44,16 @@ def _class_iota(G: int, C: int):
     return cols
 
 
+def _bits(t, p, g, C):
+    """The int32 view of the bits of an fp32 [p, g, C] SBUF tile (or of a [p, g] one read as [p, g, C])."""
+    if len(t.shape) == 2:
+        return t[:p, :g].ap([[g, p], [1, g], [0, C]], dtype=nl.int32)
+    return t[:p].ap([[g * C, p], [C, g], [1, C]], dtype=nl.int32)
+
+
 def _targets(words, weight, cols, r0, p, g, C, ignore_index):
-    """(onehot [P, g, C], w_n [P, g], bad [P, g]) of the rows' targets (see the module docstring)."""
+    """(pick [P, g, C] int32 select mask, w_n [P, g], bad [P, g]) of the rows' targets (see the module
+    docstring)."""
     S = words.shape[1]
     wd = load_grouped(words, r0, p, g, nl.int32)
     tf = nl.ndarray((PMAX, g, S), nl.float32, buffer=nl.sbuf)
@@ -69,14 +81,17 @@ def _targets(words, weight, cols, r0, p, g, C, ignore_index):
     onehot = nl.ndarray((PMAX, g, C), nl.float32, buffer=nl.sbuf)
     target = tf[:p, :, 0:1].ap([[g * S, p], [S, g], [0, C]])     # the low words spread over the classes
     nisa.tensor_tensor(dst=onehot[:p], data1=cols[:p, :g, :], data2=target, op=nl.equal)
+    pick = nl.ndarray((PMAX, g, C), nl.int32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=pick[:p], data=onehot[:p], op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
+                              operand1=spread(valid, p, g, C))
     w = valid
     if weight is not None:
-        pick = nl.ndarray((PMAX, g, C), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=pick[:p], data1=onehot[:p], data2=spread_row(weight, p, g, C), op=nl.multiply)
+        weighted = nl.ndarray((PMAX, g, C), nl.float32, buffer=nl.sbuf)     # weight[target] of counted rows
+        row = weight[:p, :C].ap([[C, p], [0, g], [1, C]], dtype=nl.int32)
+        nisa.tensor_tensor(dst=_bits(weighted, p, g, C), data1=row, data2=pick[:p], op=nl.bitwise_and)
         w = _col(g)
-        nisa.tensor_reduce(dst=w[:p], op=nl.add, data=pick[:p], axis=(2,))
-        nisa.tensor_tensor(dst=w[:p], data1=w[:p], data2=valid[:p], op=nl.multiply)
-    return onehot, w, bad
+        nisa.tensor_reduce(dst=w[:p], op=nl.add, data=weighted[:p], axis=(2,))
+    return pick, w, bad
 
 
 def _weight_row(weight, C):
@@ -113,8 +128,8 @@ def nll_fwd_kernel(x, words, weight=None, ignore_index=-100, reduction=1):
     ring = collections.deque(maxlen=NBUF)
     for r0, p, g in blocks:
         xt = load_grouped(x, r0, p, g)
-        onehot, w, bad = _targets(words, wrow, cols, r0, p, g, C, ignore_index)
-        nisa.tensor_tensor(dst=xt[:p], data1=xt[:p], data2=onehot[:p], op=nl.multiply)
+        pick, w, bad = _targets(words, wrow, cols, r0, p, g, C, ignore_index)
+        nisa.tensor_tensor(dst=_bits(xt, p, g, C), data1=_bits(xt, p, g, C), data2=pick[:p], op=nl.bitwise_and)
         loss = _col(g)
         nisa.tensor_reduce(dst=loss[:p], op=nl.add, data=xt[:p], axis=(2,))
         nisa.scalar_tensor_tensor(dst=loss[:p], data=loss[:p], op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
@@ -125,7 +140,7 @@ def nll_fwd_kernel(x, words, weight=None, ignore_index=-100, reduction=1):
         for k, v in enumerate((loss, w, bad)):
             nisa.tensor_reduce(dst=part[:p, k:k + 1], op=nl.add, data=v[:p], axis=(1,))
         nisa.tensor_tensor(dst=acc[:p], data1=acc[:p], data2=part[:p], op=nl.add)
-        ring.append((xt, onehot))
+        ring.append((xt, pick))
     tot = nl.ndarray((1, 3), nl.float32, buffer=nl.sbuf)
     _total(acc, 3, tot)
     if reduction == 1:   # mean: sum / total weight (0 / 0 is NaN, as on the CPU)
@@ -146,7 +161,7 @@ def nll_bwd_kernel(grad, words, total, weight=None, num_classes=1, ignore_index=
     N, C = words.shape[0], num_classes
     assert C < EXACT and abs(ignore_index) < EXACT, "nll_loss: classes and ignore_index must be below 2**24"
     blocks, G = row_blocks(N, C)
-    check_sbuf((NBUF + 1) * 3 * G * C * 4 + 2 * C * 4 + 256, f"nll_loss backward C={C}")
+    check_sbuf((NBUF + 1) * 4 * G * C * 4 + 2 * C * 4 + 256, f"nll_loss backward C={C}")
     dx = nl.ndarray((N, C), grad.dtype, buffer=nl.shared_hbm)
     bad_count = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
     cols, wrow = _class_iota(G, C), _weight_row(weight, C)
@@ -164,7 +179,7 @@ def nll_bwd_kernel(grad, words, total, weight=None, num_classes=1, ignore_index=
     nisa.memset(dst=acc, value=0.0)
     ring = collections.deque(maxlen=NBUF)
     for r0, p, g in blocks:
-        onehot, w, bad = _targets(words, wrow, cols, r0, p, g, C, ignore_index)
+        pick, w, bad = _targets(words, wrow, cols, r0, p, g, C, ignore_index)
         coef = _col(g)
         if reduction == 0:
             nisa.dma_copy(dst=coef[:p], src=grad[r0:r0 + p * g, :].reshape((p, g)))
@@ -172,12 +187,13 @@ def nll_bwd_kernel(grad, words, total, weight=None, num_classes=1, ignore_index=
                                       op1=nl.multiply, operand1=w[:p])
         else:
             nisa.tensor_scalar(dst=coef[:p], data=w[:p], op0=nl.multiply, operand0=scale[:p])
-        nisa.tensor_tensor(dst=onehot[:p], data1=onehot[:p], data2=spread(coef, p, g, C), op=nl.multiply)
-        nisa.dma_copy(dst=grouped_rows(dx, r0, p, g), src=onehot[:p])
+        d = nl.ndarray((PMAX, g, C), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=_bits(d, p, g, C), data1=_bits(coef, p, g, C), data2=pick[:p], op=nl.bitwise_and)
+        nisa.dma_copy(dst=grouped_rows(dx, r0, p, g), src=d[:p])
         part = _col()
         nisa.tensor_reduce(dst=part[:p], op=nl.add, data=bad[:p], axis=(1,))
         nisa.tensor_tensor(dst=acc[:p], data1=acc[:p], data2=part[:p], op=nl.add)
-        ring.append((onehot,))
+        ring.append((pick, d))
     tot = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
     _total(acc, 1, tot)
     nisa.dma_copy(dst=bad_count, src=tot)
