@@ -36,7 +36,7 @@ def test_sparse_ops_fall_back_and_match_cpu():
     assert sum(torchneuron.fallback_counts().values()) > 0
 
 
-def test_sparse_ops_are_refused_in_strict_mode_and_in_place_is_refused():
+def test_sparse_ops_are_refused_in_strict_mode():
     s = DENSE.to("neuron").to_sparse()
     torchneuron.set_strict(True)
     try:
@@ -44,5 +44,48 @@ def test_sparse_ops_are_refused_in_strict_mode_and_in_place_is_refused():
             torch.sparse.mm(s, torch.ones(3, 2, device="neuron"))
     finally:
         torchneuron.set_strict(False)
-    with pytest.raises(NotImplementedError, match="in-place and out="):
-        s.mul_(2)
+
+
+def test_in_place_and_out_variants_write_into_the_device_tensors():
+    s, d = DENSE.to_sparse(), torch.randn(2, 3)
+    sn, dn = s.to("neuron"), d.to("neuron")
+    assert dn.add_(sn) is dn and dn.device.type == "neuron"            # dense += sparse (SparseAdam)
+    torch.testing.assert_close(dn.cpu(), d.add_(s))
+    c = sn.clone()
+    assert c.mul_(2) is c and c._values().device.type == "neuron"
+    torch.testing.assert_close(c.to_dense().cpu(), 2 * DENSE)
+    torch.testing.assert_close(sn.to_dense().cpu(), DENSE)              # the clone was a copy
+    out = torch.zeros(2, 3).to_sparse().to("neuron")
+    assert torch.add(sn, sn, out=out) is out and out._indices().device.type == "neuron"
+    torch.testing.assert_close(out.to_dense().cpu(), torch.add(s, s).to_dense())
+    dense_out = torch.empty(0, device="neuron")                          # resized like on the CPU
+    torch.add(torch.ones(2, 3, device="neuron"), sn, out=dense_out)
+    torch.testing.assert_close(dense_out.cpu(), torch.add(torch.ones(2, 3), s))
+    t = torch.empty((2, 3), layout=torch.sparse_coo, device="neuron")
+    t.copy_(s)                                                           # sparse copy_ across devices
+    torch.testing.assert_close(t.to_dense().cpu(), DENSE)
+
+
+def test_in_place_into_compressed_layouts_is_refused_cleanly():
+    c = DENSE.to_sparse_csr().to("neuron")
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        c.mul_(2)
+    torch.testing.assert_close(c.to_dense().cpu(), DENSE)                # unchanged
+    torch.testing.assert_close(c.clone().to_dense().cpu(), DENSE)
+
+
+@pytest.mark.parametrize("optimizer", ["SparseAdam", "SGD", "Adagrad"])
+def test_sparse_embedding_gradients_train_like_cpu(optimizer):
+    torch.manual_seed(0)
+    cpu = torch.nn.Embedding(10, 3, sparse=True)
+    dev = torch.nn.Embedding(10, 3, sparse=True).to("neuron")
+    dev.weight.data.copy_(cpu.weight.data)
+    opts = [getattr(torch.optim, optimizer)(m.parameters(), lr=0.1) for m in (cpu, dev)]
+    idx = torch.tensor([1, 4, 4, 7])
+    for _ in range(3):
+        for m, opt, i in ((cpu, opts[0], idx), (dev, opts[1], idx.to("neuron"))):
+            opt.zero_grad()
+            m(i).pow(2).sum().backward()
+            opt.step()
+    assert dev.weight.grad.is_sparse and dev.weight.grad.device.type == "neuron"
+    torch.testing.assert_close(dev.weight.detach().cpu(), cpu.weight.detach())
