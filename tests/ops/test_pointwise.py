@@ -131,6 +131,25 @@ def test_backward_ops(strict):
         torch.testing.assert_close(xn.grad.cpu(), x.grad, atol=1e-5, rtol=1e-5)
 
 
+ACTIVATIONS = {
+    "elu": lambda t: F.elu(t, 0.7), "selu": F.selu, "celu": lambda t: F.celu(t, 1.3),
+    "elu_inplace": lambda t: F.elu(t * 1, inplace=True),     # the gradient from the result
+    "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid, "softplus": lambda t: F.softplus(t, 2.0, 5.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_activation_backward_at_boundaries_and_non_finite(name, strict):
+    # the branch points (+-3, 0) and NaN/inf take the CPU kernels' branches
+    x = torch.randn(130, 9) * 4
+    x[0] = torch.tensor([-3.0, 3.0, 0.0, -0.0, float("nan"), float("inf"), float("-inf"), 20.0, -20.0])
+    g = torch.randn_like(x)
+    a, b = x.clone().requires_grad_(), to_n(x).requires_grad_()
+    ACTIVATIONS[name](a).backward(g)
+    ACTIVATIONS[name](b).backward(to_n(g))
+    torch.testing.assert_close(b.grad.cpu(), a.grad, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
 ERRORS = {
     "broadcast": lambda x: x + torch.ones(7, device=x.device),
     "inplace_broadcast": lambda x: x.add_(torch.ones(2, 5, 33, device=x.device)),

@@ -29,7 +29,7 @@ import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.kernels._common import DMA_ROW_BYTES, PMAX, as_tensor, cdiv, check_sbuf, prod
 
-NAMES = ("a", "b", "c", "d")
+NAMES = ("a", "b", "c", "d", "e")
 NBUF = 3                       # pipeline depth of the streaming loops (buffers per tile)
 
 
@@ -153,7 +153,12 @@ def elementwise4(a, b, c, d, fn, out_dtype, compute=nl.float32):
     return _body([a, b, c, d], fn, out_dtype, compute)
 
 
-KERNELS = {1: elementwise1, 2: elementwise2, 3: elementwise3, 4: elementwise4}
+@nki.jit
+def elementwise5(a, b, c, d, e, fn, out_dtype, compute=nl.float32):
+    return _body([a, b, c, d, e], fn, out_dtype, compute)
+
+
+KERNELS = {1: elementwise1, 2: elementwise2, 3: elementwise3, 4: elementwise4, 5: elementwise5}
 
 
 def fold_broadcast(shape: tuple, shapes: list[tuple]) -> tuple[int, list[str]] | None:

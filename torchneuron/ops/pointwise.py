@@ -597,6 +597,14 @@ _pointwise(["hardsigmoid", "hardsigmoid_", "hardsigmoid.out"], lambda x: (tm.har
 _pointwise(["hardswish", "hardswish_", "hardswish.out"], lambda x: (tm.hardswish, [x]), KIND.DEFAULT)
 _pointwise(["softplus", "softplus.out"], lambda x, beta=1, threshold=20: (tm.softplus, [x, beta, threshold]),
            KIND.DEFAULT)
+_pointwise(["hardsigmoid_backward", "hardsigmoid_backward.grad_input"], lambda g, x: (tm.hardsigmoid_backward, [g, x]),
+           KIND.DEFAULT)
+_pointwise(["hardswish_backward", "hardswish_backward.out"], lambda g, x: (tm.hardswish_backward, [g, x]), KIND.DEFAULT)
+_pointwise(["softplus_backward", "softplus_backward.grad_input"], lambda g, x, beta, threshold: (
+    tm.softplus_backward, [g, x, beta, threshold]), KIND.DEFAULT)
+_pointwise(["elu_backward", "elu_backward.grad_input"], lambda g, alpha, scale, input_scale, is_result, x: (
+    tm.elu_backward_result if is_result else tm.elu_backward, [g, x, float(alpha) * float(scale), scale, input_scale]),
+    KIND.DEFAULT)
 _pointwise(["mish", "mish_", "mish.out"], lambda x: (tm.mish, [x]), KIND.DEFAULT)
 _pointwise(["elu", "elu_", "elu.out"], lambda x, alpha=1, scale=1, input_scale=1: (
     tm.elu, [x, alpha, scale, input_scale]), KIND.DEFAULT)

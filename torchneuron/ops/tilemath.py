@@ -567,6 +567,37 @@ def softplus(x, beta, threshold_):
     return where(nl.greater(xb, threshold_), x, soft)
 
 
+def hardsigmoid_backward(g, x):
+    """ATen's: g / 6 strictly inside (-3, 3), else 0."""
+    inside = nl.logical_and(nl.greater(x, -3.0), nl.less(x, 3.0))
+    return where(inside, nl.divide(g, 6.0), _fill(g, x, 0))
+
+
+def hardswish_backward(g, x):
+    """ATen's: 0 up to -3, g * (x / 3 + 0.5) inside, g from 3 (NaN stays NaN)."""
+    mid = where(nl.less_equal(x, -3.0), _fill(g, x, 0), nl.multiply(g, nl.add(nl.divide(x, 3.0), 0.5)))
+    return where(nl.greater_equal(x, 3.0), g, mid)
+
+
+def softplus_backward(g, x, beta, threshold_):
+    """ATen's: z = exp(x * beta); g where x * beta > threshold, else g * z / (z + 1)."""
+    xb = nl.multiply(x, beta)
+    z = nl.exp(xb)
+    return where(nl.greater(xb, threshold_), g, nl.divide(nl.multiply(g, z), nl.add(z, 1.0)))
+
+
+def elu_backward(g, x, negcoef, poscoef, negiptcoef):
+    """ATen's ELU gradient from the input: g * negiptcoef * negcoef * exp(x * negiptcoef) where x <= 0."""
+    neg = nl.multiply(nl.multiply(nl.multiply(g, negiptcoef), negcoef), nl.exp(nl.multiply(x, negiptcoef)))
+    return where(nl.greater(x, 0.0), nl.multiply(g, poscoef), neg)          # NaN takes the NaN branch
+
+
+def elu_backward_result(g, y, negcoef, poscoef, negiptcoef):
+    """ATen's ELU gradient from the output y: g * negiptcoef * (y + negcoef) where y <= 0."""
+    neg = nl.multiply(nl.multiply(g, negiptcoef), nl.add(y, negcoef))
+    return where(nl.greater(y, 0.0), nl.multiply(g, poscoef), neg)
+
+
 def mish(x):
     return nl.multiply(x, nl.tanh(log1p(nl.exp(x))))
 
