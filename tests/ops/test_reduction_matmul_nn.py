@@ -155,6 +155,19 @@ def test_native_layer_norm_backward_uses_saved_stats(D, dtype, mask, strict):
             torch.testing.assert_close(gt.cpu().float(), wt.float(), atol=tol * max(1, D / 100), rtol=tol)
 
 
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0)])
+def test_layer_norm_of_empty_input(shape, strict):
+    # no rows or no features: empty outputs, zero parameter gradients, on the device
+    m, mn = torch.nn.LayerNorm(shape[-1:]), torch.nn.LayerNorm(shape[-1:]).to("neuron")
+    x = torch.randn(shape, requires_grad=True)
+    xn = to_n(x.detach()).requires_grad_()
+    m(x).sum().backward()
+    mn(xn).sum().backward()
+    assert xn.grad.shape == x.grad.shape and xn.grad.is_neuron
+    for a, b in ((mn.weight.grad, m.weight.grad), (mn.bias.grad, m.bias.grad)):
+        torch.testing.assert_close(a.cpu(), b)
+
+
 def test_layer_norm_bad_shape_matches_cpu():
     with pytest.raises(RuntimeError) as cpu:
         F.layer_norm(A, (8,))

@@ -155,7 +155,12 @@ def native_layer_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, norm
                                bias: torch.Tensor | None, output_mask: Sequence[bool]):
     """(grad_input, grad_weight, grad_bias) of layer norm, from the forward's saved mean and 1/std."""
     N, D = _norm_shape(input, normalized_shape)
-    if input.dtype not in FLOATS or N == 0 or D == 0 or grad_out.dtype != input.dtype or \
+    if (N == 0 or D == 0) and input.dtype in FLOATS and all(t.device == input.device for t in (grad_out, mean, rstd)):
+        # no rows (or no features): an empty input gradient, zero parameter gradients, as on the CPU
+        zeros = [torch.zeros(normalized_shape, dtype=p.dtype, device=p.device) if p is not None and m else None
+                 for p, m in ((weight, output_mask[1]), (bias, output_mask[2]))]
+        return (torch.zeros_like(input) if output_mask[0] else None), *zeros
+    if input.dtype not in FLOATS or grad_out.dtype != input.dtype or \
             (weight is not None and weight.dtype != input.dtype) or mean.numel() != N or rstd.numel() != N or \
             any(t.device != input.device for t in (grad_out, mean, rstd)):
         return cpu_fallback(aten.native_layer_norm_backward.default, grad_out, input, normalized_shape, mean, rstd,
