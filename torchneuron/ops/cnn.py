@@ -416,6 +416,8 @@ def _max_pool(n: int, self: torch.Tensor, kernel_size, stride, padding, dilation
 
 def _max_pool_forward(n: int, self, kernel_size, stride, padding, dilation, ceil_mode):
     """``max_pool{n}d_with_indices``: the CPU's errors, empty inputs, the device or the fallback."""
+    if self.dim() not in (n + 1, n + 2):      # (the meta kernel raises IndexError for too few dims)
+        raise RuntimeError(f"non-empty {n + 1}D or {n + 2}D (batch mode) tensor expected for input")
     shape = _meta_run(_MAX_POOL[n][0].default, self, kernel_size, stride, padding, dilation,
                       ceil_mode)[0].shape                         # the CPU's errors for bad arguments
     if self.numel() == 0 and _on(self.device, self):

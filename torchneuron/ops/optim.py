@@ -1,5 +1,7 @@
 """Fused optimizer steps on the device: ``_fused_adamw_`` and ``_fused_adam_`` (``torch.optim.AdamW(...,
-fused=True)`` / ``Adam(..., fused=True)``), one ``kernels.optim.adam_step`` launch per parameter.
+fused=True)`` / ``Adam(..., fused=True)``), one ``kernels.optim.adam_step`` launch per parameter;
+``_fused_sgd_`` and ``_fused_adagrad_`` (``SGD``/``Adagrad(..., fused=True)``) as the CPU kernels' formulas
+in a few multi-tensor ``_foreach_*`` launches.
 
 The step count lives in a device tensor (``state_steps``, incremented by the optimizer before the
 call); it is read on the host to form the bias corrections, which reach the kernel with the other
@@ -56,3 +58,65 @@ def _step(decoupled: bool, op: torch._ops.OpOverload):
 
 lowering("_fused_adamw_")(_step(True, aten._fused_adamw_.default))
 lowering("_fused_adam_")(_step(False, aten._fused_adam_.default))
+
+
+def _plain(grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None, tensors) -> bool:
+    """No gradient scaling and every tensor on one device, contiguous, fp32/bf16: the device path."""
+    return grad_scale is None and found_inf is None and _runs_on_device(tensors)
+
+
+def _grads(grads: list, params: list, maximize: bool, weight_decay: float) -> list:
+    """The CPU kernels' effective gradient: negated for maximize, plus weight_decay * param."""
+    g = torch._foreach_neg(grads) if maximize else list(grads)
+    return torch._foreach_add(g, params, alpha=weight_decay) if weight_decay != 0 else g
+
+
+def _sgd(op: torch._ops.OpOverload):
+    def kernel(self: list, grads: list, momentum_buffer_list: list, *, weight_decay: float, momentum: float, lr,
+               dampening: float, nesterov: bool, maximize: bool, is_first_step: bool,
+               grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
+        if not self:
+            return
+        if not _plain(grad_scale, found_inf, [self, grads, *([momentum_buffer_list] if momentum else [])]):
+            return cpu_fallback(op, self, grads, momentum_buffer_list, weight_decay=weight_decay, momentum=momentum,
+                                lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize,
+                                is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf)
+        lr = float(lr.item()) if isinstance(lr, torch.Tensor) else lr
+        g = _grads(grads, self, maximize, weight_decay)
+        if momentum != 0:
+            if is_first_step:                    # the buffer starts as the gradient
+                for buf, x in zip(momentum_buffer_list, g):
+                    buf.copy_(x)
+            else:                                # buf = momentum * buf + (1 - dampening) * g
+                torch._foreach_mul_(momentum_buffer_list, momentum)
+                torch._foreach_add_(momentum_buffer_list, g, alpha=1 - dampening)
+            g = torch._foreach_add(g, momentum_buffer_list, alpha=momentum) if nesterov else momentum_buffer_list
+        torch._foreach_add_(self, g, alpha=-lr)
+    return kernel
+
+
+def _adagrad(op: torch._ops.OpOverload):
+    def kernel(self: list, grads: list, state_sums: list, state_steps: list, *, lr, lr_decay: float,
+               weight_decay: float, eps: float, maximize: bool, grad_scale: torch.Tensor | None = None,
+               found_inf: torch.Tensor | None = None) -> None:
+        if not self:
+            return
+        if not _plain(grad_scale, found_inf, [self, grads, state_sums]):
+            return cpu_fallback(op, self, grads, state_sums, state_steps, lr=lr, lr_decay=lr_decay,
+                                weight_decay=weight_decay, eps=eps, maximize=maximize, grad_scale=grad_scale,
+                                found_inf=found_inf)
+        lr = float(lr.item()) if isinstance(lr, torch.Tensor) else lr
+        g = _grads(grads, self, maximize, weight_decay)
+        # clr = lr / (1 + (step - 1) * lr_decay) per parameter (its step count is read on the host)
+        clrs = [lr / (1 + (float(s.item()) - 1) * lr_decay) for s in state_steps]
+        torch._foreach_addcmul_(state_sums, g, g)
+        std = torch._foreach_sqrt(state_sums)
+        torch._foreach_add_(std, eps)
+        torch._foreach_addcdiv_(self, g, std, [-c for c in clrs])
+    return kernel
+
+
+for _name, _make in (("_fused_sgd_", _sgd), ("_fused_adagrad_", _adagrad)):
+    for _overload in ("default", "tensor_lr"):
+        lowering(_name if _overload == "default" else f"{_name}.{_overload}")(
+            _make(getattr(getattr(aten, _name), _overload)))
