@@ -34,7 +34,6 @@ TOL = {"atol": 1e-4, "rtol": 1e-4, "equal_nan": True}
 
 # module name -> ATen ops it may send to the CPU fallback, and why
 KNOWN_FALLBACKS = {
-    "nn.LinearCrossEntropyLoss": {"aten::masked_select"},            # a data-dependent output size
     "nn.Transformer": {"aten::_nested_tensor_from_mask_left_aligned"},  # the fast-path check on the mask
 }
 EXPECTED_FAILURES = {

@@ -120,6 +120,9 @@ def test_masked_fill_scatter_select_nonzero(strict):
     same(to_n(x).masked_scatter(to_n(m), to_n(src)), x.masked_scatter(m, src))
     same(torch.masked_select(to_n(x), to_n(m)), torch.masked_select(x, m))
     same(torch.masked_select(to_n(x), to_n(m[1])), torch.masked_select(x, m[1]))
+    big = torch.arange(12).reshape(3, 4) * 2 ** 40 - 7             # 8-byte elements move as word pairs
+    same(torch.masked_select(to_n(big), to_n(m)), torch.masked_select(big, m))
+    same(torch.masked_select(to_n(x.double()), to_n(m[1])), torch.masked_select(x.double(), m[1]))
     for t in (x > 0, x.int(), torch.zeros(2, 3), torch.tensor(1.0), torch.randn(2, 3, 4) > 0):
         same(torch.nonzero(to_n(t)), torch.nonzero(t))
     same(to_n(x).nonzero(as_tuple=True)[1], x.nonzero(as_tuple=True)[1])

@@ -536,7 +536,7 @@ def masked_select(self: torch.Tensor, mask: torch.Tensor, *, out: torch.Tensor |
     op = aten.masked_select.out if out is not None else aten.masked_select.default
     if mask.dtype != torch.bool:
         raise RuntimeError("masked_select: expected BoolTensor for mask")
-    if not _on_device(self, mask, out) or self.dtype not in DATA_DTYPES \
+    if not _on_device(self, mask, out) or self.dtype not in MOVE_DTYPES \
             or (out is not None and out.dtype != self.dtype):
         return cpu_fallback(op, self, mask, **({"out": out} if out is not None else {}))
     from torchneuron.ops.pointwise import broadcast_shape
@@ -545,8 +545,10 @@ def masked_select(self: torch.Tensor, mask: torch.Tensor, *, out: torch.Tensor |
     if _numel(shape) >= 1 << 24:
         return cpu_fallback(op, self, mask, **({"out": out} if out is not None else {}))
     x = dense(self.expand(shape)).reshape(-1, 1)
+    if x.element_size() == 8:                # int64/float64 elements move as rows of two int32 words
+        x = x.view(torch.int32)
     res = _compact(dense(mask.expand(shape)).reshape(-1), x).reshape(-1)
-    return _into(dense(res), out)
+    return _into(dense(res.view(self.dtype)), out)
 
 
 def _numel(shape: Sequence[int]) -> int:
