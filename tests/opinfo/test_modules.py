@@ -33,9 +33,7 @@ SAMPLES = int(os.environ.get("TORCHNEURON_MODULE_SAMPLES", "24")) or None
 TOL = {"atol": 1e-4, "rtol": 1e-4, "equal_nan": True}
 
 # module name -> ATen ops it may send to the CPU fallback, and why
-KNOWN_FALLBACKS = {
-    "nn.Transformer": {"aten::_nested_tensor_from_mask_left_aligned"},  # the fast-path check on the mask
-}
+KNOWN_FALLBACKS: dict[str, set[str]] = {}
 EXPECTED_FAILURES = {
     name: "average pooling runs as band-matrix products, so a NaN (a negative input to a fractional "
           "power) spreads over its whole plane instead of staying in its window"

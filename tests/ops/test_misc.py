@@ -150,3 +150,23 @@ def test_angle_isin(strict):
             assert torch.equal(got.cpu(), torch.isin(a, b, invert=invert))
     with pytest.raises(RuntimeError, match="Unsupported input type encountered for isin"):
         torch.isin(to_n(torch.tensor([True])), to_n(torch.tensor([True])))
+
+
+@pytest.mark.parametrize("rows", [[[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]], [[1, 0, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]],
+                                  [[0, 0, 0, 0]] * 3, [[0, 1, 1, 1]] * 3])
+def test_transformer_mask_left_aligned_check(rows, strict):
+    # nn.Transformer's fast-path test of its padding mask, decided on the device like on the CPU
+    op = torch.ops.aten._nested_tensor_from_mask_left_aligned
+    t, m = torch.randn(3, 4, 2), torch.tensor(rows).bool()
+    assert op(to_n(t), to_n(m)) == op(t, m)
+
+
+def test_transformer_mask_left_aligned_errors():
+    op = torch.ops.aten._nested_tensor_from_mask_left_aligned
+    t, m = torch.randn(3, 4, 2), torch.ones(3, 4, dtype=torch.bool)
+    for args in ((t, m.float()), (t, m[0]), (t[0], m), (t, m[:2])):
+        with pytest.raises(RuntimeError) as cpu:
+            op(*args)
+        with pytest.raises(RuntimeError) as dev:
+            op(*(to_n(a) for a in args))
+        assert str(dev.value) == str(cpu.value)

@@ -440,3 +440,27 @@ def _isin_lowering(name: str) -> None:
 for _name in ("isin.Tensor_Tensor", "isin.Tensor_Tensor_out", "isin.Tensor_Scalar", "isin.Tensor_Scalar_out",
               "isin.Scalar_Tensor", "isin.Scalar_Tensor_out"):
     _isin_lowering(_name)
+
+
+@lowering("_nested_tensor_from_mask_left_aligned")
+def nested_tensor_from_mask_left_aligned(t: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether every row of a [N, L] padding mask is ones then zeros (``nn.Transformer``'s fast-path check):
+    the row's count of ones equals the index of its first zero, as the CPU kernel decides."""
+    if mask.dtype != torch.bool:
+        raise RuntimeError(f"Expected mask to be of ScalarType Bool, but got {_cpp_type(mask.dtype)} instead.")
+    if mask.dim() != 2:
+        raise RuntimeError("Padding mask should be 2D")
+    if t.dim() != 3:
+        raise RuntimeError("Input should be a 3D tensor, N * L * D")
+    if tuple(t.shape[:2]) != tuple(mask.shape):
+        raise RuntimeError("Mask size should match input size")
+    if mask.numel() == 0:
+        return True
+    ones = mask.to(torch.float32)                  # (counts exact in fp32 below 2**24)
+    first_zero = torch.cat([ones, torch.zeros_like(ones[:, :1])], 1).argmin(1).to(torch.float32)
+    return bool(torch.equal(ones.sum(1), first_zero))
+
+
+def _cpp_type(dtype: torch.dtype) -> str:
+    return {torch.float32: "Float", torch.float64: "Double", torch.int64: "Long", torch.int32: "Int",
+            torch.uint8: "Byte", torch.bfloat16: "BFloat16", torch.float16: "Half"}.get(dtype, str(dtype))
