@@ -285,3 +285,15 @@ def test_antialiased_resize_backward(mode, strict):
         y.backward(g)
         yn.backward(g.to("neuron"))
         torch.testing.assert_close(xn.grad.cpu(), x.grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fractional_max_pool_windows_in_half_precision_like_cpu(dtype, strict):
+    # the CPU computes the window starts in the input's dtype, rounding every step: the same windows here
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        x = torch.randn(2, 3, 9, 11, generator=g).to(dtype)
+        u = torch.rand(2, 3, 2, generator=g).to(dtype)
+        want = F.fractional_max_pool2d(x, 2, output_size=(4, 5), _random_samples=u, return_indices=True)
+        got = F.fractional_max_pool2d(to_n(x), 2, output_size=(4, 5), _random_samples=to_n(u), return_indices=True)
+        assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])

@@ -515,16 +515,19 @@ def _argmax_scatter(grad_output: torch.Tensor, self: torch.Tensor, indices: torc
 
 # ---- fractional max pooling ---------------------------------------------------------------------------
 
-def _fractional_positions(u: torch.Tensor, n: int, out: int, K: int) -> torch.Tensor:
+def _fractional_positions(u: torch.Tensor, n: int, out: int, K: int, dtype: torch.dtype) -> torch.Tensor:
     """fp32 [B, out, K]: the input positions of each window along one dim, from the planes' samples ``u [B]``
-    as the CPU's ``generate_intervals`` computes them in fp32: ``int((i + u) * alpha) - int(u * alpha)`` with
-    ``alpha = (n - K) / (out - 1)``, the last window ending at the input's end."""
+    as the CPU's ``generate_intervals`` computes them in the input's dtype (each step rounded to it for
+    bf16/fp16): ``int((i + u) * alpha) - int(u * alpha)`` with ``alpha = (n - K) / (out - 1)``, the last
+    window ending at the input's end."""
     B = u.shape[0]
     last = torch.full((B, 1), float(n - K), dtype=torch.float32, device=u.device)
     if out > 1:
-        alpha = float(np.float32(n - K) / np.float32(out - 1))
+        def rnd(t: torch.Tensor) -> torch.Tensor:
+            return t if dtype == torch.float32 else t.to(dtype).to(torch.float32)
+        alpha = float(torch.tensor(n - K, dtype=dtype) / torch.tensor(out - 1, dtype=dtype))
         i = _dev(u.device, _positions, out - 1) - 1.0                          # 0 .. out - 2
-        starts = torch.trunc((i.view(1, -1) + u.view(B, 1)) * alpha) - torch.trunc(u * alpha).view(B, 1)
+        starts = torch.trunc(rnd(rnd(i.view(1, -1) + u.view(B, 1)) * alpha)) - torch.trunc(rnd(u * alpha)).view(B, 1)
         starts = torch.cat([starts, last], dim=1)
     else:
         starts = last
@@ -558,7 +561,7 @@ def _fractional_max_pool(k: int) -> Callable[..., tuple[torch.Tensor, torch.Tens
         order = [1, 0] if k == 2 else [0, 1, 2]
         flat = None
         for d in range(k):
-            pos = _fractional_positions(dense(u[:, order[d]]), sizes[d], outs[d], Ks[d])
+            pos = _fractional_positions(dense(u[:, order[d]]), sizes[d], outs[d], Ks[d], self.dtype)
             shape = [B] + [1] * (2 * k)
             shape[1 + d], shape[1 + k + d] = outs[d], Ks[d]
             pos = pos.view(shape)
