@@ -369,3 +369,19 @@ def test_narrow_int_division_and_shifts(strict, dtype):
         _same(f(to_n(x), to_n(y)), f(x, y))
     for f in (torch.bitwise_left_shift, torch.bitwise_right_shift, lambda a, b: a << 3, lambda a, b: a >> b):
         _same(f(to_n(x), to_n(counts)), f(x, counts))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_with_int64_tensors_keeps_the_half_dtype(dtype, strict):
+    # bf16 / int64 is bf16 in PyTorch (the int64 operand is cast to the common dtype, as the CPU does)
+    x = torch.randn(4, 3).to(dtype)
+    counts = torch.tensor([[1, 2, 3]] * 4)
+    for fn in (torch.div, torch.mul, torch.add, torch.sub, torch.maximum, torch.lt):
+        for a, b in ((x, counts), (counts, x)):
+            want = fn(a, b)
+            got = fn(to_n(a), to_n(b))
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got.cpu(), want)
+    y = x.clone()
+    y[0, 1] = float("nan")
+    torch.testing.assert_close(torch.nanmean(to_n(y), 1).cpu(), torch.nanmean(y, 1))

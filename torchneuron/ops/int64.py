@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
+from torch._prims_common import elementwise_dtypes
 
 from torchneuron.kernels.int64_ops import int64_bitwise, int64_compare, int64_minmax, int64_unary, int64_where
 from torchneuron.kernels.int64_ops import int64_divmod, int64_extreme, int64_mul, int64_shift, int_sum as _sum_kernel
@@ -132,8 +133,11 @@ def _run(op: Callable, kind: KIND, operands: list, target: torch.Tensor | None, 
     if compute != torch.int64 and not widened:
         if compute not in FLOATS:
             return None
-        # the CPU computes in the promoted dtype too: cast the int64 operands on the device, run the usual path
-        cast = [o.to(compute) if isinstance(o, torch.Tensor) and o.dtype == torch.int64 else o for o in args]
+        # the CPU casts the int64 operands to the operands' common dtype (bf16 with a bf16 tensor, not the
+        # fp32 it computes in), then runs the usual path
+        common = elementwise_dtypes(*operands, type_promotion_kind=KIND.NO_OPMATH)[0]
+        to = common if common.is_floating_point else compute
+        cast = [o.to(to) if isinstance(o, torch.Tensor) and o.dtype == torch.int64 else o for o in args]
         _checked_target(target, inplace, shape, result, tensors)
         return _write(op(*cast), target)
     _checked_target(target, inplace, shape, result, tensors)
