@@ -306,6 +306,26 @@ def test_failed_module_to_leaves_lazy_parameters_in_place():
     assert m.weight is w and w.device.type == "cpu"
 
 
+@pytest.mark.parametrize("value", [
+    torch.tensor([1.5, 1e-8, 1e5]), torch.tensor([[1, 2], [3, 4]]), torch.tensor([True, False]),
+    torch.tensor([0.25, -2.0]).bfloat16(), torch.tensor(2.5), torch.empty(0, 3), torch.arange(3000.0),
+    torch.tensor([float("nan"), float("inf"), 1.0])])
+def test_printing_formats_the_values_like_the_cpu_without_fallbacks(value):
+    """The formatter's float64 inspection runs on a host copy: same text, no fallback even in strict mode."""
+    torchneuron.reset_fallback_counts()
+    before = torchneuron.is_strict()
+    torchneuron.set_strict(True)
+    try:
+        text = repr(value.to("neuron"))
+    finally:
+        torchneuron.set_strict(before)
+    assert "device='neuron:0'" in text
+    def bare(t: str) -> str:          # the text without the device suffix, layout whitespace and commas
+        return "".join(t.replace("device='neuron:0'", "").replace(",", " ").split())
+    assert bare(text) == bare(repr(value))
+    assert not torchneuron.fallback_counts()
+
+
 # ---- errors leave no trace -------------------------------------------------------------
 
 def test_out_of_range_device_index_raises(no_gc):
