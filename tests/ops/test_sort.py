@@ -223,3 +223,37 @@ def test_search_count_unique_errors_match_cpu(strict):
             fn(arg)
         with pytest.raises(c.type):
             fn(to_n(arg))
+
+
+INT64_EDGES = torch.tensor([0, -1, 1, 2 ** 31, -2 ** 31, 2 ** 31 - 1, -2 ** 31 - 1, 2 ** 32, 2 ** 32 + 5, -2 ** 40,
+                            2 ** 62, -2 ** 63, 2 ** 63 - 1, 5, 5, -7])
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_int64_sort_topk_argsort_beyond_32_bits(descending, strict):
+    # two stable int32 passes (low word, then high word): exact order, equal values in input order
+    g = torch.Generator().manual_seed(0)
+    cases = [INT64_EDGES, INT64_EDGES[torch.randperm(16, generator=g)],
+             torch.randint(-2 ** 40, 2 ** 40, (3, 300), generator=g), torch.randint(-3, 3, (4, 40), generator=g)]
+    for x in cases:
+        for d in range(x.dim()):
+            want = torch.sort(x, dim=d, descending=descending, stable=True)
+            got = torch.sort(to_n(x), dim=d, descending=descending, stable=True)
+            assert torch.equal(got.values.cpu(), want.values) and torch.equal(got.indices.cpu(), want.indices)
+    t = cases[2]
+    assert torch.equal(to_n(t).topk(5, largest=not descending).values.cpu(), t.topk(5, largest=not descending).values)
+    assert torch.equal(to_n(t).argsort(dim=0, descending=descending, stable=True).cpu(),
+                       t.argsort(dim=0, descending=descending, stable=True))
+
+
+def test_int64_unique(strict):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(-2 ** 40, 2 ** 40, (50,), generator=g)
+    x[::3] = 7
+    x[1], x[2] = 2 ** 32 + 7, 7 - 2 ** 32                   # same low word as 7, different values
+    for t in (x, x.reshape(5, 10), torch.tensor([3]), torch.tensor([2, 2, 2])):
+        for kw in ({}, {"return_inverse": True, "return_counts": True}):
+            want, got = torch.unique(t, **kw), torch.unique(to_n(t), **kw)
+            want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+            for a, b in zip(got, want):
+                assert torch.equal(a.cpu(), b)

@@ -287,7 +287,7 @@ def unique2(self: torch.Tensor, sorted: bool = True, return_inverse: bool = Fals
             return_counts: bool = False):
     """``torch.unique`` (no dim; sorted, as the CPU always is): a stable sort, run starts, compaction."""
     try:
-        if not _on_device(self) or self.dtype not in DATA_DTYPES:
+        if not _on_device(self) or self.dtype not in DATA_DTYPES | {torch.int64}:
             raise Unsupported
         N = self.numel()
         none = _nothing(self.device)
@@ -295,7 +295,11 @@ def unique2(self: torch.Tensor, sorted: bool = True, return_inverse: bool = Fals
             inverse = torch.empty(self.shape, dtype=torch.int64, device=self.device) if return_inverse else none
             return self.reshape(0).clone(), inverse, none.clone()
         values, order = _sort(self.reshape(N), 0, False)
-        first, run, counts = _runs(values.reshape(N, 1), _starts(values.reshape(N, 1)))
+        rows = values.reshape(N, 1)
+        if rows.dtype == torch.int64:            # compared and compacted as rows of two int32 words
+            rows = rows.view(torch.int32)
+        first, run, counts = _runs(rows, _starts(rows))
+        first = first.view(self.dtype)
         inverse = none
         if return_inverse:     # each element's run number, scattered back to its input position
             inv = torch.empty((N, 1), dtype=torch.int32, device=self.device)

@@ -212,7 +212,9 @@ def _bitonic_launches(key: torch.Tensor, tie: torch.Tensor | None, descending: b
 
 def _sort(self: torch.Tensor, dim: int, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, int64 indices) of a stable sort along ``dim``: the rank sort for short lines, the bitonic
-    network for longer ones (up to ``MAX_COLS``); Unsupported beyond."""
+    network for longer ones (up to ``MAX_COLS``); Unsupported beyond. int64: ``_sort_int64``."""
+    if self.dtype == torch.int64:
+        return _sort_int64(self, dim, descending)
     if self.dtype not in DATA_DTYPES:
         raise Unsupported
     d = canonicalize_dim(max(self.dim(), 1), dim)
@@ -230,6 +232,20 @@ def _sort(self: torch.Tensor, dim: int, descending: bool) -> tuple[torch.Tensor,
         raise Unsupported
     back = [dense(t.reshape(moved.shape).movedim(-1, d)).reshape(self.shape) for t in (values, indices)]
     return back[0], to_int64(back[1])
+
+
+def _sort_int64(self: torch.Tensor, dim: int, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stable int64 sort as two stable int32 passes, least significant word first (an LSD radix sort):
+    by the low word with its sign bit flipped (unsigned order as signed int32), then by the high word;
+    equal values keep their input order through both passes."""
+    d = canonicalize_dim(max(self.dim(), 1), dim)
+    x = dense(self.reshape(1) if self.dim() == 0 else self)
+    words = x.view(torch.int32).view(*x.shape, 2)                 # little-endian (low, high) pairs
+    low = torch.bitwise_xor(words[..., 0], torch.iinfo(torch.int32).min)
+    _, first = _sort(low, d, descending)
+    _, second = _sort(torch.gather(words[..., 1], d, first), d, descending)
+    order = torch.gather(first, d, second)
+    return torch.gather(x, d, order).reshape(self.shape), order.reshape(self.shape)
 
 
 @lowering("sort.stable", "sort.values_stable")

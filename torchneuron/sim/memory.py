@@ -128,7 +128,8 @@ class Memory:
             t = _C._alias_as_cpu(t)
         if not t.is_contiguous():
             raise SimulatorError(f"hbm:{name}: a bound tensor must be contiguous (got strides {t.stride()})")
-        flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        # (as_strided: a contiguous tensor's size-1 dims may carry any stride, which view() refuses)
+        flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
         # nan_fill only affects allocation, which HBM buffers never do: skip the environment lookup
         return cls(f"hbm:{name}", 1, flat.numel(), align=1, nan_fill=False, data=flat.unsqueeze(0))
 
