@@ -256,3 +256,47 @@ def test_training_step_under_autocast_matches_cpu_autocast(dtype):
     for p, pn in zip(model.parameters(), model_n.parameters()):
         assert pn.dtype == torch.float32 and pn.grad.dtype == torch.float32   # master weights stay fp32
         torch.testing.assert_close(pn.grad.cpu(), p.grad, atol=2e-2, rtol=5e-2)
+
+
+def _scaled_training(device: str) -> tuple[list[float], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 16, growth_interval=2)
+    torch.manual_seed(1)
+    scales = []
+    for k in range(6):
+        x = torch.randn(4, 8)
+        if k == 3:
+            x[0, 0] = float("inf")            # an overflowing step: skipped, the scale backs off
+        scaler.scale(model(x.to(device)).pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales, [p.detach().cpu() for p in model.parameters()]
+
+
+def test_grad_scaler_steps_like_cpu():
+    # unscaling and the scale update run on the device; only GradScaler's float64 reciprocal of the
+    # scale (one element) takes the fallback: the device has no float64 arithmetic
+    torchneuron.reset_fallback_counts()
+    (want_scales, want), (got_scales, got) = _scaled_training("cpu"), _scaled_training("neuron")
+    assert got_scales == want_scales
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert set(torchneuron.fallback_counts()) <= {"aten::reciprocal"}
+
+
+def test_non_finite_check_flags_inf_and_nan_but_not_large_values():
+    inv = torch.tensor(0.5, device="neuron")
+    for values, flagged in (([3e30, -1e38], 0.0), ([1.0, float("inf")], 1.0), ([float("nan"), 2.0], 1.0)):
+        grads = [torch.tensor(values, device="neuron"), torch.ones(3, device="neuron")]
+        found = torch.zeros((), device="neuron")
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        ref = [torch.tensor(values), torch.ones(3)]
+        ref_found = torch.zeros(())
+        torch._amp_foreach_non_finite_check_and_unscale_(ref, ref_found, torch.tensor(0.5))
+        assert float(found) == float(ref_found) == flagged
+        for a, b in zip(grads, ref):
+            torch.testing.assert_close(a.cpu(), b, equal_nan=True)

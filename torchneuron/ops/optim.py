@@ -120,3 +120,46 @@ for _name, _make in (("_fused_sgd_", _sgd), ("_fused_adagrad_", _adagrad)):
     for _overload in ("default", "tensor_lr"):
         lowering(_name if _overload == "default" else f"{_name}.{_overload}")(
             _make(getattr(getattr(aten, _name), _overload)))
+
+
+# ---- gradient scaling (torch.amp.GradScaler) -----------------------------------------------------------
+
+@lowering("_amp_foreach_non_finite_check_and_unscale_")
+def amp_non_finite_check_and_unscale_(self: list, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """``grads *= inv_scale``; ``found_inf = 1`` if any gradient held an inf or NaN (found before the scaling,
+    as the CPU kernel checks): ``0 * g`` is 0 for finite values and NaN otherwise, so one multi-tensor
+    2-norm of ``0 * g`` per list flags them without overflowing on large finite gradients."""
+    op = aten._amp_foreach_non_finite_check_and_unscale_.default
+    if not self:
+        return
+    if not _runs_on_device([self]) or found_inf.device != self[0].device or inv_scale.device != self[0].device \
+            or found_inf.dtype != torch.float32 or inv_scale.dtype != torch.float32 or found_inf.numel() != 1 \
+            or inv_scale.numel() != 1:
+        return cpu_fallback(op, self, found_inf, inv_scale)
+    flags = torch._foreach_norm(torch._foreach_mul(self, 0.0))
+    bad = torch.stack(flags).sum().isnan().to(torch.float32)
+    found_inf.copy_(torch.maximum(found_inf, bad.reshape(found_inf.shape)))
+    torch._foreach_mul_(self, inv_scale)
+
+
+@lowering("_amp_update_scale_")
+def amp_update_scale_(self: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor,
+                      scale_growth_factor: float, scale_backoff_factor: float, growth_interval: int) -> torch.Tensor:
+    """The CPU kernel's rule on the host-read flags: back off and reset the tracker after an inf, else count
+    the step and grow the scale (when the grown scale is finite) every ``growth_interval`` clean steps."""
+    op = aten._amp_update_scale_.default
+    if self.dtype != torch.float32 or growth_tracker.dtype != torch.int32 or found_inf.dtype != torch.float32 \
+            or self.numel() != 1 or growth_tracker.numel() != 1 or found_inf.numel() != 1:
+        return cpu_fallback(op, self, growth_tracker, found_inf, scale_growth_factor, scale_backoff_factor,
+                            growth_interval)
+    scale = torch.tensor(float(self.item()), dtype=torch.float32)       # fp32 products, as on the CPU
+    if float(found_inf.item()):
+        scale, tracker = scale * scale_backoff_factor, 0
+    else:
+        tracker = int(growth_tracker.item()) + 1
+        if tracker == growth_interval:
+            grown = scale * scale_growth_factor
+            scale, tracker = (grown if bool(torch.isfinite(grown)) else scale), 0
+    self.fill_(float(scale))
+    growth_tracker.fill_(tracker)
+    return self
