@@ -28,10 +28,11 @@ def _register() -> None:
     torch._register_device_module("neuron", device_module)
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=False, for_packed_sequence=True, for_storage=True)
-    from torchneuron import _module_conversion, _printing
+    from torchneuron import _encoder_fast_path, _module_conversion, _printing
 
     _module_conversion.install()
     _printing.install()
+    _encoder_fast_path.install()
     from torchneuron import ops  # noqa: F401  (the eager ATen kernels register on import)
 
 

@@ -75,3 +75,20 @@ def test_masked_softmax_errors_match_cpu():
         with pytest.raises(RuntimeError) as dev:
             torch._masked_softmax(to_n(x), to_n(mask), 3, mask_type)
         assert str(dev.value) == str(cpu.value)
+
+
+@pytest.mark.parametrize("final_norm", [False, True])
+def test_encoder_with_padding_mask_computes_the_nested_path_dense(final_norm, strict):
+    # PyTorch packs the batch into a nested tensor here (padded outputs come back as zeros); the device
+    # has none, so the same result is computed dense
+    x, pad, _ = _inputs()
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+    enc = torch.nn.TransformerEncoder(layer, 2, norm=torch.nn.LayerNorm(32) if final_norm else None,
+                                      enable_nested_tensor=True).eval()
+    dev = copy.deepcopy(enc).to("neuron")
+    with torch.no_grad():
+        want = enc(x, src_key_padding_mask=pad)
+        torch.testing.assert_close(dev(to_n(x), src_key_padding_mask=to_n(pad)).cpu(), want, **TOL)
+    assert dev.use_nested_tensor and (dev.norm is not None) == final_norm      # the module is left as it was
+    torch.testing.assert_close(dev(to_n(x), src_key_padding_mask=to_n(pad)).detach().cpu(),
+                               enc(x, src_key_padding_mask=pad).detach(), **TOL)   # (autograd on: no fast path)
