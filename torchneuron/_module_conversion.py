@@ -129,4 +129,3 @@ def install() -> None:
                                    if device is not None else None)
     nn.Module.to._torchneuron = True
     nn.Module.neuron = _neuron
-

@@ -8,7 +8,8 @@ per mode, ``TORCHNEURON_MODULE_SAMPLES=0`` runs them all):
 2. the forward runs on both with the same inputs (moved by the OpInfo harness, views kept) and
    every output tensor is compared;
 3. the same random gradient is back-propagated through the floating outputs on both, and the
-   gradients of the inputs and of every parameter are compared;
+   gradients of the inputs and of every parameter are compared; in eval mode the forward also runs
+   under ``torch.no_grad()`` (the fused inference fast paths) and is compared;
 4. CPU fallbacks are counted: a module may only use the ones listed in KNOWN_FALLBACKS.
 
 Each module's error inputs (``module_error_inputs_func``) that fail in the forward must raise the
@@ -92,6 +93,31 @@ def _check_input(info, module_input, training: bool) -> None:
             torch.testing.assert_close(b.grad.cpu(), a.grad, **TOL, msg=lambda m: f"grad of {name}: {m}")
 
 
+def _check_inference(info, module_input) -> None:
+    """Eval mode without autograd (the modules' fused inference fast paths): outputs match the CPU."""
+    ctor, fwd = module_input.constructor_input, module_input.forward_input
+    torch.manual_seed(0)
+    cpu = info.module_cls(*ctor.args, **ctor.kwargs).to(torch.float32).eval()
+    with torch.no_grad():
+        args_cpu, kwargs_cpu = _detached((fwd.args, fwd.kwargs))
+        if info.is_lazy:
+            cpu(*args_cpu, **kwargs_cpu)
+        dev = copy.deepcopy(cpu).to("neuron")
+        args, kwargs = to_neuron((args_cpu, kwargs_cpu))
+        for a, b in zip(_tensors(cpu(*args_cpu, **kwargs_cpu)), _tensors(dev(*args, **kwargs))):
+            torch.testing.assert_close(b.cpu(), a, **TOL)
+
+
+def _detached(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_detached(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _detached(v) for k, v in obj.items()}
+    return obj
+
+
 def _marks(name: str) -> list:
     reason = EXPECTED_FAILURES.get(name)
     return [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
@@ -107,6 +133,8 @@ def test_module_matches_cpu(name):
         inputs = [i for i in inputs if i.forward_input is not None][:SAMPLES]
         for module_input in inputs:
             _check_input(info, module_input, training)
+            if not training:
+                _check_inference(info, module_input)
     used = set(torchneuron.fallback_counts())
     assert used <= KNOWN_FALLBACKS.get(name, set()), f"{name} took the CPU fallback for {sorted(used)}"
 
