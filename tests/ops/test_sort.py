@@ -257,3 +257,14 @@ def test_int64_unique(strict):
             want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
             for a, b in zip(got, want):
                 assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.parametrize("shape,k,dim", [((50257,), 10, 0), ((2, 20000), 50, 1), ((20000, 3), 5, 0)])
+def test_topk_of_lines_longer_than_one_sort(shape, k, dim, strict):
+    # (a vocabulary of logits): the leading k of each block of the line, then of those candidates
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g)
+    x.view(-1)[::7] = 0.5                                   # ties across blocks: index order kept
+    for largest in (True, False):
+        want, got = x.topk(k, dim, largest), to_n(x).topk(k, dim, largest)
+        assert torch.equal(got.values.cpu(), want.values) and torch.equal(got.indices.cpu(), want.indices)

@@ -286,14 +286,28 @@ def topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted
         overload(_meta(self), k, dim, largest, sorted, **{a: _meta(b) for a, b in kw.items()})
         check_out(values, self)
         check_out(indices, self)
-        v, i = _sort(self, dim, largest)
-        if self.dim():
-            v, i = dense(v.narrow(d, 0, k)), dense(i.narrow(d, 0, k))
+        v, i = _leading(self, k, d, largest) if self.dim() else _sort(self, dim, largest)
         if outs:
             return _into(v, values), _into(i, indices)
         return v, i
     except Unsupported:
         return cpu_fallback(overload, self, k, dim, largest, sorted, **kw)
+
+
+def _leading(x: torch.Tensor, k: int, d: int, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, int64 indices) of the first ``k`` of a stable sort along ``d``. A line longer than one sort
+    (``MAX_COLS``) keeps the leading k of each block of it, then sorts those candidates: they stay in block
+    order, so equal values still come out in index order."""
+    n = x.shape[d]
+    if n <= MAX_COLS or 2 * k > MAX_COLS:
+        v, i = _sort(x, d, descending)
+        return dense(v.narrow(d, 0, k)), dense(i.narrow(d, 0, k))
+    parts = [_leading(x.narrow(d, s, min(MAX_COLS, n - s)), min(k, n - s), d, descending)
+             for s in range(0, n, MAX_COLS)]
+    values = torch.cat([v for v, _ in parts], d)
+    indices = torch.cat([i + s for (_, i), s in zip(parts, range(0, n, MAX_COLS))], d)
+    v, j = _leading(values, k, d, descending)
+    return v, torch.gather(indices, d, j)
 
 
 @lowering("kthvalue.values")
