@@ -1,4 +1,6 @@
 """Reductions, matrix products, softmax and layer norm run on the device (strict mode) and match the CPU."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -202,3 +204,20 @@ def test_addmm_bias_row_fused_or_separate(bias_shape, beta, alpha, strict):
     torch.testing.assert_close(got.cpu(), torch.addmm(c, a, b, beta=beta, alpha=alpha), atol=1e-5, rtol=1e-5)
     fused = len(bias_shape) == 1 or bias_shape[0] == 1
     assert len(recs) == (1 if fused and beta == 1 and alpha == 1 else 2)
+
+
+@pytest.mark.parametrize("dim,conv", [(0, False), (-1, False), (0, True), (3, True)])
+def test_weight_norm_parametrization(dim, conv, strict):
+    # nn.utils.parametrizations.weight_norm: the fused _weight_norm_interface and its backward
+    torch.manual_seed(0)
+    layer = torch.nn.Conv2d(2, 5, 3) if conv else torch.nn.Linear(3, 4)
+    m = torch.nn.utils.parametrizations.weight_norm(layer, dim=dim)
+    mn = copy.deepcopy(m).to("neuron")
+    x = torch.randn(2, 2, 5, 5) if conv else torch.randn(2, 3)
+    a, b = m(x), mn(to_n(x))
+    torch.testing.assert_close(b.detach().cpu(), a.detach(), atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(a)
+    a.backward(g)
+    b.backward(to_n(g))
+    for (name, p), q in zip(m.named_parameters(), mn.parameters()):
+        torch.testing.assert_close(q.grad.cpu(), p.grad, atol=1e-5, rtol=1e-5, msg=lambda s: f"{name}: {s}")

@@ -496,3 +496,37 @@ def multi_margin_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, ta
     grad = torch.where(mask, -h.sum(1, keepdim=True), h).to(self.dtype)
     grad = _scale_by_grad(grad, grad_output, reduction, N).reshape(self.shape)
     return write_result(grad, grad_input)
+
+
+# ---- weight normalization (nn.utils.parametrizations.weight_norm) -------------------------------------
+
+def _weight_norm_dims(v: torch.Tensor, dim: int) -> list[int] | None:
+    """The dims a weight norm reduces (all but ``dim``), for the fused op's dims (first or last), else None."""
+    d = dim + v.dim() if dim < 0 else dim
+    if v.dtype != torch.float32 or v.dim() == 0 or d not in (0, v.dim() - 1):
+        return None
+    return [i for i in range(v.dim()) if i != d]
+
+
+@lowering("_weight_norm_interface")
+def weight_norm_interface(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w = v * (g / ||v||), the norms ||v|| over every dim but ``dim``, kept as size-1 dims)."""
+    dims = _weight_norm_dims(v, dim)
+    if dims is None or g.device != v.device or g.dtype != v.dtype:
+        return cpu_fallback(aten._weight_norm_interface.default, v, g, dim)
+    norms = torch.linalg.vector_norm(v, 2, dims, keepdim=True)
+    return v * (g.reshape(norms.shape) / norms), norms
+
+
+@lowering("_weight_norm_interface_backward")
+def weight_norm_interface_backward(grad_w: torch.Tensor, saved_v: torch.Tensor, saved_g: torch.Tensor,
+                                   saved_norms: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU kernel's gradients: grad_g = sum(grad_w * v) / norm, grad_v = (g / norm) (grad_w - v grad_g / norm)."""
+    dims = _weight_norm_dims(saved_v, dim)
+    if dims is None or any(t.device != saved_v.device or t.dtype != saved_v.dtype
+                           for t in (grad_w, saved_g, saved_norms)):
+        return cpu_fallback(aten._weight_norm_interface_backward.default, grad_w, saved_v, saved_g, saved_norms, dim)
+    norms = saved_norms.reshape([1 if i in dims else n for i, n in enumerate(saved_v.shape)])
+    grad_g = (grad_w * saved_v).sum(dims, keepdim=True) / norms
+    grad_v = (saved_g.reshape(norms.shape) / norms) * (grad_w - saved_v * (grad_g / norms))
+    return grad_v, grad_g.reshape(saved_g.shape)
