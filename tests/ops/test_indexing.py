@@ -1,4 +1,6 @@
 """Indexing, shape and factory ops run on the device (strict mode) and match the CPU."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -216,3 +218,25 @@ def test_cat_of_many_inputs_is_one_launch(strict):
     views = [to_n(base)[:, ::2], to_n(torch.randn(0, 3)), to_n(base).t()[:3, :4].t()[:, :3]]
     want = torch.cat([base[:, ::2], torch.randn(0, 3), base.t()[:3, :4].t()[:, :3]], 0)
     assert torch.equal(torch.cat(views, 0).cpu(), want)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("padding_idx", [None, 4])
+@pytest.mark.parametrize("include_last_offset", [False, True])
+def test_embedding_bag_training(mode, padding_idx, include_last_offset, strict):
+    # autograd's _embedding_bag, its dense backward and (sum mode) the per-sample-weights gradient
+    torch.manual_seed(0)
+    m = torch.nn.EmbeddingBag(10, 3, mode=mode, padding_idx=padding_idx, include_last_offset=include_last_offset)
+    mn = copy.deepcopy(m).to("neuron")
+    idx = torch.tensor([1, 2, 4, 5, 4, 9])
+    off = torch.tensor([0, 2, 2, 6]) if include_last_offset else torch.tensor([0, 2, 2])   # an empty bag
+    w = torch.rand(6, requires_grad=True) if mode == "sum" else None
+    wn = to_n(w.detach()).requires_grad_() if w is not None else None
+    a, b = m(idx, off, per_sample_weights=w), mn(to_n(idx), to_n(off), per_sample_weights=wn)
+    torch.testing.assert_close(b.detach().cpu(), a.detach())
+    g = torch.randn_like(a)
+    a.backward(g)
+    b.backward(to_n(g))
+    torch.testing.assert_close(mn.weight.grad.cpu(), m.weight.grad)
+    if w is not None:
+        torch.testing.assert_close(wn.grad.cpu(), w.grad)

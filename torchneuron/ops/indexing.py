@@ -290,11 +290,20 @@ def embedding_renorm_(self: torch.Tensor, indices: torch.Tensor, max_norm: float
     return self
 
 
-@lowering("_embedding_bag_forward_only")
+def _embedding_bag_kernel(op: torch._ops.OpOverload):
+    def kernel(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, scale_grad_by_freq: bool = False,
+               mode: int = 0, sparse: bool = False, per_sample_weights: torch.Tensor | None = None,
+               include_last_offset: bool = False, padding_idx: int = -1):
+        """``_embedding_bag`` (autograd's forward; its outputs are the same) and ``_embedding_bag_forward_only``."""
+        return embedding_bag_forward_only(weight, indices, offsets, scale_grad_by_freq, mode, sparse,
+                                          per_sample_weights, include_last_offset, padding_idx, op=op)
+    return kernel
+
+
 def embedding_bag_forward_only(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
                                scale_grad_by_freq: bool = False, mode: int = 0, sparse: bool = False,
                                per_sample_weights: torch.Tensor | None = None, include_last_offset: bool = False,
-                               padding_idx: int = -1):
+                               padding_idx: int = -1, op: torch._ops.OpOverload = aten._embedding_bag_forward_only.default):
     """Sum / mean bags of embedding rows (inference): a row gather, then ``onehot(bag)^T``-style sums on
     TensorE; ``max`` bags: the rows outside a bag masked to -inf, then amax / argmax over the bag's rows. The
     bag boundaries are read on the host (one sync). Returns (output, offset2bag, bag_size, max_indices) shaped
@@ -305,7 +314,7 @@ def embedding_bag_forward_only(weight: torch.Tensor, indices: torch.Tensor, offs
           and indices.dim() == 1 and offsets.dim() == 1 and indices.device == weight.device == offsets.device
           and (per_sample_weights is None or per_sample_weights.device == weight.device))
     if not ok:
-        return cpu_fallback(aten._embedding_bag_forward_only.default, *args)
+        return cpu_fallback(op, *args)
     # the CPU's argument checks (index range, offsets order ...) on host copies of the small integer inputs
     idx_cpu, off_cpu = indices.cpu(), offsets.cpu()
     aten._embedding_bag_forward_only(torch.zeros((weight.shape[0], 1), dtype=weight.dtype), idx_cpu, off_cpu,
@@ -322,7 +331,7 @@ def embedding_bag_forward_only(weight: torch.Tensor, indices: torch.Tensor, offs
     if n:
         onehot[bag[keep], torch.arange(n)[keep]] = 1.0
     if B * n * D > ONEHOT_LIMIT // 4 and mode == 2:
-        return cpu_fallback(aten._embedding_bag_forward_only.default, *args)
+        return cpu_fallback(op, *args)
     dev = weight.device
     if mode == 2:
         return _embedding_bag_max(weight, indices, onehot, bag, counts)
@@ -348,6 +357,10 @@ def embedding_bag_forward_only(weight: torch.Tensor, indices: torch.Tensor, offs
     return out, bag.to(dev), counts.to(dev), counts.to(dev)
 
 
+for _name in ("_embedding_bag_forward_only", "_embedding_bag"):
+    lowering(_name)(_embedding_bag_kernel(getattr(aten, _name).default))
+
+
 def _embedding_bag_max(weight: torch.Tensor, indices: torch.Tensor, member: torch.Tensor, bag: torch.Tensor,
                        counts: torch.Tensor):
     """``max`` bags: per bag and column the largest row value (NaN wins, ties to the first row, as the CPU
@@ -370,3 +383,69 @@ def _embedding_bag_max(weight: torch.Tensor, indices: torch.Tensor, member: torc
     idx32 = words if stride == 1 else dense(words.view(n, 2)[:, 0])
     which = torch.where(filled, torch.take(idx32, pos), 0).to(torch.int64)
     return out, bag.to(dev), counts.to(dev), which
+
+
+def _bags(offset2bag: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """The bag of each of the ``n`` indices: ``offset2bag``, or, where the forward left it empty (sum mode),
+    rebuilt from the offsets (host ints) as the CPU does: ones at the bag starts, cumulated."""
+    if offset2bag.numel() == n:
+        return offset2bag
+    marks = torch.zeros(n + 1, dtype=torch.int64).index_add_(0, offsets.cpu(),
+                                                             torch.ones(offsets.numel(), dtype=torch.int64))
+    marks[0] -= 1
+    return marks.cumsum(0)[:n].to(offsets.device)
+
+
+@lowering("_embedding_bag_backward")
+def embedding_bag_backward(grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, offset2bag: torch.Tensor,
+                           bag_size: torch.Tensor, maximum_indices: torch.Tensor, num_weights: int,
+                           scale_grad_by_freq: bool, mode: int, sparse: bool,
+                           per_sample_weights: torch.Tensor | None = None, padding_idx: int = -1) -> torch.Tensor:
+    """The dense weight gradient of ``embedding_bag``, as the CPU kernel forms it: sum/mean bags add each
+    member's bag gradient (times its sample weight, over the bag size for mean) into its row; max bags add
+    each column's gradient into the row that gave the maximum. The bag of each index is rebuilt on the host
+    from the offsets when the forward left it empty (sum mode), as the CPU does."""
+    args = (grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode,
+            sparse, per_sample_weights, padding_idx)
+    ok = (not sparse and not scale_grad_by_freq and mode in (0, 1, 2) and grad.dim() == 2
+          and grad.dtype in (torch.float32, torch.bfloat16, torch.float16) and indices.dim() == 1
+          and all(t.device == grad.device for t in (indices, offsets, offset2bag, bag_size, maximum_indices))
+          and (per_sample_weights is None or per_sample_weights.device == grad.device))
+    if not ok:
+        return cpu_fallback(aten._embedding_bag_backward.default, *args)
+    n, D = indices.numel(), grad.shape[1]
+    out = torch.zeros((num_weights, D), dtype=torch.float32, device=grad.device)
+    if n == 0 or grad.shape[0] == 0:
+        return out.to(grad.dtype)
+    g = grad.float()
+    if mode == 2:                                   # max: column d of bag b goes to row maximum_indices[b, d]
+        filled = (bag_size > 0).reshape(-1, 1)
+        flat = (maximum_indices * D + torch.arange(D, device=grad.device)).reshape(-1)
+        out.view(-1).index_add_(0, flat, torch.where(filled, g, 0.0).reshape(-1))
+        return out.to(grad.dtype)
+    bag = _bags(offset2bag, offsets, n)
+    rows = g.index_select(0, bag)
+    if mode == 1:
+        rows = rows / bag_size.float().clamp(min=1).index_select(0, bag).reshape(n, 1)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.float().reshape(n, 1)
+    if padding_idx >= 0:
+        rows = torch.where((indices != padding_idx).reshape(n, 1), rows, 0.0)
+    out.index_add_(0, indices, rows)
+    return out.to(grad.dtype)
+
+
+@lowering("_embedding_bag_per_sample_weights_backward")
+def embedding_bag_per_sample_weights_backward(grad: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor,
+                                              offsets: torch.Tensor, offset2bag: torch.Tensor, mode: int,
+                                              padding_idx: int = -1) -> torch.Tensor:
+    """d loss / d per_sample_weights (sum mode): each member's bag gradient dotted with its embedding row."""
+    args = (grad, weight, indices, offsets, offset2bag, mode, padding_idx)
+    if mode != 0 or grad.dim() != 2 or any(t.device != grad.device for t in (weight, indices, offsets, offset2bag)):
+        return cpu_fallback(aten._embedding_bag_per_sample_weights_backward.default, *args)
+    n = indices.numel()
+    bag = _bags(offset2bag, offsets, n)
+    dots = (grad.float().index_select(0, bag) * weight.float().index_select(0, indices)).sum(1)
+    if padding_idx >= 0:
+        dots = torch.where(indices != padding_idx, dots, 0.0)
+    return dots.to(grad.dtype).reshape(n)
