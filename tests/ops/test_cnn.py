@@ -1,4 +1,6 @@
 """Convolution, pooling, batch/group norm and dropout run on the device (strict mode) and match the CPU."""
+import itertools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -324,3 +326,20 @@ def test_cnn_trains_like_cpu(strict):
     ref.eval()
     torch.testing.assert_close(dev(xd).cpu(), ref(x), atol=1e-4, rtol=1e-4)
     assert torchneuron.fallback_counts() == {}
+
+
+def test_avg_pool2d_keeps_non_finite_values_in_their_windows(strict):
+    # every variant (ceil_mode, padding, count_include_pad, divisor_override), values and gradients
+    g = torch.Generator().manual_seed(0)
+    for (H, W), k, s, p, ceil, cip, div in itertools.product([(7, 9)], [2, 3, (2, 3)], [None, 1, 2], [0, 1],
+                                                                [False, True], [True, False], [None, 3]):
+        x = torch.randn(2, 3, H, W, generator=g)
+        x[0, 0, 2, 3], x[1, 2, 0, 0] = float("nan"), float("inf")
+        xc, xn = x.clone().requires_grad_(), to_n(x).requires_grad_()
+        want, got = F.avg_pool2d(xc, k, s, p, ceil, cip, div), F.avg_pool2d(xn, k, s, p, ceil, cip, div)
+        torch.testing.assert_close(got.detach().cpu(), want.detach(), atol=1e-5, rtol=1e-5, equal_nan=True)
+        grad = torch.randn(want.shape, generator=g)
+        grad[0, 1, 0, 0] = float("nan")
+        want.backward(grad)
+        got.backward(to_n(grad))
+        torch.testing.assert_close(xn.grad.cpu(), xc.grad, atol=1e-5, rtol=1e-5, equal_nan=True)

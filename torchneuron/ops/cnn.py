@@ -616,27 +616,50 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.to(torch.float32)
 
 
-def _avg_matrices(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, out_hw):
-    k, s, p, _ = _pool_geometry(2, kernel_size, stride, padding)
-    H, W = self.shape[-2:]
-    scale = 1.0 / divisor_override if divisor_override else 0.0
-    mh = _table(self.device, "avg_band", H, out_hw[0], k[0], s[0], p[0], count_include_pad, scale)
-    mw = _table(self.device, "avg_band", W, out_hw[1], k[1], s[1], p[1], count_include_pad, 1.0 if scale else 0.0)
-    return mh, mw
-
-
 def _avg_ok(x: torch.Tensor) -> bool:
     return _on(x.device, x) and x.dim() in (3, 4) and x.numel() > 0
 
 
+def _avg_divisor(H: int, W: int, OH: int, OW: int, k: tuple, s: tuple, p: tuple, count_include_pad: bool,
+                 divisor_override: int) -> torch.Tensor:
+    """fp32 [OH * OW]: the CPU kernel's divisor of each window's sum (``divisor_override`` when non-zero; else
+    the window's extent clipped to the padded input, or its count of input elements without the padding)."""
+    def extents(n: int, out: int, kk: int, ss: int, pp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = torch.arange(out) * ss - pp
+        end = torch.clamp(start + kk, max=n + pp)
+        return end - start, torch.clamp(end, max=n) - torch.clamp(start, min=0)
+    (sh, ch), (sw, cw) = extents(H, OH, k[0], s[0], p[0]), extents(W, OW, k[1], s[1], p[1])
+    if divisor_override:
+        return torch.full((OH * OW,), float(divisor_override))
+    h, w = (sh, sw) if count_include_pad else (ch, cw)
+    return (h.view(-1, 1) * w.view(1, -1)).reshape(-1).to(torch.float32)
+
+
+_TABLES.update(avg_divisor=_avg_divisor)
+
+
+def _avg_geometry(self, kernel_size, stride, padding, count_include_pad, divisor_override, out_hw):
+    """(k, s, p, divisor row on the device) of a 2-D average pooling producing ``out_hw``."""
+    k, s, p, _ = _pool_geometry(2, kernel_size, stride, padding)
+    H, W = self.shape[-2:]
+    div = _table(self.device, "avg_divisor", H, W, out_hw[0], out_hw[1], k, s, p, bool(count_include_pad),
+                 int(divisor_override or 0))
+    return k, s, p, div
+
+
 def _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    """Window sums (im2col with zero padding, one reduction over the window) over the CPU's divisors: a
+    NaN or inf stays in the windows holding it."""
     meta = _meta_run(aten.avg_pool2d.default, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
                      divisor_override)
-    mh, mw = _avg_matrices(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override,
-                           meta.shape[-2:])
+    O = tuple(meta.shape[-2:])
+    k, s, p, div = _avg_geometry(self, kernel_size, stride, padding, count_include_pad, divisor_override, O)
     H, W = self.shape[-2:]
-    res = _separable(_f32(self).reshape(-1, H, W), mh, mw)
-    return res.to(self.dtype).view(meta.shape)
+    BC = self.numel() // (H * W)
+    cols = _im2col(_f32(self).reshape(BC, 1, H, W), k, s, p, (1, 1), O)
+    (sums,) = call_kernel(reduce_kernel, {"x": cols.view(1, math.prod(k), BC * math.prod(O))}, {"op": "sum"},
+                          op="aten::avg_pool2d")
+    return (sums.view(BC, math.prod(O)) / div).to(self.dtype).view(meta.shape)
 
 
 @lowering("avg_pool2d")
@@ -669,10 +692,13 @@ def _avg_pool_backward(grad_output, self, kernel_size, stride, padding, ceil_mod
                        divisor_override):
     _meta_run(aten.avg_pool2d_backward.default, grad_output, self, kernel_size, stride, padding, ceil_mode,
               count_include_pad, divisor_override)
-    mh, mw = _avg_matrices(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override,
-                           grad_output.shape[-2:])
-    OH, OW = grad_output.shape[-2:]
-    res = _separable(_f32(grad_output).reshape(-1, OH, OW), mh.t(), mw.t())
+    O = tuple(grad_output.shape[-2:])
+    k, s, p, div = _avg_geometry(self, kernel_size, stride, padding, count_include_pad, divisor_override, O)
+    H, W = self.shape[-2:]
+    BC = self.numel() // (H * W)
+    # each window's gradient over its divisor, spread back over the window (col2im of a broadcast view)
+    g = (_f32(grad_output).reshape(BC, math.prod(O)) / div).view(BC, 1, 1, 1, *O)
+    res = _col2im(g.expand(BC, *k, 1, *O), (1, BC, H, W), k, s, p, (1, 1))
     return res.to(self.dtype).view(self.shape)
 
 
