@@ -35,10 +35,7 @@ TOL = {"atol": 1e-4, "rtol": 1e-4, "equal_nan": True}
 
 # module name -> ATen ops it may send to the CPU fallback, and why
 KNOWN_FALLBACKS: dict[str, set[str]] = {}
-EXPECTED_FAILURES = {
-    "nn.LPPool3d": "3-D average pooling runs as band-matrix products, so a NaN (a negative input to a fractional "
-                   "power) spreads over its whole plane instead of staying in its window",
-}
+EXPECTED_FAILURES: dict[str, str] = {}
 MODULES = {m.name: m for m in module_db}
 
 

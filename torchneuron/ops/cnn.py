@@ -577,20 +577,6 @@ def col2im(self: torch.Tensor, output_size: Sequence[int], kernel_size: Sequence
 
 # ---- average pooling (separable band matrices) ------------------------------------------------------
 
-def _avg_band(n: int, out: int, k: int, s: int, p: int, count_include_pad: bool, scale: float) -> torch.Tensor:
-    """fp32 [out, n]: row o averages the window of output o along one dim, with PyTorch's divisor
-    (the 2-D divisor is the product of the two dims' counts); ``scale`` replaces 1/count when non-zero."""
-    m = torch.zeros(out, n, dtype=torch.float64)
-    for o in range(out):
-        start = o * s - p
-        end = min(start + k, n + p)
-        size = end - start
-        lo, hi = max(start, 0), min(end, n)
-        if hi > lo:
-            m[o, lo:hi] = scale if scale else 1.0 / (size if count_include_pad else hi - lo)
-    return m.to(torch.float32)
-
-
 def _adaptive_band(n: int, out: int) -> torch.Tensor:
     """fp32 [out, n]: row o averages input [floor(o*n/out), ceil((o+1)*n/out))."""
     m = torch.zeros(out, n, dtype=torch.float64)
@@ -600,7 +586,7 @@ def _adaptive_band(n: int, out: int) -> torch.Tensor:
     return m.to(torch.float32)
 
 
-_TABLES.update(avg_band=_avg_band, adaptive_band=_adaptive_band)
+_TABLES.update(adaptive_band=_adaptive_band)
 
 
 def _separable(x: torch.Tensor, mh: torch.Tensor, mw: torch.Tensor) -> torch.Tensor:
@@ -620,46 +606,64 @@ def _avg_ok(x: torch.Tensor) -> bool:
     return _on(x.device, x) and x.dim() in (3, 4) and x.numel() > 0
 
 
-def _avg_divisor(H: int, W: int, OH: int, OW: int, k: tuple, s: tuple, p: tuple, count_include_pad: bool,
+def _avg_divisor(sizes: tuple, outs: tuple, k: tuple, s: tuple, p: tuple, count_include_pad: bool,
                  divisor_override: int) -> torch.Tensor:
-    """fp32 [OH * OW]: the CPU kernel's divisor of each window's sum (``divisor_override`` when non-zero; else
-    the window's extent clipped to the padded input, or its count of input elements without the padding)."""
-    def extents(n: int, out: int, kk: int, ss: int, pp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [prod(outs)]: the CPU kernels' divisor of each window's sum (``divisor_override`` when non-zero;
+    else the product over dims of the window's extent clipped to the padded input, or of its count of input
+    elements without the padding)."""
+    if divisor_override:
+        return torch.full((math.prod(outs),), float(divisor_override))
+    total = torch.ones(())
+    for n, out, kk, ss, pp in zip(sizes, outs, k, s, p):
         start = torch.arange(out) * ss - pp
         end = torch.clamp(start + kk, max=n + pp)
-        return end - start, torch.clamp(end, max=n) - torch.clamp(start, min=0)
-    (sh, ch), (sw, cw) = extents(H, OH, k[0], s[0], p[0]), extents(W, OW, k[1], s[1], p[1])
-    if divisor_override:
-        return torch.full((OH * OW,), float(divisor_override))
-    h, w = (sh, sw) if count_include_pad else (ch, cw)
-    return (h.view(-1, 1) * w.view(1, -1)).reshape(-1).to(torch.float32)
+        extent = end - start if count_include_pad else torch.clamp(end, max=n) - torch.clamp(start, min=0)
+        total = total.unsqueeze(-1) * extent
+    return total.reshape(-1).to(torch.float32)
 
 
 _TABLES.update(avg_divisor=_avg_divisor)
 
 
-def _avg_geometry(self, kernel_size, stride, padding, count_include_pad, divisor_override, out_hw):
-    """(k, s, p, divisor row on the device) of a 2-D average pooling producing ``out_hw``."""
-    k, s, p, _ = _pool_geometry(2, kernel_size, stride, padding)
-    H, W = self.shape[-2:]
-    div = _table(self.device, "avg_divisor", H, W, out_hw[0], out_hw[1], k, s, p, bool(count_include_pad),
+def _avg_geometry(self: torch.Tensor, n: int, kernel_size, stride, padding, count_include_pad, divisor_override,
+                  outs: tuple) -> tuple[tuple, tuple, tuple, torch.Tensor]:
+    """(k, s, p, divisor row on the device) of an n-D average pooling producing ``outs``."""
+    k, s, p, _ = _pool_geometry(n, kernel_size, stride, padding)
+    div = _table(self.device, "avg_divisor", tuple(self.shape[-n:]), tuple(outs), k, s, p, bool(count_include_pad),
                  int(divisor_override or 0))
     return k, s, p, div
 
 
+def avg_pool_windows(self: torch.Tensor, n: int, kernel_size, stride, padding, count_include_pad, divisor_override,
+                     outs: tuple) -> torch.Tensor:
+    """n-D average pooling as window sums (im2col with zero padding, one reduction over the window) over the
+    CPU's divisors: a NaN or inf stays in the windows holding it."""
+    k, s, p, div = _avg_geometry(self, n, kernel_size, stride, padding, count_include_pad, divisor_override, outs)
+    S = tuple(self.shape[-n:])
+    BC = self.numel() // math.prod(S)
+    cols = _im2col(_f32(self).reshape(BC, 1, *S), k, s, p, (1,) * n, tuple(outs))
+    (sums,) = call_kernel(reduce_kernel, {"x": cols.view(1, math.prod(k), BC * math.prod(outs))}, {"op": "sum"},
+                          op=f"aten::avg_pool{n}d")
+    return (sums.view(BC, math.prod(outs)) / div).to(self.dtype)
+
+
+def avg_pool_windows_backward(grad_output: torch.Tensor, self: torch.Tensor, n: int, kernel_size, stride, padding,
+                              count_include_pad, divisor_override) -> torch.Tensor:
+    """Each window's gradient over its divisor, spread back over the window (col2im of a broadcast view)."""
+    outs = tuple(grad_output.shape[-n:])
+    k, s, p, div = _avg_geometry(self, n, kernel_size, stride, padding, count_include_pad, divisor_override, outs)
+    S = tuple(self.shape[-n:])
+    BC = self.numel() // math.prod(S)
+    g = (_f32(grad_output).reshape(BC, math.prod(outs)) / div).view(BC, *(1,) * n, 1, *outs)
+    res = _col2im(g.expand(BC, *k, 1, *outs), (1, BC, *S), k, s, p, (1,) * n)
+    return res.to(self.dtype).view(self.shape)
+
+
 def _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    """Window sums (im2col with zero padding, one reduction over the window) over the CPU's divisors: a
-    NaN or inf stays in the windows holding it."""
     meta = _meta_run(aten.avg_pool2d.default, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
                      divisor_override)
-    O = tuple(meta.shape[-2:])
-    k, s, p, div = _avg_geometry(self, kernel_size, stride, padding, count_include_pad, divisor_override, O)
-    H, W = self.shape[-2:]
-    BC = self.numel() // (H * W)
-    cols = _im2col(_f32(self).reshape(BC, 1, H, W), k, s, p, (1, 1), O)
-    (sums,) = call_kernel(reduce_kernel, {"x": cols.view(1, math.prod(k), BC * math.prod(O))}, {"op": "sum"},
-                          op="aten::avg_pool2d")
-    return (sums.view(BC, math.prod(O)) / div).to(self.dtype).view(meta.shape)
+    return avg_pool_windows(self, 2, kernel_size, stride, padding, count_include_pad, divisor_override,
+                            tuple(meta.shape[-2:])).view(meta.shape)
 
 
 @lowering("avg_pool2d")
@@ -692,14 +696,8 @@ def _avg_pool_backward(grad_output, self, kernel_size, stride, padding, ceil_mod
                        divisor_override):
     _meta_run(aten.avg_pool2d_backward.default, grad_output, self, kernel_size, stride, padding, ceil_mode,
               count_include_pad, divisor_override)
-    O = tuple(grad_output.shape[-2:])
-    k, s, p, div = _avg_geometry(self, kernel_size, stride, padding, count_include_pad, divisor_override, O)
-    H, W = self.shape[-2:]
-    BC = self.numel() // (H * W)
-    # each window's gradient over its divisor, spread back over the window (col2im of a broadcast view)
-    g = (_f32(grad_output).reshape(BC, math.prod(O)) / div).view(BC, 1, 1, 1, *O)
-    res = _col2im(g.expand(BC, *k, 1, *O), (1, BC, H, W), k, s, p, (1, 1))
-    return res.to(self.dtype).view(self.shape)
+    return avg_pool_windows_backward(grad_output, self, 2, kernel_size, stride, padding, count_include_pad,
+                                     divisor_override)
 
 
 def _avg_backward_ok(grad_output, self) -> bool:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from torchneuron.ops.cnn import FLOATS, _adaptive_band, _avg_band, _f32, _into, _meta_run
+from torchneuron.ops.cnn import FLOATS, _adaptive_band, _f32, _into, _meta_run, avg_pool_windows, avg_pool_windows_backward
 from torchneuron.ops.copy import to_int64
 from torchneuron.ops.kernel_call import dense
 from torchneuron.ops.registry import cpu_fallback, lowering
@@ -639,38 +639,20 @@ _register("_adaptive_avg_pool3d", None, _adaptive_avg_pool3d, 1)
 _register("_adaptive_avg_pool3d_backward", None, _adaptive_avg_pool3d_backward, 2)
 
 
-def _triple(v: Any, default: Sequence[int]) -> list[int]:
-    v = list(default) if v is None or len(v) == 0 else list(v)
-    return v * 3 if len(v) == 1 else v
-
-
-def _avg3d_mats(self: torch.Tensor, out_dhw: Sequence[int], kernel_size, stride, padding, count_include_pad,
-                divisor_override) -> list[torch.Tensor]:
-    """The three band matrices; a divisor override scales the first and leaves the others at 1."""
-    k = _triple(kernel_size, kernel_size)
-    s = _triple(stride, k)
-    p = _triple(padding, [0])
-    scale = 1.0 / divisor_override if divisor_override else 0.0
-    return [_dev(self.device, _avg_band, n, o, k[i], s[i], p[i], bool(count_include_pad),
-                 scale if i == 0 else (1.0 if scale else 0.0))
-            for i, (n, o) in enumerate(zip(self.shape[-3:], out_dhw))]
-
-
 def _avg_pool3d(self: torch.Tensor, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
                 divisor_override=None) -> torch.Tensor:
     meta = _meta_run(aten.avg_pool3d.default, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
                      divisor_override)
-    mats = _avg3d_mats(self, meta.shape[-3:], kernel_size, stride, padding, count_include_pad, divisor_override)
-    return _bands(self, mats, False).view(meta.shape)
+    return avg_pool_windows(self, 3, kernel_size, stride, padding, count_include_pad, divisor_override,
+                            tuple(meta.shape[-3:])).view(meta.shape)
 
 
 def _avg_pool3d_backward(grad_output: torch.Tensor, self: torch.Tensor, kernel_size, stride, padding, ceil_mode,
                          count_include_pad, divisor_override) -> torch.Tensor:
     _meta_run(aten.avg_pool3d_backward.default, grad_output, self, kernel_size, stride, padding, ceil_mode,
               count_include_pad, divisor_override)
-    mats = _avg3d_mats(self, grad_output.shape[-3:], kernel_size, stride, padding, count_include_pad,
-                       divisor_override)
-    return _bands(grad_output, mats, True).view(self.shape)
+    return avg_pool_windows_backward(grad_output, self, 3, kernel_size, stride, padding, count_include_pad,
+                                     divisor_override)
 
 
 _register("avg_pool3d", "out", _avg_pool3d, 1)
