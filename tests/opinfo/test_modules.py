@@ -27,7 +27,7 @@ from torch.testing._internal.common_modules import ModuleErrorEnum, module_db
 
 import torchneuron
 
-from .harness import to_neuron
+from .harness import _tensors, to_neuron
 
 warnings.filterwarnings("ignore", message=r".*has no neuron kernel yet.*")
 SAMPLES = int(os.environ.get("TORCHNEURON_MODULE_SAMPLES", "24")) or None
@@ -37,16 +37,6 @@ TOL = {"atol": 1e-4, "rtol": 1e-4, "equal_nan": True}
 KNOWN_FALLBACKS: dict[str, set[str]] = {}
 EXPECTED_FAILURES: dict[str, str] = {}
 MODULES = {m.name: m for m in module_db}
-
-
-def _tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    return []
 
 
 def _backward(outputs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
