@@ -235,3 +235,5 @@ def _grid_sampler(k: int) -> Any:
 
 for _k in (2, 3):
     _register(f"grid_sampler_{_k}d", "out", _grid_sampler(_k), 2, _grid_check(_k))
+
+from torchneuron.ops import sampling_grid_backward  # noqa: E402,F401  (the backward reuses the helpers above; registers on import)
