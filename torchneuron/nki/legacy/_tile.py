@@ -390,8 +390,11 @@ class LegacyTile(NkiTensor):
 
 def _int(i: Any) -> int:
     if isinstance(i, slice):
-        raise NotImplementedError("mixing slices with nl.arange/nl.mgrid index vectors is not supported; "
-                                  "use an index vector for that dim")
+        # neuronxcc.nki rejects this too (err_unsupported_mixing_basic_advanced_tensor_indexing), so a kernel
+        # that runs here keeps compiling there
+        raise NotImplementedError("Mixing basic tensor indexing and advanced tensor indexing is not supported: "
+                                  "use nl.arange/nl.mgrid index vectors for every dim (e.g. a[i_p, i_f] with "
+                                  "i_f = nl.arange(n)[None, :]) or slices/integers for every dim")
     return int(i)
 
 
