@@ -353,3 +353,19 @@ def test_avg_pool_keeps_non_finite_values_in_their_windows(dims, strict):
         want.backward(grad)
         got.backward(to_n(grad))
         torch.testing.assert_close(xn.grad.cpu(), xc.grad, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("shape,out", [((2, 3, 8, 6), (4, 3)), ((2, 3, 7, 7), (1, 1)), ((3, 7, 9), (7, 3)),
+                                       ((2, 2, 4, 6, 8), (2, 3, 4)), ((2, 2, 4, 6, 8), (1, 1, 1))])
+def test_adaptive_avg_pool_of_even_windows_keeps_non_finite_values_in_them(shape, out, strict):
+    # sizes that divide evenly (a global pool too) are plain window sums on the device
+    pool = F.adaptive_avg_pool2d if len(out) == 2 else F.adaptive_avg_pool3d
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    x.view(-1)[5] = float("nan")
+    xc, xn = x.clone().requires_grad_(), to_n(x).requires_grad_()
+    want, got = pool(xc, out), pool(xn, out)
+    torch.testing.assert_close(got.detach().cpu(), want.detach(), atol=1e-5, rtol=1e-5, equal_nan=True)
+    grad = torch.randn(want.shape)
+    want.backward(grad)
+    got.backward(to_n(grad))
+    torch.testing.assert_close(xn.grad.cpu(), xc.grad, atol=1e-5, rtol=1e-5, equal_nan=True)

@@ -659,6 +659,14 @@ def avg_pool_windows_backward(grad_output: torch.Tensor, self: torch.Tensor, n: 
     return res.to(self.dtype).view(self.shape)
 
 
+def adaptive_windows(sizes: Sequence[int], outs: Sequence[int]) -> tuple[int, ...] | None:
+    """The window (= stride) of an adaptive average pooling whose every dim divides evenly (then its windows
+    are a plain pooling's: sums over the same elements, the same divisor); None otherwise."""
+    if all(o > 0 and n % o == 0 for n, o in zip(sizes, outs)):
+        return tuple(n // o for n, o in zip(sizes, outs))
+    return None
+
+
 def _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
     meta = _meta_run(aten.avg_pool2d.default, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
                      divisor_override)
@@ -730,7 +738,8 @@ def avg_pool2d_backward_out(grad_output: torch.Tensor, self: torch.Tensor, kerne
 
 @lowering("_adaptive_avg_pool2d")
 def adaptive_avg_pool2d(self: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
-    """Adaptive average pooling as ``Mh @ x @ Mw^T`` (PyTorch's floor/ceil windows)."""
+    """Adaptive average pooling: window sums when the sizes divide evenly, else ``Mh @ x @ Mw^T`` (PyTorch's
+    floor/ceil windows as band matrices, through which a NaN or inf spreads over its plane)."""
     meta = _meta_run(aten._adaptive_avg_pool2d.default, self, output_size)   # the CPU's errors
     if self.numel() == 0 and _on(self.device, self):
         return torch.empty(meta.shape, dtype=self.dtype, device=self.device)
@@ -738,6 +747,9 @@ def adaptive_avg_pool2d(self: torch.Tensor, output_size: Sequence[int]) -> torch
         return cpu_fallback(aten._adaptive_avg_pool2d.default, self, output_size)
     H, W = self.shape[-2:]
     OH, OW = meta.shape[-2:]
+    k = adaptive_windows((H, W), (OH, OW))
+    if k is not None:           # (a global pool too): window sums, a NaN stays in its window
+        return avg_pool_windows(self, 2, k, k, (0, 0), True, None, (OH, OW)).view(meta.shape)
     mh = _table(self.device, "adaptive_band", H, OH)
     mw = _table(self.device, "adaptive_band", W, OW)
     return _separable(_f32(self).reshape(-1, H, W), mh, mw).to(self.dtype).view(meta.shape)
@@ -752,6 +764,9 @@ def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, self: torch.Tensor) 
         return cpu_fallback(aten._adaptive_avg_pool2d_backward.default, grad_output, self)
     H, W = self.shape[-2:]
     OH, OW = grad_output.shape[-2:]
+    k = adaptive_windows((H, W), (OH, OW))
+    if k is not None:
+        return avg_pool_windows_backward(grad_output, self, 2, k, k, (0, 0), True, None)
     mh = _table(self.device, "adaptive_band", H, OH)
     mw = _table(self.device, "adaptive_band", W, OW)
     res = _separable(_f32(grad_output).reshape(-1, OH, OW), mh.t(), mw.t())

@@ -31,7 +31,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from torchneuron.ops.cnn import FLOATS, _adaptive_band, _f32, _into, _meta_run, avg_pool_windows, avg_pool_windows_backward
+from torchneuron.ops.cnn import (FLOATS, _adaptive_band, _f32, _into, _meta_run, adaptive_windows, avg_pool_windows,
+                                 avg_pool_windows_backward)
 from torchneuron.ops.copy import to_int64
 from torchneuron.ops.kernel_call import dense
 from torchneuron.ops.registry import cpu_fallback, lowering
@@ -625,12 +626,18 @@ def _adaptive_avg_pool3d(self: torch.Tensor, output_size: Sequence[int]) -> torc
     meta = _meta_run(aten._adaptive_avg_pool3d.default, self, output_size)
     if meta.numel() == 0:
         return torch.empty(meta.shape, dtype=self.dtype, device=self.device)
+    k = adaptive_windows(self.shape[-3:], meta.shape[-3:])
+    if k is not None:           # window sums, as a plain pooling's
+        return avg_pool_windows(self, 3, k, k, (0, 0, 0), True, None, tuple(meta.shape[-3:])).view(meta.shape)
     mats = [_dev(self.device, _adaptive_band, n, o) for n, o in zip(self.shape[-3:], meta.shape[-3:])]
     return _bands(self, mats, False).view(meta.shape)
 
 
 def _adaptive_avg_pool3d_backward(grad_output: torch.Tensor, self: torch.Tensor) -> torch.Tensor:
     _meta_run(aten._adaptive_avg_pool3d_backward.default, grad_output, self)
+    k = adaptive_windows(self.shape[-3:], grad_output.shape[-3:])
+    if k is not None:
+        return avg_pool_windows_backward(grad_output, self, 3, k, k, (0, 0, 0), True, None)
     mats = [_dev(self.device, _adaptive_band, n, o) for n, o in zip(self.shape[-3:], grad_output.shape[-3:])]
     return _bands(grad_output, mats, True).view(self.shape)
 
