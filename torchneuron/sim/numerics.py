@@ -112,7 +112,8 @@ def _cmp(fn: Callable) -> Callable:
     def op(a, b):
         if not isinstance(a, torch.Tensor):
             a = torch.tensor(a, dtype=b.dtype)
-        shape = a.shape if not isinstance(b, torch.Tensor) or b.shape == a.shape else torch.broadcast_shapes(a.shape, b.shape)
+        same = not isinstance(b, torch.Tensor) or b.shape == a.shape
+        shape = a.shape if same else torch.broadcast_shapes(a.shape, b.shape)
         # Written straight into the compute dtype: a bool result converted afterwards costs ~10x more.
         return fn(a, b, out=torch.empty(shape, dtype=a.dtype))
     return op
