@@ -268,3 +268,28 @@ def test_topk_of_lines_longer_than_one_sort(shape, k, dim, strict):
     for largest in (True, False):
         want, got = x.topk(k, dim, largest), to_n(x).topk(k, dim, largest)
         assert torch.equal(got.values.cpu(), want.values) and torch.equal(got.indices.cpu(), want.indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_sort_of_lines_longer_than_one_bitonic_sort(dtype, strict):
+    # the radix sort: exact values, stable indices, NaN last (first descending), -0.0 equal to 0.0
+    g = torch.Generator().manual_seed(0)
+    if dtype.is_floating_point:
+        x = torch.randn(2, 9000, generator=g).to(dtype)
+        x[:, ::5] = 0.5
+        x[0, 3], x[0, 7], x[0, 8], x[1, 11], x[1, 13] = float("nan"), -0.0, 0.0, float("-inf"), float("inf")
+    else:
+        x = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, 9000), generator=g, dtype=torch.int64).to(dtype)
+        x[:, ::5] = 7
+    for descending in (False, True):
+        want = torch.sort(x, descending=descending, stable=True)
+        got = torch.sort(to_n(x), descending=descending, stable=True)
+        assert torch.equal(got.indices.cpu(), want.indices)
+        assert torch.equal(got.values.cpu().float().nan_to_num(3.0), want.values.float().nan_to_num(3.0))
+
+
+def test_unique_and_randperm_of_long_lines(strict):
+    x = torch.arange(9500) % 997
+    assert torch.equal(torch.unique(to_n(x)).cpu(), torch.unique(x))
+    p = torch.randperm(9500, device="neuron")
+    assert torch.equal(p.sort().values.cpu(), torch.arange(9500))

@@ -409,7 +409,7 @@ def randperm_out(n: int, *, generator: torch.Generator | None = None, out: torch
     if n < 0:
         raise RuntimeError(f"n must be non-negative, got{n}")
     exact = {torch.int64: 2 ** 63, torch.int32: 2 ** 31, torch.int16: 2 ** 15, torch.float32: 2 ** 24}
-    if out.device.type != "neuron" or n > RANDPERM_MAX or n > exact.get(out.dtype, 0):
+    if out.device.type != "neuron" or n >= 1 << 24 or n > exact.get(out.dtype, 0):
         return cpu_fallback(aten.randperm.generator_out, n, generator=generator, out=out)
     _resize(out, (n,))
     if n == 0:
@@ -420,6 +420,10 @@ def randperm_out(n: int, *, generator: torch.Generator | None = None, out: torch
     high = torch.empty(n, dtype=torch.int32, device=out.device)
     _random(high, 0, 2 ** (31 - k), generator, None)
     keys = torch.add(arange_values(n, out.device), high, alpha=2 ** k).view(1, n)
+    if n > RANDPERM_MAX:        # the sort order of the distinct keys (a sort, not all-pairs counts)
+        from torchneuron.ops.sort import _sort
+        device_copy(out, _sort(keys.view(n), 0, False)[1].to(out.dtype))
+        return out
     (ranks,) = call_kernel(count_kernel, {"table": keys, "values": keys}, {"strict": True}, op="aten::randperm")
     device_copy(out, ranks.view(n))
     return out

@@ -210,6 +210,42 @@ def _bitonic_launches(key: torch.Tensor, tie: torch.Tensor | None, descending: b
     return v, t
 
 
+RADIX_BITS = 4           # key bits per pass of the radix sort (one-hot counts over 16 digits)
+
+
+def _order_key(rows: torch.Tensor, descending: bool) -> torch.Tensor:
+    """int32 keys whose unsigned order is the sort's order: floats by their IEEE bits (negatives flipped,
+    -0 as +0, NaN last), integers with the sign bit flipped; all bits inverted for descending."""
+    if rows.is_floating_point():
+        x = rows.to(torch.float32) + 0.0                     # (-0.0 + 0.0 = +0.0: equal zeros stay in order)
+        bits = x.view(torch.int32)
+        key = torch.where(bits < 0, torch.bitwise_not(bits), torch.bitwise_xor(bits, torch.iinfo(torch.int32).min))
+        key = torch.where(torch.isnan(x), -1, key)           # the largest unsigned key
+    else:
+        key = torch.bitwise_xor(rows.to(torch.int32), torch.iinfo(torch.int32).min)
+    return torch.bitwise_not(key) if descending else key
+
+
+def _radix_sort(rows: torch.Tensor, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) [L, n] of a stable LSD radix sort of lines longer than one bitonic sort: 32-bit order
+    keys, ``RADIX_BITS`` per pass, each pass a stable counting sort (an element's place is the count of
+    smaller digits in its line plus the count of equal digits before it: one-hot prefix counts, fp32-exact)."""
+    L, n = rows.shape
+    key = _order_key(rows, descending)
+    buckets = 1 << RADIX_BITS
+    digits = arange_values(buckets, rows.device).to(torch.int32)
+    perm = dense(torch.arange(n, device=rows.device).reshape(1, n).expand(L, n))
+    for shift in range(0, 32, RADIX_BITS):
+        digit = torch.bitwise_and(torch.bitwise_right_shift(torch.gather(key, 1, perm), shift), buckets - 1)
+        onehot = (digit.unsqueeze(-1) == digits).to(torch.float32)            # [L, n, buckets]
+        before = (onehot.cumsum(1) - onehot).mul_(onehot).sum(-1)            # equal digits earlier in the line
+        counts = onehot.sum(1)
+        starts = counts.cumsum(-1) - counts                                  # first place of each digit
+        place = (before + torch.gather(starts, 1, digit.to(torch.int64))).to(torch.int64)
+        perm = torch.empty_like(perm).scatter_(1, place, perm)
+    return torch.gather(rows, 1, perm), perm
+
+
 def _sort(self: torch.Tensor, dim: int, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, int64 indices) of a stable sort along ``dim``: the rank sort for short lines, the bitonic
     network for longer ones (up to ``MAX_COLS``); Unsupported beyond. int64: ``_sort_int64``."""
@@ -228,6 +264,8 @@ def _sort(self: torch.Tensor, dim: int, descending: bool) -> tuple[torch.Tensor,
         values, indices = _rank_sort(moved.reshape(L, n), L, n, descending)
     elif n <= MAX_COLS:
         values, indices = _bitonic_sort(moved.reshape(L, n), L, n, descending)
+    elif n < 1 << 24:
+        values, indices = _radix_sort(moved.reshape(L, n), descending)
     else:
         raise Unsupported
     back = [dense(t.reshape(moved.shape).movedim(-1, d)).reshape(self.shape) for t in (values, indices)]
