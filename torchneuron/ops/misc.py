@@ -19,7 +19,7 @@ import torchneuron.nki.language as nl
 from torchneuron.ops import tilemath as tm
 from torchneuron.ops.matmul import MATMUL_DTYPES, _add_scaled, _mm_into
 from torchneuron.ops.nn import _reduce_loss
-from torchneuron.ops.pointwise import _pointwise, _unary, _variants
+from torchneuron.ops.pointwise import _pointwise, _type_name, _unary, _variants
 from torchneuron.ops.kernel_call import DEVICE_DTYPES
 from torchneuron.ops.registry import cpu_fallback, lowering
 from torchneuron.ops.registry import meta_twin as _meta_twin
@@ -447,7 +447,7 @@ def nested_tensor_from_mask_left_aligned(t: torch.Tensor, mask: torch.Tensor) ->
     """Whether every row of a [N, L] padding mask is ones then zeros (``nn.Transformer``'s fast-path check):
     the row's count of ones equals the index of its first zero, as the CPU kernel decides."""
     if mask.dtype != torch.bool:
-        raise RuntimeError(f"Expected mask to be of ScalarType Bool, but got {_cpp_type(mask.dtype)} instead.")
+        raise RuntimeError(f"Expected mask to be of ScalarType Bool, but got {_type_name(mask.dtype)} instead.")
     if mask.dim() != 2:
         raise RuntimeError("Padding mask should be 2D")
     if t.dim() != 3:
@@ -459,8 +459,3 @@ def nested_tensor_from_mask_left_aligned(t: torch.Tensor, mask: torch.Tensor) ->
     ones = mask.to(torch.float32)                  # (counts exact in fp32 below 2**24)
     first_zero = torch.cat([ones, torch.zeros_like(ones[:, :1])], 1).argmin(1).to(torch.float32)
     return bool(torch.equal(ones.sum(1), first_zero))
-
-
-def _cpp_type(dtype: torch.dtype) -> str:
-    return {torch.float32: "Float", torch.float64: "Double", torch.int64: "Long", torch.int32: "Int",
-            torch.uint8: "Byte", torch.bfloat16: "BFloat16", torch.float16: "Half"}.get(dtype, str(dtype))

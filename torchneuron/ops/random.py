@@ -38,7 +38,7 @@ aten = torch.ops.aten
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INTS = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-RANDPERM_MAX = 16384            # ranks by all-pairs comparison: n**2 / 128 element ops; larger n falls back
+RANDPERM_MAX = 16384            # ranks by all-pairs comparison: n**2 / 128 element ops; larger n sorts the keys
 COUNT_MAX = 1 << 24            # categories multinomial's fp32 cumulative sums count exactly
 
 

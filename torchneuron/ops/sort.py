@@ -13,9 +13,13 @@
   (``kernels.sort.bitonic_sort_rows``, O(n log^2 n)) over (key, tie) pairs: the tie is the position,
   so equal keys keep their input order (stable); floats' NaN becomes +inf with a tie past every
   number's (after them ascending, before them descending), and comes back as NaN from the tie.
-  Many lines go in several launches of one program (``BITONIC_LIMIT``); longer lines fall back.
+  Many lines go in several launches of one program (``BITONIC_LIMIT``).
+- Lines longer still (below 2**24) sort by a stable LSD radix sort (``_radix_sort``): order-preserving
+  32-bit keys, ``RADIX_BITS`` per pass, each pass a counting sort by one-hot prefix counts. int64 values
+  sort as two stable passes over their int32 words (``_sort_int64``).
 - ``topk``/``kthvalue`` take the leading slice / the (k-1)-th column of that sort (values exact; tie
-  indices in stable order); ``mode`` counts equal neighbours in the sorted lines.
+  indices in stable order; ``topk`` of lines past one bitonic sort keeps each block's leading k first);
+  ``mode`` counts equal neighbours in the sorted lines.
 """
 from __future__ import annotations
 
@@ -248,7 +252,8 @@ def _radix_sort(rows: torch.Tensor, descending: bool) -> tuple[torch.Tensor, tor
 
 def _sort(self: torch.Tensor, dim: int, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, int64 indices) of a stable sort along ``dim``: the rank sort for short lines, the bitonic
-    network for longer ones (up to ``MAX_COLS``); Unsupported beyond. int64: ``_sort_int64``."""
+    network for longer ones (up to ``MAX_COLS``), the radix sort below 2**24; Unsupported beyond.
+    int64: ``_sort_int64``."""
     if self.dtype == torch.int64:
         return _sort_int64(self, dim, descending)
     if self.dtype not in DATA_DTYPES:

@@ -17,10 +17,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from torchneuron.ops.nn import FLOATS
 from torchneuron.ops.registry import cpu_fallback, lowering
 
 aten = torch.ops.aten
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _full_mask(self: torch.Tensor, mask: torch.Tensor, mask_type: int | None) -> torch.Tensor | None:
