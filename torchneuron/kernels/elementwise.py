@@ -42,11 +42,21 @@ def _apply(fn, tiles):
 
 
 def _body(ins, fn, out_dtype, compute=nl.float32):
+    """The streaming loops; ``fn`` may return a tuple of tiles, one per dtype of a tuple ``out_dtype`` (a fused
+    group with several results): then the outputs are a tuple too."""
     R, C = max(t.shape[0] for t in ins), max(t.shape[1] for t in ins)
-    out = nl.ndarray((R, C), out_dtype, buffer=nl.shared_hbm)
+    multi = isinstance(out_dtype, tuple)
+    dtypes = out_dtype if multi else (out_dtype,)
+    outs = tuple(nl.ndarray((R, C), dt, buffer=nl.shared_hbm) for dt in dtypes)
     F = DMA_ROW_BYTES // 4                                    # 4-byte compute tiles: 2048 elements, 8 KiB rows
-    # SBUF: (inputs + result + one temporary) x 2 buffers of F fp32, plus preloaded broadcast rows
-    check_sbuf((len(ins) + 2) * NBUF * F * 4 + len(ins) * min(C, F) * 4, "elementwise")
+    # SBUF: (inputs + results + one temporary) x 2 buffers of F fp32, plus preloaded broadcast rows
+    check_sbuf((len(ins) + len(outs) + 1) * NBUF * F * 4 + len(ins) * min(C, F) * 4, "elementwise")
+
+    def results(tiles, p, f):
+        ys = _apply(fn, tiles)
+        ys = ys if multi else (ys,)
+        assert len(ys) == len(outs), f"elementwise: {len(ys)} results for {len(outs)} output dtypes"
+        return [_widen(y, p, f, compute) for y in ys]
     if all(tuple(t.shape) in ((R, C), (1, 1)) for t in ins):   # full inputs and scalars: stream the flat tensor
         n = R * C
         flat = [t.reshape((n,)) if tuple(t.shape) == (R, C) else None for t in ins]
@@ -55,7 +65,7 @@ def _body(ins, fn, out_dtype, compute=nl.float32):
             if flat[i] is None:
                 scalars[i] = nl.ndarray((PMAX, 1), compute, buffer=nl.sbuf)
                 nisa.dma_copy(dst=scalars[i], src=t.broadcast_to((PMAX, 1)))
-        oflat = out.reshape((n,))
+        oflats = [o.reshape((n,)) for o in outs]
         f = max(1, min(F, n // PMAX))
         step = PMAX * f
         ring = collections.deque(maxlen=NBUF)                # keeps NBUF iterations' tiles alive: NBUF-deep pipeline
@@ -69,9 +79,10 @@ def _body(ins, fn, out_dtype, compute=nl.float32):
                 x = nl.ndarray((PMAX, f), compute, buffer=nl.sbuf)
                 nisa.dma_copy(dst=x, src=t[s:s + step].reshape((PMAX, f)))
                 tiles.append(x)
-            y = _widen(_apply(fn, tiles), PMAX, f, compute)
-            tiles.append(y)
-            nisa.dma_copy(dst=oflat[s:s + step].reshape((PMAX, f)), src=y)
+            ys = results(tiles, PMAX, f)
+            tiles.extend(ys)
+            for oflat, y in zip(oflats, ys):
+                nisa.dma_copy(dst=oflat[s:s + step].reshape((PMAX, f)), src=y)
         s = n - n % step
         if s < n:                                             # the tail: [p, f'] then a single partial row
             r = n - s
@@ -88,9 +99,9 @@ def _body(ins, fn, out_dtype, compute=nl.float32):
                     x = nl.ndarray((pp, ff), compute, buffer=nl.sbuf)
                     nisa.dma_copy(dst=x, src=t[s0:s0 + pp * ff].reshape((pp, ff)))
                     tiles.append(x)
-                y = _widen(_apply(fn, tiles), pp, ff, compute)
-                nisa.dma_copy(dst=oflat[s0:s0 + pp * ff].reshape((pp, ff)), src=y)
-        return out
+                for oflat, y in zip(oflats, results(tiles, pp, ff)):
+                    nisa.dma_copy(dst=oflat[s0:s0 + pp * ff].reshape((pp, ff)), src=y)
+        return outs if multi else outs[0]
     kinds = ["full" if tuple(t.shape) == (R, C) else "scalar" if t.shape == (1, 1) else
              "row" if t.shape[0] == 1 else "col" for t in ins]
     assert all(k == "full" or tuple(t.shape) in ((1, C), (R, 1), (1, 1)) for k, t in zip(kinds, ins)), \
@@ -117,9 +128,9 @@ def _body(ins, fn, out_dtype, compute=nl.float32):
                 src = t[r0:r0 + p, c0:c0 + fw] if k == "full" else t[r0:r0 + p, 0:1]
                 nisa.dma_copy(dst=x[:p, :], src=src)
                 tiles.append(x[:p, :])
-            y = _widen(_apply(fn, tiles), p, fw, compute)
-            nisa.dma_copy(dst=out[r0:r0 + p, c0:c0 + fw], src=y)
-    return out
+            for out, y in zip(outs, results(tiles, p, fw)):
+                nisa.dma_copy(dst=out[r0:r0 + p, c0:c0 + fw], src=y)
+    return outs if multi else outs[0]
 
 
 def _widen(y, p: int, f: int, compute):
