@@ -169,6 +169,13 @@ def elementwise5(a, b, c, d, e, fn, out_dtype, compute=nl.float32):
     return _body([a, b, c, d, e], fn, out_dtype, compute)
 
 
+def stream(ins: list, fn: Callable, out_dtype, compute=nl.float32):
+    """The template inline in a larger kernel's trace (the graph compiler's fused groups): any number of
+    [R, C], (1, C), (R, 1) or (1, 1) HBM inputs; ``fn`` returns a tile, or a tuple of tiles with a tuple
+    ``out_dtype``. Returns the output HBM tensor(s)."""
+    return _body(ins, fn, out_dtype, compute)
+
+
 KERNELS = {1: elementwise1, 2: elementwise2, 3: elementwise3, 4: elementwise4, 5: elementwise5}
 
 
