@@ -34,6 +34,9 @@ def _register() -> None:
     _printing.install()
     _encoder_fast_path.install()
     from torchneuron import ops  # noqa: F401  (the eager ATen kernels register on import)
+    from torchneuron.compiler.backend import install_default_backend
+
+    install_default_backend()  # torch.compile's default backend runs neuron graphs through ours
 
 
 _register()

@@ -1,0 +1,63 @@
+"""``torch.compile(model, backend="neuron")``: TorchDynamo -> AOTAutograd -> our graph compiler.
+
+AOTAutograd splits a captured graph into forward and backward ATen graphs (or one inference
+graph under ``no_grad``), applies ``decompositions.decomposition_table()`` and hands each graph
+to ``compile_graph``, which returns a ``CompiledGraph`` in the boxed calling convention.
+Input mutations in inference graphs (BatchNorm running statistics) stay in the graph as
+trailing ``copy_`` ops, which run as eager ops; AOTAutograd's wrappers handle aliased outputs.
+
+The backend is found by name through the ``torch_dynamo_backends`` entry point, so it works
+after ``import torch`` alone. ``install_default_backend()`` (run when the device registers)
+routes the default backend (Inductor) to this one when a compiled graph's inputs are on
+``neuron``, as AWS's backend is auto-selected on a Neuron device: Inductor has no code generator
+for this device.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable
+
+import torch
+
+_graph_ids = itertools.count()
+
+
+def compile_graph(kind: str) -> Callable:
+    """The AOTAutograd compiler for ``kind`` graphs (``forward``, ``backward``, ``inference``)."""
+    def compile_fn(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torchneuron.compiler.graph_runner import CompiledGraph
+        compiled = CompiledGraph(gm, f"g{next(_graph_ids)}_{kind}")
+        compiled._boxed_call = True   # it takes the argument list itself (and clears it), as AOTAutograd asks
+        return compiled
+    return compile_fn
+
+
+def neuron_backend(gm: torch.fx.GraphModule, example_inputs: list, **options: Any) -> Callable:
+    """The TorchDynamo backend ``"neuron"``."""
+    if options:
+        raise TypeError(f"torch.compile(backend='neuron') takes no options; got {sorted(options)}")
+    from torch._dynamo.backends.common import aot_autograd
+
+    from torchneuron.compiler.decompositions import decomposition_table
+    return aot_autograd(fw_compiler=compile_graph("forward"), bw_compiler=compile_graph("backward"),
+                        inference_compiler=compile_graph("inference"), decompositions=decomposition_table(),
+                        keep_inference_input_mutations=True)(gm, example_inputs)
+
+
+def _on_neuron(inputs: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.device.type == "neuron" for t in inputs)
+
+
+def install_default_backend() -> None:
+    """Route ``torch.compile``'s default backend to ``neuron_backend`` for graphs whose inputs are on neuron."""
+    wrapper = torch._TorchCompileInductorWrapper
+    if getattr(wrapper.__call__, "_torchneuron", False):
+        return
+    inductor_call = wrapper.__call__
+
+    def __call__(self, model_, inputs_, **kwargs):
+        if _on_neuron(inputs_):
+            return neuron_backend(model_, inputs_)
+        return inductor_call(self, model_, inputs_, **kwargs)
+    __call__._torchneuron = True
+    wrapper.__call__ = __call__

@@ -1,0 +1,221 @@
+"""Codegen: one segment of a partitioned graph, for one input signature, traced into one Program.
+
+The segment becomes a kernel of our NKI language whose body walks the segment's items in order:
+
+    view node     the operand's layout changed (torch on a meta tensor), no instruction
+    fusion group  one pass of the element-wise template (``kernels.elementwise.stream``) whose tile
+                  function evaluates every member over fp32 (or int32) tiles, storing only the
+                  members used outside the group; casts to bf16/fp16 inside it round the tile
+    kernel node   its library kernel, called inline (``kernel_lowerings``)
+
+Library kernels called inside a trace add their instructions to it, so the whole segment is one
+instruction list: one Program, one launch, with the timing model free to overlap one kernel's
+DMA with the previous kernel's compute. Graph inputs are bound as the flat span of their storage
+(a 1-D slot), seen through their real strides; the segment's outputs are returned as whole HBM
+tensors, with the layout each value has over its buffer (``OutputLayout``) for the host to view.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from torchneuron import nki
+import torchneuron.nki.isa as nisa
+import torchneuron.nki.language as nl
+from torchneuron.compiler import lowering
+from torchneuron.compiler.kernel_lowerings import pointwise
+from torchneuron.compiler.partition import FusionGroup, Plan, Segment
+from torchneuron.compiler.values import NotLowerable, Value, input_value
+from torchneuron.sim import Program
+from torchneuron.sim.specs import ChipSpec
+
+CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+ROUNDED = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class InputSig:
+    """What a program depends on in one segment input: a tensor's layout, or a host scalar's value."""
+
+    shape: tuple | None = None
+    stride: tuple | None = None
+    dtype: torch.dtype | None = None
+    scalar: Any = None
+
+    @property
+    def span(self) -> int:
+        """Elements of the storage the tensor reaches from its offset (its flat slot's length)."""
+        if any(n == 0 for n in self.shape):
+            return 0
+        return 1 + sum((n - 1) * st for n, st in zip(self.shape, self.stride))
+
+
+def signature(v: Any) -> InputSig:
+    """The InputSig of a host value."""
+    if isinstance(v, torch.Tensor):
+        return InputSig(tuple(v.shape), tuple(v.stride()), v.dtype)
+    return InputSig(scalar=v)
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """Where a segment output lies in its program output slot: sizes, strides and offset in elements."""
+
+    slot: str
+    shape: tuple
+    stride: tuple
+    offset: int
+
+
+@dataclass
+class SegmentProgram:
+    """A traced segment: its Program, the slot bound to each input, and where each output lies."""
+
+    program: Program
+    input_slots: list[str | None]        # per segment input (None: a host scalar, baked in)
+    outputs: list[OutputLayout]
+
+
+def _members(seg: Segment) -> set:
+    return set(seg.nodes)
+
+
+class _Body:
+    """The segment kernel's body: evaluates the items over Values while the trace records instructions."""
+
+    def __init__(self, plan: Plan, seg: Segment, sigs: list[InputSig]):
+        self.plan, self.seg, self.sigs = plan, seg, sigs
+        self.roles = plan.roles
+
+    def __call__(self, **slots: Any) -> tuple:
+        env: dict[fx.Node, Any] = {}
+        for i, (node, sig) in enumerate(zip(self.seg.inputs, self.sigs)):
+            env[node] = sig.scalar if sig.shape is None else input_value(slots[f"in{i}"], sig.shape, sig.stride,
+                                                                          sig.dtype)
+        self.env = env
+        for item in self.seg.items:
+            if isinstance(item, FusionGroup):
+                self._group(item)
+            else:
+                self._node(item)
+        return tuple(self.value(n).buf for n in self.seg.outputs)
+
+    # values ------------------------------------------------------------------------------------
+
+    def value(self, node: Any) -> Any:
+        """The Value (or scalar, or tuple) of an fx node argument, applying views on demand."""
+        if not isinstance(node, fx.Node):
+            return node
+        hit = self.env.get(node, _MISSING)
+        if hit is not _MISSING:
+            return hit
+        if self.roles.get(node) != "view":
+            raise NotLowerable(f"{node.name} is read before it is computed")
+        v = self.env[node] = self._view(node)
+        return v
+
+    def args(self, node: fx.Node) -> tuple[tuple, dict]:
+        """The node's arguments with fx nodes replaced by their values."""
+        return fx.node.map_arg((node.args, node.kwargs), self.value)
+
+    def _view(self, node: fx.Node) -> Any:
+        args, kwargs = self.args(node)
+        src = args[0]
+        if node.target is operator.getitem:
+            return src[args[1]]
+        metas = node.target(src.layout, *args[1:], **kwargs)
+        if isinstance(metas, (tuple, list)):
+            return tuple(src.with_layout(m) for m in metas)
+        return src.with_layout(metas)
+
+    # items -------------------------------------------------------------------------------------
+
+    def _node(self, node: fx.Node) -> None:
+        role = self.roles[node]
+        if role == "view":
+            self.value(node)
+            return
+        args, kwargs = self.args(node)
+        if role == "pick":
+            self.env[node] = args[0][args[1]]
+            return
+        lower = lowering.KERNELS[node.target]
+        self.env[node] = lower(self, node, *args, **kwargs)
+
+    def _group(self, g: FusionGroup) -> None:
+        inputs = g.inputs
+        values = [self.value(n) for n in inputs]
+        tensors = [(n, v) for n, v in zip(inputs, values) if isinstance(v, Value)]
+        dtypes = tuple(o.meta["val"].dtype for o in g.outputs)
+        compute = nl.float32 if g.kind == "float" else nl.int32
+        consts: dict = {}
+
+        def const(value: Any, like):
+            p = like.shape[0]
+            key = (value, p)
+            if key not in consts:
+                col = nl.ndarray((p, 1), compute, buffer=nl.sbuf)
+                nisa.memset(dst=col, value=value)
+                consts[key] = col
+            return consts[key]
+
+        def fn(*tiles):
+            env = {n: t for (n, _), t in zip(tensors, tiles)}
+            like = tiles[0]
+            for node in g.nodes:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env.get(a, self.value(a)))
+                tile_fn, operands = lowering.POINTWISE[node.target](*args, **kwargs)
+                ops = [const(o, like) if isinstance(o, (int, float, bool)) else o for o in operands]
+                out = tile_fn(*ops)
+                dtype = node.meta["val"].dtype
+                if node.target in CASTS and dtype in ROUNDED and g.kind == "float":
+                    out = _round(out, dtype)
+                env[node] = out
+            return tuple(env[o] for o in g.outputs)
+
+        if not tensors:
+            raise NotLowerable("a fused group with no tensor operand")
+        outs = pointwise(fn, [v for _, v in tensors], g.shape, dtypes)
+        self.env.update(zip(g.outputs, outs))
+
+
+_MISSING = object()
+
+
+def _round(tile, dtype: torch.dtype):
+    """Round an fp32 tile through ``dtype`` (an explicit cast inside a fused group), back in fp32."""
+    low = nl.ndarray(tile.shape, dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=low, src=tile)
+    back = nl.ndarray(tile.shape, nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=back, src=low)
+    return back
+
+
+def trace_segment(plan: Plan, seg: Segment, sigs: list[InputSig], spec: ChipSpec, name: str) -> SegmentProgram:
+    """Trace ``seg`` for inputs of signatures ``sigs`` into one Program on ``spec``."""
+    body = _Body(plan, seg, sigs)
+    params, kwargs, slots = [], {}, []
+    for i, sig in enumerate(sigs):
+        if sig.shape is None:
+            slots.append(None)
+            continue
+        n = f"in{i}"
+        params.append(inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY))
+        kwargs[n] = torch.empty((max(sig.span, 1),), dtype=sig.dtype, device="meta")
+        slots.append(n)
+
+    def kernel(**kw):
+        return body(**kw)
+    kernel.__signature__ = inspect.Signature(params)
+    kernel.__name__ = kernel.__qualname__ = name
+    traced = nki.jit(kernel).trace((), kwargs, spec)
+    outs = []
+    for node, slot in zip(seg.outputs, traced.result):
+        lay = body.env[node].layout
+        outs.append(OutputLayout(slot, tuple(lay.shape), tuple(lay.stride()), lay.storage_offset()))
+    return SegmentProgram(traced.program, slots, outs)

@@ -1,0 +1,127 @@
+"""Running a compiled graph: its steps in order, each segment's Program launched once per call.
+
+``CompiledGraph(gm, name)`` partitions the graph once. A call walks the plan's steps:
+
+    eager node   the ATen op on the host values (it dispatches to the eager neuron kernel, or the
+                 counted CPU fallback; strict mode holds)
+    segment      its Program for the inputs' signature (traced on the first call with that
+                 signature, or read from the cache), launched once: inputs bound as the flat span
+                 of their storage, outputs viewed with the layout the trace gave them
+
+Views are applied to host tensors on demand (``torch`` views: the strides eager would give).
+A segment whose lowering meets a case it cannot emit (``NotLowerable``) runs as eager ops for
+that signature, with a one-time warning; the report counts it.
+"""
+from __future__ import annotations
+
+import operator
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from torchneuron import runtime
+from torchneuron.compiler import cache
+from torchneuron.compiler.codegen import SegmentProgram, signature, trace_segment
+from torchneuron.compiler.partition import Plan, Segment, partition
+from torchneuron.compiler.report import GraphReport, dump_graph, dump_segment
+from torchneuron.compiler.values import NotLowerable
+from torchneuron.runtime.launch import launch_slots
+
+EAGER = "eager"   # a segment signature that runs as eager ops
+
+
+class CompiledGraph:
+    """A partitioned ATen graph, callable with the boxed calling convention (the argument list is cleared)."""
+
+    def __init__(self, gm: fx.GraphModule, name: str):
+        t0 = time.perf_counter()
+        self.gm, self.name = gm, name
+        self.plan: Plan = partition(gm.graph)
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.output_node = next(n for n in gm.graph.nodes if n.op == "output")
+        self.programs: dict[tuple, SegmentProgram | str] = {}
+        self.report = GraphReport.of(name, self.plan, time.perf_counter() - t0)
+        self.fingerprints = [cache.segment_fingerprint(self.plan, s) for s in self.plan.segments]
+        dump_graph(self)
+
+    def __call__(self, args: list) -> list:
+        """Run the graph on ``args`` (cleared, as the boxed convention asks); return its outputs."""
+        env: dict[fx.Node, Any] = dict(zip(self.placeholders, args))
+        args.clear()
+        for step in self.plan.steps:
+            if isinstance(step, Segment):
+                self._segment(step, env)
+            else:
+                a, kw = fx.node.map_arg((step.args, step.kwargs), lambda n: self._host(n, env))
+                env[step] = step.target(*a, **kw)
+        out = fx.node.map_arg(self.output_node.args[0], lambda n: self._host(n, env))
+        return list(out)
+
+    def _host(self, node: fx.Node, env: dict) -> Any:
+        """A node's host value; views (and picks of views) are applied to host tensors on demand."""
+        if node in env:
+            return env[node]
+        if self.plan.roles.get(node) != "view":
+            raise RuntimeError(f"compiled graph {self.name}: {node.name} has no host value (a partition bug)")
+        a, kw = fx.node.map_arg((node.args, node.kwargs), lambda n: self._host(n, env))
+        env[node] = v = node.target(*a, **kw)
+        return v
+
+    def _segment(self, seg: Segment, env: dict) -> None:
+        values = [self._host(n, env) for n in seg.inputs]
+        sigs = [signature(v) for v in values]
+        device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+        key = (seg.index, device.index if device is not None else None, *sigs)
+        prog = self.programs.get(key)
+        if prog is None:
+            prog = self.programs[key] = self._compile(seg, sigs, device)
+        if prog == EAGER:
+            self._eager(seg, env)
+            return
+        tensors = []
+        by_slot = {}
+        for v, slot in zip(values, prog.input_slots):
+            if slot is not None:
+                by_slot[slot] = _flat_span(v)
+        order = [s.name for s in prog.program.args]
+        bound = launch_slots(prog.program, [by_slot.get(n) for n in order], device.index, f"compiled::{self.name}")
+        index = {n: i for i, n in enumerate(order)}
+        for node, lay in zip(seg.outputs, prog.outputs):
+            buf = bound[index[lay.slot]]
+            env[node] = buf.reshape(-1).as_strided(lay.shape, lay.stride, lay.offset)
+        del tensors
+
+    def _compile(self, seg: Segment, sigs: list, device: torch.device | None) -> SegmentProgram | str:
+        """The segment's program for these signatures: from the cache, else traced (and stored)."""
+        spec = runtime.core(device.index).spec
+        key = cache.program_key(self.fingerprints[seg.index], sigs, spec.name)
+        t0 = time.perf_counter()
+        prog = cache.load(key)
+        if prog is not None:
+            self.report.cache_hits += 1
+            return prog
+        try:
+            prog = trace_segment(self.plan, seg, sigs, spec, f"{self.name}_s{seg.index}")
+        except NotLowerable as e:
+            warnings.warn(f"torch.compile(backend='neuron'): graph {self.name}, segment {seg.index} runs as eager "
+                          f"ops for these inputs: {e}", stacklevel=3)
+            self.report.eager_segments += 1
+            return EAGER
+        self.report.add_program(seg.index, prog.program, time.perf_counter() - t0, spec)
+        cache.store(key, prog)
+        dump_segment(self, seg, prog)
+        return prog
+
+    def _eager(self, seg: Segment, env: dict) -> None:
+        for node in seg.nodes:
+            a, kw = fx.node.map_arg((node.args, node.kwargs), lambda n: self._host(n, env))
+            env[node] = operator.getitem(*a) if node.target is operator.getitem else node.target(*a, **kw)
+
+
+def _flat_span(t: torch.Tensor) -> torch.Tensor:
+    """The storage a tensor reaches, from its offset, as a contiguous 1-D tensor (a slot's binding)."""
+    span = signature(t).span
+    return t.as_strided((max(span, 1),), (1,), t.storage_offset())

@@ -1,0 +1,275 @@
+"""Partition: an ATen graph cut into compiled segments and eager nodes, segments cut into fusion groups.
+
+Every call node gets a role from ``lowering.kind`` and its operands (``role``):
+
+- ``view``: a view; computed wherever its operand lives (an access pattern inside a program, a
+  ``torch`` view on the host), never a program output of its own;
+- ``pointwise`` / ``kernel``: computed inside a program (``Segment``);
+- ``eager``: run as the eager op on the host, between programs (also what the compiler cannot run
+  on the device: float64/int64/complex operands, CPU tensors, data-dependent shapes).
+
+Nodes are taken in graph order. Compiled nodes collect into the open segment; an eager node that
+reads nothing of the open segment runs before it (the graph is functional, so this only reorders
+independent work), while one that does closes it. Each segment becomes one Program: one launch.
+
+Inside a segment, pointwise nodes of one compute kind (float or integer tiles) and one iteration
+shape fuse into a ``FusionGroup``: the element-wise template streams the group's inputs once and
+stores only the values used outside it. A node joins the group of a producer only if none of its
+other operands is computed after that group starts, so emitting the group at its first node keeps
+every operand available (no cycles through other nodes).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from torchneuron.compiler import lowering
+
+DEVICE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int16, torch.int8, torch.uint8,
+                 torch.bool)
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _vals(node: fx.Node) -> list:
+    v = node.meta.get("val")
+    return [x for x in (v if isinstance(v, (tuple, list)) else [v]) if isinstance(x, torch.Tensor)]
+
+
+def _operand_vals(node: fx.Node) -> list:
+    return [x for a in node.all_input_nodes for x in _vals(a)]
+
+
+def _on_device(ts: list) -> bool:
+    return all(t.device.type == "neuron" and t.dtype in DEVICE_DTYPES for t in ts)
+
+
+def _static(ts: list) -> bool:
+    return all(isinstance(s, int) for t in ts for s in (*t.shape, *t.stride()))
+
+
+def _cast_ok(node: fx.Node) -> bool:
+    """Casts fused into a group: float to float, or integer/bool to float (exact below 2**24, as eager's)."""
+    (src,), (dst,) = _operand_vals(node)[:1], _vals(node)
+    if node.target is torch.ops.aten._to_copy.default and set(node.kwargs) - {"dtype", "layout", "device"}:
+        return False   # memory_format, pin_memory, non_blocking: the eager op
+    return dst.dtype in FLOATS and src.device == dst.device
+
+
+def role(node: fx.Node) -> str:
+    """``placeholder``, ``output``, ``view``, ``pick`` (an element of a kernel's tuple), ``pointwise``,
+    ``kernel`` or ``eager``."""
+    if node.op in ("placeholder", "output"):
+        return node.op
+    if node.op != "call_function":
+        return "eager"
+    if node.target is operator.getitem:
+        src = node.args[0]
+        src_role = role(src) if isinstance(src, fx.Node) else "eager"
+        return {"kernel": "pick", "view": "view"}.get(src_role, "eager")
+    k = lowering.kind(node.target)
+    if k == "view":
+        return "view"
+    outs, ins = _vals(node), _operand_vals(node)
+    if k == "eager" or not outs or not _on_device(outs + ins) or not _static(outs + ins):
+        return "eager"
+    if any(t.numel() == 0 for t in outs + ins):
+        return "eager"
+    if k == "kernel":
+        pred = lowering.SUPPORTS.get(node.target)
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+        if pred is not None and not pred(node, *args, **kwargs):
+            return "eager"
+    if k == "pointwise":
+        if node.target in (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default) \
+                and not _cast_ok(node):
+            return "eager"
+        if node.target is torch.ops.aten.clone.default and set(node.kwargs) - {"memory_format"}:
+            return "eager"
+    return k
+
+
+def compute_kind(node: fx.Node) -> str:
+    """``float`` when the node's result or a tensor operand is floating (fp32 tiles), else ``int``."""
+    return "float" if any(t.dtype.is_floating_point for t in _vals(node) + _operand_vals(node)) else "int"
+
+
+@dataclass
+class FusionGroup:
+    """Pointwise nodes streamed in one pass: ``nodes`` in graph order, over one iteration shape."""
+
+    nodes: list[fx.Node]
+    shape: tuple[int, ...]
+    kind: str
+    start: int                       # graph position of the first node (operands must come before it)
+    outputs: list[fx.Node] = field(default_factory=list)   # members used outside the group
+
+    @property
+    def inputs(self) -> list[fx.Node]:
+        """Operands computed outside the group, in first-use order."""
+        members, seen = set(self.nodes), {}
+        for n in self.nodes:
+            for a in n.all_input_nodes:
+                if a not in members:
+                    seen.setdefault(a, None)
+        return list(seen)
+
+
+@dataclass
+class Segment:
+    """Compiled nodes that become one Program: ``items`` are fx nodes (views, picks, kernels) and groups."""
+
+    index: int
+    nodes: list[fx.Node] = field(default_factory=list)
+    items: list[Any] = field(default_factory=list)
+    inputs: list[fx.Node] = field(default_factory=list)    # host values it reads (graph inputs, eager results)
+    outputs: list[fx.Node] = field(default_factory=list)   # computed values read after it
+
+    def describe(self) -> str:
+        """One line per item: what the program computes."""
+        lines = []
+        for it in self.items:
+            if isinstance(it, FusionGroup):
+                lines.append(f"  fused[{it.kind} {list(it.shape)}]: " + ", ".join(_name(n) for n in it.nodes)
+                             + " -> " + ", ".join(n.name for n in it.outputs))
+            else:
+                lines.append(f"  {role(it)}: {_name(it)}")
+        return "\n".join(lines)
+
+
+def _name(n: fx.Node) -> str:
+    t = n.target
+    return f"{n.name}={getattr(t, '__name__', str(t))}"
+
+
+@dataclass
+class Plan:
+    """The partitioned graph: ``steps`` in execution order, each an eager/view fx node or a Segment."""
+
+    graph: fx.Graph
+    steps: list[Any]
+    segments: list[Segment]
+    roles: dict[fx.Node, str]
+
+
+def _root(node: fx.Node, roles: dict) -> fx.Node:
+    """The node whose buffer a view/pick chain reads."""
+    while roles.get(node) in ("view",) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def partition(graph: fx.Graph) -> Plan:
+    """Cut ``graph`` into steps: eager nodes and compiled segments (with their fusion groups)."""
+    roles = {n: role(n) for n in graph.nodes}
+    owner: dict[fx.Node, Segment] = {}       # compiled node -> its segment
+    steps: list[Any] = []
+    segments: list[Segment] = []
+    open_seg: Segment | None = None
+
+    def produced_in(node: fx.Node, seg: Segment | None) -> bool:
+        return seg is not None and owner.get(_root(node, roles)) is seg
+
+    for node in graph.nodes:
+        r = roles[node]
+        if r in ("placeholder", "output"):
+            continue
+        if r == "view":
+            # a view of a segment's value belongs to it; a view of a host value is applied on demand
+            if open_seg is not None and produced_in(node.args[0], open_seg):
+                owner[node] = open_seg
+                open_seg.nodes.append(node)
+            continue
+        if r in ("pointwise", "kernel", "pick"):
+            if open_seg is None:
+                open_seg = Segment(len(segments))
+                segments.append(open_seg)
+                steps.append(open_seg)
+            owner[node] = open_seg
+            open_seg.nodes.append(node)
+            continue
+        # eager: before the open segment when independent of it, else it closes the segment; an op that
+        # writes memory (copy_ into a graph input) keeps its place: the segment may read what it writes
+        if open_seg is not None and (_mutates(node) or any(produced_in(a, open_seg) for a in node.all_input_nodes)):
+            open_seg = None
+            steps.append(node)
+        else:
+            steps.insert(len(steps) - 1 if open_seg is not None else len(steps), node)
+
+    for seg in segments:
+        _finish_segment(seg, roles, owner)
+    return Plan(graph, steps, segments, roles)
+
+
+def _mutates(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or schema.is_mutable
+
+
+def _finish_segment(seg: Segment, roles: dict, owner: dict) -> None:
+    members = set(seg.nodes)
+    inputs: dict[fx.Node, None] = {}
+    for n in seg.nodes:
+        for a in n.all_input_nodes:
+            root = _root(a, roles)
+            if root not in members and roles.get(root) not in ("view",):
+                inputs.setdefault(root, None)
+    seg.inputs = list(inputs)
+    outputs: dict[fx.Node, None] = {}
+    for n in seg.nodes:
+        if roles[n] == "view":
+            continue
+        for user in _readers(n, roles):
+            if user not in members:
+                outputs.setdefault(n, None)
+    seg.outputs = list(outputs)
+    seg.items = _fuse(seg, roles)
+
+
+def _readers(node: fx.Node, roles: dict) -> list[fx.Node]:
+    """The non-view nodes that read ``node``'s value, looking through views."""
+    out = []
+    for u in node.users:
+        if roles.get(u) == "view":
+            out.extend(_readers(u, roles) or [u])   # a view nobody reads still counts if it is an output
+        else:
+            out.append(u)
+    return out
+
+
+def _shape(node: fx.Node) -> tuple[int, ...]:
+    return tuple(_vals(node)[0].shape)
+
+
+def _fuse(seg: Segment, roles: dict) -> list[Any]:
+    """The segment's items in order: view/pick/kernel nodes and FusionGroups."""
+    order = {n: i for i, n in enumerate(seg.nodes)}
+    group_of: dict[fx.Node, FusionGroup] = {}
+    items: list[Any] = []
+    escapes = set(seg.outputs)
+    for node in seg.nodes:
+        if roles[node] != "pointwise":
+            items.append(node)
+            continue
+        shape, kind = _shape(node), compute_kind(node)
+        target = None
+        for a in node.all_input_nodes:
+            g = group_of.get(a)
+            if g is None or g.shape != shape or g.kind != kind:
+                continue
+            others = [b for b in node.all_input_nodes if group_of.get(b) is not g]
+            if all(order.get(_root(b, roles), -1) < g.start for b in others):
+                target = g
+                break
+        if target is None:
+            target = FusionGroup([], shape, kind, order[node])
+            items.append(target)
+        target.nodes.append(node)
+        group_of[node] = target
+    for g in (it for it in items if isinstance(it, FusionGroup)):
+        members = set(g.nodes)
+        g.outputs = [n for n in g.nodes if n in escapes or any(u not in members for u in _readers(n, roles))]
+    return items

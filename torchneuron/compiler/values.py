@@ -1,0 +1,99 @@
+"""Tensor values inside a graph's program while it is traced: an HBM tensor and a layout over it.
+
+A ``Value`` is what an fx node computes, as the program sees it: ``buf``, a whole HBM tensor of the
+trace (a graph input's storage, or a kernel's output), and ``layout``, a meta tensor whose sizes,
+strides and storage offset (in elements of ``buf``) say where the value's elements lie. Views
+change only the layout (``torch`` computes it on the meta tensor, with PyTorch's own rules), so a
+transpose or a slice moves no data; a kernel that needs its operand dense gets it through
+``dense``, which copies only when the layout is not already contiguous.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from torchneuron.kernels.copy import strided_copy
+import torchneuron.nki.language as nl
+
+
+class NotLowerable(Exception):
+    """A lowering met a case it cannot emit: the segment runs as eager ops for this input signature."""
+
+
+@dataclass(frozen=True)
+class Value:
+    """``buf`` (an HBM NkiTensor, whole) seen through ``layout`` (a meta tensor over ``buf``'s elements)."""
+
+    buf: object
+    layout: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The value's sizes."""
+        return tuple(self.layout.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The element dtype."""
+        return self.layout.dtype
+
+    def with_layout(self, layout: torch.Tensor) -> "Value":
+        """The same buffer seen through another layout (a view)."""
+        return Value(self.buf, layout)
+
+    def reshape(self, shape: tuple[int, ...]) -> "Value":
+        """A contiguous value reshaped (a view)."""
+        return self.with_layout(self.layout.view(shape))
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    """Elements of ``shape``."""
+    return math.prod(shape)
+
+
+def hbm_value(buf: object) -> Value:
+    """A whole HBM tensor of the trace as a contiguous value of its own shape."""
+    shape = tuple(buf.shape)
+    return Value(buf, torch.empty(numel(shape), dtype=buf.dtype, device="meta").view(shape))
+
+
+def input_value(buf: object, shape: tuple, stride: tuple, dtype: torch.dtype) -> Value:
+    """A graph input bound as the flat span of its storage (``buf``: 1-D) seen with its real strides."""
+    flat = torch.empty(buf.shape[0], dtype=dtype, device="meta")
+    return Value(buf, flat.as_strided(shape, stride, 0))
+
+
+def _flat(v: Value):
+    n = numel(tuple(v.buf.shape))
+    return v.buf if len(v.buf.shape) == 1 else v.buf.reshape((n,))
+
+
+def dense(v: Value, shape: tuple[int, ...] | None = None):
+    """``v`` as a contiguous HBM tensor of ``shape`` (default: its own; a 0-d value is [1]): a view when the
+    layout is contiguous, else a strided DMA copy into a new buffer."""
+    shape = tuple(shape if shape is not None else v.shape) or (1,)
+    n = v.layout.numel()
+    assert numel(shape) == n, f"dense: {v.shape} has {n} elements, not {numel(shape)}"
+    lay = v.layout
+    if lay.is_contiguous():
+        off = lay.storage_offset()
+        flat = _flat(v)
+        view = flat if off == 0 and n == flat.shape[0] else flat[off:off + n]
+        return view.reshape(shape)
+    out = nl.ndarray(shape, v.dtype, buffer=nl.shared_hbm)
+    sizes = tuple(lay.shape) or (1,)
+    src_strides = tuple(lay.stride()) or (1,)
+    dst_strides = tuple(torch.empty(sizes, device="meta").stride())
+    strided_copy(out.reshape((n,)), _flat(v), (0, sizes, dst_strides), (lay.storage_offset(), sizes, src_strides))
+    return out
+
+
+def unexpanded(v: Value) -> Value:
+    """``v`` with its broadcast (stride-0) dims back to size 1: what an element-wise kernel loads once."""
+    lay = v.layout
+    sizes = tuple(1 if st == 0 else n for n, st in zip(lay.shape, lay.stride()))
+    if sizes == tuple(lay.shape):
+        return v
+    return v.with_layout(lay.as_strided(sizes, lay.stride(), lay.storage_offset()))
