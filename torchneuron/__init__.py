@@ -37,6 +37,9 @@ def _register() -> None:
     from torchneuron.compiler.backend import install_default_backend
 
     install_default_backend()  # torch.compile's default backend runs neuron graphs through ours
+    from torchneuron import distributed
+
+    distributed.register()  # the `neuron` torch.distributed backend
 
 
 _register()

@@ -7,6 +7,10 @@
 
 namespace py = pybind11;
 
+namespace torchneuron {
+void bind_process_group(py::module_& m);  // process_group.cpp: the `neuron` c10d backend
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "TorchNeuron's C++ glue: allocator, device guard, hooks and core ops";
   m.def("_configure", &torchneuron::configure, "Set the number of devices and HBM bytes per device.");
@@ -42,4 +46,5 @@ PYBIND11_MODULE(_C, m) {
     return py::reinterpret_steal<py::object>(
         THPGenerator_initDefaultGenerator(torchneuron::default_neuron_generator(c10::DeviceIndex(i))));
   });
+  torchneuron::bind_process_group(m);
 }

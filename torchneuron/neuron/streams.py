@@ -102,3 +102,15 @@ class StreamContext:
 def stream(stream: Stream | None) -> StreamContext:
     """``with torch.neuron.stream(s):`` queues work to ``s``."""
     return StreamContext(stream)
+
+
+def _record_stream(tensor: torch.Tensor, stream: torch.Stream) -> None:
+    """``Tensor.record_stream`` on neuron: nothing to defer, since work runs in stream order
+    when it is launched and memory is reused only after that; a non-neuron stream is refused."""
+    if torch.device(stream.device).type != "neuron":
+        raise RuntimeError(f"record_stream: expected a neuron stream for a tensor on {tensor.device}, "
+                           f"got a stream on {stream.device}")
+
+
+_LIB = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (kept alive for the process)
+_LIB.impl("record_stream", _record_stream, "PrivateUse1")

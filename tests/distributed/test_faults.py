@@ -1,0 +1,82 @@
+"""Faults: ranks that disagree on a collective get a clear error (and the group still works);
+a rank that dies makes the others raise within the process group's timeout instead of hanging."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from distributed.world import run_world
+
+PG_TIMEOUT_S = 20.0
+
+
+def faults_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    out: dict = {}
+    x = torch.ones(4 + rank, device="neuron")  # rank 1 has one element more
+    try:
+        dist.all_reduce(x)
+        out["mismatch"] = None
+    except RuntimeError as e:
+        out["mismatch"] = str(e)
+    out["untouched"] = x.cpu()
+    y = torch.full((2,), float(rank), device="neuron", dtype=torch.bfloat16 if rank else torch.float32)
+    try:
+        dist.broadcast(y, src=0)
+        out["dtype_mismatch"] = None
+    except RuntimeError as e:
+        out["dtype_mismatch"] = str(e)
+    z = torch.full((3,), float(rank + 1), device="neuron")
+    dist.all_reduce(z)  # the group still works after the refused collectives
+    out["after"] = z.cpu()
+
+    if rank == 1:
+        torch.save(out, os.environ["RESULT_PATH"].format(rank=rank))
+        os._exit(0)  # dies without a word to the others
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(8, device="neuron"))
+        out["dead"] = None
+    except RuntimeError as e:
+        out["dead"] = type(e).__name__ + ": " + str(e).splitlines()[0]
+    out["dead_after_s"] = time.monotonic() - start
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    path = tmp_path_factory.mktemp("faults")
+    os.environ["RESULT_PATH"] = str(path / "rank{rank}.pt")
+    try:
+        return run_world(faults_worker, 2, path, pg_timeout_s=PG_TIMEOUT_S, timeout=PG_TIMEOUT_S + 60)
+    finally:
+        del os.environ["RESULT_PATH"]
+
+
+def test_shape_mismatch_is_a_clear_error_on_every_rank(results):
+    for rank, r in enumerate(results):
+        msg = r["mismatch"]
+        assert msg is not None and "disagree" in msg
+        assert "rank 0: allreduce(float32, shape [4]" in msg and "rank 1: allreduce(float32, shape [5]" in msg
+        assert torch.equal(r["untouched"], torch.ones(4 + rank))  # nothing was exchanged
+
+
+def test_dtype_mismatch_is_a_clear_error(results):
+    for r in results:
+        assert "rank 0: broadcast(float32" in r["dtype_mismatch"]
+        assert "rank 1: broadcast(bfloat16" in r["dtype_mismatch"]
+
+
+def test_group_still_works_after_a_refused_collective(results):
+    for r in results:
+        assert torch.equal(r["after"], torch.full((3,), 3.0))
+
+
+def test_dead_rank_raises_within_the_timeout(results):
+    r = results[0]
+    assert r["dead"] is not None
+    assert r["dead_after_s"] < PG_TIMEOUT_S + 5.0
