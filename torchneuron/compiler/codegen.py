@@ -30,7 +30,7 @@ import torchneuron.nki.language as nl
 from torchneuron.compiler import lowering
 from torchneuron.compiler.kernel_lowerings import pointwise
 from torchneuron.compiler.partition import FusionGroup, Plan, Segment
-from torchneuron.compiler.values import NotLowerable, Value, input_value
+from torchneuron.compiler.values import NotLowerable, Value, dense, hbm_value, input_value
 from torchneuron.sim import Program
 from torchneuron.sim.specs import ChipSpec
 
@@ -128,7 +128,11 @@ class _Body:
         src = args[0]
         if node.target is operator.getitem:
             return src[args[1]]
-        metas = node.target(src.layout, *args[1:], **kwargs)
+        try:
+            metas = node.target(src.layout, *args[1:], **kwargs)
+        except RuntimeError:  # not a view of this layout (``view`` of a transpose): of a dense copy, as reshape does
+            src = hbm_value(dense(src)).reshape(src.shape)
+            metas = node.target(src.layout, *args[1:], **kwargs)
         if isinstance(metas, (tuple, list)):
             return tuple(src.with_layout(m) for m in metas)
         return src.with_layout(metas)
@@ -168,7 +172,7 @@ class _Body:
             env = {n: t for (n, _), t in zip(tensors, tiles)}
             like = tiles[0]
             for node in g.nodes:
-                args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env.get(a, self.value(a)))
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a] if a in env else self.value(a))
                 tile_fn, operands = lowering.POINTWISE[node.target](*args, **kwargs)
                 ops = [const(o, like) if isinstance(o, (int, float, bool)) else o for o in operands]
                 out = tile_fn(*ops)

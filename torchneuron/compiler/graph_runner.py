@@ -67,7 +67,11 @@ class CompiledGraph:
         if self.plan.roles.get(node) != "view":
             raise RuntimeError(f"compiled graph {self.name}: {node.name} has no host value (a partition bug)")
         a, kw = fx.node.map_arg((node.args, node.kwargs), lambda n: self._host(n, env))
-        env[node] = v = node.target(*a, **kw)
+        try:
+            v = node.target(*a, **kw)
+        except RuntimeError:  # a ``view`` the program output's layout does not allow: of a copy, as reshape does
+            v = node.target(a[0].contiguous(), *a[1:], **kw)
+        env[node] = v
         return v
 
     def _segment(self, seg: Segment, env: dict) -> None:

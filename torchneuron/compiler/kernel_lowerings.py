@@ -39,6 +39,10 @@ def pointwise(fn: Callable, values: list, shape: tuple, out_dtype: torch.dtype |
         fold = (len(shape), ["full"] * len(ins))
     k, kinds = fold
     R, C = numel(shape[:k]), numel(shape[k:])
+    rows = R == 1 or any(kd in ("full", "col") for kd in kinds)
+    cols = C == 1 or any(kd in ("full", "row") for kd in kinds)
+    if not (rows and cols):  # the template takes its [R, C] from the inputs: one of them must span it
+        ins[0], kinds[0] = values[0].with_layout(values[0].layout.expand(shape)), "full"
     two_d = {"full": (R, C), "row": (1, C), "col": (R, 1), "scalar": (1, 1)}
     args = [dense(v, two_d[kd]) for v, kd in zip(ins, kinds)]
     dtypes = out_dtype if isinstance(out_dtype, tuple) else (out_dtype,)
@@ -200,11 +204,12 @@ def lower_layer_norm_backward(ctx, node, dy: Value, x: Value, shape, mean: Value
 # ---- reductions ------------------------------------------------------------------------------------
 
 def _reduced_run(shape: tuple, dims: list | None) -> tuple[int, int, int] | None:
-    """(outer, reduced, inner) when ``dims`` is one run of adjacent dims (all dims when None/empty)."""
+    """(outer, reduced, inner) when ``dims`` is one run of adjacent dims (all dims when None; an explicit empty
+    list, whose meaning differs between reductions, is left to the eager op)."""
     nd = len(shape)
-    ds = sorted({d % nd for d in dims}) if dims else list(range(nd))
-    if not ds:
-        return 1, 1, 1
+    if dims is not None and len(dims) == 0:
+        return None
+    ds = sorted({d % nd for d in dims}) if dims is not None else list(range(nd))
     if ds != list(range(ds[0], ds[-1] + 1)):
         return None
     return numel(shape[:ds[0]]), numel(shape[ds[0]:ds[-1] + 1]), numel(shape[ds[-1] + 1:])
