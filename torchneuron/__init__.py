@@ -34,9 +34,10 @@ def _register() -> None:
     _printing.install()
     _encoder_fast_path.install()
     from torchneuron import ops  # noqa: F401  (the eager ATen kernels register on import)
-    from torchneuron.compiler.backend import install_default_backend
+    from torchneuron.compiler.backend import install_default_backend, skip_device_frames
 
     install_default_backend()  # torch.compile's default backend runs neuron graphs through ours
+    skip_device_frames()       # and TorchDynamo never traces the eager kernels or the simulator
     from torchneuron import distributed
 
     distributed.register()  # the `neuron` torch.distributed backend

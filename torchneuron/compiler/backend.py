@@ -14,7 +14,10 @@ for this device.
 """
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import itertools
+import sys
 from typing import Any, Callable
 
 import torch
@@ -61,3 +64,43 @@ def install_default_backend() -> None:
         return inductor_call(self, model_, inputs_, **kwargs)
     __call__._torchneuron = True
     wrapper.__call__ = __call__
+
+
+def skip_device_frames() -> None:
+    """Keep TorchDynamo out of this package's Python (the eager kernels, the simulator).
+
+    Around a graph break, eager ops run while Dynamo's frame hook is installed; without this it would
+    try to compile our eager kernels' frames themselves (seconds per op). Dynamo is imported lazily
+    (it costs seconds), so the package is added to its skip list when ``torch._dynamo.trace_rules``
+    loads, or at once if it already has."""
+    rules = sys.modules.get("torch._dynamo.trace_rules")
+    if rules is not None:
+        rules.add("torchneuron")
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport("torch._dynamo.trace_rules", lambda m: m.add("torchneuron")))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then(module)`` right after the module ``name`` has been executed (once)."""
+
+    def __init__(self, name: str, then: Callable) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        real, then = spec.loader, self.then
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> Any:
+                return real.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                real.exec_module(module)
+                then(module)
+        spec.loader = Loader()
+        return spec
