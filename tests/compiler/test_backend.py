@@ -1,0 +1,123 @@
+"""The backend around the compiler: registration, the default backend on neuron, eager ops inside a graph
+(fallback counting, strict mode), the on-disk program cache (a second run compiles nothing; a corrupt
+entry is rebuilt) and the debug dumps."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import torchneuron
+from torchneuron.compiler import cache_stats, clear_cache, reports
+
+
+def _run(code: str, env: dict) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_backend_is_registered_by_import_torch_alone(tmp_path):
+    out = _run("""
+        import torch
+        print("neuron" in torch._dynamo.list_backends())
+        f = torch.compile(lambda x: torch.relu(x) * 2, backend="neuron")
+        x = torch.randn(5, 7)
+        print(torch.equal(f(x.to("neuron")).cpu(), torch.relu(x) * 2))
+    """, {"TORCHNEURON_CACHE_DIR": str(tmp_path)})
+    assert out.split() == ["True", "True"]
+
+
+def test_default_backend_runs_neuron_graphs_through_ours():
+    x = torch.randn(33, 65)
+    n = len(reports())
+    got = torch.compile(lambda t: torch.tanh(t) + t)(x.to("neuron"))
+    torch.testing.assert_close(got.cpu(), torch.tanh(x) + x)
+    assert len(reports()) > n and reports()[-1].segments == 1
+
+
+def test_backend_rejects_options():
+    from torchneuron.compiler import neuron_backend
+    with pytest.raises(TypeError, match="takes no options"):
+        neuron_backend(None, [], mode="max-autotune")
+
+
+def test_an_op_without_lowering_runs_eagerly_between_programs():
+    """cumsum has no compiler lowering: two programs around the eager op, results equal to the CPU."""
+    x = torch.randn(16, 40)
+    fn = lambda t: torch.cumsum(torch.exp(t) * 2, dim=1).sigmoid()  # noqa: E731
+    got = torch.compile(fn, backend="neuron")(x.to("neuron"))
+    torch.testing.assert_close(got.cpu(), fn(x))
+    rep = reports()[-1]
+    assert rep.segments == 2 and any("cumsum" in e for e in rep.eager_nodes)
+
+
+def test_fallback_inside_a_compiled_graph_is_counted_and_strict_mode_refuses_it():
+    """A float64 op in a compiled graph takes the counted CPU fallback; strict mode turns it into an error."""
+    x = torch.randn(8, 8)
+    fn = lambda t: (t.double() * 3).sum()  # noqa: E731
+    torchneuron.reset_fallback_counts()
+    got = torch.compile(fn, backend="neuron")(x.to("neuron"))
+    torch.testing.assert_close(got.cpu(), fn(x))
+    assert torchneuron.fallback_counts()
+    torch._dynamo.reset()
+    torchneuron.set_strict(True)
+    try:
+        with pytest.raises(NotImplementedError):
+            torch.compile(fn, backend="neuron")(x.to("neuron"))
+    finally:
+        torchneuron.set_strict(False)
+
+
+SCRIPT = """
+    import torch, torchneuron
+    from torchneuron.compiler import cache_stats
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64)).to("neuron")
+    y = torch.compile(m, backend="neuron")(torch.ones(8, 32, device="neuron"))
+    y.sum().backward()
+    print(cache_stats["misses"], cache_stats["disk_hits"], cache_stats["corrupt"], round(float(y.sum()), 3))
+"""
+
+
+def test_second_run_compiles_nothing_and_a_corrupt_entry_is_rebuilt(tmp_path):
+    env = {"TORCHNEURON_CACHE_DIR": str(tmp_path)}
+    misses, hits, corrupt, first = _run(SCRIPT, env).split()
+    assert int(misses) > 0 and int(hits) == 0
+    misses2, hits2, corrupt2, second = _run(SCRIPT, env).split()
+    assert int(misses2) == 0 and int(hits2) == int(misses) and second == first
+    entries = sorted(tmp_path.glob("*.tnp"))
+    assert len(entries) == int(misses)
+    entries[0].write_bytes(entries[0].read_bytes()[:-40])          # a half-written entry
+    misses3, hits3, corrupt3, third = _run(SCRIPT, env).split()
+    assert int(corrupt3) == 1 and int(misses3) == 1 and third == first
+
+
+def test_in_memory_cache_serves_a_recompiled_graph():
+    x = torch.randn(20, 30, device="neuron")
+    fn = lambda t: torch.sin(t) * torch.cos(t)  # noqa: E731
+    clear_cache()
+    torch.compile(fn, backend="neuron")(x)
+    before = dict(cache_stats)
+    torch._dynamo.reset()
+    torch.compile(fn, backend="neuron")(x)
+    assert cache_stats["memory_hits"] == before["memory_hits"] + 1 and cache_stats["misses"] == before["misses"]
+
+
+def test_dump_dir_holds_graph_groups_program_and_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHNEURON_DUMP_DIR", str(tmp_path))
+    x = torch.randn(64, 96)
+    torch.compile(lambda t: torch.softmax(t * 2, -1) + 1, backend="neuron")(x.to("neuron"))
+    rep = reports()[-1]
+    d = tmp_path / rep.name
+    assert "aten" in (d / "graph.txt").read_text()
+    assert "segment 0" in (d / "fusion.txt").read_text()
+    listing = (d / "program_s0.txt").read_text().splitlines()
+    assert len(listing) == 2 + rep.programs[0].instructions
+    assert json.loads((d / "report.json").read_text())["segments"] == rep.segments
