@@ -121,3 +121,24 @@ def test_dump_dir_holds_graph_groups_program_and_report(tmp_path, monkeypatch):
     listing = (d / "program_s0.txt").read_text().splitlines()
     assert len(listing) == 2 + rep.programs[0].instructions
     assert json.loads((d / "report.json").read_text())["segments"] == rep.segments
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_dynamic_shapes_are_specialized_per_concrete_shape(dynamic):
+    """dynamic=True, and Dynamo's automatic dynamic shapes after a size change: each shape gets its own
+    static programs (nothing falls back to eager ops), forward and backward."""
+    fn = lambda t: torch.softmax(t * 2, -1).sum(0)  # noqa: E731
+    f = torch.compile(fn, backend="neuron", dynamic=dynamic)
+    before = {id(r) for r in reports()}
+    for n in (8, 16, 24):
+        x = torch.randn(n, 33)
+        xn = x.to("neuron").requires_grad_()
+        got = f(xn)
+        got.sum().backward()
+        x.requires_grad_()
+        want = fn(x)
+        want.sum().backward()
+        torch.testing.assert_close(got.cpu(), want)
+        torch.testing.assert_close(xn.grad.cpu(), x.grad)
+    new = [r for r in reports() if id(r) not in before]
+    assert new and all(r.segments and not r.eager_nodes for r in new)

@@ -18,6 +18,7 @@ import importlib.abc
 import importlib.util
 import itertools
 import sys
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -39,6 +40,43 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs: list, **options: An
     """The TorchDynamo backend ``"neuron"``."""
     if options:
         raise TypeError(f"torch.compile(backend='neuron') takes no options; got {sorted(options)}")
+    if any(_symbolic(v) for v in example_inputs):
+        return _specialize_per_shape(gm)
+    return _aot(gm, example_inputs)
+
+
+def _symbolic(v: Any) -> bool:
+    if isinstance(v, torch.SymInt):
+        return True
+    return isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride()))
+
+
+_warned_dynamic = False
+
+
+def _specialize_per_shape(gm: torch.fx.GraphModule) -> Callable:
+    """A graph with symbolic sizes (``dynamic=True``, or Dynamo's automatic dynamic shapes after a size
+    changed) is compiled again for each concrete input signature it is called with, as AWS's backend
+    does: programs are static. Dynamo then stops recompiling for new sizes; this cache grows instead."""
+    global _warned_dynamic
+    if not _warned_dynamic:
+        _warned_dynamic = True
+        warnings.warn("torch.compile(backend='neuron'): a graph with dynamic shapes is specialized for each "
+                      "concrete input shape (one compile per shape); pass dynamic=False to have Dynamo "
+                      "recompile per shape instead", stacklevel=2)
+    compiled: dict[tuple, Callable] = {}
+
+    def run(*args: Any) -> Any:
+        key = tuple((tuple(a.shape), a.stride(), a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else a
+                    for a in args)
+        fn = compiled.get(key)
+        if fn is None:
+            fn = compiled[key] = _aot(gm, list(args))
+        return fn(*args)
+    return run
+
+
+def _aot(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     from torch._dynamo.backends.common import aot_autograd
 
     from torchneuron.compiler.decompositions import decomposition_table
