@@ -37,6 +37,7 @@ bench: setup
 	$(PY) bench/sim_speed.py
 	$(PY) bench/kernels.py
 	$(PY) bench/eager.py
+	$(PY) bench/compile.py
 
 clean:
 	rm -rf build $(VENV) torchneuron/*.so *.egg-info
