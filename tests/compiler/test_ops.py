@@ -14,6 +14,7 @@ from torch.testing._internal.common_methods_invocations import op_db
 
 import torchneuron
 from torchneuron.compiler import lowering, reports
+from tests.opinfo.harness import _tensors
 
 # OpInfo name for each lowered ATen op (several overloads share one); the tables must be covered
 OPINFOS = {
@@ -56,18 +57,6 @@ def _to(x, device):
     if isinstance(x, dict):
         return {k: _to(v, device) for k, v in x.items()}
     return x
-
-
-def _tensors(x) -> list:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    return []
-
-
-def _float_grad_inputs(sample) -> list:
-    return [t for t in _tensors([sample.input, sample.args]) if t.requires_grad]
 
 
 @pytest.mark.parametrize("name", sorted(set(OPINFOS.values())))

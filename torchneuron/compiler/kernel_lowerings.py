@@ -70,17 +70,27 @@ def _float_pair(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.dtype in FLOATS
 
 
-@supports(aten.mm.default)
-def _mm_ok(node, a, b) -> bool:
-    return _float_pair(a, b)
+def _product(kernel, a: Value, b: Value, **kw: Any) -> Value:
+    """``kernel`` (matmul or bmm) on the operands as they lie (transposed ones by the kernel's flags)."""
+    A, ta = _matmul_operand(a)
+    B, tb = _matmul_operand(b)
+    return hbm_value(kernel(A, B, transpose_a=ta, transpose_b=tb, **kw))
+
+
+for _op in (aten.mm.default, aten.bmm.default):
+    supports(_op)(lambda node, a, b: _float_pair(a, b))
 
 
 @register_kernel(aten.mm.default)
 def lower_mm(ctx, node, a: Value, b: Value) -> Value:
-    """``a @ b`` (2-D) on TensorE, transposed operands taken as they lie."""
-    A, ta = _matmul_operand(a)
-    B, tb = _matmul_operand(b)
-    return hbm_value(matmul_kernel(A, B, transpose_a=ta, transpose_b=tb))
+    """``a @ b`` (2-D) on TensorE."""
+    return _product(matmul_kernel, a, b)
+
+
+@register_kernel(aten.bmm.default)
+def lower_bmm(ctx, node, a: Value, b: Value) -> Value:
+    """Batched ``a[i] @ b[i]``, one kernel for the batch."""
+    return _product(bmm_kernel, a, b)
 
 
 @supports(aten.addmm.default)
@@ -91,28 +101,11 @@ def _addmm_ok(node, bias, a, b, beta=1, alpha=1) -> bool:
 @register_kernel(aten.addmm.default)
 def lower_addmm(ctx, node, bias: Value, a: Value, b: Value, beta=1, alpha=1) -> Value:
     """``bias + a @ b``: the bias row added at the PSUM eviction when the kernel can, else one more pass."""
-    A, ta = _matmul_operand(a)
-    B, tb = _matmul_operand(b)
-    M, N = a.shape[0], b.shape[1]
-    K = a.shape[1]
+    (M, K), N = a.shape, b.shape[1]
     row = unexpanded(bias)
     if fuses_bias(K, N) and numel(row.shape) == N and row.shape[-1] == N:
-        return hbm_value(matmul_kernel(A, B, transpose_a=ta, transpose_b=tb, bias=dense(row, (1, N))))
-    prod = hbm_value(matmul_kernel(A, B, transpose_a=ta, transpose_b=tb))
-    return pointwise(tm.add, [prod, bias], (M, N), a.dtype)
-
-
-@supports(aten.bmm.default)
-def _bmm_ok(node, a, b) -> bool:
-    return _float_pair(a, b)
-
-
-@register_kernel(aten.bmm.default)
-def lower_bmm(ctx, node, a: Value, b: Value) -> Value:
-    """Batched ``a[i] @ b[i]``, one kernel for the batch."""
-    A, ta = _matmul_operand(a)
-    B, tb = _matmul_operand(b)
-    return hbm_value(bmm_kernel(A, B, transpose_a=ta, transpose_b=tb))
+        return _product(matmul_kernel, a, b, bias=dense(row, (1, N)))
+    return pointwise(tm.add, [_product(matmul_kernel, a, b), bias], (M, N), a.dtype)
 
 
 # ---- softmax ---------------------------------------------------------------------------------------
