@@ -9,7 +9,7 @@ import torch
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.sim import Program, SimulatorError
+from torchneuron.sim import IndexOutOfRange, Program, SimulatorError
 from torchneuron.sim.isa_extra import NcMatmulTiled
 from torchneuron.sim.specs import chip_spec
 
@@ -477,7 +477,7 @@ def test_ap_scalar_offset_out_of_bounds():
     out = nki.simulate(scalar_gather_kernel)(table, np.array([[80]], np.int32), 32, nisa.oob_mode.skip)
     np.testing.assert_array_equal(out[:20], table[80:])
     assert (out[20:] == -1).all()                      # rows past the end are skipped, not written
-    with pytest.raises(SimulatorError, match="src_offset = 80 moves rows \\[80, 112\\).*outside its 100 rows"):
+    with pytest.raises(IndexOutOfRange, match="src_offset = 80 moves rows \\[80, 112\\).*outside its 100 rows"):
         nki.simulate(scalar_gather_kernel)(table, np.array([[80]], np.int32), 32)
     with pytest.raises(SimulatorError, match="outside"):
         nki.simulate(scalar_gather_kernel)(table, np.array([[-1]], np.int32), 32)

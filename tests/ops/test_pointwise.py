@@ -198,7 +198,7 @@ def test_a_plan_replays_its_kernel_program_on_every_device(strict):
     # a replayed element-wise plan launches the program it kept: same results, no new trace, and
     # tensors of another device get their own plan (and program)
     from torchneuron.ops import cache_size
-    from torchneuron.ops.pointwise import _PLANS
+    from torchneuron.ops.elementwise import _PLANS
     from torchneuron.runtime import profiler
     a, b = torch.randn(5, 7), torch.randn(5, 7)
     for device in ("neuron:0", "neuron:1"):

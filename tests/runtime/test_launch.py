@@ -213,3 +213,17 @@ def test_scratch_and_program_without_inputs():
     a, b, args = operands(dtype=torch.bfloat16)
     launch(prog2, args)
     torch.testing.assert_close(args["out"].cpu(), a + b)
+
+
+def test_a_simulator_error_is_raised_as_the_pytorch_exception_of_its_type():
+    from torchneuron.kernels.indexing import gather_rows
+    from torchneuron.sim import IndexOutOfRange
+    table = torch.arange(12, dtype=torch.float32).reshape(4, 3).to("neuron")
+    index = torch.tensor([1, 4], dtype=torch.int32).to("neuron")      # row 4 of a 4-row table
+    program = gather_rows.trace((), {"table": table, "index": index}, runtime.core(0).spec).program
+    with pytest.raises(IndexError, match="is outside the 4 rows") as e:
+        launch(program, {"table": table, "index": index})
+    assert isinstance(e.value.__cause__, IndexOutOfRange)
+    index = torch.tensor([3, 0], dtype=torch.int32).to("neuron")      # the next launch is unharmed
+    rec = launch(program, {"table": table, "index": index})
+    torch.testing.assert_close(next(iter(rec.outputs.values())).cpu(), table.cpu()[[3, 0]])

@@ -7,7 +7,7 @@ import operator
 import pytest
 import torch
 
-from torchneuron.sim import AP, Engine, SimulatorError, isa, tile
+from torchneuron.sim import AP, Engine, IndexOutOfRange, SimulatorError, isa, tile
 from torchneuron.sim.instruction import CostInputs
 
 from .conftest import empty, hbm, put, rand
@@ -93,7 +93,7 @@ def test_dma_gather_out_of_bounds(core):
     idx[5] = 100
     idx[9] = -1
     dst = put(core, torch.full((128, 16), 7.0))
-    with pytest.raises(SimulatorError, match=r"dma_copy: src_index\[5\] = 100 is outside the 100 rows of hbm:table"):
+    with pytest.raises(IndexOutOfRange, match=r"dma_copy: src_index\[5\] = 100 is outside the 100 rows of hbm:table"):
         core.execute(isa.dma_copy(dst=dst, src=src, src_index=put(core, idx)))
     core.execute(isa.dma_copy(dst=dst, src=src, src_index=put(core, idx), oob_mode="skip"))
     want = table[idx[:, 0].long().clamp(0, 99)]

@@ -47,31 +47,16 @@ import torchneuron.nki.language as nl
 from torchneuron import _C
 from torchneuron.kernels.random import dropout_kernel
 from torchneuron.kernels.reduction import reduce_kernel
-from torchneuron.ops import reduction as _reduction  # noqa: F401  (its lowerings first: var_mean below defers)
 from torchneuron.ops import tilemath as tm
-from torchneuron.ops.copy import _coalesce, device_copy, to_int64
-from torchneuron.ops.kernel_call import call_kernel, dense
-from torchneuron.ops.pointwise import run_pointwise
-from torchneuron.ops.registry import LOWERED, cpu_fallback, lowering
-from torchneuron.ops.copy import write_result as _into
-from torchneuron.ops.registry import meta_twin as _meta
+from torchneuron.ops.base import aten, device_table, draw_seed, floats_on_one_device, meta_run, neuron_generator
+from torchneuron.ops.elementwise import coalesce, dense, device_copy, run_pointwise, to_int64, write_result
+from torchneuron.ops.kernel_call import call_kernel
+from torchneuron.ops.registry import cpu_fallback, lowering
 
-aten = torch.ops.aten
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 EXACT = 1 << 24          # flat indices computed in fp32 are exact below this
 
 
 # ---- shared helpers ---------------------------------------------------------------------------------
-
-def _meta_run(op: torch._ops.OpOverload, *args: Any) -> Any:
-    """``op`` on meta stand-ins: raises what the CPU kernel raises for bad arguments, returns the output meta."""
-    return op(*[_meta(a) for a in args])
-
-
-def _on(device: torch.device, *ts: torch.Tensor | None) -> bool:
-    """Every given tensor is a float tensor the device computes, on ``device``."""
-    return device.type == "neuron" and all(t is None or (t.device == device and t.dtype in FLOATS) for t in ts)
-
 
 def _tuple(v: Any, n: int, default: Sequence[int] | None = None) -> tuple[int, ...]:
     """``v`` (an int, or a sequence of 1 or n ints; empty means ``default``) as n ints."""
@@ -89,7 +74,7 @@ def _padded_size(n: int, k: int, s: int, p: int, d: int, out: int) -> int:
 def _fit5(fn: Callable[[torch.Tensor, torch.Tensor], Any], dst: torch.Tensor, src: torch.Tensor) -> None:
     """``fn(dst, src)`` (a copy or an in-place add of same-shaped views) on slices small enough for one DMA
     access pattern (at most 5 dims once the views are coalesced), splitting the smallest outer dim first."""
-    if len(_coalesce(list(dst.shape), list(dst.stride()), list(src.stride()))[0]) <= 5:
+    if len(coalesce(list(dst.shape), list(dst.stride()), list(src.stride()))[0]) <= 5:
         fn(dst, src)
         return
     # never the innermost dim: its contiguous runs are what makes a DMA cheap
@@ -164,26 +149,6 @@ def _col2im(cols: torch.Tensor, shape: tuple, k: tuple, s: tuple, p: tuple, d: t
     if tuple(Sp) == tuple(S):
         return gp
     return dense(gp[(slice(None), slice(None), *(slice(pp, pp + m) for pp, m in zip(p, S)))])
-
-
-@functools.lru_cache(maxsize=256)
-def _host_table(kind: str, *args: Any) -> torch.Tensor:
-    """Host-built constant tables (band matrices, window indices), cached per shape."""
-    return _TABLES[kind](*args)
-
-
-_DEVICE_TABLES: dict[tuple, torch.Tensor] = {}
-
-
-def _table(device: torch.device, kind: str, *args: Any) -> torch.Tensor:
-    """A constant table on the device (uploaded once per device and shape)."""
-    key = (device.index, kind, args)
-    t = _DEVICE_TABLES.get(key)
-    if t is None:
-        if len(_DEVICE_TABLES) > 512:
-            _DEVICE_TABLES.clear()
-        t = _DEVICE_TABLES[key] = _host_table(kind, *args).to(device)
-    return t
 
 
 # ---- convolution ------------------------------------------------------------------------------------
@@ -278,7 +243,7 @@ def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """1-3-D convolution, plain or transposed (``F.conv*d``, ``F.conv_transpose*d``): im2col + one matmul per
     group, or one matmul per group + col2im; others on the CPU route."""
     geo = _conv_geometry(input, weight, stride, padding, dilation, transposed, output_padding, groups)
-    if geo is None or not _on(input.device, input, weight, bias) or (bias is not None and bias.dtype != input.dtype):
+    if geo is None or not floats_on_one_device(input, weight, bias) or (bias is not None and bias.dtype != input.dtype):
         return _C._fallback_convolution(input, weight, bias, list(stride), list(padding), list(dilation), transposed,
                                         list(output_padding), groups)
     k, s, p, d, patch, rows = geo
@@ -306,7 +271,7 @@ def convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight:
     """(grad_input, grad_weight, grad_bias) of a convolution, plain or transposed: matmuls per group, im2col
     of the patch side and col2im back to it."""
     geo = _conv_geometry(input, weight, stride, padding, dilation, transposed, output_padding, groups)
-    if geo is None or not _on(input.device, grad_output, input, weight) or grad_output.dtype != input.dtype \
+    if geo is None or not floats_on_one_device(grad_output, input, weight) or grad_output.dtype != input.dtype \
             or tuple(grad_output.shape[2:]) != tuple(geo[4] if transposed else geo[5]) \
             or grad_output.shape[0] != input.shape[0]:
         return _C._fallback_convolution_backward(grad_output, input, weight, list(stride), list(padding),
@@ -343,6 +308,7 @@ def _pool_geometry(n: int, kernel_size, stride, padding, dilation=1) -> tuple:
     return k, _tuple(stride, n, k), _tuple(padding, n), _tuple(dilation, n)
 
 
+@functools.lru_cache(maxsize=256)
 def _window_index(S: tuple, k: tuple, s: tuple, p: tuple, d: tuple, o: tuple) -> torch.Tensor:
     """int32 [K, 1, prod(O)]: the flat input index each window offset reads (row-major over S); -1 in the
     padding."""
@@ -359,6 +325,7 @@ def _window_index(S: tuple, k: tuple, s: tuple, p: tuple, d: tuple, o: tuple) ->
     return idx.to(torch.int32).reshape(math.prod(k), 1, math.prod(o))
 
 
+@functools.lru_cache(maxsize=256)
 def _window_base(S: tuple, s: tuple, p: tuple, o: tuple) -> torch.Tensor:
     """fp32 [1, prod(O)]: the flat index of each window's first (padded) element."""
     n = len(S)
@@ -386,20 +353,19 @@ def _pool_index_fn(k: tuple, steps: tuple):
     return pool_index
 
 
-_TABLES: dict = {"window_index": _window_index, "window_base": _window_base}
 _MAX_POOL = {2: (aten.max_pool2d_with_indices, aten.max_pool2d_with_indices_backward),
              3: (aten.max_pool3d_with_indices, aten.max_pool3d_with_indices_backward)}
 
 
 def _max_pool_ok(x: torch.Tensor, n: int) -> bool:
     """An n-D max pooling the device runs: a float input with its flat spatial indices exact in fp32."""
-    return _on(x.device, x) and x.dim() in (n + 1, n + 2) and x.numel() > 0 and math.prod(x.shape[-n:]) < EXACT
+    return floats_on_one_device(x) and x.dim() in (n + 1, n + 2) and x.numel() > 0 and math.prod(x.shape[-n:]) < EXACT
 
 
 def _max_pool(n: int, self: torch.Tensor, kernel_size, stride, padding, dilation, ceil_mode):
     """(values, int64 flat indices) of n-D max pooling on the device."""
     op = f"aten::max_pool{n}d_with_indices"
-    meta, _ = _meta_run(_MAX_POOL[n][0].default, self, kernel_size, stride, padding, dilation, ceil_mode)
+    meta, _ = meta_run(_MAX_POOL[n][0].default, self, kernel_size, stride, padding, dilation, ceil_mode)
     k, s, p, d = _pool_geometry(n, kernel_size, stride, padding, dilation)
     S, O = tuple(self.shape[-n:]), tuple(meta.shape[-n:])
     BC = self.numel() // math.prod(S)
@@ -407,7 +373,7 @@ def _max_pool(n: int, self: torch.Tensor, kernel_size, stride, padding, dilation
     view = cols.view(1, math.prod(k), BC * math.prod(O))
     (values,) = call_kernel(reduce_kernel, {"x": view}, {"op": "max"}, op=op)
     (arg,) = call_kernel(reduce_kernel, {"x": view}, {"op": "argmax"}, op=op)
-    base = _table(self.device, "window_base", S, s, p, O)
+    base = device_table(self.device, _window_base, S, s, p, O)
     steps = tuple(dd * math.prod(S[i + 1:]) for i, dd in enumerate(d))
     flat = run_pointwise(_pool_index_fn(k, steps), [arg.view(BC, math.prod(O)), base], KIND.DEFAULT,
                          result_dtype=torch.float32, op=op)
@@ -418,9 +384,9 @@ def _max_pool_forward(n: int, self, kernel_size, stride, padding, dilation, ceil
     """``max_pool{n}d_with_indices``: the CPU's errors, empty inputs, the device or the fallback."""
     if self.dim() not in (n + 1, n + 2):      # (the meta kernel raises IndexError for too few dims)
         raise RuntimeError(f"non-empty {n + 1}D or {n + 2}D (batch mode) tensor expected for input")
-    shape = _meta_run(_MAX_POOL[n][0].default, self, kernel_size, stride, padding, dilation,
+    shape = meta_run(_MAX_POOL[n][0].default, self, kernel_size, stride, padding, dilation,
                       ceil_mode)[0].shape                         # the CPU's errors for bad arguments
-    if self.numel() == 0 and _on(self.device, self):
+    if self.numel() == 0 and floats_on_one_device(self):
         return (torch.empty(shape, dtype=self.dtype, device=self.device),
                 torch.empty(shape, dtype=torch.int64, device=self.device))
     if not _max_pool_ok(self, n):
@@ -435,7 +401,7 @@ def _max_pool_forward_out(n: int, self, kernel_size, stride, padding, dilation, 
         return cpu_fallback(_MAX_POOL[n][0].out, self, kernel_size, stride, padding, dilation, ceil_mode,
                             out=out, indices=indices)
     values, idx = _max_pool(n, self, kernel_size, stride, padding, dilation, ceil_mode)
-    return _into(values, out), _into(idx, indices)
+    return write_result(values, out), write_result(idx, indices)
 
 
 @lowering("max_pool2d_with_indices")
@@ -470,20 +436,20 @@ def max_pool3d_with_indices_out(self: torch.Tensor, kernel_size: Sequence[int], 
 
 def _max_pool_backward(n: int, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
     """Gradient of n-D max pooling on the device: window compare against the indices, then col2im."""
-    _meta_run(_MAX_POOL[n][1].default, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
+    meta_run(_MAX_POOL[n][1].default, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
     k, s, p, d = _pool_geometry(n, kernel_size, stride, padding, dilation)
     S, O = tuple(self.shape[-n:]), tuple(grad_output.shape[-n:])
     BC, L = self.numel() // math.prod(S), math.prod(O)
     # the low int32 words of the int64 indices (indices are below 2**24)
     low = dense(indices.reshape(BC, L)).view(torch.int32).view(1, BC, L, 2)[..., 0]
-    table = _table(self.device, "window_index", S, k, s, p, d, O)           # [K, 1, prod(O)]
+    table = device_table(self.device, _window_index, S, k, s, p, d, O)           # [K, 1, prod(O)]
     contrib = torch.where(low == table, grad_output.reshape(1, BC, L), 0)   # [K, BC, prod(O)]
     return _col2im(contrib.view(1, *k, BC, *O), (BC, 1, *S), k, s, p, d).view(self.shape)
 
 
 def _max_pool_backward_ok(n: int, grad_output, self, indices) -> bool:
     """The device runs this max pooling gradient."""
-    return (_max_pool_ok(self, n) and _on(self.device, grad_output) and grad_output.dtype == self.dtype
+    return (_max_pool_ok(self, n) and floats_on_one_device(grad_output) and grad_output.dtype == self.dtype
             and indices.device == self.device and indices.dtype == torch.int64
             and tuple(indices.shape) == tuple(grad_output.shape))
 
@@ -500,7 +466,7 @@ def _max_pool_grad(n: int, grad_output, self, kernel_size, stride, padding, dila
     if not ok or grad_input.device != self.device:
         return cpu_fallback(_MAX_POOL[n][1].grad_input, grad_output, self, kernel_size, stride, padding, dilation,
                             ceil_mode, indices, grad_input=grad_input)
-    return _into(_max_pool_backward(n, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode,
+    return write_result(_max_pool_backward(n, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode,
                                     indices), grad_input)
 
 
@@ -546,10 +512,10 @@ def max_pool3d_with_indices_backward_out(grad_output: torch.Tensor, self: torch.
 def im2col(self: torch.Tensor, kernel_size: Sequence[int], dilation: Sequence[int], padding: Sequence[int],
            stride: Sequence[int]) -> torch.Tensor:
     """``F.unfold``: [B, C*KH*KW, L] patches by strided DMA copies of window views of the padded input."""
-    meta = _meta_run(aten.im2col.default, self, kernel_size, dilation, padding, stride)   # the CPU's errors
-    if self.numel() == 0 and _on(self.device, self):
+    meta = meta_run(aten.im2col.default, self, kernel_size, dilation, padding, stride)   # the CPU's errors
+    if self.numel() == 0 and floats_on_one_device(self):
         return torch.zeros(meta.shape, dtype=self.dtype, device=self.device)
-    if not _on(self.device, self):
+    if not floats_on_one_device(self):
         return cpu_fallback(aten.im2col.default, self, kernel_size, dilation, padding, stride)
     k, s, p, d = _pool_geometry(2, kernel_size, stride, padding, dilation)
     x = self if self.dim() == 4 else self.unsqueeze(0)
@@ -561,10 +527,10 @@ def im2col(self: torch.Tensor, kernel_size: Sequence[int], dilation: Sequence[in
 def col2im(self: torch.Tensor, output_size: Sequence[int], kernel_size: Sequence[int], dilation: Sequence[int],
            padding: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
     """``F.fold`` (and the gradient of ``F.unfold``): each patch column summed into its window (col2im)."""
-    meta = _meta_run(aten.col2im.default, self, output_size, kernel_size, dilation, padding, stride)
-    if self.numel() == 0 and _on(self.device, self):
+    meta = meta_run(aten.col2im.default, self, output_size, kernel_size, dilation, padding, stride)
+    if self.numel() == 0 and floats_on_one_device(self):
         return torch.zeros(meta.shape, dtype=self.dtype, device=self.device)
-    if not _on(self.device, self):
+    if not floats_on_one_device(self):
         return cpu_fallback(aten.col2im.default, self, output_size, kernel_size, dilation, padding, stride)
     k, s, p, d = _pool_geometry(2, kernel_size, stride, padding, dilation)
     S = _tuple(output_size, 2)
@@ -577,7 +543,8 @@ def col2im(self: torch.Tensor, output_size: Sequence[int], kernel_size: Sequence
 
 # ---- average pooling (separable band matrices) ------------------------------------------------------
 
-def _adaptive_band(n: int, out: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=256)
+def adaptive_band(n: int, out: int) -> torch.Tensor:
     """fp32 [out, n]: row o averages input [floor(o*n/out), ceil((o+1)*n/out))."""
     m = torch.zeros(out, n, dtype=torch.float64)
     for o in range(out):
@@ -586,7 +553,6 @@ def _adaptive_band(n: int, out: int) -> torch.Tensor:
     return m.to(torch.float32)
 
 
-_TABLES.update(adaptive_band=_adaptive_band)
 
 
 def _separable(x: torch.Tensor, mh: torch.Tensor, mw: torch.Tensor) -> torch.Tensor:
@@ -598,14 +564,15 @@ def _separable(x: torch.Tensor, mh: torch.Tensor, mw: torch.Tensor) -> torch.Ten
     return dense(y.view(BC, OW, OH).transpose(1, 2))
 
 
-def _f32(t: torch.Tensor) -> torch.Tensor:
+def as_float32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.to(torch.float32)
 
 
 def _avg_ok(x: torch.Tensor) -> bool:
-    return _on(x.device, x) and x.dim() in (3, 4) and x.numel() > 0
+    return floats_on_one_device(x) and x.dim() in (3, 4) and x.numel() > 0
 
 
+@functools.lru_cache(maxsize=256)
 def _avg_divisor(sizes: tuple, outs: tuple, k: tuple, s: tuple, p: tuple, count_include_pad: bool,
                  divisor_override: int) -> torch.Tensor:
     """fp32 [prod(outs)]: the CPU kernels' divisor of each window's sum (``divisor_override`` when non-zero;
@@ -622,14 +589,13 @@ def _avg_divisor(sizes: tuple, outs: tuple, k: tuple, s: tuple, p: tuple, count_
     return total.reshape(-1).to(torch.float32)
 
 
-_TABLES.update(avg_divisor=_avg_divisor)
 
 
 def _avg_geometry(self: torch.Tensor, n: int, kernel_size, stride, padding, count_include_pad, divisor_override,
                   outs: tuple) -> tuple[tuple, tuple, tuple, torch.Tensor]:
     """(k, s, p, divisor row on the device) of an n-D average pooling producing ``outs``."""
     k, s, p, _ = _pool_geometry(n, kernel_size, stride, padding)
-    div = _table(self.device, "avg_divisor", tuple(self.shape[-n:]), tuple(outs), k, s, p, bool(count_include_pad),
+    div = device_table(self.device, _avg_divisor, tuple(self.shape[-n:]), tuple(outs), k, s, p, bool(count_include_pad),
                  int(divisor_override or 0))
     return k, s, p, div
 
@@ -641,7 +607,7 @@ def avg_pool_windows(self: torch.Tensor, n: int, kernel_size, stride, padding, c
     k, s, p, div = _avg_geometry(self, n, kernel_size, stride, padding, count_include_pad, divisor_override, outs)
     S = tuple(self.shape[-n:])
     BC = self.numel() // math.prod(S)
-    cols = _im2col(_f32(self).reshape(BC, 1, *S), k, s, p, (1,) * n, tuple(outs))
+    cols = _im2col(as_float32(self).reshape(BC, 1, *S), k, s, p, (1,) * n, tuple(outs))
     (sums,) = call_kernel(reduce_kernel, {"x": cols.view(1, math.prod(k), BC * math.prod(outs))}, {"op": "sum"},
                           op=f"aten::avg_pool{n}d")
     return (sums.view(BC, math.prod(outs)) / div).to(self.dtype)
@@ -654,7 +620,7 @@ def avg_pool_windows_backward(grad_output: torch.Tensor, self: torch.Tensor, n: 
     k, s, p, div = _avg_geometry(self, n, kernel_size, stride, padding, count_include_pad, divisor_override, outs)
     S = tuple(self.shape[-n:])
     BC = self.numel() // math.prod(S)
-    g = (_f32(grad_output).reshape(BC, math.prod(outs)) / div).view(BC, *(1,) * n, 1, *outs)
+    g = (as_float32(grad_output).reshape(BC, math.prod(outs)) / div).view(BC, *(1,) * n, 1, *outs)
     res = _col2im(g.expand(BC, *k, 1, *outs), (1, BC, *S), k, s, p, (1,) * n)
     return res.to(self.dtype).view(self.shape)
 
@@ -668,7 +634,7 @@ def adaptive_windows(sizes: Sequence[int], outs: Sequence[int]) -> tuple[int, ..
 
 
 def _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    meta = _meta_run(aten.avg_pool2d.default, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
+    meta = meta_run(aten.avg_pool2d.default, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
                      divisor_override)
     return avg_pool_windows(self, 2, kernel_size, stride, padding, count_include_pad, divisor_override,
                             tuple(meta.shape[-2:])).view(meta.shape)
@@ -679,9 +645,9 @@ def avg_pool2d(self: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[
                padding: Sequence[int] = (0,), ceil_mode: bool = False, count_include_pad: bool = True,
                divisor_override: int | None = None) -> torch.Tensor:
     """2-D average pooling as ``Mh @ x @ Mw^T`` (band matrices of 1/count)."""
-    shape = _meta_run(aten.avg_pool2d.default, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
+    shape = meta_run(aten.avg_pool2d.default, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
                       divisor_override).shape                     # the CPU's errors for bad arguments
-    if self.numel() == 0 and _on(self.device, self):
+    if self.numel() == 0 and floats_on_one_device(self):
         return torch.empty(shape, dtype=self.dtype, device=self.device)
     if not _avg_ok(self):
         return cpu_fallback(aten.avg_pool2d.default, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
@@ -697,19 +663,19 @@ def avg_pool2d_out(self: torch.Tensor, kernel_size: Sequence[int], stride: Seque
     if not _avg_ok(self) or out.device != self.device or out.dtype != self.dtype:
         return cpu_fallback(aten.avg_pool2d.out, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
                             divisor_override, out=out)
-    return _into(_avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override), out)
+    return write_result(_avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override), out)
 
 
 def _avg_pool_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
                        divisor_override):
-    _meta_run(aten.avg_pool2d_backward.default, grad_output, self, kernel_size, stride, padding, ceil_mode,
+    meta_run(aten.avg_pool2d_backward.default, grad_output, self, kernel_size, stride, padding, ceil_mode,
               count_include_pad, divisor_override)
     return avg_pool_windows_backward(grad_output, self, 2, kernel_size, stride, padding, count_include_pad,
                                      divisor_override)
 
 
 def _avg_backward_ok(grad_output, self) -> bool:
-    return _avg_ok(self) and _on(self.device, grad_output) and grad_output.dtype == self.dtype
+    return _avg_ok(self) and floats_on_one_device(grad_output) and grad_output.dtype == self.dtype
 
 
 @lowering("avg_pool2d_backward")
@@ -732,7 +698,7 @@ def avg_pool2d_backward_out(grad_output: torch.Tensor, self: torch.Tensor, kerne
     if not _avg_backward_ok(grad_output, self) or grad_input.device != self.device:
         return cpu_fallback(aten.avg_pool2d_backward.grad_input, grad_output, self, kernel_size, stride, padding,
                             ceil_mode, count_include_pad, divisor_override, grad_input=grad_input)
-    return _into(_avg_pool_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
+    return write_result(_avg_pool_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
                                     divisor_override), grad_input)
 
 
@@ -740,8 +706,8 @@ def avg_pool2d_backward_out(grad_output: torch.Tensor, self: torch.Tensor, kerne
 def adaptive_avg_pool2d(self: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
     """Adaptive average pooling: window sums when the sizes divide evenly, else ``Mh @ x @ Mw^T`` (PyTorch's
     floor/ceil windows as band matrices, through which a NaN or inf spreads over its plane)."""
-    meta = _meta_run(aten._adaptive_avg_pool2d.default, self, output_size)   # the CPU's errors
-    if self.numel() == 0 and _on(self.device, self):
+    meta = meta_run(aten._adaptive_avg_pool2d.default, self, output_size)   # the CPU's errors
+    if self.numel() == 0 and floats_on_one_device(self):
         return torch.empty(meta.shape, dtype=self.dtype, device=self.device)
     if not _avg_ok(self):
         return cpu_fallback(aten._adaptive_avg_pool2d.default, self, output_size)
@@ -750,15 +716,15 @@ def adaptive_avg_pool2d(self: torch.Tensor, output_size: Sequence[int]) -> torch
     k = adaptive_windows((H, W), (OH, OW))
     if k is not None:           # (a global pool too): window sums, a NaN stays in its window
         return avg_pool_windows(self, 2, k, k, (0, 0), True, None, (OH, OW)).view(meta.shape)
-    mh = _table(self.device, "adaptive_band", H, OH)
-    mw = _table(self.device, "adaptive_band", W, OW)
-    return _separable(_f32(self).reshape(-1, H, W), mh, mw).to(self.dtype).view(meta.shape)
+    mh = device_table(self.device, adaptive_band, H, OH)
+    mw = device_table(self.device, adaptive_band, W, OW)
+    return _separable(as_float32(self).reshape(-1, H, W), mh, mw).to(self.dtype).view(meta.shape)
 
 
 @lowering("_adaptive_avg_pool2d_backward")
 def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, self: torch.Tensor) -> torch.Tensor:
     """Gradient of adaptive average pooling: ``Mh^T @ g @ Mw``."""
-    if self.numel() == 0 and _on(self.device, self, grad_output) and grad_output.numel() == 0:
+    if self.numel() == 0 and floats_on_one_device(self, grad_output) and grad_output.numel() == 0:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
     if not _avg_backward_ok(grad_output, self) or grad_output.dim() != self.dim():
         return cpu_fallback(aten._adaptive_avg_pool2d_backward.default, grad_output, self)
@@ -767,9 +733,9 @@ def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, self: torch.Tensor) 
     k = adaptive_windows((H, W), (OH, OW))
     if k is not None:
         return avg_pool_windows_backward(grad_output, self, 2, k, k, (0, 0), True, None)
-    mh = _table(self.device, "adaptive_band", H, OH)
-    mw = _table(self.device, "adaptive_band", W, OW)
-    res = _separable(_f32(grad_output).reshape(-1, OH, OW), mh.t(), mw.t())
+    mh = device_table(self.device, adaptive_band, H, OH)
+    mw = device_table(self.device, adaptive_band, W, OW)
+    res = _separable(as_float32(grad_output).reshape(-1, OH, OW), mh.t(), mw.t())
     return res.to(self.dtype).view(self.shape)
 
 
@@ -788,17 +754,17 @@ def native_batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: to
                       running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool,
                       momentum: float, eps: float):
     """(out, save_mean, save_invstd); in training, updates the running statistics in place."""
-    ok = (_on(input.device, input, weight, bias, running_mean, running_var) and input.dim() >= 2
+    ok = (floats_on_one_device(input, weight, bias, running_mean, running_var) and input.dim() >= 2
           and input.numel() > 0 and (training or (running_mean is not None and running_var is not None)))
     if not ok:
         return _C._fallback_native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
-    _meta_run(aten.native_batch_norm.default, input, weight, bias, running_mean, running_var, training, momentum, eps)
+    meta_run(aten.native_batch_norm.default, input, weight, bias, running_mean, running_var, training, momentum, eps)
     C = input.shape[1]
     dims = [0, *range(2, input.dim())]
     shape = [1, C] + [1] * (input.dim() - 2)
     sdt = _stat_dtype(input, weight, bias, running_mean, running_var)
     if training:
-        x = _f32(input)
+        x = as_float32(input)
         n = input.numel() // C
         mean = x.mean(dims)
         dev = x - mean.view(shape)
@@ -811,12 +777,12 @@ def native_batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: to
                 running_var.mul_(1 - momentum).add_(var, alpha=momentum * n / max(n - 1, 1))
         save_mean, save_invstd = mean.to(sdt), invstd.to(sdt)
     else:
-        mean, invstd = _f32(running_mean), (_f32(running_var) + eps).rsqrt()
+        mean, invstd = as_float32(running_mean), (as_float32(running_var) + eps).rsqrt()
         save_mean = torch.empty((0,), dtype=sdt, device=input.device)
         save_invstd = torch.empty((0,), dtype=sdt, device=input.device)
     # out = x * alpha + beta with alpha = invstd * w, beta = b - mean * alpha (the CPU kernel's form)
-    alpha = invstd * _f32(weight) if weight is not None else invstd
-    beta = -mean * alpha if bias is None else _f32(bias) - mean * alpha
+    alpha = invstd * as_float32(weight) if weight is not None else invstd
+    beta = -mean * alpha if bias is None else as_float32(bias) - mean * alpha
     out = torch.addcmul(beta.view(shape), input, alpha.view(shape))
     return out.to(input.dtype), save_mean, save_invstd
 
@@ -828,7 +794,7 @@ def native_batch_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, weig
                                eps: float, output_mask: Sequence[bool]):
     """(grad_input, grad_weight, grad_bias) of batch norm, from the saved (train) or running (eval) statistics."""
     stats = (save_mean, save_invstd) if train else (running_mean, running_var)
-    ok = (_on(input.device, grad_out, input, weight, *stats) and input.dim() >= 2 and input.numel() > 0
+    ok = (floats_on_one_device(grad_out, input, weight, *stats) and input.dim() >= 2 and input.numel() > 0
           and all(t is not None and t.numel() == input.shape[1] for t in stats))
     if not ok:
         return cpu_fallback(aten.native_batch_norm_backward.default, grad_out, input, weight, running_mean,
@@ -838,14 +804,14 @@ def native_batch_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, weig
     shape = [1, C] + [1] * (input.dim() - 2)
     n = input.numel() // C
     if train:
-        mean, invstd = _f32(save_mean), _f32(save_invstd)
+        mean, invstd = as_float32(save_mean), as_float32(save_invstd)
     else:
-        mean, invstd = _f32(running_mean), (_f32(running_var) + eps).rsqrt()
-    x, g = _f32(input), _f32(grad_out)
+        mean, invstd = as_float32(running_mean), (as_float32(running_var) + eps).rsqrt()
+    x, g = as_float32(input), as_float32(grad_out)
     dev = x - mean.view(shape)
     sum_g = g.sum(dims)
     dot = (g * dev).sum(dims)
-    w = _f32(weight) if weight is not None else None
+    w = as_float32(weight) if weight is not None else None
     scale = invstd * w if w is not None else invstd
     grad_input = grad_weight = grad_bias = None
     if output_mask[0]:
@@ -868,21 +834,21 @@ def native_group_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, mean
                                weight: torch.Tensor | None, N: int, C: int, HxW: int, group: int,
                                output_mask: Sequence[bool]):
     """(grad_input, grad_weight, grad_bias) of group norm, from the forward's mean and 1/std per (n, group)."""
-    ok = (_on(input.device, grad_out, input, mean, rstd, weight) and input.numel() > 0 and group > 0
+    ok = (floats_on_one_device(grad_out, input, mean, rstd, weight) and input.numel() > 0 and group > 0
           and C % group == 0 and input.numel() == N * C * HxW)
     if not ok:
         return cpu_fallback(aten.native_group_norm_backward.default, grad_out, input, mean, rstd, weight, N, C, HxW,
                             group, output_mask)
     G = group
-    x = _f32(input).reshape(N, G, C // G, HxW)
-    g = _f32(grad_out).reshape(N, G, C // G, HxW)
-    xhat = (x - _f32(mean).view(N, G, 1, 1)) * _f32(rstd).view(N, G, 1, 1)
+    x = as_float32(input).reshape(N, G, C // G, HxW)
+    g = as_float32(grad_out).reshape(N, G, C // G, HxW)
+    xhat = (x - as_float32(mean).view(N, G, 1, 1)) * as_float32(rstd).view(N, G, 1, 1)
     grad_input = grad_weight = grad_bias = None
     if output_mask[0]:   # rstd * (gw - mean(gw) - xhat * mean(gw * xhat)) over each group, gw = g * weight
-        gw = g * _f32(weight).view(1, G, C // G, 1) if weight is not None else g
+        gw = g * as_float32(weight).view(1, G, C // G, 1) if weight is not None else g
         m1 = gw.mean((2, 3), keepdim=True)
         m2 = (gw * xhat).mean((2, 3), keepdim=True)
-        gi = (gw - m1 - xhat * m2) * _f32(rstd).view(N, G, 1, 1)
+        gi = (gw - m1 - xhat * m2) * as_float32(rstd).view(N, G, 1, 1)
         grad_input = gi.to(input.dtype).view(input.shape)
     pdt = weight.dtype if weight is not None else input.dtype
     if output_mask[1]:
@@ -894,7 +860,7 @@ def native_group_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, mean
 
 def _var_mean(self: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False):
     """(var, mean) over ``dim``: the device's var and mean reductions."""
-    if not _on(self.device, self):
+    if not floats_on_one_device(self):
         return cpu_fallback(aten.var_mean.correction, self, dim, correction=correction, keepdim=keepdim)
     var = torch.var(self, dim, correction=correction, keepdim=keepdim)
     dims = [] if dim is None else dim
@@ -902,34 +868,22 @@ def _var_mean(self: torch.Tensor, dim: Any = None, *, correction: Any = None, ke
     return var, mean
 
 
-if "var_mean.correction" not in LOWERED:   # the reduction module may lower it itself
-    lowering("var_mean.correction")(_var_mean)
+lowering("var_mean.correction")(_var_mean)
 
 
 # ---- dropout --------------------------------------------------------------------------------------
 
-def _draw_seed(device: torch.device) -> int:
-    """A 31-bit seed drawn from the device's default generator (advancing it), for one dropout launch."""
-    from torchneuron.neuron.random import default_generators
-    gen = default_generators[device.index]
-    host = torch.Generator()
-    host.set_state(gen.get_state())
-    seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=host).item())
-    gen.set_state(host.get_state())
-    return seed
-
-
 @lowering("native_dropout")
 def native_dropout(input: torch.Tensor, p: float, train: bool | None):
     """(out, mask) of dropout, the mask drawn on the device from the neuron generator."""
-    if not _on(input.device, input) or input.numel() == 0 or not 0.0 <= p <= 1.0:
+    if not floats_on_one_device(input) or input.numel() == 0 or not 0.0 <= p <= 1.0:
         return _C._fallback_native_dropout(input, p, train)
     if train is not None and not train:
         return input.clone(), torch.ones(input.shape, dtype=torch.bool, device=input.device)
     keep = 1.0 - p
     scale = 0.0 if keep == 0.0 else 1.0 / keep
     dev = input.device
-    seed = torch.tensor([[_draw_seed(dev)]], dtype=torch.int32).to(dev)
+    seed = torch.tensor([[draw_seed(neuron_generator(None, dev), 0, 2 ** 31 - 1)]], dtype=torch.int32).to(dev)
     out, mask = call_kernel(dropout_kernel, {"x": dense(input).reshape(-1), "seed": seed,
                                              "p": torch.tensor([[p]], dtype=torch.float32).to(dev),
                                              "scale": torch.tensor([[scale]], dtype=torch.float32).to(dev)},
@@ -945,7 +899,7 @@ def _dropout_grad_tile(g, m, s):
 @lowering("native_dropout_backward")
 def native_dropout_backward(grad_output: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """``grad * mask * scale`` in one element-wise launch."""
-    if not _on(grad_output.device, grad_output) or mask.device != grad_output.device or mask.dtype != torch.bool:
+    if not floats_on_one_device(grad_output) or mask.device != grad_output.device or mask.dtype != torch.bool:
         return cpu_fallback(aten.native_dropout_backward.default, grad_output, mask, scale)
     return run_pointwise(_dropout_grad_tile, [grad_output, mask, float(scale)], KIND.DEFAULT,
                          result_dtype=grad_output.dtype, op="aten::native_dropout_backward")

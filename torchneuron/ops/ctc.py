@@ -16,10 +16,10 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 
 from torchneuron.ops import tilemath_special as ts
-from torchneuron.ops.pointwise import Unsupported, run_pointwise
+from torchneuron.ops.base import aten, Unsupported
+from torchneuron.ops.elementwise import run_pointwise
 from torchneuron.ops.registry import cpu_fallback, lowering
 
-aten = torch.ops.aten
 NEG_INF = float("-inf")
 PAD = 2    # -inf columns before each batch element's positions: the reach of the skip transition
 

@@ -15,10 +15,9 @@ import math
 
 import torch
 
+from torchneuron.ops.base import aten, FLOATS
 from torchneuron.ops.registry import cpu_fallback, lowering
 
-aten = torch.ops.aten
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 DIRECT_LIMIT = 1 << 24   # elements of the [..., P, R, M] difference the direct form builds
 MM_ROWS = 25             # above this many rows on either side, the CPU's p = 2 uses the matmul form
 

@@ -15,15 +15,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from torchneuron import _C
 from torchneuron.kernels.foreach import foreach_kernel, foreach_sum_kernel, operand_name
 from torchneuron.ops import tilemath as tm
-from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.pointwise import _UNARY_FLOAT, _UNARY_SAME
+from torchneuron.ops.base import aten, FLOATS
+from torchneuron.ops.kernel_call import call_kernel, host_operand
+from torchneuron.ops.pointwise import UNARY_FLOAT, UNARY_SAME
 from torchneuron.ops.registry import lowering
 
-aten = torch.ops.aten
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 MAX_GROUPS = 64  # tensors per launch: longer lists are cut into launches of this many
 
 
@@ -52,9 +50,7 @@ def _real(v: Any) -> float:
 
 def _scalars(values: Sequence[Any], device: torch.device) -> list[torch.Tensor]:
     """One (1, 1) fp32 device operand per value, from one device buffer written in one transfer."""
-    host = torch.tensor([[_real(v)] for v in values], dtype=torch.float32)
-    buf = torch.empty((len(values), 1), dtype=torch.float32, device=device)
-    _C._alias_as_cpu(buf).copy_(host)
+    buf = host_operand(torch.tensor([[_real(v)] for v in values], dtype=torch.float32), torch.float32, device)
     return [buf[i:i + 1] for i in range(len(values))]
 
 
@@ -153,7 +149,7 @@ _binary("sub", tm.sub, tm.sub_scaled)
 _binary("mul", tm.mul, None)
 _binary("div", tm.div, None)
 
-for _name, _fn in {**_UNARY_FLOAT, **_UNARY_SAME}.items():
+for _name, _fn in {**UNARY_FLOAT, **UNARY_SAME}.items():
     if hasattr(aten, "_foreach_" + _name):
         for _packet in (_name, _name + "_"):
             _register(_packet, lambda _fn=_fn: (_fn, []), lambda call, i, t: call(t))

@@ -20,16 +20,14 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torch._prims_common import canonicalize_dim
 
-from torchneuron import runtime
 from torchneuron.kernels.indexing import gather_rows, iota
 from torchneuron.ops import tilemath as tm
-from torchneuron.ops.copy import can_copy, copy_parts, device_copy, write_result
-from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense
-from torchneuron.ops.pointwise import check_no_internal_overlap, check_no_overlap, run_pointwise
+from torchneuron.ops.base import aten, DEVICE_DTYPES
+from torchneuron.ops.elementwise import (can_copy, check_no_internal_overlap, check_no_overlap, copy_parts, dense,
+                                         device_copy, run_pointwise)
+from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import cpu_fallback, lowering
-from torchneuron.sim import SimulatorError
 
-aten = torch.ops.aten
 ONEHOT_LIMIT = 1 << 26     # elements of the one-hot matrix embedding's backward builds
 
 
@@ -49,10 +47,8 @@ def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     try:
         (rows,) = call_kernel(gather_rows, {"table": dense(table), "index": words}, {"stride": stride},
                               op="aten::index_select")
-    except SimulatorError as e:
-        if "outside" in str(e):
-            raise IndexError("index out of range in self") from None
-        raise
+    except IndexError:   # the launch's error for an index outside the table, in the CPU's words
+        raise IndexError("index out of range in self") from None
     return rows
 
 
@@ -92,16 +88,8 @@ def arange_values(n: int, device: torch.device) -> torch.Tensor:
     """int32 [0, 1, ..., n - 1] on the device (GpSimd iota)."""
     if n == 0:
         return torch.empty(0, dtype=torch.int32, device=device)
-    spec = runtime.core(device.index).spec
-    key = (n, spec.name)
-    program = _IOTA.get(key)
-    if program is None:
-        program = _IOTA[key] = iota.trace((), {"n": n}, spec).program
-    record = runtime.launch(program, {}, device=device.index, op="aten::arange")
-    return next(iter(record.outputs.values()))
-
-
-_IOTA: dict = {}   # (n, chip) -> the iota Program (no tensor inputs: not in kernel_call's cache)
+    (values,) = call_kernel(iota, {}, {"n": n}, op="aten::arange", device=device)
+    return values
 
 
 @lowering("arange.start_out")

@@ -31,17 +31,17 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torch._prims_common import elementwise_dtypes
 
+from torchneuron.kernels.int64 import int64_add
 from torchneuron.kernels.int64_ops import int64_bitwise, int64_compare, int64_minmax, int64_unary, int64_where
 from torchneuron.kernels.int64_ops import int64_divmod, int64_extreme, int64_mul, int64_shift, int_sum as _sum_kernel
 from torchneuron.ops import pointwise, tilemath
-from torchneuron.ops.copy import device_copy, to_int64
-from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense
-from torchneuron.ops.pointwise import _check_overlap, _check_target, _promote, broadcast_shape
-from torchneuron.ops.registry import Unsupported, cpu_fallback, lowering
+from torchneuron.ops.base import aten, DEVICE_DTYPES, FLOATS, Unsupported, variants
+from torchneuron.ops.elementwise import (broadcast_shape, check_overlap, check_target, dense, device_copy, promote,
+                                         to_int64)
+from torchneuron.ops.kernel_call import call_kernel
+from torchneuron.ops.registry import cpu_fallback, lowering
 
-aten = torch.ops.aten
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 NARROW_INTS = (torch.int8, torch.int16, torch.int32, torch.uint8)
 
 
@@ -104,9 +104,9 @@ def _checked_target(target: torch.Tensor | None, inplace: bool, shape: tuple, re
     """TensorIterator's checks of an out= / in-place target, raised before anything runs; resizes out=."""
     if target is None:
         return
-    _check_target(target, shape, result, inplace)
+    check_target(target, shape, result, inplace)
     if target.numel():
-        _check_overlap(target, tensors)
+        check_overlap(target, tensors)
     if not inplace and tuple(target.shape) != shape:
         torch._refs._maybe_resize_out(target, shape)
 
@@ -122,7 +122,7 @@ def _run(op: Callable, kind: KIND, operands: list, target: torch.Tensor | None, 
         return None
     args, device = found
     tensors = [o for o in args if isinstance(o, torch.Tensor)]
-    compute, result = _promote(operands, kind)
+    compute, result = promote(operands, kind)
     result = result_dtype or result
     widened = narrow and compute in NARROW_INTS and all(
         isinstance(o, torch.Tensor) or torch.iinfo(compute).min <= o <= torch.iinfo(compute).max for o in args)
@@ -291,7 +291,6 @@ def _where(args: tuple, kwargs: dict, out: torch.Tensor | None, inplace: bool) -
 
 def _add_words(args: list, shape: tuple, device: torch.device, sign: int, alpha: Any) -> torch.Tensor | None:
     """``x + sign * alpha * y`` of int64 operands of any int dtype and broadcast."""
-    from torchneuron.kernels.int64 import int64_add
     x, y = args
     if not isinstance(y, torch.Tensor):
         y, sign, alpha = sign * alpha * int(y), 1, 1
@@ -532,18 +531,18 @@ for _name in ("mul", "hypot", "pow"):
 for _name in ("remainder", "fmod", "floor_divide"):
     pointwise.ALTERNATIVES[_name] = _promoted(_name, KIND.DEFAULT, _division(_name))
 pointwise.ALTERNATIVES["div"] = _promoted("div", KIND.INT_TO_FLOAT, _division("div"))
-for _name in ("atan2", "copysign", "xlogy", *pointwise._UNARY_FLOAT):
+for _name in ("atan2", "copysign", "xlogy", *pointwise.UNARY_FLOAT):
     pointwise.ALTERNATIVES[_name] = _promoted(_name, KIND.INT_TO_FLOAT)
 _register_operator_shifts()
 # ``7 % x``: floats by the usual tile function, int64 by the long division (via ALTERNATIVES["remainder"])
-pointwise._pointwise(["remainder.Scalar_Tensor", "remainder.Scalar_Tensor_out"],
-                     pointwise._float_only(tilemath.remainder), KIND.DEFAULT)
+pointwise.register_pointwise(["remainder.Scalar_Tensor", "remainder.Scalar_Tensor_out"],
+                     pointwise.float_only(tilemath.remainder), KIND.DEFAULT)
 for _name in ("gcd", "lcm"):
     pointwise.ALTERNATIVES[_name] = _gcd(_name)
-    pointwise._pointwise(pointwise._variants(_name, ""), _no_tile, KIND.DEFAULT)
+    pointwise.register_pointwise(variants(_name, ""), _no_tile, KIND.DEFAULT)
 for _name in ("left", "right"):
     pointwise.ALTERNATIVES[f"bitwise_{_name}_shift"] = _shift(_name)
-    pointwise._pointwise(pointwise._variants(f"bitwise_{_name}_shift", "Tensor", "Tensor_Scalar", "Scalar_Tensor"),
+    pointwise.register_pointwise(variants(f"bitwise_{_name}_shift", "Tensor", "Tensor_Scalar", "Scalar_Tensor"),
                          _no_tile, KIND.DEFAULT)
-# where's lowering (pointwise._where_lowering) does not consult ALTERNATIVES yet: ready for when it does
+# where's lowering (pointwise.where_lowering) does not consult ALTERNATIVES yet: ready for when it does
 pointwise.ALTERNATIVES["where"] = _where

@@ -6,8 +6,7 @@ launches it with ``torchneuron.runtime.launch`` on the inputs' device and curren
 caller may bind the kernel's outputs to existing tensors (``out=`` and in-place variants write
 straight into them); the rest are allocated on the device.
 
-``dense(t)`` gives the kernels the contiguous operands they read: a non-contiguous tensor is
-copied on the device by a DMA kernel that reads it through its strides (no host copy).
+The operands are contiguous (``torchneuron.ops.elementwise.dense`` makes them so).
 ``scalar_operand(v, dtype, device)`` turns a Python scalar into a (1, 1) device tensor, so a
 kernel's code does not depend on scalar values (one Program serves every learning rate).
 """
@@ -19,10 +18,6 @@ import torch
 
 from torchneuron import _C, runtime
 from torchneuron.runtime.launch import launch_slots
-
-# dtypes the NeuronCore computes and stores (torchneuron.sim.numerics.DTYPES)
-DEVICE_DTYPES = frozenset({torch.bool, torch.int8, torch.int16, torch.int32, torch.uint8, torch.uint16, torch.uint32,
-                           torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2})
 
 # cache key -> (Program, output slot names, the program's slot names in order)
 _programs: dict[tuple, tuple[Any, tuple[str, ...], tuple[str, ...]]] = {}
@@ -42,21 +37,30 @@ def _output_slots(result: Any) -> tuple[str, ...]:
 
 
 def call_kernel(kernel: Any, inputs: dict[str, torch.Tensor], meta: dict[str, Any] | None = None,
-                outputs: Sequence[torch.Tensor | None] = (), op: str | None = None) -> list[torch.Tensor]:
+                outputs: Sequence[torch.Tensor | None] = (), op: str | None = None,
+                device: torch.device | None = None) -> list[torch.Tensor]:
     """Launch ``kernel`` on ``inputs`` (contiguous neuron tensors on one device); return its outputs.
 
     ``meta``: the kernel's other (hashable) arguments; ``outputs``: tensors to write the kernel's
-    outputs into, in return order (``None`` or a short list: allocate the rest)."""
-    return launch_traced(traced_kernel(kernel, inputs, meta), inputs, outputs, op)
+    outputs into, in return order (``None`` or a short list: allocate the rest); ``device``: the
+    device of a kernel without inputs (else the inputs')."""
+    index = _device_index(inputs, device)
+    return launch_traced(traced_kernel(kernel, inputs, meta, device), inputs, outputs, op, index)
 
 
-def traced_kernel(kernel: Any, inputs: dict[str, torch.Tensor], meta: dict[str, Any] | None = None) -> tuple:
+def _device_index(inputs: dict[str, torch.Tensor], device: torch.device | None) -> int:
+    if device is not None:
+        return runtime.device_index(device)
+    return next(iter(inputs.values())).device.index
+
+
+def traced_kernel(kernel: Any, inputs: dict[str, torch.Tensor], meta: dict[str, Any] | None = None,
+                  device: torch.device | None = None) -> tuple:
     """``call_kernel``'s (Program, output slot names, slot order) for these inputs and meta (traced once)."""
     # a caller that knows the device, shapes, dtypes and meta stay the same (an element-wise plan)
     # may keep the result and skip this key-building lookup with ``launch_traced``
     meta = meta or {}
-    first = next(iter(inputs.values()))
-    index = first.device.index
+    index = _device_index(inputs, device)
     key = (kernel, index, tuple((n, tuple(t.shape), t.dtype) for n, t in inputs.items()), tuple(meta.items()))
     hit = _programs.get(key)
     if hit is None:
@@ -89,38 +93,9 @@ def scalar_operand(value: Any, dtype: torch.dtype, device: torch.device) -> torc
     return t
 
 
-PERMUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int8, torch.uint8, torch.bool)
-
-
-def _permutation(t: torch.Tensor) -> tuple[int, ...] | None:
-    """``perm`` such that ``t == base.permute(perm)`` for a contiguous ``base`` (None if there is none)."""
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d]))
-    base = t.permute(order)
-    if not base.is_contiguous():
-        return None
-    perm = [0] * t.dim()
-    for k, d in enumerate(order):
-        perm[d] = k
-    return tuple(perm)
-
-
-def dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` if contiguous, else a contiguous copy made on the device: a transpose of a contiguous tensor
-    that moves its last dim by the permute kernel (TensorE transposes), anything else by a DMA kernel
-    that reads the view through its strides."""
-    if t.is_contiguous():
-        return t
-    perm = _permutation(t) if t.dtype in PERMUTE_DTYPES and t.numel() > 1 else None
-    if perm is not None and perm[-1] != t.dim() - 1:
-        from torchneuron.kernels.transpose import permute_kernel
-        inverse = [0] * len(perm)
-        for k, d in enumerate(perm):
-            inverse[d] = k
-        base = t.permute(inverse)
-        (flat,) = call_kernel(permute_kernel, {"x": base.reshape(-1)}, {"shape": tuple(base.shape), "perm": perm},
-                              op="aten::clone")
-        return flat.view(t.shape)
-    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    from torchneuron.ops.copy import device_copy
-    device_copy(out, t)
-    return out
+def host_operand(values: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A neuron tensor of ``dtype`` holding the host tensor ``values``, for a kernel's operands (the values are
+    written straight into the device memory, as a host-to-device transfer would, without a copy kernel)."""
+    t = torch.empty(values.shape, dtype=dtype, device=device)
+    _C._alias_as_cpu(t).copy_(values)
+    return t

@@ -29,11 +29,10 @@ from typing import Any, Callable
 
 import torch
 
-from torchneuron.ops.copy import write_result
-from torchneuron.ops.nn import _checked   # PyTorch's argument checks on meta twins, raising like the CPU
+from torchneuron.ops.base import aten, checked
+from torchneuron.ops.elementwise import write_result
 from torchneuron.ops.registry import cpu_fallback, lowering
 
-aten = torch.ops.aten
 MAX_N = 256  # rows beyond which the O(n)-launch loops are left to the CPU
 
 
@@ -194,7 +193,7 @@ def _native(op: torch._ops.OpOverload, *args, **kwargs) -> Any:
     ts = [a for a in args if isinstance(a, torch.Tensor)]
     if ts[0].device.type != "neuron" or any(t.device != ts[0].device for t in ts):
         return None
-    metas = _checked(op, *args, **kwargs)
+    metas = checked(op, *args, **kwargs)
     if all(t.dtype == torch.float32 and max(t.shape[-2:], default=0) <= MAX_N for t in ts if t.is_floating_point()):
         return metas
     return None

@@ -16,15 +16,13 @@ from typing import Any
 import torch
 
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
-from torchneuron.ops.kernel_call import call_kernel, dense
-from torchneuron.ops.pointwise import _type_name, run_pointwise
-from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
-
 from torchneuron.ops import tilemath as tm
+from torchneuron.ops.base import aten, FLOATS, on_one_device, type_name
+from torchneuron.ops.elementwise import dense, KIND, run_pointwise
+from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import cpu_fallback, lowering
 
-aten = torch.ops.aten
-MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MATMUL_DTYPES = FLOATS
 
 
 def _operand(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -39,7 +37,7 @@ def _operand(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 K_CHUNK = 2048   # the kernel keeps a [K, 512] B panel in SBUF: longer contractions are split
 
 
-def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None,
+def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b`` (2-D, same dtype, one device) by one kernel launch, written into ``out`` when given;
     plus a [1, N] ``bias`` row added in the kernel (``_bias_row`` decides when).
@@ -48,7 +46,7 @@ def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None,
     if a.shape[1] > K_CHUNK:
         acc = None
         for k0 in range(0, a.shape[1], K_CHUNK):
-            part = _mm_into(a[:, k0:k0 + K_CHUNK], b[k0:k0 + K_CHUNK], None).float()
+            part = mm_into(a[:, k0:k0 + K_CHUNK], b[k0:k0 + K_CHUNK], None).float()
             acc = part if acc is None else acc.add_(part)
         res = acc.to(a.dtype)
         return res if out is None else out.copy_(res)
@@ -86,8 +84,8 @@ def _cpp_name(dtype: torch.dtype) -> str:
 
 
 def _on_device(*ts: torch.Tensor) -> bool:
-    dev = ts[0].device
-    return all(isinstance(t, torch.Tensor) and t.device == dev and t.dtype in MATMUL_DTYPES for t in ts)
+    """Tensors of a matmul dtype on one neuron device."""
+    return on_one_device(*ts) and all(t.dtype in MATMUL_DTYPES for t in ts)
 
 
 @lowering("mm", "mm.out")
@@ -99,7 +97,7 @@ def mm(self: torch.Tensor, mat2: torch.Tensor, *, out: torch.Tensor | None = Non
     _check_mm(self, mat2)
     if out is not None and tuple(out.shape) != (self.shape[0], mat2.shape[1]):
         torch._refs._maybe_resize_out(out, (self.shape[0], mat2.shape[1]))
-    return _mm_into(self, mat2, out)
+    return mm_into(self, mat2, out)
 
 
 def _check_bmm(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -111,7 +109,7 @@ def _check_bmm(a: torch.Tensor, b: torch.Tensor) -> None:
         raise RuntimeError(f"Expected size for first two dimensions of batch2 tensor to be: [{a.shape[0]}, "
                            f"{a.shape[2]}] but got: [{b.shape[0]}, {b.shape[1]}].")
     if a.dtype != b.dtype:
-        raise RuntimeError(f"expected scalar type {_type_name(a.dtype)} but found {_type_name(b.dtype)}")
+        raise RuntimeError(f"expected scalar type {type_name(a.dtype)} but found {type_name(b.dtype)}")
 
 
 @lowering("bmm", "bmm.out")
@@ -146,7 +144,7 @@ def _batched_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return dense(t), False
 
 
-def _add_scaled(res: torch.Tensor, inp: torch.Tensor, beta: Any, alpha: Any, out: torch.Tensor) -> torch.Tensor:
+def add_scaled(res: torch.Tensor, inp: torch.Tensor, beta: Any, alpha: Any, out: torch.Tensor) -> torch.Tensor:
     """``out = beta * inp + alpha * res`` (beta == 0 ignores inp, NaN included, as PyTorch does)."""
     if beta == 0:
         return run_pointwise(tm.mul, [res, alpha], KIND.DEFAULT, out, inplace=False, op="aten::addmm")
@@ -174,15 +172,15 @@ def _addmm(inp, a, b, beta, alpha, out, batched: bool):
     else:
         if out is not None and tuple(out.shape) != shape:
             torch._refs._maybe_resize_out(out, shape)
-        return _mm_into(a, b, out, bias)
-    prod = bmm(a, b) if batched else _mm_into(a, b, None)
+        return mm_into(a, b, out, bias)
+    prod = bmm(a, b) if batched else mm_into(a, b, None)
     if out is None:
         out = torch.empty(shape, dtype=a.dtype, device=a.device)
     elif tuple(out.shape) != shape:
         torch._refs._maybe_resize_out(out, shape)
     if beta == 1 and alpha == 1:
         return run_pointwise(tm.add, [prod, inp], KIND.DEFAULT, out, inplace=False, op="aten::addmm")
-    return _add_scaled(prod, inp, beta, alpha, out)
+    return add_scaled(prod, inp, beta, alpha, out)
 
 
 def _addmm_kernel(op_name: str, batched: bool):
@@ -223,4 +221,4 @@ def addbmm(input: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, b
         out = torch.empty(shape, dtype=input.dtype, device=input.device)
     elif tuple(out.shape) != shape:
         torch._refs._maybe_resize_out(out, shape)
-    return _add_scaled(prod, input, beta, alpha, out)
+    return add_scaled(prod, input, beta, alpha, out)

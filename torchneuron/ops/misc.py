@@ -17,38 +17,13 @@ from torch._prims_common import canonicalize_dim
 
 import torchneuron.nki.language as nl
 from torchneuron.ops import tilemath as tm
-from torchneuron.ops.matmul import MATMUL_DTYPES, _add_scaled, _mm_into
-from torchneuron.ops.nn import _reduce_loss
-from torchneuron.ops.pointwise import _pointwise, _type_name, _unary, _variants
-from torchneuron.ops.kernel_call import DEVICE_DTYPES
+from torchneuron.ops.base import (aten, DEVICE_DTYPES, FLOATS, meta_twin, on_one_device, raise_like_cpu, type_name,
+                                  variants)
+from torchneuron.ops.elementwise import write_result
+from torchneuron.ops.matmul import add_scaled, MATMUL_DTYPES, mm_into
+from torchneuron.ops.nn import reduce_loss
+from torchneuron.ops.pointwise import register_pointwise, unary
 from torchneuron.ops.registry import cpu_fallback, lowering
-from torchneuron.ops.registry import meta_twin as _meta_twin
-from torchneuron.ops.copy import write_result as _into
-
-aten = torch.ops.aten
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _twin(t: Any) -> Any:
-    """A CPU stand-in for an argument: zeros of a tensor's shape and dtype (lists mapped)."""
-    if isinstance(t, torch.Tensor):
-        return torch.zeros(t.shape, dtype=t.dtype)
-    if isinstance(t, (list, tuple)):
-        return type(t)(_twin(x) for x in t)
-    return t
-
-
-def _raise_like_cpu(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> None:
-    """Run ``op`` on CPU twins so invalid arguments raise the CPU's exception; a RuntimeError if it does not."""
-    op(*[_twin(a) for a in args], **{k: _twin(v) for k, v in kwargs.items()})
-    raise RuntimeError(f"{op}: arguments the device cannot run")
-
-
-def _neuron(*ts: Any) -> bool:
-    """All tensors given (None skipped) on one neuron device."""
-    devs = {t.device for t in ts if isinstance(t, torch.Tensor)}
-    return len(devs) == 1 and next(iter(devs)).type == "neuron" and all(
-        t is None or isinstance(t, torch.Tensor) for t in ts)
 
 
 # ---- vector products -------------------------------------------------------------------------------
@@ -58,14 +33,14 @@ def _dot_lowering(name: str) -> None:
 
     def kernel(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``sum(self * other)`` of two vectors: a [1, n] x [n, 1] matmul (fp32 PSUM accumulation)."""
-        if not _neuron(self, other):
+        if not on_one_device(self, other):
             return cpu_fallback(op, self, other)
         if self.dim() != 1 or other.dim() != 1 or self.shape != other.shape or self.dtype != other.dtype:
-            _raise_like_cpu(op, self, other)
+            raise_like_cpu(op, self, other)
         if self.dtype not in MATMUL_DTYPES:
             return cpu_fallback(op, self, other)
         n = self.shape[0]
-        return _mm_into(self.view(1, n), other.view(n, 1), None).reshape(())
+        return mm_into(self.view(1, n), other.view(n, 1), None).reshape(())
     lowering(name)(kernel)
 
 
@@ -82,21 +57,21 @@ def _addmv_lowering(name: str) -> None:
                out: torch.Tensor | None = None) -> torch.Tensor:
         """``beta * self + alpha * (mat @ vec)``: one matmul launch and one element-wise launch."""
         kw = {"beta": beta, "alpha": alpha, **({"out": out} if out is not None else {})}
-        if not _neuron(self, mat, vec, out):
+        if not on_one_device(self, mat, vec, out):
             return cpu_fallback(op, self, mat, vec, **kw)
         ok = (mat.dim() == 2 and vec.dim() == 1 and mat.shape[1] == vec.shape[0] and self.dim() <= 1
               and self.shape in ((), (1,), (mat.shape[0],)) and mat.dtype == vec.dtype == self.dtype
               and (not inplace or self.shape == (mat.shape[0],)))
         if not ok:
-            _raise_like_cpu(op, self, mat, vec, **{k: v for k, v in kw.items() if k != "out"})
+            raise_like_cpu(op, self, mat, vec, **{k: v for k, v in kw.items() if k != "out"})
         if mat.dtype not in MATMUL_DTYPES or (out is not None and out.dtype != mat.dtype):
             return cpu_fallback(op, self, mat, vec, **kw)
-        prod = _mm_into(mat, vec.reshape(-1, 1), None).reshape(mat.shape[0])
+        prod = mm_into(mat, vec.reshape(-1, 1), None).reshape(mat.shape[0])
         if inplace:
-            return self.copy_(_add_scaled(prod, self, beta, alpha, None))
+            return self.copy_(add_scaled(prod, self, beta, alpha, None))
         if out is not None and tuple(out.shape) != (mat.shape[0],):
             torch._refs._maybe_resize_out(out, (mat.shape[0],))
-        return _add_scaled(prod, self, beta, alpha, out)
+        return add_scaled(prod, self, beta, alpha, out)
     lowering(name)(kernel)
 
 
@@ -107,10 +82,10 @@ for _name in ("addmv", "addmv_", "addmv.out"):
 @lowering("trace")
 def trace(self: torch.Tensor) -> torch.Tensor:
     """The sum of the diagonal (a strided view, reduced on the device)."""
-    if not _neuron(self) or self.dtype not in FLOATS:
+    if not on_one_device(self) or self.dtype not in FLOATS:
         return cpu_fallback(aten.trace.default, self)   # integer traces sum into int64
     if self.dim() != 2:
-        _raise_like_cpu(aten.trace.default, self)
+        raise_like_cpu(aten.trace.default, self)
     if self.numel() == 0:
         return torch.zeros((), dtype=self.dtype, device=self.device)
     return self.diagonal().sum()
@@ -122,11 +97,11 @@ def trace(self: torch.Tensor) -> torch.Tensor:
 def roll(self: torch.Tensor, shifts: Sequence[int], dims: Sequence[int] = ()) -> torch.Tensor:
     """Each rolled dim as two slices joined by ``cat`` (strided copies); no dims rolls the flattened tensor."""
     shifts, dims = list(shifts), list(dims)
-    if not _neuron(self):
+    if not on_one_device(self):
         return cpu_fallback(aten.roll.default, self, shifts, dims)
     if not shifts or (not dims and len(shifts) != 1) or (dims and len(shifts) != len(dims)) or \
             any(not -max(self.dim(), 1) <= d < max(self.dim(), 1) for d in dims):
-        _raise_like_cpu(aten.roll.default, self, shifts, dims)
+        raise_like_cpu(aten.roll.default, self, shifts, dims)
     if self.numel() == 0:
         return self.clone()
     if not dims:
@@ -144,7 +119,7 @@ def roll(self: torch.Tensor, shifts: Sequence[int], dims: Sequence[int] = ()) ->
 @lowering("equal")
 def equal(self: torch.Tensor, other: torch.Tensor) -> bool:
     """Same shape and every element equal (NaN never is): one comparison, one reduction, one host read."""
-    if not _neuron(self, other):
+    if not on_one_device(self, other):
         return cpu_fallback(aten.equal.default, self, other)
     if self.shape != other.shape:
         return False
@@ -163,12 +138,12 @@ def _norm_lowering(name: str) -> None:
                dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The vector p-norm over ``dim`` (2 when ``p`` is None): ``linalg_vector_norm``."""
         kw = {**({"dtype": dtype} if dtype is not None else {}), **({"out": out} if out is not None else {})}
-        if not _neuron(self, out):
+        if not on_one_device(self, out):
             return cpu_fallback(op, self, p, dim, keepdim, **kw)
         if not self.is_floating_point() or (dtype is not None and not dtype.is_floating_point):
-            _raise_like_cpu(op, self, p, dim, keepdim, **{k: v for k, v in kw.items() if k != "out"})
+            raise_like_cpu(op, self, p, dim, keepdim, **{k: v for k, v in kw.items() if k != "out"})
         res = torch.linalg.vector_norm(self, 2 if p is None else p, list(dim) or None, keepdim, dtype=dtype)
-        return _into(res, out)
+        return write_result(res, out)
     lowering(name)(kernel)
 
 
@@ -193,10 +168,10 @@ def nll_loss2d_forward(self: torch.Tensor, target: torch.Tensor, weight: torch.T
                        ignore_index: int):
     """``nll_loss_forward`` over the pixels' rows; 'none' reshaped back to [N, H, W]."""
     op = aten.nll_loss2d_forward.default
-    if not _neuron(self, target, weight) or self.dtype not in FLOATS:
+    if not on_one_device(self, target, weight) or self.dtype not in FLOATS:
         return cpu_fallback(op, self, target, weight, reduction, ignore_index)
     if not _nll2d_ok(self, target):
-        _raise_like_cpu(op, self, target, weight, reduction, ignore_index)
+        raise_like_cpu(op, self, target, weight, reduction, ignore_index)
     if self.numel() == 0 or target.numel() == 0:
         return cpu_fallback(op, self, target, weight, reduction, ignore_index)
     loss, total = aten.nll_loss_forward(_rows(self), target.reshape(-1), weight, reduction, ignore_index)
@@ -209,10 +184,10 @@ def nll_loss2d_backward(grad_output: torch.Tensor, self: torch.Tensor, target: t
     """``nll_loss_backward`` over the pixels' rows, moved back to [N, C, H, W]."""
     op = aten.nll_loss2d_backward.default
     args = (grad_output, self, target, weight, reduction, ignore_index, total_weight)
-    if not _neuron(grad_output, self, target, weight) or self.dtype not in FLOATS:
+    if not on_one_device(grad_output, self, target, weight) or self.dtype not in FLOATS:
         return cpu_fallback(op, *args)
     if not _nll2d_ok(self, target):
-        _raise_like_cpu(op, *args)
+        raise_like_cpu(op, *args)
     if self.numel() == 0 or target.numel() == 0:
         return cpu_fallback(op, *args)
     g = grad_output.reshape(-1) if reduction == 0 else grad_output
@@ -228,14 +203,14 @@ def _unpool_lowering(name: str) -> None:
                out: torch.Tensor | None = None) -> torch.Tensor:
         """Zeros of the output size, ``self`` scattered at ``indices`` into each plane's flat H*W."""
         kw = {"out": out} if out is not None else {}
-        if not _neuron(self, indices, out) or self.dtype not in FLOATS:
+        if not on_one_device(self, indices, out) or self.dtype not in FLOATS:
             return cpu_fallback(op, self, indices, output_size, **kw)
         oh, ow = (list(output_size) + [0, 0])[:2]
         ok = (len(output_size) == 2 and self.dim() in (3, 4) and indices.dtype == torch.int64
               and indices.shape == self.shape and all(n > 0 for n in self.shape[-3:]) and oh > 0 and ow > 0
               and (out is None or out.dtype == self.dtype))
         if not ok:
-            _raise_like_cpu(op, self, indices, output_size)
+            raise_like_cpu(op, self, indices, output_size)
         lead = tuple(self.shape[:-2])
         planes = self.reshape(-1, self.shape[-2] * self.shape[-1])
         idx = indices.reshape(planes.shape)
@@ -249,7 +224,7 @@ def _unpool_lowering(name: str) -> None:
             raise RuntimeError(f"Found an invalid max index: {value} (output volumes are of size {oh}x{ow})")
         res = torch.zeros((planes.shape[0], oh * ow), dtype=self.dtype, device=self.device)
         res.scatter_(1, idx, planes)
-        return _into(res.reshape(*lead, oh, ow), out)
+        return write_result(res.reshape(*lead, oh, ow), out)
     lowering(name)(kernel)
 
 
@@ -261,7 +236,7 @@ for _name in ("max_unpool2d", "max_unpool2d.out"):
 
 def _loss_ok(*ts: torch.Tensor | None) -> bool:
     real = [t for t in ts if t is not None]
-    return _neuron(*real) and all(t.dtype in FLOATS and t.dtype == real[0].dtype for t in real)
+    return on_one_device(*real) and all(t.dtype in FLOATS and t.dtype == real[0].dtype for t in real)
 
 
 def _piecewise_loss(name: str, quadratic_scale: bool) -> None:
@@ -271,8 +246,8 @@ def _piecewise_loss(name: str, quadratic_scale: bool) -> None:
     def kernel(self: torch.Tensor, target: torch.Tensor, reduction: int = 1, param: float = 1.0, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
         ov = op.out if out is not None else op.default
-        if _neuron(self, target, out) and (param < 0 or (param == 0 and not quadratic_scale)):
-            _raise_like_cpu(op.default, self, target, reduction, param)   # the CPU's range message
+        if on_one_device(self, target, out) and (param < 0 or (param == 0 and not quadratic_scale)):
+            raise_like_cpu(op.default, self, target, reduction, param)   # the CPU's range message
         if not _loss_ok(self, target, out) or param == 0:   # beta == 0: smooth_l1 is l1 (host)
             return cpu_fallback(ov, self, target, reduction, param, **({"out": out} if out is not None else {}))
         z = (self - target).abs()
@@ -280,7 +255,7 @@ def _piecewise_loss(name: str, quadratic_scale: bool) -> None:
             losses = torch.where(z < param, z * z * (0.5 / param), z - 0.5 * param)
         else:
             losses = torch.where(z < param, z * z * 0.5, (z - 0.5 * param) * param)
-        return _into(_reduce_loss(losses, reduction), out)
+        return write_result(reduce_loss(losses, reduction), out)
     lowering(name, f"{name}.out")(kernel)
 
 
@@ -301,7 +276,7 @@ def _piecewise_loss_backward(name: str, out_name: str, quadratic_scale: bool) ->
         res = slope * grad_output * norm
         shape = torch.broadcast_shapes(self.shape, target.shape)
         res = res.expand(shape) if res.shape != shape else res
-        return _into(res if grad_input is not None else res.contiguous(), grad_input)
+        return write_result(res if grad_input is not None else res.contiguous(), grad_input)
     lowering(name, f"{name}.{out_name}")(kernel)
 
 
@@ -385,7 +360,7 @@ def renorm(self: torch.Tensor, p: float, dim: int, maxnorm: float, *, out: torch
     norms = torch.linalg.vector_norm(self.float(), p, dim=others, keepdim=True)
     scale = torch.where(norms > maxnorm, maxnorm / (norms + 1e-7), 1.0)
     res = (self.float() * scale).to(self.dtype)
-    return _into(res, out)
+    return write_result(res, out)
 
 
 # ---- angle ---------------------------------------------------------------------------------------------
@@ -395,7 +370,7 @@ def _angle(x):
     return tm.where(tm.isnan(x), x, nl.multiply(nl.less(x, 0), math.pi))
 
 
-_pointwise(_variants("angle", ""), _unary(_angle), KIND.INT_TO_FLOAT)
+register_pointwise(variants("angle", ""), unary(_angle), KIND.INT_TO_FLOAT)
 
 
 # ---- isin ----------------------------------------------------------------------------------------------
@@ -413,9 +388,9 @@ def _isin_lowering(name: str) -> None:
         ts = [t for t in (elements, test_elements) if isinstance(t, torch.Tensor)]
         if any(t.dtype == torch.bool for t in ts):   # the CPU's refusal (its meta function has none)
             raise RuntimeError("Unsupported input type encountered for isin(): Bool")
-        res_meta = overload(_meta_twin(elements), _meta_twin(test_elements),
-                            **{k: _meta_twin(v) for k, v in kw.items()})
-        if not _neuron(*ts, out) or any(t.dtype not in DEVICE_DTYPES | {torch.int64} for t in ts):
+        res_meta = overload(meta_twin(elements), meta_twin(test_elements),
+                            **{k: meta_twin(v) for k, v in kw.items()})
+        if not on_one_device(*ts, out) or any(t.dtype not in DEVICE_DTYPES | {torch.int64} for t in ts):
             return cpu_fallback(overload, elements, test_elements, **kw)
         x = elements.reshape(-1, 1) if isinstance(elements, torch.Tensor) else elements
         tests = test_elements.reshape(1, -1) if isinstance(test_elements, torch.Tensor) else test_elements
@@ -433,7 +408,7 @@ def _isin_lowering(name: str) -> None:
         if hit is None:
             hit = torch.zeros((N,), dtype=torch.bool, device=ts[0].device)
         hit = hit.reshape(res_meta.shape)
-        return _into(~hit if invert else hit, out)
+        return write_result(~hit if invert else hit, out)
     lowering(name)(kernel)
 
 
@@ -447,7 +422,7 @@ def nested_tensor_from_mask_left_aligned(t: torch.Tensor, mask: torch.Tensor) ->
     """Whether every row of a [N, L] padding mask is ones then zeros (``nn.Transformer``'s fast-path check):
     the row's count of ones equals the index of its first zero, as the CPU kernel decides."""
     if mask.dtype != torch.bool:
-        raise RuntimeError(f"Expected mask to be of ScalarType Bool, but got {_type_name(mask.dtype)} instead.")
+        raise RuntimeError(f"Expected mask to be of ScalarType Bool, but got {type_name(mask.dtype)} instead.")
     if mask.dim() != 2:
         raise RuntimeError("Padding mask should be 2D")
     if t.dim() != 3:

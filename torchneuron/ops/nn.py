@@ -17,7 +17,7 @@ inputs out of range raise the CPU's errors after one host read of the device's r
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch._prims_common import canonicalize_dim
@@ -25,14 +25,11 @@ from torch._prims_common import canonicalize_dim
 from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.softmax import fits_one_pass, softmax_bwd_kernel, softmax_kernel
-from torchneuron.ops.copy import device_copy, write_result
-from torchneuron.ops.kernel_call import call_kernel, dense
-from torchneuron.ops.registry import cpu_fallback, lowering, meta_twin
-from torchneuron.ops.indexing import index_words
-from torchneuron.ops.scatter import _on_device
-
-aten = torch.ops.aten
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+from torchneuron.ops.base import aten, checked, FLOATS, on_one_device, type_name
+from torchneuron.ops.elementwise import dense, device_copy, write_result
+from torchneuron.ops.indexing import arange_values, index_words
+from torchneuron.ops.kernel_call import call_kernel
+from torchneuron.ops.registry import cpu_fallback, lowering
 
 
 def _softmax(x: torch.Tensor, dim: int, log: bool, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -246,7 +243,7 @@ def nll_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: tor
 
 # ---- regression losses ---------------------------------------------------------------------------------
 
-def _reduce_loss(losses: torch.Tensor, reduction: int) -> torch.Tensor:
+def reduce_loss(losses: torch.Tensor, reduction: int) -> torch.Tensor:
     """ATen's reduction enum: 0 none, 1 mean, 2 sum."""
     return losses if reduction == 0 else losses.mean() if reduction == 1 else losses.sum()
 
@@ -262,7 +259,7 @@ def mse_loss(self: torch.Tensor, target: torch.Tensor, reduction: int = 1, *, ou
         return cpu_fallback(aten.mse_loss.out if out is not None else aten.mse_loss.default, self, target,
                             reduction, **({"out": out} if out is not None else {}))
     d = self - target
-    res = _reduce_loss(d * d, reduction)
+    res = reduce_loss(d * d, reduction)
     return write_result(res, out)
 
 
@@ -282,17 +279,6 @@ def mse_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: tor
 
 # ---- classification losses: binary cross entropy, multi-class and multi-label margins ------------------
 
-def _checked(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """PyTorch's shape and dtype checks for ``op``: run on meta twins (the result's shape); when they refuse,
-    the CPU's own exception (type and message) from the op run on zero-filled CPU twins."""
-    try:
-        return op(*meta_twin(args), **{k: meta_twin(v) for k, v in kwargs.items()})
-    except Exception:
-        from torchneuron.ops.misc import _raise_like_cpu
-        _raise_like_cpu(op, *args, **kwargs)
-        raise
-
-
 def _any_true(*flags: torch.Tensor) -> list[bool]:
     """Whether each boolean tensor has a set element, read by the host in one sync."""
     return torch.cat([f.any().reshape(1) for f in flags]).tolist()
@@ -301,8 +287,7 @@ def _any_true(*flags: torch.Tensor) -> list[bool]:
 def _check_long(target: torch.Tensor) -> None:
     """The CPU margin kernels' refusal of a class target that is not int64 (their meta functions take int32)."""
     if target.dtype != torch.int64:
-        from torchneuron.ops.pointwise import _type_name
-        raise RuntimeError(f"expected scalar type Long but found {_type_name(target.dtype)}")
+        raise RuntimeError(f"expected scalar type Long but found {type_name(target.dtype)}")
 
 
 def _class_rows(self: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,9 +305,9 @@ def binary_cross_entropy(self: torch.Tensor, target: torch.Tensor, weight: torch
     """``-w (t log(x) + (1 - t) log(1 - x))`` with the logs clamped at -100, as the CPU kernel computes it."""
     op = aten.binary_cross_entropy.out if out is not None else aten.binary_cross_entropy.default
     kw = {"out": out} if out is not None else {}
-    _checked(op, self, target, weight, reduction, **kw)
+    checked(op, self, target, weight, reduction, **kw)
     ts = [t for t in (self, target, weight) if t is not None]
-    if not _on_device(*ts, out) or not _mse_ok(*ts):
+    if not on_one_device(*ts, out) or not _mse_ok(*ts):
         return cpu_fallback(op, self, target, weight, reduction, **kw)
     bad_x, bad_t = _any_true(~((self >= 0) & (self <= 1)), ~((target >= 0) & (target <= 1)))  # NaN is outside
     if bad_x:
@@ -332,7 +317,7 @@ def binary_cross_entropy(self: torch.Tensor, target: torch.Tensor, weight: torch
     losses = (target - 1) * torch.log1p(-self).clamp(min=-100) - target * torch.log(self).clamp(min=-100)
     if weight is not None:
         losses = losses * weight
-    return write_result(_reduce_loss(losses, reduction), out)
+    return write_result(reduce_loss(losses, reduction), out)
 
 
 @lowering("binary_cross_entropy_backward", "binary_cross_entropy_backward.grad_input")
@@ -343,9 +328,9 @@ def binary_cross_entropy_backward(grad_output: torch.Tensor, self: torch.Tensor,
     op = aten.binary_cross_entropy_backward.grad_input if grad_input is not None \
         else aten.binary_cross_entropy_backward.default
     kw = {"grad_input": grad_input} if grad_input is not None else {}
-    _checked(op, grad_output, self, target, weight, reduction, **kw)
+    checked(op, grad_output, self, target, weight, reduction, **kw)
     ts = [t for t in (grad_output, self, target, weight) if t is not None]
-    if not _on_device(*ts, grad_input) or not _mse_ok(*ts):
+    if not on_one_device(*ts, grad_input) or not _mse_ok(*ts):
         return cpu_fallback(op, grad_output, self, target, weight, reduction, **kw)
     res = grad_output * (self - target) / ((1 - self) * self).clamp(min=1e-12)
     if weight is not None:
@@ -363,12 +348,11 @@ def multi_margin_loss(self: torch.Tensor, target: torch.Tensor, p: int = 1, marg
     """Per row, ``sum_{i != y} w_y max(0, margin - x_y + x_i)^p / C`` (y the row's target class)."""
     op = aten.multi_margin_loss.out if out is not None else aten.multi_margin_loss.default
     kw = {"out": out} if out is not None else {}
-    _checked(op, self, target, p, margin, weight, reduction, **kw)
+    checked(op, self, target, p, margin, weight, reduction, **kw)
     _check_long(target)
-    ok = _on_device(self, target, weight, out) and self.dtype in MARGIN_DTYPES and target.dtype == torch.int64
+    ok = on_one_device(self, target, weight, out) and self.dtype in MARGIN_DTYPES and target.dtype == torch.int64
     if not ok or (weight is not None and weight.dtype != self.dtype) or p not in (1, 2):
         return cpu_fallback(op, self, target, p, margin, weight, reduction, **kw)
-    from torchneuron.ops.indexing import arange_values
     x, t = _class_rows(self, target)
     C = x.shape[1]
     if _any_true((t < 0) | (t >= C))[0]:
@@ -384,7 +368,7 @@ def multi_margin_loss(self: torch.Tensor, target: torch.Tensor, p: int = 1, marg
     losses = torch.where(mask, 0, h).sum(1) / C
     if reduction == 0:   # shaped like the target (the meta function says [1] for a 0-dim one)
         return write_result(losses.reshape(target.shape), out)
-    return write_result(_reduce_loss(losses, reduction), out)
+    return write_result(reduce_loss(losses, reduction), out)
 
 
 MARGIN_LIMIT = 1 << 24    # elements of the [N, C, C] blocks multilabel_margin_loss builds
@@ -393,7 +377,6 @@ MARGIN_LIMIT = 1 << 24    # elements of the [N, C, C] blocks multilabel_margin_l
 def _multilabel_terms(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For [N, C] inputs and targets: (listed [N, C]: target slot j comes before the row's first -1; hot
     [N, C, C]: slot j names class i; z [N, C, C]: ``1 - x_{y_j} + x_i``), after the CPU's range check."""
-    from torchneuron.ops.indexing import arange_values
     N, C = x.shape
     if _any_true((t < -1) | (t >= C))[0]:
         raise RuntimeError("argument #2 'target' is out of range")
@@ -416,11 +399,11 @@ def multilabel_margin_loss_forward(self: torch.Tensor, target: torch.Tensor, red
     op = aten.multilabel_margin_loss_forward.output if output is not None \
         else aten.multilabel_margin_loss_forward.default
     kw = {"output": output, "is_target": is_target} if output is not None else {}
-    _checked(op, self, target, reduction, **kw)
+    checked(op, self, target, reduction, **kw)
     _check_long(target)
     x, t = _class_rows(self, target)
     N, C = x.shape
-    if not _on_device(self, target, output, is_target) or self.dtype not in MARGIN_DTYPES or \
+    if not on_one_device(self, target, output, is_target) or self.dtype not in MARGIN_DTYPES or \
             target.dtype != torch.int64 or N * C * C > MARGIN_LIMIT:
         return cpu_fallback(op, self, target, reduction, **kw)
     listed, hot, z = _multilabel_terms(x, t)
@@ -428,7 +411,7 @@ def multilabel_margin_loss_forward(self: torch.Tensor, target: torch.Tensor, red
     h = torch.where(listed.reshape(N, C, 1) & ~targets.reshape(N, 1, C) & (z > 0), z, 0)   # NaN z: nothing
     losses = h.sum((1, 2)) / C
     # a vector input gives a 0-dim loss (the meta function says [1])
-    loss = losses.reshape(() if self.dim() <= 1 else (N,)) if reduction == 0 else _reduce_loss(losses, reduction)
+    loss = losses.reshape(() if self.dim() <= 1 else (N,)) if reduction == 0 else reduce_loss(losses, reduction)
     flags = targets.to(self.dtype).reshape(target.shape)
     if output is not None:
         write_result(loss, output)
@@ -448,7 +431,7 @@ def multilabel_margin_loss_backward(grad_output: torch.Tensor, self: torch.Tenso
     kw = {"grad_input": grad_input} if grad_input is not None else {}
     x, t = _class_rows(self, target)
     N, C = x.shape
-    ok = (_on_device(grad_output, self, target, is_target, grad_input) and self.dtype in MARGIN_DTYPES
+    ok = (on_one_device(grad_output, self, target, is_target, grad_input) and self.dtype in MARGIN_DTYPES
           and target.dtype == torch.int64 and t.shape == x.shape and is_target.shape == target.shape
           and grad_output.dtype == self.dtype and N * C * C <= MARGIN_LIMIT and self.numel() > 0
           and grad_output.numel() == (N if reduction == 0 else 1))
@@ -476,13 +459,12 @@ def multi_margin_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, ta
     kw = {"grad_input": grad_input} if grad_input is not None else {}
     x = self.reshape(-1, self.shape[-1] if self.dim() else 1)
     N, C = x.shape
-    ok = (_on_device(grad_output, self, target, weight, grad_input) and self.dtype in MARGIN_DTYPES
+    ok = (on_one_device(grad_output, self, target, weight, grad_input) and self.dtype in MARGIN_DTYPES
           and target.dtype == torch.int64 and target.numel() == N and p in (1, 2)
           and grad_output.dtype == self.dtype and (weight is None or weight.dtype == self.dtype) and C > 0
           and grad_output.numel() == (N if reduction == 0 else 1))
     if not ok:
         return cpu_fallback(op, grad_output, self, target, p, margin, weight, reduction, **kw)
-    from torchneuron.ops.indexing import arange_values
     t = target.reshape(N, 1)
     if _any_true((t < 0) | (t >= C))[0]:
         raise RuntimeError("target out of range")

@@ -18,10 +18,10 @@ from typing import Sequence
 import torch
 
 from torchneuron.kernels.optim import SCALARS, adam_step
+from torchneuron.ops.base import aten
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import cpu_fallback, lowering
 
-aten = torch.ops.aten
 
 
 def _runs_on_device(tensors: Sequence[Sequence[torch.Tensor]]) -> bool:

@@ -25,18 +25,16 @@ from typing import Any
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 
-from torchneuron import _C
 import torchneuron.nki.language as nl
 from torchneuron.kernels.sampling import count_kernel, randint_kernel, sample_kernel
-from torchneuron.ops.copy import device_copy
+from torchneuron.ops.base import aten, DEVICE_DTYPES, draw_seed, FLOATS, neuron_generator
+from torchneuron.ops.elementwise import check_no_internal_overlap, dense, device_copy, run_pointwise
 from torchneuron.ops.indexing import arange_values
-from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense, scalar_operand
-from torchneuron.ops.pointwise import check_no_internal_overlap, run_pointwise
+from torchneuron.ops.kernel_call import call_kernel, host_operand, scalar_operand
 from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.sort import sort_lines
 
-aten = torch.ops.aten
 
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INTS = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 RANDPERM_MAX = 16384            # ranks by all-pairs comparison: n**2 / 128 element ops; larger n sorts the keys
 COUNT_MAX = 1 << 24            # categories multinomial's fp32 cumulative sums count exactly
@@ -44,36 +42,14 @@ COUNT_MAX = 1 << 24            # categories multinomial's fp32 cumulative sums c
 
 # ---- generators and seeds ------------------------------------------------------------------------
 
-def neuron_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
-    """The neuron generator an op on ``device`` draws from; a generator of another device type raises."""
-    if generator is None:
-        from torchneuron.neuron.random import default_generators
-        return default_generators[device.index if device.index is not None else 0]
-    if generator.device.type != "neuron":
-        raise RuntimeError(f"Expected a 'neuron' device type for generator but found '{generator.device.type}'")
-    return generator
-
-
-def draw_seed(generator: torch.Generator) -> int:
-    """A signed 32-bit seed for one launch, taken from ``generator`` (which advances, as a draw does)."""
-    # a neuron generator's state is the state of the CPU engine it wraps: step a private copy of that
-    # engine and write it back, so the global CPU generator is never touched
-    host = torch.Generator()
-    host.set_state(generator.get_state())
-    seed = int(torch.randint(-2 ** 31, 2 ** 31, (1,), generator=host).item())
-    generator.set_state(host.get_state())
-    return seed
-
-
 def _seed_operand(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
     return scalar_operand(draw_seed(neuron_generator(generator, device)), torch.int32, device)
 
 
 def _params(values: list[float], device: torch.device) -> torch.Tensor:
     """A [1, 4] fp32 device tensor of a distribution's parameters (written straight to device memory)."""
-    t = torch.empty((1, 4), dtype=torch.float32, device=device)
-    _C._alias_as_cpu(t).copy_(torch.tensor([list(values) + [0.0] * (4 - len(values))], dtype=torch.float64))
-    return t
+    return host_operand(torch.tensor([list(values) + [0.0] * (4 - len(values))], dtype=torch.float64), torch.float32,
+                        device)
 
 
 def _validate(op: Any, dtype: torch.dtype, *args: Any, **kwargs: Any) -> None:
@@ -421,8 +397,7 @@ def randperm_out(n: int, *, generator: torch.Generator | None = None, out: torch
     _random(high, 0, 2 ** (31 - k), generator, None)
     keys = torch.add(arange_values(n, out.device), high, alpha=2 ** k).view(1, n)
     if n > RANDPERM_MAX:        # the sort order of the distinct keys (a sort, not all-pairs counts)
-        from torchneuron.ops.sort import _sort
-        device_copy(out, _sort(keys.view(n), 0, False)[1].to(out.dtype))
+        device_copy(out, sort_lines(keys.view(n), 0, False)[1].to(out.dtype))
         return out
     (ranks,) = call_kernel(count_kernel, {"table": keys, "values": keys}, {"strict": True}, op="aten::randperm")
     device_copy(out, ranks.view(n))

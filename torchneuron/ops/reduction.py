@@ -10,20 +10,19 @@ and products (int64 results), empty inputs and other dtypes take the CPU fallbac
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch._prims_common import canonicalize_dim
 
 from torchneuron.kernels.reduction import reduce_kernel
-from torchneuron.ops.copy import device_copy, to_int64
-from torchneuron.ops.kernel_call import call_kernel, dense
-from torchneuron.ops.pointwise import _type_name
-from torchneuron.ops.registry import Unsupported, cpu_fallback, lowering
-from torchneuron.ops.copy import write_result as _into
+from torchneuron.ops import base
+from torchneuron.ops.base import aten, FLOATS, type_name, Unsupported
+from torchneuron.ops.elementwise import dense, to_int64, write_result
+from torchneuron.ops.int64 import int_reduce  # exact integer sums (fp32 is exact only below 2**24)
+from torchneuron.ops.kernel_call import call_kernel
+from torchneuron.ops.registry import cpu_fallback, lowering
 
-aten = torch.ops.aten
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INT_SUM = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
@@ -42,7 +41,6 @@ def _dims(x: torch.Tensor, dim: Any) -> list[int]:
 def _reduce(x: torch.Tensor, dims: list[int], op: str, keepdim: bool) -> torch.Tensor:
     """``op`` over ``dims`` of ``x`` by one kernel launch; the result has PyTorch's reduced shape."""
     if x.dtype in INT_SUM and (op == "sum" or (op in ("max", "min") and x.numel())):
-        from torchneuron.ops.int64 import int_reduce  # exact integer math (fp32 is exact only below 2**24)
         return int_reduce(x, dims, op, keepdim)
     if x.dtype not in FLOATS:
         raise Unsupported
@@ -94,7 +92,7 @@ def _cast_input(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def _lower(name: str, op: str, *, has_dtype: bool = True, default_dims: bool = False):
-    overload = _overload(name)
+    overload = base.overload(name)
 
     def kernel(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = kwargs.get("out")
@@ -110,15 +108,15 @@ def _lower(name: str, op: str, *, has_dtype: bool = True, default_dims: bool = F
                 dtype = (args[2] if len(args) > 2 else kwargs.get("dtype")) if has_dtype else None
             if op == "mean" and not (self.is_floating_point() or self.is_complex()) and dtype is None:
                 raise RuntimeError(f"mean(): could not infer output dtype. Input dtype must be either a floating "
-                                   f"point or complex dtype. Got: {_type_name(self.dtype)}")
+                                   f"point or complex dtype. Got: {type_name(self.dtype)}")
             if op == "mean" and dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
                 raise RuntimeError(f"mean(): could not infer output dtype. Optional dtype must be either a floating "
-                                   f"point or complex dtype. Got: {_type_name(dtype)}")
+                                   f"point or complex dtype. Got: {type_name(dtype)}")
             if dtype is None and out is not None and has_dtype:
                 dtype = out.dtype
             if out is not None and not has_dtype and out.dtype != self.dtype:
                 raise RuntimeError(f"Expected the dtype for input and out to match, but got "
-                                   f"{_type_name(self.dtype)} for input's dtype and {_type_name(out.dtype)} for "
+                                   f"{type_name(self.dtype)} for input's dtype and {type_name(out.dtype)} for "
                                    "out's dtype.")
             x = _cast_input(self, dtype)
             dims = _dims(x, dim)
@@ -129,7 +127,7 @@ def _lower(name: str, op: str, *, has_dtype: bool = True, default_dims: bool = F
             res = _reduce(x, dims, op, bool(keepdim))
             if dtype is not None and res.dtype != dtype:  # an integer sum in another int dtype: wraps like the CPU
                 res = res.to(dtype)
-            return _into(res, out)
+            return write_result(res, out)
         except Unsupported:
             return cpu_fallback(overload, self, *args, **kwargs)
     lowering(name)(kernel)
@@ -143,11 +141,6 @@ def _check_empty_extreme(name: str, x: torch.Tensor, dim: Any, dims: list[int]) 
     for d in dims:
         if x.shape[d] == 0:
             raise IndexError(f"{name}(): Expected reduction dim {d} to have non-zero size.")
-
-
-def _overload(name: str) -> torch._ops.OpOverload:
-    packet, _, ov = name.partition(".")
-    return getattr(getattr(aten, packet), ov or "default")
 
 
 for _name in ("sum.dim_IntList", "sum.IntList_out"):
@@ -164,7 +157,7 @@ _lower("prod", "prod", default_dims=True)
 
 
 def _full_extreme(name: str, op: str):
-    overload = _overload(name)
+    overload = base.overload(name)
 
     def kernel(self: torch.Tensor) -> torch.Tensor:
         if self.numel() == 0:
@@ -182,7 +175,7 @@ _full_extreme("min", "min")
 
 
 def _with_indices(name: str, op: str):
-    overload = _overload(name)
+    overload = base.overload(name)
 
     def kernel(self: torch.Tensor, dim: int, keepdim: bool = False, **kwargs: Any):
         outs = [kwargs.get(k) for k in ("max", "max_values", "min", "min_indices", "indices") if k in kwargs]
@@ -206,7 +199,7 @@ _with_indices("min.dim", "min")
 
 
 def _arg(name: str, op: str):
-    overload = _overload(name)
+    overload = base.overload(name)
 
     def kernel(self: torch.Tensor, dim: int | None = None, keepdim: bool = False, *, out=None) -> torch.Tensor:
         try:
@@ -217,7 +210,7 @@ def _arg(name: str, op: str):
                 res = res.reshape([1] * self.dim()) if keepdim else res
             else:
                 res = _reduce(self, _dims(self, dim), op, keepdim)
-            return _into(res, out)
+            return write_result(res, out)
         except Unsupported:
             return cpu_fallback(overload, self, dim, keepdim, **({"out": out} if out is not None else {}))
     lowering(name)(kernel)
@@ -228,7 +221,7 @@ for _name, _op in (("argmax", "argmax"), ("argmax.out", "argmax"), ("argmin", "a
 
 
 def _var_lowering(name: str, take_sqrt: bool):
-    overload = _overload(name)
+    overload = base.overload(name)
 
     def kernel(self: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -241,13 +234,13 @@ def _var_lowering(name: str, take_sqrt: bool):
         if self.numel() == 0:  # no elements: NaN for each (empty) group, as on CPU
             shape = [1 if d in dims else s for d, s in enumerate(self.shape)] if keepdim else \
                 [s for d, s in enumerate(self.shape) if d not in dims]
-            return _into(torch.full(shape, float("nan"), dtype=self.dtype, device=self.device), out)
+            return write_result(torch.full(shape, float("nan"), dtype=self.dtype, device=self.device), out)
         c = 1 if correction is None else correction
         d = self - self.mean(dims, keepdim=True) if dims else self - self
         res = (d * d).sum(dims, keepdim=keepdim) if dims else d * d
         res = res / max(n - c, 0)
         res = res.sqrt() if take_sqrt else res
-        return _into(res, out)
+        return write_result(res, out)
     lowering(name)(kernel)
 
 
@@ -257,7 +250,7 @@ for _name, _sqrt in (("var.correction", False), ("var.correction_out", False), (
 
 
 def _any_all(name: str, is_all: bool):
-    overload = _overload(name)
+    overload = base.overload(name)
 
     def kernel(self: torch.Tensor, dim: Any = None, keepdim: bool = False, *, out=None) -> torch.Tensor:
         """all/any: the min/max over the dims of (x != 0) in fp32, as bool."""
@@ -271,12 +264,12 @@ def _any_all(name: str, is_all: bool):
                 [n for d, n in enumerate(self.shape) if d not in dims]
             res = torch.full(shape, is_all, dtype=torch.uint8 if self.dtype == torch.uint8 else torch.bool,
                              device=self.device)
-            return _into(res, out)
+            return write_result(res, out)
         flags = (self != 0).to(torch.float32)
         res = _reduce(flags, _dims(self, dim), "min" if is_all else "max", bool(keepdim)) != 0
         if self.dtype == torch.uint8:
             res = res.to(torch.uint8)
-        return _into(res, out)
+        return write_result(res, out)
     lowering(name)(kernel)
 
 
@@ -292,7 +285,7 @@ def linalg_vector_norm(self: torch.Tensor, ord: Any = 2, dim: Any = None, keepdi
     """Vector p-norms: inf/-inf as amax/amin of |x|, 0 as a count of non-zeros, p as (sum |x|**p)**(1/p)."""
     if not (self.is_floating_point() or self.is_complex()):
         raise RuntimeError(f"linalg.vector_norm: Expected a floating point or complex tensor as input. Got "
-                           f"{_type_name(self.dtype)}")
+                           f"{type_name(self.dtype)}")
     x = self if dtype is None else self.to(dtype) if dtype in FLOATS else None
     if x is None or x.dtype not in FLOATS or x.numel() == 0 or (out is not None and out.device != self.device):
         return cpu_fallback(aten.linalg_vector_norm.out if out is not None else aten.linalg_vector_norm.default,
@@ -312,4 +305,4 @@ def linalg_vector_norm(self: torch.Tensor, ord: Any = 2, dim: Any = None, keepdi
         res = _reduce(a * a, dims, "sum", keepdim).sqrt()
     else:
         res = _reduce(a.pow(p), dims, "sum", keepdim).pow(1.0 / p)
-    return _into(res, out)
+    return write_result(res, out)

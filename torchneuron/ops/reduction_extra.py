@@ -23,14 +23,13 @@ from typing import Any
 import torch
 from torch._prims_common import canonicalize_dim
 
+from torchneuron.ops.base import aten, FLOATS, on_one_device, Unsupported
+from torchneuron.ops.elementwise import dense, write_result
 from torchneuron.ops.indexing import arange_values
-from torchneuron.ops.kernel_call import dense
-from torchneuron.ops.registry import Unsupported, cpu_fallback, lowering
-from torchneuron.ops.scatter import DATA_DTYPES, _into, _on_device, check_out
-from torchneuron.ops.sort import SORT_LIMIT, _sort, lines
+from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.scatter import check_out, DATA_DTYPES
+from torchneuron.ops.sort import lines, SORT_LIMIT, sort_lines
 
-aten = torch.ops.aten
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _outs(**kw: Any) -> dict[str, Any]:
@@ -47,13 +46,13 @@ def nansum(self: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype:
     overload = aten.nansum.out if out is not None else aten.nansum.default
     if self.is_complex():
         raise RuntimeError("nansum does not support complex inputs")
-    if not _on_device(self, out) or self.dtype == torch.float64 or dtype == torch.float64:
+    if not on_one_device(self, out) or self.dtype == torch.float64 or dtype == torch.float64:
         return cpu_fallback(overload, self, dim, keepdim, dtype=dtype, **_outs(out=out))
     if dtype is None and out is not None:
         dtype = out.dtype   # the CPU sums in out's dtype
     x = torch.where(self.isnan(), 0.0, self) if self.is_floating_point() else self
     res = torch.sum(x, dim, keepdim, dtype=dtype)
-    return _into(res, out)
+    return write_result(res, out)
 
 
 @lowering("std_mean.correction")
@@ -69,11 +68,11 @@ def aminmax(self: torch.Tensor, *, dim: int | None = None, keepdim: bool = False
     """(amin, amax) by the lowered reductions."""
     outs = _outs(min=min, max=max)
     overload = aten.aminmax.out if outs else aten.aminmax.default
-    if not _on_device(self, min, max) or self.dtype not in DATA_DTYPES or self.numel() == 0:
+    if not on_one_device(self, min, max) or self.dtype not in DATA_DTYPES or self.numel() == 0:
         if self.numel() == 0 and self.device.type == "neuron":
             # the CPU's error (no identity) or its empty result, computed on an empty CPU twin
             lo, hi = aten.aminmax.default(torch.empty(self.shape, dtype=self.dtype), dim=dim, keepdim=keepdim)
-            return _into(lo.to(self.device), min), _into(hi.to(self.device), max)
+            return write_result(lo.to(self.device), min), write_result(hi.to(self.device), max)
         return cpu_fallback(overload, self, dim=dim, keepdim=keepdim, **outs)
     for o in (min, max):
         if o is not None and o.dtype != self.dtype:
@@ -86,7 +85,7 @@ def aminmax(self: torch.Tensor, *, dim: int | None = None, keepdim: bool = False
     else:
         canonicalize_dim(max_dim(self), dim)
         lo, hi = self.amin(dim, keepdim), self.amax(dim, keepdim)
-    return _into(lo, min), _into(hi, max)
+    return write_result(lo, min), write_result(hi, max)
 
 
 def max_dim(t: torch.Tensor) -> int:
@@ -106,7 +105,7 @@ def count_nonzero(self: torch.Tensor, dim: list[int]) -> torch.Tensor:
 
 def _median_along(x: torch.Tensor, d: int, ignore_nan: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, int64 indices) of the (nan)median along dim ``d`` of ``x`` (dim kept, size 1)."""
-    values, indices = _sort(x, d, False)
+    values, indices = sort_lines(x, d, False)
     n = x.shape[d]
     if x.is_floating_point():
         nans = x.isnan().sum(d, keepdim=True, dtype=torch.float32)
@@ -145,13 +144,13 @@ def _median_dim(name: str, ignore_nan: bool) -> None:
                indices: torch.Tensor):
         """(values, indices) of the (nan)median along ``dim``, into ``values``/``indices``."""
         try:
-            if not _on_device(self, values, indices) or self.dtype not in DATA_DTYPES:
+            if not on_one_device(self, values, indices) or self.dtype not in DATA_DTYPES:
                 raise Unsupported
             d = canonicalize_dim(max_dim(self), dim)
             if self.numel() == 0:   # the CPU's error for an empty dim, or its empty result
                 v, i = overload(torch.empty(self.shape, dtype=self.dtype), dim, keepdim,
                                 values=torch.empty(0, dtype=values.dtype), indices=torch.empty(0, dtype=torch.int64))
-                return _into(v.to(self.device), values), _into(i.to(self.device), indices)
+                return write_result(v.to(self.device), values), write_result(i.to(self.device), indices)
             if values.dtype != self.dtype or indices.dtype != torch.int64:
                 raise Unsupported   # the CPU's dtype errors
             check_out(values, self)
@@ -162,7 +161,7 @@ def _median_dim(name: str, ignore_nan: bool) -> None:
                 v, i = v.squeeze(d), i.squeeze(d)
             if self.dim() == 0:
                 v, i = v.reshape(()), i.reshape(())
-            return _into(dense(v), values), _into(dense(i), indices)
+            return write_result(dense(v), values), write_result(dense(i), indices)
         except Unsupported:
             return cpu_fallback(overload, self, dim, keepdim, values=values, indices=indices)
     lowering(f"{name}.dim_values")(kernel)
@@ -196,7 +195,7 @@ def _cum_extreme(name: str, is_max: bool) -> None:
     def kernel(self: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, dim: int) -> None:
         """Running max/min with the CPU's index: the last position holding the running value (NaN sticks)."""
         try:
-            if not _on_device(self, values, indices) or self.dtype not in DATA_DTYPES or self.numel() == 0:
+            if not on_one_device(self, values, indices) or self.dtype not in DATA_DTYPES or self.numel() == 0:
                 raise Unsupported
             d = canonicalize_dim(max_dim(self), dim)
             x = self.reshape(1) if self.dim() == 0 else self
@@ -213,8 +212,8 @@ def _cum_extreme(name: str, is_max: bool) -> None:
             last = torch.where(same, j, -1.0).amax(-1).reshape(-1)
             v = _restore(run.reshape(-1), x, d).to(self.dtype).reshape(self.shape)
             idx = _restore(last, x, d).to(torch.int64).reshape(self.shape)
-            _into(v, values)
-            _into(idx, indices)
+            write_result(v, values)
+            write_result(idx, indices)
         except Unsupported:
             cpu_fallback(overload, self, values, indices, dim)
     lowering(name)(kernel)
@@ -229,18 +228,18 @@ def logcumsumexp(self: torch.Tensor, dim: int, *, out: torch.Tensor | None = Non
     """log(cumsum(exp(x))) as a stable ``logsumexp`` over every prefix (no running-sum overflow)."""
     overload = aten._logcumsumexp.out if out is not None else aten._logcumsumexp.default
     try:
-        if not _on_device(self, out) or self.dtype not in FLOATS:
+        if not on_one_device(self, out) or self.dtype not in FLOATS:
             raise Unsupported
         if out is not None and out.dtype != self.dtype:
             raise Unsupported   # the CPU's dtype error
         d = canonicalize_dim(max_dim(self), dim)
         if self.numel() == 0:
-            return _into(torch.empty(self.shape, dtype=self.dtype, device=self.device), out)
+            return write_result(torch.empty(self.shape, dtype=self.dtype, device=self.device), out)
         x = self.reshape(1) if self.dim() == 0 else self
         prefix, _, _ = _prefixes(x.to(torch.float32), d, float("-inf"))
         res = _restore(torch.logsumexp(prefix, -1), x, d).to(self.dtype).reshape(self.shape)
         check_out(out, self)
-        return _into(res, out)
+        return write_result(res, out)
     except Unsupported:
         return cpu_fallback(overload, self, dim, **_outs(out=out))
 
@@ -250,7 +249,7 @@ def logcumsumexp(self: torch.Tensor, dim: int, *, out: torch.Tensor | None = Non
 def _index_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, reduce: str,
                   include_self: bool) -> torch.Tensor:
     """``index_reduce`` as a ``scatter_reduce`` whose index is ``index`` broadcast along ``source``."""
-    if not _on_device(self, index, source) or self.dtype not in FLOATS:
+    if not on_one_device(self, index, source) or self.dtype not in FLOATS:
         raise Unsupported
     if self.dim() == 0:   # a scalar is a 1-element vector along dim 0 (after the CPU's own checks)
         meta = lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")  # noqa: E731
@@ -283,7 +282,7 @@ def index_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, source: torc
         if out is not None:
             if out.device != self.device:
                 raise Unsupported
-            return _into(res, out)
+            return write_result(res, out)
         return res
     except Unsupported:
         overload = aten.index_reduce.out if out is not None else aten.index_reduce.default
@@ -297,7 +296,7 @@ def index_reduce_(self: torch.Tensor, dim: int, index: torch.Tensor, source: tor
     """In-place ``index_reduce_``: the out-of-place result copied back into ``self``."""
     try:
         check_out(self, index, source)
-        return _into(_index_reduce(self, dim, index, source, reduce, include_self), self)
+        return write_result(_index_reduce(self, dim, index, source, reduce, include_self), self)
     except Unsupported:
         return cpu_fallback(aten.index_reduce_.default, self, dim, index, source, reduce, include_self=include_self)
 
@@ -337,7 +336,7 @@ def segment_reduce(data: torch.Tensor, reduce: str, *, lengths: torch.Tensor | N
     fallback = functools.partial(cpu_fallback, aten.segment_reduce.default, data, reduce, lengths=lengths,
                                  indices=indices, offsets=offsets, axis=axis, unsafe=unsafe, initial=initial)
     if (kind is None or indices is not None or bounds is None or data.dtype not in FLOATS
-            or bounds.dtype not in (torch.int32, torch.int64) or not _on_device(data, bounds)
+            or bounds.dtype not in (torch.int32, torch.int64) or not on_one_device(data, bounds)
             or data.dim() < bounds.dim() or bounds.dim() == 0 or not -data.dim() <= axis < data.dim()):
         return fallback()  # raises the CPU's error for bad arguments
     axis = canonicalize_dim(data.dim(), axis)

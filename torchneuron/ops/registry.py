@@ -2,11 +2,14 @@
 
 ``@lowering("add.Tensor", "add_.Tensor", "add.out")`` installs a Python kernel for those ATen
 overloads on PyTorch's PrivateUse1 dispatch key (``torch.library``), below autograd: a kernel
-sees plain tensors and every op it calls re-dispatches without recording a graph. A kernel that
-meets inputs it cannot run on the device (a dtype the NeuronCore lacks, a CPU tensor argument)
-calls ``cpu_fallback``: the same boxed CPU fallback unregistered operators take, so it is
-counted, warned about once, refused under ``TORCHNEURON_STRICT=1``, and checks devices the way
-PyTorch does.
+sees plain tensors and every op it calls re-dispatches without recording a graph.
+
+One refusal rule: a kernel that meets inputs it cannot run on the device (a dtype the NeuronCore
+lacks, a CPU tensor argument) raises ``Unsupported``, and the registration turns that into the
+CPU fallback of the overload it was called for: the same boxed CPU fallback unregistered
+operators take, so it is counted, warned about once, refused under ``TORCHNEURON_STRICT=1``, and
+checks devices the way PyTorch does. ``register_out`` derives an ``out=`` overload from its
+functional kernel.
 """
 from __future__ import annotations
 
@@ -15,26 +18,37 @@ from typing import Any, Callable
 import torch
 
 from torchneuron import _C
+from torchneuron.ops.base import overload, Unsupported
+from torchneuron.ops.elementwise import write_result
 
-class Unsupported(Exception):
-    """A lowering cannot run this call on the device: the caller takes the CPU fallback."""
+__all__ = ["LOWERED", "Unsupported", "cpu_fallback", "lowering", "register_out"]
 
 
 _LIB = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (kept alive for the process)
 LOWERED: dict[str, Callable] = {}             # overload name ("add.Tensor") -> its neuron kernel
 
 
+def _refusing_to_cpu(fn: Callable, op: torch._ops.OpOverload) -> Callable:
+    """``fn`` with ``Unsupported`` turned into the CPU fallback of ``op`` on the same arguments."""
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Unsupported:
+            return cpu_fallback(op, *args, **kwargs)
+    kernel.__name__, kernel.__qualname__, kernel.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    return kernel
+
+
 def lowering(*names: str) -> Callable[[Callable], Callable]:
     """Register the decorated function as the neuron kernel of the ATen overloads ``names``."""
     def register(fn: Callable) -> Callable:
         for name in names:
-            qualified = f"aten::{name}" if "." in name else f"aten::{name}"
-            if torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd"):
+            if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "CompositeImplicitAutograd"):
                 # it decomposes before reaching a backend; a backend kernel would bypass its autograd
                 raise RuntimeError(f"aten::{name} is CompositeImplicitAutograd: lower what it decomposes into")
             if name in LOWERED:
                 raise RuntimeError(f"aten::{name} already has a neuron kernel ({LOWERED[name].__qualname__})")
-            _LIB.impl(name, fn, "PrivateUse1")
+            _LIB.impl(name, _refusing_to_cpu(fn, overload(name)), "PrivateUse1")
             LOWERED[name] = fn
         return fn
     return register
@@ -52,11 +66,22 @@ def cpu_fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     return _C._cpu_fallback(schema.name, schema.overload_name, *args, **kwargs)
 
 
-def meta_twin(x: Any) -> Any:
-    """A meta tensor standing for a device tensor (shape, strides, dtype; lists and tuples mapped), to run
-    PyTorch's own argument checks without touching data."""
-    if isinstance(x, torch.Tensor):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-    if isinstance(x, (list, tuple)):
-        return type(x)(meta_twin(v) for v in x)
-    return x
+def register_out(name: str, functional: Callable) -> None:
+    """Register the ``out=`` overload ``name`` as ``functional`` (its functional form's kernel) with each
+    result written into its ``out=`` tensor; an ``out=`` tensor of another device or dtype than its result
+    takes the CPU fallback."""
+    op = overload(name)
+    out_names = [a.name for a in op._schema.arguments if a.is_out]
+
+    def out_variant(*args: Any, **kwargs: Any) -> Any:
+        outs = [kwargs.pop(n) for n in out_names]
+        res = functional(*args, **kwargs)
+        results = res if isinstance(res, tuple) else (res,)
+        if any(o.device != r.device or o.dtype != r.dtype for o, r in zip(outs, results)):
+            raise Unsupported
+        written = tuple(write_result(r, o) for r, o in zip(results, outs))
+        return written if isinstance(res, tuple) else written[0]
+
+    out_variant.__name__ = out_variant.__qualname__ = f"{functional.__name__}_out"
+    out_variant.__doc__ = f"``{name}``: {functional.__name__}'s result written into the ``out=`` tensor."
+    lowering(name)(out_variant)

@@ -31,13 +31,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from torchneuron.ops.cnn import (FLOATS, _adaptive_band, _f32, _into, _meta_run, adaptive_windows, avg_pool_windows,
-                                 avg_pool_windows_backward)
-from torchneuron.ops.copy import to_int64
-from torchneuron.ops.kernel_call import dense
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.base import Unsupported, aten, device_table, floats_on_one_device, meta_run
+from torchneuron.ops.cnn import adaptive_band, adaptive_windows, as_float32, avg_pool_windows, avg_pool_windows_backward
+from torchneuron.ops.elementwise import dense, to_int64
+from torchneuron.ops.registry import cpu_fallback, lowering, register_out
 
-aten = torch.ops.aten
 EXACT = 1 << 24          # flat indices held in fp32 are exact below this
 
 
@@ -83,7 +81,7 @@ def _gather_t(index: tuple[int, ...], n: int) -> torch.Tensor:
 CUBIC_A = -0.75          # the cubic convolution coefficient PyTorch's bicubic uses
 
 
-def _cubic_weights(t: torch.Tensor) -> list[torch.Tensor]:
+def cubic_weights(t: torch.Tensor) -> list[torch.Tensor]:
     """fp32 weights of the four taps at -1, 0, 1, 2 around a source at fraction ``t`` (Keys' cubic
     convolution kernel: one cubic within distance 1, another between 1 and 2)."""
     A = CUBIC_A
@@ -169,7 +167,7 @@ def _interp_matrix(mode: str, n: int, out: int, align_corners: bool, scale: floa
         m.index_put_((rows, i1), l1, accumulate=True)
         return m
     base = torch.floor(src)
-    for tap, w in enumerate(_cubic_weights(src - base)):
+    for tap, w in enumerate(cubic_weights(src - base)):
         m.index_put_((rows, (base.to(torch.int64) - 1 + tap).clamp(0, n - 1)), w, accumulate=True)
     return m
 
@@ -202,20 +200,6 @@ def _max_flat_index(sizes: tuple[int, ...], outs: tuple[int, ...]) -> torch.Tens
     return _max_flat_table(sizes, outs).reshape(-1).to(torch.int64)
 
 
-_DEVICE_TABLES: dict[tuple, torch.Tensor] = {}
-
-
-def _dev(device: torch.device, builder: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-    """``builder(*args)`` on the device, uploaded once per device and arguments."""
-    key = (device.index, builder.__name__, args)
-    t = _DEVICE_TABLES.get(key)
-    if t is None:
-        if len(_DEVICE_TABLES) > 512:
-            _DEVICE_TABLES.clear()
-        t = _DEVICE_TABLES[key] = builder(*args).to(device)
-    return t
-
-
 # ---- separable helpers --------------------------------------------------------------------------
 
 def _apply(x: torch.Tensor, m: torch.Tensor, d: int) -> torch.Tensor:
@@ -238,66 +222,42 @@ def _scatter_dims(g: torch.Tensor, indices: Sequence[torch.Tensor], sizes: Seque
     """The backward of ``_gather_dims`` (host ``indices``): gradient rows summed per source row (fp32)."""
     k = len(indices)
     out_dtype = g.dtype
-    g = _f32(g)
+    g = as_float32(g)
     for i, (idx, n) in enumerate(zip(indices, sizes)):
-        g = _apply(g, _dev(g.device, _gather_t, tuple(idx.tolist()), n), g.dim() - k + i)
+        g = _apply(g, device_table(g.device, _gather_t, tuple(idx.tolist()), n), g.dim() - k + i)
     return g.to(out_dtype)
-
-
-def _ok(*ts: torch.Tensor | None) -> bool:
-    """Every tensor is a float tensor on the same neuron device."""
-    dev = ts[0].device
-    return dev.type == "neuron" and all(t is None or (t.device == dev and t.dtype in FLOATS) for t in ts)
 
 
 def _empty_result(op: torch._ops.OpOverload, *args: Any) -> Any:
     """The result of ``op`` when an operand is empty: the CPU's argument checks (on meta stand-ins), then
     zeros of the output shapes (a backward whose gradient is empty yields zeros of the input's shape)."""
-    meta = _meta_run(op, *args)
+    meta = meta_run(op, *args)
     dev = args[0].device
     if isinstance(meta, tuple):
         return tuple(torch.zeros(m.shape, dtype=m.dtype, device=dev) for m in meta)
     return torch.zeros(meta.shape, dtype=meta.dtype, device=dev)
 
 
-def _register(base: str, out_overload: str | None, fn: Callable[..., Any], n_tensors: int,
-              check: Callable[..., None] | None = None) -> None:
+def register_resample(base: str, out_overload: str | None, fn: Callable[..., Any], n_tensors: int,
+                      check: Callable[..., None] | None = None) -> None:
     """Lower ``aten.base`` (and its ``out_overload``) to ``fn``; inputs it cannot run go to the CPU fallback.
     ``check(*args)`` raises for bad arguments the meta kernel lets through, before empty operands are served."""
     packet = getattr(aten, base)
     check = check or (lambda *args: None)
 
     def functional(*args: Any) -> Any:
-        if not _ok(*args[:n_tensors]) or args[0].dtype != args[n_tensors - 1].dtype:
-            return cpu_fallback(packet.default, *args)
+        if not floats_on_one_device(*args[:n_tensors]) or args[0].dtype != args[n_tensors - 1].dtype:
+            raise Unsupported
         check(*args)
         if any(t.numel() == 0 for t in args[:n_tensors]):
             return _empty_result(packet.default, *args)
         return fn(*args)
 
+    functional.__name__ = functional.__qualname__ = base
     functional.__doc__ = f"``{base}`` on the device (separable gathers or matmuls)."
     lowering(base)(functional)
-    if out_overload is None:
-        return
-    op = getattr(packet, out_overload)
-    names = [a.name for a in op._schema.arguments if a.kwarg_only]
-
-    def out_variant(*args: Any, **kwargs: Any) -> Any:
-        outs = [kwargs[n] for n in names]
-        if (not _ok(*args[:n_tensors]) or args[0].dtype != args[n_tensors - 1].dtype
-                or any(o.device != args[0].device for o in outs) or outs[0].dtype != args[0].dtype):
-            return cpu_fallback(op, *args, **kwargs)
-        check(*args)
-        res = (_empty_result(packet.default, *args) if any(t.numel() == 0 for t in args[:n_tensors])
-               else fn(*args))
-        if isinstance(res, tuple):
-            if outs[1].dtype != torch.int64:
-                return cpu_fallback(op, *args, **kwargs)
-            return tuple(_into(r, o) for r, o in zip(res, outs))
-        return _into(res, outs[0])
-
-    out_variant.__doc__ = f"``{base}.{out_overload}``: the result copied into the given tensor."
-    lowering(f"{base}.{out_overload}")(out_variant)
+    if out_overload is not None:
+        register_out(f"{base}.{out_overload}", functional)
 
 
 # ---- padding ------------------------------------------------------------------------------------
@@ -318,18 +278,18 @@ def _pad_lowerings(kind: str, k: int) -> None:
     bwd_op = getattr(aten, f"{name}_backward").default
 
     def forward(self: torch.Tensor, padding: Sequence[int]) -> torch.Tensor:
-        meta = _meta_run(fwd_op, self, padding)
-        idx = [_dev(self.device, _pad_index, *key) for key in _pad_indices(kind, self.shape, padding, k)]
+        meta = meta_run(fwd_op, self, padding)
+        idx = [device_table(self.device, _pad_index, *key) for key in _pad_indices(kind, self.shape, padding, k)]
         return _gather_dims(self, idx).view(meta.shape)
 
     def backward(grad_output: torch.Tensor, self: torch.Tensor, padding: Sequence[int]) -> torch.Tensor:
-        _meta_run(bwd_op, grad_output, self, padding)
+        meta_run(bwd_op, grad_output, self, padding)
         keys = _pad_indices(kind, self.shape, padding, k)
         idx = [_pad_index(*key) for key in keys]
         return _scatter_dims(grad_output, idx, [key[1] for key in keys]).view(self.shape)
 
-    _register(name, "out", forward, 1)
-    _register(f"{name}_backward", "grad_input", backward, 2)
+    register_resample(name, "out", forward, 1)
+    register_resample(f"{name}_backward", "grad_input", backward, 2)
 
 
 for _kind in ("replicate", "reflect"):
@@ -383,22 +343,22 @@ def _nearest_lowerings(k: int, exact: bool = False) -> None:
     bwd_op = getattr(aten, f"{name}_backward").default
 
     def forward(self: torch.Tensor, output_size: Sequence[int], *scales: float | None) -> torch.Tensor:
-        meta = _meta_run(fwd_op, self, output_size, *scales)
+        meta = meta_run(fwd_op, self, output_size, *scales)
         sc = _scales(k, scales)
         n = self.shape[-k:]
-        idx = [_dev(self.device, _nearest_index, n[i], int(output_size[i]), sc[i], exact) for i in range(k)]
+        idx = [device_table(self.device, _nearest_index, n[i], int(output_size[i]), sc[i], exact) for i in range(k)]
         return _gather_dims(self, idx).view(meta.shape)
 
     def backward(grad_output: torch.Tensor, output_size: Sequence[int], input_size: Sequence[int],
                  *scales: float | None) -> torch.Tensor:
-        _meta_run(bwd_op, grad_output, output_size, input_size, *scales)
+        meta_run(bwd_op, grad_output, output_size, input_size, *scales)
         sc = _scales(k, scales)
         n = [int(v) for v in input_size[-k:]]
         idx = [_nearest_index(n[i], int(output_size[i]), sc[i], exact) for i in range(k)]
         return _scatter_dims(grad_output, idx, n).view([int(v) for v in input_size])
 
-    _register(name, "out", forward, 1, _upsample_check(k, False))
-    _register(f"{name}_backward", "grad_input", backward, 1, _upsample_check(k, True))
+    register_resample(name, "out", forward, 1, _upsample_check(k, False))
+    register_resample(f"{name}_backward", "grad_input", backward, 1, _upsample_check(k, True))
 
 
 for _k in (1, 2, 3):
@@ -414,9 +374,9 @@ def _interp(x: torch.Tensor, mode: str, out_size: Sequence[int], in_size: Sequen
     if transpose and mode == "cubic" and list(map(int, out_size)) == list(map(int, in_size)):
         return x.clone()           # the CPU's bicubic backward copies when no size changes (not its forward)
     sc = _scales(k, scales)
-    y = _f32(x)
+    y = as_float32(x)
     for i in range(k):
-        m = _dev(x.device, _interp_matrix, mode, int(in_size[i]), int(out_size[i]), bool(align_corners), sc[i])
+        m = device_table(x.device, _interp_matrix, mode, int(in_size[i]), int(out_size[i]), bool(align_corners), sc[i])
         y = _apply(y, m.t() if transpose else m, y.dim() - k + i)
     return y.to(x.dtype)
 
@@ -427,17 +387,17 @@ def _interp_lowerings(name: str, mode: str, k: int) -> None:
 
     def forward(self: torch.Tensor, output_size: Sequence[int], align_corners: bool,
                 *scales: float | None) -> torch.Tensor:
-        meta = _meta_run(fwd_op, self, output_size, align_corners, *scales)
+        meta = meta_run(fwd_op, self, output_size, align_corners, *scales)
         return _interp(self, mode, output_size, self.shape[-k:], align_corners, scales, False).view(meta.shape)
 
     def backward(grad_output: torch.Tensor, output_size: Sequence[int], input_size: Sequence[int],
                  align_corners: bool, *scales: float | None) -> torch.Tensor:
-        _meta_run(bwd_op, grad_output, output_size, input_size, align_corners, *scales)
+        meta_run(bwd_op, grad_output, output_size, input_size, align_corners, *scales)
         res = _interp(grad_output, mode, output_size, input_size[-k:], align_corners, scales, True)
         return res.view([int(v) for v in input_size])
 
-    _register(name, "out", forward, 1, _upsample_check(k, False))
-    _register(f"{name}_backward", "grad_input", backward, 1, _upsample_check(k, True))
+    register_resample(name, "out", forward, 1, _upsample_check(k, False))
+    register_resample(f"{name}_backward", "grad_input", backward, 1, _upsample_check(k, True))
 
 
 for _name, _mode, _k in (("upsample_linear1d", "linear", 1), ("upsample_bilinear2d", "linear", 2),
@@ -452,7 +412,7 @@ def _adaptive_max_pool(k: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor
     op = getattr(aten, f"adaptive_max_pool{k}d").default
 
     def pool(self: torch.Tensor, output_size: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        values_meta, _ = _meta_run(op, self, output_size)
+        values_meta, _ = meta_run(op, self, output_size)
         sizes = tuple(int(v) for v in self.shape[-k:])
         outs = tuple(int(v) for v in values_meta.shape[-k:])
         if values_meta.numel() == 0:
@@ -464,8 +424,8 @@ def _adaptive_max_pool(k: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor
         B = x.shape[0]
         # windows padded by repeating their last element: a repeat never beats the first occurrence it copies;
         # one gather of the flat positions, in the CPU kernel's scan order within each window
-        table = _dev(self.device, _max_flat_table, sizes, outs)
-        win = x.index_select(1, _dev(self.device, _max_flat_index, sizes, outs)).view(B, *table.shape)
+        table = device_table(self.device, _max_flat_table, sizes, outs)
+        win = x.index_select(1, device_table(self.device, _max_flat_index, sizes, outs)).view(B, *table.shape)
         values, flat = _window_max(win, table)
         return values.view(values_meta.shape), to_int64(flat.view(values_meta.shape))
 
@@ -482,7 +442,7 @@ def _window_max(win: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, t
     flat = torch.gather(table, -1, k)
     # the NaN with the largest position weight; positions are distinct, so its argmax is exact
     nan = win.isnan()
-    weights = _dev(win.device, _positions, win.shape[-1])
+    weights = device_table(win.device, _positions, win.shape[-1])
     _, last_nan = (nan.to(torch.float32) * weights).max(-1, keepdim=True)
     flat = torch.where(values.isnan(), torch.gather(table, -1, last_nan), flat)
     return values.squeeze(-1), flat.squeeze(-1)
@@ -498,7 +458,7 @@ def _adaptive_max_pool_backward(k: int) -> Callable[..., torch.Tensor]:
 
     def backward(grad_output: torch.Tensor, self: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The gradient summed into each window's argmax (``scatter_add`` over the flat indices, fp32)."""
-        _meta_run(op, grad_output, self, indices)
+        meta_run(op, grad_output, self, indices)
         return _argmax_scatter(grad_output, self, indices, k)
 
     return backward
@@ -510,7 +470,7 @@ def _argmax_scatter(grad_output: torch.Tensor, self: torch.Tensor, indices: torc
     S = math.prod(self.shape[-k:])
     B = self.numel() // S
     grad = torch.zeros(B, S, dtype=torch.float32, device=self.device)
-    grad.scatter_add_(1, indices.reshape(B, -1), _f32(grad_output).reshape(B, -1))
+    grad.scatter_add_(1, indices.reshape(B, -1), as_float32(grad_output).reshape(B, -1))
     return grad.to(self.dtype).view(self.shape)
 
 
@@ -527,12 +487,12 @@ def _fractional_positions(u: torch.Tensor, n: int, out: int, K: int, dtype: torc
         def rnd(t: torch.Tensor) -> torch.Tensor:
             return t if dtype == torch.float32 else t.to(dtype).to(torch.float32)
         alpha = float(torch.tensor(n - K, dtype=dtype) / torch.tensor(out - 1, dtype=dtype))
-        i = _dev(u.device, _positions, out - 1) - 1.0                          # 0 .. out - 2
+        i = device_table(u.device, _positions, out - 1) - 1.0                          # 0 .. out - 2
         starts = torch.trunc(rnd(rnd(i.view(1, -1) + u.view(B, 1)) * alpha)) - torch.trunc(rnd(u * alpha)).view(B, 1)
         starts = torch.cat([starts, last], dim=1)
     else:
         starts = last
-    offsets = _dev(u.device, _positions, K) - 1.0
+    offsets = device_table(u.device, _positions, K) - 1.0
     # out-of-range samples are not the CPU's contract: clamping keeps the gather inside the input
     return (starts.view(B, out, 1) + offsets.view(1, 1, K)).clamp(0.0, float(n - 1))
 
@@ -545,7 +505,7 @@ def _fractional_max_pool(k: int) -> Callable[..., tuple[torch.Tensor, torch.Tens
         """``fractional_max_pool{k}d`` given its samples: windows gathered per plane, the max over each."""
         if random_samples.device != self.device or random_samples.dtype != self.dtype:
             return cpu_fallback(op, self, kernel_size, output_size, random_samples)
-        values_meta, _ = _meta_run(op, self, kernel_size, output_size, random_samples)
+        values_meta, _ = meta_run(op, self, kernel_size, output_size, random_samples)
         sizes = [int(v) for v in self.shape[-k:]]
         outs = [int(v) for v in values_meta.shape[-k:]]
         Ks = [int(v) for v in kernel_size]
@@ -557,7 +517,7 @@ def _fractional_max_pool(k: int) -> Callable[..., tuple[torch.Tensor, torch.Tens
         N = 1 if self.dim() == k + 1 else self.shape[0]
         x = self.reshape(-1, math.prod(sizes))
         B = x.shape[0]
-        u = _f32(random_samples[:N]).reshape(B, k)
+        u = as_float32(random_samples[:N]).reshape(B, k)
         # the 2-D op's samples are (w, h), the 3-D op's (t, h, w)
         order = [1, 0] if k == 2 else [0, 1, 2]
         flat = None
@@ -584,7 +544,7 @@ def _fractional_max_pool_backward(k: int) -> Callable[..., torch.Tensor]:
         if indices.device != self.device or indices.dtype != torch.int64:
             return cpu_fallback(op, grad_output, self, kernel_size, output_size, indices)
         try:
-            _meta_run(op, grad_output, self, kernel_size, output_size, indices)
+            meta_run(op, grad_output, self, kernel_size, output_size, indices)
         except NotImplementedError:      # the 3-D backward has no meta kernel: the CPU checks mismatches
             if grad_output.shape != indices.shape or self.dim() not in (k + 1, k + 2):
                 return cpu_fallback(op, grad_output, self, kernel_size, output_size, indices)
@@ -594,8 +554,8 @@ def _fractional_max_pool_backward(k: int) -> Callable[..., torch.Tensor]:
 
 
 for _k in (2, 3):
-    _register(f"fractional_max_pool{_k}d", "output", _fractional_max_pool(_k), 1)
-    _register(f"fractional_max_pool{_k}d_backward", "grad_input", _fractional_max_pool_backward(_k), 2)
+    register_resample(f"fractional_max_pool{_k}d", "output", _fractional_max_pool(_k), 1)
+    register_resample(f"fractional_max_pool{_k}d_backward", "grad_input", _fractional_max_pool_backward(_k), 2)
 
 
 def _max_ok(fn: Callable[..., Any], op: torch._ops.OpOverload) -> Callable[..., Any]:
@@ -609,46 +569,46 @@ def _max_ok(fn: Callable[..., Any], op: torch._ops.OpOverload) -> Callable[..., 
 
 
 for _k in (2, 3):
-    _register(f"adaptive_max_pool{_k}d", "out", _adaptive_max_pool(_k), 1)
-    _register(f"adaptive_max_pool{_k}d_backward", "grad_input",
+    register_resample(f"adaptive_max_pool{_k}d", "out", _adaptive_max_pool(_k), 1)
+    register_resample(f"adaptive_max_pool{_k}d_backward", "grad_input",
               _max_ok(_adaptive_max_pool_backward(_k), getattr(aten, f"adaptive_max_pool{_k}d_backward").default), 2)
 
 
 def _bands(x: torch.Tensor, mats: Sequence[torch.Tensor], transpose: bool) -> torch.Tensor:
     """One pooling band matrix applied along each of the last three dims, in fp32."""
-    y = _f32(x)
+    y = as_float32(x)
     for i, m in enumerate(mats):
         y = _apply(y, m.t() if transpose else m, y.dim() - 3 + i)
     return y.to(x.dtype)
 
 
 def _adaptive_avg_pool3d(self: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
-    meta = _meta_run(aten._adaptive_avg_pool3d.default, self, output_size)
+    meta = meta_run(aten._adaptive_avg_pool3d.default, self, output_size)
     if meta.numel() == 0:
         return torch.empty(meta.shape, dtype=self.dtype, device=self.device)
     k = adaptive_windows(self.shape[-3:], meta.shape[-3:])
     if k is not None:           # window sums, as a plain pooling's
         return avg_pool_windows(self, 3, k, k, (0, 0, 0), True, None, tuple(meta.shape[-3:])).view(meta.shape)
-    mats = [_dev(self.device, _adaptive_band, n, o) for n, o in zip(self.shape[-3:], meta.shape[-3:])]
+    mats = [device_table(self.device, adaptive_band, n, o) for n, o in zip(self.shape[-3:], meta.shape[-3:])]
     return _bands(self, mats, False).view(meta.shape)
 
 
 def _adaptive_avg_pool3d_backward(grad_output: torch.Tensor, self: torch.Tensor) -> torch.Tensor:
-    _meta_run(aten._adaptive_avg_pool3d_backward.default, grad_output, self)
+    meta_run(aten._adaptive_avg_pool3d_backward.default, grad_output, self)
     k = adaptive_windows(self.shape[-3:], grad_output.shape[-3:])
     if k is not None:
         return avg_pool_windows_backward(grad_output, self, 3, k, k, (0, 0, 0), True, None)
-    mats = [_dev(self.device, _adaptive_band, n, o) for n, o in zip(self.shape[-3:], grad_output.shape[-3:])]
+    mats = [device_table(self.device, adaptive_band, n, o) for n, o in zip(self.shape[-3:], grad_output.shape[-3:])]
     return _bands(grad_output, mats, True).view(self.shape)
 
 
-_register("_adaptive_avg_pool3d", None, _adaptive_avg_pool3d, 1)
-_register("_adaptive_avg_pool3d_backward", None, _adaptive_avg_pool3d_backward, 2)
+register_resample("_adaptive_avg_pool3d", None, _adaptive_avg_pool3d, 1)
+register_resample("_adaptive_avg_pool3d_backward", None, _adaptive_avg_pool3d_backward, 2)
 
 
 def _avg_pool3d(self: torch.Tensor, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
                 divisor_override=None) -> torch.Tensor:
-    meta = _meta_run(aten.avg_pool3d.default, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
+    meta = meta_run(aten.avg_pool3d.default, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
                      divisor_override)
     return avg_pool_windows(self, 3, kernel_size, stride, padding, count_include_pad, divisor_override,
                             tuple(meta.shape[-3:])).view(meta.shape)
@@ -656,14 +616,14 @@ def _avg_pool3d(self: torch.Tensor, kernel_size, stride=(), padding=(0,), ceil_m
 
 def _avg_pool3d_backward(grad_output: torch.Tensor, self: torch.Tensor, kernel_size, stride, padding, ceil_mode,
                          count_include_pad, divisor_override) -> torch.Tensor:
-    _meta_run(aten.avg_pool3d_backward.default, grad_output, self, kernel_size, stride, padding, ceil_mode,
+    meta_run(aten.avg_pool3d_backward.default, grad_output, self, kernel_size, stride, padding, ceil_mode,
               count_include_pad, divisor_override)
     return avg_pool_windows_backward(grad_output, self, 3, kernel_size, stride, padding, count_include_pad,
                                      divisor_override)
 
 
-_register("avg_pool3d", "out", _avg_pool3d, 1)
-_register("avg_pool3d_backward", "grad_input", _avg_pool3d_backward, 2)
+register_resample("avg_pool3d", "out", _avg_pool3d, 1)
+register_resample("avg_pool3d_backward", "grad_input", _avg_pool3d_backward, 2)
 
 
 # ---- unpooling ----------------------------------------------------------------------------------
@@ -674,7 +634,7 @@ def _max_unpool3d(self: torch.Tensor, indices: torch.Tensor, output_size: Sequen
     op = aten.max_unpool3d.default
     if indices.device != self.device:
         return cpu_fallback(op, self, indices, output_size, stride, padding)
-    meta = _meta_run(op, self, indices, output_size, stride, padding)
+    meta = meta_run(op, self, indices, output_size, stride, padding)
     if meta.numel() == 0:
         return torch.zeros(meta.shape, dtype=self.dtype, device=self.device)
     od, oh, ow = (int(v) for v in output_size)
@@ -687,7 +647,4 @@ def _max_unpool3d(self: torch.Tensor, indices: torch.Tensor, output_size: Sequen
     return res.view(meta.shape)
 
 
-_register("max_unpool3d", "out", _max_unpool3d, 1)
-
-
-from torchneuron.ops import sampling_grid  # noqa: E402,F401  (grid sampling builds on the helpers above; registers on import)
+register_resample("max_unpool3d", "out", _max_unpool3d, 1)

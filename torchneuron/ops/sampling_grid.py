@@ -17,17 +17,16 @@ from typing import Any, Sequence
 
 import torch
 
-from torchneuron.ops.copy import to_int64
-from torchneuron.ops.kernel_call import dense
+from torchneuron.ops.base import aten, device_table
+from torchneuron.ops.elementwise import dense, to_int64
 from torchneuron.ops.registry import cpu_fallback
-from torchneuron.ops.resample import EXACT, _cubic_weights, _dev, _register
+from torchneuron.ops.resample import cubic_weights, EXACT, register_resample
 
-aten = torch.ops.aten
 BILINEAR, NEAREST, BICUBIC = 0, 1, 2
 ZEROS, BORDER, REFLECTION = 0, 1, 2
 
 
-def _grid_check(k: int) -> Any:
+def grid_check(k: int) -> Any:
     """The CPU's ``check_grid_sampler_common`` and ``check_grid_sampler_{2,3}d`` for ``k`` spatial dims
     (the meta kernels assert instead of raising its ``RuntimeError``)."""
     def check(input: torch.Tensor, grid: torch.Tensor, interpolation_mode: int, *rest: Any) -> None:
@@ -103,19 +102,19 @@ def _pad(c: torch.Tensor, n: int, padding: int, align: bool, vec: bool) -> torch
 CHUNK = 1 << 15          # output points per pass: programs are traced per shape, so every pass has one shape
 
 
-def _chunk(points: int) -> int:
+def chunk_size(points: int) -> int:
     """Points per pass: ``CHUNK``, or the power of two that holds a smaller grid (few distinct shapes)."""
     return min(CHUNK, 1 << max(8, (points - 1).bit_length()))
 
 
-def _batch_base(N: int, P: int, S: int, padded: int) -> torch.Tensor:
+def batch_base(N: int, P: int, S: int, padded: int) -> torch.Tensor:
     """fp32 [padded]: the first input row of each output point's batch (padding points read batch 0)."""
     base = torch.zeros(padded, dtype=torch.float32)
     base[:N * P] = (torch.arange(N, dtype=torch.float32) * S).repeat_interleave(P)
     return base
 
 
-class _Rows:
+class GridRows:
     """The input as channel rows ``[N*S + 1, C]`` (last row zeros) and the gather of neighbours from it."""
 
     def __init__(self, input: torch.Tensor) -> None:
@@ -165,7 +164,7 @@ def _weighted_sum(vals: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.
 
 # ---- the samplers ---------------------------------------------------------------------------------------
 
-def _points(rows: _Rows, g: torch.Tensor, base: torch.Tensor, mode: int, padding: int, align: bool
+def grid_points(rows: GridRows, g: torch.Tensor, base: torch.Tensor, mode: int, padding: int, align: bool
             ) -> torch.Tensor:
     """[Q, C]: the samples at ``Q`` points whose grid coordinates are the rows of ``g [k, Q]`` (x first)."""
     k = g.shape[0]
@@ -175,7 +174,7 @@ def _points(rows: _Rows, g: torch.Tensor, base: torch.Tensor, mode: int, padding
     if mode == BICUBIC:
         coords = [_unnormalize(g[i], sizes[i], align, vec) for i in range(k)]
         low = [torch.floor(c) for c in coords]
-        cx, cy = [_cubic_weights(c - f) for c, f in zip(coords, low)]
+        cx, cy = [cubic_weights(c - f) for c, f in zip(coords, low)]
         tx, ty = [[_pad(f + float(t - 1), n, padding, align, vec) for t in range(4)] for f, n in zip(low, sizes)]
         vals = rows.gather(rows.index([ty, tx], base, check)).view(4, -1, rows.rows.shape[1])
         across = [_weighted_sum(vals[j], cx) for j in range(4)]       # each y tap j: its 4 x taps
@@ -206,13 +205,13 @@ def _sample(input: torch.Tensor, grid: torch.Tensor, mode: int, padding: int, al
     N, C = input.shape[:2]
     out_sizes = [int(v) for v in grid.shape[1:-1]]
     P = math.prod(out_sizes)
-    rows = _Rows(input)
-    Q = _chunk(N * P)
+    rows = GridRows(input)
+    Q = chunk_size(N * P)
     padded = -(-(N * P) // Q) * Q
     g = torch.zeros(k, padded, dtype=grid.dtype, device=grid.device)     # row 0: x (last input dim), 1: y, 2: z
     g[:, :N * P] = grid.reshape(N * P, k).t()
-    base = _dev(input.device, _batch_base, N, P, math.prod(rows.sizes), padded)
-    parts = [_points(rows, g[:, i:i + Q], base[i:i + Q], mode, padding, align) for i in range(0, padded, Q)]
+    base = device_table(input.device, batch_base, N, P, math.prod(rows.sizes), padded)
+    parts = [grid_points(rows, g[:, i:i + Q], base[i:i + Q], mode, padding, align) for i in range(0, padded, Q)]
     res = (torch.cat(parts) if len(parts) > 1 else parts[0])[:N * P]
     return dense(res.view(N, P, C).permute(0, 2, 1)).view(N, C, *out_sizes)
 
@@ -234,6 +233,4 @@ def _grid_sampler(k: int) -> Any:
 
 
 for _k in (2, 3):
-    _register(f"grid_sampler_{_k}d", "out", _grid_sampler(_k), 2, _grid_check(_k))
-
-from torchneuron.ops import sampling_grid_backward  # noqa: E402,F401  (the backward reuses the helpers above; registers on import)
+    register_resample(f"grid_sampler_{_k}d", "out", _grid_sampler(_k), 2, grid_check(_k))

@@ -19,13 +19,13 @@ from typing import Any, Sequence
 
 import torch
 
-from torchneuron.ops.kernel_call import dense
+from torchneuron.ops.base import aten, device_table, floats_on_one_device
+from torchneuron.ops.elementwise import dense
 from torchneuron.ops.registry import cpu_fallback, lowering
-from torchneuron.ops.resample import EXACT, _dev, _ok
+from torchneuron.ops.resample import EXACT
+from torchneuron.ops.sampling_grid import batch_base, BICUBIC, chunk_size, grid_check, grid_points, GridRows, NEAREST
 from torchneuron.ops.scatter import ONEHOT_LIMIT
-from torchneuron.ops.sampling_grid import BICUBIC, NEAREST, _batch_base, _chunk, _grid_check, _points, _Rows
 
-aten = torch.ops.aten
 
 
 def _autograd_on() -> Any:
@@ -57,10 +57,10 @@ def _backward(grad_out: torch.Tensor, input: torch.Tensor, grid: torch.Tensor, m
     k = input.dim() - 2
     N, C = input.shape[:2]
     P = math.prod(int(v) for v in grid.shape[1:-1])
-    rows = _Rows(input)
+    rows = GridRows(input)
     leaf = rows.rows.detach().requires_grad_(bool(mask[0]))
     rows.rows = leaf
-    Q = _chunk(N * P)
+    Q = chunk_size(N * P)
     if mask[0]:
         Q = min(Q, _row_chunk(N * math.prod(rows.sizes) + 1, _taps(k, mode)))
     padded = -(-(N * P) // Q) * Q
@@ -69,13 +69,13 @@ def _backward(grad_out: torch.Tensor, input: torch.Tensor, grid: torch.Tensor, m
     # grad_output as [point, channel] rows; padding points get zero gradient
     go = torch.zeros(padded, C, dtype=grad_out.dtype, device=grad_out.device)
     go[:N * P] = dense(grad_out.reshape(N, C, P).permute(0, 2, 1)).reshape(N * P, C)
-    base = _dev(input.device, _batch_base, N, P, math.prod(rows.sizes), padded)
+    base = device_table(input.device, batch_base, N, P, math.prod(rows.sizes), padded)
     row_grad = None
     grid_parts = []
     for i in range(0, padded, Q):
         gi = g[:, i:i + Q].detach().requires_grad_()
         with torch.enable_grad(), _autograd_on():
-            out = _points(rows, gi, base[i:i + Q], mode, padding, align)
+            out = grid_points(rows, gi, base[i:i + Q], mode, padding, align)
             wrt = [leaf, gi] if mask[0] else [gi]
             grads = torch.autograd.grad(out, wrt, grad_outputs=go[i:i + Q], allow_unused=True)
         grads = list(grads)
@@ -98,7 +98,7 @@ def _backward(grad_out: torch.Tensor, input: torch.Tensor, grid: torch.Tensor, m
 
 def _grid_sampler_backward(k: int) -> Any:
     op = getattr(aten, f"grid_sampler_{k}d_backward").default
-    check = _grid_check(k)
+    check = grid_check(k)
 
     def run(grad_output: torch.Tensor, input: torch.Tensor, grid: torch.Tensor, interpolation_mode: int,
             padding_mode: int, align_corners: bool, output_mask: Sequence[bool]) -> tuple[Any, Any]:
@@ -106,7 +106,7 @@ def _grid_sampler_backward(k: int) -> Any:
         args = (grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask)
         N = input.shape[0] if input.dim() else 0
         S = math.prod(input.shape[2:])
-        if (not _ok(grad_output, input, grid) or any(t.dtype != torch.float32 for t in (grad_output, input, grid))
+        if (not floats_on_one_device(grad_output, input, grid) or any(t.dtype != torch.float32 for t in (grad_output, input, grid))
                 or N * S + 1 >= EXACT or interpolation_mode not in (0, 1, 2) or padding_mode not in (0, 1, 2)):
             return cpu_fallback(op, *args)
         check(input, grid, interpolation_mode)

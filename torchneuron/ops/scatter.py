@@ -36,21 +36,19 @@ import torchneuron.nki.language as nl
 from torchneuron.kernels.indexing import gather_rows
 from torchneuron.kernels.scan import scan_rows
 from torchneuron.kernels.scatter import scatter_rows
-from torchneuron.ops import tilemath as tm
-from torchneuron.ops.copy import device_copy, to_int64
+from torchneuron.ops import base, tilemath as tm
+from torchneuron.ops.base import (aten, DEVICE_DTYPES, FLOATS, meta_twin, on_one_device, raise_like_cpu, type_name,
+                                  Unsupported)
+from torchneuron.ops.elementwise import (broadcast_shape, check_no_internal_overlap, check_no_overlap, dense,
+                                         device_copy, run_pointwise, to_int64, write_result)
 from torchneuron.ops.indexing import arange_values
-from torchneuron.ops.kernel_call import DEVICE_DTYPES, call_kernel, dense
-from torchneuron.ops.pointwise import check_no_internal_overlap, check_no_overlap, run_pointwise
-from torchneuron.ops.registry import Unsupported, cpu_fallback, lowering
-from torchneuron.ops.copy import write_result as _into
-from torchneuron.ops.registry import meta_twin as _meta
+from torchneuron.ops.kernel_call import call_kernel
+from torchneuron.ops.registry import cpu_fallback, lowering
 
-aten = torch.ops.aten
 INDEX_DTYPES = (torch.int32, torch.int64)
 DATA_DTYPES = DEVICE_DTYPES - {torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32}
 # ops that only move elements (gather, plain scatter, take, put): 8-byte ones move as int32 word pairs
 MOVE_DTYPES = DATA_DTYPES | {torch.int64, torch.float64}
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 LINES_LIMIT = 1 << 24      # elements of the [L, S, I] selection an accumulating scatter builds
 ONEHOT_LIMIT = 1 << 26     # elements of the one-hot matrix an accumulating row put builds
 
@@ -77,45 +75,19 @@ def _pick(idx, ids, v, identity):
     return tm.where(nl.equal(idx, ids), v, identity)
 
 
-def _hit(idx, ids):
+def match_tile(idx, ids):
     """1.0 where idx == id."""
     return nl.equal(idx, ids)
 
 
-def _slot(flag, rank, dummy):
+def slot_tile(flag, rank, dummy):
     """The output row of a selected element (its rank - 1), or the spare row ``dummy``."""
     return tm.where(flag, nl.subtract(rank, 1), dummy)
 
 
 # ---- helpers ------------------------------------------------------------------------------------
 
-def _cpu(t: Any) -> Any:
-    if isinstance(t, torch.Tensor):
-        return t.cpu()
-    if isinstance(t, (list, tuple)):
-        return type(t)(_cpu(x) for x in t)
-    return t
-
-
-def _raise_like_cpu(op: Any, *args: Any, **kwargs: Any) -> None:
-    """Re-run ``op`` on CPU copies so a bad index raises the CPU's exception (type and message)."""
-    kwargs = {k: _cpu(v) for k, v in kwargs.items() if k != "out"}
-    op(*[_cpu(a) for a in args], **kwargs)
-    raise IndexError("index out of range")
-
-
-def _on_device(*ts: Any) -> bool:
-    dev = None
-    for t in ts:
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor) or t.device.type != "neuron" or (dev is not None and t.device != dev):
-            return False
-        dev = t.device
-    return True
-
-
-def _i32(index: torch.Tensor) -> torch.Tensor:
+def index_int32(index: torch.Tensor) -> torch.Tensor:
     """A contiguous int32 copy of an integer index tensor's values (int64: its low words)."""
     index = dense(index)
     if index.dtype == torch.int64:
@@ -123,7 +95,7 @@ def _i32(index: torch.Tensor) -> torch.Tensor:
     return index if index.dtype == torch.int32 else index.to(torch.int32)
 
 
-def _bad(idx: torch.Tensor, lo: int, hi: int) -> bool:
+def any_outside(idx: torch.Tensor, lo: int, hi: int) -> bool:
     """Whether any index lies outside [lo, hi) (computed on the device, read by the host)."""
     if idx.numel() == 0:
         return False
@@ -141,7 +113,7 @@ def _gather_elems(table: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     return (rows.view(table.dtype) if wide else rows).reshape(flat.shape)
 
 
-def _scatter_into(table: torch.Tensor, flat: torch.Tensor, values: torch.Tensor) -> None:
+def scatter_into(table: torch.Tensor, flat: torch.Tensor, values: torch.Tensor) -> None:
     """``table.view(V, D)[flat] = values`` in place (a contiguous table; rows of D elements)."""
     n = flat.numel()
     if n == 0:
@@ -172,13 +144,6 @@ def _write(target: torch.Tensor, view_of_target: torch.Tensor, block: torch.Tens
         device_copy(view_of_target, block)
 
 
-def _overload(name: str) -> torch._ops.OpOverload:
-    packet, _, ov = name.partition(".")
-    return getattr(getattr(aten, packet), ov or "default")
-
-
-# ---- gather / scatter along a dim -------------------------------------------------------------
-
 def _lines(t: torch.Tensor, ishape: Sequence[int], d: int) -> torch.Tensor:
     """The view of ``t`` with dim ``d`` last, cut to the index's sizes in the other dims."""
     moved = t.movedim(d, -1)
@@ -192,7 +157,7 @@ def _line_setup(self: torch.Tensor, dim: int, index: torch.Tensor):
     S = self.shape[d] if self.dim() else 1
     I = index_m.shape[-1]
     L = index_m.numel() // max(I, 1)
-    return d, index_m, L, S, I, _i32(index_m).reshape(L, I)
+    return d, index_m, L, S, I, index_int32(index_m).reshape(L, I)
 
 
 def _flat(idx: torch.Tensor, L: int, S: int) -> torch.Tensor:
@@ -206,21 +171,21 @@ def gather(self: torch.Tensor, dim: int, index: torch.Tensor, *, sparse_grad: bo
     """``torch.gather``: element gathers along ``dim`` by indirect DMA."""
     op = aten.gather.out if out is not None else aten.gather.default
     kw = {"sparse_grad": sparse_grad, **({"out": out} if out is not None else {})}
-    res_meta = op(_meta(self), dim, _meta(index), **{k: _meta(v) for k, v in kw.items()})
+    res_meta = op(meta_twin(self), dim, meta_twin(index), **{k: meta_twin(v) for k, v in kw.items()})
     check_out(out, self, index, shape=res_meta.shape)   # (the fallback's CPU copies would no longer overlap)
-    if not _on_device(self, index, out) or (index.numel() and (self.dtype not in MOVE_DTYPES
+    if not on_one_device(self, index, out) or (index.numel() and (self.dtype not in MOVE_DTYPES
                                                                or index.dtype not in INDEX_DTYPES)):
         return cpu_fallback(op, self, dim, index, **kw)
     if index.numel() == 0:
-        return _into(torch.empty(res_meta.shape, dtype=self.dtype, device=self.device), out)
+        return write_result(torch.empty(res_meta.shape, dtype=self.dtype, device=self.device), out)
     d, index_m, L, S, I, idx = _line_setup(self, dim, index)
-    if _bad(idx, 0, S):
-        _raise_like_cpu(aten.gather.default, self, dim, index)
+    if any_outside(idx, 0, S):
+        raise_like_cpu(aten.gather.default, self, dim, index, with_data=True)
     src = self.reshape(1) if self.dim() == 0 else _lines(self, index_m.shape[:-1], d)
     vals = _gather_elems(dense(src), _flat(idx, L, S))
     res = vals.reshape(index_m.shape)
     res = res.reshape(res_meta.shape) if index.dim() == 0 else dense(res.movedim(-1, d))
-    return _into(res, out)
+    return write_result(res, out)
 
 
 def _scatter_impl(target: torch.Tensor, dim: int, index: torch.Tensor, src: Any, reduce: str | None,
@@ -229,8 +194,8 @@ def _scatter_impl(target: torch.Tensor, dim: int, index: torch.Tensor, src: Any,
     if index.numel() == 0:
         return
     d, index_m, L, S, I, idx = _line_setup(target, dim, index)
-    if _bad(idx, 0, S):
-        _raise_like_cpu(check_op, *check_args)
+    if any_outside(idx, 0, S):
+        raise_like_cpu(check_op, *check_args, with_data=True)
     view = target.reshape(1) if target.dim() == 0 else _lines(target, index_m.shape[:-1], d)
     if isinstance(src, torch.Tensor):
         vals = src.reshape(1) if src.dim() == 0 else _lines(src, index_m.shape[:-1], d)[..., :I]
@@ -238,7 +203,7 @@ def _scatter_impl(target: torch.Tensor, dim: int, index: torch.Tensor, src: Any,
         vals = torch.full(index_m.shape, src, dtype=target.dtype, device=target.device)
     block = dense(view)
     if reduce is None:
-        _scatter_into(block, _flat(idx, L, S), vals.to(target.dtype))
+        scatter_into(block, _flat(idx, L, S), vals.to(target.dtype))
         _write(target, view, block)
         return
     if L * S * I > LINES_LIMIT:
@@ -252,7 +217,7 @@ def _scatter_impl(target: torch.Tensor, dim: int, index: torch.Tensor, src: Any,
     red = {"sum": torch.sum, "mean": torch.sum, "prod": torch.prod, "amax": torch.amax,
            "amin": torch.amin}[reduce](picked, -1)
     if reduce == "mean" or not include_self:
-        count = run_pointwise(_hit, [ix, ids], KIND.DEFAULT, result_dtype=torch.float32,
+        count = run_pointwise(match_tile, [ix, ids], KIND.DEFAULT, result_dtype=torch.float32,
                               op="aten::scatter_reduce").sum(-1)
     if reduce == "mean":
         total = red + x if include_self else red
@@ -271,7 +236,7 @@ def _scatter_impl(target: torch.Tensor, dim: int, index: torch.Tensor, src: Any,
 
 def _scatter_lowering(name: str, kind: str) -> None:
     """Register one overload of scatter (src/value), scatter_add or scatter_reduce."""
-    overload = _overload(name)
+    overload = base.overload(name)
     inplace = name.split(".")[0].endswith("_")
     def kernel(self: torch.Tensor, dim: int, index: torch.Tensor, src: Any, *args: Any, **kwargs: Any):
         out = kwargs.get("out")
@@ -281,9 +246,9 @@ def _scatter_lowering(name: str, kind: str) -> None:
         include_self = kwargs.get("include_self", args[1] if len(args) > 1 else True) if kind == "reduce" else True
         try:
             # the CPU's shape and dtype checks first (meta raises them alike), whatever then runs the op
-            overload(*_meta((self, dim, index, src)), *args, **{k: _meta(v) for k, v in kwargs.items()})
+            overload(*meta_twin((self, dim, index, src)), *args, **{k: meta_twin(v) for k, v in kwargs.items()})
             tensors = [self, index, out] + ([src] if isinstance(src, torch.Tensor) else [])
-            if not _on_device(*tensors) or index.dtype not in INDEX_DTYPES or \
+            if not on_one_device(*tensors) or index.dtype not in INDEX_DTYPES or \
                     self.dtype not in (MOVE_DTYPES if reduce is None else DATA_DTYPES):
                 raise Unsupported
             if isinstance(src, torch.Tensor) and src.dtype != self.dtype:
@@ -292,7 +257,7 @@ def _scatter_lowering(name: str, kind: str) -> None:
                 raise Unsupported
             if reduce == "mean" and self.dtype not in FLOATS:
                 raise Unsupported
-            target = self if inplace else _into(self, out) if out is not None else self.clone()
+            target = self if inplace else write_result(self, out) if out is not None else self.clone()
             # the functional op re-run on CPU copies when an index is out of range
             tensor_src = isinstance(src, torch.Tensor)
             check = {"scatter": aten.scatter.src if tensor_src else aten.scatter.value,
@@ -334,13 +299,13 @@ def _row_put(target: torch.Tensor, d: int, rows: torch.Tensor, source: torch.Ten
     block = dense(view)
     vals = dense(_rows_of(source, d) if source.dim() else source.reshape(1)).reshape(n, -1)
     if not accumulate:
-        _scatter_into(block, rows, vals.to(target.dtype))
+        scatter_into(block, rows, vals.to(target.dtype))
         _write(target, view, block)
         return
     if S * n > ONEHOT_LIMIT:
         raise Unsupported
     # sums of the rows per destination: onehot [S, n] @ values [n, R] on TensorE (fp32 accumulation)
-    onehot = run_pointwise(_hit, [arange_values(S, target.device).reshape(S, 1), rows.reshape(1, n)], KIND.DEFAULT,
+    onehot = run_pointwise(match_tile, [arange_values(S, target.device).reshape(S, 1), rows.reshape(1, n)], KIND.DEFAULT,
                            result_dtype=torch.float32, op="aten::index_add")
     sums = onehot @ vals.to(torch.float32)
     new = run_pointwise(tm.add_scaled, [block.reshape(S, -1).to(torch.float32), sums, alpha], KIND.DEFAULT,
@@ -351,7 +316,7 @@ def _row_put(target: torch.Tensor, d: int, rows: torch.Tensor, source: torch.Ten
 
 
 def _row_lowering(name: str, kind: str) -> None:
-    overload = _overload(name)
+    overload = base.overload(name)
     packet = name.split(".")[0]
     inplace = packet.endswith("_")
     fn_op = {"copy": aten.index_copy.default, "add": aten.index_add.default, "fill": aten.index_fill.int_Scalar,
@@ -362,10 +327,10 @@ def _row_lowering(name: str, kind: str) -> None:
         alpha = kwargs.get("alpha", args[0] if args else 1)
         try:
             tensors = [self, index, out] + ([source] if isinstance(source, torch.Tensor) and kind != "fillt" else [])
-            if (not _on_device(*tensors) or index.dtype not in INDEX_DTYPES or self.dtype not in DATA_DTYPES
+            if (not on_one_device(*tensors) or index.dtype not in INDEX_DTYPES or self.dtype not in DATA_DTYPES
                     or (isinstance(source, torch.Tensor) and source.dtype not in DATA_DTYPES)):
                 raise Unsupported
-            overload(*_meta((self, dim, index, source)), *args, **{k: _meta(v) for k, v in kwargs.items()})
+            overload(*meta_twin((self, dim, index, source)), *args, **{k: meta_twin(v) for k, v in kwargs.items()})
             if kind == "add" and self.dim() > 1:   # a check the meta function leaves out
                 d0 = canonicalize_dim(self.dim(), dim)
                 if source.dim() != self.dim() or any(source.shape[k] != self.shape[k] for k in range(self.dim())
@@ -378,18 +343,18 @@ def _row_lowering(name: str, kind: str) -> None:
                     source = source.item()
                 elif source.device != self.device:
                     raise Unsupported
-            target = self if inplace else (self.clone() if out is None else _into(self.clone(), out))
+            target = self if inplace else (self.clone() if out is None else write_result(self.clone(), out))
             if index.numel() == 0 or self.numel() == 0:
                 return target
             d = canonicalize_dim(max(self.dim(), 1), dim)
             S = self.shape[d] if self.dim() else 1
-            rows = _i32(index).reshape(-1)
+            rows = index_int32(index).reshape(-1)
             lo = -S if kind in ("fill", "fillt") else 0
-            if _bad(rows, lo, S):
-                _raise_like_cpu(fn_op, self, dim, index, source, *args, **kwargs)
+            if any_outside(rows, lo, S):
+                raise_like_cpu(fn_op, self, dim, index, source, *args, **kwargs, with_data=True)
             if kind in ("fill", "fillt"):
                 rows = run_pointwise(_wrap, [rows, S], KIND.DEFAULT, op="aten::index_fill")
-                hit = run_pointwise(_hit, [arange_values(S, self.device).reshape(S, 1), rows.reshape(1, -1)],
+                hit = run_pointwise(match_tile, [arange_values(S, self.device).reshape(S, 1), rows.reshape(1, -1)],
                                     KIND.DEFAULT, result_dtype=torch.float32, op="aten::index_fill")
                 selected = hit.amax(-1) > 0
                 shape = [1] * self.dim()
@@ -419,18 +384,18 @@ _row_lowering("index_fill_.int_Tensor", "fillt")
 def take(self: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.take``: elements of the flattened tensor by indirect DMA (negative indices from the end)."""
     op = aten.take.out if out is not None else aten.take.default
-    op(_meta(self), _meta(index), **({"out": _meta(out)} if out is not None else {}))
+    op(meta_twin(self), meta_twin(index), **({"out": meta_twin(out)} if out is not None else {}))
     check_out(out, self, index, shape=index.shape)
-    if not _on_device(self, index, out) or self.dtype not in MOVE_DTYPES or index.dtype not in INDEX_DTYPES:
+    if not on_one_device(self, index, out) or self.dtype not in MOVE_DTYPES or index.dtype not in INDEX_DTYPES:
         return cpu_fallback(op, self, index, **({"out": out} if out is not None else {}))
     if index.numel() == 0:
-        return _into(torch.empty(index.shape, dtype=self.dtype, device=self.device), out)
+        return write_result(torch.empty(index.shape, dtype=self.dtype, device=self.device), out)
     n = self.numel()
-    flat = _i32(index)
-    if _bad(flat, -n, n):
-        _raise_like_cpu(aten.take.default, self, index)
+    flat = index_int32(index)
+    if any_outside(flat, -n, n):
+        raise_like_cpu(aten.take.default, self, index, with_data=True)
     flat = run_pointwise(_wrap, [flat, n], KIND.DEFAULT, op="aten::take")
-    return _into(_gather_elems(dense(self), flat), out)
+    return write_result(_gather_elems(dense(self), flat), out)
 
 
 @lowering("put_")
@@ -439,22 +404,22 @@ def put_(self: torch.Tensor, index: torch.Tensor, source: torch.Tensor, accumula
     summed in as a one-hot matrix product (negative indices from the end)."""
     # the CPU's checks, in its order (the meta function has none of them)
     if index.dtype != torch.int64:
-        raise RuntimeError(f"put_(): Expected a long tensor for index, but got {_dtype_name(index.dtype)}")
+        raise RuntimeError(f"put_(): Expected a long tensor for index, but got {type_name(index.dtype)}")
     if self.dtype != source.dtype:
         raise RuntimeError(f"put_(): self and source expected to have the same dtype, but got self.dtype = "
-                           f"{_dtype_name(self.dtype)} and source.dtype = {_dtype_name(source.dtype)}")
+                           f"{type_name(self.dtype)} and source.dtype = {type_name(source.dtype)}")
     if source.numel() != index.numel():
         raise IndexError(f"put_(): Expected source and index to have the same number of elements, but got "
                          f"source.numel() = {source.numel()}, index.numel() = {index.numel()}")
     try:
-        if not _on_device(self, index, source) or self.dtype not in (DATA_DTYPES if accumulate else MOVE_DTYPES):
+        if not on_one_device(self, index, source) or self.dtype not in (DATA_DTYPES if accumulate else MOVE_DTYPES):
             raise Unsupported
         if index.numel() == 0:
             return self
         n = self.numel()
-        flat = _i32(index).reshape(-1)
-        if _bad(flat, -n, n):
-            _raise_like_cpu(aten.put.default, self, index, source, accumulate)
+        flat = index_int32(index).reshape(-1)
+        if any_outside(flat, -n, n):
+            raise_like_cpu(aten.put.default, self, index, source, accumulate, with_data=True)
         flat = run_pointwise(_wrap, [flat, n], KIND.DEFAULT, op="aten::put_")
         block = dense(self).reshape(-1)
         _row_put(block, 0, flat, source.reshape(-1), accumulate)
@@ -466,7 +431,7 @@ def put_(self: torch.Tensor, index: torch.Tensor, source: torch.Tensor, accumula
 
 # ---- data-dependent sizes: nonzero, masked_select ------------------------------------------------
 
-def _compact(flags: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def compact(flags: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """The rows of ``values`` [N, D] whose ``flags`` [N] (bool) are set, in order: a device scan of the
     flags gives each selected row its rank; the host reads the count; rows are scattered to their ranks."""
     N = flags.numel()
@@ -477,8 +442,8 @@ def _compact(flags: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
                           {"op": "sum", "out_dtype": torch.int32, "compute": nl.int32}, op="aten::nonzero")
     count = int(rank[0, N - 1].item())   # the one host sync: the result's size
     out = torch.empty((count + 1, D), dtype=values.dtype, device=values.device)
-    slots = run_pointwise(_slot, [flags.reshape(-1), rank.reshape(-1), count], KIND.DEFAULT, op="aten::nonzero")
-    _scatter_into(out, slots, values.reshape(N, D))
+    slots = run_pointwise(slot_tile, [flags.reshape(-1), rank.reshape(-1), count], KIND.DEFAULT, op="aten::nonzero")
+    scatter_into(out, slots, values.reshape(N, D))
     return out[:count]
 
 
@@ -494,7 +459,7 @@ def _nonzero32(self: torch.Tensor) -> torch.Tensor:
         shape = [1] * nd
         shape[k] = self.shape[k]
         device_copy(coords[:, k].view(self.shape), arange_values(self.shape[k], self.device).reshape(shape))
-    res = _compact(flags.reshape(-1), coords)
+    res = compact(flags.reshape(-1), coords)
     return res[:, :nd]
 
 
@@ -502,11 +467,11 @@ def _nonzero32(self: torch.Tensor) -> torch.Tensor:
 def nonzero(self: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.nonzero``: the mask scanned on the device, the count read by the host, coordinates scattered."""
     op = aten.nonzero.out if out is not None else aten.nonzero.default
-    if not _on_device(self, out) or self.dtype not in DATA_DTYPES or self.numel() >= 1 << 24 \
+    if not on_one_device(self, out) or self.dtype not in DATA_DTYPES or self.numel() >= 1 << 24 \
             or (out is not None and out.dtype != torch.int64):
         return cpu_fallback(op, self, **({"out": out} if out is not None else {}))
     res = _nonzero32(self)
-    return _into(to_int64(dense(res)), out)
+    return write_result(to_int64(dense(res)), out)
 
 
 @lowering("nonzero_static", "nonzero_static.out")
@@ -518,7 +483,7 @@ def nonzero_static(self: torch.Tensor, *, size: int, fill_value: int = -1,
     kw = {"size": size, "fill_value": fill_value, **({"out": out} if out is not None else {})}
     if size < 0:
         raise RuntimeError("nonzero_static: 'size' must be an non-negative integer")
-    if not _on_device(self, out) or self.dtype not in DATA_DTYPES or self.numel() >= 1 << 24 \
+    if not on_one_device(self, out) or self.dtype not in DATA_DTYPES or self.numel() >= 1 << 24 \
             or (out is not None and out.dtype != torch.int64):
         return cpu_fallback(op, self, **kw)
     nd = self.dim()
@@ -527,7 +492,7 @@ def nonzero_static(self: torch.Tensor, *, size: int, fill_value: int = -1,
     k = min(size, coords.shape[0])
     if k and nd:
         device_copy(res[:k], to_int64(dense(coords[:k])))
-    return _into(res, out)
+    return write_result(res, out)
 
 
 @lowering("masked_select", "masked_select.out")
@@ -536,10 +501,9 @@ def masked_select(self: torch.Tensor, mask: torch.Tensor, *, out: torch.Tensor |
     op = aten.masked_select.out if out is not None else aten.masked_select.default
     if mask.dtype != torch.bool:
         raise RuntimeError("masked_select: expected BoolTensor for mask")
-    if not _on_device(self, mask, out) or self.dtype not in MOVE_DTYPES \
+    if not on_one_device(self, mask, out) or self.dtype not in MOVE_DTYPES \
             or (out is not None and out.dtype != self.dtype):
         return cpu_fallback(op, self, mask, **({"out": out} if out is not None else {}))
-    from torchneuron.ops.pointwise import broadcast_shape
     shape = broadcast_shape([self.shape, mask.shape])
     check_out(out, self, mask)
     if _numel(shape) >= 1 << 24:
@@ -547,8 +511,8 @@ def masked_select(self: torch.Tensor, mask: torch.Tensor, *, out: torch.Tensor |
     x = dense(self.expand(shape)).reshape(-1, 1)
     if x.element_size() == 8:                # int64/float64 elements move as rows of two int32 words
         x = x.view(torch.int32)
-    res = _compact(dense(mask.expand(shape)).reshape(-1), x).reshape(-1)
-    return _into(dense(res.view(self.dtype)), out)
+    res = compact(dense(mask.expand(shape)).reshape(-1), x).reshape(-1)
+    return write_result(dense(res.view(self.dtype)), out)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -577,7 +541,7 @@ def _expand_masks(self: torch.Tensor, indices: Sequence[torch.Tensor | None]) ->
             coords = _nonzero32(i)
             out.extend(dense(coords[:, j]) for j in range(i.dim()))
         elif i.dtype in INDEX_DTYPES:
-            out.append(_i32(i))
+            out.append(index_int32(i))
         else:
             raise Unsupported
     return out
@@ -590,8 +554,8 @@ def _row_numbers(self: torch.Tensor, idx: list[torch.Tensor | None], op: Any, ar
     flat = None
     for k in dims:
         S = self.shape[k]
-        if _bad(idx[k], -S, S):
-            _raise_like_cpu(op, *args)
+        if any_outside(idx[k], -S, S):
+            raise_like_cpu(op, *args, with_data=True)
         w = run_pointwise(_wrap, [idx[k], S], KIND.DEFAULT, op="aten::index")
         flat = w if flat is None else run_pointwise(_fma, [flat, w, S], KIND.DEFAULT, op="aten::index")
     return dims, tuple(B), dense(flat.expand(B)).reshape(-1)
@@ -612,17 +576,17 @@ def index(self: torch.Tensor, indices: Sequence[torch.Tensor | None], *, out: to
     op = aten.index.Tensor_out if out is not None else aten.index.Tensor
     kw = {"out": out} if out is not None else {}
     try:
-        if not _on_device(self, out, *indices) or self.dtype not in DATA_DTYPES or self.dim() == 0:
+        if not on_one_device(self, out, *indices) or self.dtype not in DATA_DTYPES or self.dim() == 0:
             raise Unsupported
         idx = _expand_masks(self, indices)
         if not any(i is not None for i in idx):
             raise Unsupported
-        res_meta = aten.index.Tensor(_meta(self), _meta(idx))
+        res_meta = aten.index.Tensor(meta_twin(self), meta_twin(idx))
         dims, B, rows = _row_numbers(self, idx + [None] * (self.dim() - len(idx)), aten.index.Tensor, (self, indices))
         perm, others, at = _layout(self, dims, B)
         V = _numel(self.shape[k] for k in dims)
         if rows.numel() == 0 or self.numel() == 0:
-            return _into(torch.empty(res_meta.shape, dtype=self.dtype, device=self.device), out)
+            return write_result(torch.empty(res_meta.shape, dtype=self.dtype, device=self.device), out)
         table = dense(self.permute(perm)).reshape(V, -1)
         (got,) = call_kernel(gather_rows, {"table": table, "index": rows}, {"stride": 1}, op="aten::index")
         res = got.reshape(*B, *(self.shape[k] for k in others))
@@ -631,7 +595,7 @@ def index(self: torch.Tensor, indices: Sequence[torch.Tensor | None], *, out: to
             order = list(range(nb, nb + at)) + list(range(nb)) + list(range(nb + at, res.dim()))
             res = dense(res.permute(order))
         assert tuple(res.shape) == tuple(res_meta.shape), (res.shape, res_meta.shape)
-        return _into(res, out)
+        return write_result(res, out)
     except Unsupported:
         return cpu_fallback(op, self, indices, **kw)
 
@@ -641,7 +605,7 @@ def _put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: tor
     """``self[indices] = values`` (``+=`` when ``accumulate``) in place on the device."""
     if values.dtype != self.dtype:
         raise RuntimeError(f"Index put requires the source and destination dtypes match, got "
-                           f"{_dtype_name(self.dtype)} for the destination and {_dtype_name(values.dtype)} for the "
+                           f"{type_name(self.dtype)} for the destination and {type_name(values.dtype)} for the "
                            "source.")
     ind = list(indices)
     # x[mask] = scalar: a select, no sync
@@ -654,7 +618,7 @@ def _put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: tor
     idx = _expand_masks(self, ind)
     if not any(i is not None for i in idx):
         raise Unsupported
-    res_meta = aten.index.Tensor(_meta(self), _meta(idx))
+    res_meta = aten.index.Tensor(meta_twin(self), meta_twin(idx))
     try:
         vshape = torch.broadcast_shapes(values.shape, res_meta.shape)
         assert tuple(vshape) == tuple(res_meta.shape)
@@ -677,11 +641,11 @@ def _put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: tor
     table = block.reshape(V, -1)
     v2 = dense(vals).reshape(n, -1)
     if not accumulate:
-        _scatter_into(table, rows, v2)
+        scatter_into(table, rows, v2)
     else:
         if V * n > ONEHOT_LIMIT or self.dtype not in DATA_DTYPES - {torch.bool}:
             raise Unsupported
-        onehot = run_pointwise(_hit, [arange_values(V, self.device).reshape(V, 1), rows.reshape(1, n)], KIND.DEFAULT,
+        onehot = run_pointwise(match_tile, [arange_values(V, self.device).reshape(V, 1), rows.reshape(1, n)], KIND.DEFAULT,
                                result_dtype=torch.float32, op="aten::index_put_")
         new = table.to(torch.float32) + onehot @ v2.to(torch.float32)
         if not self.dtype.is_floating_point:
@@ -690,17 +654,12 @@ def _put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: tor
     _write(self, view, block)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    from torchneuron.ops.pointwise import _type_name
-    return _type_name(dtype)
-
-
 @lowering("_index_put_impl_")
 def index_put_impl_(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: torch.Tensor,
                     accumulate: bool = False, unsafe: bool = False) -> torch.Tensor:
     """``self[indices] = values`` / ``index_put_(..., accumulate=True)``: row scatter or one-hot matmul."""
     try:
-        if not _on_device(self, values, *indices) or self.dtype not in DATA_DTYPES or self.dim() == 0:
+        if not on_one_device(self, values, *indices) or self.dtype not in DATA_DTYPES or self.dim() == 0:
             raise Unsupported
         _put(self, indices, values, accumulate, (aten.index_put.default, (self, indices, values, accumulate)))
         return self
@@ -711,7 +670,7 @@ def index_put_impl_(self: torch.Tensor, indices: Sequence[torch.Tensor | None], 
 # ---- masks: masked_fill_, masked_scatter_ ---------------------------------------------------------
 
 def _masked_fill(name: str) -> None:
-    overload = _overload(name)
+    overload = base.overload(name)
 
     def kernel(self: torch.Tensor, mask: torch.Tensor, value: Any) -> torch.Tensor:
         """``self.masked_fill_(mask, value)``: an exact select on the device."""
@@ -725,9 +684,8 @@ def _masked_fill(name: str) -> None:
             if value.device.type == "cpu":
                 value = value.item()
         tensors = [self, mask] + ([value] if isinstance(value, torch.Tensor) else [])
-        if not _on_device(*tensors) or self.dtype not in DATA_DTYPES:
+        if not on_one_device(*tensors) or self.dtype not in DATA_DTYPES:
             return cpu_fallback(overload, self, mask, value)
-        from torchneuron.ops.pointwise import broadcast_shape
         shape = broadcast_shape([self.shape, mask.shape])
         if tuple(shape) != tuple(self.shape):
             raise RuntimeError(f"output with shape {list(self.shape)} doesn't match the broadcast shape {list(shape)}")
@@ -751,21 +709,21 @@ def masked_scatter_(self: torch.Tensor, mask: torch.Tensor, source: torch.Tensor
     leading elements of ``source`` by row scatter."""
     if mask.dtype != torch.bool:   # the CPU's check, before its device checks
         raise RuntimeError(f"masked_scatter_ only supports boolean masks, but got mask with dtype "
-                           f"{_dtype_name(mask.dtype)}")
-    if not _on_device(self, mask, source) or self.dtype not in DATA_DTYPES or mask.dtype != torch.bool \
+                           f"{type_name(mask.dtype)}")
+    if not on_one_device(self, mask, source) or self.dtype not in DATA_DTYPES or mask.dtype != torch.bool \
             or source.dtype != self.dtype:
         return cpu_fallback(aten.masked_scatter_.default, self, mask, source)
-    aten.masked_scatter_(_meta(self), _meta(mask), _meta(source))
+    aten.masked_scatter_(meta_twin(self), meta_twin(mask), meta_twin(source))
     if self.numel() == 0:
         return self
     m = dense(mask.expand(self.shape)).reshape(-1)
     N = m.numel()
-    positions = _compact(m, arange_values(N, self.device).reshape(N, 1)).reshape(-1)
+    positions = compact(m, arange_values(N, self.device).reshape(N, 1)).reshape(-1)
     n = positions.numel()
     if source.numel() < n:
         raise RuntimeError("Number of elements of source < number of ones in mask")
     if n:
         block = dense(self)
-        _scatter_into(block, positions, dense(source).reshape(-1)[:n].reshape(n, 1))
+        scatter_into(block, positions, dense(source).reshape(-1)[:n].reshape(n, 1))
         _write(self, self, block)
     return self

@@ -29,16 +29,14 @@ from torch._prims_common import canonicalize_dim
 
 import torchneuron.nki.language as nl
 from torchneuron.ops import tilemath as tm
-from torchneuron.ops.copy import to_int64
+from torchneuron.ops.base import aten, FLOATS, meta_twin, on_one_device, raise_like_cpu, Unsupported
+from torchneuron.ops.elementwise import dense, run_pointwise, to_int64, write_result
 from torchneuron.ops.indexing import arange_values
-from torchneuron.ops.kernel_call import dense
-from torchneuron.ops.pointwise import run_pointwise
-from torchneuron.ops.registry import Unsupported, cpu_fallback, lowering
-from torchneuron.ops.scatter import (DATA_DTYPES, FLOATS, _bad, _compact, _hit, _i32, _into, _meta, _on_device,
-                                   _raise_like_cpu, _scatter_into, _slot, check_out)
-from torchneuron.ops.sort import SORT_LIMIT, _sort
+from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.scatter import (any_outside, check_out, compact, DATA_DTYPES, index_int32, match_tile,
+                                     scatter_into, slot_tile)
+from torchneuron.ops.sort import SORT_LIMIT, sort_lines
 
-aten = torch.ops.aten
 INDEX_INTS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
@@ -87,14 +85,14 @@ def _search(overload: Any, seq: torch.Tensor, values: Any, out_int32: bool, righ
         raise RuntimeError(f"torch.searchsorted(): input value can be a scalar only when boundaries tensor dimension "
                            f"is 1, but we got boundaries tensor dim({seq.dim()}) and input value's dim(0) numel(1)")
     try:
-        if not _on_device(seq, sorter, out, *([values] if isinstance(values, torch.Tensor) else [])):
+        if not on_one_device(seq, sorter, out, *([values] if isinstance(values, torch.Tensor) else [])):
             raise Unsupported
-        res = overload(_meta(seq), _meta(values), **{k: _meta(a) for k, a in kw.items()})
+        res = overload(meta_twin(seq), meta_twin(values), **{k: meta_twin(a) for k, a in kw.items()})
         check_out(out, seq, *([values] if isinstance(values, torch.Tensor) else []), shape=res.shape)
-        if sorter is not None and _bad(_i32(sorter), 0, max(seq.shape[-1] if seq.dim() else 1, 1)):
-            _raise_like_cpu(overload, seq, values, **kw)
+        if sorter is not None and any_outside(index_int32(sorter), 0, max(seq.shape[-1] if seq.dim() else 1, 1)):
+            raise_like_cpu(overload, seq, values, **kw, with_data=True)
         pos = _positions(seq, values, right or side == "right", out_int32, res.shape)
-        return _into(pos, out) if out is not None else pos
+        return write_result(pos, out) if out is not None else pos
     except Unsupported:
         return cpu_fallback(overload, seq, values, **kw)
 
@@ -123,12 +121,12 @@ def _bucketize_lowering(name: str) -> None:
         if boundaries.dim() != 1:
             raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({boundaries.dim()})")
         try:
-            if not _on_device(boundaries, out, *([self] if isinstance(self, torch.Tensor) else [])):
+            if not on_one_device(boundaries, out, *([self] if isinstance(self, torch.Tensor) else [])):
                 raise Unsupported
-            res = overload(_meta(self), _meta(boundaries), **{k: _meta(a) for k, a in kw.items()})
+            res = overload(meta_twin(self), meta_twin(boundaries), **{k: meta_twin(a) for k, a in kw.items()})
             check_out(out, self, boundaries, shape=res.shape)
             pos = _positions(boundaries, self, right, out_int32, res.shape)
-            return _into(pos, out) if out is not None else pos
+            return write_result(pos, out) if out is not None else pos
         except Unsupported:
             return cpu_fallback(overload, self, boundaries, **kw)
     lowering(name)(kernel)
@@ -143,7 +141,7 @@ for _name in ("bucketize.Tensor", "bucketize.Scalar", "bucketize.Tensor_out"):
 def _one_hot(ids: torch.Tensor, K: int) -> torch.Tensor:
     """[N, K] fp32: 1 where ids[n] == k (ids an int32 or float [N] tensor of whole numbers)."""
     k = arange_values(K, ids.device).reshape(1, K)
-    return run_pointwise(_hit, [dense(ids).reshape(-1, 1), k], KIND.DEFAULT, result_dtype=torch.float32,
+    return run_pointwise(match_tile, [dense(ids).reshape(-1, 1), k], KIND.DEFAULT, result_dtype=torch.float32,
                          op="aten::histc")
 
 
@@ -160,7 +158,7 @@ def histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0, *,  #
     kw = {"out": out} if out is not None else {}
     overload = aten.histc.out if out is not None else aten.histc.default
     try:
-        if not _on_device(self, out) or self.dtype not in FLOATS:
+        if not on_one_device(self, out) or self.dtype not in FLOATS:
             raise Unsupported   # integer inputs: the CPU's NotImplementedError
         if out is not None and out.dtype != self.dtype:
             raise Unsupported
@@ -178,7 +176,7 @@ def histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0, *,  #
         check_out(out, self, shape=(bins,))
         N = self.numel()
         if N == 0:
-            return _into(torch.zeros(bins, dtype=self.dtype, device=self.device), out)
+            return write_result(torch.zeros(bins, dtype=self.dtype, device=self.device), out)
         if N * bins > SORT_LIMIT or (self.dtype != torch.float32 and N > 256):
             raise Unsupported   # too much work / counts the CPU's half-precision histogram would round
         lo, hi = _edge(lo, self.dtype), _edge(hi, self.dtype)
@@ -187,7 +185,7 @@ def histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0, *,  #
         q = (((x - lo) * bins) / width).clamp_max(bins - 1)   # each step rounded to the dtype, as the CPU's
         bin_of = run_pointwise(_bin, [x, q, lo, hi], KIND.DEFAULT, result_dtype=torch.float32,
                                op="aten::histc")
-        return _into(_one_hot(bin_of, bins).sum(0).to(self.dtype), out)
+        return write_result(_one_hot(bin_of, bins).sum(0).to(self.dtype), out)
     except Unsupported:
         return cpu_fallback(overload, self, bins, min, max, **kw)
 
@@ -205,7 +203,7 @@ def bincount(self: torch.Tensor, weights: torch.Tensor | None = None, minlength:
     """``torch.bincount``: a one-hot count (or weighted sum, one matmul); the length is read from the
     data's maximum (one host sync)."""
     try:
-        if not _on_device(self, weights) or self.dtype not in INDEX_INTS:
+        if not on_one_device(self, weights) or self.dtype not in INDEX_INTS:
             raise Unsupported   # the CPU's NotImplementedError for other dtypes
         if self.dim() != 1:
             raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
@@ -229,7 +227,7 @@ def bincount(self: torch.Tensor, weights: torch.Tensor | None = None, minlength:
         K = max(stats[1] + 1, minlength)
         if N * K > SORT_LIMIT or (len(stats) == 3 and stats[2] * N >= 1 << 24):
             raise Unsupported   # too much work / integer sums past fp32's exact range
-        hot = _one_hot(_i32(self), K)                                      # [N, K]
+        hot = _one_hot(index_int32(self), K)                                      # [N, K]
         if weights is None:
             return to_int64(hot.sum(0).to(torch.int32))
         sums = torch.mm(weights.to(torch.float32).reshape(1, N), hot).reshape(K)
@@ -260,8 +258,8 @@ def _runs(rows: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch
     """(the first row of each run [U, R], each row's run number int32 [N], the runs' lengths int64 [U]) of
     ``rows`` [N, R] cut where ``starts``; the run count is read by the host (two syncs)."""
     N = rows.shape[0]
-    first_rows = _compact(starts, rows)
-    positions = _compact(starts, arange_values(N, rows.device).reshape(N, 1)).reshape(-1)
+    first_rows = compact(starts, rows)
+    positions = compact(starts, arange_values(N, rows.device).reshape(N, 1)).reshape(-1)
     ends = torch.cat([positions[1:], torch.full((1,), N, dtype=torch.int32, device=rows.device)])
     run = starts.to(torch.int32).cumsum(0, dtype=torch.int32) - 1
     return first_rows, run, to_int64(ends - positions)
@@ -287,14 +285,14 @@ def unique2(self: torch.Tensor, sorted: bool = True, return_inverse: bool = Fals
             return_counts: bool = False):
     """``torch.unique`` (no dim; sorted, as the CPU always is): a stable sort, run starts, compaction."""
     try:
-        if not _on_device(self) or self.dtype not in DATA_DTYPES | {torch.int64}:
+        if not on_one_device(self) or self.dtype not in DATA_DTYPES | {torch.int64}:
             raise Unsupported
         N = self.numel()
         none = _nothing(self.device)
         if N == 0:
             inverse = torch.empty(self.shape, dtype=torch.int64, device=self.device) if return_inverse else none
             return self.reshape(0).clone(), inverse, none.clone()
-        values, order = _sort(self.reshape(N), 0, False)
+        values, order = sort_lines(self.reshape(N), 0, False)
         rows = values.reshape(N, 1)
         if rows.dtype == torch.int64:            # compared and compacted as rows of two int32 words
             rows = rows.view(torch.int32)
@@ -303,7 +301,7 @@ def unique2(self: torch.Tensor, sorted: bool = True, return_inverse: bool = Fals
         inverse = none
         if return_inverse:     # each element's run number, scattered back to its input position
             inv = torch.empty((N, 1), dtype=torch.int32, device=self.device)
-            _scatter_into(inv, _i32(order), run.reshape(N, 1))
+            scatter_into(inv, index_int32(order), run.reshape(N, 1))
             inverse = to_int64(inv).reshape(self.shape)
         return first.reshape(-1), inverse, counts if return_counts else none.clone()
     except Unsupported:
@@ -315,7 +313,7 @@ def unique_consecutive(self: torch.Tensor, return_inverse: bool = False, return_
                        dim: int | None = None):
     """``torch.unique_consecutive``: run starts of the elements (or of the slices along ``dim``), compacted."""
     try:
-        if not _on_device(self) or self.dtype not in DATA_DTYPES:
+        if not on_one_device(self) or self.dtype not in DATA_DTYPES:
             raise Unsupported
         none = _nothing(self.device)
         if dim is None or (self.dim() == 1 and dim == 0):   # as the CPU: dim 0 of a 1-D tensor is no dim
@@ -345,7 +343,7 @@ def unique_dim(self: torch.Tensor, dim: int, sorted: bool = True, return_inverse
     """``torch.unique(dim=)``: the distinct slices along ``dim`` in lexicographic order, from all-pairs row
     comparisons (the first differing column decides; up to ``SORT_LIMIT`` element pairs)."""
     try:
-        if not _on_device(self) or self.dtype not in DATA_DTYPES:
+        if not on_one_device(self) or self.dtype not in DATA_DTYPES:
             raise Unsupported
         moved = _slices(self, dim)
         d = canonicalize_dim(self.dim(), dim)
@@ -371,7 +369,7 @@ def unique_dim(self: torch.Tensor, dim: int, sorted: bool = True, return_inverse
             raise Unsupported   # NaN slices: the CPU's comparator has no order for them
         inv32 = inverse.to(torch.int32)
         out = torch.empty((U + 1, R), dtype=self.dtype, device=self.device)
-        _scatter_into(out, run_pointwise(_slot, [first, inv32 + 1, U], KIND.DEFAULT, op="aten::unique_dim"), rows)
+        scatter_into(out, run_pointwise(slot_tile, [first, inv32 + 1, U], KIND.DEFAULT, op="aten::unique_dim"), rows)
         values = dense(out[:U].reshape(U, *moved.shape[1:]).movedim(0, d))
         counts = to_int64(_one_hot(inv32, U).sum(0).to(torch.int32))
         return values, to_int64(inv32), counts       # both come back, asked for or not (as the CPU)

@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
@@ -34,15 +33,14 @@ import torchneuron.nki.language as nl
 from torchneuron.kernels._common import PMAX
 from torchneuron.kernels.scan import scan_rows
 from torchneuron.kernels.sort import MAX_COLS, bitonic_sort_rows
-from torchneuron.ops import tilemath as tm
-from torchneuron.ops.copy import to_int64
+from torchneuron.ops import base, tilemath as tm
+from torchneuron.ops.base import aten, meta_twin, on_one_device, Unsupported
+from torchneuron.ops.elementwise import dense, run_pointwise, to_int64, write_result
 from torchneuron.ops.indexing import arange_values
-from torchneuron.ops.kernel_call import call_kernel, dense
-from torchneuron.ops.pointwise import run_pointwise
-from torchneuron.ops.registry import Unsupported, cpu_fallback, lowering
-from torchneuron.ops.scatter import DATA_DTYPES, _into, check_out, _meta, _on_device, _overload, _scatter_into
+from torchneuron.ops.kernel_call import call_kernel
+from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.scatter import check_out, DATA_DTYPES, scatter_into
 
-aten = torch.ops.aten
 SORT_LIMIT = 1 << 24       # comparisons (L * n * n) of one device rank sort
 RANK_COLS = 16             # longer lines take the bitonic network (faster from about there on)
 BITONIC_LIMIT = 1 << 11    # compare-exchange steps (about 24 instructions each) of one bitonic launch
@@ -75,19 +73,19 @@ def _scan(self: torch.Tensor, dim: int, op: str, dtype: torch.dtype | None) -> t
 
 
 def _scan_lowering(name: str, op: str) -> None:
-    overload = _overload(name)
+    overload = base.overload(name)
     inplace = name.split(".")[0].endswith("_")
 
     def kernel(self: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
         try:
-            if not _on_device(self, out):
+            if not on_one_device(self, out):
                 raise Unsupported
             if inplace:
                 dtype = dtype or self.dtype
             elif out is not None:
                 dtype = dtype or out.dtype
             res = _scan(self, dim, op, dtype)
-            return _into(res, self if inplace else out)
+            return write_result(res, self if inplace else out)
         except Unsupported:
             return cpu_fallback(overload, self, dim, dtype=dtype, **({"out": out} if out is not None else {}))
     lowering(name)(kernel)
@@ -149,8 +147,8 @@ def _rank_sort(rows: torch.Tensor, L: int, n: int, descending: bool) -> tuple[to
                           KIND.DEFAULT, op="aten::sort").to(torch.int32)
     values = torch.empty((L * n, 1), dtype=rows.dtype, device=rows.device)
     indices = torch.empty((L * n, 1), dtype=torch.int32, device=rows.device)
-    _scatter_into(values, slots, rows.reshape(L * n, 1))
-    _scatter_into(indices, slots, ii)
+    scatter_into(values, slots, rows.reshape(L * n, 1))
+    scatter_into(indices, slots, ii)
     return values, indices
 
 
@@ -250,7 +248,7 @@ def _radix_sort(rows: torch.Tensor, descending: bool) -> tuple[torch.Tensor, tor
     return torch.gather(rows, 1, perm), perm
 
 
-def _sort(self: torch.Tensor, dim: int, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_lines(self: torch.Tensor, dim: int, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, int64 indices) of a stable sort along ``dim``: the rank sort for short lines, the bitonic
     network for longer ones (up to ``MAX_COLS``), the radix sort below 2**24; Unsupported beyond.
     int64: ``_sort_int64``."""
@@ -285,8 +283,8 @@ def _sort_int64(self: torch.Tensor, dim: int, descending: bool) -> tuple[torch.T
     x = dense(self.reshape(1) if self.dim() == 0 else self)
     words = x.view(torch.int32).view(*x.shape, 2)                 # little-endian (low, high) pairs
     low = torch.bitwise_xor(words[..., 0], torch.iinfo(torch.int32).min)
-    _, first = _sort(low, d, descending)
-    _, second = _sort(torch.gather(words[..., 1], d, first), d, descending)
+    _, first = sort_lines(low, d, descending)
+    _, second = sort_lines(torch.gather(words[..., 1], d, first), d, descending)
     order = torch.gather(first, d, second)
     return torch.gather(x, d, order).reshape(self.shape), order.reshape(self.shape)
 
@@ -298,15 +296,15 @@ def sort(self: torch.Tensor, *, stable: bool | None = None, dim: int = -1, desce
     outs = values is not None
     overload = aten.sort.values_stable if outs else aten.sort.stable
     try:
-        if not _on_device(self, values, indices):
+        if not on_one_device(self, values, indices):
             raise Unsupported
-        overload(_meta(self), stable=stable, dim=dim, descending=descending,
-                 **({"values": _meta(values), "indices": _meta(indices)} if outs else {}))
+        overload(meta_twin(self), stable=stable, dim=dim, descending=descending,
+                 **({"values": meta_twin(values), "indices": meta_twin(indices)} if outs else {}))
         check_out(values, self)
         check_out(indices, self)
-        v, i = _sort(self, dim, descending)
+        v, i = sort_lines(self, dim, descending)
         if outs:
-            return _into(v, values), _into(i, indices)
+            return write_result(v, values), write_result(i, indices)
         return v, i
     except Unsupported:
         return cpu_fallback(overload, self, stable=stable, dim=dim, descending=descending,
@@ -321,17 +319,17 @@ def topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted
     overload = aten.topk.values if outs else aten.topk.default
     kw = {"values": values, "indices": indices} if outs else {}
     try:
-        if not _on_device(self, values, indices):
+        if not on_one_device(self, values, indices):
             raise Unsupported
         d = canonicalize_dim(max(self.dim(), 1), dim)
         if not 0 <= k <= (self.shape[d] if self.dim() else 1):
             raise RuntimeError("selected index k out of range")   # the CPU's words (the meta check's differ)
-        overload(_meta(self), k, dim, largest, sorted, **{a: _meta(b) for a, b in kw.items()})
+        overload(meta_twin(self), k, dim, largest, sorted, **{a: meta_twin(b) for a, b in kw.items()})
         check_out(values, self)
         check_out(indices, self)
-        v, i = _leading(self, k, d, largest) if self.dim() else _sort(self, dim, largest)
+        v, i = _leading(self, k, d, largest) if self.dim() else sort_lines(self, dim, largest)
         if outs:
-            return _into(v, values), _into(i, indices)
+            return write_result(v, values), write_result(i, indices)
         return v, i
     except Unsupported:
         return cpu_fallback(overload, self, k, dim, largest, sorted, **kw)
@@ -343,7 +341,7 @@ def _leading(x: torch.Tensor, k: int, d: int, descending: bool) -> tuple[torch.T
     order, so equal values still come out in index order."""
     n = x.shape[d]
     if n <= MAX_COLS or 2 * k > MAX_COLS:
-        v, i = _sort(x, d, descending)
+        v, i = sort_lines(x, d, descending)
         return dense(v.narrow(d, 0, k)), dense(i.narrow(d, 0, k))
     parts = [_leading(x.narrow(d, s, min(MAX_COLS, n - s)), min(k, n - s), d, descending)
              for s in range(0, n, MAX_COLS)]
@@ -358,18 +356,18 @@ def kthvalue(self: torch.Tensor, k: int, dim: int = -1, keepdim: bool = False, *
              indices: torch.Tensor):
     """``torch.kthvalue``: column k - 1 of an ascending stable sort."""
     try:
-        if not _on_device(self, values, indices):
+        if not on_one_device(self, values, indices):
             raise Unsupported
-        aten.kthvalue.values(_meta(self), k, dim, keepdim, values=_meta(values), indices=_meta(indices))
+        aten.kthvalue.values(meta_twin(self), k, dim, keepdim, values=meta_twin(values), indices=meta_twin(indices))
         check_out(values, self)
         check_out(indices, self)
         d = canonicalize_dim(max(self.dim(), 1), dim)
-        v, i = _sort(self, dim, False)
+        v, i = sort_lines(self, dim, False)
         if self.dim():
             v, i = v.narrow(d, k - 1, 1), i.narrow(d, k - 1, 1)
             if not keepdim:
                 v, i = v.squeeze(d), i.squeeze(d)
-        return _into(dense(v), values), _into(dense(i), indices)
+        return write_result(dense(v), values), write_result(dense(i), indices)
     except Unsupported:
         return cpu_fallback(aten.kthvalue.values, self, k, dim, keepdim, values=values, indices=indices)
 
@@ -382,7 +380,7 @@ def _same(xj, xi):
 def _mode(x: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, int64 indices) of the mode along ``d`` (dim kept): the smallest of the most frequent values
     (NaN counts as one value, the largest) and the last index holding it."""
-    sv, si = _sort(x, d, False)
+    sv, si = sort_lines(x, d, False)
     rows, L, n = lines(sv, d)                    # sorted lines: each value's copies are one run
     key = rows.to(torch.int32) if rows.dtype == torch.bool else rows
     xj = dense(key.reshape(L, 1, n).expand(L, n, n)).reshape(L * n, n)
@@ -409,7 +407,7 @@ def mode(self: torch.Tensor, dim: int = -1, keepdim: bool = False, *, values: to
     overload = aten.mode.values if outs else aten.mode.default
     kw = {"values": values, "indices": indices} if outs else {}
     try:
-        if not _on_device(self, values, indices) or self.dtype not in DATA_DTYPES:
+        if not on_one_device(self, values, indices) or self.dtype not in DATA_DTYPES:
             raise Unsupported
         d = canonicalize_dim(max(self.dim(), 1), dim)
         if self.numel() == 0:       # the CPU's error for an empty dim, or its empty result
@@ -427,10 +425,7 @@ def mode(self: torch.Tensor, dim: int = -1, keepdim: bool = False, *, values: to
             if self.dim() == 0:
                 v, i = v.reshape(()), i.reshape(())
         if outs:
-            return _into(v, values), _into(i, indices)
+            return write_result(v, values), write_result(i, indices)
         return v, i
     except Unsupported:
         return cpu_fallback(overload, self, dim, keepdim, **kw)
-
-
-from torchneuron.ops import search  # noqa: E402,F401  (searchsorted, bucketize: registered on import)

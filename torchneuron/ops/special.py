@@ -1,6 +1,6 @@
 """Special functions and less common activations on the device: element-wise launches whose tile math
 lives in ``tilemath_special`` (lgamma, digamma, polygamma, erfinv, erfc, Bessel I0/I1, logaddexp,
-nextafter, frexp, incomplete gamma, ...), registered with ``pointwise._pointwise`` like the rest of the
+nextafter, frexp, incomplete gamma, ...), registered with ``pointwise.register_pointwise`` like the rest of the
 element-wise ops. CTC loss lives in ``ctc`` (imported at the end, so importing this module registers it).
 """
 from __future__ import annotations
@@ -11,10 +11,11 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 
 from torchneuron.ops import tilemath_special as ts
-from torchneuron.ops.pointwise import Unsupported, _exists, _pointwise, _variants, run_pointwise
+from torchneuron.ops.base import aten, on_one_device, overload_exists, Unsupported, variants
+from torchneuron.ops.elementwise import run_pointwise
+from torchneuron.ops.pointwise import register_pointwise
 from torchneuron.ops.registry import cpu_fallback, lowering
 
-aten = torch.ops.aten
 POLYGAMMA_MAX_N = 6
 
 
@@ -33,7 +34,7 @@ def _binary(fn: Callable) -> Callable:
 
 
 def _names(*names: str) -> list[str]:
-    return [n for n in names if _exists(n)]
+    return [n for n in names if overload_exists(n)]
 
 
 _CPU_VERDICTS: dict = {}   # (op, argument dtypes) -> None or the CPU's (exception type, message)
@@ -69,10 +70,10 @@ def _guarded(op: torch._ops.OpOverload, build: Callable) -> Callable:
 # unary special functions: ints compute in float
 for _name, _fn in {"lgamma": ts.lgamma, "digamma": ts.digamma, "erfinv": ts.erfinv, "erfc": ts.erfc,
                    "i0": ts.i0}.items():
-    _pointwise(_variants(_name, ""), _unary(_fn), KIND.INT_TO_FLOAT)
+    register_pointwise(variants(_name, ""), _unary(_fn), KIND.INT_TO_FLOAT)
 for _name, _fn in {"special_i0e": ts.i0e, "special_i1": ts.i1, "special_i1e": ts.i1e,
                    "special_entr": ts.entr, "special_erfcx": ts.erfcx, "special_log_ndtr": ts.log_ndtr}.items():
-    _pointwise(_names(_name, f"{_name}.out"), _guarded(getattr(aten, _name).default, _unary(_fn)),
+    register_pointwise(_names(_name, f"{_name}.out"), _guarded(getattr(aten, _name).default, _unary(_fn)),
                KIND.INT_TO_FLOAT)
 
 
@@ -84,18 +85,18 @@ def _polygamma(n, x):
     return ts.polygamma(n), [x]
 
 
-_pointwise(["polygamma", "polygamma.out"], _polygamma, KIND.INT_TO_FLOAT)
+register_pointwise(["polygamma", "polygamma.out"], _polygamma, KIND.INT_TO_FLOAT)
 
 # binary
-_pointwise(["logaddexp", "logaddexp.out"], _guarded(aten.logaddexp.default, lambda a, b: (ts.logaddexp, [a, b])),
+register_pointwise(["logaddexp", "logaddexp.out"], _guarded(aten.logaddexp.default, lambda a, b: (ts.logaddexp, [a, b])),
            KIND.INT_TO_FLOAT)
-_pointwise(["logaddexp2", "logaddexp2.out"], _guarded(aten.logaddexp2.default, lambda a, b: (ts.logaddexp2, [a, b])),
+register_pointwise(["logaddexp2", "logaddexp2.out"], _guarded(aten.logaddexp2.default, lambda a, b: (ts.logaddexp2, [a, b])),
            KIND.INT_TO_FLOAT)
-_pointwise(["special_xlog1py", "special_xlog1py.out"], lambda x, y: (ts.xlog1py, [x, y]), KIND.INT_TO_FLOAT)
+register_pointwise(["special_xlog1py", "special_xlog1py.out"], lambda x, y: (ts.xlog1py, [x, y]), KIND.INT_TO_FLOAT)
 
 
 for _name, _fn in {"igamma": ts.igamma, "igammac": ts.igammac}.items():   # ints raise, as on the CPU
-    _pointwise(_variants(_name, ""), _guarded(getattr(aten, _name).default, _binary(_fn)), KIND.INT_TO_FLOAT)
+    register_pointwise(variants(_name, ""), _guarded(getattr(aten, _name).default, _binary(_fn)), KIND.INT_TO_FLOAT)
 
 
 def _heaviside(x, values):
@@ -106,7 +107,7 @@ def _heaviside(x, values):
     return ts.heaviside, [x, values]
 
 
-_pointwise(["heaviside", "heaviside_", "heaviside.out"], _heaviside, KIND.DEFAULT)
+register_pointwise(["heaviside", "heaviside_", "heaviside.out"], _heaviside, KIND.DEFAULT)
 
 
 def _nextafter(a, b):
@@ -115,10 +116,10 @@ def _nextafter(a, b):
     return ts.nextafter, [a, b]
 
 
-_pointwise(["nextafter", "nextafter_", "nextafter.out"], _guarded(aten.nextafter.default, _nextafter), KIND.DEFAULT)
+register_pointwise(["nextafter", "nextafter_", "nextafter.out"], _guarded(aten.nextafter.default, _nextafter), KIND.DEFAULT)
 
 # activations and their gradients
-_pointwise(["log_sigmoid_backward", "log_sigmoid_backward.grad_input"],
+register_pointwise(["log_sigmoid_backward", "log_sigmoid_backward.grad_input"],
            lambda g, x, buffer: (ts.log_sigmoid_backward, [g, x]), KIND.DEFAULT)
 
 
@@ -128,10 +129,10 @@ def _softshrink(x, lambd=0.5):
     return ts.softshrink, [x, lambd]
 
 
-_pointwise(["softshrink", "softshrink.out"], _guarded(aten.softshrink.default, _softshrink), KIND.DEFAULT)
-_pointwise(["hardshrink", "hardshrink.out"], _guarded(aten.hardshrink.default, lambda x, lambd=0.5: (
+register_pointwise(["softshrink", "softshrink.out"], _guarded(aten.softshrink.default, _softshrink), KIND.DEFAULT)
+register_pointwise(["hardshrink", "hardshrink.out"], _guarded(aten.hardshrink.default, lambda x, lambd=0.5: (
     ts.hardshrink, [x, lambd])), KIND.DEFAULT)
-_pointwise(["softshrink_backward", "softshrink_backward.grad_input", "hardshrink_backward",
+register_pointwise(["softshrink_backward", "softshrink_backward.grad_input", "hardshrink_backward",
             "hardshrink_backward.grad_input"], lambda g, x, lambd: (ts.shrink_backward, [g, x, lambd]), KIND.DEFAULT)
 
 
@@ -141,12 +142,7 @@ def _logit_backward(g, x, eps=None):
     return ts.logit_backward_eps, [g, x, eps, 1 - eps]
 
 
-_pointwise(["logit_backward", "logit_backward.grad_input"], _logit_backward, KIND.DEFAULT)
-
-
-def _on_device(*ts_: torch.Tensor) -> bool:
-    dev = ts_[0].device
-    return dev.type == "neuron" and all(t.device == dev for t in ts_)
+register_pointwise(["logit_backward", "logit_backward.grad_input"], _logit_backward, KIND.DEFAULT)
 
 
 @lowering("log_sigmoid_forward", "log_sigmoid_forward.output")
@@ -176,7 +172,7 @@ def frexp_out(self: torch.Tensor, *, mantissa: torch.Tensor, exponent: torch.Ten
     if exponent.dtype != torch.int32:
         raise RuntimeError(f"torch.frexp() expects exponent to have int dtype but got {exponent.dtype}")
     try:
-        if self.dtype != torch.float32 or not _on_device(self, mantissa, exponent):
+        if self.dtype != torch.float32 or not on_one_device(self, mantissa, exponent):
             raise Unsupported
         run_pointwise(ts.frexp_mantissa, [self], KIND.DEFAULT, mantissa, op=str(op))
         run_pointwise(ts.frexp_exponent, [self], KIND.DEFAULT, exponent, result_dtype=torch.int32, op=str(op))
@@ -190,7 +186,7 @@ def rrelu_with_noise(self: torch.Tensor, noise: torch.Tensor, lower: Any = 0.125
                      training: bool = False, generator: Any = None) -> torch.Tensor:
     """Evaluation: leaky_relu with the mean slope. Training: slopes drawn uniformly in [lower, upper] on the
     device for x <= 0 (1 elsewhere), written to ``noise`` (the device generator's draws, not the CPU's)."""
-    if not self.is_floating_point() or not _on_device(self, noise) or generator is not None or \
+    if not self.is_floating_point() or not on_one_device(self, noise) or generator is not None or \
             (training and noise.shape != self.shape):
         return cpu_fallback(aten.rrelu_with_noise.default, self, noise, lower, upper, training, generator)
     if not training:
@@ -241,8 +237,8 @@ def glu(self: torch.Tensor, dim: int = -1, *, out: torch.Tensor | None = None) -
     """``a * sigmoid(b)`` of the two halves along ``dim``."""
     op = aten.glu.out if out is not None else aten.glu.default
     check_dtypes_like_cpu(aten.glu.default, self, numel=2)   # glu halves its dim: two elements
-    if self.dtype == torch.float64 or not _on_device(self) or \
-            (out is not None and not _on_device(self, out)):
+    if self.dtype == torch.float64 or not on_one_device(self) or \
+            (out is not None and not on_one_device(self, out)):
         return cpu_fallback(op, self, dim, **({"out": out} if out is not None else {}))
     a, b, _ = _glu_halves(self, dim)
     res = a * torch.sigmoid(b)
@@ -258,8 +254,8 @@ def glu_backward(grad_output: torch.Tensor, self: torch.Tensor, dim: int, *,
                  grad_input: torch.Tensor | None = None) -> torch.Tensor:
     """(g * sigmoid(b), g * a * sigmoid(b) * (1 - sigmoid(b))) joined along ``dim``."""
     op = aten.glu_backward.grad_input if grad_input is not None else aten.glu_backward.default
-    if not self.is_floating_point() or self.dtype == torch.float64 or not _on_device(self, grad_output) or \
-            (grad_input is not None and not _on_device(self, grad_input)):
+    if not self.is_floating_point() or self.dtype == torch.float64 or not on_one_device(self, grad_output) or \
+            (grad_input is not None and not on_one_device(self, grad_input)):
         return cpu_fallback(op, grad_output, self, dim, **({"grad_input": grad_input} if grad_input is not None
                                                              else {}))
     a, b, d = _glu_halves(self, dim)
@@ -272,6 +268,3 @@ def glu_backward(grad_output: torch.Tensor, self: torch.Tensor, dim: int, *,
     if tuple(grad_input.shape) != tuple(res.shape):
         torch._refs._maybe_resize_out(grad_input, res.shape)
     return grad_input.copy_(res)
-
-
-from torchneuron.ops import ctc  # noqa: E402,F401  (registers _ctc_loss)

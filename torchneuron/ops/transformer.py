@@ -17,10 +17,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from torchneuron.ops.nn import FLOATS
+from torchneuron.ops.base import aten, FLOATS
 from torchneuron.ops.registry import cpu_fallback, lowering
 
-aten = torch.ops.aten
 
 
 def _full_mask(self: torch.Tensor, mask: torch.Tensor, mask_type: int | None) -> torch.Tensor | None:

@@ -12,6 +12,9 @@ Every argument is checked before anything runs; a bad argument raises the except
 PyTorch raises for the same mistake (TypeError: not a tensor, wrong dtype, missing or
 unknown argument; RuntimeError: wrong device or stream; ValueError: wrong shape or a
 non-contiguous tensor) and leaves device memory and every stream clock as they were.
+A simulator error raised while the kernel runs is mapped to PyTorch's exception by its type
+(``TORCH_ERRORS``: an index outside its table is an IndexError); other simulator errors (a
+kernel that breaks a NeuronCore rule) stay ``SimulatorError``.
 
 The host cost of a launch is kept small because eager ops launch one cached Program per call:
 the program's per-core preparation (``NeuronCore.run_bound``), schedule and roofline are
@@ -29,7 +32,10 @@ from torchneuron import _C
 from torchneuron.runtime import device as _device
 from torchneuron.runtime import profiler
 from torchneuron.runtime.record import LaunchRecord
-from torchneuron.sim import Program
+from torchneuron.sim import IndexOutOfRange, Program, SimulatorError
+
+# simulator error type -> the PyTorch exception type a launch raises for it (same message)
+TORCH_ERRORS: dict[type[SimulatorError], type[Exception]] = {IndexOutOfRange: IndexError}
 
 
 class _Slots:
@@ -209,7 +215,13 @@ def _launch(program: Program, args: Any, device: Any, stream: Any, name: str | N
     spec = core.spec
     stream_id = stream.stream_id
     with _device._locks[index]:
-        core.run_bound(program, host)
+        try:
+            core.run_bound(program, host)
+        except SimulatorError as e:
+            torch_error = TORCH_ERRORS.get(type(e))
+            if torch_error is None:
+                raise
+            raise torch_error(str(e)) from e
         device_time = program.schedule(spec).device_time_ns
         overhead = float(spec.runtime.kernel_launch_overhead_ns)
         # the stream clock counts whole nanoseconds: the launch takes the nearest one

@@ -143,8 +143,8 @@ class NeuronCore:
             try:
                 ap.check_bounds(self.memory(ap.memory))
             except SimulatorError as inner:
-                return SimulatorError(f"{instr.opcode}: {name} {inner}")
-        return SimulatorError(f"{instr.opcode}: {error}")
+                return type(inner)(f"{instr.opcode}: {name} {inner}")
+        return type(error)(f"{instr.opcode}: {error}")
 
     def begin_run(self) -> None:
         """Start a kernel: no PSUM accumulation group is open; with NaN fill, on-chip memory is all NaN."""

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Sequence
 import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine, Footprint
-from torchneuron.sim.memory import PMAX, AP, SimulatorError, contiguous_run, store
+from torchneuron.sim.memory import PMAX, AP, IndexOutOfRange, SimulatorError, contiguous_run, store
 from torchneuron.sim.numerics import (ACTIVATIONS_OUT, BITVEC_OPS, FRACTIONAL_OPS, INT_DTYPES, REDUCE_IDENTITY,
                                       REDUCE_OPS,
                                       UNARY_ALU_OPS, activation_fn, alu_op, apply_activation, apply_alu,
@@ -195,8 +195,8 @@ class Instr:
 
     # ---- checks (each names the instruction, the operand and the limit) -----------------
 
-    def _fail(self, operand: str, problem: str) -> SimulatorError:
-        return SimulatorError(f"{self.opcode}: {operand} {problem}")
+    def _fail(self, operand: str, problem: str, error: type[SimulatorError] = SimulatorError) -> SimulatorError:
+        return error(f"{self.opcode}: {operand} {problem}")
 
     def _ap(self, name: str, memories: tuple[str, ...] = ("sbuf", "psum")) -> AP:
         ap = getattr(self, name)
@@ -525,7 +525,7 @@ def _indices(core, instr: "DmaCopy", index: AP, rows: int, side: str) -> tuple[t
     if instr.oob_mode == "error":
         p = int((~ok).nonzero()[0])
         raise instr._fail(f"{side}_index[{p}]", f"= {int(idx[p])} is outside the {rows} rows of "
-                                               f"{getattr(instr, side).memory} (oob_mode=error)")
+                                               f"{getattr(instr, side).memory} (oob_mode=error)", IndexOutOfRange)
     return idx, ok
 
 

@@ -15,7 +15,7 @@ import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine, Footprint
 from torchneuron.sim.isa import DmaCopy, Instr, NcMatmul, Step, _convert, _rows_view, dma_modes
-from torchneuron.sim.memory import PMAX, AP
+from torchneuron.sim.memory import PMAX, AP, IndexOutOfRange
 from torchneuron.sim.numerics import dtype_name
 
 PE_ROWS = PE_COLS = PMAX       # the TensorE systolic array is 128 x 128 processing elements
@@ -192,7 +192,8 @@ class DmaCopyDynamic(Instr):
             return idx, None
         if self.oob_mode == "error":
             raise self._fail(f"{self.side}_offset", f"= {start} moves rows [{start}, {start + ap.shape[0]}) of "
-                                                     f"{ap.memory} outside its {table_rows} rows (oob_mode=error)")
+                                                     f"{ap.memory} outside its {table_rows} rows (oob_mode=error)",
+                             IndexOutOfRange)
         return idx, ok
 
     def execute(self, core) -> None:

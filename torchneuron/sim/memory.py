@@ -46,6 +46,11 @@ class SimulatorError(ValueError):
     """A kernel broke a NeuronCore rule or limit; the message names the instruction, operand and limit."""
 
 
+class IndexOutOfRange(SimulatorError):
+    """A data-dependent index (an indirect DMA's row, a dynamic offset) fell outside its table, with
+    ``oob_mode="error"``: the data was wrong, not the kernel (the runtime raises it as an IndexError)."""
+
+
 def nan_fill_enabled(flag: bool | None = None) -> bool:
     """The NaN-fill debug option: ``flag`` when given, else env ``TORCHNEURON_SIM_NAN_FILL=1``."""
     if flag is not None:

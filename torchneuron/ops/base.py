@@ -1,0 +1,177 @@
+"""What the eager lowerings share, once each: the refusal exception, dtype sets, device guards, ATen
+overload lookup, CPU-identical errors, the constant-table cache and seed drawing.
+
+This module is the bottom of ``torchneuron.ops``: it imports no other ops module, so every lowering
+module can build on it without an import cycle.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NoReturn
+
+import torch
+
+from torchneuron.neuron.random import default_generators
+
+aten = torch.ops.aten
+
+# dtypes the NeuronCore computes and stores (torchneuron.sim.numerics.DTYPES)
+DEVICE_DTYPES = frozenset({torch.bool, torch.int8, torch.int16, torch.int32, torch.uint8, torch.uint16, torch.uint32,
+                           torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2})
+# the float dtypes the engines compute in (fp8 is a storage format)
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Unsupported(Exception):
+    """A lowering cannot run this call on the device: its registration takes the CPU fallback."""
+
+
+# ---- ATen overloads ---------------------------------------------------------------------------------
+
+def overload(name: str) -> torch._ops.OpOverload:
+    """The ATen overload ``name`` ("add.Tensor"; "relu" is the default overload)."""
+    packet, _, ov = name.partition(".")
+    return getattr(getattr(aten, packet), ov or "default")
+
+
+def overload_exists(name: str) -> bool:
+    """Whether ATen has the overload ``name``."""
+    try:
+        overload(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def variants(base: str, *overloads: str) -> list[str]:
+    """The functional, in-place and ``out=`` overloads of ``base`` for each overload ("" = default):
+    ``add.Tensor``, ``add_.Tensor``, ``add.out``; ``add.Scalar``, ``add_.Scalar``, ``add.Scalar_out``."""
+    names = []
+    for i, ov in enumerate(overloads):
+        suffix = f".{ov}" if ov else ""
+        outs = [f"{base}.{ov}_out"] if ov else []
+        if i == 0:
+            outs.append(f"{base}.out")
+        names += [n for n in (f"{base}{suffix}", f"{base}_{suffix}") if overload_exists(n)]
+        names += [n for n in outs if overload_exists(n)][:1]
+    return names
+
+
+# ---- device guards ----------------------------------------------------------------------------------
+
+def on_one_device(*ts: Any) -> bool:
+    """Every argument that is not None is a tensor, all on one neuron device."""
+    dev = None
+    for t in ts:
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.device.type != "neuron" or (dev is not None and t.device != dev):
+            return False
+        dev = t.device
+    return True
+
+
+def floats_on_one_device(*ts: torch.Tensor | None) -> bool:
+    """``on_one_device`` for float tensors of a dtype the engines compute in."""
+    return on_one_device(*ts) and all(t is None or t.dtype in FLOATS for t in ts)
+
+
+# ---- errors as the CPU raises them ------------------------------------------------------------------
+
+def type_name(dtype: torch.dtype) -> str:
+    """The scalar type name PyTorch's messages use ("Float", "Long", ...)."""
+    return {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+            torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
+            torch.uint8: "Byte", torch.bool: "Bool"}.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def meta_twin(x: Any) -> Any:
+    """A meta tensor standing for a device tensor (shape, strides, dtype; lists and tuples mapped), to run
+    PyTorch's own argument checks without touching data."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(meta_twin(v) for v in x)
+    return x
+
+
+def meta_run(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
+    """``op`` on meta twins: raises what the CPU kernel raises for bad arguments, returns the output meta."""
+    return op(*meta_twin(args), **{k: meta_twin(v) for k, v in kwargs.items()})
+
+
+def _zeros_twin(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.zeros(x.shape, dtype=x.dtype)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_zeros_twin(v) for v in x)
+    return x
+
+
+def _cpu_twin(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cpu_twin(v) for v in x)
+    return x
+
+
+def raise_like_cpu(op: torch._ops.OpOverload, *args: Any, with_data: bool = False, **kwargs: Any) -> NoReturn:
+    """Run ``op`` on CPU twins of the arguments so the call raises the CPU's exception (type and message).
+
+    ``with_data=False``: the twins are zeros of the arguments' shapes and dtypes (argument checks; a
+    RuntimeError if the CPU accepts them). ``with_data=True``: copies of the values without ``out=``
+    (data-dependent checks such as index bounds; an IndexError if the CPU accepts them)."""
+    if with_data:
+        op(*_cpu_twin(args), **{k: _cpu_twin(v) for k, v in kwargs.items() if k != "out"})
+        raise IndexError("index out of range")
+    op(*_zeros_twin(args), **{k: _zeros_twin(v) for k, v in kwargs.items()})
+    raise RuntimeError(f"{op}: arguments the device cannot run")
+
+
+def checked(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
+    """PyTorch's shape and dtype checks for ``op``: run on meta twins (the result's meta); when they refuse,
+    the CPU's own exception (type and message) from the op run on zero-filled CPU twins."""
+    try:
+        return meta_run(op, *args, **kwargs)
+    except Exception:
+        raise_like_cpu(op, *args, **kwargs)
+
+
+# ---- constant tables ---------------------------------------------------------------------------------
+
+_DEVICE_TABLES: dict[tuple, torch.Tensor] = {}
+_TABLE_LIMIT = 512   # tables kept before the cache starts over (a program that keeps changing shapes)
+
+
+def device_table(device: torch.device, builder: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """``builder(*args)`` (a host-built constant: window indices, weights) on the device, uploaded once per
+    device, builder and arguments."""
+    key = (device.index, builder, args)
+    t = _DEVICE_TABLES.get(key)
+    if t is None:
+        if len(_DEVICE_TABLES) > _TABLE_LIMIT:
+            _DEVICE_TABLES.clear()
+        t = _DEVICE_TABLES[key] = builder(*args).to(device)
+    return t
+
+
+# ---- random seeds ------------------------------------------------------------------------------------
+
+def neuron_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
+    """The neuron generator an op on ``device`` draws from; a generator of another device type raises."""
+    if generator is None:
+        return default_generators[device.index if device.index is not None else 0]
+    if generator.device.type != "neuron":
+        raise RuntimeError(f"Expected a 'neuron' device type for generator but found '{generator.device.type}'")
+    return generator
+
+
+def draw_seed(generator: torch.Generator, low: int = -2 ** 31, high: int = 2 ** 31) -> int:
+    """A seed in [low, high) for one launch, taken from ``generator`` (which advances, as a draw does)."""
+    # a neuron generator's state is the state of the CPU engine it wraps: step a private copy of that
+    # engine and write it back, so the global CPU generator is never touched
+    host = torch.Generator()
+    host.set_state(generator.get_state())
+    seed = int(torch.randint(low, high, (1,), generator=host).item())
+    generator.set_state(host.get_state())
+    return seed
