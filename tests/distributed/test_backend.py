@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from distributed.world import run_world
+from distributed.world import run_world_once
 
 WORLD = 2
 NBYTES = 1 << 20
@@ -75,8 +75,8 @@ def backend_worker(rank: int, world: int, trace_path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    path = tmp_path_factory.mktemp("backend")
-    return run_world(backend_worker, WORLD, path, str(path / "trace-{rank}.json"), backend=None), path
+    return run_world_once(tmp_path_factory, "backend", backend_worker, WORLD,
+                          lambda base: (str(base / "trace-{rank}.json"),), backend=None)
 
 
 def test_each_way_of_naming_the_backend(results):

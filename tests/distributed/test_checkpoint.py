@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed.world import run_world
+from distributed.world import run_world_once
 
 SIZES = (13, 24, 7)  # odd sizes: the shards of 4 and of 2 ranks are uneven and differ
 
@@ -76,8 +76,8 @@ def checkpoint_worker(rank: int, world: int, path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    checkpoint = tmp_path_factory.mktemp("checkpoint")
-    return run_world(checkpoint_worker, 4, tmp_path_factory.mktemp("world"), str(checkpoint))
+    return run_world_once(tmp_path_factory, "checkpoint", checkpoint_worker, 4,
+                          lambda base: (str(base / "checkpoint"),))[0]
 
 
 def test_save_on_4_load_on_2_is_bit_exact(results):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed.world import run_world
+from distributed.world import run_world_once
 
 WORLD = 3
 OPS = ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
@@ -151,7 +151,7 @@ def collectives_worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def world_results(tmp_path_factory):
-    return run_world(collectives_worker, WORLD, tmp_path_factory.mktemp("collectives"))
+    return run_world_once(tmp_path_factory, "collectives", collectives_worker, WORLD)[0]
 
 
 def _case_names() -> list[str]:

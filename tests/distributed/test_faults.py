@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 
-from distributed.world import run_world
+from distributed.world import run_world_once
 
 PG_TIMEOUT_S = 20.0
 
 
-def faults_worker(rank: int, world: int) -> dict:
+def faults_worker(rank: int, world: int, result_path: str) -> dict:
     import torch.distributed as dist
 
     out: dict = {}
@@ -35,7 +35,7 @@ def faults_worker(rank: int, world: int) -> dict:
     out["after"] = z.cpu()
 
     if rank == 1:
-        torch.save(out, os.environ["RESULT_PATH"].format(rank=rank))
+        torch.save(out, result_path.format(rank=rank))
         os._exit(0)  # dies without a word to the others
     start = time.monotonic()
     try:
@@ -49,12 +49,8 @@ def faults_worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    path = tmp_path_factory.mktemp("faults")
-    os.environ["RESULT_PATH"] = str(path / "rank{rank}.pt")
-    try:
-        return run_world(faults_worker, 2, path, pg_timeout_s=PG_TIMEOUT_S, timeout=PG_TIMEOUT_S + 60)
-    finally:
-        del os.environ["RESULT_PATH"]
+    return run_world_once(tmp_path_factory, "faults", faults_worker, 2, lambda base: (str(base / "rank{rank}.pt"),),
+                          pg_timeout_s=PG_TIMEOUT_S, timeout=PG_TIMEOUT_S + 60)[0]
 
 
 def test_shape_mismatch_is_a_clear_error_on_every_rank(results):

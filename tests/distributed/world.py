@@ -5,6 +5,9 @@
 store in ``tmp_path``, makes ``neuron:LOCAL_RANK`` its device, runs ``fn(rank, world_size,
 *args)`` and saves what it returns; the caller gets the list of per-rank results. A world
 that does not finish within ``timeout`` seconds is killed and raises TimeoutError.
+
+``run_world_once`` runs a world once per test session even under pytest-xdist, whose
+workers would otherwise each start their own copy for a module-scoped fixture.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import os
 import pathlib
 import time
 from typing import Any, Callable
+
+from filelock import FileLock
 
 import torch.multiprocessing as mp
 
@@ -51,3 +56,24 @@ def run_world(fn: Callable, world_size: int, tmp_path: pathlib.Path, *args: Any,
                     p.kill()
             raise TimeoutError(f"the {world_size}-rank world did not finish within {timeout} s")
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def run_world_once(tmp_path_factory: Any, key: str, fn: Callable, world_size: int,
+                   args_for: Callable[[pathlib.Path], tuple] = lambda base: (), **kwargs: Any
+                   ) -> tuple[list[Any], pathlib.Path]:
+    """``run_world(fn, world_size, base, *args_for(base))`` once per session; return its results and
+    ``base``, a directory shared by the session's xdist workers (the first one runs the world, the
+    others wait for it and read its results)."""
+    import torch
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory, above each worker's own
+    base = root / f"world-{key}"
+    with FileLock(str(base) + ".lock"):
+        done = base / "done"
+        if not done.exists():
+            base.mkdir(exist_ok=True)
+            run_world(fn, world_size, base, *args_for(base), **kwargs)
+            done.touch()
+    return [torch.load(base / f"rank{r}.pt", weights_only=False) for r in range(world_size)], base
