@@ -25,12 +25,22 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def _imports(path: Path) -> list[tuple[str, list[str]]]:
     """(imported module, names taken from it) for every import statement of a module."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
+                   for stmt in block.body for n in ast.walk(stmt)}
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:   # annotations only: never imported at run time
+            continue
         if isinstance(node, ast.Import):
             found += [(a.name, []) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -85,7 +95,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("package", ["torchneuron.ops", "torchneuron.runtime", "torchneuron.kernels"])
+@pytest.mark.parametrize("package", ["torchneuron.ops", "torchneuron.nki", "torchneuron.nki.legacy", "torchneuron.sim",
+                                     "torchneuron.runtime", "torchneuron.kernels"])
 def test_no_import_cycle(package):
     cycle = _cycle(_graph(package))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
@@ -105,3 +116,13 @@ def test_no_ops_module_imports_private_names_of_another():
             if target.startswith("torchneuron.ops.") and target != m:
                 private += [f"{m} imports {target}.{n}" for n in names if n.startswith("_")]
     assert not private, "\n".join(private)
+
+
+def test_the_simulator_imports_nothing_above_it():
+    above = ("torchneuron.config", "torchneuron._C", "torchneuron.runtime", "torchneuron.nki", "torchneuron.kernels",
+             "torchneuron.ops", "torchneuron.neuron", "torchneuron.compiler", "torchneuron.distributed")
+    found = [f"{m} imports {full}" for m, path in MODULES.items() if m.startswith("torchneuron.sim")
+             for target, names in _imports(path)
+             for full in [target] + [f"{target}.{n}" for n in names]
+             if full.startswith(above)]
+    assert not found, "\n".join(found)

@@ -173,3 +173,22 @@ def test_tensor_copy_dtype_rounds_through_that_dtype():
     want = torch.from_numpy(x).bfloat16().float().numpy()
     np.testing.assert_array_equal(got, want)
     assert not np.array_equal(got, x)  # the rounding happened
+
+
+@nki.jit
+def _double_tile(t):
+    """A sub-kernel helper: 2 * t of an SBUF tile."""
+    return nl.multiply(t, 2.0)
+
+
+@nki.jit
+def _profiles_a_helper(x):
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    t = nl.load(x)
+    nl.store(out, nki.profile(_double_tile)(t))   # inside a trace: the helper runs inline, as a call would
+    return out
+
+
+def test_profile_inside_a_kernel_being_traced_runs_the_helper_inline():
+    x = randn(128, 64)
+    np.testing.assert_array_equal(nki.simulate(_profiles_a_helper)(x), 2 * x)

@@ -7,7 +7,7 @@ import torch
 from torchneuron import runtime
 from torchneuron.config import CONFIG
 from torchneuron.runtime import launch, profiler
-from torchneuron.sim import ArgSlot, NeuronCore, Program
+from torchneuron.sim import ArgSlot, NeuronCore, Program, tile
 
 from .conftest import F32, SHAPE, add_program, clock, operands
 
@@ -227,3 +227,11 @@ def test_a_simulator_error_is_raised_as_the_pytorch_exception_of_its_type():
     index = torch.tensor([3, 0], dtype=torch.int32).to("neuron")      # the next launch is unharmed
     rec = launch(program, {"table": table, "index": index})
     torch.testing.assert_close(next(iter(rec.outputs.values())).cpu(), table.cpu()[[3, 0]])
+
+
+def test_a_neuron_tensors_memory_binds_to_a_core_without_a_copy():
+    x = torch.zeros(2, 4).to("neuron")
+    core = NeuronCore("trn2")
+    core.bind("x", runtime.host_memory(x))
+    tile("hbm:x", torch.float32, (2, 4)).write(core, torch.arange(8.0).reshape(2, 4))
+    assert torch.equal(x.cpu(), torch.arange(8.0).reshape(2, 4))

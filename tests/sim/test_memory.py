@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from torchneuron.sim import AP, Footprint, Memory, NeuronCore, SimulatorError, tile
+from torchneuron.sim import AP, ArgSlot, Footprint, Memory, NeuronCore, Program, SimulatorError, tile
 from torchneuron.sim.specs import chip_spec
 
 from .conftest import FLOATS, INTS, rand
@@ -228,8 +228,8 @@ def test_ap_pickles_without_cached_views(core):
     assert u == t and hash(u) == hash(t) and "_view" not in u.__dict__
 
 
-def test_neuron_tensors_bind_without_a_copy(core):
-    x = torch.zeros(2, 4).to("neuron")
-    core.bind("x", x)
-    tile("hbm:x", torch.float32, (2, 4)).write(core, torch.arange(8.0).reshape(2, 4))
-    assert torch.equal(x.cpu(), torch.arange(8.0).reshape(2, 4))
+def test_the_core_binds_host_tensors_only(core):
+    with pytest.raises(SimulatorError, match="must be a host \\(CPU\\) tensor, not one on meta"):
+        core.bind("x", torch.zeros(2, 4, device="meta"))
+    with pytest.raises(SimulatorError, match="must be a host"):
+        core.run(Program([], [ArgSlot("x", (2, 4), torch.float32, "input")], "p"), {"x": torch.zeros(2, 4, device="meta")})

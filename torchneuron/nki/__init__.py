@@ -209,8 +209,8 @@ def profile(kernel: Callable, chip: str | ChipSpec | None = None) -> Callable[..
     def run(*args: Any, **kwargs: Any) -> ProfileReport:
         from torchneuron.nki import on_device
         from torchneuron.nki import tracing as _tracing
-        if getattr(_tracing._state, "trace", None) is not None and not self.grid:
-            return self.fn(*args, **kwargs)  # called from a kernel being traced: inline (a sub-kernel helper)
+        if getattr(_tracing._state, "trace", None) is not None and not k.grid:
+            return k.fn(*args, **kwargs)  # called from a kernel being traced: inline (a sub-kernel helper)
         if on_device.has_neuron_tensor(args, kwargs):
             from torchneuron.nki.profile import report_from_launch
             outputs, record = on_device.launch_on_device(k, args, kwargs, chip=chip)

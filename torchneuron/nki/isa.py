@@ -10,7 +10,7 @@ import enum
 from typing import Any
 
 from torchneuron.sim import SimulatorError, isa as sim, isa_extra
-from torchneuron.nki.tracing import NkiTensor, current
+from torchneuron.nki.tracing import TENSOR_OPS, NkiTensor, as_dtype, current, sbuf
 
 Tile = NkiTensor
 Operand = Any  # a Python scalar or a (P, 1) tile
@@ -83,13 +83,10 @@ def tensor_copy(dst: Tile, src: Tile, engine: Any = None, dtype: Any = None, nam
     ``tensor_copy(dst=<fp32 tile>, src=psum, dtype=bf16)`` "to cast to the output dtype"): the values
     are rounded to ``dtype`` and then held in ``dst``'s dtype, modelled as two copies through an SBUF
     tile of ``dtype``."""
-    if dtype is not None:
-        from torchneuron.nki.tracing import as_dtype
-        if as_dtype(dtype) != dst.dtype:
-            from torchneuron.nki import language as nl
-            rounded = nl.ndarray(tuple(dst.shape), as_dtype(dtype), buffer=nl.sbuf)
-            _emit(sim.TensorCopy, dst=rounded, src=src, engine=_eng(engine))
-            src = rounded
+    if dtype is not None and as_dtype(dtype) != dst.dtype:
+        rounded = current().allocate(tuple(dst.shape), as_dtype(dtype), sbuf)
+        _emit(sim.TensorCopy, dst=rounded, src=src, engine=_eng(engine))
+        src = rounded
     _emit(sim.TensorCopy, dst=dst, src=src, engine=_eng(engine))
 
 
@@ -309,3 +306,6 @@ def nc_matmul_mx(dst: Tile, stationary: Tile, moving: Tile, stationary_scale: Ti
     _emit(isa_extra.NcMatmulMx, dst=dst, stationary=stationary, moving=moving, stationary_scale=stationary_scale,
           moving_scale=moving_scale, stationary_format=_mx_of(stationary, "stationary", "nc_matmul_mx"),
           moving_format=_mx_of(moving, "moving", "nc_matmul_mx"), accumulate=accumulate, **tiling)
+
+
+TENSOR_OPS.update(memset=memset, tensor_copy=tensor_copy, dma_copy=dma_copy)   # NkiTensor's stores (t[i] = v)

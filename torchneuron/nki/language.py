@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from torchneuron.nki import isa as nisa
-from torchneuron.nki.tracing import (Buffer, MxDtype, NkiTensor, as_dtype, current, ds, hbm,  # noqa: F401
+from torchneuron.nki.tracing import (TENSOR_OPS, Buffer, MxDtype, NkiTensor, as_dtype, current, ds, hbm,  # noqa: F401
                                      private_hbm, psum, sbuf, shared_hbm)
 from torchneuron.sim import SimulatorError
 from torchneuron.sim.isa import BN_STATS_FMAX, GEMM_MOVING_FMAX, GEMM_STATIONARY_FMAX, PSUM_BANK_BYTES
@@ -447,5 +447,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# NkiTensor's operators and broadcast (tracing, the layer below, calls them through this table)
+TENSOR_OPS.update(add=add, subtract=subtract, multiply=multiply, divide=divide, broadcast_to=broadcast_to)
+
+
 __all__ = [n for n in dir() if not n.startswith("_") and n not in (
-    "annotations", "builtins", "math", "np", "os", "torch", "Any", "Sequence", "SimulatorError", "PMAX", "chip_spec")]
+    "annotations", "builtins", "math", "np", "os", "torch", "Any", "Sequence", "SimulatorError", "PMAX", "chip_spec",
+    "TENSOR_OPS")]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -129,14 +129,13 @@ class NkiTensor:
         return self._view(self.access[index])
 
     def __setitem__(self, index: Any, value: Any) -> None:
-        from torchneuron.nki import isa as nisa
         dst = self[index]
         if not isinstance(value, NkiTensor):
-            nisa.memset(dst=dst, value=value)
+            TENSOR_OPS["memset"](dst=dst, value=value)
         elif dst.buffer.on_chip and value.buffer.on_chip:
-            nisa.tensor_copy(dst=dst, src=value)
+            TENSOR_OPS["tensor_copy"](dst=dst, src=value)
         else:
-            nisa.dma_copy(dst=dst, src=value)
+            TENSOR_OPS["dma_copy"](dst=dst, src=value)
 
     def reshape(self, shape: Sequence[int]) -> "NkiTensor":
         """A view with another shape (on chip, dim 0 stays the partition dim)."""
@@ -197,13 +196,11 @@ class NkiTensor:
 
     def broadcast_to(self, shape: Sequence[int]) -> "NkiTensor":
         """Broadcast size-1 dims (an HBM view with stride 0; on chip see ``nl.broadcast_to``)."""
-        from torchneuron.nki import language as nl
-        return nl.broadcast_to(self, shape)
+        return TENSOR_OPS["broadcast_to"](self, tuple(shape))
 
     # operators lower to the nl element-wise functions
     def _bin(self, other: Any, op: str, reverse: bool = False) -> "NkiTensor":
-        from torchneuron.nki import language as nl
-        fn = getattr(nl, op)
+        fn = TENSOR_OPS[op]
         return fn(other, self) if reverse else fn(self, other)
 
     __add__ = lambda s, o: s._bin(o, "add")  # noqa: E731
@@ -468,6 +465,10 @@ def _free(mem: Memory, region, record: Alloc, trace: Trace) -> None:
 
 
 _state = threading.local()
+
+# What NkiTensor's stores (``t[i] = v``), operators and ``broadcast_to`` run: instructions and language
+# functions of the layers above this one, which install them on import (nki.isa, nki.language).
+TENSOR_OPS: dict[str, Callable] = {}
 
 
 def current() -> Trace:

@@ -5,9 +5,9 @@ profiler records.
     rec = launch(program, {"a": a, "b": b, "out": out})   # neuron tensors, zero copy
     rec.device_time_ns, rec.end_ns - rec.start_ns          # kernel time; stream time incl. overhead
 """
-from torchneuron.runtime.device import core, device_index
+from torchneuron.runtime.device import core, device_index, host_memory
 from torchneuron.runtime.record import InstructionEvent, LaunchRecord
 from torchneuron.runtime import profiler
 from torchneuron.runtime.launch import launch
 
-__all__ = ["core", "device_index", "InstructionEvent", "LaunchRecord", "profiler", "launch"]
+__all__ = ["core", "device_index", "host_memory", "InstructionEvent", "LaunchRecord", "profiler", "launch"]

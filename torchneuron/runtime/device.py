@@ -55,6 +55,11 @@ def core(device: Any = None) -> NeuronCore:
     return c
 
 
+def host_memory(tensor: torch.Tensor) -> torch.Tensor:
+    """The host tensor aliasing a neuron tensor's device memory (no copy): what a core binds as HBM."""
+    return _C._alias_as_cpu(tensor)
+
+
 def core_lock(device: Any = None) -> threading.Lock:
     """The lock that serializes launches on ``device``'s core."""
     index = device_index(device)

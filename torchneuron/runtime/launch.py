@@ -210,7 +210,7 @@ def _launch(program: Program, args: Any, device: Any, stream: Any, name: str | N
             if dev is None:
                 dev = _devices[index] = torch.device("neuron", index)
             tensors[i] = torch.empty(slot.shape, dtype=slot.dtype, device=dev)
-    alias = _C._alias_as_cpu
+    alias = _C._alias_as_cpu   # (runtime.host_memory, looked up once)
     host = [None if t is None else alias(t) for t in tensors]
     spec = core.spec
     stream_id = stream.stream_id

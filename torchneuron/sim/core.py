@@ -21,7 +21,7 @@ import torch
 
 from torchneuron.sim.instruction import Engine
 from torchneuron.sim.isa import Instr
-from torchneuron.sim.memory import Memory, SimulatorError, nan_fill_enabled, NAN_BYTE
+from torchneuron.sim.memory import Memory, SimulatorError, check_host_binding, nan_fill_enabled, NAN_BYTE
 from torchneuron.sim.program import Program
 from torchneuron.sim.specs import ChipSpec, chip_spec
 from torchneuron.sim.timing import Roofline
@@ -78,10 +78,7 @@ class _Plan:
 class NeuronCore:
     """One NeuronCore: SBUF, PSUM, bound HBM buffers, per-engine accumulation registers and a PRNG."""
 
-    def __init__(self, spec: ChipSpec | str | None = None, *, nan_fill: bool | None = None, seed: int = 0):
-        if spec is None:
-            from torchneuron.config import CONFIG
-            spec = CONFIG.chip
+    def __init__(self, spec: ChipSpec | str, *, nan_fill: bool | None = None, seed: int = 0):
         self.spec = chip_spec(spec) if isinstance(spec, str) else spec
         self.nan_fill = nan_fill_enabled(nan_fill)
         parts = self.spec.sbuf_partitions
@@ -231,10 +228,5 @@ class NeuronCore:
 
 def _host(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """A bound tensor as the core reads it: detached, on the host, contiguous (what Memory.hbm checks)."""
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        from torchneuron import _C  # neuron tensors live in host memory owned by our allocator
-        t = _C._alias_as_cpu(t)
-    if not t.is_contiguous():
-        raise SimulatorError(f"hbm:{name}: a bound tensor must be contiguous (got strides {t.stride()})")
-    return t
+    check_host_binding(name, tensor)
+    return tensor.detach()

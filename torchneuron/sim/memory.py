@@ -51,6 +51,16 @@ class IndexOutOfRange(SimulatorError):
     ``oob_mode="error"``: the data was wrong, not the kernel (the runtime raises it as an IndexError)."""
 
 
+def check_host_binding(name: str, tensor: torch.Tensor) -> None:
+    """SimulatorError unless ``tensor`` can back HBM buffer ``hbm:<name>``: a contiguous host (CPU) tensor. (A
+    device tensor's memory is bound by the runtime, which hands the core the host tensor aliasing it.)"""
+    if tensor.device.type != "cpu":
+        raise SimulatorError(f"hbm:{name}: a bound tensor must be a host (CPU) tensor, not one on {tensor.device}; "
+                             "torchneuron.runtime.host_memory(t) is a neuron tensor's memory as one")
+    if not tensor.is_contiguous():
+        raise SimulatorError(f"hbm:{name}: a bound tensor must be contiguous (got strides {tensor.stride()})")
+
+
 def nan_fill_enabled(flag: bool | None = None) -> bool:
     """The NaN-fill debug option: ``flag`` when given, else env ``TORCHNEURON_SIM_NAN_FILL=1``."""
     if flag is not None:
@@ -126,13 +136,9 @@ class Memory:
 
     @classmethod
     def hbm(cls, name: str, tensor: torch.Tensor) -> "Memory":
-        """Wrap a contiguous tensor's bytes (CPU, or a neuron tensor's host memory) as buffer ``hbm:<name>``."""
+        """Wrap a contiguous host tensor's bytes (a neuron tensor's: ``runtime.host_memory``) as buffer ``hbm:<name>``."""
+        check_host_binding(name, tensor)
         t = tensor.detach()
-        if t.device.type != "cpu":
-            from torchneuron import _C  # neuron tensors live in host memory owned by our allocator
-            t = _C._alias_as_cpu(t)
-        if not t.is_contiguous():
-            raise SimulatorError(f"hbm:{name}: a bound tensor must be contiguous (got strides {t.stride()})")
         # (as_strided: a contiguous tensor's size-1 dims may carry any stride, which view() refuses)
         flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
         # nan_fill only affects allocation, which HBM buffers never do: skip the environment lookup

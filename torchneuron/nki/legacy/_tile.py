@@ -383,10 +383,6 @@ class LegacyTile(NkiTensor):
             accumulate = False  # `+=` into a never-written PSUM tile starts the group (the compiler zeroed it)
         nisa.nc_matmul(dst=dst, stationary=stationary, moving=moving, accumulate=accumulate, **options)
 
-    def broadcast_to(self, shape: Any) -> NkiTensor:
-        from torchneuron.nki.legacy import language as nl
-        return nl.broadcast_to(self, shape)
-
 
 def _int(i: Any) -> int:
     if isinstance(i, slice):
