@@ -8,9 +8,9 @@ copies and element-wise launches). Each other module lowers one op family; none 
 order in which the families are imported.
 """
 from torchneuron.ops import (  # noqa: F401  (registration happens on import)
-    attention, cnn, copy, ctc, distance, foreach, indexing, int64, linalg, matmul, misc, nn, optim, pointwise,
-    random, reduction, reduction_extra, resample, rnn, sampling_grid, sampling_grid_backward, scatter, search, sort,
-    special, transformer,
+    attention, composite, composite_reductions, convolution, copy, ctc, distance, dropout, foreach, indexing,
+    int64_elementwise, linalg, matmul, nn, normalization, optim, pointwise, pooling, random, reduction, resample, rnn,
+    sampling_grid, sampling_grid_backward, scatter, search, sort, special, transformer,
 )
 from torchneuron.ops.kernel_call import cache_size
 from torchneuron.ops.registry import LOWERED

@@ -19,7 +19,7 @@ from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.ops import base
 from torchneuron.ops.base import aten, FLOATS, type_name, Unsupported
 from torchneuron.ops.elementwise import dense, to_int64, write_result
-from torchneuron.ops.int64 import int_reduce  # exact integer sums (fp32 is exact only below 2**24)
+from torchneuron.ops.int64_elementwise import int_reduce  # exact integer sums (fp32 is exact only below 2**24)
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import cpu_fallback, lowering
 

@@ -18,8 +18,9 @@ meta stand-ins first, so bad input raises what the CPU kernel raises.
   padded by repeating the last, ``max`` over the window; the winner's flat index looked up in the same
   table) and backward (``scatter_add``); ``fractional_max_pool2d``/``3d`` and backward (window starts
   computed on the device from the given samples, as the CPU's ``generate_intervals`` in fp32, then a
-  ``gather`` and the same window max); ``_adaptive_avg_pool3d`` and ``avg_pool3d`` with backward (one band
-  matrix per dim, as ``cnn.py`` does in 2-D).
+  ``gather`` and the same window max); ``avg_pool3d`` with backward as window sums over the CPU's divisors
+  (``pooling.avg_pool_windows``, as in 2-D); ``_adaptive_avg_pool3d`` with backward the same when every size
+  divides evenly, else one band matrix per dim.
 - **Grid sampling** ``grid_sampler_2d``/``3d`` forward: ``sampling_grid.py``.
 """
 from __future__ import annotations
@@ -32,7 +33,8 @@ import numpy as np
 import torch
 
 from torchneuron.ops.base import Unsupported, aten, device_table, floats_on_one_device, meta_run
-from torchneuron.ops.cnn import adaptive_band, adaptive_windows, as_float32, avg_pool_windows, avg_pool_windows_backward
+from torchneuron.ops.pooling import adaptive_band, adaptive_windows, avg_pool_windows, avg_pool_windows_backward
+from torchneuron.ops.windows import as_float32
 from torchneuron.ops.elementwise import dense, to_int64
 from torchneuron.ops.registry import cpu_fallback, lowering, register_out
 

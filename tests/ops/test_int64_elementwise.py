@@ -1,4 +1,4 @@
-"""int64 ops on the device (ops/int64.py): comparisons, maximum/minimum, clamp, neg/abs, bitwise ops and
+"""int64 ops on the device (ops/int64_elementwise.py): comparisons, maximum/minimum, clamp, neg/abs, bitwise ops and
 exact integer sums, in strict mode against the CPU, with values beyond 32 bits and negative ones."""
 import pytest
 import torch

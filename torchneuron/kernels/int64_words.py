@@ -1,9 +1,11 @@
-"""int64 comparisons, selections, negation, products and exact integer reductions on a core without
-64-bit integers.
+"""int64 kernels on a core without 64-bit integers: each int64 is its little-endian pair of int32 words.
 
-An int64 is its little-endian pair of int32 words (low, high), as in ``kernels/int64.py``. The low
-words are read as uint32 and the high words as int32 (strided DMAs over the word pairs); every
+The low words are read as uint32 and the high words as int32 (strided DMAs over the word pairs); every
 integer op on the engines is exact on such tiles, so:
+
+- ``int64_add`` adds the low words (the uint32 store wraps mod 2**32), derives the carry as
+  ``sum < a_low`` (an unsigned overflow) and adds the high words plus the carry (int32 wraps, as int64
+  overflow wraps in PyTorch);
 
 - a comparison compares the high words (signed) and, where they are equal, the low words (unsigned);
 - maximum/minimum/where/abs select whole values: both words are chosen by one 0/1 mask;
@@ -28,7 +30,6 @@ from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.kernels._common import PMAX, flat_blocks
-from torchneuron.kernels.int64 import word as _word
 
 F = 2048          # elements per partition of one block (8 KiB int32 rows)
 CMP = {"eq": nl.equal, "ne": nl.not_equal, "lt": nl.less, "le": nl.less_equal, "gt": nl.greater,
@@ -36,12 +37,41 @@ CMP = {"eq": nl.equal, "ne": nl.not_equal, "lt": nl.less, "le": nl.less_equal, "
 STRICT = {"lt": nl.less, "le": nl.less, "gt": nl.greater, "ge": nl.greater}   # decides on unequal high words
 
 
+def word_block(t, s, p, w, k, dtype):
+    """The [p, w] block of word k (0 low, 1 high) of elements s.. of a [n, 2] word tensor ([1, 2]: broadcast)."""
+    if t.shape[0] == 1:
+        return t.ap([[0, p], [0, w]], offset=k, dtype=dtype)
+    return t.ap([[2 * w, p], [2, w]], offset=2 * s + k, dtype=dtype)
+
+
+@nki.jit
+def int64_add(a, b):
+    """``a + b`` for int64 values given as [n, 2] int32 words (``b`` may be [1, 2]: one value for all)."""
+    n, nb = a.shape[0], b.shape[0]
+    assert a.shape[1] == 2 and b.shape[1] == 2 and nb in (1, n), "int64_add: operands are [n, 2] words"
+    out = nl.ndarray((n, 2), nl.int32, buffer=nl.shared_hbm)
+    for s, p, w in flat_blocks(n):
+        lo_a, lo_b, lo = (nl.ndarray((PMAX, w), nl.uint32, buffer=nl.sbuf) for _ in range(3))
+        hi_a, hi_b, carry = (nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf) for _ in range(3))
+        nisa.dma_copy(dst=lo_a[:p], src=word_block(a, s, p, w, 0, nl.uint32))
+        nisa.dma_copy(dst=hi_a[:p], src=word_block(a, s, p, w, 1, nl.int32))
+        nisa.dma_copy(dst=lo_b[:p], src=word_block(b, s, p, w, 0, nl.uint32))
+        nisa.dma_copy(dst=hi_b[:p], src=word_block(b, s, p, w, 1, nl.int32))
+        nisa.tensor_tensor(dst=lo[:p], data1=lo_a[:p], data2=lo_b[:p], op=nl.add)          # wraps mod 2**32
+        nisa.tensor_tensor(dst=carry[:p], data1=lo[:p], data2=lo_a[:p], op=nl.less)       # unsigned overflow
+        nisa.tensor_tensor(dst=hi_a[:p], data1=hi_a[:p], data2=hi_b[:p], op=nl.add)
+        nisa.tensor_tensor(dst=hi_a[:p], data1=hi_a[:p], data2=carry[:p], op=nl.add)
+        nisa.dma_copy(dst=word_block(out, s, p, w, 0, nl.uint32), src=lo[:p])
+        nisa.dma_copy(dst=word_block(out, s, p, w, 1, nl.int32), src=hi_a[:p])
+    return out
+
+
 def _load(t, s, p, w):
     """(low as uint32, high as int32) SBUF tiles of a block of an int64 word tensor."""
     lo = nl.ndarray((PMAX, w), nl.uint32, buffer=nl.sbuf)
     hi = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=lo[:p], src=_word(t, s, p, w, 0, nl.uint32))
-    nisa.dma_copy(dst=hi[:p], src=_word(t, s, p, w, 1, nl.int32))
+    nisa.dma_copy(dst=lo[:p], src=word_block(t, s, p, w, 0, nl.uint32))
+    nisa.dma_copy(dst=hi[:p], src=word_block(t, s, p, w, 1, nl.int32))
     return lo, hi
 
 
@@ -281,7 +311,7 @@ def _digits(t, s, p, w):
     out = []
     for k in (0, 1):
         word = nl.ndarray((PMAX, w), nl.uint32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=word[:p], src=_word(t, s, p, w, k, nl.uint32))   # both words unsigned: mod 2**64
+        nisa.dma_copy(dst=word[:p], src=word_block(t, s, p, w, k, nl.uint32))   # both words unsigned: mod 2**64
         d0 = nl.ndarray((PMAX, w), nl.uint32, buffer=nl.sbuf)
         d1 = nl.ndarray((PMAX, w), nl.uint32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=d0[:p], data=word[:p], op0=nl.bitwise_and, operand0=0xFFFF)

@@ -1,4 +1,5 @@
-"""Extra reductions and scans run on the device (strict mode) and match the CPU."""
+"""Reductions and scans composed from lowered ops (ops/composite_reductions.py) run on the device (strict mode)
+and match the CPU."""
 import re
 
 import pytest

@@ -1,4 +1,4 @@
-"""API-reference gaps of the current NKI generation: ``nl.ndarray(address=)`` placement, ``nc_matmul`` PE tiling
+"""Current-generation NKI features beyond the basics: ``nl.ndarray(address=)`` placement, ``nc_matmul`` PE tiling
 and FP8 double-row mode, and trace-time ``fori_loop`` / ``while_loop`` / ``dynamic_range``."""
 from __future__ import annotations
 

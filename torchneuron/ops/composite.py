@@ -1,4 +1,4 @@
-"""Assorted ATen ops on the device, composed from lowered ones: vector products (``dot``, ``vdot``,
+"""ATen ops composed from lowered ones on the device: vector products (``dot``, ``vdot``,
 ``addmv``) on the matmul kernel, ``trace``, ``roll``, ``equal``, ``norm``, ``nll_loss2d`` (the 2-D loss
 as ``nll_loss`` over [N*H*W, C] rows), ``max_unpool2d`` (a scatter into zeros), ``angle`` of real
 numbers (a select) and ``isin`` (blocks of all-pairs comparisons).

@@ -1,6 +1,6 @@
 """int64 element-wise ops and integer reductions on the device (the core has no 64-bit integer ALU).
 
-The kernels (``kernels/int64_ops.py``, ``kernels/int64.py``) work on int64 tensors as [n, 2] int32
+The kernels (``kernels/int64_words.py``) work on int64 tensors as [n, 2] int32
 words. This module does for them what ``pointwise.run_pointwise`` does for the other dtypes:
 PyTorch's type promotion, broadcasting, the ``out=`` / in-place checks with PyTorch's messages, and
 the writes into targets. It registers in ``pointwise.ALTERNATIVES``, which the element-wise
@@ -31,9 +31,9 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torch._prims_common import elementwise_dtypes
 
-from torchneuron.kernels.int64 import int64_add
-from torchneuron.kernels.int64_ops import int64_bitwise, int64_compare, int64_minmax, int64_unary, int64_where
-from torchneuron.kernels.int64_ops import int64_divmod, int64_extreme, int64_mul, int64_shift, int_sum as _sum_kernel
+from torchneuron.kernels.int64_words import (int64_add, int64_bitwise, int64_compare, int64_divmod, int64_extreme,
+                                            int64_minmax, int64_mul, int64_shift, int64_unary, int64_where)
+from torchneuron.kernels.int64_words import int_sum as _sum_kernel
 from torchneuron.ops import pointwise, tilemath
 from torchneuron.ops.base import aten, DEVICE_DTYPES, FLOATS, Unsupported, variants
 from torchneuron.ops.elementwise import (broadcast_shape, check_overlap, check_target, dense, device_copy, promote,

@@ -1,0 +1,175 @@
+"""Convolution on the device (1-3-D, plain or transposed; 1-D arrives as 2-D with H = 1): im2col and the
+matmul kernel.
+
+PyTorch hands convolutions to a PrivateUse1 backend only through ``convolution_overrideable`` and its
+backward (their default kernels raise): inputs these kernels do not run go to the C++ glue's dedicated CPU
+route (``torchneuron._C._fallback_convolution*``), which counts as a fallback like any other.
+
+Group g's patches are contiguous rows and ``out_g = W_g[OCg, K] @ cols_g[K, L]``. Backward:
+``grad_W_g = grad_g @ cols_g^T`` and ``grad_cols_g = W_g^T @ grad_g`` (both operands handed to the kernel in
+their stored layout), then col2im. A transposed convolution is the input gradient of a plain one:
+``cols_g = W_g^T @ x_g`` then col2im (output_padding only widens the col2im target); its backward is the
+plain forward (im2col of the output gradient, ``grad_x_g = W_g @ cols_g``) and ``grad_W_g = x_g @ cols_g^T``.
+Stride, padding, dilation, groups and output_padding are PyTorch's.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from torchneuron import _C
+from torchneuron.ops.base import floats_on_one_device
+from torchneuron.ops.elementwise import dense
+from torchneuron.ops.windows import col2im_patches, im2col_patches, int_tuple
+from torchneuron.ops.registry import lowering
+
+
+# ---- convolution ------------------------------------------------------------------------------------
+# A convolution's input side is "patches" and its output side "rows"; a transposed one swaps them.
+# With the weight as W_g [R, Kp] per group (R = weight.shape[0] / G rows, Kp the rest):
+#   rows_g = W_g @ cols_g,   cols_g = W_g^T @ rows_g,   grad W_g = rows_g @ cols_g^T
+# where rows are [channels, (b, *spatial)] and cols the im2col patches [(c, *k), (b, *spatial)].
+
+def _conv_geometry(input: torch.Tensor, weight: torch.Tensor, stride, padding, dilation, transposed: bool,
+                   output_padding, groups: int):
+    """(k, s, p, d, patch-side spatial size, row-side spatial size) of a convolution the device runs, or None."""
+    n = input.dim() - 2
+    if n not in (1, 2, 3) or weight.dim() != n + 2 or groups < 1 or input.numel() == 0 or weight.numel() == 0 \
+            or input.dtype != weight.dtype:
+        return None
+    k = tuple(weight.shape[2:])
+    s, p, d, op = (int_tuple(v, n, (0,)) for v in (stride, padding, dilation, output_padding))
+    if min(s) <= 0 or min(d) <= 0 or min(p) < 0 or min(op) < 0 or weight.shape[0] % groups:
+        return None
+    S = tuple(input.shape[2:])
+    if transposed:
+        if input.shape[1] != weight.shape[0] or any(o >= max(ss, dd) for o, ss, dd in zip(op, s, d)):
+            return None
+        rows = S
+        patch = tuple((i - 1) * ss - 2 * pp + dd * (kk - 1) + o + 1 for i, kk, ss, pp, dd, o in zip(S, k, s, p, d, op))
+    else:
+        if any(op) or input.shape[1] != weight.shape[1] * groups:
+            return None
+        patch = S
+        rows = tuple((i + 2 * pp - dd * (kk - 1) - 1) // ss + 1 for i, kk, ss, pp, dd in zip(S, k, s, p, d))
+    if min(rows) <= 0 or min(patch) <= 0:
+        return None
+    return k, s, p, d, patch, rows
+
+
+def _to_rows(t: torch.Tensor) -> torch.Tensor:
+    """[B, C, *S] as dense rows [C, B * prod(S)]."""
+    B, C = t.shape[:2]
+    return dense(t.reshape(B, C, -1).transpose(0, 1)).view(C, -1)
+
+
+def _from_rows(r: torch.Tensor, B: int, S: tuple) -> torch.Tensor:
+    """Rows [C, B * prod(S)] as a dense [B, C, *S] tensor."""
+    return dense(r.view(r.shape[0], B, -1).transpose(0, 1)).view(B, r.shape[0], *S)
+
+
+def _group_weight(weight: torch.Tensor, G: int) -> torch.Tensor:
+    """The weight as [G, weight.shape[0] / G, rest] (W_g [R, Kp] per group)."""
+    return dense(weight).view(G, weight.shape[0] // G, -1)
+
+
+def _rows_from_cols(w2: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """rows_g = W_g @ cols_g for w2 [G, R, Kp], cols [G, Kp, L]: [G * R, L]."""
+    G, R, _ = w2.shape
+    out = torch.empty((G * R, cols.shape[-1]), dtype=cols.dtype, device=cols.device)
+    for g in range(G):
+        torch.mm(w2[g], cols[g], out=out[g * R:(g + 1) * R])
+    return out
+
+
+def _cols_from_rows(w2: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """cols_g = W_g^T @ rows_g for w2 [G, R, Kp], rows [G * R, L]: [G, Kp, L] (W_g^T in its stored layout)."""
+    G, R, Kp = w2.shape
+    out = torch.empty((G, Kp, rows.shape[-1]), dtype=rows.dtype, device=rows.device)
+    for g in range(G):
+        torch.mm(w2[g].t(), rows[g * R:(g + 1) * R], out=out[g])
+    return out
+
+
+def _weight_grad(rows: torch.Tensor, cols: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """grad W_g = rows_g @ cols_g^T for rows [G * R, L], cols [G, Kp, L]: the weight's gradient, ``shape``."""
+    G, Kp, _ = cols.shape
+    R = rows.shape[0] // G
+    out = torch.empty((G * R, Kp), dtype=rows.dtype, device=rows.device)
+    for g in range(G):
+        torch.mm(rows[g * R:(g + 1) * R], cols[g].t(), out=out[g * R:(g + 1) * R])
+    return out.view(shape)
+
+
+def _follow_layout(res: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """The output in the input's channels-last layout when it has one, as on CPU."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(input.dim())
+    if fmt is not None and input.is_contiguous(memory_format=fmt) and not input.is_contiguous():
+        return res.contiguous(memory_format=fmt)
+    return res
+
+
+@lowering("convolution_overrideable")
+def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Sequence[int],
+                padding: Sequence[int], dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
+                groups: int) -> torch.Tensor:
+    """1-3-D convolution, plain or transposed (``F.conv*d``, ``F.conv_transpose*d``): im2col + one matmul per
+    group, or one matmul per group + col2im; others on the CPU route."""
+    geo = _conv_geometry(input, weight, stride, padding, dilation, transposed, output_padding, groups)
+    if geo is None or not floats_on_one_device(input, weight, bias) or (bias is not None and bias.dtype != input.dtype):
+        return _C._fallback_convolution(input, weight, bias, list(stride), list(padding), list(dilation), transposed,
+                                        list(output_padding), groups)
+    k, s, p, d, patch, rows = geo
+    B, G = input.shape[0], groups
+    w2 = _group_weight(weight, G)
+    if transposed:
+        OC = weight.shape[1] * G
+        cols = _cols_from_rows(w2, _to_rows(input))
+        res = col2im_patches(cols.view(OC, *k, B, *rows), (B, OC, *patch), k, s, p, d)
+        if bias is not None:
+            res = res + bias.view(OC, *[1] * len(k))
+    else:
+        OC = weight.shape[0]
+        out = _rows_from_cols(w2, im2col_patches(input, k, s, p, d, rows).view(G, -1, B * math.prod(rows)))
+        if bias is not None:
+            out = out + bias.view(OC, 1)
+        res = _from_rows(out, B, rows)
+    return _follow_layout(res, input)
+
+
+@lowering("convolution_backward_overrideable")
+def convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor,
+                         stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], transposed: bool,
+                         output_padding: Sequence[int], groups: int, output_mask: Sequence[bool]):
+    """(grad_input, grad_weight, grad_bias) of a convolution, plain or transposed: matmuls per group, im2col
+    of the patch side and col2im back to it."""
+    geo = _conv_geometry(input, weight, stride, padding, dilation, transposed, output_padding, groups)
+    if geo is None or not floats_on_one_device(grad_output, input, weight) or grad_output.dtype != input.dtype \
+            or tuple(grad_output.shape[2:]) != tuple(geo[4] if transposed else geo[5]) \
+            or grad_output.shape[0] != input.shape[0]:
+        return _C._fallback_convolution_backward(grad_output, input, weight, list(stride), list(padding),
+                                                 list(dilation), transposed, list(output_padding), groups,
+                                                 list(output_mask))
+    k, s, p, d, patch, rows = geo
+    B, G = input.shape[0], groups
+    L = B * math.prod(rows)
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[2]:
+        grad_bias = grad_output.sum([0, *range(2, grad_output.dim())])
+    if transposed:      # the output is the patch side: its im2col serves both gradients
+        cols = im2col_patches(grad_output, k, s, p, d, rows).view(G, -1, L)
+        if output_mask[0]:
+            grad_input = _follow_layout(_from_rows(_rows_from_cols(_group_weight(weight, G), cols), B, rows), input)
+        if output_mask[1]:
+            grad_weight = _weight_grad(_to_rows(input), cols, weight.shape)
+    else:
+        g2 = _to_rows(grad_output)
+        if output_mask[1]:
+            grad_weight = _weight_grad(g2, im2col_patches(input, k, s, p, d, rows).view(G, -1, L), weight.shape)
+        if output_mask[0]:
+            gcols = _cols_from_rows(_group_weight(weight, G), g2)
+            grad_input = _follow_layout(col2im_patches(gcols.view(input.shape[1], *k, B, *rows), tuple(input.shape),
+                                                k, s, p, d), input)
+    return grad_input, grad_weight, grad_bias

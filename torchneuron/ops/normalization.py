@@ -1,0 +1,174 @@
+"""Batch norm and group norm (and ``var_mean``) on the device: reductions and element-wise launches
+following the CPU kernels' formulas (batch norm's output as ``x * alpha + beta``, as the CPU kernel computes
+it); statistics in fp32.
+
+``native_batch_norm`` updates running statistics that its schema does not mark as written, so the generic
+CPU fallback cannot serve it: inputs these kernels do not run go to the C++ glue's dedicated CPU route
+(``torchneuron._C._fallback_native_batch_norm``), which counts as a fallback like any other.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from torchneuron import _C
+from torchneuron.ops.base import aten, floats_on_one_device, meta_run
+from torchneuron.ops.windows import as_float32
+from torchneuron.ops.registry import cpu_fallback, lowering
+
+
+# ---- batch norm, group norm, var_mean -------------------------------------------------------------------
+
+def _stat_dtype(input: torch.Tensor, *params: torch.Tensor | None) -> torch.dtype:
+    """The dtype of the saved statistics: fp32 when a reduced-precision input meets fp32 parameters (the CPU
+    kernel's mixed mode), else the input's."""
+    if input.dtype != torch.float32 and any(t is not None and t.dtype == torch.float32 for t in params):
+        return torch.float32
+    return input.dtype
+
+
+@lowering("native_batch_norm")
+def native_batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                      running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool,
+                      momentum: float, eps: float):
+    """(out, save_mean, save_invstd); in training, updates the running statistics in place."""
+    ok = (floats_on_one_device(input, weight, bias, running_mean, running_var) and input.dim() >= 2
+          and input.numel() > 0 and (training or (running_mean is not None and running_var is not None)))
+    if not ok:
+        return _C._fallback_native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    meta_run(aten.native_batch_norm.default, input, weight, bias, running_mean, running_var, training, momentum, eps)
+    C = input.shape[1]
+    dims = [0, *range(2, input.dim())]
+    shape = [1, C] + [1] * (input.dim() - 2)
+    sdt = _stat_dtype(input, weight, bias, running_mean, running_var)
+    if training:
+        x = as_float32(input)
+        n = input.numel() // C
+        mean = x.mean(dims)
+        dev = x - mean.view(shape)
+        var = (dev * dev).mean(dims)
+        invstd = (var + eps).rsqrt()
+        with torch.no_grad():
+            if running_mean is not None:   # running = (1 - momentum) * running + momentum * batch
+                running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+            if running_var is not None:    # with the unbiased variance
+                running_var.mul_(1 - momentum).add_(var, alpha=momentum * n / max(n - 1, 1))
+        save_mean, save_invstd = mean.to(sdt), invstd.to(sdt)
+    else:
+        mean, invstd = as_float32(running_mean), (as_float32(running_var) + eps).rsqrt()
+        save_mean = torch.empty((0,), dtype=sdt, device=input.device)
+        save_invstd = torch.empty((0,), dtype=sdt, device=input.device)
+    # out = x * alpha + beta with alpha = invstd * w, beta = b - mean * alpha (the CPU kernel's form)
+    alpha = invstd * as_float32(weight) if weight is not None else invstd
+    beta = -mean * alpha if bias is None else as_float32(bias) - mean * alpha
+    out = torch.addcmul(beta.view(shape), input, alpha.view(shape))
+    return out.to(input.dtype), save_mean, save_invstd
+
+
+@lowering("native_batch_norm_backward")
+def native_batch_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor | None,
+                               running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                               save_mean: torch.Tensor | None, save_invstd: torch.Tensor | None, train: bool,
+                               eps: float, output_mask: Sequence[bool]):
+    """(grad_input, grad_weight, grad_bias) of batch norm, from the saved (train) or running (eval) statistics."""
+    stats = (save_mean, save_invstd) if train else (running_mean, running_var)
+    ok = (floats_on_one_device(grad_out, input, weight, *stats) and input.dim() >= 2 and input.numel() > 0
+          and all(t is not None and t.numel() == input.shape[1] for t in stats))
+    if not ok:
+        return cpu_fallback(aten.native_batch_norm_backward.default, grad_out, input, weight, running_mean,
+                            running_var, save_mean, save_invstd, train, eps, output_mask)
+    C = input.shape[1]
+    dims = [0, *range(2, input.dim())]
+    shape = [1, C] + [1] * (input.dim() - 2)
+    n = input.numel() // C
+    if train:
+        mean, invstd = as_float32(save_mean), as_float32(save_invstd)
+    else:
+        mean, invstd = as_float32(running_mean), (as_float32(running_var) + eps).rsqrt()
+    x, g = as_float32(input), as_float32(grad_out)
+    dev = x - mean.view(shape)
+    sum_g = g.sum(dims)
+    dot = (g * dev).sum(dims)
+    w = as_float32(weight) if weight is not None else None
+    scale = invstd * w if w is not None else invstd
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        if train:   # (g - mean(g) - dev * dot * invstd^2 / n) * invstd * w
+            k = dot * invstd * invstd / n
+            gi = (g - (sum_g / n).view(shape) - dev * k.view(shape)) * scale.view(shape)
+        else:
+            gi = g * scale.view(shape)
+        grad_input = gi.to(input.dtype)
+    pdt = weight.dtype if weight is not None else _stat_dtype(input, *stats)
+    if output_mask[1]:
+        grad_weight = (dot * invstd).to(pdt)
+    if output_mask[2]:
+        grad_bias = sum_g.to(pdt)
+    return grad_input, grad_weight, grad_bias
+
+
+@lowering("native_group_norm_backward")
+def native_group_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                               weight: torch.Tensor | None, N: int, C: int, HxW: int, group: int,
+                               output_mask: Sequence[bool]):
+    """(grad_input, grad_weight, grad_bias) of group norm, from the forward's mean and 1/std per (n, group)."""
+    ok = (floats_on_one_device(grad_out, input, mean, rstd, weight) and input.numel() > 0 and group > 0
+          and C % group == 0 and input.numel() == N * C * HxW)
+    if not ok:
+        return cpu_fallback(aten.native_group_norm_backward.default, grad_out, input, mean, rstd, weight, N, C, HxW,
+                            group, output_mask)
+    G = group
+    x = as_float32(input).reshape(N, G, C // G, HxW)
+    g = as_float32(grad_out).reshape(N, G, C // G, HxW)
+    xhat = (x - as_float32(mean).view(N, G, 1, 1)) * as_float32(rstd).view(N, G, 1, 1)
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:   # rstd * (gw - mean(gw) - xhat * mean(gw * xhat)) over each group, gw = g * weight
+        gw = g * as_float32(weight).view(1, G, C // G, 1) if weight is not None else g
+        m1 = gw.mean((2, 3), keepdim=True)
+        m2 = (gw * xhat).mean((2, 3), keepdim=True)
+        gi = (gw - m1 - xhat * m2) * as_float32(rstd).view(N, G, 1, 1)
+        grad_input = gi.to(input.dtype).view(input.shape)
+    pdt = weight.dtype if weight is not None else input.dtype
+    if output_mask[1]:
+        grad_weight = (g * xhat).reshape(N, C, HxW).sum((0, 2)).to(pdt)
+    if output_mask[2]:
+        grad_bias = g.reshape(N, C, HxW).sum((0, 2)).to(pdt)
+    return grad_input, grad_weight, grad_bias
+
+
+def _var_mean(self: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False):
+    """(var, mean) over ``dim``: the device's var and mean reductions."""
+    if not floats_on_one_device(self):
+        return cpu_fallback(aten.var_mean.correction, self, dim, correction=correction, keepdim=keepdim)
+    var = torch.var(self, dim, correction=correction, keepdim=keepdim)
+    dims = [] if dim is None else dim
+    mean = self.mean(dims, keepdim=keepdim) if dims else self.mean().reshape([1] * self.dim() if keepdim else [])
+    return var, mean
+
+
+lowering("var_mean.correction")(_var_mean)
+
+
+# The functional batch-norm variants export / torch.compile paths and some modules call: the same kernel.
+@lowering("_native_batch_norm_legit")
+def native_batch_norm_legit(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                            running_mean: torch.Tensor, running_var: torch.Tensor, training: bool, momentum: float,
+                            eps: float):
+    """``native_batch_norm`` with running statistics."""
+    return native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+@lowering("_native_batch_norm_legit.no_stats")
+def native_batch_norm_legit_no_stats(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                                     training: bool, momentum: float, eps: float):
+    """``native_batch_norm`` without running statistics."""
+    return native_batch_norm(input, weight, bias, None, None, training, momentum, eps)
+
+
+@lowering("_batch_norm_with_update")
+def batch_norm_with_update(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                           running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float, eps: float):
+    """Training batch norm that updates the running statistics; the reserve tensor is empty, as on CPU."""
+    out, mean, invstd = native_batch_norm(input, weight, bias, running_mean, running_var, True, momentum, eps)
+    return out, mean, invstd, torch.empty(0, dtype=torch.uint8, device=input.device)
