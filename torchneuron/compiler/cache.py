@@ -119,7 +119,9 @@ def store(key: str, prog: SegmentProgram) -> None:
         return
     payload = json.dumps({"program": base64.b64encode(prog.program.to_bytes()).decode(),
                           "inputs": prog.input_slots,
-                          "outputs": [[o.slot, list(o.shape), list(o.stride), o.offset] for o in prog.outputs]}).encode()
+                          "outputs": [[o.slot, list(o.shape), list(o.stride), o.offset,
+                                       None if o.dtype is None else str(o.dtype).removeprefix("torch."), o.scalar]
+                                      for o in prog.outputs]}).encode()
     header = f"{FORMAT} {hashlib.sha256(payload).hexdigest()}\n".encode()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -156,7 +158,8 @@ def _read(path: Path) -> SegmentProgram | None:
             return None
         doc: dict[str, Any] = json.loads(payload)
         program = Program.from_bytes(base64.b64decode(doc["program"]))
-        outputs = [OutputLayout(s, tuple(sh), tuple(st), off) for s, sh, st, off in doc["outputs"]]
+        outputs = [OutputLayout(s, tuple(sh), tuple(st), off, None if dt is None else getattr(torch, dt), sc)
+                   for s, sh, st, off, dt, sc in doc["outputs"]]
         return SegmentProgram(program, list(doc["inputs"]), outputs)
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except Exception:  # noqa: BLE001 (whatever fails to decode is rebuilt, never trusted)
         return None

@@ -29,8 +29,8 @@ import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.compiler import lowering
 from torchneuron.compiler.kernel_lowerings import pointwise
-from torchneuron.compiler.partition import FusionGroup, Plan, Segment
-from torchneuron.compiler.values import NotLowerable, Value, dense, hbm_value, input_value
+from torchneuron.compiler.partition import DEVICE_DTYPES, FusionGroup, Plan, Segment
+from torchneuron.compiler.values import HostTensor, NotLowerable, Value, dense, hbm_value, input_value
 from torchneuron.sim import Program
 from torchneuron.sim.specs import ChipSpec
 
@@ -64,12 +64,16 @@ def signature(v: Any) -> InputSig:
 
 @dataclass(frozen=True)
 class OutputLayout:
-    """Where a segment output lies in its program output slot: sizes, strides and offset in elements."""
+    """Where a segment output lies in its program output slot: sizes, strides and offset in elements. With no
+    slot, the output is made on the host: an uninitialized tensor of ``shape``/``dtype`` (a placeholder), or
+    the Python value ``scalar``."""
 
-    slot: str
-    shape: tuple
-    stride: tuple
-    offset: int
+    slot: str | None
+    shape: tuple = ()
+    stride: tuple = ()
+    offset: int = 0
+    dtype: torch.dtype | None = None
+    scalar: Any = None
 
 
 @dataclass
@@ -95,15 +99,19 @@ class _Body:
     def __call__(self, **slots: Any) -> tuple:
         env: dict[fx.Node, Any] = {}
         for i, (node, sig) in enumerate(zip(self.seg.inputs, self.sigs)):
-            env[node] = sig.scalar if sig.shape is None else input_value(slots[f"in{i}"], sig.shape, sig.stride,
-                                                                          sig.dtype)
+            if sig.shape is None:
+                env[node] = sig.scalar
+            elif not bindable(sig):
+                env[node] = HostTensor(sig.shape, sig.dtype)
+            else:
+                env[node] = input_value(slots[f"in{i}"], sig.shape, sig.stride, sig.dtype)
         self.env = env
         for item in self.seg.items:
             if isinstance(item, FusionGroup):
                 self._group(item)
             else:
                 self._node(item)
-        return tuple(self.value(n).buf for n in self.seg.outputs)
+        return tuple(v.buf for v in map(self.value, self.seg.outputs) if isinstance(v, Value))
 
     # values ------------------------------------------------------------------------------------
 
@@ -205,7 +213,7 @@ def trace_segment(plan: Plan, seg: Segment, sigs: list[InputSig], spec: ChipSpec
     body = _Body(plan, seg, sigs)
     params, kwargs, slots = [], {}, []
     for i, sig in enumerate(sigs):
-        if sig.shape is None:
+        if sig.shape is None or not bindable(sig):
             slots.append(None)
             continue
         n = f"in{i}"
@@ -218,8 +226,19 @@ def trace_segment(plan: Plan, seg: Segment, sigs: list[InputSig], spec: ChipSpec
     kernel.__signature__ = inspect.Signature(params)
     kernel.__name__ = kernel.__qualname__ = name
     traced = nki.jit(kernel).trace((), kwargs, spec)
-    outs = []
-    for node, slot in zip(seg.outputs, traced.result):
-        lay = body.env[node].layout
-        outs.append(OutputLayout(slot, tuple(lay.shape), tuple(lay.stride()), lay.storage_offset()))
+    outs, returned = [], iter(traced.result)
+    for node in seg.outputs:
+        v = body.env[node]
+        if isinstance(v, Value):
+            lay = v.layout
+            outs.append(OutputLayout(next(returned), tuple(lay.shape), tuple(lay.stride()), lay.storage_offset()))
+        elif isinstance(v, HostTensor):
+            outs.append(OutputLayout(None, tuple(v.shape), dtype=v.dtype))
+        else:
+            outs.append(OutputLayout(None, scalar=v))
     return SegmentProgram(traced.program, slots, outs)
+
+
+def bindable(sig: InputSig) -> bool:
+    """Whether a tensor input can be an HBM slot of a program (a device dtype, at least one element)."""
+    return sig.dtype in DEVICE_DTYPES and sig.span > 0

@@ -85,7 +85,6 @@ class CompiledGraph:
         if prog == EAGER:
             self._eager(seg, env)
             return
-        tensors = []
         by_slot = {}
         for v, slot in zip(values, prog.input_slots):
             if slot is not None:
@@ -94,9 +93,12 @@ class CompiledGraph:
         bound = launch_slots(prog.program, [by_slot.get(n) for n in order], device.index, f"compiled::{self.name}")
         index = {n: i for i, n in enumerate(order)}
         for node, lay in zip(seg.outputs, prog.outputs):
-            buf = bound[index[lay.slot]]
-            env[node] = buf.reshape(-1).as_strided(lay.shape, lay.stride, lay.offset)
-        del tensors
+            if lay.slot is not None:
+                env[node] = bound[index[lay.slot]].reshape(-1).as_strided(lay.shape, lay.stride, lay.offset)
+            elif lay.dtype is not None:   # a placeholder the program does not compute (never read)
+                env[node] = torch.empty(lay.shape, dtype=lay.dtype, device=device)
+            else:
+                env[node] = lay.scalar
 
     def _compile(self, seg: Segment, sigs: list, device: torch.device | None) -> SegmentProgram | str:
         """The segment's program for these signatures: from the cache, else traced (and stored)."""

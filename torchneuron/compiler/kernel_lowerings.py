@@ -12,18 +12,22 @@ contiguous tensor is handed to the matmul kernel with its ``transpose_a``/``tran
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
 
 import torchneuron.nki.language as nl
 from torchneuron.compiler.lowering import register_kernel, supports
-from torchneuron.compiler.values import NotLowerable, Value, dense, hbm_value, numel, unexpanded
+from torchneuron.compiler.partition import DEVICE_DTYPES
+from torchneuron.compiler.values import HostTensor, Value, dense, flat, hbm_value, numel, unexpanded
+from torchneuron.kernels.copy import strided_copy
 from torchneuron.kernels.elementwise import fold_broadcast, stream
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.reduction import reduce_kernel
-from torchneuron.kernels.softmax import fits_one_pass, softmax_bwd_kernel, softmax_kernel
+from torchneuron.kernels.softmax import (attention_fits, attention_softmax_kernel, fits_one_pass, softmax_bwd_kernel,
+                                         softmax_kernel)
 from torchneuron.ops import tilemath as tm
 
 aten = torch.ops.aten
@@ -66,8 +70,9 @@ def _matmul_operand(v: Value) -> tuple[Any, bool]:
     return dense(v), False
 
 
-def _float_pair(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.dtype in FLOATS
+def _floats(*ts: torch.Tensor) -> bool:
+    """Non-empty tensors of one floating dtype the device computes (what every kernel lowering asks)."""
+    return all(t.dtype == ts[0].dtype and t.dtype in FLOATS and t.numel() > 0 for t in ts)
 
 
 def _product(kernel, a: Value, b: Value, **kw: Any) -> Value:
@@ -78,7 +83,7 @@ def _product(kernel, a: Value, b: Value, **kw: Any) -> Value:
 
 
 for _op in (aten.mm.default, aten.bmm.default):
-    supports(_op)(lambda node, a, b: _float_pair(a, b))
+    supports(_op)(lambda node, a, b: _floats(a, b))
 
 
 @register_kernel(aten.mm.default)
@@ -95,7 +100,7 @@ def lower_bmm(ctx, node, a: Value, b: Value) -> Value:
 
 @supports(aten.addmm.default)
 def _addmm_ok(node, bias, a, b, beta=1, alpha=1) -> bool:
-    return _float_pair(a, b) and bias.dtype == a.dtype and beta == 1 and alpha == 1
+    return _floats(a, b, bias) and beta == 1 and alpha == 1
 
 
 @register_kernel(aten.addmm.default)
@@ -121,7 +126,7 @@ def _last(dim: int, ndim: int) -> bool:
 
 
 for _op in (aten._softmax.default, aten._log_softmax.default):
-    supports(_op)(lambda node, x, dim, half_to_float: x.dtype in FLOATS and _last(dim, x.dim()) and not half_to_float)
+    supports(_op)(lambda node, x, dim, half_to_float: _floats(x) and _last(dim, x.dim()) and not half_to_float)
 
 
 @register_kernel(aten._softmax.default)
@@ -138,7 +143,7 @@ def lower_log_softmax(ctx, node, x: Value, dim: int, half_to_float: bool) -> Val
 
 for _op in (aten._softmax_backward_data.default, aten._log_softmax_backward_data.default):
     supports(_op)(lambda node, g, y, dim, input_dtype: (
-        g.dtype == y.dtype == input_dtype and g.dtype in FLOATS and _last(dim, y.dim()) and fits_one_pass(y.shape[-1])
+        _floats(g, y) and g.dtype == input_dtype and _last(dim, y.dim()) and fits_one_pass(y.shape[-1])
         and tuple(g.shape) == tuple(y.shape)))
 
 
@@ -163,7 +168,7 @@ def _stats_meta(node) -> list:
 @supports(aten.native_layer_norm.default)
 def _ln_ok(node, x, shape, w, b, eps) -> bool:
     stats = _stats_meta(node)[1:]
-    return (w is not None and b is not None and x.dtype in FLOATS and w.dtype == b.dtype == x.dtype
+    return (w is not None and b is not None and _floats(x, w, b)
             and all(s.dtype == torch.float32 for s in stats) and tuple(w.shape) == tuple(shape))
 
 
@@ -179,8 +184,8 @@ def lower_layer_norm(ctx, node, x: Value, shape, w: Value, b: Value, eps: float)
 
 @supports(aten.native_layer_norm_backward.default)
 def _ln_bwd_ok(node, dy, x, shape, mean, rstd, w, b, mask) -> bool:
-    return (w is not None and b is not None and all(mask) and x.dtype in FLOATS
-            and dy.dtype == w.dtype == b.dtype == x.dtype and mean.dtype == rstd.dtype == torch.float32)
+    return (w is not None and b is not None and all(mask) and _floats(dy, x, w, b)
+            and mean.dtype == rstd.dtype == torch.float32)
 
 
 @register_kernel(aten.native_layer_norm_backward.default)
@@ -212,7 +217,7 @@ REDUCTIONS = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.defa
 
 
 def _reduction_ok(node, x, dims=None, keepdim=False, dtype=None, **_) -> bool:
-    return (x.dtype in FLOATS and (dtype is None or dtype == x.dtype) and x.dim() > 0
+    return (_floats(x) and (dtype is None or dtype == x.dtype) and x.dim() > 0
             and _reduced_run(tuple(x.shape), dims) is not None)
 
 
@@ -230,3 +235,107 @@ for _op, _name in REDUCTIONS.items():
     register_kernel(_op)(_reduce(_name))
 supports(aten.sum.default)(lambda node, x, dtype=None: _reduction_ok(node, x, None, False, dtype))
 register_kernel(aten.sum.default)(_reduce("sum"))
+
+
+# ---- concatenation ---------------------------------------------------------------------------------
+
+@supports(aten.cat.default)
+def _cat_ok(node, tensors, dim=0) -> bool:
+    out = node.meta["val"]
+    return (out.dtype in DEVICE_DTYPES and out.numel() > 0
+            and all(t.dtype == out.dtype and t.device == out.device for t in tensors))
+
+
+@register_kernel(aten.cat.default)
+def lower_cat(ctx, node, tensors: list, dim: int = 0) -> Value:
+    """Each operand copied by strided DMAs into its slice of the output (read where it lies)."""
+    out_meta = node.meta["val"]
+    shape = tuple(out_meta.shape)
+    out = hbm_value(nl.ndarray(shape, out_meta.dtype, buffer=nl.shared_hbm))
+    dim %= len(shape)
+    start = 0
+    for v in tensors:
+        if numel(v.shape) == 0:   # (cat skips empty operands, as PyTorch does)
+            continue
+        part = out.layout.narrow(dim, start, v.shape[dim])
+        strided_copy(flat(out), flat(v), (part.storage_offset(), v.shape, part.stride()),
+                     (v.layout.storage_offset(), v.shape, v.layout.stride()))
+        start += v.shape[dim]
+    return out
+
+
+# ---- attention -------------------------------------------------------------------------------------
+# The device's fused SDPA ops (what F.scaled_dot_product_attention dispatches to on neuron), composed
+# inside the program as the eager kernels compose them (bmm, attention softmax, bmm; the backward
+# recomputes the probabilities), but with no launch per step and the heads' strided views read in place.
+
+SDPA = aten._scaled_dot_product_fused_attention_overrideable.default
+SDPA_BACKWARD = aten._scaled_dot_product_fused_attention_overrideable_backward.default
+
+
+def _sdpa_ok(q, k, v, bias, dropout_p) -> bool:
+    return (bias is None and dropout_p == 0.0 and q.dim() == k.dim() == v.dim() == 4 and _floats(q, k, v)
+            and tuple(k.shape[:2]) == tuple(v.shape[:2]) == tuple(q.shape[:2]) and k.shape[3] == q.shape[3]
+            and k.shape[2] == v.shape[2] and attention_fits(k.shape[2]) and fits_one_pass(k.shape[2]))
+
+
+def _heads(v: Value):
+    """[B, H, n, d] as the dense [B*H, n, d] batch the bmm kernel takes."""
+    B, H, n, d = v.shape
+    return dense(v, (B * H, n, d))
+
+
+def _sdpa_scale(scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def _attention_probs(Q, K, L: int, S: int, scale: float, causal: bool):
+    """(softmax(scale * Q K^T + causal mask) as [BH, L, S], its logsumexp as [BH*L, 1] fp32)."""
+    scores = bmm_kernel(Q, K, transpose_b=True)
+    BH = scores.shape[0]
+    probs, lse = attention_softmax_kernel(scores.reshape((BH * L, S)), scale=scale, causal_len=L if causal else 0)
+    return probs.reshape((BH, L, S)), lse
+
+
+@supports(SDPA)
+def _sdpa_fwd_ok(node, q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
+                 *, scale=None) -> bool:
+    return _sdpa_ok(q, k, v, attn_bias, dropout_p) and not return_debug_mask
+
+
+@register_kernel(SDPA)
+def lower_sdpa(ctx, node, q: Value, k: Value, v: Value, attn_bias=None, dropout_p=0.0, is_causal=False,
+               return_debug_mask=False, *, scale=None) -> tuple:
+    """Attention forward: (output, logsumexp, and the op's bookkeeping outputs as host placeholders)."""
+    B, H, L, E = q.shape
+    S, Ev = k.shape[2], v.shape[3]
+    probs, lse = _attention_probs(_heads(q), _heads(k), L, S, _sdpa_scale(scale, E), is_causal)
+    out = bmm_kernel(probs, _heads(v))
+    empty, seed = HostTensor((0,), q.dtype), HostTensor((), torch.int64)
+    return (hbm_value(out).reshape((B, H, L, Ev)), hbm_value(lse).reshape((B, H, L)), empty, empty, L, S, seed, seed,
+            empty)
+
+
+@supports(SDPA_BACKWARD)
+def _sdpa_bwd_ok(node, g, q, k, v, attn_bias, mask, out, lse, *rest, scale=None) -> bool:
+    dropout_p = rest[4]
+    return _sdpa_ok(q, k, v, attn_bias if attn_bias is not None and attn_bias.numel() else None, dropout_p) \
+        and _floats(g, q) and tuple(g.shape) == tuple(q.shape[:3]) + (v.shape[3],)
+
+
+@register_kernel(SDPA_BACKWARD)
+def lower_sdpa_backward(ctx, node, g: Value, q: Value, k: Value, v: Value, attn_bias, mask, out, lse, cum_q, cum_k,
+                        max_q, max_k, dropout_p, is_causal, seed, offset, *, scale=None) -> tuple:
+    """Attention backward: (dq, dk, dv, None); the probabilities are recomputed from q and k."""
+    B, H, L, E = q.shape
+    S = k.shape[2]
+    s = _sdpa_scale(scale, E)
+    Q, K, V, dO = _heads(q), _heads(k), _heads(v), _heads(g)
+    probs, _ = _attention_probs(Q, K, L, S, s, is_causal)
+    BH = B * H
+    dv = bmm_kernel(probs, dO, transpose_a=True)                        # P^T dO
+    dp = bmm_kernel(dO, V, transpose_b=True)                            # dO V^T
+    ds = softmax_bwd_kernel(dp.reshape((BH * L, S)), probs.reshape((BH * L, S)), scale=s).reshape((BH, L, S))
+    dq = bmm_kernel(ds, K)                                              # dS K
+    dk = bmm_kernel(ds, Q, transpose_a=True)                            # dS^T Q
+    return (hbm_value(dq).reshape(q.shape), hbm_value(dk).reshape(k.shape), hbm_value(dv).reshape(v.shape), None)

@@ -74,15 +74,14 @@ def role(node: fx.Node) -> str:
     if k == "view":
         return "view"
     outs, ins = _vals(node), _operand_vals(node)
-    if k == "eager" or not outs or not _on_device(outs + ins) or not _static(outs + ins):
+    if k == "eager" or not outs or not _static(outs + ins):
         return "eager"
-    if any(t.numel() == 0 for t in outs + ins):
-        return "eager"
-    if k == "kernel":
-        pred = lowering.SUPPORTS.get(node.target)
+    pred = lowering.SUPPORTS.get(node.target)
+    if pred is not None:   # the lowering's own check covers dtypes (placeholder outputs may be int64 or empty)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
-        if pred is not None and not pred(node, *args, **kwargs):
-            return "eager"
+        return k if all(t.device.type == "neuron" for t in outs + ins) and pred(node, *args, **kwargs) else "eager"
+    if not _on_device(outs + ins) or any(t.numel() == 0 for t in outs + ins):
+        return "eager"
     if k == "pointwise":
         if node.target in (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default) \
                 and not _cast_ok(node):

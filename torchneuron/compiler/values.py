@@ -23,6 +23,15 @@ class NotLowerable(Exception):
 
 
 @dataclass(frozen=True)
+class HostTensor:
+    """A tensor a program neither reads nor writes (a placeholder output such as an attention op's unused
+    RNG seed, or an input of a kind the device cannot bind): made or kept on the host, uninitialized."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class Value:
     """``buf`` (an HBM NkiTensor, whole) seen through ``layout`` (a meta tensor over ``buf``'s elements)."""
 
@@ -65,7 +74,8 @@ def input_value(buf: object, shape: tuple, stride: tuple, dtype: torch.dtype) ->
     return Value(buf, flat.as_strided(shape, stride, 0))
 
 
-def _flat(v: Value):
+def flat(v: Value):
+    """The value's whole buffer as 1-D (what its layout's strides and offset count in)."""
     n = numel(tuple(v.buf.shape))
     return v.buf if len(v.buf.shape) == 1 else v.buf.reshape((n,))
 
@@ -79,14 +89,14 @@ def dense(v: Value, shape: tuple[int, ...] | None = None):
     lay = v.layout
     if lay.is_contiguous():
         off = lay.storage_offset()
-        flat = _flat(v)
-        view = flat if off == 0 and n == flat.shape[0] else flat[off:off + n]
+        whole = flat(v)
+        view = whole if off == 0 and n == whole.shape[0] else whole[off:off + n]
         return view.reshape(shape)
     out = nl.ndarray(shape, v.dtype, buffer=nl.shared_hbm)
     sizes = tuple(lay.shape) or (1,)
     src_strides = tuple(lay.stride()) or (1,)
     dst_strides = tuple(torch.empty(sizes, device="meta").stride())
-    strided_copy(out.reshape((n,)), _flat(v), (0, sizes, dst_strides), (lay.storage_offset(), sizes, src_strides))
+    strided_copy(out.reshape((n,)), flat(v), (0, sizes, dst_strides), (lay.storage_offset(), sizes, src_strides))
     return out
 
 
