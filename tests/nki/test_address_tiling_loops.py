@@ -10,7 +10,7 @@ from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.sim import IndexOutOfRange, Program, SimulatorError
-from torchneuron.sim.isa_extra import NcMatmulTiled
+from torchneuron.sim.isa import NcMatmulTiled
 from torchneuron.sim.specs import chip_spec
 
 RNG = np.random.default_rng(5)

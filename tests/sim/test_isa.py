@@ -649,7 +649,10 @@ def test_every_opcode_builds_valid_cost_inputs(core):
         isa.rng(dst=empty(core, (32, 64), I32)), isa.set_rng_seed(src_seeds=empty(core, (1, 1), I32)),
         isa.rand2(dst=f, min=0.0, max=1.0), isa.dropout(dst=b, data=a, prob=0.5),
     ]
-    assert {i.opcode for i in built} == set(isa.OPCODES)
+    # the tiled/double-row matmul, the run-time-offset DMA and the MX pair are built from kernels in
+    # tests/nki/test_address_tiling_loops.py, whose profiles read the same cost inputs
+    built_by_kernels = {"nc_matmul_tiled", "dma_copy_dynamic", "quantize_mx", "nc_matmul_mx"}
+    assert {i.opcode for i in built} == set(isa.OPCODES) - built_by_kernels
     for instr in built:
         ci = instr.cost_inputs()
         assert isinstance(ci, CostInputs) and ci.opcode.startswith(instr.opcode.split("_")[0])

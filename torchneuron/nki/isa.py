@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from torchneuron.sim import SimulatorError, isa as sim, isa_extra
+from torchneuron.sim import SimulatorError, isa as sim
 from torchneuron.nki.tracing import TENSOR_OPS, NkiTensor, as_dtype, current, sbuf
 
 Tile = NkiTensor
@@ -62,7 +62,7 @@ def dma_copy(dst: Tile, src: Tile, priority: int | None = None, oob_mode: Any = 
         if indexed:
             raise SimulatorError("dma_copy: one side has a runtime scalar_offset and the other a vector_offset; "
                                  "a DMA has one indirect side")
-        _emit(isa_extra.DmaCopyDynamic, dst=dst, src=src, oob_mode=getattr(oob_mode, "name", oob_mode),
+        _emit(sim.DmaCopyDynamic, dst=dst, src=src, oob_mode=getattr(oob_mode, "name", oob_mode),
               dge_mode=mode, queue=current().next_dma_queue(), **dynamic)
         return
     _emit(sim.DmaCopy, dst=dst, src=src, oob_mode=getattr(oob_mode, "name", oob_mode), dge_mode=mode,
@@ -115,7 +115,7 @@ def nc_matmul(dst: Tile, stationary: Tile, moving: Tile, is_stationary_onezero: 
             raise SimulatorError("nc_matmul: dst partly overlaps an open accumulation group; pass accumulate=")
         accumulate = bool(flags.all())
     if tiled is not None:
-        _emit(isa_extra.NcMatmulTiled, dst=dst, stationary=stationary, moving=moving,
+        _emit(sim.NcMatmulTiled, dst=dst, stationary=stationary, moving=moving,
               is_stationary_onezero=is_stationary_onezero, is_moving_onezero=is_moving_onezero,
               is_transpose=is_transpose, accumulate=accumulate, tile_position=tiled[0], tile_size=tiled[1],
               perf_mode=mode)
@@ -283,7 +283,7 @@ def _mx_of(t: Any, name: str, opcode: str) -> str:
 def quantize_mx(dst: Tile, src: Tile, dst_scale: Tile, name: str | None = None) -> None:
     """Quantize bf16/fp16 ``src[P, 4F]`` into MX fp8 x4 ``dst[P, F]`` and its scales (VectorE, trn3)."""
     _mx_chip("quantize_mx")
-    _emit(isa_extra.QuantizeMx, dst=dst, src=src, dst_scale=dst_scale,
+    _emit(sim.QuantizeMx, dst=dst, src=src, dst_scale=dst_scale,
           dst_format=_mx_of(dst, "dst", "quantize_mx"))
 
 
@@ -303,7 +303,7 @@ def nc_matmul_mx(dst: Tile, stationary: Tile, moving: Tile, stationary_scale: Ti
                 raise SimulatorError("nc_matmul_mx: dst partly overlaps an open accumulation group; pass accumulate=")
             accumulate = bool(flags.all())
     tiling = dict(tile_position=tuple(tile_position), tile_size=tuple(tile_size)) if tile_position else {}
-    _emit(isa_extra.NcMatmulMx, dst=dst, stationary=stationary, moving=moving, stationary_scale=stationary_scale,
+    _emit(sim.NcMatmulMx, dst=dst, stationary=stationary, moving=moving, stationary_scale=stationary_scale,
           moving_scale=moving_scale, stationary_format=_mx_of(stationary, "stationary", "nc_matmul_mx"),
           moving_format=_mx_of(moving, "moving", "nc_matmul_mx"), accumulate=accumulate, **tiling)
 

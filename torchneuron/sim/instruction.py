@@ -62,7 +62,7 @@ class CostInputs:
     dma_chunks: int = 0                  # contiguous chunks (descriptors) of a DMA
     dge_mode: str | None = None          # DMA descriptor generation: "hwdge" (NC-v3+), "swdge", "none"
     flops: int = 0                       # arithmetic operations, for roofline reports
-    pe_fraction: float = 1.0             # share of the TensorE PE array a tiled nc_matmul occupies (isa_extra)
+    pe_fraction: float = 1.0             # share of the TensorE PE array a tiled nc_matmul occupies
 
 
 class Instruction(Protocol):

@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from torchneuron.sim.instruction import Engine
-from torchneuron.sim.isa import OPCODES, DmaCopy, DmaTranspose, Instr
-from torchneuron.sim.isa_extra import EXTRA_OPCODES, DmaCopyDynamic
+from torchneuron.sim.isa import OPCODES, DmaCopy, DmaCopyDynamic, DmaTranspose, Instr
 from torchneuron.sim.memory import AP, NAN_BYTE, SimulatorError
 from torchneuron.sim.numerics import dtype_name, to_dtype
 from torchneuron.sim.specs import ChipSpec
@@ -210,7 +209,7 @@ def _decode(v: Any, memo: dict) -> Any:
     if not isinstance(v, dict):
         return v
     if "opcode" in v:
-        cls = OPCODES.get(v["opcode"]) or EXTRA_OPCODES[v["opcode"]]
+        cls = OPCODES[v["opcode"]]
         return cls(**{k: _decode(x, memo) for k, x in v["fields"].items()})
     if "ap" in v:
         memory, dtype, pattern, start, parts, offset = v["ap"]

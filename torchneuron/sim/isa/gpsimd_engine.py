@@ -1,0 +1,236 @@
+"""GpSimd instructions: generators and selection (``iota``, ``memset``, ``affine_select``) and random numbers
+(``rng``, ``set_rng_seed``, ``rand2``, ``dropout``)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from torchneuron.sim.instruction import CostInputs, Engine
+from torchneuron.sim.memory import AP
+from torchneuron.sim.numerics import INT_DTYPES, alu_op, apply_alu, as_scalar, dtype_name
+from torchneuron.sim.isa.common import COMPARE_OPS, Instr, Operand, Scalar, Step, _col, _convert
+
+
+# ---- generators and selection (GpSimd) -----------------------------------------------------------
+
+def _affine(pattern: tuple[tuple[int, int], ...], partitions: int, offset: int,
+            channel_multiplier: int) -> torch.Tensor:
+    """offset + channel_multiplier * p + sum(step_k * i_k), int32 arithmetic, shape (P, *nums)."""
+    nd = len(pattern)
+    v = torch.arange(partitions, dtype=torch.int64).reshape(partitions, *([1] * nd)) * channel_multiplier + offset
+    for k, (step, num) in enumerate(pattern):
+        shape = [1] * (nd + 1)
+        shape[k + 1] = num
+        v = v + torch.arange(num, dtype=torch.int64).reshape(shape) * step
+    return v.to(torch.int32)  # wraps like the engine's 32-bit integers
+
+
+def _pattern(instr: Instr, name: str, of: str) -> None:
+    pattern = tuple((int(st), int(n)) for st, n in getattr(instr, name))
+    if len(pattern) > 4 or any(n < 1 for _, n in pattern):
+        raise instr._fail(name, f"{pattern} must be up to 4 [step, num] pairs with num >= 1")
+    instr._set(name, pattern)
+    if math.prod(n for _, n in pattern) != getattr(instr, of).free_elems:
+        raise instr._fail(name, f"covers {math.prod(n for _, n in pattern)} elements; {of} has "
+                                f"{getattr(instr, of).free_elems} per partition")
+
+
+@dataclass(frozen=True)
+class Iota(Instr):
+    """``nisa.iota``: ``dst[p, i...] = offset + channel_multiplier * p + sum(step_k * i_k)`` (int32 math,
+    cast to dst's dtype) on GpSimd into SBUF."""
+
+    dst: AP
+    pattern: tuple[tuple[int, int], ...]
+    offset: int = 0
+    channel_multiplier: int = 0
+    opcode = "iota"
+    engine = Engine.GPSIMD
+
+    def check(self) -> None:
+        self._tiles("dst")
+        _pattern(self, "pattern", "dst")
+
+    @cached_property
+    def _values(self) -> torch.Tensor:
+        v = _affine(self.pattern, self.dst.partitions, self.offset, self.channel_multiplier)
+        return _convert(v, self.dst.dtype).to(self.dst.dtype)  # a constant: generated once
+
+    def execute(self, core) -> None:
+        self.dst.write(core, self._values)
+
+    def price(self) -> CostInputs:
+        return self._cost([], self.dst, flops=self.dst.numel)
+
+
+@dataclass(frozen=True)
+class Memset(Instr):
+    """``nisa.memset``: fill dst with a constant (integral for integer dtypes) on Vector or GpSimd."""
+
+    dst: AP
+    value: Scalar
+    engine: Engine = Engine.VECTOR
+    opcode = "memset"
+    ENGINES = (Engine.VECTOR, Engine.GPSIMD)
+
+    def check(self) -> None:
+        self._tiles("dst")
+        if self.dst.dtype in INT_DTYPES and not float(self.value).is_integer():
+            raise self._fail("value", f"{self.value!r} is not an integer; dst is {dtype_name(self.dst.dtype)}")
+
+    def execute(self, core) -> None:
+        self.dst.view(core).fill_(self.value)
+
+    def step(self, core, slots) -> Step | None:
+        dv, value = self.dst.view(core), self.value
+        return lambda h: dv.fill_(value)
+
+    def price(self) -> CostInputs:
+        return self._cost([], self.dst, op="zero" if self.value == 0 else None, flops=0)
+
+
+@dataclass(frozen=True)
+class AffineSelect(Instr):
+    """``nisa.affine_select``: ``dst = on_true_tile`` where ``cmp_op(affine, 0)`` else ``on_false_value``,
+    with affine = offset + channel_multiplier * p + sum(step_k * i_k) (GpSimd, SBUF only)."""
+
+    dst: AP
+    pattern: tuple[tuple[int, int], ...]
+    channel_multiplier: int
+    on_true_tile: AP
+    on_false_value: float
+    cmp_op: str = "equal"
+    offset: int = 0
+    opcode = "affine_select"
+    engine = Engine.GPSIMD
+
+    def check(self) -> None:
+        self._set("cmp_op", alu_op(self.cmp_op))
+        if self.cmp_op not in COMPARE_OPS:
+            raise self._fail("cmp_op", f"is {self.cmp_op!r}; expected a comparison {sorted(COMPARE_OPS)}")
+        self._tiles("on_true_tile", "dst")
+        self._same("on_true_tile", "dst")
+        _pattern(self, "pattern", "dst")
+
+    @cached_property
+    def _predicate(self) -> torch.Tensor:
+        p, f = self.dst.partitions, self.dst.free_elems
+        affine = _affine(self.pattern, p, self.offset, self.channel_multiplier).reshape(p, f).to(torch.int64)
+        return apply_alu(self.cmp_op, affine, torch.zeros((), dtype=torch.int64)) != 0
+
+    def execute(self, core) -> None:
+        p, f = self.dst.partitions, self.dst.free_elems
+        x = _convert(self.on_true_tile.view(core).reshape(p, f), self.dst.dtype)
+        fill = torch.tensor(as_scalar(self.on_false_value, torch.float32), dtype=torch.float32).to(x.dtype)
+        self.dst.write(core, torch.where(self._predicate, x, fill))
+
+    def price(self) -> CostInputs:
+        return self._cost([self.on_true_tile], self.dst, op=self.cmp_op)
+
+
+
+# ---- random numbers ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rng(Instr):
+    """``nisa.rng``: 32 random bits per element, truncated to dst's integer dtype (low bits)."""
+
+    dst: AP
+    engine: Engine = Engine.VECTOR
+    opcode = "rng"
+    ENGINES = (Engine.VECTOR, Engine.GPSIMD)
+
+    def check(self) -> None:
+        self._tiles("dst")
+        if self.dst.dtype not in INT_DTYPES or self.dst.dtype == torch.bool:
+            raise self._fail("dst", f"is {dtype_name(self.dst.dtype)}; rng writes integer dtypes")
+
+    def execute(self, core) -> None:
+        bits = torch.randint(0, 1 << 32, (self.dst.partitions, self.dst.free_elems), dtype=torch.int64,
+                             generator=core.rng)
+        self.dst.write(core, bits.to(self.dst.dtype))  # integral conversion keeps the low bits
+
+    def price(self) -> CostInputs:
+        return self._cost([], self.dst)
+
+
+@dataclass(frozen=True)
+class SetRngSeed(Instr):
+    """``nisa.set_rng_seed``: seed the core's PRNG from a [1, 1] 32-bit tile."""
+
+    src_seeds: AP
+    opcode = "set_rng_seed"
+    engine = Engine.VECTOR
+    WRITES = ()
+
+    def check(self) -> None:
+        self._tiles("src_seeds")
+        if self.src_seeds.numel != 1 or self.src_seeds.dtype.itemsize != 4:
+            raise self._fail("src_seeds", f"is {dtype_name(self.src_seeds.dtype)} {self.src_seeds.shape}; "
+                                          f"it must be a [1, 1] 32-bit tile")
+
+    def execute(self, core) -> None:
+        seed = self.src_seeds.view(core).reshape(-1)[0]
+        core.rng.manual_seed(int(seed.view(torch.int32) if seed.is_floating_point() else seed) & 0xFFFFFFFF)
+
+    def price(self) -> CostInputs:
+        return self._cost([self.src_seeds], None, flops=0)
+
+
+@dataclass(frozen=True)
+class Rand2(Instr):
+    """``nisa.rand2``: uniform random values in [min, max] (scalars or (P,1) tiles), cast to dst's dtype."""
+
+    dst: AP
+    min: Operand
+    max: Operand
+    opcode = "rand2"
+    engine = Engine.VECTOR
+
+    def check(self) -> None:
+        self._tiles("dst")
+        self._column("min", of="dst")
+        self._column("max", of="dst")
+        if not isinstance(self.min, AP) and not isinstance(self.max, AP) and not self.min < self.max:
+            raise self._fail("min", f"{self.min} must be below max {self.max}")
+
+    def execute(self, core) -> None:
+        u = torch.rand(self.dst.partitions, self.dst.free_elems, generator=core.rng)
+        lo, hi = _col(core, self.min, torch.float32, 2), _col(core, self.max, torch.float32, 2)
+        self.dst.write(core, lo + u * (hi - lo))
+
+    def price(self) -> CostInputs:
+        return self._cost([], self.dst)
+
+
+@dataclass(frozen=True)
+class Dropout(Instr):
+    """``nisa.dropout``: zero each element with probability ``prob`` (scalar or (P,1) tile); no rescaling."""
+
+    dst: AP
+    data: AP
+    prob: Operand
+    opcode = "dropout"
+    engine = Engine.VECTOR
+
+    def check(self) -> None:
+        self._tiles("data", "dst")
+        self._same("data", "dst")
+        self._column("prob")
+        if self.dst.dtype != self.data.dtype:
+            raise self._fail("dst", f"is {dtype_name(self.dst.dtype)}; dropout keeps data's "
+                                    f"{dtype_name(self.data.dtype)}")
+        if not isinstance(self.prob, AP) and not 0.0 <= self.prob <= 1.0:
+            raise self._fail("prob", f"is {self.prob}; a probability is in [0, 1]")
+
+    def execute(self, core) -> None:
+        p, f = self.data.partitions, self.data.free_elems
+        x = self.data.view(core).reshape(p, f)
+        keep = torch.rand(p, f, generator=core.rng) >= _col(core, self.prob, torch.float32, 2)
+        self.dst.write(core, torch.where(keep, x, torch.zeros((), dtype=x.dtype)))
+
+    def price(self) -> CostInputs:
+        return self._cost([self.data], self.dst)

@@ -1,0 +1,165 @@
+"""ScalarE: ``activation`` (a function of ``data * scale + bias``, with an optional reduction along the free dims)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+import torch
+
+from torchneuron.sim.instruction import CostInputs, Engine
+from torchneuron.sim.memory import AP
+from torchneuron.sim.numerics import (ACTIVATIONS_OUT, REDUCE_IDENTITY, activation_fn, apply_activation, apply_alu,
+                                      apply_reduce, as_scalar, compute_dtype, reduce_op)
+from torchneuron.sim.isa.common import Instr, Operand, Step, _cmd, _disjoint_or_same, _fused_into, _load, _operand, _rhs
+
+
+# ---- ScalarE activation ------------------------------------------------------------------------
+
+def _identity_out(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    """The identity activation written into ``out`` (fp32 to fp32: a bit copy, as execute's store)."""
+    return out if x is out else out.copy_(x)
+
+
+def _regs(core, engine: Engine, ap: AP) -> torch.Tensor:
+    """The engine's per-lane fp32 accumulation registers for the lanes (partitions) of ``ap``."""
+    return core.regs[engine][ap.start_partition:ap.start_partition + ap.partitions]
+
+
+def _accumulate(regs: torch.Tensor, op: str, cmd: str, values: torch.Tensor | None, init=None) -> None:
+    if cmd in ("reset", "reset_reduce"):
+        regs.fill_(REDUCE_IDENTITY[op])
+    elif cmd == "load_reduce":
+        regs.copy_(init.reshape(-1) if isinstance(init, torch.Tensor) else torch.full_like(regs, init))
+    if cmd in ("reduce", "reset_reduce", "load_reduce") and values is not None:
+        dims = tuple(range(1, values.dim()))
+        part = apply_reduce(op, values, dims).float() if dims else values.float()
+        regs.copy_(apply_alu(op, regs, part))
+
+
+@dataclass(frozen=True)
+class Activation(Instr):
+    """``nisa.activation``: ``dst = op(data * scale + bias)`` on ScalarE in fp32; ``scale``/``bias`` are
+    scalars or (P,1) tiles. With ``reduce_cmd`` the per-lane registers are reset and/or accumulate
+    ``reduce_op`` (add; maximum/minimum as on NC-v4) over the free dims of the result;
+    ``reduce_res`` (a (P,1) tile) receives the registers afterwards."""
+
+    dst: AP
+    op: str
+    data: AP
+    bias: Operand | None = None
+    scale: Operand = 1.0
+    reduce_op: str | None = None
+    reduce_res: AP | None = None
+    reduce_cmd: str = "idle"
+    opcode = "activation"
+    engine = Engine.SCALAR
+    WRITES = ("dst", "reduce_res")
+
+    def check(self) -> None:
+        self._set("op", activation_fn(self.op))
+        self._set("reduce_cmd", _cmd(self.reduce_cmd))
+        if self.reduce_cmd == "load_reduce":
+            raise self._fail("reduce_cmd", "load_reduce is not an activation command (idle/reset/reduce/reset_reduce)")
+        if self.reduce_op is None and self.reduce_cmd in ("reduce", "reset_reduce"):
+            self._set("reduce_op", "add")
+        if self.reduce_op is not None:
+            self._set("reduce_op", reduce_op(self.reduce_op))
+            if self.reduce_op not in ("add", "maximum", "minimum"):
+                raise self._fail("reduce_op", f"is {self.reduce_op!r}; ScalarE reduces with add "
+                                              f"(maximum/minimum on NC-v4)")
+        self._tiles("data", "dst")
+        self._same("data", "dst")
+        self._column("scale")
+        self._column("bias")
+        if self.reduce_res is not None:
+            self._column("reduce_res")
+
+    @cached_property
+    def _plan(self) -> tuple:
+        c = compute_dtype(self.data.dtype, fractional=True)
+        scale = None if not isinstance(self.scale, AP) and self.scale == 1.0 else (
+            self.scale if isinstance(self.scale, AP) else as_scalar(self.scale, c))
+        bias = self.bias if self.bias is None or isinstance(self.bias, AP) else as_scalar(self.bias, c)
+        return c, scale, bias
+
+    @cached_property
+    def _fused(self):
+        # all fp32 and a function torch can write into dst: scale, bias and function in place there
+        tiles = [v for v in (self.data, self.dst, self.scale, self.bias) if isinstance(v, AP)]
+        ok = (all(t.dtype == torch.float32 for t in tiles) and self.data.shape == self.dst.shape
+              and _disjoint_or_same(self.dst, self.data, self.scale, self.bias))
+        if ok and self.op in ("identity", "copy"):
+            # execute reduces its own result's layout: only a run without a reduction takes the copy
+            reduce = self.reduce_cmd != "idle" or self.reduce_res is not None
+            return None if reduce else _identity_out
+        return ACTIVATIONS_OUT.get(self.op) if ok else None
+
+    def execute(self, core) -> None:
+        c, scale, bias = self._plan
+        if self._fused is not None:
+            self._execute_in_place(core, scale, bias)
+            return
+        x = _load(core, self.data, c)
+        if scale is not None:
+            x = x * _operand(core, scale, c, x.dim())
+        if bias is not None:
+            x = x + _operand(core, bias, c, x.dim())
+        y = apply_activation(self.op, x)
+        self.dst.write(core, y)
+        self._reduce(core, y)
+
+    def step(self, core, slots) -> Step | None:
+        fn = self._fused
+        if fn is None:
+            return None
+        _, scale, bias = self._plan
+        out, x = self.dst.view(core), self.data.view(core)
+        nd = out.dim()
+        s = None if scale is None else _rhs(core, scale, nd)
+        b = None if bias is None else _rhs(core, bias, nd)
+        if (scale is not None and s is None) or (bias is not None and b is None):
+            return None
+        reduce = self.reduce_cmd != "idle" or self.reduce_res is not None
+        if s is None and b is None and not reduce:
+            return lambda h: fn(x, out=out)
+
+        def step(h):
+            y = x
+            if s is not None:
+                torch.mul(y, s, out=out)
+                y = out
+            if b is not None:
+                torch.add(y, b, out=out)
+                y = out
+            fn(y, out=out)
+            if reduce:
+                self._reduce(core, out)
+        return step
+
+    def _execute_in_place(self, core, scale, bias) -> None:
+        out, x = self.dst.view(core), self.data.view(core)
+        nd = out.dim()
+        if scale is not None:
+            _fused_into(out, torch.mul, x, _operand(core, scale, torch.float32, nd))
+            x = out
+        if bias is not None:
+            _fused_into(out, torch.add, x, _operand(core, bias, torch.float32, nd))
+            x = out
+        self._fused(x, out=out)
+        self._reduce(core, out)
+
+    def _reduce(self, core, y: torch.Tensor) -> None:
+        if self.reduce_cmd != "idle" or self.reduce_res is not None:
+            regs = _regs(core, Engine.SCALAR, self.data)
+            _accumulate(regs, self.reduce_op or "add", self.reduce_cmd, y)
+            if self.reduce_res is not None:
+                self.reduce_res.write(core, regs)
+
+    def price(self) -> CostInputs:
+        n = self.data.numel
+        flops = n * (1 + (isinstance(self.scale, AP) or self.scale != 1.0) + (self.bias is not None)
+                     + (self.reduce_cmd in ("reduce", "reset_reduce")))
+        ci = self._cost([self.data], self.dst, op=self.op, flops=flops)
+        if self.reduce_res is not None:  # reading the registers out is a second ISA instruction
+            ci = replace(ci, opcode="activation_reduce")
+        return ci

@@ -1,0 +1,419 @@
+"""TensorE instructions: ``nc_matmul`` (also with PE tiling or the FP8 double-row mode) and ``nc_transpose``."""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from torchneuron.sim.instruction import CostInputs, Engine
+from torchneuron.sim.memory import PMAX, AP, SimulatorError
+from torchneuron.sim.numerics import dtype_name
+from torchneuron.sim.isa.common import (GEMM_MOVING_FMAX, GEMM_STATIONARY_FMAX, Instr, MATMUL_DTYPES, PSUM_BANK_BYTES,
+                                        Step, TENSOR_TRANSPOSE_MAX, VECTOR_TRANSPOSE_MAX)
+
+
+# ---- TensorE --------------------------------------------------------------------------------
+
+def _psum_closed(instr: Instr, core, ap: AP) -> torch.Tensor:
+    """The group-closed flags (one per 4-byte PSUM word) under an fp32 PSUM pattern (cached per core)."""
+    psum = core.memory("psum")
+    cached = instr.__dict__.get("_closed")
+    if cached is not None and cached[0] is psum:
+        return cached[1]
+    flags = psum.group_closed
+    sizes, strides, elem_offset = ap._geometry
+    row = flags.stride(0)
+    view = flags.as_strided((ap.partitions, *sizes), (row, *strides), ap.start_partition * row + elem_offset)
+    instr.__dict__["_closed"] = (psum, view)
+    return view
+
+
+# Per PSUM group_closed tensor (by id, checked through a weakref): [version, keys], meaning that as of
+# ``flags._version`` == version, every PSUM box named in keys has all its flags False (its group open).
+# Every write to the flags is a torch in-place op, which bumps the version, so a stale record never
+# matches; an unchanged version lets a TensorE write skip re-opening a group that is already open.
+_OPEN_GROUPS: dict[int, list] = {}
+
+
+def _open_record(flags: torch.Tensor) -> list | None:
+    """The shared open-group record of a PSUM flags tensor (None where torch tracks no version)."""
+    try:
+        flags._version
+    except RuntimeError:  # an inference-mode tensor: no version counter, so no record
+        return None
+    key = id(flags)
+    entry = _OPEN_GROUPS.get(key)
+    if entry is None or entry[0]() is not flags:  # (the callback runs before the id can be reused)
+        entry = _OPEN_GROUPS[key] = (weakref.ref(flags, lambda _r: _OPEN_GROUPS.pop(key, None)), [-1, set()])
+    return entry[1]
+
+
+def _view2(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor | None:
+    """``t`` as a [rows, cols] view sharing its memory, or None where its strides do not allow one."""
+    if t.shape == (rows, cols):
+        return t
+    try:
+        return t.view(rows, cols)
+    except RuntimeError:
+        return None
+
+
+def _group_open(rec: list | None, flags: torch.Tensor, box) -> bool:
+    """Whether ``box``'s flags are known all False (its accumulation group open) without reading them."""
+    return rec is not None and rec[0] == flags._version and box in rec[1]
+
+
+def _open_group(rec: list | None, flags: torch.Tensor, closed: torch.Tensor, box, opened: dict) -> None:
+    """Open the accumulation group under ``closed`` (clear its flags) and remember it in ``rec`` and in
+    the PSUM memory's ``opened`` (so that closing every group resets only the flags cleared)."""
+    opened[box] = closed
+    if rec is None:
+        closed.fill_(False)
+        return
+    before = flags._version
+    closed.fill_(False)
+    if rec[0] != before:
+        rec[1] = set()
+    rec[1].add(box)
+    rec[0] = flags._version
+
+
+def _one_bank(instr: Instr, name: str) -> None:
+    lo, hi = getattr(instr, name).byte_range
+    if lo // PSUM_BANK_BYTES != (hi - 1) // PSUM_BANK_BYTES:
+        raise instr._fail(name, f"covers PSUM bytes [{lo}, {hi}) across banks; a TensorE output must fit one "
+                                f"{PSUM_BANK_BYTES}-byte bank (nl.tile_size.psum_bank_fmax_bytes)")
+
+
+@dataclass(frozen=True)
+class NcMatmul(Instr):
+    """``nisa.nc_matmul``: ``dst[M, N] (+)= stationary[K, M].T @ moving[K, N]`` on TensorE, fp32 accumulation
+    into one PSUM bank. ``accumulate``: False overwrites, True adds, None adds where an accumulation
+    group is open and overwrites elsewhere. A TensorE write opens the group at a PSUM word; the start
+    of a run, allocating the word and any other engine writing it close it. (A kernel front end that
+    knows its PSUM tiles' lifetimes should pass True/False.) ``is_transpose``: bit-exact transpose
+    mode (NaN/inf pass through; dst may keep the input dtype)."""
+
+    dst: AP
+    stationary: AP
+    moving: AP
+    is_stationary_onezero: bool = False
+    is_moving_onezero: bool = False
+    is_transpose: bool = False
+    accumulate: bool | None = None
+    opcode = "nc_matmul"
+    engine = Engine.TENSOR
+
+    @cached_property
+    def kmn(self) -> tuple[int, int, int]:
+        """(K, M, N): contraction, stationary free size, moving free size."""
+        return self.stationary.partitions, self.stationary.free_elems, self.moving.free_elems
+
+    def check(self) -> None:
+        self._ap("stationary", ("sbuf",))
+        self._ap("moving", ("sbuf",))
+        k, m, n = self.kmn
+        if self.moving.partitions != k:
+            raise self._fail("moving", f"has {self.moving.partitions} partitions; stationary has {k} (the "
+                                       f"contraction dim K must match)")
+        if m > GEMM_STATIONARY_FMAX:
+            raise self._fail("stationary", f"has {m} elements per partition (M); the limit is "
+                                           f"{GEMM_STATIONARY_FMAX} (nl.tile_size.gemm_stationary_fmax)")
+        if n > GEMM_MOVING_FMAX:
+            raise self._fail("moving", f"has {n} elements per partition (N); the limit is {GEMM_MOVING_FMAX} "
+                                       f"(nl.tile_size.gemm_moving_fmax, one PSUM bank of fp32)")
+        self._ap("dst", ("psum",))
+        if self.dst.partitions != m or self.dst.free_elems != n:
+            raise self._fail("dst", f"has shape {self.dst.shape}; it must be [M={m}, N={n}]")
+        _one_bank(self, "dst")
+        for name in ("stationary", "moving"):
+            dt = getattr(self, name).dtype
+            if dt not in MATMUL_DTYPES:
+                raise self._fail(name, f"is {dtype_name(dt)}; TensorE takes fp8/bf16/fp16/fp32")
+        if (self.stationary.dtype == torch.float32) != (self.moving.dtype == torch.float32):
+            raise self._fail("moving", "and stationary mix fp32 with another dtype; fp32 needs fp32 on both sides")
+        allowed = {torch.float32} | ({self.stationary.dtype} if self.is_transpose else set())
+        if self.dst.dtype not in allowed:
+            raise self._fail("dst", f"is {dtype_name(self.dst.dtype)}; matmul output is float32 "
+                                    f"(transpose mode may keep the input dtype)")
+
+    def _read_names(self) -> tuple[str, ...]:
+        names = ("stationary", "moving")
+        return names if self.accumulate is False else (*names, "dst")
+
+    def _state(self, core, sbuf, psum) -> tuple:
+        """Per-core constants of execute (cached): [K, M] / [K, N] views of the operands (None where
+        their strides allow no view), fp32 scratch they are converted into (None for fp32 operands),
+        the fp32 [K, M] operand transposed as the array reads it, the product buffer, [M, N] views of
+        dst and of its group flags (None where dst's free dims do not flatten) and the open-group record."""
+        k, m, n = self.kmn
+        s, mv = _view2(self.stationary.view(sbuf), k, m), _view2(self.moving.view(sbuf), k, n)
+        s_f = torch.empty(k, m) if self.stationary.dtype != torch.float32 else None
+        mv_f = torch.empty(k, n) if self.moving.dtype != torch.float32 else None
+        s_t = s_f.T if s_f is not None else (s.T if s is not None else None)
+        mv_use = mv_f if mv_f is not None else mv
+        out2 = closed2 = flags = rec = None
+        if self.dst.dtype == torch.float32:
+            out2, closed2 = _view2(self.dst.view(psum), m, n), _view2(_psum_closed(self, core, self.dst), m, n)
+            if out2 is None or closed2 is None:
+                out2 = closed2 = None
+            flags = psum.group_closed
+            rec = _open_record(flags)
+        box = (self.dst.start_partition, self.dst.partitions, self.dst._geometry)
+        state = (sbuf, psum, s, s_f, s_t, mv, mv_f, mv_use, torch.empty(m, n), out2, closed2, flags, rec, box)
+        self.__dict__["_mm"] = state
+        return state
+
+    def execute(self, core) -> None:
+        sbuf, psum = core.memory("sbuf"), core.memory("psum")
+        st = self.__dict__.get("_mm")
+        if st is None or st[0] is not sbuf or st[1] is not psum:
+            st = self._state(core, sbuf, psum)
+        self._multiply(core, st)
+
+    def step(self, core, slots) -> Step | None:
+        st = self._state(core, core.memory("sbuf"), core.memory("psum"))
+        return lambda h: self._multiply(core, st)
+
+    def _multiply(self, core, st: tuple) -> None:
+        sbuf, psum, s, s_f, s_t, mv, mv_f, mv_use, r, out, closed, flags, rec, box = st
+        # the array multiplies in fp32 (bf16/fp16/fp8 -> fp32 is exact)
+        if s is None:  # operand strides allow no [K, M] view: read a fresh copy
+            k, m, _ = self.kmn
+            s = self.stationary.view(sbuf).reshape(k, m)
+            s_t = None if s_f is not None else s.T
+        if s_f is not None:
+            s_f.copy_(s)
+            s_t = s_f.T if s_t is None else s_t
+        if mv is None:
+            k, _, n = self.kmn
+            mv = self.moving.view(sbuf).reshape(k, n)
+            mv_use = mv
+        if mv_f is not None:
+            mv_use = mv_f.copy_(mv)
+        if self.is_transpose:
+            # bit-exact: each output is the stationary element a 1 in moving selects; 0 * NaN stays out
+            s, mv = s_t.T, mv_use
+            r = torch.where(mv.unsqueeze(1) != 0, s.unsqueeze(2) * mv.unsqueeze(1), 0.0).sum(0)
+        else:
+            r = torch.mm(s_t, mv_use, out=r)
+        dst = self.dst
+        if dst.dtype != torch.float32:  # transpose mode keeping a 16/8-bit dtype: no accumulation groups
+            r = r.view(dst.shape)
+            dst.write(core, dst.view(core).float() + r if self.accumulate else r)
+            return
+        if out is None:  # dst's free dims do not flatten to one: work in its own shape
+            out = dst.view(core)
+            closed = _psum_closed(self, core, dst)
+            r = r.view(dst.shape)
+        # PSUM accumulates in place, in fp32, after the array's fp32 dot products
+        is_open = _group_open(rec, flags, box)
+        if self.accumulate is False:
+            out.copy_(r)
+        elif self.accumulate or is_open:  # (an open group has no closed flag to clear)
+            out.add_(r)
+        else:
+            out.masked_fill_(closed, 0.0).add_(r)  # overwrite where no group is open (NaN-safe)
+        if not is_open:
+            _open_group(rec, flags, closed, box, psum.opened)
+
+    def price(self) -> CostInputs:
+        k, m, n = self.kmn
+        return self._cost([self.stationary, self.moving], self.dst, main=self.moving,
+                          op="transpose" if self.is_transpose else None, matmul_kmn=(k, m, n), flops=2 * k * m * n)
+
+
+@dataclass(frozen=True)
+class NcTranspose(Instr):
+    """``nisa.nc_transpose``: swap partition and (flattened) free axes. TensorE: <= [128, 128],
+    SBUF -> PSUM; VectorE: <= [32, 32], SBUF/PSUM. Bit-exact, same dtype in and out."""
+
+    dst: AP
+    data: AP
+    engine: Engine = Engine.TENSOR
+    opcode = "nc_transpose"
+    ENGINES = (Engine.TENSOR, Engine.VECTOR)
+
+    def check(self) -> None:
+        tensor = self.engine == Engine.TENSOR
+        self._ap("data", ("sbuf",) if tensor else ("sbuf", "psum"))
+        limit = TENSOR_TRANSPOSE_MAX if tensor else VECTOR_TRANSPOSE_MAX
+        p, f = self.data.partitions, self.data.free_elems
+        if p > limit or f > limit:
+            raise self._fail("data", f"is [{p}, {f}]; {self.engine.value} engine transposes at most "
+                                     f"[{limit}, {limit}]")
+        self._ap("dst", ("psum",) if tensor else ("sbuf", "psum"))
+        if self.dst.dtype != self.data.dtype:
+            raise self._fail("dst", f"is {dtype_name(self.dst.dtype)}; it must equal data's "
+                                    f"{dtype_name(self.data.dtype)}")
+        if self.dst.partitions != f or self.dst.free_elems != p:
+            raise self._fail("dst", f"has shape {self.dst.shape}; the transpose of [{p}, {f}] is [{f}, {p}]")
+        if tensor:
+            _one_bank(self, "dst")
+
+    def execute(self, core) -> None:
+        x = self.data.view(core).reshape(self.data.partitions, self.data.free_elems)
+        self.dst.write(core, x.T)
+        if self.engine == Engine.TENSOR and self.dst.dtype == torch.float32:
+            flags = core.memory("psum").group_closed
+            rec = self.__dict__.get("_open")
+            if rec is None or rec[0] is not flags:
+                box = (self.dst.start_partition, self.dst.partitions, self.dst._geometry)
+                rec = self.__dict__["_open"] = (flags, _open_record(flags), box)
+            if not _group_open(rec[1], flags, rec[2]):
+                _open_group(rec[1], flags, _psum_closed(self, core, self.dst), rec[2], core.memory("psum").opened)
+
+    def step(self, core, slots) -> Step | None:
+        dst, data = self.dst, self.data
+        if dst.memory == data.memory and dst.footprint().overlaps(data.footprint()):
+            return None  # in place or overlapping: write's alias check decides on a clone
+        dv = dst.view(core)
+        # execute's reshapes, as views of the same memory (a copy here would freeze the tile's values)
+        values = _view2(data.view(core), data.partitions, data.free_elems)
+        if values is None:
+            return None
+        values = values.T
+        if values.shape != dv.shape:
+            try:
+                values = values.view(dv.shape)
+            except RuntimeError:
+                return None
+
+        def copy(h):
+            try:
+                dv.copy_(values)
+            except RuntimeError as e:
+                raise SimulatorError(f"{dst!r}: cannot write through this pattern: {e}") from None
+        if self.engine != Engine.TENSOR or dst.dtype != torch.float32:
+            return copy
+        psum = core.memory("psum")
+        flags, opened = psum.group_closed, psum.opened
+        rec, box = _open_record(flags), (dst.start_partition, dst.partitions, dst._geometry)
+        closed = _psum_closed(self, core, dst)
+
+        def step(h):  # the write, then TensorE opens the accumulation group there (as execute)
+            copy(h)
+            if not _group_open(rec, flags, box):
+                _open_group(rec, flags, closed, box, opened)
+        return step
+
+    def price(self) -> CostInputs:
+        p, f = self.data.partitions, self.data.free_elems
+        kmn = (p, f, p) if self.engine == Engine.TENSOR else None  # a matmul against a [p, p] identity
+        return self._cost([self.data], self.dst, matmul_kmn=kmn, flops=0)
+
+
+
+PE_ROWS = PE_COLS = PMAX       # the TensorE systolic array is 128 x 128 processing elements
+PE_TILE_SIZES = (32, 64, 128)  # row / column tile sizes of the tiling modes (NC-v2 allows 64 and 128 only)
+FP8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+PERF_MODES = ("none", "double_row")
+
+
+@dataclass(frozen=True)
+class NcMatmulTiled(Instr):
+    """``nisa.nc_matmul`` with TensorE tiling or a performance mode: ``dst[M, N] (+)= stationary.T @ moving``.
+
+    ``tile_position=(start_row, start_col)`` / ``tile_size=(rows, cols)``: the matmul uses only that
+    ``rows x cols`` tile of the 128 x 128 PE array (K <= rows, M <= cols), so several such matmuls on
+    disjoint tiles run concurrently; the timing model charges the tile's share of the array.
+    ``perf_mode="double_row"`` (FP8 only, no column tiling): the contraction is 2K, laid out as
+    ``stationary[K, 2, M]`` / ``moving[K, 2, N]``, at twice the FP8 matmul throughput. Functionally the
+    result equals the plain matmul; ``accumulate`` as in ``NcMatmul``."""
+
+    dst: AP
+    stationary: AP
+    moving: AP
+    is_stationary_onezero: bool = False
+    is_moving_onezero: bool = False
+    is_transpose: bool = False
+    accumulate: bool | None = None
+    tile_position: tuple[int, int] = (0, 0)
+    tile_size: tuple[int, int] = (PE_ROWS, PE_COLS)
+    perf_mode: str = "none"
+    opcode = "nc_matmul_tiled"
+    engine = Engine.TENSOR
+
+    def check(self) -> None:
+        self._set("perf_mode", str(getattr(self.perf_mode, "name", self.perf_mode)))
+        if self.perf_mode not in PERF_MODES:
+            raise self._fail("perf_mode", f"is {self.perf_mode!r}; expected one of {PERF_MODES}")
+        pos, size = tuple(int(v) for v in self.tile_position), tuple(int(v) for v in self.tile_size)
+        self._set("tile_position", pos)
+        self._set("tile_size", size)
+        if len(pos) != 2 or len(size) != 2:
+            raise self._fail("tile_position/tile_size", f"are {pos}/{size}; each is a (row, column) pair")
+        for axis, p, s, extent in (("row", pos[0], size[0], PE_ROWS), ("column", pos[1], size[1], PE_COLS)):
+            if s not in PE_TILE_SIZES:
+                raise self._fail("tile_size", f"has {axis} size {s}; PE tiles are {PE_TILE_SIZES}")
+            if p < 0 or p % s or p + s > extent:
+                raise self._fail("tile_position", f"has start {axis} {p}; it must be a multiple of the {axis} "
+                                                  f"tile size {s} with start + size <= {extent}")
+        k, m = self.stationary.partitions, self.stationary.free_elems
+        if self.perf_mode == "double_row":
+            for name in ("stationary", "moving"):
+                ap = getattr(self, name)
+                if ap.dtype not in FP8:
+                    raise self._fail(name, f"is {dtype_name(ap.dtype)}; perf_mode=double_row takes fp8 "
+                                           f"(float8_e4m3 / float8_e5m2) on both sides")
+                if len(ap.shape) < 3 or ap.shape[1] != 2:
+                    raise self._fail(name, f"has shape {ap.shape}; perf_mode=double_row splits the contraction "
+                                           f"as [K, 2, free] (the first free dim must be 2)")
+            if size[1] != PE_COLS:
+                raise self._fail("perf_mode", "double_row cannot be combined with column tiling "
+                                              f"(tile_size column {size[1]} < {PE_COLS})")
+            if self.is_transpose:
+                raise self._fail("perf_mode", "double_row cannot be combined with is_transpose")
+            m //= 2
+        if k > size[0]:
+            raise self._fail("stationary", f"has {k} partitions (K); the PE tile has {size[0]} rows")
+        if m > size[1]:
+            raise self._fail("stationary", f"has {m} elements per partition (M); the PE tile has {size[1]} columns")
+        self._parts  # the equivalent plain matmuls check the operands (PSUM dst, one bank, dtypes, shapes)
+
+    @cached_property
+    def _parts(self) -> tuple[NcMatmul, ...]:
+        """Plain matmuls computing the same result (double row: one per half of the contraction, the second
+        accumulating onto the first in fp32 PSUM, as the array's fp32 partial sums do)."""
+        flags = dict(is_stationary_onezero=self.is_stationary_onezero, is_moving_onezero=self.is_moving_onezero,
+                     is_transpose=self.is_transpose)
+        if self.perf_mode != "double_row":
+            return (NcMatmul(self.dst, self.stationary, self.moving, accumulate=self.accumulate, **flags),)
+        return tuple(NcMatmul(self.dst, self.stationary[:, j], self.moving[:, j],
+                              accumulate=self.accumulate if j == 0 else True, **flags) for j in (0, 1))
+
+    @cached_property
+    def kmn(self) -> tuple[int, int, int]:
+        """(K, M, N): the whole contraction (2K with double row), stationary and moving free sizes."""
+        k, m, n = self._parts[0].kmn
+        return k * len(self._parts), m, n
+
+    @property
+    def pe_fraction(self) -> float:
+        """The share of the PE array the matmul occupies."""
+        return self.tile_size[0] * self.tile_size[1] / (PE_ROWS * PE_COLS)
+
+    def _read_names(self) -> tuple[str, ...]:
+        names = ("stationary", "moving")
+        return names if self.accumulate is False else (*names, "dst")
+
+    def execute(self, core) -> None:
+        for part in self._parts:
+            part.execute(core)
+
+    def step(self, core, slots) -> Step | None:
+        steps = [part.step(core, slots) for part in self._parts]
+        if any(s is None for s in steps):
+            return None
+        if len(steps) == 1:
+            return steps[0]
+        first, second = steps
+        return lambda h: (first(h), second(h))
+
+    def price(self) -> CostInputs:
+        k, m, n = self.kmn
+        return self._cost([self.stationary, self.moving], self.dst, main=self.moving,
+                          op="transpose" if self.is_transpose else None, matmul_kmn=(k, m, n),
+                          flops=2 * k * m * n, pe_fraction=self.pe_fraction)

@@ -1,0 +1,582 @@
+"""Element-wise, reduction, scan and statistics instructions (VectorE; the element-wise ones also on ScalarE and
+GpSimd): ``tensor_copy``, ``tensor_tensor``, ``tensor_scalar``, ``scalar_tensor_tensor``, ``reciprocal``, the
+reductions and scans, ``bn_stats`` / ``bn_aggr``, ``max8`` / ``nc_find_index8``."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+import torch
+
+from torchneuron.sim.instruction import CostInputs, Engine
+from torchneuron.sim.memory import AP, store
+from torchneuron.sim.numerics import (BITVEC_OPS, FRACTIONAL_OPS, REDUCE_OPS, UNARY_ALU_OPS, alu_op, apply_alu,
+                                      apply_reduce, as_scalar, compute_dtype, dtype_name, reduce_op)
+from torchneuron.sim.isa.common import (BN_STATS_FMAX, Instr, MAX8_FMAX, MAX8_FMIN, Operand, Step, _ALU_FN,
+                                        _FUSED_DTYPES, _FUSED_OPS, _apply, _cmd, _col, _convert, _copy_step,
+                                        _disjoint_or_same, _fractional, _fused_into, _load, _operand, _operand_dtypes,
+                                        _planned_alu_step, _rhs)
+from torchneuron.sim.isa.scalar_engine import _accumulate, _regs
+
+
+# ---- elementwise (Vector / Scalar / GpSimd) -----------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorCopy(Instr):
+    """``nisa.tensor_copy``: copy within SBUF/PSUM; bit-exact for equal dtypes, else cast through fp32."""
+
+    dst: AP
+    src: AP
+    engine: Engine = Engine.VECTOR
+    opcode = "tensor_copy"
+    ENGINES = (Engine.VECTOR, Engine.SCALAR, Engine.GPSIMD)
+
+    def check(self) -> None:
+        self._tiles("src", "dst")
+        self._same("src", "dst")
+
+    def execute(self, core) -> None:
+        self.dst.write(core, _convert(self.src.view(core), self.dst.dtype))
+
+    def step(self, core, slots) -> Step | None:
+        return _copy_step(core, self.dst, self.src, slots)
+
+    def price(self) -> CostInputs:
+        return self._cost([self.src], self.dst, flops=0)
+
+
+@dataclass(frozen=True)
+class TensorTensor(Instr):
+    """``nisa.tensor_tensor``: ``dst = data1 <op> data2`` element-wise (same partitions and elements
+    per partition; at most one input in PSUM)."""
+
+    dst: AP
+    data1: AP
+    data2: AP
+    op: str
+    engine: Engine = Engine.VECTOR
+    opcode = "tensor_tensor"
+    ENGINES = (Engine.VECTOR, Engine.GPSIMD)
+
+    def check(self) -> None:
+        self._set("op", alu_op(self.op))
+        if self.op in UNARY_ALU_OPS:
+            raise self._fail("op", f"{self.op!r} is unary; tensor_tensor needs a binary operator")
+        self._tiles("data1", "data2", "dst")
+        self._same("data1", "data2")
+        self._same("data1", "dst")
+        self._not_both_psum("data1", "data2")
+        if self.op in BITVEC_OPS:
+            self._ints(("dst", "data1", "data2"), f"bitvec operator {self.op!r}")
+
+    @cached_property
+    def _fused(self) -> bool:
+        # torch's fp32/bf16/fp16 kernels for these ops compute in fp32 and round once on store:
+        # exactly the engine's semantics, in one pass straight into the destination
+        return (self.op in _FUSED_OPS and self.data1.shape == self.data2.shape == self.dst.shape
+                and {self.data1.dtype, self.data2.dtype, self.dst.dtype} <= _FUSED_DTYPES
+                and _disjoint_or_same(self.dst, self.data1, self.data2))
+
+    def execute(self, core) -> None:
+        if self._fused:
+            _fused_into(self.dst.view(core), _ALU_FN[self.op], self.data1.view(core), self.data2.view(core))
+            return
+        c = compute_dtype(self.data1.dtype, self.data2.dtype, fractional=self.op in FRACTIONAL_OPS)
+        shape = self.data1.shape
+        a = _load(core, self.data1, c)
+        b = _load(core, self.data2, c, shape)
+        self.dst.write(core, apply_alu(self.op, a, b))
+
+    def step(self, core, slots) -> Step | None:
+        if not self._fused:
+            return _planned_alu_step(core, self.dst, self.data1, [(self.op, self.data2, False, False)],
+                                     compute_dtype(self.data1.dtype, self.data2.dtype,
+                                                   fractional=self.op in FRACTIONAL_OPS))
+        fn, out, a, b = _ALU_FN[self.op], self.dst.view(core), self.data1.view(core), self.data2.view(core)
+        return lambda h: fn(a, b, out=out)
+
+    def price(self) -> CostInputs:
+        return self._cost([self.data1, self.data2], self.dst, op=self.op)
+
+
+def _check_ops(instr: Instr, names: Sequence[str]) -> None:
+    ops = [getattr(instr, n) for n in names if getattr(instr, n) is not None]
+    if len({op in BITVEC_OPS for op in ops}) > 1:
+        raise instr._fail(" and ".join(names), f"mix bitvec and arithmetic operators {ops}; use one kind")
+
+
+@dataclass(frozen=True)
+class TensorScalar(Instr):
+    """``nisa.tensor_scalar``: ``dst = (data <op0> operand0) <op1> operand1``; operands are scalars or
+    (P,1) tiles broadcast along the free dims; ``reverseN`` swaps an operator's inputs."""
+
+    dst: AP
+    data: AP
+    op0: str
+    operand0: Operand | None = None
+    reverse0: bool = False
+    op1: str | None = None
+    operand1: Operand | None = None
+    reverse1: bool = False
+    engine: Engine = Engine.VECTOR
+    opcode = "tensor_scalar"
+    ENGINES = (Engine.VECTOR, Engine.SCALAR, Engine.GPSIMD)
+
+    def check(self) -> None:
+        self._set("op0", alu_op(self.op0))
+        if self.op1 is not None:
+            self._set("op1", alu_op(self.op1))
+        if (self.op1 is None) != (self.operand1 is None) and not (self.op1 in UNARY_ALU_OPS):
+            raise self._fail("op1", "and operand1 must both be set or both be None")
+        if self.operand0 is None and self.op0 not in UNARY_ALU_OPS:
+            raise self._fail("operand0", f"is None; operator {self.op0!r} needs an operand")
+        self._tiles("data", "dst")
+        self._same("data", "dst")
+        self._column("operand0")
+        self._column("operand1")
+        _check_ops(self, ("op0", "op1"))
+        if self.op0 in BITVEC_OPS:
+            if self.engine != Engine.VECTOR:
+                raise self._fail("op0", f"{self.op0!r} is a bitvec operator; those run only on the vector engine")
+            self._ints(("dst", "data", "operand0", "operand1"), f"bitvec operator {self.op0!r}")
+        if self.engine == Engine.SCALAR and (self.op0, self.op1) not in (("multiply", "add"), ("multiply", None),
+                                                                          ("add", None)):
+            raise self._fail("op0/op1", f"are ({self.op0}, {self.op1}); ScalarE supports (multiply, add), "
+                                        f"(multiply, None) and (add, None)")
+
+    @cached_property
+    def _plan(self) -> tuple:
+        # compute dtype and engine-rounded scalar operands: fixed per instruction, so computed once
+        fractional = bool(FRACTIONAL_OPS & {self.op0, self.op1}) or _fractional(self.operand0, self.operand1)
+        c = compute_dtype(self.data.dtype, *_operand_dtypes(self.operand0, self.operand1), fractional=fractional)
+        scalar = lambda v: v if isinstance(v, AP) else as_scalar(v or 0, c)  # noqa: E731
+        return c, scalar(self.operand0), scalar(self.operand1)
+
+    @cached_property
+    def _fused(self) -> bool:
+        # all-fp32 with plain (not reversed) arithmetic: op0 straight into dst, op1 in place there
+        tiles = [v for v in (self.data, self.dst, self.operand0, self.operand1) if isinstance(v, AP)]
+        return (all(t.dtype == torch.float32 for t in tiles) and self.data.shape == self.dst.shape
+                and {self.op0, self.op1} <= _FUSED_OPS | {None} and not self.reverse0 and not self.reverse1
+                and _disjoint_or_same(self.dst, self.data, self.operand0, self.operand1))
+
+    def execute(self, core) -> None:
+        c, operand0, operand1 = self._plan
+        if self._fused:
+            out = self.dst.view(core)
+            nd = out.dim()
+            _fused_into(out, _ALU_FN[self.op0], self.data.view(core), _operand(core, operand0, c, nd))
+            if self.op1 is not None:
+                _fused_into(out, _ALU_FN[self.op1], out, _operand(core, operand1, c, nd))
+            return
+        x = _load(core, self.data, c)
+        r = _apply(self.op0, x, _operand(core, operand0, c, x.dim()), self.reverse0)
+        if self.op1 is not None:
+            r = _apply(self.op1, r, _operand(core, operand1, c, x.dim()), self.reverse1)
+        self.dst.write(core, r)
+
+    def step(self, core, slots) -> Step | None:
+        if not self._fused:
+            c, operand0, operand1 = self._plan
+            ops = [(self.op0, operand0, self.reverse0, True)]
+            if self.op1 is not None:
+                ops.append((self.op1, operand1, self.reverse1, True))
+            return _planned_alu_step(core, self.dst, self.data, ops, c)
+        _, operand0, operand1 = self._plan
+        out, x = self.dst.view(core), self.data.view(core)
+        fn0, r0 = _ALU_FN[self.op0], _rhs(core, operand0, out.dim())
+        if r0 is None:
+            return None
+        if self.op1 is None:
+            return lambda h: fn0(x, r0, out=out)
+        fn1, r1 = _ALU_FN[self.op1], _rhs(core, operand1, out.dim())
+        if r1 is None:
+            return None
+
+        def step(h):
+            fn0(x, r0, out=out)
+            fn1(out, r1, out=out)
+        return step
+
+    def price(self) -> CostInputs:
+        ops = self.op0 if self.op1 is None else f"{self.op0},{self.op1}"
+        return self._cost([self.data], self.dst, op=ops, flops=self.data.numel * (1 + (self.op1 is not None)))
+
+
+@dataclass(frozen=True)
+class ScalarTensorTensor(Instr):
+    """``nisa.scalar_tensor_tensor``: ``dst = (data <op0> operand0) <op1> operand1`` with operand0 a
+    scalar or (P,1) tile and operand1 a tile shaped like data (arithmetic operators only)."""
+
+    dst: AP
+    data: AP
+    op0: str
+    operand0: Operand
+    op1: str
+    operand1: AP
+    reverse0: bool = False
+    reverse1: bool = False
+    opcode = "scalar_tensor_tensor"
+    engine = Engine.VECTOR
+
+    def check(self) -> None:
+        self._set("op0", alu_op(self.op0))
+        self._set("op1", alu_op(self.op1))
+        for n in ("op0", "op1"):
+            if getattr(self, n) in BITVEC_OPS:
+                raise self._fail(n, f"{getattr(self, n)!r} is a bitvec operator; scalar_tensor_tensor takes "
+                                    f"arithmetic operators")
+        self._tiles("data", "operand1", "dst")
+        self._column("operand0")
+        self._same("data", "operand1")
+        self._same("data", "dst")
+        self._not_both_psum("data", "operand1")
+
+    def execute(self, core) -> None:
+        c = compute_dtype(self.data.dtype, self.operand1.dtype, *_operand_dtypes(self.operand0),
+                          fractional=bool(FRACTIONAL_OPS & {self.op0, self.op1}) or _fractional(self.operand0))
+        x = _load(core, self.data, c)
+        t = _apply(self.op0, x, _col(core, self.operand0, c, x.dim()), self.reverse0)
+        self.dst.write(core, _apply(self.op1, t, _load(core, self.operand1, c, x.shape), self.reverse1))
+
+    def price(self) -> CostInputs:
+        return self._cost([self.data, self.operand1], self.dst, op=f"{self.op0},{self.op1}",
+                          flops=2 * self.data.numel)
+
+
+@dataclass(frozen=True)
+class Reciprocal(Instr):
+    """``nisa.reciprocal``: ``dst = 1 / data`` on VectorE in fp32."""
+
+    dst: AP
+    data: AP
+    opcode = "reciprocal"
+    engine = Engine.VECTOR
+
+    def check(self) -> None:
+        self._tiles("data", "dst")
+        self._same("data", "dst")
+
+    def execute(self, core) -> None:
+        c = compute_dtype(self.data.dtype, fractional=True)
+        self.dst.write(core, torch.reciprocal(_load(core, self.data, c)))
+
+    def price(self) -> CostInputs:
+        return self._cost([self.data], self.dst, op="reciprocal")
+
+
+
+# ---- reductions, scans --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorReduce(Instr):
+    """``nisa.tensor_reduce``: reduce the trailing free ``axis`` dims of ``data`` (never the partition
+    dim) with add/multiply/maximum/minimum/logical_and/logical_or/bitwise_*; ``negate`` multiplies
+    the result by -1."""
+
+    dst: AP
+    op: str
+    data: AP
+    axis: int | tuple[int, ...] = -1
+    negate: bool = False
+    keepdims: bool = False
+    opcode = "tensor_reduce"
+    engine = Engine.VECTOR
+
+    def check(self) -> None:
+        self._set("op", reduce_op(self.op))
+        self._tiles("data", "dst")
+        rank = len(self.data.shape)
+        axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
+        axes = tuple(sorted(a % rank for a in axes))
+        if not axes or 0 in axes or axes != tuple(range(rank - len(axes), rank)):
+            raise self._fail("axis", f"is {self.axis}; reduce trailing free dims of shape {self.data.shape} "
+                                     f"ending at the last one (never the partition dim 0)")
+        self._set("axis", axes)
+        if self.dst.partitions != self.data.partitions:
+            raise self._fail("dst", f"has {self.dst.partitions} partitions; data has {self.data.partitions}")
+        kept = math.prod(self.data.shape[1:rank - len(axes)])
+        self._free("dst", kept, f"reducing axes {axes} of {self.data.shape} leaves {kept}")
+        if self.op in BITVEC_OPS:
+            self._ints(("dst", "data"), f"bitvec operator {self.op!r}")
+            if self.negate:
+                raise self._fail("negate", f"applies to arithmetic operators, not {self.op!r}")
+
+    def execute(self, core) -> None:
+        x = _load(core, self.data, compute_dtype(self.data.dtype))
+        r = apply_reduce(self.op, x, self.axis)
+        self.dst.write(core, -r if self.negate else r)
+
+    def step(self, core, slots) -> Step | None:
+        c, xv, dv, dst = compute_dtype(self.data.dtype), self.data.view(core), self.dst.view(core), self.dst
+        fn, axis, negate, convert = REDUCE_OPS[self.op], self.axis, self.negate, self.data.dtype != c
+
+        # the result is a new tensor unless a bitwise fold of one element returns a view of the data
+        alias = not convert and self.op.startswith("bitwise")
+
+        def step(h):
+            r = fn(xv.to(c) if convert else xv, axis)
+            store(dst, dv, -r if negate else r, may_alias=alias)
+        return step
+
+    def price(self) -> CostInputs:
+        return self._cost([self.data], self.dst, op=self.op)
+
+
+@dataclass(frozen=True)
+class TensorPartitionReduce(Instr):
+    """``nisa.tensor_partition_reduce``: reduce across partitions on GpSimd; dst is [1, free of data]."""
+
+    dst: AP
+    op: str
+    data: AP
+    opcode = "tensor_partition_reduce"
+    engine = Engine.GPSIMD
+
+    def check(self) -> None:
+        self._set("op", reduce_op(self.op))
+        self._tiles("data", "dst")
+        if self.dst.partitions != 1:
+            raise self._fail("dst", f"has {self.dst.partitions} partitions; a partition reduction writes 1")
+        self._free("dst", self.data.free_elems, f"it must match data's {self.data.free_elems}")
+        if self.op in BITVEC_OPS:
+            self._ints(("dst", "data"), f"bitvec operator {self.op!r}")
+
+    def execute(self, core) -> None:
+        x = _load(core, self.data, compute_dtype(self.data.dtype))
+        self.dst.write(core, apply_reduce(self.op, x, (0,)))
+
+    def price(self) -> CostInputs:
+        return self._cost([self.data], self.dst, op=self.op)
+
+
+@dataclass(frozen=True)
+class TensorScalarReduce(Instr):
+    """``nisa.tensor_scalar_reduce``: ``dst = data <op0> operand0`` and the VectorE registers reduce the
+    result over the free dims with ``reduce_op`` (add/multiply/maximum/minimum), written to
+    ``reduce_res`` ((P,1)). ``reduce_cmd``: reset_reduce, reduce or load_reduce (from ``reduce_init``)."""
+
+    dst: AP
+    data: AP
+    op0: str
+    operand0: Operand
+    reduce_op: str
+    reduce_res: AP
+    reverse0: bool = False
+    reduce_cmd: str = "reset_reduce"
+    reduce_init: Operand | None = None
+    opcode = "tensor_scalar_reduce"
+    engine = Engine.VECTOR
+    WRITES = ("dst", "reduce_res")
+
+    def check(self) -> None:
+        self._set("op0", alu_op(self.op0))
+        self._set("reduce_op", reduce_op(self.reduce_op))
+        self._set("reduce_cmd", _cmd(self.reduce_cmd))
+        if self.reduce_op not in ("add", "multiply", "maximum", "minimum"):
+            raise self._fail("reduce_op", f"is {self.reduce_op!r}; expected add, multiply, maximum or minimum")
+        if self.op0 in BITVEC_OPS:
+            raise self._fail("op0", f"{self.op0!r} is a bitvec operator; tensor_scalar_reduce takes arithmetic ones")
+        if self.reduce_cmd not in ("reset_reduce", "reduce", "load_reduce"):
+            raise self._fail("reduce_cmd", f"is {self.reduce_cmd!r}; expected reset_reduce, reduce or load_reduce")
+        if (self.reduce_cmd == "load_reduce") != (self.reduce_init is not None):
+            raise self._fail("reduce_init", "is required with reduce_cmd=load_reduce and only then")
+        self._tiles("data", "dst")
+        self._same("data", "dst")
+        self._column("operand0")
+        self._column("reduce_res")
+        self._column("reduce_init")
+
+    def execute(self, core) -> None:
+        c = compute_dtype(self.data.dtype, *_operand_dtypes(self.operand0),
+                          fractional=self.op0 in FRACTIONAL_OPS or _fractional(self.operand0))
+        x = _load(core, self.data, c)
+        r = _apply(self.op0, x, _col(core, self.operand0, c, x.dim()), self.reverse0)
+        self.dst.write(core, r)
+        regs = _regs(core, Engine.VECTOR, self.data)
+        init = self.reduce_init.view(core).float() if isinstance(self.reduce_init, AP) else self.reduce_init
+        _accumulate(regs, self.reduce_op, self.reduce_cmd, r, init)
+        self.reduce_res.write(core, regs)
+
+    def price(self) -> CostInputs:
+        return self._cost([self.data], self.dst, op=f"{self.op0},{self.reduce_op}", flops=2 * self.data.numel)
+
+
+@dataclass(frozen=True)
+class TensorTensorScan(Instr):
+    """``nisa.tensor_tensor_scan``: per partition ``r[i] = (data0[i] <op0> r[i-1]) <op1> data1[i]`` along
+    the flattened free dim, ``r[-1] = initial`` (a scalar or (P,1) tile), in fp32."""
+
+    dst: AP
+    data0: AP
+    data1: AP
+    initial: Operand
+    op0: str
+    op1: str
+    reverse0: bool = False
+    reverse1: bool = False
+    opcode = "tensor_tensor_scan"
+    engine = Engine.VECTOR
+
+    def check(self) -> None:
+        self._set("op0", alu_op(self.op0))
+        self._set("op1", alu_op(self.op1))
+        for n in ("op0", "op1"):
+            if getattr(self, n) in BITVEC_OPS or getattr(self, n) in UNARY_ALU_OPS:
+                raise self._fail(n, f"{getattr(self, n)!r} is not a binary arithmetic operator")
+        self._tiles("data0", "data1", "dst")
+        self._same("data0", "data1")
+        self._same("data0", "dst")
+        self._not_both_psum("data0", "data1")
+        self._column("initial", of="data0")
+
+    def execute(self, core) -> None:
+        p, f = self.data0.partitions, self.data0.free_elems
+        c = compute_dtype(self.data0.dtype, self.data1.dtype, *_operand_dtypes(self.initial),
+                          fractional=bool(FRACTIONAL_OPS & {self.op0, self.op1}) or _fractional(self.initial))
+        a = _load(core, self.data0, c, (p, f))
+        b = _load(core, self.data1, c, (p, f))
+        init = _col(core, self.initial, c, 1)
+        state = init if isinstance(init, torch.Tensor) else torch.full((p,), init, dtype=c)
+        out = torch.empty(p, f, dtype=c)
+        op0, op1 = self.op0, self.op1
+        for i in range(f):  # sequential on purpose: the engine rounds every step to fp32
+            t = apply_alu(op0, state, a[:, i]) if self.reverse0 else apply_alu(op0, a[:, i], state)
+            state = apply_alu(op1, b[:, i], t) if self.reverse1 else apply_alu(op1, t, b[:, i])
+            out[:, i] = state
+        self.dst.write(core, out)
+
+    def price(self) -> CostInputs:
+        return self._cost([self.data0, self.data1], self.dst, op=f"{self.op0},{self.op1}",
+                          flops=2 * self.data0.numel)
+
+
+
+# ---- statistics, top-8 -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BnStats(Instr):
+    """``nisa.bn_stats``: per partition (count, mean, variance*count) of the even and then the odd
+    elements of data (<= 512 per partition), fp32, 6 outputs."""
+
+    dst: AP
+    data: AP
+    opcode = "bn_stats"
+    engine = Engine.VECTOR
+
+    def check(self) -> None:
+        self._tiles("data", "dst")
+        if self.data.free_elems > BN_STATS_FMAX:
+            raise self._fail("data", f"has {self.data.free_elems} elements per partition; the limit is "
+                                     f"{BN_STATS_FMAX} (nl.tile_size.bn_stats_fmax)")
+        if self.dst.partitions != self.data.partitions:
+            raise self._fail("dst", f"has {self.dst.partitions} partitions; data has {self.data.partitions}")
+        self._free("dst", 6, "bn_stats writes 6 (count, mean, var*count for even and odd elements)")
+
+    def execute(self, core) -> None:
+        x = _load(core, self.data, torch.float32, (self.data.partitions, self.data.free_elems))
+        stats = []
+        for half in (x[:, 0::2], x[:, 1::2]):
+            n = half.shape[1]
+            mean = half.mean(1) if n else torch.zeros(x.shape[0])
+            m2 = ((half - mean[:, None]) ** 2).sum(1)
+            stats += [torch.full_like(mean, float(n)), mean, m2]
+        self.dst.write(core, torch.stack(stats, 1))
+
+    def price(self) -> CostInputs:
+        return self._cost([self.data], self.dst, flops=3 * self.data.numel)
+
+
+@dataclass(frozen=True)
+class BnAggr(Instr):
+    """``nisa.bn_aggr``: combine (count, mean, variance*count) triples per partition into (mean, variance)."""
+
+    dst: AP
+    data: AP
+    opcode = "bn_aggr"
+    engine = Engine.VECTOR
+
+    def check(self) -> None:
+        self._tiles("data", "dst")
+        if self.data.free_elems % 3:
+            raise self._fail("data", f"has {self.data.free_elems} elements per partition; bn_aggr needs a "
+                                     f"multiple of 3 (count, mean, var*count triples)")
+        if self.dst.partitions != self.data.partitions:
+            raise self._fail("dst", f"has {self.dst.partitions} partitions; data has {self.data.partitions}")
+        self._free("dst", 2, "bn_aggr writes 2 (mean, variance)")
+
+    def execute(self, core) -> None:
+        p = self.data.partitions
+        g = _load(core, self.data, torch.float32, (p, self.data.free_elems)).reshape(p, -1, 3)
+        n, mean, m2 = g[..., 0], g[..., 1], g[..., 2]
+        total = n.sum(1)
+        mu = (n * mean).sum(1) / total
+        var = (m2.sum(1) + (n * (mean - mu[:, None]) ** 2).sum(1)) / total
+        self.dst.write(core, torch.stack([mu, var], 1))
+
+    def price(self) -> CostInputs:
+        return self._cost([self.data], self.dst, flops=4 * self.data.numel)
+
+
+def _max8_sizes(instr: Instr, name: str) -> None:
+    f = getattr(instr, name).free_elems
+    if not MAX8_FMIN <= f <= MAX8_FMAX:
+        raise instr._fail(name, f"has {f} elements per partition; the range is [{MAX8_FMIN}, {MAX8_FMAX}]")
+
+
+@dataclass(frozen=True)
+class Max8(Instr):
+    """``nisa.max8``: the 8 largest values of each partition (fp32 compare), descending."""
+
+    dst: AP
+    src: AP
+    opcode = "max8"
+    engine = Engine.VECTOR
+
+    def check(self) -> None:
+        self._tiles("src", "dst")
+        _max8_sizes(self, "src")
+        if self.dst.partitions != self.src.partitions:
+            raise self._fail("dst", f"has {self.dst.partitions} partitions; src has {self.src.partitions}")
+        self._free("dst", 8, "max8 writes 8")
+
+    def execute(self, core) -> None:
+        x = _load(core, self.src, torch.float32, (self.src.partitions, self.src.free_elems))
+        self.dst.write(core, torch.topk(x, 8, dim=1).values)
+
+    def price(self) -> CostInputs:
+        return self._cost([self.src], self.dst)
+
+
+@dataclass(frozen=True)
+class NcFindIndex8(Instr):
+    """``nisa.nc_find_index8``: per partition, the index of the first element of data equal to each of
+    the 8 ``vals`` (fp32 compare; 0 when a value is absent, which the hardware leaves undefined)."""
+
+    dst: AP
+    data: AP
+    vals: AP
+    opcode = "nc_find_index8"
+    engine = Engine.VECTOR
+
+    def check(self) -> None:
+        self._tiles("data", "vals", "dst")
+        _max8_sizes(self, "data")
+        for n in ("dst", "vals"):
+            if getattr(self, n).partitions != self.data.partitions:
+                raise self._fail(n, f"has {getattr(self, n).partitions} partitions; data has {self.data.partitions}")
+            self._free(n, 8, "it must have 8")
+        if self.dst.dtype not in (torch.uint16, torch.uint32, torch.int32):
+            raise self._fail("dst", f"is {dtype_name(self.dst.dtype)}; indices are uint16 or uint32")
+
+    def execute(self, core) -> None:
+        p = self.data.partitions
+        x = _load(core, self.data, torch.float32, (p, self.data.free_elems))
+        v = _load(core, self.vals, torch.float32, (p, 8))
+        hit = (x.unsqueeze(1) == v.unsqueeze(2)).to(torch.uint8)
+        self.dst.write(core, hit.argmax(2))  # argmax returns the first maximal index
+
+    def price(self) -> CostInputs:
+        return self._cost([self.data], self.dst)
