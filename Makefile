@@ -7,7 +7,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.torchneuron-setup
 SOURCES := pyproject.toml setup.py constraints.txt $(wildcard torchneuron/_csrc/*.cpp torchneuron/_csrc/*.h)
 
-.PHONY: setup test demo conformance coverage bench clean
+.PHONY: setup test demo conformance coverage bench titan clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,12 @@ bench: setup
 	$(PY) bench/kernels.py
 	$(PY) bench/eager.py
 	$(PY) bench/compile.py
+
+# TorchTitan's llama3 debug model on 2 and 4 neuron ranks against the same runs on CPU ranks.
+# TorchTitan imports triton at model import (never run here); constraints keep torch 2.13.0.
+titan: setup
+	$(PIP) install -q -c constraints.txt torchtitan==0.3.0 triton==3.9.0
+	$(PY) examples/distributed/titan/titan_llama3.py
 
 clean:
 	rm -rf build $(VENV) torchneuron/*.so *.egg-info

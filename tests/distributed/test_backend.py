@@ -53,6 +53,14 @@ def backend_worker(rank: int, world: int, trace_path: str) -> dict:
     out["dtensor_local"] = dt.to_local().cpu()
     out["dtensor_full"] = dt.redistribute(mesh, [Replicate()]).to_local().cpu()
 
+    # a random op on a sharded DTensor draws the local shard from this rank's generator (as on CPU meshes)
+    torch.neuron.manual_seed(100 + rank)
+    expected = torch.empty(3, 4, device="neuron").normal_()
+    torch.neuron.manual_seed(100 + rank)
+    dt = distribute_tensor(torch.zeros(6, 4, device="neuron"), mesh, [Shard(0)])
+    torch.nn.init.normal_(dt)
+    out["dtensor_random"] = (dt.to_local().cpu(), expected.cpu())
+
     # simulated time: skew the clocks, then one all-reduce of NBYTES
     stream = torch.neuron.current_stream()
     torch.neuron.synchronize()
@@ -105,6 +113,15 @@ def test_dtensor_shards_and_gathers_rank0_data(results):
     for rank, r in enumerate(results[0]):
         assert torch.equal(r["dtensor_local"], full.chunk(WORLD)[rank])
         assert torch.equal(r["dtensor_full"], full)
+
+
+def test_dtensor_random_ops_use_each_ranks_generator(results):
+    draws = []
+    for r in results[0]:
+        local, expected = r["dtensor_random"]
+        assert torch.equal(local, expected)
+        draws.append(local)
+    assert not torch.equal(draws[0], draws[1])  # the ranks' seeds differ, so do their shards
 
 
 def test_all_reduce_time_and_record(results):

@@ -50,6 +50,26 @@ def collectives_worker(rank: int, world: int) -> dict:
                 dist.all_reduce(ts[0], op=getattr(dist.ReduceOp, op), group=group)
                 return ts
             case(f"all_reduce-{op}-{dtype}", [(5, 7)], dtype, all_reduce)
+    for dtype in (torch.float32, torch.bfloat16):
+        # PREMUL_SUM (FSDP2's gradient division): Gloo lacks it; the reference is its definition,
+        # each rank's input times the factor, then a Gloo SUM
+        def premul_all_reduce(ts, group, device):
+            if device == "neuron":
+                dist.all_reduce(ts[0], op=dist._make_nccl_premul_sum(0.3), group=group)
+                return ts
+            scaled = ts[0] * 0.3
+            dist.all_reduce(scaled, group=group)
+            return [scaled]
+        case(f"all_reduce-PREMUL_SUM-{dtype}", [(5, 7)], dtype, premul_all_reduce)
+
+        def premul_reduce_scatter(ts, group, device):
+            out = torch.empty(2, 5, dtype=ts[0].dtype, device=device)
+            if device == "neuron":
+                dist.reduce_scatter_tensor(out, ts[0], op=dist._make_nccl_premul_sum(0.3), group=group)
+            else:
+                dist.reduce_scatter_tensor(out, ts[0] * 0.3, group=group)
+            return [out]
+        case(f"reduce_scatter_tensor-PREMUL_SUM-{dtype}", [(world * 2, 5)], dtype, premul_reduce_scatter)
     for dtype in (torch.int32, torch.int64):
         for op in ("SUM", "MAX", "PRODUCT"):
             case(f"all_reduce-{op}-{dtype}", [(9,)], dtype,
@@ -156,6 +176,8 @@ def world_results(tmp_path_factory):
 
 def _case_names() -> list[str]:
     names = [f"all_reduce-{op}-{d}" for d in FLOATS for op in OPS]
+    names += [f"{c}-PREMUL_SUM-{d}" for d in (torch.float32, torch.bfloat16)
+              for c in ("all_reduce", "reduce_scatter_tensor")]
     names += [f"all_reduce-{op}-{d}" for d in (torch.int32, torch.int64) for op in ("SUM", "MAX", "PRODUCT")]
     for d in (torch.float32, torch.bfloat16):
         names += [f"{c}-{d}" for c in ("broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",

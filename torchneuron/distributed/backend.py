@@ -101,6 +101,36 @@ def _host(value: Any) -> Any:
     return value
 
 
+_PREMUL_SUM = torch.distributed.ReduceOp.RedOpType.PREMUL_SUM
+_IN_PLACE = frozenset({"allreduce", "allreduce_coalesced", "reduce"})
+
+
+def _scaled(value: Any, factor: float) -> Any:
+    """New tensors ``t * factor`` for each tensor in ``value`` (nested lists kept)."""
+    if isinstance(value, torch.Tensor):
+        return value * factor
+    return [_scaled(v, factor) for v in value]
+
+
+def _premul_as_sum(method: str, args: tuple) -> tuple:
+    """``PREMUL_SUM(f)`` (which Gloo lacks) as NCCL defines it: each input times ``f``, then SUM.
+
+    ``args`` are the Gloo call's arguments (tensors already on the host); the options object is
+    this call's own copy, so it is switched to SUM in place."""
+    opts = args[-1]
+    op = getattr(opts, "reduceOp", None)
+    if op is None or op.op != _PREMUL_SUM:
+        return args
+    factor = op.factor
+    factor = float(factor.item()) if isinstance(factor, torch.Tensor) else float(factor)
+    opts.reduceOp = torch.distributed.ReduceOp.SUM
+    if method in _IN_PLACE:  # the tensors are inputs and outputs: scale them where they are
+        for t in args[0]:
+            t.mul_(factor)
+        return args
+    return (args[0], _scaled(args[1], factor), *args[2:])
+
+
 class NeuronBackend:
     """The Python half of one ``neuron`` backend instance (one per process group)."""
 
@@ -148,7 +178,7 @@ class NeuronBackend:
         gloo = getattr(self, "_gloo" + method if method.startswith("_") else "_gloo_" + method, None)
         gloo = gloo or getattr(self.gloo, method)
         if types == {"cpu"} and device is None:
-            return gloo(*args)
+            return gloo(*_premul_as_sum(method, args))
         if len(types) > 1:
             raise RuntimeError(f"{method}: expected all tensors on one device type, got "
                                + ", ".join(sorted({str(t.device) for t in tensors})))
@@ -158,7 +188,7 @@ class NeuronBackend:
         clock = _C._stream_clock(device, stream.stream_id)
         start = self._agree(method, sig, clock)
         if sig.kind != "barrier":
-            gloo(*[_host(a) for a in args]).wait()
+            gloo(*_premul_as_sum(method, tuple(_host(a) for a in args))).wait()
         duration = cost.collective_ns(sig.kind, sig.nbytes, self.placement, self.spec, self.link)
         self._advance(method, sig, device, stream.stream_id, clock, start, duration, self.placement)
         return _done(outputs)
