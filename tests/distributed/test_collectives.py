@@ -156,6 +156,18 @@ def collectives_worker(rank: int, world: int) -> dict:
             return [funcol.wait_tensor(x) for x in (a, b, c)]
         case(f"functional-{dtype}", [(world * 2, 4)], dtype, functional)
 
+    # 8-bit floats move as their bytes (Gloo has no such dtype): the reference moves the same bytes
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        def float8_moves(ts, group, device):
+            if device == "cpu":
+                ts = [t.view(torch.uint8) for t in ts]
+            gathered = [torch.empty_like(ts[0]) for _ in range(world)]
+            dist.all_gather(gathered, ts[0], group=group)
+            dist.broadcast(ts[1], src=2, group=group)
+            outs = [*gathered, ts[1]]
+            return [t.view(dtype) for t in outs] if device == "cpu" else outs
+        case(f"float8-all_gather-broadcast-{dtype}", [(3, 4), (5,)], dtype, float8_moves)
+
     # a subgroup of ranks 0 and 2 (rank 1 is not a member of either group)
     sub_neuron, sub_gloo = dist.new_group([0, 2]), dist.new_group([0, 2], backend="gloo")
 
@@ -184,6 +196,7 @@ def _case_names() -> list[str]:
                                        "all_to_all", "all_to_all_single", "all_to_all_single_uneven", "gather",
                                        "scatter", "send_recv", "functional")]
         names += [f"reduce_scatter_tensor-{op}-{d}" for op in ("SUM", "AVG", "MAX")]
+    names += [f"float8-all_gather-broadcast-{d}" for d in (torch.float8_e4m3fn, torch.float8_e5m2)]
     return names + ["subgroup-all_reduce"]
 
 
@@ -194,6 +207,8 @@ def test_matches_gloo_on_cpu(world_results, name):
         assert len(on_neuron) == len(on_cpu), f"rank {rank}"
         for n, c in zip(on_neuron, on_cpu):
             assert n.dtype == c.dtype and n.shape == c.shape, f"rank {rank}"
+            if n.dtype.itemsize == 1 and n.dtype.is_floating_point:  # 8-bit floats: compare their bytes
+                n, c = n.view(torch.uint8), c.view(torch.uint8)
             torch.testing.assert_close(n, c, rtol=0, atol=0, equal_nan=True, msg=f"{name} on rank {rank}")
 
 

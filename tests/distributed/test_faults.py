@@ -30,6 +30,12 @@ def faults_worker(rank: int, world: int, result_path: str) -> dict:
         out["dtype_mismatch"] = None
     except RuntimeError as e:
         out["dtype_mismatch"] = str(e)
+    f8 = torch.ones(4, device="neuron", dtype=torch.float8_e4m3fn)
+    try:
+        dist.all_reduce(f8)
+        out["float8_reduce"] = None
+    except RuntimeError as e:
+        out["float8_reduce"] = str(e)
     z = torch.full((3,), float(rank + 1), device="neuron")
     dist.all_reduce(z)  # the group still works after the refused collectives
     out["after"] = z.cpu()
@@ -65,6 +71,11 @@ def test_dtype_mismatch_is_a_clear_error(results):
     for r in results:
         assert "rank 0: broadcast(float32" in r["dtype_mismatch"]
         assert "rank 1: broadcast(bfloat16" in r["dtype_mismatch"]
+
+
+def test_float8_reductions_are_refused(results):
+    for r in results:
+        assert "all_reduce of torch.float8_e4m3fn tensors: 8-bit floats cannot be reduced" in r["float8_reduce"]
 
 
 def test_group_still_works_after_a_refused_collective(results):

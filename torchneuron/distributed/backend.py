@@ -92,10 +92,20 @@ def _flat(value: Any) -> list[torch.Tensor]:
     return []
 
 
+#: 8-bit floats: Gloo has no such dtype. Moved as their bytes (uint8); never reduced (as with NCCL).
+_FLOAT8 = frozenset(d for d in _DTYPES if d.is_floating_point and d.itemsize == 1)
+_REDUCING = frozenset({"allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "_reduce_scatter_base",
+                       "reduce_scatter_tensor_coalesced"})
+
+
 def _host(value: Any) -> Any:
-    """``value`` (a tensor, or nested lists of them) with each neuron tensor as its CPU alias."""
+    """``value`` (a tensor, or nested lists of them) with each neuron tensor as its CPU alias
+    (8-bit floats as their bytes)."""
     if isinstance(value, torch.Tensor):
-        return _C._alias_as_cpu(value) if value.device.type == "neuron" else value
+        if value.device.type != "neuron":
+            return value
+        alias = _C._alias_as_cpu(value)
+        return alias.view(torch.uint8) if alias.dtype in _FLOAT8 else alias
     if isinstance(value, (list, tuple)):
         return [_host(v) for v in value]
     return value
@@ -182,6 +192,10 @@ class NeuronBackend:
         if len(types) > 1:
             raise RuntimeError(f"{method}: expected all tensors on one device type, got "
                                + ", ".join(sorted({str(t.device) for t in tensors})))
+        if method in _REDUCING and tensors[0].dtype in _FLOAT8:
+            raise RuntimeError(f"{sig.kind} of {tensors[0].dtype} tensors: 8-bit floats cannot be reduced "
+                               "(Gloo has no 8-bit float arithmetic; neither does NCCL); reduce in bfloat16 "
+                               "or float32 and cast back")
         if device is None:
             device = tensors[0].device.index
         stream = torch.accelerator.current_stream(device)
