@@ -142,3 +142,18 @@ def test_dynamic_shapes_are_specialized_per_concrete_shape(dynamic):
         torch.testing.assert_close(xn.grad.cpu(), x.grad)
     new = [r for r in reports() if id(r) not in before]
     assert new and all(r.segments and not r.eager_nodes for r in new)
+
+
+def test_memory_plan_reuses_intermediates_and_reports_the_peak():
+    """A chain of library kernels whose results die one after another: the planned arena holds no more than
+    the two largest intermediates alive at once, less than one buffer each; results equal the eager ops'."""
+    x = torch.randn(256, 512)
+    fn = lambda t: torch.softmax(torch.softmax(torch.softmax(torch.softmax(t, -1) * 3, -1) * 3, -1) * 3, -1)  # noqa: E731
+    got = torch.compile(fn, backend="neuron")(x.to("neuron"))
+    torch.testing.assert_close(got.cpu(), fn(x))
+    (prog,) = reports()[-1].programs
+    one = x.numel() * 4
+    assert prog.buffer_bytes >= 6 * one and prog.arena_bytes <= 2 * one
+    before = torch.neuron.memory_stats()["allocation.all.allocated"]
+    torch.compile(fn, backend="neuron")(x.to("neuron"))       # the arena is a device allocation per call
+    assert torch.neuron.memory_stats()["allocation.all.allocated"] > before

@@ -8,6 +8,8 @@ The segment becomes a kernel of our NKI language whose body walks the segment's 
                   members used outside the group; casts to bf16/fp16 inside it round the tile
     kernel node   its library kernel, called inline (``kernel_lowerings``)
 
+then its HBM intermediates are packed into one arena by liveness (``memory_plan``).
+
 Library kernels called inside a trace add their instructions to it, so the whole segment is one
 instruction list: one Program, one launch, with the timing model free to overlap one kernel's
 DMA with the previous kernel's compute. Graph inputs are bound as the flat span of their storage
@@ -29,6 +31,7 @@ import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.compiler import lowering
 from torchneuron.compiler.kernel_lowerings import pointwise
+from torchneuron.compiler.memory_plan import plan_memory
 from torchneuron.compiler.partition import DEVICE_DTYPES, FusionGroup, Plan, Segment
 from torchneuron.compiler.values import HostTensor, NotLowerable, Value, dense, hbm_value, input_value
 from torchneuron.sim import Program
@@ -83,6 +86,7 @@ class SegmentProgram:
     program: Program
     input_slots: list[str | None]        # per segment input (None: a host scalar, baked in)
     outputs: list[OutputLayout]
+    buffer_bytes: int = 0                # the intermediates' bytes before the memory plan packed them
 
 
 def _members(seg: Segment) -> set:
@@ -226,6 +230,7 @@ def trace_segment(plan: Plan, seg: Segment, sigs: list[InputSig], spec: ChipSpec
     kernel.__signature__ = inspect.Signature(params)
     kernel.__name__ = kernel.__qualname__ = name
     traced = nki.jit(kernel).trace((), kwargs, spec)
+    program, memory = plan_memory(traced.program)
     outs, returned = [], iter(traced.result)
     for node in seg.outputs:
         v = body.env[node]
@@ -236,7 +241,7 @@ def trace_segment(plan: Plan, seg: Segment, sigs: list[InputSig], spec: ChipSpec
             outs.append(OutputLayout(None, tuple(v.shape), dtype=v.dtype))
         else:
             outs.append(OutputLayout(None, scalar=v))
-    return SegmentProgram(traced.program, slots, outs)
+    return SegmentProgram(program, slots, outs, memory.buffer_bytes)
 
 
 def bindable(sig: InputSig) -> bool:

@@ -25,6 +25,7 @@ import torch.fx as fx
 from torchneuron import runtime
 from torchneuron.compiler import cache
 from torchneuron.compiler.codegen import SegmentProgram, signature, trace_segment
+from torchneuron.compiler.memory_plan import ARENA
 from torchneuron.compiler.partition import Plan, Segment, partition
 from torchneuron.compiler.report import GraphReport, dump_graph, dump_segment
 from torchneuron.compiler.values import NotLowerable
@@ -89,6 +90,9 @@ class CompiledGraph:
         for v, slot in zip(values, prog.input_slots):
             if slot is not None:
                 by_slot[slot] = _flat_span(v)
+        arena = prog.program.args[-1]
+        if arena.name == ARENA:   # the planned intermediates: one device allocation per call
+            by_slot[ARENA] = torch.empty(arena.shape, dtype=arena.dtype, device=device)
         order = [s.name for s in prog.program.args]
         bound = launch_slots(prog.program, [by_slot.get(n) for n in order], device.index, f"compiled::{self.name}")
         index = {n: i for i, n in enumerate(order)}
@@ -116,7 +120,7 @@ class CompiledGraph:
                           f"ops for these inputs: {e}", stacklevel=3)
             self.report.eager_segments += 1
             return EAGER
-        self.report.add_program(seg.index, prog.program, time.perf_counter() - t0, spec)
+        self.report.add_program(seg.index, prog, time.perf_counter() - t0, spec)
         cache.store(key, prog)
         dump_segment(self, seg, prog)
         return prog

@@ -32,7 +32,8 @@ class ProgramReport:
     instructions: int
     hbm_bytes_read: int
     hbm_bytes_written: int
-    scratch_bytes: int
+    arena_bytes: int            # the planned HBM intermediates (memory_plan): their peak
+    buffer_bytes: int           # the same intermediates unplanned (one buffer each)
     flops: int
     device_time_ns: float
     trace_seconds: float
@@ -66,11 +67,12 @@ class GraphReport:
         _reports.append(rep)
         return rep
 
-    def add_program(self, segment: int, program: Any, seconds: float, spec: Any) -> None:
-        """Record a traced program."""
-        scratch = sum(s.nbytes for s in program.args if s.kind == "scratch")
+    def add_program(self, segment: int, prog: Any, seconds: float, spec: Any) -> None:
+        """Record a traced segment program (a SegmentProgram)."""
+        program = prog.program
+        arena = sum(s.nbytes for s in program.args if s.name == "arena")
         self.programs.append(ProgramReport(segment, len(program.instructions), program.hbm_bytes_read,
-                                           program.hbm_bytes_written, scratch, program.flops,
+                                           program.hbm_bytes_written, arena, prog.buffer_bytes, program.flops,
                                            program.schedule(spec).device_time_ns, seconds))
 
     @property
@@ -89,7 +91,8 @@ class GraphReport:
                  f"{len(self.eager_nodes)} eager op(s)"]
         for p in self.programs:
             lines.append(f"  segment {p.segment}: {p.instructions} instructions, {p.device_time_ns / 1e3:.1f} us "
-                         f"simulated, HBM {p.hbm_bytes_read + p.hbm_bytes_written} B, scratch {p.scratch_bytes} B, "
+                         f"simulated, HBM {p.hbm_bytes_read + p.hbm_bytes_written} B, intermediates {p.arena_bytes} B "
+                         f"(unplanned {p.buffer_bytes} B), "
                          f"traced in {p.trace_seconds:.2f} s")
         if self.eager_nodes:
             lines.append("  eager: " + ", ".join(sorted(set(self.eager_nodes))))
