@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from torchneuron.nki import SimulatorError
 from torchneuron import nki
 from torchneuron.kernels import matmul
 from torchneuron.kernels.matmul import bmm_group_size, bmm_kernel, matmul_kernel

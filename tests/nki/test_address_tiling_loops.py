@@ -155,7 +155,7 @@ def pinned_alias_kernel(a):
 
 @nki.jit
 def pinned_bad_kernel(a, shape, address, buffer):
-    t = nl.ndarray(shape, nl.float32, buffer=buffer, address=address)
+    nl.ndarray(shape, nl.float32, buffer=buffer, address=address)   # the placement itself raises
     return a
 
 

@@ -27,7 +27,7 @@ import torch
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import DMA_ROW_BYTES, PMAX, as_tensor, cdiv, check_sbuf, prod
+from torchneuron.kernels._common import DMA_ROW_BYTES, PMAX, as_tensor, check_sbuf, prod
 
 NAMES = ("a", "b", "c", "d", "e")
 NBUF = 3                       # pipeline depth of the streaming loops (buffers per tile)

@@ -64,7 +64,7 @@ def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None):
     Kb = b.shape[1] if transpose_b else b.shape[0]
     assert K == Kb, f"matmul: contraction dims differ ({K} vs {Kb})"
     assert a.dtype == b.dtype, f"matmul: operand dtypes differ ({a.dtype} vs {b.dtype})"
-    assert bias is None or fuses_bias(K, N), f"matmul: a bias is added in the kernel only for K, N <= 512"
+    assert bias is None or fuses_bias(K, N), "matmul: a bias is added in the kernel only for K, N <= 512"
     if K <= KMAX_GROUPED and N <= TN:
         mm_rows_grouped_into(a, b, out, transpose_a, transpose_b, bias)
     else:

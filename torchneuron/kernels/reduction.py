@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import collections
 
-import torch
-
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl

@@ -248,10 +248,6 @@ def _where(cond, x, y):
     return tm.where, [cond, x, y]
 
 
-def _where_kernel_dtypes(cond, x, y):
-    return x, y
-
-
 def where_lowering(name: str) -> None:
     op = overload(name)
 

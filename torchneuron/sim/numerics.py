@@ -65,11 +65,6 @@ def itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-def is_float(dtype: torch.dtype) -> bool:
-    """Whether the dtype is a floating-point type."""
-    return dtype.is_floating_point
-
-
 def compute_dtype(*dtypes: torch.dtype, fractional: bool = False) -> torch.dtype:
     """The dtype an operation on these operand dtypes computes in.
 

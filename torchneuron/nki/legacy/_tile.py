@@ -405,7 +405,3 @@ def block_tile(shape: tuple, dtype: Any, buffer: Any, name: str) -> LegacyTile:
 
 class ParDim(int):
     """``nl.par_dim(n)``: marks the partition dim in a shape."""
-
-
-def n_elems(shape: tuple) -> int:
-    return math.prod(int(s) for s in shape)

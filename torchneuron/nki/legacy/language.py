@@ -15,8 +15,8 @@ from torchneuron.nki import language as _nl
 from torchneuron.nki.language import *  # noqa: F401,F403
 from torchneuron.nki.language import (affine_range, bfloat16, float32, num_programs, program_id,  # noqa: F401
                                       sequential_range, static_range, tile_size)
-from torchneuron.nki.legacy._tile import (IndexExpr, LegacyTile, ParDim, _Var, block_tile, boxes, contraction_range,
-                                          fill_masked, is_box, is_empty, narrow, narrow_dims, restriction)
+from torchneuron.nki.legacy._tile import (IndexExpr, ParDim, _Var, block_tile, boxes, contraction_range, fill_masked,
+                                          is_box, narrow, narrow_dims, restriction)
 from torchneuron.sim import AP
 from torchneuron.nki.tracing import NkiTensor, current, psum, sbuf, shared_hbm, hbm, private_hbm  # noqa: F401
 

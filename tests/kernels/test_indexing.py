@@ -1,0 +1,30 @@
+"""kernels/indexing.py against PyTorch: iota and row gathers (out-of-range rows raise)."""
+import numpy as np
+import pytest
+import torch
+
+from torchneuron.kernels.indexing import gather_rows, iota
+from torchneuron.sim import IndexOutOfRange
+
+
+@pytest.mark.parametrize("n", [1, 128, 1000, 70000])
+def test_iota_counts_from_zero(n):
+    np.testing.assert_array_equal(iota(n), np.arange(n, dtype=np.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_gather_rows_matches_index_select(dtype):
+    table = torch.randn(50, 37).to(dtype)
+    index = torch.randint(0, 50, (300,), dtype=torch.int32)
+    assert torch.equal(gather_rows(table, index), table[index.long()])
+
+
+def test_gather_rows_reads_every_other_word_with_stride_2():
+    table = torch.randn(10, 3)
+    index = torch.tensor([7, 2, 9], dtype=torch.int64)
+    assert torch.equal(gather_rows(table, index.view(torch.int32), stride=2), table[index])
+
+
+def test_gather_rows_raises_for_a_row_outside_the_table():
+    with pytest.raises(IndexOutOfRange, match="outside the 4 rows"):
+        gather_rows(torch.randn(4, 2), torch.tensor([0, 4], dtype=torch.int32))

@@ -1,0 +1,24 @@
+"""kernels/optim.py against torch.optim.AdamW's update formula (one step, in place)."""
+import torch
+
+from torchneuron.kernels.optim import SCALARS, adam_step
+
+
+def test_adamw_step_matches_the_formula():
+    n, lr, beta1, beta2, eps, wd, step = 5000, 1e-2, 0.9, 0.999, 1e-8, 0.1, 3
+    param, grad = torch.randn(n), torch.randn(n)
+    exp_avg, exp_avg_sq = torch.randn(n) * 0.1, torch.rand(n) * 0.01
+    p, m, v = param.clone(), exp_avg.clone(), exp_avg_sq.clone()
+    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+    values = {"decay": 1 - lr * wd, "one_minus_beta1": 1 - beta1, "beta2": beta2, "one_minus_beta2": 1 - beta2,
+              "neg_step_size": -lr / bc1, "inv_bc2": 1 / bc2 ** 0.5, "eps": eps, "wd": wd}
+    adam_step(param, grad, exp_avg, exp_avg_sq, torch.tensor([values[k] for k in SCALARS]))
+    # the reference: torch.optim.AdamW's decoupled update in float64
+    p, g, m, v = (t.double() for t in (p, grad, m, v))
+    p = p * (1 - lr * wd)
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    p = p - lr / bc1 * m / ((v / bc2).sqrt() + eps)
+    torch.testing.assert_close(exp_avg.double(), m, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(exp_avg_sq.double(), v, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(param.double(), p, rtol=1e-5, atol=1e-6)
