@@ -185,8 +185,7 @@ class NeuronBackend:
         """Run ``method`` on Gloo with neuron tensors as CPU aliases, on the simulated clock."""
         tensors = _flat(args)
         types = {t.device.type for t in tensors}
-        gloo = getattr(self, "_gloo" + method if method.startswith("_") else "_gloo_" + method, None)
-        gloo = gloo or getattr(self.gloo, method)
+        gloo = getattr(self, f"_gloo_{method}", None) or getattr(self.gloo, method)  # ours where Gloo lacks it
         if types == {"cpu"} and device is None:
             return gloo(*_premul_as_sum(method, args))
         if len(types) > 1:
