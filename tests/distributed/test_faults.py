@@ -1,5 +1,6 @@
 """Faults: ranks that disagree on a collective get a clear error (and the group still works);
-a rank that dies makes the others raise within the process group's timeout instead of hanging."""
+a rank that dies makes the others raise at once, and one that never joins a collective makes
+the others raise after the process group's timeout, instead of hanging."""
 from __future__ import annotations
 
 import os
@@ -53,6 +54,30 @@ def faults_worker(rank: int, world: int, result_path: str) -> dict:
     return out
 
 
+HANG_TIMEOUT_S = 3.0
+
+
+def hang_worker(rank: int, world: int) -> dict:
+    """Rank 1 stays alive but never joins the all-reduce; rank 0 must give up after the timeout."""
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(HANG_TIMEOUT_S + 1.5)  # outlives the timeout, then leaves
+        return {}
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(8, device="neuron"))
+        error = None
+    except RuntimeError as e:
+        error = str(e).splitlines()[0]
+    return {"error": error, "after_s": time.monotonic() - start}
+
+
+@pytest.fixture(scope="module")
+def hang(tmp_path_factory):
+    return run_world_once(tmp_path_factory, "hang", hang_worker, 2, pg_timeout_s=HANG_TIMEOUT_S, timeout=60)[0]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     return run_world_once(tmp_path_factory, "faults", faults_worker, 2, lambda base: (str(base / "rank{rank}.pt"),),
@@ -87,3 +112,9 @@ def test_dead_rank_raises_within_the_timeout(results):
     r = results[0]
     assert r["dead"] is not None
     assert r["dead_after_s"] < PG_TIMEOUT_S + 5.0
+
+
+def test_silent_rank_raises_after_the_timeout(hang):
+    r = hang[0]
+    assert r["error"] is not None and "timed out" in r["error"].lower()
+    assert HANG_TIMEOUT_S - 0.5 <= r["after_s"] < HANG_TIMEOUT_S + 5.0
