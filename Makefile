@@ -39,6 +39,7 @@ bench: setup
 	$(PY) bench/kernels.py
 	$(PY) bench/eager.py
 	$(PY) bench/compile.py
+	$(PY) bench/distributed.py
 
 # TorchTitan's llama3 debug model on 2 and 4 neuron ranks against the same runs on CPU ranks.
 # TorchTitan imports triton at model import (never run here); constraints keep torch 2.13.0.

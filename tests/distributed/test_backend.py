@@ -8,6 +8,8 @@ formula computed here from the chip's published figures.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -153,3 +155,13 @@ def test_collectives_appear_in_the_chrome_trace(results):
         assert event["pid"] == rank and event["args"]["op"] == "c10d::allreduce (SUM)"
         assert event["ts"] * 1000.0 == pytest.approx(r["timing"]["start"])
         assert (event["ts"] + event["dur"]) * 1000.0 == pytest.approx(r["timing"]["end"])
+
+
+def test_import_torch_alone_registers_the_backend():
+    # a fresh process that never imports torchneuron itself (the device autoloads)
+    code = ("import torch.distributed as dist; "
+            "print(dist.Backend.default_device_backend_map.get('neuron'), dist.Backend.backend_capability['neuron'], "
+            "dist.Backend.default_device_backend_map.get('cpu'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[0] == "neuron ['cpu', 'neuron'] gloo"
