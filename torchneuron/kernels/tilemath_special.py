@@ -12,7 +12,7 @@ import functools
 import math
 
 import torchneuron.nki.language as nl
-from torchneuron.ops import tilemath as tm
+from torchneuron.kernels import tilemath as tm
 
 INF, NAN = math.inf, math.nan
 HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)

@@ -16,7 +16,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torch._prims_common import canonicalize_dim
 
 import torchneuron.nki.language as nl
-from torchneuron.ops import tilemath as tm
+from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import (aten, DEVICE_DTYPES, FLOATS, meta_twin, on_one_device, raise_like_cpu, type_name,
                                   variants)
 from torchneuron.ops.elementwise import write_result

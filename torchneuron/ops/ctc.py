@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 
-from torchneuron.ops import tilemath_special as ts
+from torchneuron.kernels import tilemath_special as ts
 from torchneuron.ops.base import aten, Unsupported
 from torchneuron.ops.elementwise import run_pointwise
 from torchneuron.ops.registry import cpu_fallback, lowering

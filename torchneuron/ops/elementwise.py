@@ -28,7 +28,7 @@ import torchneuron.nki.language as nl
 from torchneuron.kernels.copy import multi_copy, strided_copy, widen_int64
 from torchneuron.kernels.elementwise import KERNELS, NAMES, fold_broadcast
 from torchneuron.kernels.transpose import permute_kernel
-from torchneuron.ops import tilemath
+from torchneuron.kernels import tilemath
 from torchneuron.ops.base import DEVICE_DTYPES, type_name, Unsupported
 from torchneuron.ops.kernel_call import call_kernel, launch_traced, scalar_operand, traced_kernel
 

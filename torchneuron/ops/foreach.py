@@ -2,7 +2,7 @@
 every tensor of the lists (the default ``foreach`` optimizers, ``clip_grad_norm_``'s scaling),
 instead of PyTorch's composite loop of one launch per tensor.
 
-Each op applies the tile function its single-tensor lowering uses (``ops/tilemath.py``), so the
+Each op applies the tile function its single-tensor lowering uses (``kernels/tilemath.py``), so the
 results are bit-identical to the per-tensor ops. Scalars (one, or one per tensor) reach the kernel
 as (1, 1) device operands written in one host-to-device transfer, so a new learning rate or bias
 correction does not mean a new Program. Lists that are not all contiguous float tensors of one
@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torchneuron.kernels.foreach import foreach_kernel, foreach_sum_kernel, operand_name
-from torchneuron.ops import tilemath as tm
+from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, FLOATS
 from torchneuron.ops.kernel_call import call_kernel, host_operand
 from torchneuron.ops.pointwise import UNARY_FLOAT, UNARY_SAME

@@ -21,7 +21,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torch._prims_common import canonicalize_dim
 
 from torchneuron.kernels.indexing import gather_rows, iota
-from torchneuron.ops import tilemath as tm
+from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, DEVICE_DTYPES
 from torchneuron.ops.elementwise import (can_copy, check_no_internal_overlap, check_no_overlap, copy_parts, dense,
                                          device_copy, run_pointwise)

@@ -34,7 +34,8 @@ from torch._prims_common import elementwise_dtypes
 from torchneuron.kernels.int64_words import (int64_add, int64_bitwise, int64_compare, int64_divmod, int64_extreme,
                                             int64_minmax, int64_mul, int64_shift, int64_unary, int64_where)
 from torchneuron.kernels.int64_words import int_sum as _sum_kernel
-from torchneuron.ops import pointwise, tilemath
+from torchneuron.kernels import tilemath
+from torchneuron.ops import pointwise
 from torchneuron.ops.base import aten, DEVICE_DTYPES, FLOATS, Unsupported, variants
 from torchneuron.ops.elementwise import (broadcast_shape, check_overlap, check_target, dense, device_copy, promote,
                                          to_int64)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
-from torchneuron.ops import tilemath as tm
+from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, FLOATS, on_one_device, type_name
 from torchneuron.ops.elementwise import dense, KIND, run_pointwise
 from torchneuron.ops.kernel_call import call_kernel

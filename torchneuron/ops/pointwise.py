@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch._prims_common import elementwise_dtypes
 
-from torchneuron.ops import tilemath as tm
+from torchneuron.kernels import tilemath as tm
 from torchneuron.kernels.int64_words import int64_add
 from torchneuron.ops.base import overload, overload_exists, type_name, Unsupported, variants
 from torchneuron.ops.elementwise import dense, device_copy, KIND, Number, run_pointwise

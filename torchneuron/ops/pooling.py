@@ -25,7 +25,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 
 import torchneuron.nki.language as nl
 from torchneuron.kernels.reduction import reduce_kernel
-from torchneuron.ops import tilemath as tm
+from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, device_table, floats_on_one_device, meta_run
 from torchneuron.ops.elementwise import dense, run_pointwise, to_int64, write_result
 from torchneuron.ops.windows import as_float32, col2im_patches, im2col_patches, int_tuple

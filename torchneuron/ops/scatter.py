@@ -36,7 +36,8 @@ import torchneuron.nki.language as nl
 from torchneuron.kernels.indexing import gather_rows
 from torchneuron.kernels.scan import scan_rows
 from torchneuron.kernels.scatter import scatter_rows
-from torchneuron.ops import base, tilemath as tm
+from torchneuron.kernels import tilemath as tm
+from torchneuron.ops import base
 from torchneuron.ops.base import (aten, DEVICE_DTYPES, FLOATS, meta_twin, on_one_device, raise_like_cpu, type_name,
                                   Unsupported)
 from torchneuron.ops.elementwise import (broadcast_shape, check_no_internal_overlap, check_no_overlap, dense,

@@ -28,7 +28,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torch._prims_common import canonicalize_dim
 
 import torchneuron.nki.language as nl
-from torchneuron.ops import tilemath as tm
+from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, FLOATS, meta_twin, on_one_device, raise_like_cpu, Unsupported
 from torchneuron.ops.elementwise import dense, run_pointwise, to_int64, write_result
 from torchneuron.ops.indexing import arange_values

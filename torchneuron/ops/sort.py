@@ -33,7 +33,8 @@ import torchneuron.nki.language as nl
 from torchneuron.kernels._common import PMAX
 from torchneuron.kernels.scan import scan_rows
 from torchneuron.kernels.sort import MAX_COLS, bitonic_sort_rows
-from torchneuron.ops import base, tilemath as tm
+from torchneuron.kernels import tilemath as tm
+from torchneuron.ops import base
 from torchneuron.ops.base import aten, meta_twin, on_one_device, Unsupported
 from torchneuron.ops.elementwise import dense, run_pointwise, to_int64, write_result
 from torchneuron.ops.indexing import arange_values

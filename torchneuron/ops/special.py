@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 
-from torchneuron.ops import tilemath_special as ts
+from torchneuron.kernels import tilemath_special as ts
 from torchneuron.ops.base import aten, on_one_device, overload_exists, Unsupported, variants
 from torchneuron.ops.elementwise import run_pointwise
 from torchneuron.ops.pointwise import register_pointwise
