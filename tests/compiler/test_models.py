@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import torchneuron
 from torchneuron.compiler import reports

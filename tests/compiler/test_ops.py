@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch.testing._internal.common_methods_invocations import op_db
 
-import torchneuron
 from torchneuron.compiler import lowering, reports
 from tests.opinfo.harness import _tensors
 
@@ -39,7 +38,8 @@ OPINFOS = {
 }
 # lowered ops whose OpInfo samples never reach the lowering (3-D attention takes the math path): tested below
 ELSEWHERE = {"_scaled_dot_product_fused_attention_overrideable": "test_fused_attention_in_a_program",
-             "_scaled_dot_product_fused_attention_overrideable_backward": "test_fused_attention_in_a_program"}
+             "_scaled_dot_product_fused_attention_overrideable_backward": "test_fused_attention_in_a_program",
+             "copy_": "test_input_mutation_is_written_by_the_program"}
 SAMPLES = 3
 BY_NAME = {(o.name, o.variant_test_name): o for o in op_db}
 
@@ -164,3 +164,19 @@ def test_fused_attention_in_a_program(dtype, causal):
     torch.testing.assert_close(got, yc.detach(), **tol)
     torch.testing.assert_close(got_grad, xc.grad, **tol)
     assert any("attention" in k for r in reports()[-3:] for k in r.kernels)
+
+
+def test_input_mutation_is_written_by_the_program():
+    """``buf.mul_(0.9).add_(x)`` (a running statistic): AOTAutograd's trailing ``copy_`` into the input runs in
+    the program (a DMA into the input's own memory), and the input holds the CPU's values afterwards."""
+    def update(buf, x):
+        buf.mul_(0.9).add_(x.square())
+        return x.sum(0)
+
+    buf, x = torch.randn(48, 80), torch.randn(48, 80)
+    nbuf = buf.to("neuron")
+    out = torch.compile(update, backend="neuron")(nbuf, x.to("neuron"))
+    want = update(buf, x)
+    torch.testing.assert_close(out.cpu(), want)
+    torch.testing.assert_close(nbuf.cpu(), buf)
+    assert any(k.startswith("aten.copy_") for r in reports()[-2:] for k in r.kernels)

@@ -46,11 +46,10 @@ def compiler_version() -> str:
     """A hash of the sources that decide a program's instructions (compiler, kernels, language, simulator)."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for sub in ("compiler", "kernels", "nki", "sim", "ops"):
+    for sub in ("compiler", "kernels", "nki", "sim"):
         for p in sorted((root / sub).rglob("*.py")):
-            if sub != "ops" or p.name.startswith("tilemath"):
-                h.update(p.relative_to(root).as_posix().encode())
-                h.update(p.read_bytes())
+            h.update(p.relative_to(root).as_posix().encode())
+            h.update(p.read_bytes())
     return h.hexdigest()[:16]
 
 

@@ -25,9 +25,45 @@ KEEP_WHOLE = (
 )
 
 
+# Multi-tensor (``_foreach_*``) ops of the optimizers, as one element-wise op per tensor: each becomes a
+# pointwise node the compiler fuses (an AdamW update per parameter is one pass), all in one program,
+# instead of an eager launch per foreach op. name -> (per-tensor op, keyword of a trailing scalar argument)
+FOREACH = {
+    "add": (aten.add, None), "sub": (aten.sub, None), "mul": (aten.mul, None), "div": (aten.div, None),
+    "addcmul": (aten.addcmul, "value"), "addcdiv": (aten.addcdiv, "value"), "lerp": (aten.lerp, None),
+    "sqrt": (aten.sqrt, None), "neg": (aten.neg, None), "reciprocal": (aten.reciprocal, None),
+    "pow": (aten.pow, None), "maximum": (aten.maximum, None), "minimum": (aten.minimum, None),
+    "abs": (aten.abs, None), "exp": (aten.exp, None), "sign": (aten.sign, None),
+}
+
+
+def _per_tensor(op, keyword: str | None):
+    """``_foreach_<op>(lists and scalars...)`` as ``[op(elements i...) for each i]``."""
+    def decomposed(*args, **kwargs):
+        n = next(len(a) for a in args if isinstance(a, (list, tuple)))
+        out = []
+        for i in range(n):
+            elems = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
+            kw = dict(kwargs)
+            if keyword is not None and len(elems) == 4:   # addcmul/addcdiv's value (kwarg-only per tensor)
+                kw[keyword] = elems.pop()
+            out.append(op(*elems, **kw))
+        return out
+    return decomposed
+
+
+def _foreach_table() -> dict:
+    table = {}
+    for name, (op, keyword) in FOREACH.items():
+        packet = getattr(aten, f"_foreach_{name}", None)
+        for overload in (packet.overloads() if packet is not None else ()):
+            table[getattr(packet, overload)] = _per_tensor(op, keyword)
+    return table
+
+
 @functools.cache
 def decomposition_table() -> dict:
-    """The table (built once): core-ATen decompositions without ``KEEP_WHOLE``'s overloads."""
+    """The table (built once): core-ATen decompositions without ``KEEP_WHOLE``'s overloads, plus ``FOREACH``."""
     table = dict(core_aten_decompositions())
     keep = {ov for packet in KEEP_WHOLE for ov in (getattr(packet, name) for name in packet.overloads())}
-    return {op: fn for op, fn in table.items() if op not in keep}
+    return {**{op: fn for op, fn in table.items() if op not in keep}, **_foreach_table()}

@@ -78,7 +78,7 @@ class CompiledGraph:
     def _segment(self, seg: Segment, env: dict) -> None:
         values = [self._host(n, env) for n in seg.inputs]
         sigs = [signature(v) for v in values]
-        device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+        device = next((v.device for v in values if isinstance(v, torch.Tensor) and v.device.type == "neuron"), None)
         key = (seg.index, device.index if device is not None else None, *sigs)
         prog = self.programs.get(key)
         if prog is None:
@@ -88,8 +88,8 @@ class CompiledGraph:
             return
         by_slot = {}
         for v, slot in zip(values, prog.input_slots):
-            if slot is not None:
-                by_slot[slot] = _flat_span(v)
+            if slot is not None:   # (a CPU 0-d operand: copied to the device, as eager's scalar operands are)
+                by_slot[slot] = _flat_span(v if v.device.type == "neuron" else v.to(device))
         arena = prog.program.args[-1]
         if arena.name == ARENA:   # the planned intermediates: one device allocation per call
             by_slot[ARENA] = torch.empty(arena.shape, dtype=arena.dtype, device=device)

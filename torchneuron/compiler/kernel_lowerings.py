@@ -28,7 +28,7 @@ from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.kernels.softmax import (attention_fits, attention_softmax_kernel, fits_one_pass, softmax_bwd_kernel,
                                          softmax_kernel)
-from torchneuron.ops import tilemath as tm
+from torchneuron.kernels import tilemath as tm
 
 aten = torch.ops.aten
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -262,6 +262,27 @@ def lower_cat(ctx, node, tensors: list, dim: int = 0) -> Value:
                      (v.layout.storage_offset(), v.shape, v.layout.stride()))
         start += v.shape[dim]
     return out
+
+
+# ---- input mutation ---------------------------------------------------------------------------------
+# AOTAutograd ends a graph that updates its inputs (optimizer state, BatchNorm running statistics) with
+# ``copy_(input, new value)``; inside the program that is a DMA into the input's own memory (its slot
+# is the input's storage), after every instruction that read the old value.
+
+@supports(aten.copy_.default)
+def _copy_ok(node, dst, src, non_blocking=False) -> bool:
+    target = node.args[0]
+    return (not node.users and target.op == "placeholder" and dst.dtype in DEVICE_DTYPES
+            and src.dtype in DEVICE_DTYPES and dst.numel() > 0 and tuple(src.shape) == tuple(dst.shape)
+            and (src.dtype == dst.dtype or (src.is_floating_point() and dst.is_floating_point())))
+
+
+@register_kernel(aten.copy_.default)
+def lower_copy_(ctx, node, dst: Value, src: Value, non_blocking=False) -> Value:
+    """``dst.copy_(src)`` for a graph input ``dst``: strided DMAs (casting between float dtypes)."""
+    strided_copy(flat(dst), flat(src), (dst.layout.storage_offset(), dst.shape or (1,), dst.layout.stride() or (1,)),
+                 (src.layout.storage_offset(), src.shape or (1,), src.layout.stride() or (1,)))
+    return dst
 
 
 # ---- attention -------------------------------------------------------------------------------------

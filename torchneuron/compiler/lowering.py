@@ -6,7 +6,7 @@ Three kinds of lowering, as Inductor's ``lowering.py`` declares them:
   with the operand's real layout and keeps the resulting sizes, strides and offset as an access
   pattern over the same HBM buffer.
 - ``register_pointwise(op, build)``: an element-wise op. ``build(*args, **kwargs)`` returns
-  ``(tile_fn, operands)``: the op's math over ``nl`` tiles (``ops.tilemath``, the functions the
+  ``(tile_fn, operands)``: the op's math over ``nl`` tiles (``kernels.tilemath``, the functions the
   eager kernels use) and its operands (values or Python scalars). Chains of these are fused into
   one pass over HBM (``partition``).
 - ``register_kernel(op, lower)``: an op computed by a library kernel (matmul, softmax, norms,
@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from torchneuron.ops import tilemath as tm
+from torchneuron.kernels import tilemath as tm
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -117,6 +117,7 @@ for _op, _fn in {aten.mul: tm.mul, aten.div: tm.div, aten.maximum: tm.maximum, a
             register_pointwise(getattr(_op, _overload), _binary(_fn))
 register_pointwise(aten.pow.Tensor_Tensor, _binary(tm.pow_))
 register_pointwise(aten.pow.Tensor_Scalar, lambda x, y: (tm.pow_scalar(float(y)), [x]))
+register_pointwise(aten.pow.Scalar, lambda x, y: (tm.pow_, [x, y]))   # a scalar base (Adam's bias correction)
 register_pointwise(aten.add.Tensor, _scaled(tm.add, tm.add_scaled))
 register_pointwise(aten.add.Scalar, _scaled(tm.add, tm.add_scaled))
 register_pointwise(aten.sub.Tensor, _scaled(tm.sub, tm.sub_scaled))

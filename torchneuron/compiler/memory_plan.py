@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from torchneuron.sim import Program
-from torchneuron.sim.memory import AP
 from torchneuron.sim.program import ArgSlot
 
 ARENA = "arena"

@@ -80,6 +80,8 @@ def role(node: fx.Node) -> str:
     if pred is not None:   # the lowering's own check covers dtypes (placeholder outputs may be int64 or empty)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
         return k if all(t.device.type == "neuron" for t in outs + ins) and pred(node, *args, **kwargs) else "eager"
+    # a CPU 0-d tensor operand is a scalar the program reads from HBM (copied there per call, as eager does)
+    ins = [t for t in ins if not (t.device.type == "cpu" and t.dim() == 0)]
     if not _on_device(outs + ins) or any(t.numel() == 0 for t in outs + ins):
         return "eager"
     if k == "pointwise":
@@ -191,8 +193,9 @@ def partition(graph: fx.Graph) -> Plan:
             open_seg.nodes.append(node)
             continue
         # eager: before the open segment when independent of it, else it closes the segment; an op that
-        # writes memory (copy_ into a graph input) keeps its place: the segment may read what it writes
-        if open_seg is not None and (_mutates(node) or any(produced_in(a, open_seg) for a in node.all_input_nodes)):
+        # writes memory (copy_ into a graph input) also closes it when the segment reads what it writes
+        if open_seg is not None and (any(produced_in(a, open_seg) for a in node.all_input_nodes)
+                                     or (_mutates(node) and _writes_read_by(node, open_seg, roles))):
             open_seg = None
             steps.append(node)
         else:
@@ -206,6 +209,19 @@ def partition(graph: fx.Graph) -> Plan:
 def _mutates(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return schema is None or schema.is_mutable
+
+
+def _writes_read_by(node: fx.Node, seg: Segment, roles: dict) -> bool:
+    """Whether ``seg`` reads memory the mutating ``node`` may write (any tensor operand of it, unless its schema
+    says which are written)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return True
+    written = [a for a, arg in zip(node.args, schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write]
+    targets = {_root(a, roles) for a in written if isinstance(a, fx.Node)} if written else \
+        {_root(a, roles) for a in node.all_input_nodes}
+    read = {_root(a, roles) for n in seg.nodes for a in n.all_input_nodes}
+    return bool(targets & read)
 
 
 def _finish_segment(seg: Segment, roles: dict, owner: dict) -> None:
