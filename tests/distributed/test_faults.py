@@ -37,6 +37,12 @@ def faults_worker(rank: int, world: int, result_path: str) -> dict:
         out["float8_reduce"] = None
     except RuntimeError as e:
         out["float8_reduce"] = str(e)
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2), (4,)).to("neuron")
+    try:
+        dist.all_reduce(sparse)
+        out["sparse"] = None
+    except NotImplementedError as e:
+        out["sparse"] = str(e)
     z = torch.full((3,), float(rank + 1), device="neuron")
     dist.all_reduce(z)  # the group still works after the refused collectives
     out["after"] = z.cpu()
@@ -101,6 +107,12 @@ def test_dtype_mismatch_is_a_clear_error(results):
 def test_float8_reductions_are_refused(results):
     for r in results:
         assert "all_reduce of torch.float8_e4m3fn tensors: 8-bit floats cannot be reduced" in r["float8_reduce"]
+
+
+def test_sparse_collectives_are_refused(results):
+    # (they would otherwise take the generic CPU fallback and leave the tensor unreduced)
+    for r in results:
+        assert "c10d::allreduce_: collectives on sparse neuron tensors are not supported yet" in r["sparse"]
 
 
 def test_group_still_works_after_a_refused_collective(results):

@@ -36,9 +36,10 @@ def register() -> None:
 
     if not dist.is_available() or BACKEND_NAME.upper() in dist.Backend._plugins:
         return
-    from torchneuron.distributed import dtensor_rng
+    from torchneuron.distributed import dtensor_rng, sparse
 
     dtensor_rng.install()
+    sparse.install()
     # "cpu" too: a group created with "neuron" alone also serves CPU tensors (as "gloo" serves
     # CUDA ones); the default CPU backend stays gloo.
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "neuron"])
