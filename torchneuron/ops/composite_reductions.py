@@ -143,27 +143,24 @@ def _median_dim(name: str, ignore_nan: bool) -> None:
     def kernel(self: torch.Tensor, dim: int, keepdim: bool = False, *, values: torch.Tensor,
                indices: torch.Tensor):
         """(values, indices) of the (nan)median along ``dim``, into ``values``/``indices``."""
-        try:
-            if not on_one_device(self, values, indices) or self.dtype not in DATA_DTYPES:
-                raise Unsupported
-            d = canonicalize_dim(max_dim(self), dim)
-            if self.numel() == 0:   # the CPU's error for an empty dim, or its empty result
-                v, i = overload(torch.empty(self.shape, dtype=self.dtype), dim, keepdim,
-                                values=torch.empty(0, dtype=values.dtype), indices=torch.empty(0, dtype=torch.int64))
-                return write_result(v.to(self.device), values), write_result(i.to(self.device), indices)
-            if values.dtype != self.dtype or indices.dtype != torch.int64:
-                raise Unsupported   # the CPU's dtype errors
-            check_out(values, self)
-            check_out(indices, self)
-            x = self.reshape(1) if self.dim() == 0 else self
-            v, i = _median_along(x, d, ignore_nan)
-            if not keepdim or self.dim() == 0:
-                v, i = v.squeeze(d), i.squeeze(d)
-            if self.dim() == 0:
-                v, i = v.reshape(()), i.reshape(())
-            return write_result(dense(v), values), write_result(dense(i), indices)
-        except Unsupported:
-            return cpu_fallback(overload, self, dim, keepdim, values=values, indices=indices)
+        if not on_one_device(self, values, indices) or self.dtype not in DATA_DTYPES:
+            raise Unsupported
+        d = canonicalize_dim(max_dim(self), dim)
+        if self.numel() == 0:   # the CPU's error for an empty dim, or its empty result
+            v, i = overload(torch.empty(self.shape, dtype=self.dtype), dim, keepdim,
+                            values=torch.empty(0, dtype=values.dtype), indices=torch.empty(0, dtype=torch.int64))
+            return write_result(v.to(self.device), values), write_result(i.to(self.device), indices)
+        if values.dtype != self.dtype or indices.dtype != torch.int64:
+            raise Unsupported   # the CPU's dtype errors
+        check_out(values, self)
+        check_out(indices, self)
+        x = self.reshape(1) if self.dim() == 0 else self
+        v, i = _median_along(x, d, ignore_nan)
+        if not keepdim or self.dim() == 0:
+            v, i = v.squeeze(d), i.squeeze(d)
+        if self.dim() == 0:
+            v, i = v.reshape(()), i.reshape(())
+        return write_result(dense(v), values), write_result(dense(i), indices)
     lowering(f"{name}.dim_values")(kernel)
 
 
@@ -190,32 +187,27 @@ def _restore(res: torch.Tensor, like: torch.Tensor, d: int) -> torch.Tensor:
 
 
 def _cum_extreme(name: str, is_max: bool) -> None:
-    overload = getattr(aten, name).default
-
     def kernel(self: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, dim: int) -> None:
         """Running max/min with the CPU's index: the last position holding the running value (NaN sticks)."""
-        try:
-            if not on_one_device(self, values, indices) or self.dtype not in DATA_DTYPES or self.numel() == 0:
-                raise Unsupported
-            d = canonicalize_dim(max_dim(self), dim)
-            x = self.reshape(1) if self.dim() == 0 else self
-            key = x.to(torch.float32) if x.dtype != torch.float32 else x   # exact for the device's dtypes
-            prefix, rows, n = _prefixes(key, d, float("-inf") if is_max else float("inf"))
-            run = prefix.amax(-1, keepdim=True) if is_max else prefix.amin(-1, keepdim=True)
-            L = rows.shape[0]
-            pos = arange_values(n, self.device)
-            j = pos.to(torch.float32).reshape(1, 1, n)
-            upto = pos.reshape(1, n) <= pos.reshape(n, 1)              # [i, j]: j <= i
-            rows_i = rows.reshape(L, 1, n)
-            run3 = run.reshape(L, n, 1)
-            same = ((rows_i == run3) | (rows_i.isnan() & run3.isnan())) & upto
-            last = torch.where(same, j, -1.0).amax(-1).reshape(-1)
-            v = _restore(run.reshape(-1), x, d).to(self.dtype).reshape(self.shape)
-            idx = _restore(last, x, d).to(torch.int64).reshape(self.shape)
-            write_result(v, values)
-            write_result(idx, indices)
-        except Unsupported:
-            cpu_fallback(overload, self, values, indices, dim)
+        if not on_one_device(self, values, indices) or self.dtype not in DATA_DTYPES or self.numel() == 0:
+            raise Unsupported
+        d = canonicalize_dim(max_dim(self), dim)
+        x = self.reshape(1) if self.dim() == 0 else self
+        key = x.to(torch.float32) if x.dtype != torch.float32 else x   # exact for the device's dtypes
+        prefix, rows, n = _prefixes(key, d, float("-inf") if is_max else float("inf"))
+        run = prefix.amax(-1, keepdim=True) if is_max else prefix.amin(-1, keepdim=True)
+        L = rows.shape[0]
+        pos = arange_values(n, self.device)
+        j = pos.to(torch.float32).reshape(1, 1, n)
+        upto = pos.reshape(1, n) <= pos.reshape(n, 1)              # [i, j]: j <= i
+        rows_i = rows.reshape(L, 1, n)
+        run3 = run.reshape(L, n, 1)
+        same = ((rows_i == run3) | (rows_i.isnan() & run3.isnan())) & upto
+        last = torch.where(same, j, -1.0).amax(-1).reshape(-1)
+        v = _restore(run.reshape(-1), x, d).to(self.dtype).reshape(self.shape)
+        idx = _restore(last, x, d).to(torch.int64).reshape(self.shape)
+        write_result(v, values)
+        write_result(idx, indices)
     lowering(name)(kernel)
 
 
@@ -226,22 +218,18 @@ _cum_extreme("_cummin_helper", False)
 @lowering("_logcumsumexp", "_logcumsumexp.out")
 def logcumsumexp(self: torch.Tensor, dim: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """log(cumsum(exp(x))) as a stable ``logsumexp`` over every prefix (no running-sum overflow)."""
-    overload = aten._logcumsumexp.out if out is not None else aten._logcumsumexp.default
-    try:
-        if not on_one_device(self, out) or self.dtype not in FLOATS:
-            raise Unsupported
-        if out is not None and out.dtype != self.dtype:
-            raise Unsupported   # the CPU's dtype error
-        d = canonicalize_dim(max_dim(self), dim)
-        if self.numel() == 0:
-            return write_result(torch.empty(self.shape, dtype=self.dtype, device=self.device), out)
-        x = self.reshape(1) if self.dim() == 0 else self
-        prefix, _, _ = _prefixes(x.to(torch.float32), d, float("-inf"))
-        res = _restore(torch.logsumexp(prefix, -1), x, d).to(self.dtype).reshape(self.shape)
-        check_out(out, self)
-        return write_result(res, out)
-    except Unsupported:
-        return cpu_fallback(overload, self, dim, **_outs(out=out))
+    if not on_one_device(self, out) or self.dtype not in FLOATS:
+        raise Unsupported
+    if out is not None and out.dtype != self.dtype:
+        raise Unsupported   # the CPU's dtype error
+    d = canonicalize_dim(max_dim(self), dim)
+    if self.numel() == 0:
+        return write_result(torch.empty(self.shape, dtype=self.dtype, device=self.device), out)
+    x = self.reshape(1) if self.dim() == 0 else self
+    prefix, _, _ = _prefixes(x.to(torch.float32), d, float("-inf"))
+    res = _restore(torch.logsumexp(prefix, -1), x, d).to(self.dtype).reshape(self.shape)
+    check_out(out, self)
+    return write_result(res, out)
 
 
 # ---- index_reduce ------------------------------------------------------------------------------
@@ -294,11 +282,8 @@ def index_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, source: torc
 def index_reduce_(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, reduce: str, *,
                   include_self: bool = True) -> torch.Tensor:
     """In-place ``index_reduce_``: the out-of-place result copied back into ``self``."""
-    try:
-        check_out(self, index, source)
-        return write_result(_index_reduce(self, dim, index, source, reduce, include_self), self)
-    except Unsupported:
-        return cpu_fallback(aten.index_reduce_.default, self, dim, index, source, reduce, include_self=include_self)
+    check_out(self, index, source)
+    return write_result(_index_reduce(self, dim, index, source, reduce, include_self), self)
 
 
 # ---- segment_reduce -------------------------------------------------------------------------------

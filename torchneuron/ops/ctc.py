@@ -18,7 +18,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torchneuron.kernels import tilemath_special as ts
 from torchneuron.ops.base import aten, Unsupported
 from torchneuron.ops.elementwise import run_pointwise
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 
 NEG_INF = float("-inf")
 PAD = 2    # -inf columns before each batch element's positions: the reach of the skip transition
@@ -169,13 +169,9 @@ def _lengths(lengths) -> list[int]:
 def ctc_loss(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths, target_lengths, blank: int = 0,
              zero_infinity: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """CTC's negative log likelihood per batch element and the alphas (zero_infinity is the caller's)."""
-    op = aten._ctc_loss.Tensor if isinstance(input_lengths, torch.Tensor) else aten._ctc_loss.default
-    try:
-        il, tl = _lengths(input_lengths), _lengths(target_lengths)
-        _check(log_probs, targets, il, tl, blank)
-        return ctc_forward(log_probs, targets, il, tl, blank)
-    except Unsupported:
-        return cpu_fallback(op, log_probs, targets, input_lengths, target_lengths, blank, zero_infinity)
+    il, tl = _lengths(input_lengths), _lengths(target_lengths)
+    _check(log_probs, targets, il, tl, blank)
+    return ctc_forward(log_probs, targets, il, tl, blank)
 
 
 @lowering("_ctc_loss_backward", "_ctc_loss_backward.Tensor")
@@ -183,16 +179,9 @@ def ctc_loss_backward(grad: torch.Tensor, log_probs: torch.Tensor, targets: torc
                       target_lengths, neg_log_likelihood: torch.Tensor, log_alpha: torch.Tensor, blank: int,
                       zero_infinity: bool = False) -> torch.Tensor:
     """The gradient of ``_ctc_loss``'s negative log likelihood with respect to ``log_probs``."""
-    op = aten._ctc_loss_backward.Tensor if isinstance(input_lengths, torch.Tensor) else \
-        aten._ctc_loss_backward.default
-    args = (grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank,
-            zero_infinity)
-    try:
-        il, tl = _lengths(input_lengths), _lengths(target_lengths)
-        _check(log_probs, targets, il, tl, blank)
-        if not all(t.device == log_probs.device for t in (grad, neg_log_likelihood, log_alpha)) or \
-                tuple(log_alpha.shape) != (log_probs.shape[1], log_probs.shape[0], 2 * max(tl, default=0) + 1):
-            raise Unsupported
-        return ctc_backward(grad, log_probs, targets, il, tl, neg_log_likelihood, log_alpha, blank, zero_infinity)
-    except Unsupported:
-        return cpu_fallback(op, *args)
+    il, tl = _lengths(input_lengths), _lengths(target_lengths)
+    _check(log_probs, targets, il, tl, blank)
+    if not all(t.device == log_probs.device for t in (grad, neg_log_likelihood, log_alpha)) or \
+            tuple(log_alpha.shape) != (log_probs.shape[1], log_probs.shape[0], 2 * max(tl, default=0) + 1):
+        raise Unsupported
+    return ctc_backward(grad, log_probs, targets, il, tl, neg_log_likelihood, log_alpha, blank, zero_infinity)

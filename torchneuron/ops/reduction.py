@@ -92,44 +92,40 @@ def _cast_input(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def _lower(name: str, op: str, *, has_dtype: bool = True, default_dims: bool = False):
-    overload = base.overload(name)
 
     def kernel(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = kwargs.get("out")
-        try:
-            if self.device.type != "neuron" or (out is not None and out.device != self.device):
-                raise Unsupported
-            if default_dims:  # sum(x, dtype=None), prod(x, dtype=None) ... over everything
-                dim, keepdim = None, False
-                dtype = args[0] if args else kwargs.get("dtype")
-            else:
-                dim = args[0] if args else kwargs.get("dim")
-                keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
-                dtype = (args[2] if len(args) > 2 else kwargs.get("dtype")) if has_dtype else None
-            if op == "mean" and not (self.is_floating_point() or self.is_complex()) and dtype is None:
-                raise RuntimeError(f"mean(): could not infer output dtype. Input dtype must be either a floating "
-                                   f"point or complex dtype. Got: {type_name(self.dtype)}")
-            if op == "mean" and dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
-                raise RuntimeError(f"mean(): could not infer output dtype. Optional dtype must be either a floating "
-                                   f"point or complex dtype. Got: {type_name(dtype)}")
-            if dtype is None and out is not None and has_dtype:
-                dtype = out.dtype
-            if out is not None and not has_dtype and out.dtype != self.dtype:
-                raise RuntimeError(f"Expected the dtype for input and out to match, but got "
-                                   f"{type_name(self.dtype)} for input's dtype and {type_name(out.dtype)} for "
-                                   "out's dtype.")
-            x = _cast_input(self, dtype)
-            dims = _dims(x, dim)
-            if op in ("max", "min") and x.numel() == 0:
-                _check_empty_extreme(name.partition(".")[0], x, dim, dims)
-            if op == "mean" and not x.is_floating_point():
-                raise Unsupported
-            res = _reduce(x, dims, op, bool(keepdim))
-            if dtype is not None and res.dtype != dtype:  # an integer sum in another int dtype: wraps like the CPU
-                res = res.to(dtype)
-            return write_result(res, out)
-        except Unsupported:
-            return cpu_fallback(overload, self, *args, **kwargs)
+        if self.device.type != "neuron" or (out is not None and out.device != self.device):
+            raise Unsupported
+        if default_dims:  # sum(x, dtype=None), prod(x, dtype=None) ... over everything
+            dim, keepdim = None, False
+            dtype = args[0] if args else kwargs.get("dtype")
+        else:
+            dim = args[0] if args else kwargs.get("dim")
+            keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
+            dtype = (args[2] if len(args) > 2 else kwargs.get("dtype")) if has_dtype else None
+        if op == "mean" and not (self.is_floating_point() or self.is_complex()) and dtype is None:
+            raise RuntimeError(f"mean(): could not infer output dtype. Input dtype must be either a floating "
+                               f"point or complex dtype. Got: {type_name(self.dtype)}")
+        if op == "mean" and dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+            raise RuntimeError(f"mean(): could not infer output dtype. Optional dtype must be either a floating "
+                               f"point or complex dtype. Got: {type_name(dtype)}")
+        if dtype is None and out is not None and has_dtype:
+            dtype = out.dtype
+        if out is not None and not has_dtype and out.dtype != self.dtype:
+            raise RuntimeError(f"Expected the dtype for input and out to match, but got "
+                               f"{type_name(self.dtype)} for input's dtype and {type_name(out.dtype)} for "
+                               "out's dtype.")
+        x = _cast_input(self, dtype)
+        dims = _dims(x, dim)
+        if op in ("max", "min") and x.numel() == 0:
+            _check_empty_extreme(name.partition(".")[0], x, dim, dims)
+        if op == "mean" and not x.is_floating_point():
+            raise Unsupported
+        res = _reduce(x, dims, op, bool(keepdim))
+        if dtype is not None and res.dtype != dtype:  # an integer sum in another int dtype: wraps like the CPU
+            res = res.to(dtype)
+        return write_result(res, out)
     lowering(name)(kernel)
 
 
@@ -157,16 +153,12 @@ _lower("prod", "prod", default_dims=True)
 
 
 def _full_extreme(name: str, op: str):
-    overload = base.overload(name)
 
     def kernel(self: torch.Tensor) -> torch.Tensor:
         if self.numel() == 0:
             raise RuntimeError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0. Specify "
                                "the reduction dim with the 'dim' argument.")
-        try:
-            return _reduce(self, list(range(self.dim())), op, False)
-        except Unsupported:
-            return cpu_fallback(overload, self)
+        return _reduce(self, list(range(self.dim())), op, False)
     lowering(name)(kernel)
 
 
@@ -175,22 +167,18 @@ _full_extreme("min", "min")
 
 
 def _with_indices(name: str, op: str):
-    overload = base.overload(name)
 
     def kernel(self: torch.Tensor, dim: int, keepdim: bool = False, **kwargs: Any):
         outs = [kwargs.get(k) for k in ("max", "max_values", "min", "min_indices", "indices") if k in kwargs]
-        try:
-            if not outs and self.dim() == 0 and self.device.type == "neuron":   # a scalar is its own extreme
-                canonicalize_dim(1, dim)                                        # IndexError as on CPU
-                return self.clone(), torch.zeros((), dtype=torch.int64, device=self.device)
-            if outs or self.dim() == 0 or self.numel() == 0:
-                raise Unsupported
-            d = _dims(self, dim)
-            values = _reduce(self, d, op, keepdim)
-            indices = _reduce(self, d, f"arg{op}", keepdim)
-            return values, indices
-        except Unsupported:
-            return cpu_fallback(overload, self, dim, keepdim, **kwargs)
+        if not outs and self.dim() == 0 and self.device.type == "neuron":   # a scalar is its own extreme
+            canonicalize_dim(1, dim)                                        # IndexError as on CPU
+            return self.clone(), torch.zeros((), dtype=torch.int64, device=self.device)
+        if outs or self.dim() == 0 or self.numel() == 0:
+            raise Unsupported
+        d = _dims(self, dim)
+        values = _reduce(self, d, op, keepdim)
+        indices = _reduce(self, d, f"arg{op}", keepdim)
+        return values, indices
     lowering(name)(kernel)
 
 
@@ -199,20 +187,16 @@ _with_indices("min.dim", "min")
 
 
 def _arg(name: str, op: str):
-    overload = base.overload(name)
 
     def kernel(self: torch.Tensor, dim: int | None = None, keepdim: bool = False, *, out=None) -> torch.Tensor:
-        try:
-            if self.numel() == 0 or self.device.type != "neuron":
-                raise Unsupported
-            if dim is None:
-                res = _reduce(self.reshape(-1), [0], op, False)
-                res = res.reshape([1] * self.dim()) if keepdim else res
-            else:
-                res = _reduce(self, _dims(self, dim), op, keepdim)
-            return write_result(res, out)
-        except Unsupported:
-            return cpu_fallback(overload, self, dim, keepdim, **({"out": out} if out is not None else {}))
+        if self.numel() == 0 or self.device.type != "neuron":
+            raise Unsupported
+        if dim is None:
+            res = _reduce(self.reshape(-1), [0], op, False)
+            res = res.reshape([1] * self.dim()) if keepdim else res
+        else:
+            res = _reduce(self, _dims(self, dim), op, keepdim)
+        return write_result(res, out)
     lowering(name)(kernel)
 
 
