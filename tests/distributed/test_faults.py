@@ -37,6 +37,13 @@ def faults_worker(rank: int, world: int, result_path: str) -> dict:
         out["float8_reduce"] = None
     except RuntimeError as e:
         out["float8_reduce"] = str(e)
+    base = torch.arange(12.0, device="neuron").reshape(3, 4)
+    try:
+        dist.all_reduce(base[:, 1:3])  # Gloo alone would reduce the wrong elements (its first 6 in memory)
+        out["strided"] = None
+    except RuntimeError as e:
+        out["strided"] = str(e)
+    out["strided_base"] = base.cpu()
     sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2), (4,)).to("neuron")
     try:
         dist.all_reduce(sparse)
@@ -107,6 +114,13 @@ def test_dtype_mismatch_is_a_clear_error(results):
 def test_float8_reductions_are_refused(results):
     for r in results:
         assert "all_reduce of torch.float8_e4m3fn tensors: 8-bit floats cannot be reduced" in r["float8_reduce"]
+
+
+def test_non_contiguous_tensors_are_refused_on_every_rank(results):
+    for r in results:
+        assert r["strided"] == ("allreduce: Tensors must be contiguous; pass t.contiguous() (and copy the result "
+                                "back into the view if it is an output)")
+        assert torch.equal(r["strided_base"], torch.arange(12.0).reshape(3, 4))
 
 
 def test_sparse_collectives_are_refused(results):

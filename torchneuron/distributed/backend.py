@@ -36,8 +36,8 @@ from torchneuron.runtime import profiler
 _DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 _DTYPE_ID = {d: i for i, d in enumerate(_DTYPES)}
 _MAX_DIMS = 6
-# clock, method, dtype, reduce op, root, numel, ndim, dims...
-_META_LEN = 7 + _MAX_DIMS
+# clock, method, dtype, reduce op, root, numel, ndim, dims..., contiguous
+_META_LEN = 8 + _MAX_DIMS
 _NO_SHAPE = -1
 
 
@@ -62,7 +62,7 @@ def _reduce_op(opts: Any) -> int:
 
 def _describe(method: str, meta: Sequence[int]) -> str:
     """A rank's metadata as "method(dtype, shape [..], root r, op o)"."""
-    _, m, dtype, reduce_op, root, numel, ndim, *dims = meta
+    _, m, dtype, reduce_op, root, numel, ndim, *dims, _ = meta
     parts = [_METHODS[m] if 0 <= m < len(_METHODS) else f"method #{m}"]
     if dtype >= 0:
         parts.append(str(_DTYPES[dtype]).replace("torch.", ""))
@@ -96,6 +96,14 @@ def _flat(value: Any) -> list[torch.Tensor]:
 _FLOAT8 = frozenset(d for d in _DTYPES if d.is_floating_point and d.itemsize == 1)
 _REDUCING = frozenset({"allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "_reduce_scatter_base",
                        "reduce_scatter_tensor_coalesced"})
+
+
+def _contiguous(t: torch.Tensor) -> bool:
+    """Dense in its memory format (what NCCL accepts): contiguous, or channels-last in 4-D / 5-D."""
+    if t.is_contiguous():
+        return True
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    return t.dim() in formats and t.is_contiguous(memory_format=formats[t.dim()])
 
 
 def _host(value: Any) -> Any:
@@ -156,8 +164,9 @@ class NeuronBackend:
         self._sequence = 0
 
     # -- the exchange before each collective ------------------------------------------------
-    def _metadata(self, method: str, sig: _Signature, clock: int) -> torch.Tensor:
+    def _metadata(self, method: str, sig: _Signature, clock: int, contiguous: bool) -> torch.Tensor:
         meta = torch.full((_META_LEN,), _NO_SHAPE, dtype=torch.int64)
+        meta[-1] = int(contiguous)
         meta[0], meta[1] = clock, _METHOD_ID[method]
         meta[2] = _DTYPE_ID[sig.dtype] if sig.dtype is not None else -1
         meta[3], meta[4] = sig.reduce_op, sig.root
@@ -167,9 +176,10 @@ class NeuronBackend:
             meta[7:7 + min(len(shape), _MAX_DIMS)] = torch.tensor(shape[:_MAX_DIMS], dtype=torch.int64)
         return meta
 
-    def _agree(self, method: str, sig: _Signature, clock: int) -> int:
-        """Exchange metadata with every rank; raise if they disagree; return the latest clock."""
-        mine = self._metadata(method, sig, clock)
+    def _agree(self, method: str, sig: _Signature, clock: int, contiguous: bool) -> int:
+        """Exchange metadata with every rank; raise if they disagree or a tensor is not contiguous
+        (on every rank alike); return the latest clock."""
+        mine = self._metadata(method, sig, clock, contiguous)
         everyone = torch.empty(self.size * _META_LEN, dtype=torch.int64)
         self.gloo._allgather_base(everyone, mine).wait()
         rows = everyone.view(self.size, _META_LEN)
@@ -177,6 +187,9 @@ class NeuronBackend:
             described = [f"rank {r}: {_describe(method, rows[r].tolist())}" for r in range(self.size)]
             raise RuntimeError(f"neuron process group: the ranks disagree on a collective (this rank, {self.rank}, "
                                "called " + _describe(method, mine.tolist()) + "); " + "; ".join(described))
+        if not contiguous:  # Gloo would read the view's first numel elements of memory (NCCL refuses)
+            raise RuntimeError(f"{method}: Tensors must be contiguous; pass t.contiguous() (and copy the result "
+                               "back into the view if it is an output)")
         return int(rows[:, 0].max())
 
     # -- running one collective --------------------------------------------------------------
@@ -199,7 +212,8 @@ class NeuronBackend:
             device = tensors[0].device.index
         stream = torch.accelerator.current_stream(device)
         clock = _C._stream_clock(device, stream.stream_id)
-        start = self._agree(method, sig, clock)
+        contiguous = all(_contiguous(t) for t in tensors)
+        start = self._agree(method, sig, clock, contiguous)
         if sig.kind != "barrier":
             gloo(*_premul_as_sum(method, tuple(_host(a) for a in args))).wait()
         duration = cost.collective_ns(sig.kind, sig.nbytes, self.placement, self.spec, self.link)
@@ -223,6 +237,8 @@ class NeuronBackend:
         """send / recv: Gloo's pending work on the aliases; this rank's clock only (no exchange)."""
         if {t.device.type for t in tensors} == {"cpu"}:
             return call(tensors)
+        if not all(_contiguous(t) for t in tensors):
+            raise RuntimeError(f"{method}: Tensors must be contiguous; pass t.contiguous()")
         work = call(_host(tensors))
         device = tensors[0].device.index
         stream = torch.accelerator.current_stream(device)
