@@ -18,7 +18,7 @@ from torch._prims_common import canonicalize_dim
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import (aten, DEVICE_DTYPES, FLOATS, meta_twin, on_one_device, raise_like_cpu, type_name,
-                                  variants)
+                                  Unsupported, variants)
 from torchneuron.ops.elementwise import write_result
 from torchneuron.ops.matmul import add_scaled, MATMUL_DTYPES, mm_into
 from torchneuron.ops.nn import reduce_loss
@@ -83,7 +83,7 @@ for _name in ("addmv", "addmv_", "addmv.out"):
 def trace(self: torch.Tensor) -> torch.Tensor:
     """The sum of the diagonal (a strided view, reduced on the device)."""
     if not on_one_device(self) or self.dtype not in FLOATS:
-        return cpu_fallback(aten.trace.default, self)   # integer traces sum into int64
+        raise Unsupported
     if self.dim() != 2:
         raise_like_cpu(aten.trace.default, self)
     if self.numel() == 0:
@@ -120,7 +120,7 @@ def roll(self: torch.Tensor, shifts: Sequence[int], dims: Sequence[int] = ()) ->
 def equal(self: torch.Tensor, other: torch.Tensor) -> bool:
     """Same shape and every element equal (NaN never is): one comparison, one reduction, one host read."""
     if not on_one_device(self, other):
-        return cpu_fallback(aten.equal.default, self, other)
+        raise Unsupported
     if self.shape != other.shape:
         return False
     if self.numel() == 0:
@@ -315,7 +315,7 @@ def linalg_cross(self: torch.Tensor, other: torch.Tensor, *, dim: int = -1,
 def channel_shuffle(self: torch.Tensor, groups: int) -> torch.Tensor:
     """Interleave channel groups: ``[b, g, c/g, *] -> [b, c/g, g, *]``, a strided copy on the device."""
     if self.dim() < 3 or groups <= 0 or self.shape[1] % groups:
-        return cpu_fallback(aten.channel_shuffle.default, self, groups)   # the CPU's argument errors
+        raise Unsupported
     b, c = self.shape[:2]
     rest = self.shape[2:]
     view = self.reshape(b, groups, c // groups, *rest).transpose(1, 2)

@@ -22,8 +22,8 @@ import torch
 from torchneuron import _C
 from torchneuron.ops.base import floats_on_one_device
 from torchneuron.ops.elementwise import dense
-from torchneuron.ops.windows import col2im_patches, im2col_patches, int_tuple
 from torchneuron.ops.registry import lowering
+from torchneuron.ops.windows import col2im_patches, im2col_patches, int_tuple
 
 
 # ---- convolution ------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from torchneuron.ops.base import aten
+from torchneuron.ops.base import aten, Unsupported
 from torchneuron.ops.elementwise import can_copy, device_copy
 from torchneuron.ops.kernel_call import scalar_operand
 from torchneuron.ops.registry import cpu_fallback, lowering
@@ -60,7 +60,7 @@ def fill_tensor(self: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if value.device != self.device or not can_copy(self, value):
         if value.device.type == "cpu":
             return fill_scalar(self, value.item())
-        return cpu_fallback(aten.fill_.Tensor, self, value)
+        raise Unsupported
     if self.numel():
         device_copy(self, value)
     return self

@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from torchneuron.ops.base import aten, FLOATS
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.base import FLOATS, Unsupported
+from torchneuron.ops.registry import lowering
 
 DIRECT_LIMIT = 1 << 24   # elements of the [..., P, R, M] difference the direct form builds
 MM_ROWS = 25             # above this many rows on either side, the CPU's p = 2 uses the matmul form
@@ -40,7 +40,7 @@ def cdist_forward(x1: torch.Tensor, x2: torch.Tensor, p: float, compute_mode: in
     """``torch.cdist``: batch dims broadcast, then the direct or the matmul form (as the CPU picks)."""
     if x1.dim() < 2 or x2.dim() < 2 or x1.dtype not in FLOATS or x2.dtype != x1.dtype or p < 0 \
             or x1.size(-1) != x2.size(-1) or compute_mode not in (None, 0, 1, 2) or x1.device != x2.device:
-        return cpu_fallback(aten._cdist_forward.default, x1, x2, p, compute_mode)  # the CPU's errors
+        raise Unsupported
     batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
     (r1, m), r2 = x1.shape[-2:], x2.size(-2)
     if r1 == 0 or r2 == 0 or math.prod(batch) == 0:
@@ -51,7 +51,7 @@ def cdist_forward(x1: torch.Tensor, x2: torch.Tensor, p: float, compute_mode: in
     if p == 2 and (compute_mode == 1 or (compute_mode in (None, 0) and (r1 > MM_ROWS or r2 > MM_ROWS))):
         return _euclid_by_mm(x1, x2)
     if math.prod(batch) * r1 * r2 * m > DIRECT_LIMIT:
-        return cpu_fallback(aten._cdist_forward.default, x1, x2, p, compute_mode)
+        raise Unsupported
     return _pair_norms(x1, x2, p)
 
 
@@ -60,7 +60,7 @@ def pdist_forward(self: torch.Tensor, p: float = 2.0) -> torch.Tensor:
     """``pdist``: the pairs i < j of the rows, in row-major order, from the direct form."""
     n, m = self.shape if self.dim() == 2 else (0, 0)
     if self.dim() != 2 or self.dtype not in FLOATS or p < 0 or n * n * m > DIRECT_LIMIT:
-        return cpu_fallback(aten._pdist_forward.default, self, p)
+        raise Unsupported
     if n < 2:
         return self.new_empty((0,))
     if m == 0:

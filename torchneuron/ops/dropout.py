@@ -14,10 +14,10 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 import torchneuron.nki.language as nl
 from torchneuron import _C
 from torchneuron.kernels.random import dropout_kernel
-from torchneuron.ops.base import aten, draw_seed, floats_on_one_device, neuron_generator
+from torchneuron.ops.base import draw_seed, floats_on_one_device, neuron_generator, Unsupported
 from torchneuron.ops.elementwise import dense, run_pointwise
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 
 
 # ---- dropout --------------------------------------------------------------------------------------
@@ -49,6 +49,6 @@ def _dropout_grad_tile(g, m, s):
 def native_dropout_backward(grad_output: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """``grad * mask * scale`` in one element-wise launch."""
     if not floats_on_one_device(grad_output) or mask.device != grad_output.device or mask.dtype != torch.bool:
-        return cpu_fallback(aten.native_dropout_backward.default, grad_output, mask, scale)
+        raise Unsupported
     return run_pointwise(_dropout_grad_tile, [grad_output, mask, float(scale)], KIND.DEFAULT,
                          result_dtype=grad_output.dtype, op="aten::native_dropout_backward")

@@ -22,7 +22,7 @@ from torch._prims_common import canonicalize_dim
 
 from torchneuron.kernels.indexing import gather_rows, iota
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import aten, DEVICE_DTYPES
+from torchneuron.ops.base import aten, DEVICE_DTYPES, Unsupported
 from torchneuron.ops.elementwise import (can_copy, check_no_internal_overlap, check_no_overlap, copy_parts, dense,
                                          device_copy, run_pointwise)
 from torchneuron.ops.kernel_call import call_kernel
@@ -96,13 +96,13 @@ def arange_values(n: int, device: torch.device) -> torch.Tensor:
 def arange_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> torch.Tensor:
     """``torch.arange(start, end, step, out=out)``: iota, then ``start + i * step``."""
     if out.device.type != "neuron" or not can_copy(out, out) or out.dtype.is_complex:
-        return cpu_fallback(aten.arange.start_out, start, end, step, out=out)
+        raise Unsupported
     if step == 0:
         raise RuntimeError("step must be nonzero")
     if ((step > 0 and start > end) or (step < 0 and start < end)):
         raise RuntimeError("upper bound and lower bound inconsistent with step sign")
     if out.dtype == torch.bool or (out.dtype.is_floating_point and out.dtype not in DEVICE_DTYPES):
-        return cpu_fallback(aten.arange.start_out, start, end, step, out=out)
+        raise Unsupported
     n = max(0, math.ceil((float(end) - float(start)) / float(step)))
     if not out.dtype.is_floating_point:
         # integer results: start and step truncated to integers first, as the CPU's kernel does
@@ -115,7 +115,7 @@ def arange_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> tor
         info = torch.iinfo(out.dtype)
         lo, hi = sorted((first, first + (max(n, 1) - 1) * delta))
         if lo < max(info.min, -2 ** 24) or hi > min(info.max, 2 ** 24):   # exact in the fp32 lanes, no wrapping
-            return cpu_fallback(aten.arange.start_out, start, end, step, out=out)
+            raise Unsupported
         start, step = first, delta
     if tuple(out.shape) != (n,):
         out.resize_(n)
@@ -166,8 +166,7 @@ def embedding_dense_backward(grad_output: torch.Tensor, indices: torch.Tensor, n
     n = indices.numel()
     if (scale_grad_by_freq or grad_output.dtype not in (torch.float32, torch.bfloat16, torch.float16)
             or num_weights * n > ONEHOT_LIMIT or n == 0 or indices.dtype not in (torch.int32, torch.int64)):
-        return cpu_fallback(aten.embedding_dense_backward.default, grad_output, indices, num_weights, padding_idx,
-                            scale_grad_by_freq)
+        raise Unsupported
     words, stride = index_words(indices)
     idx = words if stride == 1 else words.view(n, 2)[:, 0]
     ids = arange_values(num_weights, grad_output.device).reshape(num_weights, 1)
@@ -267,7 +266,7 @@ def embedding_renorm_(self: torch.Tensor, indices: torch.Tensor, max_norm: float
     as the CPU kernel does: ``scale = max_norm / (norm + 1e-7)``."""
     if self.dtype not in (torch.float32, torch.bfloat16, torch.float16) or self.dim() != 2 or \
             indices.device != self.device or indices.dtype not in (torch.int32, torch.int64):
-        return cpu_fallback(aten.embedding_renorm_.default, self, indices, max_norm, norm_type)
+        raise Unsupported
     if indices.numel() == 0:
         return self
     idx = indices.reshape(-1)

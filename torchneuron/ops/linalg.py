@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from torchneuron.ops.base import aten, checked
+from torchneuron.ops.base import aten, checked, Unsupported
 from torchneuron.ops.elementwise import write_result
 from torchneuron.ops.registry import cpu_fallback, lowering
 
@@ -166,7 +166,7 @@ def linalg_solve_triangular(self: torch.Tensor, B: torch.Tensor, *, upper: bool,
 def cholesky_solve_helper(self: torch.Tensor, A: torch.Tensor, upper: bool) -> torch.Tensor:
     """``cholesky_solve``'s kernel: ``L L^T X = self`` as two triangular solves."""
     if not (_runs_here(self, A) and _square(A)) or A.size(-1) != self.size(-2):
-        return cpu_fallback(aten._cholesky_solve_helper.default, self, A, upper)
+        raise Unsupported
     chol = A.mT if upper else A
     return _solve(chol.mT, _solve(chol, self, False), True)
 

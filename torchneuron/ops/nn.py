@@ -25,7 +25,7 @@ from torch._prims_common import canonicalize_dim
 from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.softmax import fits_one_pass, softmax_bwd_kernel, softmax_kernel
-from torchneuron.ops.base import aten, checked, FLOATS, on_one_device, type_name
+from torchneuron.ops.base import aten, checked, FLOATS, on_one_device, type_name, Unsupported
 from torchneuron.ops.elementwise import dense, device_copy, write_result
 from torchneuron.ops.indexing import arange_values, index_words
 from torchneuron.ops.kernel_call import call_kernel
@@ -137,7 +137,7 @@ def native_layer_norm(input: torch.Tensor, normalized_shape: Sequence[int], weig
         empty = torch.empty(stat_shape, dtype=input.dtype, device=input.device)
         return torch.empty_like(input), empty, empty.clone()
     if input.dtype not in FLOATS or N == 0 or D == 0 or any(t.dtype != input.dtype for t in params):
-        return cpu_fallback(aten.native_layer_norm.default, input, normalized_shape, weight, bias, eps)
+        raise Unsupported
     rows = dense(input).reshape(N, D)
     out, mean, rstd = call_kernel(layer_norm_kernel, {"x": rows, "weight": _param(weight, D, 1.0, input),
                                                       "bias": _param(bias, D, 0.0, input)},
@@ -160,8 +160,7 @@ def native_layer_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, norm
     if input.dtype not in FLOATS or grad_out.dtype != input.dtype or \
             (weight is not None and weight.dtype != input.dtype) or mean.numel() != N or rstd.numel() != N or \
             any(t.device != input.device for t in (grad_out, mean, rstd)):
-        return cpu_fallback(aten.native_layer_norm_backward.default, grad_out, input, normalized_shape, mean, rstd,
-                            weight, bias, output_mask)
+        raise Unsupported
     # from the saved statistics, as the CPU kernel does: x^ = (x - mean) * rstd, g = dy * w,
     # dx = rstd * (g - mean(g) - x^ * mean(g * x^)), dw = sum(dy * x^), db = sum(dy) over rows
     dx, dw, db = call_kernel(layer_norm_bwd_kernel, {
@@ -209,7 +208,7 @@ def nll_loss_forward(self: torch.Tensor, target: torch.Tensor, weight: torch.Ten
                      ignore_index: int):
     """(loss, total_weight) of the negative log likelihood: ``-w[t_n] * x[n, t_n]``, reduced."""
     if not _nll_ok(self, target, weight, ignore_index):
-        return cpu_fallback(aten.nll_loss_forward.default, self, target, weight, reduction, ignore_index)
+        raise Unsupported
     args, C = _nll_args(self, target, weight)
     red = reduction if self.dim() == 2 or reduction else 2   # one sample unreduced: its loss, a scalar
     loss, total, bad = call_kernel(nll_fwd_kernel, {"x": dense(self).reshape(-1, C), **args},
@@ -226,14 +225,12 @@ def nll_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: tor
     """d(loss)/d(input): ``-w[t_n] * g_n`` at (n, t_n), zero elsewhere."""
     if not _nll_ok(self, target, weight, ignore_index) or grad_output.dtype != self.dtype or \
             total_weight.device != self.device or total_weight.numel() != 1:
-        return cpu_fallback(aten.nll_loss_backward.default, grad_output, self, target, weight, reduction,
-                            ignore_index, total_weight)
+        raise Unsupported
     args, C = _nll_args(self, target, weight)
     red = reduction if self.dim() == 2 or reduction else 2
     grad = dense(grad_output).reshape(-1, 1)
     if grad.shape[0] != (target.numel() if red == 0 else 1):
-        return cpu_fallback(aten.nll_loss_backward.default, grad_output, self, target, weight, reduction,
-                            ignore_index, total_weight)
+        raise Unsupported
     dx, bad = call_kernel(nll_bwd_kernel, {"grad": grad, "total": dense(total_weight).reshape(1, 1), **args},
                           {"num_classes": C, "ignore_index": int(ignore_index), "reduction": red},
                           op="aten::nll_loss_backward")
@@ -495,7 +492,7 @@ def weight_norm_interface(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> tup
     """(w = v * (g / ||v||), the norms ||v|| over every dim but ``dim``, kept as size-1 dims)."""
     dims = _weight_norm_dims(v, dim)
     if dims is None or g.device != v.device or g.dtype != v.dtype:
-        return cpu_fallback(aten._weight_norm_interface.default, v, g, dim)
+        raise Unsupported
     norms = torch.linalg.vector_norm(v, 2, dims, keepdim=True)
     return v * (g.reshape(norms.shape) / norms), norms
 
@@ -507,7 +504,7 @@ def weight_norm_interface_backward(grad_w: torch.Tensor, saved_v: torch.Tensor, 
     dims = _weight_norm_dims(saved_v, dim)
     if dims is None or any(t.device != saved_v.device or t.dtype != saved_v.dtype
                            for t in (grad_w, saved_g, saved_norms)):
-        return cpu_fallback(aten._weight_norm_interface_backward.default, grad_w, saved_v, saved_g, saved_norms, dim)
+        raise Unsupported
     norms = saved_norms.reshape([1 if i in dims else n for i, n in enumerate(saved_v.shape)])
     grad_g = (grad_w * saved_v).sum(dims, keepdim=True) / norms
     grad_v = (saved_g.reshape(norms.shape) / norms) * (grad_w - saved_v * (grad_g / norms))

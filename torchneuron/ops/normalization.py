@@ -13,9 +13,9 @@ from typing import Any, Sequence
 import torch
 
 from torchneuron import _C
-from torchneuron.ops.base import aten, floats_on_one_device, meta_run
-from torchneuron.ops.windows import as_float32
+from torchneuron.ops.base import aten, floats_on_one_device, meta_run, Unsupported
 from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.windows import as_float32
 
 
 # ---- batch norm, group norm, var_mean -------------------------------------------------------------------
@@ -76,8 +76,7 @@ def native_batch_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, weig
     ok = (floats_on_one_device(grad_out, input, weight, *stats) and input.dim() >= 2 and input.numel() > 0
           and all(t is not None and t.numel() == input.shape[1] for t in stats))
     if not ok:
-        return cpu_fallback(aten.native_batch_norm_backward.default, grad_out, input, weight, running_mean,
-                            running_var, save_mean, save_invstd, train, eps, output_mask)
+        raise Unsupported
     C = input.shape[1]
     dims = [0, *range(2, input.dim())]
     shape = [1, C] + [1] * (input.dim() - 2)
@@ -116,8 +115,7 @@ def native_group_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, mean
     ok = (floats_on_one_device(grad_out, input, mean, rstd, weight) and input.numel() > 0 and group > 0
           and C % group == 0 and input.numel() == N * C * HxW)
     if not ok:
-        return cpu_fallback(aten.native_group_norm_backward.default, grad_out, input, mean, rstd, weight, N, C, HxW,
-                            group, output_mask)
+        raise Unsupported
     G = group
     x = as_float32(input).reshape(N, G, C // G, HxW)
     g = as_float32(grad_out).reshape(N, G, C // G, HxW)

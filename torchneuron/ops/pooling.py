@@ -26,11 +26,11 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 import torchneuron.nki.language as nl
 from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import aten, device_table, floats_on_one_device, meta_run
+from torchneuron.ops.base import aten, device_table, floats_on_one_device, meta_run, Unsupported
 from torchneuron.ops.elementwise import dense, run_pointwise, to_int64, write_result
-from torchneuron.ops.windows import as_float32, col2im_patches, im2col_patches, int_tuple
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.windows import as_float32, col2im_patches, im2col_patches, int_tuple
 
 
 EXACT = 1 << 24          # flat indices computed in fp32 are exact below this
@@ -252,7 +252,7 @@ def im2col(self: torch.Tensor, kernel_size: Sequence[int], dilation: Sequence[in
     if self.numel() == 0 and floats_on_one_device(self):
         return torch.zeros(meta.shape, dtype=self.dtype, device=self.device)
     if not floats_on_one_device(self):
-        return cpu_fallback(aten.im2col.default, self, kernel_size, dilation, padding, stride)
+        raise Unsupported
     k, s, p, d = _pool_geometry(2, kernel_size, stride, padding, dilation)
     x = self if self.dim() == 4 else self.unsqueeze(0)
     o = tuple((n + 2 * pp - dd * (kk - 1) - 1) // ss + 1 for n, kk, ss, pp, dd in zip(x.shape[2:], k, s, p, d))
@@ -267,7 +267,7 @@ def col2im(self: torch.Tensor, output_size: Sequence[int], kernel_size: Sequence
     if self.numel() == 0 and floats_on_one_device(self):
         return torch.zeros(meta.shape, dtype=self.dtype, device=self.device)
     if not floats_on_one_device(self):
-        return cpu_fallback(aten.col2im.default, self, output_size, kernel_size, dilation, padding, stride)
+        raise Unsupported
     k, s, p, d = _pool_geometry(2, kernel_size, stride, padding, dilation)
     S = int_tuple(output_size, 2)
     o = tuple((n + 2 * pp - dd * (kk - 1) - 1) // ss + 1 for n, kk, ss, pp, dd in zip(S, k, s, p, d))
@@ -382,8 +382,7 @@ def avg_pool2d(self: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[
     if self.numel() == 0 and floats_on_one_device(self):
         return torch.empty(shape, dtype=self.dtype, device=self.device)
     if not _avg_ok(self):
-        return cpu_fallback(aten.avg_pool2d.default, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                            divisor_override)
+        raise Unsupported
     return _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
 
 
@@ -393,8 +392,7 @@ def avg_pool2d_out(self: torch.Tensor, kernel_size: Sequence[int], stride: Seque
                    divisor_override: int | None = None, *, out: torch.Tensor) -> torch.Tensor:
     """``avg_pool2d`` into ``out``."""
     if not _avg_ok(self) or out.device != self.device or out.dtype != self.dtype:
-        return cpu_fallback(aten.avg_pool2d.out, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                            divisor_override, out=out)
+        raise Unsupported
     return write_result(_avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override), out)
 
 
@@ -416,8 +414,7 @@ def avg_pool2d_backward(grad_output: torch.Tensor, self: torch.Tensor, kernel_si
                         divisor_override: int | None) -> torch.Tensor:
     """Gradient of average pooling: each window's gradient over its divisor, spread back over the window."""
     if not _avg_backward_ok(grad_output, self):
-        return cpu_fallback(aten.avg_pool2d_backward.default, grad_output, self, kernel_size, stride, padding,
-                            ceil_mode, count_include_pad, divisor_override)
+        raise Unsupported
     return _avg_pool_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
                               divisor_override)
 
@@ -428,8 +425,7 @@ def avg_pool2d_backward_out(grad_output: torch.Tensor, self: torch.Tensor, kerne
                             divisor_override: int | None, *, grad_input: torch.Tensor) -> torch.Tensor:
     """``avg_pool2d_backward`` into ``grad_input``."""
     if not _avg_backward_ok(grad_output, self) or grad_input.device != self.device:
-        return cpu_fallback(aten.avg_pool2d_backward.grad_input, grad_output, self, kernel_size, stride, padding,
-                            ceil_mode, count_include_pad, divisor_override, grad_input=grad_input)
+        raise Unsupported
     return write_result(_avg_pool_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
                                     divisor_override), grad_input)
 
@@ -442,7 +438,7 @@ def adaptive_avg_pool2d(self: torch.Tensor, output_size: Sequence[int]) -> torch
     if self.numel() == 0 and floats_on_one_device(self):
         return torch.empty(meta.shape, dtype=self.dtype, device=self.device)
     if not _avg_ok(self):
-        return cpu_fallback(aten._adaptive_avg_pool2d.default, self, output_size)
+        raise Unsupported
     H, W = self.shape[-2:]
     OH, OW = meta.shape[-2:]
     k = adaptive_windows((H, W), (OH, OW))
@@ -460,7 +456,7 @@ def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, self: torch.Tensor) 
     if self.numel() == 0 and floats_on_one_device(self, grad_output) and grad_output.numel() == 0:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
     if not _avg_backward_ok(grad_output, self) or grad_output.dim() != self.dim():
-        return cpu_fallback(aten._adaptive_avg_pool2d_backward.default, grad_output, self)
+        raise Unsupported
     H, W = self.shape[-2:]
     OH, OW = grad_output.shape[-2:]
     k = adaptive_windows((H, W), (OH, OW))

@@ -27,7 +27,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 
 import torchneuron.nki.language as nl
 from torchneuron.kernels.sampling import count_kernel, randint_kernel, sample_kernel
-from torchneuron.ops.base import aten, DEVICE_DTYPES, draw_seed, FLOATS, neuron_generator
+from torchneuron.ops.base import aten, DEVICE_DTYPES, draw_seed, FLOATS, neuron_generator, Unsupported
 from torchneuron.ops.elementwise import check_no_internal_overlap, dense, device_copy, run_pointwise
 from torchneuron.ops.indexing import arange_values
 from torchneuron.ops.kernel_call import call_kernel, host_operand, scalar_operand
@@ -175,7 +175,7 @@ def geometric_(self: torch.Tensor, p: float, *, generator: torch.Generator | Non
     # log(1 - u) >= -17 in fp32: the largest draw is about -17 * inv; it must fit the stored dtype
     fits = self.dtype in FLOATS or -17.0 * inv < 2 ** 31
     if not _native(self) or self.dtype == torch.bool or not fits:
-        return cpu_fallback(aten.geometric_.default, self, p, generator=generator)
+        raise Unsupported
     return _sample_(self, "geometric", [inv], generator, "aten::geometric_")
 
 
@@ -226,7 +226,7 @@ def bernoulli_out(self: torch.Tensor, *, generator: torch.Generator | None = Non
                   out: torch.Tensor) -> torch.Tensor:
     """``torch.bernoulli(p, out=out)``."""
     if out.device != self.device or not _native(out, self) or self.dtype not in FLOATS:
-        return cpu_fallback(aten.bernoulli.out, self, generator=generator, out=out)
+        raise Unsupported
     if out.shape != self.shape:
         out.resize_(self.shape)
     return bernoulli_tensor_(out, self, generator=generator)
@@ -327,7 +327,7 @@ def normal_tensor_float(mean: torch.Tensor, std: float = 1.0, *,
     """``torch.normal(mean_tensor, std)``."""
     _validate(aten.normal.Tensor_float, mean.dtype, std)
     if not _normal_native(None, mean, std):
-        return cpu_fallback(aten.normal.Tensor_float, mean, std, generator=generator)
+        raise Unsupported
     return _normal_into(torch.empty(mean.shape, dtype=mean.dtype, device=mean.device), mean, std, generator)
 
 
@@ -337,7 +337,7 @@ def normal_tensor_float_out(mean: torch.Tensor, std: float = 1.0, *, generator: 
     """``torch.normal(mean_tensor, std, out=out)``."""
     _validate(aten.normal.Tensor_float, mean.dtype, std)
     if not _normal_native(out, mean, std):
-        return cpu_fallback(aten.normal.Tensor_float_out, mean, std, generator=generator, out=out)
+        raise Unsupported
     return _normal_into(out, mean, std, generator)
 
 
@@ -346,7 +346,7 @@ def normal_float_tensor(mean: float, std: torch.Tensor, *,
                         generator: torch.Generator | None = None) -> torch.Tensor:
     """``torch.normal(mean, std_tensor)``."""
     if not _normal_native(None, mean, std):
-        return cpu_fallback(aten.normal.float_Tensor, mean, std, generator=generator)
+        raise Unsupported
     return _normal_into(torch.empty(std.shape, dtype=std.dtype, device=std.device), mean, std, generator)
 
 
@@ -355,7 +355,7 @@ def normal_float_tensor_out(mean: float, std: torch.Tensor, *, generator: torch.
                             out: torch.Tensor) -> torch.Tensor:
     """``torch.normal(mean, std_tensor, out=out)``."""
     if not _normal_native(out, mean, std):
-        return cpu_fallback(aten.normal.float_Tensor_out, mean, std, generator=generator, out=out)
+        raise Unsupported
     return _normal_into(out, mean, std, generator)
 
 
@@ -364,7 +364,7 @@ def normal_tensor_tensor(mean: torch.Tensor, std: torch.Tensor, *,
                          generator: torch.Generator | None = None) -> torch.Tensor:
     """``torch.normal(mean_tensor, std_tensor)`` (broadcast; mean's dtype)."""
     if not _normal_native(None, mean, std):
-        return cpu_fallback(aten.normal.Tensor_Tensor, mean, std, generator=generator)
+        raise Unsupported
     return _normal_into(torch.empty(0, dtype=mean.dtype, device=mean.device), mean, std, generator)
 
 
@@ -373,7 +373,7 @@ def normal_tensor_tensor_out(mean: torch.Tensor, std: torch.Tensor, *, generator
                              out: torch.Tensor) -> torch.Tensor:
     """``torch.normal(mean_tensor, std_tensor, out=out)``."""
     if not _normal_native(out, mean, std):
-        return cpu_fallback(aten.normal.Tensor_Tensor_out, mean, std, generator=generator, out=out)
+        raise Unsupported
     return _normal_into(out, mean, std, generator)
 
 
@@ -386,7 +386,7 @@ def randperm_out(n: int, *, generator: torch.Generator | None = None, out: torch
         raise RuntimeError(f"n must be non-negative, got{n}")
     exact = {torch.int64: 2 ** 63, torch.int32: 2 ** 31, torch.int16: 2 ** 15, torch.float32: 2 ** 24}
     if out.device.type != "neuron" or n >= 1 << 24 or n > exact.get(out.dtype, 0):
-        return cpu_fallback(aten.randperm.generator_out, n, generator=generator, out=out)
+        raise Unsupported
     _resize(out, (n,))
     if n == 0:
         return out
@@ -507,7 +507,7 @@ def linspace_out(start: Any, end: Any, steps: int, *, out: torch.Tensor) -> torc
     if steps < 0:
         raise RuntimeError("number of steps must be non-negative")
     if out.dtype not in FLOATS or not (_real(start) and _real(end)):
-        return cpu_fallback(aten.linspace.out, start, end, steps, out=out)
+        raise Unsupported
     _resize(out, (steps,))
     if steps:
         target = out if out.is_contiguous() else torch.empty(steps, dtype=out.dtype, device=out.device)
@@ -523,7 +523,7 @@ def logspace_out(start: Any, end: Any, steps: int, base: float = 10.0, *, out: t
     if steps < 0:
         raise RuntimeError("number of steps must be non-negative")
     if out.dtype not in FLOATS or not (_real(start) and _real(end)):
-        return cpu_fallback(aten.logspace.out, start, end, steps, base, out=out)
+        raise Unsupported
     _resize(out, (steps,))
     if steps:
         # the exponents in fp32 whatever out's dtype: a bf16 exponent would be off by up to 2**-8 * |end|

@@ -32,11 +32,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from torchneuron.ops.base import Unsupported, aten, device_table, floats_on_one_device, meta_run
-from torchneuron.ops.pooling import adaptive_band, adaptive_windows, avg_pool_windows, avg_pool_windows_backward
-from torchneuron.ops.windows import as_float32
+from torchneuron.ops.base import aten, device_table, floats_on_one_device, meta_run, Unsupported
 from torchneuron.ops.elementwise import dense, to_int64
+from torchneuron.ops.pooling import adaptive_band, adaptive_windows, avg_pool_windows, avg_pool_windows_backward
 from torchneuron.ops.registry import cpu_fallback, lowering, register_out
+from torchneuron.ops.windows import as_float32
 
 EXACT = 1 << 24          # flat indices held in fp32 are exact below this
 

@@ -665,7 +665,7 @@ def index_put_impl_(self: torch.Tensor, indices: Sequence[torch.Tensor | None], 
         _put(self, indices, values, accumulate, (aten.index_put.default, (self, indices, values, accumulate)))
         return self
     except Unsupported:
-        return cpu_fallback(aten._index_put_impl_.default, self, indices, values, accumulate, unsafe)
+        raise Unsupported
 
 
 # ---- masks: masked_fill_, masked_scatter_ ---------------------------------------------------------
@@ -713,7 +713,7 @@ def masked_scatter_(self: torch.Tensor, mask: torch.Tensor, source: torch.Tensor
                            f"{type_name(mask.dtype)}")
     if not on_one_device(self, mask, source) or self.dtype not in DATA_DTYPES or mask.dtype != torch.bool \
             or source.dtype != self.dtype:
-        return cpu_fallback(aten.masked_scatter_.default, self, mask, source)
+        raise Unsupported
     aten.masked_scatter_(meta_twin(self), meta_twin(mask), meta_twin(source))
     if self.numel() == 0:
         return self

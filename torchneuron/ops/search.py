@@ -233,7 +233,7 @@ def bincount(self: torch.Tensor, weights: torch.Tensor | None = None, minlength:
         sums = torch.mm(weights.to(torch.float32).reshape(1, N), hot).reshape(K)
         return sums.to(result)
     except Unsupported:
-        return cpu_fallback(aten.bincount.default, self, weights, minlength)
+        raise Unsupported
 
 
 # ---- unique, unique_consecutive -----------------------------------------------------------------
@@ -305,7 +305,7 @@ def unique2(self: torch.Tensor, sorted: bool = True, return_inverse: bool = Fals
             inverse = to_int64(inv).reshape(self.shape)
         return first.reshape(-1), inverse, counts if return_counts else none.clone()
     except Unsupported:
-        return cpu_fallback(aten._unique2.default, self, sorted, return_inverse, return_counts)
+        raise Unsupported
 
 
 @lowering("unique_consecutive")
@@ -334,7 +334,7 @@ def unique_consecutive(self: torch.Tensor, return_inverse: bool = False, return_
         values = dense(first.reshape(-1, *moved.shape[1:]).movedim(0, canonicalize_dim(self.dim(), dim)))
         return values, to_int64(run), counts      # with a dim both come back, asked for or not (as the CPU)
     except Unsupported:
-        return cpu_fallback(aten.unique_consecutive.default, self, return_inverse, return_counts, dim)
+        raise Unsupported
 
 
 @lowering("unique_dim")
@@ -374,4 +374,4 @@ def unique_dim(self: torch.Tensor, dim: int, sorted: bool = True, return_inverse
         counts = to_int64(_one_hot(inv32, U).sum(0).to(torch.int32))
         return values, to_int64(inv32), counts       # both come back, asked for or not (as the CPU)
     except Unsupported:
-        return cpu_fallback(aten.unique_dim.default, self, dim, sorted, return_inverse, return_counts)
+        raise Unsupported

@@ -188,7 +188,7 @@ def rrelu_with_noise(self: torch.Tensor, noise: torch.Tensor, lower: Any = 0.125
     device for x <= 0 (1 elsewhere), written to ``noise`` (the device generator's draws, not the CPU's)."""
     if not self.is_floating_point() or not on_one_device(self, noise) or generator is not None or \
             (training and noise.shape != self.shape):
-        return cpu_fallback(aten.rrelu_with_noise.default, self, noise, lower, upper, training, generator)
+        raise Unsupported
     if not training:
         return torch.nn.functional.leaky_relu(self, (lower + upper) / 2)
     slopes = torch.empty_like(self).uniform_(lower, upper)
@@ -202,7 +202,7 @@ def prelu_kernel(self: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     try:
         return run_pointwise(ts.prelu, [self, weight], KIND.DEFAULT, op="aten::_prelu_kernel")
     except Unsupported:
-        return cpu_fallback(aten._prelu_kernel.default, self, weight)
+        raise Unsupported
 
 
 @lowering("_prelu_kernel_backward")
@@ -212,7 +212,7 @@ def prelu_kernel_backward(grad: torch.Tensor, self: torch.Tensor, weight: torch.
         gi = run_pointwise(ts.prelu_grad_input, [grad, self, weight], KIND.DEFAULT, op="aten::_prelu_kernel_backward")
         gw_full = run_pointwise(ts.prelu_grad_weight, [grad, self], KIND.DEFAULT, op="aten::_prelu_kernel_backward")
     except Unsupported:
-        return cpu_fallback(aten._prelu_kernel_backward.default, grad, self, weight)
+        raise Unsupported
     w = weight.reshape((1,) * (gw_full.dim() - weight.dim()) + tuple(weight.shape))
     dims = [d for d in range(gw_full.dim()) if w.shape[d] == 1 and gw_full.shape[d] != 1]
     gw = gw_full.sum(dims, keepdim=True) if dims else gw_full

@@ -17,7 +17,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from torchneuron.ops.base import aten, FLOATS
+from torchneuron.ops.base import aten, FLOATS, Unsupported
 from torchneuron.ops.registry import cpu_fallback, lowering
 
 
@@ -105,9 +105,7 @@ def native_multi_head_attention(query, key, value, embed_dim: int, num_head: int
     """``nn.MultiheadAttention``'s inference fast path: in-projection, scaled masked attention, out-projection."""
     if not _supported(query, key, value, qkv_weight, qkv_bias, proj_weight, proj_bias, mask) or \
             embed_dim % num_head or query.shape[-1] != embed_dim:
-        return cpu_fallback(aten._native_multi_head_attention.default, query, key, value, embed_dim, num_head,
-                            qkv_weight, qkv_bias, proj_weight, proj_bias, mask, need_weights,
-                            average_attn_weights, mask_type)
+        raise Unsupported
     return _attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight, proj_bias, mask,
                       need_weights, average_attn_weights, mask_type)
 
