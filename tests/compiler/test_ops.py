@@ -34,7 +34,7 @@ OPINFOS = {
     "_log_softmax": "log_softmax", "_softmax_backward_data": "softmax",
     "_log_softmax_backward_data": "log_softmax", "native_layer_norm": "nn.functional.layer_norm",
     "native_layer_norm_backward": "nn.functional.layer_norm", "sum": "sum", "mean": "mean", "amax": "amax",
-    "amin": "amin", "cat": "cat",
+    "amin": "amin", "cat": "cat", "full_like": "full_like",
 }
 # lowered ops whose OpInfo samples never reach the lowering (3-D attention takes the math path): tested below
 ELSEWHERE = {"_scaled_dot_product_fused_attention_overrideable": "test_fused_attention_in_a_program",

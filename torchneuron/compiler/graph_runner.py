@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torchneuron import runtime
+from torchneuron import _C, runtime
 from torchneuron.compiler import cache
 from torchneuron.compiler.codegen import SegmentProgram, signature, trace_segment
 from torchneuron.compiler.memory_plan import ARENA
@@ -88,8 +88,8 @@ class CompiledGraph:
             return
         by_slot = {}
         for v, slot in zip(values, prog.input_slots):
-            if slot is not None:   # (a CPU 0-d operand: copied to the device, as eager's scalar operands are)
-                by_slot[slot] = _flat_span(v if v.device.type == "neuron" else v.to(device))
+            if slot is not None:
+                by_slot[slot] = _flat_span(v if v.device.type == "neuron" else _scalar_to_device(v, device))
         arena = prog.program.args[-1]
         if arena.name == ARENA:   # the planned intermediates: one device allocation per call
             by_slot[ARENA] = torch.empty(arena.shape, dtype=arena.dtype, device=device)
@@ -129,6 +129,14 @@ class CompiledGraph:
         for node in seg.nodes:
             a, kw = fx.node.map_arg((node.args, node.kwargs), lambda n: self._host(n, env))
             env[node] = operator.getitem(*a) if node.target is operator.getitem else node.target(*a, **kw)
+
+
+def _scalar_to_device(v: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU 0-d operand written straight into device memory (a host-to-device transfer, as eager's scalar
+    operands are: no kernel launch)."""
+    t = torch.empty((), dtype=v.dtype, device=device)
+    _C._alias_as_cpu(t).copy_(v)
+    return t
 
 
 def _flat_span(t: torch.Tensor) -> torch.Tensor:

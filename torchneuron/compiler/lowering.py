@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import torch
 
+import torchneuron.nki.isa as nisa
+import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
 
 aten = torch.ops.aten
@@ -143,6 +145,16 @@ register_pointwise(aten.addcmul.default, lambda s, a, b, value=1: (tm.addcmul, [
 register_pointwise(aten.addcdiv.default, lambda s, a, b, value=1: (tm.addcdiv, [s, a, b, value]))
 register_pointwise(aten.lerp.Scalar, lambda s, e, w: (tm.lerp, [s, e, w]))
 register_pointwise(aten.lerp.Tensor, lambda s, e, w: (tm.lerp, [s, e, w]))
+def _full_like(x: Any, fill_value: Any, **_: Any) -> tuple[Callable, list]:
+    """``full_like``: a constant tile shaped like the template's (in a group it costs one memset per tile)."""
+    def fill(t):
+        out = nl.ndarray(t.shape, t.dtype, buffer=nl.sbuf)
+        nisa.memset(dst=out, value=fill_value)
+        return out
+    return fill, [x]
+
+
+register_pointwise(aten.full_like.default, _full_like)
 register_pointwise(prims.convert_element_type.default, _cast)
 register_pointwise(aten._to_copy.default, _cast)
 register_pointwise(aten.clone.default, _cast)
