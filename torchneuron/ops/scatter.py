@@ -245,31 +245,27 @@ def _scatter_lowering(name: str, kind: str) -> None:
         if kind == "legacy":   # scatter(..., reduce="add" | "multiply"): self always included
             reduce = {"add": "sum", "multiply": "prod"}.get(reduce, reduce)
         include_self = kwargs.get("include_self", args[1] if len(args) > 1 else True) if kind == "reduce" else True
-        try:
-            # the CPU's shape and dtype checks first (meta raises them alike), whatever then runs the op
-            overload(*meta_twin((self, dim, index, src)), *args, **{k: meta_twin(v) for k, v in kwargs.items()})
-            tensors = [self, index, out] + ([src] if isinstance(src, torch.Tensor) else [])
-            if not on_one_device(*tensors) or index.dtype not in INDEX_DTYPES or \
-                    self.dtype not in (MOVE_DTYPES if reduce is None else DATA_DTYPES):
-                raise Unsupported
-            if isinstance(src, torch.Tensor) and src.dtype != self.dtype:
-                raise Unsupported
-            if reduce is not None and reduce not in ("sum", "mean", "prod", "amax", "amin"):
-                raise Unsupported
-            if reduce == "mean" and self.dtype not in FLOATS:
-                raise Unsupported
-            target = self if inplace else write_result(self, out) if out is not None else self.clone()
-            # the functional op re-run on CPU copies when an index is out of range
-            tensor_src = isinstance(src, torch.Tensor)
-            check = {"scatter": aten.scatter.src if tensor_src else aten.scatter.value,
-                     "legacy": aten.scatter.reduce if tensor_src else aten.scatter.value_reduce,
-                     "add": aten.scatter_add.default, "reduce": aten.scatter_reduce.two}[kind]
-            check_args = (self, dim, index, src) + ((args[0] if args else kwargs["reduce"],)
-                                                    if kind in ("reduce", "legacy") else ())
-            _scatter_impl(target, dim, index, src, reduce, include_self, check, check_args)
-            return target
-        except Unsupported:
-            return cpu_fallback(overload, self, dim, index, src, *args, **kwargs)
+        overload(*meta_twin((self, dim, index, src)), *args, **{k: meta_twin(v) for k, v in kwargs.items()})
+        tensors = [self, index, out] + ([src] if isinstance(src, torch.Tensor) else [])
+        if not on_one_device(*tensors) or index.dtype not in INDEX_DTYPES or \
+                self.dtype not in (MOVE_DTYPES if reduce is None else DATA_DTYPES):
+            raise Unsupported
+        if isinstance(src, torch.Tensor) and src.dtype != self.dtype:
+            raise Unsupported
+        if reduce is not None and reduce not in ("sum", "mean", "prod", "amax", "amin"):
+            raise Unsupported
+        if reduce == "mean" and self.dtype not in FLOATS:
+            raise Unsupported
+        target = self if inplace else write_result(self, out) if out is not None else self.clone()
+        # the functional op re-run on CPU copies when an index is out of range
+        tensor_src = isinstance(src, torch.Tensor)
+        check = {"scatter": aten.scatter.src if tensor_src else aten.scatter.value,
+                 "legacy": aten.scatter.reduce if tensor_src else aten.scatter.value_reduce,
+                 "add": aten.scatter_add.default, "reduce": aten.scatter_reduce.two}[kind]
+        check_args = (self, dim, index, src) + ((args[0] if args else kwargs["reduce"],)
+                                                if kind in ("reduce", "legacy") else ())
+        _scatter_impl(target, dim, index, src, reduce, include_self, check, check_args)
+        return target
     lowering(name)(kernel)
 
 
@@ -326,50 +322,47 @@ def _row_lowering(name: str, kind: str) -> None:
     def kernel(self: torch.Tensor, dim: int, index: torch.Tensor, source: Any, *args: Any, **kwargs: Any):
         out = kwargs.get("out")
         alpha = kwargs.get("alpha", args[0] if args else 1)
-        try:
-            tensors = [self, index, out] + ([source] if isinstance(source, torch.Tensor) and kind != "fillt" else [])
-            if (not on_one_device(*tensors) or index.dtype not in INDEX_DTYPES or self.dtype not in DATA_DTYPES
-                    or (isinstance(source, torch.Tensor) and source.dtype not in DATA_DTYPES)):
+        tensors = [self, index, out] + ([source] if isinstance(source, torch.Tensor) and kind != "fillt" else [])
+        if (not on_one_device(*tensors) or index.dtype not in INDEX_DTYPES or self.dtype not in DATA_DTYPES
+                or (isinstance(source, torch.Tensor) and source.dtype not in DATA_DTYPES)):
+            raise Unsupported
+        overload(*meta_twin((self, dim, index, source)), *args, **{k: meta_twin(v) for k, v in kwargs.items()})
+        if kind == "add" and self.dim() > 1:   # a check the meta function leaves out
+            d0 = canonicalize_dim(self.dim(), dim)
+            if source.dim() != self.dim() or any(source.shape[k] != self.shape[k] for k in range(self.dim())
+                                                 if k != d0):
+                raise RuntimeError("source tensor shape must match self tensor shape, excluding the specified "
+                                   f"dimension. Got self.shape = {list(self.shape)} source.shape = "
+                                   f"{list(source.shape)}")
+        if kind == "fillt":
+            if source.device.type == "cpu":
+                source = source.item()
+            elif source.device != self.device:
                 raise Unsupported
-            overload(*meta_twin((self, dim, index, source)), *args, **{k: meta_twin(v) for k, v in kwargs.items()})
-            if kind == "add" and self.dim() > 1:   # a check the meta function leaves out
-                d0 = canonicalize_dim(self.dim(), dim)
-                if source.dim() != self.dim() or any(source.shape[k] != self.shape[k] for k in range(self.dim())
-                                                     if k != d0):
-                    raise RuntimeError("source tensor shape must match self tensor shape, excluding the specified "
-                                       f"dimension. Got self.shape = {list(self.shape)} source.shape = "
-                                       f"{list(source.shape)}")
-            if kind == "fillt":
-                if source.device.type == "cpu":
-                    source = source.item()
-                elif source.device != self.device:
-                    raise Unsupported
-            target = self if inplace else (self.clone() if out is None else write_result(self.clone(), out))
-            if index.numel() == 0 or self.numel() == 0:
-                return target
-            d = canonicalize_dim(max(self.dim(), 1), dim)
-            S = self.shape[d] if self.dim() else 1
-            rows = index_int32(index).reshape(-1)
-            lo = -S if kind in ("fill", "fillt") else 0
-            if any_outside(rows, lo, S):
-                raise_like_cpu(fn_op, self, dim, index, source, *args, **kwargs, with_data=True)
-            if kind in ("fill", "fillt"):
-                rows = run_pointwise(_wrap, [rows, S], KIND.DEFAULT, op="aten::index_fill")
-                hit = run_pointwise(match_tile, [arange_values(S, self.device).reshape(S, 1), rows.reshape(1, -1)],
-                                    KIND.DEFAULT, result_dtype=torch.float32, op="aten::index_fill")
-                selected = hit.amax(-1) > 0
-                shape = [1] * self.dim()
-                if self.dim():
-                    shape[d] = S
-                mask = selected.reshape(shape)
-                value = source if isinstance(source, torch.Tensor) else source
-                run_pointwise(tm.where, [mask, value, target], KIND.NO_OPMATH, target, True, target.dtype,
-                              op="aten::index_fill_")
-                return target
-            _row_put(target, d, rows, source, kind == "add", alpha)
+        target = self if inplace else (self.clone() if out is None else write_result(self.clone(), out))
+        if index.numel() == 0 or self.numel() == 0:
             return target
-        except Unsupported:
-            return cpu_fallback(overload, self, dim, index, source, *args, **kwargs)
+        d = canonicalize_dim(max(self.dim(), 1), dim)
+        S = self.shape[d] if self.dim() else 1
+        rows = index_int32(index).reshape(-1)
+        lo = -S if kind in ("fill", "fillt") else 0
+        if any_outside(rows, lo, S):
+            raise_like_cpu(fn_op, self, dim, index, source, *args, **kwargs, with_data=True)
+        if kind in ("fill", "fillt"):
+            rows = run_pointwise(_wrap, [rows, S], KIND.DEFAULT, op="aten::index_fill")
+            hit = run_pointwise(match_tile, [arange_values(S, self.device).reshape(S, 1), rows.reshape(1, -1)],
+                                KIND.DEFAULT, result_dtype=torch.float32, op="aten::index_fill")
+            selected = hit.amax(-1) > 0
+            shape = [1] * self.dim()
+            if self.dim():
+                shape[d] = S
+            mask = selected.reshape(shape)
+            value = source if isinstance(source, torch.Tensor) else source
+            run_pointwise(tm.where, [mask, value, target], KIND.NO_OPMATH, target, True, target.dtype,
+                          op="aten::index_fill_")
+            return target
+        _row_put(target, d, rows, source, kind == "add", alpha)
+        return target
     lowering(name)(kernel)
 
 
@@ -412,22 +405,19 @@ def put_(self: torch.Tensor, index: torch.Tensor, source: torch.Tensor, accumula
     if source.numel() != index.numel():
         raise IndexError(f"put_(): Expected source and index to have the same number of elements, but got "
                          f"source.numel() = {source.numel()}, index.numel() = {index.numel()}")
-    try:
-        if not on_one_device(self, index, source) or self.dtype not in (DATA_DTYPES if accumulate else MOVE_DTYPES):
-            raise Unsupported
-        if index.numel() == 0:
-            return self
-        n = self.numel()
-        flat = index_int32(index).reshape(-1)
-        if any_outside(flat, -n, n):
-            raise_like_cpu(aten.put.default, self, index, source, accumulate, with_data=True)
-        flat = run_pointwise(_wrap, [flat, n], KIND.DEFAULT, op="aten::put_")
-        block = dense(self).reshape(-1)
-        _row_put(block, 0, flat, source.reshape(-1), accumulate)
-        _write(self, self, block.reshape(self.shape))
+    if not on_one_device(self, index, source) or self.dtype not in (DATA_DTYPES if accumulate else MOVE_DTYPES):
+        raise Unsupported
+    if index.numel() == 0:
         return self
-    except Unsupported:
-        return cpu_fallback(aten.put_.default, self, index, source, accumulate)
+    n = self.numel()
+    flat = index_int32(index).reshape(-1)
+    if any_outside(flat, -n, n):
+        raise_like_cpu(aten.put.default, self, index, source, accumulate, with_data=True)
+    flat = run_pointwise(_wrap, [flat, n], KIND.DEFAULT, op="aten::put_")
+    block = dense(self).reshape(-1)
+    _row_put(block, 0, flat, source.reshape(-1), accumulate)
+    _write(self, self, block.reshape(self.shape))
+    return self
 
 
 # ---- data-dependent sizes: nonzero, masked_select ------------------------------------------------
@@ -574,31 +564,26 @@ def _layout(self: torch.Tensor, dims: list[int], B: tuple):
 @lowering("index.Tensor", "index.Tensor_out")
 def index(self: torch.Tensor, indices: Sequence[torch.Tensor | None], *, out: torch.Tensor | None = None):
     """Advanced indexing ``x[idx]``: indexed dims flattened to row numbers, rows gathered by indirect DMA."""
-    op = aten.index.Tensor_out if out is not None else aten.index.Tensor
-    kw = {"out": out} if out is not None else {}
-    try:
-        if not on_one_device(self, out, *indices) or self.dtype not in DATA_DTYPES or self.dim() == 0:
-            raise Unsupported
-        idx = _expand_masks(self, indices)
-        if not any(i is not None for i in idx):
-            raise Unsupported
-        res_meta = aten.index.Tensor(meta_twin(self), meta_twin(idx))
-        dims, B, rows = _row_numbers(self, idx + [None] * (self.dim() - len(idx)), aten.index.Tensor, (self, indices))
-        perm, others, at = _layout(self, dims, B)
-        V = _numel(self.shape[k] for k in dims)
-        if rows.numel() == 0 or self.numel() == 0:
-            return write_result(torch.empty(res_meta.shape, dtype=self.dtype, device=self.device), out)
-        table = dense(self.permute(perm)).reshape(V, -1)
-        (got,) = call_kernel(gather_rows, {"table": table, "index": rows}, {"stride": 1}, op="aten::index")
-        res = got.reshape(*B, *(self.shape[k] for k in others))
-        if at:
-            nb = len(B)
-            order = list(range(nb, nb + at)) + list(range(nb)) + list(range(nb + at, res.dim()))
-            res = dense(res.permute(order))
-        assert tuple(res.shape) == tuple(res_meta.shape), (res.shape, res_meta.shape)
-        return write_result(res, out)
-    except Unsupported:
-        return cpu_fallback(op, self, indices, **kw)
+    if not on_one_device(self, out, *indices) or self.dtype not in DATA_DTYPES or self.dim() == 0:
+        raise Unsupported
+    idx = _expand_masks(self, indices)
+    if not any(i is not None for i in idx):
+        raise Unsupported
+    res_meta = aten.index.Tensor(meta_twin(self), meta_twin(idx))
+    dims, B, rows = _row_numbers(self, idx + [None] * (self.dim() - len(idx)), aten.index.Tensor, (self, indices))
+    perm, others, at = _layout(self, dims, B)
+    V = _numel(self.shape[k] for k in dims)
+    if rows.numel() == 0 or self.numel() == 0:
+        return write_result(torch.empty(res_meta.shape, dtype=self.dtype, device=self.device), out)
+    table = dense(self.permute(perm)).reshape(V, -1)
+    (got,) = call_kernel(gather_rows, {"table": table, "index": rows}, {"stride": 1}, op="aten::index")
+    res = got.reshape(*B, *(self.shape[k] for k in others))
+    if at:
+        nb = len(B)
+        order = list(range(nb, nb + at)) + list(range(nb)) + list(range(nb + at, res.dim()))
+        res = dense(res.permute(order))
+    assert tuple(res.shape) == tuple(res_meta.shape), (res.shape, res_meta.shape)
+    return write_result(res, out)
 
 
 def _put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: torch.Tensor, accumulate: bool,

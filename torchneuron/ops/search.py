@@ -32,7 +32,7 @@ from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, FLOATS, meta_twin, on_one_device, raise_like_cpu, Unsupported
 from torchneuron.ops.elementwise import dense, run_pointwise, to_int64, write_result
 from torchneuron.ops.indexing import arange_values
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 from torchneuron.ops.scatter import (any_outside, check_out, compact, DATA_DTYPES, index_int32, match_tile,
                                      scatter_into, slot_tile)
 from torchneuron.ops.sort import SORT_LIMIT, sort_lines
@@ -84,17 +84,14 @@ def _search(overload: Any, seq: torch.Tensor, values: Any, out_int32: bool, righ
     if not isinstance(values, torch.Tensor) and seq.dim() != 1:   # (the meta function fails on this one)
         raise RuntimeError(f"torch.searchsorted(): input value can be a scalar only when boundaries tensor dimension "
                            f"is 1, but we got boundaries tensor dim({seq.dim()}) and input value's dim(0) numel(1)")
-    try:
-        if not on_one_device(seq, sorter, out, *([values] if isinstance(values, torch.Tensor) else [])):
-            raise Unsupported
-        res = overload(meta_twin(seq), meta_twin(values), **{k: meta_twin(a) for k, a in kw.items()})
-        check_out(out, seq, *([values] if isinstance(values, torch.Tensor) else []), shape=res.shape)
-        if sorter is not None and any_outside(index_int32(sorter), 0, max(seq.shape[-1] if seq.dim() else 1, 1)):
-            raise_like_cpu(overload, seq, values, **kw, with_data=True)
-        pos = _positions(seq, values, right or side == "right", out_int32, res.shape)
-        return write_result(pos, out) if out is not None else pos
-    except Unsupported:
-        return cpu_fallback(overload, seq, values, **kw)
+    if not on_one_device(seq, sorter, out, *([values] if isinstance(values, torch.Tensor) else [])):
+        raise Unsupported
+    res = overload(meta_twin(seq), meta_twin(values), **{k: meta_twin(a) for k, a in kw.items()})
+    check_out(out, seq, *([values] if isinstance(values, torch.Tensor) else []), shape=res.shape)
+    if sorter is not None and any_outside(index_int32(sorter), 0, max(seq.shape[-1] if seq.dim() else 1, 1)):
+        raise_like_cpu(overload, seq, values, **kw, with_data=True)
+    pos = _positions(seq, values, right or side == "right", out_int32, res.shape)
+    return write_result(pos, out) if out is not None else pos
 
 
 def _searchsorted_lowering(name: str) -> None:
@@ -120,15 +117,12 @@ def _bucketize_lowering(name: str) -> None:
         kw = {"out_int32": out_int32, "right": right, **({"out": out} if out is not None else {})}
         if boundaries.dim() != 1:
             raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({boundaries.dim()})")
-        try:
-            if not on_one_device(boundaries, out, *([self] if isinstance(self, torch.Tensor) else [])):
-                raise Unsupported
-            res = overload(meta_twin(self), meta_twin(boundaries), **{k: meta_twin(a) for k, a in kw.items()})
-            check_out(out, self, boundaries, shape=res.shape)
-            pos = _positions(boundaries, self, right, out_int32, res.shape)
-            return write_result(pos, out) if out is not None else pos
-        except Unsupported:
-            return cpu_fallback(overload, self, boundaries, **kw)
+        if not on_one_device(boundaries, out, *([self] if isinstance(self, torch.Tensor) else [])):
+            raise Unsupported
+        res = overload(meta_twin(self), meta_twin(boundaries), **{k: meta_twin(a) for k, a in kw.items()})
+        check_out(out, self, boundaries, shape=res.shape)
+        pos = _positions(boundaries, self, right, out_int32, res.shape)
+        return write_result(pos, out) if out is not None else pos
     lowering(name)(kernel)
 
 
@@ -155,39 +149,34 @@ def histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0, *,  #
           out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.histc``: bin = trunc((x - lo) * bins / (hi - lo)) in the input's dtype, as the CPU rounds
     it, then a one-hot count; a range of (0, 0) is the data's (one host sync)."""
-    kw = {"out": out} if out is not None else {}
-    overload = aten.histc.out if out is not None else aten.histc.default
-    try:
-        if not on_one_device(self, out) or self.dtype not in FLOATS:
-            raise Unsupported   # integer inputs: the CPU's NotImplementedError
-        if out is not None and out.dtype != self.dtype:
-            raise Unsupported
-        if bins <= 0:
-            raise RuntimeError(f"torch.histogram(): bins must be > 0, but got {bins} for dimension 0")
-        lo, hi = float(min), float(max)
-        if lo > hi:
-            raise RuntimeError("torch.histc: max must be larger than min")
-        if lo == hi and self.numel():
-            lo, hi = (float(v) for v in torch.stack([self.min(), self.max()]).cpu())   # the one host sync
-        if lo == hi:
-            lo, hi = lo - 1, hi + 1
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            raise RuntimeError(f"torch.histc: range of [{lo:g}, {hi:g}] is not finite")
-        check_out(out, self, shape=(bins,))
-        N = self.numel()
-        if N == 0:
-            return write_result(torch.zeros(bins, dtype=self.dtype, device=self.device), out)
-        if N * bins > SORT_LIMIT or (self.dtype != torch.float32 and N > 256):
-            raise Unsupported   # too much work / counts the CPU's half-precision histogram would round
-        lo, hi = _edge(lo, self.dtype), _edge(hi, self.dtype)
-        width = _edge((torch.tensor(hi, dtype=self.dtype) - torch.tensor(lo, dtype=self.dtype)).item(), self.dtype)
-        x = dense(self).reshape(-1)
-        q = (((x - lo) * bins) / width).clamp_max(bins - 1)   # each step rounded to the dtype, as the CPU's
-        bin_of = run_pointwise(_bin, [x, q, lo, hi], KIND.DEFAULT, result_dtype=torch.float32,
-                               op="aten::histc")
-        return write_result(_one_hot(bin_of, bins).sum(0).to(self.dtype), out)
-    except Unsupported:
-        return cpu_fallback(overload, self, bins, min, max, **kw)
+    if not on_one_device(self, out) or self.dtype not in FLOATS:
+        raise Unsupported   # integer inputs: the CPU's NotImplementedError
+    if out is not None and out.dtype != self.dtype:
+        raise Unsupported
+    if bins <= 0:
+        raise RuntimeError(f"torch.histogram(): bins must be > 0, but got {bins} for dimension 0")
+    lo, hi = float(min), float(max)
+    if lo > hi:
+        raise RuntimeError("torch.histc: max must be larger than min")
+    if lo == hi and self.numel():
+        lo, hi = (float(v) for v in torch.stack([self.min(), self.max()]).cpu())   # the one host sync
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise RuntimeError(f"torch.histc: range of [{lo:g}, {hi:g}] is not finite")
+    check_out(out, self, shape=(bins,))
+    N = self.numel()
+    if N == 0:
+        return write_result(torch.zeros(bins, dtype=self.dtype, device=self.device), out)
+    if N * bins > SORT_LIMIT or (self.dtype != torch.float32 and N > 256):
+        raise Unsupported   # too much work / counts the CPU's half-precision histogram would round
+    lo, hi = _edge(lo, self.dtype), _edge(hi, self.dtype)
+    width = _edge((torch.tensor(hi, dtype=self.dtype) - torch.tensor(lo, dtype=self.dtype)).item(), self.dtype)
+    x = dense(self).reshape(-1)
+    q = (((x - lo) * bins) / width).clamp_max(bins - 1)   # each step rounded to the dtype, as the CPU's
+    bin_of = run_pointwise(_bin, [x, q, lo, hi], KIND.DEFAULT, result_dtype=torch.float32,
+                           op="aten::histc")
+    return write_result(_one_hot(bin_of, bins).sum(0).to(self.dtype), out)
 
 
 def _bin(x, q, lo, hi):

@@ -34,12 +34,11 @@ from torchneuron.kernels._common import PMAX
 from torchneuron.kernels.scan import scan_rows
 from torchneuron.kernels.sort import MAX_COLS, bitonic_sort_rows
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops import base
 from torchneuron.ops.base import aten, meta_twin, on_one_device, Unsupported
 from torchneuron.ops.elementwise import dense, run_pointwise, to_int64, write_result
 from torchneuron.ops.indexing import arange_values
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 from torchneuron.ops.scatter import check_out, DATA_DTYPES, scatter_into
 
 SORT_LIMIT = 1 << 24       # comparisons (L * n * n) of one device rank sort
@@ -74,21 +73,17 @@ def _scan(self: torch.Tensor, dim: int, op: str, dtype: torch.dtype | None) -> t
 
 
 def _scan_lowering(name: str, op: str) -> None:
-    overload = base.overload(name)
     inplace = name.split(".")[0].endswith("_")
 
     def kernel(self: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
-        try:
-            if not on_one_device(self, out):
-                raise Unsupported
-            if inplace:
-                dtype = dtype or self.dtype
-            elif out is not None:
-                dtype = dtype or out.dtype
-            res = _scan(self, dim, op, dtype)
-            return write_result(res, self if inplace else out)
-        except Unsupported:
-            return cpu_fallback(overload, self, dim, dtype=dtype, **({"out": out} if out is not None else {}))
+        if not on_one_device(self, out):
+            raise Unsupported
+        if inplace:
+            dtype = dtype or self.dtype
+        elif out is not None:
+            dtype = dtype or out.dtype
+        res = _scan(self, dim, op, dtype)
+        return write_result(res, self if inplace else out)
     lowering(name)(kernel)
 
 
@@ -296,20 +291,16 @@ def sort(self: torch.Tensor, *, stable: bool | None = None, dim: int = -1, desce
     """``torch.sort`` (always stable): a rank sort on the device."""
     outs = values is not None
     overload = aten.sort.values_stable if outs else aten.sort.stable
-    try:
-        if not on_one_device(self, values, indices):
-            raise Unsupported
-        overload(meta_twin(self), stable=stable, dim=dim, descending=descending,
-                 **({"values": meta_twin(values), "indices": meta_twin(indices)} if outs else {}))
-        check_out(values, self)
-        check_out(indices, self)
-        v, i = sort_lines(self, dim, descending)
-        if outs:
-            return write_result(v, values), write_result(i, indices)
-        return v, i
-    except Unsupported:
-        return cpu_fallback(overload, self, stable=stable, dim=dim, descending=descending,
-                            **({"values": values, "indices": indices} if outs else {}))
+    if not on_one_device(self, values, indices):
+        raise Unsupported
+    overload(meta_twin(self), stable=stable, dim=dim, descending=descending,
+             **({"values": meta_twin(values), "indices": meta_twin(indices)} if outs else {}))
+    check_out(values, self)
+    check_out(indices, self)
+    v, i = sort_lines(self, dim, descending)
+    if outs:
+        return write_result(v, values), write_result(i, indices)
+    return v, i
 
 
 @lowering("topk", "topk.values")
@@ -319,21 +310,18 @@ def topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted
     outs = values is not None
     overload = aten.topk.values if outs else aten.topk.default
     kw = {"values": values, "indices": indices} if outs else {}
-    try:
-        if not on_one_device(self, values, indices):
-            raise Unsupported
-        d = canonicalize_dim(max(self.dim(), 1), dim)
-        if not 0 <= k <= (self.shape[d] if self.dim() else 1):
-            raise RuntimeError("selected index k out of range")   # the CPU's words (the meta check's differ)
-        overload(meta_twin(self), k, dim, largest, sorted, **{a: meta_twin(b) for a, b in kw.items()})
-        check_out(values, self)
-        check_out(indices, self)
-        v, i = _leading(self, k, d, largest) if self.dim() else sort_lines(self, dim, largest)
-        if outs:
-            return write_result(v, values), write_result(i, indices)
-        return v, i
-    except Unsupported:
-        return cpu_fallback(overload, self, k, dim, largest, sorted, **kw)
+    if not on_one_device(self, values, indices):
+        raise Unsupported
+    d = canonicalize_dim(max(self.dim(), 1), dim)
+    if not 0 <= k <= (self.shape[d] if self.dim() else 1):
+        raise RuntimeError("selected index k out of range")   # the CPU's words (the meta check's differ)
+    overload(meta_twin(self), k, dim, largest, sorted, **{a: meta_twin(b) for a, b in kw.items()})
+    check_out(values, self)
+    check_out(indices, self)
+    v, i = _leading(self, k, d, largest) if self.dim() else sort_lines(self, dim, largest)
+    if outs:
+        return write_result(v, values), write_result(i, indices)
+    return v, i
 
 
 def _leading(x: torch.Tensor, k: int, d: int, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,28 +393,23 @@ def mode(self: torch.Tensor, dim: int = -1, keepdim: bool = False, *, values: to
          indices: torch.Tensor | None = None):
     """``torch.mode``: run lengths of a stable sort (lines up to ``SORT_LIMIT`` pairs)."""
     outs = values is not None
-    overload = aten.mode.values if outs else aten.mode.default
-    kw = {"values": values, "indices": indices} if outs else {}
-    try:
-        if not on_one_device(self, values, indices) or self.dtype not in DATA_DTYPES:
-            raise Unsupported
-        d = canonicalize_dim(max(self.dim(), 1), dim)
-        if self.numel() == 0:       # the CPU's error for an empty dim, or its empty result
-            v, i = aten.mode.default(torch.empty(self.shape, dtype=self.dtype), dim, keepdim)
-            v, i = v.to(self.device), i.to(self.device)
-        else:
-            if outs and (values.dtype != self.dtype or indices.dtype != torch.int64):
-                raise Unsupported   # the CPU's dtype errors
-            check_out(values, self)
-            check_out(indices, self)
-            x = self.reshape(1) if self.dim() == 0 else self
-            v, i = _mode(x, d)
-            if not keepdim or self.dim() == 0:
-                v, i = v.squeeze(d), i.squeeze(d)
-            if self.dim() == 0:
-                v, i = v.reshape(()), i.reshape(())
-        if outs:
-            return write_result(v, values), write_result(i, indices)
-        return v, i
-    except Unsupported:
-        return cpu_fallback(overload, self, dim, keepdim, **kw)
+    if not on_one_device(self, values, indices) or self.dtype not in DATA_DTYPES:
+        raise Unsupported
+    d = canonicalize_dim(max(self.dim(), 1), dim)
+    if self.numel() == 0:       # the CPU's error for an empty dim, or its empty result
+        v, i = aten.mode.default(torch.empty(self.shape, dtype=self.dtype), dim, keepdim)
+        v, i = v.to(self.device), i.to(self.device)
+    else:
+        if outs and (values.dtype != self.dtype or indices.dtype != torch.int64):
+            raise Unsupported   # the CPU's dtype errors
+        check_out(values, self)
+        check_out(indices, self)
+        x = self.reshape(1) if self.dim() == 0 else self
+        v, i = _mode(x, d)
+        if not keepdim or self.dim() == 0:
+            v, i = v.squeeze(d), i.squeeze(d)
+        if self.dim() == 0:
+            v, i = v.reshape(()), i.reshape(())
+    if outs:
+        return write_result(v, values), write_result(i, indices)
+    return v, i
