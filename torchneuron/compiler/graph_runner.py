@@ -14,7 +14,6 @@ that signature, with a one-time warning; the report counts it.
 """
 from __future__ import annotations
 
-import operator
 import time
 import warnings
 from typing import Any
@@ -56,10 +55,21 @@ class CompiledGraph:
             if isinstance(step, Segment):
                 self._segment(step, env)
             else:
-                a, kw = fx.node.map_arg((step.args, step.kwargs), lambda n: self._host(n, env))
-                env[step] = step.target(*a, **kw)
+                env[step] = self._run_eager(step, env)
         out = fx.node.map_arg(self.output_node.args[0], lambda n: self._host(n, env))
         return list(out)
+
+    def _run_eager(self, node: fx.Node, env: dict) -> Any:
+        """One fx node run on host values: an ATen op (or getitem), a method call, or a graph attribute."""
+        if node.op == "get_attr":   # a constant the graph holds (AOTAutograd's lifted tensor constants)
+            value = self.gm
+            for part in node.target.split("."):
+                value = getattr(value, part)
+            return value
+        a, kw = fx.node.map_arg((node.args, node.kwargs), lambda n: self._host(n, env))
+        if node.op == "call_method":
+            return getattr(a[0], node.target)(*a[1:], **kw)
+        return node.target(*a, **kw)
 
     def _host(self, node: fx.Node, env: dict) -> Any:
         """A node's host value; views (and picks of views) are applied to host tensors on demand."""
@@ -127,8 +137,7 @@ class CompiledGraph:
 
     def _eager(self, seg: Segment, env: dict) -> None:
         for node in seg.nodes:
-            a, kw = fx.node.map_arg((node.args, node.kwargs), lambda n: self._host(n, env))
-            env[node] = operator.getitem(*a) if node.target is operator.getitem else node.target(*a, **kw)
+            env[node] = self._run_eager(node, env)
 
 
 def _scalar_to_device(v: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -284,7 +284,28 @@ def _fuse(seg: Segment, roles: dict) -> list[Any]:
             items.append(target)
         target.nodes.append(node)
         group_of[node] = target
-    for g in (it for it in items if isinstance(it, FusionGroup)):
-        members = set(g.nodes)
-        g.outputs = [n for n in g.nodes if n in escapes or any(u not in members for u in _readers(n, roles))]
+    items = [part for it in items for part in (_fit(it, escapes, roles) if isinstance(it, FusionGroup) else [it])]
     return items
+
+
+# Operands (inputs + outputs) of one fusion group: the element-wise template keeps NBUF = 3 [128, 2048] fp32
+# tiles per operand, plus one temporary, and a preloaded row per broadcast input, in SBUF:
+# (5 + 1) x 3 x 8 KiB + 5 x 8 KiB = 184 KiB, within the smallest SBUF partition modelled (trn1: 192 KiB).
+MAX_GROUP_OPERANDS = 5
+
+
+def _with_outputs(g: FusionGroup, escapes: set, roles: dict) -> FusionGroup:
+    members = set(g.nodes)
+    g.outputs = [n for n in g.nodes if n in escapes or any(u not in members for u in _readers(n, roles))]
+    return g
+
+
+def _fit(g: FusionGroup, escapes: set, roles: dict) -> list[FusionGroup]:
+    """``g``, split in halves (in node order) until each part streams at most MAX_GROUP_OPERANDS tensors."""
+    g = _with_outputs(g, escapes, roles)
+    if len(g.inputs) + len(g.outputs) <= MAX_GROUP_OPERANDS or len(g.nodes) == 1:
+        return [g]
+    half = len(g.nodes) // 2
+    first = FusionGroup(g.nodes[:half], g.shape, g.kind, g.start)
+    second = FusionGroup(g.nodes[half:], g.shape, g.kind, g.start)
+    return _fit(first, escapes, roles) + _fit(second, escapes, roles)
