@@ -20,11 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*has no neuron kernel yet.*:Use
 SAMPLES = 3
 OPS = [op for op in find_ops(FAST_OPS, load_op_db()) if torch.float32 in op.dtypes]
 # strict xfails: fixing the op makes the test fail until its entry goes
-KNOWN = {
-    "softmax": "softmax over a dim other than the last returns the permute kernel's strides, not the CPU's "
-               "contiguous layout (ops/nn.py)",
-    "log_softmax": "as softmax",
-}
+KNOWN: dict[str, str] = {}
 PARAMS = [pytest.param(op, id=op_key(op), marks=[pytest.mark.xfail(strict=True, reason=KNOWN[op_key(op)])]
                        if op_key(op) in KNOWN else []) for op in OPS]
 

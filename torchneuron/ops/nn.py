@@ -41,7 +41,8 @@ def _softmax(x: torch.Tensor, dim: int, log: bool, out: torch.Tensor | None = No
     rows = dense(moved).reshape(-1, moved.shape[-1])
     (res,) = call_kernel(softmax_kernel, {"x": rows}, {"log": log}, op="aten::_log_softmax" if log else "aten::_softmax")
     res = res.reshape(moved.shape)
-    res = res if dim == last else res.movedim(last, dim)
+    # contiguous, as the CPU's (and the meta kernel's, which compiled graphs are traced with) result is
+    res = res if dim == last else dense(res.movedim(last, dim))
     return write_result(res, out)
 
 
