@@ -213,3 +213,17 @@ def test_a_plan_replays_its_kernel_program_on_every_device(strict):
         assert cache_size() == size
         assert records and {r.device for r in records} == {torch.device(device).index}
     assert any(p.traced is not None for p in _PLANS.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_atan2_signed_zeros_and_infinities_match_cpu(dtype, strict):
+    # every pair of signed zeros, infinities, NaN and finite values: the quadrant follows the signs of
+    # zeros (atan2(-0.0, -1) == -pi), both infinite gives +-pi/4 or +-3pi/4, and the sign of a zero result
+    # is the CPU's; default tolerances of the dtype cover atan's rounding on the finite pairs
+    v = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), -float("inf"), float("nan"), 2.5, -3.0], dtype=dtype)
+    y, x = (t.contiguous() for t in torch.meshgrid(v, v, indexing="ij"))
+    ref = torch.atan2(y, x)
+    got = torch.atan2(to_n(y), to_n(x)).cpu()
+    torch.testing.assert_close(got, ref, equal_nan=True)
+    finite = ~ref.isnan()
+    assert torch.equal(torch.signbit(got)[finite], torch.signbit(ref)[finite])

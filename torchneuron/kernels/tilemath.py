@@ -333,12 +333,16 @@ def div_floor(a, b):
 
 
 def atan2(y, x):
+    """The quadrant from the signs (of zeros too: ``atan2(-0.0, -1) == -pi``); both zero or both infinite
+    take the C library's values, ``copysign(0 or pi, y)`` and ``copysign(pi/4 or 3*pi/4, y)``."""
     r = atan(nl.divide(y, x))
-    shift = where(nl.less(x, 0.0), where(nl.less(y, 0.0), _const_like(r, -math.pi), _const_like(r, math.pi)),
-                  _const_like(r, 0.0))
-    r = nl.add(r, shift)
+    yneg, xneg = nl.less(_bits(y), 0), nl.less(_bits(x), 0)
+    r = where(xneg, nl.add(r, where(yneg, _const_like(r, -math.pi), _const_like(r, math.pi))), r)
     both0 = nl.logical_and(nl.equal(x, 0.0), nl.equal(y, 0.0))
-    return where(both0, where(nl.less(_bits(x), 0), _const_like(r, math.pi), _const_like(r, 0.0)), r)
+    bothinf = nl.logical_and(isinf(x), isinf(y))
+    r = where(both0, where(xneg, _const_like(r, math.pi), _const_like(r, 0.0)), r)
+    r = where(bothinf, where(xneg, _const_like(r, 0.75 * math.pi), _const_like(r, 0.25 * math.pi)), r)
+    return where(nl.logical_or(both0, bothinf), copysign(r, y), r)
 
 
 def _const_like(t, value):
