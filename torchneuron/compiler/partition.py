@@ -288,10 +288,11 @@ def _fuse(seg: Segment, roles: dict) -> list[Any]:
     return items
 
 
-# Operands (inputs + outputs) of one fusion group: the element-wise template keeps NBUF = 3 [128, 2048] fp32
-# tiles per operand, plus one temporary, and a preloaded row per broadcast input, in SBUF:
-# (5 + 1) x 3 x 8 KiB + 5 x 8 KiB = 184 KiB, within the smallest SBUF partition modelled (trn1: 192 KiB).
-MAX_GROUP_OPERANDS = 5
+# Streamed tensors (inputs of more than one element, and outputs) of one fusion group: the element-wise
+# template keeps NBUF = 3 [128, 2048] fp32 tiles per full input and output, plus one temporary (a broadcast
+# row takes one 8 KiB tile instead, a scalar a [128, 1] column): at most (6 + 1) x 3 x 8 KiB = 168 KiB,
+# within the smallest SBUF partition modelled (trn1: 192 KiB).
+MAX_GROUP_OPERANDS = 6
 
 
 def _with_outputs(g: FusionGroup, escapes: set, roles: dict) -> FusionGroup:
@@ -303,7 +304,8 @@ def _with_outputs(g: FusionGroup, escapes: set, roles: dict) -> FusionGroup:
 def _fit(g: FusionGroup, escapes: set, roles: dict) -> list[FusionGroup]:
     """``g``, split in halves (in node order) until each part streams at most MAX_GROUP_OPERANDS tensors."""
     g = _with_outputs(g, escapes, roles)
-    if len(g.inputs) + len(g.outputs) <= MAX_GROUP_OPERANDS or len(g.nodes) == 1:
+    streamed = [n for n in g.inputs if any(t.numel() > 1 for t in _vals(n))]
+    if len(streamed) + len(g.outputs) <= MAX_GROUP_OPERANDS or len(g.nodes) == 1:
         return [g]
     half = len(g.nodes) // 2
     first = FusionGroup(g.nodes[:half], g.shape, g.kind, g.start)

@@ -49,8 +49,11 @@ def _body(ins, fn, out_dtype, compute=nl.float32):
     dtypes = out_dtype if multi else (out_dtype,)
     outs = tuple(nl.ndarray((R, C), dt, buffer=nl.shared_hbm) for dt in dtypes)
     F = DMA_ROW_BYTES // 4                                    # 4-byte compute tiles: 2048 elements, 8 KiB rows
-    # SBUF: (inputs + results + one temporary) x 2 buffers of F fp32, plus preloaded broadcast rows
-    check_sbuf((len(ins) + len(outs) + 1) * NBUF * F * 4 + len(ins) * min(C, F) * 4, "elementwise")
+    # SBUF: (full inputs + results + one temporary) x NBUF buffers of F fp32, plus the broadcast rows loaded
+    # once per column block; scalars and columns are [128, 1] tiles
+    full = sum(tuple(t.shape) == (R, C) for t in ins)
+    rows = sum(t.shape[0] == 1 and t.shape[1] > 1 for t in ins)
+    check_sbuf((full + len(outs) + 1) * NBUF * F * 4 + rows * min(C, F) * 4 + len(ins) * NBUF * 4, "elementwise")
 
     def results(tiles, p, f):
         ys = _apply(fn, tiles)
