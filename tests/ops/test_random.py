@@ -200,6 +200,27 @@ def test_argument_errors_match_pytorch_and_draw_nothing():
     assert torch.equal(torch.neuron.get_rng_state(), state), "a refused call advanced the generator"
 
 
+@pytest.mark.parametrize("p", [[0.5, 1.5], [-0.1, 0.2], [0.3, math.nan], [-math.inf, 0.0]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_bernoulli_tensor_p_outside_unit_interval_raises_like_cpu(p, dtype):
+    # a probability tensor with an element outside [0, 1] (or NaN) raises the CPU's error instead of
+    # sampling, for torch.bernoulli, bernoulli_ and the out= form, and draws nothing
+    probs = torch.tensor(p, dtype=dtype)
+    calls = [lambda q: torch.bernoulli(q), lambda q: torch.empty(2, device=q.device).bernoulli_(q),
+             lambda q: torch.bernoulli(q, out=torch.empty(2, dtype=dtype, device=q.device))]
+    torch.neuron.manual_seed(3)
+    state = torch.neuron.get_rng_state()
+    for call in calls:
+        with pytest.raises(Exception) as cpu:
+            call(probs)
+        with pytest.raises(type(cpu.value)) as dev:
+            call(probs.to(N))
+        assert str(dev.value) == str(cpu.value)
+    assert torch.equal(torch.neuron.get_rng_state(), state), "a refused call advanced the generator"
+    ok = torch.bernoulli(torch.tensor([0.0, 1.0, 1.0, 0.0], dtype=dtype, device=N)).cpu()
+    assert torch.equal(ok, torch.tensor([0.0, 1.0, 1.0, 0.0], dtype=dtype))
+
+
 def test_generator_argument_and_cpu_generator_refusal():
     g = torch.Generator(device=N).manual_seed(11)
     torch.neuron.manual_seed(0)

@@ -215,6 +215,8 @@ def bernoulli_tensor_(self: torch.Tensor, p: torch.Tensor, *,
     if self.numel() == 0:
         return self
     check_no_internal_overlap(self)
+    if not bool(torch.logical_and(p >= 0, p <= 1).all()):     # NaN fails both: CPU's check, before any draw
+        torch.empty(1).bernoulli_(torch.tensor([math.nan]), generator=torch.Generator())   # its exact error
     u = torch.empty(self.shape, dtype=torch.float32, device=self.device)
     _sample_(u, "uniform", [0.0, 1.0, _largest_below(1.0, torch.float32)], generator, "aten::bernoulli_")
     device_copy(self, torch.lt(u, p))
