@@ -29,6 +29,35 @@ def test_cumsum_cumprod(strict):
     same(to_n(torch.tensor(3.0)).cumsum(0), torch.tensor(3.0).cumsum(0))
 
 
+def test_integer_scans_past_int32_are_exact_like_cpu():
+    # integer cumsum/cumprod give int64 like the CPU: partial results past int32 are exact (the device
+    # refuses what its int32 scan cannot hold, and the counted fallback computes it), those within
+    # int32 run on the device
+    import torchneuron
+    cases = [(torch.full((3, 5000), 2 ** 20, dtype=torch.int32), "cumsum"),
+             (torch.tensor([[2 ** 30, 2 ** 30, -2 ** 31, -2 ** 31, 5]], dtype=torch.int32), "cumsum"),
+             (torch.full((2, 40), 3, dtype=torch.int16), "cumprod"),
+             (torch.full((2, 40), -3, dtype=torch.int32), "cumprod"),
+             (torch.tensor([[2 ** 16, 2 ** 16, 7]], dtype=torch.int32), "cumprod")]
+    for x, op in cases:
+        ref = getattr(x, op)(1)
+        got = getattr(to_n(x), op)(1).cpu()
+        assert got.dtype == ref.dtype == torch.int64
+        assert torch.equal(got, ref), (op, x.dtype)
+        out = to_n(torch.empty(0, dtype=torch.int64))
+        getattr(torch, op)(to_n(x), 1, out=out)
+        assert torch.equal(out.cpu(), ref)
+    before = torchneuron.is_strict()
+    torchneuron.set_strict(True)
+    try:
+        small = torch.randint(-1000, 1000, (4, 300), dtype=torch.int32)
+        assert torch.equal(to_n(small).cumsum(1).cpu(), small.cumsum(1))
+        short = torch.randint(-3, 4, (4, 15), dtype=torch.int16)
+        assert torch.equal(to_n(short).cumprod(1).cpu(), short.cumprod(1))
+    finally:
+        torchneuron.set_strict(before)
+
+
 def test_cumsum_long_rows(strict):
     x = torch.rand(2, 5000)
     same(to_n(x).cumsum(1), x.cumsum(1), atol=1e-3, rtol=1e-5)

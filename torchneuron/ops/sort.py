@@ -3,7 +3,7 @@
 
 - Scans move the dim last and run ``kernels.scan.scan_rows`` (VectorE ``tensor_tensor_scan``, fp32
   for floats, int32 for integers; integer inputs give int64 results like the CPU, widened on the
-  device). Their backward ops come from autograd's formulas over lowered ops (flip, cumsum, ...).
+  device; lines whose partial sums/products could leave int32 are refused to the fallback). Their backward ops come from autograd's formulas over lowered ops (flip, cumsum, ...).
 - Short lines (up to ``RANK_COLS``) sort by a stable rank sort: with the dim last as rows [L, n], element
   i of a row goes to position ``rank[i] = #{j : x[j] before x[i]}``, where "before" is ``x[j] < x[i]``
   (``>`` descending), or equal with ``j < i`` (the stable tie order), NaN after every number (before,
@@ -63,6 +63,8 @@ def _scan(self: torch.Tensor, dim: int, op: str, dtype: torch.dtype | None) -> t
     moved = dense(x.movedim(d, -1))
     n = moved.shape[-1]
     integer = not result.is_floating_point
+    if integer and not _int32_scan_exact(moved, op):
+        raise Unsupported       # a partial result may pass int32: the CPU fallback scans in int64
     (res,) = call_kernel(scan_rows, {"x": moved.reshape(-1, n)},
                          {"op": op, "out_dtype": torch.int32 if result == torch.int64 else result,
                           "compute": nl.int32 if integer else nl.float32}, op=f"aten::cum{op}")
@@ -70,6 +72,20 @@ def _scan(self: torch.Tensor, dim: int, op: str, dtype: torch.dtype | None) -> t
         res = to_int64(res)
     res = res.reshape(moved.shape).movedim(-1, d)
     return dense(res).reshape(self.shape)
+
+
+def _int32_scan_exact(moved: torch.Tensor, op: str) -> bool:
+    """Whether no partial sum/product of the integer lines (the last dim of ``moved``) can leave int32,
+    so the kernel's int32 scan is exact: |partial sum| <= n * max|x|, |partial product| <= the product of
+    max(|x|, 1) over the line (bounded through fp32 log2 sums, with a margin of one power of two)."""
+    n = moved.shape[-1]
+    if op == "sum":
+        if n * (1 << 8 * moved.element_size() - 1 if moved.dtype != torch.uint8 else 255) < 1 << 31:
+            return True
+        big = max(abs(int(moved.amax().item())), abs(int(moved.amin().item())))
+        return n * big < 1 << 31
+    logs = moved.to(torch.float32).abs().clamp_min(1.0).log2().sum(-1)
+    return float(logs.amax().item()) <= 30.0
 
 
 def _scan_lowering(name: str, op: str) -> None:
