@@ -30,6 +30,23 @@ def test_reductions(name, strict):
         torch.testing.assert_close(g.cpu(), w, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_var_std_accumulate_past_the_dtype_range_like_cpu(dtype, strict):
+    # sums of squares past fp16's 65504 (1e5 unit normals; rows of magnitude ~200): the CPU accumulates
+    # in fp32 and rounds once, so the results agree to a rounding of the dtype (one ulp either side)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(100000, generator=g).to(dtype)
+    rows = (torch.randn(4, 3000, generator=g) * 200).to(dtype)
+    tol = {"rtol": 2 * torch.finfo(dtype).eps, "atol": 0}
+    for fn in (lambda t: t.var(), lambda t: t.std(), lambda t: t.var(-1), lambda t: t.std(-1, keepdim=True),
+               lambda t: torch.var_mean(t, -1)[0], lambda t: torch.std_mean(t, correction=0)[0]):
+        for t in (x, rows):
+            ref = fn(t)
+            got = fn(to_n(t)).cpu()
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, ref, **tol)
+
+
 def test_reduction_errors_match_cpu():
     for fn, exc in ((lambda t: t.sum(3), IndexError), (lambda t: t.sum((1, 1)), RuntimeError),
                     (lambda t: t[:0].max(), RuntimeError)):

@@ -220,10 +220,12 @@ def _var_lowering(name: str, take_sqrt: bool):
                 [s for d, s in enumerate(self.shape) if d not in dims]
             return write_result(torch.full(shape, float("nan"), dtype=self.dtype, device=self.device), out)
         c = 1 if correction is None else correction
-        d = self - self.mean(dims, keepdim=True) if dims else self - self
+        # fp16/bf16 accumulate in fp32 as the CPU does (an fp16 sum of squares overflows past 65504)
+        x = self.to(torch.float32) if self.dtype in (torch.float16, torch.bfloat16) else self
+        d = x - x.mean(dims, keepdim=True) if dims else x - x
         res = (d * d).sum(dims, keepdim=keepdim) if dims else d * d
         res = res / max(n - c, 0)
-        res = res.sqrt() if take_sqrt else res
+        res = (res.sqrt() if take_sqrt else res).to(self.dtype)
         return write_result(res, out)
     lowering(name)(kernel)
 
