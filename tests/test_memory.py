@@ -361,3 +361,23 @@ def test_pinned_memory():
     assert torch.empty(3, pin_memory=True).is_pinned()
     moved = pinned.to("neuron", non_blocking=True)
     assert torch.equal(moved.cpu(), plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+                                   torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool])
+def test_empty_is_filled_under_deterministic_algorithms_like_cpu(dtype):
+    # torch.use_deterministic_algorithms(True) fills new memory as the CPU does (NaN for floats, the
+    # largest value for integers), for empty and empty_strided, over memory a freed tensor left behind
+    stale = torch.full((6, 5), 3, dtype=dtype, device="neuron")
+    del stale
+    torch.use_deterministic_algorithms(True)
+    try:
+        for make in (lambda device: torch.empty(6, 5, dtype=dtype, device=device),
+                     lambda device: torch.empty_strided((6, 5), (1, 6), dtype=dtype, device=device)):
+            ref = make("cpu")
+            got = make("neuron").cpu()
+            assert got.dtype == ref.dtype and got.shape == ref.shape
+            torch.testing.assert_close(got, ref, equal_nan=True, rtol=0, atol=0)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    torch.empty(6, 5, dtype=dtype, device="neuron")   # outside the mode: no fill, no error

@@ -7,6 +7,7 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/native/Resize.h>
+#include <ATen/native/TensorFactories.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/resize_native.h>
@@ -33,6 +34,26 @@ c10::DeviceIndex index_or_current(std::optional<c10::Device> device) {
   return current_device();
 }
 
+// Under torch.use_deterministic_algorithms(True) (with torch.utils.deterministic.fill_uninitialized_memory,
+// the default), new memory is filled as on the CPU and CUDA: NaN for floats, the largest value for integers.
+// The fill is a device op; allocations it makes itself are not filled again.
+thread_local bool filling_empty = false;
+
+at::Tensor fill_if_deterministic(at::Tensor t) {
+  if (C10_UNLIKELY(!filling_empty && at::globalContext().deterministicAlgorithms() &&
+                   at::globalContext().deterministicFillUninitializedMemory() && t.numel() > 0)) {
+    filling_empty = true;
+    try {
+      at::native::fill_empty_deterministic_(t);
+    } catch (...) {
+      filling_empty = false;
+      throw;
+    }
+    filling_empty = false;
+  }
+  return t;
+}
+
 at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
                                std::optional<c10::Layout> layout, std::optional<c10::Device> device,
                                std::optional<bool> pin_memory, std::optional<c10::MemoryFormat> memory_format) {
@@ -41,8 +62,8 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarT
   c10::DeviceIndex index = index_or_current(device);
   check_device_index(index);
   c10::DeviceGuard guard(c10::Device(kNeuron, index));
-  return at::detail::empty_generic(size, hbm_allocator(), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), st,
-                                   memory_format);
+  return fill_if_deterministic(at::detail::empty_generic(
+      size, hbm_allocator(), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), st, memory_format));
 }
 
 at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<c10::ScalarType> dtype,
@@ -53,8 +74,8 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::op
   c10::DeviceIndex index = index_or_current(device);
   check_device_index(index);
   c10::DeviceGuard guard(c10::Device(kNeuron, index));
-  return at::detail::empty_strided_generic(size, stride, hbm_allocator(),
-                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), st);
+  return fill_if_deterministic(at::detail::empty_strided_generic(
+      size, stride, hbm_allocator(), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), st));
 }
 
 // Device memory is host memory, so the CPU resize path applies: it grows the storage
