@@ -47,6 +47,25 @@ def test_half_var_std_accumulate_past_the_dtype_range_like_cpu(dtype, strict):
             torch.testing.assert_close(got, ref, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_norms_accumulate_past_the_dtype_range_like_cpu(dtype, strict):
+    # norm, linalg.vector_norm, _foreach_norm and cdist of fp16/bf16 with sums of squares past 65504: the
+    # CPU accumulates in fp32 and rounds once, so the results agree to a rounding of the dtype
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(100000, generator=g).to(dtype)
+    rows = (torch.randn(4, 3000, generator=g) * 200).to(dtype)
+    tol = {"rtol": 2 * torch.finfo(dtype).eps, "atol": 0}
+    for fn in (lambda t: t.norm(), lambda t: t.norm(dim=-1), lambda t: torch.linalg.vector_norm(t, 3, -1),
+               lambda t: torch.linalg.vector_norm(t, 1), lambda t: torch.linalg.vector_norm(t, 0)):
+        for t in (x, rows):
+            torch.testing.assert_close(fn(to_n(t)).cpu(), fn(t), **tol)   # inf only where the CPU's is
+    for got, ref in zip(torch._foreach_norm([to_n(x), to_n(rows)]), torch._foreach_norm([x, rows])):
+        torch.testing.assert_close(got.cpu(), ref, **tol)
+    a, b = rows[:3], rows[1:].flip(0)     # the CPU has no half cdist: its fp32 one, rounded once
+    torch.testing.assert_close(torch.cdist(to_n(a), to_n(b)).cpu(), torch.cdist(a.float(), b.float()).to(dtype),
+                               **tol)
+
+
 def test_reduction_errors_match_cpu():
     for fn, exc in ((lambda t: t.sum(3), IndexError), (lambda t: t.sum((1, 1)), RuntimeError),
                     (lambda t: t[:0].max(), RuntimeError)):

@@ -66,12 +66,13 @@ def _operand(o: Any, device: torch.device) -> Any:
     return o
 
 
-def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inplace: bool, op: str):
+def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inplace: bool, op: str,
+            result_dtype: torch.dtype | None = None):
     """``fn(self[i], *operands at i)`` for every i, in launches of up to MAX_GROUPS tensors.
 
     ``operands``: per position, a tensor list (the shapes of ``self``), a tuple of per-tensor scalars,
-    or one shared operand (a number, or a scalar tensor)."""
-    device, dtype = self[0].device, self[0].dtype
+    or one shared operand (a number, or a scalar tensor). The results have ``result_dtype`` (self's if None)."""
+    device, dtype = self[0].device, result_dtype or self[0].dtype
     if not _fusable([self] + [o for o in operands if isinstance(o, list)]):
         raise _Loop
     fixed = {}
@@ -86,7 +87,7 @@ def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inp
             kinds.append("shared")
         else:
             kinds.append("full")
-    results = list(self) if inplace else [torch.empty_like(t) for t in self]
+    results = list(self) if inplace else [torch.empty_like(t, dtype=dtype) for t in self]
     live = [i for i, t in enumerate(self) if t.numel()]
     for lo in range(0, len(live), MAX_GROUPS):
         chunk = live[lo:lo + MAX_GROUPS]
@@ -182,11 +183,12 @@ def foreach_norm(self: list, ord: Any = 2, dtype: torch.dtype | None = None) -> 
     sums, square roots) computing what ``linalg_vector_norm`` computes per tensor, bit for bit."""
     if ord != 2 or dtype is not None or not _fusable([self]) or any(t.numel() == 0 for t in self):
         return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in self]
-    squares = _launch(tm.mul, self, [list(self)], False, "aten::_foreach_norm")
+    # squares and sums in fp32 (an fp16 sum of squares overflows past 65504), the norms rounded once
+    squares = _launch(tm.mul, self, [list(self)], False, "aten::_foreach_norm", torch.float32)
     sums: list[torch.Tensor] = []
     for lo in range(0, len(self), MAX_GROUPS):
         chunk = squares[lo:lo + MAX_GROUPS]
         sums += call_kernel(foreach_sum_kernel(len(chunk)), {operand_name(k, 0): t.view(1, -1)
                                                               for k, t in enumerate(chunk)},
                             op="aten::_foreach_norm")
-    return [n.view(()) for n in _launch(tm.sqrt, sums, [], False, "aten::_foreach_norm")]
+    return [n.view(()) for n in _launch(tm.sqrt, sums, [], False, "aten::_foreach_norm", self[0].dtype)]

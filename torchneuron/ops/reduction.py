@@ -277,18 +277,19 @@ def linalg_vector_norm(self: torch.Tensor, ord: Any = 2, dim: Any = None, keepdi
         return cpu_fallback(aten.linalg_vector_norm.out if out is not None else aten.linalg_vector_norm.default,
                             self, ord, dim, keepdim, dtype=dtype, **({"out": out} if out is not None else {}))
     dims = _dims(x, dim)
-    a = x.abs()
+    # fp16/bf16 accumulate in fp32 and round once, as the CPU does (fp16 sums of squares overflow past 65504)
+    a = x.abs().to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.abs()
     p = float(ord)
     if p == float("inf"):
         res = _reduce(a, dims, "max", keepdim)
     elif p == float("-inf"):
         res = _reduce(a, dims, "min", keepdim)
     elif p == 0:
-        res = _reduce((a != 0).to(x.dtype), dims, "sum", keepdim)
+        res = _reduce((a != 0).to(a.dtype), dims, "sum", keepdim)
     elif p == 1:
         res = _reduce(a, dims, "sum", keepdim)
     elif p == 2:
         res = _reduce(a * a, dims, "sum", keepdim).sqrt()
     else:
         res = _reduce(a.pow(p), dims, "sum", keepdim).pow(1.0 / p)
-    return write_result(res, out)
+    return write_result(res.to(x.dtype), out)
