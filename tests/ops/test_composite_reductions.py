@@ -85,6 +85,16 @@ def test_cummax_cummin(strict):
     same(torch.cummax(to_n(xi), 0), torch.cummax(xi, 0))
 
 
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+def test_int32_cummax_cummin_past_2_24_are_exact_like_cpu():
+    # int32 values beyond +-2**24 are not exact in the device's fp32 keys: they are refused to the
+    # counted fallback, so values and indices are the CPU's (a value not in the input never comes back)
+    x = torch.tensor([[2 ** 24 + 1, 3, 2 ** 24 + 3, 5, -2 ** 31, 2 ** 31 - 1]], dtype=torch.int32)
+    for fn in (torch.cummax, torch.cummin):
+        got, ref = fn(to_n(x), 1), fn(x, 1)
+        assert torch.equal(got.values.cpu(), ref.values) and torch.equal(got.indices.cpu(), ref.indices)
+
+
 def test_logcumsumexp(strict):
     x = torch.randn(3, 40) * 30
     x[0, 5] = float("-inf")

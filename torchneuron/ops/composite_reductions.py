@@ -191,9 +191,12 @@ def _cum_extreme(name: str, is_max: bool) -> None:
         """Running max/min with the CPU's index: the last position holding the running value (NaN sticks)."""
         if not on_one_device(self, values, indices) or self.dtype not in DATA_DTYPES or self.numel() == 0:
             raise Unsupported
+        if self.dtype == torch.int32 and not (-(1 << 24) <= int(self.amin().item()) and
+                                              int(self.amax().item()) <= 1 << 24):
+            raise Unsupported   # the fp32 keys would round: a value not in the input could come back
         d = canonicalize_dim(max_dim(self), dim)
         x = self.reshape(1) if self.dim() == 0 else self
-        key = x.to(torch.float32) if x.dtype != torch.float32 else x   # exact for the device's dtypes
+        key = x.to(torch.float32) if x.dtype != torch.float32 else x   # exact within +-2**24
         prefix, rows, n = _prefixes(key, d, float("-inf") if is_max else float("inf"))
         run = prefix.amax(-1, keepdim=True) if is_max else prefix.amin(-1, keepdim=True)
         L = rows.shape[0]
