@@ -244,6 +244,25 @@ def test_batch_norm_errors_match_cpu():
             F.batch_norm(x[:1, :, :1, :1], None, None, training=True)                          # one value per channel
 
 
+@pytest.mark.parametrize("scale", [1.0, 200.0, 1000.0])
+@pytest.mark.parametrize("param_dtype", [None, torch.float16, torch.float32])
+def test_fp16_group_norm_statistics_in_fp32_like_cpu(scale, param_dtype, strict):
+    # fp16 inputs of magnitude ~200-1000 (variance past 65504): the CPU keeps the statistics in fp32, so
+    # output, mean and rstd agree to a rounding of their dtype (outputs are O(1): 2 ulps absolute)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 4, 8, 8, generator=g) * scale).half()
+    params = [] if param_dtype is None else [torch.randn(4, generator=g).to(param_dtype) for _ in range(2)]
+    args = (None, None) if not params else tuple(params)
+    want = torch.native_group_norm(x, *args, 2, 4, 64, 2, 1e-5)
+    got = torch.native_group_norm(to_n(x), *(None if t is None else to_n(t) for t in args), 2, 4, 64, 2, 1e-5)
+    for gt, wt in zip(got, want):
+        eps = torch.finfo(wt.dtype).eps
+        assert gt.dtype == wt.dtype
+        torch.testing.assert_close(gt.cpu(), wt, rtol=2 * eps, atol=8 * torch.finfo(torch.float16).eps)
+    torch.testing.assert_close(F.group_norm(to_n(x), 2).cpu(), F.group_norm(x, 2), rtol=0,
+                               atol=8 * torch.finfo(torch.float16).eps)
+
+
 def test_group_norm_and_var_mean(strict):
     _check(lambda x, w, b: F.group_norm(x, 2, w, b), X, torch.randn(4), torch.randn(4))
     _check(lambda x: F.group_norm(x, 4), torch.randn(3, 4, 5))

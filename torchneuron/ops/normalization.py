@@ -107,6 +107,29 @@ def native_batch_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, weig
     return grad_input, grad_weight, grad_bias
 
 
+@lowering("native_group_norm")
+def native_group_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, N: int, C: int,
+                      HxW: int, group: int, eps: float):
+    """(out, mean, rstd) of group norm, the statistics in fp32 as on the CPU (an fp16 variance past 65504
+    overflowed to inf and gave zeros); mean and rstd per (n, group)."""
+    ok = (floats_on_one_device(input, weight, bias) and input.numel() > 0 and group > 0 and C % group == 0
+          and input.numel() == N * C * HxW)
+    if not ok:
+        raise Unsupported
+    meta_run(aten.native_group_norm.default, input, weight, bias, N, C, HxW, group, eps)
+    x = as_float32(input).reshape(N, group, -1)
+    mean = x.mean(-1)
+    dev = x - mean.unsqueeze(-1)
+    rstd = ((dev * dev).mean(-1) + eps).rsqrt()
+    y = (dev * rstd.unsqueeze(-1)).reshape(N, C, HxW)
+    if weight is not None:
+        y = y * as_float32(weight).view(1, C, 1)
+    if bias is not None:
+        y = y + as_float32(bias).view(1, C, 1)
+    sdt = _stat_dtype(input, weight, bias)
+    return y.to(input.dtype).view(input.shape), mean.to(sdt), rstd.to(sdt)
+
+
 @lowering("native_group_norm_backward")
 def native_group_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                                weight: torch.Tensor | None, N: int, C: int, HxW: int, group: int,
