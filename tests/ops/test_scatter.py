@@ -228,3 +228,21 @@ def test_eight_byte_elements_move_as_word_pairs(dtype, strict):
     if dtype == torch.int64:
         same(torch.nn.functional.one_hot(to_n(torch.tensor([0, 3, 1])), 5),
              torch.nn.functional.one_hot(torch.tensor([0, 3, 1]), 5))
+
+
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+@pytest.mark.parametrize("reduce", ["amax", "amin", "sum", "prod"])
+def test_int32_scatter_reduce_past_2_24_is_exact_like_cpu(reduce):
+    # int32 values or partial results beyond +-2**24 are not exact in the device's fp32 accumulation:
+    # they are refused to the counted fallback, so every result is the CPU's; small ones stay exact
+    s = torch.tensor([5, 0, 0], dtype=torch.int32)
+    idx = torch.tensor([0, 0, 1, 2])
+    for src in (torch.tensor([2 ** 24 + 1, 3, 2 ** 24 + 3, -2 ** 31], dtype=torch.int32),
+                torch.tensor([4000, 5000, 7, -9], dtype=torch.int32)):
+        ref = s.scatter_reduce(0, idx, src, reduce)
+        got = to_n(s).scatter_reduce(0, to_n(idx), to_n(src), reduce).cpu()
+        assert torch.equal(got, ref), (reduce, got, ref)
+    big = torch.full((40,), 2 ** 20, dtype=torch.int32)
+    ref = torch.zeros(1, dtype=torch.int32).scatter_add(0, torch.zeros(40, dtype=torch.int64), big)
+    got = to_n(torch.zeros(1, dtype=torch.int32)).scatter_add(0, to_n(torch.zeros(40, dtype=torch.int64)), to_n(big))
+    assert torch.equal(got.cpu(), ref)

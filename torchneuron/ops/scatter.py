@@ -21,7 +21,7 @@ Index dtypes int32/int64 (int64 read as their low words); ranges are checked on 
 error is raised by re-running the op on CPU copies, so the exception and message are the CPU's.
 Shapes and dtypes are checked by running the op on ``meta`` tensors (the CPU's checks), before any
 fallback, and ``out=`` overlaps after its resize (as the CPU does). Integer data accumulates in fp32
-(exact below 2**24); int64/float64 data moves (gather, plain scatter, take, put) as pairs of int32
+(exact below 2**24; an int32 scatter reduction whose operands or partial results could pass it is refused); int64/float64 data moves (gather, plain scatter, take, put) as pairs of int32
 words, and takes the CPU fallback where it would accumulate.
 """
 from __future__ import annotations
@@ -209,6 +209,8 @@ def _scatter_impl(target: torch.Tensor, dim: int, index: torch.Tensor, src: Any,
         return
     if L * S * I > LINES_LIMIT:
         raise Unsupported
+    if target.dtype == torch.int32 and not _fp32_exact(block, vals, reduce, I):
+        raise Unsupported       # the fp32 accumulation would round: the fallback is exact
     x = block.reshape(L, S).to(torch.float32)
     v = dense(vals).reshape(L, 1, I).to(torch.float32)
     ids = arange_values(S, target.device).reshape(1, S, 1)
@@ -233,6 +235,21 @@ def _scatter_impl(target: torch.Tensor, dim: int, index: torch.Tensor, src: Any,
     if reduce == "mean" and not target.dtype.is_floating_point:
         new = new.floor()
     _write(target, view, new.to(target.dtype).reshape(view.shape))
+
+
+def _magnitude(t: torch.Tensor) -> int:
+    return max(abs(int(t.amax().item())), abs(int(t.amin().item()))) if t.numel() else 0
+
+
+def _fp32_exact(block: torch.Tensor, vals: torch.Tensor, reduce: str, count: int) -> bool:
+    """Whether an int32 scatter reduction of ``count`` values per line into ``block`` is exact in fp32:
+    every operand and every partial result within +-2**24."""
+    a, b = _magnitude(block), _magnitude(vals)
+    if reduce in ("amax", "amin"):
+        return max(a, b) <= 1 << 24
+    if reduce == "prod":
+        return max(a, 1) * max(b, 1) ** min(count, 25) <= 1 << 24
+    return a + count * b <= 1 << 24
 
 
 def _scatter_lowering(name: str, kind: str) -> None:
