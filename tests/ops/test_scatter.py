@@ -246,3 +246,21 @@ def test_int32_scatter_reduce_past_2_24_is_exact_like_cpu(reduce):
     ref = torch.zeros(1, dtype=torch.int32).scatter_add(0, torch.zeros(40, dtype=torch.int64), big)
     got = to_n(torch.zeros(1, dtype=torch.int32)).scatter_add(0, to_n(torch.zeros(40, dtype=torch.int64)), to_n(big))
     assert torch.equal(got.cpu(), ref)
+
+
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+def test_int32_index_add_index_put_put_accumulate_past_2_24_are_exact_like_cpu():
+    # accumulating int32 past +-2**24 is refused to the counted fallback (fp32 sums would round), so
+    # index_add, index_put_(accumulate=True) and put_(accumulate=True) give the CPU's integers
+    t = torch.tensor([1, 0, 0], dtype=torch.int32)
+    idx = torch.tensor([0, 0, 2])
+    for src in (torch.tensor([2 ** 24 + 1, 3, 2 ** 30], dtype=torch.int32),
+                torch.tensor([400, -3, 9], dtype=torch.int32)):
+        assert torch.equal(to_n(t).index_add(0, to_n(idx), to_n(src), alpha=2).cpu(),
+                           t.index_add(0, idx, src, alpha=2))
+        for call in (lambda x, i, v: x.index_put_((i,), v, accumulate=True),
+                     lambda x, i, v: x.put_(i, v, accumulate=True)):
+            ref, got = t.clone(), to_n(t)
+            call(ref, idx, src)
+            call(got, to_n(idx), to_n(src))
+            assert torch.equal(got.cpu(), ref)

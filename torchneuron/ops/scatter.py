@@ -21,7 +21,7 @@ Index dtypes int32/int64 (int64 read as their low words); ranges are checked on 
 error is raised by re-running the op on CPU copies, so the exception and message are the CPU's.
 Shapes and dtypes are checked by running the op on ``meta`` tensors (the CPU's checks), before any
 fallback, and ``out=`` overlaps after its resize (as the CPU does). Integer data accumulates in fp32
-(exact below 2**24; an int32 scatter reduction whose operands or partial results could pass it is refused); int64/float64 data moves (gather, plain scatter, take, put) as pairs of int32
+(exact below 2**24; an int32 accumulation whose operands or partial results could pass it is refused); int64/float64 data moves (gather, plain scatter, take, put) as pairs of int32
 words, and takes the CPU fallback where it would accumulate.
 """
 from __future__ import annotations
@@ -318,6 +318,9 @@ def _row_put(target: torch.Tensor, d: int, rows: torch.Tensor, source: torch.Ten
         return
     if S * n > ONEHOT_LIMIT:
         raise Unsupported
+    if target.dtype == torch.int32 and \
+            _magnitude(block) + n * abs(int(alpha)) * _magnitude(vals) > 1 << 24:
+        raise Unsupported       # the fp32 sums would round: the fallback is exact
     # sums of the rows per destination: onehot [S, n] @ values [n, R] on TensorE (fp32 accumulation)
     onehot = run_pointwise(match_tile, [arange_values(S, target.device).reshape(S, 1), rows.reshape(1, n)], KIND.DEFAULT,
                            result_dtype=torch.float32, op="aten::index_add")
@@ -648,6 +651,8 @@ def _put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: tor
     else:
         if V * n > ONEHOT_LIMIT or self.dtype not in DATA_DTYPES - {torch.bool}:
             raise Unsupported
+        if self.dtype == torch.int32 and _magnitude(table) + n * _magnitude(v2) > 1 << 24:
+            raise Unsupported   # the fp32 sums would round: the fallback is exact
         onehot = run_pointwise(match_tile, [arange_values(V, self.device).reshape(V, 1), rows.reshape(1, n)], KIND.DEFAULT,
                                result_dtype=torch.float32, op="aten::index_put_")
         new = table.to(torch.float32) + onehot @ v2.to(torch.float32)
