@@ -433,6 +433,15 @@ def test_module_to_while_a_graph_holds_a_parameter():
     torch.testing.assert_close(m(x.to("neuron")).cpu(), ref.detach())
 
 
+def test_set_device_of_a_negative_index_is_a_no_op_like_cuda():
+    before = torch.neuron.current_device()
+    torch.neuron.set_device(-1)
+    assert torch.neuron.current_device() == before
+    with pytest.raises(RuntimeError, match="Invalid device index"):
+        torch.neuron.set_device(torch.neuron.device_count())
+    assert torch.neuron.current_device() == before
+
+
 def test_set_device_needs_an_index_like_cuda():
     before = torch.neuron.current_device()
     with pytest.raises(ValueError, match="index"):

@@ -84,8 +84,11 @@ def current_device() -> int:
 
 
 def set_device(device: Any) -> None:
-    """Select the current neuron device; ``device`` is an index, a string or a torch.device."""
-    _C._set_device(_device_index(device))
+    """Select the current neuron device; ``device`` is an index, a string or a torch.device. A negative index is
+    a no-op, as ``torch.cuda.set_device`` documents."""
+    index = _device_index(device)
+    if index >= 0:
+        _C._set_device(index)
 
 
 class device:
