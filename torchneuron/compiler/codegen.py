@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import operator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -88,9 +89,10 @@ class SegmentProgram:
     outputs: list[OutputLayout]
     buffer_bytes: int = 0                # the intermediates' bytes before the memory plan packed them
 
-
-def _members(seg: Segment) -> set:
-    return set(seg.nodes)
+    @cached_property
+    def slot_index(self) -> dict[str, int]:
+        """Each argument slot's position in the program's slot order (what a launch binds by)."""
+        return {s.name: i for i, s in enumerate(self.program.args)}
 
 
 class _Body:

@@ -96,16 +96,17 @@ class CompiledGraph:
         if prog == EAGER:
             self._eager(seg, env)
             return
-        by_slot = {}
-        for v, slot in zip(values, prog.input_slots):
+        index = prog.slot_index
+        tensors: list = [None] * len(index)
+        for v, sig, slot in zip(values, sigs, prog.input_slots):
             if slot is not None:
-                by_slot[slot] = _flat_span(v if v.device.type == "neuron" else _scalar_to_device(v, device))
-        arena = prog.program.args[-1]
-        if arena.name == ARENA:   # the planned intermediates: one device allocation per call
-            by_slot[ARENA] = torch.empty(arena.shape, dtype=arena.dtype, device=device)
-        order = [s.name for s in prog.program.args]
-        bound = launch_slots(prog.program, [by_slot.get(n) for n in order], device.index, f"compiled::{self.name}")
-        index = {n: i for i, n in enumerate(order)}
+                t = v if v.device.type == "neuron" else _scalar_to_device(v, device)
+                tensors[index[slot]] = t.as_strided((max(sig.span, 1),), (1,), t.storage_offset())  # its storage span
+        arena = index.get(ARENA)
+        if arena is not None:   # the planned intermediates: one device allocation per call
+            slot = prog.program.args[arena]
+            tensors[arena] = torch.empty(slot.shape, dtype=slot.dtype, device=device)
+        bound = launch_slots(prog.program, tensors, device.index, f"compiled::{self.name}")
         for node, lay in zip(seg.outputs, prog.outputs):
             if lay.slot is not None:
                 env[node] = bound[index[lay.slot]].reshape(-1).as_strided(lay.shape, lay.stride, lay.offset)
@@ -146,9 +147,3 @@ def _scalar_to_device(v: torch.Tensor, device: torch.device) -> torch.Tensor:
     t = torch.empty((), dtype=v.dtype, device=device)
     _C._alias_as_cpu(t).copy_(v)
     return t
-
-
-def _flat_span(t: torch.Tensor) -> torch.Tensor:
-    """The storage a tensor reaches, from its offset, as a contiguous 1-D tensor (a slot's binding)."""
-    span = signature(t).span
-    return t.as_strided((max(span, 1),), (1,), t.storage_offset())

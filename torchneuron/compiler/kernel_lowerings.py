@@ -29,9 +29,10 @@ from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.kernels.softmax import (attention_fits, attention_softmax_kernel, fits_one_pass, softmax_bwd_kernel,
                                          softmax_kernel)
 from torchneuron.kernels import tilemath as tm
+from torchneuron.ops.base import FLOATS
 
 aten = torch.ops.aten
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def pointwise(fn: Callable, values: list, shape: tuple, out_dtype: torch.dtype | tuple) -> Value | tuple:
     """``fn`` over tiles of ``values`` broadcast to ``shape``: one pass of the element-wise template (a tuple

@@ -28,10 +28,12 @@ import torch
 import torch.fx as fx
 
 from torchneuron.compiler import lowering
+from torchneuron.ops.base import FLOATS
 
+# the dtypes a program binds and computes (ops.base.DEVICE_DTYPES less the unsigned wide ints and fp8, which
+# the compiler's lowerings do not handle: those ops run as the eager op)
 DEVICE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int16, torch.int8, torch.uint8,
                  torch.bool)
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _vals(node: fx.Node) -> list:
