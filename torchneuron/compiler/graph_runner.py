@@ -133,7 +133,7 @@ class CompiledGraph:
             return EAGER
         self.report.add_program(seg.index, prog, time.perf_counter() - t0, spec)
         cache.store(key, prog)
-        dump_segment(self, seg, prog)
+        dump_segment(self, seg, prog, spec)
         return prog
 
     def _eager(self, seg: Segment, env: dict) -> None:

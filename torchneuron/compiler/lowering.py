@@ -113,9 +113,9 @@ for _op, _fn in {aten.exp: tm.exp, aten.log: tm.log, aten.sqrt: tm.sqrt, aten.rs
     register_pointwise(_op.default, _unary(_fn))
 for _op, _fn in {aten.mul: tm.mul, aten.div: tm.div, aten.maximum: tm.maximum, aten.minimum: tm.minimum,
                  aten.eq: tm.eq, aten.ne: tm.ne, aten.lt: tm.lt, aten.le: tm.le, aten.gt: tm.gt, aten.ge: tm.ge,
-                 aten.pow: tm.pow_, aten.atan2: tm.atan2}.items():
-    for _overload in ("Tensor", "Scalar", "Tensor_Tensor", "default"):
-        if hasattr(_op, _overload) and _op not in (aten.pow,):
+                 aten.atan2: tm.atan2}.items():
+    for _overload in ("Tensor", "Scalar", "default"):
+        if hasattr(_op, _overload):
             register_pointwise(getattr(_op, _overload), _binary(_fn))
 register_pointwise(aten.pow.Tensor_Tensor, _binary(tm.pow_))
 register_pointwise(aten.pow.Tensor_Scalar, lambda x, y: (tm.pow_scalar(float(y)), [x]))

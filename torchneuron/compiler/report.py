@@ -130,13 +130,12 @@ def dump_graph(cg: Any) -> None:
     (d / "report.json").write_text(json.dumps(cg.report.to_dict(), indent=1))
 
 
-def dump_segment(cg: Any, seg: Any, prog: Any) -> None:
-    """Write a traced segment's program listing and refresh the report (``TORCHNEURON_DUMP_DIR`` only)."""
+def dump_segment(cg: Any, seg: Any, prog: Any, spec: Any) -> None:
+    """Write a traced segment's program listing on chip ``spec`` and refresh the report (``TORCHNEURON_DUMP_DIR``
+    only)."""
     d = _dump_dir(cg.name)
     if d is None:
         return
-    from torchneuron import runtime
-    spec = runtime.core(0).spec
     sched = prog.program.schedule(spec)
     lines = [f"program {prog.program.name}: {len(prog.program.instructions)} instructions, "
              f"{sched.device_time_ns:.0f} ns simulated on {spec.name}",
