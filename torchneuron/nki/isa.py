@@ -7,9 +7,11 @@ and appends it to the kernel's trace. Tensors are ``NkiTensor``; operator argume
 from __future__ import annotations
 
 import enum
+import os
 from typing import Any
 
 from torchneuron.sim import SimulatorError, isa as sim
+from torchneuron.sim.specs import chip_spec
 from torchneuron.nki.tracing import TENSOR_OPS, NkiTensor, as_dtype, current, sbuf
 
 Tile = NkiTensor
@@ -34,6 +36,41 @@ reduce_cmd = enum.Enum("reduce_cmd", [("idle", 0), ("reset", 1), ("reduce", 2), 
 dge_mode = enum.Enum("dge_mode", ["unknown", "swdge", "hwdge", "none"])
 oob_mode = enum.Enum("oob_mode", ["error", "skip"])
 matmul_perf_mode = enum.Enum("matmul_perf_mode", ["none", "double_row"])
+dma_engine = enum.Enum("dma_engine", [("dma", 1), ("gpsimd_dma", 2)])
+NkiValidationError = SimulatorError  # a kernel broke a hardware rule (raised where the instruction is built)
+
+
+class nc_version(enum.Enum):
+    """``nisa.nc_version``: the NeuronCore generation of the target (trn1/inf2, trn2, trn3)."""
+    gen2 = 2
+    gen3 = 3
+    gen4 = 4
+
+
+def get_nc_version() -> nc_version:
+    """The NeuronCore generation of the chip being traced (``TORCHNEURON_CHIP`` outside a kernel)."""
+    return nc_version(_generation())
+
+
+def get_nc_sub_version() -> int:
+    """The silicon revision within the generation: 0 (the simulator models the first revision of each)."""
+    return 0
+
+
+def _generation() -> int:
+    try:
+        spec = current().spec
+    except RuntimeError:  # outside a kernel: the chip TORCHNEURON_CHIP names
+        spec = chip_spec(os.environ.get("TORCHNEURON_CHIP", "trn2").strip().lower())
+    return int(spec.core_generation.rsplit("v", 1)[1])
+
+
+def _needs(opcode: str, generation: int) -> None:
+    """SimulatorError naming the chip unless the chip being traced is NeuronCore-v<generation> or newer."""
+    spec = current().spec
+    if _generation() < generation:
+        raise SimulatorError(f"{opcode}: needs NeuronCore-v{generation} or newer; {spec.name} is "
+                             f"{spec.core_generation}")
 
 
 def _a(v: Any) -> Any:
@@ -306,6 +343,117 @@ def nc_matmul_mx(dst: Tile, stationary: Tile, moving: Tile, stationary_scale: Ti
     _emit(sim.NcMatmulMx, dst=dst, stationary=stationary, moving=moving, stationary_scale=stationary_scale,
           moving_scale=moving_scale, stationary_format=_mx_of(stationary, "stationary", "nc_matmul_mx"),
           moving_format=_mx_of(moving, "moving", "nc_matmul_mx"), accumulate=accumulate, **tiling)
+
+
+# ---- selection, search and on-chip movement ---------------------------------------------------
+
+def tensor_copy_predicated(dst: Tile, src: Tile | float, predicate: Tile, reverse_pred: bool = False,
+                           name: str | None = None) -> None:
+    """``dst = src`` where ``predicate`` (uint8/16/32) is nonzero (zero with ``reverse_pred``), else unchanged (VectorE)."""
+    _emit(sim.TensorCopyPredicated, dst=dst, src=src, predicate=predicate, reverse_pred=reverse_pred)
+
+
+def select_reduce(dst: Tile, predicate: Tile, on_true: Tile, on_false: Operand, reduce_res: Tile | None = None,
+                  reduce_cmd: Any = reduce_cmd.idle, reduce_op: Any = "maximum", reverse_pred: bool = False,
+                  name: str | None = None) -> None:
+    """``dst = where(predicate, on_true, on_false)`` with an optional per-partition max into ``reduce_res`` (VectorE)."""
+    _emit(sim.SelectReduce, dst=dst, predicate=predicate, on_true=on_true, on_false=on_false, reduce_res=reduce_res,
+          reduce_cmd=reduce_cmd, reduce_op=reduce_op, reverse_pred=reverse_pred)
+
+
+FP32_MIN = sim.selection.FP32_MIN
+
+
+def range_select(dst: Tile, on_true_tile: Tile, comp_op0: Any, comp_op1: Any, bound0: Tile, bound1: Tile,
+                 reduce_cmd: Any = reduce_cmd.reset_reduce, reduce_res: Tile | None = None, reduce_op: Any = "maximum",
+                 range_start: int = 0, on_false_value: float = FP32_MIN, name: str | None = None) -> None:
+    """Keep ``on_true_tile`` where both comparisons of ``range_start + free index`` with the bounds hold, else
+    FP32_MIN, with a per-partition max (VectorE, NC-v3+)."""
+    _needs("range_select", 3)
+    _emit(sim.RangeSelect, dst=dst, on_true_tile=on_true_tile, comp_op0=comp_op0, comp_op1=comp_op1, bound0=bound0,
+          bound1=bound1, reduce_cmd=reduce_cmd, reduce_res=reduce_res, reduce_op=reduce_op, range_start=range_start,
+          on_false_value=on_false_value)
+
+
+def sequence_bounds(dst: Tile, segment_ids: Tile, name: str | None = None) -> None:
+    """Per element of ``segment_ids`` ([1, n], 0 = padding), the start and end of its segment into ``dst`` [1, 2, n] (GpSimd)."""
+    _emit(sim.SequenceBounds, dst=dst, segment_ids=segment_ids)
+
+
+def nonzero_with_count(dst: Tile, src: Tile, index_offset: int = 0, padding_val: int = -1,
+                       name: str | None = None) -> None:
+    """Indices of nonzero elements, padding and their count, on partitions 0, 16, ..., 112 (GpSimd, NC-v3+)."""
+    _needs("nonzero_with_count", 3)
+    _emit(sim.NonzeroWithCount, dst=dst, src=src, index_offset=index_offset, padding_val=padding_val)
+
+
+def nc_match_replace8(dst: Tile, data: Tile, vals: Tile, imm: float, dst_idx: Tile | None = None,
+                      name: str | None = None) -> None:
+    """Replace the first match of each of 8 values per partition by ``imm``; their indices into ``dst_idx`` (VectorE)."""
+    _emit(sim.NcMatchReplace8, dst=dst, data=data, vals=vals, imm=imm, dst_idx=dst_idx)
+
+
+def nc_stream_shuffle(dst: Tile, src: Tile, shuffle_mask: Any, name: str | None = None) -> None:
+    """Per 32-partition quadrant, output partition i takes input partition ``shuffle_mask[i]`` (255 keeps; VectorE)."""
+    _emit(sim.NcStreamShuffle, dst=dst, src=src, shuffle_mask=tuple(int(m) for m in shuffle_mask))
+
+
+def nc_n_gather(dst: Tile, data: Tile, indices: Tile, name: str | None = None) -> None:
+    """``dst[p, j] = data[p].flatten()[indices[p, j]]`` with uint32 indices (GpSimd, SBUF)."""
+    _emit(sim.NcNGather, dst=dst, data=data, indices=indices)
+
+
+def local_gather(dst: Tile, src_buffer: Tile, index: Tile, num_elem_per_idx: int = 1,
+                 num_valid_indices: int | None = None, name: str | None = None) -> None:
+    """Gather ``num_elem_per_idx`` elements per uint16 index, one index list per 16-partition GpSimd core (GpSimd)."""
+    _emit(sim.LocalGather, dst=dst, src_buffer=src_buffer, index=index, num_elem_per_idx=num_elem_per_idx,
+          num_valid_indices=num_valid_indices)
+
+
+# ---- accumulating Vector / Scalar instructions ---------------------------------------------------
+
+def tensor_scalar_cumulative(dst: Tile, src: Tile, op0: Any, op1: Any, imm0: Operand, imm1: Operand = None,
+                             reduce_cmd: Any = reduce_cmd.reset_reduce, name: str | None = None) -> None:
+    """Per partition the running ``op1`` of ``src <op0> imm0`` along the free dim into ``dst`` (VectorE)."""
+    _emit(sim.TensorScalarCumulative, dst=dst, src=src, op0=op0, op1=op1, imm0=imm0, imm1=imm1,
+          reduce_cmd=reduce_cmd)
+
+
+def exponential(dst: Tile, src: Tile, max_value: Operand = 0.0, reduce_res: Tile | None = None,
+                reduce_cmd: Any = reduce_cmd.idle, reduce_init: Operand = 0.0, name: str | None = None) -> None:
+    """``dst = exp(src - max_value)`` with an optional running sum per partition (VectorE, NC-v4)."""
+    _needs("exponential", 4)
+    _emit(sim.Exponential, dst=dst, src=src, max_value=max_value, reduce_res=reduce_res, reduce_cmd=reduce_cmd,
+          reduce_init=reduce_init)
+
+
+def activation_reduce(dst: Tile, op: Any, data: Tile, reduce_op: Any, reduce_res: Tile | None,
+                      bias: Operand = None, scale: Operand = 1.0, name: str | None = None) -> None:
+    """``activation`` that resets the ScalarE registers and reduces its result into ``reduce_res`` (add only on NC-v2)."""
+    if _generation() < 3 and reduce_op is not None and getattr(reduce_op, "__name__", reduce_op) not in ("add", "sum"):
+        raise SimulatorError(f"activation_reduce: reduce_op must be add on {current().spec.core_generation} "
+                             f"({current().spec.name})")
+    activation(dst=dst, op=op, data=data, bias=bias, scale=scale, reduce_op=reduce_op, reduce_res=reduce_res,
+               reduce_cmd=reduce_cmd.reset_reduce)
+
+
+def activate2(dst: Tile, op: Any, data: Tile, imm0: Operand, imm1: Operand, op0: Any, op1: Any,
+              relu_param: Operand = 0.0, reverse0: bool = False, reverse1: bool = False, reduce_op: Any = None,
+              reduce_res: Tile | None = None, reduce_cmd: Any = reduce_cmd.idle, name: str | None = None) -> None:
+    """``dst = op((data <op0> imm0) <op1> imm1)`` with an optional register reduction (ScalarE, NC-v4)."""
+    _needs("activate2", 4)
+    _emit(sim.Activate2, dst=dst, op=op, data=data, imm0=imm0, imm1=imm1, op0=op0, op1=op1, relu_param=relu_param,
+          reverse0=reverse0, reverse1=reverse1, reduce_op=reduce_op, reduce_res=reduce_res, reduce_cmd=reduce_cmd)
+
+
+def dma_compute(dst: Tile, srcs: list, reduce_op: Any, scales: Any = None, unique_indices: bool = True,
+                oob_mode: Any = oob_mode.error, name: str | None = None) -> None:
+    """``dst = sum(srcs)`` element-wise by the DMA engines (add only, unit scales; HBM or SBUF)."""
+    if any(isinstance(t, NkiTensor) and (t.indirect is not None or t.dynamic is not None) for t in (dst, *srcs)):
+        raise NotImplementedError("dma_compute: read-modify-write through vector_offset/scalar_offset is not "
+                                  "modelled; use dma_copy gathers/scatters and tensor_tensor")
+    _emit(sim.DmaCompute, dst=dst, srcs=tuple(_a(t) for t in srcs), reduce_op=reduce_op,
+          scales=None if scales is None else tuple(scales), queue=current().next_dma_queue())
 
 
 TENSOR_OPS.update(memset=memset, tensor_copy=tensor_copy, dma_copy=dma_copy)   # NkiTensor's stores (t[i] = v)

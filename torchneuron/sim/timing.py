@@ -206,6 +206,10 @@ def stream_cycles(ci: CostInputs, spec: ChipSpec) -> float:
     elif op in ("bn_stats", "dropout", "range_select", "nc_stream_shuffle", "nc_transpose",
                 "nc_match_replace8", "select", "max8", "nc_find_index8"):
         c = n                                               # LISA
+    elif op in ("select_reduce", "activate2"):
+        c = n                                               # ASSUMPTION: LISA's select / activation rule (N)
+    elif op == "sequence_bounds":
+        c = e.start_overhead_cycles + 2 * n                 # ASSUMPTION: NO NUMBER; start + a forward and a backward pass
     else:
         # Any other instruction: one element per lane per cycle, plus the GpSimd start cost
         # on GpSimdE (ASSUMPTION: the generic streaming rule, A-v2).

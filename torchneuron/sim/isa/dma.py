@@ -287,3 +287,72 @@ class DmaCopyDynamic(Instr):
     def price(self) -> CostInputs:
         ci = self._static.price()
         return replace(ci, opcode=self.opcode, dge_mode=None if self.dge_mode == "unknown" else self.dge_mode)
+
+
+DMA_COMPUTE_MAX_SRCS = 16
+
+
+@dataclass(frozen=True)
+class DmaCompute(Instr):
+    """``nisa.dma_compute``: ``dst = srcs[0] + srcs[1] + ...`` element-wise by the DMA engines' compute
+    logic (fp32, cast to dst's dtype), HBM or SBUF operands of equal element counts, up to 16 sources.
+    Only ``reduce_op=add`` with unit scales exists (as published); indirect read-modify-write is not
+    modelled."""
+
+    dst: AP
+    srcs: tuple[AP, ...]
+    reduce_op: str = "add"
+    scales: tuple[float, ...] | None = None
+    queue: int = 0
+    dge_mode: str = "none"
+    opcode = "dma_compute"
+    engine = Engine.DMA
+
+    def check(self) -> None:
+        _dge(self)
+        srcs = tuple(self.srcs)
+        self._set("srcs", srcs)
+        if not 1 <= len(srcs) <= DMA_COMPUTE_MAX_SRCS:
+            raise self._fail("srcs", f"has {len(srcs)} tensors; 1 to {DMA_COMPUTE_MAX_SRCS} are allowed")
+        name = str(getattr(self.reduce_op, "__name__", self.reduce_op))
+        if name not in ("add", "sum"):
+            raise self._fail("reduce_op", f"is {name!r}; only add is supported")
+        self._set("reduce_op", "add")
+        if self.scales is not None:
+            if len(self.scales) != len(srcs) or any(float(s) != 1.0 for s in self.scales):
+                raise self._fail("scales", f"are {list(self.scales)}; they must be one 1.0 per source")
+            self._set("scales", tuple(float(s) for s in self.scales))
+        self._ap("dst", ("sbuf", "hbm"))
+        for i, src in enumerate(srcs):
+            if not isinstance(src, AP):
+                raise self._fail(f"srcs[{i}]", f"must be a tensor, got {type(src).__name__}")
+            if src.kind not in ("sbuf", "hbm"):
+                raise self._fail(f"srcs[{i}]", f"is in {src.kind}; DMA cannot access PSUM")
+            if src.numel != self.dst.numel:
+                raise self._fail(f"srcs[{i}]", f"has {src.numel} elements; dst has {self.dst.numel}")
+
+    @property
+    def _operands(self) -> tuple[tuple[str, AP], ...]:
+        return (("dst", self.dst), *((f"srcs[{i}]", s) for i, s in enumerate(self.srcs)))
+
+    def _footprint(self, name: str) -> Footprint:
+        return dict(self._operands)[name].footprint()
+
+    def execute(self, core) -> None:
+        total = None
+        for src in self.srcs:
+            v = src.view(core).reshape(self.dst.shape).float()
+            total = v.clone() if total is None else total.add_(v)
+        self.dst.write(core, total)
+
+    def price(self) -> CostInputs:
+        onchip = [a for a in (self.dst, *self.srcs) if a.on_chip]
+        parts = onchip[0].partitions if onchip else 1
+        n = self.dst.numel
+        chunks = max(_chunks(n, contiguous_run(_dims(s)), contiguous_run(_dims(self.dst))) for s in self.srcs)
+        return CostInputs(opcode=self.opcode, engine=Engine.DMA, partitions=parts, free_elems=n // parts,
+                          in_dtypes=tuple(torch_name(s.dtype) for s in self.srcs), out_dtype=torch_name(self.dst.dtype),
+                          in_memories=tuple(s.kind for s in self.srcs), out_memory=self.dst.kind, op="add",
+                          dma_bytes=sum(s.nbytes for s in self.srcs) + self.dst.nbytes, dma_chunks=chunks,
+                          dge_mode=None if self.dge_mode in ("unknown", "none") else self.dge_mode,
+                          flops=n * (len(self.srcs) - 1))

@@ -1,4 +1,5 @@
-"""ScalarE: ``activation`` (a function of ``data * scale + bias``, with an optional reduction along the free dims)."""
+"""ScalarE: ``activation`` (a function of ``data * scale + bias``, with an optional reduction along the free dims) and
+``activate2`` (NC-v4: two tensor-scalar stages, then the function)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -8,8 +9,8 @@ import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine
 from torchneuron.sim.memory import AP
-from torchneuron.sim.numerics import (ACTIVATIONS_OUT, REDUCE_IDENTITY, activation_fn, apply_activation, apply_alu,
-                                      apply_reduce, as_scalar, compute_dtype, reduce_op)
+from torchneuron.sim.numerics import (ACTIVATIONS_OUT, REDUCE_IDENTITY, activation_fn, alu_op, apply_activation,
+                                      apply_alu, apply_reduce, as_scalar, compute_dtype, dtype_name, reduce_op)
 from torchneuron.sim.isa.common import Instr, Operand, Step, _cmd, _disjoint_or_same, _fused_into, _load, _operand, _rhs
 
 
@@ -23,6 +24,30 @@ def _identity_out(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
 def _regs(core, engine: Engine, ap: AP) -> torch.Tensor:
     """The engine's per-lane fp32 accumulation registers for the lanes (partitions) of ``ap``."""
     return core.regs[engine][ap.start_partition:ap.start_partition + ap.partitions]
+
+
+def _scalar_reduce_args(instr: Instr) -> None:
+    """Resolve and check ``reduce_cmd`` / ``reduce_op`` of a ScalarE instruction (reduce_op defaults to add)."""
+    instr._set("reduce_cmd", _cmd(instr.reduce_cmd))
+    if instr.reduce_cmd == "load_reduce":
+        raise instr._fail("reduce_cmd", f"load_reduce is not an {instr.opcode} command (idle/reset/reduce/reset_reduce)")
+    if instr.reduce_op is None and instr.reduce_cmd in ("reduce", "reset_reduce"):
+        instr._set("reduce_op", "add")
+    if instr.reduce_op is not None:
+        instr._set("reduce_op", reduce_op(instr.reduce_op))
+        if instr.reduce_op not in ("add", "maximum", "minimum"):
+            raise instr._fail("reduce_op", f"is {instr.reduce_op!r}; ScalarE reduces with add "
+                                           f"(maximum/minimum on NC-v4)")
+
+
+def reduce_into_registers(instr: Instr, core, engine: Engine, op: str, values: torch.Tensor, lanes: AP,
+                          init=None) -> None:
+    """Apply ``instr.reduce_cmd`` to the engine's registers for ``lanes`` with ``values``; then write the
+    registers to ``instr.reduce_res`` if it is set (the instructions that read the registers out)."""
+    regs = _regs(core, engine, lanes)
+    _accumulate(regs, op, instr.reduce_cmd, values, init)
+    if instr.reduce_res is not None:
+        instr.reduce_res.write(core, regs)
 
 
 def _accumulate(regs: torch.Tensor, op: str, cmd: str, values: torch.Tensor | None, init=None) -> None:
@@ -57,16 +82,7 @@ class Activation(Instr):
 
     def check(self) -> None:
         self._set("op", activation_fn(self.op))
-        self._set("reduce_cmd", _cmd(self.reduce_cmd))
-        if self.reduce_cmd == "load_reduce":
-            raise self._fail("reduce_cmd", "load_reduce is not an activation command (idle/reset/reduce/reset_reduce)")
-        if self.reduce_op is None and self.reduce_cmd in ("reduce", "reset_reduce"):
-            self._set("reduce_op", "add")
-        if self.reduce_op is not None:
-            self._set("reduce_op", reduce_op(self.reduce_op))
-            if self.reduce_op not in ("add", "maximum", "minimum"):
-                raise self._fail("reduce_op", f"is {self.reduce_op!r}; ScalarE reduces with add "
-                                              f"(maximum/minimum on NC-v4)")
+        _scalar_reduce_args(self)
         self._tiles("data", "dst")
         self._same("data", "dst")
         self._column("scale")
@@ -150,10 +166,7 @@ class Activation(Instr):
 
     def _reduce(self, core, y: torch.Tensor) -> None:
         if self.reduce_cmd != "idle" or self.reduce_res is not None:
-            regs = _regs(core, Engine.SCALAR, self.data)
-            _accumulate(regs, self.reduce_op or "add", self.reduce_cmd, y)
-            if self.reduce_res is not None:
-                self.reduce_res.write(core, regs)
+            reduce_into_registers(self, core, Engine.SCALAR, self.reduce_op or "add", y, self.data)
 
     def price(self) -> CostInputs:
         n = self.data.numel
@@ -163,3 +176,77 @@ class Activation(Instr):
         if self.reduce_res is not None:  # reading the registers out is a second ISA instruction
             ci = replace(ci, opcode="activation_reduce")
         return ci
+
+
+_ACTIVATE2_OPS = (("multiply", "add"), ("multiply", "subtract"), ("multiply", "bypass"), ("add", "bypass"),
+                  ("subtract", "bypass"), ("bypass", "bypass"))
+
+
+@dataclass(frozen=True)
+class Activate2(Instr):
+    """``nisa.activate2`` (ScalarE, NC-v4): ``dst = op((data <op0> imm0) <op1> imm1)`` in fp32 for the six
+    (op0, op1) pairs of scale/bias/subtract/bypass (``reverseN`` swaps an operator's inputs); ``op="prelu"``
+    uses ``relu_param`` as the negative slope. ``reduce_cmd`` resets and/or accumulates ``reduce_op``
+    (add/maximum/minimum) of the results in the ScalarE registers, read out into ``reduce_res``."""
+
+    dst: AP
+    op: str
+    data: AP
+    imm0: Operand
+    imm1: Operand
+    op0: str
+    op1: str
+    relu_param: Operand = 0.0
+    reverse0: bool = False
+    reverse1: bool = False
+    reduce_op: str | None = None
+    reduce_res: AP | None = None
+    reduce_cmd: str = "idle"
+    opcode = "activate2"
+    engine = Engine.SCALAR
+    WRITES = ("dst", "reduce_res")
+
+    def check(self) -> None:
+        op = getattr(self.op, "__name__", self.op)
+        self._set("op", "prelu" if op == "prelu" else activation_fn(self.op))
+        self._set("op0", "bypass" if self.op0 is None else alu_op(self.op0))
+        self._set("op1", "bypass" if self.op1 is None else alu_op(self.op1))
+        if (self.op0, self.op1) not in _ACTIVATE2_OPS:
+            raise self._fail("op0/op1", f"are ({self.op0}, {self.op1}); supported pairs: {_ACTIVATE2_OPS}")
+        if (self.reverse0 and self.op0 == "bypass") or (self.reverse1 and self.op1 == "bypass"):
+            raise self._fail("reverse0/reverse1", "reverse an operator that is set, not bypass")
+        if getattr(self.reduce_op, "__name__", self.reduce_op) in ("abs_max", "abs_min"):
+            raise self._fail("reduce_op", f"is {self.reduce_op!r}: abs_max/abs_min register reductions are not "
+                                          f"modelled (add, maximum, minimum are)")
+        _scalar_reduce_args(self)
+        self._tiles("data", "dst")
+        self._same("data", "dst")
+        for n in ("imm0", "imm1", "relu_param"):
+            self._column(n)
+        if isinstance(self.imm0, AP) and isinstance(self.imm1, AP) and self.imm0.dtype != self.imm1.dtype:
+            raise self._fail("imm1", f"is {dtype_name(self.imm1.dtype)}; both tile immediates need one dtype")
+        if self.reduce_res is not None:
+            self._column("reduce_res")
+
+    def execute(self, core) -> None:
+        x = _load(core, self.data, torch.float32)
+        nd = x.dim()
+        for op, imm, rev in ((self.op0, self.imm0, self.reverse0), (self.op1, self.imm1, self.reverse1)):
+            if op != "bypass":
+                v = _operand(core, imm if isinstance(imm, AP) else as_scalar(imm, torch.float32), torch.float32, nd)
+                x = apply_alu(op, v, x) if rev else apply_alu(op, x, v)
+        if self.op == "prelu":
+            slope = _operand(core, self.relu_param if isinstance(self.relu_param, AP)
+                             else as_scalar(self.relu_param, torch.float32), torch.float32, nd)
+            y = torch.where(x > 0, x, x * slope)
+        else:
+            y = apply_activation(self.op, x)
+        self.dst.write(core, y)
+        if self.reduce_cmd != "idle" or self.reduce_res is not None:
+            reduce_into_registers(self, core, Engine.SCALAR, self.reduce_op or "add", y, self.data)
+
+    def price(self) -> CostInputs:
+        stages = (self.op0 != "bypass") + (self.op1 != "bypass") + 1 + (self.reduce_cmd in ("reduce", "reset_reduce"))
+        ci = self._cost([self.data], self.dst, op=self.op, flops=stages * self.data.numel)
+        # reading the registers out is a second instruction, as for activation with reduce_res
+        return replace(ci, opcode="activation_reduce") if self.reduce_res is not None else ci

@@ -18,7 +18,7 @@ from torchneuron.sim.isa.common import (BN_STATS_FMAX, Instr, MAX8_FMAX, MAX8_FM
                                         _FUSED_DTYPES, _FUSED_OPS, _apply, _cmd, _col, _convert, _copy_step,
                                         _disjoint_or_same, _fractional, _fused_into, _load, _operand, _operand_dtypes,
                                         _planned_alu_step, _rhs)
-from torchneuron.sim.isa.scalar_engine import _accumulate, _regs
+from torchneuron.sim.isa.scalar_engine import _accumulate, _regs, reduce_into_registers
 
 
 # ---- elementwise (Vector / Scalar / GpSimd) -----------------------------------------------------
@@ -580,3 +580,107 @@ class NcFindIndex8(Instr):
 
     def price(self) -> CostInputs:
         return self._cost([self.data], self.dst)
+
+
+# ---- cumulative and exponential (VectorE accumulation registers) ---------------------------------
+
+_CUMULATIVE_OPS = ("add", "subtract", "multiply", "maximum", "minimum")
+_CUMULATIVE_RESET = {"add": 0.0, "subtract": 0.0, "multiply": 1.0, "maximum": -math.inf, "minimum": math.inf}
+
+
+@dataclass(frozen=True)
+class TensorScalarCumulative(Instr):
+    """``nisa.tensor_scalar_cumulative``: per partition, along the flattened free dim,
+    ``reg = op1(op0(src[i], imm0), reg); dst[i] = reg`` in fp32 with the VectorE register as the running
+    value (``reduce_cmd``: reset_reduce starts from op1's identity, reduce from the register, load_reduce
+    from ``imm1``)."""
+
+    dst: AP
+    src: AP
+    op0: str
+    op1: str
+    imm0: Operand
+    imm1: Operand | None = None
+    reduce_cmd: str = "reset_reduce"
+    opcode = "tensor_scalar_cumulative"
+    engine = Engine.VECTOR
+
+    def check(self) -> None:
+        self._set("op0", alu_op(self.op0))
+        self._set("op1", alu_op(self.op1))
+        self._set("reduce_cmd", _cmd(self.reduce_cmd))
+        if self.op0 in BITVEC_OPS:
+            raise self._fail("op0", f"{self.op0!r} is a bitvec operator; op0 must be arithmetic")
+        if self.op1 not in _CUMULATIVE_OPS:
+            raise self._fail("op1", f"is {self.op1!r}; the cumulative operator is one of {_CUMULATIVE_OPS}")
+        if self.reduce_cmd not in ("reset_reduce", "reduce", "load_reduce"):
+            raise self._fail("reduce_cmd", f"is {self.reduce_cmd!r}; expected reset_reduce, reduce or load_reduce")
+        if (self.reduce_cmd == "load_reduce") != (self.imm1 is not None):
+            raise self._fail("imm1", "is the initial value of reduce_cmd=load_reduce, required then and only then")
+        self._tiles("src", "dst")
+        self._same("src", "dst")
+        for n in ("src", "dst"):
+            if getattr(self, n).dtype in (torch.int32, torch.uint32):
+                raise self._fail(n, f"is {dtype_name(getattr(self, n).dtype)}; int32/uint32 are not supported")
+        self._column("imm0", of="src")
+        self._column("imm1", of="src")
+
+    def execute(self, core) -> None:
+        p, f = self.src.partitions, self.src.free_elems
+        x = _load(core, self.src, torch.float32, (p, f))
+        v = apply_alu(self.op0, x, _col(core, self.imm0, torch.float32, 2))
+        regs = _regs(core, Engine.VECTOR, self.src)
+        if self.reduce_cmd == "reset_reduce":
+            regs.fill_(_CUMULATIVE_RESET[self.op1])
+        elif self.reduce_cmd == "load_reduce":
+            init = _col(core, self.imm1, torch.float32, 1)
+            regs.copy_(init.reshape(-1) if isinstance(init, torch.Tensor) else torch.full_like(regs, init))
+        out = torch.empty(p, f)
+        reg = regs.clone()
+        for i in range(f):  # sequential on purpose: every step rounds to fp32 as the engine does
+            reg = apply_alu(self.op1, v[:, i], reg)
+            out[:, i] = reg
+        regs.copy_(reg)
+        self.dst.write(core, out)
+
+    def price(self) -> CostInputs:
+        return self._cost([self.src], self.dst, op=f"{self.op0},{self.op1}", flops=2 * self.src.numel)
+
+
+@dataclass(frozen=True)
+class Exponential(Instr):
+    """``nisa.exponential`` (VectorE, NC-v4): ``dst = exp(src - max_value)`` in fp32 (``max_value`` a scalar
+    or (P,1) tile); ``reduce_cmd`` sums the results into the VectorE registers (load_reduce starts from
+    ``reduce_init``), read out into ``reduce_res`` when given."""
+
+    dst: AP
+    src: AP
+    max_value: Operand = 0.0
+    reduce_res: AP | None = None
+    reduce_cmd: str = "idle"
+    reduce_init: Operand = 0.0
+    opcode = "exponential"
+    engine = Engine.VECTOR
+    WRITES = ("dst", "reduce_res")
+
+    def check(self) -> None:
+        self._set("reduce_cmd", _cmd(self.reduce_cmd))
+        self._tiles("src", "dst")
+        self._same("src", "dst")
+        self._column("max_value", of="src")
+        self._column("reduce_init", of="src")
+        if self.reduce_res is not None:
+            self._column("reduce_res", of="src")
+        if self.reduce_cmd != "load_reduce" and not (not isinstance(self.reduce_init, AP) and self.reduce_init == 0):
+            raise self._fail("reduce_init", "must be unset (0.0) unless reduce_cmd is load_reduce")
+
+    def execute(self, core) -> None:
+        x = _load(core, self.src, torch.float32)
+        y = torch.exp(x - _col(core, self.max_value, torch.float32, x.dim()))
+        self.dst.write(core, y)
+        if self.reduce_cmd != "idle" or self.reduce_res is not None:
+            init = self.reduce_init.view(core).float() if isinstance(self.reduce_init, AP) else self.reduce_init
+            reduce_into_registers(self, core, Engine.VECTOR, "add", y, self.src, init)
+
+    def price(self) -> CostInputs:
+        return self._cost([self.src], self.dst, op="exp", flops=2 * self.src.numel)

@@ -1,0 +1,126 @@
+"""The ``nki.isa`` entries added for the published API, called from kernels: results against NumPy, the
+NeuronCore versions they need (an error naming the chip), and the target queries."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from torchneuron import nki
+import torchneuron.nki.isa as nisa
+import torchneuron.nki.language as nl
+from torchneuron.sim import SimulatorError
+
+RNG = np.random.default_rng(3)
+
+
+def _exp_kernel(x, m):
+    out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
+    sums = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.shared_hbm)
+    t, mx = nl.load(x), nl.load(m)
+    e = nl.ndarray(x.shape, nl.float32)
+    s = nl.ndarray((x.shape[0], 1), nl.float32)
+    nisa.exponential(dst=e, src=t, max_value=mx, reduce_res=s, reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    nl.store(out, e)
+    nl.store(sums, s)
+    return out, sums
+
+
+def test_exponential_on_trn3_and_refused_on_trn2_naming_the_chip():
+    x, m = RNG.standard_normal((64, 128)).astype(np.float32), RNG.standard_normal((64, 1)).astype(np.float32)
+    out, sums = nki.simulate(nki.jit(_exp_kernel, platform_target="trn3"))(x, m)
+    np.testing.assert_allclose(out, np.exp(x - m), rtol=2**-20)
+    np.testing.assert_allclose(sums, np.exp(x - m).sum(1, keepdims=True), rtol=128 * 2**-23)
+    with pytest.raises(SimulatorError, match="exponential: needs NeuronCore-v4 or newer; trn2 is NeuronCore-v3"):
+        nki.simulate(nki.jit(_exp_kernel, platform_target="trn2"))(x, m)
+
+
+def test_activate2_example_scale_bias_gelu_needs_trn3():
+    @nki.jit
+    def act2(data):
+        out = nl.ndarray(data.shape, nl.float32, buffer=nl.shared_hbm)
+        x = nl.load(data)
+        r = nl.ndarray(data.shape, nl.float32)
+        nisa.activate2(dst=r, op=nl.gelu, data=x, imm0=2.0, imm1=0.5, op0=nl.multiply, op1=nl.add)
+        nl.store(out, r)
+        return out
+
+    import torch
+    x = RNG.standard_normal((128, 64)).astype(np.float32)
+    got = nki.profile(act2, chip="trn3")(x).outputs
+    want = torch.nn.functional.gelu(torch.from_numpy(x) * 2.0 + 0.5).numpy()
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(SimulatorError, match="activate2: needs NeuronCore-v4 or newer; trn1 is NeuronCore-v2"):
+        nki.profile(act2, chip="trn1")(x)
+
+
+def test_range_select_and_nonzero_need_neuroncore_v3():
+    @nki.jit
+    def nz(x):
+        out = nl.ndarray((x.shape[0], x.shape[1] + 1), nl.int32, buffer=nl.shared_hbm)
+        t = nl.load(x)
+        o = nl.ndarray(out.shape, nl.int32)
+        nisa.memset(dst=o, value=0)
+        nisa.nonzero_with_count(dst=o, src=t, index_offset=0, padding_val=-1)
+        nl.store(out, o)
+        return out
+
+    x = np.zeros((16, 8), np.float32)
+    x[0, [1, 2, 5]] = 1
+    got = nki.profile(nz, chip="trn2")(x).outputs
+    assert got[0].tolist() == [1, 2, 5, -1, -1, -1, -1, -1, 3]
+    with pytest.raises(SimulatorError, match="nonzero_with_count: needs NeuronCore-v3 or newer; trn1"):
+        nki.profile(nz, chip="trn1")(x)
+
+
+def test_activation_reduce_is_activation_with_a_reset_reduction():
+    @nki.jit
+    def k(x):
+        out = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.shared_hbm)
+        t = nl.load(x)
+        y = nl.ndarray(x.shape, nl.float32)
+        r = nl.ndarray((x.shape[0], 1), nl.float32)
+        nisa.activation_reduce(dst=y, op=nl.exp, data=t, reduce_op=nl.add, reduce_res=r, scale=0.5)
+        nl.store(out, r)
+        return out
+
+    x = RNG.standard_normal((32, 100)).astype(np.float32)
+    np.testing.assert_allclose(nki.simulate(k)(x), np.exp(0.5 * x).sum(1, keepdims=True), rtol=100 * 2**-23)
+
+
+def test_nc_version_queries_follow_the_chip():
+    seen = {}
+
+    @nki.jit
+    def k(x):
+        seen["v"], seen["sub"] = nisa.get_nc_version(), nisa.get_nc_sub_version()
+        out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
+        nl.store(out, nl.load(x))
+        return out
+
+    x = np.ones((4, 4), np.float32)
+    for chip, v in (("trn1", nisa.nc_version.gen2), ("trn2", nisa.nc_version.gen3), ("trn3", nisa.nc_version.gen4)):
+        nki.profile(k, chip=chip)(x)
+        assert seen == {"v": v, "sub": 0}
+    assert nisa.NkiValidationError is SimulatorError and nisa.dma_engine.dma.value == 1
+
+
+def test_gathers_and_dma_compute_from_a_kernel():
+    @nki.jit
+    def k(data, idx, other):
+        out = nl.ndarray(idx.shape, nl.float32, buffer=nl.shared_hbm)
+        summed = nl.ndarray(data.shape, nl.float32, buffer=nl.shared_hbm)
+        d, i = nl.load(data), nl.load(idx)
+        g = nl.ndarray(idx.shape, nl.float32)
+        nisa.nc_n_gather(dst=g, data=d, indices=i)
+        nl.store(out, g)
+        nisa.dma_compute(dst=summed, srcs=[d, other], reduce_op=nl.add)
+        return out, summed
+
+    data = RNG.standard_normal((32, 64)).astype(np.float32)
+    idx = RNG.integers(0, 64, (32, 20)).astype(np.uint32)
+    other = RNG.standard_normal((32, 64)).astype(np.float32)
+    import torch
+    out, summed = k(torch.from_numpy(data), torch.from_numpy(idx.astype(np.int64)).to(torch.uint32),
+                    torch.from_numpy(other))
+    np.testing.assert_array_equal(out.numpy(), np.take_along_axis(data, idx.astype(np.int64), 1))
+    np.testing.assert_array_equal(summed.numpy(), data + other)
