@@ -9,6 +9,7 @@ namespace py = pybind11;
 
 namespace torchneuron {
 void bind_process_group(py::module_& m);  // process_group.cpp: the `neuron` c10d backend
+void bind_profiler(py::module_& m);       // profiler.cpp: kernel launches in torch.profiler
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -47,4 +48,5 @@ PYBIND11_MODULE(_C, m) {
         THPGenerator_initDefaultGenerator(torchneuron::default_neuron_generator(c10::DeviceIndex(i))));
   });
   torchneuron::bind_process_group(m);
+  torchneuron::bind_profiler(m);
 }

@@ -15,7 +15,9 @@ The process-wide list keeps the latest ``MAX_RECORDS`` launches (a long eager ru
 grow without bound); ``record()`` keeps every launch of its block. Records never hold the
 launch's tensors. While a profiler is active, each launch also shows up in ``torch.profiler``
 traces as a host range named ``neuron::<kernel>`` (a ``record_function`` around the launch's
-host work; none is opened otherwise, to keep small launches cheap).
+host work; none is opened otherwise, to keep small launches cheap) and, when the profile
+records device activity, as a kernel of its simulated device time on the device's stream row,
+linked to the launching op (``_csrc/profiler.cpp``, Kineto's PrivateUse1 activity profiler).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import os
 import threading
 from typing import Iterable, Iterator
 
+from torchneuron import _C
 from torchneuron.runtime.record import LaunchRecord
 
 MAX_RECORDS = 10_000
@@ -37,10 +40,20 @@ _collectors: list[list[LaunchRecord]] = []
 
 def _add(record: LaunchRecord) -> None:
     record = record.without_outputs()
+    if _C._profiler_recording():  # a torch.profiler session records device activity
+        _device_activity(record)
     with _lock:
         _records.append(record)
         for c in _collectors:
             c.append(record)
+
+
+def _device_activity(record: LaunchRecord) -> None:
+    """Hand the launch to the recording torch.profiler session: a kernel on its stream, linked to the launching op."""
+    _C._profiler_add_launch(record.name, record.op or "", record.device, record.stream, record.start_ns,
+                            record.end_ns, float(record.launch_overhead_ns), float(record.device_time_ns),
+                            int(record.flops), int(record.hbm_bytes_read), int(record.hbm_bytes_written),
+                            int(record.instructions))
 
 
 def records() -> list[LaunchRecord]:
