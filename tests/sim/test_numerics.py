@@ -163,6 +163,7 @@ ACT_REF = {
     "gelu_apprx_sigmoid": lambda x: x * torch.sigmoid(1.702 * x),
     "gelu_dx": lambda x: _grad(F.gelu, x),
     "gelu_apprx_tanh_dx": lambda x: _grad(lambda t: F.gelu(t, approximate="tanh"), x),
+    "gelu_apprx_sigmoid_dx": lambda x: _grad(lambda t: t * torch.sigmoid(1.702 * t), x),
     "silu": F.silu, "silu_dx": lambda x: _grad(F.silu, x), "softplus": F.softplus, "mish": F.mish,
     "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "reciprocal": torch.reciprocal, "square": torch.square,
     "sin": torch.sin, "cos": torch.cos, "tan": torch.tan, "arctan": torch.atan, "abs": torch.abs,

@@ -7,6 +7,7 @@ Convenience ops return new SBUF tiles (``matmul``/``transpose``: PSUM tiles).
 from __future__ import annotations
 
 import builtins
+import enum
 import math
 import os
 from typing import Any, Sequence
@@ -15,9 +16,10 @@ import numpy as np
 import torch
 
 from torchneuron.nki import isa as nisa
-from torchneuron.nki.tracing import (TENSOR_OPS, Buffer, MxDtype, NkiTensor, as_dtype, current, ds, hbm,  # noqa: F401
-                                     private_hbm, psum, sbuf, shared_hbm)
+from torchneuron.nki.tracing import (TENSOR_OPS, Buffer, MxDtype, NKIObject, NkiTensor, as_dtype, current, ds,  # noqa: F401
+                                     hbm, private_hbm, psum, sbuf, shared_hbm)
 from torchneuron.sim import SimulatorError
+from torchneuron.sim.isa import DevicePrint
 from torchneuron.sim.isa import BN_STATS_FMAX, GEMM_MOVING_FMAX, GEMM_STATIONARY_FMAX, PSUM_BANK_BYTES
 from torchneuron.sim.memory import PMAX
 from torchneuron.sim.specs import chip_spec
@@ -429,6 +431,294 @@ def matmul(x: Tile, y: Tile, transpose_x: bool = False) -> Tile:
     return out
 
 
+# ---- the rest of the published language: predicates, math, composites, creation ------------------
+
+class MemoryRegion(enum.Enum):
+    """``nl.MemoryRegion``: the memory kinds a tensor can live in."""
+    sbuf = "sbuf"
+    psum = "psum"
+    private_hbm = "private_hbm"
+    shared_hbm = "shared_hbm"
+
+
+DType = torch.dtype  # the type of nl dtypes here (torch dtypes; MX x4 dtypes are MxDtype)
+# operator tokens: the ALU's pass-through, the parametric ReLU activation (activate2's relu_param) and the
+# averaging reduction (tensor_partition_reduce)
+bypass, prelu, average = "bypass", "prelu", "average"
+
+
+def _region(buffer: Any) -> str:
+    if isinstance(buffer, NkiTensor):
+        buffer = buffer.buffer
+    name = getattr(buffer, "name", None) if isinstance(buffer, (Buffer, MemoryRegion)) else buffer
+    if name not in ("sbuf", "psum", "private_hbm", "shared_hbm"):
+        raise TypeError(f"expected a memory region (nl.sbuf, nl.psum, nl.hbm, nl.private_hbm, nl.shared_hbm), "
+                        f"got {buffer!r}")
+    return name
+
+
+def is_hbm(buffer: Any) -> bool:
+    """Whether ``buffer`` is an HBM region (private or shared)."""
+    return _region(buffer).endswith("hbm")
+
+
+def is_on_chip(buffer: Any) -> bool:
+    """Whether ``buffer`` is SBUF or PSUM."""
+    return _region(buffer) in ("sbuf", "psum")
+
+
+def is_psum(buffer: Any) -> bool:
+    """Whether ``buffer`` is PSUM."""
+    return _region(buffer) == "psum"
+
+
+def is_sbuf(buffer: Any) -> bool:
+    """Whether ``buffer`` is SBUF."""
+    return _region(buffer) == "sbuf"
+
+
+gelu_dx, gelu_apprx_sigmoid_dx, silu_dx, mish, erf_dx = (
+    _activation(n) for n in ("gelu_dx", "gelu_apprx_sigmoid_dx", "silu_dx", "mish", "erf_dx"))
+tan, arctan, ceil, floor, trunc = (_activation(n) for n in ("tan", "arctan", "ceil", "floor", "trunc"))
+
+
+def fmod(x: Value, y: Value, dtype: Any = None) -> Tile:
+    """Remainder of ``x / y`` with the sign of ``x`` (C fmod), element-wise (VectorE)."""
+    return _binary("mod", x, y, dtype)
+
+
+def mod(x: Value, y: Value, dtype: Any = None) -> Tile:
+    """Remainder of ``x / y`` with the sign of ``y`` (Python's %): fmod, then ``+ y`` where the signs differ."""
+    r = fmod(x, y, float32)
+    flipped = multiply(sign(r, float32), y, float32)   # r * y < 0 exactly where the signs differ (r != 0)
+    wrong = less(flipped, 0.0, float32)
+    fix = multiply(wrong, y, float32)
+    return add(r, fix, dtype or _result_dtype(x, y, None))
+
+
+def _by_magnitude(what: str, x: Value, y: Value, larger: bool, dtype: Any) -> Tile:
+    nisa._needs(f"nl.{what}", 4)
+    if not isinstance(x, NkiTensor):
+        raise SimulatorError(f"nl.{what}: x must be a tile (y may be a tile, a (P, 1) tile or a scalar)")
+    out = ndarray(x.shape, dtype or _result_dtype(x, y, None))
+    ax, ay = abs(x, float32), (abs(y, float32) if isinstance(y, NkiTensor) else builtins.abs(float(y)))
+    pick_x = ndarray(x.shape, uint8)
+    cmp = "greater" if larger else "less"
+    if isinstance(ay, NkiTensor) and tuple(ay.shape) == tuple(ax.shape):
+        nisa.tensor_tensor(dst=pick_x, data1=ax, data2=ay, op=cmp)
+    else:
+        nisa.tensor_scalar(dst=pick_x, data=ax, op0=cmp, operand0=ay)
+    if isinstance(y, NkiTensor) and tuple(y.shape) == tuple(x.shape):
+        nisa.tensor_copy(dst=out, src=y)
+    else:  # a (P, 1) tile or a scalar: spread over the free dims
+        nisa.memset(dst=out, value=0)
+        nisa.tensor_scalar(dst=out, data=out, op0="add", operand0=y)
+    nisa.tensor_copy_predicated(dst=out, src=x if x.dtype == out.dtype else copy(x, out.dtype), predicate=pick_x)
+    return out
+
+
+def abs_max(x: Value, y: Value, dtype: Any = None) -> Tile:
+    """The input of larger magnitude, sign kept (``y`` on ties), element-wise (NC-v4)."""
+    return _by_magnitude("abs_max", x, y, True, dtype)
+
+
+def abs_min(x: Value, y: Value, dtype: Any = None) -> Tile:
+    """The input of smaller magnitude, sign kept (``y`` on ties), element-wise (NC-v4)."""
+    return _by_magnitude("abs_min", x, y, False, dtype)
+
+
+def invert(x: Tile, dtype: Any = None) -> Tile:
+    """Bitwise NOT of an integer tile (XOR with all ones, VectorE)."""
+    if x.dtype.is_floating_point:
+        raise SimulatorError(f"nl.invert: needs an integer tile, got {x.dtype}")
+    ones = torch.iinfo(x.dtype).max if x.dtype in (uint8, uint16, uint32) else -1
+    out = ndarray(x.shape, dtype or x.dtype)
+    nisa.tensor_scalar(dst=out, data=x, op0="bitwise_xor", operand0=ones)
+    return out
+
+
+def logical_not(x: Tile, dtype: Any = None) -> Tile:
+    """Logical NOT of a 0/1 tile (XOR with 1, VectorE)."""
+    out = ndarray(x.shape, dtype or x.dtype)
+    op = "logical_xor" if x.dtype.is_floating_point or out.dtype.is_floating_point else "bitwise_xor"
+    nisa.tensor_scalar(dst=out, data=x, op0=op, operand0=1)
+    return out
+
+
+def prod(x: Tile, axis: int | Sequence[int], dtype: Any = None, keepdims: bool = False) -> Tile:
+    """Product over trailing free axes (VectorE)."""
+    return _reduce("multiply", x, axis, dtype, keepdims)
+
+
+def all(x: Tile, axis: int | Sequence[int], dtype: Any = None) -> Tile:  # noqa: A001 (NKI's name)
+    """1 where every element over the trailing free axes is nonzero, else 0 (VectorE)."""
+    return _reduce("logical_and", x, axis, dtype, False)
+
+
+def _spread(t: Tile, shape: Sequence[int]) -> Tile:
+    """A keepdims reduction result seen with ``shape`` (stride 0 along the reduced axes): no data moves."""
+    a = t.access
+    dims = list(a.pattern)
+    pattern = [(0, n) if sz == 1 and n != 1 else (st, sz) for (st, sz), n in zip(dims, shape[1:])]
+    return t._view(type(a)(a.memory, a.dtype, tuple(pattern), a.start_partition, a.partitions, a.offset))
+
+
+def _axes(x: Tile, axis: int | Sequence[int]) -> tuple[int, ...]:
+    rank = len(x.shape)
+    return tuple(sorted(a % rank for a in ((axis,) if isinstance(axis, int) else axis)))
+
+
+def var(x: Tile, axis: int | Sequence[int], dtype: Any = None, keepdims: bool = True) -> Tile:
+    """Population variance over trailing free axes in fp32: the mean of squared deviations (keepdims shape)."""
+    m = mean(x, axis, float32, keepdims=True)
+    d = ndarray(x.shape, float32)
+    nisa.tensor_tensor(dst=d, data1=x, data2=_spread(m, x.shape), op="subtract")
+    nisa.tensor_tensor(dst=d, data1=d, data2=d, op="multiply")
+    return mean(d, axis, dtype or x.dtype, keepdims=True)
+
+
+def softmax(x: Tile, axis: int | Sequence[int] = -1, dtype: Any = None) -> Tile:
+    """``exp(x - max) / sum(exp(x - max))`` over trailing free axes, in fp32."""
+    axes = _axes(x, axis)
+    m = max(x, axes, float32, keepdims=True)
+    e = ndarray(x.shape, float32)
+    nisa.tensor_tensor(dst=e, data1=x, data2=_spread(m, x.shape), op="subtract")
+    nisa.activation(dst=e, op="exp", data=e)
+    s = sum(e, axes, float32, keepdims=True)
+    nisa.reciprocal(dst=s, data=s)
+    out = ndarray(x.shape, dtype or x.dtype)
+    nisa.tensor_tensor(dst=out, data1=e, data2=_spread(s, x.shape), op="multiply")
+    return out
+
+
+def rms_norm(x: Tile, w: Tile, axis: int | Sequence[int], n: int, epsilon: float = 1e-6, dtype: Any = None,
+             compute_dtype: Any = None) -> Tile:
+    """``x / sqrt(sum(x^2 over axis) / n + epsilon) * w`` (``w`` shaped like ``x`` or a (P, 1) column)."""
+    c = as_dtype(compute_dtype) if compute_dtype is not None else float32
+    axes = _axes(x, axis)
+    sq = ndarray(x.shape, c)
+    nisa.tensor_tensor(dst=sq, data1=x, data2=x, op="multiply")
+    ss = sum(sq, axes, c, keepdims=True)
+    nisa.tensor_scalar(dst=ss, data=ss, op0="multiply", operand0=1.0 / n, op1="add", operand1=float(epsilon))
+    nisa.activation(dst=ss, op="rsqrt", data=ss)
+    y = ndarray(x.shape, c)
+    nisa.tensor_tensor(dst=y, data1=x, data2=_spread(ss, x.shape), op="multiply")
+    return multiply(y, w, dtype or x.dtype)
+
+
+def where(condition: Tile, x: Value, y: Value, dtype: Any = None) -> Tile:
+    """``x`` where ``condition`` is nonzero, else ``y`` (a predicated copy on VectorE)."""
+    like = next((v for v in (x, y) if isinstance(v, NkiTensor)), condition)
+    out = ndarray(condition.shape, dtype or like.dtype)
+    if isinstance(y, NkiTensor) and tuple(y.shape) == tuple(condition.shape):
+        nisa.tensor_copy(dst=out, src=y)
+    else:
+        nisa.memset(dst=out, value=y if not isinstance(y, NkiTensor) else 0)
+        if isinstance(y, NkiTensor):
+            nisa.tensor_scalar(dst=out, data=out, op0="add", operand0=y)
+    pred = ndarray(condition.shape, uint8)
+    nisa.tensor_scalar(dst=pred, data=condition, op0="not_equal", operand0=0)
+    if isinstance(x, NkiTensor) and x.dtype != out.dtype:
+        x = copy(x, out.dtype)
+    nisa.tensor_copy_predicated(dst=out, src=x, predicate=pred)
+    return out
+
+
+def dropout(x: Tile, rate: Value, dtype: Any = None) -> Tile:
+    """Zero each element with probability ``rate`` (a scalar or (P, 1) tile); no rescaling (VectorE)."""
+    out = ndarray(x.shape, x.dtype)
+    nisa.dropout(dst=out, data=x, prob=rate)
+    return out if dtype is None or as_dtype(dtype) == x.dtype else copy(out, dtype)
+
+
+def ones(shape: Sequence[int], dtype: Any, buffer: Buffer = sbuf, name: str = "") -> Tile:
+    """A tensor filled with ones."""
+    return full(shape, 1, dtype, buffer, name)
+
+
+def empty_like(x: Tile, dtype: Any = None, buffer: Buffer | None = None, name: str = "") -> Tile:
+    """An uninitialised tensor shaped like ``x`` (its dtype and buffer unless given)."""
+    return ndarray(x.shape, dtype or x.dtype, buffer or x.buffer, name)
+
+
+def zeros_like(x: Tile, dtype: Any = None, buffer: Buffer | None = None, name: str = "") -> Tile:
+    """A zero-filled tensor shaped like ``x`` (its dtype; SBUF unless given)."""
+    return zeros(x.shape, dtype or x.dtype, buffer or sbuf, name)
+
+
+def rand(shape: Sequence[int], dtype: Any, buffer: Buffer = sbuf, name: str = "") -> Tile:
+    """A tensor of uniform random values in [0, 1) from the core's generator (VectorE ``rand2``)."""
+    t = ndarray(shape, dtype, buffer, name)
+    nisa.rand2(dst=t, min=0.0, max=1.0)
+    return t
+
+
+def random_seed(seed: Tile) -> None:
+    """Seed the core's random generator from a [1, 1] 32-bit tile (``rand`` then repeats its sequence)."""
+    nisa.set_rng_seed(src_seeds=seed)
+
+
+def expand_dims(x: Tile, axis: int) -> Tile:
+    """A view of ``x`` with a new size-1 axis at ``axis`` (never before the partition dim of an on-chip tile)."""
+    rank = len(x.shape) + 1
+    axis = axis % rank if axis < 0 else axis
+    if not 0 <= axis < rank or (x.buffer.on_chip and axis == 0):
+        raise SimulatorError(f"nl.expand_dims: axis {axis} is not a free position of a {rank}-dim result"
+                             + (" (dim 0 of an on-chip tile is the partition dim)" if axis == 0 else ""))
+    shape = list(x.shape)
+    shape.insert(axis, 1)
+    return x.reshape(tuple(shape))
+
+
+class no_reorder:
+    """``with nl.no_reorder():`` — instructions in the block keep program order. The simulator executes every
+    instruction in program order and its timing keeps each engine's order; across engines only data
+    dependencies order instructions (the block does not add any)."""
+
+    def __enter__(self) -> "no_reorder":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def load_transpose2d(src: Tile, dtype: Any = None) -> Tile:
+    """HBM ``[A, B]`` -> a new SBUF ``[B, A]`` tile by DMA transpose (a cast, if any, on chip after it)."""
+    if src.buffer.on_chip or len(src.shape) != 2:
+        raise SimulatorError(f"nl.load_transpose2d: src must be a 2-D HBM tensor, got {src!r}")
+    t = ndarray((src.shape[1], src.shape[0]), src.dtype, sbuf)
+    nisa.dma_transpose(dst=t, src=src)
+    return t if dtype is None or as_dtype(dtype) == t.dtype else copy(t, dtype)
+
+
+def gather_flattened(data: Tile, indices: Tile, axis: int = 0, dtype: Any = None) -> Tile:
+    """``out[p, j] = data[p].flatten()[indices[p, j]]`` on GpSimd (``nc_n_gather``; int indices become uint32)."""
+    if axis != 0:
+        raise SimulatorError(f"nl.gather_flattened: axis={axis}; the gather indexes each partition's flattened "
+                             f"free dims (axis=0)")
+    if indices.dtype != uint32:
+        indices = copy(indices, uint32)
+    out = ndarray(indices.shape, data.dtype)
+    nisa.nc_n_gather(dst=out, data=data, indices=indices)
+    return out if dtype is None or as_dtype(dtype) == out.dtype else copy(out, dtype)
+
+
+def shared_identity_matrix(n: int, dtype: Any = uint8, dst: Tile | None = None) -> Tile:
+    """An ``n`` x ``n`` identity matrix in SBUF (into ``dst`` if given): GpSimd iota of ``j - p``, then ``== 0``."""
+    if not 1 <= n <= PMAX:
+        raise SimulatorError(f"nl.shared_identity_matrix: n={n}; an SBUF tile has at most {PMAX} partitions")
+    diff = ndarray((n, n), int32)
+    nisa.iota(dst=diff, pattern=[[1, n]], offset=0, channel_multiplier=-1)
+    out = dst if dst is not None else ndarray((n, n), dtype)
+    nisa.tensor_scalar(dst=out, data=diff, op0="equal", operand0=0)
+    return out
+
+
+def device_print(print_prefix: str, tensor: Tile) -> None:
+    """Print ``print_prefix`` and the tensor's values when the kernel runs (an instruction of the program)."""
+    current().emit(DevicePrint(prefix=print_prefix, tensor=tensor.access, queue=current().next_dma_queue()))
+
+
 # removed from the current generation (NKI 0.2.0): say what replaces them instead of a bare AttributeError
 _REMOVED = {
     "arange": "index with slices (t[0:128, 0:512], steps allowed), nl.ds(start, size) or a raw .ap(pattern)",
@@ -452,5 +742,5 @@ TENSOR_OPS.update(add=add, subtract=subtract, multiply=multiply, divide=divide, 
 
 
 __all__ = [n for n in dir() if not n.startswith("_") and n not in (
-    "annotations", "builtins", "math", "np", "os", "torch", "Any", "Sequence", "SimulatorError", "PMAX", "chip_spec",
+    "annotations", "builtins", "enum", "math", "np", "os", "torch", "Any", "Sequence", "SimulatorError", "PMAX", "chip_spec",
     "TENSOR_OPS")]

@@ -106,7 +106,11 @@ def _index(i: Any) -> Any:
     return i
 
 
-class NkiTensor:
+class NKIObject:
+    """``nl.NKIObject``: the base class of NKI kernel objects (tensors, configuration objects)."""
+
+
+class NkiTensor(NKIObject):
     """A kernel tensor: an access pattern into SBUF, PSUM or an HBM argument, with NumPy-like views."""
 
     mx: "MxDtype | None" = None  # the MX format of x4 data (the AP holds its storage integers)

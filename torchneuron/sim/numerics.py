@@ -217,12 +217,15 @@ REDUCE_OPS: dict[str, Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]] =
     "bitwise_or": _merged(lambda x, d: _fold(torch.bitwise_or, x, d)),
     "bitwise_xor": _merged(lambda x, d: _fold(torch.bitwise_xor, x, d)),
 }
+REDUCE_OPS["average"] = _merged(lambda x, d: x.mean(d) if x.is_floating_point() else x.double().mean(d))
 REDUCE_IDENTITY = {"add": 0.0, "multiply": 1.0, "maximum": -math.inf, "minimum": math.inf,
                    "logical_and": 1.0, "logical_or": 0.0, "bitwise_and": -1, "bitwise_or": 0, "bitwise_xor": 0}
 
 
 def reduce_op(op: str | Callable) -> str:
     """Canonical name of a reduction operator (``np.max``/``nl.max`` -> ``"maximum"``)."""
+    if (op if isinstance(op, str) else getattr(op, "__name__", None)) == "average":
+        return "average"  # a reduction only (the mean), not an ALU operator
     name = alu_op(op)
     if name not in REDUCE_OPS:
         raise ValueError(f"{name!r} is not a reduction operator; supported: {sorted(REDUCE_OPS)}")
@@ -261,6 +264,12 @@ def _gelu_tanh_dx(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x * x)
 
 
+def _gelu_sigmoid_dx(x: torch.Tensor) -> torch.Tensor:
+    # d/dx [x * sigmoid(1.702 x)] = s + 1.702 x s (1 - s)
+    s = torch.sigmoid(1.702 * x)
+    return s + 1.702 * x * s * (1.0 - s)
+
+
 def _silu_dx(x: torch.Tensor) -> torch.Tensor:
     s = torch.sigmoid(x)
     return s * (1.0 + x * (1.0 - s))
@@ -279,6 +288,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_apprx_sigmoid": lambda x: x * torch.sigmoid(1.702 * x),
     "gelu_dx": _gelu_dx,
     "gelu_apprx_tanh_dx": _gelu_tanh_dx,
+    "gelu_apprx_sigmoid_dx": _gelu_sigmoid_dx,
     "silu": F.silu,
     "silu_dx": _silu_dx,
     "softplus": F.softplus,

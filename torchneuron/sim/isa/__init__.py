@@ -22,7 +22,7 @@ from torchneuron.sim.isa.common import (BN_STATS_FMAX, COMPARE_OPS, DGE_MODES, F
                                         GEMM_MOVING_FMAX, GEMM_STATIONARY_FMAX, MATMUL_DTYPES, MAX8_FMAX, MAX8_FMIN,
                                         OOB_MODES, PSUM_BANK_BYTES, REDUCE_CMDS, TENSOR_TRANSPOSE_MAX,
                                         VECTOR_TRANSPOSE_MAX, Instr, Operand, Scalar, Step)
-from torchneuron.sim.isa.dma import DmaCompute, DmaCopy, DmaCopyDynamic, DmaTranspose, dma_modes
+from torchneuron.sim.isa.dma import DevicePrint, DmaCompute, DmaCopy, DmaCopyDynamic, DmaTranspose, dma_modes
 from torchneuron.sim.isa.gpsimd_engine import AffineSelect, Dropout, Iota, Memset, Rand2, Rng, SetRngSeed
 from torchneuron.sim.isa.mx import MX_FORMATS, MX_GROUP_PARTITIONS, NcMatmulMx, QuantizeMx, mx_scales, mx_unpack
 from torchneuron.sim.isa.movement import LocalGather, NcNGather, NcStreamShuffle
@@ -43,7 +43,7 @@ OPCODES: dict[str, type[Instr]] = {cls.opcode: cls for cls in (
     TensorScalarReduce, TensorTensorScan, Iota, Memset, AffineSelect, BnStats, BnAggr, Max8, NcFindIndex8, Rng,
     SetRngSeed, Rand2, Dropout, TensorCopyPredicated, SelectReduce, RangeSelect, SequenceBounds, NonzeroWithCount,
     NcMatchReplace8, NcStreamShuffle, NcNGather, LocalGather, TensorScalarCumulative, Exponential, Activate2,
-    DmaCompute)}
+    DmaCompute, DevicePrint)}
 
 # nki.isa-style lowercase aliases: isa.nc_matmul(dst=..., stationary=..., moving=...) builds the instruction
 dma_copy, dma_transpose, dma_copy_dynamic = DmaCopy, DmaTranspose, DmaCopyDynamic
@@ -60,5 +60,6 @@ sequence_bounds, nonzero_with_count, nc_match_replace8 = SequenceBounds, Nonzero
 nc_stream_shuffle, nc_n_gather, local_gather = NcStreamShuffle, NcNGather, LocalGather
 tensor_scalar_cumulative, exponential, activate2, dma_compute = (TensorScalarCumulative, Exponential, Activate2,
                                                                  DmaCompute)
+device_print = DevicePrint
 
 __all__ = [n for n in dir() if not n.startswith("_")]

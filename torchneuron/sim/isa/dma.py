@@ -356,3 +356,32 @@ class DmaCompute(Instr):
                           dma_bytes=sum(s.nbytes for s in self.srcs) + self.dst.nbytes, dma_chunks=chunks,
                           dge_mode=None if self.dge_mode in ("unknown", "none") else self.dge_mode,
                           flops=n * (len(self.srcs) - 1))
+
+
+@dataclass(frozen=True)
+class DevicePrint(Instr):
+    """``nl.device_print``: when the program runs, print ``prefix`` and the tensor's values (SBUF or HBM) to the
+    host's stdout, as the runtime's debug stream exports them; timed as a DMA of the tensor to HBM."""
+
+    prefix: str
+    tensor: AP
+    queue: int = 0
+    opcode = "device_print"
+    engine = Engine.DMA
+    WRITES = ()
+
+    def check(self) -> None:
+        self._ap("tensor", ("sbuf", "hbm"))
+        if not isinstance(self.prefix, str):
+            raise self._fail("prefix", f"must be a constant string, got {type(self.prefix).__name__}")
+
+    def execute(self, core) -> None:
+        print(f"{self.prefix} {self.tensor.read(core).tolist()}", flush=True)
+
+    def price(self) -> CostInputs:
+        ap = self.tensor
+        return CostInputs(opcode=self.opcode, engine=Engine.DMA, partitions=ap.partitions,
+                          free_elems=ap.free_elems, in_dtypes=(torch_name(ap.dtype),), out_dtype=torch_name(ap.dtype),
+                          in_memories=(ap.kind,), out_memory="hbm", dma_bytes=ap.nbytes,
+                          dma_chunks=max(1, ap.numel // contiguous_run(_dims(ap))),
+                          flops=0)
