@@ -4,8 +4,11 @@
 #include "neuron.h"
 
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/util/ApproximateClock.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/profiler/combined_traceback.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -24,10 +27,13 @@ constexpr size_t kAlignment = 64;
 
 size_t round_size(size_t n) { return n == 0 ? 0 : ((n + kRound - 1) / kRound) * kRound; }
 
+using Traceback = std::shared_ptr<torch::CapturedTraceback>;
+
 struct Block {
   c10::DeviceIndex device;
   size_t size;       // rounded size, what the block occupies
   size_t requested;  // what the caller asked for
+  Traceback context; // where it was allocated (while memory history records stacks)
 };
 
 struct DeviceState {
@@ -35,6 +41,8 @@ struct DeviceState {
   int64_t reserved = 0;                        // bytes held from the host (in use + cached)
   std::multimap<size_t, void*> cached;          // free blocks by size
   DeviceStats stats;
+  std::vector<HbmTraceEntry> trace;             // memory history: a ring of the latest entries
+  size_t trace_next = 0;                        // where the next entry goes once the ring is full
 };
 
 std::string format_bytes(int64_t b) {
@@ -69,16 +77,51 @@ class HbmAllocator final : public c10::DeviceAllocator {
     check_device_index(dev);
     c10::Device device(kNeuron, dev);
     if (nbytes == 0) return {nullptr, nullptr, &raw_delete, device};
-    void* ptr = malloc_block(dev, nbytes);
+    void* ptr = malloc_block(dev, nbytes, gather(history_.context_state));
     return {ptr, ptr, &raw_delete, device};
+  }
+
+  void record_history(const HbmHistoryConfig& config) {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    if (config.clear || !config.trace) {
+      for (auto& d : devices_) {
+        d.trace.clear();
+        d.trace_next = 0;
+      }
+    }
+    history_ = config;
+  }
+
+  HbmSnapshot snapshot() {
+    Traceback context = gather(history_.context_alloc);
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    HbmSnapshot snap;
+    for (const auto& [ptr, b] : live_)
+      snap.blocks.push_back({b.device, reinterpret_cast<uintptr_t>(ptr), b.size, b.requested, true, b.context});
+    for (size_t i = 0; i < devices_.size(); ++i)
+      for (const auto& [size, ptr] : devices_[i].cached)
+        snap.blocks.push_back({c10::DeviceIndex(i), reinterpret_cast<uintptr_t>(ptr), size, 0, false, nullptr});
+    std::sort(snap.blocks.begin(), snap.blocks.end(),
+              [](const HbmBlockInfo& a, const HbmBlockInfo& b) { return a.address < b.address; });
+    for (size_t i = 0; i < devices_.size(); ++i) {
+      // a snapshot taken while recording is itself an entry, to line snapshots up with the trace
+      trace(devices_[i], "snapshot", 0, 0, context);
+      const auto& ring = devices_[i].trace;
+      size_t next = devices_[i].trace_next;
+      std::vector<HbmTraceEntry> ordered(ring.begin() + next, ring.end());
+      ordered.insert(ordered.end(), ring.begin(), ring.begin() + next);
+      snap.traces.push_back(std::move(ordered));
+    }
+    return snap;
   }
   c10::DeleterFnPtr raw_deleter() const override { return &raw_delete; }
   void copy_data(void* dst, const void* src, size_t count) const override { std::memcpy(dst, src, count); }
 
   bool initialized() override { return !devices_.empty(); }
   void emptyCache(c10::MempoolId_t) override {
+    Traceback context = gather(history_.context_alloc);
     std::lock_guard<std::recursive_mutex> lock(mutex_);
-    for (size_t i = 0; i < devices_.size(); ++i) release_cached(devices_[i]);
+    for (size_t i = 0; i < devices_.size(); ++i) release_cached(devices_[i], context);
   }
   void recordStream(const c10::DataPtr&, c10::Stream) override {}  // execution is in stream order
   DeviceStats getDeviceStats(c10::DeviceIndex dev) override {
@@ -123,7 +166,27 @@ class HbmAllocator final : public c10::DeviceAllocator {
  private:
   static void raw_delete(void* ptr);
 
-  void* malloc_block(c10::DeviceIndex dev, size_t nbytes) {
+  // The Python (and with stacks="all", C++) stack of the caller, when memory history asks for
+  // it. Gathered before the allocator's lock is taken: gathering Python frames takes the GIL,
+  // and a thread holding the GIL may be waiting for this lock.
+  Traceback gather(bool wanted) const {
+    if (!wanted) return nullptr;
+    return torch::CapturedTraceback::gather(/*python=*/true, /*script=*/false, /*cpp=*/history_.cpp_stacks);
+  }
+
+  void trace(DeviceState& d, const char* action, uintptr_t addr, size_t size, const Traceback& context,
+             int64_t device_free = 0) {
+    if (!history_.trace) return;
+    HbmTraceEntry e{action, addr, size, c10::getTime() / 1000, device_free, context};
+    if (d.trace.size() < history_.max_entries) {
+      d.trace.push_back(std::move(e));
+    } else if (history_.max_entries > 0) {
+      d.trace[d.trace_next] = std::move(e);
+      d.trace_next = (d.trace_next + 1) % history_.max_entries;
+    }
+  }
+
+  void* malloc_block(c10::DeviceIndex dev, size_t nbytes, const Traceback& context) {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     auto& d = devices_[dev];
     size_t size = round_size(nbytes);
@@ -139,10 +202,11 @@ class HbmAllocator final : public c10::DeviceAllocator {
       // must fail without changing anything.
       if (d.reserved + int64_t(size) > d.capacity && d.reserved - cached_bytes(d) + int64_t(size) <= d.capacity) {
         d.stats.num_alloc_retries += 1;
-        release_cached(d);
+        release_cached(d, context);
       }
       if (d.reserved + int64_t(size) > d.capacity) {
         d.stats.num_ooms += 1;
+        trace(d, "oom", 0, nbytes, context, d.capacity - d.reserved);
         int64_t allocated = d.stats.allocated_bytes[0].current;
         TORCH_CHECK_WITH(OutOfMemoryError, false,
             "neuron out of memory. Tried to allocate ", format_bytes(int64_t(nbytes)), " on neuron:", int(dev),
@@ -157,8 +221,10 @@ class HbmAllocator final : public c10::DeviceAllocator {
       d.stats.num_device_alloc += 1;
       update_stat(d.stats.segment, size, 1);
       update_stat(d.stats.reserved_bytes, size, int64_t(size));
+      trace(d, "segment_alloc", reinterpret_cast<uintptr_t>(ptr), size, context);
     }
-    live_[ptr] = Block{dev, size, nbytes};
+    trace(d, "alloc", reinterpret_cast<uintptr_t>(ptr), size, history_.context_alloc ? context : nullptr);
+    live_[ptr] = Block{dev, size, nbytes, history_.context_state ? context : nullptr};
     update_stat(d.stats.allocation, size, 1);
     update_stat(d.stats.active, size, 1);
     update_stat(d.stats.allocated_bytes, size, int64_t(size));
@@ -169,6 +235,7 @@ class HbmAllocator final : public c10::DeviceAllocator {
 
  public:
   void free_block(void* ptr) {
+    Traceback context = gather(history_.context_free);
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     auto it = live_.find(ptr);
     TORCH_INTERNAL_ASSERT(it != live_.end(), "neuron allocator: freeing an unknown pointer");
@@ -181,6 +248,9 @@ class HbmAllocator final : public c10::DeviceAllocator {
     update_stat(d.stats.active_bytes, b.size, -int64_t(b.size));
     update_stat(d.stats.requested_bytes, b.size, -int64_t(b.requested));
     d.cached.emplace(b.size, ptr);
+    // execution is in stream order, so a freed block is reusable at once
+    trace(d, "free_requested", reinterpret_cast<uintptr_t>(ptr), b.size, context);
+    trace(d, "free_completed", reinterpret_cast<uintptr_t>(ptr), b.size, context);
   }
 
  private:
@@ -190,8 +260,9 @@ class HbmAllocator final : public c10::DeviceAllocator {
     return total;
   }
 
-  void release_cached(DeviceState& d) {
+  void release_cached(DeviceState& d, const Traceback& context) {
     for (auto& [size, ptr] : d.cached) {
+      trace(d, "segment_free", reinterpret_cast<uintptr_t>(ptr), size, context);
       std::free(ptr);
       d.reserved -= int64_t(size);
       d.stats.num_device_free += 1;
@@ -204,6 +275,7 @@ class HbmAllocator final : public c10::DeviceAllocator {
   std::recursive_mutex mutex_;
   std::vector<DeviceState> devices_;
   std::map<const void*, Block> live_;
+  HbmHistoryConfig history_;
 };
 
 HbmAllocator g_hbm;
@@ -258,6 +330,8 @@ c10::DeviceIndex device_count() noexcept { return static_cast<c10::DeviceIndex>(
 int64_t hbm_capacity(c10::DeviceIndex index) { check_device_index(index); return g_hbm.capacity(index); }
 c10::Allocator* hbm_allocator() { return &g_hbm; }
 c10::DeviceIndex device_of_pointer(const void* ptr) { return g_hbm.owner(ptr); }
+void hbm_record_history(const HbmHistoryConfig& config) { g_hbm.record_history(config); }
+HbmSnapshot hbm_snapshot() { return g_hbm.snapshot(); }
 c10::Allocator* pinned_allocator() { return &g_pinned; }
 bool is_pinned_pointer(const void* ptr) { return PinnedAllocator::contains(ptr); }
 

@@ -10,6 +10,7 @@ namespace py = pybind11;
 namespace torchneuron {
 void bind_process_group(py::module_& m);  // process_group.cpp: the `neuron` c10d backend
 void bind_profiler(py::module_& m);       // profiler.cpp: kernel launches in torch.profiler
+void bind_memory_history(py::module_& m); // memory_snapshot.cpp: allocator history and snapshots
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -49,4 +50,5 @@ PYBIND11_MODULE(_C, m) {
   });
   torchneuron::bind_process_group(m);
   torchneuron::bind_profiler(m);
+  torchneuron::bind_memory_history(m);
 }

@@ -9,6 +9,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <array>
+#include <memory>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -32,6 +33,40 @@ int64_t hbm_capacity(c10::DeviceIndex index);
 c10::Allocator* hbm_allocator();
 // Which device owns the allocation containing `ptr` (-1 when none does).
 c10::DeviceIndex device_of_pointer(const void* ptr);
+
+// Memory history and snapshots of the HBM allocator (torch.neuron.memory._record_memory_history,
+// _snapshot): what is recorded, a trace entry, a block, and the snapshot.
+struct HbmHistoryConfig {
+  bool trace = false;            // keep a history of allocator actions
+  bool context_state = false;    // stacks of live allocations
+  bool context_alloc = false;    // stacks of alloc (and segment) entries
+  bool context_free = false;     // stacks of free entries
+  bool cpp_stacks = false;       // C++ frames besides Python's
+  bool clear = false;            // drop the history recorded so far
+  size_t max_entries = 0;        // per device; older entries are overwritten
+};
+struct HbmTraceEntry {
+  const char* action;            // alloc, free_requested, free_completed, segment_alloc, segment_free, oom, snapshot
+  uintptr_t addr;
+  size_t size;
+  int64_t time_us;
+  int64_t device_free;           // oom only: bytes not reserved
+  std::shared_ptr<c10::GatheredContext> context;
+};
+struct HbmBlockInfo {
+  c10::DeviceIndex device;
+  uintptr_t address;
+  size_t size;
+  size_t requested;
+  bool allocated;                // else cached (inactive)
+  std::shared_ptr<c10::GatheredContext> context;
+};
+struct HbmSnapshot {
+  std::vector<HbmBlockInfo> blocks;               // by address; each block is its own segment
+  std::vector<std::vector<HbmTraceEntry>> traces; // per device, oldest first
+};
+void hbm_record_history(const HbmHistoryConfig& config);
+HbmSnapshot hbm_snapshot();
 // Page-locked host memory (plain host memory here, tracked so is_pinned() is truthful).
 c10::Allocator* pinned_allocator();
 bool is_pinned_pointer(const void* ptr);
