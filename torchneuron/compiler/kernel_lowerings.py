@@ -26,8 +26,8 @@ from torchneuron.kernels.elementwise import fold_broadcast, stream
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.reduction import reduce_kernel
-from torchneuron.kernels.softmax import (attention_fits, attention_softmax_kernel, fits_one_pass, softmax_bwd_kernel,
-                                         softmax_kernel)
+from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_fits
+from torchneuron.kernels.softmax import fits_one_pass, softmax_bwd_kernel, softmax_kernel
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import FLOATS
 
@@ -185,19 +185,21 @@ def lower_layer_norm(ctx, node, x: Value, shape, w: Value, b: Value, eps: float)
 
 @supports(aten.native_layer_norm_backward.default)
 def _ln_bwd_ok(node, dy, x, shape, mean, rstd, w, b, mask) -> bool:
-    return (w is not None and b is not None and all(mask) and _floats(dy, x, w, b)
+    return (w is not None and b is not None and any(mask) and _floats(dy, x, w, b)
             and mean.dtype == rstd.dtype == torch.float32)
 
 
 @register_kernel(aten.native_layer_norm_backward.default)
 def lower_layer_norm_backward(ctx, node, dy: Value, x: Value, shape, mean: Value, rstd: Value, w: Value, b: Value,
                               mask) -> tuple[Value, Value, Value]:
-    """dx, dweight, dbias of layer norm from the forward's saved statistics."""
+    """dx, dweight, dbias of layer norm from the forward's saved statistics (None where ``mask`` asks for none:
+    the first layer's input needs no gradient; the kernel's one pass computes all three anyway)."""
     D = numel(tuple(shape))
     N = numel(x.shape) // D
     dx, dw, db = layer_norm_bwd_kernel(dense(dy, (N, D)), dense(x, (N, D)), dense(w, (1, D)),
                                        mean=dense(mean, (N, 1)), rstd=dense(rstd, (N, 1)))
-    return hbm_value(dx).reshape(x.shape), hbm_value(dw).reshape(w.shape), hbm_value(db).reshape(w.shape)
+    grads = hbm_value(dx).reshape(x.shape), hbm_value(dw).reshape(w.shape), hbm_value(db).reshape(w.shape)
+    return tuple(g if wanted else None for g, wanted in zip(grads, mask))
 
 
 # ---- reductions ------------------------------------------------------------------------------------
@@ -287,42 +289,35 @@ def lower_copy_(ctx, node, dst: Value, src: Value, non_blocking=False) -> Value:
 
 
 # ---- attention -------------------------------------------------------------------------------------
-# The device's fused SDPA ops (what F.scaled_dot_product_attention dispatches to on neuron), composed
-# inside the program as the eager kernels compose them (bmm, attention softmax, bmm; the backward
-# recomputes the probabilities), but with no launch per step and the heads' strided views read in place.
+# The device's fused SDPA ops (what F.scaled_dot_product_attention dispatches to on neuron) as the flash
+# kernels: scores and probabilities never leave the core, the heads' strided views (a fused QKV
+# projection split and transposed) are read where they lie, and the backward recomputes the probabilities.
 
 SDPA = aten._scaled_dot_product_fused_attention_overrideable.default
 SDPA_BACKWARD = aten._scaled_dot_product_fused_attention_overrideable_backward.default
 
 
-def _sdpa_ok(q, k, v, bias, dropout_p) -> bool:
+def _sdpa_ok(q, k, v, bias, dropout_p, scale) -> bool:
     return (bias is None and dropout_p == 0.0 and q.dim() == k.dim() == v.dim() == 4 and _floats(q, k, v)
+            and q.dtype == k.dtype == v.dtype
             and tuple(k.shape[:2]) == tuple(v.shape[:2]) == tuple(q.shape[:2]) and k.shape[3] == q.shape[3]
-            and k.shape[2] == v.shape[2] and attention_fits(k.shape[2]) and fits_one_pass(k.shape[2]))
-
-
-def _heads(v: Value):
-    """[B, H, n, d] as the dense [B*H, n, d] batch the bmm kernel takes."""
-    B, H, n, d = v.shape
-    return dense(v, (B * H, n, d))
+            and k.shape[2] == v.shape[2] and _sdpa_scale(scale, q.shape[3]) > 0
+            and flash_fits(q.shape[3], v.shape[3], k.shape[2], q.shape[2], q.dtype))
 
 
 def _sdpa_scale(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-def _attention_probs(Q, K, L: int, S: int, scale: float, causal: bool):
-    """(softmax(scale * Q K^T + causal mask) as [BH, L, S], its logsumexp as [BH*L, 1] fp32)."""
-    scores = bmm_kernel(Q, K, transpose_b=True)
-    BH = scores.shape[0]
-    probs, lse = attention_softmax_kernel(scores.reshape((BH * L, S)), scale=scale, causal_len=L if causal else 0)
-    return probs.reshape((BH, L, S)), lse
+def _head_view(v: Value) -> tuple:
+    """(flat buffer, (element offset, strides)) of a [B, H, n, d] value: the flash kernels read heads in place."""
+    return flat(v), (v.layout.storage_offset(), tuple(v.layout.stride()))
 
 
 @supports(SDPA)
 def _sdpa_fwd_ok(node, q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
                  *, scale=None) -> bool:
-    return _sdpa_ok(q, k, v, attn_bias, dropout_p) and not return_debug_mask
+    return _sdpa_ok(q, k, v, attn_bias, dropout_p, scale) and not return_debug_mask
 
 
 @register_kernel(SDPA)
@@ -331,33 +326,29 @@ def lower_sdpa(ctx, node, q: Value, k: Value, v: Value, attn_bias=None, dropout_
     """Attention forward: (output, logsumexp, and the op's bookkeeping outputs as host placeholders)."""
     B, H, L, E = q.shape
     S, Ev = k.shape[2], v.shape[3]
-    probs, lse = _attention_probs(_heads(q), _heads(k), L, S, _sdpa_scale(scale, E), is_causal)
-    out = bmm_kernel(probs, _heads(v))
+    (qb, qv), (kb, kv), (vb, vv) = _head_view(q), _head_view(k), _head_view(v)
+    out, lse = flash_attention_fwd(qb, kb, vb, scale=_sdpa_scale(scale, E), causal=bool(is_causal), q_view=qv,
+                                   k_view=kv, v_view=vv, shape=(B, H, L, S, E, Ev))
     empty, seed = HostTensor((0,), q.dtype), HostTensor((), torch.int64)
-    return (hbm_value(out).reshape((B, H, L, Ev)), hbm_value(lse).reshape((B, H, L)), empty, empty, L, S, seed, seed,
-            empty)
+    return hbm_value(out), hbm_value(lse), empty, empty, L, S, seed, seed, empty
 
 
 @supports(SDPA_BACKWARD)
 def _sdpa_bwd_ok(node, g, q, k, v, attn_bias, mask, out, lse, *rest, scale=None) -> bool:
     dropout_p = rest[4]
-    return _sdpa_ok(q, k, v, attn_bias if attn_bias is not None and attn_bias.numel() else None, dropout_p) \
-        and _floats(g, q) and tuple(g.shape) == tuple(q.shape[:3]) + (v.shape[3],)
+    return _sdpa_ok(q, k, v, attn_bias if attn_bias is not None and attn_bias.numel() else None, dropout_p, scale) \
+        and g.dtype == out.dtype == q.dtype and tuple(g.shape) == tuple(out.shape) == tuple(q.shape[:3]) + (v.shape[3],) \
+        and lse.dtype == torch.float32 and tuple(lse.shape) == tuple(q.shape[:3])
 
 
 @register_kernel(SDPA_BACKWARD)
 def lower_sdpa_backward(ctx, node, g: Value, q: Value, k: Value, v: Value, attn_bias, mask, out, lse, cum_q, cum_k,
                         max_q, max_k, dropout_p, is_causal, seed, offset, *, scale=None) -> tuple:
-    """Attention backward: (dq, dk, dv, None); the probabilities are recomputed from q and k."""
+    """Attention backward: (dq, dk, dv, None); the probabilities are recomputed from q, k and the logsumexp."""
     B, H, L, E = q.shape
-    S = k.shape[2]
-    s = _sdpa_scale(scale, E)
-    Q, K, V, dO = _heads(q), _heads(k), _heads(v), _heads(g)
-    probs, _ = _attention_probs(Q, K, L, S, s, is_causal)
-    BH = B * H
-    dv = bmm_kernel(probs, dO, transpose_a=True)                        # P^T dO
-    dp = bmm_kernel(dO, V, transpose_b=True)                            # dO V^T
-    ds = softmax_bwd_kernel(dp.reshape((BH * L, S)), probs.reshape((BH * L, S)), scale=s).reshape((BH, L, S))
-    dq = bmm_kernel(ds, K)                                              # dS K
-    dk = bmm_kernel(ds, Q, transpose_a=True)                            # dS^T Q
-    return (hbm_value(dq).reshape(q.shape), hbm_value(dk).reshape(k.shape), hbm_value(dv).reshape(v.shape), None)
+    S, Ev = k.shape[2], v.shape[3]
+    (qb, qv), (kb, kv), (vb, vv), (ob, ov), (gb, gv) = (_head_view(x) for x in (q, k, v, out, g))
+    dq, dk, dv = flash_attention_bwd(qb, kb, vb, ob, gb, dense(lse), scale=_sdpa_scale(scale, E),
+                                     causal=bool(is_causal), q_view=qv, k_view=kv, v_view=vv, o_view=ov, do_view=gv,
+                                     shape=(B, H, L, S, E, Ev))
+    return hbm_value(dq), hbm_value(dk), hbm_value(dv), None

@@ -8,7 +8,8 @@ staging through SBUF. The DMA casts when the dtypes differ. The copy is cut alon
 dim into up to ``DMA_QUEUES`` transfers, which the runtime spreads over that many DMA queues,
 so a large copy runs on all of them at once. A transfer's cost depends on its contiguous runs
 (the timing model prices a DMA per descriptor): a copy whose innermost dim is strided pays
-for it, as on the device.
+for it, as on the device. One value broadcast over a large contiguous float destination (``expand``
+of a scalar) is the exception: it is spread in SBUF and stored in long rows.
 """
 from __future__ import annotations
 
@@ -58,12 +59,41 @@ def _copy_view(dst, src, dst_view, src_view):
     n = 1
     for s in sizes:
         n *= s
+    if _is_fill(dst, sizes, dst_strides, src_strides, n):
+        _fill(dst, src, doff, n, soff)
+        return
     pieces = min(DMA_QUEUES, sizes[0], max(1, n * dst.dtype.itemsize // SPLIT_BYTES))
     step = cdiv(sizes[0], pieces)
     for lo in range(0, sizes[0], step):
         hi = min(sizes[0], lo + step)
         nisa.dma_copy(dst=dst.ap(_pattern(sizes, dst_strides, lo, hi), offset=doff + lo * dst_strides[0]),
                       src=src.ap(_pattern(sizes, src_strides, lo, hi), offset=soff + lo * src_strides[0]))
+
+
+FILL_MIN = 4096         # elements from which a one-value broadcast is filled through SBUF
+
+
+def _is_fill(dst, sizes, dst_strides, src_strides, n: int) -> bool:
+    """Whether the copy writes one source value over a contiguous float destination (``expand`` of a scalar:
+    a DMA reading it would pay one descriptor per element)."""
+    contiguous, step = True, 1
+    for size, st in zip(reversed(sizes), reversed(dst_strides)):
+        contiguous = contiguous and (size == 1 or st == step)
+        step *= size
+    return (n >= FILL_MIN and contiguous and dst.dtype in (nl.float32, nl.bfloat16, nl.float16)
+            and all(st == 0 or size == 1 for size, st in zip(sizes, src_strides)))
+
+
+def _fill(dst, src, doff: int, n: int, soff: int) -> None:
+    """``dst[doff:doff + n] = src[soff]``: the value DMA'd onto every partition (cast to dst's float dtype),
+    spread over a [128, f] tile by VectorE (an exact float copy), stored in contiguous rows."""
+    f = max(1, min(2048, n // PMAX))
+    one = nl.ndarray((PMAX, 1), dst.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=one, src=src.ap([[0, PMAX], [1, 1]], offset=soff))
+    tile = nl.ndarray((PMAX, f), dst.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=tile, src=one[:, :1].ap([[1, PMAX], [0, f]]), engine=nisa.vector_engine)
+    for s, p, w in flat_blocks(n, f):
+        nisa.dma_copy(dst=dst.ap([[w, p], [1, w]], offset=doff + s), src=tile[:p, :w])
 
 
 @nki.jit

@@ -5,9 +5,10 @@ axis of an fp32 tile, with every DMA reading contiguous runs:
 
     inner == 1: 128 rows of [outer, R] on the partitions, R in column blocks of RW (8 Ki) along the
                 free axis (contiguous rows); a running result combines the blocks
-    outer == 1, inner <= 512 (a bias gradient): rows grouped G per partition, reduced over their G
-                rows into a running [128, inner]; at the end one TensorE transpose per 128 columns puts
-                the 128 partials on the free axis, reduced there (all ops but arg*)
+    outer == 1, inner <= 512 (a bias gradient, or inner == 1: a whole tensor): rows grouped G per
+                partition, reduced over their G rows into a running [128, inner]; at the end one
+                TensorE transpose per 128 columns puts the 128 partials on the free axis, reduced
+                there (all ops but arg*)
     inner  > 1: rows (o, r) of (no outer indices x up to 128 reduced positions) on the partitions,
                 512 contiguous inner columns per load (2 KiB runs); four nc_transpose (TensorE,
                 bit-exact) put 128 inner positions on the partitions and (o, r) on the free axis of
@@ -262,10 +263,10 @@ def reduce_kernel(x, op="sum"):
     if op in ARG:
         assert R < 1 << 24, f"{op}: the reduced dim has {R} elements; indices are exact below 2**24"
     out = nl.ndarray((O, I), nl.int32 if op in ARG else x.dtype, buffer=nl.shared_hbm)
-    if I == 1:
-        _reduce_rows(x, out, op, O, R)
-    elif O == 1 and I <= 4 * PMAX and op not in ARG:
+    if O == 1 and I <= 4 * PMAX and op not in ARG:   # a whole-tensor reduction too: spread over 128 partitions
         _reduce_leading(x, out, op, R, I)
+    elif I == 1:
+        _reduce_rows(x, out, op, O, R)
     else:
         _reduce_inner(x, out, op, O, R, I)
     return out

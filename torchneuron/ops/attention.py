@@ -2,8 +2,10 @@
 
 The device's SDPA backend choice (``_csrc/attention.cpp``) sends 4-D floating inputs without an
 attention mask, dropout or grouped-query heads here, through PyTorch's "overrideable" backend; the
-rest takes PyTorch's math path. Per (batch, head) matrix, with ``s`` the scale (1/sqrt(E) unless
-given) and the top-left causal mask of ``is_causal``:
+rest takes PyTorch's math path. Heads that fit the flash kernels (head dims <= 128 / 512, a head's
+Q, K, V in SBUF: ``kernels/attention.py``) run as one launch per direction, reading strided heads
+in place; the scores never reach HBM. Larger heads are composed per (batch, head) matrix, with
+``s`` the scale (1/sqrt(E) unless given) and the top-left causal mask of ``is_causal``:
 
     forward:   S = Q K^T                      one batched matmul launch
                P, lse = softmax(s S + mask)   one launch (attention_softmax_kernel), lse = logsumexp
@@ -13,8 +15,8 @@ given) and the top-left causal mask of ``is_causal``:
                dS = s P (dP - rowsum(P dP))   one launch (softmax_bwd_kernel)
                dQ = dS K,  dK = dS^T Q        two batched matmul launches
 
-against about twenty element-wise, mask and copy launches per direction on the math path.
-Strided query/key/value views (heads split out of a fused projection) are made dense on the device.
+against about twenty element-wise, mask and copy launches per direction on the math path (the
+composed path makes strided query/key/value views dense on the device first).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_fits
 from torchneuron.kernels.softmax import attention_fits, attention_softmax_kernel
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.nn import softmax_backward
@@ -49,6 +52,27 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bia
                            f"{list(key.shape)}, value {list(value.shape)}")
 
 
+OP = "aten::_scaled_dot_product_fused_attention_overrideable"
+
+
+def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> bool:
+    """Whether the flash kernels take these heads."""
+    B, H, L, E = query.shape
+    return query.dtype == key.dtype == value.dtype and scale > 0 and \
+        flash_fits(E, value.shape[3], key.shape[2], L, query.dtype) and B * H > 0
+
+
+def _in_place(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+    """Each [B, H, n, d] operand as the flat span of memory it covers and its (offset 0, strides) view over
+    that span: the flash kernels read strided heads where they lie."""
+    flat, views = {}, {}
+    for name, t in tensors.items():
+        extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        flat[name] = t.as_strided((extent,), (1,))
+        views[f"{name}_view"] = (0, tuple(t.stride()))
+    return flat, views
+
+
 def _matrices(t: torch.Tensor) -> torch.Tensor:
     """[B, H, n, d] as the [B*H, n, d] batch the matmul kernel takes (a device copy when strided)."""
     return t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
@@ -60,7 +84,7 @@ def _probabilities(scores: torch.Tensor, scale: float, causal: bool) -> tuple[to
     if attention_fits(S):
         probs, lse = call_kernel(attention_softmax_kernel, {"x": scores.reshape(BH * L, S)},
                                  {"scale": scale, "causal_len": L if causal else 0},
-                                 op="aten::_scaled_dot_product_fused_attention_overrideable")
+                                 op=OP)
         return probs.reshape(BH, L, S), lse.reshape(BH, L)
     z = scores.float() * scale                      # rows too long for one pass: the same math as separate ops
     if causal:
@@ -77,9 +101,15 @@ def sdpa_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
     _check(query, key, value, attn_bias, dropout_p)
     B, H, L, E = query.shape
     S, Ev = key.shape[2], value.shape[3]
-    scores = torch.bmm(_matrices(query), _matrices(key).transpose(1, 2))
-    probs, lse = _probabilities(scores, _scale(scale, E), is_causal)
-    out = torch.bmm(probs, _matrices(value)).view(B, H, L, Ev)
+    s = _scale(scale, E)
+    if _flash(query, key, value, s):
+        flat, views = _in_place({"q": query, "k": key, "v": value})
+        out, lse = call_kernel(flash_attention_fwd, flat, {"scale": s, "causal": bool(is_causal), **views,
+                                                           "shape": (B, H, L, S, E, Ev)}, op=OP)
+    else:
+        scores = torch.bmm(_matrices(query), _matrices(key).transpose(1, 2))
+        probs, lse = _probabilities(scores, s, is_causal)
+        out = torch.bmm(probs, _matrices(value)).view(B, H, L, Ev)
     empty = query.new_empty(0)
     # no dropout, so no random state to record: the philox seed/offset are placeholders (never read)
     seed, offset = (torch.empty((), dtype=torch.int64, device=query.device) for _ in range(2))
@@ -95,6 +125,14 @@ def sdpa_fused_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.
     """Attention backward: (grad_query, grad_key, grad_value, grad_attn_bias = None)."""
     _check(query, key, value, attn_bias if attn_bias is not None and attn_bias.numel() else None, dropout_p)
     s = _scale(scale, query.shape[3])
+    if _flash(query, key, value, s) and grad_out.dtype == out.dtype == query.dtype:
+        B, H, L, E = query.shape
+        flat, views = _in_place({"q": query, "k": key, "v": value, "o": out, "do": grad_out})
+        dq, dk, dv = call_kernel(flash_attention_bwd, {**flat, "lse": logsumexp.contiguous()},
+                                 {"scale": s, "causal": bool(is_causal), **views,
+                                  "shape": (B, H, L, key.shape[2], E, value.shape[3])}, op=OP + "_backward")
+        return (dq if grad_input_mask[0] else None, dk if grad_input_mask[1] else None,
+                dv if grad_input_mask[2] else None, None)
     q, k, v, do = _matrices(query), _matrices(key), _matrices(value), _matrices(grad_out)
     probs, _ = _probabilities(torch.bmm(q, k.transpose(1, 2)), s, is_causal)
     dq = dk = dv = None

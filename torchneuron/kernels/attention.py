@@ -1,0 +1,415 @@
+"""Flash attention: ``softmax(scale * Q K^T + causal mask) V`` and its backward, one kernel each, with the
+score matrix never leaving the core.
+
+Q [B, H, L, E], K [B, H, S, E], V [B, H, S, Ev] are HBM tensors, each optionally seen through a
+``view`` (element offset, strides of its 4 dims) so that the heads of a fused QKV projection are read
+where they lie. E, Ev <= 128 (Q K^T contracts over E, the backward's dO V^T over Ev: one partition
+tile each). The causal mask is PyTorch's ``is_causal``: query i sees keys j <= i (top-left aligned).
+
+Forward, per head (its K^T [E, S] and V [S, Ev] loaded once and kept in SBUF; K^T built by TensorE
+transposes), per tile of 128 queries, per group of up to 1024 visible keys (two PSUM banks):
+
+    s = Q K^T  [128, w] fp32                 nc_matmul per 512 keys                  TensorE -> PSUM
+    s += mask (keys near the diagonal only)  tensor_tensor with the -inf bias tile   VectorE
+    m = max(s) (online across groups)        tensor_reduce from PSUM                 VectorE
+    p = exp(scale*s - scale*m), l = sum(p)   one activation with its reduce          ScalarE
+    p^T per 128 keys                         nc_transpose, evicted alternately       TensorE, Scalar/Vector
+    o (+)= p V                               nc_matmul accumulating over key blocks  TensorE -> PSUM
+    o = o / l; lse = log(l) + scale*m        [128, Ev] and [128, 1] only            Vector/ScalarE
+
+Keys past the diagonal are never multiplied (a causal tile of queries stops at its last query), so
+causal attention costs half. Scores, probabilities and their transposes live in PSUM/SBUF; HBM sees Q,
+K, V read once and O, lse written once.
+
+Backward (FlashAttention-2's order), per head, per block of 128 keys j, per query tile i that sees it:
+
+    s = Q_i K_j^T; p = exp(scale*s - lse_i)         TensorE, ScalarE (masked on the diagonal)
+    dp = dO_i V_j^T                                 TensorE
+    ds = p * (dp - D_i), D_i = rowsum(dO_i * O_i)   one scalar_tensor_tensor        VectorE
+    dV_j += p^T dO_i ; dK_j += ds^T Q_i             TensorE, accumulated in PSUM over i
+    dQ_i += ds K_j                                  TensorE (ds transposed), added in SBUF fp32
+    (scale applied once to dK and dQ at the end)
+
+Probabilities and ds are rounded to the input dtype before their matmuls (as the eager composition
+rounds the probabilities it stores); every accumulation is fp32.
+"""
+from __future__ import annotations
+
+import collections
+
+from torchneuron import nki
+import torchneuron.nki.isa as nisa
+import torchneuron.nki.language as nl
+from torchneuron.kernels._common import PMAX, PSUM_FP32, cdiv, check_sbuf, itemsize
+from torchneuron.kernels.matmul import alternating_evict
+
+NEG_BIG = -3.0e38          # a finite "minus infinity" for masked scores: exp(scale * NEG_BIG + bias) is exactly 0
+GROUP = 2 * PSUM_FP32      # keys per score group: two fp32 PSUM banks
+EMAX = EVMAX = PMAX         # head dims: Q K^T contracts over E and the backward's dO V^T over Ev, on partitions
+NBUF = 2                   # query tiles in flight (their tiles stay allocated while the next one starts)
+
+
+def flash_fits(E: int, Ev: int, S: int, L: int, dtype) -> bool:
+    """Whether heads of these sizes take the flash kernels (head dims within one tile, K/V/Q of a head in SBUF)."""
+    return 0 < E <= EMAX and 0 < Ev <= EVMAX and S > 0 and L > 0 and _sbuf_bytes(E, Ev, S, L, dtype) <= \
+        nl.tile_size.sbuf_fmax_bytes
+
+
+def _sbuf_bytes(E: int, Ev: int, S: int, L: int, dtype) -> int:
+    # per partition, backward (the larger): K^T, V^T, Q^T, dO^T [<=128, n] plus K, Q, dO rows and the dQ
+    # accumulator (fp32), plus the per-tile work tiles
+    isz = itemsize(dtype)
+    rows = cdiv(S, PMAX) * (E + Ev) + cdiv(L, PMAX) * (E + Ev)
+    return isz * (2 * S + 2 * L + rows) + 4 * cdiv(L, PMAX) * (E + 2) + NBUF * 16 * GROUP
+
+
+def _view(t, view):
+    """(offset, strides) of a [B, H, n, d] HBM tensor: ``view`` if given, else its contiguous layout."""
+    if view is not None:
+        return view
+    B, H, n, d = t.shape
+    return 0, (H * n * d, n * d, d, 1)
+
+
+def _rows(t, view, b: int, h: int, r0: int, rows: int, cols: int):
+    """Rows [r0, r0 + rows) of head (b, h) as an HBM access [rows, cols]."""
+    off, (sb, sh, sn, sd) = view
+    return t.ap([[sn, rows], [sd, cols]], offset=off + b * sb + h * sh + r0 * sn)
+
+
+def _load_head_rows(t, view, b: int, h: int, n: int, d: int, dt):
+    """All n rows of head (b, h) as SBUF [128, ceil(n/128), d]: chunk c, partition i holds row c*128 + i (the
+    whole 128-row chunks in one DMA)."""
+    off, (sb, sh, sn, sd) = view
+    tile = nl.ndarray((PMAX, cdiv(n, PMAX), d), dt, buffer=nl.sbuf)
+    full, rem = divmod(n, PMAX)
+    base = off + b * sb + h * sh
+    if full:
+        nisa.dma_copy(dst=tile[:, :full, :], src=t.ap([[sn, PMAX], [PMAX * sn, full], [sd, d]], offset=base))
+    if rem:
+        nisa.dma_copy(dst=tile[:rem, full, :], src=_rows(t, view, b, h, full * PMAX, rem, d))
+    return tile
+
+
+def _store_head_rows(t, b: int, h: int, tile, n: int, d: int) -> None:
+    """SBUF [128, ceil(n/128), d] (``_load_head_rows``' layout) into rows [0, n) of head (b, h) of a contiguous
+    HBM [B, H, n, d] tensor."""
+    base = (b * t.shape[1] + h) * n * d
+    full, rem = divmod(n, PMAX)
+    if full:
+        nisa.dma_copy(dst=t.ap([[d, PMAX], [PMAX * d, full], [1, d]], offset=base), src=tile[:, :full, :d])
+    if rem:
+        nisa.dma_copy(dst=t.ap([[d, rem], [1, d]], offset=base + full * PMAX * d), src=tile[:rem, full, :d])
+
+
+def _transposed(rows, n: int, d: int, evict):
+    """SBUF row chunks [128, chunks, d] (``_load_head_rows``) as [d, n]: TensorE transposes into PSUM banks
+    of 2 KiB, each bank evicted once."""
+    out = nl.ndarray((PMAX, n), rows.dtype, buffer=nl.sbuf)
+    per_bank = 2048 // itemsize(rows.dtype) // PMAX          # 128-column transposes per PSUM bank
+    for c0 in range(0, cdiv(n, PMAX), per_bank):
+        c1 = min(cdiv(n, PMAX), c0 + per_bank)
+        tp = nl.ndarray((PMAX, (c1 - c0) * PMAX), rows.dtype, buffer=nl.psum)
+        for c in range(c0, c1):
+            r = min(PMAX, n - c * PMAX)
+            nisa.nc_transpose(dst=tp[:d, (c - c0) * PMAX:(c - c0) * PMAX + r], data=rows[:r, c, :d])
+        w = min(n, c1 * PMAX) - c0 * PMAX
+        evict(out[:d, c0 * PMAX:c0 * PMAX + w], tp[:d, :w])
+    return out
+
+
+def _causal_bias():
+    """[128, 128] fp32: 0 where column t <= row r (key at or before the query), else NEG_BIG."""
+    zero = nl.ndarray((PMAX, PMAX), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=zero, value=0.0)
+    bias = nl.ndarray((PMAX, PMAX), nl.float32, buffer=nl.sbuf)
+    nisa.affine_select(dst=bias, pattern=[[-1, PMAX]], channel_multiplier=1, on_true_tile=zero,
+                       on_false_value=NEG_BIG, cmp_op="greater_equal")
+    return bias
+
+
+def _visible(q0: int, p: int, S: int, causal: bool) -> int:
+    """Keys [0, n) some query of the tile [q0, q0 + p) sees."""
+    return min(S, q0 + p) if causal else S
+
+
+def _mask_diagonal(sc, c0: int, w: int, q0: int, p: int, bias, causal: bool) -> None:
+    """Add the causal bias to the columns of the score group [c0, c0 + w) that only some of the tile's
+    queries see (keys q0 .. q0 + p - 1) and set those none sees to NEG_BIG, in place in PSUM."""
+    if not causal:
+        return
+    lo, hi = max(c0, q0), min(c0 + w, q0 + p)
+    if lo < hi:   # key j = lo + t is seen by query q0 + r iff lo - q0 + t <= r
+        t0 = lo - q0
+        nisa.tensor_tensor(dst=sc[:p, lo - c0:hi - c0], data1=sc[:p, lo - c0:hi - c0],
+                           data2=bias[:p, t0:t0 + hi - lo], op=nl.add)
+    if c0 + w > q0 + p:   # keys after the tile's last query (a backward key block past the diagonal): none sees them
+        nisa.memset(dst=sc[:p, max(c0, q0 + p) - c0:w], value=NEG_BIG)
+
+
+def _prologue(q, k, v, scale: float, shape, operands, what: str):
+    """((B, H, L, S, E, Ev), dtype, each operand's view) of a flash kernel's call, its limits asserted."""
+    B, H, L, S, E, Ev = shape if shape is not None else (*q.shape[:3], k.shape[2], q.shape[3], v.shape[3])
+    assert 0 < E <= EMAX, f"{what}: head dim {E} > {EMAX} (one contraction tile)"
+    assert 0 < Ev <= EVMAX, f"{what}: value head dim {Ev} > {EVMAX} (one contraction tile in the backward)"
+    assert scale > 0, f"{what}: the scale must be positive (the running max is taken before scaling)"
+    check_sbuf(_sbuf_bytes(E, Ev, S, L, q.dtype), f"{what} L={L} S={S} E={E} Ev={Ev}")
+    views = tuple(_view(t, w) if shape is None else w for t, w in operands)
+    return (B, H, L, S, E, Ev), q.dtype, views
+
+
+@nki.jit
+def flash_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=None, v_view=None, shape=None):
+    """(O [B, H, L, Ev] in q's dtype, lse [B, H, L] fp32) of ``softmax(scale * Q K^T + mask) V``.
+
+    ``shape`` = (B, H, L, S, E, Ev) when q/k/v are flat buffers seen through the views; else their shapes."""
+    (B, H, L, S, E, Ev), dt, (qv, kv, vv) = _prologue(q, k, v, scale, shape, ((q, q_view), (k, k_view), (v, v_view)),
+                                                      "flash attention")
+    out = nl.ndarray((B, H, L, Ev), dt, buffer=nl.shared_hbm)
+    lse = nl.ndarray((B, H, L), nl.float32, buffer=nl.shared_hbm)
+    evict, bias, ring, pipe = _emitters(causal)
+    for b in range(B):
+        for h in range(H):
+            kT = _transposed(_load_head_rows(k, kv, b, h, S, E, dt), S, E, evict)           # [E, S]
+            vr = _load_head_rows(v, vv, b, h, S, Ev, dt)                                      # [128, S/128, Ev]
+            qT = _transposed(_load_head_rows(q, qv, b, h, L, E, dt), L, E, evict)           # [E, L]
+            res = nl.ndarray((PMAX, cdiv(L, PMAX), Ev), dt, buffer=nl.sbuf)                  # O of the head
+            ls = nl.ndarray((PMAX, cdiv(L, PMAX), 1), nl.float32, buffer=nl.sbuf)             # lse of the head
+            ring.append((kT, vr, qT, res, ls))
+            for i, q0 in enumerate(range(0, L, PMAX)):
+                p = min(PMAX, L - q0)
+                last = q0 + p == L
+                store = (lambda b=b, h=h, res=res, ls=ls: (_store_head_rows(out, b, h, res, L, Ev),
+                                                          _store_head_rows(lse, b, h, ls, L, 1))) if last else None
+                pipe.push(_fwd_tile(qT, kT, vr, q0, p, _visible(q0, p, S, causal), E, Ev, float(scale), bias,
+                                    causal, evict, res[:, i, :], ls[:, i, :], ring, store))
+    pipe.drain()
+    return out, lse
+
+
+def _emitters(causal: bool):
+    """(PSUM eviction alternating Scalar/Vector, the causal bias tile or None, the ring keeping recent tiles
+    allocated, the software pipeline) of one kernel."""
+    return alternating_evict(), _causal_bias() if causal else None, collections.deque(maxlen=2 * NBUF), _Pipeline()
+
+
+class _Pipeline:
+    """Software pipelining in program order: a tile's steps are a generator whose first step (scores, max,
+    exp) is emitted before the rest of the previous tile (transposes, PV, normalization), so each engine's
+    in-order queue has the next tile's work behind the current one's instead of waiting on its chain."""
+
+    def __init__(self) -> None:
+        self.pending = None
+
+    def push(self, steps) -> None:
+        """Emit the first step of ``steps``, then finish the tile before it."""
+        next(steps)
+        self.drain()
+        self.pending = steps
+
+    def drain(self) -> None:
+        """Finish the pending tile."""
+        if self.pending is not None:
+            for _ in self.pending:
+                pass
+            self.pending = None
+
+
+def _fwd_tile(qT, kT, vr, q0, p, n, E, Ev, scale, bias, causal, evict, res, ls, ring, store):
+    """One tile of p queries against keys [0, n), as pipeline steps: online softmax over groups of GROUP keys."""
+    dt = qT.dtype
+    m = lsum = acc = nb = None      # running raw-score max, sum of exp(scale * (s - m)), unnormalized output
+    for g0 in range(0, n, GROUP):
+        w = min(GROUP, n - g0)
+        sc = nl.ndarray((PMAX, GROUP), nl.float32, buffer=nl.psum)
+        for c0 in range(0, w, PSUM_FP32):                       # one matmul per PSUM bank
+            cw = min(PSUM_FP32, w - c0)
+            nisa.nc_matmul(dst=sc[:p, c0:c0 + cw], stationary=qT[:E, q0:q0 + p], moving=kT[:E, g0 + c0:g0 + c0 + cw],
+                           accumulate=False)
+        _mask_diagonal(sc, g0, w, q0, p, bias, causal)
+        gm = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=gm[:p], op=nl.maximum, data=sc[:p, :w], axis=(1,))
+        alpha = None
+        if m is None:
+            m = gm
+        else:                                                    # alpha = exp(scale * (m_old - m_new))
+            mnew = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=mnew[:p], data1=m[:p], data2=gm[:p], op=nl.maximum)
+            alpha = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=alpha[:p], data1=m[:p], data2=mnew[:p], op=nl.subtract)
+            nisa.activation(dst=alpha[:p], op=nl.exp, data=alpha[:p], scale=scale)
+            m = mnew
+        nb = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)   # -scale * m, the exponent's bias
+        nisa.tensor_scalar(dst=nb[:p], data=m[:p], op0=nl.multiply, operand0=-scale)
+        pt = nl.ndarray((PMAX, GROUP), dt, buffer=nl.sbuf)
+        gsum = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=pt[:p, :w], op=nl.exp, data=sc[:p, :w], bias=nb[:p], scale=scale,
+                        reduce_op=nl.add, reduce_res=gsum[:p], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        yield
+        pT = _transposed_cols(pt, p, w, evict)                  # [128, blocks, p]
+        o = nl.ndarray((PMAX, Ev), nl.float32, buffer=nl.psum)
+        for j, k0 in enumerate(range(0, w, PMAX)):
+            kb = min(PMAX, w - k0)
+            nisa.nc_matmul(dst=o[:p, :Ev], stationary=pT[:kb, j, :p], moving=vr[:kb, (g0 + k0) // PMAX, :Ev],
+                           accumulate=j > 0)
+        if acc is None and g0 + w >= n:                          # one group: normalize straight from PSUM
+            acc, lsum = o, gsum
+        elif acc is None:
+            lsum, acc = gsum, nl.ndarray((PMAX, Ev), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=acc[:p, :Ev], src=o[:p, :Ev], engine=nisa.vector_engine)
+        else:                                                    # rescale what came before by alpha
+            nisa.scalar_tensor_tensor(dst=lsum[:p], data=lsum[:p], op0=nl.multiply, operand0=alpha[:p],
+                                      op1=nl.add, operand1=gsum[:p])
+            nisa.scalar_tensor_tensor(dst=acc[:p, :Ev], data=acc[:p, :Ev], op0=nl.multiply, operand0=alpha[:p],
+                                      op1=nl.add, operand1=o[:p, :Ev])
+        ring.append((sc, pt, pT, o))
+    rs = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=rs[:p], data=lsum[:p])
+    nisa.tensor_scalar(dst=res[:p, :Ev], data=acc[:p, :Ev], op0=nl.multiply, operand0=rs[:p])
+    nisa.activation(dst=ls[:p], op=nl.log, data=lsum[:p])            # lse = log(l) + scale * m
+    nisa.tensor_tensor(dst=ls[:p], data1=ls[:p], data2=nb[:p], op=nl.subtract)
+    if store is not None:
+        store()
+
+
+def _transposed_cols(t, p: int, w: int, evict):
+    """Columns [0, w) of an SBUF tile [p, w] as [128, ceil(w/128), p] (block j, partition i = column j*128 + i):
+    TensorE transposes into PSUM banks, each bank evicted once (a last block of fewer keys apart)."""
+    blocks = cdiv(w, PMAX)
+    out = nl.ndarray((PMAX, blocks, PMAX), t.dtype, buffer=nl.sbuf)
+    per_bank = 2048 // itemsize(t.dtype) // PMAX
+    for j0 in range(0, blocks, per_bank):
+        j1 = min(blocks, j0 + per_bank)
+        tp = nl.ndarray((PMAX, j1 - j0, PMAX), t.dtype, buffer=nl.psum)
+        for j in range(j0, j1):
+            kb = min(PMAX, w - j * PMAX)
+            nisa.nc_transpose(dst=tp[:kb, j - j0, :p], data=t[:p, j * PMAX:j * PMAX + kb])
+        full = max(0, min(j1, w // PMAX) - j0)                  # blocks of 128 keys
+        if full:
+            evict(out[:, j0:j0 + full, :p], tp[:, :full, :p])
+        if j0 + full < j1:
+            kb = w - (j1 - 1) * PMAX
+            evict(out[:kb, j1 - 1, :p], tp[:kb, j1 - 1 - j0, :p])
+    return out
+
+
+DQ_PSUM_BYTES = 8192       # the dQ accumulator of a head stays in PSUM (4 banks) when it fits, else SBUF
+
+
+@nki.jit
+def flash_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=None, k_view=None, v_view=None,
+                        o_view=None, do_view=None, shape=None):
+    """(dQ, dK, dV) of ``flash_attention_fwd`` given its output ``o``, the output's gradient ``do`` and the
+    forward's ``lse`` [B, H, L] fp32; the probabilities are recomputed, never stored."""
+    (B, H, L, S, E, Ev), dt, (qv, kv, vv, ov, dov) = _prologue(
+        q, k, v, scale, shape, ((q, q_view), (k, k_view), (v, v_view), (o, o_view), (do, do_view)),
+        "flash attention backward")
+    dq = nl.ndarray((B, H, L, E), dt, buffer=nl.shared_hbm)
+    dk = nl.ndarray((B, H, S, E), dt, buffer=nl.shared_hbm)
+    dv = nl.ndarray((B, H, S, Ev), dt, buffer=nl.shared_hbm)
+    Lc, Sc = cdiv(L, PMAX), cdiv(S, PMAX)
+    epad = 1 << (E - 1).bit_length()                 # dQ columns per tile, a power of two: no tile crosses a bank
+    dq_in_psum = Lc * epad * 4 <= DQ_PSUM_BYTES
+    evict, bias, ring, pipe = _emitters(causal)
+    for b in range(B):
+        for h in range(H):
+            qr = _load_head_rows(q, qv, b, h, L, E, dt)                   # [128, Lc, E]
+            kr = _load_head_rows(k, kv, b, h, S, E, dt)                   # [128, Sc, E]
+            dor = _load_head_rows(do, dov, b, h, L, Ev, dt)               # [128, Lc, Ev]
+            qT, kT = _transposed(qr, L, E, evict), _transposed(kr, S, E, evict)
+            vT = _transposed(_load_head_rows(v, vv, b, h, S, Ev, dt), S, Ev, evict)
+            doT = _transposed(dor, L, Ev, evict)
+            d, nlse = _row_stats(o, ov, dor, lse, b, h, L, Ev)
+            dqacc = nl.ndarray((PMAX, Lc, epad), nl.float32, buffer=nl.psum if dq_in_psum else nl.sbuf)
+            if not dq_in_psum:
+                nisa.memset(dst=dqacc, value=0.0)
+            dkh = nl.ndarray((PMAX, Sc, E), dt, buffer=nl.sbuf)
+            dvh = nl.ndarray((PMAX, Sc, Ev), dt, buffer=nl.sbuf)
+            ring.append((qr, kr, dor, qT, kT, vT, doT, d, nlse, dqacc, dkh, dvh))
+            for j, s0 in enumerate(range(0, S, PMAX)):
+                kb = min(PMAX, S - s0)
+                tiles = [(i, q0, min(PMAX, L - q0)) for i, q0 in enumerate(range(0, L, PMAX))
+                         if not causal or q0 + min(PMAX, L - q0) - 1 >= s0]
+                if not tiles:                                # keys no query sees (causal, S > L): zero gradients
+                    nisa.memset(dst=dkh[:kb, j, :], value=0.0)
+                    nisa.memset(dst=dvh[:kb, j, :], value=0.0)
+                    continue
+                dvj = nl.ndarray((PMAX, Ev), nl.float32, buffer=nl.psum)
+                dkj = nl.ndarray((PMAX, E), nl.float32, buffer=nl.psum)
+                for n, (i, q0, p) in enumerate(tiles):
+                    last = None
+                    if n == len(tiles) - 1:
+                        last = (lambda j=j, kb=kb, dvj=dvj, dkj=dkj, dkh=dkh, dvh=dvh: (
+                            evict(dvh[:kb, j, :], dvj[:kb, :Ev]),
+                            nisa.activation(dst=dkh[:kb, j, :], op=nl.copy, data=dkj[:kb, :E], scale=float(scale))))
+                    pipe.push(_bwd_pair(qT, kT, vT, doT, qr, kr, dor, d, nlse, dqacc, dvj, dkj, i, q0, p, j, s0, kb,
+                                        E, Ev, float(scale), bias, causal, evict, dq_in_psum, first=n == 0,
+                                        ring=ring, last=last))
+            pipe.push(_bwd_head_end(dq, dk, dv, dqacc, dkh, dvh, b, h, L, S, E, Ev, float(scale)))
+    pipe.drain()
+    return dq, dk, dv
+
+
+def _row_stats(o, ov, dor, lse, b: int, h: int, L: int, Ev: int):
+    """Per query of head (b, h), as [128, Lc] fp32 tiles: D = rowsum(dO * O) and -lse (the exponent's bias)."""
+    Lc = cdiv(L, PMAX)
+    orows = _load_head_rows(o, ov, b, h, L, Ev, dor.dtype)
+    prod = nl.ndarray((PMAX, Lc, Ev), nl.float32, buffer=nl.sbuf)
+    d = nl.ndarray((PMAX, Lc), nl.float32, buffer=nl.sbuf)
+    nlse = nl.ndarray((PMAX, Lc), nl.float32, buffer=nl.sbuf)
+    full, rem = divmod(L, PMAX)
+    base = (b * lse.shape[1] + h) * L
+    if full:
+        nisa.dma_copy(dst=nlse[:, :full], src=lse.ap([[1, PMAX], [PMAX, full]], offset=base))
+    if rem:
+        nisa.memset(dst=nlse[:, full:Lc], value=0.0)
+        nisa.dma_copy(dst=nlse[:rem, full:Lc], src=lse.ap([[1, rem], [1, 1]], offset=base + full * PMAX))
+    nisa.tensor_scalar(dst=nlse, data=nlse, op0=nl.multiply, operand0=-1.0)
+    if rem:        # rows past L in the last chunk hold no query: zero them so the sums stay finite
+        nisa.memset(dst=orows[rem:, Lc - 1, :], value=0.0)
+        nisa.memset(dst=dor[rem:, Lc - 1, :], value=0.0)
+    nisa.tensor_tensor(dst=prod, data1=dor, data2=orows, op=nl.multiply)
+    nisa.tensor_reduce(dst=d, op=nl.add, data=prod, axis=(2,))
+    return d, nlse
+
+
+def _bwd_pair(qT, kT, vT, doT, qr, kr, dor, d, nlse, dqacc, dvj, dkj, i, q0, p, j, s0, kb, E, Ev, scale, bias,
+              causal, evict, dq_in_psum, first, ring, last):
+    """Pipeline steps of one (query tile i, key block j) pair of the backward."""
+    dt = qT.dtype
+    sp = nl.ndarray((PMAX, 2 * PMAX), nl.float32, buffer=nl.psum)     # scores | dP, one PSUM bank
+    nisa.nc_matmul(dst=sp[:p, :kb], stationary=qT[:E, q0:q0 + p], moving=kT[:E, s0:s0 + kb], accumulate=False)
+    nisa.nc_matmul(dst=sp[:p, PMAX:PMAX + kb], stationary=doT[:Ev, q0:q0 + p], moving=vT[:Ev, s0:s0 + kb],
+                   accumulate=False)
+    _mask_diagonal(sp, s0, kb, q0, p, bias, causal)
+    pr = nl.ndarray((PMAX, PMAX), dt, buffer=nl.sbuf)                  # P = exp(scale * s - lse)
+    nisa.activation(dst=pr[:p, :kb], op=nl.exp, data=sp[:p, :kb], bias=nlse[:p, i:i + 1], scale=scale)
+    ds = nl.ndarray((PMAX, PMAX), dt, buffer=nl.sbuf)                  # dS / scale = P * (dP - D)
+    nisa.scalar_tensor_tensor(dst=ds[:p, :kb], data=sp[:p, PMAX:PMAX + kb], op0=nl.subtract,
+                              operand0=d[:p, i:i + 1], op1=nl.multiply, operand1=pr[:p, :kb])
+    yield
+    nisa.nc_matmul(dst=dvj[:kb, :Ev], stationary=pr[:p, :kb], moving=dor[:p, i, :Ev], accumulate=not first)
+    nisa.nc_matmul(dst=dkj[:kb, :E], stationary=ds[:p, :kb], moving=qr[:p, i, :E], accumulate=not first)
+    tp = nl.ndarray((PMAX, PMAX), dt, buffer=nl.psum)
+    nisa.nc_transpose(dst=tp[:kb, :p], data=ds[:p, :kb])
+    dsT = nl.ndarray((PMAX, PMAX), dt, buffer=nl.sbuf)
+    evict(dsT[:kb, :p], tp[:kb, :p])
+    if dq_in_psum:
+        nisa.nc_matmul(dst=dqacc[:p, i, :E], stationary=dsT[:kb, :p], moving=kr[:kb, j, :E], accumulate=j > 0)
+    else:
+        part = nl.ndarray((PMAX, E), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=part[:p, :E], stationary=dsT[:kb, :p], moving=kr[:kb, j, :E], accumulate=False)
+        nisa.tensor_tensor(dst=dqacc[:p, i, :E], data1=dqacc[:p, i, :E], data2=part[:p, :E], op=nl.add)
+    if last is not None:
+        last()
+    ring.append((sp, pr, ds, tp, dsT))
+
+
+def _bwd_head_end(dq, dk, dv, dqacc, dkh, dvh, b, h, L, S, E, Ev, scale):
+    """Pipeline steps closing a head: dQ scaled and cast, the head's dQ, dK, dV stored."""
+    yield
+    dqh = nl.ndarray((PMAX, cdiv(L, PMAX), E), dq.dtype, buffer=nl.sbuf)
+    nisa.activation(dst=dqh, op=nl.copy, data=dqacc[:, :, :E], scale=scale)
+    _store_head_rows(dq, b, h, dqh, L, E)
+    _store_head_rows(dk, b, h, dkh, S, E)
+    _store_head_rows(dv, b, h, dvh, S, Ev)
