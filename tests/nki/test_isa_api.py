@@ -124,3 +124,53 @@ def test_gathers_and_dma_compute_from_a_kernel():
                     torch.from_numpy(other))
     np.testing.assert_array_equal(out.numpy(), np.take_along_axis(data, idx.astype(np.int64), 1))
     np.testing.assert_array_equal(summed.numpy(), data + other)
+
+
+def _two_independent(order: bool):
+    @nki.jit
+    def k(x):
+        out = nl.ndarray((128, 2048), nl.float32, buffer=nl.shared_hbm)
+        a = nl.ndarray((128, 2048), nl.float32)
+        b = nl.ndarray((128, 2048), nl.int32)
+        first = nisa.memset(dst=a, value=1.0)                         # VectorE
+        second = nisa.iota(dst=b, pattern=[[1, 2048]], offset=0)      # GpSimd, independent of the memset
+        assert isinstance(first, nisa.NkiInstruction) and repr(second) == "NkiInstruction(iota)"
+        if order:
+            assert second.depends_on(first) is second
+        nisa.tensor_tensor(dst=a, data1=a, data2=b, op=nl.add)
+        nl.store(out, a)
+        return out
+    return k
+
+
+def test_depends_on_orders_independent_instructions_in_the_timing_model():
+    x = np.zeros((1, 1), np.float32)
+    free, ordered = nki.profile(_two_independent(False), chip="trn2")(x), nki.profile(_two_independent(True))(x)
+    np.testing.assert_array_equal(ordered.outputs, free.outputs)
+    np.testing.assert_array_equal(free.outputs, np.arange(2048, dtype=np.float32)[None, :].repeat(128, 0) + 1)
+    assert free.start_ns[1] == free.start_ns[0] == 0.0   # the two engines start together
+    spec = nki.resolve_chip("trn2")
+    wait = spec.gpsimd.dependent_overhead_cycles / spec.gpsimd.clock_hz * 1e9
+    assert ordered.start_ns[1] == pytest.approx(ordered.end_ns[0] + wait)  # the iota waits for the memset
+
+
+def test_depends_on_is_serialized_and_checked():
+    from torchneuron.sim import Program
+    k = _two_independent(True)
+    traced = k.trace((np.zeros((1, 1), np.float32),), {}, nki.resolve_chip("trn2"))
+    assert traced.program.after == ((1, 0),)
+    assert Program.from_bytes(traced.program.to_bytes()).after == ((1, 0),)
+    with pytest.raises(SimulatorError, match="must name an earlier instruction"):
+        Program(traced.program.instructions, traced.program.args, "p", after=((0, 1),))
+
+    @nki.jit
+    def backwards(x):
+        out = nl.ndarray((4, 4), nl.float32, buffer=nl.shared_hbm)
+        a = nl.ndarray((4, 4), nl.float32)
+        first = nisa.memset(dst=a, value=0.0)
+        second = nisa.memset(dst=a, value=1.0)
+        first.depends_on(second)
+        nl.store(out, a)
+        return out
+    with pytest.raises(SimulatorError, match="a producer must come first"):
+        backwards(np.zeros((1, 1), np.float32))

@@ -15,20 +15,21 @@ import functools
 import inspect
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from torchneuron.nki import isa, language
+from torchneuron.nki import isa, language, typing
 from torchneuron.nki.profile import ProfileReport, make_report
 from torchneuron.nki.tracing import NkiTensor, Trace, set_current
 from torchneuron.sim import NeuronCore, Program, SimulatorError
 from torchneuron.sim.specs import ChipSpec, chip_spec
 
 __all__ = ["jit", "simulate", "profile", "Kernel", "ProfileReport", "SimulatorError", "install_import_aliases",
-           "isa", "language"]
+           "isa", "language", "typing"]
 
 
 def resolve_chip(chip: str | ChipSpec | None = None) -> ChipSpec:
@@ -117,6 +118,8 @@ class Kernel:
         finally:
             set_current(None)
         outs = [s for s in _flatten(result)]
+        if result is None:
+            _warn_unreturned(self.fn.__name__, trace)
         return Traced(trace.program(self.fn.__name__, outs), inputs, result, dict(trace.constants))
 
     def run(self, args: tuple, kwargs: dict, chip: str | ChipSpec | None = None, timed: bool = False):
@@ -143,6 +146,19 @@ class Kernel:
         if on_device.has_neuron_tensor(args, kwargs):
             return on_device.call_on_device(self, args, kwargs)
         return self.run(args, kwargs)[0]
+
+
+def _warn_unreturned(name: str, trace: Trace) -> None:
+    """Warn when a kernel returns nothing although it wrote shared-HBM tensors it allocated: their values
+    are discarded (a forgotten ``return out``). Kernels that write into their inputs return nothing legitimately."""
+    written = {f.memory.removeprefix("hbm:") for instr in trace.instructions for f in instr.writes()
+               if f.memory.startswith("hbm:")}
+    lost = sorted(n for n, kind in trace.hbm_kinds.items() if kind == "shared" and n in written
+                  and not n.startswith("psum_spill"))
+    if lost:
+        warnings.warn(f"kernel {name!r} returns nothing, but it writes the nl.shared_hbm tensor(s) "
+                      f"{', '.join(lost)} it allocated: their values are discarded; return them (`return out`)",
+                      UserWarning, stacklevel=4)
 
 
 def _hashable(v: Any) -> Any:
@@ -221,13 +237,14 @@ def profile(kernel: Callable, chip: str | ChipSpec | None = None) -> Callable[..
     return run
 
 
-_ALIASES = {"nki": "torchneuron.nki", "nki.language": "torchneuron.nki.language", "nki.isa": "torchneuron.nki.isa"}
+_ALIASES = {"nki": "torchneuron.nki", "nki.language": "torchneuron.nki.language", "nki.isa": "torchneuron.nki.isa",
+            "nki.typing": "torchneuron.nki.typing"}
 _LEGACY_ALIASES = {"neuronxcc.nki": "torchneuron.nki.legacy", "neuronxcc.nki.language": "torchneuron.nki.legacy.language",
                    "neuronxcc.nki.isa": "torchneuron.nki.legacy.isa"}
 
 
 def install_import_aliases() -> None:
-    """Make ``import nki`` (``nki.language``, ``nki.isa``) resolve to TorchNeuron's current generation and
+    """Make ``import nki`` (``nki.language``, ``nki.isa``, ``nki.typing``) resolve to TorchNeuron's current generation and
     ``neuronxcc.nki`` (``.language``, ``.isa``, ``.typing``, ``.compiler``) to the earlier one
     (``torchneuron.nki.legacy``). Refuses if a real NKI or ``neuronxcc`` is already imported."""
     import importlib

@@ -12,7 +12,7 @@ from typing import Any
 
 from torchneuron.sim import SimulatorError, isa as sim
 from torchneuron.sim.specs import chip_spec
-from torchneuron.nki.tracing import TENSOR_OPS, NkiTensor, as_dtype, current, sbuf
+from torchneuron.nki.tracing import TENSOR_OPS, IndexOutOfBounds, NkiTensor, as_dtype, current, sbuf
 
 Tile = NkiTensor
 Operand = Any  # a Python scalar or a (P, 1) tile
@@ -74,11 +74,35 @@ def _needs(opcode: str, generation: int) -> None:
 
 
 def _a(v: Any) -> Any:
-    return v.access if isinstance(v, NkiTensor) else v
+    if isinstance(v, NkiTensor):
+        if v._oob:  # an index-vector access past a dim of its tensor, used without a mask to confine it
+            raise IndexOutOfBounds(v._oob)
+        return v.access
+    return v
 
 
-def _emit(cls: type, **kw: Any) -> None:
-    current().emit(cls(**{k: _a(v) for k, v in kw.items()}))
+class NkiInstruction:
+    """``nisa.NkiInstruction``: the handle an ``nki.isa`` call returns; ``depends_on`` orders it after others."""
+
+    def __init__(self, trace: Any, instr: Any):
+        self._trace, self.instruction = trace, instr
+
+    def depends_on(self, *producers: "NkiInstruction") -> "NkiInstruction":
+        """Run this instruction after each producer ends (a semaphore wait in the timing model); returns self.
+        A producer must have been emitted before this instruction (the program runs in emission order)."""
+        for p in producers:
+            if not isinstance(p, NkiInstruction) or p._trace is not self._trace:
+                raise TypeError(f"depends_on takes instructions of the same kernel trace, got {p!r}")
+            self._trace.order_after(self.instruction, p.instruction)
+        return self
+
+    def __repr__(self) -> str:
+        return f"NkiInstruction({self.instruction.opcode})"
+
+
+def _emit(cls: type, **kw: Any) -> NkiInstruction:
+    trace = current()
+    return NkiInstruction(trace, trace.emit(cls(**{k: _a(v) for k, v in kw.items()})))
 
 
 def _eng(e: Any) -> Any:
@@ -88,7 +112,7 @@ def _eng(e: Any) -> Any:
 # ---- data movement ----------------------------------------------------------------------
 
 def dma_copy(dst: Tile, src: Tile, priority: int | None = None, oob_mode: Any = oob_mode.error,
-             dge_mode: Any = dge_mode.unknown, engine: Any = None, name: str | None = None) -> None:
+             dge_mode: Any = dge_mode.unknown, engine: Any = None, name: str | None = None) -> NkiInstruction:
     """``dst = src`` by DMA (HBM <-> SBUF; never PSUM), converting dtypes."""
     mode = getattr(dge_mode, "name", dge_mode)
     indexed = {f"{side}_index": t.indirect for side, t in (("src", src), ("dst", dst))
@@ -99,21 +123,20 @@ def dma_copy(dst: Tile, src: Tile, priority: int | None = None, oob_mode: Any = 
         if indexed:
             raise SimulatorError("dma_copy: one side has a runtime scalar_offset and the other a vector_offset; "
                                  "a DMA has one indirect side")
-        _emit(sim.DmaCopyDynamic, dst=dst, src=src, oob_mode=getattr(oob_mode, "name", oob_mode),
+        return _emit(sim.DmaCopyDynamic, dst=dst, src=src, oob_mode=getattr(oob_mode, "name", oob_mode),
               dge_mode=mode, queue=current().next_dma_queue(), **dynamic)
-        return
-    _emit(sim.DmaCopy, dst=dst, src=src, oob_mode=getattr(oob_mode, "name", oob_mode), dge_mode=mode,
+    return _emit(sim.DmaCopy, dst=dst, src=src, oob_mode=getattr(oob_mode, "name", oob_mode), dge_mode=mode,
           queue=current().next_dma_queue(), **indexed)
 
 
 def dma_transpose(dst: Tile, src: Tile, axes: tuple[int, ...] | None = None, dge_mode: Any = dge_mode.unknown,
-                  name: str | None = None) -> None:
+                  name: str | None = None) -> NkiInstruction:
     """``dst = src`` with its axes permuted, by DMA into SBUF."""
-    _emit(sim.DmaTranspose, dst=dst, src=src, axes=axes, dge_mode=getattr(dge_mode, "name", dge_mode),
+    return _emit(sim.DmaTranspose, dst=dst, src=src, axes=axes, dge_mode=getattr(dge_mode, "name", dge_mode),
           queue=current().next_dma_queue())
 
 
-def tensor_copy(dst: Tile, src: Tile, engine: Any = None, dtype: Any = None, name: str | None = None) -> None:
+def tensor_copy(dst: Tile, src: Tile, engine: Any = None, dtype: Any = None, name: str | None = None) -> NkiInstruction:
     """Copy SBUF/PSUM -> SBUF/PSUM on Vector/Scalar/GpSimd, casting to ``dst.dtype``.
 
     ``dtype=`` (not in the current API's signature, but passed by published tutorial kernels, e.g.
@@ -124,12 +147,12 @@ def tensor_copy(dst: Tile, src: Tile, engine: Any = None, dtype: Any = None, nam
         rounded = current().allocate(tuple(dst.shape), as_dtype(dtype), sbuf)
         _emit(sim.TensorCopy, dst=rounded, src=src, engine=_eng(engine))
         src = rounded
-    _emit(sim.TensorCopy, dst=dst, src=src, engine=_eng(engine))
+    return _emit(sim.TensorCopy, dst=dst, src=src, engine=_eng(engine))
 
 
-def memset(dst: Tile, value: float | int, engine: Any = None, name: str | None = None) -> None:
+def memset(dst: Tile, value: float | int, engine: Any = None, name: str | None = None) -> NkiInstruction:
     """Fill ``dst`` with a constant (Vector or GpSimd)."""
-    _emit(sim.Memset, dst=dst, value=value, engine=_eng(engine))
+    return _emit(sim.Memset, dst=dst, value=value, engine=_eng(engine))
 
 
 # ---- TensorE ----------------------------------------------------------------------------
@@ -137,7 +160,7 @@ def memset(dst: Tile, value: float | int, engine: Any = None, name: str | None =
 def nc_matmul(dst: Tile, stationary: Tile, moving: Tile, is_stationary_onezero: bool = False,
               is_moving_onezero: bool = False, is_transpose: bool = False, accumulate: bool | None = None,
               tile_position: tuple = (), tile_size: tuple = (), perf_mode: Any = None,
-              name: str | None = None) -> None:
+              name: str | None = None) -> NkiInstruction:
     """``dst[M, N] (+)= stationary[K, M].T @ moving[K, N]`` on TensorE into PSUM (fp32 accumulation).
 
     ``accumulate=None``: overwrite where no accumulation group is open on ``dst``, else add.
@@ -152,13 +175,13 @@ def nc_matmul(dst: Tile, stationary: Tile, moving: Tile, is_stationary_onezero: 
             raise SimulatorError("nc_matmul: dst partly overlaps an open accumulation group; pass accumulate=")
         accumulate = bool(flags.all())
     if tiled is not None:
-        _emit(sim.NcMatmulTiled, dst=dst, stationary=stationary, moving=moving,
-              is_stationary_onezero=is_stationary_onezero, is_moving_onezero=is_moving_onezero,
-              is_transpose=is_transpose, accumulate=accumulate, tile_position=tiled[0], tile_size=tiled[1],
-              perf_mode=mode)
-        return
-    _emit(sim.NcMatmul, dst=dst, stationary=stationary, moving=moving, is_stationary_onezero=is_stationary_onezero,
-          is_moving_onezero=is_moving_onezero, is_transpose=is_transpose, accumulate=accumulate)
+        return _emit(sim.NcMatmulTiled, dst=dst, stationary=stationary, moving=moving,
+                     is_stationary_onezero=is_stationary_onezero, is_moving_onezero=is_moving_onezero,
+                     is_transpose=is_transpose, accumulate=accumulate, tile_position=tiled[0], tile_size=tiled[1],
+                     perf_mode=mode)
+    return _emit(sim.NcMatmul, dst=dst, stationary=stationary, moving=moving,
+                 is_stationary_onezero=is_stationary_onezero, is_moving_onezero=is_moving_onezero,
+                 is_transpose=is_transpose, accumulate=accumulate)
 
 
 def _pe_tiling(trace: Any, tile_position: Any, tile_size: Any, mode: str) -> tuple | None:
@@ -180,125 +203,125 @@ def _pe_tiling(trace: Any, tile_position: Any, tile_size: Any, mode: str) -> tup
     return position, size
 
 
-def nc_transpose(dst: Tile, data: Tile, engine: Any = None, name: str | None = None) -> None:
+def nc_transpose(dst: Tile, data: Tile, engine: Any = None, name: str | None = None) -> NkiInstruction:
     """Swap partition and free axes (TensorE <= 128x128 into PSUM, VectorE <= 32x32)."""
-    _emit(sim.NcTranspose, dst=dst, data=data, engine=_eng(engine))
+    return _emit(sim.NcTranspose, dst=dst, data=data, engine=_eng(engine))
 
 
 # ---- Vector / Scalar / GpSimd ----------------------------------------------------------
 
-def tensor_tensor(dst: Tile, data1: Tile, data2: Tile, op: Any, engine: Any = None, name: str | None = None) -> None:
+def tensor_tensor(dst: Tile, data1: Tile, data2: Tile, op: Any, engine: Any = None, name: str | None = None) -> NkiInstruction:
     """``dst = data1 <op> data2`` element-wise."""
-    _emit(sim.TensorTensor, dst=dst, data1=data1, data2=data2, op=op, engine=_eng(engine))
+    return _emit(sim.TensorTensor, dst=dst, data1=data1, data2=data2, op=op, engine=_eng(engine))
 
 
 def tensor_scalar(dst: Tile, data: Tile, op0: Any, operand0: Operand, reverse0: bool = False, op1: Any = None,
                   operand1: Operand = None, reverse1: bool = False, engine: Any = None,
-                  name: str | None = None) -> None:
+                  name: str | None = None) -> NkiInstruction:
     """``dst = (data <op0> operand0) <op1> operand1`` with scalar or (P,1) operands."""
-    _emit(sim.TensorScalar, dst=dst, data=data, op0=op0, operand0=operand0, reverse0=reverse0, op1=op1,
+    return _emit(sim.TensorScalar, dst=dst, data=data, op0=op0, operand0=operand0, reverse0=reverse0, op1=op1,
           operand1=operand1, reverse1=reverse1, engine=_eng(engine))
 
 
 def scalar_tensor_tensor(dst: Tile, data: Tile, op0: Any, operand0: Operand, op1: Any, operand1: Tile,
-                         reverse0: bool = False, reverse1: bool = False, name: str | None = None) -> None:
+                         reverse0: bool = False, reverse1: bool = False, name: str | None = None) -> NkiInstruction:
     """``dst = (data <op0> operand0) <op1> operand1`` with operand1 a tile."""
-    _emit(sim.ScalarTensorTensor, dst=dst, data=data, op0=op0, operand0=operand0, op1=op1, operand1=operand1,
+    return _emit(sim.ScalarTensorTensor, dst=dst, data=data, op0=op0, operand0=operand0, op1=op1, operand1=operand1,
           reverse0=reverse0, reverse1=reverse1)
 
 
-def reciprocal(dst: Tile, data: Tile, name: str | None = None) -> None:
+def reciprocal(dst: Tile, data: Tile, name: str | None = None) -> NkiInstruction:
     """``dst = 1 / data`` on VectorE."""
-    _emit(sim.Reciprocal, dst=dst, data=data)
+    return _emit(sim.Reciprocal, dst=dst, data=data)
 
 
 def activation(dst: Tile, op: Any, data: Tile, bias: Operand = None, scale: Operand = 1.0, reduce_op: Any = None,
-               reduce_res: Tile | None = None, reduce_cmd: Any = reduce_cmd.idle, name: str | None = None) -> None:
+               reduce_res: Tile | None = None, reduce_cmd: Any = reduce_cmd.idle, name: str | None = None) -> NkiInstruction:
     """``dst = op(data * scale + bias)`` on ScalarE, optionally reducing the result per partition."""
-    _emit(sim.Activation, dst=dst, op=op, data=data, bias=bias, scale=scale, reduce_op=reduce_op,
+    return _emit(sim.Activation, dst=dst, op=op, data=data, bias=bias, scale=scale, reduce_op=reduce_op,
           reduce_res=reduce_res, reduce_cmd=reduce_cmd)
 
 
 def tensor_reduce(dst: Tile, op: Any, data: Tile, axis: int | tuple[int, ...], negate: bool = False,
-                  keepdims: bool = False, name: str | None = None) -> None:
+                  keepdims: bool = False, name: str | None = None) -> NkiInstruction:
     """Reduce trailing free axes of ``data`` with ``op`` (never the partition axis)."""
-    _emit(sim.TensorReduce, dst=dst, op=op, data=data, axis=axis, negate=negate, keepdims=keepdims)
+    return _emit(sim.TensorReduce, dst=dst, op=op, data=data, axis=axis, negate=negate, keepdims=keepdims)
 
 
-def tensor_partition_reduce(dst: Tile, op: Any, data: Tile, name: str | None = None) -> None:
+def tensor_partition_reduce(dst: Tile, op: Any, data: Tile, name: str | None = None) -> NkiInstruction:
     """Reduce across partitions on GpSimd into a 1-partition ``dst``."""
-    _emit(sim.TensorPartitionReduce, dst=dst, op=op, data=data)
+    return _emit(sim.TensorPartitionReduce, dst=dst, op=op, data=data)
 
 
 def tensor_scalar_reduce(dst: Tile, data: Tile, op0: Any, operand0: Operand, reduce_op: Any,
                          reduce_res: Tile, reverse0: bool = False, reduce_cmd: Any = reduce_cmd.reset_reduce,
                          reduce_init: Operand = None, reduce_res_negate: bool = False,
-                         name: str | None = None) -> None:
+                         name: str | None = None) -> NkiInstruction:
     """``dst = data <op0> operand0`` plus a per-partition ``reduce_op`` of the result into ``reduce_res``."""
     assert not reduce_res_negate, "tensor_scalar_reduce reduce_res_negate is not in the simulator yet"
-    _emit(sim.TensorScalarReduce, dst=dst, data=data, op0=op0, operand0=operand0, reduce_op=reduce_op,
+    return _emit(sim.TensorScalarReduce, dst=dst, data=data, op0=op0, operand0=operand0, reduce_op=reduce_op,
           reduce_res=reduce_res, reverse0=reverse0, reduce_cmd=reduce_cmd, reduce_init=reduce_init)
 
 
 def tensor_tensor_scan(dst: Tile, data0: Tile, data1: Tile, initial: Operand, op0: Any, op1: Any,
-                       reverse0: bool = False, reverse1: bool = False, name: str | None = None) -> None:
+                       reverse0: bool = False, reverse1: bool = False, name: str | None = None) -> NkiInstruction:
     """Per partition ``r[i] = (data0[i] <op0> r[i-1]) <op1> data1[i]``, ``r[-1] = initial``."""
-    _emit(sim.TensorTensorScan, dst=dst, data0=data0, data1=data1, initial=initial, op0=op0, op1=op1,
+    return _emit(sim.TensorTensorScan, dst=dst, data0=data0, data1=data1, initial=initial, op0=op0, op1=op1,
           reverse0=reverse0, reverse1=reverse1)
 
 
-def iota(dst: Tile, pattern: Any, offset: int = 0, channel_multiplier: int = 0, name: str | None = None) -> None:
+def iota(dst: Tile, pattern: Any, offset: int = 0, channel_multiplier: int = 0, name: str | None = None) -> NkiInstruction:
     """``dst[p, i...] = offset + channel_multiplier * p + sum(step_k * i_k)`` on GpSimd."""
-    _emit(sim.Iota, dst=dst, pattern=tuple(tuple(p) for p in pattern), offset=offset,
+    return _emit(sim.Iota, dst=dst, pattern=tuple(tuple(p) for p in pattern), offset=offset,
           channel_multiplier=channel_multiplier)
 
 
 def affine_select(dst: Tile, pattern: Any, channel_multiplier: int, on_true_tile: Tile, on_false_value: float,
-                  cmp_op: Any = "equal", offset: int = 0, name: str | None = None) -> None:
+                  cmp_op: Any = "equal", offset: int = 0, name: str | None = None) -> NkiInstruction:
     """``dst = on_true_tile`` where ``cmp_op(affine index, 0)`` else ``on_false_value`` (GpSimd)."""
-    _emit(sim.AffineSelect, dst=dst, pattern=tuple(tuple(p) for p in pattern), channel_multiplier=channel_multiplier,
+    return _emit(sim.AffineSelect, dst=dst, pattern=tuple(tuple(p) for p in pattern), channel_multiplier=channel_multiplier,
           on_true_tile=on_true_tile, on_false_value=on_false_value,
           cmp_op=getattr(cmp_op, "__name__", cmp_op), offset=offset)
 
 
-def bn_stats(dst: Tile, data: Tile, name: str | None = None) -> None:
+def bn_stats(dst: Tile, data: Tile, name: str | None = None) -> NkiInstruction:
     """Per-partition (count, mean, var*count) of even and odd elements (6 values)."""
-    _emit(sim.BnStats, dst=dst, data=data)
+    return _emit(sim.BnStats, dst=dst, data=data)
 
 
-def bn_aggr(dst: Tile, data: Tile, name: str | None = None) -> None:
+def bn_aggr(dst: Tile, data: Tile, name: str | None = None) -> NkiInstruction:
     """Combine ``bn_stats`` triples into per-partition (mean, variance)."""
-    _emit(sim.BnAggr, dst=dst, data=data)
+    return _emit(sim.BnAggr, dst=dst, data=data)
 
 
-def max8(dst: Tile, src: Tile, name: str | None = None) -> None:
+def max8(dst: Tile, src: Tile, name: str | None = None) -> NkiInstruction:
     """The 8 largest values of each partition, descending."""
-    _emit(sim.Max8, dst=dst, src=src)
+    return _emit(sim.Max8, dst=dst, src=src)
 
 
-def nc_find_index8(dst: Tile, data: Tile, vals: Tile, name: str | None = None) -> None:
+def nc_find_index8(dst: Tile, data: Tile, vals: Tile, name: str | None = None) -> NkiInstruction:
     """Per partition, the index of each of the 8 ``vals`` in ``data``."""
-    _emit(sim.NcFindIndex8, dst=dst, data=data, vals=vals)
+    return _emit(sim.NcFindIndex8, dst=dst, data=data, vals=vals)
 
 
-def rng(dst: Tile, engine: Any = None, name: str | None = None) -> None:
+def rng(dst: Tile, engine: Any = None, name: str | None = None) -> NkiInstruction:
     """Random integer bits into ``dst``."""
-    _emit(sim.Rng, dst=dst, engine=_eng(engine))
+    return _emit(sim.Rng, dst=dst, engine=_eng(engine))
 
 
-def set_rng_seed(src_seeds: Tile, name: str | None = None) -> None:
+def set_rng_seed(src_seeds: Tile, name: str | None = None) -> NkiInstruction:
     """Seed the core's PRNG from a [1, 1] tile."""
-    _emit(sim.SetRngSeed, src_seeds=src_seeds)
+    return _emit(sim.SetRngSeed, src_seeds=src_seeds)
 
 
-def rand2(dst: Tile, min: Operand, max: Operand, name: str | None = None) -> None:
+def rand2(dst: Tile, min: Operand, max: Operand, name: str | None = None) -> NkiInstruction:
     """Uniform random values in [min, max]."""
-    _emit(sim.Rand2, dst=dst, min=min, max=max)
+    return _emit(sim.Rand2, dst=dst, min=min, max=max)
 
 
-def dropout(dst: Tile, data: Tile, prob: Operand, name: str | None = None) -> None:
+def dropout(dst: Tile, data: Tile, prob: Operand, name: str | None = None) -> NkiInstruction:
     """Zero each element of ``data`` with probability ``prob`` (no rescaling)."""
-    _emit(sim.Dropout, dst=dst, data=data, prob=prob)
+    return _emit(sim.Dropout, dst=dst, data=data, prob=prob)
 
 
 # ---- MX (microscaling) on NeuronCore-v4 --------------------------------------------------
@@ -317,16 +340,16 @@ def _mx_of(t: Any, name: str, opcode: str) -> str:
     return fmt.element
 
 
-def quantize_mx(dst: Tile, src: Tile, dst_scale: Tile, name: str | None = None) -> None:
+def quantize_mx(dst: Tile, src: Tile, dst_scale: Tile, name: str | None = None) -> NkiInstruction:
     """Quantize bf16/fp16 ``src[P, 4F]`` into MX fp8 x4 ``dst[P, F]`` and its scales (VectorE, trn3)."""
     _mx_chip("quantize_mx")
-    _emit(sim.QuantizeMx, dst=dst, src=src, dst_scale=dst_scale,
+    return _emit(sim.QuantizeMx, dst=dst, src=src, dst_scale=dst_scale,
           dst_format=_mx_of(dst, "dst", "quantize_mx"))
 
 
 def nc_matmul_mx(dst: Tile, stationary: Tile, moving: Tile, stationary_scale: Tile, moving_scale: Tile,
                  tile_position: tuple | None = None, tile_size: tuple | None = None, accumulate: bool | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None) -> NkiInstruction:
     """``dst[M, N] (+)= `` the dequantized MX ``stationary[K, M].T @ moving[K, N]`` (contraction 4K) on TensorE (trn3)."""
     _mx_chip("nc_matmul_mx")
     trace = current()
@@ -340,7 +363,7 @@ def nc_matmul_mx(dst: Tile, stationary: Tile, moving: Tile, stationary_scale: Ti
                 raise SimulatorError("nc_matmul_mx: dst partly overlaps an open accumulation group; pass accumulate=")
             accumulate = bool(flags.all())
     tiling = dict(tile_position=tuple(tile_position), tile_size=tuple(tile_size)) if tile_position else {}
-    _emit(sim.NcMatmulMx, dst=dst, stationary=stationary, moving=moving, stationary_scale=stationary_scale,
+    return _emit(sim.NcMatmulMx, dst=dst, stationary=stationary, moving=moving, stationary_scale=stationary_scale,
           moving_scale=moving_scale, stationary_format=_mx_of(stationary, "stationary", "nc_matmul_mx"),
           moving_format=_mx_of(moving, "moving", "nc_matmul_mx"), accumulate=accumulate, **tiling)
 
@@ -348,16 +371,16 @@ def nc_matmul_mx(dst: Tile, stationary: Tile, moving: Tile, stationary_scale: Ti
 # ---- selection, search and on-chip movement ---------------------------------------------------
 
 def tensor_copy_predicated(dst: Tile, src: Tile | float, predicate: Tile, reverse_pred: bool = False,
-                           name: str | None = None) -> None:
+                           name: str | None = None) -> NkiInstruction:
     """``dst = src`` where ``predicate`` (uint8/16/32) is nonzero (zero with ``reverse_pred``), else unchanged (VectorE)."""
-    _emit(sim.TensorCopyPredicated, dst=dst, src=src, predicate=predicate, reverse_pred=reverse_pred)
+    return _emit(sim.TensorCopyPredicated, dst=dst, src=src, predicate=predicate, reverse_pred=reverse_pred)
 
 
 def select_reduce(dst: Tile, predicate: Tile, on_true: Tile, on_false: Operand, reduce_res: Tile | None = None,
                   reduce_cmd: Any = reduce_cmd.idle, reduce_op: Any = "maximum", reverse_pred: bool = False,
-                  name: str | None = None) -> None:
+                  name: str | None = None) -> NkiInstruction:
     """``dst = where(predicate, on_true, on_false)`` with an optional per-partition max into ``reduce_res`` (VectorE)."""
-    _emit(sim.SelectReduce, dst=dst, predicate=predicate, on_true=on_true, on_false=on_false, reduce_res=reduce_res,
+    return _emit(sim.SelectReduce, dst=dst, predicate=predicate, on_true=on_true, on_false=on_false, reduce_res=reduce_res,
           reduce_cmd=reduce_cmd, reduce_op=reduce_op, reverse_pred=reverse_pred)
 
 
@@ -366,93 +389,93 @@ FP32_MIN = sim.selection.FP32_MIN
 
 def range_select(dst: Tile, on_true_tile: Tile, comp_op0: Any, comp_op1: Any, bound0: Tile, bound1: Tile,
                  reduce_cmd: Any = reduce_cmd.reset_reduce, reduce_res: Tile | None = None, reduce_op: Any = "maximum",
-                 range_start: int = 0, on_false_value: float = FP32_MIN, name: str | None = None) -> None:
+                 range_start: int = 0, on_false_value: float = FP32_MIN, name: str | None = None) -> NkiInstruction:
     """Keep ``on_true_tile`` where both comparisons of ``range_start + free index`` with the bounds hold, else
     FP32_MIN, with a per-partition max (VectorE, NC-v3+)."""
     _needs("range_select", 3)
-    _emit(sim.RangeSelect, dst=dst, on_true_tile=on_true_tile, comp_op0=comp_op0, comp_op1=comp_op1, bound0=bound0,
+    return _emit(sim.RangeSelect, dst=dst, on_true_tile=on_true_tile, comp_op0=comp_op0, comp_op1=comp_op1, bound0=bound0,
           bound1=bound1, reduce_cmd=reduce_cmd, reduce_res=reduce_res, reduce_op=reduce_op, range_start=range_start,
           on_false_value=on_false_value)
 
 
-def sequence_bounds(dst: Tile, segment_ids: Tile, name: str | None = None) -> None:
+def sequence_bounds(dst: Tile, segment_ids: Tile, name: str | None = None) -> NkiInstruction:
     """Per element of ``segment_ids`` ([1, n], 0 = padding), the start and end of its segment into ``dst`` [1, 2, n] (GpSimd)."""
-    _emit(sim.SequenceBounds, dst=dst, segment_ids=segment_ids)
+    return _emit(sim.SequenceBounds, dst=dst, segment_ids=segment_ids)
 
 
 def nonzero_with_count(dst: Tile, src: Tile, index_offset: int = 0, padding_val: int = -1,
-                       name: str | None = None) -> None:
+                       name: str | None = None) -> NkiInstruction:
     """Indices of nonzero elements, padding and their count, on partitions 0, 16, ..., 112 (GpSimd, NC-v3+)."""
     _needs("nonzero_with_count", 3)
-    _emit(sim.NonzeroWithCount, dst=dst, src=src, index_offset=index_offset, padding_val=padding_val)
+    return _emit(sim.NonzeroWithCount, dst=dst, src=src, index_offset=index_offset, padding_val=padding_val)
 
 
 def nc_match_replace8(dst: Tile, data: Tile, vals: Tile, imm: float, dst_idx: Tile | None = None,
-                      name: str | None = None) -> None:
+                      name: str | None = None) -> NkiInstruction:
     """Replace the first match of each of 8 values per partition by ``imm``; their indices into ``dst_idx`` (VectorE)."""
-    _emit(sim.NcMatchReplace8, dst=dst, data=data, vals=vals, imm=imm, dst_idx=dst_idx)
+    return _emit(sim.NcMatchReplace8, dst=dst, data=data, vals=vals, imm=imm, dst_idx=dst_idx)
 
 
-def nc_stream_shuffle(dst: Tile, src: Tile, shuffle_mask: Any, name: str | None = None) -> None:
+def nc_stream_shuffle(dst: Tile, src: Tile, shuffle_mask: Any, name: str | None = None) -> NkiInstruction:
     """Per 32-partition quadrant, output partition i takes input partition ``shuffle_mask[i]`` (255 keeps; VectorE)."""
-    _emit(sim.NcStreamShuffle, dst=dst, src=src, shuffle_mask=tuple(int(m) for m in shuffle_mask))
+    return _emit(sim.NcStreamShuffle, dst=dst, src=src, shuffle_mask=tuple(int(m) for m in shuffle_mask))
 
 
-def nc_n_gather(dst: Tile, data: Tile, indices: Tile, name: str | None = None) -> None:
+def nc_n_gather(dst: Tile, data: Tile, indices: Tile, name: str | None = None) -> NkiInstruction:
     """``dst[p, j] = data[p].flatten()[indices[p, j]]`` with uint32 indices (GpSimd, SBUF)."""
-    _emit(sim.NcNGather, dst=dst, data=data, indices=indices)
+    return _emit(sim.NcNGather, dst=dst, data=data, indices=indices)
 
 
 def local_gather(dst: Tile, src_buffer: Tile, index: Tile, num_elem_per_idx: int = 1,
-                 num_valid_indices: int | None = None, name: str | None = None) -> None:
+                 num_valid_indices: int | None = None, name: str | None = None) -> NkiInstruction:
     """Gather ``num_elem_per_idx`` elements per uint16 index, one index list per 16-partition GpSimd core (GpSimd)."""
-    _emit(sim.LocalGather, dst=dst, src_buffer=src_buffer, index=index, num_elem_per_idx=num_elem_per_idx,
+    return _emit(sim.LocalGather, dst=dst, src_buffer=src_buffer, index=index, num_elem_per_idx=num_elem_per_idx,
           num_valid_indices=num_valid_indices)
 
 
 # ---- accumulating Vector / Scalar instructions ---------------------------------------------------
 
 def tensor_scalar_cumulative(dst: Tile, src: Tile, op0: Any, op1: Any, imm0: Operand, imm1: Operand = None,
-                             reduce_cmd: Any = reduce_cmd.reset_reduce, name: str | None = None) -> None:
+                             reduce_cmd: Any = reduce_cmd.reset_reduce, name: str | None = None) -> NkiInstruction:
     """Per partition the running ``op1`` of ``src <op0> imm0`` along the free dim into ``dst`` (VectorE)."""
-    _emit(sim.TensorScalarCumulative, dst=dst, src=src, op0=op0, op1=op1, imm0=imm0, imm1=imm1,
+    return _emit(sim.TensorScalarCumulative, dst=dst, src=src, op0=op0, op1=op1, imm0=imm0, imm1=imm1,
           reduce_cmd=reduce_cmd)
 
 
 def exponential(dst: Tile, src: Tile, max_value: Operand = 0.0, reduce_res: Tile | None = None,
-                reduce_cmd: Any = reduce_cmd.idle, reduce_init: Operand = 0.0, name: str | None = None) -> None:
+                reduce_cmd: Any = reduce_cmd.idle, reduce_init: Operand = 0.0, name: str | None = None) -> NkiInstruction:
     """``dst = exp(src - max_value)`` with an optional running sum per partition (VectorE, NC-v4)."""
     _needs("exponential", 4)
-    _emit(sim.Exponential, dst=dst, src=src, max_value=max_value, reduce_res=reduce_res, reduce_cmd=reduce_cmd,
+    return _emit(sim.Exponential, dst=dst, src=src, max_value=max_value, reduce_res=reduce_res, reduce_cmd=reduce_cmd,
           reduce_init=reduce_init)
 
 
 def activation_reduce(dst: Tile, op: Any, data: Tile, reduce_op: Any, reduce_res: Tile | None,
-                      bias: Operand = None, scale: Operand = 1.0, name: str | None = None) -> None:
+                      bias: Operand = None, scale: Operand = 1.0, name: str | None = None) -> NkiInstruction:
     """``activation`` that resets the ScalarE registers and reduces its result into ``reduce_res`` (add only on NC-v2)."""
     if _generation() < 3 and reduce_op is not None and getattr(reduce_op, "__name__", reduce_op) not in ("add", "sum"):
         raise SimulatorError(f"activation_reduce: reduce_op must be add on {current().spec.core_generation} "
                              f"({current().spec.name})")
-    activation(dst=dst, op=op, data=data, bias=bias, scale=scale, reduce_op=reduce_op, reduce_res=reduce_res,
-               reduce_cmd=reduce_cmd.reset_reduce)
+    return activation(dst=dst, op=op, data=data, bias=bias, scale=scale, reduce_op=reduce_op,
+                      reduce_res=reduce_res, reduce_cmd=reduce_cmd.reset_reduce)
 
 
 def activate2(dst: Tile, op: Any, data: Tile, imm0: Operand, imm1: Operand, op0: Any, op1: Any,
               relu_param: Operand = 0.0, reverse0: bool = False, reverse1: bool = False, reduce_op: Any = None,
-              reduce_res: Tile | None = None, reduce_cmd: Any = reduce_cmd.idle, name: str | None = None) -> None:
+              reduce_res: Tile | None = None, reduce_cmd: Any = reduce_cmd.idle, name: str | None = None) -> NkiInstruction:
     """``dst = op((data <op0> imm0) <op1> imm1)`` with an optional register reduction (ScalarE, NC-v4)."""
     _needs("activate2", 4)
-    _emit(sim.Activate2, dst=dst, op=op, data=data, imm0=imm0, imm1=imm1, op0=op0, op1=op1, relu_param=relu_param,
+    return _emit(sim.Activate2, dst=dst, op=op, data=data, imm0=imm0, imm1=imm1, op0=op0, op1=op1, relu_param=relu_param,
           reverse0=reverse0, reverse1=reverse1, reduce_op=reduce_op, reduce_res=reduce_res, reduce_cmd=reduce_cmd)
 
 
 def dma_compute(dst: Tile, srcs: list, reduce_op: Any, scales: Any = None, unique_indices: bool = True,
-                oob_mode: Any = oob_mode.error, name: str | None = None) -> None:
+                oob_mode: Any = oob_mode.error, name: str | None = None) -> NkiInstruction:
     """``dst = sum(srcs)`` element-wise by the DMA engines (add only, unit scales; HBM or SBUF)."""
     if any(isinstance(t, NkiTensor) and (t.indirect is not None or t.dynamic is not None) for t in (dst, *srcs)):
         raise NotImplementedError("dma_compute: read-modify-write through vector_offset/scalar_offset is not "
                                   "modelled; use dma_copy gathers/scatters and tensor_tensor")
-    _emit(sim.DmaCompute, dst=dst, srcs=tuple(_a(t) for t in srcs), reduce_op=reduce_op,
+    return _emit(sim.DmaCompute, dst=dst, srcs=tuple(_a(t) for t in srcs), reduce_op=reduce_op,
           scales=None if scales is None else tuple(scales), queue=current().next_dma_queue())
 
 

@@ -224,8 +224,8 @@ def load(src: Tile, dtype: Any = None) -> Tile:
 
 
 def store(dst: Tile, value: Tile) -> None:
-    """SBUF tile -> HBM by DMA."""
-    nisa.dma_copy(dst=dst, src=value)
+    """SBUF tile -> HBM by DMA (a PSUM tile is first copied to SBUF: DMA cannot read PSUM)."""
+    nisa.dma_copy(dst=dst, src=_in_sbuf(value))
 
 
 def copy(x: Tile, dtype: Any = None) -> Tile:
@@ -277,9 +277,17 @@ def _is_column(t: NkiTensor, of: NkiTensor) -> bool:
     return t.access.free_elems == 1 and t.shape[0] == of.shape[0] and of.access.free_elems > 1
 
 
+def _in_sbuf(t: Value) -> Value:
+    """``t`` itself, or an SBUF copy of it when it is a PSUM tile an instruction cannot take from PSUM (the
+    copy the compiler inserts: DMA and TensorE cannot read PSUM, two-input ALU ops take one PSUM input)."""
+    return copy(t) if isinstance(t, NkiTensor) and t.buffer is psum else t
+
+
 def _binary(op: str, x: Value, y: Value, dtype: Any) -> Tile:
     tiles = [v for v in (x, y) if isinstance(v, NkiTensor)]
     assert tiles, f"nl.{op} needs at least one tile"
+    if len(tiles) == 2 and x.buffer is psum and y.buffer is psum:
+        y = _in_sbuf(y)  # the engines read at most one operand from PSUM
     if len(tiles) == 2 and tuple(x.shape) == tuple(y.shape):
         out = ndarray(x.shape, _result_dtype(x, y, dtype))
         nisa.tensor_tensor(dst=out, data1=x, data2=y, op=op)
@@ -417,6 +425,7 @@ def mean(x: Tile, axis: int | Sequence[int], dtype: Any = None, keepdims: bool =
 
 def transpose(x: Tile, dtype: Any = None) -> Tile:
     """Swap partition and free dims of a 2-D SBUF tile on TensorE; the result is a PSUM tile."""
+    x = _in_sbuf(x)
     out = ndarray((x.access.free_elems, x.shape[0]), x.dtype, psum)
     nisa.nc_transpose(dst=out, data=x)
     return out if dtype is None or as_dtype(dtype) == x.dtype else copy(out, dtype)
@@ -424,6 +433,7 @@ def transpose(x: Tile, dtype: Any = None) -> Tile:
 
 def matmul(x: Tile, y: Tile, transpose_x: bool = False) -> Tile:
     """``x @ y`` (``x.T @ y`` with ``transpose_x``) on TensorE; the result is an fp32 PSUM tile."""
+    x, y = _in_sbuf(x), _in_sbuf(y)
     if not transpose_x:  # TensorE contracts over partitions: bring x to [K, M] first
         x = copy(transpose(x))
     out = ndarray((x.access.free_elems, y.access.free_elems), float32, psum)

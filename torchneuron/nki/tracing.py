@@ -106,6 +106,34 @@ def _index(i: Any) -> Any:
     return i
 
 
+class IndexOutOfBounds(SimulatorError, IndexError):
+    """A kernel indexed a tensor outside its shape (an error, not NumPy's clamping of slices)."""
+
+
+def check_index(shape: Sequence[int], index: tuple, what: str = "tensor") -> None:
+    """Raise IndexOutOfBounds naming the dim, the index and the bound when an integer or slice of ``index``
+    reaches outside ``shape`` (negative values count from the end, as in Python, down to -size)."""
+    if any(i is Ellipsis for i in index):
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
+    for d, (i, size) in enumerate(zip(index, shape)):
+        if isinstance(i, slice):
+            bad = [v for v in (i.start, i.stop) if v is not None and not -size <= int(v) <= size]
+            if i.start is not None and int(i.start) == size and (i.stop is None or int(i.stop) > size):
+                bad.append(i.start)
+            if bad:
+                raise IndexOutOfBounds(
+                    f"{what}: slice {_slice_text(i)} of dim {d} is out of bounds for size {size} (index {bad[0]}; "
+                    f"slices are not clamped)")
+        elif isinstance(i, (int, np.integer)) and not -size <= int(i) < size:
+            raise IndexOutOfBounds(f"{what}: index {int(i)} of dim {d} is out of bounds for size {size}")
+
+
+def _slice_text(s: slice) -> str:
+    text = f"{'' if s.start is None else s.start}:{'' if s.stop is None else s.stop}"
+    return text + (f":{s.step}" if s.step not in (None, 1) else "")
+
+
 class NKIObject:
     """``nl.NKIObject``: the base class of NKI kernel objects (tensors, configuration objects)."""
 
@@ -114,6 +142,7 @@ class NkiTensor(NKIObject):
     """A kernel tensor: an access pattern into SBUF, PSUM or an HBM argument, with NumPy-like views."""
 
     mx: "MxDtype | None" = None  # the MX format of x4 data (the AP holds its storage integers)
+    _oob: str | None = None      # why this view reaches outside its tensor (raised when an instruction uses it)
 
     def __init__(self, access: AP, buffer: Buffer, name: str = "", base: "NkiTensor | None" = None):
         self.access, self.buffer, self.name, self.base = access, buffer, name, base  # access: the simulator AP
@@ -130,6 +159,7 @@ class NkiTensor(NKIObject):
 
     def __getitem__(self, index: Any) -> "NkiTensor":
         index = tuple(_index(i) for i in (index if isinstance(index, tuple) else (index,)))
+        check_index(self.shape, index, repr(self))
         return self._view(self.access[index])
 
     def __setitem__(self, index: Any, value: Any) -> None:
@@ -236,6 +266,7 @@ class Trace:
         self.program_id: tuple[int, ...] = ()
         self._dma_queue = 0
         self.allocs: list[Alloc] = []   # every on-chip tile of the trace (for the liveness pass)
+        self.ordering: list[tuple[Instr, Instr]] = []  # (consumer, producer) edges of NkiInstruction.depends_on
         self.overflowed = False         # whether some tile only fit past the capacity
         self.capacity = {"sbuf": spec.sbuf_bytes_per_partition, "psum": spec.psum_bytes_per_partition}
         self.bank_bytes = {"psum": spec.psum_bytes_per_partition // spec.psum_banks}
@@ -413,6 +444,16 @@ class Trace:
         self.instructions.pop()
         self.clocks.pop()
 
+    def order_after(self, consumer: Instr, producer: Instr) -> None:
+        """Make ``consumer`` wait for ``producer`` in the timing model (``NkiInstruction.depends_on``)."""
+        pos = {id(i): k for k, i in enumerate(self.instructions)}
+        if id(consumer) not in pos or id(producer) not in pos:
+            raise SimulatorError("depends_on: both instructions must belong to this kernel's program")
+        if pos[id(producer)] >= pos[id(consumer)]:
+            raise SimulatorError(f"depends_on: {producer.opcode} (instruction {pos[id(producer)]}) is emitted after "
+                                 f"{consumer.opcode} (instruction {pos[id(consumer)]}); a producer must come first")
+        self.ordering.append((consumer, producer))
+
     def emit(self, instr: Instr) -> Instr:
         """Append an instruction and update the PSUM accumulation-group state it leaves behind."""
         self.instructions.append(instr)
@@ -430,14 +471,19 @@ class Trace:
         other tile that even that cannot fit)."""
         instructions = self.instructions
         self._check_constants_unwritten()
+        pos = {id(i): k for k, i in enumerate(instructions)}
+        after = tuple(sorted({(pos[id(c)], pos[id(p)]) for c, p in self.ordering}))
         if self.overflowed:
             self._close_allocs()
             instructions = place_by_liveness(instructions, self.clocks, self.allocs, self.capacity, self.bank_bytes,
                                              host=self)
             self.instructions, self.overflowed = instructions, False  # placed once
+            if after and len(instructions) != len(pos):
+                raise NotImplementedError("depends_on in a kernel whose PSUM tensors are spilled (the spill adds "
+                                          "instructions) is not supported")
         # (after placement: spilling may add scratch slots)
         args = [ArgSlot(s.name, s.shape, s.dtype, "output") if s.name in outputs else s for s in self.slots.values()]
-        return Program(tuple(instructions), tuple(args), name)
+        return Program(tuple(instructions), tuple(args), name, after)
 
     def spill_scratch(self, partitions: int, nbytes: int) -> str:
         """A new kernel-private HBM scratch buffer of ``partitions`` rows of ``nbytes`` bytes (a multiple of 4)

@@ -57,10 +57,16 @@ class Program:
     instructions: tuple[Instr, ...]
     args: tuple[ArgSlot, ...] = ()
     name: str = "kernel"
+    after: tuple[tuple[int, int], ...] = ()  # (consumer, producer) indices: explicit waits (depends_on)
 
     def __post_init__(self):
         object.__setattr__(self, "instructions", tuple(self.instructions))
         object.__setattr__(self, "args", tuple(self.args))
+        object.__setattr__(self, "after", tuple((int(c), int(p)) for c, p in self.after))
+        for c, p in self.after:
+            if not 0 <= p < c < len(self.instructions):
+                raise SimulatorError(f"program {self.name!r}: explicit dependency ({c} after {p}) must name an "
+                                     f"earlier instruction as the producer")
         slots = {s.name: s for s in self.args}
         if len(slots) != len(self.args):
             raise SimulatorError(f"program {self.name!r}: duplicate argument names")
@@ -113,7 +119,7 @@ class Program:
         cache = self.__dict__.setdefault("_schedules", {})
         if spec not in cache:
             from torchneuron.sim import timing  # imported only when a run is timed
-            cache[spec] = timing.schedule(list(self.instructions), spec)
+            cache[spec] = timing.schedule(list(self.instructions), spec, after=self.after)
         self.__dict__["_last_schedule"] = (spec, cache[spec])
         return cache[spec]
 
@@ -131,7 +137,7 @@ class Program:
 
     def __getstate__(self) -> dict:
         # only the fields: schedules and static facts are recomputed where the program is loaded
-        return {"instructions": self.instructions, "args": self.args, "name": self.name}
+        return {"instructions": self.instructions, "args": self.args, "name": self.name, "after": self.after}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -171,6 +177,8 @@ class Program:
         """A compact JSON encoding (UTF-8) for the on-disk kernel cache."""
         doc = {"format": FORMAT, "name": self.name, "args": [_encode(s) for s in self.args],
                "instructions": [_encode(i) for i in self.instructions]}
+        if self.after:
+            doc["after"] = [list(e) for e in self.after]
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -181,7 +189,7 @@ class Program:
             raise ValueError(f"program format {doc.get('format')!r} is not {FORMAT}: re-trace the kernel")
         memo: dict = {}  # identical patterns decode to one AP object: geometry and views are shared
         return cls(tuple(_decode(i, memo) for i in doc["instructions"]), tuple(_decode(a, memo) for a in doc["args"]),
-                   doc["name"])
+                   doc["name"], tuple(tuple(e) for e in doc.get("after", ())))
 
 
 def _encode(v: Any) -> Any:

@@ -508,7 +508,8 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def schedule(instructions: Sequence[Instruction], spec: ChipSpec) -> Timeline:
+def schedule(instructions: Sequence[Instruction], spec: ChipSpec,
+             after: Sequence[tuple[int, int]] = ()) -> Timeline:
     """Place a program on a time line (see the module docstring for the rules).
 
     List scheduling in time order: among the queues whose next instruction has all its
@@ -516,12 +517,16 @@ def schedule(instructions: Sequence[Instruction], spec: ChipSpec) -> Timeline:
     in-order queues. A DMA occupies its queue for its fixed cost plus its transfer; the
     transfer needs ``engines`` of the core's DMA engines (the earliest free ones) and a
     slot on the core's HBM channel (bytes / per-core HBM bandwidth), so concurrent DMAs on
-    different queues overlap their fixed costs and share bandwidth.
+    different queues overlap their fixed costs and share bandwidth. ``after`` adds explicit
+    (consumer, producer) waits (``NkiInstruction.depends_on``) to the data dependencies.
     """
     n = len(instructions)
     cis = [ins.cost_inputs() for ins in instructions]
     qkeys = [(ins.engine.value, ins.queue if ins.engine is Engine.DMA else 0) for ins in instructions]
     preds = dependencies(instructions, qkeys)
+    for c, p in after:  # explicit waits (depends_on): a semaphore, priced like a data dependency
+        if p not in preds[c]:
+            preds[c] = sorted({*preds[c], p})
 
     memo: dict = {}
     dur = [0.0] * n

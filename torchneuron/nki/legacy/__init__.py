@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from torchneuron.nki import Kernel as _Kernel
 from torchneuron.nki import ProfileReport, SimulatorError, profile as _profile  # noqa: F401
+from torchneuron.nki import typing as _typing
 from torchneuron.nki.legacy import isa, language
 from torchneuron.nki.legacy._tile import LegacyTile
 from torchneuron.nki.tracing import psum as _psum, sbuf as _sbuf
@@ -101,13 +102,7 @@ def profile(func: Callable | None = None, chip: Any = None, **options: Any) -> A
     return _profile(jit(func), chip)
 
 
-class _TensorType:
-    def __getitem__(self, item: Any) -> Any:
-        return self
-
-
-typing = types.ModuleType(__name__ + ".typing", "``nki.typing``: ``tensor[...]`` annotations (no runtime effect).")
-typing.tensor = _TensorType()
+typing = _typing  # the same annotations module as the current generation (``nki.typing``)
 compiler = types.ModuleType(__name__ + ".compiler", "``nki.compiler``: directives accepted as no-ops.")
 compiler.skip_middle_end_transformations = lambda f: f
 compiler.no_reorder = lambda *a, **k: None

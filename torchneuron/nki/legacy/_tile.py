@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from torchneuron.nki.tracing import NkiTensor, current, ds, sbuf
+from torchneuron.nki.tracing import IndexOutOfBounds, NkiTensor, check_index, current, ds, sbuf
 from torchneuron.sim import AP, SimulatorError
 
 
@@ -297,7 +297,9 @@ class LegacyTile(NkiTensor):
         items = self._items(index)
         if any(isinstance(i, IndexExpr) for i in items):
             return self._plain()._advanced(items, None)
-        t = self._plain()._view(self.access[tuple(int(i) if isinstance(i, np.integer) else i for i in items)])
+        items = tuple(int(i) if isinstance(i, np.integer) else i for i in items)
+        check_index(self.access.shape, items, repr(self))
+        t = self._plain()._view(self.access[items])
         if (not t.access.on_chip and len(items) == len(self.shape) >= 2 and len(t.shape) == 1
                 and isinstance(items[-1], (int, np.integer))):
             t._column = True  # `A[c0:c0 + 128, j]`: the remaining dim loads onto partitions, as (128, 1)
@@ -347,9 +349,15 @@ class LegacyTile(NkiTensor):
         pattern = tuple((free[p], sizes[p]) for p in range(first, ndim))
         if any(n == 0 for n in sizes):
             raise SimulatorError("a mask selects no elements of this access")
+        oob = _out_of_bounds(exprs, a.shape, lo, sizes, repr(self))
+        if oob and box:
+            raise IndexOutOfBounds(oob)
         t = self._view(AP(a.memory, a.dtype, pattern, start_p, parts, offset))
         if not box:
             t._adv = (self, items)
+            # without a mask this access reaches outside the tensor; a mask may still confine it (load/store
+            # narrow the view to the mask's boxes), so the error is raised where it is used unmasked
+            t._oob = oob
         return t
 
     def __setitem__(self, index: Any, value: Any) -> None:
@@ -382,6 +390,20 @@ class LegacyTile(NkiTensor):
         if accumulate and dst.dtype.itemsize == 4 and not bool(trace.psum_flags(dst.access, written=True).any()):
             accumulate = False  # `+=` into a never-written PSUM tile starts the group (the compiler zeroed it)
         nisa.nc_matmul(dst=dst, stationary=stationary, moving=moving, accumulate=accumulate, **options)
+
+
+def _out_of_bounds(exprs: list, shape: tuple, lo: list, sizes: list, what: str) -> str | None:
+    """The message for the first dim an index expression reaches outside of (its range over the grid
+    positions ``[lo, lo + size)``), or None when every dim stays inside the tensor."""
+    for d, (e, bound) in enumerate(zip(exprs, shape)):
+        low = high = e.const
+        for v, c in e.terms.items():
+            first, last = c * lo[v.pos], c * (lo[v.pos] + sizes[v.pos] - 1)
+            low, high = low + min(first, last), high + max(first, last)
+        if low < 0 or high >= bound:
+            return (f"{what}: index {e!r} of dim {d} takes values [{low}, {high}], out of bounds for size {bound} "
+                    f"(each dim is bounds-checked on its own; use mask= to leave elements out)")
+    return None
 
 
 def _int(i: Any) -> int:
