@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -35,6 +37,27 @@ def test_stable_for_large_logits():
     out = softmax(x)
     assert torch.isfinite(out).all()
     close(out, torch.softmax(x, -1), torch.float32)
+
+
+@pytest.mark.parametrize("D", [10, 6000], ids=["one-pass", "two-pass"])
+def test_max_subtracted_before_the_log_sum(D):
+    # Rows whose max is 1000: the CPU computes (x - max) - log s, exact to a few roundings of those two
+    # terms. Folding max + log s into one value rounds it at ulp(1000) = 6e-5 first, an absolute error
+    # in every log-probability (and a relative one in every probability) far above those roundings.
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, D, generator=gen) * 3 + 1000.0
+    x64 = x.double()
+    shifted = x64 - x64.max(-1, keepdim=True).values
+    logs = torch.logsumexp(shifted, -1, keepdim=True)
+    eps = torch.finfo(torch.float32).eps
+    # (x - max) and the subtraction round once each; log s carries the sum's relative error (exp's rounding
+    # and D terms summed pairwise: eps * (1 + log2 D)) as an absolute one, plus its own rounding
+    lsm_tol = eps * (shifted.abs() + (shifted - logs).abs() + 2 + math.log2(D))
+    assert ((log_softmax(x).double() - (shifted - logs)).abs() <= lsm_tol).all()
+    # exp() turns its argument's absolute error into a relative one; exp, 1/s and the product round once each
+    sm_tol = eps * (shifted.abs() + 5 + math.log2(D))
+    ref = torch.exp(shifted - logs)
+    assert ((softmax(x).double() - ref).abs() <= sm_tol * ref).all()
 
 
 def test_without_the_budget_assert_the_simulator_refuses(monkeypatch):

@@ -5,7 +5,7 @@
         m = -max(x)                      tensor_reduce(negate)              VectorE
         e = exp(x + m), s = sum(e)       one activation with its reduce     ScalarE
         softmax:     y = e * (1/s)       reciprocal (VectorE), activation scale (ScalarE)
-        log_softmax: y = x + (m - log s) one activation with a (P, 1) bias  ScalarE
+        log_softmax: y = (x + m) - log s log (ScalarE), one two-op tensor_scalar (VectorE)
         store [128, D] (cast to the input dtype)                            DMA
 
 Tiles of the last NBUF blocks stay alive, so loads, the two engines and stores of consecutive
@@ -17,8 +17,12 @@ blocks overlap. The single pass holds the whole row: D fp32 x 3 tiles x (NBUF + 
         m' = min(m, bm)  (m is -max so far)              VectorE, (P, 1)
         s  = s * exp(m' - m) + sum(exp(x_blk + m'))      ScalarE (activation + reduce), VectorE (P, 1)
     pass 2, per column block:
-        softmax: y = exp(x + (m - log s))                one ScalarE activation
-        log_softmax: y = x + (m - log s)                 one ScalarE activation
+        softmax: y = exp(x + m) * (1/s)                  two ScalarE activations
+        log_softmax: y = (x + m) - log s                 one two-op tensor_scalar (VectorE)
+
+Both subtract the max before anything else, as the CPU does: folding m - log s into one bias rounds it at
+the max's magnitude, an absolute error of ulp(max) in every log-probability (and a relative one in every
+probability).
 
 x is read twice and y written once: at most 2/3 of the bandwidth bound. Any D.
 """
@@ -75,15 +79,24 @@ def _softmax_long(x, out, log):
                                           op1=nl.add, operand1=bs[:p])
             nm, s = bm, bs
             ring.append((t, e))
-        bias = _col()                             # -max - log(sum)
-        nisa.activation(dst=bias[:p], op=nl.log, data=s[:p])
-        nisa.tensor_tensor(dst=bias[:p], data1=nm[:p], data2=bias[:p], op=nl.subtract)
+        # the max is subtracted first and log s (1/s) applied after, as the CPU does: one bias -max - log s
+        # would be rounded at the max's magnitude (an absolute error of ulp(max) in every result)
+        ls = _col()
+        if log:
+            nisa.activation(dst=ls[:p], op=nl.log, data=s[:p])
+        else:
+            nisa.reciprocal(dst=ls[:p], data=s[:p])
         for c0 in range(0, D, W):
             w = min(W, D - c0)
             t = nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=t[:p, :w], src=x[r0:r0 + p, c0:c0 + w])
             y = nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=y[:p, :w], op=nl.identity if log else nl.exp, data=t[:p, :w], bias=bias[:p])
+            if log:
+                nisa.tensor_scalar(dst=y[:p, :w], data=t[:p, :w], op0=nl.add, operand0=nm[:p], op1=nl.subtract,
+                                   operand1=ls[:p])
+            else:
+                nisa.activation(dst=y[:p, :w], op=nl.exp, data=t[:p, :w], bias=nm[:p])
+                nisa.activation(dst=y[:p, :w], op=nl.identity, data=y[:p, :w], scale=ls[:p])
             nisa.dma_copy(dst=out[r0:r0 + p, c0:c0 + w], src=y[:p, :w])
             ring.append((t, y))
 
@@ -109,11 +122,11 @@ def softmax_kernel(x, log=False):
         nisa.activation(dst=e[:p], op=nl.exp, data=t[:p], bias=neg_max[:p], reduce_op=nl.add, reduce_res=s[:p],
                         reduce_cmd=nisa.reduce_cmd.reset_reduce)
         y = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
-        if log:
+        if log:   # (x - max) - log s, as the CPU: x - (max + log s) rounds the sum at max's magnitude first
             ls = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=ls[:p], op=nl.log, data=s[:p])
-            nisa.tensor_tensor(dst=ls[:p], data1=neg_max[:p], data2=ls[:p], op=nl.subtract)
-            nisa.activation(dst=y[:p], op=nl.identity, data=t[:p], bias=ls[:p])
+            nisa.tensor_scalar(dst=y[:p], data=t[:p], op0=nl.add, operand0=neg_max[:p], op1=nl.subtract,
+                               operand1=ls[:p])
         else:
             rs = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
             nisa.reciprocal(dst=rs[:p], data=s[:p])
