@@ -26,8 +26,9 @@ from torchneuron.kernels.elementwise import fold_broadcast, stream
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.reduction import reduce_kernel
-from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_fits
-from torchneuron.kernels.softmax import fits_one_pass, softmax_bwd_kernel, softmax_kernel
+from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_preferred
+from torchneuron.kernels.softmax import (attention_fits, attention_softmax_kernel, fits_one_pass, softmax_bwd_kernel,
+                                         softmax_kernel)
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import FLOATS
 
@@ -289,12 +290,17 @@ def lower_copy_(ctx, node, dst: Value, src: Value, non_blocking=False) -> Value:
 
 
 # ---- attention -------------------------------------------------------------------------------------
-# The device's fused SDPA ops (what F.scaled_dot_product_attention dispatches to on neuron) as the flash
-# kernels: scores and probabilities never leave the core, the heads' strided views (a fused QKV
-# projection split and transposed) are read where they lie, and the backward recomputes the probabilities.
+# The device's fused SDPA ops (what F.scaled_dot_product_attention dispatches to on neuron), as the eager
+# op runs them: long sequences as the flash kernels (scores and probabilities never leave the core, the
+# heads' strided views read where they lie, the backward recomputes the probabilities); short ones as
+# grouped small matmuls around a row softmax, each step inlined (no launch per step).
 
 SDPA = aten._scaled_dot_product_fused_attention_overrideable.default
 SDPA_BACKWARD = aten._scaled_dot_product_fused_attention_overrideable_backward.default
+
+
+def _flash(q, k, v) -> bool:
+    return flash_preferred(q.shape[3], v.shape[3], k.shape[2], q.shape[2], q.dtype)
 
 
 def _sdpa_ok(q, k, v, bias, dropout_p, scale) -> bool:
@@ -302,7 +308,7 @@ def _sdpa_ok(q, k, v, bias, dropout_p, scale) -> bool:
             and q.dtype == k.dtype == v.dtype
             and tuple(k.shape[:2]) == tuple(v.shape[:2]) == tuple(q.shape[:2]) and k.shape[3] == q.shape[3]
             and k.shape[2] == v.shape[2] and _sdpa_scale(scale, q.shape[3]) > 0
-            and flash_fits(q.shape[3], v.shape[3], k.shape[2], q.shape[2], q.dtype))
+            and (_flash(q, k, v) or (attention_fits(k.shape[2]) and fits_one_pass(k.shape[2]))))
 
 
 def _sdpa_scale(scale: float | None, head_dim: int) -> float:
@@ -312,6 +318,20 @@ def _sdpa_scale(scale: float | None, head_dim: int) -> float:
 def _head_view(v: Value) -> tuple:
     """(flat buffer, (element offset, strides)) of a [B, H, n, d] value: the flash kernels read heads in place."""
     return flat(v), (v.layout.storage_offset(), tuple(v.layout.stride()))
+
+
+def _heads(v: Value):
+    """[B, H, n, d] as the dense [B*H, n, d] batch the bmm kernel takes."""
+    B, H, n, d = v.shape
+    return dense(v, (B * H, n, d))
+
+
+def _attention_probs(Q, K, L: int, S: int, scale: float, causal: bool):
+    """(softmax(scale * Q K^T + causal mask) as [BH, L, S], its logsumexp as [BH*L, 1] fp32)."""
+    scores = bmm_kernel(Q, K, transpose_b=True)
+    BH = scores.shape[0]
+    probs, lse = attention_softmax_kernel(scores.reshape((BH * L, S)), scale=scale, causal_len=L if causal else 0)
+    return probs.reshape((BH, L, S)), lse
 
 
 @supports(SDPA)
@@ -326,11 +346,17 @@ def lower_sdpa(ctx, node, q: Value, k: Value, v: Value, attn_bias=None, dropout_
     """Attention forward: (output, logsumexp, and the op's bookkeeping outputs as host placeholders)."""
     B, H, L, E = q.shape
     S, Ev = k.shape[2], v.shape[3]
-    (qb, qv), (kb, kv), (vb, vv) = _head_view(q), _head_view(k), _head_view(v)
-    out, lse = flash_attention_fwd(qb, kb, vb, scale=_sdpa_scale(scale, E), causal=bool(is_causal), q_view=qv,
-                                   k_view=kv, v_view=vv, shape=(B, H, L, S, E, Ev))
+    s = _sdpa_scale(scale, E)
+    if _flash(q, k, v):
+        (qb, qv), (kb, kv), (vb, vv) = _head_view(q), _head_view(k), _head_view(v)
+        out, lse = flash_attention_fwd(qb, kb, vb, scale=s, causal=bool(is_causal), q_view=qv, k_view=kv,
+                                       v_view=vv, shape=(B, H, L, S, E, Ev))
+    else:
+        probs, lse = _attention_probs(_heads(q), _heads(k), L, S, s, is_causal)
+        out = bmm_kernel(probs, _heads(v))
+    out, lse = hbm_value(out).reshape((B, H, L, Ev)), hbm_value(lse).reshape((B, H, L))
     empty, seed = HostTensor((0,), q.dtype), HostTensor((), torch.int64)
-    return hbm_value(out), hbm_value(lse), empty, empty, L, S, seed, seed, empty
+    return out, lse, empty, empty, L, S, seed, seed, empty
 
 
 @supports(SDPA_BACKWARD)
@@ -347,8 +373,18 @@ def lower_sdpa_backward(ctx, node, g: Value, q: Value, k: Value, v: Value, attn_
     """Attention backward: (dq, dk, dv, None); the probabilities are recomputed from q, k and the logsumexp."""
     B, H, L, E = q.shape
     S, Ev = k.shape[2], v.shape[3]
-    (qb, qv), (kb, kv), (vb, vv), (ob, ov), (gb, gv) = (_head_view(x) for x in (q, k, v, out, g))
-    dq, dk, dv = flash_attention_bwd(qb, kb, vb, ob, gb, dense(lse), scale=_sdpa_scale(scale, E),
-                                     causal=bool(is_causal), q_view=qv, k_view=kv, v_view=vv, o_view=ov, do_view=gv,
-                                     shape=(B, H, L, S, E, Ev))
-    return hbm_value(dq), hbm_value(dk), hbm_value(dv), None
+    s = _sdpa_scale(scale, E)
+    if _flash(q, k, v):
+        (qb, qv), (kb, kv), (vb, vv), (ob, ov), (gb, gv) = (_head_view(x) for x in (q, k, v, out, g))
+        dq, dk, dv = flash_attention_bwd(qb, kb, vb, ob, gb, dense(lse), scale=s, causal=bool(is_causal), q_view=qv,
+                                         k_view=kv, v_view=vv, o_view=ov, do_view=gv, shape=(B, H, L, S, E, Ev))
+        return hbm_value(dq), hbm_value(dk), hbm_value(dv), None
+    Q, K, V, dO = _heads(q), _heads(k), _heads(v), _heads(g)
+    probs, _ = _attention_probs(Q, K, L, S, s, is_causal)
+    BH = B * H
+    dv = bmm_kernel(probs, dO, transpose_a=True)                        # P^T dO
+    dp = bmm_kernel(dO, V, transpose_b=True)                            # dO V^T
+    ds = softmax_bwd_kernel(dp.reshape((BH * L, S)), probs.reshape((BH * L, S)), scale=s).reshape((BH, L, S))
+    dq = bmm_kernel(ds, K)                                              # dS K
+    dk = bmm_kernel(ds, Q, transpose_a=True)                            # dS^T Q
+    return (hbm_value(dq).reshape(q.shape), hbm_value(dk).reshape(k.shape), hbm_value(dv).reshape(v.shape), None)

@@ -2,9 +2,10 @@
 
 The device's SDPA backend choice (``_csrc/attention.cpp``) sends 4-D floating inputs without an
 attention mask, dropout or grouped-query heads here, through PyTorch's "overrideable" backend; the
-rest takes PyTorch's math path. Heads that fit the flash kernels (head dims <= 128 / 512, a head's
-Q, K, V in SBUF: ``kernels/attention.py``) run as one launch per direction, reading strided heads
-in place; the scores never reach HBM. Larger heads are composed per (batch, head) matrix, with
+rest takes PyTorch's math path. Sequences of 128 keys or queries and more whose heads fit the flash
+kernels (head dims <= 128, a head's Q, K, V in SBUF: ``kernels/attention.py``) run as one launch
+per direction, reading strided heads in place; the scores never reach HBM. Shorter sequences (many
+small heads: grouped matmuls are faster) and larger heads are composed per (batch, head) matrix, with
 ``s`` the scale (1/sqrt(E) unless given) and the top-left causal mask of ``is_causal``:
 
     forward:   S = Q K^T                      one batched matmul launch
@@ -25,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_fits
+from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_preferred
 from torchneuron.kernels.softmax import attention_fits, attention_softmax_kernel
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.nn import softmax_backward
@@ -56,10 +57,10 @@ OP = "aten::_scaled_dot_product_fused_attention_overrideable"
 
 
 def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> bool:
-    """Whether the flash kernels take these heads."""
+    """Whether the flash kernels take these heads (long enough sequences; ``flash_preferred``)."""
     B, H, L, E = query.shape
     return query.dtype == key.dtype == value.dtype and scale > 0 and \
-        flash_fits(E, value.shape[3], key.shape[2], L, query.dtype) and B * H > 0
+        flash_preferred(E, value.shape[3], key.shape[2], L, query.dtype) and B * H > 0
 
 
 def _in_place(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
