@@ -7,10 +7,17 @@ Prints
      the part spent executing the kernel's instructions in the simulator, and the rest, which
      is dispatch (PyTorch dispatcher, lowering, kernel cache, launch bookkeeping; target <= 30 us);
   3. the simulated trn2 time of one training step, its kernel launches, and the model FLOPs
-     utilization that time implies on one core.
+     utilization that time implies on one core;
+  4. a table of eager matrix products at large shapes (squares, an LLM MLP projection and the
+     products its backward computes, attention's batched products) in bf16 and fp32: kernel
+     launches per call, simulated time, TFLOPS, % of TensorE peak and % of the op's roofline
+     (the larger of its FLOPs at peak and its operands and result moved once at DMA bandwidth).
+     These shapes are far too large to execute on the host, so the table is measured under
+     ``runtime.timing_only()``: each launch is traced and scheduled as usual (the schedule does
+     not depend on the data) but its instructions are not executed.
 A benchmark reports; it does not assert.
 
-Run:  python bench/eager.py [--steps 5]   (``make bench``)
+Run:  python bench/eager.py [--steps 5] [--only products|host] [--quick]   (``make bench``)
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -96,11 +104,76 @@ def small_op_cost(reps: int = 2000, rounds: int = 5) -> tuple[float, float, floa
     return best
 
 
+def _bytes(*ts: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def product_cases(dtype: torch.dtype, quick: bool) -> list[tuple[str, str, Callable, int, int]]:
+    """(op, shape, call, FLOPs, bytes of operands and result) per matrix product of the table."""
+    def mk(*shape: int) -> torch.Tensor:   # contents never read: the table only schedules
+        return torch.empty(shape, dtype=dtype, device="neuron")
+    cases = []
+    for n in (1024, 2048) if quick else (1024, 2048, 4096, 8192):
+        a, b = mk(n, n), mk(n, n)
+        cases.append(("mm", f"{n}x{n} @ {n}x{n}", lambda a=a, b=b: torch.mm(a, b), 2 * n ** 3, 3 * _bytes(a)))
+    T, D, F = (2048, 1024, 3584) if quick else (8192, 4096, 14336)   # tokens, model width, MLP width
+    x, w, bias, dy = mk(T, D), mk(F, D), mk(F), mk(T, F)
+    fl, io = 2 * T * D * F, _bytes(x, w, dy)
+    cases += [
+        ("linear", f"x {T}x{D}, W {F}x{D}", lambda: torch.nn.functional.linear(x, w), fl, io),
+        ("linear+bias", f"x {T}x{D}, W {F}x{D}", lambda: torch.nn.functional.linear(x, w, bias), fl, io),
+        ("matmul dy@W", f"{T}x{F} @ {F}x{D}", lambda: dy @ w, fl, io),
+        ("matmul dy.T@x", f"({T}x{F}).T @ {T}x{D}", lambda: dy.t() @ x, fl, io),
+    ]
+    B, S, hd = (8, 1024, 128) if quick else (32, 2048, 128)           # heads, sequence, head dim
+    q, k, v, p = mk(B, S, hd), mk(B, S, hd), mk(B, S, hd), mk(B, S, S)
+    fl = 2 * B * S * S * hd
+    cases += [
+        ("bmm q@k.T", f"{B}x{S}x{hd} @ ({B}x{S}x{hd}).T", lambda: torch.bmm(q, k.transpose(1, 2)), fl,
+         _bytes(q, k, p)),
+        ("bmm p@v", f"{B}x{S}x{S} @ {B}x{S}x{hd}", lambda: torch.bmm(p, v), fl, _bytes(p, v, q)),
+        ("bmm p.T@dO", f"({B}x{S}x{S}).T @ {B}x{S}x{hd}", lambda: torch.bmm(p.transpose(1, 2), v), fl,
+         _bytes(p, v, q)),
+        ("baddbmm", f"{B}x{S}x{hd} @ ({B}x{S}x{hd}).T", lambda: torch.baddbmm(p, q, k.transpose(1, 2)), fl,
+         _bytes(q, k, p, p)),
+    ]
+    return cases
+
+
+def products_table(quick: bool) -> None:
+    """Print the matrix-product table (simulated trn2 time per op call, launch overhead included)."""
+    spec = runtime.core(0).spec
+    bw = min(spec.hbm_bytes_per_second_per_core, spec.dma_bytes_per_second_per_core)
+    print(f"\neager matrix products on the simulated {spec.name} core (time per op call incl. launch overhead; "
+          f"roofline: max(FLOPs at peak, bytes once at {bw / 1e9:.0f} GB/s)):")
+    print(f"  {'op':<14} {'dtype':<8} {'shape':<32} {'launches':>8} {'time us':>10} {'TFLOPS':>7} "
+          f"{'% peak':>7} {'% roofline':>10}   host s")
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).removeprefix("torch.")
+        peak = spec.tensor_peak_flops(name)
+        for op, shape, fn, flops, nbytes in product_cases(dtype, quick):
+            t0 = time.perf_counter()
+            with runtime.timing_only(), profiler.record() as rs:
+                fn()
+            host = time.perf_counter() - t0
+            ns = sum(r.end_ns - r.start_ns for r in rs)
+            bound = max(flops / peak, nbytes / bw) * 1e9
+            print(f"  {op:<14} {name:<8} {shape:<32} {len(rs):>8} {ns / 1e3:>10.1f} "
+                  f"{flops / ns / 1e3:>7.1f} {flops / ns / peak * 1e9:>7.1%} {bound / ns:>10.1%}   {host:6.1f}",
+                  flush=True)
+
+
 def main() -> None:
-    """Measure and print the three figures."""
+    """Measure and print the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per device")
+    parser.add_argument("--only", choices=("host", "products"), help="print only this part")
+    parser.add_argument("--quick", action="store_true", help="smaller matrix products")
     args = parser.parse_args()
+    if args.only != "host":
+        products_table(args.quick)
+    if args.only == "products":
+        return
     torch.manual_seed(0)
     cfg = demo.Config(vocab_size=65)
     data = torch.randint(0, 65, (20000,))

@@ -3,7 +3,8 @@ import torch
 
 from torchneuron import nki
 from torchneuron.kernels import matmul
-from torchneuron.kernels.matmul import bmm_group_size, bmm_kernel, matmul_kernel
+from torchneuron import runtime
+from torchneuron.kernels.matmul import bmm_group_size, bmm_kernel, matmul_kernel, max_contraction, panel_width
 from tests.kernels.conftest import DTYPES, close
 
 
@@ -150,11 +151,51 @@ def test_matmul_grouped_row_chunks(mkn, transpose_a, transpose_b, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mkn,transpose_b", [((1030, 64, 192), True), ((300, 256, 64), False), ((5, 3, 1), True)])
+@pytest.mark.parametrize("mkn,transpose_b", [((1030, 64, 192), True), ((300, 256, 64), False), ((5, 3, 1), True),
+                                             ((130, 600, 1100), False), ((4, 600, 3), True), ((129, 700, 520), True)])
 def test_matmul_adds_a_bias_row_at_the_eviction(mkn, transpose_b, dtype):
+    # the grouped path (K, N <= 512) and the tiled one (several panels, each with its own bias row)
     M, K, N = mkn
     a, b, bias = torch.randn(M, K).to(dtype), torch.randn(K, N).to(dtype), torch.randn(1, N).to(dtype)
     report = nki.profile(matmul_kernel)(a, b.T.contiguous() if transpose_b else b, transpose_b=transpose_b, bias=bias)
     close(report.outputs, torch.addmm(bias.float(), a.float(), b.float()), dtype, scale=2.0)
-    with pytest.raises(AssertionError, match="bias"):   # the tiled path (K > 512) does not add one
-        matmul_kernel(torch.randn(4, 600), torch.randn(600, 3), bias=torch.randn(1, 3))
+
+
+def _accumulation_close(out, a, b, dtype):
+    """``out`` against the float64 product of the same (rounded) operands: fp32 PSUM accumulation over K
+    (a random-walk bound, 4 sqrt(K) eps32 of the magnitudes summed) plus one rounding to ``dtype``."""
+    ref = a.double() @ b.double()
+    mag = a.double().abs() @ b.double().abs()
+    K = a.shape[1]
+    tol = 4 * K ** 0.5 * torch.finfo(torch.float32).eps * mag + torch.finfo(dtype).eps * ref.abs()
+    err = (out.double() - ref).abs()
+    assert bool((err <= tol + 1e-30).all()), f"max error {float((err - tol).max()):.3g} beyond the bound"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_matmul_long_contraction_narrow_panels(transpose_a, transpose_b, dtype):
+    # a contraction so long that the B panel is narrower than one PSUM bank (or than 3-4 banks), so the
+    # panels tile N in steps of 128 columns; one pass over K per output tile, no partial sums
+    isz = torch.tensor([], dtype=dtype).element_size()
+    budget = runtime.core(0).spec.sbuf_bytes_per_partition   # (the chip the kernel is traced for)
+    K = min(max_contraction(isz, transpose_a, transpose_b, budget), 12800)
+    M, N = 130, 700
+    assert panel_width(K, N, isz, transpose_a, transpose_b, budget) < 1536
+    a, b = torch.randn(M, K).to(dtype), torch.randn(K, N).to(dtype)
+    out = matmul_kernel(a.T.contiguous() if transpose_a else a, b.T.contiguous() if transpose_b else b,
+                        transpose_a=transpose_a, transpose_b=transpose_b)
+    assert out.dtype == dtype and out.shape == (M, N)
+    _accumulation_close(out, a, b, dtype)
+
+
+def test_panel_width_and_max_contraction_fit_sbuf():
+    budget = runtime.core(0).spec.sbuf_bytes_per_partition
+    for isz in (2, 4):
+        for ta in (False, True):
+            for tb in (False, True):
+                k = max_contraction(isz, ta, tb, budget)
+                assert panel_width(k, 4096, isz, ta, tb, budget) >= 128
+                assert panel_width(k + 128, 4096, isz, ta, tb, budget) == 0
+                assert panel_width(4096, 4096, isz, ta, tb, budget) % 128 == 0

@@ -16,7 +16,13 @@ Blocking (the loop nest below):
             evict the bn banks (Vector/Scalar alternating) -> one [128, bn*512] store
 
 Every B byte is read from HBM once and every A byte N/(bn*512) times; the output is written
-once with rows of bn*512 elements. PSUM: bn banks per M tile, two M tiles in flight.
+once with rows of bn*512 elements. PSUM: bn banks per M tile, two M tiles in flight. A panel may
+take half of SBUF (two with B as [N, K]); where a long contraction leaves less room the panel
+narrows in steps of 128 columns (``panel_width``): TensorE's cost per column is the same, only A
+is read more often, and 256 bf16 columns (2 x 256 FLOPs per A byte) still keep the DMAs behind
+TensorE. ``max_contraction`` says how long K may get before nothing fits (~22k bf16, ~11k fp32
+with both operands as they lie); the eager ops split longer ones. A ``bias`` row ([1, N], e.g.
+``linear``'s) is added by VectorE as it evicts the accumulators, so the sum is rounded once.
 
 A as [M, K]: during the first N panel, strip i+1's row block is transposed on TensorE (one PSUM
 bank per 8 bf16 / 4 fp32 transposes, the 2 banks left by bn = 3) in groups spread between the K
@@ -47,7 +53,7 @@ from typing import Callable
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import PMAX, PSUM_FP32, cdiv, check_sbuf, itemsize, spread_row
+from torchneuron.kernels._common import PMAX, PSUM_FP32, cdiv, itemsize, spread_row
 
 TM, TK, TN = 128, 128, 512     # stationary M, contraction K, moving N (one fp32 PSUM bank)
 
@@ -55,8 +61,7 @@ TM, TK, TN = 128, 128, 512     # stationary M, contraction K, moving N (one fp32
 @nki.jit
 def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None):
     """``A @ B`` (A [M, K], or [K, M] with ``transpose_a``; B [K, N], or [N, K] with ``transpose_b``),
-    output in A's dtype; plus a [1, N] ``bias`` row added at the PSUM eviction (``linear``), for
-    K <= 512 and N <= 512 (``fuses_bias``)."""
+    output in A's dtype; plus a [1, N] ``bias`` row added at the PSUM eviction (``linear``)."""
     M = a.shape[1] if transpose_a else a.shape[0]
     N = b.shape[0] if transpose_b else b.shape[1]
     out = nl.ndarray((M, N), a.dtype, buffer=nl.shared_hbm)
@@ -64,11 +69,10 @@ def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None):
     Kb = b.shape[1] if transpose_b else b.shape[0]
     assert K == Kb, f"matmul: contraction dims differ ({K} vs {Kb})"
     assert a.dtype == b.dtype, f"matmul: operand dtypes differ ({a.dtype} vs {b.dtype})"
-    assert bias is None or fuses_bias(K, N), "matmul: a bias is added in the kernel only for K, N <= 512"
     if K <= KMAX_GROUPED and N <= TN:
         mm_rows_grouped_into(a, b, out, transpose_a, transpose_b, bias)
     else:
-        matmul_into(a, b, out, transpose_a, transpose_b)
+        matmul_into(a, b, out, transpose_a, transpose_b, bias)
     return out
 
 
@@ -172,8 +176,8 @@ KMAX_GROUPED = 4 * TK   # contraction handled by mm_rows_grouped_into (its K til
 
 
 def fuses_bias(K: int, N: int) -> bool:
-    """Whether ``matmul_kernel`` adds a bias row for a contraction of K into N columns (the grouped path)."""
-    return K <= KMAX_GROUPED and N <= TN
+    """Whether ``matmul_kernel`` adds a bias row for a contraction of K into N columns (both paths do)."""
+    return True
 
 
 def _k_tiles(K: int) -> list[tuple[int, int]]:
@@ -271,8 +275,46 @@ def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool
             nisa.dma_copy(dst=out[m0 + full * PMAX:m0 + rows, :], src=res[:last, full * N:nch * N])
 
 
-def matmul_into(a, b, out, transpose_a=False, transpose_b=False):
-    """The matmul loop nest: ``out[M, N] = A @ B`` into an HBM view (called while tracing a kernel)."""
+def _sbuf_need(K: int, NW: int, isz: int, transpose_a: bool, transpose_b: bool, bias: bool = False) -> int:
+    """SBUF bytes per partition of ``matmul_into`` with panels NW columns wide: B panel(s) (two with B as
+    [N, K]: the next is built during this one), 2 A^T strips, 2 A row blocks (A as [M, K]), 2 B row blocks
+    (B as [N, K]), 2 output staging tiles and 2 fp32 bias rows."""
+    KT = cdiv(K, TK)
+    return ((2 if transpose_b else 1) * KT * NW * isz + 2 * KT * TM * isz + (0 if transpose_a else 2 * K * isz)
+            + (2 * K * isz if transpose_b else 0) + 2 * NW * isz + (2 * NW * 4 if bias else 0))
+
+
+def panel_width(K: int, N: int, isz: int, transpose_a: bool, transpose_b: bool, budget: int,
+                bias: bool = False) -> int:
+    """Columns of ``matmul_into``'s B panel: up to 4 PSUM banks (3 when 2 banks hold A transposes) while a
+    panel fits half of SBUF, narrower (multiples of 128) where everything must fit; 0 if nothing does."""
+    # each A^T strip is read from HBM once per panel: a bf16 panel of 256 columns or more keeps TensorE
+    # ahead of the DMAs (2 * 256 FLOPs per A byte against the ~215 the peak needs), fp32 needs a quarter
+    bn = 3 if not (transpose_a and not transpose_b) else 4
+    while bn > 1 and cdiv(K, TK) * bn * TN * isz > budget // 2:   # (B as [N, K] keeps two panels: the need
+        bn -= 1                                                     # check below narrows them to fit)
+    nw = min(bn, cdiv(N, TN)) * TN
+    while nw > 0 and _sbuf_need(K, nw, isz, transpose_a, transpose_b, bias) > budget:
+        nw -= TM
+    return nw
+
+
+def max_contraction(isz: int, transpose_a: bool, transpose_b: bool, budget: int, bias: bool = False) -> int:
+    """The longest contraction (a multiple of 128) ``matmul_kernel`` runs in one pass over SBUF of ``budget`` B."""
+    # _sbuf_need grows with K: bisect over K tiles for the narrowest panel
+    lo, hi = 0, budget // TM
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _sbuf_need(mid * TK, TM, isz, transpose_a, transpose_b, bias) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * TK
+
+
+def matmul_into(a, b, out, transpose_a=False, transpose_b=False, bias=None):
+    """The matmul loop nest: ``out[M, N] = A @ B`` (plus a [1, N] ``bias`` row) into an HBM view (called
+    while tracing a kernel)."""
     K, M = a.shape if transpose_a else (a.shape[1], a.shape[0])
     N, Kb = b.shape if transpose_b else (b.shape[1], b.shape[0])
     assert K == Kb, f"matmul: contraction dims differ ({K} vs {Kb})"
@@ -280,18 +322,8 @@ def matmul_into(a, b, out, transpose_a=False, transpose_b=False):
     dt, isz = a.dtype, itemsize(a.dtype)
     KT, MT = cdiv(K, TK), cdiv(M, TM)
     full, kr = K // TK, K % TK                 # whole K tiles, rows of the partial last one
-    budget = nl.tile_size.sbuf_fmax_bytes
-    # widest B panel (up to 4 PSUM banks; 3 when 2 banks hold A transposes) that fits half of SBUF
-    bn = 3 if not (transpose_a and not transpose_b) else 4
-    panels = 2 if transpose_b else 1           # B as [N, K]: the next panel is built during this one
-    while bn > 1 and panels * KT * bn * TN * isz > budget // 2:
-        bn -= 1
-    bn = min(bn, cdiv(N, TN))
-    NW = bn * TN
-    # SBUF per partition: B panel(s) + 2 A^T strips + 2 A row blocks + 2 B row blocks + 2 output staging tiles
-    need = (panels * KT * NW * isz + 2 * KT * TM * isz + (0 if transpose_a else 2 * K * isz)
-            + (2 * K * isz if transpose_b else 0) + 2 * NW * isz)
-    check_sbuf(need, f"matmul K={K}")
+    NW = panel_width(K, N, isz, transpose_a, transpose_b, nl.tile_size.sbuf_fmax_bytes, bias is not None)
+    assert NW, f"matmul: a contraction of K={K} does not fit SBUF (see max_contraction)"
     GT = max(1, 2048 // (TM * isz))            # A transposes per PSUM bank (8 bf16, 4 fp32)
     NG = cdiv(KT, GT)                          # transpose groups (PSUM banks) per strip
     # [M, K] with several N panels: the first panel transposes each strip once and also stores it
@@ -299,7 +331,7 @@ def matmul_into(a, b, out, transpose_a=False, transpose_b=False):
     # N panels; with B as [N, K] (and A as [K, M]) the first is one PSUM bank wide, so it is built (not
     # overlapped) quickly and the next, full-width one is built during its matmuls. (With A as [M, K]
     # the first panel also transposes A; a narrow one leaves too little matmul work to hide A's DMAs.)
-    W0 = TN if transpose_b and transpose_a and N > NW else NW
+    W0 = min(TN, NW) if transpose_b and transpose_a and N > NW else NW
     starts = [0] + list(range(W0, N, NW))
     widths = [min(NW if i else W0, N - n0) for i, n0 in enumerate(starts)]
     scratch = nl.ndarray((MT, TK, KT, TM), dt, buffer=nl.hbm) if not transpose_a and len(starts) > 1 else None
@@ -308,6 +340,9 @@ def matmul_into(a, b, out, transpose_a=False, transpose_b=False):
     # them at the bottom of SBUF, so the next B panel finds a contiguous gap while the current one is used)
     strips = [nl.ndarray((TK, KT, TM), dt, buffer=nl.sbuf) for _ in range(2)]
     stage = [nl.ndarray((TM, NW), dt, buffer=nl.sbuf) for _ in range(2)]
+    # the bias row of each panel on every partition, in fp32 (a ring of two: a panel's evictions may still
+    # read the previous row when the next is loaded); the evictions add it, so the sum is rounded once
+    brows = [nl.ndarray((TM, NW), nl.float32, buffer=nl.sbuf) for _ in range(2)] if bias is not None else None
     step = 0                                   # strips processed so far (ring index), across panels
 
     def load_rows(m0, src=a, rows_total=M):
@@ -390,6 +425,9 @@ def matmul_into(a, b, out, transpose_a=False, transpose_b=False):
             for kt in range(KT):
                 kk = min(TK, K - kt * TK)
                 nisa.dma_copy(dst=panel[:kk, kt, :nw], src=b[kt * TK:kt * TK + kk, n0:n0 + nw])
+        if brows is not None:
+            brow = brows[pi % 2]
+            nisa.dma_copy(dst=brow[:, :nw], src=bias[:, n0:n0 + nw].broadcast_to((TM, nw)))
         transposing = not transpose_a and pi == 0
         if transposing:
             # software pipeline: strip i+1 is transposed on TensorE between strip i's matmuls (its own
@@ -442,7 +480,10 @@ def matmul_into(a, b, out, transpose_a=False, transpose_b=False):
             step += 1
             for j, acc in enumerate(accs):          # PSUM -> SBUF eviction with the cast to the output dtype
                 w = min(TN, nw - j * TN)
-                if j % 2 == 0:
+                if brows is not None:               # (plus the bias: VectorE, the engine that adds rows from PSUM)
+                    nisa.tensor_tensor(dst=res[:mm, j * TN:j * TN + w], data1=acc[:mm, :w],
+                                       data2=brow[:mm, j * TN:j * TN + w], op=nl.add)
+                elif j % 2 == 0:
                     nisa.tensor_copy(dst=res[:mm, j * TN:j * TN + w], src=acc[:mm, :w], engine=nisa.vector_engine)
                 else:
                     nisa.activation(dst=res[:mm, j * TN:j * TN + w], op=nl.identity, data=acc[:mm, :w])

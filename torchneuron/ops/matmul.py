@@ -4,9 +4,11 @@
 into these (plus views), so they run here too. An operand that is the transpose of a contiguous
 matrix (``w.t()`` in ``linear``) is handed to the kernel in its stored layout with
 ``transpose_a`` / ``transpose_b``, so no copy is made; other strided operands are made dense on
-the device first. ``bmm`` is one launch of the batched kernel. ``addmm`` with a bias row
-(``linear``: beta = alpha = 1, K and N <= 512) adds it inside the matmul launch, at the PSUM
-eviction; otherwise ``addmm``/``baddbmm`` add ``beta * input`` with one element-wise launch. fp32, bf16 and fp16 run on the device (fp32 PSUM
+the device first. Each product is one launch of the matmul kernel, unless its contraction is longer
+than the kernel keeps in SBUF (``max_contraction``: ~14k-38k bf16, ~7k-19k fp32 depending on the
+layouts), when equal chunks are summed in fp32. ``bmm`` is one launch of the batched kernel.
+``addmm`` with a bias row (``linear``: beta = alpha = 1) adds it inside the matmul launch, at the
+PSUM eviction; otherwise ``addmm``/``baddbmm`` add ``beta * input`` with one element-wise launch. fp32, bf16 and fp16 run on the device (fp32 PSUM
 accumulation); other dtypes take the CPU fallback.
 """
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 
 import torch
 
-from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
+from torchneuron import runtime
+from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel, max_contraction
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, FLOATS, on_one_device, type_name
 from torchneuron.ops.elementwise import dense, KIND, run_pointwise
@@ -34,26 +37,32 @@ def _operand(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return dense(t), False
 
 
-K_CHUNK = 2048   # the kernel keeps a [K, 512] B panel in SBUF: longer contractions are split
+def _k_limit(a: torch.Tensor, ta: bool, tb: bool, bias: bool) -> int:
+    """The longest contraction the matmul kernel takes in one launch for these operand layouts."""
+    budget = runtime.core(a.device.index).spec.sbuf_bytes_per_partition
+    return max_contraction(a.element_size(), ta, tb, budget, bias)
 
 
 def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b`` (2-D, same dtype, one device) by one kernel launch, written into ``out`` when given;
     plus a [1, N] ``bias`` row added in the kernel (``_bias_row`` decides when).
-    A contraction longer than ``K_CHUNK`` is split; the partial products are summed in fp32."""
+    A contraction longer than the kernel keeps in SBUF (fp32 beyond ~12k, bf16 beyond ~20k) is split;
+    the partial products are summed in fp32."""
     M, N = a.shape[0], b.shape[1]
-    if a.shape[1] > K_CHUNK:
-        acc = None
-        for k0 in range(0, a.shape[1], K_CHUNK):
-            part = mm_into(a[:, k0:k0 + K_CHUNK], b[k0:k0 + K_CHUNK], None).float()
-            acc = part if acc is None else acc.add_(part)
-        res = acc.to(a.dtype)
-        return res if out is None else out.copy_(res)
     if a.shape[1] == 0 or M == 0 or N == 0:  # an empty contraction sums nothing: zeros
         res = torch.zeros((M, N), dtype=a.dtype, device=a.device)
         return res if out is None else out.copy_(res)
     (ka, ta), (kb, tb) = _operand(a), _operand(b)
+    K, limit = a.shape[1], _k_limit(a, ta, tb, bias is not None)
+    if K > limit:   # equal chunks of whole K tiles
+        chunk = -(-K // -(-K // limit) // 128) * 128
+        acc = None
+        for k0 in range(0, K, chunk):
+            part = mm_into(a[:, k0:k0 + chunk], b[k0:k0 + chunk], None).float()
+            acc = part if acc is None else acc.add_(part)
+        res = (acc if bias is None else acc.add_(bias)).to(a.dtype)
+        return res if out is None else out.copy_(res)
     direct = out is not None and out.is_contiguous() and out.dtype == a.dtype
     operands = {"a": ka, "b": kb} if bias is None else {"a": ka, "b": kb, "bias": bias}
     (res,) = call_kernel(matmul_kernel, operands, {"transpose_a": ta, "transpose_b": tb},
@@ -154,7 +163,7 @@ def add_scaled(res: torch.Tensor, inp: torch.Tensor, beta: Any, alpha: Any, out:
 
 def _bias_row(inp: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: Any, alpha: Any) -> torch.Tensor | None:
     """``inp`` as the [1, N] row ``matmul_kernel`` adds at its eviction (``linear``'s bias), or None where
-    the sum takes its own launch (scaled terms, another shape or dtype, a contraction the kernel tiles)."""
+    the sum takes its own launch (scaled terms, another shape or dtype)."""
     N = b.shape[1]
     if beta != 1 or alpha != 1 or inp.dtype != a.dtype or inp.numel() != N or tuple(inp.shape) not in ((N,), (1, N)) \
             or not fuses_bias(a.shape[1], N) or 0 in a.shape or N == 0:

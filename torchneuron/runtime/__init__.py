@@ -8,6 +8,6 @@ profiler records.
 from torchneuron.runtime.device import core, device_index, host_memory
 from torchneuron.runtime.record import InstructionEvent, LaunchRecord
 from torchneuron.runtime import profiler
-from torchneuron.runtime.launch import launch
+from torchneuron.runtime.launch import launch, timing_only
 
-__all__ = ["core", "device_index", "host_memory", "InstructionEvent", "LaunchRecord", "profiler", "launch"]
+__all__ = ["core", "device_index", "host_memory", "InstructionEvent", "LaunchRecord", "profiler", "launch", "timing_only"]

@@ -21,10 +21,17 @@ the program's per-core preparation (``NeuronCore.run_bound``), schedule and roof
 computed once, and ``record_function`` ranges are opened only while a profiler is active.
 Callers that have already validated their tensors (the eager op layer) can pass
 ``check=False`` and the arguments as a list in slot order to skip the per-argument checks.
+
+``with timing_only():`` launches schedule their kernels as usual (stream clocks, records, the
+profiler) without executing the instructions: outputs keep whatever their memory held. The
+schedule depends only on the program, never on the data, so this gives the simulated time of
+shapes far too large to execute on the host in reasonable time (benchmarks).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import contextlib
+import threading
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -135,6 +142,18 @@ def _check_stream(stream: Any, index: int) -> torch.Stream:
 
 
 _devices: dict[int, torch.device] = {}
+_mode = threading.local()   # .timing_only: schedule without executing (this thread's launches)
+
+
+@contextlib.contextmanager
+def timing_only() -> Iterator[None]:
+    """Within the block, this thread's launches advance clocks and records without executing instructions."""
+    before = getattr(_mode, "timing_only", False)
+    _mode.timing_only = True
+    try:
+        yield
+    finally:
+        _mode.timing_only = before
 
 
 def launch(program: Program, args: Mapping[str, torch.Tensor] | Sequence[torch.Tensor | None], *,
@@ -216,7 +235,8 @@ def _launch(program: Program, args: Any, device: Any, stream: Any, name: str | N
     stream_id = stream.stream_id
     with _device._locks[index]:
         try:
-            core.run_bound(program, host)
+            if not getattr(_mode, "timing_only", False):
+                core.run_bound(program, host)
         except SimulatorError as e:
             torch_error = TORCH_ERRORS.get(type(e))
             if torch_error is None:

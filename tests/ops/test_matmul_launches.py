@@ -1,0 +1,93 @@
+"""Eager matrix products: one kernel launch per call for long contractions and transposed operands, the
+bias of ``linear`` added inside that launch, and results within the fp32-accumulation bound of a float64
+reference in every matmul dtype."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.ops.conftest import to_n
+from torchneuron import runtime
+from torchneuron.kernels.matmul import max_contraction
+from torchneuron.runtime import profiler
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _check(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """``out`` against the float64 ``a @ b (+ bias)`` of the same rounded operands: the products summed in
+    fp32 (a random-walk bound of 4 sqrt(K) eps32 times the summed magnitudes) and rounded once to the
+    result dtype (its eps relative to the exact value)."""
+    ref = a.double() @ b.double()
+    mag = a.double().abs() @ b.double().abs()
+    if bias is not None:
+        ref, mag = ref + bias.double(), mag + bias.double().abs()
+    tol = 4 * a.shape[-1] ** 0.5 * torch.finfo(torch.float32).eps * mag + torch.finfo(out.dtype).eps * ref.abs()
+    err = (out.cpu().double() - ref).abs()
+    assert out.dtype == a.dtype and out.shape == ref.shape
+    assert bool((err <= tol).all()), f"error exceeds the bound by up to {float((err - tol).max()):.3g}"
+
+
+def _launches(fn):
+    with profiler.record() as recs:
+        out = fn()
+    return out, [r.name for r in recs]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["plain", "a_t", "b_t", "both_t"])
+def test_long_contraction_is_one_launch(layout, dtype, strict):
+    # K = 4100 was split into 2048-row chunks with fp32 partials (8 launches); now the kernel takes it whole,
+    # with transposed operands read as they lie (no copy)
+    M, K, N = 130, 4100, 260
+    a, b = torch.randn(M, K).to(dtype), torch.randn(K, N).to(dtype)
+    na = to_n(a.t().contiguous()).t() if layout in ("a_t", "both_t") else to_n(a)
+    nb = to_n(b.t().contiguous()).t() if layout in ("b_t", "both_t") else to_n(b)
+    out, names = _launches(lambda: na @ nb)
+    assert names == ["matmul_kernel"]
+    _check(out, a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_with_bias_is_one_launch_on_the_tiled_path(dtype, strict):
+    # K > 512 or N > 512 take the tiled loop nest; the bias row is added at its PSUM evictions
+    x, w, bias = torch.randn(70, 600).to(dtype), torch.randn(700, 600).to(dtype), torch.randn(700).to(dtype)
+    out, names = _launches(lambda: F.linear(to_n(x), to_n(w), to_n(bias)))
+    assert names == ["matmul_kernel"]
+    _check(out, x, w.t(), bias)
+
+
+def test_linear_3d_input_with_bias(strict):
+    x, w, bias = torch.randn(3, 50, 600), torch.randn(520, 600), torch.randn(520)
+    out = F.linear(to_n(x), to_n(w), to_n(bias))
+    _check(out.reshape(150, 520), x.reshape(150, 600), w.t(), bias)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_contraction_beyond_sbuf_is_split_into_chunks(bias, strict):
+    # fp32 with B given as [N, K]: past the kernel's longest contraction the product is summed from equal
+    # chunks of whole K tiles in fp32 (and the bias added once), then rounded
+    budget = runtime.core(0).spec.sbuf_bytes_per_partition
+    K = max_contraction(4, False, True, budget, bias) + 300
+    x, w, b = torch.randn(5, K), torch.randn(6, K), torch.randn(6)
+    out, names = _launches(lambda: F.linear(to_n(x), to_n(w), to_n(b) if bias else None))
+    assert names.count("matmul_kernel") == 2
+    _check(out, x, w.t(), b if bias else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_accumulate_in_fp32(dtype, strict):
+    # every product of the long contraction is summed in fp32: rounding partial sums to the half type
+    # would lose ~sqrt(K) eps_half and fail the bound
+    a = torch.full((4, 3000), 1.0).to(dtype)
+    b = torch.rand(3000, 5).to(dtype)
+    _check(to_n(a) @ to_n(b), a, b)
+
+
+def test_out_and_inplace_variants_of_long_products(strict):
+    a, b, c = torch.randn(40, 2500), torch.randn(2500, 30), torch.randn(40, 30)
+    out = to_n(torch.empty(40, 30))
+    torch.mm(to_n(a), to_n(b), out=out)
+    _check(out, a, b)
+    nc = to_n(c)
+    nc.addmm_(to_n(a), to_n(b))
+    _check(nc, a, b, c)
