@@ -10,6 +10,14 @@ the DMA engine reads row ``index[p]`` for partition p), then a store writes the 
 index may be int32, or int64 read as the low words of its int32 pairs (``stride=2``): row
 numbers are below 2**31. Out-of-range indices fail the DMA (``oob_mode=error``) before it moves
 anything.
+
+``index_rows``: advanced indexing's row numbers (``x[i, j]``, ``x[idx] = v``) from up to four index
+tensors in one launch: per block of 128 indices each dim's words are loaded as [P, 1] columns,
+negative values wrapped, the dims combined into flat row numbers, and any value outside its dim (or
+an int64 whose high word is not the sign of its low word) turns the row into -1. Then either the
+rows are gathered (``gather=True``: the result of ``x[idx]``) or the row numbers are stored, after
+an indirect read of one element per row has checked them (so a scatter that follows never starts
+with a bad row). Either way a bad row fails an indirect DMA, before anything is written.
 """
 from __future__ import annotations
 
@@ -54,4 +62,56 @@ def iota(n):
         t = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
         nisa.iota(dst=t[:p], pattern=[[1, w]], offset=s, channel_multiplier=w)
         nisa.dma_copy(dst=out[s:s + p * w].reshape((p, w)), src=t[:p])
+    return out
+
+
+MAX_INDEX_DIMS = 4   # index tensors ``index_rows`` takes
+
+
+def _dim_rows(index, n0: int, p: int, size: int, wide: bool):
+    """One dim's block of indices as (row within the dim, 1.0 where valid) [P, 1] tiles (int32 words; ``wide``:
+    int64 as (low, high) word pairs)."""
+    w = 2 if wide else 1
+    words = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=words[:p], src=index.ap([[w, p], [1, w]], offset=n0 * w))
+    lo = words[:p, 0:1]
+    neg = nl.less(lo, 0, dtype=nl.int32)
+    r = nl.add(lo, nl.multiply(neg, size, dtype=nl.int32), dtype=nl.int32)       # from the end when negative
+    ok = nl.multiply(nl.greater_equal(r, 0, dtype=nl.int32), nl.less(r, size, dtype=nl.int32), dtype=nl.int32)
+    if wide:   # an int64 in int32 range has a high word of 0 (>= 0) or -1 (< 0)
+        ok = nl.multiply(ok, nl.equal(words[:p, 1:2], nl.multiply(neg, -1, dtype=nl.int32), dtype=nl.int32),
+                         dtype=nl.int32)
+    return r, ok
+
+
+@nki.jit
+def index_rows(table, i0, i1=None, i2=None, i3=None, sizes=(), wide=(), gather=True):
+    """Advanced indexing over the leading dims (``sizes``) of ``table`` [V, D] (V = prod(sizes) <= 2**24) by
+    index tensors ``i0``.. (int32 words, int64 as word pairs where ``wide``; all of n indices): the
+    gathered rows [n, D], or (``gather=False``) the checked int32 flat row numbers [n]."""
+    V, D = table.shape
+    idx = [t for t in (i0, i1, i2, i3) if t is not None]
+    assert len(idx) == len(sizes) == len(wide), "index_rows: one size and width per index tensor"
+    N = idx[0].shape[0] // (2 if wide[0] else 1)
+    out = nl.ndarray((N, D) if gather else (N,), table.dtype if gather else nl.int32, buffer=nl.shared_hbm)
+    W = max(1, min(D, 4 * DMA_ROW_BYTES // itemsize(table.dtype)))
+    for n0 in range(0, N, PMAX):
+        p = min(PMAX, N - n0)
+        row = ok = None
+        for t, size, wd in zip(idx, sizes, wide):
+            r, v = _dim_rows(t, n0, p, size, wd)
+            row = r if row is None else nl.add(nl.multiply(row, size, dtype=nl.int32), r, dtype=nl.int32)
+            ok = v if ok is None else nl.multiply(ok, v, dtype=nl.int32)
+        # row where valid, else -1: row * ok + (ok - 1)
+        row = nl.add(nl.multiply(row, ok, dtype=nl.int32), nl.subtract(ok, 1, dtype=nl.int32), dtype=nl.int32)
+        if gather:
+            for c0 in range(0, D, W):
+                w = min(W, D - c0)
+                rows = nl.ndarray((PMAX, w), table.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=rows[:p], src=table.ap([[D, p], [1, w]], offset=c0, vector_offset=row))
+                nisa.dma_copy(dst=out[n0:n0 + p, c0:c0 + w], src=rows[:p])
+        else:
+            probe = nl.ndarray((PMAX, 1), table.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=probe[:p], src=table.ap([[D, p], [1, 1]], vector_offset=row))
+            nisa.dma_copy(dst=out[n0:n0 + p].reshape((p, 1)), src=row)
     return out

@@ -10,6 +10,9 @@
 - ``tril``/``triu`` keep elements by comparing column - row with the diagonal (iota-built).
 - ``cat`` copies each input into its slice of the output with the strided DMA kernel.
 - ``flip`` gathers rows in reversed order along each flipped dim.
+- ``index_rows_launch``: the one-launch core of advanced indexing by integer index tensors
+  (``x[idx]``, ``x[i, j] = v``; the lowerings are in ``ops/scatter.py``): wrapping, bounds and the
+  int64 words checked, the dims combined into flat rows and the rows gathered, by one kernel.
 """
 from __future__ import annotations
 
@@ -20,9 +23,9 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torch._prims_common import canonicalize_dim
 
-from torchneuron.kernels.indexing import gather_rows, iota
+from torchneuron.kernels.indexing import gather_rows, index_rows, iota, MAX_INDEX_DIMS
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import aten, DEVICE_DTYPES, Unsupported
+from torchneuron.ops.base import aten, DEVICE_DTYPES, raise_like_cpu, Unsupported
 from torchneuron.ops.elementwise import (can_copy, check_no_internal_overlap, check_no_overlap, copy_parts, dense,
                                          device_copy, run_pointwise)
 from torchneuron.ops.kernel_call import call_kernel
@@ -82,6 +85,43 @@ def index_select(self: torch.Tensor, dim: int, index: torch.Tensor, *, out: torc
         device_copy(out, res)
         return out
     return res if res.is_contiguous() else dense(res)
+
+
+def index_rows_launch(self: torch.Tensor, indices: Sequence[torch.Tensor | None], gather: bool, op: Any,
+                      args: tuple) -> tuple[list[int], tuple[int, ...], torch.Tensor] | None:
+    """Advanced indexing of ``self`` by int32/int64 index tensors in one launch: (indexed dims, broadcast index
+    shape B, result), the result being the gathered rows [n, rest] with the indexed dims moved first
+    (``gather``) or the int32 flat row numbers [n] over those dims (then they are leading dims of a
+    contiguous ``self``). None where it does not apply (masks, empty, more than 4 or over 2**24 rows:
+    the caller's general path). An index out of range raises the CPU's IndexError (``op`` on ``args``)."""
+    idx = list(indices) + [None] * (self.dim() - len(indices))
+    dims = [k for k, i in enumerate(idx) if i is not None]
+    ts = [idx[k] for k in dims]
+    if not dims or len(dims) > MAX_INDEX_DIMS or any(t.dtype not in (torch.int32, torch.int64) for t in ts):
+        return None
+    sizes = tuple(self.shape[k] for k in dims)
+    V = math.prod(sizes)
+    B = tuple(torch.broadcast_shapes(*(t.shape for t in ts)))
+    if V == 0 or V > 1 << 24 or math.prod(B) == 0 or self.numel() == 0:
+        return None
+    leading = dims == list(range(len(dims))) and self.is_contiguous()
+    if not gather and not leading:
+        return None
+    others = [k for k in range(self.dim()) if k not in dims]
+    table = (self if leading else dense(self.permute(dims + others))).reshape(V, -1)
+    if table.element_size() == 8:   # 8-byte elements move as pairs of int32 words
+        table = table.view(torch.int32)
+    # each index as int32 words in B's order (int64: word pairs, read without a copy)
+    words = [dense(t.expand(B)).reshape(-1).view(torch.int32) for t in ts]
+    inputs = {"table": table, **{f"i{j}": w for j, w in enumerate(words)}}
+    meta = {"sizes": sizes, "wide": tuple(t.dtype == torch.int64 for t in ts), "gather": gather}
+    try:
+        (res,) = call_kernel(index_rows, inputs, meta, op=op.name() if hasattr(op, "name") else None)
+    except IndexError:   # the CPU's message, from the same call on host copies
+        raise_like_cpu(op, *args, with_data=True)
+    if gather and self.element_size() == 8:
+        res = res.view(self.dtype)
+    return dims, B, res
 
 
 def arange_values(n: int, device: torch.device) -> torch.Tensor:

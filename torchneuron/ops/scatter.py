@@ -42,7 +42,7 @@ from torchneuron.ops.base import (aten, DEVICE_DTYPES, FLOATS, meta_twin, on_one
                                   Unsupported)
 from torchneuron.ops.elementwise import (broadcast_shape, check_no_internal_overlap, check_no_overlap, dense,
                                          device_copy, run_pointwise, to_int64, write_result)
-from torchneuron.ops.indexing import arange_values
+from torchneuron.ops.indexing import arange_values, index_rows_launch
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import cpu_fallback, lowering
 
@@ -584,19 +584,29 @@ def _layout(self: torch.Tensor, dims: list[int], B: tuple):
 @lowering("index.Tensor", "index.Tensor_out")
 def index(self: torch.Tensor, indices: Sequence[torch.Tensor | None], *, out: torch.Tensor | None = None):
     """Advanced indexing ``x[idx]``: indexed dims flattened to row numbers, rows gathered by indirect DMA."""
-    if not on_one_device(self, out, *indices) or self.dtype not in DATA_DTYPES or self.dim() == 0:
+    if not on_one_device(self, out, *indices) or self.dtype not in MOVE_DTYPES or self.dim() == 0:
         raise Unsupported
-    idx = _expand_masks(self, indices)
-    if not any(i is not None for i in idx):
+    if len(indices) > self.dim():   # (the CPU's error, before the fast path looks at the indices)
+        aten.index.Tensor(meta_twin(self), meta_twin(list(indices)))
+    fast = index_rows_launch(self, indices, True, aten.index.Tensor, (self, indices))
+    if fast is not None:   # integer indices: one launch (8-byte elements move as int32 word pairs)
+        dims, B, got = fast
+        res_meta = aten.index.Tensor(meta_twin(self), meta_twin(list(indices)))
+    elif self.dtype not in DATA_DTYPES:
         raise Unsupported
-    res_meta = aten.index.Tensor(meta_twin(self), meta_twin(idx))
-    dims, B, rows = _row_numbers(self, idx + [None] * (self.dim() - len(idx)), aten.index.Tensor, (self, indices))
+    else:
+        idx = _expand_masks(self, indices)
+        if not any(i is not None for i in idx):
+            raise Unsupported
+        res_meta = aten.index.Tensor(meta_twin(self), meta_twin(idx))
+        dims, B, rows = _row_numbers(self, idx + [None] * (self.dim() - len(idx)), aten.index.Tensor,
+                                     (self, indices))
+        if rows.numel() == 0 or self.numel() == 0:
+            return write_result(torch.empty(res_meta.shape, dtype=self.dtype, device=self.device), out)
+        V = _numel(self.shape[k] for k in dims)
+        table = dense(self.permute(_layout(self, dims, B)[0])).reshape(V, -1)
+        (got,) = call_kernel(gather_rows, {"table": table, "index": rows}, {"stride": 1}, op="aten::index")
     perm, others, at = _layout(self, dims, B)
-    V = _numel(self.shape[k] for k in dims)
-    if rows.numel() == 0 or self.numel() == 0:
-        return write_result(torch.empty(res_meta.shape, dtype=self.dtype, device=self.device), out)
-    table = dense(self.permute(perm)).reshape(V, -1)
-    (got,) = call_kernel(gather_rows, {"table": table, "index": rows}, {"stride": 1}, op="aten::index")
     res = got.reshape(*B, *(self.shape[k] for k in others))
     if at:
         nb = len(B)
@@ -614,14 +624,19 @@ def _put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: tor
                            f"{type_name(self.dtype)} for the destination and {type_name(values.dtype)} for the "
                            "source.")
     ind = list(indices)
+    moves_only = self.dtype not in DATA_DTYPES   # 8-byte elements: only the row-number path moves them
     # x[mask] = scalar: a select, no sync
-    if (not accumulate and len(ind) == 1 and ind[0] is not None and ind[0].dtype == torch.bool
+    if (not accumulate and not moves_only and len(ind) == 1 and ind[0] is not None and ind[0].dtype == torch.bool
             and values.numel() == 1 and tuple(ind[0].shape) == tuple(self.shape[:ind[0].dim()])):
         mask = ind[0].reshape(*ind[0].shape, *([1] * (self.dim() - ind[0].dim())))
         run_pointwise(tm.where, [mask, values.reshape(()), self], KIND.NO_OPMATH, self, True, self.dtype,
                       op="aten::index_put_")
         return
-    idx = _expand_masks(self, ind)
+    # integer indices keep their dtype until ``index_rows_launch`` (no conversion launch); masks expand here
+    integer = not accumulate and all(i is None or i.dtype in (torch.int32, torch.int64) for i in ind)
+    if moves_only and not integer:
+        raise Unsupported
+    idx = ind if integer else _expand_masks(self, ind)
     if not any(i is not None for i in idx):
         raise Unsupported
     res_meta = aten.index.Tensor(meta_twin(self), meta_twin(idx))
@@ -631,7 +646,14 @@ def _put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: tor
     except (RuntimeError, AssertionError):
         raise RuntimeError(f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to "
                            f"indexing result of shape {list(res_meta.shape)}") from None
-    dims, B, rows = _row_numbers(self, idx + [None] * (self.dim() - len(idx)), *check)
+    fast = index_rows_launch(self, ind, False, *check) if integer else None
+    if fast is not None:   # integer indices into leading dims: the row numbers in one launch
+        dims, B, rows = fast
+    elif moves_only:
+        raise Unsupported
+    else:
+        idx = _expand_masks(self, ind) if integer else idx
+        dims, B, rows = _row_numbers(self, idx + [None] * (self.dim() - len(idx)), *check)
     if rows.numel() == 0 or self.numel() == 0:
         return
     perm, others, at = _layout(self, dims, B)
@@ -667,7 +689,7 @@ def index_put_impl_(self: torch.Tensor, indices: Sequence[torch.Tensor | None], 
                     accumulate: bool = False, unsafe: bool = False) -> torch.Tensor:
     """``self[indices] = values`` / ``index_put_(..., accumulate=True)``: row scatter or one-hot matmul."""
     try:
-        if not on_one_device(self, values, *indices) or self.dtype not in DATA_DTYPES or self.dim() == 0:
+        if not on_one_device(self, values, *indices) or self.dtype not in MOVE_DTYPES or self.dim() == 0:
             raise Unsupported
         _put(self, indices, values, accumulate, (aten.index_put.default, (self, indices, values, accumulate)))
         return self
