@@ -403,11 +403,11 @@ def bad_loop_kernel(a, case):
 
 @pytest.mark.parametrize("case, exc, match", [
     ("step0", ValueError, "positive"),
-    ("tensor_bound", NotImplementedError, "read from device data at run time is not modelled"),
-    ("tensor_range", NotImplementedError, "not modelled"),
+    ("tensor_bound", NotImplementedError, "load it into a register"),
+    ("tensor_range", NotImplementedError, "load it into a register"),
     ("not_callable", TypeError, "body_fun must be callable"),
     ("no_condition", TypeError, "condition returned by the while_loop body"),
-    ("tensor_init", NotImplementedError, "not modelled"),
+    ("tensor_init", NotImplementedError, "load it into a register"),
 ])
 def test_loop_errors(case, exc, match):
     with pytest.raises(exc, match=match):

@@ -290,3 +290,25 @@ def test_new_instructions_are_priced_by_their_rules(core):
     assert stream_cycles(gather, spec) == spec.gpsimd.start_overhead_cycles + n  # the generic GpSimd rule
     dc = isa.dma_compute(dst=x, srcs=(x, x)).cost_inputs()
     assert dc.dma_bytes == 3 * 128 * n * 4 and instruction_cost_ns(dc, spec) > 0
+
+
+def test_registers_and_branches_cost_one_minimum_interval_and_order_by_register(core):
+    from torchneuron.sim.isa.control import Branch, branches, reg_footprint
+    from torchneuron.sim.timing import instruction_cycles, schedule
+    spec = chip_spec("trn2")
+    tile_int = empty(core, (1, 1), I32)
+    load = isa.register_load(dst=3, src=tile_int)
+    assert instruction_cycles(load.cost_inputs(), spec) == spec.vector.min_ii_cycles
+    assert reg_footprint(3) in load.writes() and tile_int.footprint() in load.reads()
+    end = isa.loop_end(counter=3, limit=4, stride=1, begin=0, engines=("tensor", "vector"))
+    expanded = branches(end)
+    assert [b.engine for b in expanded] == [Engine.TENSOR, Engine.VECTOR]
+    tl = schedule([load, *expanded], spec)
+    # both branches read register 3: they wait for the load, then pay their engine's dependent overhead
+    assert min(tl.start_ns[1:]) >= tl.end_ns[0]
+    assert instruction_cycles(Branch(engine=Engine.TENSOR).cost_inputs(), spec) == spec.vector.min_ii_cycles
+    with pytest.raises(SimulatorError, match="registers hold integers"):
+        isa.register_load(dst=0, src=empty(core, (1, 1), F32))
+    with pytest.raises(SimulatorError, match="positive compile-time integer"):
+        isa.loop_end(counter=0, limit=1, stride=0, begin=0)
+

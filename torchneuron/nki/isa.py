@@ -10,6 +10,8 @@ import enum
 import os
 from typing import Any
 
+import numpy as np
+
 from torchneuron.sim import SimulatorError, isa as sim
 from torchneuron.sim.specs import chip_spec
 from torchneuron.nki.tracing import TENSOR_OPS, IndexOutOfBounds, NkiTensor, as_dtype, current, sbuf
@@ -368,6 +370,66 @@ def nc_matmul_mx(dst: Tile, stationary: Tile, moving: Tile, stationary_scale: Ti
           moving_format=_mx_of(moving, "moving", "nc_matmul_mx"), accumulate=accumulate, **tiling)
 
 
+# ---- registers -----------------------------------------------------------------------------------
+
+class VirtualRegister:
+    """``nisa.VirtualRegister``: a 32-bit integer register of the engine sequencers, read and written when the
+    kernel runs (loop bounds, loop conditions, runtime offsets). Its value is unknown while the kernel is
+    traced, so Python control flow on it (``if``/``while``/``int()``/``range()``) raises TypeError."""
+
+    def __init__(self, index: int):
+        self.register_index = index
+
+    def _unknown(self, *_: Any) -> Any:
+        raise TypeError("a VirtualRegister's value is known only when the kernel runs: use nl.fori_loop, "
+                        "nl.while_loop or nl.dynamic_range for control flow on it, nisa.register_store to read it")
+
+    __bool__ = __int__ = __index__ = __float__ = __iter__ = _unknown
+
+    def __repr__(self) -> str:
+        return f"VirtualRegister(r{self.register_index})"
+
+
+def _reg(v: Any, what: str) -> int:
+    if not isinstance(v, VirtualRegister):
+        raise TypeError(f"{what} must be a VirtualRegister (from nisa.register_alloc), got {type(v).__name__}")
+    return v.register_index
+
+
+def register_alloc(x: int | None = None) -> VirtualRegister:
+    """A new register, set to the integer ``x`` when given (an instruction), else uninitialised."""
+    reg = VirtualRegister(current().new_register())
+    if x is not None:
+        if isinstance(x, VirtualRegister) or not isinstance(x, (int, np.integer)):
+            raise TypeError(f"register_alloc(x): x is a compile-time integer or None, got {type(x).__name__}")
+        register_move(reg, int(x))
+    return reg
+
+
+def register_move(dst: VirtualRegister, src: "VirtualRegister | int") -> NkiInstruction:
+    """``dst = src`` (a register or a compile-time integer)."""
+    if isinstance(src, VirtualRegister):
+        return _emit(sim.RegisterMove, dst=_reg(dst, "dst"), src=src.register_index)
+    return _emit(sim.RegisterMove, dst=_reg(dst, "dst"), imm=int(src))
+
+
+def register_load(dst: VirtualRegister, src: Tile) -> NkiInstruction:
+    """Load a one-element integer tensor (SBUF or HBM) into ``dst`` when the kernel runs."""
+    return _emit(sim.RegisterLoad, dst=_reg(dst, "dst"), src=src)
+
+
+def register_store(dst: Tile, src: VirtualRegister) -> NkiInstruction:
+    """Store register ``src`` into a one-element integer tensor (SBUF or HBM) when the kernel runs."""
+    return _emit(sim.RegisterStore, dst=dst, src=_reg(src, "src"))
+
+
+def _register_tile(reg: VirtualRegister) -> Tile:
+    """An SBUF [1, 1] int32 tile holding the register (a runtime offset read by a DMA)."""
+    t = current().allocate((1, 1), "int32", sbuf)
+    register_store(t, reg)
+    return t
+
+
 # ---- selection, search and on-chip movement ---------------------------------------------------
 
 def tensor_copy_predicated(dst: Tile, src: Tile | float, predicate: Tile, reverse_pred: bool = False,
@@ -479,4 +541,4 @@ def dma_compute(dst: Tile, srcs: list, reduce_op: Any, scales: Any = None, uniqu
           scales=None if scales is None else tuple(scales), queue=current().next_dma_queue())
 
 
-TENSOR_OPS.update(memset=memset, tensor_copy=tensor_copy, dma_copy=dma_copy)   # NkiTensor's stores (t[i] = v)
+TENSOR_OPS.update(memset=memset, tensor_copy=tensor_copy, dma_copy=dma_copy, register_tile=_register_tile)   # NkiTensor's stores (t[i] = v)

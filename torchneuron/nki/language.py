@@ -7,6 +7,7 @@ Convenience ops return new SBUF tiles (``matmul``/``transpose``: PSUM tiles).
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import enum
 import math
 import os
@@ -19,6 +20,7 @@ from torchneuron.nki import isa as nisa
 from torchneuron.nki.tracing import (TENSOR_OPS, Buffer, MxDtype, NKIObject, NkiTensor, as_dtype, current, ds,  # noqa: F401
                                      hbm, private_hbm, psum, sbuf, shared_hbm)
 from torchneuron.sim import SimulatorError
+from torchneuron.sim import isa as sim_isa
 from torchneuron.sim.isa import DevicePrint
 from torchneuron.sim.isa import BN_STATS_FMAX, GEMM_MOVING_FMAX, GEMM_STATIONARY_FMAX, PSUM_BANK_BYTES
 from torchneuron.sim.memory import PMAX
@@ -144,8 +146,8 @@ def _trace_time_int(value: Any, what: str) -> int:
     """A loop bound or condition known at trace time (a Python/NumPy integer), else a clear error."""
     if isinstance(value, NkiTensor):
         raise NotImplementedError(
-            f"{what} is a tensor: a trip count read from device data at run time is not modelled (the simulator "
-            f"traces loops by unrolling them); pass a trace-time integer")
+            f"{what} is a tensor: for a trip count read from device data at run time load it into a register "
+            f"(r = nisa.register_alloc(); nisa.register_load(r, tile)) and pass the register")
     if isinstance(value, (bool, np.bool_)):
         return int(value)
     try:
@@ -161,28 +163,82 @@ def _positive_step(step: Any) -> int:
     return step
 
 
-def dynamic_range(start: int, stop: int | None = None, step: int = 1) -> range:
-    """A loop the hardware would run with runtime bounds; here the bounds are trace-time integers and
-    the body is traced once per iteration (like ``sequential_range``)."""
+def _is_reg(v: Any) -> bool:
+    return isinstance(v, nisa.VirtualRegister)
+
+
+def _body_engines(trace: Any, first: int) -> tuple[str, ...]:
+    """The compute engines of the instructions emitted since ``first`` (each branches at a loop's end)."""
+    return tuple(sorted({i.engine.value for i in trace.instructions[first:] if i.engine.value != "dma"}))
+
+
+def _dynamic_loop(start: Any, stop: Any, step: int):
+    """A loop the program runs with bounds read at run time: yields the iteration register once (the body is
+    traced once), then closes the loop. ``start``/``stop`` are registers or integers."""
+    trace = current()
+    counter, limit = trace.new_register(), trace.new_register()
+    bounds = {("start" if k == 0 else "stop") + ("" if _is_reg(v) else "_imm"): (v.register_index if _is_reg(v)
+              else _trace_time_int(v, "start" if k == 0 else "stop")) for k, v in enumerate((start, stop))}
+    at = len(trace.instructions)
+    trace.emit(sim_isa.LoopBegin(counter=counter, limit=limit, end=at, **bounds))
+    trace.open_loops.append(at)
+    i = nisa.register_alloc()
+    nisa.register_move(i, nisa.VirtualRegister(counter))  # the body gets the index by value
+    yield i
+    engines = _body_engines(trace, at + 1)
+    end = len(trace.instructions)
+    trace.emit(sim_isa.LoopEnd(counter=counter, limit=limit, stride=step, begin=at, engines=engines))
+    trace.replace(at, dataclasses.replace(trace.instructions[at], end=end, engines=engines))
+    trace.open_loops.pop()
+
+
+def dynamic_range(start: Any, stop: Any = None, step: int = 1) -> Any:
+    """A loop with runtime bounds: with a ``VirtualRegister`` bound the program runs it as a real loop (the body
+    traced once; the iteration value is a register); with integer bounds it is a ``range`` whose body is traced
+    once per iteration (like ``sequential_range``)."""
     if stop is None:
         start, stop = 0, start
-    return range(_trace_time_int(start, "start"), _trace_time_int(stop, "stop"), _positive_step(step))
+    step = _positive_step(step)
+    if _is_reg(start) or _is_reg(stop):
+        return _dynamic_loop(start, stop, step)
+    return range(_trace_time_int(start, "start"), _trace_time_int(stop, "stop"), step)
 
 
-def fori_loop(lower: int, upper: int, body_fun: Any, step: int = 1) -> None:
-    """Call ``body_fun(i)`` for ``i`` in ``range(lower, upper, step)``; bounds known at trace time, the body
-    traced once per iteration (like ``sequential_range``). Returns None."""
+def fori_loop(lower: Any, upper: Any, body_fun: Any, step: int = 1) -> None:
+    """Call ``body_fun(i)`` for ``i`` in ``range(lower, upper, step)``: a real loop of the program when a bound
+    is a ``VirtualRegister`` (``i`` a register), else traced once per iteration. Returns None."""
     if not callable(body_fun):
         raise TypeError(f"body_fun must be callable, got {type(body_fun).__name__}")
     for i in dynamic_range(lower, upper, step):
         body_fun(i)
 
 
-def while_loop(init: int, body_fun: Any) -> None:
-    """``r = init; while r != 0: r = body_fun(r)`` with the condition known at trace time (the body
-    returns the next condition as an integer); the body is traced once per iteration. Returns None."""
+def while_loop(init: Any, body_fun: Any) -> None:
+    """``r = init; while r != 0: r = body_fun(r)``: a real loop of the program when ``init`` is a
+    ``VirtualRegister`` (the body returns the next condition register), else with the condition known at trace
+    time (the body returns an integer, traced once per iteration). Returns None."""
     if not callable(body_fun):
         raise TypeError(f"body_fun must be callable, got {type(body_fun).__name__}")
+    if _is_reg(init):
+        trace = current()
+        cond = init.register_index
+        at = len(trace.instructions)
+        trace.emit(sim_isa.WhileBegin(cond=cond, end=at))
+        trace.open_loops.append(at)
+        r = nisa.register_alloc()
+        nisa.register_move(r, init)  # the body gets the condition by value
+        nxt = body_fun(r)
+        if not _is_reg(nxt):
+            raise TypeError(f"a while_loop body on a register returns the next condition register, got "
+                            f"{type(nxt).__name__}")
+        if nxt.register_index != cond:
+            nisa.register_move(init, nxt)
+        engines = _body_engines(trace, at + 1)
+        end = len(trace.instructions)
+        trace.emit(sim_isa.WhileEnd(cond=cond, begin=at, engines=engines))
+        trace.replace(at, dataclasses.replace(trace.instructions[at], end=end, engines=engines))
+        trace.open_loops.pop()
+        return
     r = _trace_time_int(init, "while_loop init")
     trips = 0
     while r != 0:
@@ -752,5 +808,5 @@ TENSOR_OPS.update(add=add, subtract=subtract, multiply=multiply, divide=divide, 
 
 
 __all__ = [n for n in dir() if not n.startswith("_") and n not in (
-    "annotations", "builtins", "enum", "math", "np", "os", "torch", "Any", "Sequence", "SimulatorError", "PMAX", "chip_spec",
+    "annotations", "builtins", "dataclasses", "enum", "math", "sim_isa", "np", "os", "torch", "Any", "Sequence", "SimulatorError", "PMAX", "chip_spec",
     "TENSOR_OPS")]

@@ -30,6 +30,7 @@ from torchneuron.sim import AP, Memory, SimulatorError, tile
 from torchneuron.sim.memory import Region
 from torchneuron.sim.instruction import Engine
 from torchneuron.sim.isa import Instr
+from torchneuron.sim.isa.control import CONTROL, REGISTERS
 from torchneuron.sim.numerics import to_dtype
 from torchneuron.sim.program import ArgSlot, Program
 from torchneuron.sim.specs import ChipSpec
@@ -187,6 +188,8 @@ class NkiTensor(NKIObject):
         the start of dim ``indirect_dim`` by that many steps: a trace-time integer, or on HBM an SBUF [1, 1]
         int tile read when a DMA runs (``indirect_dim`` 0)."""
         offset = 0 if offset is None else offset
+        if hasattr(scalar_offset, "register_index"):  # a VirtualRegister: stored to a tile the DMA reads
+            scalar_offset = TENSOR_OPS["register_tile"](scalar_offset)
         if scalar_offset is not None and vector_offset is not None:
             raise SimulatorError("ap(): scalar_offset and vector_offset cannot be combined on one access pattern")
         if isinstance(scalar_offset, NkiTensor):
@@ -267,6 +270,8 @@ class Trace:
         self._dma_queue = 0
         self.allocs: list[Alloc] = []   # every on-chip tile of the trace (for the liveness pass)
         self.ordering: list[tuple[Instr, Instr]] = []  # (consumer, producer) edges of NkiInstruction.depends_on
+        self.registers = 0               # virtual registers allocated (nisa.register_alloc, dynamic loops)
+        self.open_loops: list[int] = []  # instruction indices of dynamic loops whose body is being traced
         self.overflowed = False         # whether some tile only fit past the capacity
         self.capacity = {"sbuf": spec.sbuf_bytes_per_partition, "psum": spec.psum_bytes_per_partition}
         self.bank_bytes = {"psum": spec.psum_bytes_per_partition // spec.psum_banks}
@@ -444,6 +449,17 @@ class Trace:
         self.instructions.pop()
         self.clocks.pop()
 
+    def new_register(self) -> int:
+        """The index of a fresh virtual register."""
+        self.registers += 1
+        if self.registers > REGISTERS:
+            raise SimulatorError(f"a kernel allocates more than {REGISTERS} virtual registers")
+        return self.registers - 1
+
+    def replace(self, index: int, instr: Instr) -> None:
+        """Put ``instr`` in place of emitted instruction ``index`` (a loop start learns where its loop ends)."""
+        self.instructions[index] = instr
+
     def order_after(self, consumer: Instr, producer: Instr) -> None:
         """Make ``consumer`` wait for ``producer`` in the timing model (``NkiInstruction.depends_on``)."""
         pos = {id(i): k for k, i in enumerate(self.instructions)}
@@ -471,6 +487,12 @@ class Trace:
         other tile that even that cannot fit)."""
         instructions = self.instructions
         self._check_constants_unwritten()
+        if self.open_loops:
+            raise SimulatorError("a dynamic loop's body did not finish (a `break` or exception out of "
+                                 "nl.dynamic_range?): the program would have no loop end")
+        if self.overflowed and any(isinstance(i, CONTROL) for i in instructions):
+            raise NotImplementedError("a kernel with dynamic loops whose tiles overflow SBUF/PSUM: placing tiles by "
+                                      "liveness across loop iterations is not modelled; free tiles earlier")
         pos = {id(i): k for k, i in enumerate(instructions)}
         after = tuple(sorted({(pos[id(c)], pos[id(p)]) for c, p in self.ordering}))
         if self.overflowed:

@@ -21,12 +21,14 @@ import torch
 
 from torchneuron.sim.instruction import Engine
 from torchneuron.sim.isa import Instr
+from torchneuron.sim.isa.control import REGISTERS
 from torchneuron.sim.memory import Memory, SimulatorError, check_host_binding, nan_fill_enabled, NAN_BYTE
 from torchneuron.sim.program import Program
 from torchneuron.sim.specs import ChipSpec, chip_spec
 from torchneuron.sim.timing import Roofline
 
 SIM_THREADS = 1  # torch intra-op threads the simulator executes instructions with (see run_bound)
+MAX_DYNAMIC_STEPS = 1 << 24  # instructions one run of a program with dynamic loops may execute
 
 
 @dataclass
@@ -89,6 +91,7 @@ class NeuronCore:
         # ScalarE activation and VectorE reduce registers: one fp32 value per lane (partition)
         self.regs: dict[Engine, torch.Tensor] = {Engine.SCALAR: torch.zeros(parts), Engine.VECTOR: torch.zeros(parts)}
         self.rng = torch.Generator().manual_seed(seed)
+        self.registers = [0] * REGISTERS  # the sequencers' registers (32-bit integers), by virtual index
         # the HBM tensors of the run in progress, by memory name; their Memory objects are made
         # only when an instruction without a step asks for one (most never do)
         self._run_hbm: dict[str, torch.Tensor] = {}
@@ -186,16 +189,21 @@ class NeuronCore:
             torch.set_num_threads(SIM_THREADS)
         try:
             self.begin_run()
-            psum = self.psum
-            for instr, step, closes in plan.entries:
-                if step is None:
-                    self.execute(instr)
-                    continue
-                step(tensors)
-                if closes is not None and psum.opened:
-                    for view in closes:
-                        view.fill_(True)
+            if program.dynamic:
+                instr = self._run_dynamic(program, plan, tensors)
+            else:
+                psum = self.psum
+                for instr, step, closes in plan.entries:
+                    if step is None:
+                        self.execute(instr)
+                        continue
+                    step(tensors)
+                    if closes is not None and psum.opened:
+                        for view in closes:
+                            view.fill_(True)
         except SimulatorError as e:
+            if instr is None:  # raised by the run itself (a dynamic loop's step limit), not an instruction
+                raise
             raise self._locate(instr, e) from None
         finally:
             if threads != SIM_THREADS:
@@ -207,6 +215,34 @@ class NeuronCore:
             if shadowed:
                 mems.update(shadowed)
         return tensors
+
+    def _run_dynamic(self, program: Program, plan: _Plan, tensors) -> Instr | None:
+        """Run a program with dynamic loops instruction by instruction, following its control instructions;
+        record the executed stream on the program (its schedule is that run's). Returns the last instruction."""
+        entries, n, pc, executed, instr = plan.entries, len(plan.entries), 0, [], None
+        psum = self.psum
+        while pc < n:
+            if len(executed) >= MAX_DYNAMIC_STEPS:
+                raise SimulatorError(f"program {program.name!r}: {MAX_DYNAMIC_STEPS} instructions executed and its "
+                                     f"dynamic loops still run (an endless loop?)")
+            instr, step, closes = entries[pc]
+            executed.append(pc)
+            if getattr(instr, "control", False):
+                pc = instr.next_pc(self, pc)
+                continue
+            try:
+                if step is None:
+                    self.execute(instr)
+                else:
+                    step(tensors)
+            except SimulatorError as e:
+                raise self._locate(instr, e) from None
+            if step is not None and closes is not None and psum.opened:
+                for view in closes:
+                    view.fill_(True)
+            pc += 1
+        program.record_run(executed)
+        return instr
 
     def run(self, program: Program, bindings: dict[str, torch.Tensor] | None = None, *,
             timed: bool = True) -> RunReport:

@@ -16,6 +16,7 @@ import torch
 
 from torchneuron.sim.instruction import Engine
 from torchneuron.sim.isa import OPCODES, DmaCopy, DmaCopyDynamic, DmaTranspose, Instr
+from torchneuron.sim.isa.control import CONTROL, branches
 from torchneuron.sim.memory import AP, NAN_BYTE, SimulatorError
 from torchneuron.sim.numerics import dtype_name, to_dtype
 from torchneuron.sim.specs import ChipSpec
@@ -110,9 +111,21 @@ class Program:
         """HBM bytes DMA writes in one run."""
         return self._hbm_traffic[1]
 
+    @cached_property
+    def dynamic(self) -> bool:
+        """Whether the program has dynamic loops (control instructions): its timing depends on each run."""
+        return any(isinstance(i, CONTROL) for i in self.instructions)
+
+    def record_run(self, executed: list[int]) -> None:
+        """Keep the instruction indices one run executed (programs with dynamic loops are timed per run)."""
+        self.__dict__["_executed"] = tuple(executed)
+
     def schedule(self, spec: ChipSpec):
         """The timing model's schedule of this program on ``spec`` (computed once per chip: it depends
-        only on the instructions)."""
+        only on the instructions). A program with dynamic loops is scheduled as its last run executed it
+        (each executed control instruction as one branch per engine of its loop body)."""
+        if self.dynamic:
+            return self._dynamic_schedule(spec)
         last = self.__dict__.get("_last_schedule")
         if last is not None and last[0] is spec:  # the same spec object as last time: skip hashing it
             return last[1]
@@ -123,11 +136,40 @@ class Program:
         self.__dict__["_last_schedule"] = (spec, cache[spec])
         return cache[spec]
 
+    def _dynamic_schedule(self, spec: ChipSpec):
+        executed = self.__dict__.get("_executed")
+        if executed is None:
+            raise SimulatorError(f"program {self.name!r} has dynamic loops: it is timed per run, run it first")
+        key = (spec, executed)
+        last = self.__dict__.get("_last_dynamic")
+        if last is not None and last[0] == key:
+            return last[1]
+        from torchneuron.sim import timing
+        stream, after = [], []
+        where: dict[int, int] = {}  # program index -> its latest position in the stream (for explicit waits)
+        wanted = {}
+        for c, p in self.after:
+            wanted.setdefault(c, []).append(p)
+        for k in executed:
+            instr = self.instructions[k]
+            if isinstance(instr, CONTROL):
+                stream.extend(branches(instr))
+                continue
+            after += [(len(stream), where[p]) for p in wanted.get(k, ()) if p in where]
+            where[k] = len(stream)
+            stream.append(instr)
+        sched = timing.schedule(stream, spec, after=after)
+        self.__dict__["_last_dynamic"] = (key, sched)
+        return sched
+
     def roofline(self, spec: ChipSpec):
         """``timing.roofline`` of this program's schedule on ``spec`` (computed once per chip)."""
         last = self.__dict__.get("_last_roofline")
         if last is not None and last[0] is spec:
             return last[1]
+        if self.dynamic:  # timed per run: no cache
+            from torchneuron.sim import timing
+            return timing.roofline(self.schedule(spec), spec)
         cache = self.__dict__.setdefault("_rooflines", {})
         if spec not in cache:
             from torchneuron.sim import timing

@@ -285,8 +285,15 @@ def dma_cost(ci: CostInputs, spec: ChipSpec) -> DmaCost:
 # ---------------------------------------------------------------------------------------
 # one instruction
 # ---------------------------------------------------------------------------------------
+SEQUENCER_OPS = frozenset({"branch", "register_move", "register_load", "register_store", "loop_begin", "loop_end",
+                           "while_begin", "while_end"})
+
+
 def instruction_cycles(ci: CostInputs, spec: ChipSpec) -> float:
     """Cycles of a compute instruction in its own engine's clock (not defined for DMA)."""
+    if ci.opcode in SEQUENCER_OPS:
+        # ASSUMPTION (14): NO NUMBER; a sequencer branch or register access takes one minimum interval
+        return float(spec.vector.min_ii_cycles)
     if ci.engine is Engine.TENSOR:
         return tensor_cycles(ci, spec)
     if ci.engine is Engine.DMA:

@@ -15,13 +15,16 @@ numbers. ALU operators and activation functions are named as in ``nki.language``
 Modules: ``common`` (limits, the ``Instr`` base class, operand loading and step planning), ``dma``,
 ``tensor_engine``, ``vector_engine``, ``scalar_engine``, ``gpsimd_engine``, ``mx`` (the NC-v4
 microscaling pair), ``selection`` (predicated copies, selects, segment bounds, nonzero indices,
-match-and-replace) and ``movement`` (on-chip shuffles and gathers without DMA). ``OPCODES`` maps every ``nki.isa`` name to its class (program deserialization and
+match-and-replace), ``movement`` (on-chip shuffles and gathers without DMA) and ``control`` (registers and
+dynamic loops). ``OPCODES`` maps every ``nki.isa`` name to its class (program deserialization and
 the kernel language look classes up there).
 """
 from torchneuron.sim.isa.common import (BN_STATS_FMAX, COMPARE_OPS, DGE_MODES, FMAX_PSUM, FMAX_SBUF,
                                         GEMM_MOVING_FMAX, GEMM_STATIONARY_FMAX, MATMUL_DTYPES, MAX8_FMAX, MAX8_FMIN,
                                         OOB_MODES, PSUM_BANK_BYTES, REDUCE_CMDS, TENSOR_TRANSPOSE_MAX,
                                         VECTOR_TRANSPOSE_MAX, Instr, Operand, Scalar, Step)
+from torchneuron.sim.isa.control import (LoopBegin, LoopEnd, RegisterLoad, RegisterMove, RegisterStore, WhileBegin,
+                                         WhileEnd)
 from torchneuron.sim.isa.dma import DevicePrint, DmaCompute, DmaCopy, DmaCopyDynamic, DmaTranspose, dma_modes
 from torchneuron.sim.isa.gpsimd_engine import AffineSelect, Dropout, Iota, Memset, Rand2, Rng, SetRngSeed
 from torchneuron.sim.isa.mx import MX_FORMATS, MX_GROUP_PARTITIONS, NcMatmulMx, QuantizeMx, mx_scales, mx_unpack
@@ -43,7 +46,7 @@ OPCODES: dict[str, type[Instr]] = {cls.opcode: cls for cls in (
     TensorScalarReduce, TensorTensorScan, Iota, Memset, AffineSelect, BnStats, BnAggr, Max8, NcFindIndex8, Rng,
     SetRngSeed, Rand2, Dropout, TensorCopyPredicated, SelectReduce, RangeSelect, SequenceBounds, NonzeroWithCount,
     NcMatchReplace8, NcStreamShuffle, NcNGather, LocalGather, TensorScalarCumulative, Exponential, Activate2,
-    DmaCompute, DevicePrint)}
+    DmaCompute, DevicePrint, RegisterMove, RegisterLoad, RegisterStore, LoopBegin, LoopEnd, WhileBegin, WhileEnd)}
 
 # nki.isa-style lowercase aliases: isa.nc_matmul(dst=..., stationary=..., moving=...) builds the instruction
 dma_copy, dma_transpose, dma_copy_dynamic = DmaCopy, DmaTranspose, DmaCopyDynamic
@@ -61,5 +64,7 @@ nc_stream_shuffle, nc_n_gather, local_gather = NcStreamShuffle, NcNGather, Local
 tensor_scalar_cumulative, exponential, activate2, dma_compute = (TensorScalarCumulative, Exponential, Activate2,
                                                                  DmaCompute)
 device_print = DevicePrint
+register_move, register_load, register_store = RegisterMove, RegisterLoad, RegisterStore
+loop_begin, loop_end, while_begin, while_end = LoopBegin, LoopEnd, WhileBegin, WhileEnd
 
 __all__ = [n for n in dir() if not n.startswith("_")]
