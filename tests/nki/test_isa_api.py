@@ -174,3 +174,50 @@ def test_depends_on_is_serialized_and_checked():
         return out
     with pytest.raises(SimulatorError, match="a producer must come first"):
         backwards(np.zeros((1, 1), np.float32))
+
+
+def _state_kernel(engine_name: str, words: int):
+    @nki.jit
+    def k(seeds):
+        out = nl.ndarray((2, 32, 64), nl.float32, buffer=nl.shared_hbm)
+        eng = getattr(nisa.engine, engine_name)
+        saved = nl.ndarray((32, words), nl.uint32)
+        nisa.rand_get_state(dst=saved, engine=eng)
+        a, b = nl.ndarray((32, 64), nl.float32), nl.ndarray((32, 64), nl.float32)
+        nisa.rand2(dst=a, min=0.0, max=1.0)
+        nisa.rand_set_state(src_seeds=saved, engine=eng)        # back to the saved state: the same draws
+        nisa.rand2(dst=b, min=0.0, max=1.0)
+        nl.store(out[0], a)
+        nl.store(out[1], b)
+        return out
+    return k
+
+
+@pytest.mark.parametrize("engine_name,words,chip", [("gpsimd", 6, "trn2"), ("vector", 24, "trn3")])
+def test_rand_get_state_then_set_state_replays_the_sequence(engine_name, words, chip):
+    out = nki.profile(_state_kernel(engine_name, words), chip=chip)(np.zeros((1, 1), np.float32)).outputs
+    assert (out[0] == out[1]).all() and 0 <= out.min() and out.max() <= 1 and out[0].std() > 0.2
+
+
+def test_rand_set_state_from_seeds_is_deterministic_and_needs_neuroncore_v3():
+    @nki.jit
+    def k(seeds):
+        out = nl.ndarray((32, 16), nl.float32, buffer=nl.shared_hbm)
+        s = nl.load(seeds)
+        nisa.rand_set_state(src_seeds=s)
+        r = nl.ndarray((32, 16), nl.float32)
+        nisa.rand2(dst=r, min=0.0, max=1.0)
+        nl.store(out, r)
+        return out
+
+    import torch
+    seeds = torch.arange(32 * 6, dtype=torch.int64).reshape(32, 6).to(torch.uint32)
+    a, b = nki.profile(k, chip="trn2")(seeds).outputs, nki.profile(k, chip="trn2")(seeds).outputs
+    c = nki.profile(k, chip="trn2")((seeds.to(torch.int64) + 1).to(torch.uint32)).outputs
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    with pytest.raises(SimulatorError, match="rand_set_state: needs NeuronCore-v3 or newer; trn1"):
+        nki.profile(k, chip="trn1")(seeds)
+    with pytest.raises(SimulatorError, match="on the vector engine: needs NeuronCore-v4 or newer; trn2"):
+        nki.profile(_state_kernel("vector", 24), chip="trn2")(np.zeros((1, 1), np.float32))
+    with pytest.raises(SimulatorError, match="XORWOW state is 6 words"):
+        nki.profile(_state_kernel("gpsimd", 24), chip="trn2")(np.zeros((1, 1), np.float32))

@@ -316,6 +316,23 @@ def set_rng_seed(src_seeds: Tile, name: str | None = None) -> NkiInstruction:
     return _emit(sim.SetRngSeed, src_seeds=src_seeds)
 
 
+def _rand_state_engine(opcode: str, engine: Any) -> Any:
+    _needs(opcode, 3)
+    if getattr(engine, "name", engine) in ("vector", "vector_engine"):
+        _needs(f"{opcode} on the vector engine", 4)
+    return engine
+
+
+def rand_get_state(dst: Tile, engine: Any = engine.gpsimd, name: str | None = None) -> NkiInstruction:
+    """The generator state as uint32 words per lane (6 on GpSimd, 24 on VectorE; NC-v3+, VectorE NC-v4+)."""
+    return _emit(sim.RandGetState, dst=dst, engine=_rand_state_engine("rand_get_state", engine))
+
+
+def rand_set_state(src_seeds: Tile, engine: Any = engine.gpsimd, name: str | None = None) -> NkiInstruction:
+    """Seed the generator from uint32 words per lane (a ``rand_get_state`` result restores that state)."""
+    return _emit(sim.RandSetState, src_seeds=src_seeds, engine=_rand_state_engine("rand_set_state", engine))
+
+
 def rand2(dst: Tile, min: Operand, max: Operand, name: str | None = None) -> NkiInstruction:
     """Uniform random values in [min, max]."""
     return _emit(sim.Rand2, dst=dst, min=min, max=max)

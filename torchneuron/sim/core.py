@@ -91,6 +91,7 @@ class NeuronCore:
         # ScalarE activation and VectorE reduce registers: one fp32 value per lane (partition)
         self.regs: dict[Engine, torch.Tensor] = {Engine.SCALAR: torch.zeros(parts), Engine.VECTOR: torch.zeros(parts)}
         self.rng = torch.Generator().manual_seed(seed)
+        self.rng_states: dict[tuple[int, ...], torch.Tensor] = {}  # generator states rand_get_state named
         self.registers = [0] * REGISTERS  # the sequencers' registers (32-bit integers), by virtual index
         # the HBM tensors of the run in progress, by memory name; their Memory objects are made
         # only when an instruction without a step asks for one (most never do)

@@ -26,7 +26,8 @@ from torchneuron.sim.isa.common import (BN_STATS_FMAX, COMPARE_OPS, DGE_MODES, F
 from torchneuron.sim.isa.control import (LoopBegin, LoopEnd, RegisterLoad, RegisterMove, RegisterStore, WhileBegin,
                                          WhileEnd)
 from torchneuron.sim.isa.dma import DevicePrint, DmaCompute, DmaCopy, DmaCopyDynamic, DmaTranspose, dma_modes
-from torchneuron.sim.isa.gpsimd_engine import AffineSelect, Dropout, Iota, Memset, Rand2, Rng, SetRngSeed
+from torchneuron.sim.isa.gpsimd_engine import (AffineSelect, Dropout, Iota, Memset, Rand2, RandGetState, RandSetState, Rng,
+                                              SetRngSeed)
 from torchneuron.sim.isa.mx import MX_FORMATS, MX_GROUP_PARTITIONS, NcMatmulMx, QuantizeMx, mx_scales, mx_unpack
 from torchneuron.sim.isa.movement import LocalGather, NcNGather, NcStreamShuffle
 from torchneuron.sim.isa.scalar_engine import Activate2, Activation
@@ -46,7 +47,8 @@ OPCODES: dict[str, type[Instr]] = {cls.opcode: cls for cls in (
     TensorScalarReduce, TensorTensorScan, Iota, Memset, AffineSelect, BnStats, BnAggr, Max8, NcFindIndex8, Rng,
     SetRngSeed, Rand2, Dropout, TensorCopyPredicated, SelectReduce, RangeSelect, SequenceBounds, NonzeroWithCount,
     NcMatchReplace8, NcStreamShuffle, NcNGather, LocalGather, TensorScalarCumulative, Exponential, Activate2,
-    DmaCompute, DevicePrint, RegisterMove, RegisterLoad, RegisterStore, LoopBegin, LoopEnd, WhileBegin, WhileEnd)}
+    DmaCompute, DevicePrint, RegisterMove, RegisterLoad, RegisterStore, LoopBegin, LoopEnd, WhileBegin, WhileEnd,
+    RandGetState, RandSetState)}
 
 # nki.isa-style lowercase aliases: isa.nc_matmul(dst=..., stationary=..., moving=...) builds the instruction
 dma_copy, dma_transpose, dma_copy_dynamic = DmaCopy, DmaTranspose, DmaCopyDynamic
@@ -66,5 +68,6 @@ tensor_scalar_cumulative, exponential, activate2, dma_compute = (TensorScalarCum
 device_print = DevicePrint
 register_move, register_load, register_store = RegisterMove, RegisterLoad, RegisterStore
 loop_begin, loop_end, while_begin, while_end = LoopBegin, LoopEnd, WhileBegin, WhileEnd
+rand_get_state, rand_set_state = RandGetState, RandSetState
 
 __all__ = [n for n in dir() if not n.startswith("_")]

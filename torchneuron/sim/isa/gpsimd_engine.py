@@ -1,7 +1,8 @@
 """GpSimd instructions: generators and selection (``iota``, ``memset``, ``affine_select``) and random numbers
-(``rng``, ``set_rng_seed``, ``rand2``, ``dropout``)."""
+(``rng``, ``set_rng_seed``, ``rand2``, ``dropout``, ``rand_get_state`` / ``rand_set_state``)."""
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -234,3 +235,79 @@ class Dropout(Instr):
 
     def price(self) -> CostInputs:
         return self._cost([self.data], self.dst)
+
+
+# ---- generator state -----------------------------------------------------------------------------
+
+RAND_STATE_WORDS = {Engine.GPSIMD: 6, Engine.VECTOR: 24}  # uint32 words of XORWOW state per lane
+
+
+def _state_words(state: torch.Tensor, n: int) -> list[int]:
+    """``n`` uint32 words naming a generator state (a digest of its bytes: the same state, the same words)."""
+    digest = hashlib.sha512(state.numpy().tobytes()).digest()
+    return [int.from_bytes(digest[4 * (k % 16):4 * (k % 16) + 4], "little") for k in range(n)]
+
+
+def _rand_state_operand(instr: Instr, name: str) -> None:
+    ap = getattr(instr, name)
+    if ap.dtype != torch.uint32:
+        raise instr._fail(name, f"is {dtype_name(ap.dtype)}; generator state words are uint32")
+    want = RAND_STATE_WORDS[instr.engine]
+    if ap.free_elems != want:
+        raise instr._fail(name, f"has {ap.free_elems} elements per partition; the {instr.engine.value} engine's "
+                                f"XORWOW state is {want} words")
+
+
+@dataclass(frozen=True)
+class RandGetState(Instr):
+    """``nisa.rand_get_state``: the generator state as uint32 words per lane (6 on GpSimd, 24 on VectorE).
+
+    The simulator has one generator per core (torch's, shared by every engine), not per-lane XORWOW: the words
+    are a digest naming the current state, the same in every lane; ``rand_set_state`` with them restores it."""
+
+    dst: AP
+    engine: Engine = Engine.GPSIMD
+    opcode = "rand_get_state"
+    ENGINES = (Engine.GPSIMD, Engine.VECTOR)
+
+    def check(self) -> None:
+        self._tiles("dst")
+        _rand_state_operand(self, "dst")
+
+    def execute(self, core) -> None:
+        state = core.rng.get_state()
+        words = _state_words(state, self.dst.free_elems)
+        core.rng_states[tuple(words)] = state
+        self.dst.write(core, torch.tensor(words, dtype=torch.int64).expand(self.dst.partitions, -1))
+
+    def price(self) -> CostInputs:
+        return self._cost([], self.dst, flops=0)
+
+
+@dataclass(frozen=True)
+class RandSetState(Instr):
+    """``nisa.rand_set_state``: seed the generator from uint32 words per lane. Words ``rand_get_state`` wrote
+    restore that state exactly; any other words seed the generator from a digest of all of them (the same
+    words, the same sequence). One generator per core, shared by every engine (see ``RandGetState``)."""
+
+    src_seeds: AP
+    engine: Engine = Engine.GPSIMD
+    opcode = "rand_set_state"
+    ENGINES = (Engine.GPSIMD, Engine.VECTOR)
+    WRITES = ()
+
+    def check(self) -> None:
+        self._ap("src_seeds", ("sbuf",))
+        _rand_state_operand(self, "src_seeds")
+
+    def execute(self, core) -> None:
+        words = self.src_seeds.view(core).reshape(self.src_seeds.partitions, -1).to(torch.int64)
+        saved = core.rng_states.get(tuple(int(w) for w in words[0]))
+        if saved is not None and bool((words == words[0]).all()):
+            core.rng.set_state(saved)
+            return
+        digest = hashlib.sha256(words.numpy().tobytes()).digest()
+        core.rng.manual_seed(int.from_bytes(digest[:8], "little"))
+
+    def price(self) -> CostInputs:
+        return self._cost([self.src_seeds], None, flops=0)
