@@ -181,3 +181,34 @@ def test_input_mutation_is_written_by_the_program():
     torch.testing.assert_close(out.cpu(), want)
     torch.testing.assert_close(nbuf.cpu(), buf)
     assert any(k.startswith("aten.copy_") for r in reports()[-2:] for k in r.kernels)
+
+
+def test_sum_in_another_dtype_accumulates_in_one_pass():
+    """``x.sum(0, dtype=float32)`` of bf16 values (a bias gradient under autocast) is one reduction in the program,
+    its result within fp32 summation-order rounding of the CPU's (the bf16 inputs are exact in fp32)."""
+    x = torch.randn(1000, 96).bfloat16()
+    got = torch.compile(lambda t: t.sum(0, dtype=torch.float32), backend="neuron")(x.to("neuron")).cpu()
+    want = x.sum(0, dtype=torch.float32)
+    assert got.dtype == torch.float32
+    bound = x.shape[0] * 2.0**-24 * x.float().abs().sum(0)
+    assert ((got - want).abs() <= bound).all()
+    rep = reports()[-1]
+    assert not rep.eager_nodes and "aten.sum.dim_IntList" in rep.kernels
+
+
+def test_layer_norm_backward_for_weights_only_stays_in_the_program():
+    """A first layer's layer norm: its input needs no gradient, so the backward asks for dweight and dbias only."""
+    x, w, b = torch.randn(64, 48), torch.randn(48), torch.randn(48)
+
+    def grads(x, w, b, run):
+        w, b = w.clone().requires_grad_(), b.clone().requires_grad_()
+        run(x, w, b).square().sum().backward()
+        return w.grad.cpu(), b.grad.cpu()
+
+    fn = lambda x, w, b: F.layer_norm(x, (48,), w, b)  # noqa: E731
+    got = grads(x.to("neuron"), w.to("neuron"), b.to("neuron"), torch.compile(fn, backend="neuron"))
+    want = grads(x, w, b, fn)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4 * r.abs().max().item())
+    backward = [r for r in reports() if "backward" in r.name][-1]
+    assert "aten.native_layer_norm_backward.default" in backward.kernels and not backward.eager_nodes

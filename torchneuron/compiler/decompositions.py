@@ -4,8 +4,7 @@ PyTorch's core-ATen decompositions, minus the ops that have a better form here t
 decomposition: library kernels (layer norm, softmax, and their backward ops, which run as one
 pass over rows instead of several reductions and element-wise passes) and the eager ops whose
 one-launch neuron kernels beat their decomposition when they run between programs
-(``nll_loss`` forward/backward, embedding backward, dropout). A sum accumulating in another dtype
-becomes a cast and a sum.
+(``nll_loss`` forward/backward, embedding backward, dropout).
 """
 from __future__ import annotations
 
@@ -62,18 +61,9 @@ def _foreach_table() -> dict:
     return table
 
 
-def _sum_in_dtype(x, dims, keepdim=False, *, dtype=None):
-    """``sum(x, dims, dtype=d)`` as ``sum(x.to(d), dims)``: the cast is a pointwise node that fuses into the
-    producer (a bias gradient under autocast sums bf16 values in fp32), and the reduction sees one dtype."""
-    if dtype is None or dtype == x.dtype:
-        return NotImplemented
-    return aten.sum.dim_IntList(torch.ops.prims.convert_element_type(x, dtype), dims, keepdim)
-
-
 @functools.cache
 def decomposition_table() -> dict:
     """The table (built once): core-ATen decompositions without ``KEEP_WHOLE``'s overloads, plus ``FOREACH``."""
     table = dict(core_aten_decompositions())
     keep = {ov for packet in KEEP_WHOLE for ov in (getattr(packet, name) for name in packet.overloads())}
-    return {**{op: fn for op, fn in table.items() if op not in keep}, **_foreach_table(),
-            aten.sum.dim_IntList: _sum_in_dtype}
+    return {**{op: fn for op, fn in table.items() if op not in keep}, **_foreach_table()}

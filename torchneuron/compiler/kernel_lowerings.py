@@ -221,14 +221,15 @@ REDUCTIONS = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.defa
 
 
 def _reduction_ok(node, x, dims=None, keepdim=False, dtype=None, **_) -> bool:
-    return (_floats(x) and (dtype is None or dtype == x.dtype) and x.dim() > 0
+    # a float result dtype (a bf16 bias gradient summed in fp32 under autocast): fp32 accumulation either way
+    return (_floats(x) and (dtype is None or dtype in FLOATS) and x.dim() > 0
             and _reduced_run(tuple(x.shape), dims) is not None)
 
 
 def _reduce(op: str) -> Callable:
     def lower(ctx, node, x: Value, dims=None, keepdim=False, dtype=None, **_) -> Value:
         O, R, I = _reduced_run(x.shape, dims)
-        out = reduce_kernel(dense(x, (O, R, I)), op=op)
+        out = reduce_kernel(dense(x, (O, R, I)), op=op, out_dtype=dtype)
         return hbm_value(out).reshape(tuple(node.meta["val"].shape))
     lower.__name__ = f"lower_{op}"
     return lower

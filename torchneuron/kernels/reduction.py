@@ -255,14 +255,15 @@ def _reduce_leading(x, out, op, R, I):
 
 
 @nki.jit
-def reduce_kernel(x, op="sum"):
-    """Reduce the middle dim of [outer, R, inner]; returns [outer, inner] (argmax/argmin: int32 indices)."""
+def reduce_kernel(x, op="sum", out_dtype=None):
+    """Reduce the middle dim of [outer, R, inner]; returns [outer, inner] in ``out_dtype`` (default x's; the
+    accumulation is fp32 either way, so ``sum(bf16, dtype=fp32)`` is one pass; argmax/argmin: int32 indices)."""
     O, R, I = x.shape
     assert op in (*OPS, *ARG), f"reduce: unknown op {op!r}"
     assert R >= 1, "reduce: the reduced dim is empty"
     if op in ARG:
         assert R < 1 << 24, f"{op}: the reduced dim has {R} elements; indices are exact below 2**24"
-    out = nl.ndarray((O, I), nl.int32 if op in ARG else x.dtype, buffer=nl.shared_hbm)
+    out = nl.ndarray((O, I), nl.int32 if op in ARG else out_dtype or x.dtype, buffer=nl.shared_hbm)
     if O == 1 and I <= 4 * PMAX and op not in ARG:   # a whole-tensor reduction too: spread over 128 partitions
         _reduce_leading(x, out, op, R, I)
     elif I == 1:
