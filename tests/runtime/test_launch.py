@@ -1,6 +1,8 @@
 """Kernel launch: zero-copy binding of neuron tensors, results, stream clocks, devices, errors."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -235,3 +237,24 @@ def test_a_neuron_tensors_memory_binds_to_a_core_without_a_copy():
     core.bind("x", runtime.host_memory(x))
     tile("hbm:x", torch.float32, (2, 4)).write(core, torch.arange(8.0).reshape(2, 4))
     assert torch.equal(x.cpu(), torch.arange(8.0).reshape(2, 4))
+
+
+def test_timing_only_advances_clocks_and_records_without_executing(add):
+    # the schedule does not depend on the data: the same clock advance and record, the output untouched
+    a, b, args = operands(seed=5)
+    rec = launch(add, args)
+    out = torch.zeros(SHAPE, device="neuron")
+    s = torch.neuron.current_stream()
+    before = clock(s)
+    with runtime.timing_only():
+        timed = launch(add, {"a": args["a"], "b": args["b"], "out": out})
+        # (per thread: another thread's launches execute)
+        seen = []
+        th = threading.Thread(target=lambda: seen.append(launch(add, args).outputs["out"].cpu()))
+        th.start()
+        th.join()
+    assert torch.equal(out.cpu(), torch.zeros(SHAPE)) and torch.equal(seen[0], a + b)
+    assert timed.device_time_ns == rec.device_time_ns and clock(s) >= before + timed.duration_ns
+    assert profiler.records()[-2] == timed.without_outputs()
+    launch(add, {"a": args["a"], "b": args["b"], "out": out})   # executes again after the block
+    assert torch.equal(out.cpu(), a + b)

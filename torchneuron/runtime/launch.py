@@ -142,13 +142,20 @@ def _check_stream(stream: Any, index: int) -> torch.Stream:
 
 
 _devices: dict[int, torch.device] = {}
-_mode = threading.local()   # .timing_only: schedule without executing (this thread's launches)
+_current_stream = torch._C._accelerator_getStream
+class _Mode(threading.local):
+    """Per-thread launch mode (a class default: a missing thread-local attribute costs an exception)."""
+
+    timing_only = False   # schedule without executing
+
+
+_mode = _Mode()
 
 
 @contextlib.contextmanager
 def timing_only() -> Iterator[None]:
     """Within the block, this thread's launches advance clocks and records without executing instructions."""
-    before = getattr(_mode, "timing_only", False)
+    before = _mode.timing_only
     _mode.timing_only = True
     try:
         yield
@@ -218,8 +225,8 @@ def _launch(program: Program, args: Any, device: Any, stream: Any, name: str | N
             index = _device.device_index(None) if first is None else first.get_device()
         else:
             index = device if type(device) is int else _device.device_index(device)
-        if stream is None:
-            stream = torch.accelerator.current_stream(index)
+        if stream is None:   # (what torch.accelerator.current_stream returns, without its argument parsing)
+            stream = _current_stream(index)
     core = _device._cores.get(index)
     if core is None:
         core = _device.core(index)
@@ -235,7 +242,7 @@ def _launch(program: Program, args: Any, device: Any, stream: Any, name: str | N
     stream_id = stream.stream_id
     with _device._locks[index]:
         try:
-            if not getattr(_mode, "timing_only", False):
+            if not _mode.timing_only:
                 core.run_bound(program, host)
         except SimulatorError as e:
             torch_error = TORCH_ERRORS.get(type(e))
