@@ -57,7 +57,8 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
     return torch.accelerator.get_memory_info(resolved_index(device))
 
 
-def _fmt(n: int) -> str:
+def format_bytes(n: float) -> str:
+    """A byte count for people: ``512 B``, ``1.50 KiB``, ``12.00 GiB``."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -115,7 +116,7 @@ def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
     lines = ["=" * _WIDTH, f"{title:^{_WIDTH}}", "-" * _WIDTH,
              f"{'neuron OOMs: ' + str(stats.get('num_ooms', 0)):^37}|"
              f"{'alloc retries: ' + str(stats.get('num_alloc_retries', 0)):^37}",
-             f"{f'HBM of neuron:{index}: {_fmt(total)}, {_fmt(free)} not reserved':^{_WIDTH}}",
+             f"{f'HBM of neuron:{index}: {format_bytes(total)}, {format_bytes(free)} not reserved':^{_WIDTH}}",
              "=" * _WIDTH, "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  "]
     for key, label, fmt in _SUMMARY_ROWS:
         lines.append("-" * _WIDTH)
