@@ -31,10 +31,18 @@ DEFAULT_OUT = REPO_ROOT / "docs" / "op-conformance.md"
 # Worker side
 
 
-def _worker(conn, timeout: float, error_inputs: bool) -> None:
+def split_job(job: str) -> tuple[str, str]:
+    """(op key, dtype name) of a job: ``add`` (the op's preferred dtype, dtype name "") or ``add@bfloat16``."""
+    key, _, dtype = job.partition("@")
+    return key, dtype
+
+
+def _worker(conn, timeout: float, error_inputs: bool, grads: bool = False) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
+    import torch
+
     from tests.opinfo import harness
 
     ops = harness.load_op_db()
@@ -47,14 +55,17 @@ def _worker(conn, timeout: float, error_inputs: bool) -> None:
             return
         if key is None:
             return
-        res = harness.run_op(by_key[key], time_budget=timeout, error_inputs=error_inputs)
+        op_key, dtype = split_job(key)
+        res = harness.run_op(by_key[op_key], getattr(torch, dtype) if dtype else None, time_budget=timeout,
+                             error_inputs=error_inputs, grads=grads)
+        res.key = key
         conn.send(("result", dataclasses.asdict(res)))
 
 
 class _Worker:
-    def __init__(self, ctx, timeout: float, error_inputs: bool):
+    def __init__(self, ctx, timeout: float, error_inputs: bool, grads: bool = False):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, timeout, error_inputs), daemon=True)
+        self.proc = ctx.Process(target=_worker, args=(child, timeout, error_inputs, grads), daemon=True)
         self.proc.start()
         child.close()
         self.key: str | None = None
@@ -86,18 +97,18 @@ def _failed(key: str, op_names: dict, error: str, seconds: float) -> dict:
     """The result of an op whose worker crashed or hung."""
     from tests.opinfo.harness import STATUS_FAILED, OpResult
 
-    name, variant = op_names[key]
-    return dataclasses.asdict(OpResult(key=key, name=name, variant=variant, status=STATUS_FAILED,
-                                       error=error, seconds=seconds))
+    name, variant = op_names[split_job(key)[0]]
+    return dataclasses.asdict(OpResult(key=key, name=name, variant=variant, dtype=split_job(key)[1],
+                                       status=STATUS_FAILED, error=error, seconds=seconds))
 
 
 def run_all(keys: list[str], op_names: dict, *, jobs: int, timeout: float, error_inputs: bool,
-            verbose: bool = True) -> list[dict]:
+            verbose: bool = True, grads: bool = False) -> list[dict]:
     ctx = mp.get_context("spawn")
     hard_limit = 2 * timeout + 30
     pending = list(keys)
     results: dict[str, dict] = {}
-    workers = [_Worker(ctx, timeout, error_inputs) for _ in range(max(1, min(jobs, len(keys))))]
+    workers = [_Worker(ctx, timeout, error_inputs, grads) for _ in range(max(1, min(jobs, len(keys))))]
     done = 0
 
     def record(res: dict) -> None:
@@ -140,7 +151,7 @@ def run_all(keys: list[str], op_names: dict, *, jobs: int, timeout: float, error
                     replace = w
                 if replace is not None:
                     replace.kill()
-                    workers[i] = _Worker(ctx, timeout, error_inputs)
+                    workers[i] = _Worker(ctx, timeout, error_inputs, grads)
     finally:
         for w in workers:
             if w.key is None and w.proc.is_alive():
@@ -172,6 +183,14 @@ def _fallback_cell(res: dict) -> str:
     return f"yes: {calls} calls ({shown}{more})"
 
 
+def dtype_rank(dtype: str) -> int:
+    """A dtype name's place in ``harness.DTYPE_PREFERENCE`` (sort key)."""
+    from tests.opinfo.harness import DTYPE_PREFERENCE
+
+    order = [str(d).removeprefix("torch.") for d in DTYPE_PREFERENCE]
+    return order.index(dtype) if dtype in order else len(order)
+
+
 def write_report(results: list[dict], path: Path, *, command: str, elapsed: float, total_ops: int) -> None:
     """Write the per-op conformance table (markdown) to ``path``."""
     import torch
@@ -180,7 +199,7 @@ def write_report(results: list[dict], path: Path, *, command: str, elapsed: floa
     tested = [r for r in results if r["status"] != "skipped"]
     native = [r for r in tested if not r["fallback_ops"]]
     fallback_ops = sorted({k for r in results for k in r["fallback_ops"]})
-    partial = len(results) < total_ops
+    partial = len({(r["name"], r["variant"]) for r in results}) < total_ops
     lines = [
         "# OpInfo conformance of the `neuron` device",
         "",
@@ -194,11 +213,18 @@ def write_report(results: list[dict], path: Path, *, command: str, elapsed: floa
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; torch {torch.__version__}; "
         f"{elapsed / 60:.1f} min",
         f"- command: `{command}`",
-        f"- ops run: {len(results)} of {total_ops} in `op_db`" + (" (a partial run)" if partial else ""),
+        f"- ops run: {len({(r['name'], r['variant']) for r in results})} of "
+        f"{total_ops} in `op_db`" + (" (a partial run)" if partial else "") + f"; {len(results)} (op, dtype) runs",
         f"- **{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped**",
         f"- ops that ran without the CPU fallback: {len(native)} of {len(tested)} tested "
         f"(the rest ran at least one ATen op on the CPU)",
         f"- distinct ATen ops that fell back to the CPU: {len(fallback_ops)}",
+        "",
+        "Per dtype (each op at its preferred dtype, and with `--dtypes` at the others it supports on the CPU; "
+        "with `--grads`, the input gradients of each sample, a vector-Jacobian product with seeded random "
+        "cotangents, compared too):",
+        "",
+        *dtype_table(results),
         "",
         "Columns: *dtype* is the dtype tested (float32, else the first the op supports of int64, bool, float64, "
         "...; see `DTYPE_PREFERENCE` in the harness); *samples* is passed/skipped "
@@ -209,9 +235,10 @@ def write_report(results: list[dict], path: Path, *, command: str, elapsed: floa
         "| op | variant | dtype | status | fallback | samples | s | error / notes |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(results, key=lambda r: (r["name"], r["variant"])):
+    for r in sorted(results, key=lambda r: (r["name"], r["variant"], dtype_rank(r["dtype"]))):
         detail = r["error"] if r["error"] else "; ".join(r["notes"])
-        samples = f"{r['samples_passed']}/{r['samples_skipped']}, err {r['error_inputs_checked']}"
+        samples = f"{r['samples_passed']}/{r['samples_skipped']}, err {r['error_inputs_checked']}" + (
+            f", grad {r['grads_checked']}" if r.get("grads_checked") else "")
         lines.append(f"| `{r['name']}` | {_cell(r['variant'] or '')} | {r['dtype']} | {r['status']} | "
                      f"{_cell(_fallback_cell(r), 90)} | {samples} | {r['seconds']:.1f} | {_cell(detail)} |")
     lines += ["", "## ATen ops that ran through the CPU fallback", "",
@@ -230,6 +257,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="per-op time budget in seconds (default 300)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     p.add_argument("--no-error-inputs", action="store_true", help="skip error_inputs")
+    p.add_argument("--dtypes", default="", help="besides each op's preferred dtype, run it at these dtypes too "
+                   "(comma-separated, e.g. bfloat16,float16,int32,bool), where the op supports them on the CPU; "
+                   "'all': every non-complex dtype it supports")
+    p.add_argument("--grads", action="store_true", help="also compare the input gradients of each sample of "
+                   "the ops that support autograd, at float dtypes")
     p.add_argument("--quiet", action="store_true", help="no per-op progress lines")
 
 
@@ -264,12 +296,60 @@ def run_ops(ops: list, args: argparse.Namespace) -> tuple[list[dict], float]:
     _prepare_environment()
     from tests.opinfo import harness
 
-    keys = [harness.op_key(op) for op in ops]
+    keys = jobs_for(ops, getattr(args, "dtypes", ""))
     op_names = {harness.op_key(op): (op.name, op.variant_test_name or "") for op in ops}
     start = time.monotonic()
-    results = run_all(keys, op_names, jobs=args.jobs, timeout=args.timeout,
-                      error_inputs=not args.no_error_inputs, verbose=not args.quiet) if keys else []
+    results = run_all(keys, op_names, jobs=args.jobs, timeout=args.timeout, error_inputs=not args.no_error_inputs,
+                      verbose=not args.quiet, grads=getattr(args, "grads", False)) if keys else []
     return results, time.monotonic() - start
+
+
+def extra_dtypes(op, dtypes: str) -> list:
+    """The dtypes ``--dtypes`` asks ``op`` to run at besides its preferred one: those it supports on the CPU,
+    complex ones aside (the device rejects them by design), in ``harness.DTYPE_PREFERENCE`` order."""
+    import torch
+
+    from tests.opinfo import harness
+
+    if not dtypes:
+        return []
+    supported = op.supported_dtypes("cpu")
+    wanted = harness.DTYPE_PREFERENCE if dtypes == "all" else [getattr(torch, d) for d in dtypes.split(",")]
+    try:
+        preferred = harness.pick_dtype(op)
+    except harness.OpSkipped:
+        return []
+    return [d for d in harness.DTYPE_PREFERENCE if d in wanted and d in supported and d != preferred]
+
+
+def jobs_for(ops: list, dtypes: str) -> list[str]:
+    """The jobs of ``ops``: each op at its preferred dtype (its key), then at each of ``extra_dtypes``
+    (``key@dtype``)."""
+    from tests.opinfo import harness
+
+    return [job for op in ops for job in [harness.op_key(op)] + [
+        f"{harness.op_key(op)}@{str(d).removeprefix('torch.')}" for d in extra_dtypes(op, dtypes)]]
+
+
+def dtype_table(results: list[dict]) -> list[str]:
+    """Per dtype: OpInfos run, passed, failed, skipped, passed without the CPU fallback, and those whose input
+    gradients were compared (markdown)."""
+    by_dtype: dict[str, list[dict]] = {}
+    for r in results:
+        by_dtype.setdefault(r["dtype"] or "-", []).append(r)
+    lines = ["| dtype | ops | passed | failed | skipped | passed natively | native % of tested | "
+             "gradients compared (ops / samples) |", "|---|---|---|---|---|---|---|---|"]
+    for d in sorted(by_dtype, key=dtype_rank):
+        rs = by_dtype[d]
+        n = {s: sum(1 for r in rs if r["status"] == s) for s in ("passed", "failed", "skipped")}
+        native = sum(1 for r in rs if r["status"] == "passed" and not r["fallback_ops"])
+        tested = n["passed"] + n["failed"]
+        pct = f"{100.0 * native / tested:.1f}%" if tested else "-"
+        g_ops = sum(1 for r in rs if r.get("grads_checked"))
+        g_samples = sum(r.get("grads_checked", 0) for r in rs)
+        lines.append(f"| {d} | {len(rs)} | {n['passed']} | {n['failed']} | {n['skipped']} | {native} | {pct} | "
+                     f"{g_ops} / {g_samples} |")
+    return lines
 
 
 def print_summary(results: list[dict]) -> str:

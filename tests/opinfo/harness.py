@@ -413,6 +413,7 @@ class OpResult:
     error: str = ""
     samples_passed: int = 0
     samples_skipped: int = 0
+    grads_checked: int = 0   # samples whose input gradients were compared too
     error_inputs_checked: int = 0
     error_inputs_skipped: int = 0
     notes: list = dataclasses.field(default_factory=list)
@@ -557,6 +558,36 @@ def within_summation_order(actual, expected, bound):
     return torch.where(close, a.to(expected.dtype), expected.detach())
 
 
+REDUCED_FLOATS = (torch.bfloat16, torch.float16)
+
+
+def _to64(obj):
+    """``obj`` with its reduced-precision float tensors (bf16, fp16) as float64, recursively."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().double() if obj.dtype in REDUCED_FLOATS else obj
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_to64(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to64(v) for k, v in obj.items()}
+    return obj
+
+
+def at_least_as_exact(exact, actual, expected):
+    """``expected`` with each element of a bf16/fp16 result where ``actual`` is at least as close as the CPU's
+    to ``exact`` (the float64 result of the same rounded inputs), up to one rounding of the result, replaced by
+    ``actual``'s. The CPU rounds some intermediates to the dtype (``x + alpha * y``, a loss's weighted sum,
+    ``linspace``'s steps) where the device keeps fp32: both are right to within their own rounding, and a
+    result that cancels can leave them further apart than a result-relative tolerance allows. The plain
+    comparison that follows checks everything else: a device result less exact than the CPU's still fails."""
+    if not isinstance(expected, torch.Tensor) or expected.dtype not in REDUCED_FLOATS \
+            or not isinstance(actual, torch.Tensor) or actual.shape != expected.shape \
+            or not isinstance(exact, torch.Tensor) or exact.shape != expected.shape:
+        return expected
+    a, e, x = actual.detach().cpu().double(), expected.detach().double(), exact.detach().double()
+    ok = (a - x).abs() <= (e - x).abs() + torch.finfo(expected.dtype).eps / 2 * x.abs()
+    return torch.where(ok, actual.detach().cpu(), expected.detach())
+
+
 def check_sample(op, sample, *, atol=None, rtol=None, meta_only=False) -> None:
     """Run one CPU sample on both devices and compare; raises AssertionError on a
     mismatch, SampleSkipped for a complex sample that neuron rejects."""
@@ -568,6 +599,7 @@ def check_sample(op, sample, *, atol=None, rtol=None, meta_only=False) -> None:
     neuron_parts = _move_parts(op, parts)  # before the CPU run: in-place ops mutate inputs
     if not involves_neuron(neuron_parts):
         raise SampleSkipped("no tensor or device argument: the op would run on the CPU")
+    parts64 = _to64(parts) if not meta_only and _has(parts, lambda t: t.dtype in REDUCED_FLOATS) else None
     try:
         expected = _run(op, parts)
         cpu_exc = None
@@ -593,11 +625,108 @@ def check_sample(op, sample, *, atol=None, rtol=None, meta_only=False) -> None:
         raise neuron_exc
     bound = term_magnitudes(op, parts) if isinstance(expected, torch.Tensor) and not meta_only else None
     expected = within_summation_order(actual, expected, bound)
+    if parts64 is not None and isinstance(expected, torch.Tensor) and expected.dtype in REDUCED_FLOATS:
+        try:
+            exact = _run(op, parts64)
+        except Exception:  # noqa: BLE001 (an op that will not take float64 inputs: the plain comparison)
+            exact = None
+        expected = at_least_as_exact(exact, actual, expected)
     compare(actual, expected, atol=atol, rtol=rtol, meta_only=meta_only)
     # In-place updates of the input tensors (running stats, out=, in-place variants) must
     # match too.
     compare(_tensors(neuron_parts), _tensors(parts), atol=atol, rtol=rtol, meta_only=meta_only,
             path="input tensors after the op", check_device=False)
+
+
+def _differentiable(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided \
+        and t.device.type in ("cpu", DEVICE)
+
+
+def _with_grad_leaves(obj, leaves: list):
+    """``obj`` with each float tensor (recursively) replaced by a detached copy that requires grad, appended
+    to ``leaves`` in depth-first order."""
+    if _differentiable(obj):
+        leaf = obj.detach().clone().requires_grad_(True)
+        leaves.append(leaf)
+        return leaf
+    if isinstance(obj, list):
+        return [_with_grad_leaves(o, leaves) for o in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_with_grad_leaves(o, leaves) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _with_grad_leaves(v, leaves) for k, v in obj.items()}
+    return obj
+
+
+def _vjp(op, parts: tuple, cotangents: list | None, seed: int):
+    """(outputs that require grad, cotangents, input gradients) of the op on ``parts`` with its float inputs as
+    fresh leaves; cotangents drawn (seeded, on the CPU) when not given. None when nothing is differentiable."""
+    leaves: list = []
+    parts = _with_grad_leaves(parts, leaves)
+    if not leaves:
+        return None
+    outs = [t for t in _tensors(_run(op, parts)) if isinstance(t, torch.Tensor) and t.requires_grad
+            and t.is_floating_point()]
+    if not outs:
+        return None
+    if cotangents is None:
+        gen = torch.Generator().manual_seed(seed)
+        cotangents = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.dtype) for o in outs]
+    cots = [c.to(o.device) for c, o in zip(cotangents, outs)]
+    grads = torch.autograd.grad(outs, leaves, cots, allow_unused=True)
+    return outs, cotangents, list(grads)
+
+
+def grad_term_magnitudes(op, parts: tuple, cotangents: list) -> list | None:
+    """Per input-gradient element, sum(|terms|) of a sum of products' vector-Jacobian product: the op's VJP on
+    the inputs' absolute values with the cotangents' absolute values, in float64 (None when not a sum of
+    products, or that cannot be run). Exact for ops linear in each input (matmul, convolution)."""
+    if not _accumulating(op):
+        return None
+    try:
+        res = _vjp(op, _abs64(parts), [c.abs().double() for c in cotangents], 0)
+    except Exception:  # noqa: BLE001 (an op that will not take float64 / abs inputs: the plain tolerance)
+        return None
+    return None if res is None else res[2]
+
+
+def check_sample_grads(op, sample, *, atol=None, rtol=None, seed: int = DEFAULT_SEED) -> str:
+    """Compare the input gradients (a VJP with seeded random cotangents) of one sample on neuron with the
+    CPU's; returns 'checked' or why not. Raises AssertionError on a mismatch."""
+    parts = _parts(sample)
+    if has_complex(parts):
+        return "skipped: complex inputs"
+    try:
+        expected = _vjp(op, parts, None, seed)
+    except Exception as e:  # noqa: BLE001 (in-place on a leaf, a non-differentiable path: no gradient to check)
+        return f"skipped: the CPU's backward raised {type(e).__name__}"
+    if expected is None:
+        return "skipped: no differentiable output"
+    outs, cots, grads = expected
+    try:
+        actual = _vjp(op, _move_parts(op, parts), cots, seed)
+    except Exception as e:
+        if is_complex_rejection(e):
+            return "skipped: a complex intermediate in the backward"
+        raise
+    if actual is None or len(actual[2]) != len(grads):
+        raise AssertionError("neuron's result has other differentiable outputs or inputs than the CPU's")
+    bounds = grad_term_magnitudes(op, parts, cots) or [None] * len(grads)
+    exact = [None] * len(grads)
+    if any(g is not None and g.dtype in REDUCED_FLOATS for g in grads):
+        try:
+            exact = _vjp(op, _to64(parts), [_to64(c) for c in cots], seed)[2]
+        except Exception:  # noqa: BLE001 (an op that will not take float64 inputs: the plain comparison)
+            pass
+    for i, (a, e, b, x) in enumerate(zip(actual[2], grads, bounds, exact)):
+        if (a is None) != (e is None):
+            raise AssertionError(f"gradient of input {i}: {'none' if a is None else 'a tensor'} on neuron, "
+                                 f"{'none' if e is None else 'a tensor'} on the CPU")
+        if e is not None:
+            e = at_least_as_exact(x, a, within_summation_order(a, e, b))
+            compare(a, e, atol=atol, rtol=rtol, path=f"gradient of input {i}")
+    return "checked"
 
 
 def check_error_input(op, error_input) -> str:
@@ -638,10 +767,11 @@ def _fallback_delta(before: dict, after: dict) -> dict:
 
 def run_op(op, dtype: torch.dtype | None = None, *, seed: int = DEFAULT_SEED,
            time_budget: float | None = None, max_samples: int | None = None,
-           samples: bool = True, error_inputs: bool = True, raise_errors: bool = False) -> OpResult:
-    """Test one OpInfo at one dtype: its samples and/or its error inputs. Never raises
-    unless ``raise_errors`` (then the first failure is re-raised, and a skip raises
-    OpSkipped)."""
+           samples: bool = True, error_inputs: bool = True, raise_errors: bool = False,
+           grads: bool = False) -> OpResult:
+    """Test one OpInfo at one dtype: its samples and/or its error inputs, and with ``grads`` the input
+    gradients of its samples when it supports autograd at a float dtype. Never raises unless
+    ``raise_errors`` (then the first failure is re-raised, and a skip raises OpSkipped)."""
     res = OpResult(key=op_key(op), name=op.name, variant=op.variant_test_name or "")
     start = time.monotonic()
     deadline = None if time_budget is None else start + time_budget
@@ -661,6 +791,7 @@ def run_op(op, dtype: torch.dtype | None = None, *, seed: int = DEFAULT_SEED,
             meta_only = is_random_op(op)
             if meta_only:
                 res.notes.append("random op: compared shape/dtype/device only")
+            grads = grads and op.supports_autograd and dtype.is_floating_point and not meta_only
             sample_iter = op.sample_inputs("cpu", dtype, set_seed=False) if samples else ()
             for i, sample in enumerate(_seeded(sample_iter, seed)):
                 if max_samples is not None and i >= max_samples:
@@ -671,6 +802,9 @@ def run_op(op, dtype: torch.dtype | None = None, *, seed: int = DEFAULT_SEED,
                 try:
                     check_sample(op, sample, atol=atol, rtol=rtol, meta_only=meta_only or random_sample)
                     res.samples_passed += 1
+                    if grads and not random_sample:
+                        if check_sample_grads(op, sample, atol=atol, rtol=rtol, seed=seed + i) == "checked":
+                            res.grads_checked += 1
                 except SampleSkipped as e:
                     res.samples_skipped += 1
                     sample_skips.append(str(e))
@@ -731,6 +865,6 @@ def check_op(op, dtype: torch.dtype | None = None, **kwargs) -> OpResult:
 
 
 __all__ = [
-    "OpResult", "OpSkipped", "OpTimeout", "check_op", "compare", "find_ops", "is_random_op",
+    "OpResult", "OpSkipped", "OpTimeout", "check_op", "check_sample_grads", "compare", "find_ops", "is_random_op",
     "load_op_db", "op_key", "pick_dtype", "run_op", "to_cpu", "to_neuron", "tolerance_for",
 ]

@@ -1,12 +1,14 @@
-"""The harness's tolerance for sums of products: rounding differences of the terms' magnitude pass (the
-summation order differs between the device and the CPU, and between CPUs), real errors still fail."""
+"""The harness's tolerances: for sums of products, rounding differences of the terms' magnitude pass (the
+summation order differs between the device and the CPU, and between CPUs), real errors still fail; bf16/fp16
+results at least as exact as the CPU's pass; gradients are compared."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch.testing._internal.common_methods_invocations import op_db
 
-from tests.opinfo.harness import ORDER_ULPS, term_magnitudes, within_summation_order
+from tests.opinfo.harness import (ORDER_ULPS, at_least_as_exact, check_sample_grads, term_magnitudes,
+                                  within_summation_order)
 
 CONV2D = next(o for o in op_db if o.name == "nn.functional.conv2d")
 
@@ -38,3 +40,35 @@ def test_another_summation_order_passes_and_a_wrong_element_fails():
     assert kept[0, 1, 2, 3] == expected[0, 1, 2, 3]      # left as the CPU's: the comparison will fail it
     with pytest.raises(AssertionError):
         torch.testing.assert_close(wrong, kept)
+
+
+def test_a_reduced_precision_result_at_least_as_exact_as_the_cpus_passes():
+    # x + alpha * y in bf16: the CPU rounds alpha * y to bf16 first (-19.875), one rounding gives -19.75,
+    # the float64 result is -19.8046875. The device's result passes; one further off than the CPU's fails.
+    x, y = torch.tensor([5.78125], dtype=torch.bfloat16), torch.tensor([8.1875], dtype=torch.bfloat16)
+    cpu = torch.add(x, y, alpha=-3.125)
+    exact = torch.add(x.double(), y.double(), alpha=-3.125)
+    once = exact.to(torch.bfloat16)
+    assert cpu.item() == -19.875 and once.item() == -19.75
+    assert torch.equal(at_least_as_exact(exact, once, cpu), once)
+    further = torch.tensor([-19.5], dtype=torch.bfloat16)
+    assert torch.equal(at_least_as_exact(exact, further, cpu), cpu)   # the comparison will fail it
+
+
+def test_gradients_are_compared():
+    mm = next(o for o in op_db if o.name == "mm")
+    sample = next(iter(mm.sample_inputs("cpu", torch.float32)))
+    assert check_sample_grads(mm, sample) == "checked"
+
+
+def test_a_wrong_gradient_fails(monkeypatch):
+    # the device's tanh backward made wrong (1 - y instead of 1 - y^2): the forward still matches
+    tanh = next(o for o in op_db if o.name == "tanh")
+    sample = next(iter(tanh.sample_inputs("cpu", torch.float32)))
+    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (dropped at the end of the test)
+    lib.impl("tanh_backward", lambda g, y: g * (1 - y), "PrivateUse1")
+    try:
+        with pytest.raises(AssertionError, match="gradient of input 0"):
+            check_sample_grads(tanh, sample)
+    finally:
+        lib._destroy()
