@@ -152,3 +152,24 @@ def test_nki_typing_exists_under_every_name():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "nki.typing.tensor[(4, 4)]"
+
+
+def test_legacy_tiled_matmul_accumulates_with_plus_equals_in_psum():
+    @legacy.jit
+    def tiled(lhsT, rhs):
+        k_dim, m_dim = lhsT.shape
+        n_dim = rhs.shape[1]
+        result = lnl.ndarray((m_dim, n_dim), dtype=lhsT.dtype, buffer=lnl.shared_hbm)
+        g_l, g_r, g_o = lnl.mgrid[0:128, 0:m_dim], lnl.mgrid[0:128, 0:n_dim], lnl.mgrid[0:m_dim, 0:n_dim]
+        acc = lnl.zeros((m_dim, n_dim), lnl.float32, buffer=lnl.psum)
+        for k in lnl.affine_range(k_dim // 128):
+            a = lnl.load(lhsT[k * 128 + g_l.p, g_l.x])
+            b = lnl.load(rhs[k * 128 + g_r.p, g_r.x])
+            acc += lnl.matmul(a, b, transpose_x=True)      # a PSUM result added into a PSUM accumulator
+        acc += lnl.transpose(lnl.transpose(lnl.copy(acc)))  # and a PSUM tile added to it: staged through SBUF
+        lnl.store(result[g_o.p, g_o.x], value=lnl.copy(acc, dtype=result.dtype))
+        return result
+
+    a = RNG.integers(-4, 5, (384, 64)).astype(np.float32)
+    b = RNG.integers(-4, 5, (384, 128)).astype(np.float32)
+    np.testing.assert_array_equal(tiled(a, b), 2 * (a.T @ b))  # small integers: exact in fp32

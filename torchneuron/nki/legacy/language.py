@@ -292,7 +292,12 @@ def matmul(x: Tile, y: Tile, transpose_x: bool = False, mask: Any = None, **_: A
     x, y = _evict(x), _evict(y)
     if k is not None:
         x, y = narrow_dims(x, {0 if transpose_x else 1: k}), narrow_dims(y, {0: k})
-    return _nl.matmul(x, y, transpose_x=transpose_x)
+    out = _nl.matmul(x, y, transpose_x=transpose_x)
+    instr = current().instructions[-1]
+    if instr.opcode == "nc_matmul" and instr.dst == out.access:
+        # `acc += nl.matmul(...)` accumulates the matmul into acc's PSUM tile, as the compiler lowers it
+        out._pending = (instr, instr.stationary, instr.moving, {})
+    return out
 
 
 def transpose(x: Tile, dtype: Any = None, mask: Any = None, **_: Any) -> Tile:
