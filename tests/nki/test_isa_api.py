@@ -221,3 +221,19 @@ def test_rand_set_state_from_seeds_is_deterministic_and_needs_neuroncore_v3():
         nki.profile(_state_kernel("vector", 24), chip="trn2")(np.zeros((1, 1), np.float32))
     with pytest.raises(SimulatorError, match="XORWOW state is 6 words"):
         nki.profile(_state_kernel("gpsimd", 24), chip="trn2")(np.zeros((1, 1), np.float32))
+
+
+def test_rng_on_gpsimd_needs_neuroncore_v3():
+    @nki.jit
+    def k(x):
+        out = nl.ndarray((16, 32), nl.int32, buffer=nl.shared_hbm)
+        bits = nl.ndarray((16, 32), nl.int32)
+        nisa.rng(dst=bits, engine=nisa.engine.gpsimd)
+        nl.store(out, bits)
+        return out
+
+    x = np.zeros((1, 1), np.float32)
+    bits = nki.profile(k, chip="trn2")(x).outputs
+    assert len(np.unique(bits)) > 500  # 512 draws of 32 random bits: collisions are negligible
+    with pytest.raises(SimulatorError, match="rng on the gpsimd engine: needs NeuronCore-v3 or newer; trn1"):
+        nki.profile(k, chip="trn1")(x)

@@ -307,7 +307,9 @@ def nc_find_index8(dst: Tile, data: Tile, vals: Tile, name: str | None = None) -
 
 
 def rng(dst: Tile, engine: Any = None, name: str | None = None) -> NkiInstruction:
-    """Random integer bits into ``dst``."""
+    """Random integer bits into ``dst`` (VectorE; GpSimd from NeuronCore-v3)."""
+    if str(getattr(engine, "name", engine)).removesuffix("_engine") == "gpsimd":
+        _needs("rng on the gpsimd engine", 3)
     return _emit(sim.Rng, dst=dst, engine=_eng(engine))
 
 
