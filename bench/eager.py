@@ -17,7 +17,7 @@ Prints
      not depend on the data) but its instructions are not executed.
 A benchmark reports; it does not assert.
 
-Run:  python bench/eager.py [--steps 5] [--only products|host] [--quick]   (``make bench``)
+Run:  python bench/eager.py [--steps 5] [--only products|host] [--size quick|default|full]   (``make bench``)
 """
 from __future__ import annotations
 
@@ -108,15 +108,22 @@ def _bytes(*ts: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def product_cases(dtype: torch.dtype, quick: bool) -> list[tuple[str, str, Callable, int, int]]:
+SIZES = {  # squares; tokens, model width, MLP width; heads, sequence, head dim
+    "quick": ((1024, 2048), (2048, 1024, 3584), (8, 1024, 128)),
+    "default": ((1024, 2048, 4096), (2048, 4096, 11008), (16, 2048, 128)),
+    "full": ((1024, 2048, 4096, 8192), (8192, 4096, 14336), (32, 2048, 128)),
+}
+
+
+def product_cases(dtype: torch.dtype, size: str) -> list[tuple[str, str, Callable, int, int]]:
     """(op, shape, call, FLOPs, bytes of operands and result) per matrix product of the table."""
     def mk(*shape: int) -> torch.Tensor:   # contents never read: the table only schedules
         return torch.empty(shape, dtype=dtype, device="neuron")
+    squares, (T, D, F), (B, S, hd) = SIZES[size]
     cases = []
-    for n in (1024, 2048) if quick else (1024, 2048, 4096, 8192):
+    for n in squares:
         a, b = mk(n, n), mk(n, n)
         cases.append(("mm", f"{n}x{n} @ {n}x{n}", lambda a=a, b=b: torch.mm(a, b), 2 * n ** 3, 3 * _bytes(a)))
-    T, D, F = (2048, 1024, 3584) if quick else (8192, 4096, 14336)   # tokens, model width, MLP width
     x, w, bias, dy = mk(T, D), mk(F, D), mk(F), mk(T, F)
     fl, io = 2 * T * D * F, _bytes(x, w, dy)
     cases += [
@@ -125,7 +132,6 @@ def product_cases(dtype: torch.dtype, quick: bool) -> list[tuple[str, str, Calla
         ("matmul dy@W", f"{T}x{F} @ {F}x{D}", lambda: dy @ w, fl, io),
         ("matmul dy.T@x", f"({T}x{F}).T @ {T}x{D}", lambda: dy.t() @ x, fl, io),
     ]
-    B, S, hd = (8, 1024, 128) if quick else (32, 2048, 128)           # heads, sequence, head dim
     q, k, v, p = mk(B, S, hd), mk(B, S, hd), mk(B, S, hd), mk(B, S, S)
     fl = 2 * B * S * S * hd
     cases += [
@@ -140,7 +146,7 @@ def product_cases(dtype: torch.dtype, quick: bool) -> list[tuple[str, str, Calla
     return cases
 
 
-def products_table(quick: bool) -> None:
+def products_table(size: str) -> None:
     """Print the matrix-product table (simulated trn2 time per op call, launch overhead included)."""
     spec = runtime.core(0).spec
     bw = min(spec.hbm_bytes_per_second_per_core, spec.dma_bytes_per_second_per_core)
@@ -151,7 +157,7 @@ def products_table(quick: bool) -> None:
     for dtype in (torch.bfloat16, torch.float32):
         name = str(dtype).removeprefix("torch.")
         peak = spec.tensor_peak_flops(name)
-        for op, shape, fn, flops, nbytes in product_cases(dtype, quick):
+        for op, shape, fn, flops, nbytes in product_cases(dtype, size):
             t0 = time.perf_counter()
             with runtime.timing_only(), profiler.record() as rs:
                 fn()
@@ -163,16 +169,103 @@ def products_table(quick: bool) -> None:
                   flush=True)
 
 
+def heavy_cases(size: str) -> list[tuple[str, str, Callable, Callable, float, int, str]]:
+    """(op, shape, setup, measured call, FLOPs, bytes moved at least once, peak dtype) per heavy op of the table:
+    ``setup()`` runs first (unmeasured: a forward whose backward is measured), then the measured call."""
+    bf, f32 = torch.bfloat16, torch.float32
+    big = size != "quick"
+
+    def mk(*shape: int, dtype: torch.dtype = bf, grad: bool = False) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="neuron").requires_grad_(grad)
+
+    def nbytes(*ts: torch.Tensor) -> int:
+        return sum(t.numel() * t.element_size() for t in ts)
+    cases = []
+    N, C, H = (8, 128, 56) if big else (2, 64, 28)                       # conv: batch, channels, height = width
+    x, w, gy = mk(N, C, H, H), mk(C, C, 3, 3), mk(N, C, H, H)
+    fl = 2 * N * C * H * H * C * 9
+    cases.append(("conv2d 3x3", f"{N}x{C}x{H}x{H}, {C} filters", lambda: None,
+                  lambda: torch.nn.functional.conv2d(x, w, padding=1), fl, nbytes(x, w, gy), "bfloat16"))
+    cases.append(("conv2d bwd", f"{N}x{C}x{H}x{H}, {C} filters", lambda: None,
+                  lambda: torch.ops.aten.convolution_backward(gy, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                                                              [True, True, False]),
+                  2 * fl, nbytes(x, w, gy, x, w), "bfloat16"))
+    Hh, S, D = (16, 2048, 128) if big else (4, 512, 64)                   # attention: heads, sequence, head dim
+    q, k, v, go = mk(1, Hh, S, D, grad=True), mk(1, Hh, S, D, grad=True), mk(1, Hh, S, D, grad=True), mk(1, Hh, S, D)
+    att = 4 * Hh * S * S * D
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    cases.append(("attention fwd", f"{Hh} heads x {S} x {D}", lambda: None, lambda: sdpa(q, k, v), att,
+                  4 * nbytes(q), "bfloat16"))
+    held = {}
+    cases.append(("attention bwd", f"{Hh} heads x {S} x {D}", lambda: held.update(o=sdpa(q, k, v)),
+                  lambda: held.pop("o").backward(go), 2.5 * att, 8 * nbytes(q), "bfloat16"))
+    T, Dm, V = (8192, 4096, 32000) if big else (1024, 1024, 8000)       # tokens, width, vocabulary
+    xs, wn, bn = mk(T, Dm), mk(Dm), mk(Dm)
+    cases += [
+        ("layer_norm", f"{T}x{Dm}", lambda: None, lambda: torch.nn.functional.layer_norm(xs, (Dm,), wn, bn), 0,
+         2 * nbytes(xs), "bfloat16"),
+        ("rms_norm", f"{T}x{Dm}", lambda: None, lambda: torch.nn.functional.rms_norm(xs, (Dm,), wn), 0,
+         2 * nbytes(xs), "bfloat16"),
+        ("softmax", f"{T}x{Dm}", lambda: None, lambda: torch.softmax(xs, -1), 0, 2 * nbytes(xs), "bfloat16"),
+    ]
+    logits = mk(T // 2, V, grad=True)
+    target = torch.zeros(T // 2, dtype=torch.int64).to("neuron")   # (written by a transfer: valid classes)
+    ce = torch.nn.functional.cross_entropy
+    cases.append(("cross_entropy", f"{T // 2}x{V}", lambda: None, lambda: ce(logits, target), 0, nbytes(logits),
+                  "bfloat16"))
+    cases.append(("cross_entropy bwd", f"{T // 2}x{V}", lambda: held.update(l=ce(logits, target)),
+                  lambda: held.pop("l").backward(), 0, 2 * nbytes(logits), "bfloat16"))
+    P = (4, 4096, 4096) if big else (4, 1024, 1024)                     # AdamW: fp32 parameters
+    params = [mk(*P[1:], dtype=f32, grad=True) for _ in range(P[0])]
+    for p in params:
+        p.grad = mk(*P[1:], dtype=f32)
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    for p in params:   # the state of a later step (its step count written by a transfer: read on the host)
+        opt.state[p] = {"step": torch.tensor(3.0).to("neuron"), "exp_avg": mk(*P[1:], dtype=f32),
+                        "exp_avg_sq": mk(*P[1:], dtype=f32)}
+    n = sum(p.numel() for p in params)
+    cases.append(("AdamW fused", f"{P[0]} x {P[1]}x{P[2]} fp32", lambda: None, opt.step, 0, 7 * 4 * n, "float32"))
+    return cases
+
+
+def heavy_table(size: str) -> None:
+    """Print the other heavy ops as % of their roofline bound (simulated, launch overhead included)."""
+    spec = runtime.core(0).spec
+    bw = min(spec.hbm_bytes_per_second_per_core, spec.dma_bytes_per_second_per_core)
+    print(f"\nother heavy eager ops (bf16 unless stated; roofline: max(FLOPs at TensorE peak, bytes once at "
+          f"{bw / 1e9:.0f} GB/s); target >= 70%):")
+    print(f"  {'op':<18} {'shape':<30} {'launches':>8} {'time us':>10} {'bound us':>9} {'% roofline':>10}   host s")
+    for op, shape, setup, fn, flops, nbytes, dt in heavy_cases(size):
+        t0 = time.perf_counter()
+        try:
+            with runtime.timing_only():
+                setup()
+                with profiler.record() as rs:
+                    fn()
+        except Exception as e:   # a benchmark reports what fails and goes on
+            print(f"  {op:<18} {shape:<30} fails: {type(e).__name__}: {str(e).splitlines()[0][:90]}", flush=True)
+            continue
+        host = time.perf_counter() - t0
+        ns = sum(r.end_ns - r.start_ns for r in rs)
+        bound = max(flops / spec.tensor_peak_flops(dt), nbytes / bw) * 1e9
+        print(f"  {op:<18} {shape:<30} {len(rs):>8} {ns / 1e3:>10.1f} {bound / 1e3:>9.1f} {bound / ns:>10.1%}   "
+              f"{host:6.1f}", flush=True)
+
+
 def main() -> None:
     """Measure and print the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per device")
-    parser.add_argument("--only", choices=("host", "products"), help="print only this part")
-    parser.add_argument("--quick", action="store_true", help="smaller matrix products")
+    parser.add_argument("--only", choices=("host", "products", "heavy"), help="print only this part")
+    parser.add_argument("--size", choices=tuple(SIZES), default="default",
+                        help="shapes of the matrix products (full: squares to 8192, an 8192-token LLM MLP; "
+                             "tens of minutes of host time)")
     args = parser.parse_args()
-    if args.only != "host":
-        products_table(args.quick)
-    if args.only == "products":
+    if args.only in (None, "products"):
+        products_table(args.size)
+    if args.only in (None, "heavy"):
+        heavy_table(args.size)
+    if args.only in ("products", "heavy"):
         return
     torch.manual_seed(0)
     cfg = demo.Config(vocab_size=65)
