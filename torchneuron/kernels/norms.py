@@ -381,12 +381,18 @@ def _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved):
                     nisa.memset(dst=cs[:, :, 0:1], value=0.0)
 
 
+def _bwd_grouped_bytes(D: int, G: int) -> int:
+    """SBUF per partition of the grouped backward: w, two accumulators, and 6 tiles [G, D] per block in flight
+    (two rows of 1024 do not fit trn1's 192 KiB: those take one row per partition)."""
+    return (3 + (NBUF + 1) * 6 * G) * D * 4 + 16 * G
+
+
 def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved):
     """Short rows (``grouped(D)``): G rows per partition. dw/db column sums run on TensorE over the
     [p, G*D] tiles into a [1, G, D] accumulator, summed over G at the end."""
     N, D = x.shape
     blocks, G = row_blocks(N, D)
-    check_sbuf((3 + (NBUF + 1) * 6 * G) * D * 4 + 16 * G, f"layer_norm backward D={D}")
+    check_sbuf(_bwd_grouped_bytes(D, G), f"layer_norm backward D={D}")
     w = _row(weight, D)
     ones = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
@@ -396,42 +402,55 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved):
     ring = collections.deque(maxlen=NBUF)
     for r0, p, g in blocks:
         t, gr = load_grouped(x, r0, p, g), load_grouped(dy, r0, p, g)
-        if saved:
+        if saved:   # xhat = x * rstd - mean * rstd: one ScalarE pass per row slot (its statistics are columns)
             mean = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
             rstd = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=mean[:p], src=saved[0][r0:r0 + p * g, :].reshape((p, g)))
             nisa.dma_copy(dst=rstd[:p], src=saved[1][r0:r0 + p * g, :].reshape((p, g)))
+            nmr = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
             xh = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=xh[:p], data1=t[:p], data2=spread(mean, p, g, D), op=nl.subtract)
+            nisa.scalar_tensor_tensor(dst=nmr[:p], data=mean[:p], op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
+                                      operand1=rstd[:p])
+            for k in range(g):
+                nisa.activation(dst=xh[:p, k, :], op=nl.identity, data=t[:p, k, :], scale=rstd[:p, k:k + 1],
+                                bias=nmr[:p, k:k + 1])
         else:
-            _, xh, rstd = _grouped_stats(t, p, g, D, eps, rms)
-            if rms:   # (the statistics leave x uncentred for RMS: scale a copy, not the loaded rows)
-                xh = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
-                nisa.tensor_copy(dst=xh[:p], src=t[:p])
-        nisa.tensor_tensor(dst=xh[:p], data1=xh[:p], data2=spread(rstd, p, g, D), op=nl.multiply)
+            _, xc, rstd = _grouped_stats(t, p, g, D, eps, rms)
+            # layer norm scales its centred copy in place; RMS (xc is the loaded x) a new tile
+            xh = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf) if rms else xc
+            nisa.tensor_tensor(dst=xh[:p], data1=xc[:p], data2=spread(rstd, p, g, D), op=nl.multiply)
         # weight/bias gradients: column sums of dy * xhat and dy over this block's rows
         prod = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=prod[:p], data1=gr[:p], data2=xh[:p], op=nl.multiply, engine=nisa.gpsimd_engine)
         _col_sum(acc["dw"].reshape((1, G * D)), prod.reshape((PMAX, g * D)), p, g * D, ones)
         if not rms:
             _col_sum(acc["db"].reshape((1, G * D)), gr.reshape((PMAX, g * D)), p, g * D, ones)
-        # dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)),  gw = dy * w
+        # dx = rstd * gw - u,  u = (rstd * c2) * xhat + rstd * c1,  gw = dy * w, c1 = mean(gw), c2 = mean(gw * xhat):
+        # the passes spread over VectorE (gw, c2, dx), GpSimdE (products) and ScalarE (c1, u)
         gw = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=gw[:p], data1=gr[:p], data2=spread_row(w, p, g, D), op=nl.multiply)
-        nisa.tensor_tensor(dst=prod[:p], data1=gw[:p], data2=xh[:p], op=nl.multiply, engine=nisa.gpsimd_engine)
+        gx = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=gx[:p], data1=gw[:p], data2=xh[:p], op=nl.multiply, engine=nisa.gpsimd_engine)
         c2 = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=c2[:p], op=nl.add, data=prod[:p], axis=(2,))
-        nisa.tensor_scalar(dst=c2[:p], data=c2[:p], op0=nl.multiply, operand0=1.0 / D)
-        nisa.tensor_tensor(dst=prod[:p], data1=xh[:p], data2=spread(c2, p, g, D), op=nl.multiply)
+        nisa.tensor_reduce(dst=c2[:p], op=nl.add, data=gx[:p], axis=(2,))
+        nisa.scalar_tensor_tensor(dst=c2[:p], data=c2[:p], op0=nl.multiply, operand0=1.0 / D, op1=nl.multiply,
+                                  operand1=rstd[:p])
+        c1 = None
         if not rms:
             c1 = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
-            nisa.tensor_reduce(dst=c1[:p], op=nl.add, data=gw[:p], axis=(2,))
-            nisa.tensor_scalar(dst=c1[:p], data=c1[:p], op0=nl.multiply, operand0=1.0 / D)
-            nisa.tensor_tensor(dst=gw[:p], data1=gw[:p], data2=spread(c1, p, g, D), op=nl.subtract)
-        nisa.tensor_tensor(dst=gw[:p], data1=gw[:p], data2=prod[:p], op=nl.subtract)
-        nisa.tensor_tensor(dst=gw[:p], data1=gw[:p], data2=spread(rstd, p, g, D), op=nl.multiply)
+            for k in range(g):   # the row sums of gw ride on a ScalarE copy (into gx, no longer needed)
+                nisa.activation(dst=gx[:p, k, :], op=nl.identity, data=gw[:p, k, :], reduce_op=nl.add,
+                                reduce_res=c1[:p, k:k + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+            nisa.scalar_tensor_tensor(dst=c1[:p], data=c1[:p], op0=nl.multiply, operand0=1.0 / D, op1=nl.multiply,
+                                      operand1=rstd[:p])
+        u = prod                 # its column sums are taken: reused (SBUF holds 6 tiles per block of D <= 1024)
+        for k in range(g):
+            nisa.activation(dst=u[:p, k, :], op=nl.identity, data=xh[:p, k, :], scale=c2[:p, k:k + 1],
+                            bias=None if rms else c1[:p, k:k + 1])
+            nisa.scalar_tensor_tensor(dst=gw[:p, k, :], data=gw[:p, k, :], op0=nl.multiply, operand0=rstd[:p, k:k + 1],
+                                      op1=nl.subtract, operand1=u[:p, k, :])
         nisa.dma_copy(dst=grouped_rows(dx_out, r0, p, g), src=gw[:p])
-        ring.append((t, gr, xh, prod, gw))
+        ring.append((t, gr, xh, prod, gw, gx))
     for key, dst in (("dw", dw_out), ("db", db_out)):   # sum the G row slots of each column
         col = nl.ndarray((1, D), nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=col, op=nl.add, data=acc[key].ap([[G * D, 1], [1, D], [D, G]]), axis=(2,))
@@ -455,7 +474,7 @@ def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=No
     if not bwd_fits(D):
         _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved)
         return dx_out, dw_out, db_out
-    if grouped(D):
+    if grouped(D) and _bwd_grouped_bytes(D, row_blocks(N, D)[1]) <= nl.tile_size.sbuf_fmax_bytes:
         _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved)
         return dx_out, dw_out, db_out
     check_sbuf((1 + (NBUF + 1) * 7) * D * 4 + 16 * D, f"layer_norm backward D={D}")
