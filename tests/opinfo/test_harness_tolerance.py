@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.testing._internal.common_methods_invocations import op_db
 
-from tests.opinfo.harness import (ORDER_ULPS, at_least_as_exact, check_sample_grads, term_magnitudes,
+from tests.opinfo.harness import (ORDER_ULPS, at_least_as_exact, check_sample_grads, term_magnitudes, tie_order_free,
                                   within_summation_order)
 
 CONV2D = next(o for o in op_db if o.name == "nn.functional.conv2d")
@@ -72,3 +72,16 @@ def test_a_wrong_gradient_fails(monkeypatch):
             check_sample_grads(tanh, sample)
     finally:
         lib._destroy()
+
+
+def test_unstable_sort_may_order_ties_either_way_but_not_pick_other_values():
+    sort = next(o for o in op_db if o.name == "sort")
+    x = torch.tensor([2.0, 1.0, 2.0, 1.0])
+    values, indices = torch.sort(x)
+    swapped = torch.tensor([3, 1, 2, 0])           # the tied 1.0s and 2.0s in the other order
+    got = tie_order_free(sort, (x, (), {}), (values, swapped), (values, indices))
+    assert torch.equal(got[1], swapped)
+    wrong = torch.tensor([1, 3, 0, 1])             # picks index 1 twice
+    assert torch.equal(tie_order_free(sort, (x, (), {}), (values, wrong), (values, indices))[1], indices)
+    stable = tie_order_free(sort, (x, (), {"stable": True}), (values, swapped), (values, indices))
+    assert torch.equal(stable[1], indices)          # a stable sort's order is specified
