@@ -312,3 +312,11 @@ def test_registers_and_branches_cost_one_minimum_interval_and_order_by_register(
     with pytest.raises(SimulatorError, match="positive compile-time integer"):
         isa.loop_end(counter=0, limit=1, stride=0, begin=0)
 
+
+
+def test_dma_compute_operands_can_be_replaced_by_name(core):
+    a, b, c = (put(core, rand((8, 16), F32, seed=s)) for s in (20, 21, 22))
+    instr = isa.dma_compute(dst=a, srcs=(b, c))
+    assert [n for n, _ in instr.operands()] == ["dst", "srcs[0]", "srcs[1]"]
+    moved = instr.replace_operands({"srcs[1]": a, "dst": b})
+    assert moved.dst == b and moved.srcs == (b, a) and moved.reads() == (b.footprint(), a.footprint())

@@ -472,6 +472,13 @@ def _new_box(boxes: _Boxes, region: Region, span: tuple[int, int]) -> int | None
 
 # ---- rewriting ---------------------------------------------------------------------------------
 
+def _replaced(instr: Instr, changes: dict) -> Instr:
+    """``instr`` with operands replaced by name (an instruction whose operands are not all fields, such as
+    ``dma_compute``'s list of sources, says how through ``replace_operands``)."""
+    custom = getattr(instr, "replace_operands", None)
+    return custom(changes) if custom is not None else replace(instr, **changes)
+
+
 def _rewrite(instructions: Sequence[Instr], touches: dict[int, list], spills: dict[tuple[int, str], _SpillAccess],
              host: SpillHost | None) -> list[Instr]:
     """The instructions with every operand inside a moved tile shifted to its new box, and every access to a
@@ -489,7 +496,7 @@ def _rewrite(instructions: Sequence[Instr], touches: dict[int, list], spills: di
             moved = _moved(instr, name, ap, owners)
             if moved is not None:
                 changes[name] = moved
-        out += [*before, replace(instr, **changes) if changes else instr, *after]
+        out += [*before, _replaced(instr, changes) if changes else instr, *after]
     return out
 
 

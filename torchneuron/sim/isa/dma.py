@@ -338,6 +338,16 @@ class DmaCompute(Instr):
     def _footprint(self, name: str) -> Footprint:
         return dict(self._operands)[name].footprint()
 
+    def replace_operands(self, changes: dict) -> "DmaCompute":
+        """A copy with operands replaced by name (``"dst"``, ``"srcs[i]"``, as ``operands()`` names them)."""
+        srcs, rest = list(self.srcs), {}
+        for name, ap in changes.items():
+            if name.startswith("srcs["):
+                srcs[int(name[5:-1])] = ap
+            else:
+                rest[name] = ap
+        return replace(self, srcs=tuple(srcs), **rest)
+
     def execute(self, core) -> None:
         total = None
         for src in self.srcs:
