@@ -6,12 +6,22 @@ logits and every parameter's gradient must match the CPU within a float32 tolera
 generate() must produce the same tokens. Prints one line per model and exits 1 on any mismatch.
 
     python examples/huggingface_models.py [gpt2 llama bert t5 vit whisper]
+
+It then fine-tunes GPT-2 with ``transformers.Trainer`` for 8 steps on each device and compares the
+logged losses. Trainer picks its device through accelerate; the one line that selects neuron is the
+environment variable accelerate reads for a device it does not know by name:
+
+    ACCELERATE_TORCH_DEVICE=neuron python train.py     # or os.environ[...] = "neuron" before Trainer
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -96,11 +106,46 @@ def check(name: str) -> tuple[bool, str]:
     return logits_ok and grads_ok and same, text
 
 
+def trainer_losses() -> list[float]:
+    """The losses of 8 Trainer steps fine-tuning a small GPT-2 (dropout off, so both devices draw nothing)."""
+    torch.manual_seed(0)
+    model = hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (32, 16))]
+    args = hf.TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, num_train_epochs=1,
+                                logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-3,
+                                disable_tqdm=True)
+    trainer = hf.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    assert next(model.parameters()).device.type == args.device.type
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def check_trainer() -> tuple[bool, str]:
+    """Trainer on the CPU and on neuron, each in its own process (accelerate fixes the device per process)."""
+    losses = {}
+    for device in ("cpu", "neuron"):
+        env = {**os.environ, "ACCELERATE_TORCH_DEVICE": device}
+        out = subprocess.run([sys.executable, __file__, "--trainer-losses"], env=env, capture_output=True,
+                             text=True, check=True)
+        losses[device] = json.loads(out.stdout.strip().splitlines()[-1])
+    cpu, dev = losses["cpu"], losses["neuron"]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(dev, cpu))
+    ok = len(dev) == len(cpu) > 0 and worst < 1e-4
+    return ok, (f"trainer  GPT-2 fine-tuned {len(dev)} steps on neuron, losses {dev[0]:.4f} -> {dev[-1]:.4f}, "
+                f"largest relative deviation from the CPU run {worst:.1e}")
+
+
 def main() -> int:
     """Check the models named on the command line (default: all); exit status 1 if any differs from the CPU."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", metavar="MODEL", help=f"any of {', '.join(MODELS)} (default: all)")
+    parser.add_argument("--no-trainer", action="store_true", help="skip the Trainer fine-tuning comparison")
+    parser.add_argument("--trainer-losses", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.trainer_losses:  # one Trainer run on ACCELERATE_TORCH_DEVICE's device; its losses as JSON
+        print(json.dumps(trainer_losses()))
+        return 0
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:
         parser.error(f"unknown model(s) {unknown}: choose from {', '.join(MODELS)}")
@@ -111,6 +156,11 @@ def main() -> int:
         print(("ok    " if ok else "FAIL  ") + text, flush=True)
         if not ok:
             failed.append(name)
+    if not args.no_trainer:
+        ok, text = check_trainer()
+        print(("ok    " if ok else "FAIL  ") + text, flush=True)
+        if not ok:
+            failed.append("trainer")
     if failed:
         print(f"differs from the CPU: {', '.join(failed)}")
     return 1 if failed else 0
