@@ -97,3 +97,12 @@ def test_kernel_rows_and_flags():
     assert rows.tolist() == [3, 8, 8]
     got = index_rows(table, i0.view(torch.int32), i1, sizes=(3, 4), wide=(True, False))
     assert torch.equal(got, table[torch.tensor([3, 8, 8])])
+
+
+def test_indices_that_do_not_broadcast_raise_the_cpu_error():
+    x, key = torch.randn(4, 5), (torch.tensor([0, 1]), torch.tensor([0, 1, 2]))
+    with pytest.raises(IndexError) as cpu:
+        x[key]
+    with pytest.raises(IndexError) as dev:
+        to_n(x)[tuple(to_n(k) for k in key)]
+    assert str(dev.value) == str(cpu.value)

@@ -21,6 +21,8 @@ with a bad row). Either way a bad row fails an indirect DMA, before anything is 
 """
 from __future__ import annotations
 
+import math
+
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
@@ -68,19 +70,40 @@ def iota(n):
 MAX_INDEX_DIMS = 4   # index tensors ``index_rows`` takes
 
 
-def _dim_rows(index, n0: int, p: int, size: int, wide: bool):
-    """One dim's block of indices as (row within the dim, 1.0 where valid) [P, 1] tiles (int32 words; ``wide``:
-    int64 as (low, high) word pairs)."""
+def _col(p: int):
+    """A fresh int32 [p, 1] SBUF column."""
+    return nl.ndarray((PMAX, 1), nl.int32, buffer=nl.sbuf)[:p]
+
+
+def _dim_rows(index, n0: int, p: int, size: int, wide: bool, check_range: bool):
+    """One dim's block of indices as [P, 1] tiles: (row within the dim, 1 where valid or None when the row
+    alone tells: a wrapped value outside [0, size) is itself out of range). int32 words; ``wide``: int64 as
+    (low, high) word pairs, valid only where the high word is the sign of the low one."""
     w = 2 if wide else 1
     words = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=words[:p], src=index.ap([[w, p], [1, w]], offset=n0 * w))
     lo = words[:p, 0:1]
-    neg = nl.less(lo, 0, dtype=nl.int32)
-    r = nl.add(lo, nl.multiply(neg, size, dtype=nl.int32), dtype=nl.int32)       # from the end when negative
-    ok = nl.multiply(nl.greater_equal(r, 0, dtype=nl.int32), nl.less(r, size, dtype=nl.int32), dtype=nl.int32)
-    if wide:   # an int64 in int32 range has a high word of 0 (>= 0) or -1 (< 0)
-        ok = nl.multiply(ok, nl.equal(words[:p, 1:2], nl.multiply(neg, -1, dtype=nl.int32), dtype=nl.int32),
-                         dtype=nl.int32)
+    t = _col(p)   # size where negative
+    nisa.tensor_scalar(dst=t, data=lo, op0=nl.less, operand0=0, op1=nl.multiply, operand1=size)
+    r = _col(p)
+    nisa.tensor_tensor(dst=r, data1=lo, data2=t, op=nl.add)
+    ok = None
+    if check_range:   # 0 <= r < size  <=>  |2r - (size - 1)| < size (integers)
+        u = _col(p)
+        nisa.tensor_scalar(dst=u, data=r, op0=nl.multiply, operand0=2, op1=nl.subtract, operand1=size - 1)
+        ok = _col(p)
+        nisa.tensor_scalar(dst=ok, data=u, op0="abs", operand0=0, op1=nl.less, operand1=size)
+    if wide:          # high word -1 or 0 as the low word's sign: -size * high == t
+        h = _col(p)
+        nisa.tensor_scalar(dst=h, data=words[:p, 1:2], op0=nl.multiply, operand0=-size)
+        hk = _col(p)
+        nisa.tensor_tensor(dst=hk, data1=h, data2=t, op=nl.equal)
+        if ok is None:
+            ok = hk
+        else:
+            both = _col(p)
+            nisa.tensor_tensor(dst=both, data1=ok, data2=hk, op=nl.multiply)
+            ok = both
     return r, ok
 
 
@@ -92,6 +115,7 @@ def index_rows(table, i0, i1=None, i2=None, i3=None, sizes=(), wide=(), gather=T
     V, D = table.shape
     idx = [t for t in (i0, i1, i2, i3) if t is not None]
     assert len(idx) == len(sizes) == len(wide), "index_rows: one size and width per index tensor"
+    assert V == math.prod(sizes), "index_rows: the table's rows are the indexed dims"
     N = idx[0].shape[0] // (2 if wide[0] else 1)
     out = nl.ndarray((N, D) if gather else (N,), table.dtype if gather else nl.int32, buffer=nl.shared_hbm)
     W = max(1, min(D, 4 * DMA_ROW_BYTES // itemsize(table.dtype)))
@@ -99,11 +123,24 @@ def index_rows(table, i0, i1=None, i2=None, i3=None, sizes=(), wide=(), gather=T
         p = min(PMAX, N - n0)
         row = ok = None
         for t, size, wd in zip(idx, sizes, wide):
-            r, v = _dim_rows(t, n0, p, size, wd)
-            row = r if row is None else nl.add(nl.multiply(row, size, dtype=nl.int32), r, dtype=nl.int32)
-            ok = v if ok is None else nl.multiply(ok, v, dtype=nl.int32)
-        # row where valid, else -1: row * ok + (ok - 1)
-        row = nl.add(nl.multiply(row, ok, dtype=nl.int32), nl.subtract(ok, 1, dtype=nl.int32), dtype=nl.int32)
+            # (one dim: a wrapped row outside [0, size) fails the indirect DMA by itself)
+            r, v = _dim_rows(t, n0, p, size, wd, check_range=len(idx) > 1)
+            if row is None:
+                row = r
+            else:
+                nxt = _col(p)
+                nisa.scalar_tensor_tensor(dst=nxt, data=row, op0=nl.multiply, operand0=size, op1=nl.add, operand1=r)
+                row = nxt
+            if v is not None and ok is not None:
+                both = _col(p)
+                nisa.tensor_tensor(dst=both, data1=ok, data2=v, op=nl.multiply)
+                v = both
+            ok = v if v is not None else ok
+        if ok is not None:   # row where valid, else -1: (row + 1) * ok - 1
+            fixed, final = _col(p), _col(p)
+            nisa.scalar_tensor_tensor(dst=fixed, data=row, op0=nl.add, operand0=1, op1=nl.multiply, operand1=ok)
+            nisa.tensor_scalar(dst=final, data=fixed, op0=nl.subtract, operand0=1)
+            row = final
         if gather:
             for c0 in range(0, D, W):
                 w = min(W, D - c0)

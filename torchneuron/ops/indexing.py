@@ -101,7 +101,10 @@ def index_rows_launch(self: torch.Tensor, indices: Sequence[torch.Tensor | None]
         return None
     sizes = tuple(self.shape[k] for k in dims)
     V = math.prod(sizes)
-    B = tuple(torch.broadcast_shapes(*(t.shape for t in ts)))
+    try:
+        B = tuple(torch.broadcast_shapes(*(t.shape for t in ts)))
+    except RuntimeError:   # the CPU's IndexError (its message names the shapes)
+        raise_like_cpu(op, *args)
     if V == 0 or V > 1 << 24 or math.prod(B) == 0 or self.numel() == 0:
         return None
     leading = dims == list(range(len(dims))) and self.is_contiguous()

@@ -589,9 +589,9 @@ def index(self: torch.Tensor, indices: Sequence[torch.Tensor | None], *, out: to
     if len(indices) > self.dim():   # (the CPU's error, before the fast path looks at the indices)
         aten.index.Tensor(meta_twin(self), meta_twin(list(indices)))
     fast = index_rows_launch(self, indices, True, aten.index.Tensor, (self, indices))
+    res_meta = None
     if fast is not None:   # integer indices: one launch (8-byte elements move as int32 word pairs)
         dims, B, got = fast
-        res_meta = aten.index.Tensor(meta_twin(self), meta_twin(list(indices)))
     elif self.dtype not in DATA_DTYPES:
         raise Unsupported
     else:
@@ -612,7 +612,7 @@ def index(self: torch.Tensor, indices: Sequence[torch.Tensor | None], *, out: to
         nb = len(B)
         order = list(range(nb, nb + at)) + list(range(nb)) + list(range(nb + at, res.dim()))
         res = dense(res.permute(order))
-    assert tuple(res.shape) == tuple(res_meta.shape), (res.shape, res_meta.shape)
+    assert res_meta is None or tuple(res.shape) == tuple(res_meta.shape), (res.shape, res_meta.shape)
     return write_result(res, out)
 
 
