@@ -116,7 +116,7 @@ def test_profile_device_only_trace(script, tmp_path):
 
 
 def test_check_lists_fallbacks_with_call_sites(script, tmp_path):
-    out = _run("check", str(script), str(tmp_path / "ref.json"))
+    out = _run("check", str(script), str(tmp_path / "ref.json"), env={"TORCHNEURON_STRICT": "1"})
     assert out.returncode == 1, out.stdout + out.stderr  # a fallback fails the check, as strict mode would
     line = SCRIPT.splitlines().index(next(s for s in SCRIPT.splitlines() if "# FALLBACK" in s)) + 1
     listed = [s for s in out.stdout.splitlines() if "aten::_linalg_svd" in s]
