@@ -237,3 +237,32 @@ def test_rng_on_gpsimd_needs_neuroncore_v3():
     assert len(np.unique(bits)) > 500  # 512 draws of 32 random bits: collisions are negligible
     with pytest.raises(SimulatorError, match="rng on the gpsimd engine: needs NeuronCore-v3 or newer; trn1"):
         nki.profile(k, chip="trn1")(x)
+
+
+def test_topk_of_rows_through_the_blocked_snake_layout():
+    import torch
+
+    @nki.jit
+    def k(inp):
+        rows, vocab = inp.shape
+        n_cols = vocab // 16
+        vals = nl.ndarray((rows * 16, 16), nl.bfloat16, buffer=nl.shared_hbm)
+        idxs = nl.ndarray((rows * 16, 16), nl.uint32, buffer=nl.shared_hbm)
+        snake = nl.ndarray((rows * 16, n_cols), nl.bfloat16)
+        nisa.dma_copy(dst=snake, src=inp.reshape((rows * 16, n_cols)))   # partition p holds p*n_cols..+n_cols
+        v = nl.zeros((rows * 16, 16), nl.bfloat16)
+        i = nl.zeros((rows * 16, 16), nl.uint32)
+        nisa.topk(val_dst=v, idx_dst=i, src=snake, n=vocab)
+        nl.store(vals, v)
+        nl.store(idxs, i)
+        return vals, idxs
+
+    inp = torch.randperm(2 * 64).reshape(2, 64).to(torch.bfloat16)
+    vals, idxs = k(inp)
+    for r in range(2):
+        q = torch.arange(16)
+        pos = idxs[16 * r + q % 16, q // 16].to(torch.int64)
+        vocab_index = (pos % 16) * 4 + pos // 16                 # snake position -> the row's element
+        got = vals[16 * r + q % 16, q // 16]
+        assert torch.equal(got, inp[r, vocab_index])
+        assert torch.equal(got.flip(0), torch.topk(inp[r].float(), 16).values.to(torch.bfloat16))

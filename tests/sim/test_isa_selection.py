@@ -320,3 +320,39 @@ def test_dma_compute_operands_can_be_replaced_by_name(core):
     assert [n for n, _ in instr.operands()] == ["dst", "srcs[0]", "srcs[1]"]
     moved = instr.replace_operands({"srcs[1]": a, "dst": b})
     assert moved.dst == b and moved.srcs == (b, a) and moved.reads() == (b.footprint(), a.footprint())
+
+
+@pytest.mark.parametrize("n,k", [(42, 8), (48, 20), (8, 8)])
+def test_topk_over_16_partition_snakes(core, n, k):
+    cols = -(-n // 16)
+    g = torch.Generator().manual_seed(n + k)
+    src = torch.randperm(2 * 16 * cols, generator=g).float().reshape(32, cols).to(BF16)  # distinct values
+    kc = -(-k // 16)
+    val, idx = empty(core, (32, k), BF16), put(core, torch.full((32, k), 7, dtype=torch.int64).to(U32))
+    core.execute(isa.topk(val_dst=val, idx_dst=idx, src=put(core, src), n=n))
+    got_v, got_i = val.read(core).float(), idx.read(core).to(torch.int64)
+    for grp in range(2):
+        snake = src[16 * grp:16 * grp + 16].float().t().reshape(-1)[:n]   # position s = p + 16 c
+        want = torch.topk(snake, k).values.flip(0)                      # ascending
+        q = torch.arange(k)
+        assert torch.equal(got_v[16 * grp + q % 16, q // 16], want)
+        assert torch.equal(snake[got_i[16 * grp + q % 16, q // 16]], want)
+    untouched = torch.ones(32, k, dtype=torch.bool)
+    for grp in range(2):
+        q = torch.arange(k)
+        untouched[16 * grp + q % 16, q // 16] = False
+    assert bool((got_i[untouched] == 7).all()) and kc <= k
+    spec = chip_spec("trn2")
+    assert stream_cycles(isa.topk(val_dst=val, idx_dst=idx, src=put(core, src), n=n).cost_inputs(), spec) == \
+        max(spec.gpsimd.min_ii_cycles, 4 * n + k)  # ISA: 4n + K
+
+
+def test_topk_limits(core):
+    src = put(core, rand((32, 4), BF16))
+    with pytest.raises(SimulatorError, match="multiple of 16"):
+        isa.topk(val_dst=empty(core, (8, 8), BF16), idx_dst=empty(core, (8, 8), U32), src=put(core, rand((8, 4), BF16)),
+                 n=32)
+    with pytest.raises(SimulatorError, match="K <= n"):
+        isa.topk(val_dst=empty(core, (32, 40), BF16), idx_dst=empty(core, (32, 40), U32), src=src, n=32)
+    with pytest.raises(SimulatorError, match="needs 5"):
+        isa.topk(val_dst=empty(core, (32, 8), BF16), idx_dst=empty(core, (32, 8), U32), src=src, n=80)

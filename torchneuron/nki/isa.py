@@ -514,6 +514,11 @@ def local_gather(dst: Tile, src_buffer: Tile, index: Tile, num_elem_per_idx: int
           num_valid_indices=num_valid_indices)
 
 
+def topk(val_dst: Tile, idx_dst: Tile, src: Tile, n: int, name: str | None = None) -> NkiInstruction:
+    """Per 16-partition snake of ``n`` bf16 values, the K largest (ascending) and their snake positions (GpSimd)."""
+    return _emit(sim.TopK, val_dst=val_dst, idx_dst=idx_dst, src=src, n=n)
+
+
 # ---- accumulating Vector / Scalar instructions ---------------------------------------------------
 
 def tensor_scalar_cumulative(dst: Tile, src: Tile, op0: Any, op1: Any, imm0: Operand, imm1: Operand = None,

@@ -208,6 +208,8 @@ def stream_cycles(ci: CostInputs, spec: ChipSpec) -> float:
         c = n                                               # LISA
     elif op in ("select_reduce", "activate2"):
         c = n                                               # ASSUMPTION: LISA's select / activation rule (N)
+    elif op == "topk":
+        c = n                                               # ISA: 4 n + K, carried in free_elems
     elif op == "sequence_bounds":
         c = e.start_overhead_cycles + 2 * n                 # ASSUMPTION: NO NUMBER; start + a forward and a backward pass
     else:

@@ -32,7 +32,7 @@ from torchneuron.sim.isa.mx import MX_FORMATS, MX_GROUP_PARTITIONS, NcMatmulMx, 
 from torchneuron.sim.isa.movement import LocalGather, NcNGather, NcStreamShuffle
 from torchneuron.sim.isa.scalar_engine import Activate2, Activation
 from torchneuron.sim.isa.selection import (NcMatchReplace8, NonzeroWithCount, RangeSelect, SelectReduce, SequenceBounds,
-                                           TensorCopyPredicated)
+                                           TensorCopyPredicated, TopK)
 from torchneuron.sim.isa.tensor_engine import (FP8, PE_COLS, PE_ROWS, PE_TILE_SIZES, PERF_MODES, NcMatmul,
                                                NcMatmulTiled, NcTranspose)
 from torchneuron.sim.isa.vector_engine import (BnAggr, BnStats, Exponential, Max8, NcFindIndex8, Reciprocal,
@@ -48,7 +48,7 @@ OPCODES: dict[str, type[Instr]] = {cls.opcode: cls for cls in (
     SetRngSeed, Rand2, Dropout, TensorCopyPredicated, SelectReduce, RangeSelect, SequenceBounds, NonzeroWithCount,
     NcMatchReplace8, NcStreamShuffle, NcNGather, LocalGather, TensorScalarCumulative, Exponential, Activate2,
     DmaCompute, DevicePrint, RegisterMove, RegisterLoad, RegisterStore, LoopBegin, LoopEnd, WhileBegin, WhileEnd,
-    RandGetState, RandSetState)}
+    RandGetState, RandSetState, TopK)}
 
 # nki.isa-style lowercase aliases: isa.nc_matmul(dst=..., stationary=..., moving=...) builds the instruction
 dma_copy, dma_transpose, dma_copy_dynamic = DmaCopy, DmaTranspose, DmaCopyDynamic
@@ -68,6 +68,6 @@ tensor_scalar_cumulative, exponential, activate2, dma_compute = (TensorScalarCum
 device_print = DevicePrint
 register_move, register_load, register_store = RegisterMove, RegisterLoad, RegisterStore
 loop_begin, loop_end, while_begin, while_end = LoopBegin, LoopEnd, WhileBegin, WhileEnd
-rand_get_state, rand_set_state = RandGetState, RandSetState
+rand_get_state, rand_set_state, topk = RandGetState, RandSetState, TopK
 
 __all__ = [n for n in dir() if not n.startswith("_")]

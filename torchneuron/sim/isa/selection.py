@@ -1,12 +1,12 @@
 """Selection and search instructions: predicated copies and selects (``tensor_copy_predicated``,
 ``select_reduce``, ``range_select``), segment bounds and nonzero indices (``sequence_bounds``,
-``nonzero_with_count``, GpSimd) and match-and-replace (``nc_match_replace8``, VectorE).
+``nonzero_with_count``, GpSimd), match-and-replace (``nc_match_replace8``, VectorE) and ``topk`` (GpSimd).
 
 Comparisons run in fp32 as on the engines; the VectorE reductions share the per-lane registers of
 ``tensor_scalar_reduce`` (``core.regs[Engine.VECTOR]``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -323,3 +323,66 @@ class NcMatchReplace8(Instr):
 
     def price(self) -> CostInputs:
         return self._cost([self.data], self.dst, flops=0)
+
+
+TOPK_GROUP = 16  # partitions of one top-k snake (one GpSimd core)
+
+
+@dataclass(frozen=True)
+class TopK(Instr):
+    """``nisa.topk`` (GpSimd, SBUF): per group of 16 partitions, the ``n`` bf16 values of the group's snake
+    (snake position ``s`` is ``src[16 g + s % 16, s // 16]``) give their K largest (K = ``val_dst``'s elements
+    per partition), in ascending order, written as a snake too: output position ``q`` is
+    ``[16 g + q % 16, q // 16]`` of ``val_dst`` (values) and ``idx_dst`` (their snake positions, uint32).
+    Positions from K on are left unchanged. Equal values take the lower snake position first (the hardware's
+    order among equal values, and its output order in general, is not published)."""
+
+    val_dst: AP
+    idx_dst: AP
+    src: AP
+    n: int
+    opcode = "topk"
+    engine = Engine.GPSIMD
+    WRITES = ("val_dst", "idx_dst")
+
+    def check(self) -> None:
+        self._tiles("val_dst", "idx_dst", "src")
+        if self.src.dtype != torch.bfloat16 or self.val_dst.dtype != torch.bfloat16:
+            raise self._fail("src/val_dst", "must be bfloat16")
+        if self.idx_dst.dtype != torch.uint32:
+            raise self._fail("idx_dst", f"is {dtype_name(self.idx_dst.dtype)}; it must be uint32")
+        p = self.src.partitions
+        if p % TOPK_GROUP or any(getattr(self, n).partitions != p for n in ("val_dst", "idx_dst")):
+            raise self._fail("src", f"spans {p} partitions; src, val_dst and idx_dst span the same multiple of "
+                                    f"{TOPK_GROUP}")
+        self._same("val_dst", "idx_dst")
+        k, n = self.val_dst.free_elems, int(self.n)
+        if not 8 <= n < 65536:
+            raise self._fail("n", f"is {n}; the range is [8, 65536)")
+        if not 1 <= k < 32768 or k > n:
+            raise self._fail("val_dst", f"asks for K = {k} values; 1 <= K < 32768 and K <= n ({n})")
+        if self.src.free_elems < -(-n // TOPK_GROUP):
+            raise self._fail("src", f"has {self.src.free_elems} columns; a snake of {n} needs {-(-n // TOPK_GROUP)}")
+
+    def execute(self, core) -> None:
+        p, k, n = self.src.partitions, self.val_dst.free_elems, int(self.n)
+        groups = p // TOPK_GROUP
+        src = self.src.view(core).reshape(groups, TOPK_GROUP, -1).float()
+        snake = src.transpose(1, 2).reshape(groups, -1)[:, :n]            # snake position s = p + 16 c
+        order = torch.sort(snake, dim=1, descending=True, stable=True).indices[:, :k]
+        top = torch.gather(snake, 1, order)
+        asc = torch.flip(top, [1])                                          # the K largest, ascending
+        pos = torch.flip(order, [1])
+        rows = (torch.arange(k) % TOPK_GROUP) + TOPK_GROUP * torch.arange(groups)[:, None]
+        cols = (torch.arange(k) // TOPK_GROUP).expand(groups, k)
+        vals = self.val_dst.view(core).reshape(p, -1).clone()
+        idx = self.idx_dst.view(core).reshape(p, -1).to(torch.int64)
+        vals[rows, cols] = asc.to(vals.dtype)
+        idx[rows, cols] = pos
+        self.val_dst.write(core, vals)
+        self.idx_dst.write(core, idx)
+
+    def price(self) -> CostInputs:
+        # ISA: 4 n + K GpSimd cycles; carried as the elements per partition of the cost
+        ci = self._cost([self.src], self.val_dst, flops=0)
+        return replace(ci, free_elems=4 * int(self.n) + self.val_dst.free_elems)
