@@ -77,11 +77,13 @@ def softmax_backward(grad: torch.Tensor, out: torch.Tensor, dim: int, log: bool,
                              {"log": log, "scale": float(scale)},
                              op="aten::_log_softmax_backward_data" if log else "aten::_softmax_backward_data")
         return res.reshape(out.shape)
+    # in fp32 and rounded once, as the kernel and the CPU do (bf16/fp16 steps rounded each intermediate)
+    g, y = grad.float(), out.float()
     if log:
-        res = grad - out.exp() * grad.sum(dim, keepdim=True)
+        res = g - y.exp() * g.sum(dim, keepdim=True)
     else:
-        res = out * (grad - (grad * out).sum(dim, keepdim=True))
-    return res if scale == 1.0 else res * scale
+        res = y * (g - (g * y).sum(dim, keepdim=True))
+    return (res if scale == 1.0 else res * scale).to(out.dtype)
 
 
 def _backward_lowering(name: str, log: bool) -> None:
