@@ -88,6 +88,7 @@ def _check_chrome_trace(path: Path, records) -> dict:
         assert k["dur"] == pytest.approx(r.device_time_ns / 1000, abs=TOL_US)
         assert (k["pid"], k["tid"]) == (r.device, r.stream)
         assert k["args"]["device time ns"] == pytest.approx(r.device_time_ns)
+        assert k["args"]["device"] == r.device  # an int, as on CUDA (TensorBoard's plugin reads it)
         launcher = cpu_ops[k["args"]["External id"]]
         assert launcher["ts"] <= k["ts"]  # a kernel starts after the op that launched it began
     names = {(e["pid"], e["args"]["name"]) for e in trace["traceEvents"] if e.get("name") == "process_name"}
@@ -114,6 +115,35 @@ def test_tensorboard_trace_handler_writes_a_trace(tmp_path):
     files = list(tmp_path.glob("w0.*.pt.trace.json"))
     assert len(files) == 1, list(tmp_path.iterdir())
     _check_chrome_trace(files[0], records)
+
+
+def test_tensorboard_profiler_plugin_reads_the_kernels(tmp_path):
+    """TensorBoard's PyTorch profiler plugin (torch-tb-profiler) parses the trace and lists the kernels."""
+    pytest.importorskip("torch_tb_profiler")
+    from torch_tb_profiler.profiler.data import RunProfileData
+    from torch_tb_profiler.profiler.run_generator import RunGenerator
+
+    _workload()
+    with profile(schedule=schedule(wait=0, warmup=1, active=1, repeat=1),
+                 on_trace_ready=tensorboard_trace_handler(str(tmp_path), worker_name="w0")) as prof:
+        _workload()
+        prof.step()
+        with launch_log.record() as records:
+            _workload()
+        prof.step()
+    (path,) = tmp_path.glob("w0.*.pt.trace.json")
+    data = RunProfileData.parse("w0", None, str(path), str(tmp_path / "cache"))
+    data.analyze()
+    run = RunGenerator("w0", None, data).generate_run_profile()
+    assert "kernel" in {v.name for v in run.views}
+    kernels = {k.name: k for k in data.kernel_list_groupby_name_op}
+    expected: dict[str, list[float]] = {}
+    for r in records:
+        expected.setdefault(r.name, []).append(r.device_time_ns / 1000)
+    assert set(kernels) == set(expected)
+    for name, times in expected.items():
+        assert kernels[name].calls == len(times)
+        assert kernels[name].total_duration == pytest.approx(sum(times), abs=TOL_US * len(times))
 
 
 def test_kernels_stay_in_order_on_their_stream():

@@ -112,7 +112,7 @@ class NeuronSession final : public libkineto::IActivityProfilerSession {
       act->device = l.device;
       act->resource = static_cast<int32_t>(l.stream);
       if (linked && l.correlation != 0) act->linked = linked(static_cast<int32_t>(l.correlation));
-      act->addMetadataQuoted("device", "neuron:" + std::to_string(l.device));
+      act->addMetadata("device", l.device);  // the device index, as CUDA kernels carry it (TensorBoard reads it)
       act->addMetadata("stream", l.stream);
       act->addMetadata("correlation", l.correlation);
       if (!l.op.empty()) act->addMetadataQuoted("op", l.op);
