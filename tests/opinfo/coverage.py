@@ -213,10 +213,29 @@ def _failing_list(results: list[dict]) -> list[str]:
             for r in sorted(failing, key=lambda r: r["key"])]
 
 
+def _dtype_section(results: list[dict]) -> list[str]:
+    """Per dtype: the conformance counts, then native / fallback / failing / skipped of the core ops."""
+    if not any("@" in r["key"] for r in results):
+        return ["Each op ran at its preferred dtype only (`--dtypes` runs the others it supports too)."]
+    by_dtype: dict[str, list[dict]] = {}
+    for r in results:
+        by_dtype.setdefault(r["dtype"] or "-", []).append(r)
+    lines = ["| dtype | core ops | native | fallback | failing | skipped | native % of tested (core) |",
+             "|---|---|---|---|---|---|---|"]
+    for d in sorted(by_dtype, key=conformance.dtype_rank):
+        core = [r for r in by_dtype[d] if family(r) == CORE]
+        c = _counts(core)
+        lines.append(f"| {d} | {len(core)} | {c[NATIVE]} | {c[FALLBACK]} | {c[FAILING]} | {c[SKIPPED]} | "
+                     f"{_pct(c[NATIVE], len(core) - c[SKIPPED])} |")
+    return [*conformance.dtype_table(results), "", *lines]
+
+
 def write_report(results: list[dict], path: Path, *, meta: dict, total_ops: int) -> None:
-    """Write docs/op-coverage.md: headline, families, per-op table, failing ops, to-do list."""
+    """Write docs/op-coverage.md: headline, families, per-op table, failing ops, to-do list (the headline and
+    the family and to-do tables over each op at its preferred dtype; a per-dtype section over all runs)."""
     import torch
 
+    all_runs, results = results, [r for r in results if "@" not in r["key"]]
     partial = len(results) < total_ops
     lines = [
         "# Eager op coverage of the `neuron` device",
@@ -252,9 +271,16 @@ def write_report(results: list[dict], path: Path, *, meta: dict, total_ops: int)
         "",
         *_family_table(results),
         "",
+        "## Per dtype",
+        "",
+        "Each op at every dtype it supports on the CPU (complex aside) with `--dtypes all`, and with `--grads` the",
+        "input gradients of its samples compared too; an op's preferred dtype is the row above's run.",
+        "",
+        *_dtype_section(all_runs),
+        "",
         "## Failing ops",
         "",
-        *_failing_list(results),
+        *_failing_list(all_runs),
         "",
         "## ATen ops that fell back (the lowering to-do list)",
         "",
@@ -292,10 +318,13 @@ def save_results(path: Path, results: list[dict], meta: dict) -> None:
 
 
 def merge(old: list[dict], new: list[dict], order: list[str]) -> list[dict]:
-    """``old`` with the ops of ``new`` replaced, in op_db order."""
+    """``old`` with the ops of ``new`` replaced, in op_db order (an op's ``key@dtype`` runs after it)."""
     by_key = {r["key"]: r for r in old}
     by_key.update({r["key"]: r for r in new})
-    return [by_key[k] for k in order if k in by_key]
+    rank = {k: i for i, k in enumerate(order)}
+    keys = [k for k in by_key if conformance.split_job(k)[0] in rank]
+    return [by_key[k] for k in sorted(keys, key=lambda k: (rank[conformance.split_job(k)[0]],
+                                                         conformance.dtype_rank(conformance.split_job(k)[1])))]
 
 
 _FILE_OPTIONS = ("--out", "--conformance-out", "--results", "--from-results")
@@ -322,7 +351,7 @@ def _ops_to_run(args: argparse.Namespace, p: argparse.ArgumentParser, old: list[
     if args.rerun_failed:
         from tests.opinfo import harness
 
-        failing = {r["key"] for r in old if classify(r) == FAILING}
+        failing = {conformance.split_job(r["key"])[0] for r in old if classify(r) == FAILING}
         ops = [op for op in ops if harness.op_key(op) in failing]
     return ops
 
