@@ -106,3 +106,31 @@ def test_indices_that_do_not_broadcast_raise_the_cpu_error():
     with pytest.raises(IndexError) as dev:
         to_n(x)[tuple(to_n(k) for k in key)]
     assert str(dev.value) == str(cpu.value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_by_a_mask_is_two_launches(dtype, strict):
+    # the mask scanned on the device, the count read by the host (one sync, as on CUDA), rows moved by rank
+    x = _data((200, 3), dtype)
+    mask = torch.rand(200) > 0.6
+    got, names = _names(lambda: to_n(x)[to_n(mask)])
+    assert names == ["scan_rows", "mask_rows"]
+    assert got.dtype == dtype and torch.equal(got.cpu(), x[mask])
+
+
+@pytest.mark.parametrize("fill", [None, False, True])
+def test_masks_over_leading_dims_and_empty_or_full_selections(fill, strict):
+    x = torch.randn(6, 7, 2)
+    mask = torch.rand(6, 7) > 0.5 if fill is None else torch.full((6, 7), fill)
+    assert torch.equal(to_n(x)[to_n(mask)].cpu(), x[mask])
+    m1 = torch.rand(6) > 0.5
+    assert torch.equal(to_n(x)[to_n(m1)].cpu(), x[m1])
+
+
+def test_mask_of_the_wrong_shape_raises_the_cpu_error():
+    x, mask = torch.randn(4, 5), torch.ones(5, dtype=torch.bool)
+    with pytest.raises(IndexError) as cpu:
+        x[mask]
+    with pytest.raises(IndexError) as dev:
+        to_n(x)[to_n(mask)]
+    assert str(dev.value) == str(cpu.value)

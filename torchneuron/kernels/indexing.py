@@ -152,3 +152,28 @@ def index_rows(table, i0, i1=None, i2=None, i3=None, sizes=(), wide=(), gather=T
             nisa.dma_copy(dst=probe[:p], src=table.ap([[D, p], [1, 1]], vector_offset=row))
             nisa.dma_copy(dst=out[n0:n0 + p].reshape((p, 1)), src=row)
     return out
+
+
+@nki.jit
+def mask_rows(table, flags, rank, count=0):
+    """The rows of ``table`` [V, D] whose ``flags`` [V] are set, in order (``x[mask]``): row i goes to
+    ``out[rank[i] - 1]`` (``rank``: the inclusive count of set flags, int32), the others to a spare last
+    row; returns [count + 1, D]."""
+    V, D = table.shape
+    out = nl.ndarray((count + 1, D), table.dtype, buffer=nl.shared_hbm)
+    W = max(1, min(D, 4 * DMA_ROW_BYTES // itemsize(table.dtype)))
+    for n0 in range(0, V, PMAX):
+        p = min(PMAX, V - n0)
+        f, r = _col(p), _col(p)
+        nisa.dma_copy(dst=f, src=flags.ap([[1, p], [1, 1]], offset=n0))
+        nisa.dma_copy(dst=r, src=rank.ap([[1, p], [1, 1]], offset=n0))
+        # slot = rank - 1 where set, else count: flag * (rank - count - 1) + count
+        s, slot = _col(p), _col(p)
+        nisa.scalar_tensor_tensor(dst=s, data=r, op0=nl.subtract, operand0=count + 1, op1=nl.multiply, operand1=f)
+        nisa.tensor_scalar(dst=slot, data=s, op0=nl.add, operand0=count)
+        for c0 in range(0, D, W):
+            w = min(W, D - c0)
+            rows = nl.ndarray((PMAX, w), table.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=rows[:p], src=table[n0:n0 + p, c0:c0 + w])
+            nisa.dma_copy(dst=out.ap([[D, p], [1, w]], offset=c0, vector_offset=slot), src=rows[:p])
+    return out

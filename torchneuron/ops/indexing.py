@@ -13,6 +13,8 @@
 - ``index_rows_launch``: the one-launch core of advanced indexing by integer index tensors
   (``x[idx]``, ``x[i, j] = v``; the lowerings are in ``ops/scatter.py``): wrapping, bounds and the
   int64 words checked, the dims combined into flat rows and the rows gathered, by one kernel.
+  ``mask_rows_launch``: ``x[mask]`` in two launches (a scan ranks the set elements, the host reads
+  the count, one kernel moves the selected rows).
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torch._prims_common import canonicalize_dim
 
-from torchneuron.kernels.indexing import gather_rows, index_rows, iota, MAX_INDEX_DIMS
+from torchneuron.kernels.indexing import gather_rows, index_rows, iota, mask_rows, MAX_INDEX_DIMS
+from torchneuron.kernels.scan import scan_rows
+import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, DEVICE_DTYPES, raise_like_cpu, Unsupported
 from torchneuron.ops.elementwise import (can_copy, check_no_internal_overlap, check_no_overlap, copy_parts, dense,
@@ -125,6 +129,34 @@ def index_rows_launch(self: torch.Tensor, indices: Sequence[torch.Tensor | None]
     if gather and self.element_size() == 8:
         res = res.view(self.dtype)
     return dims, B, res
+
+
+def mask_rows_launch(self: torch.Tensor, indices: Sequence[torch.Tensor | None]) -> tuple[int, torch.Tensor] | None:
+    """``self[mask]`` for one bool mask over leading dims of a contiguous ``self``, in two launches: a scan of
+    the mask ranks the set elements, the host reads the count (the result's size, one sync as on CUDA), then
+    one kernel moves each selected row to its rank. (mask dims, result [count, rest]), or None where it
+    does not apply (the caller's general path)."""
+    if len(indices) != 1 or indices[0] is None or indices[0].dtype != torch.bool:
+        return None
+    mask = indices[0]
+    k = mask.dim()
+    V = mask.numel()
+    if (k == 0 or k > self.dim() or tuple(mask.shape) != tuple(self.shape[:k]) or not self.is_contiguous()
+            or V == 0 or V >= 1 << 24 or self.numel() == 0 or mask.device != self.device):
+        return None
+    flags = dense(mask).reshape(-1)
+    (rank,) = call_kernel(scan_rows, {"x": flags.reshape(1, V)},
+                          {"op": "sum", "out_dtype": torch.int32, "compute": nl.int32}, op="aten::index")
+    count = int(rank[0, V - 1].item())
+    table = self.reshape(V, -1)
+    if table.element_size() == 8:   # 8-byte elements move as pairs of int32 words
+        table = table.view(torch.int32)
+    (out,) = call_kernel(mask_rows, {"table": table, "flags": flags, "rank": rank.reshape(-1)}, {"count": count},
+                         op="aten::index")
+    res = out[:count]
+    if self.element_size() == 8:
+        res = res.view(self.dtype)
+    return k, res.reshape(count, *self.shape[k:])
 
 
 def arange_values(n: int, device: torch.device) -> torch.Tensor:

@@ -42,7 +42,7 @@ from torchneuron.ops.base import (aten, DEVICE_DTYPES, FLOATS, meta_twin, on_one
                                   Unsupported)
 from torchneuron.ops.elementwise import (broadcast_shape, check_no_internal_overlap, check_no_overlap, dense,
                                          device_copy, run_pointwise, to_int64, write_result)
-from torchneuron.ops.indexing import arange_values, index_rows_launch
+from torchneuron.ops.indexing import arange_values, index_rows_launch, mask_rows_launch
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import cpu_fallback, lowering
 
@@ -590,8 +590,11 @@ def index(self: torch.Tensor, indices: Sequence[torch.Tensor | None], *, out: to
         aten.index.Tensor(meta_twin(self), meta_twin(list(indices)))
     fast = index_rows_launch(self, indices, True, aten.index.Tensor, (self, indices))
     res_meta = None
+    masked = None if fast is not None else mask_rows_launch(self, indices)
     if fast is not None:   # integer indices: one launch (8-byte elements move as int32 word pairs)
         dims, B, got = fast
+    elif masked is not None:   # one bool mask over leading dims: two launches
+        return write_result(masked[1], out)
     elif self.dtype not in DATA_DTYPES:
         raise Unsupported
     else:
