@@ -173,3 +173,17 @@ def test_cpu_only_profile_records_no_device_activity():
         _workload()
     assert _device_events(prof) == []
     assert not _C._profiler_recording()
+
+
+def test_legacy_autograd_profiler_times_ops_on_the_stream_clock():
+    """torch.autograd.profiler.profile(use_device="neuron"): an op's device time is how far its launches
+    advanced the stream clock (kernel plus launch overhead), in whole microseconds as the profiler keeps it."""
+    _workload()
+    with launch_log.record() as records:
+        with torch.autograd.profiler.profile(use_device="neuron") as prof:
+            _workload()
+    ranges = sorted((e for e in prof.function_events if e.name.startswith("neuron::")), key=lambda e: e.time_range.start)
+    assert [e.name for e in ranges] == [f"neuron::{r.name}" for r in records]
+    for e, r in zip(ranges, records):
+        assert e.self_device_time_total == pytest.approx((r.end_ns - r.start_ns) // 1000, abs=1)
+    assert "Self NEURON" in prof.key_averages().table()

@@ -18,8 +18,13 @@
 // GenericTraceActivity formats its metadata with fmt, whose compiled part torch does not export.
 #define FMT_HEADER_ONLY 1
 
+#include "neuron.h"
+
 #include <torch/csrc/profiler/standalone/privateuse1_profiler.h>
+#include <torch/csrc/profiler/stubs/base.h>
 #include <torch/extension.h>
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <c10/util/ApproximateClock.h>
 #include <libkineto.h>
@@ -180,6 +185,45 @@ class NeuronActivityProfiler final : public libkineto::IActivityProfiler {
 };
 
 REGISTER_PRIVATEUSE1_PROFILER(NeuronActivityProfiler);
+
+// The legacy autograd profiler (torch.autograd.profiler.profile(use_device="neuron")) times each
+// op with device events: here an event is the current stream's device clock, so an op's device
+// time is how far its launches advanced the clock (kernels plus launch overheads).
+class NeuronProfilerStubs final : public torch::profiler::impl::ProfilerStubs {
+ public:
+  void record(c10::DeviceIndex* device, torch::profiler::impl::ProfilerVoidEventStub* event,
+              int64_t* cpu_ns) const override {
+    c10::DeviceIndex index = current_device();
+    if (device) *device = index;
+    c10::Stream stream = c10::impl::getDeviceGuardImpl(kNeuron)->getStream(c10::Device(kNeuron, index));
+    auto* clock = new int64_t(stream_clock(index, stream.id()));
+    *event = std::shared_ptr<void>(clock, [](void* p) { delete static_cast<int64_t*>(p); });
+    if (cpu_ns) *cpu_ns = c10::getTime();
+  }
+  // microseconds, as the CUDA stub returns
+  float elapsed(const torch::profiler::impl::ProfilerVoidEventStub* start,
+                const torch::profiler::impl::ProfilerVoidEventStub* end) const override {
+    return float(*static_cast<const int64_t*>(end->get()) - *static_cast<const int64_t*>(start->get())) / 1000.0f;
+  }
+  void mark(const char* /*name*/) const override {}
+  void rangePush(const char* /*name*/) const override {}
+  void rangePop() const override {}
+  bool enabled() const override { return true; }
+  void onEachDevice(std::function<void(int)> op) const override {
+    c10::DeviceIndex before = current_device();
+    for (c10::DeviceIndex i = 0; i < device_count(); ++i) {
+      set_current_device(i);
+      op(i);
+    }
+    set_current_device(before);
+  }
+  void synchronize() const override {}  // work runs when launched, in stream order
+};
+
+NeuronProfilerStubs g_stubs;
+struct RegisterStubs {
+  RegisterStubs() { torch::profiler::impl::registerPrivateUse1Methods(&g_stubs); }
+} g_register_stubs;
 
 }  // namespace
 
