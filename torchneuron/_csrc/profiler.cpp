@@ -1,5 +1,6 @@
 // Kernel launches as device activity in torch.profiler: a Kineto activity profiler for the
-// PrivateUse1 device, registered through PyTorch's PrivateUse1 profiler registry.
+// PrivateUse1 device, registered through PyTorch's PrivateUse1 profiler registry (and, at the
+// end, the profiler stubs the legacy autograd profiler times ops with).
 //
 // The runtime (Python) reports each launch made while a session records: the correlation id
 // of the op that launched it (the innermost profiled op of the launching thread, pushed by
