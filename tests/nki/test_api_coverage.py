@@ -9,6 +9,7 @@ list stays honest as entries land). The fraction implemented may only go up: ``F
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import pytest
 
@@ -65,6 +66,188 @@ REFERENCE: dict[str, tuple[str, ...]] = {
     ),
 }
 
+# The reference's parameters of every function, in order: an implemented function accepts them, the positional
+# ones in that order (ours may add parameters after them).
+SIGNATURES: dict[str, dict[str, str]] = {
+    "isa": {
+        "get_nc_sub_version": "",
+        "get_nc_version": "",
+        "dma_copy": "dst src priority oob_mode dge_mode engine name",
+        "tensor_copy": "dst src engine name",
+        "memset": "dst value engine name",
+        "tensor_copy_predicated": "dst src predicate reverse_pred name",
+        "nc_matmul": ("dst stationary moving is_stationary_onezero is_moving_onezero is_transpose accumulate "
+                      "tile_position tile_size perf_mode name"),
+        "nc_matmul_mx": "dst stationary moving stationary_scale moving_scale tile_position tile_size accumulate name",
+        "nc_transpose": "dst data engine name",
+        "dma_transpose": "dst src axes priority dge_mode oob_mode name",
+        "tensor_tensor": "dst data1 data2 op engine name",
+        "tensor_scalar": "dst data op0 operand0 reverse0 op1 operand1 reverse1 engine name",
+        "tensor_reduce": "dst op data axis negate keepdims name",
+        "tensor_partition_reduce": "dst op data name",
+        "tensor_scalar_cumulative": "dst src op0 op1 imm0 imm1 reduce_cmd name",
+        "activation": "dst op data bias scale reduce_op reduce_res reduce_cmd name",
+        "activation_reduce": "dst op data reduce_op reduce_res bias scale name",
+        "activate2": ("dst op data imm0 imm1 op0 op1 relu_param reverse0 reverse1 reduce_op reduce_res "
+                      "reduce_cmd name"),
+        "iota": "dst pattern offset channel_multiplier name",
+        "affine_select": "dst pattern channel_multiplier on_true_tile on_false_value cmp_op offset name",
+        "local_gather": "dst src_buffer index num_elem_per_idx num_valid_indices name",
+        "nc_n_gather": "dst data indices name",
+        "bn_stats": "dst data name",
+        "bn_aggr": "dst data name",
+        "tensor_tensor_scan": "dst data0 data1 initial op0 op1 reverse0 reverse1 name",
+        "nc_stream_shuffle": "dst src shuffle_mask name",
+        "rng": "dst engine name",
+        "dropout": "dst data prob name",
+        "set_rng_seed": "src_seeds name",
+        "rand_set_state": "src_seeds engine name",
+        "rand_get_state": "dst engine name",
+        "rand2": "dst min max name",
+        "exponential": "dst src max_value reduce_res reduce_cmd reduce_init name",
+        "reciprocal": "dst data name",
+        "max8": "dst src name",
+        "sequence_bounds": "dst segment_ids name",
+        "scalar_tensor_tensor": "dst data op0 operand0 op1 operand1 reverse0 reverse1 name",
+        "tensor_scalar_reduce": ("dst data op0 operand0 reduce_op reduce_res reverse0 reduce_cmd reduce_init "
+                                 "reduce_res_negate name"),
+        "core_barrier": "data cores engine name",
+        "dma_compute": "dst srcs reduce_op scales unique_indices oob_mode name",
+        "quantize_mx": "dst src dst_scale name",
+        "range_select": ("dst on_true_tile comp_op0 comp_op1 bound0 bound1 reduce_cmd reduce_res reduce_op "
+                         "range_start on_false_value name"),
+        "select_reduce": "dst predicate on_true on_false reduce_res reduce_cmd reduce_op reverse_pred name",
+        "sendrecv": "src dst send_to_rank recv_from_rank pipe_id dma_engine name",
+        "register_alloc": "x",
+        "register_move": "dst src",
+        "register_load": "dst src",
+        "register_store": "dst src",
+        "nc_find_index8": "dst data vals name",
+        "nc_match_replace8": "dst data vals imm dst_idx name",
+        "nonzero_with_count": "dst src index_offset padding_val name",
+        "topk": "val_dst idx_dst src n name",
+    },
+    "language": {
+        "is_hbm": "buffer",
+        "is_on_chip": "buffer",
+        "is_psum": "buffer",
+        "is_sbuf": "buffer",
+        "add": "x y dtype",
+        "subtract": "x y dtype",
+        "multiply": "x y dtype",
+        "divide": "x y dtype",
+        "maximum": "x y dtype",
+        "minimum": "x y dtype",
+        "abs_max": "x y dtype",
+        "abs_min": "x y dtype",
+        "abs": "x dtype",
+        "square": "x dtype",
+        "power": "x y dtype",
+        "equal": "x y dtype",
+        "not_equal": "x y dtype",
+        "less": "x y dtype",
+        "less_equal": "x y dtype",
+        "greater": "x y dtype",
+        "greater_equal": "x y dtype",
+        "bitwise_and": "x y dtype",
+        "bitwise_or": "x y dtype",
+        "bitwise_xor": "x y dtype",
+        "invert": "x dtype",
+        "left_shift": "x y dtype",
+        "right_shift": "x y dtype",
+        "logical_and": "x y dtype",
+        "logical_or": "x y dtype",
+        "logical_xor": "x y dtype",
+        "logical_not": "x dtype",
+        "exp": "x dtype",
+        "log": "x dtype",
+        "sqrt": "x dtype",
+        "rsqrt": "x dtype",
+        "tanh": "x dtype",
+        "sigmoid": "x dtype",
+        "relu": "x dtype",
+        "gelu": "x dtype",
+        "gelu_apprx_sigmoid": "x dtype",
+        "gelu_apprx_tanh": "x dtype",
+        "gelu_dx": "x dtype",
+        "gelu_apprx_sigmoid_dx": "x dtype",
+        "silu": "x dtype",
+        "silu_dx": "x dtype",
+        "softplus": "x dtype",
+        "mish": "x dtype",
+        "erf": "x dtype",
+        "erf_dx": "x dtype",
+        "reciprocal": "x dtype",
+        "copy": "x dtype",
+        "sin": "x dtype",
+        "cos": "x dtype",
+        "tan": "x dtype",
+        "arctan": "x dtype",
+        "ceil": "x dtype",
+        "floor": "x dtype",
+        "trunc": "x dtype",
+        "negative": "x dtype",
+        "sign": "x dtype",
+        "fmod": "x y dtype",
+        "mod": "x y dtype",
+        "sum": "x axis dtype keepdims",
+        "max": "x axis dtype keepdims",
+        "min": "x axis dtype keepdims",
+        "mean": "x axis dtype keepdims",
+        "prod": "x axis dtype keepdims",
+        "var": "x axis dtype keepdims",
+        "all": "x axis dtype",
+        "softmax": "x axis dtype",
+        "rms_norm": "x w axis n epsilon dtype compute_dtype",
+        "where": "condition x y dtype",
+        "dropout": "x rate dtype",
+        "ones": "shape dtype buffer name",
+        "full": "shape fill_value dtype buffer name",
+        "zeros_like": "x dtype buffer name",
+        "empty_like": "x dtype buffer name",
+        "random_seed": "seed",
+        "expand_dims": "x axis",
+        "broadcast_to": "x shape dtype",
+        "transpose": "x dtype",
+        "matmul": "x y transpose_x",
+        "no_reorder": "",
+        "load_transpose2d": "src dtype",
+        "gather_flattened": "data indices axis dtype",
+        "ds": "start size",
+        "affine_range": "start stop step",
+        "sequential_range": "start stop step",
+        "static_range": "start stop step",
+        "dynamic_range": "start stop step",
+        "fori_loop": "lower upper body_fun step",
+        "while_loop": "init body_fun",
+        "ndarray": "shape dtype buffer name address",
+        "zeros": "shape dtype buffer name",
+        "load": "src dtype",
+        "store": "dst value",
+        "program_id": "axis",
+        "num_programs": "axes",
+        "program_ndim": "",
+        "shared_constant": "constant",
+        "shared_identity_matrix": "n dtype dst",
+        "device_print": "print_prefix tensor",
+        "rand": "shape dtype buffer name",
+    },
+    "collectives": {
+        "all_reduce": "srcs dsts replica_group op priority name",
+        "all_gather": "srcs dsts replica_group collective_dim priority name",
+        "all_gather_v": "srcs dsts replica_group metadata_tensor recv_counts_known has_rdispls priority name",
+        "reduce_scatter": "srcs dsts replica_group collective_dim op priority name",
+        "all_to_all": "srcs dsts replica_group collective_dim priority name",
+        "all_to_all_v": "srcs dsts replica_group metadata_tensor recv_counts_known has_rdispls priority name",
+        "collective_permute": "srcs dsts source_target_pairs priority name",
+        "collective_permute_implicit": "srcs_by_channel dsts_by_channel replica_group channel_ids priority name",
+        "collective_permute_implicit_reduce": ("srcs0_by_channel srcs1_by_channel dsts_by_channel "
+                                               "replica_group op channel_ids priority name"),
+        "collective_permute_implicit_current_processing_rank_id": "iteration_id replica_group channel_id name",
+        "rank_id": "name",
+    },
+}
+
 # Not implemented yet, per module (each must be absent from ours; remove a name when it lands).
 MISSING: dict[str, frozenset[str]] = {
     "isa": frozenset({
@@ -113,3 +296,26 @@ def test_fraction_implemented_does_not_regress():
         print(f"nki.{mod}: {have}/{len(names)} ({have / len(names):.0%})")
     print(f"NKI API coverage: {done}/{total} = {done / total:.1%} (reference {REFERENCE_COMMIT[:7]})")
     assert done / total >= FLOOR - 1e-12, f"coverage {done}/{total} fell below the floor {FLOOR:.3f}"
+
+
+@pytest.mark.parametrize("mod", sorted(REFERENCE))
+def test_implemented_functions_take_the_published_parameters(mod):
+    ours = _module(mod)
+    wrong = []
+    for name, params in SIGNATURES[mod].items():
+        fn = getattr(ours, name, None) if ours is not None else None
+        if fn is None:
+            continue
+        want = params.split()
+        have = inspect.signature(fn).parameters
+        positional = [p for p, v in have.items() if v.kind in (v.POSITIONAL_ONLY, v.POSITIONAL_OR_KEYWORD)]
+        takes_kwargs = any(v.kind == v.VAR_KEYWORD for v in have.values())
+        missing = [p for p in want if p not in have and not takes_kwargs]
+        if missing or positional[:len(want)] != [p for p in want if p in positional]:
+            wrong.append(f"{name}{tuple(have)} vs published ({', '.join(want)})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_signature_lists_cover_the_reference_functions():
+    for mod, names in SIGNATURES.items():
+        assert set(names) <= set(REFERENCE[mod]), sorted(set(names) - set(REFERENCE[mod]))

@@ -72,17 +72,23 @@ def test_range_select_and_nonzero_need_neuroncore_v3():
         nki.profile(nz, chip="trn1")(x)
 
 
-def test_activation_reduce_is_activation_with_a_reset_reduction():
+def _row_reduction(body):
+    """A kernel loading x, running ``body(tile, scratch, column)`` and returning the (P, 1) column."""
     @nki.jit
     def k(x):
         out = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.shared_hbm)
         t = nl.load(x)
         y = nl.ndarray(x.shape, nl.float32)
         r = nl.ndarray((x.shape[0], 1), nl.float32)
-        nisa.activation_reduce(dst=y, op=nl.exp, data=t, reduce_op=nl.add, reduce_res=r, scale=0.5)
+        body(t, y, r)
         nl.store(out, r)
         return out
+    return k
 
+
+def test_activation_reduce_is_activation_with_a_reset_reduction():
+    k = _row_reduction(lambda t, y, r: nisa.activation_reduce(dst=y, op=nl.exp, data=t, reduce_op=nl.add,
+                                                              reduce_res=r, scale=0.5))
     x = RNG.standard_normal((32, 100)).astype(np.float32)
     np.testing.assert_allclose(nki.simulate(k)(x), np.exp(0.5 * x).sum(1, keepdims=True), rtol=100 * 2**-23)
 
@@ -266,3 +272,29 @@ def test_topk_of_rows_through_the_blocked_snake_layout():
         got = vals[16 * r + q % 16, q // 16]
         assert torch.equal(got, inp[r, vocab_index])
         assert torch.equal(got.flip(0), torch.topk(inp[r].float(), 16).values.to(torch.bfloat16))
+
+
+def test_tensor_scalar_reduce_chains_in_registers_and_negates():
+    def body(t, y, r):
+        half = t.shape[1] // 2
+        nisa.tensor_scalar_reduce(dst=y[:, :half], data=t[:, :half], op0=nl.multiply, operand0=2.0,
+                                  reduce_op=nl.add)                     # reduce_res=None: kept in the registers
+        nisa.tensor_scalar_reduce(dst=y[:, half:], data=t[:, half:], op0=nl.multiply, operand0=2.0,
+                                  reduce_op=nl.add, reduce_res=r, reduce_cmd=nisa.reduce_cmd.reduce,
+                                  reduce_res_negate=True)
+    k = _row_reduction(body)
+    x = RNG.integers(-8, 9, (16, 40)).astype(np.float32)   # small integers: the sums are exact in fp32
+    np.testing.assert_array_equal(k(x), -(2 * x).sum(1, keepdims=True))
+
+
+def test_dma_transpose_takes_the_published_priority_and_oob_mode():
+    @nki.jit
+    def k(a):
+        out = nl.ndarray((a.shape[1], a.shape[0]), nl.float32, buffer=nl.shared_hbm)
+        t = nl.ndarray((a.shape[1], a.shape[0]), nl.float32)
+        nisa.dma_transpose(dst=t, src=a, priority=1, oob_mode=nisa.oob_mode.error)
+        nl.store(out, t)
+        return out
+
+    a = RNG.standard_normal((32, 64)).astype(np.float32)
+    np.testing.assert_array_equal(k(a), a.T)

@@ -223,3 +223,9 @@ def test_partition_average_token():
         nisa.tensor_partition_reduce(dst=out, op=nl.average, data=t)
         return out
     np.testing.assert_allclose(run(avg, x), x.mean(0, keepdims=True), rtol=64 * F32_EPS, atol=1e-7)
+
+
+def test_broadcast_to_with_dtype():
+    col = randn(32, 1)
+    got = run(lambda t: nl.broadcast_to(t, (32, 8), dtype=nl.bfloat16), col)
+    np.testing.assert_array_equal(got, np.repeat(torch.from_numpy(col).bfloat16().float().numpy(), 8, 1))

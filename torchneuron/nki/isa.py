@@ -131,14 +131,18 @@ def dma_copy(dst: Tile, src: Tile, priority: int | None = None, oob_mode: Any = 
           queue=current().next_dma_queue(), **indexed)
 
 
-def dma_transpose(dst: Tile, src: Tile, axes: tuple[int, ...] | None = None, dge_mode: Any = dge_mode.unknown,
+def dma_transpose(dst: Tile, src: Tile, axes: tuple[int, ...] | None = None, priority: int | None = None,
+                  dge_mode: Any = dge_mode.unknown, oob_mode: Any = oob_mode.error,
                   name: str | None = None) -> NkiInstruction:
-    """``dst = src`` with its axes permuted, by DMA into SBUF."""
+    """``dst = src`` with its axes permuted, by DMA into SBUF (``priority``, the NC-v4 QoS level, is accepted and
+    not modelled; ``oob_mode`` concerns indirect transposes, which the simulator does not have)."""
+    if priority is not None and not 0 <= int(priority) <= 3:
+        raise SimulatorError(f"dma_transpose: priority is {priority}; DMA QoS levels are 0-3")
     return _emit(sim.DmaTranspose, dst=dst, src=src, axes=axes, dge_mode=getattr(dge_mode, "name", dge_mode),
-          queue=current().next_dma_queue())
+                 queue=current().next_dma_queue())
 
 
-def tensor_copy(dst: Tile, src: Tile, engine: Any = None, dtype: Any = None, name: str | None = None) -> NkiInstruction:
+def tensor_copy(dst: Tile, src: Tile, engine: Any = None, name: str | None = None, dtype: Any = None) -> NkiInstruction:
     """Copy SBUF/PSUM -> SBUF/PSUM on Vector/Scalar/GpSimd, casting to ``dst.dtype``.
 
     ``dtype=`` (not in the current API's signature, but passed by published tutorial kernels, e.g.
@@ -256,13 +260,14 @@ def tensor_partition_reduce(dst: Tile, op: Any, data: Tile, name: str | None = N
 
 
 def tensor_scalar_reduce(dst: Tile, data: Tile, op0: Any, operand0: Operand, reduce_op: Any,
-                         reduce_res: Tile, reverse0: bool = False, reduce_cmd: Any = reduce_cmd.reset_reduce,
-                         reduce_init: Operand = None, reduce_res_negate: bool = False,
-                         name: str | None = None) -> NkiInstruction:
-    """``dst = data <op0> operand0`` plus a per-partition ``reduce_op`` of the result into ``reduce_res``."""
-    assert not reduce_res_negate, "tensor_scalar_reduce reduce_res_negate is not in the simulator yet"
+                         reduce_res: Tile | None = None, reverse0: bool = False,
+                         reduce_cmd: Any = reduce_cmd.reset_reduce, reduce_init: Operand = None,
+                         reduce_res_negate: bool = False, name: str | None = None) -> NkiInstruction:
+    """``dst = data <op0> operand0`` plus a per-partition ``reduce_op`` of the result into ``reduce_res``
+    (negated with ``reduce_res_negate``; None keeps it in the VectorE registers)."""
     return _emit(sim.TensorScalarReduce, dst=dst, data=data, op0=op0, operand0=operand0, reduce_op=reduce_op,
-          reduce_res=reduce_res, reverse0=reverse0, reduce_cmd=reduce_cmd, reduce_init=reduce_init)
+                 reduce_res=reduce_res, reverse0=reverse0, reduce_cmd=reduce_cmd, reduce_init=reduce_init,
+                 reduce_res_negate=bool(reduce_res_negate))
 
 
 def tensor_tensor_scan(dst: Tile, data0: Tile, data1: Tile, initial: Operand, op0: Any, op1: Any,

@@ -291,8 +291,18 @@ def copy(x: Tile, dtype: Any = None) -> Tile:
     return t
 
 
-def broadcast_to(x: Tile, shape: Sequence[int]) -> Tile:
-    """Broadcast size-1 dims: an HBM stride-0 view, or on chip a new SBUF tile (free and partition dims)."""
+def broadcast_to(x: Tile, shape: Sequence[int], dtype: Any = None) -> Tile:
+    """Broadcast size-1 dims: an HBM stride-0 view, or on chip a new SBUF tile (free and partition dims);
+    ``dtype`` casts the on-chip result."""
+    out = _broadcast(x, tuple(shape))
+    if dtype is None or as_dtype(dtype) == out.dtype:
+        return out
+    if not out.buffer.on_chip:
+        raise SimulatorError("nl.broadcast_to(dtype=...): an HBM view cannot change dtype; broadcast on chip")
+    return copy(out, dtype)
+
+
+def _broadcast(x: Tile, shape: Sequence[int]) -> Tile:
     shape = tuple(shape)
     if tuple(x.shape) == shape:
         return x

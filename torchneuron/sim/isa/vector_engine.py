@@ -356,17 +356,19 @@ class TensorPartitionReduce(Instr):
 class TensorScalarReduce(Instr):
     """``nisa.tensor_scalar_reduce``: ``dst = data <op0> operand0`` and the VectorE registers reduce the
     result over the free dims with ``reduce_op`` (add/multiply/maximum/minimum), written to
-    ``reduce_res`` ((P,1)). ``reduce_cmd``: reset_reduce, reduce or load_reduce (from ``reduce_init``)."""
+    ``reduce_res`` ((P,1); negated with ``reduce_res_negate``; None keeps it in the registers).
+    ``reduce_cmd``: reset_reduce, reduce or load_reduce (from ``reduce_init``)."""
 
     dst: AP
     data: AP
     op0: str
     operand0: Operand
     reduce_op: str
-    reduce_res: AP
+    reduce_res: AP | None
     reverse0: bool = False
     reduce_cmd: str = "reset_reduce"
     reduce_init: Operand | None = None
+    reduce_res_negate: bool = False
     opcode = "tensor_scalar_reduce"
     engine = Engine.VECTOR
     WRITES = ("dst", "reduce_res")
@@ -398,7 +400,8 @@ class TensorScalarReduce(Instr):
         regs = _regs(core, Engine.VECTOR, self.data)
         init = self.reduce_init.view(core).float() if isinstance(self.reduce_init, AP) else self.reduce_init
         _accumulate(regs, self.reduce_op, self.reduce_cmd, r, init)
-        self.reduce_res.write(core, regs)
+        if self.reduce_res is not None:  # None keeps the result in the registers only
+            self.reduce_res.write(core, -regs if self.reduce_res_negate else regs)
 
     def price(self) -> CostInputs:
         return self._cost([self.data], self.dst, op=f"{self.op0},{self.reduce_op}", flops=2 * self.data.numel)
