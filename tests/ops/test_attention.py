@@ -98,3 +98,25 @@ def test_direct_call_with_a_bias_is_refused():
         torch.ops.aten._scaled_dot_product_fused_attention_overrideable(q, q, q, to_n(torch.zeros(4, 4)))
     with pytest.raises(RuntimeError, match="4-D"):
         torch.ops.aten._scaled_dot_product_fused_attention_overrideable(q[0], q[0], q[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_scores_stay_fp32(dtype, strict):
+    # Scores of magnitude ~30: rounded to bf16 before exp() they lose up to 0.06, a 6% error in a probability.
+    # With fp32 scores (as the CPU keeps them) the only roundings are the probabilities' (eps/2 each, meeting
+    # V in its dtype) and the output's; the reference is float64 from the same rounded inputs.
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 4, 3, 8, generator=gen).mul(4).to(dtype)      # 3 queries, 6 keys: the unfused path
+    k, v = (torch.randn(4, 4, 6, 8, generator=gen).mul(4).to(dtype) for _ in range(2))
+    out = F.scaled_dot_product_attention(to_n(q), to_n(k), to_n(v), is_causal=True).cpu().double()
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    exact = F.scaled_dot_product_attention(q64, k64, v64, is_causal=True)
+    scores = q64 @ k64.transpose(-1, -2) / 8 ** 0.5
+    assert scores.abs().max() > 16           # where a bf16 score's rounding matters
+    probs = torch.softmax(scores.masked_fill(~torch.ones(3, 6, dtype=torch.bool).tril(), float("-inf")), -1)
+    eps = torch.finfo(dtype).eps
+    # each probability off by eps/2 (one rounding; fp32 steps are far below), the sum of P|V| accumulated in
+    # fp32, the result rounded once
+    bound = eps / 2 * (probs @ v64.abs()) + eps / 2 * exact.abs() + 4 * torch.finfo(torch.float32).eps * (
+        probs @ v64.abs())
+    assert ((out - exact).abs() <= bound).all()

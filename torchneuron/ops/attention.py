@@ -79,8 +79,17 @@ def _matrices(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
 
 
+def _products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of [BH, n, d] batches in fp32: the CPU's attention keeps scores (and their gradients) in fp32;
+    rounded to bf16 first, a score of 30 loses up to 0.06 before exp(), a 6% error in its probability."""
+    if a.dtype in (torch.bfloat16, torch.float16):
+        a, b = a.float(), b.float()
+    return torch.bmm(a, b)
+
+
 def _probabilities(scores: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(softmax(scale * scores + causal mask), logsumexp in fp32) over the last dim of [BH, L, S] scores."""
+    """(softmax(scale * scores + causal mask), logsumexp in fp32) over the last dim of [BH, L, S] scores, the
+    probabilities in the scores' dtype."""
     BH, L, S = scores.shape
     if attention_fits(S):
         probs, lse = call_kernel(attention_softmax_kernel, {"x": scores.reshape(BH * L, S)},
@@ -108,9 +117,9 @@ def sdpa_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
         out, lse = call_kernel(flash_attention_fwd, flat, {"scale": s, "causal": bool(is_causal), **views,
                                                            "shape": (B, H, L, S, E, Ev)}, op=OP)
     else:
-        scores = torch.bmm(_matrices(query), _matrices(key).transpose(1, 2))
-        probs, lse = _probabilities(scores, s, is_causal)
-        out = torch.bmm(probs, _matrices(value)).view(B, H, L, Ev)
+        probs, lse = _probabilities(_products(_matrices(query), _matrices(key).transpose(1, 2)), s, is_causal)
+        # the probabilities meet V in its dtype, as the CPU's
+        out = torch.bmm(probs.to(value.dtype), _matrices(value)).view(B, H, L, Ev)
     empty = query.new_empty(0)
     # no dropout, so no random state to record: the philox seed/offset are placeholders (never read)
     seed, offset = (torch.empty((), dtype=torch.int64, device=query.device) for _ in range(2))
@@ -135,12 +144,12 @@ def sdpa_fused_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.
         return (dq if grad_input_mask[0] else None, dk if grad_input_mask[1] else None,
                 dv if grad_input_mask[2] else None, None)
     q, k, v, do = _matrices(query), _matrices(key), _matrices(value), _matrices(grad_out)
-    probs, _ = _probabilities(torch.bmm(q, k.transpose(1, 2)), s, is_causal)
+    probs, _ = _probabilities(_products(q, k.transpose(1, 2)), s, is_causal)   # fp32 for bf16/fp16 inputs
     dq = dk = dv = None
     if grad_input_mask[2]:
-        dv = torch.bmm(probs.transpose(1, 2), do).view(value.shape)
+        dv = torch.bmm(probs.to(do.dtype).transpose(1, 2), do).view(value.shape)
     if grad_input_mask[0] or grad_input_mask[1]:
-        ds = softmax_backward(torch.bmm(do, v.transpose(1, 2)), probs, -1, log=False, scale=s)
+        ds = softmax_backward(_products(do, v.transpose(1, 2)), probs, -1, log=False, scale=s).to(q.dtype)
         if grad_input_mask[0]:
             dq = torch.bmm(ds, k).view(query.shape)
         if grad_input_mask[1]:
