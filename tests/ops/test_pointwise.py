@@ -227,3 +227,13 @@ def test_atan2_signed_zeros_and_infinities_match_cpu(dtype, strict):
     torch.testing.assert_close(got, ref, equal_nan=True)
     finite = ~ref.isnan()
     assert torch.equal(torch.signbit(got)[finite], torch.signbit(ref)[finite])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8])
+def test_hardtanh_of_integers_keeps_the_dtype(dtype):
+    # the CPU casts the bounds to the input's dtype (truncating); clamp's promotion would give a float result
+    x = torch.arange(-5, 5, dtype=dtype)
+    for lo, hi in ((-2.7, 3.9), (-0.5, 0.5), (-2, 3)):
+        got = torch.nn.functional.hardtanh(x.to("neuron"), lo, hi)
+        assert got.dtype == dtype
+        assert torch.equal(got.cpu(), torch.nn.functional.hardtanh(x, lo, hi))

@@ -316,7 +316,15 @@ register_pointwise(["leaky_relu", "leaky_relu_", "leaky_relu.out"], lambda x, sl
            KIND.DEFAULT)
 register_pointwise(["leaky_relu_backward", "leaky_relu_backward.grad_input"],
            lambda g, x, slope, self_is_result: (tm.leaky_relu_backward, [g, x, slope]), KIND.DEFAULT)
-register_pointwise(["hardtanh", "hardtanh_", "hardtanh.out"], lambda x, lo=-1, hi=1: (tm.clamp, [x, lo, hi]), KIND.DEFAULT)
+def _hardtanh(x: Any, lo: Any = -1, hi: Any = 1) -> tuple:
+    """hardtanh keeps the input's dtype: an integer input clamps at the bounds converted to it (truncated, as
+    the CPU's kernel casts them), where clamp's promotion would make a float result."""
+    if isinstance(x, torch.Tensor) and not x.is_floating_point() and x.dtype != torch.bool:
+        lo, hi = int(lo), int(hi)
+    return tm.clamp, [x, lo, hi]
+
+
+register_pointwise(["hardtanh", "hardtanh_", "hardtanh.out"], _hardtanh, KIND.DEFAULT)
 register_pointwise(["hardtanh_backward", "hardtanh_backward.grad_input"],
            lambda g, x, lo, hi: (tm.hardtanh_backward, [g, x, lo, hi]), KIND.DEFAULT)
 register_pointwise(["hardsigmoid", "hardsigmoid_", "hardsigmoid.out"], lambda x: (tm.hardsigmoid, [x]), KIND.DEFAULT)
