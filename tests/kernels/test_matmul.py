@@ -199,3 +199,14 @@ def test_panel_width_and_max_contraction_fit_sbuf():
                 assert panel_width(k, 4096, isz, ta, tb, budget) >= 128
                 assert panel_width(k + 128, 4096, isz, ta, tb, budget) == 0
                 assert panel_width(4096, 4096, isz, ta, tb, budget) % 128 == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mkn", [(700, 600, 130), (300, 700, 256), (129, 1030, 1)])
+def test_matmul_a_given_as_km_narrow_output_loads_several_strips_at_once(mkn, dtype):
+    # A as [K, M] with N <= 256: up to 4 stationary strips per DMA (a partial last group, a partial K tile)
+    M, K, N = mkn
+    a, b = torch.randn(M, K).to(dtype), torch.randn(K, N).to(dtype)
+    out = matmul_kernel(a.T.contiguous(), b, transpose_a=True)
+    assert out.dtype == dtype and out.shape == (M, N)
+    _accumulation_close(out, a, b, dtype)

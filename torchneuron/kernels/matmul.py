@@ -338,7 +338,17 @@ def matmul_into(a, b, out, transpose_a=False, transpose_b=False, bias=None):
     evict = alternating_evict()
     # A^T strips and output staging tiles: 2-deep rings allocated before the B panels (first fit keeps
     # them at the bottom of SBUF, so the next B panel finds a contiguous gap while the current one is used)
-    strips = [nl.ndarray((TK, KT, TM), dt, buffer=nl.sbuf) for _ in range(2)]
+    # A as [K, M] and a narrow output (N <= 256: little TensorE work per A byte, the loads are the limit,
+    # as in attention's P^T dO): GA strips per DMA where SBUF has room, rows of GA * 128 elements (a strip's
+    # own rows are 256 B in bf16, and descriptors that short reach half the DMA bandwidth). Wider outputs
+    # keep one strip per DMA: their TensorE work hides the loads, and smaller loads start sooner.
+    GA = 1
+    if transpose_a and N <= 2 * TM:
+        base = _sbuf_need(K, NW, isz, transpose_a, transpose_b, bias is not None)
+        GA = next((g for g in (4, 2) if base + 2 * (g - 1) * KT * TM * isz <= nl.tile_size.sbuf_fmax_bytes), 1)
+        GA = max(1, min(GA, MT))
+    strips = [nl.ndarray((TK, KT, GA * TM), dt, buffer=nl.sbuf) for _ in range(2)]
+    groups_loaded = 0                          # GA-strip loads so far (their ring index), across panels
     stage = [nl.ndarray((TM, NW), dt, buffer=nl.sbuf) for _ in range(2)]
     # the bias row of each panel on every partition, in fp32 (a ring of two: a panel's evictions may still
     # read the previous row when the next is loaded); the evictions add it, so the sum is rounded once
@@ -453,8 +463,11 @@ def matmul_into(a, b, out, transpose_a=False, transpose_b=False, bias=None):
                     aT_next = strips[(step + 1) % 2]
                     at_kt = {(q * KT) // NG: q for q in range(NG)}   # spread the groups over the K loop
             elif transpose_a:
-                aT = strips[step % 2]
-                load_strip(aT, a, mt, mm, kt_major=True)
+                if mt % GA == 0:               # this strip and the next GA - 1 in one DMA
+                    wide = strips[groups_loaded % 2]
+                    groups_loaded += 1
+                    load_strip(wide, a, mt, min(GA * TM, M - m0), kt_major=True)
+                aT = wide[:, :, (mt % GA) * TM:(mt % GA + 1) * TM]
             else:
                 aT = strips[step % 2]
                 load_strip(aT, scratch, mt, mm, kt_major=False)
