@@ -608,6 +608,39 @@ def _same_values_at(inp: torch.Tensor, dim: int, a: torch.Tensor, e: torch.Tenso
     return torch.equal(inp.gather(dim, a).view(-1).nan_to_num(), inp.gather(dim, e).view(-1).nan_to_num())
 
 
+# Reductions that return (value, index of an element holding it): any such index is right. {name: position
+# of ``dim`` among the positional arguments after the input}.
+_ANY_INDEX_OF_VALUE = {"kthvalue": 1, "mode": 0, "median": 0, "nanmedian": 0}
+
+
+def _index_holds_value(inp: torch.Tensor, dim: int, keepdim: bool, values: torch.Tensor, idx: torch.Tensor) -> bool:
+    """Whether ``idx`` (a reduction's index result along ``dim``) points at elements equal to ``values``."""
+    if inp.dim() == 0:
+        return bool((idx == 0).all())
+    i = idx.detach().cpu()
+    i = i if keepdim else i.unsqueeze(dim)
+    if i.numel() and (i.min() < 0 or i.max() >= inp.shape[dim]):
+        return False
+    picked = inp.gather(dim, i).reshape(values.shape)
+    return torch.equal(picked.nan_to_num(), values.detach().cpu().nan_to_num())
+
+
+def any_index_of_value(op, parts: tuple, actual, expected):
+    """``expected`` with the index result of ``kthvalue``/``mode``/``median`` replaced by ``actual``'s where it
+    points at an element holding the (still compared) value: which of tied elements is unspecified."""
+    pos = _ANY_INDEX_OF_VALUE.get(op.name)
+    inp, args, kwargs = parts
+    if pos is None or not isinstance(inp, torch.Tensor) or not isinstance(expected, tuple) \
+            or not isinstance(actual, tuple) or len(expected) != 2 or len(actual) != 2:
+        return expected
+    dim = args[pos] if len(args) > pos else kwargs.get("dim", -1)
+    keepdim = args[pos + 1] if len(args) > pos + 1 else kwargs.get("keepdim", False)
+    if not _index_holds_value(inp, dim, keepdim, expected[0], actual[1]):
+        return expected
+    idx = actual[1].detach().cpu()
+    return type(expected)((expected[0], idx)) if hasattr(expected, "_fields") else (expected[0], idx)
+
+
 def tie_order_free(op, parts: tuple, actual, expected):
     """``expected`` with the index results of an unstable sort (``sort``, ``argsort``, ``topk``) replaced by
     ``actual``'s where those only order tied values differently: the order of ties is unspecified (bf16 and
@@ -637,7 +670,8 @@ def check_sample(op, sample, *, atol=None, rtol=None, meta_only=False) -> None:
     neuron_parts = _move_parts(op, parts)  # before the CPU run: in-place ops mutate inputs
     if not involves_neuron(neuron_parts):
         raise SampleSkipped("no tensor or device argument: the op would run on the CPU")
-    inputs_before = _tensors(parts)[:1] and parts[0].detach().clone() if op.name in _TIE_ORDER_FREE else None
+    inputs_before = parts[0].detach().clone() if isinstance(parts[0], torch.Tensor) and (
+        op.name in _TIE_ORDER_FREE or op.name in _ANY_INDEX_OF_VALUE) else None
     reduced = _has(parts, lambda t: t.dtype in REDUCED_FLOATS) or any(
         v in REDUCED_FLOATS for v in (*parts[1], *parts[2].values()) if isinstance(v, torch.dtype))
     parts64 = _to64(parts) if not meta_only and reduced else None
@@ -666,6 +700,7 @@ def check_sample(op, sample, *, atol=None, rtol=None, meta_only=False) -> None:
         raise neuron_exc
     if inputs_before is not None:
         expected = tie_order_free(op, (inputs_before, *parts[1:]), actual, expected)
+        expected = any_index_of_value(op, (inputs_before, *parts[1:]), actual, expected)
     bound = term_magnitudes(op, parts) if isinstance(expected, torch.Tensor) and not meta_only else None
     expected = within_summation_order(actual, expected, bound)
     if parts64 is not None and isinstance(expected, torch.Tensor) and expected.dtype in REDUCED_FLOATS:
@@ -741,9 +776,9 @@ def check_sample_grads(op, sample, *, atol=None, rtol=None, seed: int = DEFAULT_
     if has_complex(parts):
         return "skipped: complex inputs"
     inp = parts[0]
-    if op.name in _TIE_ORDER_FREE and not parts[2].get("stable") and isinstance(inp, torch.Tensor) \
-            and inp.unique().numel() < inp.numel():
-        return "skipped: tied values of an unstable sort take their gradients in an unspecified order"
+    if (op.name in _TIE_ORDER_FREE and not parts[2].get("stable") or op.name in _ANY_INDEX_OF_VALUE) \
+            and isinstance(inp, torch.Tensor) and inp.unique().numel() < inp.numel():
+        return "skipped: which of tied values takes the gradient is unspecified"
     try:
         expected = _vjp(op, parts, None, seed)
     except Exception as e:  # noqa: BLE001 (in-place on a leaf, a non-differentiable path: no gradient to check)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.testing._internal.common_methods_invocations import op_db
 
-from tests.opinfo.harness import (ORDER_ULPS, at_least_as_exact, check_sample_grads, term_magnitudes, tie_order_free,
-                                  within_summation_order)
+from tests.opinfo.harness import (ORDER_ULPS, any_index_of_value, at_least_as_exact, check_sample_grads,
+                                  term_magnitudes, tie_order_free, within_summation_order)
 
 CONV2D = next(o for o in op_db if o.name == "nn.functional.conv2d")
 
@@ -85,3 +85,13 @@ def test_unstable_sort_may_order_ties_either_way_but_not_pick_other_values():
     assert torch.equal(tie_order_free(sort, (x, (), {}), (values, wrong), (values, indices))[1], indices)
     stable = tie_order_free(sort, (x, (), {"stable": True}), (values, swapped), (values, indices))
     assert torch.equal(stable[1], indices)          # a stable sort's order is specified
+
+
+def test_a_reductions_index_may_point_at_any_element_holding_the_value():
+    mode = next(o for o in op_db if o.name == "mode")
+    x = torch.tensor([[1.0, 2.0, 1.0, 2.0, 2.0]])
+    values, indices = torch.mode(x, 1)
+    other = torch.tensor([3 if indices.item() != 3 else 1])        # another 2.0
+    assert torch.equal(any_index_of_value(mode, (x, (1,), {}), (values, other), (values, indices))[1], other)
+    wrong = torch.tensor([0])                                        # holds 1.0
+    assert torch.equal(any_index_of_value(mode, (x, (1,), {}), (values, wrong), (values, indices))[1], indices)
