@@ -5,7 +5,8 @@ Prints
      clipping, AdamW) on neuron against the CPU, as a ratio (target <= 5x);
   2. the host cost of one small op whose kernel is cached (8x8 ``a + b``): the total per call,
      the part spent executing the kernel's instructions in the simulator, and the rest, which
-     is dispatch (PyTorch dispatcher, lowering, kernel cache, launch bookkeeping; target <= 30 us);
+     is dispatch (PyTorch dispatcher, lowering, kernel cache, launch bookkeeping), and the calling
+     thread's CPU time per call (robust to other processes on a shared machine); target <= 20 us;
   3. the simulated trn2 time of one training step, its kernel launches, and the model FLOPs
      utilization that time implies on one core;
   4. a table of eager matrix products at large shapes (squares, an LLM MLP projection and the
@@ -14,7 +15,9 @@ Prints
      (the larger of its FLOPs at peak and its operands and result moved once at DMA bandwidth).
      These shapes are far too large to execute on the host, so the table is measured under
      ``runtime.timing_only()``: each launch is traced and scheduled as usual (the schedule does
-     not depend on the data) but its instructions are not executed.
+     not depend on the data) but its instructions are not executed;
+  5. the other heavy ops (convolution, attention, norms, softmax, cross-entropy, fused AdamW) at large
+     shapes as % of their roofline, measured the same way (target >= 70%).
 A benchmark reports; it does not assert.
 
 Run:  python bench/eager.py [--steps 5] [--only products|host] [--size quick|default|full]   (``make bench``)
@@ -71,9 +74,10 @@ def time_steps(steps: dict, n: int) -> tuple[dict, dict]:
     return {k: statistics.median(v) for k, v in wall.items()}, {k: min(v) for k, v in cpu.items()}
 
 
-def small_op_cost(reps: int = 2000, rounds: int = 5) -> tuple[float, float, float]:
-    """(total, instruction execution, dispatch) host microseconds of one cached 8x8 ``a + b``: the
-    round of ``reps`` calls with the least total (a shared machine only ever adds time)."""
+def small_op_cost(reps: int = 2000, rounds: int = 5) -> tuple[float, float, float, float]:
+    """(total, instruction execution, dispatch, thread CPU) host microseconds of one cached 8x8 ``a + b``:
+    the round of ``reps`` calls with the least total (a shared machine only ever adds time); the thread's
+    CPU time per call is the least over the rounds (what another process's load distorts least)."""
     a, b = torch.randn(8, 8, device="neuron"), torch.randn(8, 8, device="neuron")
     for _ in range(200):
         a + b
@@ -88,20 +92,22 @@ def small_op_cost(reps: int = 2000, rounds: int = 5) -> tuple[float, float, floa
         finally:
             spent[0] += time.perf_counter() - t0
     core.run_bound = timed
-    best = None
+    best, cpu = None, None
     try:
         for _ in range(rounds):
             spent[0] = 0.0
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             for _ in range(reps):
                 a + b
             total = (time.perf_counter() - start) / reps * 1e6
+            used = (time.thread_time() - start_cpu) / reps * 1e6
+            cpu = used if cpu is None else min(cpu, used)
             sim = spent[0] / reps * 1e6
             if best is None or total < best[0]:
                 best = (total, sim, total - sim)
     finally:
         del core.run_bound
-    return best
+    return (*best, cpu)
 
 
 def _bytes(*ts: torch.Tensor) -> int:
@@ -288,10 +294,10 @@ def main() -> None:
     fb = sum(torchneuron.fallback_counts().values())
     print(f"  CPU fallbacks in the neuron steps: {fb}; eager kernel programs cached: {torchneuron.ops.cache_size()}")
 
-    total, sim, dispatch = small_op_cost()
+    total, sim, dispatch, cpu = small_op_cost()
     print("\nsmall op with a cached kernel (8x8 a + b), host time per call (least of 5 rounds):")
     print(f"  total {total:6.1f} us = instruction execution {sim:6.1f} us + dispatch {dispatch:6.1f} us "
-          f"(target <= 30 us)")
+          f"(target <= 20 us); thread CPU time {cpu:6.1f} us")
 
     start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
     with profiler.record() as records:
