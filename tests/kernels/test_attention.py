@@ -118,3 +118,12 @@ def test_non_positive_scale_is_refused():
     q = torch.randn(1, 1, 8, 8)
     with pytest.raises(AssertionError, match="scale must be positive"):
         flash_attention_fwd(q, q, q, scale=-1.0)
+
+
+@pytest.mark.parametrize("L,E", [(1024, 64), (2048, 128)])    # dQ accumulated in PSUM; in SBUF
+def test_many_heads_fit_psum(L, E):
+    """Heads pipelined one after another keep their PSUM tiles within the 8 banks (traced, not run)."""
+    q = torch.zeros(1, 4, L, E, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 4, L)
+    flash_attention_bwd.trace((), dict(q=q, k=q, v=q, o=q, do=q, lse=lse, causal=True), SPEC)
+    flash_attention_fwd.trace((), dict(q=q, k=q, v=q, causal=True), SPEC)

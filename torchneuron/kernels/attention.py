@@ -324,7 +324,8 @@ def _transposed_cols(t, p: int, w: int, evict):
     return out
 
 
-DQ_PSUM_BYTES = 8192       # the dQ accumulator of a head stays in PSUM (4 banks) when it fits, else SBUF
+DQ_PSUM_BYTES = 2048       # the dQ accumulator of a head stays in PSUM (one bank; two heads in flight) when it
+                           # fits, else SBUF
 
 
 @nki.jit
@@ -356,8 +357,7 @@ def flash_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=Non
                 nisa.memset(dst=dqacc, value=0.0)
             dkh = nl.ndarray((PMAX, Sc, E), dt, buffer=nl.sbuf)
             dvh = nl.ndarray((PMAX, Sc, Ev), dt, buffer=nl.sbuf)
-            ring.sbuf(qr, kr, dor, qT, kT, vT, doT, d, nlse, dkh, dvh)
-            ring.psum(dqacc)
+            ring.sbuf(qr, kr, dor, qT, kT, vT, doT, d, nlse, dkh, dvh)   # dqacc: held by the head's steps only
             for j, s0 in enumerate(range(0, S, PMAX)):
                 kb = min(PMAX, S - s0)
                 tiles = [(i, q0, min(PMAX, L - q0)) for i, q0 in enumerate(range(0, L, PMAX))
