@@ -176,3 +176,21 @@ def test_nll_loss_out_of_range_targets_raise_like_cpu(bad):
 def test_nll_loss_refuses_int32_targets_like_cpu():
     x, t = torch.randn(4, 3), torch.tensor([0, 1, 2, 1], dtype=torch.int32)
     assert_raises_like_cpu(lambda c: torch.ops.aten.nll_loss_forward(c(x), c(t), None, 1, -100))
+
+
+def test_cross_entropy_over_more_classes_than_sbuf_rows_hold():
+    """Rows of 5000 classes do not fit the nll kernels' SBUF budget: nll_loss takes the counted CPU fallback
+    (it raised an AssertionError), with the CPU's values and gradients; log_softmax stays on the device."""
+    from torchneuron.fallback import fallback_counts, reset_fallback_counts
+    x, t = torch.randn(6, 5000), torch.randint(0, 5000, (6,))
+    xc, xn = x.clone().requires_grad_(), to_n(x).requires_grad_()
+    want = F.cross_entropy(xc, t)
+    want.backward()
+    reset_fallback_counts()
+    got = F.cross_entropy(xn, to_n(t))
+    got.backward()
+    tol = {"rtol": 5000 * 2.0**-24, "atol": 1e-7}   # a sum of 5000 exponentials in another order: n * u relative
+    torch.testing.assert_close(got.cpu(), want, **tol)
+    torch.testing.assert_close(xn.grad.cpu(), xc.grad, **tol)
+    counts = fallback_counts()
+    assert any("nll_loss" in k for k in counts) and not any("log_softmax" in k for k in counts)

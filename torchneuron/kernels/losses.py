@@ -33,6 +33,18 @@ NBUF = 2
 EXACT = 2 ** 24   # fp32 holds every integer below this exactly
 
 
+def nll_sbuf_bytes(N: int, C: int) -> int:
+    """SBUF per partition the nll kernels need for N rows of C classes (whole rows are loaded: classes
+    beyond ~4000 on trn2 do not fit; ``nll_fits``)."""
+    G = row_blocks(N, C)[1]
+    return (NBUF + 1) * 4 * G * C * 4 + 2 * C * 4 + 256
+
+
+def nll_fits(N: int, C: int) -> bool:
+    """Whether the nll kernels take N rows of C classes on the chip being traced."""
+    return nll_sbuf_bytes(N, C) <= nl.tile_size.sbuf_fmax_bytes
+
+
 def _col(g: int = 1):
     return nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
 
@@ -118,7 +130,7 @@ def nll_fwd_kernel(x, words, weight=None, ignore_index=-100, reduction=1):
     N, C = x.shape
     assert C < EXACT and abs(ignore_index) < EXACT, "nll_loss: classes and ignore_index must be below 2**24"
     blocks, G = row_blocks(N, C)
-    check_sbuf((NBUF + 1) * 4 * G * C * 4 + 2 * C * 4 + 256, f"nll_loss C={C}")
+    check_sbuf(nll_sbuf_bytes(N, C), f"nll_loss C={C}")
     losses = nl.ndarray((N, 1) if reduction == 0 else (1, 1), x.dtype, buffer=nl.shared_hbm)
     total = nl.ndarray((1, 1), x.dtype, buffer=nl.shared_hbm)
     bad_count = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
@@ -161,7 +173,7 @@ def nll_bwd_kernel(grad, words, total, weight=None, num_classes=1, ignore_index=
     N, C = words.shape[0], num_classes
     assert C < EXACT and abs(ignore_index) < EXACT, "nll_loss: classes and ignore_index must be below 2**24"
     blocks, G = row_blocks(N, C)
-    check_sbuf((NBUF + 1) * 4 * G * C * 4 + 2 * C * 4 + 256, f"nll_loss backward C={C}")
+    check_sbuf(nll_sbuf_bytes(N, C), f"nll_loss backward C={C}")
     dx = nl.ndarray((N, C), grad.dtype, buffer=nl.shared_hbm)
     bad_count = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
     cols, wrow = _class_iota(G, C), _weight_row(weight, C)
