@@ -71,7 +71,12 @@ def test_foreach_norm_is_the_per_tensor_norm(dtype, strict):
     assert len(records) == 3
     for g, t in zip(got, x):
         want = torch.linalg.vector_norm(t)
-        assert g.shape == want.shape and g.dtype == want.dtype and torch.equal(g.cpu(), want.cpu())
+        # both sum squares in fp32, in their own orders: each within n * u of the float64 norm (as rounding to
+        # the dtype allows), not bit-equal
+        exact = torch.linalg.vector_norm(t.cpu().double())
+        bound = (t.numel() * 2.0**-24 + (2.0**-8 if dtype == torch.bfloat16 else 0.0)) * exact
+        assert g.shape == want.shape and g.dtype == want.dtype
+        assert abs(g.cpu().double() - exact) <= bound and abs(want.cpu().double() - exact) <= bound
 
 
 def test_lists_that_do_not_fuse_take_the_per_tensor_loop():
