@@ -28,6 +28,7 @@ import torch
 
 from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_preferred
 from torchneuron.kernels.softmax import attention_fits, attention_softmax_kernel
+from torchneuron.ops.base import storage_span
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.nn import softmax_backward
 from torchneuron.ops.registry import lowering
@@ -66,11 +67,8 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: f
 def _in_place(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """Each [B, H, n, d] operand as the flat span of memory it covers and its (offset 0, strides) view over
     that span: the flash kernels read strided heads where they lie."""
-    flat, views = {}, {}
-    for name, t in tensors.items():
-        extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-        flat[name] = t.as_strided((extent,), (1,))
-        views[f"{name}_view"] = (0, tuple(t.stride()))
+    flat = {name: storage_span(t) for name, t in tensors.items()}
+    views = {f"{name}_view": (0, tuple(t.stride())) for name, t in tensors.items()}
     return flat, views
 
 

@@ -1,5 +1,5 @@
 """What the eager lowerings share, once each: the refusal exception, dtype sets, device guards, ATen
-overload lookup, CPU-identical errors, the constant-table cache and seed drawing.
+overload lookup, CPU-identical errors, the constant-table cache, seed drawing and a view's storage span.
 
 This module is the bottom of ``torchneuron.ops``: it imports no other ops module, so every lowering
 module can build on it without an import cycle.
@@ -23,6 +23,15 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 class Unsupported(Exception):
     """A lowering cannot run this call on the device: its registration takes the CPU fallback."""
+
+
+# ---- memory ------------------------------------------------------------------------------------------
+
+def storage_span(t: torch.Tensor) -> torch.Tensor:
+    """The contiguous 1-D run of storage a (non-empty) view covers, starting at its first element: what a
+    kernel binds to read or write the view through its strides."""
+    n = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return t.as_strided((n,), (1,), t.storage_offset())
 
 
 # ---- ATen overloads ---------------------------------------------------------------------------------

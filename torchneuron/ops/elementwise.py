@@ -29,19 +29,13 @@ from torchneuron.kernels.copy import multi_copy, strided_copy, widen_int64
 from torchneuron.kernels.elementwise import KERNELS, NAMES, fold_broadcast
 from torchneuron.kernels.transpose import permute_kernel
 from torchneuron.kernels import tilemath
-from torchneuron.ops.base import DEVICE_DTYPES, type_name, Unsupported
+from torchneuron.ops.base import DEVICE_DTYPES, storage_span, type_name, Unsupported
 from torchneuron.ops.kernel_call import call_kernel, launch_traced, scalar_operand, traced_kernel
 
 Number = (int, float, bool)
 
 
 # ---- copies -------------------------------------------------------------------------------------------
-
-def _span(t: torch.Tensor) -> torch.Tensor:
-    """The contiguous 1-D run of storage a (non-empty) view covers, starting at its first element."""
-    n = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    return t.as_strided((n,), (1,), t.storage_offset())
-
 
 def coalesce(sizes: list, a: list, b: list) -> tuple[tuple, tuple, tuple]:
     """Drop size-1 dims and merge neighbours that are contiguous in both views (fewer DMA dims)."""
@@ -98,7 +92,7 @@ def to_int64(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
 
 def _word(src: torch.Tensor, k: int) -> torch.Tensor:
     """Word ``k`` (0: low, 1: high) of each element of an int64 tensor, as an int32 view."""
-    words = _span(src).view(torch.int32)
+    words = storage_span(src).view(torch.int32)
     return words.as_strided(src.shape, [2 * st for st in src.stride()], words.storage_offset() + k)
 
 
@@ -141,7 +135,7 @@ def device_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.dtype != src.dtype and torch.float64 in (dst.dtype, src.dtype):
         _float64_convert(dst, src)
         return
-    dspan, sspan = _span(dst), _span(src)
+    dspan, sspan = storage_span(dst), storage_span(src)
     sizes, dstr, sstr = list(dst.shape), list(dst.stride()), list(src.stride())
     if dst.dtype not in DEVICE_DTYPES:  # same dtype (can_copy): move the bytes as int32 words
         dspan, dsizes, dstr = _words(dspan, sizes, dstr)
@@ -166,7 +160,7 @@ def copy_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         dspan = dspan.view(torch.int32)
     inputs, views = {"dst": dspan}, []
     for i, (d, src) in enumerate(parts):
-        sspan = _span(src)
+        sspan = storage_span(src)
         sizes, dstr, sstr = list(d.shape), list(d.stride()), list(src.stride())
         if words:
             k = d.dtype.itemsize // 4
