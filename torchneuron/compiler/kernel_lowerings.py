@@ -22,11 +22,11 @@ from torchneuron.compiler.lowering import register_kernel, supports
 from torchneuron.compiler.partition import DEVICE_DTYPES
 from torchneuron.compiler.values import HostTensor, Value, dense, flat, hbm_value, numel, unexpanded
 from torchneuron.kernels.copy import strided_copy
+from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_preferred
 from torchneuron.kernels.elementwise import fold_broadcast, stream
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.reduction import reduce_kernel
-from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_preferred
 from torchneuron.kernels.softmax import (attention_fits, attention_softmax_kernel, fits_one_pass, softmax_bwd_kernel,
                                          softmax_kernel)
 from torchneuron.kernels import tilemath as tm
@@ -327,17 +327,11 @@ def _heads(v: Value):
     return dense(v, (B * H, n, d))
 
 
-def _fp32(t, shape: tuple):
-    """A dense HBM tensor as fp32 (a cast pass for bf16/fp16: the eager op keeps scores and their gradients in
-    fp32, as the CPU does)."""
-    if t.dtype == nl.float32:
-        return t
-    return dense(pointwise(lambda x: x, [hbm_value(t).reshape(shape)], shape, torch.float32))
-
-
-def _in_dtype(t, shape: tuple, dtype: torch.dtype):
-    """A dense fp32 HBM tensor rounded to ``dtype`` (the probabilities meet V in its dtype)."""
-    if dtype == torch.float32:
+def _cast(t, shape: tuple, dtype: torch.dtype):
+    """A dense HBM tensor viewed as ``shape``, in ``dtype`` (one element-wise pass when it is another dtype): the
+    eager op computes scores and their gradients in fp32, as the CPU does, and rounds the probabilities and dS
+    to the input dtype before their products."""
+    if t.dtype == dtype:
         return t
     return dense(pointwise(lambda x: x, [hbm_value(t).reshape(shape)], shape, dtype))
 
@@ -346,7 +340,7 @@ def _attention_probs(Q, K, L: int, S: int, scale: float, causal: bool):
     """(softmax(scale * Q K^T + causal mask) as fp32 [BH, L, S], its logsumexp as [BH*L, 1] fp32), the scores
     computed from fp32 operands."""
     BH, E = Q.shape[0], Q.shape[2]
-    scores = bmm_kernel(_fp32(Q, (BH, L, E)), _fp32(K, (BH, S, E)), transpose_b=True)
+    scores = bmm_kernel(_cast(Q, (BH, L, E), torch.float32), _cast(K, (BH, S, E), torch.float32), transpose_b=True)
     probs, lse = attention_softmax_kernel(scores.reshape((BH * L, S)), scale=scale, causal_len=L if causal else 0)
     return probs.reshape((BH, L, S)), lse
 
@@ -370,7 +364,7 @@ def lower_sdpa(ctx, node, q: Value, k: Value, v: Value, attn_bias=None, dropout_
                                        v_view=vv, shape=(B, H, L, S, E, Ev))
     else:
         probs, lse = _attention_probs(_heads(q), _heads(k), L, S, s, is_causal)
-        out = bmm_kernel(_in_dtype(probs, (B * H, L, S), v.dtype), _heads(v))
+        out = bmm_kernel(_cast(probs, (B * H, L, S), v.dtype), _heads(v))
     out, lse = hbm_value(out).reshape((B, H, L, Ev)), hbm_value(lse).reshape((B, H, L))
     empty, seed = HostTensor((0,), q.dtype), HostTensor((), torch.int64)
     return out, lse, empty, empty, L, S, seed, seed, empty
@@ -400,10 +394,11 @@ def lower_sdpa_backward(ctx, node, g: Value, q: Value, k: Value, v: Value, attn_
     probs, _ = _attention_probs(Q, K, L, S, s, is_causal)            # fp32
     BH = B * H
     Ev = v.shape[3]
-    dv = bmm_kernel(_in_dtype(probs, (BH, L, S), g.dtype), dO, transpose_a=True)          # P^T dO
-    dp = bmm_kernel(_fp32(dO, (BH, L, Ev)), _fp32(V, (BH, S, Ev)), transpose_b=True)      # dO V^T in fp32
+    dv = bmm_kernel(_cast(probs, (BH, L, S), g.dtype), dO, transpose_a=True)             # P^T dO
+    dp = bmm_kernel(_cast(dO, (BH, L, Ev), torch.float32), _cast(V, (BH, S, Ev), torch.float32),
+                    transpose_b=True)                                   # dO V^T in fp32
     ds = softmax_bwd_kernel(dp.reshape((BH * L, S)), probs.reshape((BH * L, S)), scale=s)
-    ds = _in_dtype(ds, (BH * L, S), q.dtype).reshape((BH, L, S))
+    ds = _cast(ds, (BH * L, S), q.dtype).reshape((BH, L, S))
     dq = bmm_kernel(ds, K)                                              # dS K
     dk = bmm_kernel(ds, Q, transpose_a=True)                            # dS^T Q
     return (hbm_value(dq).reshape(q.shape), hbm_value(dk).reshape(k.shape), hbm_value(dv).reshape(v.shape), None)
