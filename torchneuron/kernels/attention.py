@@ -58,7 +58,7 @@ def flash_fits(E: int, Ev: int, S: int, L: int, dtype) -> bool:
 
 
 FLASH_MIN_KEYS = 128       # shorter sequences run faster as grouped small matmuls around a row softmax (64 heads of
-                           # 64 x 16: 94 us against 189 us for flash on trn2); from 128 keys flash wins
+                           # 64 x 16: 94 us against 111 us for flash on trn2); from 128 keys flash wins
 
 
 def flash_preferred(E: int, Ev: int, S: int, L: int, dtype) -> bool:
@@ -208,7 +208,7 @@ class _Keep:
     """Recent tiles kept allocated, so that a new tile does not reuse memory an earlier one is still read
     from (which would make its writer wait): PSUM tiles of the last NBUF query tiles (PSUM holds 8 banks);
     SBUF tiles of as many as fit KEEP_SBUF_BYTES, up to KEEP_MAX (small heads: loads run many heads ahead;
-    64 heads of 64x16 take 116 us instead of 189 us with NBUF)."""
+    64 heads of 64x16 take 111 us instead of 189 us with NBUF)."""
 
     def __init__(self, tile_bytes: int) -> None:
         self.psum_tiles = collections.deque(maxlen=2 * NBUF)
