@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torchneuron.sim import ArgSlot, Engine, NeuronCore, Program, SimulatorError, isa, tile
-from torchneuron.sim.isa.common import _int32_exact
+from torchneuron.sim.isa.common import int32_exact
 
 F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
 P, F = 16, 24
@@ -239,12 +239,12 @@ def test_prepared_programs_are_dropped_with_the_program():
 
 def test_int32_exact_computation_is_chosen_only_where_values_agree():
     t, col = _sb(0, I32), _sb(1, I32, (1,))
-    assert _int32_exact(t, [("bitwise_and", col, False, True), ("not_equal", 0, False, True)])
-    assert _int32_exact(t, [("bitwise_xor", -2 ** 31, True, True)])
-    assert not _int32_exact(t, [("add", col, False, True)])                  # may overflow int32
-    assert not _int32_exact(t, [("equal", 2 ** 31, False, True)])            # scalar beyond int32
-    assert not _int32_exact(t, [("bitwise_and", _sb(1, torch.uint32, (1,)), False, True)])
-    assert not _int32_exact(_sb(0, torch.int16), [("bitwise_and", 3, False, True)])
+    assert int32_exact(t, [("bitwise_and", col, False, True), ("not_equal", 0, False, True)])
+    assert int32_exact(t, [("bitwise_xor", -2 ** 31, True, True)])
+    assert not int32_exact(t, [("add", col, False, True)])                  # may overflow int32
+    assert not int32_exact(t, [("equal", 2 ** 31, False, True)])            # scalar beyond int32
+    assert not int32_exact(t, [("bitwise_and", _sb(1, torch.uint32, (1,)), False, True)])
+    assert not int32_exact(_sb(0, torch.int16), [("bitwise_and", 3, False, True)])
 
 
 def test_run_uses_one_thread_and_restores_the_callers(monkeypatch):

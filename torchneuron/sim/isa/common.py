@@ -55,18 +55,20 @@ def _engine(value: Engine | str, allowed: tuple[Engine, ...], opcode: str) -> En
     return value
 
 
-def _cmd(value) -> str:
+def checked_reduce_cmd(value) -> str:
+    """The reduce_cmd name of ``value`` (a name or an enum member), refused if unknown."""
     name = str(getattr(value, "name", value))
     if name not in REDUCE_CMDS:
         raise SimulatorError(f"unknown reduce_cmd {value!r}; expected one of {REDUCE_CMDS}")
     return name
 
 
-def _dims(ap: AP) -> list[tuple[int | None, int]]:
+def ap_dims(ap: AP) -> list[tuple[int | None, int]]:
+    """The (stride, size) dims of ``ap``, its partition dim first when on chip (stride None)."""
     return ([(None, ap.partitions)] if ap.on_chip else []) + list(ap.pattern)
 
 
-def _chunks(n: int, run_a: int, run_b: int) -> int:
+def descriptor_count(n: int, run_a: int, run_b: int) -> int:
     """Descriptors to move n elements when source and destination break every run_a / run_b elements."""
     return n // run_a + n // run_b - n // math.lcm(run_a, run_b)
 
@@ -244,14 +246,15 @@ class Instr:
 
 # ---- execution helpers -------------------------------------------------------------------
 
-def _load(core, ap: AP, compute: torch.dtype, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+def load_tile(core, ap: AP, compute: torch.dtype, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The tile ``ap`` reads, reshaped to ``shape`` if given, in the compute dtype."""
     v = ap.view(core)
     if shape is not None and v.shape != shape:
         v = v.reshape(shape)
     return v if v.dtype == compute else v.to(compute)
 
 
-def _col(core, value: Operand, compute: torch.dtype, ndim: int):
+def load_column(core, value: Operand, compute: torch.dtype, ndim: int):
     """A scalar operand as the engine sees it, or a (P,1) tile shaped to broadcast over ``ndim`` dims."""
     if isinstance(value, AP):
         v = value.view(core)
@@ -261,25 +264,25 @@ def _col(core, value: Operand, compute: torch.dtype, ndim: int):
     return as_scalar(value, compute)
 
 
-def _operand(core, value, compute: torch.dtype, ndim: int):
+def planned_operand(core, value, compute: torch.dtype, ndim: int):
     """A planned operand: a (P,1) tile is read, a scalar was already rounded when the plan was made."""
-    return _col(core, value, compute, ndim) if isinstance(value, AP) else value
+    return load_column(core, value, compute, ndim) if isinstance(value, AP) else value
 
 
-_FUSED_OPS = frozenset({"add", "subtract", "multiply", "divide", "maximum", "minimum"})
-_FUSED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
-_ALU_FN = {"add": torch.add, "subtract": torch.sub, "multiply": torch.mul, "divide": torch.true_divide,
-          "maximum": torch.maximum, "minimum": torch.minimum}
+FUSED_OPS = frozenset({"add", "subtract", "multiply", "divide", "maximum", "minimum"})
+FUSED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+FUSED_ALU_FN = {"add": torch.add, "subtract": torch.sub, "multiply": torch.mul, "divide": torch.true_divide,
+                "maximum": torch.maximum, "minimum": torch.minimum}
 
 
-def _disjoint_or_same(dst: AP, *inputs) -> bool:
+def disjoint_or_same(dst: AP, *inputs) -> bool:
     """Whether writing dst while reading the inputs is safe element by element: each input is dst
     itself or touches none of its memory (torch does not detect overlap of strided views)."""
     fp = dst.footprint()
     return all(not isinstance(v, AP) or v == dst or not v.footprint().overlaps(fp) for v in inputs)
 
 
-def _fused_into(out: torch.Tensor, fn, lhs: torch.Tensor, rhs) -> None:
+def fused_into(out: torch.Tensor, fn, lhs: torch.Tensor, rhs) -> None:
     """``fn(lhs, rhs, out=out)`` (a Python scalar rhs becomes an fp32 0-d tensor)."""
     fn(lhs, rhs if isinstance(rhs, torch.Tensor) else _f32(rhs), out=out)
 
@@ -289,19 +292,22 @@ def _f32(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32)  # shared and never written: safe to cache
 
 
-def _apply(op: str, x, operand, reverse: bool):
+def apply_ordered(op: str, x, operand, reverse: bool):
+    """``op(x, operand)``, or ``op(operand, x)`` when ``reverse``."""
     return apply_alu(op, operand, x) if reverse else apply_alu(op, x, operand)
 
 
-def _fractional(*values) -> bool:
+def has_fractional(*values) -> bool:
+    """Whether any value is a float with a fractional part."""
     return any(isinstance(v, float) and not float(v).is_integer() for v in values)
 
 
-def _operand_dtypes(*values) -> tuple[torch.dtype, ...]:
+def operand_dtypes(*values) -> tuple[torch.dtype, ...]:
+    """The dtypes of the tile operands among ``values`` (scalars skipped)."""
     return tuple(v.dtype for v in values if isinstance(v, AP))
 
 
-def _convert(values: torch.Tensor, dst: torch.dtype) -> torch.Tensor:
+def prepare_cast(values: torch.Tensor, dst: torch.dtype) -> torch.Tensor:
     """Prepare values for a cast to ``dst`` the way the engines and DMA cast: through fp32
     between differing dtypes, except integer-to-integer, which we keep exact."""
     if values.dtype == dst or (values.dtype in INT_DTYPES and dst in INT_DTYPES):
@@ -345,9 +351,9 @@ def _hbm_getter(ap: AP, slots: Mapping[str, tuple[int, "ArgSlot"]]) -> Callable 
     return get
 
 
-def _rhs(core, value, nd: int) -> torch.Tensor | None:
+def fused_rhs(core, value, nd: int) -> torch.Tensor | None:
     """A fused step's fp32 right-hand operand: a (P,1) tile's view shaped to broadcast over ``nd``
-    dims, or a planned scalar as its cached 0-d tensor (what ``_fused_into`` passes); None where
+    dims, or a planned scalar as its cached 0-d tensor (what ``fused_into`` passes); None where
     the tile's view cannot be reshaped without a copy."""
     if not isinstance(value, AP):
         return _f32(value)
@@ -363,7 +369,7 @@ def _rhs(core, value, nd: int) -> torch.Tensor | None:
 _INT32_EXACT_OPS = frozenset({"bitwise_and", "bitwise_or", "bitwise_xor", *COMPARE_OPS})
 
 
-def _int32_exact(data: AP, ops: list) -> bool:
+def int32_exact(data: AP, ops: list) -> bool:
     """Whether an int64 computation of ``ops`` on ``data`` gives the values int32 gives: int32 tiles,
     int32-range scalars, and only bitwise and/or/xor and comparisons, whose int64 results on
     sign-extended int32 inputs are the sign-extended int32 results (so any dst dtype stores the same)."""
@@ -380,20 +386,21 @@ def _int32_exact(data: AP, ops: list) -> bool:
     return True
 
 
-def _planned_alu_step(core, dst: AP, data: AP, ops: list, c: torch.dtype) -> Step | None:
+def planned_alu_step(core, dst: AP, data: AP, ops: list, c: torch.dtype) -> Step | None:
     """The step of an unfused tensor_tensor / tensor_scalar execute: ``data`` loaded in compute dtype
     ``c``, then each (op, operand, reverse, column) of ``ops`` applied (an operand: a tile, a (P,1) tile
     when ``column``, or a scalar the plan already rounded) and the result stored into ``dst``. The same
     torch calls as execute with the views resolved once; None where a reshape would copy."""
     xv, dv = data.view(core), dst.view(core)
     nd = xv.dim()
-    if c == torch.int64 and _int32_exact(data, ops):
+    if c == torch.int64 and int32_exact(data, ops):
         c = torch.int32  # the same values, without widening every operand to int64 and back
     planned = []
     for op, operand, reverse, column in ops:
         if isinstance(operand, AP):
             v = operand.view(core)
-            # as _col (a (P,1) tile broadcast over data's dims) and _load (a tile in data's shape) reshape
+            # as load_column (a (P,1) tile broadcast over data's dims) and load_tile (a tile in data's shape)
+            # reshape
             want = (operand.partitions, *([1] * (nd - 1))) if column else tuple(xv.shape)
             if (v.dim() != nd) if column else (tuple(v.shape) != want):
                 try:
@@ -414,8 +421,8 @@ def _planned_alu_step(core, dst: AP, data: AP, ops: list, c: torch.dtype) -> Ste
     return step
 
 
-def _copy_step(core, dst: AP, src: AP, slots) -> Step | None:
-    """The step of ``dst.write(core, _convert(src.view(core), dst.dtype))`` (dma_copy, tensor_copy)."""
+def copy_step(core, dst: AP, src: AP, slots) -> Step | None:
+    """The step of ``dst.write(core, prepare_cast(src.view(core), dst.dtype))`` (dma_copy, tensor_copy)."""
     if not src.on_chip and not dst.on_chip:
         # HBM to HBM: two slots may be bound to one tensor, so keep write's overlap check (store)
         sget, dget = _hbm_getter(src, slots), _hbm_getter(dst, slots)
@@ -427,7 +434,7 @@ def _copy_step(core, dst: AP, src: AP, slots) -> Step | None:
             v = sget(h)
             store(dst, dget(h), v.float() if hbm_float else v)
         return step
-    # _convert goes through fp32 (a no-op for an fp32 source: .float() returns the tensor itself)
+    # prepare_cast goes through fp32 (a no-op for an fp32 source: .float() returns the tensor itself)
     to_float = (src.dtype != dst.dtype and src.dtype != torch.float32
                 and not (src.dtype in INT_DTYPES and dst.dtype in INT_DTYPES))
     if src.on_chip and dst.on_chip:

@@ -10,7 +10,7 @@ import torch
 from torchneuron.sim.instruction import CostInputs, Engine, Footprint
 from torchneuron.sim.memory import AP, IndexOutOfRange, contiguous_run
 from torchneuron.sim.numerics import dtype_name, torch_name
-from torchneuron.sim.isa.common import DGE_MODES, Instr, OOB_MODES, Step, _chunks, _convert, _copy_step, _dims
+from torchneuron.sim.isa.common import DGE_MODES, Instr, OOB_MODES, Step, descriptor_count, prepare_cast, copy_step, ap_dims
 
 
 # ---- DMA ----------------------------------------------------------------------------------
@@ -112,40 +112,40 @@ class DmaCopy(Instr):
             table = _rows_view(core, self.src)
             idx, ok = _indices(core, self, self.src_index, table.shape[0], "src")
             if ok is None:
-                self.dst.write(core, _convert(table[idx], self.dst.dtype))
+                self.dst.write(core, prepare_cast(table[idx], self.dst.dtype))
                 return
             current = self.dst.read(core).reshape(idx.numel(), -1)
-            current[ok] = _convert(table[idx[ok]], self.dst.dtype).reshape(int(ok.sum()), -1).to(current.dtype)
+            current[ok] = prepare_cast(table[idx[ok]], self.dst.dtype).reshape(int(ok.sum()), -1).to(current.dtype)
             self.dst.write(core, current)
         elif self.dst_index is not None:
             table = _rows_view(core, self.dst)
             idx, ok = _indices(core, self, self.dst_index, table.shape[0], "dst")
-            values = _convert(self.src.view(core), self.dst.dtype).reshape(idx.numel(), *table.shape[1:])
+            values = prepare_cast(self.src.view(core), self.dst.dtype).reshape(idx.numel(), *table.shape[1:])
             values = values.to(table.dtype)
             if ok is None:
                 table[idx] = values  # duplicate indices: one of the writers wins (unspecified, as on hardware)
             else:
                 table[idx[ok]] = values[ok]
         else:
-            self.dst.write(core, _convert(self.src.view(core), self.dst.dtype))
+            self.dst.write(core, prepare_cast(self.src.view(core), self.dst.dtype))
 
     def step(self, core, slots) -> Step | None:
         if self.src_index is not None or self.dst_index is not None:
             return None  # gathers and scatters index at run time: execute
-        return _copy_step(core, self.dst, self.src, slots)
+        return copy_step(core, self.dst, self.src, slots)
 
     def price(self) -> CostInputs:
         onchip = [a for a in (self.dst, self.src) if a.on_chip]
         parts = onchip[0].partitions if onchip else 1
         n = self.src.numel
-        run_src = contiguous_run(self.src.pattern[1:] if self.src_index is not None else _dims(self.src))
-        run_dst = contiguous_run(self.dst.pattern[1:] if self.dst_index is not None else _dims(self.dst))
+        run_src = contiguous_run(self.src.pattern[1:] if self.src_index is not None else ap_dims(self.src))
+        run_dst = contiguous_run(self.dst.pattern[1:] if self.dst_index is not None else ap_dims(self.dst))
         op = "gather" if self.src_index is not None else "scatter" if self.dst_index is not None else None
         return CostInputs(opcode=self.opcode, engine=Engine.DMA, partitions=parts, free_elems=n // parts,
                           in_dtypes=(torch_name(self.src.dtype),), out_dtype=torch_name(self.dst.dtype),
                           in_memories=(self.src.kind,), out_memory=self.dst.kind,
                           contiguous=self.src.inner_contiguous and self.dst.inner_contiguous, op=op,
-                          dma_bytes=max(self.src.nbytes, self.dst.nbytes), dma_chunks=_chunks(n, run_src, run_dst),
+                          dma_bytes=max(self.src.nbytes, self.dst.nbytes), dma_chunks=descriptor_count(n, run_src, run_dst),
                           dge_mode=None if self.dge_mode == "unknown" else self.dge_mode, flops=0)
 
 
@@ -188,13 +188,13 @@ class DmaTranspose(Instr):
 
     def price(self) -> CostInputs:
         n = self.src.numel
-        src_dims = _dims(self.src)
+        src_dims = ap_dims(self.src)
         run_src = contiguous_run([src_dims[a] for a in self.axes])
         return CostInputs(opcode=self.opcode, engine=Engine.DMA, partitions=self.dst.partitions,
                           free_elems=self.dst.free_elems, in_dtypes=(torch_name(self.src.dtype),),
                           out_dtype=torch_name(self.dst.dtype), in_memories=(self.src.kind,), out_memory="sbuf",
                           contiguous=False, op="transpose", dma_bytes=self.src.nbytes,
-                          dma_chunks=_chunks(n, run_src, contiguous_run(_dims(self.dst))),
+                          dma_chunks=descriptor_count(n, run_src, contiguous_run(ap_dims(self.dst))),
                           dge_mode=None if self.dge_mode == "unknown" else self.dge_mode, flops=0)
 
 
@@ -269,15 +269,15 @@ class DmaCopyDynamic(Instr):
             table = _rows_view(core, self.src)
             idx, ok = self._rows(core, table.shape[0])
             if ok is None:
-                self.dst.write(core, _convert(table[idx], self.dst.dtype))
+                self.dst.write(core, prepare_cast(table[idx], self.dst.dtype))
                 return
             current = self.dst.read(core).reshape(idx.numel(), -1)
-            current[ok] = _convert(table[idx[ok]], self.dst.dtype).reshape(int(ok.sum()), -1).to(current.dtype)
+            current[ok] = prepare_cast(table[idx[ok]], self.dst.dtype).reshape(int(ok.sum()), -1).to(current.dtype)
             self.dst.write(core, current)
         else:
             table = _rows_view(core, self.dst)
             idx, ok = self._rows(core, table.shape[0])
-            values = _convert(self.src.view(core), self.dst.dtype).reshape(idx.numel(), *table.shape[1:])
+            values = prepare_cast(self.src.view(core), self.dst.dtype).reshape(idx.numel(), *table.shape[1:])
             values = values.to(table.dtype)
             if ok is None:
                 table[idx] = values
@@ -359,7 +359,7 @@ class DmaCompute(Instr):
         onchip = [a for a in (self.dst, *self.srcs) if a.on_chip]
         parts = onchip[0].partitions if onchip else 1
         n = self.dst.numel
-        chunks = max(_chunks(n, contiguous_run(_dims(s)), contiguous_run(_dims(self.dst))) for s in self.srcs)
+        chunks = max(descriptor_count(n, contiguous_run(ap_dims(s)), contiguous_run(ap_dims(self.dst))) for s in self.srcs)
         return CostInputs(opcode=self.opcode, engine=Engine.DMA, partitions=parts, free_elems=n // parts,
                           in_dtypes=tuple(torch_name(s.dtype) for s in self.srcs), out_dtype=torch_name(self.dst.dtype),
                           in_memories=tuple(s.kind for s in self.srcs), out_memory=self.dst.kind, op="add",
@@ -393,5 +393,5 @@ class DevicePrint(Instr):
         return CostInputs(opcode=self.opcode, engine=Engine.DMA, partitions=ap.partitions,
                           free_elems=ap.free_elems, in_dtypes=(torch_name(ap.dtype),), out_dtype=torch_name(ap.dtype),
                           in_memories=(ap.kind,), out_memory="hbm", dma_bytes=ap.nbytes,
-                          dma_chunks=max(1, ap.numel // contiguous_run(_dims(ap))),
+                          dma_chunks=max(1, ap.numel // contiguous_run(ap_dims(ap))),
                           flops=0)

@@ -12,7 +12,7 @@ import torch
 from torchneuron.sim.instruction import CostInputs, Engine
 from torchneuron.sim.memory import AP
 from torchneuron.sim.numerics import INT_DTYPES, alu_op, apply_alu, as_scalar, dtype_name
-from torchneuron.sim.isa.common import COMPARE_OPS, Instr, Operand, Scalar, Step, _col, _convert
+from torchneuron.sim.isa.common import COMPARE_OPS, Instr, Operand, Scalar, Step, load_column, prepare_cast
 
 
 # ---- generators and selection (GpSimd) -----------------------------------------------------------
@@ -58,7 +58,7 @@ class Iota(Instr):
     @cached_property
     def _values(self) -> torch.Tensor:
         v = _affine(self.pattern, self.dst.partitions, self.offset, self.channel_multiplier)
-        return _convert(v, self.dst.dtype).to(self.dst.dtype)  # a constant: generated once
+        return prepare_cast(v, self.dst.dtype).to(self.dst.dtype)  # a constant: generated once
 
     def execute(self, core) -> None:
         self.dst.write(core, self._values)
@@ -124,7 +124,7 @@ class AffineSelect(Instr):
 
     def execute(self, core) -> None:
         p, f = self.dst.partitions, self.dst.free_elems
-        x = _convert(self.on_true_tile.view(core).reshape(p, f), self.dst.dtype)
+        x = prepare_cast(self.on_true_tile.view(core).reshape(p, f), self.dst.dtype)
         fill = torch.tensor(as_scalar(self.on_false_value, torch.float32), dtype=torch.float32).to(x.dtype)
         self.dst.write(core, torch.where(self._predicate, x, fill))
 
@@ -200,7 +200,7 @@ class Rand2(Instr):
 
     def execute(self, core) -> None:
         u = torch.rand(self.dst.partitions, self.dst.free_elems, generator=core.rng)
-        lo, hi = _col(core, self.min, torch.float32, 2), _col(core, self.max, torch.float32, 2)
+        lo, hi = load_column(core, self.min, torch.float32, 2), load_column(core, self.max, torch.float32, 2)
         self.dst.write(core, lo + u * (hi - lo))
 
     def price(self) -> CostInputs:
@@ -230,7 +230,7 @@ class Dropout(Instr):
     def execute(self, core) -> None:
         p, f = self.data.partitions, self.data.free_elems
         x = self.data.view(core).reshape(p, f)
-        keep = torch.rand(p, f, generator=core.rng) >= _col(core, self.prob, torch.float32, 2)
+        keep = torch.rand(p, f, generator=core.rng) >= load_column(core, self.prob, torch.float32, 2)
         self.dst.write(core, torch.where(keep, x, torch.zeros((), dtype=x.dtype)))
 
     def price(self) -> CostInputs:

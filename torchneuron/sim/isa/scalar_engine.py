@@ -11,7 +11,7 @@ from torchneuron.sim.instruction import CostInputs, Engine
 from torchneuron.sim.memory import AP
 from torchneuron.sim.numerics import (ACTIVATIONS_OUT, REDUCE_IDENTITY, activation_fn, alu_op, apply_activation,
                                       apply_alu, apply_reduce, as_scalar, compute_dtype, dtype_name, reduce_op)
-from torchneuron.sim.isa.common import Instr, Operand, Step, _cmd, _disjoint_or_same, _fused_into, _load, _operand, _rhs
+from torchneuron.sim.isa.common import Instr, Operand, Step, checked_reduce_cmd, disjoint_or_same, fused_into, load_tile, planned_operand, fused_rhs
 
 
 # ---- ScalarE activation ------------------------------------------------------------------------
@@ -21,14 +21,14 @@ def _identity_out(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
     return out if x is out else out.copy_(x)
 
 
-def _regs(core, engine: Engine, ap: AP) -> torch.Tensor:
+def engine_registers(core, engine: Engine, ap: AP) -> torch.Tensor:
     """The engine's per-lane fp32 accumulation registers for the lanes (partitions) of ``ap``."""
     return core.regs[engine][ap.start_partition:ap.start_partition + ap.partitions]
 
 
 def _scalar_reduce_args(instr: Instr) -> None:
     """Resolve and check ``reduce_cmd`` / ``reduce_op`` of a ScalarE instruction (reduce_op defaults to add)."""
-    instr._set("reduce_cmd", _cmd(instr.reduce_cmd))
+    instr._set("reduce_cmd", checked_reduce_cmd(instr.reduce_cmd))
     if instr.reduce_cmd == "load_reduce":
         raise instr._fail("reduce_cmd", f"load_reduce is not an {instr.opcode} command (idle/reset/reduce/reset_reduce)")
     if instr.reduce_op is None and instr.reduce_cmd in ("reduce", "reset_reduce"):
@@ -44,13 +44,14 @@ def reduce_into_registers(instr: Instr, core, engine: Engine, op: str, values: t
                           init=None) -> None:
     """Apply ``instr.reduce_cmd`` to the engine's registers for ``lanes`` with ``values``; then write the
     registers to ``instr.reduce_res`` if it is set (the instructions that read the registers out)."""
-    regs = _regs(core, engine, lanes)
-    _accumulate(regs, op, instr.reduce_cmd, values, init)
+    regs = engine_registers(core, engine, lanes)
+    accumulate_registers(regs, op, instr.reduce_cmd, values, init)
     if instr.reduce_res is not None:
         instr.reduce_res.write(core, regs)
 
 
-def _accumulate(regs: torch.Tensor, op: str, cmd: str, values: torch.Tensor | None, init=None) -> None:
+def accumulate_registers(regs: torch.Tensor, op: str, cmd: str, values: torch.Tensor | None, init=None) -> None:
+    """Apply reduce command ``cmd`` of ``op`` to the registers: reset or load them, then fold ``values`` in."""
     if cmd in ("reset", "reset_reduce"):
         regs.fill_(REDUCE_IDENTITY[op])
     elif cmd == "load_reduce":
@@ -103,7 +104,7 @@ class Activation(Instr):
         # all fp32 and a function torch can write into dst: scale, bias and function in place there
         tiles = [v for v in (self.data, self.dst, self.scale, self.bias) if isinstance(v, AP)]
         ok = (all(t.dtype == torch.float32 for t in tiles) and self.data.shape == self.dst.shape
-              and _disjoint_or_same(self.dst, self.data, self.scale, self.bias))
+              and disjoint_or_same(self.dst, self.data, self.scale, self.bias))
         if ok and self.op in ("identity", "copy"):
             # execute reduces its own result's layout: only a run without a reduction takes the copy
             reduce = self.reduce_cmd != "idle" or self.reduce_res is not None
@@ -115,11 +116,11 @@ class Activation(Instr):
         if self._fused is not None:
             self._execute_in_place(core, scale, bias)
             return
-        x = _load(core, self.data, c)
+        x = load_tile(core, self.data, c)
         if scale is not None:
-            x = x * _operand(core, scale, c, x.dim())
+            x = x * planned_operand(core, scale, c, x.dim())
         if bias is not None:
-            x = x + _operand(core, bias, c, x.dim())
+            x = x + planned_operand(core, bias, c, x.dim())
         y = apply_activation(self.op, x)
         self.dst.write(core, y)
         self._reduce(core, y)
@@ -131,8 +132,8 @@ class Activation(Instr):
         _, scale, bias = self._plan
         out, x = self.dst.view(core), self.data.view(core)
         nd = out.dim()
-        s = None if scale is None else _rhs(core, scale, nd)
-        b = None if bias is None else _rhs(core, bias, nd)
+        s = None if scale is None else fused_rhs(core, scale, nd)
+        b = None if bias is None else fused_rhs(core, bias, nd)
         if (scale is not None and s is None) or (bias is not None and b is None):
             return None
         reduce = self.reduce_cmd != "idle" or self.reduce_res is not None
@@ -156,10 +157,10 @@ class Activation(Instr):
         out, x = self.dst.view(core), self.data.view(core)
         nd = out.dim()
         if scale is not None:
-            _fused_into(out, torch.mul, x, _operand(core, scale, torch.float32, nd))
+            fused_into(out, torch.mul, x, planned_operand(core, scale, torch.float32, nd))
             x = out
         if bias is not None:
-            _fused_into(out, torch.add, x, _operand(core, bias, torch.float32, nd))
+            fused_into(out, torch.add, x, planned_operand(core, bias, torch.float32, nd))
             x = out
         self._fused(x, out=out)
         self._reduce(core, out)
@@ -229,14 +230,14 @@ class Activate2(Instr):
             self._column("reduce_res")
 
     def execute(self, core) -> None:
-        x = _load(core, self.data, torch.float32)
+        x = load_tile(core, self.data, torch.float32)
         nd = x.dim()
         for op, imm, rev in ((self.op0, self.imm0, self.reverse0), (self.op1, self.imm1, self.reverse1)):
             if op != "bypass":
-                v = _operand(core, imm if isinstance(imm, AP) else as_scalar(imm, torch.float32), torch.float32, nd)
+                v = planned_operand(core, imm if isinstance(imm, AP) else as_scalar(imm, torch.float32), torch.float32, nd)
                 x = apply_alu(op, v, x) if rev else apply_alu(op, x, v)
         if self.op == "prelu":
-            slope = _operand(core, self.relu_param if isinstance(self.relu_param, AP)
+            slope = planned_operand(core, self.relu_param if isinstance(self.relu_param, AP)
                              else as_scalar(self.relu_param, torch.float32), torch.float32, nd)
             y = torch.where(x > 0, x, x * slope)
         else:

@@ -13,8 +13,8 @@ import torch
 from torchneuron.sim.instruction import CostInputs, Engine
 from torchneuron.sim.memory import AP
 from torchneuron.sim.numerics import INT_DTYPES, alu_op, apply_alu, as_scalar, dtype_name, reduce_op
-from torchneuron.sim.isa.common import (COMPARE_OPS, MAX8_FMAX, MAX8_FMIN, Instr, Operand, _cmd, _col, _convert,
-                                        _load)
+from torchneuron.sim.isa.common import (COMPARE_OPS, MAX8_FMAX, MAX8_FMIN, Instr, Operand, checked_reduce_cmd, load_column, prepare_cast,
+                                        load_tile)
 from torchneuron.sim.isa.scalar_engine import reduce_into_registers
 
 FP32_MIN = -3.4028234663852886e38   # the only on_false_value range_select accepts (a hardware constraint)
@@ -23,7 +23,7 @@ SELECT_PREDICATES = frozenset({torch.int8, torch.uint8, torch.int16, torch.uint1
 
 
 def _flat(core, ap: AP, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return _load(core, ap, dtype, (ap.partitions, ap.free_elems))
+    return load_tile(core, ap, dtype, (ap.partitions, ap.free_elems))
 
 
 def _vector_reduce(instr: Instr, core, values: torch.Tensor, lanes: AP) -> None:
@@ -32,7 +32,7 @@ def _vector_reduce(instr: Instr, core, values: torch.Tensor, lanes: AP) -> None:
 
 
 def _max_only(instr: Instr) -> None:
-    instr._set("reduce_cmd", _cmd(instr.reduce_cmd))
+    instr._set("reduce_cmd", checked_reduce_cmd(instr.reduce_cmd))
     instr._set("reduce_op", reduce_op(instr.reduce_op))
     if instr.reduce_op != "maximum":
         raise instr._fail("reduce_op", f"is {instr.reduce_op!r}; only maximum is supported")
@@ -124,7 +124,7 @@ class SelectReduce(Instr):
         take = self.predicate.view(core).reshape(p, f) != 0
         if self.reverse_pred:
             take = ~take
-        r = torch.where(take, _flat(core, self.on_true), _col(core, self.on_false, torch.float32, 2))
+        r = torch.where(take, _flat(core, self.on_true), load_column(core, self.on_false, torch.float32, 2))
         self.dst.write(core, r)
         if self.reduce_cmd != "idle" or self.reduce_res is not None:
             _vector_reduce(self, core, r, self.dst)
@@ -179,7 +179,7 @@ class RangeSelect(Instr):
     def execute(self, core) -> None:
         f = self.dst.free_elems
         idx = (torch.arange(f, dtype=torch.float32) + float(self.range_start)).unsqueeze(0)
-        b0, b1 = (_col(core, b, torch.float32, 2) for b in (self.bound0, self.bound1))
+        b0, b1 = (load_column(core, b, torch.float32, 2) for b in (self.bound0, self.bound1))
         keep = (apply_alu(self.comp_op0, idx.expand(b0.shape[0], f), b0) != 0) & (
             apply_alu(self.comp_op1, idx.expand(b1.shape[0], f), b1) != 0)
         r = torch.where(keep, _flat(core, self.on_true_tile), torch.tensor(FP32_MIN, dtype=torch.float32))
@@ -317,7 +317,7 @@ class NcMatchReplace8(Instr):
             first = hit.to(torch.uint8).argmax(1)
             idx[:, i] = torch.where(found, first, 0)
             x[rows[found], first[found]] = imm
-        self.dst.write(core, _convert(x, self.dst.dtype))
+        self.dst.write(core, prepare_cast(x, self.dst.dtype))
         if self.dst_idx is not None:
             self.dst_idx.write(core, idx)
 

@@ -14,11 +14,11 @@ from torchneuron.sim.instruction import CostInputs, Engine
 from torchneuron.sim.memory import AP, store
 from torchneuron.sim.numerics import (BITVEC_OPS, FRACTIONAL_OPS, REDUCE_OPS, UNARY_ALU_OPS, alu_op, apply_alu,
                                       apply_reduce, as_scalar, compute_dtype, dtype_name, reduce_op)
-from torchneuron.sim.isa.common import (BN_STATS_FMAX, Instr, MAX8_FMAX, MAX8_FMIN, Operand, Step, _ALU_FN,
-                                        _FUSED_DTYPES, _FUSED_OPS, _apply, _cmd, _col, _convert, _copy_step,
-                                        _disjoint_or_same, _fractional, _fused_into, _load, _operand, _operand_dtypes,
-                                        _planned_alu_step, _rhs)
-from torchneuron.sim.isa.scalar_engine import _accumulate, _regs, reduce_into_registers
+from torchneuron.sim.isa.common import (BN_STATS_FMAX, Instr, MAX8_FMAX, MAX8_FMIN, Operand, Step, FUSED_ALU_FN,
+                                        FUSED_DTYPES, FUSED_OPS, apply_ordered, checked_reduce_cmd, load_column, prepare_cast, copy_step,
+                                        disjoint_or_same, has_fractional, fused_into, load_tile, planned_operand, operand_dtypes,
+                                        planned_alu_step, fused_rhs)
+from torchneuron.sim.isa.scalar_engine import accumulate_registers, engine_registers, reduce_into_registers
 
 
 # ---- elementwise (Vector / Scalar / GpSimd) -----------------------------------------------------
@@ -38,10 +38,10 @@ class TensorCopy(Instr):
         self._same("src", "dst")
 
     def execute(self, core) -> None:
-        self.dst.write(core, _convert(self.src.view(core), self.dst.dtype))
+        self.dst.write(core, prepare_cast(self.src.view(core), self.dst.dtype))
 
     def step(self, core, slots) -> Step | None:
-        return _copy_step(core, self.dst, self.src, slots)
+        return copy_step(core, self.dst, self.src, slots)
 
     def price(self) -> CostInputs:
         return self._cost([self.src], self.dst, flops=0)
@@ -75,26 +75,26 @@ class TensorTensor(Instr):
     def _fused(self) -> bool:
         # torch's fp32/bf16/fp16 kernels for these ops compute in fp32 and round once on store:
         # exactly the engine's semantics, in one pass straight into the destination
-        return (self.op in _FUSED_OPS and self.data1.shape == self.data2.shape == self.dst.shape
-                and {self.data1.dtype, self.data2.dtype, self.dst.dtype} <= _FUSED_DTYPES
-                and _disjoint_or_same(self.dst, self.data1, self.data2))
+        return (self.op in FUSED_OPS and self.data1.shape == self.data2.shape == self.dst.shape
+                and {self.data1.dtype, self.data2.dtype, self.dst.dtype} <= FUSED_DTYPES
+                and disjoint_or_same(self.dst, self.data1, self.data2))
 
     def execute(self, core) -> None:
         if self._fused:
-            _fused_into(self.dst.view(core), _ALU_FN[self.op], self.data1.view(core), self.data2.view(core))
+            fused_into(self.dst.view(core), FUSED_ALU_FN[self.op], self.data1.view(core), self.data2.view(core))
             return
         c = compute_dtype(self.data1.dtype, self.data2.dtype, fractional=self.op in FRACTIONAL_OPS)
         shape = self.data1.shape
-        a = _load(core, self.data1, c)
-        b = _load(core, self.data2, c, shape)
+        a = load_tile(core, self.data1, c)
+        b = load_tile(core, self.data2, c, shape)
         self.dst.write(core, apply_alu(self.op, a, b))
 
     def step(self, core, slots) -> Step | None:
         if not self._fused:
-            return _planned_alu_step(core, self.dst, self.data1, [(self.op, self.data2, False, False)],
+            return planned_alu_step(core, self.dst, self.data1, [(self.op, self.data2, False, False)],
                                      compute_dtype(self.data1.dtype, self.data2.dtype,
                                                    fractional=self.op in FRACTIONAL_OPS))
-        fn, out, a, b = _ALU_FN[self.op], self.dst.view(core), self.data1.view(core), self.data2.view(core)
+        fn, out, a, b = FUSED_ALU_FN[self.op], self.dst.view(core), self.data1.view(core), self.data2.view(core)
         return lambda h: fn(a, b, out=out)
 
     def price(self) -> CostInputs:
@@ -149,8 +149,8 @@ class TensorScalar(Instr):
     @cached_property
     def _plan(self) -> tuple:
         # compute dtype and engine-rounded scalar operands: fixed per instruction, so computed once
-        fractional = bool(FRACTIONAL_OPS & {self.op0, self.op1}) or _fractional(self.operand0, self.operand1)
-        c = compute_dtype(self.data.dtype, *_operand_dtypes(self.operand0, self.operand1), fractional=fractional)
+        fractional = bool(FRACTIONAL_OPS & {self.op0, self.op1}) or has_fractional(self.operand0, self.operand1)
+        c = compute_dtype(self.data.dtype, *operand_dtypes(self.operand0, self.operand1), fractional=fractional)
         scalar = lambda v: v if isinstance(v, AP) else as_scalar(v or 0, c)  # noqa: E731
         return c, scalar(self.operand0), scalar(self.operand1)
 
@@ -159,22 +159,22 @@ class TensorScalar(Instr):
         # all-fp32 with plain (not reversed) arithmetic: op0 straight into dst, op1 in place there
         tiles = [v for v in (self.data, self.dst, self.operand0, self.operand1) if isinstance(v, AP)]
         return (all(t.dtype == torch.float32 for t in tiles) and self.data.shape == self.dst.shape
-                and {self.op0, self.op1} <= _FUSED_OPS | {None} and not self.reverse0 and not self.reverse1
-                and _disjoint_or_same(self.dst, self.data, self.operand0, self.operand1))
+                and {self.op0, self.op1} <= FUSED_OPS | {None} and not self.reverse0 and not self.reverse1
+                and disjoint_or_same(self.dst, self.data, self.operand0, self.operand1))
 
     def execute(self, core) -> None:
         c, operand0, operand1 = self._plan
         if self._fused:
             out = self.dst.view(core)
             nd = out.dim()
-            _fused_into(out, _ALU_FN[self.op0], self.data.view(core), _operand(core, operand0, c, nd))
+            fused_into(out, FUSED_ALU_FN[self.op0], self.data.view(core), planned_operand(core, operand0, c, nd))
             if self.op1 is not None:
-                _fused_into(out, _ALU_FN[self.op1], out, _operand(core, operand1, c, nd))
+                fused_into(out, FUSED_ALU_FN[self.op1], out, planned_operand(core, operand1, c, nd))
             return
-        x = _load(core, self.data, c)
-        r = _apply(self.op0, x, _operand(core, operand0, c, x.dim()), self.reverse0)
+        x = load_tile(core, self.data, c)
+        r = apply_ordered(self.op0, x, planned_operand(core, operand0, c, x.dim()), self.reverse0)
         if self.op1 is not None:
-            r = _apply(self.op1, r, _operand(core, operand1, c, x.dim()), self.reverse1)
+            r = apply_ordered(self.op1, r, planned_operand(core, operand1, c, x.dim()), self.reverse1)
         self.dst.write(core, r)
 
     def step(self, core, slots) -> Step | None:
@@ -183,15 +183,15 @@ class TensorScalar(Instr):
             ops = [(self.op0, operand0, self.reverse0, True)]
             if self.op1 is not None:
                 ops.append((self.op1, operand1, self.reverse1, True))
-            return _planned_alu_step(core, self.dst, self.data, ops, c)
+            return planned_alu_step(core, self.dst, self.data, ops, c)
         _, operand0, operand1 = self._plan
         out, x = self.dst.view(core), self.data.view(core)
-        fn0, r0 = _ALU_FN[self.op0], _rhs(core, operand0, out.dim())
+        fn0, r0 = FUSED_ALU_FN[self.op0], fused_rhs(core, operand0, out.dim())
         if r0 is None:
             return None
         if self.op1 is None:
             return lambda h: fn0(x, r0, out=out)
-        fn1, r1 = _ALU_FN[self.op1], _rhs(core, operand1, out.dim())
+        fn1, r1 = FUSED_ALU_FN[self.op1], fused_rhs(core, operand1, out.dim())
         if r1 is None:
             return None
 
@@ -235,11 +235,11 @@ class ScalarTensorTensor(Instr):
         self._not_both_psum("data", "operand1")
 
     def execute(self, core) -> None:
-        c = compute_dtype(self.data.dtype, self.operand1.dtype, *_operand_dtypes(self.operand0),
-                          fractional=bool(FRACTIONAL_OPS & {self.op0, self.op1}) or _fractional(self.operand0))
-        x = _load(core, self.data, c)
-        t = _apply(self.op0, x, _col(core, self.operand0, c, x.dim()), self.reverse0)
-        self.dst.write(core, _apply(self.op1, t, _load(core, self.operand1, c, x.shape), self.reverse1))
+        c = compute_dtype(self.data.dtype, self.operand1.dtype, *operand_dtypes(self.operand0),
+                          fractional=bool(FRACTIONAL_OPS & {self.op0, self.op1}) or has_fractional(self.operand0))
+        x = load_tile(core, self.data, c)
+        t = apply_ordered(self.op0, x, load_column(core, self.operand0, c, x.dim()), self.reverse0)
+        self.dst.write(core, apply_ordered(self.op1, t, load_tile(core, self.operand1, c, x.shape), self.reverse1))
 
     def price(self) -> CostInputs:
         return self._cost([self.data, self.operand1], self.dst, op=f"{self.op0},{self.op1}",
@@ -261,7 +261,7 @@ class Reciprocal(Instr):
 
     def execute(self, core) -> None:
         c = compute_dtype(self.data.dtype, fractional=True)
-        self.dst.write(core, torch.reciprocal(_load(core, self.data, c)))
+        self.dst.write(core, torch.reciprocal(load_tile(core, self.data, c)))
 
     def price(self) -> CostInputs:
         return self._cost([self.data], self.dst, op="reciprocal")
@@ -305,7 +305,7 @@ class TensorReduce(Instr):
                 raise self._fail("negate", f"applies to arithmetic operators, not {self.op!r}")
 
     def execute(self, core) -> None:
-        x = _load(core, self.data, compute_dtype(self.data.dtype))
+        x = load_tile(core, self.data, compute_dtype(self.data.dtype))
         r = apply_reduce(self.op, x, self.axis)
         self.dst.write(core, -r if self.negate else r)
 
@@ -345,7 +345,7 @@ class TensorPartitionReduce(Instr):
             self._ints(("dst", "data"), f"bitvec operator {self.op!r}")
 
     def execute(self, core) -> None:
-        x = _load(core, self.data, compute_dtype(self.data.dtype))
+        x = load_tile(core, self.data, compute_dtype(self.data.dtype))
         self.dst.write(core, apply_reduce(self.op, x, (0,)))
 
     def price(self) -> CostInputs:
@@ -376,7 +376,7 @@ class TensorScalarReduce(Instr):
     def check(self) -> None:
         self._set("op0", alu_op(self.op0))
         self._set("reduce_op", reduce_op(self.reduce_op))
-        self._set("reduce_cmd", _cmd(self.reduce_cmd))
+        self._set("reduce_cmd", checked_reduce_cmd(self.reduce_cmd))
         if self.reduce_op not in ("add", "multiply", "maximum", "minimum"):
             raise self._fail("reduce_op", f"is {self.reduce_op!r}; expected add, multiply, maximum or minimum")
         if self.op0 in BITVEC_OPS:
@@ -392,14 +392,14 @@ class TensorScalarReduce(Instr):
         self._column("reduce_init")
 
     def execute(self, core) -> None:
-        c = compute_dtype(self.data.dtype, *_operand_dtypes(self.operand0),
-                          fractional=self.op0 in FRACTIONAL_OPS or _fractional(self.operand0))
-        x = _load(core, self.data, c)
-        r = _apply(self.op0, x, _col(core, self.operand0, c, x.dim()), self.reverse0)
+        c = compute_dtype(self.data.dtype, *operand_dtypes(self.operand0),
+                          fractional=self.op0 in FRACTIONAL_OPS or has_fractional(self.operand0))
+        x = load_tile(core, self.data, c)
+        r = apply_ordered(self.op0, x, load_column(core, self.operand0, c, x.dim()), self.reverse0)
         self.dst.write(core, r)
-        regs = _regs(core, Engine.VECTOR, self.data)
+        regs = engine_registers(core, Engine.VECTOR, self.data)
         init = self.reduce_init.view(core).float() if isinstance(self.reduce_init, AP) else self.reduce_init
-        _accumulate(regs, self.reduce_op, self.reduce_cmd, r, init)
+        accumulate_registers(regs, self.reduce_op, self.reduce_cmd, r, init)
         if self.reduce_res is not None:  # None keeps the result in the registers only
             self.reduce_res.write(core, -regs if self.reduce_res_negate else regs)
 
@@ -437,11 +437,11 @@ class TensorTensorScan(Instr):
 
     def execute(self, core) -> None:
         p, f = self.data0.partitions, self.data0.free_elems
-        c = compute_dtype(self.data0.dtype, self.data1.dtype, *_operand_dtypes(self.initial),
-                          fractional=bool(FRACTIONAL_OPS & {self.op0, self.op1}) or _fractional(self.initial))
-        a = _load(core, self.data0, c, (p, f))
-        b = _load(core, self.data1, c, (p, f))
-        init = _col(core, self.initial, c, 1)
+        c = compute_dtype(self.data0.dtype, self.data1.dtype, *operand_dtypes(self.initial),
+                          fractional=bool(FRACTIONAL_OPS & {self.op0, self.op1}) or has_fractional(self.initial))
+        a = load_tile(core, self.data0, c, (p, f))
+        b = load_tile(core, self.data1, c, (p, f))
+        init = load_column(core, self.initial, c, 1)
         state = init if isinstance(init, torch.Tensor) else torch.full((p,), init, dtype=c)
         out = torch.empty(p, f, dtype=c)
         op0, op1 = self.op0, self.op1
@@ -479,7 +479,7 @@ class BnStats(Instr):
         self._free("dst", 6, "bn_stats writes 6 (count, mean, var*count for even and odd elements)")
 
     def execute(self, core) -> None:
-        x = _load(core, self.data, torch.float32, (self.data.partitions, self.data.free_elems))
+        x = load_tile(core, self.data, torch.float32, (self.data.partitions, self.data.free_elems))
         stats = []
         for half in (x[:, 0::2], x[:, 1::2]):
             n = half.shape[1]
@@ -512,7 +512,7 @@ class BnAggr(Instr):
 
     def execute(self, core) -> None:
         p = self.data.partitions
-        g = _load(core, self.data, torch.float32, (p, self.data.free_elems)).reshape(p, -1, 3)
+        g = load_tile(core, self.data, torch.float32, (p, self.data.free_elems)).reshape(p, -1, 3)
         n, mean, m2 = g[..., 0], g[..., 1], g[..., 2]
         total = n.sum(1)
         mu = (n * mean).sum(1) / total
@@ -546,7 +546,7 @@ class Max8(Instr):
         self._free("dst", 8, "max8 writes 8")
 
     def execute(self, core) -> None:
-        x = _load(core, self.src, torch.float32, (self.src.partitions, self.src.free_elems))
+        x = load_tile(core, self.src, torch.float32, (self.src.partitions, self.src.free_elems))
         self.dst.write(core, torch.topk(x, 8, dim=1).values)
 
     def price(self) -> CostInputs:
@@ -576,8 +576,8 @@ class NcFindIndex8(Instr):
 
     def execute(self, core) -> None:
         p = self.data.partitions
-        x = _load(core, self.data, torch.float32, (p, self.data.free_elems))
-        v = _load(core, self.vals, torch.float32, (p, 8))
+        x = load_tile(core, self.data, torch.float32, (p, self.data.free_elems))
+        v = load_tile(core, self.vals, torch.float32, (p, 8))
         hit = (x.unsqueeze(1) == v.unsqueeze(2)).to(torch.uint8)
         self.dst.write(core, hit.argmax(2))  # argmax returns the first maximal index
 
@@ -611,7 +611,7 @@ class TensorScalarCumulative(Instr):
     def check(self) -> None:
         self._set("op0", alu_op(self.op0))
         self._set("op1", alu_op(self.op1))
-        self._set("reduce_cmd", _cmd(self.reduce_cmd))
+        self._set("reduce_cmd", checked_reduce_cmd(self.reduce_cmd))
         if self.op0 in BITVEC_OPS:
             raise self._fail("op0", f"{self.op0!r} is a bitvec operator; op0 must be arithmetic")
         if self.op1 not in _CUMULATIVE_OPS:
@@ -630,13 +630,13 @@ class TensorScalarCumulative(Instr):
 
     def execute(self, core) -> None:
         p, f = self.src.partitions, self.src.free_elems
-        x = _load(core, self.src, torch.float32, (p, f))
-        v = apply_alu(self.op0, x, _col(core, self.imm0, torch.float32, 2))
-        regs = _regs(core, Engine.VECTOR, self.src)
+        x = load_tile(core, self.src, torch.float32, (p, f))
+        v = apply_alu(self.op0, x, load_column(core, self.imm0, torch.float32, 2))
+        regs = engine_registers(core, Engine.VECTOR, self.src)
         if self.reduce_cmd == "reset_reduce":
             regs.fill_(_CUMULATIVE_RESET[self.op1])
         elif self.reduce_cmd == "load_reduce":
-            init = _col(core, self.imm1, torch.float32, 1)
+            init = load_column(core, self.imm1, torch.float32, 1)
             regs.copy_(init.reshape(-1) if isinstance(init, torch.Tensor) else torch.full_like(regs, init))
         out = torch.empty(p, f)
         reg = regs.clone()
@@ -667,7 +667,7 @@ class Exponential(Instr):
     WRITES = ("dst", "reduce_res")
 
     def check(self) -> None:
-        self._set("reduce_cmd", _cmd(self.reduce_cmd))
+        self._set("reduce_cmd", checked_reduce_cmd(self.reduce_cmd))
         self._tiles("src", "dst")
         self._same("src", "dst")
         self._column("max_value", of="src")
@@ -678,8 +678,8 @@ class Exponential(Instr):
             raise self._fail("reduce_init", "must be unset (0.0) unless reduce_cmd is load_reduce")
 
     def execute(self, core) -> None:
-        x = _load(core, self.src, torch.float32)
-        y = torch.exp(x - _col(core, self.max_value, torch.float32, x.dim()))
+        x = load_tile(core, self.src, torch.float32)
+        y = torch.exp(x - load_column(core, self.max_value, torch.float32, x.dim()))
         self.dst.write(core, y)
         if self.reduce_cmd != "idle" or self.reduce_res is not None:
             init = self.reduce_init.view(core).float() if isinstance(self.reduce_init, AP) else self.reduce_init
