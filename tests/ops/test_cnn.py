@@ -121,6 +121,30 @@ def test_conv_float64_takes_the_cpu_route():
     torch.testing.assert_close(F.conv2d(to_n(x), to_n(w)).cpu(), F.conv2d(x, w))
 
 
+def test_direct_conv_launches(strict):
+    # a plain 1-D/2-D convolution is one launch forward; backward one for each gradient plus the bias sum
+    from torchneuron.runtime import profiler
+    for fn, xs, ws in ((lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1), (2, 3, 9, 8), (4, 3, 3, 3)),
+                       (lambda x, w, b: F.conv1d(x, w, b, padding=2, dilation=2), (2, 3, 11), (4, 3, 3))):
+        x, w, b = to_n(torch.randn(xs)).requires_grad_(), to_n(torch.randn(ws)).requires_grad_(), to_n(torch.randn(4))
+        with profiler.record() as fwd:
+            y = fn(x, w, b)
+        assert [r.name for r in fwd] == ["conv2d_kernel"]
+        with profiler.record() as bwd:
+            y.backward(torch.ones_like(y))
+        names = [r.name for r in bwd]
+        assert names.count("conv2d_kernel") == 1 and names.count("conv2d_wgrad_kernel") == 1
+
+
+def test_conv_padding_beyond_the_window_and_empty_batch(strict):
+    # padding > dilation * (k - 1): the input gradient takes the im2col route; an empty batch: empty results
+    _check(lambda x, w, b: F.conv2d(x, w, b, padding=2), torch.randn(1, 2, 4, 4), torch.randn(3, 2, 1, 1),
+           torch.randn(3))
+    x, w = torch.randn(0, 2, 5, 5), torch.randn(3, 2, 3, 3)
+    got = F.conv2d(to_n(x), to_n(w), padding=1)
+    assert got.shape == (0, 3, 5, 5) and got.device.type == "neuron"
+
+
 POOLS = {
     "max2": lambda t: F.max_pool2d(t, 2),
     "max3_s1_p1": lambda t: F.max_pool2d(t, 3, 1, 1),

@@ -1,5 +1,10 @@
-"""Convolution on the device (1-3-D, plain or transposed; 1-D arrives as 2-D with H = 1): im2col and the
-matmul kernel.
+"""Convolution on the device (1-3-D, plain or transposed): the direct kernel (``kernels.conv``) for plain 1-D and
+2-D convolutions, forward and backward; im2col and the matmul kernel for the rest.
+
+The direct kernel takes a 1-D convolution as 2-D with H = 1. Its input gradient is the same kernel run on the
+output gradient (zero-inserted by the stride, padded by ``dilation * (k - 1) - padding``) with the weight
+flipped; a padding larger than that takes the im2col route. The weight gradient is one
+``conv2d_wgrad_kernel`` launch.
 
 PyTorch hands convolutions to a PrivateUse1 backend only through ``convolution_overrideable`` and its
 backward (their default kernels raise): inputs these kernels do not run go to the C++ glue's dedicated CPU
@@ -20,8 +25,10 @@ from typing import Sequence
 import torch
 
 from torchneuron import _C
+from torchneuron.kernels.conv import Dim, conv2d_kernel, conv2d_wgrad_kernel, conv_fits, dims_of
 from torchneuron.ops.base import floats_on_one_device
 from torchneuron.ops.elementwise import dense
+from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering
 from torchneuron.ops.windows import col2im_patches, im2col_patches, int_tuple
 
@@ -111,6 +118,35 @@ def _follow_layout(res: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
     return res
 
 
+def _as_2d(t: torch.Tensor) -> torch.Tensor:
+    """A dense [N, C, H, W] view of a 1-D ([N, C, L] as H = 1) or 2-D convolution operand."""
+    t = dense(t)
+    return t.unsqueeze(2) if t.dim() == 3 else t
+
+
+def _direct_dims(input: torch.Tensor, weight: torch.Tensor, geo: tuple, groups: int, grad: bool = False,
+                 wgrad: bool = False):
+    """The direct kernel's (H, W) ``Dim`` pair for a plain 1-D/2-D convolution (``grad``: its input gradient's,
+    run on the output gradient; ``wgrad``: the forward's, where the weight-gradient kernel fits too), or None
+    where the im2col route runs it."""
+    k, s, p, d, patch, rows = geo
+    if input.dim() not in (3, 4) or input.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    one = (1,) if input.dim() == 3 else ()
+    k, s, p, d, patch, rows = (one + tuple(v) for v in (k, s, p, d, patch, rows))
+    if grad:      # the gradient of the output, zero-inserted by the stride; the kernel window flipped
+        if any(pp > dd * (kk - 1) for kk, pp, dd in zip(k, p, d)):
+            return None
+        dims = tuple(Dim(r, ss, dd * (kk - 1) - pp, i + pp - 1 - (r - 1) * ss, kk, dd, 1)
+                     for r, i, kk, ss, pp, dd in zip(rows, patch, k, s, p, d))
+    else:
+        dims = tuple(dims_of(i, kk, ss, (pp, pp), dd) for i, kk, ss, pp, dd in zip(patch, k, s, p, d))
+    channels = weight.shape[0] if grad else input.shape[1]
+    if not conv_fits(channels, tuple(weight.shape), groups, dims, grad, input.element_size(), wgrad):
+        return None
+    return dims
+
+
 @lowering("convolution_overrideable")
 def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Sequence[int],
                 padding: Sequence[int], dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
@@ -121,6 +157,13 @@ def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if geo is None or not floats_on_one_device(input, weight, bias) or (bias is not None and bias.dtype != input.dtype):
         return _C._fallback_convolution(input, weight, bias, list(stride), list(padding), list(dilation), transposed,
                                         list(output_padding), groups)
+    dims = None if transposed else _direct_dims(input, weight, geo, groups)
+    if dims is not None:
+        args = {"x": _as_2d(input), "w": _as_2d(weight)}
+        if bias is not None:
+            args["bias"] = dense(bias)
+        (res,) = call_kernel(conv2d_kernel, args, {"dims": dims, "groups": groups}, op="aten::convolution")
+        return _follow_layout(res.view(res.shape[0], res.shape[1], -1) if input.dim() == 3 else res, input)
     k, s, p, d, patch, rows = geo
     B, G = input.shape[0], groups
     w2 = _group_weight(weight, G)
@@ -164,6 +207,23 @@ def convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight:
             grad_input = _follow_layout(_from_rows(_rows_from_cols(_group_weight(weight, G), cols), B, rows), input)
         if output_mask[1]:
             grad_weight = _weight_grad(_to_rows(input), cols, weight.shape)
+    elif _direct_dims(input, weight, geo, groups, wgrad=True) is not None:
+        dims = _direct_dims(input, weight, geo, groups)
+        x4, g4, w4 = _as_2d(input), _as_2d(grad_output), _as_2d(weight)
+        if output_mask[1]:
+            (gw,) = call_kernel(conv2d_wgrad_kernel, {"x": x4, "gy": g4},
+                                {"dims": dims, "groups": groups, "kernel": tuple(w4.shape[2:])},
+                                op="aten::convolution_backward")
+            grad_weight = gw.view(weight.shape)
+        if output_mask[0]:
+            gdims = _direct_dims(input, weight, geo, groups, grad=True)
+            if gdims is not None:
+                (gi,) = call_kernel(conv2d_kernel, {"x": g4, "w": w4}, {"dims": gdims, "groups": groups, "flip": True},
+                                    op="aten::convolution_backward")
+            else:
+                gcols = _cols_from_rows(_group_weight(weight, G), _to_rows(grad_output))
+                gi = col2im_patches(gcols.view(input.shape[1], *k, B, *rows), tuple(input.shape), k, s, p, d)
+            grad_input = _follow_layout(gi.view(input.shape), input)
     else:
         g2 = _to_rows(grad_output)
         if output_mask[1]:

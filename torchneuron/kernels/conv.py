@@ -1,0 +1,369 @@
+"""Direct 2-D convolution on TensorE (implicit GEMM): no im2col patches in HBM.
+
+Input channels on the partitions (the contraction, <= 128 per tile), the window offsets as shifted
+(strided) SBUF views of one loaded input band, output channels as the stationary operand's columns,
+fp32 accumulation in one PSUM bank per chunk of <= 512 output positions:
+
+    for each group g, for each block of output-channel tiles whose weights fit SBUF:
+        stationary tiles W^T[ci, k, co] of the block                 DMA rows of w, TensorE transposes
+        for each image n, for each band of output rows x columns:
+            input band [ci, rows, cols] per ci tile, zero-padded     DMA (contiguous) + GpSimd copy
+            for each co tile, for each chunk of rows (rows * cols <= 512):
+                for each ci tile, kh, kw:                            TensorE, accumulating in PSUM
+                    acc[co, chunk] += W^T[ci, k, co]^T @ band[ci, kh*d + rows*s, kw*d + cols*s]
+                evict acc (+ bias, cast to the output dtype)          ScalarE / VectorE alternating
+            store the band [co, rows, cols]                           DMA
+
+``flip=True`` runs the input gradient of a convolution with the same loop nest: the input is the
+output gradient, zero-inserted by the forward stride (``lhs_dilation``) and padded by
+``dilation * (k - 1) - padding``; the stationary tiles are the forward weight's rows as stored
+([co_fwd, ci_fwd, k] is already contraction-major) with the kernel window flipped.
+
+The weight gradient (``conv2d_wgrad_kernel``) contracts over output positions instead: per chunk of
+128 positions the output gradient [o, positions] and each window of the input [c, positions] are
+transposed on TensorE (positions onto the partitions), then one matmul per (c tile, up to 4 window
+offsets in one PSUM bank) accumulates dW^T[o, (k, c)] over all images and positions in PSUM.
+
+TensorE time of the forward equals its FLOPs at peak when the channel tiles are full (C, O >= 128):
+the chunks are N = rows * cols <= 512 columns and every matmul pass is one stationary load.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from torchneuron import nki
+import torchneuron.nki.isa as nisa
+import torchneuron.nki.language as nl
+from torchneuron.kernels._common import PMAX, PSUM_FP32, cdiv, itemsize
+from torchneuron.kernels.matmul import alternating_evict
+
+X_BAND_BYTES = 40 * 1024    # SBUF bytes per partition of one input band (all ci tiles); two are in flight
+W_BYTES = 64 * 1024         # SBUF bytes per partition of a block's stationary tiles
+OUT_BAND = 4096             # output positions per band (one staging tile of <= 16 KiB fp32 per partition)
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One spatial dim of a convolution as the kernel runs it: input length, zero insertion between
+    input elements (``ld``), padding before/after, kernel size, dilation, stride."""
+
+    size: int
+    ld: int
+    lo: int
+    hi: int
+    k: int
+    d: int
+    s: int
+
+    @property
+    def padded(self) -> int:
+        return (self.size - 1) * self.ld + 1 + self.lo + self.hi
+
+    @property
+    def out(self) -> int:
+        return (self.padded - self.d * (self.k - 1) - 1) // self.s + 1
+
+    def span(self, o0: int, n: int) -> tuple[int, int]:
+        """(first padded position, length) of the input band that outputs [o0, o0 + n) read."""
+        return o0 * self.s, (n - 1) * self.s + self.d * (self.k - 1) + 1
+
+    def fill(self, p0: int, length: int) -> tuple[int, int, int]:
+        """(first input index, count, its offset in the band) of the real inputs in padded [p0, p0 + length)."""
+        first = max(0, cdiv(p0 - self.lo, self.ld))
+        last = min(self.size - 1, (p0 + length - 1 - self.lo) // self.ld)
+        return first, max(0, last - first + 1), self.lo + first * self.ld - p0
+
+
+def dims_of(size: int, k: int, stride: int, pad: tuple[int, int], dilation: int, ld: int = 1) -> Dim:
+    """A ``Dim`` from a convolution's parameters along one axis."""
+    return Dim(size, ld, pad[0], pad[1], k, dilation, stride)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Band and block sizes of one convolution (``plan``)."""
+
+    band_rows: int      # output rows per band
+    band_cols: int      # output columns per band (<= 512)
+    chunk_rows: int     # output rows per PSUM chunk (chunk_rows * band_cols <= 512)
+    co_block: int       # output-channel tiles per weight block
+
+
+def plan(hd: Dim, wd: Dim, ci: int, co: int, isz: int) -> Plan | None:
+    """Band sizes for ci input and co output channels per group of ``isz``-byte elements (None: does not fit)."""
+    cit, kk = cdiv(ci, PMAX), hd.k * wd.k
+    co_tiles = cdiv(co, PMAX)
+    per_tile = cit * kk * PMAX * isz
+    co_block = min(co_tiles, W_BYTES // per_tile)
+    if co_block == 0:
+        return None
+    oh, ow = hd.out, wd.out
+    cols = min(ow, PSUM_FP32)
+    while True:
+        rc = max(1, min(oh, PSUM_FP32 // cols))
+        rows = max(rc, min(oh, OUT_BAND // cols) // rc * rc)
+
+        def band_bytes(r: int) -> int:
+            return cit * hd.span(0, r)[1] * wd.span(0, cols)[1] * isz
+        while rows > rc and band_bytes(rows) > X_BAND_BYTES:
+            rows -= rc
+        if band_bytes(rows) <= X_BAND_BYTES:
+            while rc > 1 and band_bytes(rows) > X_BAND_BYTES:
+                rc -= 1
+            return Plan(rows, cols, rc, co_block)
+        if rc > 1:                   # one chunk of rows is still too tall: fewer rows per chunk
+            rows = rc = 1
+            if band_bytes(1) <= X_BAND_BYTES:
+                return Plan(1, cols, 1, co_block)
+        if cols == 1:
+            return None
+        cols = max(1, cols // 2)
+
+
+WGRAD_ROW_BYTES = 48 * 1024   # SBUF bytes per partition of the weight gradient's fp32 row and its cast
+
+
+def conv_fits(channels: int, w_shape, groups: int, dims: tuple[Dim, Dim], flip: bool, isz: int,
+              wgrad: bool = False) -> bool:
+    """Whether ``conv2d_kernel`` runs this convolution of an input with ``channels`` channels (its bands and
+    weight blocks fit SBUF); ``wgrad``: and ``conv2d_wgrad_kernel`` its weight gradient."""
+    ci = channels // groups
+    co = w_shape[1] if flip else w_shape[0] // groups
+    hd, wd = dims
+    if min(hd.out, wd.out) <= 0 or plan(hd, wd, ci, co, isz) is None:
+        return False
+    return not wgrad or ci * hd.k * wd.k * (4 + isz) <= WGRAD_ROW_BYTES
+
+
+def _tiles(n: int) -> list[tuple[int, int]]:
+    return [(c0, min(PMAX, n - c0)) for c0 in range(0, n, PMAX)]
+
+
+@nki.jit
+def conv2d_kernel(x, w, bias=None, dims=None, groups=1, flip=False):
+    """2-D convolution of x [N, C, H, W] with w ([O, C/G, KH, KW]; ``flip``: the forward weight of an input
+    gradient, [C_fwd, O/G, KH, KW] read flipped) along ``dims`` (two ``Dim``), plus a per-channel ``bias``."""
+    N, CX, H, Wd = x.shape
+    hd, wd = dims
+    assert (hd.size, wd.size) == (H, Wd), f"conv2d: dims {dims} do not describe an input of {H}x{Wd}"
+    G = groups
+    kk = hd.k * wd.k
+    assert (w.shape[2], w.shape[3]) == (hd.k, wd.k), "conv2d: kernel size differs from dims"
+    ci = CX // G
+    co = w.shape[1] if flip else w.shape[0] // G
+    assert (w.shape[0] // G if flip else w.shape[1]) == ci, "conv2d: weight and input channels differ"
+    dt, isz = x.dtype, itemsize(x.dtype)
+    assert w.dtype == dt, "conv2d: input and weight dtypes differ"
+    p = plan(hd, wd, ci, co, isz)
+    assert p is not None, "conv2d: the input bands or weights do not fit SBUF (see conv_fits)"
+    OH, OW = hd.out, wd.out
+    out = nl.ndarray((N, co * G, OH, OW), dt, buffer=nl.shared_hbm)
+    evict = alternating_evict()
+    cis, cos_all = _tiles(ci), _tiles(co)
+    ring = collections.deque(maxlen=2)     # input bands of the last two bands (loads overlap matmuls)
+    accs = collections.deque(maxlen=4)     # PSUM chunks in flight (evictions overlap the next matmuls)
+    stages = collections.deque(maxlen=2)
+    wflat = w.reshape((w.shape[0], w.shape[1] * kk))
+    for g in range(G):
+        for b0 in range(0, len(cos_all), p.co_block):
+            cos = cos_all[b0:b0 + p.co_block]
+            stat = _weights(wflat, g, cis, cos, kk, flip, ci, co, evict)
+            bcols = {}
+            if bias is not None:
+                for j, (o0, on) in enumerate(cos):
+                    t = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=t[:on], src=bias.reshape((bias.shape[0], 1))[g * co + o0:g * co + o0 + on])
+                    bcols[j] = t
+            for n in range(N):
+                for oh0, nr, ow0, nc, bands in _bands(x, n, g * ci, cis, hd, wd, p):
+                    ring.append(bands)
+                    for j, (o0, on) in enumerate(cos):
+                        stage = nl.ndarray((PMAX, nr, nc), dt, buffer=nl.sbuf)
+                        stages.append(stage)
+                        for r0 in range(0, nr, p.chunk_rows):
+                            rn = min(p.chunk_rows, nr - r0)
+                            acc = nl.ndarray((PMAX, rn, nc), nl.float32, buffer=nl.psum)
+                            accs.append(acc)
+                            steps = [(i, kh, kw) for i in range(len(cis)) for kh in range(hd.k)
+                                     for kw in range(wd.k)]
+                            for s, (i, kh, kw) in enumerate(steps):
+                                cn = cis[i][1]
+                                a, b = r0 * hd.s + kh * hd.d, kw * wd.d
+                                mv = bands[i][:cn, a:a + (rn - 1) * hd.s + 1:hd.s, b:b + (nc - 1) * wd.s + 1:wd.s]
+                                nisa.nc_matmul(dst=acc[:on], stationary=stat[i, j][:cn, kh * wd.k + kw, :on],
+                                               moving=mv, accumulate=s > 0)
+                            if bias is not None:
+                                nisa.activation(dst=stage[:on, r0:r0 + rn, :], op=nl.identity, data=acc[:on],
+                                                bias=bcols[j][:on])
+                            else:
+                                evict(stage[:on, r0:r0 + rn, :], acc[:on])
+                        nisa.dma_copy(dst=out[n, g * co + o0:g * co + o0 + on, oh0:oh0 + nr, ow0:ow0 + nc],
+                                      src=stage[:on])
+    return out
+
+
+def _weights(wflat, g: int, cis: list, cos: list, kk: int, flip: bool, ci: int, co: int, evict) -> dict:
+    """{(ci tile, co tile): SBUF [ci, kk, co]}: the stationary operands of group g's block ``cos``."""
+    dt, isz = wflat.dtype, itemsize(wflat.dtype)
+    tiles = {}
+    if flip:
+        # the forward weight's rows [ci (this conv's contraction), (co, k)] are contraction-major already:
+        # one copy per tile reorders them to [ci, k, co] with the window flipped (k' = kk - 1 - k)
+        for i, (c0, cn) in enumerate(cis):
+            rows = nl.ndarray((PMAX, co * kk), dt, buffer=nl.sbuf)
+            nisa.dma_copy(dst=rows[:cn], src=wflat[g * ci + c0:g * ci + c0 + cn])
+            for j, (o0, on) in enumerate(cos):
+                t = nl.ndarray((PMAX, kk, on), dt, buffer=nl.sbuf)
+                for k in range(kk):
+                    f = o0 * kk + kk - 1 - k
+                    nisa.tensor_copy(dst=t[:cn, k, :], src=rows[:cn, f:f + (on - 1) * kk + 1:kk],
+                                     engine=nisa.gpsimd_engine)
+                tiles[i, j] = t
+        return tiles
+    per_bank = max(1, PSUM_FP32 * 4 // (PMAX * isz))       # transposes per PSUM bank (8 bf16, 4 fp32)
+    for j, (o0, on) in enumerate(cos):
+        rows = nl.ndarray((PMAX, ci * kk), dt, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows[:on], src=wflat[g * co + o0:g * co + o0 + on])
+        for i, (c0, cn) in enumerate(cis):
+            t = nl.ndarray((PMAX, kk, on), dt, buffer=nl.sbuf)
+            for k0 in range(0, kk, per_bank):
+                nk = min(per_bank, kk - k0)
+                tp = nl.ndarray((PMAX, per_bank, PMAX), dt, buffer=nl.psum)
+                for k in range(k0, k0 + nk):             # rows[o, c*kk + k] -> tp[c, k, o]
+                    nisa.nc_transpose(dst=tp[:cn, k - k0, :on],
+                                      data=rows[:on, c0 * kk + k:(c0 + cn - 1) * kk + k + 1:kk])
+                evict(t[:cn, k0:k0 + nk, :], tp[:cn, :nk, :on])
+            tiles[i, j] = t
+    return tiles
+
+
+def _bands(x, n: int, c0: int, cis: list, hd: Dim, wd: Dim, p: Plan):
+    """(first output row, rows, first output column, columns, input bands per ci tile) of image n's bands."""
+    OH, OW = hd.out, wd.out
+    for oh0 in range(0, OH, p.band_rows):
+        nr = min(p.band_rows, OH - oh0)
+        ph0, hb = hd.span(oh0, nr)
+        for ow0 in range(0, OW, p.band_cols):
+            nc = min(p.band_cols, OW - ow0)
+            pw0, wb = wd.span(ow0, nc)
+            yield oh0, nr, ow0, nc, [_load_band(x, n, c0 + c, cn, hd, wd, ph0, hb, pw0, wb) for c, cn in cis]
+
+
+def _load_band(x, n: int, c0: int, cn: int, hd: Dim, wd: Dim, ph0: int, hb: int, pw0: int, wb: int):
+    """SBUF [cn, hb, wb]: padded rows [ph0, ph0 + hb) x columns [pw0, pw0 + wb) of image n's channels
+    [c0, c0 + cn) (zeros where padding or inserted zeros fall)."""
+    dt = x.dtype
+    band = nl.ndarray((PMAX, hb, wb), dt, buffer=nl.sbuf)
+    i0, ni, ri = hd.fill(ph0, hb)
+    j0, nj, rj = wd.fill(pw0, wb)
+    whole = (ri, rj) == (0, 0) and (ni, nj) == (hb, wb) and hd.ld == wd.ld == 1
+    if whole:                    # the band is all real input: one DMA straight in
+        nisa.dma_copy(dst=band[:cn], src=x[n, c0:c0 + cn, i0:i0 + ni, j0:j0 + nj])
+        return band
+    nisa.memset(dst=band[:cn], value=0.0, engine=nisa.gpsimd_engine)
+    if ni == 0 or nj == 0:
+        return band
+    # the real part lands in strided rows/columns of the band: load it contiguous (long DMA rows, not one
+    # descriptor per short row) and place it with one GpSimd copy
+    raw = nl.ndarray((PMAX, ni, nj), dt, buffer=nl.sbuf)
+    nisa.dma_copy(dst=raw[:cn], src=x[n, c0:c0 + cn, i0:i0 + ni, j0:j0 + nj])
+    nisa.tensor_copy(dst=band[:cn, ri:ri + (ni - 1) * hd.ld + 1:hd.ld, rj:rj + (nj - 1) * wd.ld + 1:wd.ld],
+                     src=raw[:cn], engine=nisa.gpsimd_engine)
+    return band
+
+
+@nki.jit
+def conv2d_wgrad_kernel(x, gy, dims=None, groups=1, kernel=(1, 1)):
+    """The weight gradient [O, C/G, KH, KW] of a 2-D convolution of x [N, C, H, W] whose output gradient is
+    gy [N, O, OH, OW], along ``dims`` (the forward's two ``Dim``)."""
+    N, C, H, Wd = x.shape
+    O, OH, OW = gy.shape[1], gy.shape[2], gy.shape[3]
+    hd, wd = dims
+    KH, KW = kernel
+    assert (hd.k, wd.k) == (KH, KW) and (hd.out, wd.out) == (OH, OW) and (hd.size, wd.size) == (H, Wd), \
+        "conv2d_wgrad: dims do not match the tensors"
+    G = groups
+    ci, co, kk = C // G, O // G, KH * KW
+    dt, isz = x.dtype, itemsize(x.dtype)
+    assert gy.dtype == dt, "conv2d_wgrad: input and gradient dtypes differ"
+    out = nl.ndarray((O, ci, KH, KW), dt, buffer=nl.shared_hbm)
+    p = plan(hd, wd, ci, 1, isz)
+    assert p is not None, "conv2d_wgrad: the input bands do not fit SBUF (see conv_fits)"
+    cis, cos = _tiles(ci), _tiles(co)
+    cols = kk * ci                                  # accumulator columns (k, c) per output channel
+    blocks = [(f0, min(4 * PSUM_FP32, cols - f0)) for f0 in range(0, cols, 4 * PSUM_FP32)]
+    wc = min(p.band_cols, PMAX)                     # positions per transpose: rows x wc <= 128
+    rc = max(1, PMAX // wc)
+    per_bank = max(1, PSUM_FP32 * 4 // (PMAX * isz))
+    evict = alternating_evict()
+    ring = collections.deque(maxlen=2)
+    keep = collections.deque(maxlen=6)              # transposes' PSUM and SBUF tiles of the last chunks
+    for g in range(G):
+        for o0, on in cos:
+            res = nl.ndarray((PMAX, cols), nl.float32, buffer=nl.sbuf)   # this o tile's dW row, (k, c) order
+            for f0, fw in blocks:
+                # the window offsets and channel tiles whose columns fall in this block
+                need = [(k, i) for k in range(kk) for i, (c0, cn) in enumerate(cis)
+                        if k * ci + c0 < f0 + fw and k * ci + c0 + cn > f0]
+                accs = [nl.ndarray((PMAX, min(PSUM_FP32, fw - b)), nl.float32, buffer=nl.psum)
+                        for b in range(0, fw, PSUM_FP32)]
+                first = True
+                for n in range(N):
+                    for oh0, nr, ow0, nc, bands in _bands(x, n, g * ci, cis, hd, wd, p):
+                        gband = nl.ndarray((PMAX, nr, nc), dt, buffer=nl.sbuf)
+                        nisa.dma_copy(dst=gband[:on], src=gy[n, g * co + o0:g * co + o0 + on, oh0:oh0 + nr,
+                                                              ow0:ow0 + nc])
+                        ring.append((bands, gband))
+                        for r0 in range(0, nr, rc):
+                            rn = min(rc, nr - r0)
+                            for c1 in range(0, nc, wc):
+                                cw = min(wc, nc - c1)
+                                q = rn * cw
+                                # positions onto the partitions: gy^T [q, o] and each window's x^T [q, (k, c)]
+                                gT = _transposed([gband[:on, r0:r0 + rn, c1:c1 + cw]],
+                                                 q, on, dt, per_bank, evict, keep)
+                                wins = []
+                                for k, i in need:
+                                    kh, kw = divmod(k, KW)
+                                    a, b = r0 * hd.s + kh * hd.d, c1 * wd.s + kw * wd.d
+                                    wins.append(bands[i][:cis[i][1], a:a + (rn - 1) * hd.s + 1:hd.s,
+                                                         b:b + (cw - 1) * wd.s + 1:wd.s])
+                                xT = _transposed(wins, q, PMAX, dt, per_bank, evict, keep)
+                                # xT columns: window j at [j*128, j*128 + cn); the block's columns (k, c)
+                                for bi, acc in enumerate(accs):
+                                    lo, hi = f0 + bi * PSUM_FP32, f0 + bi * PSUM_FP32 + acc.shape[1]
+                                    for j, (k, i) in enumerate(need):
+                                        c0, cn = cis[i]
+                                        s0, s1 = max(lo, k * ci + c0), min(hi, k * ci + c0 + cn)
+                                        if s0 >= s1:
+                                            continue
+                                        a0 = s0 - (k * ci + c0)
+                                        nisa.nc_matmul(dst=acc[:on, s0 - lo:s1 - lo], stationary=gT[:q, 0, :on],
+                                                       moving=xT[:q, j, a0:a0 + s1 - s0], accumulate=not first)
+                                first = False
+                for bi, acc in enumerate(accs):
+                    b0 = f0 + bi * PSUM_FP32
+                    nisa.tensor_copy(dst=res[:on, b0:b0 + acc.shape[1]], src=acc[:on])
+            # dW[o, c, k] from the (k, c) columns: reordered on chip, rounded once, one contiguous store
+            cast = nl.ndarray((PMAX, ci, kk), dt, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=cast[:on], src=res[:on].ap([[cols, on], [1, ci], [ci, kk]]))
+            nisa.dma_copy(dst=out.reshape((O, cols))[g * co + o0:g * co + o0 + on], src=cast[:on].reshape((on, cols)))
+    return out
+
+
+def _transposed(views: list, q: int, width: int, dt, per_bank: int, evict, keep: collections.deque):
+    """SBUF [q, len(views), width]: each view [p, ...q positions...] transposed on TensorE (positions onto the
+    partitions), ``per_bank`` transposes per PSUM bank, each bank evicted once; the PSUM and SBUF tiles go
+    into ``keep`` (a ring: the next chunk's transposes and evictions use other buffers and overlap)."""
+    t = nl.ndarray((PMAX, len(views), width), dt, buffer=nl.sbuf)
+    for v0 in range(0, len(views), per_bank):
+        nv = min(per_bank, len(views) - v0)
+        tp = nl.ndarray((PMAX, per_bank, width), dt, buffer=nl.psum)
+        for j in range(nv):
+            v = views[v0 + j]
+            nisa.nc_transpose(dst=tp[:q, j, :v.shape[0]], data=v)
+        evict(t[:q, v0:v0 + nv, :], tp[:q, :nv, :])
+        keep.append(tp)
+    keep.append(t)
+    return t
