@@ -131,7 +131,7 @@ def fp32_bound(sublayers: int, reduction: int) -> float:
     A sum of ``reduction`` fp32 terms in another order differs by about sqrt(reduction) roundings
     (a random walk of the per-term rounding errors); each step on the path adds its own, and the
     steps are added as if they all had the same sign (no layer here amplifies an input error: the
-    norms rescale, the residuals add). A bf16 rounding anywhere (2**-8) exceeds it by ~20x.
+    norms rescale, the residuals add). One bf16 rounding of the logits exceeds it 20-60x.
     """
     steps = ROUNDINGS_PER_SUBLAYER * sublayers + ROUNDINGS_OUTSIDE
     return steps * math.sqrt(reduction) * torch.finfo(torch.float32).eps

