@@ -2,10 +2,14 @@
 cache (kernels without inputs included) and launch errors mapped by type."""
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
 import torchneuron
+import torchneuron.ops
 from torchneuron.ops import cache_size
 from torchneuron.ops.indexing import arange_values
 
@@ -30,6 +34,37 @@ def test_strict_mode_turns_the_refusal_into_an_error_naming_the_op(strict):
     x = to_n(torch.randn(1, 2, 3, 3, dtype=torch.float64))
     with pytest.raises(NotImplementedError, match="upsample_nearest2d"):
         torch.nn.functional.interpolate(x, scale_factor=2)
+
+
+# lowering modules whose inline fallbacks are still to become refusals (no more than these may remain)
+_INLINE_FALLBACKS_LEFT = {"matmul": 4, "normalization": 1, "optim": 5}
+
+
+def test_no_lowering_module_calls_the_cpu_fallback_itself():
+    found = {}
+    for path in sorted(Path(torchneuron.ops.__file__).parent.glob("*.py")):
+        if path.stem == "registry":   # the one place the refusal becomes the fallback
+            continue
+        tree = ast.parse(path.read_text())
+        uses = sum(isinstance(node, ast.Name) and node.id == "cpu_fallback" for node in ast.walk(tree))
+        if uses > _INLINE_FALLBACKS_LEFT.get(path.stem, 0):
+            found[path.stem] = uses
+    assert found == {}, "raise Unsupported (naming another call in fallback=) instead of calling cpu_fallback"
+
+
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+def test_a_refusal_that_names_its_fallback_runs_that_call_counted():
+    before = _fallbacks("aten::eye.m_out")
+    out = to_n(torch.empty(0, dtype=torch.float64))       # float64: the device does not store it
+    got = torch.eye(3, out=out)                             # eye.out refuses with eye.m_out(3, 3, out=out)
+    assert got is out and got.device.type == "neuron"
+    torch.testing.assert_close(out.cpu(), torch.eye(3, dtype=torch.float64), atol=0, rtol=0)
+    assert _fallbacks("aten::eye.m_out") == before + 1
+
+
+def test_strict_mode_refuses_a_named_fallback_naming_its_op(strict):
+    with pytest.raises(NotImplementedError, match="eye"):
+        torch.eye(3, out=to_n(torch.empty(0, dtype=torch.float64)))
 
 
 def test_a_derived_out_variant_writes_into_the_given_tensor(strict):

@@ -22,7 +22,16 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Unsupported(Exception):
-    """A lowering cannot run this call on the device: its registration takes the CPU fallback."""
+    """A lowering cannot run this call on the device: its registration takes the CPU fallback.
+
+    The fallback runs the overload the lowering was called for on the arguments it was called with, or
+    ``fallback`` = ``(overload, args, kwargs)`` when the lowering names another call: the ``out=``
+    overload of a result it has already allocated, or arguments it has normalised."""
+
+    def __init__(self, reason: str = "",
+                 fallback: tuple[torch._ops.OpOverload, tuple, dict[str, Any]] | None = None) -> None:
+        super().__init__(reason)
+        self.fallback = fallback
 
 
 # ---- memory ------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from torchneuron.ops.elementwise import write_result
 from torchneuron.ops.matmul import add_scaled, MATMUL_DTYPES, mm_into
 from torchneuron.ops.nn import reduce_loss
 from torchneuron.ops.pointwise import register_pointwise, unary
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 
 
 # ---- vector products -------------------------------------------------------------------------------
@@ -34,11 +34,11 @@ def _dot_lowering(name: str) -> None:
     def kernel(self: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``sum(self * other)`` of two vectors: a [1, n] x [n, 1] matmul (fp32 PSUM accumulation)."""
         if not on_one_device(self, other):
-            return cpu_fallback(op, self, other)
+            raise Unsupported("operands on more than one device")
         if self.dim() != 1 or other.dim() != 1 or self.shape != other.shape or self.dtype != other.dtype:
             raise_like_cpu(op, self, other)
         if self.dtype not in MATMUL_DTYPES:
-            return cpu_fallback(op, self, other)
+            raise Unsupported("a dtype the matmul lacks")
         n = self.shape[0]
         return mm_into(self.view(1, n), other.view(n, 1), None).reshape(())
     lowering(name)(kernel)
@@ -58,14 +58,14 @@ def _addmv_lowering(name: str) -> None:
         """``beta * self + alpha * (mat @ vec)``: one matmul launch and one element-wise launch."""
         kw = {"beta": beta, "alpha": alpha, **({"out": out} if out is not None else {})}
         if not on_one_device(self, mat, vec, out):
-            return cpu_fallback(op, self, mat, vec, **kw)
+            raise Unsupported("operands on more than one device")
         ok = (mat.dim() == 2 and vec.dim() == 1 and mat.shape[1] == vec.shape[0] and self.dim() <= 1
               and self.shape in ((), (1,), (mat.shape[0],)) and mat.dtype == vec.dtype == self.dtype
               and (not inplace or self.shape == (mat.shape[0],)))
         if not ok:
             raise_like_cpu(op, self, mat, vec, **{k: v for k, v in kw.items() if k != "out"})
         if mat.dtype not in MATMUL_DTYPES or (out is not None and out.dtype != mat.dtype):
-            return cpu_fallback(op, self, mat, vec, **kw)
+            raise Unsupported("a dtype the matmul lacks, or an out= of another dtype")
         prod = mm_into(mat, vec.reshape(-1, 1), None).reshape(mat.shape[0])
         if inplace:
             return self.copy_(add_scaled(prod, self, beta, alpha, None))
@@ -98,7 +98,7 @@ def roll(self: torch.Tensor, shifts: Sequence[int], dims: Sequence[int] = ()) ->
     """Each rolled dim as two slices joined by ``cat`` (strided copies); no dims rolls the flattened tensor."""
     shifts, dims = list(shifts), list(dims)
     if not on_one_device(self):
-        return cpu_fallback(aten.roll.default, self, shifts, dims)
+        raise Unsupported("a tensor off the device")
     if not shifts or (not dims and len(shifts) != 1) or (dims and len(shifts) != len(dims)) or \
             any(not -max(self.dim(), 1) <= d < max(self.dim(), 1) for d in dims):
         raise_like_cpu(aten.roll.default, self, shifts, dims)
@@ -139,7 +139,7 @@ def _norm_lowering(name: str) -> None:
         """The vector p-norm over ``dim`` (2 when ``p`` is None): ``linalg_vector_norm``."""
         kw = {**({"dtype": dtype} if dtype is not None else {}), **({"out": out} if out is not None else {})}
         if not on_one_device(self, out):
-            return cpu_fallback(op, self, p, dim, keepdim, **kw)
+            raise Unsupported("operands on more than one device")
         if not self.is_floating_point() or (dtype is not None and not dtype.is_floating_point):
             raise_like_cpu(op, self, p, dim, keepdim, **{k: v for k, v in kw.items() if k != "out"})
         res = torch.linalg.vector_norm(self, 2 if p is None else p, list(dim) or None, keepdim, dtype=dtype)
@@ -169,11 +169,11 @@ def nll_loss2d_forward(self: torch.Tensor, target: torch.Tensor, weight: torch.T
     """``nll_loss_forward`` over the pixels' rows; 'none' reshaped back to [N, H, W]."""
     op = aten.nll_loss2d_forward.default
     if not on_one_device(self, target, weight) or self.dtype not in FLOATS:
-        return cpu_fallback(op, self, target, weight, reduction, ignore_index)
+        raise Unsupported("operands on more than one device, or a dtype the engines lack")
     if not _nll2d_ok(self, target):
         raise_like_cpu(op, self, target, weight, reduction, ignore_index)
     if self.numel() == 0 or target.numel() == 0:
-        return cpu_fallback(op, self, target, weight, reduction, ignore_index)
+        raise Unsupported("an empty input")
     loss, total = aten.nll_loss_forward(_rows(self), target.reshape(-1), weight, reduction, ignore_index)
     return (loss.reshape(target.shape) if reduction == 0 else loss), total
 
@@ -185,11 +185,11 @@ def nll_loss2d_backward(grad_output: torch.Tensor, self: torch.Tensor, target: t
     op = aten.nll_loss2d_backward.default
     args = (grad_output, self, target, weight, reduction, ignore_index, total_weight)
     if not on_one_device(grad_output, self, target, weight) or self.dtype not in FLOATS:
-        return cpu_fallback(op, *args)
+        raise Unsupported("operands on more than one device, or a dtype the engines lack")
     if not _nll2d_ok(self, target):
         raise_like_cpu(op, *args)
     if self.numel() == 0 or target.numel() == 0:
-        return cpu_fallback(op, *args)
+        raise Unsupported("an empty input")
     g = grad_output.reshape(-1) if reduction == 0 else grad_output
     rows = aten.nll_loss_backward(g, _rows(self), target.reshape(-1), weight, reduction, ignore_index, total_weight)
     N, C, H, W = self.shape
@@ -202,9 +202,8 @@ def _unpool_lowering(name: str) -> None:
     def kernel(self: torch.Tensor, indices: torch.Tensor, output_size: Sequence[int], *,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """Zeros of the output size, ``self`` scattered at ``indices`` into each plane's flat H*W."""
-        kw = {"out": out} if out is not None else {}
         if not on_one_device(self, indices, out) or self.dtype not in FLOATS:
-            return cpu_fallback(op, self, indices, output_size, **kw)
+            raise Unsupported("operands on more than one device, or a dtype the engines lack")
         oh, ow = (list(output_size) + [0, 0])[:2]
         ok = (len(output_size) == 2 and self.dim() in (3, 4) and indices.dtype == torch.int64
               and indices.shape == self.shape and all(n > 0 for n in self.shape[-3:]) and oh > 0 and ow > 0
@@ -245,11 +244,10 @@ def _piecewise_loss(name: str, quadratic_scale: bool) -> None:
 
     def kernel(self: torch.Tensor, target: torch.Tensor, reduction: int = 1, param: float = 1.0, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        ov = op.out if out is not None else op.default
         if on_one_device(self, target, out) and (param < 0 or (param == 0 and not quadratic_scale)):
             raise_like_cpu(op.default, self, target, reduction, param)   # the CPU's range message
         if not _loss_ok(self, target, out) or param == 0:   # beta == 0: smooth_l1 is l1 (host)
-            return cpu_fallback(ov, self, target, reduction, param, **({"out": out} if out is not None else {}))
+            raise Unsupported("operands on more than one device, mixed or unsupported dtypes, or beta 0")
         z = (self - target).abs()
         if quadratic_scale:
             losses = torch.where(z < param, z * z * (0.5 / param), z - 0.5 * param)
@@ -262,14 +260,10 @@ def _piecewise_loss(name: str, quadratic_scale: bool) -> None:
 def _piecewise_loss_backward(name: str, out_name: str, quadratic_scale: bool) -> None:
     """The gradients: ``norm * g * clamp(x / beta, -1, 1)`` (smooth_l1), ``norm * g * clamp(x, -delta, delta)``
     (huber), ``x = self - target``, ``norm`` 1/numel for the mean."""
-    op = getattr(aten, name)
-
     def kernel(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor, reduction: int, param: float,
                *, grad_input: torch.Tensor | None = None) -> torch.Tensor:
-        ov = getattr(op, out_name) if grad_input is not None else op.default
         if not _loss_ok(grad_output, self, target, grad_input) or param <= 0:
-            return cpu_fallback(ov, grad_output, self, target, reduction, param,
-                                **({"grad_input": grad_input} if grad_input is not None else {}))
+            raise Unsupported("operands on more than one device, mixed or unsupported dtypes, or beta/delta <= 0")
         x = self - target
         slope = (x / param).clamp(-1, 1) if quadratic_scale else x.clamp(-param, param)
         norm = 1.0 / self.numel() if reduction == 1 else 1.0
@@ -298,8 +292,7 @@ def linalg_cross(self: torch.Tensor, other: torch.Tensor, *, dim: int = -1,
                            f"{other.shape[d]}")
     if self.dtype != other.dtype or not self.is_floating_point() or \
             (out is not None and (out.device != self.device or out.dtype != self.dtype)):
-        return cpu_fallback(aten.linalg_cross.out if out is not None else aten.linalg_cross.default, self, other,
-                            dim=dim, **({"out": out} if out is not None else {}))
+        raise Unsupported("mixed or non-float dtypes, or an out= of another device or dtype")
     a = [self.select(d, i) for i in range(3)]
     b = [other.select(d, i) for i in range(3)]
     res = torch.stack([a[1] * b[2] - a[2] * b[1], a[2] * b[0] - a[0] * b[2], a[0] * b[1] - a[1] * b[0]], d)
@@ -353,8 +346,7 @@ def renorm(self: torch.Tensor, p: float, dim: int, maxnorm: float, *, out: torch
         raise RuntimeError(f"renorm: input needs at least 2 dimensions, got {self.dim()} dimensions")
     if not self.is_floating_point() or self.dtype == torch.float64 or p <= 0 or maxnorm < 0 or \
             (out is not None and (out.device != self.device or out.dtype != self.dtype)):
-        return cpu_fallback(aten.renorm.out if out is not None else aten.renorm.default, self, p, dim, maxnorm,
-                            **({"out": out} if out is not None else {}))
+        raise Unsupported("an unsupported dtype, p <= 0, maxnorm < 0, or an out= of another device or dtype")
     d = canonicalize_dim(self.dim(), dim)
     others = [k for k in range(self.dim()) if k != d]
     norms = torch.linalg.vector_norm(self.float(), p, dim=others, keepdim=True)
@@ -391,13 +383,13 @@ def _isin_lowering(name: str) -> None:
         res_meta = overload(meta_twin(elements), meta_twin(test_elements),
                             **{k: meta_twin(v) for k, v in kw.items()})
         if not on_one_device(*ts, out) or any(t.dtype not in DEVICE_DTYPES | {torch.int64} for t in ts):
-            return cpu_fallback(overload, elements, test_elements, **kw)
+            raise Unsupported("operands on more than one device, or a dtype the device lacks")
         x = elements.reshape(-1, 1) if isinstance(elements, torch.Tensor) else elements
         tests = test_elements.reshape(1, -1) if isinstance(test_elements, torch.Tensor) else test_elements
         N = x.shape[0] if isinstance(x, torch.Tensor) else 1
         M = tests.shape[1] if isinstance(tests, torch.Tensor) else 1
         if isinstance(x, torch.Tensor) and isinstance(tests, torch.Tensor) and N * M > 4 * ISIN_LIMIT:
-            return cpu_fallback(overload, elements, test_elements, **kw)
+            raise Unsupported("a comparison block beyond ISIN_LIMIT")
         step = max(1, ISIN_LIMIT // max(N, 1))
         hit = None
         for m0 in range(0, M, step):   # blocks of test elements, their hits or-ed together

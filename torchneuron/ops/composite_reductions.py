@@ -16,7 +16,6 @@ Inputs outside what these run on (dtypes, sizes) take the CPU fallback.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -26,15 +25,9 @@ from torch._prims_common import canonicalize_dim
 from torchneuron.ops.base import aten, FLOATS, on_one_device, Unsupported
 from torchneuron.ops.elementwise import dense, write_result
 from torchneuron.ops.indexing import arange_values
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 from torchneuron.ops.scatter import check_out, DATA_DTYPES
 from torchneuron.ops.sort import lines, SORT_LIMIT, sort_lines
-
-
-
-def _outs(**kw: Any) -> dict[str, Any]:
-    """The keyword arguments that were given (out tensors left out when None)."""
-    return {k: v for k, v in kw.items() if v is not None}
 
 
 # ---- nansum, std_mean, aminmax, count_nonzero ---------------------------------------------------
@@ -43,11 +36,10 @@ def _outs(**kw: Any) -> dict[str, Any]:
 def nansum(self: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: torch.dtype | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """``nansum``: NaNs replaced by zero, then the lowered ``sum``."""
-    overload = aten.nansum.out if out is not None else aten.nansum.default
     if self.is_complex():
         raise RuntimeError("nansum does not support complex inputs")
     if not on_one_device(self, out) or self.dtype == torch.float64 or dtype == torch.float64:
-        return cpu_fallback(overload, self, dim, keepdim, dtype=dtype, **_outs(out=out))
+        raise Unsupported("a tensor off the device, or float64")
     if dtype is None and out is not None:
         dtype = out.dtype   # the CPU sums in out's dtype
     x = torch.where(self.isnan(), 0.0, self) if self.is_floating_point() else self
@@ -66,14 +58,12 @@ def std_mean(self: torch.Tensor, dim: Any = None, *, correction: Any = None, kee
 def aminmax(self: torch.Tensor, *, dim: int | None = None, keepdim: bool = False,
             min: torch.Tensor | None = None, max: torch.Tensor | None = None):  # noqa: A002
     """(amin, amax) by the lowered reductions."""
-    outs = _outs(min=min, max=max)
-    overload = aten.aminmax.out if outs else aten.aminmax.default
     if not on_one_device(self, min, max) or self.dtype not in DATA_DTYPES or self.numel() == 0:
         if self.numel() == 0 and self.device.type == "neuron":
             # the CPU's error (no identity) or its empty result, computed on an empty CPU twin
             lo, hi = aten.aminmax.default(torch.empty(self.shape, dtype=self.dtype), dim=dim, keepdim=keepdim)
             return write_result(lo.to(self.device), min), write_result(hi.to(self.device), max)
-        return cpu_fallback(overload, self, dim=dim, keepdim=keepdim, **outs)
+        raise Unsupported("a tensor off the device, an unsupported dtype, or an empty input")
     for o in (min, max):
         if o is not None and o.dtype != self.dtype:
             raise RuntimeError(f"Expected out tensor to have dtype {self.dtype}, but got {o.dtype} instead")
@@ -129,7 +119,7 @@ def _median_full(name: str, ignore_nan: bool) -> None:
     def kernel(self: torch.Tensor) -> torch.Tensor:
         """The (nan)median of all elements (NaN for an empty input, as the CPU)."""
         if self.device.type != "neuron" or self.dtype not in DATA_DTYPES or self.numel() > SORT_LIMIT ** 0.5:
-            return cpu_fallback(overload, self)
+            raise Unsupported("a tensor off the device, an unsupported dtype, or more elements than the sort handles")
         if self.numel() == 0:
             return overload(torch.empty(0, dtype=self.dtype)).to(self.device)
         v, _ = _median_along(self.reshape(-1), 0, ignore_nan)
@@ -268,17 +258,12 @@ def _index_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, source: tor
 def index_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, reduce: str, *,
                  include_self: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """``index_reduce`` (prod, mean, amax, amin), out-of-place, in place or into ``out``."""
-    try:
-        res = _index_reduce(self, dim, index, source, reduce, include_self)
-        if out is not None:
-            if out.device != self.device:
-                raise Unsupported
-            return write_result(res, out)
-        return res
-    except Unsupported:
-        overload = aten.index_reduce.out if out is not None else aten.index_reduce.default
-        return cpu_fallback(overload, self, dim, index, source, reduce, include_self=include_self,
-                            **_outs(out=out))
+    res = _index_reduce(self, dim, index, source, reduce, include_self)
+    if out is not None:
+        if out.device != self.device:
+            raise Unsupported("an out= on another device")
+        return write_result(res, out)
+    return res
 
 
 @lowering("index_reduce_")
@@ -321,21 +306,19 @@ def segment_reduce(data: torch.Tensor, reduce: str, *, lengths: torch.Tensor | N
     each segment reduces the row masked to it (filled with the reduction's identity elsewhere)."""
     bounds = offsets if offsets is not None else lengths
     kind = _SEGMENT_NAMES.get(reduce)
-    fallback = functools.partial(cpu_fallback, aten.segment_reduce.default, data, reduce, lengths=lengths,
-                                 indices=indices, offsets=offsets, axis=axis, unsafe=unsafe, initial=initial)
     if (kind is None or indices is not None or bounds is None or data.dtype not in FLOATS
             or bounds.dtype not in (torch.int32, torch.int64) or not on_one_device(data, bounds)
             or data.dim() < bounds.dim() or bounds.dim() == 0 or not -data.dim() <= axis < data.dim()):
-        return fallback()  # raises the CPU's error for bad arguments
+        raise Unsupported("an unsupported reduction, dtype or layout")  # the CPU raises its error for bad ones
     axis = canonicalize_dim(data.dim(), axis)
     if axis != bounds.dim() - 1:
-        return fallback()
+        raise Unsupported("an axis other than the bounds' last dim")
     lead, n, rest = data.shape[:axis], data.shape[axis], data.shape[axis + 1:]
     b, inner = math.prod(lead), math.prod(rest)
     bounds_off = _segment_offsets(lengths if offsets is None else None, offsets, n, unsafe)
     s = bounds_off.shape[-1] - 1
     if b * s * n * max(inner, 1) > SEGMENT_LIMIT:
-        return fallback()
+        raise Unsupported("a selection beyond SEGMENT_LIMIT")
     pos = torch.arange(n, dtype=torch.int32, device=data.device)
     member = (pos >= bounds_off[:, :s, None]) & (pos < bounds_off[:, 1:, None])          # [B, S, N]
     x = data.reshape(b, 1, n, inner)

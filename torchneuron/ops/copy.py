@@ -13,7 +13,7 @@ import torch
 from torchneuron.ops.base import aten, Unsupported
 from torchneuron.ops.elementwise import can_copy, device_copy
 from torchneuron.ops.kernel_call import scalar_operand
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 
 
 def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -32,7 +32,7 @@ def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
             device_copy(self, src)
         return self
     if self.device == src.device:
-        return cpu_fallback(aten.copy_.default, self, src, non_blocking)
+        raise Unsupported("a dtype conversion the device lacks, or a conjugate or negative view")
     return aten._copy_from(src, self, non_blocking)
 
 
@@ -47,7 +47,8 @@ def fill(self: torch.Tensor, value: Any) -> torch.Tensor:
 def fill_scalar(self: torch.Tensor, value: Any) -> torch.Tensor:
     """``self.fill_(value)``."""
     if not can_copy(self, self):
-        return cpu_fallback(aten.fill_.Scalar, self, value)
+        # named: fill_.Tensor and zero_ call this directly
+        raise Unsupported("a dtype the device cannot store", fallback=(aten.fill_.Scalar, (self, value), {}))
     return fill(self, value)
 
 

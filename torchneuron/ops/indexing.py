@@ -33,7 +33,7 @@ from torchneuron.ops.base import aten, DEVICE_DTYPES, raise_like_cpu, Unsupporte
 from torchneuron.ops.elementwise import (can_copy, check_no_internal_overlap, check_no_overlap, copy_parts, dense,
                                          device_copy, run_pointwise)
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 
 ONEHOT_LIMIT = 1 << 26     # elements of the one-hot matrix embedding's backward builds
 
@@ -67,8 +67,7 @@ def index_select(self: torch.Tensor, dim: int, index: torch.Tensor, *, out: torc
           and (self.numel() > 0 or self.dim() > 0)
           and (out is None or (out.device == self.device and out.dtype == self.dtype)))
     if not ok:
-        return cpu_fallback(aten.index_select.out if out is not None else aten.index_select.default, self, dim,
-                            index, **({"out": out} if out is not None else {}))
+        raise Unsupported("a tensor off the device, an unsupported dtype or index, or an out= unlike the result")
     d = canonicalize_dim(max(self.dim(), 1), dim)
     if out is not None:
         check_no_internal_overlap(out)
@@ -207,15 +206,14 @@ def arange_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> tor
 
 
 def _triangle(name: str, lower: bool) -> None:
-    packet, _, ov = name.partition(".")
-    overload = getattr(getattr(aten, packet), ov or "default")
+    packet = name.partition(".")[0]
 
     def kernel(self: torch.Tensor, diagonal: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:
         inplace = packet.endswith("_")
         if self.dim() < 2:
             raise RuntimeError(f"{packet.rstrip('_')}: input tensor must have at least 2 dimensions")
         if self.dtype not in DEVICE_DTYPES or self.numel() == 0 or (out is not None and out.device != self.device):
-            return cpu_fallback(overload, self, diagonal, **({"out": out} if out is not None else {}))
+            raise Unsupported("a dtype the device lacks, an empty input, or an out= on another device")
         M, N = self.shape[-2], self.shape[-1]
         rows = arange_values(M, self.device).reshape(M, 1)
         cols = arange_values(N, self.device).reshape(1, N)
@@ -269,8 +267,7 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: torch.Tensor | No
             raise RuntimeError(f"Tensors must have same number of dimensions: got {live[0].dim()} and {t.dim()}")
     ok = ts and all(t.device == dev for t in ts) and (out is None or out.device == dev) and live
     if not ok:
-        return cpu_fallback(aten.cat.out if out is not None else aten.cat.default, tensors, dim,
-                            **({"out": out} if out is not None else {}))
+        raise Unsupported("inputs on more than one device")
     d = canonicalize_dim(live[0].dim(), dim)
     ref = live[0].shape
     for i, t in enumerate(ts):
@@ -295,7 +292,8 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: torch.Tensor | No
             torch._refs._maybe_resize_out(out, shape)
         check_no_overlap(out, ts)             # (after the resize: an out= that now covers an input, or is one)
     if any(not can_copy(out, t) for t in live):
-        return cpu_fallback(aten.cat.out, tensors, dim, out=out)
+        # the result (or the given out=) is already allocated and sized: the CPU fills it
+        raise Unsupported("a dtype conversion the device lacks", fallback=(aten.cat.out, (tensors, dim), {"out": out}))
     parts, o = [], 0
     for t in live:
         n = t.shape[d]
@@ -318,8 +316,7 @@ def flip(self: torch.Tensor, dims: Sequence[int], *, out: torch.Tensor | None = 
         if ds.count(d) > 1:
             raise RuntimeError(f"dim {d} appears multiple times in the list of dims")
     if self.dtype not in DEVICE_DTYPES or (out is not None and (out.device != self.device or out.dtype != self.dtype)):
-        return cpu_fallback(aten.flip.out if out is not None else aten.flip.default, self, dims,
-                            **({"out": out} if out is not None else {}))
+        raise Unsupported("a dtype the device lacks, or an out= of another device or dtype")
     res = self
     for d in ds:
         n = self.shape[d] if self.dim() else 1
@@ -352,31 +349,20 @@ def embedding_renorm_(self: torch.Tensor, indices: torch.Tensor, max_norm: float
     return self
 
 
-def _embedding_bag_kernel(op: torch._ops.OpOverload):
-    def kernel(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, scale_grad_by_freq: bool = False,
-               mode: int = 0, sparse: bool = False, per_sample_weights: torch.Tensor | None = None,
-               include_last_offset: bool = False, padding_idx: int = -1):
-        """``_embedding_bag`` (autograd's forward; its outputs are the same) and ``_embedding_bag_forward_only``."""
-        return embedding_bag_forward_only(weight, indices, offsets, scale_grad_by_freq, mode, sparse,
-                                          per_sample_weights, include_last_offset, padding_idx, op=op)
-    return kernel
-
-
+@lowering("_embedding_bag_forward_only", "_embedding_bag")   # (autograd's forward: the same outputs)
 def embedding_bag_forward_only(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
                                scale_grad_by_freq: bool = False, mode: int = 0, sparse: bool = False,
                                per_sample_weights: torch.Tensor | None = None, include_last_offset: bool = False,
-                               padding_idx: int = -1, op: torch._ops.OpOverload = aten._embedding_bag_forward_only.default):
+                               padding_idx: int = -1):
     """Sum / mean bags of embedding rows (inference): a row gather, then ``onehot(bag)^T``-style sums on
     TensorE; ``max`` bags: the rows outside a bag masked to -inf, then amax / argmax over the bag's rows. The
     bag boundaries are read on the host (one sync). Returns (output, offset2bag, bag_size, max_indices) shaped
     as the CPU kernel's."""
-    args = (weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset,
-            padding_idx)
     ok = (mode in (0, 1, 2) and weight.dim() == 2 and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
           and indices.dim() == 1 and offsets.dim() == 1 and indices.device == weight.device == offsets.device
           and (per_sample_weights is None or per_sample_weights.device == weight.device))
     if not ok:
-        return cpu_fallback(op, *args)
+        raise Unsupported("an unsupported mode, shape or dtype, or inputs on more than one device")
     # the CPU's argument checks (index range, offsets order ...) on host copies of the small integer inputs
     idx_cpu, off_cpu = indices.cpu(), offsets.cpu()
     aten._embedding_bag_forward_only(torch.zeros((weight.shape[0], 1), dtype=weight.dtype), idx_cpu, off_cpu,
@@ -393,7 +379,7 @@ def embedding_bag_forward_only(weight: torch.Tensor, indices: torch.Tensor, offs
     if n:
         onehot[bag[keep], torch.arange(n)[keep]] = 1.0
     if B * n * D > ONEHOT_LIMIT // 4 and mode == 2:
-        return cpu_fallback(op, *args)
+        raise Unsupported("max bags beyond the one-hot limit")
     dev = weight.device
     if mode == 2:
         return _embedding_bag_max(weight, indices, onehot, bag, counts)
@@ -417,10 +403,6 @@ def embedding_bag_forward_only(weight: torch.Tensor, indices: torch.Tensor, offs
         return out, o2b, torch.zeros(extra, dtype=torch.int64, device=dev), \
             torch.zeros(extra, dtype=torch.int64, device=dev)
     return out, bag.to(dev), counts.to(dev), counts.to(dev)
-
-
-for _name in ("_embedding_bag_forward_only", "_embedding_bag"):
-    lowering(_name)(_embedding_bag_kernel(getattr(aten, _name).default))
 
 
 def _embedding_bag_max(weight: torch.Tensor, indices: torch.Tensor, member: torch.Tensor, bag: torch.Tensor,
@@ -467,14 +449,12 @@ def embedding_bag_backward(grad: torch.Tensor, indices: torch.Tensor, offsets: t
     member's bag gradient (times its sample weight, over the bag size for mean) into its row; max bags add
     each column's gradient into the row that gave the maximum. The bag of each index is rebuilt on the host
     from the offsets when the forward left it empty (sum mode), as the CPU does."""
-    args = (grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode,
-            sparse, per_sample_weights, padding_idx)
     ok = (not sparse and not scale_grad_by_freq and mode in (0, 1, 2) and grad.dim() == 2
           and grad.dtype in (torch.float32, torch.bfloat16, torch.float16) and indices.dim() == 1
           and all(t.device == grad.device for t in (indices, offsets, offset2bag, bag_size, maximum_indices))
           and (per_sample_weights is None or per_sample_weights.device == grad.device))
     if not ok:
-        return cpu_fallback(aten._embedding_bag_backward.default, *args)
+        raise Unsupported("sparse or frequency-scaled gradients, an unsupported mode or dtype, or several devices")
     n, D = indices.numel(), grad.shape[1]
     out = torch.zeros((num_weights, D), dtype=torch.float32, device=grad.device)
     if n == 0 or grad.shape[0] == 0:
@@ -502,9 +482,8 @@ def embedding_bag_per_sample_weights_backward(grad: torch.Tensor, weight: torch.
                                               offsets: torch.Tensor, offset2bag: torch.Tensor, mode: int,
                                               padding_idx: int = -1) -> torch.Tensor:
     """d loss / d per_sample_weights (sum mode): each member's bag gradient dotted with its embedding row."""
-    args = (grad, weight, indices, offsets, offset2bag, mode, padding_idx)
     if mode != 0 or grad.dim() != 2 or any(t.device != grad.device for t in (weight, indices, offsets, offset2bag)):
-        return cpu_fallback(aten._embedding_bag_per_sample_weights_backward.default, *args)
+        raise Unsupported("a mode other than sum, or inputs on more than one device")
     n = indices.numel()
     bag = _bags(offset2bag, offsets, n)
     dots = (grad.float().index_select(0, bag) * weight.float().index_select(0, indices)).sum(1)

@@ -40,7 +40,7 @@ from torchneuron.ops.base import aten, DEVICE_DTYPES, FLOATS, Unsupported, varia
 from torchneuron.ops.elementwise import (broadcast_shape, check_overlap, check_target, dense, device_copy, promote,
                                          to_int64)
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 NARROW_INTS = (torch.int8, torch.int16, torch.int32, torch.uint8)
@@ -339,12 +339,11 @@ def _register_operator_shifts() -> None:
         for packet, inplace in ((f"__{d}shift__", False), (f"__i{d}shift__", True)):
             for ov in ("Tensor", "Scalar") if inplace else ("Tensor", "Scalar", "Tensor_out", "Scalar_out"):
                 def kernel(self: torch.Tensor, other: Any, *, out: torch.Tensor | None = None,
-                           _op: Any = getattr(getattr(aten, packet), ov), _inplace: bool = inplace,
-                           _alt: Callable = _shift(direction)) -> torch.Tensor:
+                           _inplace: bool = inplace, _alt: Callable = _shift(direction)) -> torch.Tensor:
                     res = _alt((self, other), {}, out, _inplace)
-                    if res is not None:
-                        return res
-                    return cpu_fallback(_op, self, other, **({} if out is None else {"out": out}))
+                    if res is None:
+                        raise Unsupported("operands the int64 shift does not handle (a float, several devices)")
+                    return res
                 lowering(f"{packet}.{ov}")(kernel)
 
 

@@ -31,7 +31,7 @@ import torch
 
 from torchneuron.ops.base import aten, checked, Unsupported
 from torchneuron.ops.elementwise import write_result
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 
 MAX_N = 256  # rows beyond which the O(n)-launch loops are left to the CPU
 
@@ -85,8 +85,7 @@ def cholesky(self: torch.Tensor, upper: bool = False, *, out: torch.Tensor | Non
     """``torch.cholesky`` (deprecated in PyTorch, still an op)."""
     chol = _factor(self, upper) if _runs_here(self) and _square(self) else None
     if chol is None:  # bad arguments, or not positive-definite: the CPU raises its error
-        overload = aten.cholesky.out if out is not None else aten.cholesky.default
-        return cpu_fallback(overload, self, upper, **({} if out is None else {"out": out}))
+        raise Unsupported("bad arguments or a matrix that is not positive-definite: the CPU raises its error")
     return write_result(chol, out)
 
 
@@ -94,11 +93,9 @@ def cholesky(self: torch.Tensor, upper: bool = False, *, out: torch.Tensor | Non
 def linalg_cholesky_ex(self: torch.Tensor, *, upper: bool = False, check_errors: bool = False,
                        L: torch.Tensor | None = None, info: torch.Tensor | None = None):
     """``torch.linalg.cholesky_ex`` (and so ``torch.linalg.cholesky``): the factor and a zero ``info``."""
-    overload = aten.linalg_cholesky_ex.L if L is not None else aten.linalg_cholesky_ex.default
-    outs = {} if L is None else {"L": L, "info": info}
     chol = _factor(self, upper) if _runs_here(self) and _square(self) else None
     if chol is None:
-        return cpu_fallback(overload, self, upper=upper, check_errors=check_errors, **outs)
+        raise Unsupported("bad arguments or a matrix that is not positive-definite: the CPU raises its error")
     zero = torch.zeros(self.shape[:-2], dtype=torch.int32, device=self.device)
     if L is None:
         return chol, zero
@@ -137,9 +134,7 @@ def triangular_solve(self: torch.Tensor, A: torch.Tensor, upper: bool = True, tr
                      unitriangular: bool = False, *, X: torch.Tensor | None = None, M: torch.Tensor | None = None):
     """``torch.triangular_solve``: (the solution of ``op(A) X = self``, a copy of ``A``)."""
     if not (_runs_here(self, A) and _square(A) and A.size(-1) == self.size(-2)):
-        overload = aten.triangular_solve.X if X is not None else aten.triangular_solve.default
-        outs = {} if X is None else {"X": X, "M": M}
-        return cpu_fallback(overload, self, A, upper, transpose, unitriangular, **outs)
+        raise Unsupported("tensors off the device, or shapes the solve does not take")
     coeff = A.mT if transpose else A
     sol = _solve(coeff, self, upper != transpose, unitriangular)
     batch = torch.broadcast_shapes(self.shape[:-2], A.shape[:-2])
@@ -154,9 +149,7 @@ def linalg_solve_triangular(self: torch.Tensor, B: torch.Tensor, *, upper: bool,
                             unitriangular: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.linalg.solve_triangular``: ``X A = B`` (``left=False``) is ``A^T X^T = B^T``."""
     if not (_runs_here(self, B) and _square(self)) or self.size(-1) != B.size(-2 if left else -1):
-        overload = aten.linalg_solve_triangular.out if out is not None else aten.linalg_solve_triangular.default
-        kw = {} if out is None else {"out": out}
-        return cpu_fallback(overload, self, B, upper=upper, left=left, unitriangular=unitriangular, **kw)
+        raise Unsupported("tensors off the device, or shapes the solve does not take")
     if left:
         return write_result(_solve(self, B, upper, unitriangular), out)
     return write_result(_solve(self.mT, B.mT, not upper, unitriangular).mT, out)
@@ -175,8 +168,7 @@ def cholesky_solve_helper(self: torch.Tensor, A: torch.Tensor, upper: bool) -> t
 def cholesky_inverse(self: torch.Tensor, upper: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``(L L^T)^-1 = L^-T L^-1``, with ``L^-1`` from a solve against the identity."""
     if not (_runs_here(self) and _square(self)):
-        overload = aten.cholesky_inverse.out if out is not None else aten.cholesky_inverse.default
-        return cpu_fallback(overload, self, upper, **({} if out is None else {"out": out}))
+        raise Unsupported("a tensor off the device, or a non-square matrix")
     n = self.size(-1)
     chol = self.mT if upper else self
     eye = torch.eye(n, dtype=self.dtype, device=self.device).expand(*self.shape[:-2], n, n)
@@ -268,13 +260,12 @@ def linalg_lu_factor_ex(A: torch.Tensor, *, pivot: bool = True, check_errors: bo
                         info: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """``torch.linalg.lu_factor_ex`` (so ``lu``, ``linalg.lu_factor``): getrf over the batch."""
     outs = _outs(LU=LU, pivots=pivots, info=info)
-    overload = aten.linalg_lu_factor_ex.out if outs else aten.linalg_lu_factor_ex.default
     if _native(aten.linalg_lu_factor_ex.default, A) is None or not pivot:   # the CPU refuses pivot=False
-        return cpu_fallback(overload, A, pivot=pivot, check_errors=check_errors, **outs)
+        raise Unsupported("what the device's LU does not take, or pivot=False (the CPU refuses it)")
     m, n = A.shape[-2:]
     lu, piv, inf = _lu_factor(_batched(A))
     if check_errors and bool((inf > 0).any()):   # the CPU raises its LinAlgError naming the batch element
-        return cpu_fallback(overload, A, pivot=pivot, check_errors=check_errors, **outs)
+        raise Unsupported("a singular matrix under check_errors: the CPU raises its LinAlgError")
     res = (lu.reshape(A.shape), piv.reshape(*A.shape[:-2], min(m, n)), inf.reshape(A.shape[:-2]))
     return _write_all(res, (LU, pivots, info)) if outs else res
 
@@ -294,11 +285,9 @@ def _lu_solve(lu: torch.Tensor, pivots: torch.Tensor, b: torch.Tensor, adjoint: 
 def linalg_lu_solve(LU: torch.Tensor, pivots: torch.Tensor, B: torch.Tensor, *, left: bool = True,
                     adjoint: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.linalg.lu_solve`` (so ``lu_solve``): ``X A = B`` is ``A^T X^T = B^T``."""
-    outs = _outs(out=out)
     meta = _native(aten.linalg_lu_solve.default, LU, pivots, B, left=left, adjoint=adjoint)
     if meta is None:
-        overload = aten.linalg_lu_solve.out if outs else aten.linalg_lu_solve.default
-        return cpu_fallback(overload, LU, pivots, B, left=left, adjoint=adjoint, **outs)
+        raise Unsupported("what the device's LU solve does not take")
     shape = meta.shape
     if math.prod(shape) == 0:
         return write_result(B.new_zeros(shape), out)
@@ -335,8 +324,7 @@ def lu_unpack(LU_data: torch.Tensor, LU_pivots: torch.Tensor, unpack_data: bool 
     outs = _outs(P=P, L=L, U=U)
     metas = _native(aten.lu_unpack.default, LU_data, LU_pivots, unpack_data, unpack_pivots)
     if metas is None:
-        overload = aten.lu_unpack.out if outs else aten.lu_unpack.default
-        return cpu_fallback(overload, LU_data, LU_pivots, unpack_data, unpack_pivots, **outs)
+        raise Unsupported("what the device's unpacking does not take")
     m, n = LU_data.shape[-2:]
     if LU_data.numel() == 0:
         res = tuple(LU_data.new_zeros(t.shape) for t in metas)
@@ -356,8 +344,7 @@ def linalg_lu(A: torch.Tensor, *, pivot: bool = True, P: torch.Tensor | None = N
     """``torch.linalg.lu``: getrf, then unpacked."""
     outs = _outs(P=P, L=L, U=U)
     if _native(aten.linalg_lu.default, A) is None or not pivot:
-        overload = aten.linalg_lu.out if outs else aten.linalg_lu.default
-        return cpu_fallback(overload, A, pivot=pivot, **outs)
+        raise Unsupported("what the device's LU does not take, or pivot=False (the CPU refuses it)")
     m, n = A.shape[-2:]
     k, batch = min(m, n), A.shape[:-2]
     if A.numel() == 0:
@@ -382,7 +369,7 @@ def _det_family(op: torch._ops.OpOverload, out_op: torch._ops.OpOverload, A: tor
     ``from_lu(lu, pivots, diag U, the permutation's sign)`` over the batch; written to the out= tensors."""
     metas = _native(op, A)
     if metas is None:
-        return cpu_fallback(out_op if outs else op, A, **outs)
+        raise Unsupported("what the device's LU does not take")
     n, batch = A.size(-1), A.shape[:-2]
     if math.prod(batch) == 0:
         res = tuple(torch.empty(t.shape, dtype=t.dtype, device=A.device) for t in metas)
@@ -470,7 +457,7 @@ def geqrf(self: torch.Tensor, *, a: torch.Tensor | None = None,
     outs = _outs(a=a, tau=tau)
     if not (self.device.type == "neuron" and self.dtype == torch.float32 and self.dim() >= 2
             and max(self.shape[-2:]) <= MAX_N):   # geqrf has no meta kernel: the CPU checks a 1-d input
-        return cpu_fallback(aten.geqrf.a if outs else aten.geqrf.default, self, **outs)
+        raise Unsupported("a tensor off the device, a dtype other than float32, or a matrix beyond MAX_N")
     m, n = self.shape[-2:]
     qr, t = _geqrf(_batched(self))
     res = (qr.reshape(self.shape), t.reshape(*self.shape[:-2], min(m, n)))
@@ -485,7 +472,7 @@ def linalg_qr(A: torch.Tensor, mode: str = "reduced", *, Q: torch.Tensor | None 
     outs = _outs(Q=Q, R=R)
     metas = _native(aten.linalg_qr.default, A, mode)
     if metas is None:
-        return cpu_fallback(aten.linalg_qr.out if outs else aten.linalg_qr.default, A, mode, **outs)
+        raise Unsupported("what the device's QR does not take")
     q_meta, r_meta = metas
     m, n = A.shape[-2:]
     batch = A.shape[:-2]
@@ -505,11 +492,9 @@ def linalg_qr(A: torch.Tensor, mode: str = "reduced", *, Q: torch.Tensor | None 
 def linalg_householder_product(input: torch.Tensor, tau: torch.Tensor, *,
                                out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.linalg.householder_product`` (orgqr): the first n columns of ``H_0 ... H_{k-1}``."""
-    outs = _outs(out=out)
     meta = _native(aten.linalg_householder_product.default, input, tau)
     if meta is None:
-        overload = aten.linalg_householder_product.out if outs else aten.linalg_householder_product.default
-        return cpu_fallback(overload, input, tau, **outs)
+        raise Unsupported("what the device's Householder product does not take")
     shape = meta.shape
     m, n = input.shape[-2:]
     refl = _batched(input)
@@ -521,11 +506,9 @@ def linalg_householder_product(input: torch.Tensor, tau: torch.Tensor, *,
 def ormqr(self: torch.Tensor, input2: torch.Tensor, input3: torch.Tensor, left: bool = True,
           transpose: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.ormqr``: ``op(Q) C`` or ``C op(Q)`` with Q from geqrf's output; ``C Q`` is ``(Q^T C^T)^T``."""
-    outs = _outs(out=out)
     meta = _native(aten.ormqr.default, self, input2, input3, left, transpose)
     if meta is None:
-        return cpu_fallback(aten.ormqr.out if outs else aten.ormqr.default, self, input2, input3, left, transpose,
-                            **outs)
+        raise Unsupported("what the device's ormqr does not take")
     shape = meta.shape
     refl = _batched(self)
     tau = input2.reshape(refl.size(0), input2.size(-1))

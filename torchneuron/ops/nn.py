@@ -29,7 +29,7 @@ from torchneuron.ops.base import aten, checked, FLOATS, on_one_device, type_name
 from torchneuron.ops.elementwise import dense, device_copy, write_result
 from torchneuron.ops.indexing import arange_values, index_words
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 
 
 def _softmax(x: torch.Tensor, dim: int, log: bool, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,16 +47,13 @@ def _softmax(x: torch.Tensor, dim: int, log: bool, out: torch.Tensor | None = No
 
 
 def _softmax_lowering(name: str, log: bool) -> None:
-    packet, _, ov = name.partition(".")
-    op = getattr(getattr(aten, packet), ov or "default")
-
     def kernel(self: torch.Tensor, dim: int, half_to_float: bool, *, out: torch.Tensor | None = None):
         if self.numel() == 0 and self.dtype in FLOATS and not half_to_float and out is None:
             canonicalize_dim(max(self.dim(), 1), dim)   # IndexError for a bad dim, as on CPU
             return torch.empty_like(self)
         if self.dtype not in FLOATS or half_to_float or self.numel() == 0 or \
                 (out is not None and (out.dtype != self.dtype or out.device != self.device)):
-            return cpu_fallback(op, self, dim, half_to_float, **({"out": out} if out is not None else {}))
+            raise Unsupported("a dtype the engines lack, half_to_float, an empty input, or an out= unlike the input")
         scalar = self.dim() == 0
         res = _softmax(self, dim, log, out)
         return res.reshape(()) if scalar and out is None else res
@@ -87,14 +84,10 @@ def softmax_backward(grad: torch.Tensor, out: torch.Tensor, dim: int, log: bool,
 
 
 def _backward_lowering(name: str, log: bool) -> None:
-    packet, _, ov = name.partition(".")
-    op = getattr(getattr(aten, packet), ov or "default")
-
     def kernel(grad_output: torch.Tensor, output: torch.Tensor, dim: int, input_dtype: torch.dtype, *,
                grad_input: torch.Tensor | None = None):
         if output.dtype not in FLOATS or input_dtype != output.dtype or grad_output.dtype != output.dtype:
-            return cpu_fallback(op, grad_output, output, dim, input_dtype,
-                                **({"grad_input": grad_input} if grad_input is not None else {}))
+            raise Unsupported("a dtype the engines lack, or mixed dtypes")
         res = softmax_backward(grad_output, output, dim, log)
         if grad_input is not None:
             device_copy(grad_input, res)
@@ -257,8 +250,7 @@ def _mse_ok(*ts: torch.Tensor) -> bool:
 def mse_loss(self: torch.Tensor, target: torch.Tensor, reduction: int = 1, *, out: torch.Tensor | None = None):
     """Mean squared error: ``(self - target) ** 2``, reduced."""
     if not _mse_ok(self, target) or (out is not None and not _mse_ok(self, out)):
-        return cpu_fallback(aten.mse_loss.out if out is not None else aten.mse_loss.default, self, target,
-                            reduction, **({"out": out} if out is not None else {}))
+        raise Unsupported("mixed or unsupported dtypes, or several devices")
     d = self - target
     res = reduce_loss(d * d, reduction)
     return write_result(res, out)
@@ -269,9 +261,7 @@ def mse_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: tor
                       grad_input: torch.Tensor | None = None):
     """``2 * (self - target) * grad`` (divided by the element count for the mean)."""
     if not _mse_ok(grad_output, self, target):
-        return cpu_fallback(aten.mse_loss_backward.grad_input if grad_input is not None
-                            else aten.mse_loss_backward.default, grad_output, self, target, reduction,
-                            **({"grad_input": grad_input} if grad_input is not None else {}))
+        raise Unsupported("mixed or unsupported dtypes, or several devices")
     scale = 2.0 / self.numel() if reduction == 1 else 2.0
     res = (self - target) * grad_output * scale
     res = res.expand(torch.broadcast_shapes(self.shape, target.shape)) if res.shape != self.shape else res
@@ -309,7 +299,7 @@ def binary_cross_entropy(self: torch.Tensor, target: torch.Tensor, weight: torch
     checked(op, self, target, weight, reduction, **kw)
     ts = [t for t in (self, target, weight) if t is not None]
     if not on_one_device(*ts, out) or not _mse_ok(*ts):
-        return cpu_fallback(op, self, target, weight, reduction, **kw)
+        raise Unsupported("mixed or unsupported dtypes, or several devices")
     bad_x, bad_t = _any_true(~((self >= 0) & (self <= 1)), ~((target >= 0) & (target <= 1)))  # NaN is outside
     if bad_x:
         raise RuntimeError("all elements of input should be between 0 and 1")
@@ -332,7 +322,7 @@ def binary_cross_entropy_backward(grad_output: torch.Tensor, self: torch.Tensor,
     checked(op, grad_output, self, target, weight, reduction, **kw)
     ts = [t for t in (grad_output, self, target, weight) if t is not None]
     if not on_one_device(*ts, grad_input) or not _mse_ok(*ts):
-        return cpu_fallback(op, grad_output, self, target, weight, reduction, **kw)
+        raise Unsupported("mixed or unsupported dtypes, or several devices")
     res = grad_output * (self - target) / ((1 - self) * self).clamp(min=1e-12)
     if weight is not None:
         res = res * weight
@@ -353,7 +343,7 @@ def multi_margin_loss(self: torch.Tensor, target: torch.Tensor, p: int = 1, marg
     _check_long(target)
     ok = on_one_device(self, target, weight, out) and self.dtype in MARGIN_DTYPES and target.dtype == torch.int64
     if not ok or (weight is not None and weight.dtype != self.dtype) or p not in (1, 2):
-        return cpu_fallback(op, self, target, p, margin, weight, reduction, **kw)
+        raise Unsupported("several devices, a dtype the CPU kernel has no half form of, or p other than 1 and 2")
     x, t = _class_rows(self, target)
     C = x.shape[1]
     if _any_true((t < 0) | (t >= C))[0]:
@@ -406,7 +396,7 @@ def multilabel_margin_loss_forward(self: torch.Tensor, target: torch.Tensor, red
     N, C = x.shape
     if not on_one_device(self, target, output, is_target) or self.dtype not in MARGIN_DTYPES or \
             target.dtype != torch.int64 or N * C * C > MARGIN_LIMIT:
-        return cpu_fallback(op, self, target, reduction, **kw)
+        raise Unsupported("several devices, an unsupported dtype, or more than MARGIN_LIMIT terms")
     listed, hot, z = _multilabel_terms(x, t)
     targets = hot.any(1)                                                      # [N, C]: class i is a target
     h = torch.where(listed.reshape(N, C, 1) & ~targets.reshape(N, 1, C) & (z > 0), z, 0)   # NaN z: nothing
@@ -427,9 +417,6 @@ def multilabel_margin_loss_backward(grad_output: torch.Tensor, self: torch.Tenso
                                     grad_input: torch.Tensor | None = None) -> torch.Tensor:
     """Each active term ``1 - x_{y_j} + x_i > 0`` adds g to x_i's gradient and -g to x_{y_j}'s,
     g = 1/C (1/(N C) for the mean), times the incoming gradient."""
-    op = aten.multilabel_margin_loss_backward.grad_input if grad_input is not None \
-        else aten.multilabel_margin_loss_backward.default
-    kw = {"grad_input": grad_input} if grad_input is not None else {}
     x, t = _class_rows(self, target)
     N, C = x.shape
     ok = (on_one_device(grad_output, self, target, is_target, grad_input) and self.dtype in MARGIN_DTYPES
@@ -437,7 +424,7 @@ def multilabel_margin_loss_backward(grad_output: torch.Tensor, self: torch.Tenso
           and grad_output.dtype == self.dtype and N * C * C <= MARGIN_LIMIT and self.numel() > 0
           and grad_output.numel() == (N if reduction == 0 else 1))
     if not ok:   # (the CPU's checks and errors for anything unexpected)
-        return cpu_fallback(op, grad_output, self, target, reduction, is_target, **kw)
+        raise Unsupported("what the device kernel does not take (the CPU raises its errors)")
     listed, hot, z = _multilabel_terms(x, t)
     others = ~(is_target.reshape(N, C) > 0)
     active = (listed.reshape(N, C, 1) & others.reshape(N, 1, C) & (z > 0)).to(torch.float32)   # [N, j, i]
@@ -455,9 +442,6 @@ def multi_margin_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, ta
                                grad_input: torch.Tensor | None = None) -> torch.Tensor:
     """For each active class ``margin - x_y + x_i > 0``: ``g`` (p = 1) or ``2 g z`` (p = 2), times ``w_y``, at
     x_i, their negated sum at x_y; g = 1/C (1/(N C) for the mean), times the incoming gradient."""
-    op = aten.multi_margin_loss_backward.grad_input if grad_input is not None \
-        else aten.multi_margin_loss_backward.default
-    kw = {"grad_input": grad_input} if grad_input is not None else {}
     x = self.reshape(-1, self.shape[-1] if self.dim() else 1)
     N, C = x.shape
     ok = (on_one_device(grad_output, self, target, weight, grad_input) and self.dtype in MARGIN_DTYPES
@@ -465,7 +449,7 @@ def multi_margin_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, ta
           and grad_output.dtype == self.dtype and (weight is None or weight.dtype == self.dtype) and C > 0
           and grad_output.numel() == (N if reduction == 0 else 1))
     if not ok:
-        return cpu_fallback(op, grad_output, self, target, p, margin, weight, reduction, **kw)
+        raise Unsupported("what the device kernel does not take (the CPU raises its errors)")
     t = target.reshape(N, 1)
     if _any_true((t < 0) | (t >= C))[0]:
         raise RuntimeError("target out of range")

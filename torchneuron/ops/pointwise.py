@@ -19,7 +19,7 @@ from torchneuron.kernels.int64_words import int64_add
 from torchneuron.ops.base import overload, overload_exists, type_name, Unsupported, variants
 from torchneuron.ops.elementwise import dense, device_copy, KIND, Number, run_pointwise
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 
 
 # ---- registration -------------------------------------------------------------------------
@@ -41,11 +41,9 @@ def register_pointwise(names: list[str], build: Callable, kind: KIND, result_dty
             except Unsupported:
                 alternative = ALTERNATIVES.get(_op._schema.name.removeprefix("aten::").rstrip("_"))
                 res = alternative(args, kwargs, out, _inplace) if alternative is not None else None
-                if res is not None:
-                    return res
-                if out is not None:
-                    kwargs["out"] = out
-                return cpu_fallback(_op, *args, **kwargs)
+                if res is None:
+                    raise   # neither the tile function nor an alternative runs it: the CPU fallback
+                return res
         lowering(name)(kernel)
 
 
@@ -259,9 +257,9 @@ def where_lowering(name: str) -> None:
         except Unsupported:
             alternative = ALTERNATIVES.get("where")
             res = alternative((cond, x, y), {}, out, False) if alternative is not None else None
-            if res is not None:
-                return res
-            return cpu_fallback(op, cond, x, y, **({"out": out} if out is not None else {}))
+            if res is None:
+                raise   # neither the tile function nor an alternative runs it: the CPU fallback
+            return res
     lowering(name)(kernel)
 
 

@@ -29,7 +29,7 @@ from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, device_table, floats_on_one_device, meta_run, Unsupported
 from torchneuron.ops.elementwise import dense, run_pointwise, to_int64, write_result
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 from torchneuron.ops.windows import as_float32, col2im_patches, im2col_patches, int_tuple
 
 
@@ -126,7 +126,7 @@ def _max_pool_forward(n: int, self, kernel_size, stride, padding, dilation, ceil
         return (torch.empty(shape, dtype=self.dtype, device=self.device),
                 torch.empty(shape, dtype=torch.int64, device=self.device))
     if not _max_pool_ok(self, n):
-        return cpu_fallback(_MAX_POOL[n][0].default, self, kernel_size, stride, padding, dilation, ceil_mode)
+        raise Unsupported("a tensor or dtype the device pooling does not take")
     return _max_pool(n, self, kernel_size, stride, padding, dilation, ceil_mode)
 
 
@@ -134,8 +134,7 @@ def _max_pool_forward_out(n: int, self, kernel_size, stride, padding, dilation, 
     """``max_pool{n}d_with_indices.out``."""
     if not _max_pool_ok(self, n) or out.device != self.device or indices.device != self.device \
             or out.dtype != self.dtype or indices.dtype != torch.int64:
-        return cpu_fallback(_MAX_POOL[n][0].out, self, kernel_size, stride, padding, dilation, ceil_mode,
-                            out=out, indices=indices)
+        raise Unsupported("a tensor or dtype the device pooling does not take, or out= tensors unlike the results")
     values, idx = _max_pool(n, self, kernel_size, stride, padding, dilation, ceil_mode)
     return write_result(values, out), write_result(idx, indices)
 
@@ -196,12 +195,10 @@ def _max_pool_grad(n: int, grad_output, self, kernel_size, stride, padding, dila
     ok = _max_pool_backward_ok(n, grad_output, self, indices)
     if grad_input is None:
         if not ok:
-            return cpu_fallback(_MAX_POOL[n][1].default, grad_output, self, kernel_size, stride, padding, dilation,
-                                ceil_mode, indices)
+            raise Unsupported("tensors or dtypes the device gradient does not take")
         return _max_pool_backward(n, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
     if not ok or grad_input.device != self.device:
-        return cpu_fallback(_MAX_POOL[n][1].grad_input, grad_output, self, kernel_size, stride, padding, dilation,
-                            ceil_mode, indices, grad_input=grad_input)
+        raise Unsupported("tensors or dtypes the device gradient does not take, or a grad_input on another device")
     return write_result(_max_pool_backward(n, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode,
                                     indices), grad_input)
 

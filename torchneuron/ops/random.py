@@ -31,7 +31,7 @@ from torchneuron.ops.base import aten, DEVICE_DTYPES, draw_seed, FLOATS, neuron_
 from torchneuron.ops.elementwise import check_no_internal_overlap, dense, device_copy, run_pointwise
 from torchneuron.ops.indexing import arange_values
 from torchneuron.ops.kernel_call import call_kernel, host_operand, scalar_operand
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 from torchneuron.ops.sort import sort_lines
 
 
@@ -109,7 +109,7 @@ def _float_draw(op: torch._ops.OpOverload, dist: str, self: torch.Tensor, args: 
     if widen and _float64_native(self):
         return _widened(self, lambda t: _float_draw(op, dist, t, args, generator, params))
     if not _native(self) or self.dtype not in FLOATS:
-        return cpu_fallback(op, self, *args, generator=generator)
+        raise Unsupported("a tensor off the device, or a dtype the sampler lacks")
     return _sample_(self, dist, params(self.dtype) if callable(params) else params, generator, op._schema.name)
 
 
@@ -201,7 +201,7 @@ def bernoulli_float_(self: torch.Tensor, p: float = 0.5, *,
     if _float64_native(self):
         return _widened(self, lambda t: bernoulli_float_(t, p, generator=generator))
     if not _native(self):
-        return cpu_fallback(aten.bernoulli_.float, self, p, generator=generator)
+        raise Unsupported("a tensor off the device, or a dtype the sampler lacks")
     return _sample_(self, "bernoulli", [p], generator, "aten::bernoulli_")
 
 
@@ -210,7 +210,7 @@ def bernoulli_tensor_(self: torch.Tensor, p: torch.Tensor, *,
                       generator: torch.Generator | None = None) -> torch.Tensor:
     """``self.bernoulli_(p)`` with a tensor of probabilities (broadcast to self): ``uniform < p``."""
     if not _native(self, p) or p.dtype not in FLOATS:
-        return cpu_fallback(aten.bernoulli_.Tensor, self, p, generator=generator)
+        raise Unsupported("tensors on more than one device, or probabilities of a dtype the engines lack")
     p = p.expand(self.shape)    # PyTorch's error if p does not broadcast to self
     if self.numel() == 0:
         return self
@@ -246,16 +246,15 @@ def _int_range(dtype: torch.dtype) -> tuple[int, int]:
     return 0, torch.iinfo(dtype).max + 1
 
 
-def _random(self: torch.Tensor, low: int, high: int, generator: torch.Generator | None,
-            fallback: Any) -> torch.Tensor:
+def _random(self: torch.Tensor, low: int, high: int, generator: torch.Generator | None) -> torch.Tensor:
     span = high - low
     if _float64_native(self) and -2 ** 24 <= low and high <= 2 ** 24 + 1:
         # integers up to 2**24 are exact in fp32: drawn as fp32, widened
-        return _widened(self, lambda t: _random(t, low, high, generator, fallback))
+        return _widened(self, lambda t: _random(t, low, high, generator))
     kdt = _kernel_dtype(self.dtype)
     # 32-bit lanes: the bounds and every value must fit int32
     if not _native(self) or not (0 < span < 2 ** 31 and -2 ** 31 <= low and high <= 2 ** 31):
-        return fallback()
+        raise Unsupported("a tensor off the device, or bounds outside int32")
     if self.numel() == 0:
         return self
     if self.dtype == torch.bool:
@@ -270,8 +269,7 @@ def random_(self: torch.Tensor, *, generator: torch.Generator | None = None) -> 
     """``self.random_()``: integers over the dtype's range (floats: up to 2**mantissa digits)."""
     _validate(aten.random_.default, self.dtype)
     low, high = _int_range(self.dtype)
-    return _random(self, low, high, generator,
-                   lambda: cpu_fallback(aten.random_.default, self, generator=generator))
+    return _random(self, low, high, generator)
 
 
 @lowering("random_.from")
@@ -280,16 +278,14 @@ def random_from_(self: torch.Tensor, from_: int, to: int | None, *,
     """``self.random_(from, to)`` (``to=None``: up to the dtype's largest value)."""
     _validate(getattr(aten.random_, "from"), self.dtype, from_, to)
     high = to if to is not None else _int_range(self.dtype)[1]
-    return _random(self, from_, high, generator,
-                   lambda: cpu_fallback(getattr(aten.random_, "from"), self, from_, to, generator=generator))
+    return _random(self, from_, high, generator)
 
 
 @lowering("random_.to")
 def random_to_(self: torch.Tensor, to: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
     """``self.random_(to)``: integers in [0, to)."""
     _validate(aten.random_.to, self.dtype, to)
-    return _random(self, 0, to, generator,
-                   lambda: cpu_fallback(aten.random_.to, self, to, generator=generator))
+    return _random(self, 0, to, generator)
 
 
 # ---- normal with tensor moments ------------------------------------------------------------------
@@ -396,7 +392,7 @@ def randperm_out(n: int, *, generator: torch.Generator | None = None, out: torch
     # a permutation, uniform up to the 2**-(31-k) chance that two keys share their random part
     k = max(1, (n - 1).bit_length())
     high = torch.empty(n, dtype=torch.int32, device=out.device)
-    _random(high, 0, 2 ** (31 - k), generator, None)
+    _random(high, 0, 2 ** (31 - k), generator)
     keys = torch.add(arange_values(n, out.device), high, alpha=2 ** k).view(1, n)
     if n > RANDPERM_MAX:        # the sort order of the distinct keys (a sort, not all-pairs counts)
         device_copy(out, sort_lines(keys.view(n), 0, False)[1].to(out.dtype))
@@ -431,7 +427,10 @@ def multinomial_out(self: torch.Tensor, num_samples: int, replacement: bool = Fa
     if out.dtype != torch.int64:
         raise RuntimeError(f"multinomial expects Long tensor out, got: {out.dtype}")
     if self.dtype not in FLOATS:
-        return cpu_fallback(aten.multinomial.out, self, num_samples, replacement, generator=generator, out=out)
+        # named: ``multinomial`` calls this with the result it allocated, which the CPU then fills
+        raise Unsupported("probabilities of a dtype the engines lack",
+                          fallback=(aten.multinomial.out, (self, num_samples, replacement),
+                                    {"generator": generator, "out": out}))
     rows = self.shape[0] if self.dim() == 2 else 1
     k = self.shape[-1]
     shape = (rows, num_samples) if self.dim() == 2 else (num_samples,)
@@ -543,7 +542,8 @@ def eye_m_out(n: int, m: int, *, out: torch.Tensor) -> torch.Tensor:
     if m < 0:
         raise RuntimeError(f"m must be greater or equal to 0, got {m}")
     if out.dtype not in DEVICE_DTYPES and out.dtype != torch.int64:
-        return cpu_fallback(aten.eye.m_out, n, m, out=out)
+        # named: ``eye.out`` calls this with m = n
+        raise Unsupported("a dtype the device lacks", fallback=(aten.eye.m_out, (n, m), {"out": out}))
     _resize(out, (n, m))
     if n and m:
         rows = arange_values(n, out.device).view(n, 1)

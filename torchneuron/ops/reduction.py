@@ -16,12 +16,11 @@ import torch
 from torch._prims_common import canonicalize_dim
 
 from torchneuron.kernels.reduction import reduce_kernel
-from torchneuron.ops import base
-from torchneuron.ops.base import aten, FLOATS, type_name, Unsupported
+from torchneuron.ops.base import FLOATS, type_name, Unsupported
 from torchneuron.ops.elementwise import dense, to_int64, write_result
 from torchneuron.ops.int64_elementwise import int_reduce  # exact integer sums (fp32 is exact only below 2**24)
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 
 INT_SUM = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -205,14 +204,11 @@ for _name, _op in (("argmax", "argmax"), ("argmax.out", "argmax"), ("argmin", "a
 
 
 def _var_lowering(name: str, take_sqrt: bool):
-    overload = base.overload(name)
-
     def kernel(self: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """var/std as sum((x - mean)**2) / (N - correction), each step a device launch."""
         if self.dtype not in FLOATS or (out is not None and out.device != self.device):
-            return cpu_fallback(overload, self, dim, correction=correction, keepdim=keepdim,
-                                **({"out": out} if out is not None else {}))
+            raise Unsupported("a dtype the engines lack, or an out= on another device")
         dims = _dims(self, dim)
         n = _prod(self.shape[d] for d in dims) if self.dim() else 1
         if self.numel() == 0:  # no elements: NaN for each (empty) group, as on CPU
@@ -236,14 +232,11 @@ for _name, _sqrt in (("var.correction", False), ("var.correction_out", False), (
 
 
 def _any_all(name: str, is_all: bool):
-    overload = base.overload(name)
-
     def kernel(self: torch.Tensor, dim: Any = None, keepdim: bool = False, *, out=None) -> torch.Tensor:
         """all/any: the min/max over the dims of (x != 0) in fp32, as bool."""
         if self.device.type != "neuron" or self.dtype.is_complex or \
                 (out is not None and (out.device != self.device or out.dtype not in (torch.bool, torch.uint8))):
-            return cpu_fallback(overload, self, *([] if dim is None and name in ("all", "any") else [dim, keepdim]),
-                                **({"out": out} if out is not None else {}))
+            raise Unsupported("a tensor off the device, a complex input, or an out= unlike a bool result")
         if self.numel() == 0:  # the empty identity: all() is True, any() is False
             dims = _dims(self, dim)
             shape = [1 if d in dims else n for d, n in enumerate(self.shape)] if keepdim else \
@@ -274,8 +267,7 @@ def linalg_vector_norm(self: torch.Tensor, ord: Any = 2, dim: Any = None, keepdi
                            f"{type_name(self.dtype)}")
     x = self if dtype is None else self.to(dtype) if dtype in FLOATS else None
     if x is None or x.dtype not in FLOATS or x.numel() == 0 or (out is not None and out.device != self.device):
-        return cpu_fallback(aten.linalg_vector_norm.out if out is not None else aten.linalg_vector_norm.default,
-                            self, ord, dim, keepdim, dtype=dtype, **({"out": out} if out is not None else {}))
+        raise Unsupported("a dtype the engines lack, an empty input, or an out= on another device")
     dims = _dims(x, dim)
     # fp16/bf16 accumulate in fp32 and round once, as the CPU does (fp16 sums of squares overflow past 65504)
     a = x.abs().to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.abs()

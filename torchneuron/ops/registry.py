@@ -8,8 +8,10 @@ One refusal rule: a kernel that meets inputs it cannot run on the device (a dtyp
 lacks, a CPU tensor argument) raises ``Unsupported``, and the registration turns that into the
 CPU fallback of the overload it was called for: the same boxed CPU fallback unregistered
 operators take, so it is counted, warned about once, refused under ``TORCHNEURON_STRICT=1``, and
-checks devices the way PyTorch does. ``register_out`` derives an ``out=`` overload from its
-functional kernel.
+checks devices the way PyTorch does. A kernel that must fall back to another call (the ``out=``
+overload of a result it already allocated) names it: ``Unsupported(reason, fallback=(op, args,
+kwargs))``. No lowering calls ``cpu_fallback`` itself. ``register_out`` derives an ``out=``
+overload from its functional kernel.
 """
 from __future__ import annotations
 
@@ -29,12 +31,15 @@ LOWERED: dict[str, Callable] = {}             # overload name ("add.Tensor") -> 
 
 
 def _refusing_to_cpu(fn: Callable, op: torch._ops.OpOverload) -> Callable:
-    """``fn`` with ``Unsupported`` turned into the CPU fallback of ``op`` on the same arguments."""
+    """``fn`` with ``Unsupported`` turned into the CPU fallback of ``op`` on the same arguments (or of the
+    call the refusal names)."""
     def kernel(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except Unsupported:
-            return cpu_fallback(op, *args, **kwargs)
+        except Unsupported as refusal:
+            target, args, kwargs = refusal.fallback or (op, args, kwargs)
+        # outside the handler: an error of the fallback (strict mode's) is not chained to the refusal
+        return cpu_fallback(target, *args, **kwargs)
     kernel.__name__, kernel.__qualname__, kernel.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
     return kernel
 

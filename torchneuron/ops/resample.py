@@ -35,7 +35,7 @@ import torch
 from torchneuron.ops.base import aten, device_table, floats_on_one_device, meta_run, Unsupported
 from torchneuron.ops.elementwise import dense, to_int64
 from torchneuron.ops.pooling import adaptive_band, adaptive_windows, avg_pool_windows, avg_pool_windows_backward
-from torchneuron.ops.registry import cpu_fallback, lowering, register_out
+from torchneuron.ops.registry import lowering, register_out
 from torchneuron.ops.windows import as_float32
 
 EXACT = 1 << 24          # flat indices held in fp32 are exact below this
@@ -421,7 +421,7 @@ def _adaptive_max_pool(k: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor
             return (torch.empty(values_meta.shape, dtype=self.dtype, device=self.device),
                     torch.empty(values_meta.shape, dtype=torch.int64, device=self.device))
         if math.prod(sizes) >= EXACT:
-            return cpu_fallback(op, self, output_size)
+            raise Unsupported("a plane of EXACT elements or more (its flat indices would round in fp32)")
         x = self.reshape(-1, math.prod(sizes))
         B = x.shape[0]
         # windows padded by repeating their last element: a repeat never beats the first occurrence it copies;
@@ -506,7 +506,7 @@ def _fractional_max_pool(k: int) -> Callable[..., tuple[torch.Tensor, torch.Tens
              random_samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``fractional_max_pool{k}d`` given its samples: windows gathered per plane, the max over each."""
         if random_samples.device != self.device or random_samples.dtype != self.dtype:
-            return cpu_fallback(op, self, kernel_size, output_size, random_samples)
+            raise Unsupported("samples on another device or of another dtype")
         values_meta, _ = meta_run(op, self, kernel_size, output_size, random_samples)
         sizes = [int(v) for v in self.shape[-k:]]
         outs = [int(v) for v in values_meta.shape[-k:]]
@@ -515,7 +515,7 @@ def _fractional_max_pool(k: int) -> Callable[..., tuple[torch.Tensor, torch.Tens
             return (torch.empty(values_meta.shape, dtype=self.dtype, device=self.device),
                     torch.empty(values_meta.shape, dtype=torch.int64, device=self.device))
         if math.prod(sizes) >= EXACT:
-            return cpu_fallback(op, self, kernel_size, output_size, random_samples)
+            raise Unsupported("a plane of EXACT elements or more (its flat indices would round in fp32)")
         N = 1 if self.dim() == k + 1 else self.shape[0]
         x = self.reshape(-1, math.prod(sizes))
         B = x.shape[0]
@@ -544,12 +544,12 @@ def _fractional_max_pool_backward(k: int) -> Callable[..., torch.Tensor]:
                  output_size: Sequence[int], indices: torch.Tensor) -> torch.Tensor:
         """The gradient summed into each window's argmax."""
         if indices.device != self.device or indices.dtype != torch.int64:
-            return cpu_fallback(op, grad_output, self, kernel_size, output_size, indices)
+            raise Unsupported("indices on another device or not int64")
         try:
             meta_run(op, grad_output, self, kernel_size, output_size, indices)
         except NotImplementedError:      # the 3-D backward has no meta kernel: the CPU checks mismatches
             if grad_output.shape != indices.shape or self.dim() not in (k + 1, k + 2):
-                return cpu_fallback(op, grad_output, self, kernel_size, output_size, indices)
+                raise Unsupported("a shape mismatch: the CPU raises its error")
         return _argmax_scatter(grad_output, self, indices, k)
 
     return backward
@@ -560,20 +560,19 @@ for _k in (2, 3):
     register_resample(f"fractional_max_pool{_k}d_backward", "grad_input", _fractional_max_pool_backward(_k), 2)
 
 
-def _max_ok(fn: Callable[..., Any], op: torch._ops.OpOverload) -> Callable[..., Any]:
+def _max_ok(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` behind the extra checks of the max-pool ops (int64 indices on the same device)."""
     def wrapped(*args: Any) -> Any:
         idx = args[2] if len(args) > 2 else None
         if idx is not None and (idx.device != args[0].device or idx.dtype != torch.int64):
-            return cpu_fallback(op, *args)
+            raise Unsupported("indices on another device or not int64")
         return fn(*args)
     return wrapped
 
 
 for _k in (2, 3):
     register_resample(f"adaptive_max_pool{_k}d", "out", _adaptive_max_pool(_k), 1)
-    register_resample(f"adaptive_max_pool{_k}d_backward", "grad_input",
-              _max_ok(_adaptive_max_pool_backward(_k), getattr(aten, f"adaptive_max_pool{_k}d_backward").default), 2)
+    register_resample(f"adaptive_max_pool{_k}d_backward", "grad_input", _max_ok(_adaptive_max_pool_backward(_k)), 2)
 
 
 def _bands(x: torch.Tensor, mats: Sequence[torch.Tensor], transpose: bool) -> torch.Tensor:
@@ -635,7 +634,7 @@ def _max_unpool3d(self: torch.Tensor, indices: torch.Tensor, output_size: Sequen
     """``max_unpool2d`` over volumes flattened to one row: the indices are flat in D*H*W either way."""
     op = aten.max_unpool3d.default
     if indices.device != self.device:
-        return cpu_fallback(op, self, indices, output_size, stride, padding)
+        raise Unsupported("indices on another device")
     meta = meta_run(op, self, indices, output_size, stride, padding)
     if meta.numel() == 0:
         return torch.zeros(meta.shape, dtype=self.dtype, device=self.device)

@@ -17,9 +17,8 @@ from typing import Any, Sequence
 
 import torch
 
-from torchneuron.ops.base import aten, device_table
+from torchneuron.ops.base import device_table, Unsupported
 from torchneuron.ops.elementwise import dense, to_int64
-from torchneuron.ops.registry import cpu_fallback
 from torchneuron.ops.resample import cubic_weights, EXACT, register_resample
 
 BILINEAR, NEAREST, BICUBIC = 0, 1, 2
@@ -217,8 +216,6 @@ def _sample(input: torch.Tensor, grid: torch.Tensor, mode: int, padding: int, al
 
 
 def _grid_sampler(k: int) -> Any:
-    op = getattr(aten, f"grid_sampler_{k}d").default
-
     def run(input: torch.Tensor, grid: torch.Tensor, interpolation_mode: int, padding_mode: int,
             align_corners: bool) -> torch.Tensor:
         """``grid_sampler_{k}d`` on the device (fp32; other dtypes round differently on the CPU)."""
@@ -226,7 +223,7 @@ def _grid_sampler(k: int) -> Any:
         S = math.prod(input.shape[2:])
         if (input.dtype != torch.float32 or N * S + 1 >= EXACT or interpolation_mode not in (0, 1, 2)
                 or padding_mode not in (0, 1, 2)):
-            return cpu_fallback(op, input, grid, interpolation_mode, padding_mode, align_corners)
+            raise Unsupported("a dtype other than float32, EXACT input elements or more, or an unknown mode")
         return _sample(input, grid, int(interpolation_mode), int(padding_mode), bool(align_corners))
 
     return run

@@ -19,9 +19,9 @@ from typing import Any, Sequence
 
 import torch
 
-from torchneuron.ops.base import aten, device_table, floats_on_one_device
+from torchneuron.ops.base import device_table, floats_on_one_device, Unsupported
 from torchneuron.ops.elementwise import dense
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 from torchneuron.ops.resample import EXACT
 from torchneuron.ops.sampling_grid import batch_base, BICUBIC, chunk_size, grid_check, grid_points, GridRows, NEAREST
 from torchneuron.ops.scatter import ONEHOT_LIMIT
@@ -97,18 +97,16 @@ def _backward(grad_out: torch.Tensor, input: torch.Tensor, grid: torch.Tensor, m
 
 
 def _grid_sampler_backward(k: int) -> Any:
-    op = getattr(aten, f"grid_sampler_{k}d_backward").default
     check = grid_check(k)
 
     def run(grad_output: torch.Tensor, input: torch.Tensor, grid: torch.Tensor, interpolation_mode: int,
             padding_mode: int, align_corners: bool, output_mask: Sequence[bool]) -> tuple[Any, Any]:
         """``grid_sampler_{k}d_backward`` on the device (fp32; other dtypes round differently on the CPU)."""
-        args = (grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask)
         N = input.shape[0] if input.dim() else 0
         S = math.prod(input.shape[2:])
         if (not floats_on_one_device(grad_output, input, grid) or any(t.dtype != torch.float32 for t in (grad_output, input, grid))
                 or N * S + 1 >= EXACT or interpolation_mode not in (0, 1, 2) or padding_mode not in (0, 1, 2)):
-            return cpu_fallback(op, *args)
+            raise Unsupported("a dtype other than float32, EXACT input elements or more, or an unknown mode")
         check(input, grid, interpolation_mode)
         mask = [bool(m) for m in output_mask]
         want = [N, input.shape[1], *grid.shape[1:-1]]
@@ -116,7 +114,7 @@ def _grid_sampler_backward(k: int) -> Any:
                 or (output_mask[0] and not _row_chunk(N * S + 1, _taps(k, int(interpolation_mode))))):
             # the CPU's own result for these (empty operands, an unchecked grad_output shape), and inputs too
             # large for the input grad's one-hot accumulation
-            return cpu_fallback(op, *args)
+            raise Unsupported("empty operands, an unchecked grad_output shape, or an input gradient beyond the one-hot accumulation")
         gi, gg = _backward(grad_output, input, grid, int(interpolation_mode), int(padding_mode),
                            bool(align_corners), mask)
         return gi, gg

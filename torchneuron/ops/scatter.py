@@ -44,7 +44,7 @@ from torchneuron.ops.elementwise import (broadcast_shape, check_no_internal_over
                                          device_copy, run_pointwise, to_int64, write_result)
 from torchneuron.ops.indexing import arange_values, index_rows_launch, mask_rows_launch
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 DATA_DTYPES = DEVICE_DTYPES - {torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32}
@@ -176,7 +176,7 @@ def gather(self: torch.Tensor, dim: int, index: torch.Tensor, *, sparse_grad: bo
     check_out(out, self, index, shape=res_meta.shape)   # (the fallback's CPU copies would no longer overlap)
     if not on_one_device(self, index, out) or (index.numel() and (self.dtype not in MOVE_DTYPES
                                                                or index.dtype not in INDEX_DTYPES)):
-        return cpu_fallback(op, self, dim, index, **kw)
+        raise Unsupported("tensors on more than one device, or a dtype the DMA gather lacks")
     if index.numel() == 0:
         return write_result(torch.empty(res_meta.shape, dtype=self.dtype, device=self.device), out)
     d, index_m, L, S, I, idx = _line_setup(self, dim, index)
@@ -401,7 +401,7 @@ def take(self: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | None = 
     op(meta_twin(self), meta_twin(index), **({"out": meta_twin(out)} if out is not None else {}))
     check_out(out, self, index, shape=index.shape)
     if not on_one_device(self, index, out) or self.dtype not in MOVE_DTYPES or index.dtype not in INDEX_DTYPES:
-        return cpu_fallback(op, self, index, **({"out": out} if out is not None else {}))
+        raise Unsupported("tensors on more than one device, or a dtype the DMA gather lacks")
     if index.numel() == 0:
         return write_result(torch.empty(index.shape, dtype=self.dtype, device=self.device), out)
     n = self.numel()
@@ -477,10 +477,9 @@ def _nonzero32(self: torch.Tensor) -> torch.Tensor:
 @lowering("nonzero", "nonzero.out")
 def nonzero(self: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.nonzero``: the mask scanned on the device, the count read by the host, coordinates scattered."""
-    op = aten.nonzero.out if out is not None else aten.nonzero.default
     if not on_one_device(self, out) or self.dtype not in DATA_DTYPES or self.numel() >= 1 << 24 \
             or (out is not None and out.dtype != torch.int64):
-        return cpu_fallback(op, self, **({"out": out} if out is not None else {}))
+        raise Unsupported("several devices, an unsupported dtype, 2**24 elements or more, or an out= not int64")
     res = _nonzero32(self)
     return write_result(to_int64(dense(res)), out)
 
@@ -490,13 +489,11 @@ def nonzero_static(self: torch.Tensor, *, size: int, fill_value: int = -1,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.nonzero_static``: the first ``size`` coordinates of ``nonzero`` (device scan and scatter), the
     remaining rows ``fill_value``."""
-    op = aten.nonzero_static.out if out is not None else aten.nonzero_static.default
-    kw = {"size": size, "fill_value": fill_value, **({"out": out} if out is not None else {})}
     if size < 0:
         raise RuntimeError("nonzero_static: 'size' must be an non-negative integer")
     if not on_one_device(self, out) or self.dtype not in DATA_DTYPES or self.numel() >= 1 << 24 \
             or (out is not None and out.dtype != torch.int64):
-        return cpu_fallback(op, self, **kw)
+        raise Unsupported("several devices, an unsupported dtype, 2**24 elements or more, or an out= not int64")
     nd = self.dim()
     res = torch.full((size, nd), fill_value, dtype=torch.int64, device=self.device)
     coords = _nonzero32(self)
@@ -509,16 +506,15 @@ def nonzero_static(self: torch.Tensor, *, size: int, fill_value: int = -1,
 @lowering("masked_select", "masked_select.out")
 def masked_select(self: torch.Tensor, mask: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.masked_select``: the selected elements compacted on the device (one host sync for the count)."""
-    op = aten.masked_select.out if out is not None else aten.masked_select.default
     if mask.dtype != torch.bool:
         raise RuntimeError("masked_select: expected BoolTensor for mask")
     if not on_one_device(self, mask, out) or self.dtype not in MOVE_DTYPES \
             or (out is not None and out.dtype != self.dtype):
-        return cpu_fallback(op, self, mask, **({"out": out} if out is not None else {}))
+        raise Unsupported("several devices, a dtype the DMA lacks, or an out= of another dtype")
     shape = broadcast_shape([self.shape, mask.shape])
     check_out(out, self, mask)
     if _numel(shape) >= 1 << 24:
-        return cpu_fallback(op, self, mask, **({"out": out} if out is not None else {}))
+        raise Unsupported("2**24 elements or more")
     x = dense(self.expand(shape)).reshape(-1, 1)
     if x.element_size() == 8:                # int64/float64 elements move as rows of two int32 words
         x = x.view(torch.int32)
@@ -691,20 +687,15 @@ def _put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: tor
 def index_put_impl_(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: torch.Tensor,
                     accumulate: bool = False, unsafe: bool = False) -> torch.Tensor:
     """``self[indices] = values`` / ``index_put_(..., accumulate=True)``: row scatter or one-hot matmul."""
-    try:
-        if not on_one_device(self, values, *indices) or self.dtype not in MOVE_DTYPES or self.dim() == 0:
-            raise Unsupported
-        _put(self, indices, values, accumulate, (aten.index_put.default, (self, indices, values, accumulate)))
-        return self
-    except Unsupported:
+    if not on_one_device(self, values, *indices) or self.dtype not in MOVE_DTYPES or self.dim() == 0:
         raise Unsupported
+    _put(self, indices, values, accumulate, (aten.index_put.default, (self, indices, values, accumulate)))
+    return self
 
 
 # ---- masks: masked_fill_, masked_scatter_ ---------------------------------------------------------
 
 def _masked_fill(name: str) -> None:
-    overload = base.overload(name)
-
     def kernel(self: torch.Tensor, mask: torch.Tensor, value: Any) -> torch.Tensor:
         """``self.masked_fill_(mask, value)``: an exact select on the device."""
         if mask.dtype != torch.bool:
@@ -718,7 +709,7 @@ def _masked_fill(name: str) -> None:
                 value = value.item()
         tensors = [self, mask] + ([value] if isinstance(value, torch.Tensor) else [])
         if not on_one_device(*tensors) or self.dtype not in DATA_DTYPES:
-            return cpu_fallback(overload, self, mask, value)
+            raise Unsupported("tensors on more than one device, or a dtype the select lacks")
         shape = broadcast_shape([self.shape, mask.shape])
         if tuple(shape) != tuple(self.shape):
             raise RuntimeError(f"output with shape {list(self.shape)} doesn't match the broadcast shape {list(shape)}")

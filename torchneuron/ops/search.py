@@ -191,38 +191,35 @@ def _bin(x, q, lo, hi):
 def bincount(self: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
     """``torch.bincount``: a one-hot count (or weighted sum, one matmul); the length is read from the
     data's maximum (one host sync)."""
-    try:
-        if not on_one_device(self, weights) or self.dtype not in INDEX_INTS:
-            raise Unsupported   # the CPU's NotImplementedError for other dtypes
-        if self.dim() != 1:
-            raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
-        if minlength < 0:
-            raise RuntimeError("minlength should be >= 0")
-        if weights is not None and (weights.dim() != 1 or weights.shape[0] != self.shape[0]):
-            raise RuntimeError("weights should be 1-d and have the same length as input")
-        exact_ints = weights is None or weights.dtype in INDEX_INTS
-        if weights is not None and weights.dtype not in INDEX_INTS + (torch.float32,):
-            raise Unsupported   # float64 sums (and half weights, which the CPU sums in float64)
-        result = torch.int64 if weights is None else torch.float32 if weights.dtype == torch.float32 else torch.float64
-        N = self.shape[0]
-        if N == 0:
-            return torch.zeros(minlength, dtype=result, device=self.device)
-        stats = [self.min(), self.max()]
-        if weights is not None and exact_ints:
-            stats.append(weights.abs().max().to(self.dtype))
-        stats = [int(v) for v in torch.stack(stats).cpu()]                 # the one host sync
-        if stats[0] < 0:
-            raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
-        K = max(stats[1] + 1, minlength)
-        if N * K > SORT_LIMIT or (len(stats) == 3 and stats[2] * N >= 1 << 24):
-            raise Unsupported   # too much work / integer sums past fp32's exact range
-        hot = _one_hot(index_int32(self), K)                                      # [N, K]
-        if weights is None:
-            return to_int64(hot.sum(0).to(torch.int32))
-        sums = torch.mm(weights.to(torch.float32).reshape(1, N), hot).reshape(K)
-        return sums.to(result)
-    except Unsupported:
-        raise Unsupported
+    if not on_one_device(self, weights) or self.dtype not in INDEX_INTS:
+        raise Unsupported   # the CPU's NotImplementedError for other dtypes
+    if self.dim() != 1:
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    if minlength < 0:
+        raise RuntimeError("minlength should be >= 0")
+    if weights is not None and (weights.dim() != 1 or weights.shape[0] != self.shape[0]):
+        raise RuntimeError("weights should be 1-d and have the same length as input")
+    exact_ints = weights is None or weights.dtype in INDEX_INTS
+    if weights is not None and weights.dtype not in INDEX_INTS + (torch.float32,):
+        raise Unsupported   # float64 sums (and half weights, which the CPU sums in float64)
+    result = torch.int64 if weights is None else torch.float32 if weights.dtype == torch.float32 else torch.float64
+    N = self.shape[0]
+    if N == 0:
+        return torch.zeros(minlength, dtype=result, device=self.device)
+    stats = [self.min(), self.max()]
+    if weights is not None and exact_ints:
+        stats.append(weights.abs().max().to(self.dtype))
+    stats = [int(v) for v in torch.stack(stats).cpu()]                 # the one host sync
+    if stats[0] < 0:
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    K = max(stats[1] + 1, minlength)
+    if N * K > SORT_LIMIT or (len(stats) == 3 and stats[2] * N >= 1 << 24):
+        raise Unsupported   # too much work / integer sums past fp32's exact range
+    hot = _one_hot(index_int32(self), K)                                      # [N, K]
+    if weights is None:
+        return to_int64(hot.sum(0).to(torch.int32))
+    sums = torch.mm(weights.to(torch.float32).reshape(1, N), hot).reshape(K)
+    return sums.to(result)
 
 
 # ---- unique, unique_consecutive -----------------------------------------------------------------
@@ -273,57 +270,51 @@ def _slices(self: torch.Tensor, dim: int) -> torch.Tensor:
 def unique2(self: torch.Tensor, sorted: bool = True, return_inverse: bool = False,  # noqa: A002
             return_counts: bool = False):
     """``torch.unique`` (no dim; sorted, as the CPU always is): a stable sort, run starts, compaction."""
-    try:
-        if not on_one_device(self) or self.dtype not in DATA_DTYPES | {torch.int64}:
-            raise Unsupported
-        N = self.numel()
-        none = _nothing(self.device)
-        if N == 0:
-            inverse = torch.empty(self.shape, dtype=torch.int64, device=self.device) if return_inverse else none
-            return self.reshape(0).clone(), inverse, none.clone()
-        values, order = sort_lines(self.reshape(N), 0, False)
-        rows = values.reshape(N, 1)
-        if rows.dtype == torch.int64:            # compared and compacted as rows of two int32 words
-            rows = rows.view(torch.int32)
-        first, run, counts = _runs(rows, _starts(rows))
-        first = first.view(self.dtype)
-        inverse = none
-        if return_inverse:     # each element's run number, scattered back to its input position
-            inv = torch.empty((N, 1), dtype=torch.int32, device=self.device)
-            scatter_into(inv, index_int32(order), run.reshape(N, 1))
-            inverse = to_int64(inv).reshape(self.shape)
-        return first.reshape(-1), inverse, counts if return_counts else none.clone()
-    except Unsupported:
+    if not on_one_device(self) or self.dtype not in DATA_DTYPES | {torch.int64}:
         raise Unsupported
+    N = self.numel()
+    none = _nothing(self.device)
+    if N == 0:
+        inverse = torch.empty(self.shape, dtype=torch.int64, device=self.device) if return_inverse else none
+        return self.reshape(0).clone(), inverse, none.clone()
+    values, order = sort_lines(self.reshape(N), 0, False)
+    rows = values.reshape(N, 1)
+    if rows.dtype == torch.int64:            # compared and compacted as rows of two int32 words
+        rows = rows.view(torch.int32)
+    first, run, counts = _runs(rows, _starts(rows))
+    first = first.view(self.dtype)
+    inverse = none
+    if return_inverse:     # each element's run number, scattered back to its input position
+        inv = torch.empty((N, 1), dtype=torch.int32, device=self.device)
+        scatter_into(inv, index_int32(order), run.reshape(N, 1))
+        inverse = to_int64(inv).reshape(self.shape)
+    return first.reshape(-1), inverse, counts if return_counts else none.clone()
 
 
 @lowering("unique_consecutive")
 def unique_consecutive(self: torch.Tensor, return_inverse: bool = False, return_counts: bool = False,
                        dim: int | None = None):
     """``torch.unique_consecutive``: run starts of the elements (or of the slices along ``dim``), compacted."""
-    try:
-        if not on_one_device(self) or self.dtype not in DATA_DTYPES:
-            raise Unsupported
-        none = _nothing(self.device)
-        if dim is None or (self.dim() == 1 and dim == 0):   # as the CPU: dim 0 of a 1-D tensor is no dim
-            N = self.numel()
-            if N == 0:
-                inverse = torch.empty(self.shape, dtype=torch.int64, device=self.device) if return_inverse else none
-                return self.reshape(0).clone(), inverse, none.clone()
-            rows = dense(self).reshape(N, 1)
-            first, run, counts = _runs(rows, _starts(rows))
-            inverse = to_int64(run).reshape(self.shape) if return_inverse else none
-            return first.reshape(-1), inverse, counts if return_counts else none.clone()
-        moved = _slices(self, dim)
-        S = moved.shape[0]
-        if S == 0:
-            return self.clone(), none, none.clone()
-        rows = moved.reshape(S, -1)
-        first, run, counts = _runs(rows, _starts(rows))
-        values = dense(first.reshape(-1, *moved.shape[1:]).movedim(0, canonicalize_dim(self.dim(), dim)))
-        return values, to_int64(run), counts      # with a dim both come back, asked for or not (as the CPU)
-    except Unsupported:
+    if not on_one_device(self) or self.dtype not in DATA_DTYPES:
         raise Unsupported
+    none = _nothing(self.device)
+    if dim is None or (self.dim() == 1 and dim == 0):   # as the CPU: dim 0 of a 1-D tensor is no dim
+        N = self.numel()
+        if N == 0:
+            inverse = torch.empty(self.shape, dtype=torch.int64, device=self.device) if return_inverse else none
+            return self.reshape(0).clone(), inverse, none.clone()
+        rows = dense(self).reshape(N, 1)
+        first, run, counts = _runs(rows, _starts(rows))
+        inverse = to_int64(run).reshape(self.shape) if return_inverse else none
+        return first.reshape(-1), inverse, counts if return_counts else none.clone()
+    moved = _slices(self, dim)
+    S = moved.shape[0]
+    if S == 0:
+        return self.clone(), none, none.clone()
+    rows = moved.reshape(S, -1)
+    first, run, counts = _runs(rows, _starts(rows))
+    values = dense(first.reshape(-1, *moved.shape[1:]).movedim(0, canonicalize_dim(self.dim(), dim)))
+    return values, to_int64(run), counts      # with a dim both come back, asked for or not (as the CPU)
 
 
 @lowering("unique_dim")
@@ -331,36 +322,33 @@ def unique_dim(self: torch.Tensor, dim: int, sorted: bool = True, return_inverse
                return_counts: bool = False):
     """``torch.unique(dim=)``: the distinct slices along ``dim`` in lexicographic order, from all-pairs row
     comparisons (the first differing column decides; up to ``SORT_LIMIT`` element pairs)."""
-    try:
-        if not on_one_device(self) or self.dtype not in DATA_DTYPES:
-            raise Unsupported
-        moved = _slices(self, dim)
-        d = canonicalize_dim(self.dim(), dim)
-        S = moved.shape[0]
-        none = _nothing(self.device)
-        if S == 0:
-            return self.clone(), none, none.clone()
-        R = moved.numel() // S
-        if S * S * R > SORT_LIMIT:
-            raise Unsupported
-        rows = moved.reshape(S, R)
-        a, b = rows.reshape(S, 1, R), rows.reshape(1, S, R)
-        ne = run_pointwise(tm.ne, [a, b], KIND.DEFAULT, result_dtype=torch.float32, op="aten::unique_dim")
-        before = ne.cumsum(-1) - ne                                   # differences left of each column
-        less = run_pointwise(_lex_less, [a, b, before], KIND.DEFAULT, result_dtype=torch.float32,
-                             op="aten::unique_dim").amax(-1)          # [i, j]: row i sorts before row j
-        same = ne.amax(-1) == 0
-        first = same.triu(1).any(0).logical_not()                     # no equal row before it
-        inverse = (less * first.to(torch.float32).reshape(S, 1)).sum(0)   # distinct rows sorting before
-        U, nans = (int(v) for v in torch.stack([first.sum(), rows.isnan().any().to(torch.int64)]).cpu()) \
-            if rows.is_floating_point() else (int(first.sum().item()), 0)
-        if nans:
-            raise Unsupported   # NaN slices: the CPU's comparator has no order for them
-        inv32 = inverse.to(torch.int32)
-        out = torch.empty((U + 1, R), dtype=self.dtype, device=self.device)
-        scatter_into(out, run_pointwise(slot_tile, [first, inv32 + 1, U], KIND.DEFAULT, op="aten::unique_dim"), rows)
-        values = dense(out[:U].reshape(U, *moved.shape[1:]).movedim(0, d))
-        counts = to_int64(_one_hot(inv32, U).sum(0).to(torch.int32))
-        return values, to_int64(inv32), counts       # both come back, asked for or not (as the CPU)
-    except Unsupported:
+    if not on_one_device(self) or self.dtype not in DATA_DTYPES:
         raise Unsupported
+    moved = _slices(self, dim)
+    d = canonicalize_dim(self.dim(), dim)
+    S = moved.shape[0]
+    none = _nothing(self.device)
+    if S == 0:
+        return self.clone(), none, none.clone()
+    R = moved.numel() // S
+    if S * S * R > SORT_LIMIT:
+        raise Unsupported
+    rows = moved.reshape(S, R)
+    a, b = rows.reshape(S, 1, R), rows.reshape(1, S, R)
+    ne = run_pointwise(tm.ne, [a, b], KIND.DEFAULT, result_dtype=torch.float32, op="aten::unique_dim")
+    before = ne.cumsum(-1) - ne                                   # differences left of each column
+    less = run_pointwise(_lex_less, [a, b, before], KIND.DEFAULT, result_dtype=torch.float32,
+                         op="aten::unique_dim").amax(-1)          # [i, j]: row i sorts before row j
+    same = ne.amax(-1) == 0
+    first = same.triu(1).any(0).logical_not()                     # no equal row before it
+    inverse = (less * first.to(torch.float32).reshape(S, 1)).sum(0)   # distinct rows sorting before
+    U, nans = (int(v) for v in torch.stack([first.sum(), rows.isnan().any().to(torch.int64)]).cpu()) \
+        if rows.is_floating_point() else (int(first.sum().item()), 0)
+    if nans:
+        raise Unsupported   # NaN slices: the CPU's comparator has no order for them
+    inv32 = inverse.to(torch.int32)
+    out = torch.empty((U + 1, R), dtype=self.dtype, device=self.device)
+    scatter_into(out, run_pointwise(slot_tile, [first, inv32 + 1, U], KIND.DEFAULT, op="aten::unique_dim"), rows)
+    values = dense(out[:U].reshape(U, *moved.shape[1:]).movedim(0, d))
+    counts = to_int64(_one_hot(inv32, U).sum(0).to(torch.int32))
+    return values, to_int64(inv32), counts       # both come back, asked for or not (as the CPU)

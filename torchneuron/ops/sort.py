@@ -360,21 +360,18 @@ def _leading(x: torch.Tensor, k: int, d: int, descending: bool) -> tuple[torch.T
 def kthvalue(self: torch.Tensor, k: int, dim: int = -1, keepdim: bool = False, *, values: torch.Tensor,
              indices: torch.Tensor):
     """``torch.kthvalue``: column k - 1 of an ascending stable sort."""
-    try:
-        if not on_one_device(self, values, indices):
-            raise Unsupported
-        aten.kthvalue.values(meta_twin(self), k, dim, keepdim, values=meta_twin(values), indices=meta_twin(indices))
-        check_out(values, self)
-        check_out(indices, self)
-        d = canonicalize_dim(max(self.dim(), 1), dim)
-        v, i = sort_lines(self, dim, False)
-        if self.dim():
-            v, i = v.narrow(d, k - 1, 1), i.narrow(d, k - 1, 1)
-            if not keepdim:
-                v, i = v.squeeze(d), i.squeeze(d)
-        return write_result(dense(v), values), write_result(dense(i), indices)
-    except Unsupported:
+    if not on_one_device(self, values, indices):
         raise Unsupported
+    aten.kthvalue.values(meta_twin(self), k, dim, keepdim, values=meta_twin(values), indices=meta_twin(indices))
+    check_out(values, self)
+    check_out(indices, self)
+    d = canonicalize_dim(max(self.dim(), 1), dim)
+    v, i = sort_lines(self, dim, False)
+    if self.dim():
+        v, i = v.narrow(d, k - 1, 1), i.narrow(d, k - 1, 1)
+        if not keepdim:
+            v, i = v.squeeze(d), i.squeeze(d)
+    return write_result(dense(v), values), write_result(dense(i), indices)
 
 
 def _same(xj, xi):

@@ -14,7 +14,7 @@ from torchneuron.kernels import tilemath_special as ts
 from torchneuron.ops.base import aten, on_one_device, overload_exists, Unsupported, variants
 from torchneuron.ops.elementwise import run_pointwise
 from torchneuron.ops.pointwise import register_pointwise
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 
 POLYGAMMA_MAX_N = 6
 
@@ -150,14 +150,10 @@ def log_sigmoid_forward(self: torch.Tensor, *, output: torch.Tensor | None = Non
                         buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log sigmoid(x), the CPU kernel's buffer exp(-|x|)): two element-wise launches."""
     op = aten.log_sigmoid_forward.output if output is not None else aten.log_sigmoid_forward.default
-    kw = {"output": output, "buffer": buffer} if output is not None else {}
     check_dtypes_like_cpu(aten.log_sigmoid_forward.default, self)
-    try:
-        out = run_pointwise(ts.log_sigmoid, [self], KIND.DEFAULT, output, op=str(op))
-        buf = run_pointwise(ts.log_sigmoid_buffer, [self], KIND.DEFAULT, buffer, op=str(op))
-        return out, buf
-    except Unsupported:
-        return cpu_fallback(op, self, **kw)
+    out = run_pointwise(ts.log_sigmoid, [self], KIND.DEFAULT, output, op=str(op))
+    buf = run_pointwise(ts.log_sigmoid_buffer, [self], KIND.DEFAULT, buffer, op=str(op))
+    return out, buf
 
 
 @lowering("frexp.Tensor_out")
@@ -171,14 +167,11 @@ def frexp_out(self: torch.Tensor, *, mantissa: torch.Tensor, exponent: torch.Ten
             self.dtype, mantissa.dtype))
     if exponent.dtype != torch.int32:
         raise RuntimeError(f"torch.frexp() expects exponent to have int dtype but got {exponent.dtype}")
-    try:
-        if self.dtype != torch.float32 or not on_one_device(self, mantissa, exponent):
-            raise Unsupported
-        run_pointwise(ts.frexp_mantissa, [self], KIND.DEFAULT, mantissa, op=str(op))
-        run_pointwise(ts.frexp_exponent, [self], KIND.DEFAULT, exponent, result_dtype=torch.int32, op=str(op))
-        return mantissa, exponent
-    except Unsupported:
-        return cpu_fallback(op, self, mantissa=mantissa, exponent=exponent)
+    if self.dtype != torch.float32 or not on_one_device(self, mantissa, exponent):
+        raise Unsupported("a dtype other than float32, or tensors on more than one device")
+    run_pointwise(ts.frexp_mantissa, [self], KIND.DEFAULT, mantissa, op=str(op))
+    run_pointwise(ts.frexp_exponent, [self], KIND.DEFAULT, exponent, result_dtype=torch.int32, op=str(op))
+    return mantissa, exponent
 
 
 @lowering("rrelu_with_noise")
@@ -199,20 +192,14 @@ def rrelu_with_noise(self: torch.Tensor, noise: torch.Tensor, lower: Any = 0.125
 @lowering("_prelu_kernel")
 def prelu_kernel(self: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x > 0 ? x : w * x`` (the weight already broadcastable, as ATen's prelu passes it)."""
-    try:
-        return run_pointwise(ts.prelu, [self, weight], KIND.DEFAULT, op="aten::_prelu_kernel")
-    except Unsupported:
-        raise Unsupported
+    return run_pointwise(ts.prelu, [self, weight], KIND.DEFAULT, op="aten::_prelu_kernel")
 
 
 @lowering("_prelu_kernel_backward")
 def prelu_kernel_backward(grad: torch.Tensor, self: torch.Tensor, weight: torch.Tensor):
     """(grad_input, grad_weight): element-wise, then grad_weight summed to the weight's shape."""
-    try:
-        gi = run_pointwise(ts.prelu_grad_input, [grad, self, weight], KIND.DEFAULT, op="aten::_prelu_kernel_backward")
-        gw_full = run_pointwise(ts.prelu_grad_weight, [grad, self], KIND.DEFAULT, op="aten::_prelu_kernel_backward")
-    except Unsupported:
-        raise Unsupported
+    gi = run_pointwise(ts.prelu_grad_input, [grad, self, weight], KIND.DEFAULT, op="aten::_prelu_kernel_backward")
+    gw_full = run_pointwise(ts.prelu_grad_weight, [grad, self], KIND.DEFAULT, op="aten::_prelu_kernel_backward")
     w = weight.reshape((1,) * (gw_full.dim() - weight.dim()) + tuple(weight.shape))
     dims = [d for d in range(gw_full.dim()) if w.shape[d] == 1 and gw_full.shape[d] != 1]
     gw = gw_full.sum(dims, keepdim=True) if dims else gw_full
@@ -235,11 +222,10 @@ def _glu_halves(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, 
 @lowering("glu", "glu.out")
 def glu(self: torch.Tensor, dim: int = -1, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a * sigmoid(b)`` of the two halves along ``dim``."""
-    op = aten.glu.out if out is not None else aten.glu.default
     check_dtypes_like_cpu(aten.glu.default, self, numel=2)   # glu halves its dim: two elements
     if self.dtype == torch.float64 or not on_one_device(self) or \
             (out is not None and not on_one_device(self, out)):
-        return cpu_fallback(op, self, dim, **({"out": out} if out is not None else {}))
+        raise Unsupported("float64, or tensors on more than one device")
     a, b, _ = _glu_halves(self, dim)
     res = a * torch.sigmoid(b)
     if out is None:
@@ -253,11 +239,9 @@ def glu(self: torch.Tensor, dim: int = -1, *, out: torch.Tensor | None = None) -
 def glu_backward(grad_output: torch.Tensor, self: torch.Tensor, dim: int, *,
                  grad_input: torch.Tensor | None = None) -> torch.Tensor:
     """(g * sigmoid(b), g * a * sigmoid(b) * (1 - sigmoid(b))) joined along ``dim``."""
-    op = aten.glu_backward.grad_input if grad_input is not None else aten.glu_backward.default
     if not self.is_floating_point() or self.dtype == torch.float64 or not on_one_device(self, grad_output) or \
             (grad_input is not None and not on_one_device(self, grad_input)):
-        return cpu_fallback(op, grad_output, self, dim, **({"grad_input": grad_input} if grad_input is not None
-                                                             else {}))
+        raise Unsupported("a dtype the engines lack, or tensors on more than one device")
     a, b, d = _glu_halves(self, dim)
     s = torch.sigmoid(b)
     ga = grad_output * s

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from torchneuron.ops.base import aten, FLOATS, Unsupported
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 
 
 
@@ -52,7 +52,9 @@ def masked_softmax(self: torch.Tensor, mask: torch.Tensor, dim: int | None = Non
     with nothing left is NaN, as on the CPU)."""
     full = _full_mask(self, mask, mask_type) if self.device.type == "neuron" else None
     if full is None or self.dtype not in FLOATS or mask.device != self.device:
-        return cpu_fallback(aten._masked_softmax.default, self, mask, dim, mask_type)
+        # named: the attention lowerings call this directly, and their inputs stay on the device
+        raise Unsupported("a mask type the device does not take, a dtype the engines lack, or a mask elsewhere",
+                          fallback=(aten._masked_softmax.default, (self, mask, dim, mask_type), {}))
     d = self.dim() - 1 if dim is None else dim
     return self.masked_fill(full, float("-inf")).softmax(d)
 
@@ -120,8 +122,7 @@ def transformer_encoder_layer_fwd(src, embed_dim: int, num_heads: int, qkv_weigh
     params = (qkv_weight, qkv_bias, proj_weight, proj_bias, norm_weight_1, norm_bias_1, norm_weight_2,
               norm_bias_2, ffn_weight_1, ffn_bias_1, ffn_weight_2, ffn_bias_2)
     if not _supported(src, *params, mask) or embed_dim % num_heads or src.shape[-1] != embed_dim:
-        return cpu_fallback(aten._transformer_encoder_layer_fwd.default, src, embed_dim, num_heads, *params[:4],
-                            use_gelu, norm_first, eps, *params[4:], mask, mask_type)
+        raise Unsupported("tensors the device does not take, or heads that do not divide the embedding")
     D = (embed_dim,)
 
     def attend(x):
