@@ -57,8 +57,9 @@ class Spec:
     generates: bool                  # greedy generate() applies (else: compare the predicted classes)
 
 
-def _gpt2() -> Any:
-    return hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4))
+def _gpt2(**config: Any) -> Any:
+    return hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                            **config))
 
 
 def _llama() -> Any:
@@ -248,8 +249,7 @@ def trainer_losses() -> tuple[list[float], str]:
     ACCELERATE_TORCH_DEVICE before the first Trainer of the process.
     """
     torch.manual_seed(0)
-    model = hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
-                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model = _gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     batch = 4
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, VOCAB, (TRAINER_STEPS * batch, 16))]
     with tempfile.TemporaryDirectory() as out:
