@@ -22,14 +22,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from torchneuron.nki import isa, language, typing
+from torchneuron.nki import collectives, isa, language, multicore, typing
 from torchneuron.nki.profile import ProfileReport, make_report
 from torchneuron.nki.tracing import NkiTensor, Trace, set_current
 from torchneuron.sim import NeuronCore, Program, SimulatorError
 from torchneuron.sim.specs import ChipSpec, chip_spec
 
 __all__ = ["jit", "simulate", "profile", "Kernel", "ProfileReport", "SimulatorError", "install_import_aliases",
-           "isa", "language", "typing"]
+           "isa", "language", "typing", "collectives"]
 
 
 def resolve_chip(chip: str | ChipSpec | None = None) -> ChipSpec:
@@ -67,6 +67,7 @@ class Traced:
     inputs: tuple[str, ...]      # parameter names bound to HBM inputs
     result: Any                  # the return structure with slot names in place of tensors
     constants: dict = field(default_factory=dict)  # nl.shared_constant slots -> their data (bound every run)
+    results: tuple = ()          # per rank of a multi-rank launch (``Kernel.ranks``): its return structure
 
 
 class Kernel:
@@ -74,16 +75,28 @@ class Kernel:
 
     tensor_cls: type = NkiTensor  # the tensors a trace makes (the legacy front-end uses its own subclass)
 
-    def __init__(self, fn: Callable, grid: tuple[int, ...] = (), cache: dict | None = None, **options: Any):
-        self.fn, self.grid, self.options = fn, grid, options
+    def __init__(self, fn: Callable, grid: tuple[int, ...] = (), cache: dict | None = None, world: int = 1,
+                 **options: Any):
+        self.fn, self.grid, self.world, self.options = fn, grid, world, options
         self.cache: dict = {} if cache is None else cache
         self.trace_count = 0 if cache is None else None  # counted on the root kernel
         self._root = self
         functools.update_wrapper(self, fn)
 
     def __getitem__(self, grid: int | tuple[int, ...]) -> "Kernel":
-        """The same kernel launched on an SPMD grid: ``kernel[2](...)``, ``kernel[gx, gy](...)``."""
-        k = type(self)(self.fn, tuple(grid) if isinstance(grid, tuple) else (int(grid),), self.cache, **self.options)
+        """The same kernel launched on an SPMD grid: ``kernel[2](...)`` (LNC=2), ``kernel[gx, gy](...)``."""
+        k = type(self)(self.fn, tuple(grid) if isinstance(grid, tuple) else (int(grid),), self.cache, self.world,
+                       **self.options)
+        k._root = self._root
+        return k
+
+    def ranks(self, world: int) -> "Kernel":
+        """The kernel launched on ``world`` collective ranks at once (``nki.collectives``): each rank runs its
+        own instances on its own NeuronCores with its own HBM tensors. Every array argument holds one slice per
+        rank along a leading dim of size ``world``; each output comes back stacked the same way."""
+        if not isinstance(world, int) or world < 1:
+            raise ValueError(f"ranks(world): world is a positive number of ranks, got {world!r}")
+        k = type(self)(self.fn, self.grid, self.cache, world, **self.options)
         k._root = self._root
         return k
 
@@ -95,7 +108,7 @@ class Kernel:
     def trace(self, args: tuple, kwargs: dict, spec: ChipSpec) -> Traced:
         """The traced program for these arguments (from the cache when seen before)."""
         bound = self._bind(args, kwargs)
-        key = (self.grid, spec.name, tuple(
+        key = (self.grid, self.world, spec.name, tuple(
             (n, ("array", tuple(v.shape), str(v.dtype)) if _is_array(v) else _hashable(v))
             for n, v in bound.arguments.items()))
         hit = self.cache.get(key)
@@ -105,22 +118,39 @@ class Kernel:
         return hit
 
     def _trace(self, bound: inspect.BoundArguments, spec: ChipSpec) -> Traced:
-        trace = Trace(spec, self.grid, self.tensor_cls)
+        # one trace per SPMD instance of each rank (each instance runs on its own NeuronCore); the traces share
+        # the launch's HBM slots, named per rank when there are several ranks
         inputs = tuple(n for n, v in bound.arguments.items() if _is_array(v))
-        set_current(trace)
+        for n in inputs if self.world > 1 else ():
+            shape = tuple(bound.arguments[n].shape)
+            if not shape or shape[0] != self.world:
+                raise ValueError(f"kernel {self.fn.__name__!r} launched on {self.world} ranks: argument {n!r} must "
+                                 f"hold one slice per rank along dim 0 (size {self.world}), got shape {list(shape)}")
+        traces: list[Trace] = []
+        results = []
         try:
-            result = None
-            for pid in np.ndindex(*self.grid) if self.grid else [()]:
-                trace.begin_instance(tuple(int(i) for i in pid))
-                call = {n: (trace.argument(n, v.shape, _to_torch(v).dtype) if n in inputs else v)
-                        for n, v in bound.arguments.items()}
-                result = _slots(self.fn(**call))
+            for rank in range(self.world):
+                result = None
+                for pid in np.ndindex(*self.grid) if self.grid else [()]:
+                    trace = Trace(spec, self.grid, self.tensor_cls, tuple(int(i) for i in pid),
+                                  traces[0] if traces else None, rank, self.world)
+                    traces.append(trace)
+                    set_current(trace)
+                    call = {n: (trace.argument(n, v.shape[1:] if self.world > 1 else v.shape, _to_torch(v).dtype)
+                                if n in inputs else v) for n, v in bound.arguments.items()}
+                    result = _slots(self.fn(**call))
+                results.append(result)
         finally:
             set_current(None)
-        outs = [s for s in _flatten(result)]
-        if result is None:
-            _warn_unreturned(self.fn.__name__, trace)
-        return Traced(trace.program(self.fn.__name__, outs), inputs, result, dict(trace.constants))
+        outs = [s for r in results for s in _flatten(r)]
+        name = self.fn.__name__
+        if results[-1] is None:
+            _warn_unreturned(name, traces)
+        constants = dict(traces[0].constants)
+        if len(traces) == 1:
+            return Traced(traces[0].program(name, outs), inputs, result, constants)
+        program = multicore.launch_program(traces, name, outs, self.world)
+        return Traced(program, inputs, results[-1], constants, tuple(results) if self.world > 1 else ())
 
     def run(self, args: tuple, kwargs: dict, chip: str | ChipSpec | None = None, timed: bool = False):
         """Trace (or reuse) and simulate; returns (outputs in the caller's array kind, RunReport, Traced)."""
@@ -128,11 +158,22 @@ class Kernel:
         traced = self.trace(args, kwargs, spec)
         bound = self._bind(args, kwargs).arguments
         arrays = {n: bound[n] for n in traced.inputs}
-        bindings = {**{n: _to_torch(v) for n, v in arrays.items()}, **traced.constants}
-        report = _core(spec).run(traced.program, bindings, timed=timed)
+        if self.world > 1:  # rank r's inputs are the slices [r] (views: a kernel's writes reach the caller's arrays)
+            bindings = {f"r{r}.{n}": _to_torch(v)[r] for n, v in arrays.items() for r in range(self.world)}
+        else:
+            bindings = {n: _to_torch(v) for n, v in arrays.items()}
+        bindings.update(traced.constants)
+        if isinstance(traced.program, multicore.LaunchProgram):
+            report = multicore.run(traced.program, bindings, spec, timed=timed)
+        else:
+            report = _core(spec).run(traced.program, bindings, timed=timed)
         as_numpy = not arrays or any(isinstance(v, np.ndarray) for v in arrays.values())
         convert = _to_numpy if as_numpy else (lambda t: t)
-        outputs = _rebuild(traced.result, lambda s: convert(report.bindings[s]))
+        if traced.results:  # one return structure per rank: stacked along a new leading dim
+            outputs = _rebuild(traced.results[0], lambda s: convert(torch.stack(
+                [report.bindings[f"r{r}.{s.split('.', 1)[1]}"] for r in range(self.world)])))
+        else:
+            outputs = _rebuild(traced.result, lambda s: convert(report.bindings[s]))
         return outputs, report, traced
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -148,13 +189,13 @@ class Kernel:
         return self.run(args, kwargs)[0]
 
 
-def _warn_unreturned(name: str, trace: Trace) -> None:
+def _warn_unreturned(name: str, traces: list[Trace]) -> None:
     """Warn when a kernel returns nothing although it wrote shared-HBM tensors it allocated: their values
     are discarded (a forgotten ``return out``). Kernels that write into their inputs return nothing legitimately."""
-    written = {f.memory.removeprefix("hbm:") for instr in trace.instructions for f in instr.writes()
-               if f.memory.startswith("hbm:")}
-    lost = sorted(n for n, kind in trace.hbm_kinds.items() if kind == "shared" and n in written
-                  and not n.startswith("psum_spill"))
+    written = {f.memory.removeprefix("hbm:") for trace in traces for instr in trace.instructions
+               for f in instr.writes() if f.memory.startswith("hbm:")}
+    lost = sorted(n for n, kind in traces[0].hbm_kinds.items() if kind == "shared" and n in written
+                  and "psum_spill" not in n)
     if lost:
         warnings.warn(f"kernel {name!r} returns nothing, but it writes the nl.shared_hbm tensor(s) "
                       f"{', '.join(lost)} it allocated: their values are discarded; return them (`return out`)",
@@ -238,7 +279,7 @@ def profile(kernel: Callable, chip: str | ChipSpec | None = None) -> Callable[..
 
 
 _ALIASES = {"nki": "torchneuron.nki", "nki.language": "torchneuron.nki.language", "nki.isa": "torchneuron.nki.isa",
-            "nki.typing": "torchneuron.nki.typing"}
+            "nki.typing": "torchneuron.nki.typing", "nki.collectives": "torchneuron.nki.collectives"}
 _LEGACY_ALIASES = {"neuronxcc.nki": "torchneuron.nki.legacy", "neuronxcc.nki.language": "torchneuron.nki.legacy.language",
                    "neuronxcc.nki.isa": "torchneuron.nki.legacy.isa"}
 

@@ -7,6 +7,7 @@ and appends it to the kernel's trace. Tensors are ``NkiTensor``; operator argume
 from __future__ import annotations
 
 import enum
+import math
 import os
 from typing import Any
 
@@ -14,6 +15,7 @@ import numpy as np
 
 from torchneuron.sim import SimulatorError, isa as sim
 from torchneuron.sim.specs import chip_spec
+from torchneuron.nki import multicore, tf32
 from torchneuron.nki.tracing import TENSOR_OPS, IndexOutOfBounds, NkiTensor, as_dtype, current, sbuf
 
 Tile = NkiTensor
@@ -104,6 +106,10 @@ class NkiInstruction:
 
 def _emit(cls: type, **kw: Any) -> NkiInstruction:
     trace = current()
+    tf = [k for k, v in kw.items() if isinstance(v, NkiTensor) and v.tf32]
+    if tf:  # nl.tfloat32 operands: the instruction's TF32 variant (rounds what it writes, prices TF32 matmuls)
+        kw.update(tf32_writes=tuple(k for k in tf if k in cls.WRITES), tf32_reads=tuple(k for k in tf if k not in cls.WRITES))
+        cls = tf32.variant(cls)
     return NkiInstruction(trace, trace.emit(cls(**{k: _a(v) for k, v in kw.items()})))
 
 
@@ -568,6 +574,54 @@ def dma_compute(dst: Tile, srcs: list, reduce_op: Any, scales: Any = None, uniqu
                                   "modelled; use dma_copy gathers/scatters and tensor_tensor")
     return _emit(sim.DmaCompute, dst=dst, srcs=tuple(_a(t) for t in srcs), reduce_op=reduce_op,
           scales=None if scales is None else tuple(scales), queue=current().next_dma_queue())
+
+
+# ---- across NeuronCores (multi-core launches, nki.multicore) -------------------------------------
+
+def core_barrier(data: Tile, cores: Any, engine: Any = engine.gpsimd, name: str | None = None) -> NkiInstruction:
+    """Wait until every NeuronCore in ``cores`` (ranks of the launch) has reached this barrier on ``data``, a
+    shared-HBM tensor they write (NC-v3+); only ``engine``'s queue blocks on the hardware, here the core."""
+    _needs("core_barrier", 3)
+    trace = current()
+    if not isinstance(data, NkiTensor) or data.buffer.name != "shared_hbm":
+        raise SimulatorError(f"core_barrier: data must be a shared-HBM tensor the cores synchronize on, got {data!r}")
+    try:
+        group = multicore.check_group([tuple(cores)], trace.instances, "core_barrier")[0]
+    except ValueError as e:
+        raise ValueError(f"{e}: cores are the program ids of the launch") from None
+    if len(group) < 2:
+        raise ValueError(f"core_barrier: cores={tuple(cores)}: a barrier synchronizes at least two cores")
+    eng = str(getattr(engine, "name", engine)).removesuffix("_engine")
+    return _emit(multicore.CrossCore, kind="core_barrier", rank=trace.rank, lane=trace.instance, groups=(group,), srcs=(data.access,),
+                 engine="gpsimd" if eng in ("unknown", "None") else eng)
+
+
+def sendrecv(src: Tile, dst: Tile, send_to_rank: int, recv_from_rank: int, pipe_id: int,
+             dma_engine: Any = dma_engine.dma, name: str | None = None) -> NkiInstruction:
+    """Send the SBUF tile ``src`` to ``dst`` on core ``send_to_rank`` while receiving ``recv_from_rank``'s ``src``
+    into this core's ``dst`` (NC-v3+; same shape and dtype on both sides)."""
+    _needs("sendrecv", 3)
+    trace = current()
+    for side, t in (("src", src), ("dst", dst)):
+        if not isinstance(t, NkiTensor) or t.buffer.name != "sbuf":
+            raise SimulatorError(f"sendrecv: {side} must be an SBUF tile, got {t!r}")
+    if src.dtype != dst.dtype or tuple(src.shape) != tuple(dst.shape):
+        raise SimulatorError(f"sendrecv: src {src.dtype}{list(src.shape)} and dst {dst.dtype}{list(dst.shape)} must "
+                             f"have the same shape and dtype")
+    mode = getattr(dma_engine, "name", dma_engine)
+    if mode == "gpsimd_dma":  # the GpSimd internal DMA's limit per partition (reference: sendrecv)
+        limit = {4: 1024, 2: 512, 1: 256}[src.dtype.itemsize]
+        per_partition = math.prod(src.shape[1:]) * src.dtype.itemsize
+        if per_partition > limit:
+            raise SimulatorError(f"sendrecv: dma_engine=gpsimd_dma moves at most {limit} bytes per partition of "
+                                 f"{src.dtype}; src has {per_partition}")
+    for what, r in (("send_to_rank", send_to_rank), ("recv_from_rank", recv_from_rank)):
+        if not isinstance(r, (int, np.integer)) or not 0 <= int(r) < trace.instances:
+            raise ValueError(f"sendrecv: {what}={r!r} is not a core of the launch (program ids 0.."
+                             f"{trace.instances - 1})")
+    return _emit(multicore.CrossCore, kind="sendrecv", rank=trace.rank, lane=trace.instance, srcs=(src.access,), dsts=(dst.access,),
+                 pairs=((int(send_to_rank), int(recv_from_rank)),), pipe=int(pipe_id),
+                 engine="gpsimd" if mode == "gpsimd_dma" else "dma")
 
 
 TENSOR_OPS.update(memset=memset, tensor_copy=tensor_copy, dma_copy=dma_copy, register_tile=_register_tile)   # NkiTensor's stores (t[i] = v)

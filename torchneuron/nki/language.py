@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from torchneuron.nki import isa as nisa
-from torchneuron.nki.tracing import (TENSOR_OPS, Buffer, MxDtype, NKIObject, NkiTensor, as_dtype, current, ds,  # noqa: F401
+from torchneuron.nki.tracing import (TENSOR_OPS, Buffer, MxDtype, NKIObject, Tf32Dtype, NkiTensor, as_dtype, current, ds,  # noqa: F401
                                      hbm, private_hbm, psum, sbuf, shared_hbm)
 from torchneuron.sim import SimulatorError
 from torchneuron.sim import isa as sim_isa
@@ -39,6 +39,8 @@ float8_e5m2 = torch.float8_e5m2
 float8_e5m2_x4, float8_e4m3fn_x4 = MxDtype("float8_e5m2", torch.uint32), MxDtype("float8_e4m3fn", torch.uint32)
 float4_e2m1fn_x4 = MxDtype("float4_e2m1fn", torch.uint16)
 float8_e8m0fnu = torch.uint8
+# TensorFloat-32: fp32 storage, values rounded to a 10-bit mantissa by every instruction that writes them
+tfloat32 = Tf32Dtype()
 
 
 class _TileSize:

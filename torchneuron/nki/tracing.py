@@ -73,9 +73,19 @@ class MxDtype:
         return f"nl.{self.element}_x4"
 
 
+class Tf32Dtype:
+    """``nl.tfloat32``: TensorFloat-32 (1 sign, 8 exponent, 10 mantissa bits) held in an fp32 container with the
+    13 low mantissa bits zero; every instruction writing such a tensor rounds its values to TF32 (``nki.tf32``)."""
+
+    storage = torch.float32
+
+    def __repr__(self) -> str:
+        return "nl.tfloat32"
+
+
 def as_dtype(dtype: Any) -> torch.dtype:
     """Resolve an ``nl`` dtype, torch dtype, NumPy dtype or dtype name to a NeuronCore torch dtype."""
-    if isinstance(dtype, MxDtype):
+    if isinstance(dtype, (MxDtype, Tf32Dtype)):
         return dtype.storage
     if isinstance(dtype, torch.dtype):
         return to_dtype(dtype)
@@ -143,6 +153,7 @@ class NkiTensor(NKIObject):
     """A kernel tensor: an access pattern into SBUF, PSUM or an HBM argument, with NumPy-like views."""
 
     mx: "MxDtype | None" = None  # the MX format of x4 data (the AP holds its storage integers)
+    tf32: bool = False           # allocated as nl.tfloat32: fp32 storage holding TF32 values
     _oob: str | None = None      # why this view reaches outside its tensor (raised when an instruction uses it)
 
     def __init__(self, access: AP, buffer: Buffer, name: str = "", base: "NkiTensor | None" = None):
@@ -156,6 +167,8 @@ class NkiTensor(NKIObject):
         view = type(self)(ap, self.buffer, self.name, self.base or self)
         if self.mx is not None and ap.dtype == self.access.dtype:
             view.mx = self.mx
+        if self.tf32 and ap.dtype == self.access.dtype:
+            view.tf32 = True
         return view
 
     def __getitem__(self, index: Any) -> "NkiTensor":
@@ -229,6 +242,8 @@ class NkiTensor(NKIObject):
             view.mx = dtype
         elif dtype is not None:
             view.mx = None
+        if dtype is not None:
+            view.tf32 = isinstance(dtype, Tf32Dtype)
         return view
 
     def broadcast_to(self, shape: Sequence[int]) -> "NkiTensor":
@@ -255,17 +270,26 @@ class NkiTensor(NKIObject):
 
 
 class Trace:
-    """The instructions and HBM argument slots of one kernel launch being traced (all SPMD instances)."""
+    """The instructions and HBM argument slots of one SPMD instance of a kernel launch being traced. The
+    instances of one launch share their HBM slots (``shared``: the first instance's trace); each has its own
+    instructions and on-chip allocators, as each runs on its own NeuronCore (``nki.multicore``)."""
 
-    def __init__(self, spec: ChipSpec, grid: tuple[int, ...] = (), tensor_cls: type | None = None):
+    def __init__(self, spec: ChipSpec, grid: tuple[int, ...] = (), tensor_cls: type | None = None,
+                 program_id: tuple[int, ...] | None = None, shared: "Trace | None" = None, rank: int = 0,
+                 world: int = 1):
         self.spec, self.grid = spec, grid
+        # the collective rank this instance belongs to (``Kernel.ranks``); each rank has its own HBM tensors,
+        # named with this prefix when there are several
+        self.rank, self.world = rank, world
+        self.prefix = f"r{rank}." if world > 1 else ""
         self.tensor_cls = tensor_cls or NkiTensor  # the class of every tensor the trace makes (legacy: LegacyTile)
         self.instructions: list[Instr] = []
         # emission times: tile lifetimes are measured on this clock, which a retracted instruction does not rewind
         self.clock, self.clocks = 0, []
-        self.slots: dict[str, ArgSlot] = {}
-        self.constants: dict[str, torch.Tensor] = {}  # nl.shared_constant data, bound as inputs at each run
-        self.hbm_kinds: dict[str, str] = {}   # slot name -> "shared" / "private"
+        self.slots: dict[str, ArgSlot] = {} if shared is None else shared.slots
+        # nl.shared_constant data, bound as inputs at each run
+        self.constants: dict[str, torch.Tensor] = {} if shared is None else shared.constants
+        self.hbm_kinds: dict[str, str] = {} if shared is None else shared.hbm_kinds  # slot -> "shared"/"private"
         self.program_id: tuple[int, ...] = ()
         self._dma_queue = 0
         self.allocs: list[Alloc] = []   # every on-chip tile of the trace (for the liveness pass)
@@ -275,7 +299,17 @@ class Trace:
         self.overflowed = False         # whether some tile only fit past the capacity
         self.capacity = {"sbuf": spec.sbuf_bytes_per_partition, "psum": spec.psum_bytes_per_partition}
         self.bank_bytes = {"psum": spec.psum_bytes_per_partition // spec.psum_banks}
-        self.begin_instance(tuple(0 for _ in grid))
+        self.begin_instance(tuple(0 for _ in grid) if program_id is None else program_id)
+
+    @property
+    def instance(self) -> int:
+        """This instance's row-major index in the launch grid (its NeuronCore within the rank's cores)."""
+        return int(np.ravel_multi_index(self.program_id, self.grid)) if self.grid else 0
+
+    @property
+    def instances(self) -> int:
+        """Instances of the launch grid (per rank)."""
+        return math.prod(self.grid) if self.grid else 1
 
     def begin_instance(self, program_id: tuple[int, ...]) -> None:
         """Start an SPMD instance: fresh on-chip allocators and HBM allocation counter."""
@@ -305,8 +339,8 @@ class Trace:
 
     def argument(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> NkiTensor:
         """An HBM input of the kernel."""
-        self.slots[name] = ArgSlot(name, tuple(shape), dtype, "input")
-        return self.tensor_cls(tile(f"hbm:{name}", dtype, shape), shared_hbm, name)
+        self.slots[self.prefix + name] = ArgSlot(self.prefix + name, tuple(shape), dtype, "input")
+        return self.tensor_cls(tile(f"hbm:{self.prefix}{name}", dtype, shape), shared_hbm, name)
 
     def allocate(self, shape: Sequence[int], dtype: Any, buffer: Buffer, name: str = "", blocks: int = 1,
                  address: Any = None) -> NkiTensor:
@@ -315,6 +349,7 @@ class Trace:
         own liveness when the tensor does not fit. ``address=(partition_offset, free_offset_bytes)`` pins an
         on-chip tensor at that box (``nl.ndarray(address=...)``)."""
         mx = dtype if isinstance(dtype, MxDtype) else None
+        tf32 = isinstance(dtype, Tf32Dtype)
         shape, dtype = tuple(int(s) for s in shape), as_dtype(dtype)
         if buffer is None:
             buffer = sbuf
@@ -322,7 +357,7 @@ class Trace:
             raise TypeError(f"buffer must be nl.sbuf, nl.psum, nl.shared_hbm or nl.private_hbm, got {buffer!r}")
         if not buffer.on_chip:
             t = self._allocate_hbm(shape, dtype, buffer, name)
-            t.mx = mx
+            t.mx, t.tf32 = mx, tf32
             return t
         assert shape, "an on-chip tensor needs a partition dim"
         mem = self.sbuf if buffer is sbuf else self.psum
@@ -340,7 +375,7 @@ class Trace:
         self.overflowed |= record.overflow
         self.allocs.append(record)
         t = self.tensor_cls(region.tile(dtype, shape[1:]), buffer, name)
-        t.mx = mx
+        t.mx, t.tf32 = mx, tf32
         weakref.finalize(t, _free, mem, region, record, self)
         if buffer is psum:  # a fresh PSUM tile holds no open accumulation group and nothing written
             self._grow_psum_flags(region.offset + region.nbytes)
@@ -400,7 +435,8 @@ class Trace:
     def _allocate_hbm(self, shape, dtype, buffer: Buffer, name: str) -> NkiTensor:
         # the j-th shared_hbm allocation of every SPMD instance is the same tensor
         kind = "shared" if buffer is shared_hbm else "private"
-        slot_name = f"{kind}{self._hbm_count}" + ("" if kind == "shared" else f"_{'_'.join(map(str, self.program_id))}")
+        slot_name = self.prefix + f"{kind}{self._hbm_count}" + (
+            "" if kind == "shared" else f"_{'_'.join(map(str, self.program_id))}")
         self._hbm_count += 1
         old = self.slots.get(slot_name)
         if old is not None and (old.shape != shape or old.dtype != dtype):
@@ -413,7 +449,7 @@ class Trace:
     def constant(self, data: torch.Tensor) -> NkiTensor:
         """A read-only HBM tensor holding ``data`` (``nl.shared_constant``); the j-th constant of every SPMD
         instance is the same tensor."""
-        name = f"shared_constant{self._const_count}"
+        name = f"{self.prefix}shared_constant{self._const_count}"
         while name in self.slots and name not in self.constants:  # a kernel argument already has the name
             name += "_"
         self._const_count += 1
@@ -510,7 +546,7 @@ class Trace:
     def spill_scratch(self, partitions: int, nbytes: int) -> str:
         """A new kernel-private HBM scratch buffer of ``partitions`` rows of ``nbytes`` bytes (a multiple of 4)
         for a spilled PSUM tensor (see ``liveness``); its memory name."""
-        name = f"psum_spill{sum(k.startswith('psum_spill') for k in self.slots)}"
+        name = f"{self.prefix}psum_spill{sum(k.startswith(self.prefix + 'psum_spill') for k in self.slots)}"
         while name in self.slots:  # a kernel argument already has the name
             name += "_"
         self.slots[name] = ArgSlot(name, (partitions, nbytes // 4), torch.float32, "scratch")

@@ -166,11 +166,14 @@ class NeuronCore:
             plans[key] = plan
         return plan
 
-    def run_bound(self, program: Program, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    def run_bound(self, program: Program, tensors: Sequence[torch.Tensor | None],
+                  fresh: bool = True) -> list[torch.Tensor]:
         """Execute ``program`` on HBM tensors given in slot order, unchecked: the caller guarantees
         each is a contiguous CPU tensor (a neuron tensor's ``_alias_as_cpu``) of its slot's shape
         and dtype. ``None`` for an output or scratch slot allocates it (zeros; NaN with NaN fill).
-        Returns the tensors used, in slot order. No timing: see ``Program.schedule``."""
+        Returns the tensors used, in slot order. No timing: see ``Program.schedule``.
+        ``fresh=False`` continues the kernel the core ran last (on-chip state and open accumulation
+        groups kept): a multi-core launch runs each core's program in segments between exchanges."""
         plan = self._plan(program)
         for i in plan.fills:
             if tensors[i] is None:
@@ -189,7 +192,8 @@ class NeuronCore:
         if threads != SIM_THREADS:
             torch.set_num_threads(SIM_THREADS)
         try:
-            self.begin_run()
+            if fresh:
+                self.begin_run()
             if program.dynamic:
                 instr = self._run_dynamic(program, plan, tensors)
             else:
