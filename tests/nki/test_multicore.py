@@ -288,3 +288,26 @@ def test_tf32_tiles_hold_tf32_values_written_by_any_engine():
     x = _f32(64, 256)
     want = round_tf32(torch.from_numpy(x) * 3.0).numpy()
     np.testing.assert_array_equal(scaled(x), want)
+
+
+def test_a_launch_pickles_and_traces_one_process_per_core(tmp_path):
+    import json
+    import pickle
+
+    a, b = _f32(128, 128), _f32(128, 1024)
+    rep = nki.profile(split_matmul[2])(a, b)
+    again = pickle.loads(pickle.dumps(rep.program))
+    assert again.schedule(TRN2).device_time_ns == rep.device_time_ns
+    trace = json.load(open(rep.to_chrome_trace(str(tmp_path / "t.json"))))["traceEvents"]
+    names = {e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    assert names == {"trn2 NeuronCore 0", "trn2 NeuronCore 1"}
+    assert {e["pid"] for e in trace if e.get("ph") == "X"} == {0, 1}
+
+
+@pytest.mark.skipif(not torch.neuron.is_available(), reason="needs the neuron device")
+def test_on_neuron_tensors_a_grid_is_one_launch_timed_as_the_multi_core_one():
+    a, b = _f32(128, 128), _f32(128, 1024)
+    cpu = nki.profile(split_matmul[2])(a, b)
+    dev = nki.profile(split_matmul[2])(torch.from_numpy(a).to("neuron"), torch.from_numpy(b).to("neuron"))
+    assert dev.device_time_ns == pytest.approx(cpu.device_time_ns)
+    np.testing.assert_array_equal(dev.outputs.cpu().numpy(), cpu.outputs)

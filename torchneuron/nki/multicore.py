@@ -171,6 +171,10 @@ class LaunchProgram(Program):
     lnc: int = 1                      # instances per rank
     world: int = 1                    # collective ranks
 
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "instances": self.instances, "cores": self.cores, "lnc": self.lnc,
+                "world": self.world}
+
     def core_of(self, instance: int) -> int:
         """The physical core (numbered across the chips of the node) ``instance`` runs on."""
         return instance % self.cores if self.world == 1 else instance

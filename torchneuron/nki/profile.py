@@ -36,19 +36,30 @@ class ProfileReport:
     def to_chrome_trace(self, path: str) -> str:
         """Write the instruction timeline as Chrome trace JSON (open in Perfetto / chrome://tracing)."""
         events: list[dict] = []
-        tids: dict[str, int] = {}
+        tids: dict[tuple[int, str], int] = {}
+        cores = _instruction_cores(self.program)  # a multi-core launch: one process track per core
         for i, (ins, s, e) in enumerate(zip(self.program.instructions, self.start_ns, self.end_ns)):
             lane = ins.engine.value + (f".q{ins.queue}" if ins.engine.value == "dma" else "")
-            tid = tids.setdefault(lane, len(tids))
+            pid = cores[i]
+            tid = tids.setdefault((pid, lane), len(tids))
             args = {name: f"{ap!r}" for name, ap in ins.operands()}
-            events.append({"name": ins.opcode, "cat": ins.engine.value, "ph": "X", "pid": 0, "tid": tid,
+            events.append({"name": ins.opcode, "cat": ins.engine.value, "ph": "X", "pid": pid, "tid": tid,
                            "ts": s / 1e3, "dur": max(e - s, 0.0) / 1e3, "args": {"index": i, **args}})
-        meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": lane}}
-                for lane, t in tids.items()]
-        meta.append({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"{self.chip} NeuronCore"}})
+        meta = [{"name": "thread_name", "ph": "M", "pid": pid, "tid": t, "args": {"name": lane}}
+                for (pid, lane), t in tids.items()]
+        meta += [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"{self.chip} NeuronCore"
+                  + (f" {pid}" if len(set(cores)) > 1 else "")}} for pid in sorted(set(cores))]
         with open(path, "w") as f:
             json.dump({"traceEvents": events + meta, "displayTimeUnit": "ns"}, f)
         return path
+
+
+def _instruction_cores(program: Program) -> list[int]:
+    """The physical core of each instruction of ``program`` (0 for all but a multi-core launch's)."""
+    instances = getattr(program, "instances", None)
+    if not instances:
+        return [0] * len(program.instructions)
+    return [program.core_of(i) for i, p in enumerate(instances) for _ in p.instructions]
 
 
 def _report(outputs: Any, source: Any, program: Program, spec: ChipSpec, roof: Any, start_ns: list[float],
