@@ -30,6 +30,7 @@ the chunks are N = rows * cols <= 512 columns and every matmul pass is one stati
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass
 
 from torchneuron import nki
@@ -161,7 +162,7 @@ def conv2d_kernel(x, w, bias=None, dims=None, groups=1, flip=False):
     out = nl.ndarray((N, co * G, OH, OW), dt, buffer=nl.shared_hbm)
     evict = alternating_evict()
     cis, cos_all = _tiles(ci), _tiles(co)
-    ring = collections.deque(maxlen=2)     # input bands of the last two bands (loads overlap matmuls)
+    ring = collections.deque(maxlen=3)     # input bands of the last bands (the next one's loads overlap matmuls)
     accs = collections.deque(maxlen=4)     # PSUM chunks in flight (evictions overlap the next matmuls)
     stages = collections.deque(maxlen=2)
     wflat = w.reshape((w.shape[0], w.shape[1] * kk))
@@ -175,31 +176,31 @@ def conv2d_kernel(x, w, bias=None, dims=None, groups=1, flip=False):
                     t = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
                     nisa.dma_copy(dst=t[:on], src=bias.reshape((bias.shape[0], 1))[g * co + o0:g * co + o0 + on])
                     bcols[j] = t
-            for n in range(N):
-                for oh0, nr, ow0, nc, bands in _bands(x, n, g * ci, cis, hd, wd, p):
-                    ring.append(bands)
-                    for j, (o0, on) in enumerate(cos):
-                        stage = nl.ndarray((PMAX, nr, nc), dt, buffer=nl.sbuf)
-                        stages.append(stage)
-                        for r0 in range(0, nr, p.chunk_rows):
-                            rn = min(p.chunk_rows, nr - r0)
-                            acc = nl.ndarray((PMAX, rn, nc), nl.float32, buffer=nl.psum)
-                            accs.append(acc)
-                            steps = [(i, kh, kw) for i in range(len(cis)) for kh in range(hd.k)
-                                     for kw in range(wd.k)]
-                            for s, (i, kh, kw) in enumerate(steps):
-                                cn = cis[i][1]
-                                a, b = r0 * hd.s + kh * hd.d, kw * wd.d
-                                mv = bands[i][:cn, a:a + (rn - 1) * hd.s + 1:hd.s, b:b + (nc - 1) * wd.s + 1:wd.s]
-                                nisa.nc_matmul(dst=acc[:on], stationary=stat[i, j][:cn, kh * wd.k + kw, :on],
-                                               moving=mv, accumulate=s > 0)
-                            if bias is not None:
-                                nisa.activation(dst=stage[:on, r0:r0 + rn, :], op=nl.identity, data=acc[:on],
-                                                bias=bcols[j][:on])
-                            else:
-                                evict(stage[:on, r0:r0 + rn, :], acc[:on])
-                        nisa.dma_copy(dst=out[n, g * co + o0:g * co + o0 + on, oh0:oh0 + nr, ow0:ow0 + nc],
-                                      src=stage[:on])
+            for n, (oh0, nr, ow0, nc, bands) in _ahead((n, b) for n in range(N)
+                                                        for b in _bands(x, n, g * ci, cis, hd, wd, p)):
+                ring.append(bands)
+                for j, (o0, on) in enumerate(cos):
+                    stage = nl.ndarray((PMAX, nr, nc), dt, buffer=nl.sbuf)
+                    stages.append(stage)
+                    for r0 in range(0, nr, p.chunk_rows):
+                        rn = min(p.chunk_rows, nr - r0)
+                        acc = nl.ndarray((PMAX, rn, nc), nl.float32, buffer=nl.psum)
+                        accs.append(acc)
+                        steps = [(i, kh, kw) for i in range(len(cis)) for kh in range(hd.k)
+                                 for kw in range(wd.k)]
+                        for s, (i, kh, kw) in enumerate(steps):
+                            cn = cis[i][1]
+                            a, b = r0 * hd.s + kh * hd.d, kw * wd.d
+                            mv = bands[i][:cn, a:a + (rn - 1) * hd.s + 1:hd.s, b:b + (nc - 1) * wd.s + 1:wd.s]
+                            nisa.nc_matmul(dst=acc[:on], stationary=stat[i, j][:cn, kh * wd.k + kw, :on],
+                                           moving=mv, accumulate=s > 0)
+                        if bias is not None:
+                            nisa.activation(dst=stage[:on, r0:r0 + rn, :], op=nl.identity, data=acc[:on],
+                                            bias=bcols[j][:on])
+                        else:
+                            evict(stage[:on, r0:r0 + rn, :], acc[:on])
+                    nisa.dma_copy(dst=out[n, g * co + o0:g * co + o0 + on, oh0:oh0 + nr, ow0:ow0 + nc],
+                                  src=stage[:on])
     return out
 
 
@@ -238,6 +239,38 @@ def _weights(wflat, g: int, cis: list, cos: list, kk: int, flip: bool, ci: int, 
     return tiles
 
 
+def _copy_engine(dt):
+    """The engine that places loaded data into a padded tile: VectorE for 2-byte dtypes (its performance mode
+    copies them 4x faster), GpSimd for fp32 (the engine the evictions leave idle)."""
+    return nisa.vector_engine if itemsize(dt) == 2 else nisa.gpsimd_engine
+
+
+def _zero_outside(t, p: int, rows: int, cols: int, r: tuple[int, int, int], c: tuple[int, int, int]) -> None:
+    """Zero an SBUF [p, rows, cols] tile outside the (offset, count, step) rows x columns the data will fill:
+    the border strips only when the steps are 1 (padding), the whole tile under inserted zeros."""
+    (r0, nr, rs), (c0, nc, cs) = r, c
+    if nr == 0 or nc == 0 or rs > 1 or cs > 1:
+        nisa.memset(dst=t[:p], value=0.0, engine=nisa.gpsimd_engine)
+        return
+    for rr in ((0, r0), (r0 + nr, rows)):
+        if rr[0] < rr[1]:
+            nisa.memset(dst=t[:p, rr[0]:rr[1], :], value=0.0, engine=nisa.gpsimd_engine)
+    for cc in ((0, c0), (c0 + nc, cols)):
+        if cc[0] < cc[1]:
+            nisa.memset(dst=t[:p, r0:r0 + nr, cc[0]:cc[1]], value=0.0, engine=nisa.gpsimd_engine)
+
+
+def _ahead(items, depth: int = 1):
+    """The items of a generator whose advancing issues instructions (loads, transposes), ``depth`` ahead: item
+    i + depth's are issued before item i is used, so they overlap its compute."""
+    it = iter(items)
+    queue = collections.deque(itertools.islice(it, depth))
+    for item in it:
+        queue.append(item)
+        yield queue.popleft()
+    yield from queue
+
+
 def _bands(x, n: int, c0: int, cis: list, hd: Dim, wd: Dim, p: Plan):
     """(first output row, rows, first output column, columns, input bands per ci tile) of image n's bands."""
     OH, OW = hd.out, wd.out
@@ -261,7 +294,7 @@ def _load_band(x, n: int, c0: int, cn: int, hd: Dim, wd: Dim, ph0: int, hb: int,
     if whole:                    # the band is all real input: one DMA straight in
         nisa.dma_copy(dst=band[:cn], src=x[n, c0:c0 + cn, i0:i0 + ni, j0:j0 + nj])
         return band
-    nisa.memset(dst=band[:cn], value=0.0, engine=nisa.gpsimd_engine)
+    _zero_outside(band, cn, hb, wb, (ri, ni, hd.ld), (rj, nj, wd.ld))
     if ni == 0 or nj == 0:
         return band
     # the real part lands in strided rows/columns of the band: load it contiguous (long DMA rows, not one
@@ -269,14 +302,19 @@ def _load_band(x, n: int, c0: int, cn: int, hd: Dim, wd: Dim, ph0: int, hb: int,
     raw = nl.ndarray((PMAX, ni, nj), dt, buffer=nl.sbuf)
     nisa.dma_copy(dst=raw[:cn], src=x[n, c0:c0 + cn, i0:i0 + ni, j0:j0 + nj])
     nisa.tensor_copy(dst=band[:cn, ri:ri + (ni - 1) * hd.ld + 1:hd.ld, rj:rj + (nj - 1) * wd.ld + 1:wd.ld],
-                     src=raw[:cn], engine=nisa.gpsimd_engine)
+                     src=raw[:cn], engine=_copy_engine(dt))
     return band
 
 
 @nki.jit
 def conv2d_wgrad_kernel(x, gy, dims=None, groups=1, kernel=(1, 1)):
     """The weight gradient [O, C/G, KH, KW] of a 2-D convolution of x [N, C, H, W] whose output gradient is
-    gy [N, O, OH, OW], along ``dims`` (the forward's two ``Dim``)."""
+    gy [N, O, OH, OW], along ``dims`` (the forward's two ``Dim``).
+
+    dW[o, c, kh, kw] = sum over (n, oh, w) of gz_kw[o, oh, w] * xp[c, oh * s + kh * d, w], where w runs over
+    the padded input columns and gz_kw is the output gradient spread to the columns its window offset kw
+    reads (gy[o, oh, ow] at w = ow * s + kw * d, zeros elsewhere): per chunk of (rows, w) positions one
+    TensorE transpose per kh of the input and one per kw of the gradient (not one per window offset)."""
     N, C, H, Wd = x.shape
     O, OH, OW = gy.shape[1], gy.shape[2], gy.shape[3]
     hd, wd = dims
@@ -284,78 +322,103 @@ def conv2d_wgrad_kernel(x, gy, dims=None, groups=1, kernel=(1, 1)):
     assert (hd.k, wd.k) == (KH, KW) and (hd.out, wd.out) == (OH, OW) and (hd.size, wd.size) == (H, Wd), \
         "conv2d_wgrad: dims do not match the tensors"
     G = groups
-    ci, co, kk = C // G, O // G, KH * KW
+    ci, co = C // G, O // G
     dt, isz = x.dtype, itemsize(x.dtype)
     assert gy.dtype == dt, "conv2d_wgrad: input and gradient dtypes differ"
     out = nl.ndarray((O, ci, KH, KW), dt, buffer=nl.shared_hbm)
     p = plan(hd, wd, ci, 1, isz)
     assert p is not None, "conv2d_wgrad: the input bands do not fit SBUF (see conv_fits)"
     cis, cos = _tiles(ci), _tiles(co)
-    cols = kk * ci                                  # accumulator columns (k, c) per output channel
+    lead = (KW - 1) * wd.d                          # zero columns before the spread gradient
+    cols = KW * KH * ci                             # accumulator columns per output channel, (kw, kh, c) order
     blocks = [(f0, min(4 * PSUM_FP32, cols - f0)) for f0 in range(0, cols, 4 * PSUM_FP32)]
-    wc = min(p.band_cols, PMAX)                     # positions per transpose: rows x wc <= 128
-    rc = max(1, PMAX // wc)
     per_bank = max(1, PSUM_FP32 * 4 // (PMAX * isz))
     evict = alternating_evict()
-    ring = collections.deque(maxlen=2)
-    keep = collections.deque(maxlen=6)              # transposes' PSUM and SBUF tiles of the last chunks
+    ring = collections.deque(maxlen=3)              # input bands and spread gradients of the last bands
+    keep = (collections.deque(maxlen=4), collections.deque(maxlen=8))   # transposes' PSUM, SBUF tiles
+
+    def piece(kw, kh, c0, cn, f0, fw):
+        """Accumulator columns [s0, s1) of (kw, kh, channels c0..c0+cn) inside the block [f0, f0 + fw)."""
+        base = (kw * KH + kh) * ci + c0
+        return base, max(base, f0), min(base + cn, f0 + fw)
+
     for g in range(G):
         for o0, on in cos:
-            res = nl.ndarray((PMAX, cols), nl.float32, buffer=nl.sbuf)   # this o tile's dW row, (k, c) order
+            res = nl.ndarray((PMAX, cols), nl.float32, buffer=nl.sbuf)   # this o tile's dW row, (kw, kh, c)
             for f0, fw in blocks:
-                # the window offsets and channel tiles whose columns fall in this block
-                need = [(k, i) for k in range(kk) for i, (c0, cn) in enumerate(cis)
-                        if k * ci + c0 < f0 + fw and k * ci + c0 + cn > f0]
+                kws = list(range(f0 // (KH * ci), (f0 + fw - 1) // (KH * ci) + 1))
+                xs = [(kh, i) for kh in range(KH) for i, (c0, cn) in enumerate(cis)
+                      if any(piece(kw, kh, c0, cn, f0, fw)[1] < piece(kw, kh, c0, cn, f0, fw)[2] for kw in kws)]
                 accs = [nl.ndarray((PMAX, min(PSUM_FP32, fw - b)), nl.float32, buffer=nl.psum)
                         for b in range(0, fw, PSUM_FP32)]
-                first = True
-                for n in range(N):
-                    for oh0, nr, ow0, nc, bands in _bands(x, n, g * ci, cis, hd, wd, p):
-                        gband = nl.ndarray((PMAX, nr, nc), dt, buffer=nl.sbuf)
-                        nisa.dma_copy(dst=gband[:on], src=gy[n, g * co + o0:g * co + o0 + on, oh0:oh0 + nr,
-                                                              ow0:ow0 + nc])
-                        ring.append((bands, gband))
+
+                def operands():
+                    """Per chunk of positions (issuing its transposes): (positions, gradient^T per kw, x^T per xs)."""
+                    def inputs():
+                        for n in range(N):
+                            for oh0, nr, ow0, nc, bands in _bands(x, n, g * ci, cis, hd, wd, p):
+                                wb = wd.span(ow0, nc)[1]
+                                yield nr, wb, bands, _spread_grad(gy, n, g * co + o0, on, oh0, nr, ow0, nc, wd.s, lead, wb)
+                    for nr, wb, bands, gz in _ahead(inputs()):
+                        ring.append((bands, gz))
+                        wq = min(wb, PMAX)
+                        rc = max(1, PMAX // wq)
                         for r0 in range(0, nr, rc):
                             rn = min(rc, nr - r0)
-                            for c1 in range(0, nc, wc):
-                                cw = min(wc, nc - c1)
+                            for c1 in range(0, wb, wq):
+                                cw = min(wq, wb - c1)
                                 q = rn * cw
-                                # positions onto the partitions: gy^T [q, o] and each window's x^T [q, (k, c)]
-                                gT = _transposed([gband[:on, r0:r0 + rn, c1:c1 + cw]],
-                                                 q, on, dt, per_bank, evict, keep)
-                                wins = []
-                                for k, i in need:
-                                    kh, kw = divmod(k, KW)
-                                    a, b = r0 * hd.s + kh * hd.d, c1 * wd.s + kw * wd.d
-                                    wins.append(bands[i][:cis[i][1], a:a + (rn - 1) * hd.s + 1:hd.s,
-                                                         b:b + (cw - 1) * wd.s + 1:wd.s])
-                                xT = _transposed(wins, q, PMAX, dt, per_bank, evict, keep)
-                                # xT columns: window j at [j*128, j*128 + cn); the block's columns (k, c)
-                                for bi, acc in enumerate(accs):
-                                    lo, hi = f0 + bi * PSUM_FP32, f0 + bi * PSUM_FP32 + acc.shape[1]
-                                    for j, (k, i) in enumerate(need):
-                                        c0, cn = cis[i]
-                                        s0, s1 = max(lo, k * ci + c0), min(hi, k * ci + c0 + cn)
-                                        if s0 >= s1:
-                                            continue
-                                        a0 = s0 - (k * ci + c0)
-                                        nisa.nc_matmul(dst=acc[:on, s0 - lo:s1 - lo], stationary=gT[:q, 0, :on],
-                                                       moving=xT[:q, j, a0:a0 + s1 - s0], accumulate=not first)
-                                first = False
+                                gT = _transposed([gz[:on, r0:r0 + rn, c1 + lead - kw * wd.d:c1 + lead - kw * wd.d + cw]
+                                                  for kw in kws], q, on, dt, per_bank, evict, keep)
+                                a = r0 * hd.s
+                                xT = _transposed([bands[i][:cis[i][1], a + kh * hd.d:a + kh * hd.d + (rn - 1) * hd.s + 1:hd.s,
+                                                           c1:c1 + cw] for kh, i in xs], q, PMAX, dt, per_bank, evict, keep)
+                                yield q, gT, xT
+
+                def products(q, gT, xT, first):
+                    for u, kw in enumerate(kws):
+                        for j, (kh, i) in enumerate(xs):
+                            base, s0, s1 = piece(kw, kh, *cis[i], f0, fw)
+                            while s0 < s1:                    # split at PSUM bank edges
+                                b = (s0 - f0) // PSUM_FP32
+                                e = min(s1, f0 + (b + 1) * PSUM_FP32)
+                                lo = f0 + b * PSUM_FP32
+                                nisa.nc_matmul(dst=accs[b][:on, s0 - lo:e - lo], stationary=gT[:q, u, :on],
+                                               moving=xT[:q, j, s0 - base:e - base], accumulate=not first)
+                                s0 = e
+
+                # software pipeline: chunk i+1's transposes are issued before chunk i's matmuls, so TensorE
+                # never waits for the evictions of the operands it is about to use
+                first = True
+                for chunk in _ahead(operands(), 2):
+                    products(*chunk, first)
+                    first = False
                 for bi, acc in enumerate(accs):
                     b0 = f0 + bi * PSUM_FP32
                     nisa.tensor_copy(dst=res[:on, b0:b0 + acc.shape[1]], src=acc[:on])
-            # dW[o, c, k] from the (k, c) columns: reordered on chip, rounded once, one contiguous store
-            cast = nl.ndarray((PMAX, ci, kk), dt, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=cast[:on], src=res[:on].ap([[cols, on], [1, ci], [ci, kk]]))
-            nisa.dma_copy(dst=out.reshape((O, cols))[g * co + o0:g * co + o0 + on], src=cast[:on].reshape((on, cols)))
+            # dW[o, c, kh, kw] from the (kw, kh, c) columns: reordered on chip, rounded once, one contiguous store
+            cast = nl.ndarray((PMAX, ci, KH, KW), dt, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=cast[:on], src=res[:on].ap([[cols, on], [1, ci], [ci, KH], [KH * ci, KW]]))
+            nisa.dma_copy(dst=out.reshape((O, cols))[g * co + o0:g * co + o0 + on],
+                          src=cast[:on].reshape((on, cols)))
     return out
 
 
-def _transposed(views: list, q: int, width: int, dt, per_bank: int, evict, keep: collections.deque):
+def _spread_grad(gy, n: int, o0: int, on: int, oh0: int, nr: int, ow0: int, nc: int, s: int, lead: int, wb: int):
+    """SBUF [on, nr, lead + wb]: rows [oh0, oh0 + nr) of image n's gradient channels [o0, o0 + on), column ow at
+    lead + (ow - ow0) * s, zeros elsewhere (loaded contiguous, placed by one GpSimd copy)."""
+    gz = nl.ndarray((PMAX, nr, lead + wb), gy.dtype, buffer=nl.sbuf)
+    _zero_outside(gz, on, nr, lead + wb, (0, nr, 1), (lead, nc, s))
+    raw = nl.ndarray((PMAX, nr, nc), gy.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=raw[:on], src=gy[n, o0:o0 + on, oh0:oh0 + nr, ow0:ow0 + nc])
+    nisa.tensor_copy(dst=gz[:on, :, lead:lead + (nc - 1) * s + 1:s], src=raw[:on], engine=_copy_engine(gy.dtype))
+    return gz
+
+
+def _transposed(views: list, q: int, width: int, dt, per_bank: int, evict, keep: tuple):
     """SBUF [q, len(views), width]: each view [p, ...q positions...] transposed on TensorE (positions onto the
     partitions), ``per_bank`` transposes per PSUM bank, each bank evicted once; the PSUM and SBUF tiles go
-    into ``keep`` (a ring: the next chunk's transposes and evictions use other buffers and overlap)."""
+    into the rings ``keep`` (so the next chunks' transposes and evictions use other buffers and overlap)."""
     t = nl.ndarray((PMAX, len(views), width), dt, buffer=nl.sbuf)
     for v0 in range(0, len(views), per_bank):
         nv = min(per_bank, len(views) - v0)
@@ -364,6 +427,6 @@ def _transposed(views: list, q: int, width: int, dt, per_bank: int, evict, keep:
             v = views[v0 + j]
             nisa.nc_transpose(dst=tp[:q, j, :v.shape[0]], data=v)
         evict(t[:q, v0:v0 + nv, :], tp[:q, :nv, :])
-        keep.append(tp)
-    keep.append(t)
+        keep[0].append(tp)
+    keep[1].append(t)
     return t
