@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from torchneuron import nki
 import torchneuron.nki.collectives as ncc
@@ -50,6 +51,10 @@ def test_all_reduce_of_random_fp32_within_its_summation_bound_and_bf16_rounded_o
     out = all_reduce_kernel.ranks(4)(x, [[0, 1, 2, 3]], nl.add)
     exact = x.astype(np.float64).sum(0)
     assert np.all(np.abs(out[2] - exact) <= 3 * 2**-24 * np.abs(x).astype(np.float64).sum(0))  # 3 fp32 adds
+    xb = torch.from_numpy(x).bfloat16()
+    out = all_reduce_kernel.ranks(4)(xb, [[0, 1, 2, 3]], nl.add)
+    fp32 = ((xb[0].float() + xb[1].float()) + xb[2].float()) + xb[3].float()  # group order, in fp32
+    assert out.dtype == torch.bfloat16 and torch.equal(out[1], fp32.bfloat16())
 
 
 @nki.jit
@@ -214,7 +219,7 @@ def _collective_time(kernel, x, *args) -> float:
 
 
 def test_times_are_the_process_group_formula_for_size_and_placement():
-    x = _ints(16, 128, 64)
+    x = _ints(4, 128, 64)
     link = links(TRN2)
     per_node = TRN2.cores_per_chip * link.chips_per_node
     nbytes = 128 * 64 * 4
@@ -222,10 +227,15 @@ def test_times_are_the_process_group_formula_for_size_and_placement():
     want = collective_ns("all_reduce", nbytes, placement(range(4), TRN2, per_node), TRN2, link)
     assert _collective_time(all_reduce_kernel.ranks(4), x[:4], [[0, 1, 2, 3]], nl.add) == want
     assert want == round(2 * 3 / 4 * nbytes / TRN2.hbm_bytes_per_second_per_core * 1e9 + 2 * 3 * link.core_latency_ns)
-    # 16 ranks: two chips, NeuronLink (each chip's link shared by its 8 ranks)
-    want = collective_ns("all_reduce", nbytes, placement(range(16), TRN2, per_node), TRN2, link)
-    assert placement(range(16), TRN2, per_node).level() == "chip"
-    assert _collective_time(all_reduce_kernel.ranks(16), x, [list(range(16))], nl.add) == want
+    # 4 ranks on trn1 (2 cores per chip): two chips, NeuronLink (each chip's link shared by its 2 ranks)
+    trn1 = chip_spec("trn1")
+    on_chips = placement(range(4), trn1, trn1.cores_per_chip * links(trn1).chips_per_node)
+    assert on_chips.level() == "chip"
+    want = collective_ns("all_reduce", nbytes, on_chips, trn1, links(trn1))
+    rep = nki.profile(all_reduce_kernel.ranks(4), chip="trn1")(x[:4], [[0, 1, 2, 3]], nl.add)
+    assert rep.device_time_ns == want
+    assert want == round(2 * 3 / 4 * nbytes / (trn1.interconnect.neuronlink_bytes_per_s_per_chip / 2) * 1e9
+                         + 2 * 3 * links(trn1).neuronlink_latency_ns)
     # all-gather: S is the gathered size
     want = collective_ns("all_gather", 2 * nbytes, placement(range(2), TRN2, per_node), TRN2, link)
     assert _collective_time(gather_kernel.ranks(2), x[:2], [[0, 1]]) == want

@@ -39,9 +39,8 @@ def resolve_chip(chip: str | ChipSpec | None = None) -> ChipSpec:
     return chip_spec((chip or os.environ.get("TORCHNEURON_CHIP") or "trn2").strip().lower())
 
 
-@functools.lru_cache(maxsize=None)
 def _core(spec: ChipSpec) -> NeuronCore:
-    return NeuronCore(spec, nan_fill=False)
+    return multicore.chip_cores(spec, 1)[0]  # core 0 of the chip multi-core launches use
 
 
 def _is_array(v: Any) -> bool:
