@@ -25,7 +25,8 @@ transformers = pytest.importorskip("transformers")
 
 import torchneuron  # noqa: E402  (registers the device even with autoload off)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+# appended, not prepended: nothing in examples/ may shadow a module of the tests
+sys.path.append(str(Path(__file__).resolve().parents[1] / "examples"))
 import hf_checks  # noqa: E402
 
 # the ops each model's generate() may still run through the CPU fallback (none may in forward and backward)
