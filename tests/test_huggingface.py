@@ -61,6 +61,19 @@ def test_model_matches_cpu(name):
     assert not unexpected, f"{name}: generate() ran ops on the CPU fallback: {c.generate_fallbacks}"
 
 
+def test_fp32_bounds_reject_one_bf16_rounding():
+    """The bounds are no blanket: each model's CPU logits rounded once to bf16 exceed its bound 10x over."""
+    for name, spec in hf_checks.MODELS.items():
+        torch.manual_seed(0)
+        model = spec.build().eval()
+        inputs = spec.inputs()
+        with torch.no_grad():
+            logits = model(**inputs).logits
+        bound = hf_checks.fp32_bound(spec.sublayers, hf_checks.longest_reduction(model, inputs))
+        error = hf_checks.relative_error(logits.bfloat16().float(), logits)
+        assert error > 10 * bound, f"{name}: one bf16 rounding is {error:.1e}, the bound {bound:.1e}"
+
+
 def _trainer_losses_on(device: str, monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """hf_checks.trainer_losses() in this process with ACCELERATE_TORCH_DEVICE=device.
 
