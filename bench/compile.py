@@ -117,6 +117,7 @@ def gpt2_block(seq: int = 1024, d: int = 768) -> None:
         block = Block(d).to("neuron")
         run = torch.compile(block, backend="neuron") if name == "compiled" else block
         for i in range(2):
+            block.zero_grad(set_to_none=True)   # as a training step does: no accumulation into old gradients
             start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
             start.record()
             with profiler.record() as records, torch.autocast("neuron", torch.bfloat16):

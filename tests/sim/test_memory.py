@@ -22,22 +22,34 @@ def test_core_memories_come_from_the_spec():
         assert core.sbuf.data.dtype == torch.uint8
 
 
-def test_allocate_first_fit_free_and_reuse():
+def test_allocate_next_fit_free_and_reuse():
     m = Memory("sbuf", 128, 4096)
     a = m.allocate(128, 1000)
     b = m.allocate(128, 100)
     assert (a.offset, b.offset) == (0, 1000)  # 4-byte aligned after a
-    c = m.allocate(64, 500, start_partition=64)
+    c = m.allocate(64, 502, start_partition=64)
     assert c.offset == 1100
     m.free(b)
-    d = m.allocate(128, 96)  # fits in b's hole
-    assert d.offset == 1000
-    e = m.allocate(32, 3000, start_partition=0)  # partitions 0-31: after c? no, c is 64-127: after d
-    assert e.offset == 1096
+    d = m.allocate(128, 96)  # next fit: after c (its end 1602 aligned to 1604), not in b's hole
+    assert d.offset == 1604
+    with pytest.raises(SimulatorError, match="overflow"):
+        m.allocate(128, 2400)  # no hole holds it, before or after the cursor
     m.free_all()
     assert m.regions == ()
     with pytest.raises(SimulatorError, match="not allocated"):
         m.free(a)
+
+
+def test_next_fit_reuses_a_freed_box_last():
+    m = Memory("sbuf", 2, 4096)
+    x, y = m.allocate(2, 1024), m.allocate(2, 1024)
+    m.free(x)
+    assert m.allocate(2, 1024).offset == 2048   # first fit would hand out x's box at once
+    assert m.allocate(2, 1024).offset == 3072
+    assert m.allocate(2, 1024).offset == 0      # past the capacity: wraps around to x's box
+    with pytest.raises(SimulatorError, match="overflow"):
+        m.allocate(2, 4)
+    assert y.offset == 1024
 
 
 def test_allocations_side_by_side_in_partitions():
@@ -211,7 +223,11 @@ def test_nan_fill_argument_and_environment(monkeypatch):
     t = m.allocate(4, 32).tile(torch.float32, (8,))
     assert torch.isnan(t.read(m)).all()
     t.write(m, torch.zeros(4, 8))
-    t2 = (m.free(m.regions[0]), m.allocate(4, 32))[1].tile(torch.bfloat16, (16,))
+    m.free(m.regions[0])
+    m.allocate(4, 32)
+    again = m.allocate(4, 32)  # the memory holds two: next fit wraps around to the box written above
+    assert again.offset == 0
+    t2 = again.tile(torch.bfloat16, (16,))
     assert torch.isnan(t2.read(m).float()).all()  # re-allocation fills again
     for dt in (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
         assert torch.isnan(AP("sbuf", dt, ((1, 4),), 0, 4, 0).read(m).float()).all()

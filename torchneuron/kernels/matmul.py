@@ -336,8 +336,8 @@ def matmul_into(a, b, out, transpose_a=False, transpose_b=False, bias=None):
     widths = [min(NW if i else W0, N - n0) for i, n0 in enumerate(starts)]
     scratch = nl.ndarray((MT, TK, KT, TM), dt, buffer=nl.hbm) if not transpose_a and len(starts) > 1 else None
     evict = alternating_evict()
-    # A^T strips and output staging tiles: 2-deep rings allocated before the B panels (first fit keeps
-    # them at the bottom of SBUF, so the next B panel finds a contiguous gap while the current one is used)
+    # A^T strips and output staging tiles: 2-deep rings allocated before the B panels, so they hold their
+    # boxes while the panels take turns in the rest of SBUF (next-fit allocation, see sim/memory.py)
     # A as [K, M] and a narrow output (N <= 256: little TensorE work per A byte, the loads are the limit,
     # as in attention's P^T dO): GA strips per DMA where SBUF has room, rows of GA * 128 elements (a strip's
     # own rows are 256 B in bf16, and descriptors that short reach half the DMA bandwidth). Wider outputs

@@ -94,7 +94,7 @@ class Region:
 
 
 class Memory:
-    """A byte-addressed memory of ``partitions`` rows with a first-fit allocator of [partitions, bytes] boxes."""
+    """A byte-addressed memory of ``partitions`` rows with a next-fit allocator of [partitions, bytes] boxes."""
 
     def __init__(self, name: str, partitions: int, bytes_per_partition: int, *, bank_bytes: int = 0,
                  align: int = 4, nan_fill: bool | None = None, data: torch.Tensor | None = None):
@@ -114,6 +114,13 @@ class Memory:
         self.data = data
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._regions: list[Region] = []
+        # On chip, allocation is next fit: it resumes after the box given last and wraps around at the
+        # capacity, so a freed box is reused as late as possible. First fit would hand the box a tile just
+        # released to the next tile at once, and that tile's writer would wait for the last reader of the
+        # old one (a false write-after-read dependency that serializes engines). HBM buffers are never
+        # allocated here.
+        self.rotate_below = bytes_per_partition if partitions > 1 else 0
+        self._cursor = 0
         # PSUM only: per 4-byte word, True where no matmul accumulation group is open, so the next
         # nc_matmul with accumulate=None overwrites instead of adding
         self.group_closed = torch.ones(partitions, bytes_per_partition // 4, dtype=torch.bool) if bank_bytes else None
@@ -160,7 +167,7 @@ class Memory:
     # ---- allocation ---------------------------------------------------------------
 
     def allocate(self, partitions: int, nbytes: int, *, start_partition: int = 0) -> Region:
-        """Reserve a [partitions, nbytes] box (first fit by byte offset); raise SimulatorError when it does not fit."""
+        """Reserve a [partitions, nbytes] box (next fit by byte offset); raise SimulatorError when it does not fit."""
         cap = self.bytes_per_partition
         request = f"{partitions} partitions x {nbytes} bytes"
         if partitions < 1 or nbytes < 1:
@@ -171,7 +178,14 @@ class Memory:
         end_p = start_partition + partitions
         others = [r for r in self._regions
                   if r.start_partition < end_p and start_partition < r.start_partition + r.partitions]
-        for cand in sorted({0, *(_align_up(r.offset + r.nbytes, self.align) for r in others)}):
+        cands = {0, *(_align_up(r.offset + r.nbytes, self.align) for r in others)}
+        if self.rotate_below:
+            cur, lim = self._cursor, self.rotate_below
+            cands.add(cur)
+            order = sorted(cands, key=lambda c: (c + nbytes > lim, c < cur, c))
+        else:
+            order = sorted(cands)
+        for cand in order:
             if self.bank_bytes and (nbytes > self.bank_bytes
                                     or cand // self.bank_bytes != (cand + nbytes - 1) // self.bank_bytes):
                 cand = _align_up(cand, self.bank_bytes)
@@ -180,6 +194,8 @@ class Memory:
             if all(cand + nbytes <= r.offset or r.offset + r.nbytes <= cand for r in others):
                 region = Region(self.name, start_partition, partitions, cand, nbytes)
                 self._regions.append(region)
+                if self.rotate_below and cand + nbytes <= self.rotate_below:
+                    self._cursor = _align_up(cand + nbytes, self.align)
                 box = self.data[start_partition:end_p, cand:cand + nbytes]
                 if self.nan_fill:
                     box.fill_(NAN_BYTE)
