@@ -93,7 +93,8 @@ def _whisper() -> Any:
 
 
 # An encoder-decoder's longest path runs through the encoder (2 sub-layers a layer) and then the
-# decoder (self-attention, cross-attention and MLP: 3 a layer); Whisper's two convolutions count as one.
+# decoder (self-attention, cross-attention and MLP: 3 a layer); a convolutional stem (ViT's patches,
+# Whisper's two convolutions) counts as one.
 MODELS: dict[str, Spec] = {
     "gpt2": Spec(_gpt2, lambda: {"input_ids": _tokens()}, 2 * 2, True),
     "llama": Spec(_llama, lambda: {"input_ids": _tokens()}, 2 * 2, True),
@@ -106,7 +107,7 @@ MODELS: dict[str, Spec] = {
 
 
 def longest_reduction(model: torch.nn.Module, inputs: dict) -> int:
-    """The longest sum a product of the model takes: a weight's fan-in (forward), fan-out (input gradient) or positions (weight gradient)."""
+    """The longest sum in the model's products: a weight's fan-in, fan-out or positions (for its gradient)."""
     longest = [0]
 
     def record(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
@@ -115,7 +116,8 @@ def longest_reduction(model: torch.nn.Module, inputs: dict) -> int:
         longest[0] = max(longest[0], fan_in, fan_out, out.numel() // fan_out)
 
     # attention's sums (over the keys, over a head's width) are no longer than these
-    products = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, Conv1D))]
+    kinds = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, Conv1D)
+    products = [m for m in model.modules() if isinstance(m, kinds)]
     hooks = [m.register_forward_hook(record) for m in products]
     try:
         with torch.no_grad():
@@ -139,7 +141,7 @@ def fp32_bound(sublayers: int, reduction: int) -> float:
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| over the finite entries, relative to the largest finite |want| (same non-finite entries required)."""
+    """max |got - want| over the finite entries, relative to the largest finite |want| (inf if others differ)."""
     got = got.detach().cpu().double()
     want = want.detach().double()
     finite = want.isfinite()
@@ -151,7 +153,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def smallest_margin(scores: torch.Tensor) -> float:
-    """The smallest gap between each row's best and second-best finite score, relative to the largest finite |score|."""
+    """The smallest gap between a row's best and second-best score, relative to the largest finite |score|."""
     scores = scores.detach().double()
     finite = scores.isfinite()
     top2 = scores.masked_fill(~finite, -math.inf).topk(2, dim=-1).values
@@ -174,7 +176,7 @@ class Comparison:
     name: str
     forward_bound: float             # fp32_bound of the forward; the backward's path is twice as deep
     logits_error: float              # relative_error of neuron's logits
-    gradient_error: float            # the largest relative_error over the parameters' gradients, relative to the largest gradient
+    gradient_error: float            # the largest gradient difference, relative to the largest gradient
     fallbacks: dict[str, int]        # ops that ran on the CPU fallback in the forward and backward
     cpu_tokens: torch.Tensor | None = None      # greedy generate() output on each device
     neuron_tokens: torch.Tensor | None = None
@@ -185,6 +187,7 @@ class Comparison:
 
     @property
     def backward_bound(self) -> float:
+        """The gradients' bound: the backward retraces the forward's path with two products per product."""
         return 2 * self.forward_bound
 
     def decisions_equal(self) -> bool:
