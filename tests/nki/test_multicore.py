@@ -311,3 +311,13 @@ def test_on_neuron_tensors_a_grid_is_one_launch_timed_as_the_multi_core_one():
     dev = nki.profile(split_matmul[2])(torch.from_numpy(a).to("neuron"), torch.from_numpy(b).to("neuron"))
     assert dev.device_time_ns == pytest.approx(cpu.device_time_ns)
     np.testing.assert_array_equal(dev.outputs.cpu().numpy(), cpu.outputs)
+
+
+def test_dynamic_loops_on_two_cores_time_each_core_by_its_own_run():
+    from tests.nki.test_dynamic_loops import repeat_add
+
+    x = _f32(64, 128)
+    one = nki.profile(repeat_add)(x, np.array([[3]], np.int32))
+    two = nki.profile(repeat_add[2])(x, np.array([[3]], np.int32))
+    np.testing.assert_array_equal(two.outputs, one.outputs)
+    assert two.device_time_ns == pytest.approx(one.device_time_ns)  # the same loop on each core, concurrently

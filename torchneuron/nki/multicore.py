@@ -228,9 +228,10 @@ def launch_program(traces: Sequence[Any], name: str, outputs: Sequence[str], wor
     ranks = tuple(Program(p.instructions, args, f"{name}[{r}]", p.after) for r, p in enumerate(placed))
     spec = traces[0].spec
     lnc = len(traces) // world
-    if world > 1 and lnc > spec.cores_per_chip:
+    if world > 1 and spec.cores_per_chip % lnc:
         raise SimulatorError(f"a launch of {world} ranks of {lnc} instances each: a rank's instances share one "
-                             f"chip's HBM, and a {spec.name} chip has {spec.cores_per_chip} NeuronCores")
+                             f"chip's HBM, and {lnc} does not divide a {spec.name} chip's {spec.cores_per_chip} "
+                             f"NeuronCores")
     _check_spmd(ranks, spec, world, lnc)
     instructions, after, base = [], [], 0
     for prog in ranks:
