@@ -1,12 +1,16 @@
 """Row softmax / log_softmax over the last dim, numerically stable (the row max is subtracted).
 
     for each block of 128 rows (one row per partition, the whole row in the free dim):
-        load [128, D] (fp32; the DMA casts)                                 DMA
+        load [128, D] as stored (bf16 stays bf16)                           DMA
         m = -max(x)                      tensor_reduce(negate)              VectorE
-        e = exp(x + m), s = sum(e)       one activation with its reduce     ScalarE
-        softmax:     y = e * (1/s)       reciprocal (VectorE), activation scale (ScalarE)
-        log_softmax: y = (x + m) - log s log (ScalarE), one two-op tensor_scalar (VectorE)
-        store [128, D] (cast to the input dtype)                            DMA
+        e = exp(x + m), s = sum(e)       one activation with its reduce     ScalarE (fp32 e)
+        softmax:     y = e * (1/s)       reciprocal (VectorE), tensor_scalar GpSimd
+        log_softmax: y = (x + m) - log s log (ScalarE), one two-op tensor_scalar (GpSimd)
+        store [128, D] (y written in the input dtype: one rounding)         DMA
+
+Tiles keep the input's dtype on both DMA sides: a casting DMA moves (and is priced at) the fp32 bytes,
+twice the bf16 traffic. The three engines each take one pass over the block (VectorE reduces bf16 to
+bf16 at twice the rate), so a bf16 softmax stays under its DMA time.
 
 Tiles of the last NBUF blocks stay alive, so loads, the two engines and stores of consecutive
 blocks overlap. The single pass holds the whole row: D fp32 x 3 tiles x (NBUF + 1) must fit SBUF
@@ -17,8 +21,8 @@ blocks overlap. The single pass holds the whole row: D fp32 x 3 tiles x (NBUF + 
         m' = min(m, bm)  (m is -max so far)              VectorE, (P, 1)
         s  = s * exp(m' - m) + sum(exp(x_blk + m'))      ScalarE (activation + reduce), VectorE (P, 1)
     pass 2, per column block:
-        softmax: y = exp(x + m) * (1/s)                  two ScalarE activations
-        log_softmax: y = (x + m) - log s                 one two-op tensor_scalar (VectorE)
+        softmax: y = exp(x + m) * (1/s)                  ScalarE activation, GpSimd tensor_scalar
+        log_softmax: y = (x + m) - log s                 one two-op tensor_scalar (GpSimd)
 
 Both subtract the max before anything else, as the CPU does: folding m - log s into one bias rounds it at
 the max's magnitude, an absolute error of ulp(max) in every log-probability (and a relative one in every
@@ -50,6 +54,12 @@ def _col():
     return nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
 
 
+def _max_dtype(dt):
+    """The dtype of a row maximum of ``dt`` data: bf16 holds a bf16 maximum exactly, and VectorE reduces
+    bf16 to bf16 at twice the rate."""
+    return nl.bfloat16 if dt == nl.bfloat16 else nl.float32
+
+
 def _softmax_long(x, out, log):
     """Two passes over column blocks of W: online max/sum, then the output (any row length)."""
     N, D = x.shape
@@ -59,7 +69,7 @@ def _softmax_long(x, out, log):
         nm = s = None                             # -max and sum(exp(x + nm)) of the columns seen so far
         for c0 in range(0, D, W):
             w = min(W, D - c0)
-            t = nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)
+            t = nl.ndarray((PMAX, W), x.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=t[:p, :w], src=x[r0:r0 + p, c0:c0 + w])
             bm = _col()
             nisa.tensor_reduce(dst=bm[:p], op=nl.maximum, data=t[:p, :w], axis=(1,), negate=True)
@@ -88,17 +98,20 @@ def _softmax_long(x, out, log):
             nisa.reciprocal(dst=ls[:p], data=s[:p])
         for c0 in range(0, D, W):
             w = min(W, D - c0)
-            t = nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)
+            t = nl.ndarray((PMAX, W), x.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=t[:p, :w], src=x[r0:r0 + p, c0:c0 + w])
-            y = nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)
+            y = nl.ndarray((PMAX, W), x.dtype, buffer=nl.sbuf)
+            e = None
             if log:
                 nisa.tensor_scalar(dst=y[:p, :w], data=t[:p, :w], op0=nl.add, operand0=nm[:p], op1=nl.subtract,
-                                   operand1=ls[:p])
+                                   operand1=ls[:p], engine=nisa.gpsimd_engine)
             else:
-                nisa.activation(dst=y[:p, :w], op=nl.exp, data=t[:p, :w], bias=nm[:p])
-                nisa.activation(dst=y[:p, :w], op=nl.identity, data=y[:p, :w], scale=ls[:p])
+                e = nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)
+                nisa.activation(dst=e[:p, :w], op=nl.exp, data=t[:p, :w], bias=nm[:p])
+                nisa.tensor_scalar(dst=y[:p, :w], data=e[:p, :w], op0=nl.multiply, operand0=ls[:p],
+                                   engine=nisa.gpsimd_engine)
             nisa.dma_copy(dst=out[r0:r0 + p, c0:c0 + w], src=y[:p, :w])
-            ring.append((t, y))
+            ring.append((t, y, e))
 
 
 @nki.jit
@@ -113,24 +126,24 @@ def softmax_kernel(x, log=False):
     ring = collections.deque(maxlen=NBUF)
     for r0 in range(0, N, PMAX):
         p = min(PMAX, N - r0)
-        t = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
+        t = nl.ndarray((PMAX, D), x.dtype, buffer=nl.sbuf)     # as stored: a casting DMA moves fp32 bytes
         nisa.dma_copy(dst=t[:p], src=x[r0:r0 + p, :])
-        neg_max = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+        neg_max = nl.ndarray((PMAX, 1), _max_dtype(x.dtype), buffer=nl.sbuf)
         nisa.tensor_reduce(dst=neg_max[:p], op=nl.maximum, data=t[:p], axis=(1,), negate=True)
         e = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
         s = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=e[:p], op=nl.exp, data=t[:p], bias=neg_max[:p], reduce_op=nl.add, reduce_res=s[:p],
                         reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        y = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
+        y = nl.ndarray((PMAX, D), x.dtype, buffer=nl.sbuf)     # the one rounding to the output dtype
         if log:   # (x - max) - log s, as the CPU: x - (max + log s) rounds the sum at max's magnitude first
             ls = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=ls[:p], op=nl.log, data=s[:p])
             nisa.tensor_scalar(dst=y[:p], data=t[:p], op0=nl.add, operand0=neg_max[:p], op1=nl.subtract,
-                               operand1=ls[:p])
+                               operand1=ls[:p], engine=nisa.gpsimd_engine)
         else:
             rs = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
             nisa.reciprocal(dst=rs[:p], data=s[:p])
-            nisa.activation(dst=y[:p], op=nl.identity, data=e[:p], scale=rs[:p])
+            nisa.tensor_scalar(dst=y[:p], data=e[:p], op0=nl.multiply, operand0=rs[:p], engine=nisa.gpsimd_engine)
         nisa.dma_copy(dst=out[r0:r0 + p, :], src=y[:p])
         ring.append((t, e, y))
     return out
