@@ -142,8 +142,9 @@ def test_matmul_moving_limit_is_a_simulator_error():
 
 def test_install_import_aliases_in_subprocess():
     code = ("import torchneuron.nki as tn; tn.install_import_aliases(); "
-            "import nki, nki.language as nl, nki.isa as nisa; "
-            "import torchneuron.nki.language as ours; assert nl is ours and nki.jit is tn.jit; print('ok')")
+            "import nki, nki.language as nl, nki.isa as nisa, nki.collectives as ncc; "
+            "import torchneuron.nki.language as ours; assert nl is ours and nki.jit is tn.jit; "
+            "assert ncc is tn.collectives; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
