@@ -209,9 +209,6 @@ def test_cross_core_kernels_refuse_what_they_cannot_model():
 
     with pytest.raises(SimulatorError, match="needs a core per instance; a trn2 chip has 8"):
         barrier_only[16](x)
-    if torch.neuron.is_available():
-        with pytest.raises(NotImplementedError, match="moves data between NeuronCores"):
-            swap_halves[2](torch.from_numpy(x).to("neuron"))
 
 
 # ---- nl.tfloat32 --------------------------------------------------------------------------------
@@ -311,6 +308,14 @@ def test_on_neuron_tensors_a_grid_is_one_launch_timed_as_the_multi_core_one():
     dev = nki.profile(split_matmul[2])(torch.from_numpy(a).to("neuron"), torch.from_numpy(b).to("neuron"))
     assert dev.device_time_ns == pytest.approx(cpu.device_time_ns)
     np.testing.assert_array_equal(dev.outputs.cpu().numpy(), cpu.outputs)
+    x = _f32(256, 64)
+    for kernel in (swap_halves[2], doubled_then_other_half[2]):  # data moved between the cores
+        cpu = nki.profile(kernel)(x)
+        dev = nki.profile(kernel)(torch.from_numpy(x).to("neuron"))
+        assert dev.device_time_ns == pytest.approx(cpu.device_time_ns)
+        np.testing.assert_array_equal(dev.outputs.cpu().numpy(), cpu.outputs)
+    with pytest.raises(NotImplementedError, match="on several collective ranks"):
+        K.spmd_scale.ranks(2)(torch.from_numpy(_f32(2, 64, 8)).to("neuron"), 2.0)
 
 
 def test_dynamic_loops_on_two_cores_time_each_core_by_its_own_run():

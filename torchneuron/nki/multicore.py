@@ -175,6 +175,13 @@ class LaunchProgram(Program):
         return {**super().__getstate__(), "instances": self.instances, "cores": self.cores, "lnc": self.lnc,
                 "world": self.world}
 
+    def run_on(self, core: NeuronCore, tensors: list) -> list | None:
+        """What ``NeuronCore.run_bound`` does for a launch that moves data between cores: run it on the cores of
+        ``core``'s chip model (None for other launches, which one core runs instance after instance)."""
+        if not self.cross_core:
+            return None
+        return run_bound(self, list(tensors), core.spec)
+
     def core_of(self, instance: int) -> int:
         """The physical core (numbered across the chips of the node) ``instance`` runs on."""
         return instance % self.cores if self.world == 1 else instance
@@ -387,25 +394,12 @@ class _Space:
 def run(launch: LaunchProgram, bindings: dict[str, torch.Tensor], spec: ChipSpec, *, timed: bool = False) -> RunReport:
     """Run every rank of ``launch`` on its own core of a ``spec`` chip (shared HBM) and report like
     ``NeuronCore.run``."""
-    n = len(launch.instances)
-    cores = [c for c in chip_cores(spec, max(launch.core_of(i) for i in range(n)) + 1)]
-    cores = [cores[launch.core_of(i)] for i in range(n)]
     bound = launch.bind(bindings or {})
     tensors = []
     for s in launch.args:
         check_host_binding(s.name, bound[s.name])
         tensors.append(bound[s.name].detach())
-    if not launch.cross_core:
-        for r, prog in enumerate(launch.instances):
-            cores[r].run_bound(prog, tensors)
-    else:
-        hbm = {f"hbm:{s.name}": Memory.hbm(s.name, t) for s, t in zip(launch.args, tensors)}
-        spaces = [_Space(cores[r], hbm) for r in range(len(launch.instances))]
-        for k in range(len(launch.segments[0])):
-            for r, parts in enumerate(launch.segments):
-                cores[r].run_bound(parts[k][0], tensors, fresh=k == 0)
-            if launch.segments[0][k][1] is not None:
-                exchange([parts[k][1] for parts in launch.segments], spaces, launch.lnc)
+    run_bound(launch, tensors, spec)
     report = RunReport(outputs={s.name: bound[s.name] for s in launch.args if s.kind == "output"}, bindings=bound,
                        device_time_ns=None, flops=launch.flops, hbm_bytes_read=launch.hbm_bytes_read,
                        hbm_bytes_written=launch.hbm_bytes_written, instructions=len(launch.instructions))
@@ -416,6 +410,29 @@ def run(launch: LaunchProgram, bindings: dict[str, torch.Tensor], spec: ChipSpec
         report.engine_busy_ns = dict(sched.engine_busy_ns)
         report.roofline = launch.roofline(spec)
     return report
+
+
+def run_bound(launch: LaunchProgram, tensors: list, spec: ChipSpec) -> list:
+    """Execute ``launch`` on HBM tensors in slot order (contiguous host tensors; ``None`` for an output or
+    scratch slot allocates it), each instance on its own core of ``spec`` chips; returns the tensors used."""
+    for i, slot in enumerate(launch.args):
+        if tensors[i] is None:
+            tensors[i] = Program.allocate(slot)
+    n = len(launch.instances)
+    pool = chip_cores(spec, max(launch.core_of(i) for i in range(n)) + 1)
+    cores = [pool[launch.core_of(i)] for i in range(n)]
+    if not launch.cross_core:
+        for r, prog in enumerate(launch.instances):
+            cores[r].run_bound(prog, tensors)
+        return tensors
+    hbm = {f"hbm:{s.name}": Memory.hbm(s.name, t) for s, t in zip(launch.args, tensors)}
+    spaces = [_Space(cores[r], hbm) for r in range(n)]
+    for k in range(len(launch.segments[0])):
+        for r, parts in enumerate(launch.segments):
+            cores[r].run_bound(parts[k][0], tensors, fresh=k == 0)
+        if launch.segments[0][k][1] is not None:
+            exchange([parts[k][1] for parts in launch.segments], spaces, launch.lnc)
+    return tensors
 
 
 def _read(ap: AP, space: _Space) -> torch.Tensor:

@@ -78,9 +78,6 @@ def launch_on_device(kernel: Any, args: tuple, kwargs: dict, *, stream: Any = No
         raise NotImplementedError(f"kernel {name!r}: a launch on several collective ranks (.ranks(n)) runs on NumPy "
                                   f"arrays or CPU tensors; on neuron tensors each process launches its own rank")
     traced = kernel.trace((), call, spec)
-    if getattr(traced.program, "cross_core", False):
-        raise NotImplementedError(f"kernel {name!r} moves data between NeuronCores (sendrecv, core_barrier, "
-                                  f"collectives): it runs on NumPy arrays or CPU tensors, not yet on neuron tensors")
     launch_args = {n: dense[n].detach() for n in traced.inputs}
     device = torch.device("neuron", index)
     launch_args.update({slot: torch.as_tensor(data).to(device) for slot, data in traced.constants.items()})

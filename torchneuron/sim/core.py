@@ -173,7 +173,13 @@ class NeuronCore:
         and dtype. ``None`` for an output or scratch slot allocates it (zeros; NaN with NaN fill).
         Returns the tensors used, in slot order. No timing: see ``Program.schedule``.
         ``fresh=False`` continues the kernel the core ran last (on-chip state and open accumulation
-        groups kept): a multi-core launch runs each core's program in segments between exchanges."""
+        groups kept): a multi-core launch runs each core's program in segments between exchanges. A program
+        with its own ``run_on(core, tensors)`` (a launch over several cores) runs through it when that
+        returns the tensors."""
+        if type(program) is not Program and hasattr(program, "run_on"):
+            ran = program.run_on(self, tensors)  # a launch over several cores runs on its own cores
+            if ran is not None:
+                return ran
         plan = self._plan(program)
         for i in plan.fills:
             if tensors[i] is None:
