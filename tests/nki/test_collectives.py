@@ -277,6 +277,8 @@ def test_bad_groups_shapes_and_operands_raise():
         all_reduce_kernel.ranks(4)(x, [[0, 1]], nl.multiply)
     with pytest.raises(ValueError, match=r"for a group of 1 ranks dst must have shape \[16, 8\], got \[48, 8\]"):
         gather_kernel.ranks(4)(x, [[0, 1, 2], [3]])  # out sized for 3: the group of 1 disagrees
+    with pytest.raises(ValueError, match=r"not a rank of the launch \(ranks 0..0\); launch several ranks with"):
+        all_reduce_kernel(x[0], [[0, 1]], nl.add)
     with pytest.raises(ValueError, match="argument 'x' must hold one slice per rank"):
         all_reduce_kernel.ranks(3)(x, [[0, 1]], nl.add)
 

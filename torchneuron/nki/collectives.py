@@ -33,7 +33,12 @@ class ReplicaGroup(NKIObject):
 
     def ranks(self, what: str) -> tuple[tuple[int, ...], ...]:
         """The rank lists, checked against the launch being traced (ValueError: overlapping or unknown ranks)."""
-        return multicore.check_group(self.groups, current().world, what)
+        try:
+            return multicore.check_group(self.groups, current().world, what)
+        except ValueError as e:
+            if "is not a rank of the launch" in str(e):
+                raise ValueError(f"{e}; launch several ranks with kernel.ranks(n)") from None
+            raise
 
 
 def _group(replica_group: Any, what: str) -> tuple[tuple[int, ...], ...]:
