@@ -72,8 +72,32 @@ def test_forward_returns_row_statistics(shape):
     for got, ref in zip((out, mean, rstd), want):
         assert got.shape == ref.shape and got.dtype == torch.float32
         close(got, ref, torch.float32, scale=2.0)
-    with pytest.raises(AssertionError, match="not RMS norm"):
-        layer_norm_kernel(x, w, b, rms=True, stats=True)
+    # RMS norm: (out, rstd), as _fused_rms_norm returns them; the backward from that rstd equals recomputing
+    from torchneuron.kernels import layer_norm_bwd_kernel
+    out, rstd = layer_norm_kernel(x, w, b, eps=1e-5, rms=True, stats=True)
+    want_out, want_rstd = torch.ops.aten._fused_rms_norm(x, [shape[-1]], w, 1e-5)
+    close(out, want_out, torch.float32, scale=2.0)
+    assert rstd.shape == want_rstd.reshape(-1, 1).shape
+    close(rstd, want_rstd.reshape(-1, 1), torch.float32, scale=2.0)
+    dy = torch.randn(shape)
+    saved = layer_norm_bwd_kernel(dy, x, w, rms=True, rstd=rstd)
+    for got, ref in zip(saved[:2], layer_norm_bwd_kernel(dy, x, w, eps=1e-5, rms=True)[:2]):
+        close(got, ref, torch.float32, scale=2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_round_once(dtype):
+    # 2-byte inputs stay 2-byte in SBUF; every result is the fp32 computation rounded once to the dtype: within
+    # one ulp (2u relative) of the rounded fp32 reference, plus the fp32 computations' own difference (a few
+    # roundings of terms up to ~10, ~1e-5) where a result cancels towards 0
+    u = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
+    x, w, b, _ = _inputs((260, 1536), dtype)
+    ref = F.layer_norm(x.float(), (1536,), w.float(), b.float()).to(dtype)
+    got = layer_norm(x, w, b)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref.float(), atol=1e-5, rtol=2 * u)
+    ref = F.rms_norm(x.float(), (1536,), w.float(), 1e-6).to(dtype)
+    torch.testing.assert_close(rms_norm(x, w).float(), ref.float(), atol=1e-5, rtol=2 * u)
 
 
 @pytest.mark.parametrize("chip", ["trn1", "trn2"])

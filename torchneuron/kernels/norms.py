@@ -58,9 +58,9 @@ def bwd_fits(D: int) -> bool:
     return (1 + (NBUF + 1) * 7) * D * 4 + 16 * D <= nl.tile_size.sbuf_fmax_bytes
 
 
-def _row(v, D):
-    """A (D,) HBM vector broadcast over the 128 partitions, in fp32 SBUF."""
-    t = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
+def _row(v, D, dtype=nl.float32):
+    """A (D,) HBM vector broadcast over the 128 partitions, in SBUF (fp32 unless told)."""
+    t = nl.ndarray((PMAX, D), dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=t, src=v.reshape((1, D)).broadcast_to((PMAX, D)))
     return t
 
@@ -83,10 +83,13 @@ def _ln_stats(t, p, D, eps):
 
 def _saved_stats(mean, rstd, r0, p, sc):
     """(rstd, -mean*rstd) of rows [r0, r0 + p) into sc[:, 0:2], from a forward's saved (N, 1) statistics
-    (the backward then uses exactly the forward's values, as PyTorch's CPU kernel does)."""
+    (the backward then uses exactly the forward's values, as PyTorch's CPU kernel does); mean None: RMS."""
+    nisa.dma_copy(dst=sc[:p, 0:1], src=rstd[r0:r0 + p, :])
+    if mean is None:     # RMS norm: no centring
+        nisa.memset(dst=sc[:p, 1:2], value=0.0)
+        return
     m = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=m[:p], src=mean[r0:r0 + p, :])
-    nisa.dma_copy(dst=sc[:p, 0:1], src=rstd[r0:r0 + p, :])
     nisa.tensor_scalar(dst=sc[:p, 1:2], data=m[:p], op0=nl.multiply, operand0=sc[:p, 0:1], op1=nl.multiply,
                        operand1=-1.0)
 
@@ -236,29 +239,31 @@ def _ln_fwd_grouped(x, weight, bias, out, eps, rms, stats):
         nisa.dma_copy(dst=grouped_rows(out, r0, p, g), src=y[:p])
         if stats:
             mean_out, rstd_out = stats
-            nisa.dma_copy(dst=mean_out[r0:r0 + p * g, :].reshape((p, g)), src=mean[:p])
+            if mean_out is not None:
+                nisa.dma_copy(dst=mean_out[r0:r0 + p * g, :].reshape((p, g)), src=mean[:p])
             nisa.dma_copy(dst=rstd_out[r0:r0 + p * g, :].reshape((p, g)), src=rstd[:p])
         ring.append((t, xc, y))
 
 
 def _store_stats(stats, r0, p, mean, rstd):
-    """DMA the (P, 1) mean and rstd columns of rows [r0, r0 + p) to the (N, 1) HBM outputs ``stats``."""
+    """DMA the (P, 1) mean and rstd columns of rows [r0, r0 + p) to the (N, 1) HBM outputs ``stats`` (no mean
+    output: RMS norm)."""
     mean_out, rstd_out = stats
-    nisa.dma_copy(dst=mean_out[r0:r0 + p, :], src=mean[:p])
+    if mean_out is not None:
+        nisa.dma_copy(dst=mean_out[r0:r0 + p, :], src=mean[:p])
     nisa.dma_copy(dst=rstd_out[r0:r0 + p, :], src=rstd[:p])
 
 
 @nki.jit
 def layer_norm_kernel(x, weight, bias, eps=1e-5, rms=False, stats=False):
-    """Forward layer norm (``rms``: RMS norm, ``bias`` ignored) of the rows of [N, D]. With ``stats``
-    (layer norm only) it returns (out, mean, rstd), the row statistics as (N, 1) fp32, which the
+    """Forward layer norm (``rms``: RMS norm, ``bias`` ignored) of the rows of [N, D]. With ``stats`` it
+    returns (out, mean, rstd) (RMS norm: (out, rstd)), the row statistics as (N, 1) fp32, which the
     backward takes (``layer_norm_bwd_kernel(..., mean=, rstd=)``)."""
-    assert not (stats and rms), "layer_norm: stats are the layer norm's mean and rstd (not RMS norm)"
     N, D = x.shape
     out = nl.ndarray((N, D), x.dtype, buffer=nl.shared_hbm)
-    saved = (nl.ndarray((N, 1), nl.float32, buffer=nl.shared_hbm),
+    saved = (None if rms else nl.ndarray((N, 1), nl.float32, buffer=nl.shared_hbm),
              nl.ndarray((N, 1), nl.float32, buffer=nl.shared_hbm)) if stats else None
-    result = (out, *saved) if stats else out
+    result = (out, *[t for t in saved if t is not None]) if stats else out
     if not fwd_fits(D):
         _ln_fwd_long(x, weight, bias, out, eps, rms, saved)
         return result
@@ -266,27 +271,35 @@ def layer_norm_kernel(x, weight, bias, eps=1e-5, rms=False, stats=False):
         _ln_fwd_grouped(x, weight, bias, out, eps, rms, saved)
         return result
     check_sbuf((2 + (NBUF + 1) * 2) * D * 4 + 8 * D, f"layer_norm D={D}")
-    w = _row(weight, D)
-    b = None if rms else _row(bias, D)
+    # tiles keep the input's dtype on both DMA sides (a casting DMA moves the fp32 bytes); the weight stays
+    # in its dtype when it is the input's (VectorE's bf16 rate for (x - mean) * w), else fp32
+    w = _row(weight, D, weight.dtype if weight.dtype == x.dtype else nl.float32)
+    b = None if rms else _row(bias, D, bias.dtype if bias.dtype == x.dtype else nl.float32)
     ring = collections.deque(maxlen=NBUF)
     for r0 in range(0, N, PMAX):
         p = min(PMAX, N - r0)
-        t = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
+        t = nl.ndarray((PMAX, D), x.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=t[:p], src=x[r0:r0 + p, :])
-        y = xh = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)     # xhat, then y in place
+        u = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
+        y = u if x.dtype == nl.float32 else nl.ndarray((PMAX, D), x.dtype, buffer=nl.sbuf)
+        # one pass per engine: the statistics and u = (x - mean) * w on VectorE, the scaling on ScalarE
+        # (layer norm) or GpSimd (RMS), the bias on GpSimd; y is written once, in the output dtype
         if rms:
             rstd = _rms_stats(t, p, D, eps)
-            nisa.activation(dst=xh[:p], op=nl.identity, data=t[:p], scale=rstd[:p])
-            nisa.tensor_tensor(dst=y[:p], data1=xh[:p], data2=w[:p], op=nl.multiply)
+            nisa.scalar_tensor_tensor(dst=u[:p], data=t[:p], op0=nl.subtract, operand0=0.0, op1=nl.multiply,
+                                      operand1=w[:p])
+            nisa.tensor_scalar(dst=y[:p], data=u[:p], op0=nl.multiply, operand0=rstd[:p], engine=nisa.gpsimd_engine)
+            mean = None
         else:
-            rstd, nmr, mean = _ln_stats(t, p, D, eps)
-            nisa.activation(dst=xh[:p], op=nl.identity, data=t[:p], scale=rstd[:p], bias=nmr[:p])
-            nisa.tensor_tensor(dst=y[:p], data1=xh[:p], data2=w[:p], op=nl.multiply, engine=nisa.gpsimd_engine)
-            nisa.tensor_tensor(dst=y[:p], data1=y[:p], data2=b[:p], op=nl.add, engine=nisa.gpsimd_engine)
-            if stats:
-                _store_stats(saved, r0, p, mean, rstd)
+            rstd, _, mean = _ln_stats(t, p, D, eps)
+            nisa.scalar_tensor_tensor(dst=u[:p], data=t[:p], op0=nl.subtract, operand0=mean[:p], op1=nl.multiply,
+                                      operand1=w[:p])
+            nisa.activation(dst=u[:p], op=nl.identity, data=u[:p], scale=rstd[:p])
+            nisa.tensor_tensor(dst=y[:p], data1=u[:p], data2=b[:p], op=nl.add, engine=nisa.gpsimd_engine)
+        if stats:
+            _store_stats(saved, r0, p, mean, rstd)
         nisa.dma_copy(dst=out[r0:r0 + p, :], src=y[:p])
-        ring.append((t, y))
+        ring.append((t, u, y))
     return result
 
 
@@ -403,14 +416,17 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved):
     for r0, p, g in blocks:
         t, gr = load_grouped(x, r0, p, g), load_grouped(dy, r0, p, g)
         if saved:   # xhat = x * rstd - mean * rstd: one ScalarE pass per row slot (its statistics are columns)
-            mean = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
             rstd = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=mean[:p], src=saved[0][r0:r0 + p * g, :].reshape((p, g)))
             nisa.dma_copy(dst=rstd[:p], src=saved[1][r0:r0 + p * g, :].reshape((p, g)))
             nmr = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
             xh = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
-            nisa.scalar_tensor_tensor(dst=nmr[:p], data=mean[:p], op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
-                                      operand1=rstd[:p])
+            if saved[0] is None:   # RMS norm: no centring
+                nisa.memset(dst=nmr[:p], value=0.0)
+            else:
+                mean = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=mean[:p], src=saved[0][r0:r0 + p * g, :].reshape((p, g)))
+                nisa.scalar_tensor_tensor(dst=nmr[:p], data=mean[:p], op0=nl.multiply, operand0=-1.0,
+                                          op1=nl.multiply, operand1=rstd[:p])
             for k in range(g):
                 nisa.activation(dst=xh[:p, k, :], op=nl.identity, data=t[:p, k, :], scale=rstd[:p, k:k + 1],
                                 bias=nmr[:p, k:k + 1])
@@ -460,13 +476,15 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved):
 @nki.jit
 def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=None):
     """Backward of layer norm (``rms``: RMS norm): returns (dx, dweight, dbias) (dbias zero for RMS).
-    Given the forward's saved ``mean`` and ``rstd`` (N, 1) (layer norm only), it uses them instead of
-    recomputing the row statistics."""
+    Given the forward's saved ``mean`` and ``rstd`` (N, 1) (RMS norm: ``rstd`` only), it uses them instead
+    of recomputing the row statistics."""
     N, D = x.shape
     saved = None
     if mean is not None or rstd is not None:
-        assert mean is not None and rstd is not None and not rms, "layer_norm backward: saved stats are mean and rstd"
-        assert tuple(mean.shape) == tuple(rstd.shape) == (N, 1), f"layer_norm backward: stats are not ({N}, 1)"
+        assert rstd is not None and (mean is None) == rms, \
+            "layer_norm backward: saved stats are mean and rstd (RMS norm: rstd only)"
+        assert tuple(rstd.shape) == (N, 1) and (mean is None or tuple(mean.shape) == (N, 1)), \
+            f"layer_norm backward: stats are not ({N}, 1)"
         saved = (mean, rstd)
     dx_out = nl.ndarray((N, D), x.dtype, buffer=nl.shared_hbm)
     dw_out = nl.ndarray((1, D), weight.dtype, buffer=nl.shared_hbm)
@@ -493,16 +511,16 @@ def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=No
         nisa.dma_copy(dst=t[:p], src=x[r0:r0 + p, :])
         nisa.dma_copy(dst=g[:p], src=dy[r0:r0 + p, :])
         xh = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
-        if rms:
+        if saved:
+            sc = nl.ndarray((PMAX, 2), nl.float32, buffer=nl.sbuf)
+            _saved_stats(*saved, r0, p, sc)
+            rs, nmr = sc[:, 0:1], sc[:, 1:2]
+            nisa.activation(dst=xh[:p], op=nl.identity, data=t[:p], scale=rs[:p], bias=nmr[:p])
+        elif rms:
             rs = _rms_stats(t, p, D, eps)
             nisa.activation(dst=xh[:p], op=nl.identity, data=t[:p], scale=rs[:p])
         else:
-            if saved:
-                sc = nl.ndarray((PMAX, 2), nl.float32, buffer=nl.sbuf)
-                _saved_stats(*saved, r0, p, sc)
-                rs, nmr = sc[:, 0:1], sc[:, 1:2]
-            else:
-                rs, nmr, _ = _ln_stats(t, p, D, eps)
+            rs, nmr, _ = _ln_stats(t, p, D, eps)
             nisa.activation(dst=xh[:p], op=nl.identity, data=t[:p], scale=rs[:p], bias=nmr[:p])
         # weight/bias gradients: column sums of dy * xhat and dy over the rows of this block
         prod = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
