@@ -210,3 +210,29 @@ def test_matmul_a_given_as_km_narrow_output_loads_several_strips_at_once(mkn, dt
     out = matmul_kernel(a.T.contiguous(), b, transpose_a=True)
     assert out.dtype == dtype and out.shape == (M, N)
     _accumulation_close(out, a, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mkn,transpose_a,transpose_b,bias", [((300, 200, 100), False, False, False),
+                                                              ((768, 1024, 640), True, False, False),
+                                                              ((130, 1030, 600), False, True, True),
+                                                              ((200, 64, 96), False, True, True)])
+def test_matmul_widened_output_is_the_rounded_product_cast_exactly(mkn, transpose_a, transpose_b, bias, dtype):
+    # out_dtype=float32: the grouped and the tiled path round the product to the operands' dtype at the
+    # eviction, as without it, and the store widens exactly: equal to the narrow result cast to float32
+    M, K, N = mkn
+    a = torch.randn((K, M) if transpose_a else (M, K)).to(dtype)
+    b = torch.randn((N, K) if transpose_b else (K, N)).to(dtype)
+    kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, bias=torch.randn(1, N).to(dtype) if bias else None)
+    narrow = torch.as_tensor(matmul_kernel(a, b, **kw))
+    wide = torch.as_tensor(matmul_kernel(a, b, out_dtype=torch.float32, **kw))
+    assert narrow.dtype == dtype and wide.dtype == torch.float32
+    assert torch.equal(wide, narrow.float())
+
+
+def test_matmul_widening_only_from_two_byte_operands_to_float32():
+    a = torch.randn(8, 8)
+    with pytest.raises(AssertionError, match="out_dtype widens 2-byte operands"):
+        matmul_kernel(a, a, out_dtype=torch.float32)
+    with pytest.raises(AssertionError, match="out_dtype widens 2-byte operands"):
+        matmul_kernel(a.bfloat16(), a.bfloat16(), out_dtype=torch.float16)

@@ -162,6 +162,12 @@ class _Body:
         if role == "pick":
             self.env[node] = args[0][args[1]]
             return
+        if role == "widened":   # a cast its product's kernel already applied (partition._widen_products)
+            v = args[0]
+            if v.dtype != node.meta["val"].dtype:
+                raise NotLowerable(f"{node.name}: its product was not stored as {node.meta['val'].dtype}")
+            self.env[node] = v
+            return
         lower = lowering.KERNELS[node.target]
         self.env[node] = lower(self, node, *args, **kwargs)
 

@@ -130,6 +130,9 @@ class Segment:
     items: list[Any] = field(default_factory=list)
     inputs: list[fx.Node] = field(default_factory=list)    # host values it reads (graph inputs, eager results)
     outputs: list[fx.Node] = field(default_factory=list)   # computed values read after it
+    # matrix products stored in a wider dtype (node -> dtype), and the casts that thereby became no-ops
+    widened: dict[fx.Node, torch.dtype] = field(default_factory=dict)
+    widen_casts: dict[fx.Node, fx.Node] = field(default_factory=dict)   # cast -> its product
 
     def describe(self) -> str:
         """One line per item: what the program computes."""
@@ -138,6 +141,8 @@ class Segment:
             if isinstance(it, FusionGroup):
                 lines.append(f"  fused[{it.kind} {list(it.shape)}]: " + ", ".join(_name(n) for n in it.nodes)
                              + " -> " + ", ".join(n.name for n in it.outputs))
+            elif it in self.widen_casts:
+                lines.append(f"  widened: {_name(it)} (stored as {_vals(it)[0].dtype} by {self.widen_casts[it].name})")
             else:
                 lines.append(f"  {role(it)}: {_name(it)}")
         return "\n".join(lines)
@@ -243,7 +248,7 @@ def _finish_segment(seg: Segment, roles: dict, owner: dict) -> None:
             if user not in members:
                 outputs.setdefault(n, None)
     seg.outputs = list(outputs)
-    seg.items = _fuse(seg, roles)
+    seg.items = _widen_products(seg, _fuse(seg, roles), roles)
 
 
 def _readers(node: fx.Node, roles: dict) -> list[fx.Node]:
@@ -288,6 +293,34 @@ def _fuse(seg: Segment, roles: dict) -> list[Any]:
         group_of[node] = target
     items = [part for it in items for part in (_fit(it, escapes, roles) if isinstance(it, FusionGroup) else [it])]
     return items
+
+
+_CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+_PRODUCTS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+def _widen_products(seg: Segment, items: list[Any], roles: dict) -> list[Any]:
+    """``items`` with each group that only widens a matrix product (2-byte float to float32) read by
+    nothing else folded into that product: the matmul kernel rounds the product to its dtype as always and
+    its store widens it (autocast's float32 weight gradients: one HBM write instead of write, read, write)."""
+    escapes = set(seg.outputs)
+    out = []
+    for it in items:
+        if isinstance(it, FusionGroup) and len(it.nodes) == 1 and it.nodes[0].target in _CASTS:
+            cast = it.nodes[0]
+            src = cast.all_input_nodes[0] if len(cast.all_input_nodes) == 1 else None
+            prod = _root(src, roles) if src is not None else None
+            if (prod is not None and roles.get(prod) == "kernel" and prod.target in _PRODUCTS and prod in seg.nodes
+                    and prod not in escapes and _readers(prod, roles) == [cast]
+                    and _vals(prod)[0].dtype in (torch.bfloat16, torch.float16)
+                    and _vals(cast)[0].dtype == torch.float32):
+                seg.widened[prod] = torch.float32
+                seg.widen_casts[cast] = prod
+                roles[cast] = "widened"
+                out.append(cast)
+                continue
+        out.append(it)
+    return out
 
 
 # Streamed tensors (inputs of more than one element, and outputs) of one fusion group: the element-wise

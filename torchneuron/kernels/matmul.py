@@ -59,12 +59,19 @@ TM, TK, TN = 128, 128, 512     # stationary M, contraction K, moving N (one fp32
 
 
 @nki.jit
-def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None):
+def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None, out_dtype=None):
     """``A @ B`` (A [M, K], or [K, M] with ``transpose_a``; B [K, N], or [N, K] with ``transpose_b``),
-    output in A's dtype; plus a [1, N] ``bias`` row added at the PSUM eviction (``linear``)."""
+    output in A's dtype; plus a [1, N] ``bias`` row added at the PSUM eviction (``linear``).
+
+    ``out_dtype`` (float32, for 2-byte operands): the product rounded to A's dtype as always, then widened
+    exactly by the store's DMA, so the result equals the matmul followed by a cast (autocast's fp32
+    gradient of a bf16 weight) without that pass's HBM round trip."""
     M = a.shape[1] if transpose_a else a.shape[0]
     N = b.shape[0] if transpose_b else b.shape[1]
-    out = nl.ndarray((M, N), a.dtype, buffer=nl.shared_hbm)
+    if out_dtype is not None:
+        assert out_dtype == nl.float32 and itemsize(a.dtype) == 2, \
+            f"matmul: out_dtype widens 2-byte operands to float32, not {a.dtype} to {out_dtype}"
+    out = nl.ndarray((M, N), out_dtype or a.dtype, buffer=nl.shared_hbm)
     K = a.shape[0] if transpose_a else a.shape[1]
     Kb = b.shape[1] if transpose_b else b.shape[0]
     assert K == Kb, f"matmul: contraction dims differ ({K} vs {Kb})"

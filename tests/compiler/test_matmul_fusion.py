@@ -1,0 +1,49 @@
+"""Casts folded into matrix products: autocast's float32 gradients of bf16 products stored widened."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+
+def _grads(model: nn.Module, x: torch.Tensor, compiled: bool) -> list[torch.Tensor]:
+    m = copy.deepcopy(model).to("neuron")
+    run = torch.compile(m, backend="neuron") if compiled else m
+    with torch.autocast("neuron", torch.bfloat16):
+        loss = run(x.to("neuron")).float().square().mean()
+    loss.backward()
+    return [loss.detach().cpu()] + [p.grad.cpu() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_widened_weight_gradients_equal_eager_bit_for_bit(bias, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHNEURON_DUMP_DIR", str(tmp_path / "dump"))
+    torch.manual_seed(0)
+    # 600 outputs: a bias row wider than the kernel fuses (its own pass, then the cast folded into it)
+    model = nn.Sequential(nn.Linear(200, 300, bias=bias), nn.GELU(), nn.Linear(300, 600, bias=bias))
+    x = torch.randn(64, 200)
+    eager, compiled = _grads(model, x, False), _grads(model, x, True)
+    for e, c in zip(eager, compiled):
+        assert c.dtype == e.dtype == torch.float32
+        assert torch.equal(c, e)   # the same roundings: the product to bf16, then exactly to float32
+    backward = next(p for p in (tmp_path / "dump").iterdir() if p.name.endswith("_backward"))
+    widened = [ln for ln in (backward / "fusion.txt").read_text().splitlines() if "widened:" in ln]
+    assert len(widened) >= 2, "both weight gradients' casts should fold into their products"
+
+
+def test_a_product_read_elsewhere_is_not_widened(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHNEURON_DUMP_DIR", str(tmp_path / "dump"))
+    torch.manual_seed(0)
+
+    def f(a, b):
+        p = a @ b                    # read in bf16 by the add and widened by the cast: stored once, as bf16
+        return p.float(), p + 1
+    a, b = torch.randn(64, 96).bfloat16(), torch.randn(96, 80).bfloat16()
+    got = torch.compile(f, backend="neuron")(a.to("neuron"), b.to("neuron"))
+    eager = f(a.to("neuron"), b.to("neuron"))
+    for e, g in zip(eager, got):
+        assert g.dtype == e.dtype and torch.equal(g.cpu(), e.cpu())
+    text = "".join((d / "fusion.txt").read_text() for d in (tmp_path / "dump").iterdir())
+    assert "widened:" not in text
