@@ -7,7 +7,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.torchneuron-setup
 SOURCES := pyproject.toml setup.py constraints.txt $(wildcard torchneuron/_csrc/*.cpp torchneuron/_csrc/*.h)
 
-.PHONY: setup test demo conformance coverage bench titan clean
+.PHONY: setup test demo conformance coverage bench calibrate titan clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,11 @@ bench: setup
 	$(PY) bench/eager.py
 	$(PY) bench/compile.py
 	$(PY) bench/distributed.py
+
+# The timing model against published Trainium timings (bench/calibrate.py; the public kernels are read from a
+# git copy of aws-neuron/aws-neuron-sdk: SDK=path or TORCHNEURON_NKI_SDK). The full set takes tens of minutes.
+calibrate: setup
+	$(PY) bench/calibrate.py $(if $(SDK),--sdk $(SDK))
 
 # TorchTitan's llama3 debug model on 2 and 4 neuron ranks against the same runs on CPU ranks.
 # TorchTitan imports triton at model import (never run here); constraints keep torch 2.13.0.
