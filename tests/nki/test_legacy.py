@@ -136,3 +136,22 @@ def test_aliases_refuse_a_real_neuronxcc(monkeypatch):
     monkeypatch.setitem(sys.modules, "neuronxcc.nki", types.ModuleType("neuronxcc.nki"))
     with pytest.raises(ImportError, match="real NKI"):
         tn.install_import_aliases()
+
+
+def test_spmd_dim_and_nc_place_instances_on_the_named_cores():
+    """S-legacy test_nki_spmd_grid.py: ``nl.spmd_dim(g, nl.nc(2))`` runs instance (n, m) on NC n % 2;
+    ``nl.nc(2) * 2`` (= ``spmd_dim(nl.nc(2), 2)``) runs instances 0-1 on NC 0 and 2-3 on NC 1."""
+    from tests.nki.kernels import spmd_scale  # a current-generation kernel: the grid form is the same
+    from torchneuron.sim.specs import chip_spec
+
+    a, b = randn(512, 512), randn(512, 512)
+    rep = tn.profile(K["spmd_add"][nl.spmd_dim(2, nl.nc(2)), 2])(a, b)
+    assert [rep.program.core_of(i) for i in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]  # (n, m) on n % 2
+    np.testing.assert_allclose(rep.outputs, a + b, rtol=1e-6)
+    for grid in (nl.nc(2) * 2, nl.spmd_dim(nl.nc(2), 2)):
+        rep = tn.profile(spmd_scale[grid])(randn(256, 64), 2.0)
+        assert [rep.program.core_of(i) for i in range(4)] == [0, 0, 1, 1]
+        times = [p.schedule(chip_spec("trn2")).device_time_ns for p in rep.program.instances]
+        assert rep.device_time_ns == pytest.approx(max(times[0] + times[1], times[2] + times[3]))
+    rep = tn.profile(spmd_scale[2 * nl.nc(2)])(randn(256, 64), 2.0)
+    assert [rep.program.core_of(i) for i in range(4)] == [0, 1, 0, 1]

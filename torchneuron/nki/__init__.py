@@ -82,11 +82,14 @@ class Kernel:
         self._root = self
         functools.update_wrapper(self, fn)
 
+    placement: tuple[int, ...] | None = None  # the core of each instance (row-major) when the grid names them
+
     def __getitem__(self, grid: int | tuple[int, ...]) -> "Kernel":
         """The same kernel launched on an SPMD grid: ``kernel[2](...)`` (LNC=2), ``kernel[gx, gy](...)``."""
-        k = type(self)(self.fn, tuple(grid) if isinstance(grid, tuple) else (int(grid),), self.cache, self.world,
-                       **self.options)
+        dims = grid if isinstance(grid, tuple) else (grid,)
+        k = type(self)(self.fn, tuple(int(d) for d in dims), self.cache, self.world, **self.options)
         k._root = self._root
+        k.placement = _placement(dims)
         return k
 
     def ranks(self, world: int) -> "Kernel":
@@ -97,6 +100,7 @@ class Kernel:
             raise ValueError(f"ranks(world): world is a positive number of ranks, got {world!r}")
         k = type(self)(self.fn, self.grid, self.cache, world, **self.options)
         k._root = self._root
+        k.placement = self.placement
         return k
 
     def _bind(self, args: tuple, kwargs: dict) -> inspect.BoundArguments:
@@ -107,7 +111,7 @@ class Kernel:
     def trace(self, args: tuple, kwargs: dict, spec: ChipSpec) -> Traced:
         """The traced program for these arguments (from the cache when seen before)."""
         bound = self._bind(args, kwargs)
-        key = (self.grid, self.world, spec.name, tuple(
+        key = (self.grid, self.world, self.placement, spec.name, tuple(
             (n, ("array", tuple(v.shape), str(v.dtype)) if _is_array(v) else _hashable(v))
             for n, v in bound.arguments.items()))
         hit = self.cache.get(key)
@@ -148,7 +152,7 @@ class Kernel:
         constants = dict(traces[0].constants)
         if len(traces) == 1:
             return Traced(traces[0].program(name, outs), inputs, result, constants)
-        program = multicore.launch_program(traces, name, outs, self.world)
+        program = multicore.launch_program(traces, name, outs, self.world, self.placement)
         return Traced(program, inputs, results[-1], constants, tuple(results) if self.world > 1 else ())
 
     def run(self, args: tuple, kwargs: dict, chip: str | ChipSpec | None = None, timed: bool = False):
@@ -186,6 +190,21 @@ class Kernel:
         if on_device.has_neuron_tensor(args, kwargs):
             return on_device.call_on_device(self, args, kwargs)
         return self.run(args, kwargs)[0]
+
+
+def _placement(dims: tuple) -> tuple[int, ...] | None:
+    """The core of each instance of a grid whose dims spread instances over cores (the earlier generation's
+    ``nl.spmd_dim`` / ``nl.nc`` factors, which carry ``cores``), row-major; None for plain grids."""
+    spread = [(k, d) for k, d in enumerate(dims) if getattr(d, "cores", 1) > 1]
+    if not spread:
+        return None
+    cores = []
+    for pid in np.ndindex(*[int(d) for d in dims]):
+        core = 0
+        for k, d in spread:  # the dims' core indices combined row-major
+            core = core * d.cores + d.core(pid[k])
+        cores.append(core)
+    return tuple(cores)
 
 
 def _warn_unreturned(name: str, traces: list[Trace]) -> None:

@@ -170,10 +170,11 @@ class LaunchProgram(Program):
     cores: int = 1                    # physical cores per chip
     lnc: int = 1                      # instances per rank
     world: int = 1                    # collective ranks
+    placement: tuple[int, ...] | None = None  # the core of each instance of one rank, when the grid names them
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "instances": self.instances, "cores": self.cores, "lnc": self.lnc,
-                "world": self.world}
+                "world": self.world, "placement": self.placement}
 
     def run_on(self, core: NeuronCore, tensors: list) -> list | None:
         """What ``NeuronCore.run_bound`` does for a launch that moves data between cores: run it on the cores of
@@ -184,7 +185,9 @@ class LaunchProgram(Program):
 
     def core_of(self, instance: int) -> int:
         """The physical core (numbered across the chips of the node) ``instance`` runs on."""
-        return instance % self.cores if self.world == 1 else instance
+        if self.world > 1:
+            return instance
+        return (instance if self.placement is None else self.placement[instance]) % self.cores
 
     @cached_property
     def cross_core(self) -> bool:
@@ -227,7 +230,8 @@ class LaunchProgram(Program):
                        hbm_fraction=roof.hbm_fraction / used, lower_bound_ns=roof.lower_bound_ns / used)
 
 
-def launch_program(traces: Sequence[Any], name: str, outputs: Sequence[str], world: int = 1) -> LaunchProgram:
+def launch_program(traces: Sequence[Any], name: str, outputs: Sequence[str], world: int = 1,
+                   placement: tuple[int, ...] | None = None) -> LaunchProgram:
     """The program of a multi-core launch from the traces of its instances (``nki.tracing.Trace``, rank-major)."""
     placed = [t.program(name, outputs) for t in traces]  # placement first: spilling may add scratch slots
     args = tuple(ArgSlot(s.name, s.shape, s.dtype, "output") if s.name in outputs else s
@@ -245,8 +249,12 @@ def launch_program(traces: Sequence[Any], name: str, outputs: Sequence[str], wor
         instructions += prog.instructions
         after += [(c + base, p + base) for c, p in prog.after]
         base += len(prog.instructions)
-    return LaunchProgram(tuple(instructions), args, name, tuple(after), instances=ranks, cores=spec.cores_per_chip,
-                         lnc=lnc, world=world)
+    launch = LaunchProgram(tuple(instructions), args, name, tuple(after), instances=ranks,
+                           cores=spec.cores_per_chip, lnc=lnc, world=world, placement=placement)
+    if launch.cross_core and len({launch.core_of(i) for i in range(len(ranks))}) < len(ranks):
+        raise SimulatorError(f"a launch of {len(ranks)} instances that exchange data between cores needs a core "
+                             f"per instance; its grid places several on one core")
+    return launch
 
 
 def _signature(op: CrossCore) -> tuple:

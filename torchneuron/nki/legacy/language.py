@@ -59,17 +59,54 @@ def par_dim(n: int) -> ParDim:
     return ParDim(n)
 
 
+class SpmdDim(int):
+    """A launch-grid dim of ``size`` instances spread over ``cores`` NeuronCores: index ``i`` runs on core
+    ``i // (size // cores)`` when the core factor is the major one (``nl.nc(2) * 2``, ``spmd_dim(nl.nc(2), 2)``),
+    else on core ``i % cores`` (``spmd_dim(g, nl.nc(2))``)."""
+
+    cores: int = 1
+    core_major: bool = True
+
+    @classmethod
+    def of(cls, size: int, cores: int, core_major: bool) -> "SpmdDim":
+        """The dim of ``size`` instances over ``cores`` cores."""
+        dim = cls(size)
+        dim.cores, dim.core_major = cores, core_major
+        return dim
+
+    def core(self, i: int) -> int:
+        """The core instance ``i`` of this dim runs on."""
+        return i // (int(self) // self.cores) if self.core_major else i % self.cores
+
+    def __mul__(self, other: Any) -> Any:
+        if isinstance(other, SpmdDim) and other.cores > 1 and self.cores > 1:
+            return NotImplemented
+        if self.cores > 1 and isinstance(other, int):   # nl.nc(2) * 2: the core factor first
+            return SpmdDim.of(int(self) * other, self.cores, True)
+        if isinstance(other, SpmdDim) and other.cores > 1:  # 2 * ... handled by __rmul__
+            return SpmdDim.of(int(self) * int(other), other.cores, False)
+        return int(self) * other
+
+    def __rmul__(self, other: Any) -> Any:
+        if self.cores > 1 and isinstance(other, int):   # 2 * nl.nc(2): the core factor last
+            return SpmdDim.of(other * int(self), self.cores, False)
+        return other * int(self)
+
+
 def spmd_dim(*sizes: Any) -> int:
-    """``nl.spmd_dim(g, nl.nc(2))``: a grid dim of the product (instances run on one simulated core)."""
-    out = 1
-    for s in sizes:
+    """``nl.spmd_dim(g, nl.nc(2))``: a grid dim of the product; its ``nl.nc`` factor spreads the instances over
+    that many NeuronCores (``SpmdDim``), the core factor major when it comes first."""
+    out, cores, major = 1, 1, True
+    for k, s in enumerate(sizes):
+        if isinstance(s, SpmdDim) and s.cores > 1:
+            cores, major = s.cores, k == 0
         out *= int(s)
-    return out
+    return SpmdDim.of(out, cores, major) if cores > 1 else out
 
 
-def nc(n: int) -> int:
-    """``nl.nc(n)``: n NeuronCores (a grid factor here)."""
-    return int(n)
+def nc(n: int) -> "SpmdDim":
+    """``nl.nc(n)``: n NeuronCores, a grid factor whose instances run on cores of their own."""
+    return SpmdDim.of(int(n), int(n), True)
 
 
 # ---- creation --------------------------------------------------------------------------------
