@@ -5,12 +5,14 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import warnings
+
 import pytest
 import torch
 
 import torchneuron
 import torchneuron.ops
-from torchneuron.ops import cache_size
+from torchneuron.ops import cache_size, LOWERED
 from torchneuron.ops.indexing import arange_values
 
 from .conftest import assert_raises_like_cpu, to_n
@@ -83,6 +85,68 @@ def test_a_derived_out_variant_of_another_dtype_falls_back_like_the_cpu():
     assert_raises_like_cpu(lambda conv: torch._C._nn.upsample_nearest2d(
         conv(x), [5, 4], out=conv(torch.empty(1, 2, 5, 4, dtype=torch.float64))))
     assert _fallbacks("aten::upsample_nearest2d.out") == before + 1
+
+
+_X, _T = torch.rand(3, 4), torch.rand(3, 4)
+_MASK, _IDX = _X > 0.5, torch.tensor([2, 0])
+# out= overloads derived from their functional kernels: overload -> call(convert, out)
+_DERIVED = {
+    "mse_loss.out": lambda c, out: torch._C._nn.mse_loss(c(_X), c(_T), 0, out=out),
+    "linalg_cross.out": lambda c, out: torch.linalg.cross(c(_X[:, :3]), c(_T[:, :3]), out=out),
+    "index_select.out": lambda c, out: torch.index_select(c(_X), 1, c(_IDX), out=out),
+    "masked_select.out": lambda c, out: torch.masked_select(c(_X), c(_MASK), out=out),
+    "glu.out": lambda c, out: torch._C._nn.glu(c(_X), -1, out=out),
+    "renorm.out": lambda c, out: torch.renorm(c(_X), 2, 0, 0.5, out=out),
+    "isin.Tensor_Tensor_out": lambda c, out: torch.isin(c(torch.arange(6)), c(_IDX), out=out),
+    "aminmax.out": lambda c, out: torch.aminmax(c(_X), dim=1, out=(out, c(torch.empty(0, dtype=out.dtype)))),
+}
+
+
+def _outcome(call, convert) -> tuple:
+    """What ``call(convert)`` gives: ("result", values on the CPU, warnings) or ("error", type, message)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            res = call(convert)
+        except Exception as e:  # noqa: BLE001 (the CPU's exception is the reference, whatever it is)
+            return "error", type(e), str(e)
+    said = [str(w.message) for w in caught if "neuron kernel" not in str(w.message)]
+    res = res if isinstance(res, tuple) else (res,)
+    return "result", [t.cpu() for t in res], said
+
+
+def _assert_like_cpu(call) -> None:
+    cpu, dev = _outcome(call, lambda t: t), _outcome(call, to_n)
+    assert dev[0] == cpu[0] and (cpu[0] == "result" or dev == cpu), (cpu, dev)
+    if cpu[0] == "result":
+        for got, want in zip(dev[1], cpu[1]):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)   # one fp32 op per element
+        assert dev[2] == cpu[2]       # the resize warning, word for word
+
+
+@pytest.mark.parametrize("name", sorted(_DERIVED))
+def test_a_derived_out_variant_resizes_and_warns_like_the_cpu(name, strict):
+    assert LOWERED[name].__doc__.startswith(f"``{name}``: ")      # registered by register_out
+    for size in (0, 5):                                            # empty: resized quietly; else warned
+        dtype = torch.bool if name.startswith("isin") else torch.float32
+        _assert_like_cpu(lambda conv: _DERIVED[name](conv, conv(torch.empty(size, dtype=dtype))))
+
+
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+@pytest.mark.parametrize("name", sorted(_DERIVED))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64, torch.int32])
+def test_a_derived_out_variant_of_another_dtype_casts_or_refuses_like_the_cpu(name, dtype):
+    _assert_like_cpu(lambda conv: _DERIVED[name](conv, conv(torch.empty(0, dtype=dtype))))
+
+
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+def test_a_derived_out_variant_that_overlaps_refuses_like_the_cpu():
+    for call in (lambda conv: (lambda x: torch.index_select(x, 0, conv(_IDX), out=x[1:]))(conv(_X.clone())),
+                 lambda conv: (lambda x: torch.masked_select(x, conv(_MASK), out=x.view(-1)))(conv(_X.clone())),
+                 lambda conv: (lambda x: torch._C._nn.mse_loss(x, conv(_T), 0, out=x))(conv(_X.clone())),
+                 lambda conv: torch._C._nn.glu(conv(_X), -1, out=conv(torch.empty(1, 2)).expand(3, 2))):
+        _assert_like_cpu(call)
 
 
 def test_a_kernel_without_inputs_is_traced_once_in_the_one_program_cache(strict):

@@ -1,12 +1,13 @@
 """What the eager lowerings share, once each: the refusal exception, dtype sets, device guards, ATen
-overload lookup, CPU-identical errors, the constant-table cache, seed drawing and a view's storage span.
+overload lookup, CPU-identical errors, the constant-table cache, seed drawing, a view's storage span and the
+resizing of ``out=`` tensors.
 
 This module is the bottom of ``torchneuron.ops``: it imports no other ops module, so every lowering
 module can build on it without an import cycle.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 
@@ -41,6 +42,18 @@ def storage_span(t: torch.Tensor) -> torch.Tensor:
     kernel binds to read or write the view through its strides."""
     n = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
     return t.as_strided((n,), (1,), t.storage_offset())
+
+
+def resize_out(out: torch.Tensor, shape: Sequence[int]) -> None:
+    """Resize an ``out=`` tensor to ``shape`` as ATen's ``resize_output`` does: unchanged when the shape
+    matches, else resized, with ATen's deprecation warning when it had elements."""
+    if tuple(out.shape) == tuple(shape):
+        return
+    if out.numel():
+        # ATen's own check on a storage-less twin raises the warning, word for word (Python's copy differs)
+        torch._C._VariableFunctions._resize_output_(torch.empty(out.shape, device="meta"), list(shape),
+                                                    torch.device("meta"))
+    out.resize_(shape)
 
 
 # ---- ATen overloads ---------------------------------------------------------------------------------

@@ -18,12 +18,12 @@ from torch._prims_common import canonicalize_dim
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import (aten, DEVICE_DTYPES, FLOATS, meta_twin, on_one_device, raise_like_cpu, type_name,
-                                  Unsupported, variants)
+                                  resize_out, Unsupported, variants)
 from torchneuron.ops.elementwise import write_result
 from torchneuron.ops.matmul import add_scaled, MATMUL_DTYPES, mm_into
 from torchneuron.ops.nn import reduce_loss
 from torchneuron.ops.pointwise import register_pointwise, unary
-from torchneuron.ops.registry import lowering
+from torchneuron.ops.registry import lowering, register_out
 
 
 # ---- vector products -------------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def _addmv_lowering(name: str) -> None:
         if inplace:
             return self.copy_(add_scaled(prod, self, beta, alpha, None))
         if out is not None and tuple(out.shape) != (mat.shape[0],):
-            torch._refs._maybe_resize_out(out, (mat.shape[0],))
+            resize_out(out, (mat.shape[0],))
         return add_scaled(prod, self, beta, alpha, out)
     lowering(name)(kernel)
 
@@ -196,39 +196,33 @@ def nll_loss2d_backward(grad_output: torch.Tensor, self: torch.Tensor, target: t
     return rows.reshape(N, H, W, C).permute(0, 3, 1, 2).contiguous()
 
 
-def _unpool_lowering(name: str) -> None:
-    op = aten.max_unpool2d.out if name.endswith(".out") else aten.max_unpool2d.default
-
-    def kernel(self: torch.Tensor, indices: torch.Tensor, output_size: Sequence[int], *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """Zeros of the output size, ``self`` scattered at ``indices`` into each plane's flat H*W."""
-        if not on_one_device(self, indices, out) or self.dtype not in FLOATS:
-            raise Unsupported("operands on more than one device, or a dtype the engines lack")
-        oh, ow = (list(output_size) + [0, 0])[:2]
-        ok = (len(output_size) == 2 and self.dim() in (3, 4) and indices.dtype == torch.int64
-              and indices.shape == self.shape and all(n > 0 for n in self.shape[-3:]) and oh > 0 and ow > 0
-              and (out is None or out.dtype == self.dtype))
-        if not ok:
-            raise_like_cpu(op, self, indices, output_size)
-        lead = tuple(self.shape[:-2])
-        planes = self.reshape(-1, self.shape[-2] * self.shape[-1])
-        idx = indices.reshape(planes.shape)
-        # indices are int64: range-check their int32 words (low in [0, oh*ow), high 0), one host read
-        words = idx.contiguous().view(torch.int32).view(-1, 2)
-        bad = (words[:, 1] != 0) | (words[:, 0] < 0) | (words[:, 0] >= oh * ow)
-        if bool(bad.any().item()):
-            # the CPU's loop keeps the last invalid index it meets
-            last = bad.numel() - 1 - int(bad.flip(0).to(torch.float32).argmax().item())
-            value = int(idx.reshape(-1)[last:last + 1].cpu().item())
-            raise RuntimeError(f"Found an invalid max index: {value} (output volumes are of size {oh}x{ow})")
-        res = torch.zeros((planes.shape[0], oh * ow), dtype=self.dtype, device=self.device)
-        res.scatter_(1, idx, planes)
-        return write_result(res.reshape(*lead, oh, ow), out)
-    lowering(name)(kernel)
+@lowering("max_unpool2d")
+def max_unpool2d(self: torch.Tensor, indices: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
+    """Zeros of the output size, ``self`` scattered at ``indices`` into each plane's flat H*W."""
+    if not on_one_device(self, indices) or self.dtype not in FLOATS:
+        raise Unsupported("operands on more than one device, or a dtype the engines lack")
+    oh, ow = (list(output_size) + [0, 0])[:2]
+    ok = (len(output_size) == 2 and self.dim() in (3, 4) and indices.dtype == torch.int64
+          and indices.shape == self.shape and all(n > 0 for n in self.shape[-3:]) and oh > 0 and ow > 0)
+    if not ok:
+        raise_like_cpu(aten.max_unpool2d.default, self, indices, output_size)
+    lead = tuple(self.shape[:-2])
+    planes = self.reshape(-1, self.shape[-2] * self.shape[-1])
+    idx = indices.reshape(planes.shape)
+    # indices are int64: range-check their int32 words (low in [0, oh*ow), high 0), one host read
+    words = idx.contiguous().view(torch.int32).view(-1, 2)
+    bad = (words[:, 1] != 0) | (words[:, 0] < 0) | (words[:, 0] >= oh * ow)
+    if bool(bad.any().item()):
+        # the CPU's loop keeps the last invalid index it meets
+        last = bad.numel() - 1 - int(bad.flip(0).to(torch.float32).argmax().item())
+        value = int(idx.reshape(-1)[last:last + 1].cpu().item())
+        raise RuntimeError(f"Found an invalid max index: {value} (output volumes are of size {oh}x{ow})")
+    res = torch.zeros((planes.shape[0], oh * ow), dtype=self.dtype, device=self.device)
+    res.scatter_(1, idx, planes)
+    return res.reshape(*lead, oh, ow)
 
 
-for _name in ("max_unpool2d", "max_unpool2d.out"):
-    _unpool_lowering(_name)
+register_out("max_unpool2d.out", max_unpool2d)
 
 
 # ---- robust regression losses ------------------------------------------------------------------------
@@ -242,36 +236,38 @@ def _piecewise_loss(name: str, quadratic_scale: bool) -> None:
     """smooth_l1 (``quadratic_scale``: 0.5 z^2 / beta | z - beta/2) or huber (0.5 z^2 | delta (z - delta/2))."""
     op = getattr(aten, name)
 
-    def kernel(self: torch.Tensor, target: torch.Tensor, reduction: int = 1, param: float = 1.0, *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        if on_one_device(self, target, out) and (param < 0 or (param == 0 and not quadratic_scale)):
+    def kernel(self: torch.Tensor, target: torch.Tensor, reduction: int = 1, param: float = 1.0) -> torch.Tensor:
+        if on_one_device(self, target) and (param < 0 or (param == 0 and not quadratic_scale)):
             raise_like_cpu(op.default, self, target, reduction, param)   # the CPU's range message
-        if not _loss_ok(self, target, out) or param == 0:   # beta == 0: smooth_l1 is l1 (host)
+        if not _loss_ok(self, target) or param == 0:   # beta == 0: smooth_l1 is l1 (host)
             raise Unsupported("operands on more than one device, mixed or unsupported dtypes, or beta 0")
         z = (self - target).abs()
         if quadratic_scale:
             losses = torch.where(z < param, z * z * (0.5 / param), z - 0.5 * param)
         else:
             losses = torch.where(z < param, z * z * 0.5, (z - 0.5 * param) * param)
-        return write_result(reduce_loss(losses, reduction), out)
-    lowering(name, f"{name}.out")(kernel)
+        return reduce_loss(losses, reduction)
+    kernel.__name__ = kernel.__qualname__ = name
+    lowering(name)(kernel)
+    register_out(f"{name}.out", kernel)
 
 
 def _piecewise_loss_backward(name: str, out_name: str, quadratic_scale: bool) -> None:
     """The gradients: ``norm * g * clamp(x / beta, -1, 1)`` (smooth_l1), ``norm * g * clamp(x, -delta, delta)``
     (huber), ``x = self - target``, ``norm`` 1/numel for the mean."""
-    def kernel(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor, reduction: int, param: float,
-               *, grad_input: torch.Tensor | None = None) -> torch.Tensor:
-        if not _loss_ok(grad_output, self, target, grad_input) or param <= 0:
+    def kernel(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor, reduction: int,
+               param: float) -> torch.Tensor:
+        if not _loss_ok(grad_output, self, target) or param <= 0:
             raise Unsupported("operands on more than one device, mixed or unsupported dtypes, or beta/delta <= 0")
         x = self - target
         slope = (x / param).clamp(-1, 1) if quadratic_scale else x.clamp(-param, param)
         norm = 1.0 / self.numel() if reduction == 1 else 1.0
         res = slope * grad_output * norm
         shape = torch.broadcast_shapes(self.shape, target.shape)
-        res = res.expand(shape) if res.shape != shape else res
-        return write_result(res if grad_input is not None else res.contiguous(), grad_input)
-    lowering(name, f"{name}.{out_name}")(kernel)
+        return res.expand(shape).contiguous() if res.shape != shape else res
+    kernel.__name__ = kernel.__qualname__ = name
+    lowering(name)(kernel)
+    register_out(f"{name}.{out_name}", kernel)
 
 
 _piecewise_loss("smooth_l1_loss", True)
@@ -280,9 +276,8 @@ _piecewise_loss_backward("smooth_l1_loss_backward", "grad_input", True)
 _piecewise_loss_backward("huber_loss_backward", "out", False)
 
 
-@lowering("linalg_cross", "linalg_cross.out")
-def linalg_cross(self: torch.Tensor, other: torch.Tensor, *, dim: int = -1,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+@lowering("linalg_cross")
+def linalg_cross(self: torch.Tensor, other: torch.Tensor, *, dim: int = -1) -> torch.Tensor:
     """3-vector cross products along ``dim`` (broadcast), from the components' products."""
     if self.dim() != other.dim():
         raise RuntimeError("linalg.cross: inputs must have the same number of dimensions.")
@@ -290,18 +285,14 @@ def linalg_cross(self: torch.Tensor, other: torch.Tensor, *, dim: int = -1,
     if self.shape[d] != 3 or other.shape[d] != 3:
         raise RuntimeError(f"linalg.cross: inputs dimension {dim} must have length 3. Got {self.shape[d]} and "
                            f"{other.shape[d]}")
-    if self.dtype != other.dtype or not self.is_floating_point() or \
-            (out is not None and (out.device != self.device or out.dtype != self.dtype)):
-        raise Unsupported("mixed or non-float dtypes, or an out= of another device or dtype")
+    if self.dtype != other.dtype or not self.is_floating_point():
+        raise Unsupported("mixed or non-float dtypes")
     a = [self.select(d, i) for i in range(3)]
     b = [other.select(d, i) for i in range(3)]
-    res = torch.stack([a[1] * b[2] - a[2] * b[1], a[2] * b[0] - a[0] * b[2], a[0] * b[1] - a[1] * b[0]], d)
-    if out is not None:
-        if tuple(out.shape) != tuple(res.shape):
-            torch._refs._maybe_resize_out(out, res.shape)
-        out.copy_(res)
-        return out
-    return res
+    return torch.stack([a[1] * b[2] - a[2] * b[1], a[2] * b[0] - a[0] * b[2], a[0] * b[1] - a[1] * b[0]], d)
+
+
+register_out("linalg_cross.out", linalg_cross)
 
 
 @lowering("channel_shuffle")
@@ -339,20 +330,21 @@ def repeat_interleave(repeats: torch.Tensor, *, output_size: int | None = None) 
     return host.to(repeats.device)
 
 
-@lowering("renorm", "renorm.out")
-def renorm(self: torch.Tensor, p: float, dim: int, maxnorm: float, *, out: torch.Tensor | None = None):
+@lowering("renorm")
+def renorm(self: torch.Tensor, p: float, dim: int, maxnorm: float) -> torch.Tensor:
     """Rescale each slice along ``dim`` whose p-norm exceeds ``maxnorm`` to that norm (CPU: 1e-7 guard)."""
     if self.dim() < 2:
         raise RuntimeError(f"renorm: input needs at least 2 dimensions, got {self.dim()} dimensions")
-    if not self.is_floating_point() or self.dtype == torch.float64 or p <= 0 or maxnorm < 0 or \
-            (out is not None and (out.device != self.device or out.dtype != self.dtype)):
-        raise Unsupported("an unsupported dtype, p <= 0, maxnorm < 0, or an out= of another device or dtype")
+    if not self.is_floating_point() or self.dtype == torch.float64 or p <= 0 or maxnorm < 0:
+        raise Unsupported("an unsupported dtype, p <= 0 or maxnorm < 0")
     d = canonicalize_dim(self.dim(), dim)
     others = [k for k in range(self.dim()) if k != d]
     norms = torch.linalg.vector_norm(self.float(), p, dim=others, keepdim=True)
     scale = torch.where(norms > maxnorm, maxnorm / (norms + 1e-7), 1.0)
-    res = (self.float() * scale).to(self.dtype)
-    return write_result(res, out)
+    return (self.float() * scale).to(self.dtype)
+
+
+register_out("renorm.out", renorm)
 
 
 # ---- angle ---------------------------------------------------------------------------------------------
@@ -373,16 +365,15 @@ ISIN_LIMIT = 1 << 24      # elements of one [N, M] comparison block isin builds
 def _isin_lowering(name: str) -> None:
     overload = getattr(aten.isin, name.partition(".")[2])
 
-    def kernel(elements: Any, test_elements: Any, *, assume_unique: bool = False, invert: bool = False,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+    def kernel(elements: Any, test_elements: Any, *, assume_unique: bool = False,
+               invert: bool = False) -> torch.Tensor:
         """``torch.isin``: every element compared with every test element ([N, M] blocks), any() per element."""
-        kw = {"assume_unique": assume_unique, "invert": invert, **({"out": out} if out is not None else {})}
         ts = [t for t in (elements, test_elements) if isinstance(t, torch.Tensor)]
         if any(t.dtype == torch.bool for t in ts):   # the CPU's refusal (its meta function has none)
             raise RuntimeError("Unsupported input type encountered for isin(): Bool")
-        res_meta = overload(meta_twin(elements), meta_twin(test_elements),
-                            **{k: meta_twin(v) for k, v in kw.items()})
-        if not on_one_device(*ts, out) or any(t.dtype not in DEVICE_DTYPES | {torch.int64} for t in ts):
+        res_meta = overload(meta_twin(elements), meta_twin(test_elements), assume_unique=assume_unique,
+                            invert=invert)
+        if not on_one_device(*ts) or any(t.dtype not in DEVICE_DTYPES | {torch.int64} for t in ts):
             raise Unsupported("operands on more than one device, or a dtype the device lacks")
         x = elements.reshape(-1, 1) if isinstance(elements, torch.Tensor) else elements
         tests = test_elements.reshape(1, -1) if isinstance(test_elements, torch.Tensor) else test_elements
@@ -400,12 +391,13 @@ def _isin_lowering(name: str) -> None:
         if hit is None:
             hit = torch.zeros((N,), dtype=torch.bool, device=ts[0].device)
         hit = hit.reshape(res_meta.shape)
-        return write_result(~hit if invert else hit, out)
+        return ~hit if invert else hit
+    kernel.__name__ = kernel.__qualname__ = "isin"
     lowering(name)(kernel)
+    register_out(f"{name}_out", kernel)
 
 
-for _name in ("isin.Tensor_Tensor", "isin.Tensor_Tensor_out", "isin.Tensor_Scalar", "isin.Tensor_Scalar_out",
-              "isin.Scalar_Tensor", "isin.Scalar_Tensor_out"):
+for _name in ("isin.Tensor_Tensor", "isin.Tensor_Scalar", "isin.Scalar_Tensor"):
     _isin_lowering(_name)
 
 

@@ -25,7 +25,7 @@ from torch._prims_common import canonicalize_dim
 from torchneuron.ops.base import aten, FLOATS, on_one_device, Unsupported
 from torchneuron.ops.elementwise import dense, write_result
 from torchneuron.ops.indexing import arange_values
-from torchneuron.ops.registry import lowering
+from torchneuron.ops.registry import lowering, register_out
 from torchneuron.ops.scatter import check_out, DATA_DTYPES
 from torchneuron.ops.sort import lines, SORT_LIMIT, sort_lines
 
@@ -54,19 +54,15 @@ def std_mean(self: torch.Tensor, dim: Any = None, *, correction: Any = None, kee
     return var.sqrt(), mean
 
 
-@lowering("aminmax", "aminmax.out")
-def aminmax(self: torch.Tensor, *, dim: int | None = None, keepdim: bool = False,
-            min: torch.Tensor | None = None, max: torch.Tensor | None = None):  # noqa: A002
+@lowering("aminmax")
+def aminmax(self: torch.Tensor, *, dim: int | None = None, keepdim: bool = False):
     """(amin, amax) by the lowered reductions."""
-    if not on_one_device(self, min, max) or self.dtype not in DATA_DTYPES or self.numel() == 0:
-        if self.numel() == 0 and self.device.type == "neuron":
-            # the CPU's error (no identity) or its empty result, computed on an empty CPU twin
-            lo, hi = aten.aminmax.default(torch.empty(self.shape, dtype=self.dtype), dim=dim, keepdim=keepdim)
-            return write_result(lo.to(self.device), min), write_result(hi.to(self.device), max)
-        raise Unsupported("a tensor off the device, an unsupported dtype, or an empty input")
-    for o in (min, max):
-        if o is not None and o.dtype != self.dtype:
-            raise RuntimeError(f"Expected out tensor to have dtype {self.dtype}, but got {o.dtype} instead")
+    if self.numel() == 0 and self.device.type == "neuron":
+        # the CPU's error (no identity) or its empty result, computed on an empty CPU twin
+        lo, hi = aten.aminmax.default(torch.empty(self.shape, dtype=self.dtype), dim=dim, keepdim=keepdim)
+        return lo.to(self.device), hi.to(self.device)
+    if not on_one_device(self) or self.dtype not in DATA_DTYPES:
+        raise Unsupported("a tensor off the device, or an unsupported dtype")
     if dim is None:
         x = self.reshape(-1)
         lo, hi = x.amin(0), x.amax(0)
@@ -75,7 +71,10 @@ def aminmax(self: torch.Tensor, *, dim: int | None = None, keepdim: bool = False
     else:
         canonicalize_dim(max_dim(self), dim)
         lo, hi = self.amin(dim, keepdim), self.amax(dim, keepdim)
-    return write_result(lo, min), write_result(hi, max)
+    return lo, hi
+
+
+register_out("aminmax.out", aminmax)
 
 
 def max_dim(t: torch.Tensor) -> int:

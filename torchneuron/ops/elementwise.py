@@ -29,7 +29,7 @@ from torchneuron.kernels.copy import multi_copy, strided_copy, widen_int64
 from torchneuron.kernels.elementwise import KERNELS, NAMES, fold_broadcast
 from torchneuron.kernels.transpose import permute_kernel
 from torchneuron.kernels import tilemath
-from torchneuron.ops.base import DEVICE_DTYPES, storage_span, type_name, Unsupported
+from torchneuron.ops.base import DEVICE_DTYPES, resize_out, storage_span, type_name, Unsupported
 from torchneuron.ops.kernel_call import call_kernel, launch_traced, scalar_operand, traced_kernel
 
 Number = (int, float, bool)
@@ -179,7 +179,7 @@ def write_result(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
         return res
     if tuple(out.shape) != tuple(res.shape):
-        torch._refs._maybe_resize_out(out, res.shape)
+        resize_out(out, res.shape)
     device_copy(out, res)
     return out
 
@@ -254,9 +254,22 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
+def aliases_itself(t: torch.Tensor) -> bool:
+    """Whether elements of ``t`` share memory (a dim of stride 0 and size > 1: an expanded tensor)."""
+    return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
+
+
+def share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether non-empty ``a`` and ``b`` on one device have overlapping byte spans (so may share elements)."""
+    if not a.numel() or not b.numel() or a.device != b.device:
+        return False
+    (lo, hi), (lo_b, hi_b) = _byte_range(a), _byte_range(b)
+    return lo_b < hi and lo < hi_b
+
+
 def check_no_internal_overlap(target: torch.Tensor) -> None:
     """PyTorch's refusal to write a tensor whose elements alias each other (an expanded ``out=``)."""
-    if any(st == 0 and n > 1 for n, st in zip(target.shape, target.stride())):
+    if aliases_itself(target):
         raise RuntimeError("unsupported operation: more than one element of the written-to tensor refers to a single "
                            "memory location. Please clone() the tensor before performing the operation.")
 
@@ -373,7 +386,7 @@ def run_pointwise(fn: Callable, operands: list, kind: KIND, target: torch.Tensor
         if target.numel():
             check_overlap(target, tensors)
         if not inplace and tuple(target.shape) != shape:
-            torch._refs._maybe_resize_out(target, shape)
+            resize_out(target, shape)
     tile_dtype = nl.float32 if compute.is_floating_point else nl.int32
     out_dtype = target.dtype if target is not None else result
     n = 1

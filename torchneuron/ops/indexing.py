@@ -29,11 +29,11 @@ from torchneuron.kernels.indexing import gather_rows, index_rows, iota, mask_row
 from torchneuron.kernels.scan import scan_rows
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import aten, DEVICE_DTYPES, raise_like_cpu, Unsupported
+from torchneuron.ops.base import aten, DEVICE_DTYPES, raise_like_cpu, resize_out, Unsupported
 from torchneuron.ops.elementwise import (can_copy, check_no_internal_overlap, check_no_overlap, copy_parts, dense,
                                          device_copy, run_pointwise)
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import lowering
+from torchneuron.ops.registry import lowering, register_out
 
 ONEHOT_LIMIT = 1 << 26     # elements of the one-hot matrix embedding's backward builds
 
@@ -59,18 +59,15 @@ def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-@lowering("index_select", "index_select.out")
-def index_select(self: torch.Tensor, dim: int, index: torch.Tensor, *, out: torch.Tensor | None = None):
+@lowering("index_select")
+def index_select(self: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     """``self.index_select(dim, index)`` by indirect-DMA row gathers."""
     ok = (self.device.type == "neuron" and index.device == self.device and can_copy(self, self)
           and self.dtype in DEVICE_DTYPES and index.dtype in (torch.int32, torch.int64) and index.dim() <= 1
-          and (self.numel() > 0 or self.dim() > 0)
-          and (out is None or (out.device == self.device and out.dtype == self.dtype)))
+          and (self.numel() > 0 or self.dim() > 0))
     if not ok:
-        raise Unsupported("a tensor off the device, an unsupported dtype or index, or an out= unlike the result")
+        raise Unsupported("a tensor off the device, or an unsupported dtype or index")
     d = canonicalize_dim(max(self.dim(), 1), dim)
-    if out is not None:
-        check_no_internal_overlap(out)
     src = self.reshape(1) if self.dim() == 0 else self
     moved = src.movedim(d, 0)
     n = index.numel()
@@ -82,12 +79,10 @@ def index_select(self: torch.Tensor, dim: int, index: torch.Tensor, *, out: torc
     res = res.movedim(0, d)
     if self.dim() == 0:
         res = res.reshape(())
-    if out is not None:
-        if tuple(out.shape) != tuple(res.shape):
-            torch._refs._maybe_resize_out(out, res.shape)
-        device_copy(out, res)
-        return out
     return res if res.is_contiguous() else dense(res)
+
+
+register_out("index_select.out", index_select)
 
 
 def index_rows_launch(self: torch.Tensor, indices: Sequence[torch.Tensor | None], gather: bool, op: Any,
@@ -289,7 +284,7 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: torch.Tensor | No
         if not torch.can_cast(dtype, out.dtype):
             raise RuntimeError(f"torch.cat(): input types can't be cast to the desired output type {out.dtype}")
         if tuple(out.shape) != tuple(shape):
-            torch._refs._maybe_resize_out(out, shape)
+            resize_out(out, shape)
         check_no_overlap(out, ts)             # (after the resize: an out= that now covers an input, or is one)
     if any(not can_copy(out, t) for t in live):
         # the result (or the given out=) is already allocated and sized: the CPU fills it
@@ -308,15 +303,15 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: torch.Tensor | No
     return out
 
 
-@lowering("flip", "flip.out")
-def flip(self: torch.Tensor, dims: Sequence[int], *, out: torch.Tensor | None = None) -> torch.Tensor:
+@lowering("flip")
+def flip(self: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
     """``torch.flip``: one reversed-index row gather per flipped dim."""
     ds = [canonicalize_dim(max(self.dim(), 1), d) for d in dims]
     for d in ds:
         if ds.count(d) > 1:
             raise RuntimeError(f"dim {d} appears multiple times in the list of dims")
-    if self.dtype not in DEVICE_DTYPES or (out is not None and (out.device != self.device or out.dtype != self.dtype)):
-        raise Unsupported("a dtype the device lacks, or an out= of another device or dtype")
+    if self.dtype not in DEVICE_DTYPES:
+        raise Unsupported("a dtype the device lacks")
     res = self
     for d in ds:
         n = self.shape[d] if self.dim() else 1
@@ -324,12 +319,10 @@ def flip(self: torch.Tensor, dims: Sequence[int], *, out: torch.Tensor | None = 
             rev = run_pointwise(tm.sub, [n - 1, arange_values(n, self.device)], KIND.DEFAULT, op="aten::flip")
             res = index_select(res, d, rev)
     res = dense(res) if res is self else res
-    if out is not None:
-        if tuple(out.shape) != tuple(res.shape):
-            torch._refs._maybe_resize_out(out, res.shape)
-        device_copy(out, res)
-        return out
     return res.clone() if res is self else res
+
+
+register_out("flip.out", flip)
 
 
 @lowering("embedding_renorm_")

@@ -36,7 +36,7 @@ from torchneuron.kernels.int64_words import (int64_add, int64_bitwise, int64_com
 from torchneuron.kernels.int64_words import int_sum as _sum_kernel
 from torchneuron.kernels import tilemath
 from torchneuron.ops import pointwise
-from torchneuron.ops.base import aten, DEVICE_DTYPES, FLOATS, Unsupported, variants
+from torchneuron.ops.base import aten, DEVICE_DTYPES, FLOATS, resize_out, Unsupported, variants
 from torchneuron.ops.elementwise import (broadcast_shape, check_overlap, check_target, dense, device_copy, promote,
                                          to_int64)
 from torchneuron.ops.kernel_call import call_kernel
@@ -109,7 +109,7 @@ def _checked_target(target: torch.Tensor | None, inplace: bool, shape: tuple, re
     if target.numel():
         check_overlap(target, tensors)
     if not inplace and tuple(target.shape) != shape:
-        torch._refs._maybe_resize_out(target, shape)
+        resize_out(target, shape)
 
 
 def _run(op: Callable, kind: KIND, operands: list, target: torch.Tensor | None, inplace: bool,

@@ -29,7 +29,7 @@ from torchneuron.ops.base import aten, checked, FLOATS, on_one_device, type_name
 from torchneuron.ops.elementwise import dense, device_copy, write_result
 from torchneuron.ops.indexing import arange_values, index_words
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import lowering
+from torchneuron.ops.registry import lowering, register_out
 
 
 def _softmax(x: torch.Tensor, dim: int, log: bool, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -246,26 +246,27 @@ def _mse_ok(*ts: torch.Tensor) -> bool:
     return all(t.device == ts[0].device and t.dtype in FLOATS and t.dtype == ts[0].dtype for t in ts)
 
 
-@lowering("mse_loss", "mse_loss.out")
-def mse_loss(self: torch.Tensor, target: torch.Tensor, reduction: int = 1, *, out: torch.Tensor | None = None):
+@lowering("mse_loss")
+def mse_loss(self: torch.Tensor, target: torch.Tensor, reduction: int = 1):
     """Mean squared error: ``(self - target) ** 2``, reduced."""
-    if not _mse_ok(self, target) or (out is not None and not _mse_ok(self, out)):
+    if not _mse_ok(self, target):
         raise Unsupported("mixed or unsupported dtypes, or several devices")
     d = self - target
-    res = reduce_loss(d * d, reduction)
-    return write_result(res, out)
+    return reduce_loss(d * d, reduction)
 
 
-@lowering("mse_loss_backward", "mse_loss_backward.grad_input")
-def mse_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor, reduction: int, *,
-                      grad_input: torch.Tensor | None = None):
+@lowering("mse_loss_backward")
+def mse_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor, reduction: int):
     """``2 * (self - target) * grad`` (divided by the element count for the mean)."""
     if not _mse_ok(grad_output, self, target):
         raise Unsupported("mixed or unsupported dtypes, or several devices")
     scale = 2.0 / self.numel() if reduction == 1 else 2.0
     res = (self - target) * grad_output * scale
-    res = res.expand(torch.broadcast_shapes(self.shape, target.shape)) if res.shape != self.shape else res
-    return write_result(res, grad_input)
+    return res.expand(torch.broadcast_shapes(self.shape, target.shape)) if res.shape != self.shape else res
+
+
+register_out("mse_loss.out", mse_loss)
+register_out("mse_loss_backward.grad_input", mse_loss_backward)
 
 
 # ---- classification losses: binary cross entropy, multi-class and multi-label margins ------------------

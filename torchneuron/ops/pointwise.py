@@ -16,7 +16,7 @@ from torch._prims_common import elementwise_dtypes
 
 from torchneuron.kernels import tilemath as tm
 from torchneuron.kernels.int64_words import int64_add
-from torchneuron.ops.base import overload, overload_exists, type_name, Unsupported, variants
+from torchneuron.ops.base import overload, overload_exists, resize_out, type_name, Unsupported, variants
 from torchneuron.ops.elementwise import dense, device_copy, KIND, Number, run_pointwise
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering
@@ -136,7 +136,7 @@ def _int64_add(args: tuple, kwargs: dict, out: torch.Tensor | None, inplace: boo
     if tuple(target.shape) != tuple(x.shape):
         if inplace:
             return None
-        torch._refs._maybe_resize_out(target, x.shape)
+        resize_out(target, x.shape)
     device_copy(target, res)
     return target
 

@@ -21,7 +21,7 @@ import torch
 
 from torchneuron import _C
 from torchneuron.ops.base import overload, Unsupported
-from torchneuron.ops.elementwise import write_result
+from torchneuron.ops.elementwise import aliases_itself, share_bytes, write_result
 
 __all__ = ["LOWERED", "Unsupported", "cpu_fallback", "lowering", "register_out"]
 
@@ -71,19 +71,51 @@ def cpu_fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     return _C._cpu_fallback(schema.name, schema.overload_name, *args, **kwargs)
 
 
+def _aliased_cpu_twin() -> Callable[[Any], Any]:
+    """A function making CPU copies of tensors (in lists, tuples and dicts too) that share memory where the
+    originals do: each storage is copied once, each tensor re-made as the same view of its copy."""
+    images: dict[int, torch.Tensor] = {}
+
+    def twin(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            storage = v.untyped_storage()
+            if storage.data_ptr() not in images:
+                raw = torch.empty(0, dtype=torch.uint8, device=v.device).set_(storage)
+                images[storage.data_ptr()] = raw.cpu()
+            return torch.empty(0, dtype=v.dtype).set_(images[storage.data_ptr()].untyped_storage(),
+                                                      v.storage_offset(), v.shape, v.stride())
+        if isinstance(v, (list, tuple)):
+            return type(v)(twin(x) for x in v)
+        if isinstance(v, dict):
+            return {k: twin(x) for k, x in v.items()}
+        return v
+    return twin
+
+
 def register_out(name: str, functional: Callable) -> None:
-    """Register the ``out=`` overload ``name`` as ``functional`` (its functional form's kernel) with each
-    result written into its ``out=`` tensor; an ``out=`` tensor of another device or dtype than its result
-    takes the CPU fallback."""
+    """Register the ``out=`` overload ``name`` as ``functional`` (its functional form's kernel) with each result
+    written into its ``out=`` tensor, resized first as PyTorch resizes (with its warning when the tensor had
+    elements). The CPU fallback of ``name`` takes the ``out=`` tensors whose semantics are the CPU kernel's to
+    decide: one on another device or of another dtype than its result (the CPU casts or refuses), one whose
+    elements alias each other or that shares memory with an input or another ``out=`` tensor (the CPU's overlap
+    error, met on a CPU image of the memory, or its result)."""
     op = overload(name)
     out_names = [a.name for a in op._schema.arguments if a.is_out]
 
     def out_variant(*args: Any, **kwargs: Any) -> Any:
         outs = [kwargs.pop(n) for n in out_names]
+        inputs = [t for v in (*args, *kwargs.values()) for t in (v if isinstance(v, (list, tuple)) else [v])
+                  if isinstance(t, torch.Tensor)]
+        if any(aliases_itself(o) or any(share_bytes(o, t) for t in inputs + outs[:i]) for i, o in enumerate(outs)):
+            # the boxed fallback copies each tensor on its own, losing the aliasing: the CPU kernel first meets it
+            # on a CPU image of the memory, where it raises its overlap error if it refuses
+            twin = _aliased_cpu_twin()
+            op(*twin(args), **twin(kwargs), **{n: twin(o) for n, o in zip(out_names, outs)})
+            raise Unsupported("an out= tensor aliasing itself, an input or another out= tensor")
         res = functional(*args, **kwargs)
         results = res if isinstance(res, tuple) else (res,)
         if any(o.device != r.device or o.dtype != r.dtype for o, r in zip(outs, results)):
-            raise Unsupported
+            raise Unsupported("an out= tensor of another device or dtype than its result")
         written = tuple(write_result(r, o) for r, o in zip(results, outs))
         return written if isinstance(res, tuple) else written[0]
 

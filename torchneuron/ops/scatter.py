@@ -39,12 +39,12 @@ from torchneuron.kernels.scatter import scatter_rows
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops import base
 from torchneuron.ops.base import (aten, DEVICE_DTYPES, FLOATS, meta_twin, on_one_device, raise_like_cpu, type_name,
-                                  Unsupported)
+                                  resize_out, Unsupported)
 from torchneuron.ops.elementwise import (broadcast_shape, check_no_internal_overlap, check_no_overlap, dense,
                                          device_copy, run_pointwise, to_int64, write_result)
 from torchneuron.ops.indexing import arange_values, index_rows_launch, mask_rows_launch
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import lowering
+from torchneuron.ops.registry import lowering, register_out
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 DATA_DTYPES = DEVICE_DTYPES - {torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32}
@@ -133,7 +133,7 @@ def check_out(out: torch.Tensor | None, *inputs: Any, shape: Sequence[int] | Non
     if out is None:
         return
     if shape is not None and tuple(out.shape) != tuple(shape):
-        torch._refs._maybe_resize_out(out, shape)
+        resize_out(out, shape)
     if out.numel():
         check_no_internal_overlap(out)
         check_no_overlap(out, [t for t in inputs if isinstance(t, torch.Tensor)])
@@ -474,14 +474,15 @@ def _nonzero32(self: torch.Tensor) -> torch.Tensor:
     return res[:, :nd]
 
 
-@lowering("nonzero", "nonzero.out")
-def nonzero(self: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+@lowering("nonzero")
+def nonzero(self: torch.Tensor) -> torch.Tensor:
     """``torch.nonzero``: the mask scanned on the device, the count read by the host, coordinates scattered."""
-    if not on_one_device(self, out) or self.dtype not in DATA_DTYPES or self.numel() >= 1 << 24 \
-            or (out is not None and out.dtype != torch.int64):
-        raise Unsupported("several devices, an unsupported dtype, 2**24 elements or more, or an out= not int64")
-    res = _nonzero32(self)
-    return write_result(to_int64(dense(res)), out)
+    if not on_one_device(self) or self.dtype not in DATA_DTYPES or self.numel() >= 1 << 24:
+        raise Unsupported("a tensor off the device, an unsupported dtype, or 2**24 elements or more")
+    return to_int64(dense(_nonzero32(self)))
+
+
+register_out("nonzero.out", nonzero)
 
 
 @lowering("nonzero_static", "nonzero_static.out")
@@ -503,23 +504,24 @@ def nonzero_static(self: torch.Tensor, *, size: int, fill_value: int = -1,
     return write_result(res, out)
 
 
-@lowering("masked_select", "masked_select.out")
-def masked_select(self: torch.Tensor, mask: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+@lowering("masked_select")
+def masked_select(self: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``torch.masked_select``: the selected elements compacted on the device (one host sync for the count)."""
     if mask.dtype != torch.bool:
         raise RuntimeError("masked_select: expected BoolTensor for mask")
-    if not on_one_device(self, mask, out) or self.dtype not in MOVE_DTYPES \
-            or (out is not None and out.dtype != self.dtype):
-        raise Unsupported("several devices, a dtype the DMA lacks, or an out= of another dtype")
+    if not on_one_device(self, mask) or self.dtype not in MOVE_DTYPES:
+        raise Unsupported("several devices, or a dtype the DMA lacks")
     shape = broadcast_shape([self.shape, mask.shape])
-    check_out(out, self, mask)
     if _numel(shape) >= 1 << 24:
         raise Unsupported("2**24 elements or more")
     x = dense(self.expand(shape)).reshape(-1, 1)
     if x.element_size() == 8:                # int64/float64 elements move as rows of two int32 words
         x = x.view(torch.int32)
     res = compact(dense(mask.expand(shape)).reshape(-1), x).reshape(-1)
-    return write_result(dense(res.view(self.dtype)), out)
+    return dense(res.view(self.dtype))
+
+
+register_out("masked_select.out", masked_select)
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -11,10 +11,10 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 
 from torchneuron.kernels import tilemath_special as ts
-from torchneuron.ops.base import aten, on_one_device, overload_exists, Unsupported, variants
+from torchneuron.ops.base import aten, on_one_device, overload_exists, resize_out, Unsupported, variants
 from torchneuron.ops.elementwise import run_pointwise
 from torchneuron.ops.pointwise import register_pointwise
-from torchneuron.ops.registry import lowering
+from torchneuron.ops.registry import lowering, register_out
 
 POLYGAMMA_MAX_N = 6
 
@@ -219,20 +219,17 @@ def _glu_halves(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, 
     return x.narrow(dim, 0, n // 2), x.narrow(dim, n // 2, n // 2), dim
 
 
-@lowering("glu", "glu.out")
-def glu(self: torch.Tensor, dim: int = -1, *, out: torch.Tensor | None = None) -> torch.Tensor:
+@lowering("glu")
+def glu(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``a * sigmoid(b)`` of the two halves along ``dim``."""
     check_dtypes_like_cpu(aten.glu.default, self, numel=2)   # glu halves its dim: two elements
-    if self.dtype == torch.float64 or not on_one_device(self) or \
-            (out is not None and not on_one_device(self, out)):
-        raise Unsupported("float64, or tensors on more than one device")
+    if self.dtype == torch.float64 or not on_one_device(self):
+        raise Unsupported("float64, or a tensor off the device")
     a, b, _ = _glu_halves(self, dim)
-    res = a * torch.sigmoid(b)
-    if out is None:
-        return res
-    if tuple(out.shape) != tuple(res.shape):
-        torch._refs._maybe_resize_out(out, res.shape)
-    return out.copy_(res)
+    return a * torch.sigmoid(b)
+
+
+register_out("glu.out", glu)
 
 
 @lowering("glu_backward", "glu_backward.grad_input")
@@ -250,5 +247,5 @@ def glu_backward(grad_output: torch.Tensor, self: torch.Tensor, dim: int, *,
     if grad_input is None:
         return res
     if tuple(grad_input.shape) != tuple(res.shape):
-        torch._refs._maybe_resize_out(grad_input, res.shape)
+        resize_out(grad_input, res.shape)
     return grad_input.copy_(res)
