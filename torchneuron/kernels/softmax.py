@@ -45,9 +45,15 @@ NBUF = 3
 W = 2048        # columns per block of the two-pass path (8 KiB fp32 rows: 1 MiB DMAs)
 
 
-def fits_one_pass(D: int) -> bool:
+def one_pass(D: int) -> bool:
     """Whether a row of D elements takes the single-pass path (the whole row in SBUF)."""
     return (NBUF + 1) * 3 * D * 4 + 64 <= nl.tile_size.sbuf_fmax_bytes
+
+
+def fits_one_pass(D: int) -> bool:
+    """Whether ``softmax_kernel`` and ``softmax_bwd_kernel`` take rows of D elements in one launch: any D
+    (rows beyond SBUF take their two-pass paths; the name is kept for the callers that ask)."""
+    return D >= 1
 
 
 def _col():
@@ -119,7 +125,7 @@ def softmax_kernel(x, log=False):
     """softmax (or log_softmax) of every row of a 2-D [N, D] tensor (any D)."""
     N, D = x.shape
     out = nl.ndarray((N, D), x.dtype, buffer=nl.shared_hbm)
-    if not fits_one_pass(D):
+    if not one_pass(D):
         _softmax_long(x, out, log)
         return out
     check_sbuf((NBUF + 1) * 3 * D * 4 + 64, f"softmax D={D}")
@@ -258,7 +264,10 @@ def softmax_bwd_kernel(grad, y, log=False, scale=1.0):
     """The input gradient of softmax (or log_softmax) over the rows of [N, D], given the output ``y``:
     ``scale * y * (g - sum(g * y))`` (log: ``scale * (g - exp(y) * sum(g))``)."""
     N, D = y.shape
-    assert fits_one_pass(D), f"softmax backward: rows of {D} do not fit SBUF in one pass"
+    if not one_pass(D):
+        out = nl.ndarray((N, D), y.dtype, buffer=nl.shared_hbm)
+        _softmax_bwd_long(grad, y, out, log, scale)
+        return out
     blocks, G = row_blocks(N, D)
     check_sbuf((NBUF + 1) * 3 * G * D * 4 + 64, f"softmax backward D={D}")
     out = nl.ndarray((N, D), y.dtype, buffer=nl.shared_hbm)
@@ -282,3 +291,54 @@ def softmax_bwd_kernel(grad, y, log=False, scale=1.0):
         nisa.dma_copy(dst=grouped_rows(out, r0, p, g), src=w[:p])
         ring.append((gr, t, w))
     return out
+
+
+def _softmax_bwd_long(grad, y, out, log: bool, scale: float) -> None:
+    """Rows beyond SBUF, two passes over column blocks of W: s = sum(g) (log) or sum(g * y) per row, then
+    dx = g - exp(y) * s (log) or (g - s) * y, times ``scale``; fp32 on chip, dx rounded once."""
+    N, D = y.shape
+    ring = collections.deque(maxlen=NBUF)
+
+    def load(src, r0, p, c0, w):
+        t = nl.ndarray((PMAX, W), src.dtype, buffer=nl.sbuf)     # as stored (a casting DMA moves fp32 bytes)
+        nisa.dma_copy(dst=t[:p, :w], src=src[r0:r0 + p, c0:c0 + w])
+        return t
+
+    for r0 in range(0, N, PMAX):
+        p = min(PMAX, N - r0)
+        s = _col()
+        nisa.memset(dst=s[:p], value=0.0)
+        for c0 in range(0, D, W):                 # pass 1: the row sums
+            w = min(W, D - c0)
+            g = load(grad, r0, p, c0, w)
+            bs = _col()
+            if log:
+                nisa.tensor_reduce(dst=bs[:p], op=nl.add, data=g[:p, :w], axis=(1,))
+                ring.append((g,))
+            else:
+                t = load(y, r0, p, c0, w)
+                gy = nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)
+                nisa.tensor_tensor(dst=gy[:p, :w], data1=g[:p, :w], data2=t[:p, :w], op=nl.multiply,
+                                   engine=nisa.gpsimd_engine)
+                nisa.tensor_reduce(dst=bs[:p], op=nl.add, data=gy[:p, :w], axis=(1,))
+                ring.append((g, t, gy))
+            nisa.tensor_tensor(dst=s[:p], data1=s[:p], data2=bs[:p], op=nl.add)
+        for c0 in range(0, D, W):                 # pass 2: dx
+            w = min(W, D - c0)
+            g, t = load(grad, r0, p, c0, w), load(y, r0, p, c0, w)
+            dx = nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)
+            res = dx if scale == 1.0 else nl.ndarray((PMAX, W), nl.float32, buffer=nl.sbuf)
+            if log:   # g - exp(y) * s
+                nisa.activation(dst=dx[:p, :w], op=nl.exp, data=t[:p, :w])
+                nisa.scalar_tensor_tensor(dst=res[:p, :w], data=dx[:p, :w], op0=nl.multiply, operand0=s[:p],
+                                          op1=nl.subtract, operand1=g[:p, :w], reverse1=True)
+            else:     # (g - s) * y
+                nisa.scalar_tensor_tensor(dst=res[:p, :w], data=g[:p, :w], op0=nl.subtract, operand0=s[:p],
+                                          op1=nl.multiply, operand1=t[:p, :w])
+            o = nl.ndarray((PMAX, W), y.dtype, buffer=nl.sbuf)
+            if scale != 1.0:
+                nisa.activation(dst=o[:p, :w], op=nl.identity, data=res[:p, :w], scale=float(scale))
+            else:
+                nisa.tensor_copy(dst=o[:p, :w], src=res[:p, :w], engine=nisa.gpsimd_engine)
+            nisa.dma_copy(dst=out[r0:r0 + p, c0:c0 + w], src=o[:p, :w])
+            ring.append((g, t, dx, res, o))
