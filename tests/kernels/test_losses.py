@@ -40,3 +40,29 @@ def test_nll_backward_matches_autograd():
     torch.nn.functional.nll_loss(xr, target, weight).backward()
     torch.testing.assert_close(grad, xr.grad, rtol=1e-5, atol=1e-7)
     assert bad.item() == 0
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_wide_rows_take_column_blocks(weighted):
+    # a vocabulary whose rows do not fit SBUF (5000 classes on trn2): column blocks of WC, forward and backward
+    from torchneuron.kernels.losses import WC, wide
+    N, C = 130, 5000
+    assert wide(N, C) and C > 2 * WC
+    x, target = torch.randn(N, C).log_softmax(1), _targets(N, C)
+    target[5], target[6] = WC, C - 1                         # targets on the block edges
+    weight = torch.rand(C) if weighted else None
+    words = target.view(torch.int32).view(N, 2)
+    for reduction, name in enumerate(["none", "mean", "sum"]):
+        losses, total, bad = nll_fwd_kernel(x, words, weight, -100, reduction)
+        expected = torch.nn.functional.nll_loss(x, target, weight, reduction=name)
+        torch.testing.assert_close(losses.reshape(expected.shape), expected, rtol=1e-5, atol=1e-5)
+        assert bad.item() == 0
+    _, total, _ = nll_fwd_kernel(x, words, weight, -100, 1)
+    grad, bad = nll_bwd_kernel(torch.ones(1, 1), words, total, weight, C, -100, 1)
+    xr = x.clone().requires_grad_()
+    torch.nn.functional.nll_loss(xr, target, weight).backward()
+    torch.testing.assert_close(grad, xr.grad, rtol=1e-5, atol=1e-7)
+    bad_target = target.clone()
+    bad_target[3] = C                                        # out of range: counted, not read
+    _, _, bad = nll_fwd_kernel(x, bad_target.view(torch.int32).view(N, 2), weight, -100, 2)
+    assert bad.item() == 1

@@ -19,6 +19,11 @@ fp32 (exact for classes and ignore_index below 2**24; the host checks those boun
                                                 scalar grad, divided by the total weight for mean; an
                                                 inf/NaN coefficient, e.g. a total weight of 0, reaches only
                                                 the target element of a counted row, as on the CPU)
+
+Rows of more classes than SBUF holds whole (~4000 on trn2: every LLM vocabulary) go one row per partition
+over column blocks of WC classes: the targets are read once per row block, each block's pick mask compares
+its columns with target - c0, and the picked scores (class weights) add up over the blocks; the backward
+writes dx block by block (with class weights, one sweep over the blocks first finds each row's weight).
 """
 from __future__ import annotations
 
@@ -33,16 +38,24 @@ NBUF = 2
 EXACT = 2 ** 24   # fp32 holds every integer below this exactly
 
 
+WC = 2048        # classes per column block of the wide path
+
+
 def nll_sbuf_bytes(N: int, C: int) -> int:
-    """SBUF per partition the nll kernels need for N rows of C classes (whole rows are loaded: classes
-    beyond ~4000 on trn2 do not fit; ``nll_fits``)."""
+    """SBUF per partition the whole-row path of the nll kernels needs for N rows of C classes (classes beyond
+    ~4000 on trn2 do not fit: they take column blocks of WC, ``wide``)."""
     G = row_blocks(N, C)[1]
     return (NBUF + 1) * 4 * G * C * 4 + 2 * C * 4 + 256
 
 
+def wide(N: int, C: int) -> bool:
+    """Whether N rows of C classes take the column-block path (whole rows do not fit SBUF)."""
+    return nll_sbuf_bytes(N, C) > nl.tile_size.sbuf_fmax_bytes
+
+
 def nll_fits(N: int, C: int) -> bool:
-    """Whether the nll kernels take N rows of C classes on the chip being traced."""
-    return nll_sbuf_bytes(N, C) <= nl.tile_size.sbuf_fmax_bytes
+    """Whether the nll kernels take N rows of C classes: any (wide rows in column blocks of WC)."""
+    return N >= 1 and C >= 1
 
 
 def _col(g: int = 1):
@@ -66,6 +79,13 @@ def _bits(t, p, g, C):
 def _targets(words, weight, cols, r0, p, g, C, ignore_index):
     """(pick [P, g, C] int32 select mask, w_n [P, g], bad [P, g]) of the rows' targets (see the module
     docstring)."""
+    tf, valid, bad = _row_targets(words, r0, p, g, C, ignore_index)
+    pick, w = _pick(tf, valid, cols, weight, p, g, C, 0)
+    return pick, (valid if w is None else w), bad
+
+
+def _row_targets(words, r0, p, g, C, ignore_index):
+    """(targets as fp32 [P, g, S] (the low word first), valid [P, g], bad [P, g]) of the rows' targets."""
     S = words.shape[1]
     wd = load_grouped(words, r0, p, g, nl.int32)
     tf = nl.ndarray((PMAX, g, S), nl.float32, buffer=nl.sbuf)
@@ -90,20 +110,32 @@ def _targets(words, weight, cols, r0, p, g, C, ignore_index):
     bad = _col(g)   # valid * (1 - inr)
     nisa.tensor_scalar(dst=bad[:p], data=inr[:p], op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
     nisa.tensor_tensor(dst=bad[:p], data1=bad[:p], data2=valid[:p], op=nl.multiply)
-    onehot = nl.ndarray((PMAX, g, C), nl.float32, buffer=nl.sbuf)
-    target = tf[:p, :, 0:1].ap([[g * S, p], [S, g], [0, C]])     # the low words spread over the classes
-    nisa.tensor_tensor(dst=onehot[:p], data1=cols[:p, :g, :], data2=target, op=nl.equal)
-    pick = nl.ndarray((PMAX, g, C), nl.int32, buffer=nl.sbuf)
+    return tf, valid, bad
+
+
+def _pick(tf, valid, cols, weight, p, g, W, c0):
+    """(pick [P, g, W] int32 select mask of classes [c0, c0 + W), weight[target] [P, g] of the rows whose
+    target falls there, or None without class weights); ``cols`` holds 0 .. W-1, ``weight`` the class
+    weights of these columns on every partition."""
+    S = tf.shape[2]
+    target = tf[:p, :, 0:1].ap([[g * S, p], [S, g], [0, W]])     # the low words spread over the classes
+    onehot = nl.ndarray((PMAX, g, W), nl.float32, buffer=nl.sbuf)
+    if c0:   # (class - c0 == target - c0: exact below 2**24)
+        shifted = nl.ndarray((PMAX, g, W), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=shifted[:p], data=target, op0=nl.subtract, operand0=float(c0))
+        target = shifted[:p]
+    nisa.tensor_tensor(dst=onehot[:p], data1=cols[:p, :g, :W], data2=target, op=nl.equal)
+    pick = nl.ndarray((PMAX, g, W), nl.int32, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=pick[:p], data=onehot[:p], op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
-                              operand1=spread(valid, p, g, C))
-    w = valid
-    if weight is not None:
-        weighted = nl.ndarray((PMAX, g, C), nl.float32, buffer=nl.sbuf)     # weight[target] of counted rows
-        row = weight[:p, :C].ap([[C, p], [0, g], [1, C]], dtype=nl.int32)
-        nisa.tensor_tensor(dst=_bits(weighted, p, g, C), data1=row, data2=pick[:p], op=nl.bitwise_and)
-        w = _col(g)
-        nisa.tensor_reduce(dst=w[:p], op=nl.add, data=weighted[:p], axis=(2,))
-    return pick, w, bad
+                              operand1=spread(valid, p, g, W))
+    if weight is None:
+        return pick, None
+    weighted = nl.ndarray((PMAX, g, W), nl.float32, buffer=nl.sbuf)     # weight[target] of counted rows
+    row = weight[:p, :W].ap([[weight.shape[1], p], [0, g], [1, W]], dtype=nl.int32)
+    nisa.tensor_tensor(dst=_bits(weighted, p, g, W), data1=row, data2=pick[:p], op=nl.bitwise_and)
+    w = _col(g)
+    nisa.tensor_reduce(dst=w[:p], op=nl.add, data=weighted[:p], axis=(2,))
+    return pick, w
 
 
 def _weight_row(weight, C):
@@ -123,36 +155,80 @@ def _total(acc, k, dst):
     nisa.tensor_copy(dst=dst, src=ps)
 
 
+def _picked_rows(x, words, weight, ignore_index, ring):
+    """Per row block of the forward: (r0, p, g, (None, w_n, bad, s)) with s [P, g] the sum of each row's
+    picked score (its target's, 0 for ignored rows): whole rows ([128, G, C] tiles), or for wide rows column
+    blocks of WC, each loaded, masked and summed into s."""
+    N, C = x.shape
+    if not wide(N, C):
+        blocks, G = row_blocks(N, C)
+        check_sbuf(nll_sbuf_bytes(N, C), f"nll_loss C={C}")
+        cols, wrow = _class_iota(G, C), _weight_row(weight, C)
+        for r0, p, g in blocks:
+            xt = load_grouped(x, r0, p, g)
+            pick, w, bad = _targets(words, wrow, cols, r0, p, g, C, ignore_index)
+            nisa.tensor_tensor(dst=_bits(xt, p, g, C), data1=_bits(xt, p, g, C), data2=pick[:p],
+                               op=nl.bitwise_and)
+            s = _col(g)
+            nisa.tensor_reduce(dst=s[:p], op=nl.add, data=xt[:p], axis=(2,))
+            ring.append((xt, pick))
+            yield r0, p, g, (None, w, bad, s)
+        return
+    cols = _class_iota(1, WC)
+    for r0 in range(0, N, PMAX):
+        p = min(PMAX, N - r0)
+        tf, valid, bad = _row_targets(words, r0, p, 1, C, ignore_index)
+        s, w = _col(), (None if weight is None else _col())
+        for acc_t in (s, w):
+            if acc_t is not None:
+                nisa.memset(dst=acc_t[:p], value=0.0)
+        for c0 in range(0, C, WC):
+            wc = min(WC, C - c0)
+            wrow = None if weight is None else _weight_block(weight, c0, wc)
+            pick, wpart = _pick(tf, valid, cols, wrow, p, 1, wc, c0)
+            xt = nl.ndarray((PMAX, 1, wc), nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=xt[:p, 0, :], src=x[r0:r0 + p, c0:c0 + wc])
+            nisa.tensor_tensor(dst=_bits(xt, p, 1, wc), data1=_bits(xt, p, 1, wc), data2=pick[:p], op=nl.bitwise_and)
+            part = _col()
+            nisa.tensor_reduce(dst=part[:p], op=nl.add, data=xt[:p], axis=(2,))
+            nisa.tensor_tensor(dst=s[:p], data1=s[:p], data2=part[:p], op=nl.add)
+            if wpart is not None:
+                nisa.tensor_tensor(dst=w[:p], data1=w[:p], data2=wpart[:p], op=nl.add)
+            ring.append((xt, pick, wrow))
+        yield r0, p, 1, (None, valid if w is None else w, bad, s)
+
+
+def _weight_block(weight, c0: int, wc: int):
+    """Class weights [c0, c0 + wc) on every partition (fp32 SBUF [128, WC])."""
+    t = nl.ndarray((PMAX, WC), nl.float32, buffer=nl.sbuf)
+    row = weight.reshape((1, weight.shape[-1]))[:, c0:c0 + wc]
+    nisa.dma_copy(dst=t[:, :wc], src=row.broadcast_to((PMAX, wc)))
+    return t
+
+
 @nki.jit
 def nll_fwd_kernel(x, words, weight=None, ignore_index=-100, reduction=1):
     """(losses [N, 1] (reduction 0) or the reduced loss [1, 1], total weight [1, 1], out-of-range target
     count [1, 1] fp32) of the negative log likelihood of scores x [N, C] at the targets ``words``."""
     N, C = x.shape
     assert C < EXACT and abs(ignore_index) < EXACT, "nll_loss: classes and ignore_index must be below 2**24"
-    blocks, G = row_blocks(N, C)
-    check_sbuf(nll_sbuf_bytes(N, C), f"nll_loss C={C}")
     losses = nl.ndarray((N, 1) if reduction == 0 else (1, 1), x.dtype, buffer=nl.shared_hbm)
     total = nl.ndarray((1, 1), x.dtype, buffer=nl.shared_hbm)
     bad_count = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
-    cols, wrow = _class_iota(G, C), _weight_row(weight, C)
     acc = nl.ndarray((PMAX, 3), nl.float32, buffer=nl.sbuf)    # per partition: sum loss, sum w, sum bad
     nisa.memset(dst=acc, value=0.0)
     ring = collections.deque(maxlen=NBUF)
-    for r0, p, g in blocks:
-        xt = load_grouped(x, r0, p, g)
-        pick, w, bad = _targets(words, wrow, cols, r0, p, g, C, ignore_index)
-        nisa.tensor_tensor(dst=_bits(xt, p, g, C), data1=_bits(xt, p, g, C), data2=pick[:p], op=nl.bitwise_and)
+    for r0, p, g, picked in _picked_rows(x, words, weight, ignore_index, ring):
+        _, w, bad, picked_sum = picked
         loss = _col(g)
-        nisa.tensor_reduce(dst=loss[:p], op=nl.add, data=xt[:p], axis=(2,))
-        nisa.scalar_tensor_tensor(dst=loss[:p], data=loss[:p], op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
-                                  operand1=w[:p])
+        nisa.scalar_tensor_tensor(dst=loss[:p], data=picked_sum[:p], op0=nl.multiply, operand0=-1.0,
+                                  op1=nl.multiply, operand1=w[:p])
         if reduction == 0:
             nisa.dma_copy(dst=losses[r0:r0 + p * g, :].reshape((p, g)), src=loss[:p])
         part = nl.ndarray((PMAX, 3), nl.float32, buffer=nl.sbuf)
         for k, v in enumerate((loss, w, bad)):
             nisa.tensor_reduce(dst=part[:p, k:k + 1], op=nl.add, data=v[:p], axis=(1,))
         nisa.tensor_tensor(dst=acc[:p], data1=acc[:p], data2=part[:p], op=nl.add)
-        ring.append((xt, pick))
     tot = nl.ndarray((1, 3), nl.float32, buffer=nl.sbuf)
     _total(acc, 3, tot)
     if reduction == 1:   # mean: sum / total weight (0 / 0 is NaN, as on the CPU)
@@ -166,17 +242,46 @@ def nll_fwd_kernel(x, words, weight=None, ignore_index=-100, reduction=1):
     return losses, total, bad_count
 
 
+def _bwd_rows(words, weight, C, ignore_index, coefficient, spread_coef, dx):
+    """Per row block of the backward, after writing its dx rows: (r0, p, g, bad). Whole rows, or for wide
+    rows column blocks of WC (with class weights, a first sweep over the blocks finds each row's weight)."""
+    N = words.shape[0]
+    if not wide(N, C):
+        blocks, G = row_blocks(N, C)
+        check_sbuf(nll_sbuf_bytes(N, C), f"nll_loss backward C={C}")
+        cols, wrow = _class_iota(G, C), _weight_row(weight, C)
+        for r0, p, g in blocks:
+            pick, w, bad = _targets(words, wrow, cols, r0, p, g, C, ignore_index)
+            spread_coef(coefficient(w, r0, p, g), pick, p, g, C, grouped_rows(dx, r0, p, g))
+            yield r0, p, g, bad
+        return
+    cols = _class_iota(1, WC)
+    blocks = [(c0, min(WC, C - c0)) for c0 in range(0, C, WC)]
+    for r0 in range(0, N, PMAX):
+        p = min(PMAX, N - r0)
+        tf, valid, bad = _row_targets(words, r0, p, 1, C, ignore_index)
+        w = valid
+        if weight is not None:
+            w = _col()
+            nisa.memset(dst=w[:p], value=0.0)
+            for c0, wc in blocks:
+                _, wpart = _pick(tf, valid, cols, _weight_block(weight, c0, wc), p, 1, wc, c0)
+                nisa.tensor_tensor(dst=w[:p], data1=w[:p], data2=wpart[:p], op=nl.add)
+        coef = coefficient(w, r0, p, 1)
+        for c0, wc in blocks:
+            pick, _ = _pick(tf, valid, cols, None, p, 1, wc, c0)
+            spread_coef(coef, pick, p, 1, wc, dx[r0:r0 + p, c0:c0 + wc].reshape((p, 1, wc)))
+        yield r0, p, 1, bad
+
+
 @nki.jit
 def nll_bwd_kernel(grad, words, total, weight=None, num_classes=1, ignore_index=-100, reduction=1):
     """(d loss / d x [N, C] in grad's dtype, out-of-range target count [1, 1] fp32); ``grad`` is [N, 1] for
     reduction 0, else [1, 1]; ``total`` the forward's total weight [1, 1]."""
     N, C = words.shape[0], num_classes
     assert C < EXACT and abs(ignore_index) < EXACT, "nll_loss: classes and ignore_index must be below 2**24"
-    blocks, G = row_blocks(N, C)
-    check_sbuf(nll_sbuf_bytes(N, C), f"nll_loss backward C={C}")
     dx = nl.ndarray((N, C), grad.dtype, buffer=nl.shared_hbm)
     bad_count = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
-    cols, wrow = _class_iota(G, C), _weight_row(weight, C)
     scale = None
     if reduction != 0:   # the scalar gradient on every partition, over the total weight for mean
         scale = _col()
@@ -190,8 +295,9 @@ def nll_bwd_kernel(grad, words, total, weight=None, num_classes=1, ignore_index=
     acc = _col()
     nisa.memset(dst=acc, value=0.0)
     ring = collections.deque(maxlen=NBUF)
-    for r0, p, g in blocks:
-        pick, w, bad = _targets(words, wrow, cols, r0, p, g, C, ignore_index)
+
+    def coefficient(w, r0, p, g):
+        """-w_n * g_n (reduction none) or w_n * (-g / total weight) per row: the value at its target."""
         coef = _col(g)
         if reduction == 0:
             nisa.dma_copy(dst=coef[:p], src=grad[r0:r0 + p * g, :].reshape((p, g)))
@@ -199,13 +305,19 @@ def nll_bwd_kernel(grad, words, total, weight=None, num_classes=1, ignore_index=
                                       op1=nl.multiply, operand1=w[:p])
         else:
             nisa.tensor_scalar(dst=coef[:p], data=w[:p], op0=nl.multiply, operand0=scale[:p])
-        d = nl.ndarray((PMAX, g, C), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=_bits(d, p, g, C), data1=_bits(coef, p, g, C), data2=pick[:p], op=nl.bitwise_and)
-        nisa.dma_copy(dst=grouped_rows(dx, r0, p, g), src=d[:p])
+        return coef
+
+    def spread_coef(coef, pick, p, g, W, dst):
+        """dst[:, :, :W] = coef at each row's target column, 0 elsewhere (a bitwise select), then store it."""
+        d = nl.ndarray((PMAX, g, W), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=_bits(d, p, g, W), data1=_bits(coef, p, g, W), data2=pick[:p], op=nl.bitwise_and)
+        nisa.dma_copy(dst=dst, src=d[:p])
+        ring.append((pick, d))
+
+    for r0, p, g, bad in _bwd_rows(words, weight, C, ignore_index, coefficient, spread_coef, dx):
         part = _col()
         nisa.tensor_reduce(dst=part[:p], op=nl.add, data=bad[:p], axis=(1,))
         nisa.tensor_tensor(dst=acc[:p], data1=acc[:p], data2=part[:p], op=nl.add)
-        ring.append((pick, d))
     tot = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
     _total(acc, 1, tot)
     nisa.dma_copy(dst=bad_count, src=tot)
