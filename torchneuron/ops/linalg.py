@@ -31,7 +31,7 @@ import torch
 
 from torchneuron.ops.base import aten, checked, Unsupported
 from torchneuron.ops.elementwise import write_result
-from torchneuron.ops.registry import lowering
+from torchneuron.ops.registry import lowering, register_out
 
 MAX_N = 256  # rows beyond which the O(n)-launch loops are left to the CPU
 
@@ -80,13 +80,16 @@ def _square(t: torch.Tensor) -> bool:
     return t.size(-1) == t.size(-2)
 
 
-@lowering("cholesky", "cholesky.out")
-def cholesky(self: torch.Tensor, upper: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
+@lowering("cholesky")
+def cholesky(self: torch.Tensor, upper: bool = False) -> torch.Tensor:
     """``torch.cholesky`` (deprecated in PyTorch, still an op)."""
     chol = _factor(self, upper) if _runs_here(self) and _square(self) else None
     if chol is None:  # bad arguments, or not positive-definite: the CPU raises its error
         raise Unsupported("bad arguments or a matrix that is not positive-definite: the CPU raises its error")
-    return write_result(chol, out)
+    return chol
+
+
+register_out("cholesky.out", cholesky)
 
 
 @lowering("linalg_cholesky_ex", "linalg_cholesky_ex.L")
@@ -144,15 +147,18 @@ def triangular_solve(self: torch.Tensor, A: torch.Tensor, upper: bool = True, tr
     return write_result(sol, X), write_result(cloned, M)
 
 
-@lowering("linalg_solve_triangular", "linalg_solve_triangular.out")
+@lowering("linalg_solve_triangular")
 def linalg_solve_triangular(self: torch.Tensor, B: torch.Tensor, *, upper: bool, left: bool = True,
-                            unitriangular: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                            unitriangular: bool = False) -> torch.Tensor:
     """``torch.linalg.solve_triangular``: ``X A = B`` (``left=False``) is ``A^T X^T = B^T``."""
     if not (_runs_here(self, B) and _square(self)) or self.size(-1) != B.size(-2 if left else -1):
         raise Unsupported("tensors off the device, or shapes the solve does not take")
     if left:
-        return write_result(_solve(self, B, upper, unitriangular), out)
-    return write_result(_solve(self.mT, B.mT, not upper, unitriangular).mT, out)
+        return _solve(self, B, upper, unitriangular)
+    return _solve(self.mT, B.mT, not upper, unitriangular).mT
+
+
+register_out("linalg_solve_triangular.out", linalg_solve_triangular)
 
 
 @lowering("_cholesky_solve_helper")
@@ -164,8 +170,8 @@ def cholesky_solve_helper(self: torch.Tensor, A: torch.Tensor, upper: bool) -> t
     return _solve(chol.mT, _solve(chol, self, False), True)
 
 
-@lowering("cholesky_inverse", "cholesky_inverse.out")
-def cholesky_inverse(self: torch.Tensor, upper: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
+@lowering("cholesky_inverse")
+def cholesky_inverse(self: torch.Tensor, upper: bool = False) -> torch.Tensor:
     """``(L L^T)^-1 = L^-T L^-1``, with ``L^-1`` from a solve against the identity."""
     if not (_runs_here(self) and _square(self)):
         raise Unsupported("a tensor off the device, or a non-square matrix")
@@ -173,7 +179,10 @@ def cholesky_inverse(self: torch.Tensor, upper: bool = False, *, out: torch.Tens
     chol = self.mT if upper else self
     eye = torch.eye(n, dtype=self.dtype, device=self.device).expand(*self.shape[:-2], n, n)
     inv = _solve(chol, eye, False)
-    return write_result(inv.mT @ inv, out)
+    return inv.mT @ inv
+
+
+register_out("cholesky_inverse.out", cholesky_inverse)
 
 
 # ---- LU factorisation with partial pivoting (getrf) and what is built on it ---------------------------
@@ -281,16 +290,16 @@ def _lu_solve(lu: torch.Tensor, pivots: torch.Tensor, b: torch.Tensor, adjoint: 
     return torch.empty_like(y).scatter_(1, perm, y)          # X's row perm[i] is row i of P^T X
 
 
-@lowering("linalg_lu_solve", "linalg_lu_solve.out")
+@lowering("linalg_lu_solve")
 def linalg_lu_solve(LU: torch.Tensor, pivots: torch.Tensor, B: torch.Tensor, *, left: bool = True,
-                    adjoint: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                    adjoint: bool = False) -> torch.Tensor:
     """``torch.linalg.lu_solve`` (so ``lu_solve``): ``X A = B`` is ``A^T X^T = B^T``."""
     meta = _native(aten.linalg_lu_solve.default, LU, pivots, B, left=left, adjoint=adjoint)
     if meta is None:
         raise Unsupported("what the device's LU solve does not take")
     shape = meta.shape
     if math.prod(shape) == 0:
-        return write_result(B.new_zeros(shape), out)
+        return B.new_zeros(shape)
     n = LU.size(-1)
     rhs = B if left else B.mT
     batch = shape[:-2]
@@ -298,7 +307,10 @@ def linalg_lu_solve(LU: torch.Tensor, pivots: torch.Tensor, B: torch.Tensor, *, 
     piv = pivots.expand(*batch, n).reshape(-1, n)
     x = _lu_solve(lu, piv, _batched(rhs.expand(*batch, *rhs.shape[-2:])), adjoint == left)
     x = x.reshape(*batch, *rhs.shape[-2:])
-    return write_result(x if left else x.mT, out)
+    return x if left else x.mT
+
+
+register_out("linalg_lu_solve.out", linalg_lu_solve)
 
 
 def _unpack(lu: torch.Tensor, piv: torch.Tensor, data: bool = True,
@@ -488,9 +500,8 @@ def linalg_qr(A: torch.Tensor, mode: str = "reduced", *, Q: torch.Tensor | None 
     return _write_all((q, r), (Q, R)) if outs else (q, r)
 
 
-@lowering("linalg_householder_product", "linalg_householder_product.out")
-def linalg_householder_product(input: torch.Tensor, tau: torch.Tensor, *,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
+@lowering("linalg_householder_product")
+def linalg_householder_product(input: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     """``torch.linalg.householder_product`` (orgqr): the first n columns of ``H_0 ... H_{k-1}``."""
     meta = _native(aten.linalg_householder_product.default, input, tau)
     if meta is None:
@@ -499,12 +510,15 @@ def linalg_householder_product(input: torch.Tensor, tau: torch.Tensor, *,
     m, n = input.shape[-2:]
     refl = _batched(input)
     eye = torch.eye(m, n, device=input.device).expand(refl.size(0), m, n)
-    return write_result(_apply_q(refl, tau.reshape(refl.size(0), tau.size(-1)), eye, False).reshape(shape), out)
+    return _apply_q(refl, tau.reshape(refl.size(0), tau.size(-1)), eye, False).reshape(shape)
 
 
-@lowering("ormqr", "ormqr.out")
+register_out("linalg_householder_product.out", linalg_householder_product)
+
+
+@lowering("ormqr")
 def ormqr(self: torch.Tensor, input2: torch.Tensor, input3: torch.Tensor, left: bool = True,
-          transpose: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
+          transpose: bool = False) -> torch.Tensor:
     """``torch.ormqr``: ``op(Q) C`` or ``C op(Q)`` with Q from geqrf's output; ``C Q`` is ``(Q^T C^T)^T``."""
     meta = _native(aten.ormqr.default, self, input2, input3, left, transpose)
     if meta is None:
@@ -514,4 +528,7 @@ def ormqr(self: torch.Tensor, input2: torch.Tensor, input3: torch.Tensor, left: 
     tau = input2.reshape(refl.size(0), input2.size(-1))
     c = _batched(input3)
     res = _apply_q(refl, tau, c, transpose) if left else _apply_q(refl, tau, c.mT, not transpose).mT
-    return write_result(res.reshape(shape), out)
+    return res.reshape(shape)
+
+
+register_out("ormqr.out", ormqr)
