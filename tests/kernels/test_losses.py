@@ -49,7 +49,7 @@ def test_wide_rows_take_column_blocks(weighted):
     N, C = 130, 5000
     assert wide(N, C) and C > 2 * WC
     x, target = torch.randn(N, C).log_softmax(1), _targets(N, C)
-    target[5], target[6] = WC, C - 1                         # targets on the block edges
+    target[5], target[6] = WC, C - 1                         # targets on a column-block edge and the last class
     weight = torch.rand(C) if weighted else None
     words = target.view(torch.int32).view(N, 2)
     for reduction, name in enumerate(["none", "mean", "sum"]):

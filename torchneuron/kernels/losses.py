@@ -20,10 +20,11 @@ fp32 (exact for classes and ignore_index below 2**24; the host checks those boun
                                                 inf/NaN coefficient, e.g. a total weight of 0, reaches only
                                                 the target element of a counted row, as on the CPU)
 
-Rows of more classes than SBUF holds whole (~4000 on trn2: every LLM vocabulary) go one row per partition
-over column blocks of WC classes: the targets are read once per row block, each block's pick mask compares
-its columns with target - c0, and the picked scores (class weights) add up over the blocks; the backward
-writes dx block by block (with class weights, one sweep over the blocks first finds each row's weight).
+Rows of more classes than SBUF holds whole (~4000 on trn2: every LLM vocabulary) go one row per partition:
+the forward gathers each row's target score (and class weight) by one indirect DMA per row block, at the
+flat index i * C + t of the block's view (rows per block keep it below 2**24, exact in fp32); the backward
+stores zeros over the rows and writes each row's coefficient to its target element by one indirect DMA.
+Rows that read nothing (ignored or out of range) point at their first element and are masked to 0.
 """
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def _targets(words, weight, cols, r0, p, g, C, ignore_index):
     """(pick [P, g, C] int32 select mask, w_n [P, g], bad [P, g]) of the rows' targets (see the module
     docstring)."""
     tf, valid, bad = _row_targets(words, r0, p, g, C, ignore_index)
-    pick, w = _pick(tf, valid, cols, weight, p, g, C, 0)
+    pick, w = _pick(tf, valid, cols, weight, p, g, C)
     return pick, (valid if w is None else w), bad
 
 
@@ -113,17 +114,13 @@ def _row_targets(words, r0, p, g, C, ignore_index):
     return tf, valid, bad
 
 
-def _pick(tf, valid, cols, weight, p, g, W, c0):
-    """(pick [P, g, W] int32 select mask of classes [c0, c0 + W), weight[target] [P, g] of the rows whose
-    target falls there, or None without class weights); ``cols`` holds 0 .. W-1, ``weight`` the class
-    weights of these columns on every partition."""
+def _pick(tf, valid, cols, weight, p, g, W):
+    """(pick [P, g, W] int32 select mask of each row's target class, weight[target] [P, g] of the counted
+    rows, or None without class weights); ``cols`` holds 0 .. W-1, ``weight`` the class weights on every
+    partition."""
     S = tf.shape[2]
     target = tf[:p, :, 0:1].ap([[g * S, p], [S, g], [0, W]])     # the low words spread over the classes
     onehot = nl.ndarray((PMAX, g, W), nl.float32, buffer=nl.sbuf)
-    if c0:   # (class - c0 == target - c0: exact below 2**24)
-        shifted = nl.ndarray((PMAX, g, W), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=shifted[:p], data=target, op0=nl.subtract, operand0=float(c0))
-        target = shifted[:p]
     nisa.tensor_tensor(dst=onehot[:p], data1=cols[:p, :g, :W], data2=target, op=nl.equal)
     pick = nl.ndarray((PMAX, g, W), nl.int32, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=pick[:p], data=onehot[:p], op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
@@ -156,9 +153,9 @@ def _total(acc, k, dst):
 
 
 def _picked_rows(x, words, weight, ignore_index, ring):
-    """Per row block of the forward: (r0, p, g, (None, w_n, bad, s)) with s [P, g] the sum of each row's
-    picked score (its target's, 0 for ignored rows): whole rows ([128, G, C] tiles), or for wide rows column
-    blocks of WC, each loaded, masked and summed into s."""
+    """Per row block of the forward: (r0, p, g, (None, w_n, bad, s)) with s [P, g] each row's picked score (its
+    target's, 0 for ignored rows): from whole rows ([128, G, C] tiles), or for wide rows gathered by one
+    indirect DMA (one element per row: the rest of the row is never read)."""
     N, C = x.shape
     if not wide(N, C):
         blocks, G = row_blocks(N, C)
@@ -174,36 +171,51 @@ def _picked_rows(x, words, weight, ignore_index, ring):
             ring.append((xt, pick))
             yield r0, p, g, (None, w, bad, s)
         return
-    cols = _class_iota(1, WC)
-    for r0 in range(0, N, PMAX):
-        p = min(PMAX, N - r0)
+    pr = min(PMAX, EXACT // C)               # rows per block: every flat index below 2**24 (exact in fp32)
+    for r0 in range(0, N, pr):
+        p = min(pr, N - r0)
         tf, valid, bad = _row_targets(words, r0, p, 1, C, ignore_index)
-        s, w = _col(), (None if weight is None else _col())
-        for acc_t in (s, w):
-            if acc_t is not None:
-                nisa.memset(dst=acc_t[:p], value=0.0)
-        for c0 in range(0, C, WC):
-            wc = min(WC, C - c0)
-            wrow = None if weight is None else _weight_block(weight, c0, wc)
-            pick, wpart = _pick(tf, valid, cols, wrow, p, 1, wc, c0)
-            xt = nl.ndarray((PMAX, 1, wc), nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=xt[:p, 0, :], src=x[r0:r0 + p, c0:c0 + wc])
-            nisa.tensor_tensor(dst=_bits(xt, p, 1, wc), data1=_bits(xt, p, 1, wc), data2=pick[:p], op=nl.bitwise_and)
-            part = _col()
-            nisa.tensor_reduce(dst=part[:p], op=nl.add, data=xt[:p], axis=(2,))
-            nisa.tensor_tensor(dst=s[:p], data1=s[:p], data2=part[:p], op=nl.add)
-            if wpart is not None:
-                nisa.tensor_tensor(dst=w[:p], data1=w[:p], data2=wpart[:p], op=nl.add)
-            ring.append((xt, pick, wrow))
-        yield r0, p, 1, (None, valid if w is None else w, bad, s)
+        idx, mask = _flat_targets(tf, valid, bad, p, C)
+        s = _gathered(x[r0:r0 + p, :], idx, mask, p)
+        w = valid if weight is None else _gathered(weight, _weight_index(tf, valid, bad, p), mask, p)
+        yield r0, p, 1, (None, w, bad, s)
 
 
-def _weight_block(weight, c0: int, wc: int):
-    """Class weights [c0, c0 + wc) on every partition (fp32 SBUF [128, WC])."""
-    t = nl.ndarray((PMAX, WC), nl.float32, buffer=nl.sbuf)
-    row = weight.reshape((1, weight.shape[-1]))[:, c0:c0 + wc]
-    nisa.dma_copy(dst=t[:, :wc], src=row.broadcast_to((PMAX, wc)))
-    return t
+def _flat_targets(tf, valid, bad, p: int, C: int):
+    """(int32 [P, 1] index of row i's target in its row block's flat [p * C] view: i * C + t, or i * C where
+    the row reads nothing; int32 [P, 1] select mask, all bits set where it reads its target)."""
+    use = _col()   # counted and in range
+    nisa.tensor_tensor(dst=use[:p], data1=valid[:p], data2=bad[:p], op=nl.subtract)
+    f = _col()
+    nisa.tensor_tensor(dst=f[:p], data1=tf[:p, :, 0], data2=use[:p], op=nl.multiply)
+    base = _col()
+    nisa.iota(dst=base[:p], pattern=[[0, 1]], offset=0, channel_multiplier=C)
+    nisa.tensor_tensor(dst=f[:p], data1=f[:p], data2=base[:p], op=nl.add)
+    idx = nl.ndarray((PMAX, 1), nl.int32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=idx[:p], src=f[:p])
+    mask = nl.ndarray((PMAX, 1), nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=mask[:p], data=use[:p], op0=nl.multiply, operand0=-1.0)
+    return idx, mask
+
+
+def _weight_index(tf, valid, bad, p: int):
+    """int32 [P, 1]: each row's target class where it reads one, else 0 (an index into the class weights)."""
+    use, f = _col(), _col()
+    nisa.tensor_tensor(dst=use[:p], data1=valid[:p], data2=bad[:p], op=nl.subtract)
+    nisa.tensor_tensor(dst=f[:p], data1=tf[:p, :, 0], data2=use[:p], op=nl.multiply)
+    idx = nl.ndarray((PMAX, 1), nl.int32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=idx[:p], src=f[:p])
+    return idx
+
+
+def _gathered(src, idx, mask, p: int):
+    """fp32 [P, 1]: element idx[i] of the flat HBM view ``src`` by one indirect DMA, kept where ``mask`` is set
+    and 0 elsewhere (a bitwise select: an inf/NaN read for an ignored row stays out)."""
+    v = _col()
+    nisa.dma_copy(dst=v[:p], src=src.ap([[1, p], [1, 1]], vector_offset=idx[:p]))
+    nisa.tensor_tensor(dst=_bits(v, p, 1, 1), data1=_bits(v, p, 1, 1), data2=mask[:p].ap([[1, p], [1, 1], [0, 1]]),
+                       op=nl.bitwise_and)
+    return v
 
 
 @nki.jit
@@ -244,7 +256,7 @@ def nll_fwd_kernel(x, words, weight=None, ignore_index=-100, reduction=1):
 
 def _bwd_rows(words, weight, C, ignore_index, coefficient, spread_coef, dx):
     """Per row block of the backward, after writing its dx rows: (r0, p, g, bad). Whole rows, or for wide
-    rows column blocks of WC (with class weights, a first sweep over the blocks finds each row's weight)."""
+    rows zero stores of WC columns and one indirect DMA writing each row's target element."""
     N = words.shape[0]
     if not wide(N, C):
         blocks, G = row_blocks(N, C)
@@ -255,22 +267,21 @@ def _bwd_rows(words, weight, C, ignore_index, coefficient, spread_coef, dx):
             spread_coef(coefficient(w, r0, p, g), pick, p, g, C, grouped_rows(dx, r0, p, g))
             yield r0, p, g, bad
         return
-    cols = _class_iota(1, WC)
-    blocks = [(c0, min(WC, C - c0)) for c0 in range(0, C, WC)]
-    for r0 in range(0, N, PMAX):
-        p = min(PMAX, N - r0)
+    pr = min(PMAX, EXACT // C)
+    zeros = nl.ndarray((PMAX, WC), dx.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=zeros, value=0.0)
+    for r0 in range(0, N, pr):
+        p = min(pr, N - r0)
         tf, valid, bad = _row_targets(words, r0, p, 1, C, ignore_index)
-        w = valid
-        if weight is not None:
-            w = _col()
-            nisa.memset(dst=w[:p], value=0.0)
-            for c0, wc in blocks:
-                _, wpart = _pick(tf, valid, cols, _weight_block(weight, c0, wc), p, 1, wc, c0)
-                nisa.tensor_tensor(dst=w[:p], data1=w[:p], data2=wpart[:p], op=nl.add)
+        idx, mask = _flat_targets(tf, valid, bad, p, C)
+        w = valid if weight is None else _gathered(weight, _weight_index(tf, valid, bad, p), mask, p)
         coef = coefficient(w, r0, p, 1)
-        for c0, wc in blocks:
-            pick, _ = _pick(tf, valid, cols, None, p, 1, wc, c0)
-            spread_coef(coef, pick, p, 1, wc, dx[r0:r0 + p, c0:c0 + wc].reshape((p, 1, wc)))
+        for c0 in range(0, C, WC):            # the block's rows zeroed, then each target element written
+            wc = min(WC, C - c0)
+            nisa.dma_copy(dst=dx[r0:r0 + p, c0:c0 + wc], src=zeros[:p, :wc])
+        nisa.tensor_tensor(dst=_bits(coef, p, 1, 1), data1=_bits(coef, p, 1, 1),
+                           data2=mask[:p].ap([[1, p], [1, 1], [0, 1]]), op=nl.bitwise_and)
+        nisa.dma_copy(dst=dx[r0:r0 + p, :].ap([[1, p], [1, 1]], vector_offset=idx[:p]), src=coef[:p])
         yield r0, p, 1, bad
 
 
