@@ -4,6 +4,7 @@ published, simulated on the matching chip model, each against its published figu
     .venv/bin/python bench/calibrate.py               # every case (the large tutorial kernels: ~30 min of host time)
     .venv/bin/python bench/calibrate.py --quick       # the cases that take seconds
     .venv/bin/python bench/calibrate.py --only mamba  # cases whose name contains a word
+    .venv/bin/python bench/calibrate.py --reduced     # the large kernels on 1/8 of their independent outer loop
 
 Prints, per case, simulated vs published time and their ratio, then one summary line over the tuned cases
 (geometric-mean error, worst ratio) and one over the held-out cases, which were not looked at while the model's
@@ -16,6 +17,10 @@ looked for) at the commits that published the figures, and traced with TorchNeur
 microbenchmarks are our own small kernels that do what the published measurement describes.
 
 Only the schedule is computed (the kernels are traced, not executed: the figures are times, not values).
+``--reduced`` runs the large kernels over 1/8 of the outermost loop whose iterations are independent (M or N of
+the matmuls, the channels of Mamba) and multiplies the time by 8: the loop body is the same, so the time scales
+with its trip count up to the kernel's ramp-up and drain (microseconds against milliseconds). The table says
+which figures were measured so.
 """
 from __future__ import annotations
 
@@ -54,7 +59,7 @@ class Case:
     published_ns: float
     source: str                       # document (and section) of the figure
     what: str                         # kernel, shapes, dtypes
-    measure: Callable[[ChipSpec, "Sdk"], float]   # simulated ns
+    measure: Callable[[ChipSpec, "Sdk", int], float]   # simulated ns; the int: 1, or 8 for --reduced
     held_out: bool = False
     quick: bool = False               # seconds of host time
 
@@ -140,34 +145,40 @@ def empty(*shape: int, dtype=torch.float32) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype)
 
 
-def mm_tutorial(kernel_name: str) -> Callable[[ChipSpec, Sdk], float]:
-    """The NKI matmul tutorial's benchmark: lhsT [8192, 4096] x rhs [8192, 8192], bf16."""
-    def measure(spec: ChipSpec, sdk: Sdk) -> float:
+def matmul_args(m_div: int, n_div: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """lhsT [8192, 4096 / m_div] and rhs [8192, 8192 / n_div]: the tutorials' [4096,8192] @ [8192,8192]."""
+    return empty(8192, 4096 // m_div, dtype=dtype), empty(8192, 8192 // n_div, dtype=dtype)
+
+
+def mm_tutorial(kernel_name: str, n_outer: bool = False) -> Callable[[ChipSpec, Sdk, int], float]:
+    """The NKI matmul tutorial's benchmark, bf16 (``n_outer``: the kernel's outermost loop is over N)."""
+    def measure(spec: ChipSpec, sdk: Sdk, div: int) -> float:
         k = getattr(sdk.module(TUTORIALS_COMMIT, MM_KERNELS), kernel_name)
-        return kernel_ns(k, (empty(8192, 4096, dtype=torch.bfloat16), empty(8192, 8192, dtype=torch.bfloat16)), spec)
+        args = matmul_args(1 if n_outer else div, div if n_outer else 1, torch.bfloat16)
+        return div * kernel_ns(k, args, spec)
     return measure
 
 
-def kopt_tutorial(nth: int) -> Callable[[ChipSpec, Sdk], float]:
-    """The kernel-optimization guide's matmul versions: lhsT [8192, 4096] x rhs [8192, 8192], fp32."""
-    def measure(spec: ChipSpec, sdk: Sdk) -> float:
+def kopt_tutorial(nth: int, n_outer: bool = False) -> Callable[[ChipSpec, Sdk, int], float]:
+    """The kernel-optimization guide's matmul versions, fp32."""
+    def measure(spec: ChipSpec, sdk: Sdk, div: int) -> float:
         k = sdk.rst_kernel(CURRENT_COMMIT, KOPT_PAGE, nth).matrix_multiply_kernel
-        return kernel_ns(k, (empty(8192, 4096), empty(8192, 8192)), spec)
+        args = matmul_args(1 if n_outer else div, div if n_outer else 1, torch.float32)
+        return div * kernel_ns(k, args, spec)
     return measure
 
 
-def mamba(version: str, channels: int, seq_len: int) -> Callable[[ChipSpec, Sdk], float]:
-    """The fused Mamba tutorial's kernels, fp32, batch 1, state size 16."""
-    def measure(spec: ChipSpec, sdk: Sdk) -> float:
+def mamba(version: str, channels: int, seq_len: int) -> Callable[[ChipSpec, Sdk, int], float]:
+    """The fused Mamba tutorial's kernels, fp32, batch 1, state size 16 (``div`` divides the channels)."""
+    def measure(spec: ChipSpec, sdk: Sdk, div: int) -> float:
         k = getattr(sdk.module(TUTORIALS_COMMIT, MAMBA_KERNELS), version)
-        b, s = 1, 16
-        args = (empty(b, channels, seq_len), empty(b, channels, seq_len), empty(channels, s),
-                empty(b, s, seq_len), empty(b, s, seq_len))
-        return kernel_ns(k, args, spec)
+        b, s, c = 1, 16, max(128, channels // div)
+        args = (empty(b, c, seq_len), empty(b, c, seq_len), empty(c, s), empty(b, s, seq_len), empty(b, s, seq_len))
+        return channels / c * kernel_ns(k, args, spec)
     return measure
 
 
-def dma_single_engine(spec: ChipSpec, sdk: Sdk) -> float:
+def dma_single_engine(spec: ChipSpec, sdk: Sdk, div: int = 1) -> float:
     """DMAO example 1: a [4, 4096] bf16 HBM->SBUF load (one DMA engine); the engine's busy time for it."""
     from torchneuron.sim.timing import dma_cost
     import torchneuron.nki.isa as nisa
@@ -186,7 +197,7 @@ def dma_single_engine(spec: ChipSpec, sdk: Sdk) -> float:
     return dma_cost(load.cost_inputs(), spec).engine_ns
 
 
-def dependent_activations(spec: ChipSpec, sdk: Sdk) -> float:
+def dependent_activations(spec: ChipSpec, sdk: Sdk, div: int = 1) -> float:
     """PG Opt #5a: back-to-back IDENTITY activations on 1 element per partition, each reading the previous
     one's output; the interval between consecutive instructions (steady state)."""
     import torchneuron.nki.isa as nisa
@@ -231,7 +242,7 @@ CASES: list[Case] = [
     Case("mm tutorial opt2 block free", "trn1", 22.07e6, _MMT, _MM_SHAPE + ", nki_matmul_block_free_dimension_",
          mm_tutorial("nki_matmul_block_free_dimension_")),
     Case("mm tutorial opt3 fully opt", "trn1", 6.97e6, _MMT, _MM_SHAPE + ", nki_matmul_fully_optimized_",
-         mm_tutorial("nki_matmul_fully_optimized_")),
+         mm_tutorial("nki_matmul_fully_optimized_", n_outer=True)),
     Case("mamba v1 256 ch", "trn1", 172.93e3, _MAMBA + ", 'Hooray!' (mamba_v1 profile)",
          "mamba_v1, [1, 256, 512], state 16, fp32", mamba("mamba_v1", 256, 512), quick=True),
     Case("mamba v1 4096 ch", "trn1", 2.34e6, _MAMBA + ", 'Increasing input channels size'",
@@ -246,7 +257,7 @@ CASES: list[Case] = [
     Case("kopt v4 block free", "trn2", 28.41e6, _KOPT.format("v4"), _KOPT_SHAPE + ", free dims blocked",
          kopt_tutorial(3), held_out=True),
     Case("kopt v5 block all", "trn2", 28.30e6, _KOPT.format("v5"), _KOPT_SHAPE + ", all dims blocked",
-         kopt_tutorial(4)),
+         kopt_tutorial(4, n_outer=True)),
 ]
 
 
@@ -267,6 +278,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only the cases that take seconds")
     parser.add_argument("--only", default="", help="only cases whose name contains this")
     parser.add_argument("--sdk", default=None, help="a git copy of aws-neuron/aws-neuron-sdk")
+    parser.add_argument("--reduced", action="store_true", help="large kernels on 1/8 of their outer loop, time x 8")
     args = parser.parse_args()
     sdk = Sdk(find_sdk(args.sdk))
     print(f"sources: {sdk.git_dir or 'none found (tutorial cases skipped)'}")
@@ -278,13 +290,14 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         try:
-            sim = case.measure(chip_spec(case.chip), sdk)
+            div = 8 if args.reduced and not case.quick else 1
+            sim = case.measure(chip_spec(case.chip), sdk, div)
         except FileNotFoundError as exc:
             print(f"{case.name:<30} {case.chip:<5} skipped: {exc}")
             continue
         ratio = sim / case.published_ns
         (held if case.held_out else tuned).append(ratio)
-        mark = " (held out)" if case.held_out else ""
+        mark = (" (held out)" if case.held_out else "") + (" [1/8 x 8]" if div > 1 else "")
         print(f"{case.name:<30} {case.chip:<5} {fmt(case.published_ns):>12} {fmt(sim):>12} {ratio:6.2f}  "
               f"{time.perf_counter() - t0:5.0f}s  {case.what}{mark}", flush=True)
     print(summary("tuned", tuned))

@@ -142,6 +142,7 @@ class RuntimeSpec:
     """Figures the runtime adds around a kernel (not the core's instructions)."""
 
     kernel_launch_overhead_ns: float    # per launch: NEFF start-up + tear-down
+    compiler_reorders: bool = True      # compute engines issue in the compiler's order, not program order
 
 
 @dataclass(frozen=True)
@@ -271,6 +272,10 @@ _DMA_HBM_PIECE = 32 * KiB   # ASSUMPTION for HBM->HBM copies (no SBUF partitions
                             # engine per 32 KiB, PG Opt #9's "transfers should be larger than 32 KiB"
 _LAUNCH_NS = 10_000.0       # ASSUMPTION: NO NUMBER for NEFF start-up/tear-down (the docs only say it
                             # exists); 10 us, the order of a GPU launch plus a host round trip
+_REORDER = True             # ISA (nki.language.no_reorder): "Without this directive, the compiler scheduler is
+                            # free to reorder independent operations for better hardware utilization";
+                            # ASSUMPTION (15) for how: each engine issues, when free, the ready instruction
+                            # earliest in program order (a list schedule; the engines execute in that order)
 _NO_PERF = frozenset()
 _BF16_FP16 = frozenset({"bfloat16", "float16"})
 _BF16_FP16_FP8 = _BF16_FP16 | FP8_DTYPES
@@ -340,7 +345,8 @@ CHIPS: dict[str, ChipSpec] = {
             neuronlink_bytes_per_s_per_chip=384e9,        # HW (trainium2.rst comparison table: Trainium 384 GB/s/chip)
             cc_cores_per_chip=6,                          # HW (trainium2.rst comparison table)
         ),
-        runtime=RuntimeSpec(kernel_launch_overhead_ns=_LAUNCH_NS),  # ASSUMPTION
+        runtime=RuntimeSpec(kernel_launch_overhead_ns=_LAUNCH_NS,  # ASSUMPTION
+                            compiler_reorders=_REORDER),  # ISA, ASSUMPTION (15)
     ),
     # ---------------------------------------------------------------- Trn2 / NC-v3
     "trn2": ChipSpec(
@@ -398,7 +404,8 @@ CHIPS: dict[str, ChipSpec] = {
             neuronlink_bytes_per_s_per_chip=1.28e12,      # HW (trainium2.rst: 1.28 TB/sec per chip)
             cc_cores_per_chip=20,                         # HW (trainium2.rst)
         ),
-        runtime=RuntimeSpec(kernel_launch_overhead_ns=_LAUNCH_NS),  # ASSUMPTION
+        runtime=RuntimeSpec(kernel_launch_overhead_ns=_LAUNCH_NS,  # ASSUMPTION
+                            compiler_reorders=_REORDER),  # ISA, ASSUMPTION (15)
     ),
     # ---------------------------------------------------------------- Trn3 / NC-v4
     "trn3": ChipSpec(
@@ -460,7 +467,8 @@ CHIPS: dict[str, ChipSpec] = {
             neuronlink_bytes_per_s_per_chip=2.56e12,      # HW (trainium3.rst: 2.56 TB/sec per device)
             cc_cores_per_chip=16,                         # HW (trainium3.rst)
         ),
-        runtime=RuntimeSpec(kernel_launch_overhead_ns=_LAUNCH_NS),  # ASSUMPTION
+        runtime=RuntimeSpec(kernel_launch_overhead_ns=_LAUNCH_NS,  # ASSUMPTION
+                            compiler_reorders=_REORDER),  # ISA, ASSUMPTION (15)
     ),
 }
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from torchneuron.sim.instruction import CostInputs, Engine, Footprint, Instruction
 from torchneuron.sim.specs import FP8_DTYPES, ChipSpec, StreamEngineSpec
@@ -256,7 +256,8 @@ def dma_cost(ci: CostInputs, spec: ChipSpec) -> DmaCost:
     * Each engine streams ``bytes / engines`` at ``engine_bytes_per_ns * efficiency``;
       DMA transposes at 90 % (from HBM) or 50 % (SBUF->SBUF) of that (A-v3).
     * HBM traffic is bounded by the core's share of chip HBM bandwidth (DERIVED).
-    * Fixed cost: ~1300 ns (DMABW), or ~600 ns for a hardware-DGE DMA (A-v3, DGE).
+    * Fixed cost: ~1300 ns (DMABW); ~600 ns for a DMA that is not software-DGE on a core with
+      hardware DGE (A-v3, DGE; ASSUMPTION 9 for the compiler's default mode).
     """
     d = spec.dma
     nbytes = max(int(ci.dma_bytes), 0)
@@ -278,8 +279,12 @@ def dma_cost(ci: CostInputs, spec: ChipSpec) -> DmaCost:
     engine_ns = (nbytes / engines) / (d.engine_bytes_per_ns * eff) if nbytes else 0.0
     hbm_bytes = nbytes * sum(1 for m in mems if m == "hbm")
     hbm_ns = hbm_bytes / (spec.hbm_bytes_per_second_per_core / 1e9)
+    # Software DGE (descriptors written by GpSimd) and chips without hardware DGE pay the full
+    # semaphore-to-start cost; elsewhere the compiler's default choice ("unknown": hardware DGE or
+    # descriptors prepared in HBM, the lower-latency modes, DGE) is priced at hardware DGE's
+    # ~600 ns (ASSUMPTION 9).
     mode = (getattr(ci, "dge_mode", None) or "").lower()
-    fixed = d.hwdge_fixed_ns if (mode == "hwdge" and d.hwdge_fixed_ns is not None) else d.fixed_ns
+    fixed = d.hwdge_fixed_ns if (mode != "swdge" and d.hwdge_fixed_ns is not None) else d.fixed_ns
     return DmaCost(fixed_ns=fixed, engines=engines, descriptors=descriptors, bytes_per_descriptor=bpd,
                    efficiency=eff, engine_ns=engine_ns, hbm_bytes=hbm_bytes, hbm_ns=hbm_ns)
 
@@ -395,16 +400,19 @@ def _bin_bytes(memory: str) -> int:
 
 
 def dependencies(instructions: Sequence[Instruction],
-                 queue_keys: Sequence[tuple] | None = None) -> list[list[int]]:
+                 queue_keys: Sequence[tuple] | None = None,
+                 in_order: Callable[[tuple], bool] | None = None) -> list[list[int]]:
     """For each instruction, the earlier instructions it must wait for (RAW, WAR, WAW).
 
-    Of the conflicting instructions on one in-order queue only the latest is kept: it
-    finishes last there, so waiting for it waits for all of them.
+    ``in_order(queue_key)`` says whether a queue runs its instructions in program order (all
+    do when it is not given). Of the conflicting instructions on one in-order queue only the
+    latest is kept: it finishes last there, so waiting for it waits for all of them. On a
+    queue the compiler may reorder every conflicting instruction is kept.
 
     An access fully covered by a later write is retired from the index (anything that
-    conflicts with it also conflicts with that write, which is ordered after it), and a
-    read is replaced by a later read of the same box on the same in-order queue, so the
-    index stays small for tiled programs and the analysis is close to linear.
+    conflicts with it also conflicts with that write, which waits for it), and a read is
+    replaced by a later read of the same box on the same in-order queue, so the index stays
+    small for tiled programs and the analysis is close to linear.
     """
     writes: dict[str, _IntervalIndex] = {}
     reads: dict[str, _IntervalIndex] = {}
@@ -437,9 +445,10 @@ def dependencies(instructions: Sequence[Instruction],
             if idx is None:
                 idx = writes[fp.memory] = _IntervalIndex(_bin_bytes(fp.memory))
             idx.add(_Access(fp, i))
+        ordered = in_order is None or in_order(qkey)
         for fp in rds:
             key = (fp.memory, fp.partitions, fp.byte_range, qkey)
-            old = last_read.get(key)
+            old = last_read.get(key) if ordered else None
             if old is not None:
                 old.alive = False                                # same box, same in-order queue
             idx = reads.get(fp.memory)
@@ -452,11 +461,14 @@ def dependencies(instructions: Sequence[Instruction],
         qkeys_seen.append(qkey)
         # Only the latest dependency on each in-order queue matters (it ends last there).
         latest: dict[tuple, int] = {}
+        kept: list[int] = []
         for d in deps:
             k = qkeys_seen[d]
-            if d > latest.get(k, -1):
+            if in_order is not None and not in_order(k):
+                kept.append(d)
+            elif d > latest.get(k, -1):
                 latest[k] = d
-        preds.append(sorted(latest.values()))
+        preds.append(sorted([*latest.values(), *kept]))
     return preds
 
 
@@ -532,7 +544,14 @@ def schedule(instructions: Sequence[Instruction], spec: ChipSpec,
     n = len(instructions)
     cis = [ins.cost_inputs() for ins in instructions]
     qkeys = [(ins.engine.value, ins.queue if ins.engine is Engine.DMA else 0) for ins in instructions]
-    preds = dependencies(instructions, qkeys)
+    # Compute engines issue in the compiler's order, which may differ from program order
+    # (ASSUMPTION 15); DMA queues are first-in first-out, and an engine that branches (a
+    # dynamic loop) keeps program order: the compiler cannot move work across its branches.
+    reordering = set()
+    if spec.runtime.compiler_reorders:
+        branching = {qkeys[i] for i, ci in enumerate(cis) if ci.opcode in SEQUENCER_OPS}
+        reordering = {k for k in qkeys if k[0] != "dma" and k not in branching}
+    preds = dependencies(instructions, qkeys, in_order=lambda k: k not in reordering)
     for c, p in after:  # explicit waits (depends_on): a semaphore, priced like a data dependency
         if p not in preds[c]:
             preds[c] = sorted({*preds[c], p})
@@ -574,8 +593,17 @@ def schedule(instructions: Sequence[Instruction], spec: ChipSpec,
     dma_free = [0.0] * spec.dma.engines_per_core
     hbm_free = 0.0
 
-    heap: list[tuple[float, int]] = []
+    # The heap holds (time, program index, queue key, version): for an in-order queue its head
+    # instruction once ready; for a reordering engine its next issue (version-checked, as new
+    # ready instructions or the engine's own progress can change it).
+    heap: list[tuple[float, int, tuple, int]] = []
     pushed = [False] * n
+    waiting: dict[tuple, list[tuple[float, int]]] = {k: [] for k in queues if k in reordering}
+    available: dict[tuple, list[int]] = {k: [] for k in waiting}
+    version = {k: 0 for k in waiting}
+
+    def ready_at(h: int) -> float:
+        return dep_ready[h] + overhead[h] if preds[h] else 0.0
 
     def push_head(k: tuple) -> None:
         p = pos[k]
@@ -583,17 +611,51 @@ def schedule(instructions: Sequence[Instruction], spec: ChipSpec,
         if p < len(lst) and left[lst[p]] == 0 and not pushed[lst[p]]:
             h = lst[p]
             pushed[h] = True
-            est = queue_free[k]
-            if preds[h]:
-                est = max(est, dep_ready[h] + overhead[h])
-            heapq.heappush(heap, (est, h))
+            heapq.heappush(heap, (max(queue_free[k], ready_at(h)), h, k, 0))
+
+    def next_issue(k: tuple) -> tuple[float, int] | None:
+        """When a reordering engine issues next, and what: at the time it is free, the ready
+        instruction earliest in program order; if none is ready then, the first to become ready."""
+        avail, wait = available[k], waiting[k]
+        t = queue_free[k]
+        while wait and wait[0][0] <= t:
+            heapq.heappush(avail, heapq.heappop(wait)[1])
+        if avail:
+            return t, avail[0]
+        return (wait[0][0], wait[0][1]) if wait else None
+
+    def offer(k: tuple) -> None:
+        nxt = next_issue(k)
+        version[k] += 1
+        if nxt is not None:
+            heapq.heappush(heap, (nxt[0], nxt[1], k, version[k]))
+
+    def became_ready(h: int) -> None:
+        k = qkeys[h]
+        if k in waiting:
+            heapq.heappush(waiting[k], (ready_at(h), h))
+            offer(k)
+        elif queues[k][pos[k]] == h:
+            push_head(k)
 
     for k in queues:
-        push_head(k)
+        if k in waiting:
+            for h in queues[k]:
+                if left[h] == 0:
+                    heapq.heappush(waiting[k], (0.0, h))
+            offer(k)
+        else:
+            push_head(k)
     done = 0
     while heap:
-        est, h = heapq.heappop(heap)
-        k = qkeys[h]
+        est, h, k, ver = heapq.heappop(heap)
+        if k in waiting:
+            if ver != version[k]:
+                continue                                  # superseded by a later offer
+            avail, wait = available[k], waiting[k]
+            while wait and wait[0][0] <= est:
+                heapq.heappush(avail, heapq.heappop(wait)[1])
+            h = heapq.heappop(avail)                      # ready by now and earliest in program order
         dc = dmac[h]
         if dc is None:
             s, e = est, est + dur[h]
@@ -622,10 +684,11 @@ def schedule(instructions: Sequence[Instruction], spec: ChipSpec,
             if e > dep_ready[sc]:
                 dep_ready[sc] = e
             if left[sc] == 0:
-                ks = qkeys[sc]
-                if queues[ks][pos[ks]] == sc:
-                    push_head(ks)
-        push_head(k)
+                became_ready(sc)
+        if k in waiting:
+            offer(k)
+        else:
+            push_head(k)
     if done != n:  # cannot happen for a program (program order is a valid order)
         raise RuntimeError(f"timing: scheduled {done} of {n} instructions")
 
