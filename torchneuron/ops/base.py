@@ -44,12 +44,13 @@ def storage_span(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((n,), (1,), t.storage_offset())
 
 
-def resize_out(out: torch.Tensor, shape: Sequence[int]) -> None:
+def resize_out(out: torch.Tensor, shape: Sequence[int], warn: bool = True) -> None:
     """Resize an ``out=`` tensor to ``shape`` as ATen's ``resize_output`` does: unchanged when the shape
-    matches, else resized, with ATen's deprecation warning when it had elements."""
+    matches, else resized, with ATen's deprecation warning when it had elements (unless not ``warn``: the
+    CPU kernels that resize their ``out=`` quietly)."""
     if tuple(out.shape) == tuple(shape):
         return
-    if out.numel():
+    if out.numel() and warn:
         # ATen's own check on a storage-less twin raises the warning, word for word (Python's copy differs)
         torch._C._VariableFunctions._resize_output_(torch.empty(out.shape, device="meta"), list(shape),
                                                     torch.device("meta"))

@@ -222,7 +222,7 @@ def max_unpool2d(self: torch.Tensor, indices: torch.Tensor, output_size: Sequenc
     return res.reshape(*lead, oh, ow)
 
 
-register_out("max_unpool2d.out", max_unpool2d)
+register_out("max_unpool2d.out", max_unpool2d, warn_resize=False)   # the CPU kernel resizes quietly
 
 
 # ---- robust regression losses ------------------------------------------------------------------------

@@ -173,13 +173,13 @@ def copy_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     call_kernel(multi_copy(len(parts)), inputs, {"views": tuple(views)}, op="aten::cat")
 
 
-def write_result(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def write_result(res: torch.Tensor, out: torch.Tensor | None, warn_resize: bool = True) -> torch.Tensor:
     """``res`` itself, or copied into the ``out=`` tensor (resized first when its shape differs, with
     PyTorch's warning for a non-empty one) on the device."""
     if out is None:
         return res
     if tuple(out.shape) != tuple(res.shape):
-        resize_out(out, res.shape)
+        resize_out(out, res.shape, warn_resize)
     device_copy(out, res)
     return out
 

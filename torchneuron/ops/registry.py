@@ -92,13 +92,14 @@ def _aliased_cpu_twin() -> Callable[[Any], Any]:
     return twin
 
 
-def register_out(name: str, functional: Callable) -> None:
+def register_out(name: str, functional: Callable, warn_resize: bool = True) -> None:
     """Register the ``out=`` overload ``name`` as ``functional`` (its functional form's kernel) with each result
     written into its ``out=`` tensor, resized first as PyTorch resizes (with its warning when the tensor had
-    elements). The CPU fallback of ``name`` takes the ``out=`` tensors whose semantics are the CPU kernel's to
-    decide: one on another device or of another dtype than its result (the CPU casts or refuses), one whose
-    elements alias each other or that shares memory with an input or another ``out=`` tensor (the CPU's overlap
-    error, met on a CPU image of the memory, or its result)."""
+    elements; ``warn_resize=False`` for an op whose CPU kernel resizes quietly). The CPU fallback of ``name``
+    takes the ``out=`` tensors whose semantics are the CPU kernel's to decide: one on another device or of
+    another dtype than its result (the CPU casts or refuses), one whose elements alias each other or that shares
+    memory with an input or another ``out=`` tensor (the CPU's overlap error, met on a CPU image of the memory,
+    or its result)."""
     op = overload(name)
     out_names = [a.name for a in op._schema.arguments if a.is_out]
 
@@ -116,7 +117,7 @@ def register_out(name: str, functional: Callable) -> None:
         results = res if isinstance(res, tuple) else (res,)
         if any(o.device != r.device or o.dtype != r.dtype for o, r in zip(outs, results)):
             raise Unsupported("an out= tensor of another device or dtype than its result")
-        written = tuple(write_result(r, o) for r, o in zip(results, outs))
+        written = tuple(write_result(r, o, warn_resize) for r, o in zip(results, outs))
         return written if isinstance(res, tuple) else written[0]
 
     out_variant.__name__ = out_variant.__qualname__ = f"{functional.__name__}_out"

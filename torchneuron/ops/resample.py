@@ -241,9 +241,10 @@ def _empty_result(op: torch._ops.OpOverload, *args: Any) -> Any:
 
 
 def register_resample(base: str, out_overload: str | None, fn: Callable[..., Any], n_tensors: int,
-                      check: Callable[..., None] | None = None) -> None:
+                      check: Callable[..., None] | None = None, warn_resize: bool = True) -> None:
     """Lower ``aten.base`` (and its ``out_overload``) to ``fn``; inputs it cannot run go to the CPU fallback.
-    ``check(*args)`` raises for bad arguments the meta kernel lets through, before empty operands are served."""
+    ``check(*args)`` raises for bad arguments the meta kernel lets through, before empty operands are served;
+    ``warn_resize`` as in ``register_out``."""
     packet = getattr(aten, base)
     check = check or (lambda *args: None)
 
@@ -259,7 +260,7 @@ def register_resample(base: str, out_overload: str | None, fn: Callable[..., Any
     functional.__doc__ = f"``{base}`` on the device (separable gathers or matmuls)."
     lowering(base)(functional)
     if out_overload is not None:
-        register_out(f"{base}.{out_overload}", functional)
+        register_out(f"{base}.{out_overload}", functional, warn_resize)
 
 
 # ---- padding ------------------------------------------------------------------------------------
@@ -290,7 +291,7 @@ def _pad_lowerings(kind: str, k: int) -> None:
         idx = [_pad_index(*key) for key in keys]
         return _scatter_dims(grad_output, idx, [key[1] for key in keys]).view(self.shape)
 
-    register_resample(name, "out", forward, 1)
+    register_resample(name, "out", forward, 1, warn_resize=name != "reflection_pad2d")   # (its CPU kernel: quietly)
     register_resample(f"{name}_backward", "grad_input", backward, 2)
 
 
@@ -648,4 +649,4 @@ def _max_unpool3d(self: torch.Tensor, indices: torch.Tensor, output_size: Sequen
     return res.view(meta.shape)
 
 
-register_resample("max_unpool3d", "out", _max_unpool3d, 1)
+register_resample("max_unpool3d", "out", _max_unpool3d, 1, warn_resize=False)   # the CPU resizes quietly

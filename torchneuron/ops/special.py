@@ -11,7 +11,7 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 
 from torchneuron.kernels import tilemath_special as ts
-from torchneuron.ops.base import aten, on_one_device, overload_exists, resize_out, Unsupported, variants
+from torchneuron.ops.base import aten, on_one_device, overload_exists, Unsupported, variants
 from torchneuron.ops.elementwise import run_pointwise
 from torchneuron.ops.pointwise import register_pointwise
 from torchneuron.ops.registry import lowering, register_out
@@ -232,20 +232,16 @@ def glu(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
 register_out("glu.out", glu)
 
 
-@lowering("glu_backward", "glu_backward.grad_input")
-def glu_backward(grad_output: torch.Tensor, self: torch.Tensor, dim: int, *,
-                 grad_input: torch.Tensor | None = None) -> torch.Tensor:
+@lowering("glu_backward")
+def glu_backward(grad_output: torch.Tensor, self: torch.Tensor, dim: int) -> torch.Tensor:
     """(g * sigmoid(b), g * a * sigmoid(b) * (1 - sigmoid(b))) joined along ``dim``."""
-    if not self.is_floating_point() or self.dtype == torch.float64 or not on_one_device(self, grad_output) or \
-            (grad_input is not None and not on_one_device(self, grad_input)):
+    if not self.is_floating_point() or self.dtype == torch.float64 or not on_one_device(self, grad_output):
         raise Unsupported("a dtype the engines lack, or tensors on more than one device")
     a, b, d = _glu_halves(self, dim)
     s = torch.sigmoid(b)
     ga = grad_output * s
     gb = ga * a * (1 - s)
-    res = torch.cat([ga, gb], d)
-    if grad_input is None:
-        return res
-    if tuple(grad_input.shape) != tuple(res.shape):
-        resize_out(grad_input, res.shape)
-    return grad_input.copy_(res)
+    return torch.cat([ga, gb], d)
+
+
+register_out("glu_backward.grad_input", glu_backward)
