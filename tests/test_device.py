@@ -366,22 +366,6 @@ def test_mixing_two_neuron_devices_raises(no_gc):
     assert _alloc_state() == before
 
 
-def test_complex_dtype_raises_type_error(no_gc):
-    before = _alloc_state()
-    cases = [
-        lambda: torch.ones(2, dtype=torch.complex64, device="neuron"),
-        lambda: torch.ones(2, dtype=torch.complex128).to("neuron"),
-        lambda: torch.ones(2, device="neuron").to(torch.complex64),
-        lambda: torch.empty_strided((2, 2), (1, 2), dtype=torch.cfloat, device="neuron"),
-    ]
-    for case in cases:
-        with pytest.raises(TypeError, match="complex"):
-            case()
-        assert _alloc_state() == before
-    # The device still works afterwards.
-    assert torch.equal(torch.ones(2, device="neuron").cpu(), torch.ones(2))
-
-
 # ---- configuration through the environment (fresh processes) ---------------------------------
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:

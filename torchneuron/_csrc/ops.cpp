@@ -13,6 +13,8 @@
 #include <ATen/ops/resize_native.h>
 #include <ATen/ops/set_native.h>
 #include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_as_complex_native.h>
+#include <ATen/ops/view_as_real_native.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -23,11 +25,6 @@
 
 namespace torchneuron {
 namespace {
-
-void check_dtype(c10::ScalarType dtype) {
-  TORCH_CHECK_TYPE(!c10::isComplexType(dtype), "neuron does not support complex dtypes (got ", dtype,
-                   "): NeuronCore engines have no complex arithmetic. Keep complex tensors on the CPU.");
-}
 
 c10::DeviceIndex index_or_current(std::optional<c10::Device> device) {
   if (device.has_value() && device->has_index()) return device->index();
@@ -58,7 +55,6 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarT
                                std::optional<c10::Layout> layout, std::optional<c10::Device> device,
                                std::optional<bool> pin_memory, std::optional<c10::MemoryFormat> memory_format) {
   c10::ScalarType st = c10::dtype_or_default(dtype);
-  check_dtype(st);
   c10::DeviceIndex index = index_or_current(device);
   check_device_index(index);
   c10::DeviceGuard guard(c10::Device(kNeuron, index));
@@ -70,7 +66,6 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::op
                          std::optional<c10::Layout> layout, std::optional<c10::Device> device,
                          std::optional<bool> pin_memory) {
   c10::ScalarType st = c10::dtype_or_default(dtype);
-  check_dtype(st);
   c10::DeviceIndex index = index_or_current(device);
   check_device_index(index);
   c10::DeviceGuard guard(c10::Device(kNeuron, index));
@@ -93,10 +88,19 @@ const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
   return self;
 }
 
+// A CPU alias of a neuron tensor that keeps its lazy conjugate and negative bits (a.conj(),
+// a.conj().imag), so that a copy or a scalar read through it sees the values the tensor means.
+at::Tensor host_values(const at::Tensor& t) {
+  at::Tensor host = alias_as_cpu(t);
+  if (t.is_conj()) host._set_conj(true);
+  if (t.is_neg()) host._set_neg(true);
+  return host;
+}
+
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   TORCH_CHECK(self.defined() && dst.defined(), "copy: undefined tensor");
-  at::Tensor src_host = self.is_privateuseone() ? alias_as_cpu(self) : self;
-  at::Tensor dst_host = dst.is_privateuseone() ? alias_as_cpu(dst) : dst;
+  at::Tensor src_host = self.is_privateuseone() ? host_values(self) : self;
+  at::Tensor dst_host = dst.is_privateuseone() ? host_values(dst) : dst;
   dst_host.copy_(src_host, non_blocking);
   return dst;
 }
@@ -106,7 +110,7 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   return copy_from(self, dst, false);
 }
 
-at::Scalar local_scalar_dense(const at::Tensor& self) { return at::_local_scalar_dense(alias_as_cpu(self)); }
+at::Scalar local_scalar_dense(const at::Tensor& self) { return at::_local_scalar_dense(host_values(self)); }
 
 at::Tensor& set_source_storage(at::Tensor& self, at::Storage source) {
   int64_t new_size = static_cast<int64_t>(source.nbytes() / self.dtype().itemsize());
@@ -208,6 +212,20 @@ void neuron_cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack
   check_same_device(name, args);
   check_no_partial_overlap(schema, args);
   std::optional<c10::DeviceIndex> device = device_of_args(args);
+  // A conjugate or negative view the op reads (a.conj(), a.conj().imag) is resolved here, into a new device
+  // tensor by a host copy: the generic fallback's transfer to the CPU would resolve it by a device copy_,
+  // whose own fallback would come back here with the same view.
+  for (size_t i = 0; i < n; ++i) {
+    c10::IValue& v = *(first + i);
+    const c10::AliasInfo* alias = schema.arguments()[i].alias_info();
+    if (!v.isTensor() || (alias != nullptr && alias->isWrite())) continue;
+    const at::Tensor& t = v.toTensor();
+    if (t.defined() && t.is_privateuseone() && t.layout() == c10::kStrided && (t.is_conj() || t.is_neg())) {
+      at::Tensor resolved = at::empty(t.sizes(), t.options());
+      copy_from(t, resolved, false);
+      v = c10::IValue(resolved);
+    }
+  }
   // Random ops draw from the neuron generator: a neuron generator argument is
   // replaced by the CPU generator it wraps, and a missing one by the default
   // generator of the op's device. Generators of another device are refused, as CUDA does.
@@ -391,7 +409,22 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_source_storage_offset));
   m.impl("set_.source_Tensor", TORCH_FN(set_source_tensor));
   m.impl("set_", TORCH_FN(set_empty));
+  m.impl("view_as_real", TORCH_FN(at::native::view_as_real));
+  m.impl("view_as_complex", TORCH_FN(at::native::view_as_complex));
   // native_layer_norm and its backward are lowered to device kernels in Python (torchneuron/ops).
+}
+
+// A copy between the host and the device resolves lazy conjugate and negative bits itself (host_values):
+// the generic Conjugate/Negative fallbacks would materialize them by a device copy that falls back to the
+// CPU, whose host transfer is this same op again. Only backends implement _copy_from, so this reaches ours.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

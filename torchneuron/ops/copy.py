@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from torchneuron.ops.base import aten, Unsupported
+from torchneuron.ops.base import aten, DEVICE_DTYPES, Unsupported
 from torchneuron.ops.elementwise import can_copy, device_copy
 from torchneuron.ops.kernel_call import scalar_operand
 from torchneuron.ops.registry import lowering
@@ -21,7 +21,26 @@ def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.dtype == b.dtype)
 
 
-@lowering("copy_")
+def _complex64_copy(self: torch.Tensor, src: torch.Tensor) -> bool:
+    """``self.copy_(src)`` into complex64 on the device through its real and imaginary parts, when ``src`` is a
+    conjugate view (resolved: the parts copied, the imaginary ones negated) or real (cast, the imaginary parts
+    zeroed); False for anything else."""
+    if self.dtype != torch.complex64 or self.is_conj() or self.is_neg() or src.is_neg():
+        return False
+    if src.dtype == torch.complex64 and src.is_conj():
+        copy_(self, src.conj())
+        torch.view_as_real(self)[..., 1].neg_()
+        return True
+    if src.dtype in DEVICE_DTYPES and src.dtype != torch.bool:
+        torch.broadcast_shapes(src.shape, self.shape)
+        parts = torch.view_as_real(self)
+        parts[..., 0].copy_(src)
+        parts[..., 1].zero_()
+        return True
+    return False
+
+
+@lowering("copy_", complex_operands=True)
 def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """``self.copy_(src)``: a DMA kernel within one neuron device, else a host transfer."""
     if self.device == src.device and self.device.type == "neuron" and can_copy(self, src) \
@@ -30,6 +49,8 @@ def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
             torch.broadcast_shapes(src.shape, self.shape)  # RuntimeError for shapes that do not broadcast
         if self.numel() and not _same_data(self, src):
             device_copy(self, src)
+        return self
+    if self.device == src.device and self.device.type == "neuron" and _complex64_copy(self, src):
         return self
     if self.device == src.device:
         raise Unsupported("a dtype conversion the device lacks, or a conjugate or negative view")
@@ -43,7 +64,7 @@ def fill(self: torch.Tensor, value: Any) -> torch.Tensor:
     return self
 
 
-@lowering("fill_.Scalar")
+@lowering("fill_.Scalar", complex_operands=True)
 def fill_scalar(self: torch.Tensor, value: Any) -> torch.Tensor:
     """``self.fill_(value)``."""
     if not can_copy(self, self):
@@ -52,7 +73,7 @@ def fill_scalar(self: torch.Tensor, value: Any) -> torch.Tensor:
     return fill(self, value)
 
 
-@lowering("fill_.Tensor")
+@lowering("fill_.Tensor", complex_operands=True)
 def fill_tensor(self: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``self.fill_(value)`` with a 0-dim tensor (read on the device when it lives there)."""
     if value.dim() != 0:
@@ -67,7 +88,7 @@ def fill_tensor(self: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return self
 
 
-@lowering("zero_")
+@lowering("zero_", complex_operands=True)
 def zero_(self: torch.Tensor) -> torch.Tensor:
     """``self.zero_()``."""
     return fill_scalar(self, False if self.dtype == torch.bool else 0)

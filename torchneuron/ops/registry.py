@@ -23,18 +23,38 @@ from torchneuron import _C
 from torchneuron.ops.base import overload, Unsupported
 from torchneuron.ops.elementwise import aliases_itself, share_bytes, write_result
 
-__all__ = ["LOWERED", "Unsupported", "cpu_fallback", "lowering", "register_out"]
+__all__ = ["COMPLEX_LOWERED", "LOWERED", "Unsupported", "complex_lowering", "cpu_fallback", "lowering",
+           "register_out"]
 
 
 _LIB = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (kept alive for the process)
 LOWERED: dict[str, Callable] = {}             # overload name ("add.Tensor") -> its neuron kernel
+COMPLEX_LOWERED: dict[torch._ops.OpOverload, Callable] = {}   # overload -> its kernel for complex operands
 
 
-def _refusing_to_cpu(fn: Callable, op: torch._ops.OpOverload) -> Callable:
+def _has_complex(values: Any) -> bool:
+    """Whether call arguments hold a complex tensor, Python complex or complex dtype (in lists too)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if v.is_complex():
+                return True
+        elif isinstance(v, complex) or (isinstance(v, torch.dtype) and v.is_complex):
+            return True
+        elif isinstance(v, (list, tuple)) and _has_complex(v):
+            return True
+    return False
+
+
+def _refusing_to_cpu(fn: Callable, op: torch._ops.OpOverload, complex_operands: bool = False) -> Callable:
     """``fn`` with ``Unsupported`` turned into the CPU fallback of ``op`` on the same arguments (or of the
-    call the refusal names)."""
+    call the refusal names). Unless ``complex_operands``, a call with complex operands is refused before
+    ``fn`` sees it: the engines compute in real arithmetic only."""
     def kernel(*args: Any, **kwargs: Any) -> Any:
         try:
+            if not complex_operands and (_has_complex(args) or (kwargs and _has_complex(kwargs.values()))):
+                if op not in COMPLEX_LOWERED:
+                    raise Unsupported("complex operands")
+                return COMPLEX_LOWERED[op](*args, **kwargs)
             return fn(*args, **kwargs)
         except Unsupported as refusal:
             target, args, kwargs = refusal.fallback or (op, args, kwargs)
@@ -44,8 +64,9 @@ def _refusing_to_cpu(fn: Callable, op: torch._ops.OpOverload) -> Callable:
     return kernel
 
 
-def lowering(*names: str) -> Callable[[Callable], Callable]:
-    """Register the decorated function as the neuron kernel of the ATen overloads ``names``."""
+def lowering(*names: str, complex_operands: bool = False) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the neuron kernel of the ATen overloads ``names`` (one that takes
+    complex operands itself says so with ``complex_operands``; the others never see them)."""
     def register(fn: Callable) -> Callable:
         for name in names:
             if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "CompositeImplicitAutograd"):
@@ -53,8 +74,20 @@ def lowering(*names: str) -> Callable[[Callable], Callable]:
                 raise RuntimeError(f"aten::{name} is CompositeImplicitAutograd: lower what it decomposes into")
             if name in LOWERED:
                 raise RuntimeError(f"aten::{name} already has a neuron kernel ({LOWERED[name].__qualname__})")
-            _LIB.impl(name, _refusing_to_cpu(fn, overload(name)), "PrivateUse1")
+            _LIB.impl(name, _refusing_to_cpu(fn, overload(name), complex_operands), "PrivateUse1")
             LOWERED[name] = fn
+        return fn
+    return register
+
+
+def complex_lowering(*names: str) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the kernel of the lowered overloads ``names`` for calls with complex
+    operands (which their own kernels never see)."""
+    def register(fn: Callable) -> Callable:
+        for name in names:
+            if name not in LOWERED:
+                raise RuntimeError(f"aten::{name} has no neuron kernel to take its complex operands")
+            COMPLEX_LOWERED[overload(name)] = fn
         return fn
     return register
 
