@@ -12,6 +12,7 @@ from torchneuron.ops import (  # noqa: F401  (registration happens on import)
     int64_elementwise, linalg, matmul, nn, normalization, optim, pointwise, pooling, random, reduction, resample, rnn,
     sampling_grid, sampling_grid_backward, scatter, search, sort, special, transformer,
 )
+from torchneuron.ops import fft  # noqa: F401  (complex operands: torch.fft's ATen ops)
 from torchneuron.ops.kernel_call import cache_size
 from torchneuron.ops.registry import LOWERED
 
