@@ -1,26 +1,25 @@
 """FFTs on the device: ``_fft_r2c``, ``_fft_c2c`` and ``_fft_c2r`` (what every ``torch.fft`` function, ``stft``
 and ``istft`` dispatch to) as DFT matrix products on TensorE.
 
-The NeuronCore has no complex arithmetic, so a complex tensor is handled as its two real parts (strided
-fp32 views of its storage, ``view_as_real``). One stage transforms one dim: the rows of that dim, real and
-imaginary parts side by side, times a real DFT matrix holding the cosines and sines,
-
-    [Re | Im] @ [[C, sS], [-sS, C]] = [Re' | Im']      (c2c; r2c keeps the first row block, c2r the first
-                                                        column block of a Hermitian-weighted matrix)
-
-one fp32 ``mm`` launch per stage (fp32 products, fp32 PSUM accumulation). The matrices are built on the host
-in float64 from exact angle indices ``(j * k) mod N``, rounded once to fp32, scaled by the ``norm=`` factor of
-their dim and kept on the device (``base.device_table``). n-D transforms run one stage per dim (r2c on the last
-dim first, c2r on it last, as pocketfft orders them).
+The NeuronCore has no complex arithmetic, so a complex tensor is handled as the real pairs it stores (re, im
+interleaved: ``view_as_real``). One stage transforms one dim: its rows, read as [re0, im0, re1, im1, ...], times
+a real DFT matrix holding the cosines and sines in the same interleaved order, so the product's output rows are
+the transformed complex64 rows themselves (c2c; r2c multiplies real rows, c2r a Hermitian-weighted matrix
+gives real rows): one fp32 ``mm`` launch per stage (fp32 products, fp32 PSUM accumulation), plus a device copy
+when the dim is not the contiguous last one. The matrices are built on the host in float64 from exact angle
+indices ``(j * k) mod N``, rounded once to fp32, scaled by the ``norm=`` factor of their dim and kept on the
+device (``base.device_table``). n-D transforms run one stage per dim (r2c on the last dim first, c2r on it
+last, as pocketfft orders them).
 
 Accuracy: an output of a direct DFT of length N sums N products; in fp32 its error is below ~N * eps * max|x|
 and in practice (blocked fp32 accumulation, 128 products per PSUM pass) within 2x of pocketfft's O(log N) eps
 on random data up to N = 4096 (``bench/fft.py`` prints the ratio). Lengths up to ``DIRECT_MAX`` take one
 stage; longer lengths N = N1 * N2 with both factors up to ``DIRECT_MAX`` take two stages with a twiddle
 multiplication between them (the four-step FFT), so their error is that of two short DFTs; a length that is
-neither (a prime above ``DIRECT_MAX`` up to ``DIRECT_LIMIT`` takes one long stage) takes the CPU fallback.
+neither takes one long stage up to ``DIRECT_LIMIT`` and the CPU fallback beyond.
 
-Also on the CPU fallback (counted): float64/complex128 (no fp64 arithmetic), and any input holding NaN or inf,
+Also on the CPU fallback (counted): float64/complex128 (no fp64 arithmetic), ``out=`` (complex operands the
+registry refuses), and any input holding NaN or inf,
 found by one device reduction and a host read: a matrix product spreads a NaN (or inf * 0) into the real and
 imaginary part of every output, where pocketfft's butterflies leave some parts finite.
 """
@@ -55,21 +54,21 @@ def _cos_sin(rows: int, cols: int, n: int, sign: int) -> tuple[torch.Tensor, tor
 
 
 def dft_matrix(kind: str, n: int, n_out: int, sign: int, scale: float) -> torch.Tensor:
-    """The real matrix of one DFT stage over a dim of length ``n`` (fp32, host): ``c2c`` [2n, 2n_out] maps
-    [Re | Im] to [Re' | Im']; ``r2c`` [n, 2n_out] maps a real row to [Re' | Im']; ``c2r`` [2n, n_out] maps the
-    first n = n_out // 2 + 1 Hermitian coefficients [Re | Im] to the n_out real samples."""
+    """The real matrix of one DFT stage over a dim of length ``n`` (fp32, host), complex values interleaved as
+    complex64 stores them (re0, im0, re1, ...): ``c2c`` [2n, 2n_out]; ``r2c`` [n, 2n_out] from real rows;
+    ``c2r`` [2n, n_out] from the first n = n_out // 2 + 1 Hermitian coefficients to the n_out real samples."""
     if kind == "c2r":
         c, s = _cos_sin(n, n_out, n_out, 1)
         weight = torch.full((n, 1), 2.0, dtype=torch.float64)   # each coefficient stands for itself and its mirror
         weight[0] = 1.0
         if n_out % 2 == 0 and n == n_out // 2 + 1:
             weight[-1] = 1.0
-        w = torch.cat([weight * c, -weight * s], 0)
+        w = torch.stack([weight * c, -weight * s], 1).reshape(2 * n, n_out)
     else:
         c, s = _cos_sin(n, n_out, n, sign)
-        w = torch.cat([c, s], 1)
+        w = torch.stack([c, s], 2).reshape(n, 2 * n_out)                       # a real row's re' and im'
         if kind == "c2c":
-            w = torch.cat([w, torch.cat([-s, c], 1)], 0)
+            w = torch.stack([w, torch.stack([-s, c], 2).reshape(n, 2 * n_out)], 1).reshape(2 * n, 2 * n_out)
     return (w * scale).float()
 
 
@@ -86,28 +85,19 @@ def _norm_scale(normalization: int, n: int) -> float:
     return (1.0, 1.0 / math.sqrt(n), 1.0 / n)[normalization]
 
 
-def _rows(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple]:
-    """``t`` with ``dim`` last, as rows [B, n] (a device copy when the view needs one), and the batch shape."""
-    moved = t.movedim(dim, -1)
-    return moved.reshape(-1, moved.shape[-1]), tuple(moved.shape[:-1])
-
-
-def _unrows(rows: torch.Tensor, batch: tuple, dim: int) -> torch.Tensor:
-    """Rows [B, n] back to the batch shape with their dim at ``dim``."""
-    return rows.reshape(*batch, rows.shape[-1]).movedim(-1, dim)
-
-
-def _direct(re: torch.Tensor, im: torch.Tensor | None, dim: int, kind: str, n_out: int, sign: int,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One DFT stage over ``dim`` as one fp32 matrix product (im None: a real input)."""
-    n = re.shape[dim]
-    a, batch = _rows(re, dim)
-    lhs = a if im is None else torch.cat([a, _rows(im, dim)[0]], 1)
-    w = device_table(re.device, dft_matrix, kind, n, n_out, sign, scale)
-    out = lhs @ w
-    if kind == "c2r":
-        return _unrows(out, batch, dim), None
-    return _unrows(out[:, :n_out], batch, dim), _unrows(out[:, n_out:], batch, dim)
+def _direct(x: torch.Tensor, dim: int, kind: str, n_out: int, sign: int, scale: float) -> torch.Tensor:
+    """One DFT stage over ``dim`` as one fp32 matrix product on the rows of that dim (a device copy first when
+    the dim is not already the contiguous last one); complex rows are read as their interleaved parts and a
+    complex result is the product's output itself."""
+    n = x.shape[dim]
+    moved = x.movedim(dim, -1)
+    batch = tuple(moved.shape[:-1])
+    rows = moved.reshape(-1, n)
+    lhs = torch.view_as_real(rows).reshape(-1, 2 * n) if rows.is_complex() else rows
+    out = lhs @ device_table(x.device, dft_matrix, kind, n, n_out, sign, scale)
+    if kind != "c2r":
+        out = torch.view_as_complex(out.view(-1, n_out, 2))
+    return out.reshape(*batch, n_out).movedim(-1, dim)
 
 
 def _split(n: int) -> tuple[int, int] | None:
@@ -119,42 +109,38 @@ def _split(n: int) -> tuple[int, int] | None:
     return best
 
 
-def _c2c(re: torch.Tensor, im: torch.Tensor | None, dim: int, sign: int,
-         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The complex DFT of length n over ``dim``: one stage up to DIRECT_MAX, else the four-step FFT."""
-    n = re.shape[dim]
+def _c2c(x: torch.Tensor, dim: int, sign: int, scale: float) -> torch.Tensor:
+    """The complex DFT of length n over ``dim`` (of a complex64 or a real fp32 ``x``): one stage up to
+    DIRECT_MAX, else the four-step FFT."""
+    n = x.shape[dim]
+    kind = "c2c" if x.is_complex() else "r2c"
     if n <= DIRECT_MAX or _split(n) is None:
-        kind = "r2c" if im is None else "c2c"
-        return _direct(re, im, dim, kind, n, sign, scale)
+        return _direct(x, dim, kind, n, sign, scale)
     n1, n2 = _split(n)
     # index n = n2 * a + b: DFT over a (length n1, output index k1), twiddle exp(sign 2 pi i k1 b / n), DFT
     # over b (length n2, output k2); the result's index is k1 + n1 * k2
-    shape = lambda t: t.reshape(*t.shape[:dim], n1, n2, *t.shape[dim + 1:])  # noqa: E731
-    re, im = _direct(shape(re), None if im is None else shape(im), dim, "r2c" if im is None else "c2c",
-                     n1, sign, scale)
-    tw = device_table(re.device, twiddles, n1, n2, sign)
-    tail = (1,) * (re.dim() - dim - 2)
+    y = _direct(x.reshape(*x.shape[:dim], n1, n2, *x.shape[dim + 1:]), dim, kind, n1, sign, scale)
+    tw = device_table(x.device, twiddles, n1, n2, sign)
+    tail = (1,) * (y.dim() - dim - 2)
     tc, ts = tw[0].reshape(n1, n2, *tail), tw[1].reshape(n1, n2, *tail)
-    re, im = re * tc - im * ts, re * ts + im * tc
-    re, im = _direct(re, im, dim + 1, "c2c", n2, sign, 1.0)
-    flat = lambda t: t.transpose(dim, dim + 1).reshape(*t.shape[:dim], n, *t.shape[dim + 2:])  # noqa: E731
-    return flat(re), flat(im)
+    parts = torch.view_as_real(y)
+    re, im = parts[..., 0], parts[..., 1]
+    y = torch.view_as_complex(torch.stack([re * tc - im * ts, re * ts + im * tc], -1))
+    y = _direct(y, dim + 1, "c2c", n2, sign, 1.0)
+    return y.transpose(dim, dim + 1).reshape(*y.shape[:dim], n, *y.shape[dim + 2:])
 
 
-def _c2r_last(re: torch.Tensor, im: torch.Tensor, dim: int, n_out: int,
-              scale: float) -> torch.Tensor:
+def _c2r_last(x: torch.Tensor, dim: int, n_out: int, scale: float) -> torch.Tensor:
     """The real inverse DFT of length n_out over ``dim`` from its first n_out // 2 + 1 coefficients."""
     half = n_out // 2 + 1
-    re, im = re.narrow(dim, 0, half), im.narrow(dim, 0, half)
+    x = x.narrow(dim, 0, half)
     if n_out <= DIRECT_MAX or _split(n_out) is None:
-        return _direct(re, im, dim, "c2r", n_out, 1, scale)[0]
-    # the full Hermitian spectrum X[k] = conj(X[n - k]), then the complex inverse; its real part
-    mirror = n_out - half
-    re_m = re.narrow(dim, 1, mirror).flip(dim)
-    im_m = im.narrow(dim, 1, mirror).flip(dim)
-    full_re = torch.cat([re, re_m], dim)
-    full_im = torch.cat([im, -im_m], dim)
-    return _c2c(full_re, full_im, dim, 1, scale)[0]
+        return _direct(x, dim, "c2r", n_out, 1, scale)
+    # the full Hermitian spectrum X[k] = conj(X[n - k]) (on the parts), then the complex inverse; its real part
+    parts = torch.view_as_real(x)
+    mirror = parts.narrow(dim, 1, n_out - half).flip(dim) * torch.tensor([1.0, -1.0], device=x.device)
+    full = torch.view_as_complex(torch.cat([parts, mirror], dim))
+    return torch.view_as_real(_c2c(full, dim, 1, scale))[..., 0].contiguous()
 
 
 # ---- the ATen ops ---------------------------------------------------------------------------------------
@@ -170,21 +156,6 @@ def _transformable(x: torch.Tensor, dims: Sequence[int], lengths: Sequence[int],
     values = torch.view_as_real(x) if x.is_complex() else x
     if not bool(torch.isfinite(values).all()):
         raise Unsupported
-
-
-def _parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The real and imaginary parts of a complex64 neuron tensor, as strided fp32 views of its storage."""
-    pairs = torch.view_as_real(x)
-    return pairs[..., 0], pairs[..., 1]
-
-
-def _complex(re: torch.Tensor, im: torch.Tensor) -> torch.Tensor:
-    """A new complex64 tensor holding re + i im (two strided device copies into its storage)."""
-    out = torch.empty(re.shape, dtype=torch.complex64, device=re.device)
-    pairs = torch.view_as_real(out)
-    pairs[..., 0].copy_(re)
-    pairs[..., 1].copy_(im)
-    return out
 
 
 def _wrap(dims: Sequence[int], ndim: int) -> list[int]:
@@ -203,14 +174,14 @@ def fft_r2c(self: torch.Tensor, dim: Sequence[int], normalization: int, onesided
     n = self.shape[last]
     scale = _norm_scale(normalization, n)
     if n <= DIRECT_MAX or _split(n) is None:
-        re, im = _direct(self, None, last, "r2c", n // 2 + 1 if onesided else n, -1, scale)
+        y = _direct(self, last, "r2c", n // 2 + 1 if onesided else n, -1, scale)
     else:
-        re, im = _c2c(self, None, last, -1, scale)
+        y = _c2c(self, last, -1, scale)
         if onesided:
-            re, im = re.narrow(last, 0, n // 2 + 1), im.narrow(last, 0, n // 2 + 1)
+            y = y.narrow(last, 0, n // 2 + 1)
     for d in reversed(dims[:-1]):
-        re, im = _c2c(re, im, d, -1, _norm_scale(normalization, self.shape[d]))
-    return _complex(re, im)
+        y = _c2c(y, d, -1, _norm_scale(normalization, self.shape[d]))
+    return y.contiguous()
 
 
 @lowering("_fft_c2c", complex_operands=True)
@@ -219,11 +190,10 @@ def fft_c2c(self: torch.Tensor, dim: Sequence[int], normalization: int, forward:
     checked(aten._fft_c2c.default, self, dim, normalization, forward)
     dims = _wrap(dim, self.dim())
     _transformable(self, dims, [self.shape[d] for d in dims], torch.complex64)
-    re, im = _parts(self)
-    sign = -1 if forward else 1
+    y = self
     for d in reversed(dims):
-        re, im = _c2c(re, im, d, sign, _norm_scale(normalization, self.shape[d]))
-    return _complex(re, im)
+        y = _c2c(y, d, -1 if forward else 1, _norm_scale(normalization, self.shape[d]))
+    return y.contiguous()
 
 
 @lowering("_fft_c2r", complex_operands=True)
@@ -235,11 +205,10 @@ def fft_c2r(self: torch.Tensor, dim: Sequence[int], normalization: int, last_dim
     _transformable(self, dims, [self.shape[d] for d in dims[:-1]] + [last_dim_size], torch.complex64)
     if self.shape[dims[-1]] not in (last_dim_size // 2 + 1, last_dim_size):   # what the CPU kernel accepts
         raise Unsupported
-    re, im = _parts(self)
+    y = self
     for d in reversed(dims[:-1]):
-        re, im = _c2c(re, im, d, 1, _norm_scale(normalization, self.shape[d]))
-    return _c2r_last(re, im, dims[-1], last_dim_size, _norm_scale(normalization, last_dim_size))
-
+        y = _c2c(y, d, 1, _norm_scale(normalization, self.shape[d]))
+    return _c2r_last(y, dims[-1], last_dim_size, _norm_scale(normalization, last_dim_size)).contiguous()
 
 
 @lowering("conj_physical.out", complex_operands=True)
@@ -274,9 +243,13 @@ def unfold_backward(grad_in: torch.Tensor, input_sizes: Sequence[int], dim: int,
 
 @complex_lowering("abs")
 def complex_abs(self: torch.Tensor) -> torch.Tensor:
-    """``abs`` of a complex64 tensor (a spectrum's magnitude): the hypotenuse of its parts, as the CPU computes
-    |z|, on the device."""
+    """``abs`` of a complex64 tensor (a spectrum's magnitude) on the device: max(|re|, |im|) * sqrt(1 + r^2) with
+    r = min / max, which neither overflows nor underflows where the parts' squares would (within 2 ulp of the
+    CPU's correctly rounded hypot); an infinite part gives inf even beside a NaN, as C's hypot does."""
     if self.device.type != "neuron" or self.dtype != torch.complex64 or self.is_neg():
         raise Unsupported
-    re, im = _parts(self.conj() if self.is_conj() else self)   # |conj(z)| = |z|
-    return torch.hypot(re, im)
+    parts = torch.view_as_real(self.conj() if self.is_conj() else self).abs()   # |conj(z)| = |z|
+    a, b = parts[..., 0], parts[..., 1]
+    big, small = torch.maximum(a, b), torch.minimum(a, b)
+    ratio = torch.where((big == 0) | big.isinf(), 0.0, small / big)
+    return torch.where(a.isinf() | b.isinf(), float("inf"), big * torch.sqrt(1 + ratio * ratio))
