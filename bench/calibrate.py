@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 
 from torchneuron import nki
+from torchneuron.sim.memory import SimulatorError
 from torchneuron.sim.specs import ChipSpec, chip_spec
 
 # aws-neuron/aws-neuron-sdk commits holding the published figures and the kernels they were measured with.
@@ -254,8 +255,8 @@ CASES: list[Case] = [
     Case("kopt v2 tiled", "trn2", 39.89e6, _KOPT.format("v2"), _KOPT_SHAPE + ", tiled", kopt_tutorial(1)),
     Case("kopt v3 hoisted", "trn2", 28.20e6, _KOPT.format("v3"), _KOPT_SHAPE + ", loads hoisted", kopt_tutorial(2),
          held_out=True),
-    Case("kopt v4 block free", "trn2", 28.41e6, _KOPT.format("v4"), _KOPT_SHAPE + ", free dims blocked",
-         kopt_tutorial(3), held_out=True),
+    Case("kopt v4 block free", "trn2", 28.41e6, _KOPT.format("v4"), _KOPT_SHAPE + ", free dims blocked "
+         "(needs 320 KiB of SBUF per partition: the real compiler spills)", kopt_tutorial(3), held_out=True),
     Case("kopt v5 block all", "trn2", 28.30e6, _KOPT.format("v5"), _KOPT_SHAPE + ", all dims blocked",
          kopt_tutorial(4, n_outer=True)),
 ]
@@ -294,6 +295,9 @@ def main() -> None:
             sim = case.measure(chip_spec(case.chip), sdk, div)
         except FileNotFoundError as exc:
             print(f"{case.name:<30} {case.chip:<5} skipped: {exc}")
+            continue
+        except SimulatorError as exc:   # e.g. more SBUF than the chip has, where the real compiler spills
+            print(f"{case.name:<30} {case.chip:<5} not simulated: {str(exc)[:120]}")
             continue
         ratio = sim / case.published_ns
         (held if case.held_out else tuned).append(ratio)
