@@ -120,8 +120,9 @@ class Sdk:
 def find_sdk(explicit: str | None) -> Path | None:
     """The git directory of a copy of aws-neuron/aws-neuron-sdk: --sdk, TORCHNEURON_NKI_SDK, or one near here."""
     here = Path(__file__).resolve().parent.parent
-    candidates = [explicit, os.environ.get("TORCHNEURON_NKI_SDK")]
-    for base in (here.parent, here.parent.parent):
+    given = explicit or os.environ.get("TORCHNEURON_NKI_SDK")
+    candidates = [given] if given else []          # a path given is the only one looked at
+    for base in () if given else (here.parent, here.parent.parent):
         candidates += [base / ".mirror" / "aws-neuron+aws-neuron-sdk" / "repo", base / "aws-neuron-sdk"]
     for c in candidates:
         if not c:
