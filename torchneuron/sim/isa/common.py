@@ -269,6 +269,8 @@ def planned_operand(core, value, compute: torch.dtype, ndim: int):
     return load_column(core, value, compute, ndim) if isinstance(value, AP) else value
 
 
+# the ALU ops and dtypes an elementwise step computes with one torch call into its destination
+# (``FUSED_ALU_FN[op](a, b, out=dst)``, see fused_into)
 FUSED_OPS = frozenset({"add", "subtract", "multiply", "divide", "maximum", "minimum"})
 FUSED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 FUSED_ALU_FN = {"add": torch.add, "subtract": torch.sub, "multiply": torch.mul, "divide": torch.true_divide,

@@ -10,7 +10,8 @@ import torch
 from torchneuron.sim.instruction import CostInputs, Engine, Footprint
 from torchneuron.sim.memory import AP, IndexOutOfRange, contiguous_run
 from torchneuron.sim.numerics import dtype_name, torch_name
-from torchneuron.sim.isa.common import DGE_MODES, Instr, OOB_MODES, Step, descriptor_count, prepare_cast, copy_step, ap_dims
+from torchneuron.sim.isa.common import (DGE_MODES, Instr, OOB_MODES, Step, ap_dims, copy_step, descriptor_count,
+                                        prepare_cast)
 
 
 # ---- DMA ----------------------------------------------------------------------------------
@@ -145,7 +146,8 @@ class DmaCopy(Instr):
                           in_dtypes=(torch_name(self.src.dtype),), out_dtype=torch_name(self.dst.dtype),
                           in_memories=(self.src.kind,), out_memory=self.dst.kind,
                           contiguous=self.src.inner_contiguous and self.dst.inner_contiguous, op=op,
-                          dma_bytes=max(self.src.nbytes, self.dst.nbytes), dma_chunks=descriptor_count(n, run_src, run_dst),
+                          dma_bytes=max(self.src.nbytes, self.dst.nbytes),
+                          dma_chunks=descriptor_count(n, run_src, run_dst),
                           dge_mode=None if self.dge_mode == "unknown" else self.dge_mode, flops=0)
 
 
@@ -359,7 +361,8 @@ class DmaCompute(Instr):
         onchip = [a for a in (self.dst, *self.srcs) if a.on_chip]
         parts = onchip[0].partitions if onchip else 1
         n = self.dst.numel
-        chunks = max(descriptor_count(n, contiguous_run(ap_dims(s)), contiguous_run(ap_dims(self.dst))) for s in self.srcs)
+        run_dst = contiguous_run(ap_dims(self.dst))
+        chunks = max(descriptor_count(n, contiguous_run(ap_dims(s)), run_dst) for s in self.srcs)
         return CostInputs(opcode=self.opcode, engine=Engine.DMA, partitions=parts, free_elems=n // parts,
                           in_dtypes=tuple(torch_name(s.dtype) for s in self.srcs), out_dtype=torch_name(self.dst.dtype),
                           in_memories=tuple(s.kind for s in self.srcs), out_memory=self.dst.kind, op="add",

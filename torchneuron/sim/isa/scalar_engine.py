@@ -11,7 +11,8 @@ from torchneuron.sim.instruction import CostInputs, Engine
 from torchneuron.sim.memory import AP
 from torchneuron.sim.numerics import (ACTIVATIONS_OUT, REDUCE_IDENTITY, activation_fn, alu_op, apply_activation,
                                       apply_alu, apply_reduce, as_scalar, compute_dtype, dtype_name, reduce_op)
-from torchneuron.sim.isa.common import Instr, Operand, Step, checked_reduce_cmd, disjoint_or_same, fused_into, load_tile, planned_operand, fused_rhs
+from torchneuron.sim.isa.common import (Instr, Operand, Step, checked_reduce_cmd, disjoint_or_same, fused_into,
+                                        fused_rhs, load_tile, planned_operand)
 
 
 # ---- ScalarE activation ------------------------------------------------------------------------
@@ -234,11 +235,12 @@ class Activate2(Instr):
         nd = x.dim()
         for op, imm, rev in ((self.op0, self.imm0, self.reverse0), (self.op1, self.imm1, self.reverse1)):
             if op != "bypass":
-                v = planned_operand(core, imm if isinstance(imm, AP) else as_scalar(imm, torch.float32), torch.float32, nd)
+                operand = imm if isinstance(imm, AP) else as_scalar(imm, torch.float32)
+                v = planned_operand(core, operand, torch.float32, nd)
                 x = apply_alu(op, v, x) if rev else apply_alu(op, x, v)
         if self.op == "prelu":
             slope = planned_operand(core, self.relu_param if isinstance(self.relu_param, AP)
-                             else as_scalar(self.relu_param, torch.float32), torch.float32, nd)
+                                    else as_scalar(self.relu_param, torch.float32), torch.float32, nd)
             y = torch.where(x > 0, x, x * slope)
         else:
             y = apply_activation(self.op, x)

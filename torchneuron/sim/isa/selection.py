@@ -13,8 +13,8 @@ import torch
 from torchneuron.sim.instruction import CostInputs, Engine
 from torchneuron.sim.memory import AP
 from torchneuron.sim.numerics import INT_DTYPES, alu_op, apply_alu, as_scalar, dtype_name, reduce_op
-from torchneuron.sim.isa.common import (COMPARE_OPS, MAX8_FMAX, MAX8_FMIN, Instr, Operand, checked_reduce_cmd, load_column, prepare_cast,
-                                        load_tile)
+from torchneuron.sim.isa.common import (COMPARE_OPS, MAX8_FMAX, MAX8_FMIN, Instr, Operand, checked_reduce_cmd,
+                                        load_column, load_tile, prepare_cast)
 from torchneuron.sim.isa.scalar_engine import reduce_into_registers
 
 FP32_MIN = -3.4028234663852886e38   # the only on_false_value range_select accepts (a hardware constraint)

@@ -14,10 +14,10 @@ from torchneuron.sim.instruction import CostInputs, Engine
 from torchneuron.sim.memory import AP, store
 from torchneuron.sim.numerics import (BITVEC_OPS, FRACTIONAL_OPS, REDUCE_OPS, UNARY_ALU_OPS, alu_op, apply_alu,
                                       apply_reduce, as_scalar, compute_dtype, dtype_name, reduce_op)
-from torchneuron.sim.isa.common import (BN_STATS_FMAX, Instr, MAX8_FMAX, MAX8_FMIN, Operand, Step, FUSED_ALU_FN,
-                                        FUSED_DTYPES, FUSED_OPS, apply_ordered, checked_reduce_cmd, load_column, prepare_cast, copy_step,
-                                        disjoint_or_same, has_fractional, fused_into, load_tile, planned_operand, operand_dtypes,
-                                        planned_alu_step, fused_rhs)
+from torchneuron.sim.isa.common import (BN_STATS_FMAX, FUSED_ALU_FN, FUSED_DTYPES, FUSED_OPS, MAX8_FMAX, MAX8_FMIN,
+                                        Instr, Operand, Step, apply_ordered, checked_reduce_cmd, copy_step,
+                                        disjoint_or_same, fused_into, fused_rhs, has_fractional, load_column, load_tile,
+                                        operand_dtypes, planned_alu_step, planned_operand, prepare_cast)
 from torchneuron.sim.isa.scalar_engine import accumulate_registers, engine_registers, reduce_into_registers
 
 
@@ -92,8 +92,8 @@ class TensorTensor(Instr):
     def step(self, core, slots) -> Step | None:
         if not self._fused:
             return planned_alu_step(core, self.dst, self.data1, [(self.op, self.data2, False, False)],
-                                     compute_dtype(self.data1.dtype, self.data2.dtype,
-                                                   fractional=self.op in FRACTIONAL_OPS))
+                                    compute_dtype(self.data1.dtype, self.data2.dtype,
+                                                  fractional=self.op in FRACTIONAL_OPS))
         fn, out, a, b = FUSED_ALU_FN[self.op], self.dst.view(core), self.data1.view(core), self.data2.view(core)
         return lambda h: fn(a, b, out=out)
 
