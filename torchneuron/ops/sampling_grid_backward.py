@@ -114,7 +114,7 @@ def _grid_sampler_backward(k: int) -> Any:
                 or (output_mask[0] and not _row_chunk(N * S + 1, _taps(k, int(interpolation_mode))))):
             # the CPU's own result for these (empty operands, an unchecked grad_output shape), and inputs too
             # large for the input grad's one-hot accumulation
-            raise Unsupported("empty operands, an unchecked grad_output shape, or an input gradient beyond the one-hot accumulation")
+            raise Unsupported("empty operands, an unchecked grad_output shape, or a too large input gradient")
         gi, gg = _backward(grad_output, input, grid, int(interpolation_mode), int(padding_mode),
                            bool(align_corners), mask)
         return gi, gg
