@@ -7,10 +7,10 @@ contract (``instruction.py``):
   time it occupies its engine (for Tensor/Vector/Scalar/GpSimd the initiation interval of
   back-to-back instructions, as the public cost formulas state it; for a DMA its fixed
   cost plus its transfer time).
-* ``schedule(instructions, spec)`` places a program on a time line. Every engine runs its
-  instructions in program order (Tensor, Vector, Scalar, GpSimd; each DMA queue
-  separately). An instruction starts when its engine or queue is free and every earlier
-  instruction it depends on (read-after-write, write-after-read, write-after-write on
+* ``schedule(instructions, spec)`` places a program on a time line. Each DMA queue runs its
+  instructions in program order; Tensor, Vector, Scalar and GpSimd each issue, when free, the
+  ready instruction earliest in program order (the compiler's reordering, ASSUMPTION 15). An
+  instruction starts when its engine or queue is free and every earlier instruction it depends on (read-after-write, write-after-read, write-after-write on
   overlapping ``Footprint``\\ s) has finished; one that had to wait for a dependency also
   pays its engine's dependent-instruction overhead. DMA queues run concurrently and share
   the core's 16 DMA engines and its share of HBM bandwidth.
@@ -534,8 +534,9 @@ def schedule(instructions: Sequence[Instruction], spec: ChipSpec,
     """Place a program on a time line (see the module docstring for the rules).
 
     List scheduling in time order: among the queues whose next instruction has all its
-    dependencies placed, the one that can start earliest goes next. Compute engines are
-    in-order queues. A DMA occupies its queue for its fixed cost plus its transfer; the
+    dependencies placed, the one that can start earliest goes next. A compute engine issues
+    the ready instruction earliest in program order (in program order if the spec says the
+    compiler does not reorder, or the engine branches); DMA queues are in order. A DMA occupies its queue for its fixed cost plus its transfer; the
     transfer needs ``engines`` of the core's DMA engines (the earliest free ones) and a
     slot on the core's HBM channel (bytes / per-core HBM bandwidth), so concurrent DMAs on
     different queues overlap their fixed costs and share bandwidth. ``after`` adds explicit
