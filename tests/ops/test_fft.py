@@ -86,11 +86,11 @@ def test_nd_transforms_match_cpu(strict):
     check(lambda t: torch.fft.ihfft2(t), x, [6, 10], 1 / 60)
 
 
-@pytest.mark.parametrize("n", [1031, 2048, 3000])
+@pytest.mark.parametrize("n", [2053, 3000])
 def test_long_lengths(strict, n):
-    # beyond DIRECT_MAX a length that factors runs as two DFT stages with twiddles (the four-step FFT: 2048 =
-    # 32 x 64, 3000 = 50 x 60), a prime one (1031) as one long stage
-    assert n > nfft.DIRECT_MAX and (nfft._split(n) is None) == (n == 1031)
+    # beyond DIRECT_MAX a length that factors runs as two DFT stages with twiddles (the four-step FFT: 3000 =
+    # 50 x 60), a prime one (2053) as one long stage
+    assert n > nfft.DIRECT_MAX and (nfft._split(n) is None) == (n == 2053)
     x = torch.randn(2, n)
     check(torch.fft.rfft, x, [n], 1.0)
     c = torch.randn(2, n, dtype=torch.complex64)

@@ -35,7 +35,7 @@ from torchneuron.ops.registry import complex_lowering, lowering
 
 aten = torch.ops.aten
 
-DIRECT_MAX = 1024    # longest dim one DFT stage transforms when the length factors (tables of 2N x 2N fp32)
+DIRECT_MAX = 2048    # longest dim one DFT stage transforms when the length factors (tables of 2N x 2N fp32, 64 MiB)
 DIRECT_LIMIT = 4096  # longest dim transformed in one stage at all (lengths that do not factor)
 
 
