@@ -47,3 +47,53 @@ def test_a_product_read_elsewhere_is_not_widened(tmp_path, monkeypatch):
         assert g.dtype == e.dtype and torch.equal(g.cpu(), e.cpu())
     text = "".join((d / "fusion.txt").read_text() for d in (tmp_path / "dump").iterdir())
     assert "widened:" not in text
+
+
+class _Block(nn.Module):
+    """Residual adds after two products and a GELU between two more: each add, and GELU's backward, can be
+    the epilogue of the product it reads."""
+
+    def __init__(self, d: int = 96, bias: bool = True) -> None:
+        super().__init__()
+        self.proj, self.fc, self.out = nn.Linear(d, d, bias=bias), nn.Linear(d, 4 * d, bias=bias), nn.Linear(4 * d, d, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.proj(x)
+        return x + self.out(nn.functional.gelu(self.fc(x)))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_epilogues_equal_eager_bit_for_bit(bias, autocast, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHNEURON_DUMP_DIR", str(tmp_path / "dump"))
+    torch.manual_seed(0)
+    model, x = _Block(bias=bias), torch.randn(2, 70, 96)
+    results = []
+    for compiled in (False, True):
+        m = copy.deepcopy(model).to("neuron")
+        run = torch.compile(m, backend="neuron") if compiled else m
+        with torch.autocast("neuron", torch.bfloat16, enabled=autocast):
+            loss = run(x.to("neuron")).float().square().mean()
+        loss.backward()
+        results.append([loss.detach().cpu()] + [p.grad.cpu() for p in m.parameters()])
+    for e, c in zip(*results):
+        assert torch.equal(c, e)   # the product rounded as stored, then the group's math, rounded once
+    fusion = {d.name.split("_")[1]: (d / "fusion.txt").read_text() for d in (tmp_path / "dump").iterdir()}
+    assert fusion["forward"].count("with epilogue [add") >= 1   # (under autocast the first add also feeds a cast)
+    assert "with epilogue [gelu_backward" in fusion["backward"]
+    assert "runs as eager ops" not in "".join(fusion.values())
+
+
+def test_a_product_two_groups_read_keeps_its_own_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHNEURON_DUMP_DIR", str(tmp_path / "dump"))
+
+    def f(a, b, c):
+        p = a @ b
+        return p + c, (p * 2).sum(0)
+    torch.manual_seed(0)
+    a, b, c = torch.randn(64, 96), torch.randn(96, 80), torch.randn(64, 80)
+    args = [t.to("neuron") for t in (a, b, c)]
+    for e, g in zip(f(*args), torch.compile(f, backend="neuron")(*args)):
+        assert torch.equal(g.cpu(), e.cpu())
+    text = "".join((d / "fusion.txt").read_text() for d in (tmp_path / "dump").iterdir())
+    assert "epilogue" not in text

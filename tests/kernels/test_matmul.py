@@ -4,7 +4,10 @@ import torch
 from torchneuron import nki
 from torchneuron.kernels import matmul
 from torchneuron import runtime
-from torchneuron.kernels.matmul import bmm_group_size, bmm_kernel, matmul_kernel, max_contraction, panel_width
+import torchneuron.nki.isa as nisa
+import torchneuron.nki.language as nl
+from torchneuron.kernels.matmul import (Epilogue, bmm_group_size, bmm_kernel, matmul_kernel, max_contraction,
+                                         panel_width)
 from tests.kernels.conftest import DTYPES, close
 
 
@@ -236,3 +239,40 @@ def test_matmul_widening_only_from_two_byte_operands_to_float32():
         matmul_kernel(a, a, out_dtype=torch.float32)
     with pytest.raises(AssertionError, match="out_dtype widens 2-byte operands"):
         matmul_kernel(a.bfloat16(), a.bfloat16(), out_dtype=torch.float16)
+
+
+def _add_tiles(x, r):
+    """An epilogue's tile function: the product plus the residual, in fp32."""
+    y = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=y, data1=x, data2=r, op=nl.add)
+    return y
+
+
+@nki.jit
+def _matmul_plus(a, b, r, bias=None, transpose_a=False, transpose_b=False):
+    return matmul_kernel(a, b, transpose_a=transpose_a, transpose_b=transpose_b, bias=bias,
+                         epilogue=Epilogue(_add_tiles, (r,), r.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mkn,transpose_a,transpose_b,bias", [((300, 200, 100), False, False, False),
+                                                              ((1024, 768, 768), False, True, True),
+                                                              ((130, 1030, 600), False, True, False),
+                                                              ((256, 64, 96), True, False, True)])
+def test_matmul_epilogue_equals_the_stored_product_then_the_pass(mkn, transpose_a, transpose_b, bias, dtype):
+    # the grouped and the tiled path: each block is the product rounded as it would be stored, then the
+    # epilogue's fp32 math, rounded once at the store, exactly what a separate element-wise pass computes
+    M, K, N = mkn
+    a = torch.randn((K, M) if transpose_a else (M, K)).to(dtype)
+    b = torch.randn((N, K) if transpose_b else (K, N)).to(dtype)
+    r = torch.randn(M, N).to(dtype)
+    kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, bias=torch.randn(1, N).to(dtype) if bias else None)
+    product = torch.as_tensor(matmul_kernel(a, b, **kw))
+    got = torch.as_tensor(_matmul_plus(a, b, r, **kw))
+    assert got.dtype == dtype and torch.equal(got, (product.float() + r.float()).to(dtype))
+
+
+def test_matmul_epilogue_operands_must_span_the_output():
+    a, r = torch.randn(8, 8), torch.randn(8, 4)
+    with pytest.raises(AssertionError, match="epilogue operands"):
+        _matmul_plus(a, a, r)

@@ -35,6 +35,7 @@ from torchneuron.compiler.kernel_lowerings import pointwise
 from torchneuron.compiler.memory_plan import plan_memory
 from torchneuron.compiler.partition import DEVICE_DTYPES, FusionGroup, Plan, Segment
 from torchneuron.compiler.values import HostTensor, NotLowerable, Value, dense, hbm_value, input_value
+from torchneuron.kernels.matmul import Epilogue
 from torchneuron.sim import Program
 from torchneuron.sim.specs import ChipSpec
 
@@ -101,6 +102,7 @@ class _Body:
     def __init__(self, plan: Plan, seg: Segment, sigs: list[InputSig]):
         self.plan, self.seg, self.sigs = plan, seg, sigs
         self.roles = plan.roles
+        self.folded = {n for _, _, chain in seg.epilogues.values() for n in chain}
 
     def __call__(self, **slots: Any) -> tuple:
         env: dict[fx.Node, Any] = {}
@@ -156,7 +158,8 @@ class _Body:
     def _node(self, node: fx.Node) -> None:
         role = self.roles[node]
         if role == "view":
-            self.value(node)
+            if node not in self.folded:   # (a reshape of a product read only by its epilogue has no value)
+                self.value(node)
             return
         args, kwargs = self.args(node)
         if role == "pick":
@@ -170,12 +173,37 @@ class _Body:
             return
         lower = lowering.KERNELS[node.target]
         self.env[node] = lower(self, node, *args, **kwargs)
+        if node in self.seg.epilogues:   # the product's kernel computed its epilogue group's result
+            g = self.seg.epilogues[node][0]
+            self.env[g.outputs[0]] = self.env.pop(node).reshape(g.shape)
+
+    def epilogue(self, node: fx.Node) -> Epilogue | None:
+        """The fusion group a product's kernel applies to its blocks (``Segment.epilogues``), as an Epilogue."""
+        hit = self.seg.epilogues.get(node)
+        if hit is None:
+            return None
+        g, src, _ = hit
+        M, N = node.meta["val"].shape
+        others = [n for n in g.inputs if n is not src]
+        extras = [self.value(n) for n in others]
+        if not all(isinstance(v, Value) for v in extras):
+            raise NotLowerable(f"{node.name}: an epilogue operand is not a device tensor")
+        fn = self._group_fn(g, [src] + others)
+        return Epilogue(lambda *tiles: fn(*tiles)[0], tuple(dense(v, (M, N)) for v in extras),
+                        g.outputs[0].meta["val"].dtype)
 
     def _group(self, g: FusionGroup) -> None:
         inputs = g.inputs
         values = [self.value(n) for n in inputs]
         tensors = [(n, v) for n, v in zip(inputs, values) if isinstance(v, Value)]
+        if not tensors:
+            raise NotLowerable("a fused group with no tensor operand")
         dtypes = tuple(o.meta["val"].dtype for o in g.outputs)
+        outs = pointwise(self._group_fn(g, [n for n, _ in tensors]), [v for _, v in tensors], g.shape, dtypes)
+        self.env.update(zip(g.outputs, outs))
+
+    def _group_fn(self, g: FusionGroup, operands: list[fx.Node]):
+        """The group's tile function: tiles of ``operands`` (in that order) in, a tuple of its outputs' tiles out."""
         compute = nl.float32 if g.kind == "float" else nl.int32
         consts: dict = {}
 
@@ -189,23 +217,19 @@ class _Body:
             return consts[key]
 
         def fn(*tiles):
-            env = {n: t for (n, _), t in zip(tensors, tiles)}
+            env = dict(zip(operands, tiles))
             like = tiles[0]
             for node in g.nodes:
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a] if a in env else self.value(a))
-                tile_fn, operands = lowering.POINTWISE[node.target](*args, **kwargs)
-                ops = [const(o, like) if isinstance(o, (int, float, bool)) else o for o in operands]
+                tile_fn, tile_args = lowering.POINTWISE[node.target](*args, **kwargs)
+                ops = [const(o, like) if isinstance(o, (int, float, bool)) else o for o in tile_args]
                 out = tile_fn(*ops)
                 dtype = node.meta["val"].dtype
                 if node.target in CASTS and dtype in ROUNDED and g.kind == "float":
                     out = _round(out, dtype)
                 env[node] = out
             return tuple(env[o] for o in g.outputs)
-
-        if not tensors:
-            raise NotLowerable("a fused group with no tensor operand")
-        outs = pointwise(fn, [v for _, v in tensors], g.shape, dtypes)
-        self.env.update(zip(g.outputs, outs))
+        return fn
 
 
 _MISSING = object()

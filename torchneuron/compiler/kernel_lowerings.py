@@ -20,7 +20,7 @@ import torch
 import torchneuron.nki.language as nl
 from torchneuron.compiler.lowering import register_kernel, supports
 from torchneuron.compiler.partition import DEVICE_DTYPES
-from torchneuron.compiler.values import HostTensor, Value, dense, flat, hbm_value, numel, unexpanded
+from torchneuron.compiler.values import HostTensor, NotLowerable, Value, dense, flat, hbm_value, numel, unexpanded
 from torchneuron.kernels.copy import strided_copy
 from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_preferred
 from torchneuron.kernels.elementwise import fold_broadcast, stream
@@ -91,7 +91,7 @@ for _op in (aten.mm.default, aten.bmm.default):
 @register_kernel(aten.mm.default)
 def lower_mm(ctx, node, a: Value, b: Value) -> Value:
     """``a @ b`` (2-D) on TensorE (stored widened when the partition folded a cast into it)."""
-    return _product(matmul_kernel, a, b, out_dtype=ctx.seg.widened.get(node))
+    return _product(matmul_kernel, a, b, out_dtype=ctx.seg.widened.get(node), epilogue=ctx.epilogue(node))
 
 
 @register_kernel(aten.bmm.default)
@@ -110,9 +110,11 @@ def lower_addmm(ctx, node, bias: Value, a: Value, b: Value, beta=1, alpha=1) -> 
     """``bias + a @ b``: the bias row added at the PSUM eviction when the kernel can, else one more pass."""
     (M, K), N = a.shape, b.shape[1]
     row = unexpanded(bias)
-    wide = ctx.seg.widened.get(node)
+    wide, epi = ctx.seg.widened.get(node), ctx.epilogue(node)
     if fuses_bias(K, N) and numel(row.shape) == N and row.shape[-1] == N:
-        return _product(matmul_kernel, a, b, bias=dense(row, (1, N)), out_dtype=wide)
+        return _product(matmul_kernel, a, b, bias=dense(row, (1, N)), out_dtype=wide, epilogue=epi)
+    if epi is not None:
+        raise NotLowerable("addmm: an epilogue needs the bias added at the eviction")
     out = pointwise(tm.add, [_product(matmul_kernel, a, b), bias], (M, N), a.dtype)
     return out if wide is None else pointwise(lambda x: x, [out], (M, N), wide)   # the cast folded into it
 

@@ -20,6 +20,7 @@ every operand available (no cycles through other nodes).
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,6 +134,9 @@ class Segment:
     # matrix products stored in a wider dtype (node -> dtype), and the casts that thereby became no-ops
     widened: dict[fx.Node, torch.dtype] = field(default_factory=dict)
     widen_casts: dict[fx.Node, fx.Node] = field(default_factory=dict)   # cast -> its product
+    # matrix products whose kernel applies a fusion group to its blocks: product -> (group, the group's operand
+    # that is the product seen through reshapes, those reshape nodes)
+    epilogues: dict[fx.Node, tuple] = field(default_factory=dict)
 
     def describe(self) -> str:
         """One line per item: what the program computes."""
@@ -141,6 +145,10 @@ class Segment:
             if isinstance(it, FusionGroup):
                 lines.append(f"  fused[{it.kind} {list(it.shape)}]: " + ", ".join(_name(n) for n in it.nodes)
                              + " -> " + ", ".join(n.name for n in it.outputs))
+            elif isinstance(it, fx.Node) and it in self.epilogues:
+                g = self.epilogues[it][0]
+                lines.append(f"  kernel: {_name(it)} with epilogue [" + ", ".join(_name(n) for n in g.nodes)
+                             + "] -> " + ", ".join(n.name for n in g.outputs))
             elif it in self.widen_casts:
                 lines.append(f"  widened: {_name(it)} (stored as {_vals(it)[0].dtype} by {self.widen_casts[it].name})")
             else:
@@ -248,7 +256,7 @@ def _finish_segment(seg: Segment, roles: dict, owner: dict) -> None:
             if user not in members:
                 outputs.setdefault(n, None)
     seg.outputs = list(outputs)
-    seg.items = _widen_products(seg, _fuse(seg, roles), roles)
+    seg.items = _fold_epilogues(seg, _widen_products(seg, _fuse(seg, roles), roles), roles)
 
 
 def _readers(node: fx.Node, roles: dict) -> list[fx.Node]:
@@ -321,6 +329,67 @@ def _widen_products(seg: Segment, items: list[Any], roles: dict) -> list[Any]:
                 continue
         out.append(it)
     return out
+
+
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
+
+
+def _fold_epilogues(seg: Segment, items: list[Any], roles: dict) -> list[Any]:
+    """``items`` with each float fusion group that reads a matrix product nothing else reads moved into that
+    product's kernel as its epilogue (``Segment.epilogues``): the product never goes to HBM and back. The group
+    has one result, which depends on the product; the product reaches it through reshapes only; its other
+    operands span the product's elements and are computed before the product (they are read block by block
+    while it is evicted)."""
+    order = {n: i for i, n in enumerate(seg.nodes)}
+    escapes = set(seg.outputs)
+    out = []
+    for it in items:
+        hit = _epilogue_of(it, seg, roles, order, escapes) if isinstance(it, FusionGroup) else None
+        if hit is None:
+            out.append(it)
+            continue
+        seg.epilogues[hit[0]] = (it, *hit[1:])
+    return out
+
+
+def _epilogue_of(g: FusionGroup, seg: Segment, roles: dict, order: dict, escapes: set) -> tuple | None:
+    """(product, operand, the reshapes between them) when ``g`` can be that product's epilogue (see
+    ``_fold_epilogues``), else None."""
+    if g.kind != "float" or len(g.outputs) != 1:
+        return None
+    found = [(n, _root(n, roles)) for n in g.inputs if roles.get(_root(n, roles)) == "kernel"
+             and _root(n, roles).target in _PRODUCTS]
+    if len(found) != 1:
+        return None
+    src, prod = found[0]
+    n = _vals(prod)[0].numel()
+    others = [a for a in g.inputs if a is not src]
+    chain, node = [], src
+    while node is not prod:
+        chain.append(node)
+        node = node.args[0]
+    if (prod not in order or prod in escapes or prod in seg.widened or prod in seg.epilogues
+            or not set(_readers(prod, roles)) <= set(g.nodes) or math.prod(g.shape) != n
+            or any(c.target not in _RESHAPES for c in chain)
+            or not all(_vals(a) and _vals(a)[0].numel() == n and order.get(_root(a, roles), -1) < order[prod]
+                       for a in others)
+            or not _depends_on(g.outputs[0], src, set(g.nodes))):
+        return None
+    return prod, src, chain
+
+
+def _depends_on(node: fx.Node, src: fx.Node, members: set) -> bool:
+    """Whether ``node`` reads ``src`` through members of its group."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n is src:
+            return True
+        if n in seen or (n is not node and n not in members):
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 # Streamed tensors (inputs of more than one element, and outputs) of one fusion group: the element-wise

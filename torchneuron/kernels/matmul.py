@@ -48,6 +48,7 @@ instead of ~7; the entries share tiles but never a contraction, so inf/NaN stay 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from torchneuron import nki
@@ -59,27 +60,33 @@ TM, TK, TN = 128, 128, 512     # stationary M, contraction K, moving N (one fp32
 
 
 @nki.jit
-def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None, out_dtype=None):
+def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None, out_dtype=None, epilogue=None):
     """``A @ B`` (A [M, K], or [K, M] with ``transpose_a``; B [K, N], or [N, K] with ``transpose_b``),
     output in A's dtype; plus a [1, N] ``bias`` row added at the PSUM eviction (``linear``).
 
     ``out_dtype`` (float32, for 2-byte operands): the product rounded to A's dtype as always, then widened
     exactly by the store's DMA, so the result equals the matmul followed by a cast (autocast's fp32
-    gradient of a bf16 weight) without that pass's HBM round trip."""
+    gradient of a bf16 weight) without that pass's HBM round trip. ``epilogue`` (an ``Epilogue``): element-wise
+    work on each block of the product before it is stored (a residual add, an activation's gradient)."""
     M = a.shape[1] if transpose_a else a.shape[0]
     N = b.shape[0] if transpose_b else b.shape[1]
     if out_dtype is not None:
         assert out_dtype == nl.float32 and itemsize(a.dtype) == 2, \
             f"matmul: out_dtype widens 2-byte operands to float32, not {a.dtype} to {out_dtype}"
+    assert out_dtype is None or epilogue is None, "matmul: an epilogue sets the output dtype itself"
+    if epilogue is not None:
+        out_dtype = epilogue.out_dtype
+        assert all(tuple(e.shape) == (M, N) for e in epilogue.extras), \
+            f"matmul: epilogue operands {[tuple(e.shape) for e in epilogue.extras]} are not the output's [{M}, {N}]"
     out = nl.ndarray((M, N), out_dtype or a.dtype, buffer=nl.shared_hbm)
     K = a.shape[0] if transpose_a else a.shape[1]
     Kb = b.shape[1] if transpose_b else b.shape[0]
     assert K == Kb, f"matmul: contraction dims differ ({K} vs {Kb})"
     assert a.dtype == b.dtype, f"matmul: operand dtypes differ ({a.dtype} vs {b.dtype})"
     if K <= KMAX_GROUPED and N <= TN:
-        mm_rows_grouped_into(a, b, out, transpose_a, transpose_b, bias)
+        mm_rows_grouped_into(a, b, out, transpose_a, transpose_b, bias, epilogue)
     else:
-        matmul_into(a, b, out, transpose_a, transpose_b, bias)
+        matmul_into(a, b, out, transpose_a, transpose_b, bias, epilogue)
     return out
 
 
@@ -111,6 +118,35 @@ def alternating_evict() -> Callable:
             nisa.tensor_copy(dst=dst, src=src, engine=nisa.vector_engine)
         turn[0] += 1
     return evict
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """Element-wise work applied to each evicted block of a product before its store (the graph compiler's
+    fused group that reads the product): ``fn(product, *extras)`` over fp32 tiles returns the result tile.
+    The product is rounded to the operands' dtype first, as a separate pass would read it from HBM; each
+    extra is a dense HBM tensor of the output's [M, N] shape, read block by block; the result is stored in
+    ``out_dtype``."""
+
+    fn: Callable
+    extras: tuple
+    out_dtype: object
+
+
+def _store_block(out, res, p: int, f: int, at: Callable, epilogue: Epilogue | None) -> None:
+    """Store an evicted block ``res`` [p, f] at ``at(out)`` (``at`` maps an [M, N] HBM tensor to the block's
+    access), through the epilogue when there is one."""
+    if epilogue is None:
+        nisa.dma_copy(dst=at(out), src=res)
+        return
+    x = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=x, src=res, engine=nisa.gpsimd_engine)   # exact: the rounded product, widened
+    tiles = [x]
+    for e in epilogue.extras:
+        t = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=at(e))
+        tiles.append(t)
+    nisa.dma_copy(dst=at(out), src=epilogue.fn(*tiles))
 
 
 def bmm_group_size(M: int, N: int, isz: int, transpose_a: bool, transpose_b: bool) -> int:
@@ -224,7 +260,8 @@ def _transpose_rows(chunks, rows: int, K: int, evict: Callable):
     return kT
 
 
-def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool = False, bias=None) -> None:
+def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool = False, bias=None,
+                         epilogue: Epilogue | None = None) -> None:
     """``out[M, N] = A @ B`` for up to 4 K tiles (K <= 512) and one PSUM bank of N (N <= 512), any M:
     B is loaded once as [128, KT, N]; A's rows go in groups of up to 4 (fp32; 8 bf16) 128-row chunks,
     each group one DMA whose (chunk, K tile) blocks are transposed on TensorE into one PSUM tile per K
@@ -274,6 +311,15 @@ def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool
                                moving=bK[:kk, kt, :], accumulate=kt > 0)
         res = stage[i % 2]
         full = nch if last == PMAX else nch - 1
+        if epilogue is not None:   # chunk by chunk: [128, N] fp32 blocks of the product and the extras
+            if full:
+                finish(res[:, :full * N], acc[:, :full * N], PMAX, full)
+            if full < nch:
+                finish(res[:last, full * N:nch * N], acc[:last, full * N:nch * N], last, 1)
+            for c in range(nch):
+                n, r0 = (PMAX if c < full else last), m0 + c * PMAX
+                _store_block(out, res[:n, c * N:(c + 1) * N], n, N, lambda t, r0=r0, n=n: t[r0:r0 + n, :], epilogue)
+            continue
         if full:   # out[m0 + c*128 + p, :] <- res[p, c*N:(c+1)*N]: one store of the whole chunks
             finish(res[:, :full * N], acc[:, :full * N], PMAX, full)
             nisa.dma_copy(dst=out.ap([[N, PMAX], [PMAX * N, full], [1, N]], offset=m0 * N), src=res[:, :full * N])
@@ -319,7 +365,7 @@ def max_contraction(isz: int, transpose_a: bool, transpose_b: bool, budget: int,
     return lo * TK
 
 
-def matmul_into(a, b, out, transpose_a=False, transpose_b=False, bias=None):
+def matmul_into(a, b, out, transpose_a=False, transpose_b=False, bias=None, epilogue: Epilogue | None = None):
     """The matmul loop nest: ``out[M, N] = A @ B`` (plus a [1, N] ``bias`` row) into an HBM view (called
     while tracing a kernel)."""
     K, M = a.shape if transpose_a else (a.shape[1], a.shape[0])
@@ -507,7 +553,13 @@ def matmul_into(a, b, out, transpose_a=False, transpose_b=False, bias=None):
                     nisa.tensor_copy(dst=res[:mm, j * TN:j * TN + w], src=acc[:mm, :w], engine=nisa.vector_engine)
                 else:
                     nisa.activation(dst=res[:mm, j * TN:j * TN + w], op=nl.identity, data=acc[:mm, :w])
-            nisa.dma_copy(dst=out[m0:m0 + mm, n0:n0 + nw], src=res[:mm, :nw])
+            if epilogue is None:
+                nisa.dma_copy(dst=out[m0:m0 + mm, n0:n0 + nw], src=res[:mm, :nw])
+            else:                                   # one PSUM bank's width at a time (bounded fp32 tiles)
+                for c0 in range(0, nw, TN):
+                    w = min(TN, nw - c0)
+                    _store_block(out, res[:mm, c0:c0 + w], mm, w,
+                                 lambda t, m0=m0, mm=mm, c=n0 + c0, w=w: t[m0:m0 + mm, c:c + w], epilogue)
         if builder is not None:                # (nothing left unless the M loop was short)
             for _ in builder:
                 pass
