@@ -6,7 +6,7 @@ Prints, per transform length (a batch of rows, fp32 / complex64):
      bandwidth, whichever is larger); beside it the fraction an FFT's 2.5 N log2 N real FLOPs per row would
      be of that time (how much of the work is the O(N^2) of a direct DFT);
   2. the accuracy: the largest error against a float64 FFT, relative to the rms output, for the device and
-     for the CPU's pocketfft in fp32, and their ratio;
+     for the CPU's FFT in fp32, and their ratio;
 and the Whisper log-mel spectrogram (n_fft 400, hop 160, 80 mel bins) of 30 s of 16 kHz audio.
 A benchmark reports; it does not assert.
 

@@ -1,5 +1,5 @@
 """torch.fft, stft and istft on the device (strict mode: DFT matrix products on TensorE) against the CPU's
-pocketfft, within the error of an fp32 DFT; bad arguments raise as on the CPU; NaN/inf, float64 and lengths
+FFT (MKL or pocketfft), within the error of an fp32 DFT; bad arguments raise as on the CPU; NaN/inf, float64 and lengths
 the device does not transform take the counted CPU fallback and match the CPU exactly."""
 import io
 import math
@@ -18,7 +18,7 @@ U = 2.0 ** -24   # fp32 unit roundoff
 def dft_atol(x: torch.Tensor, lengths: list[int], scale: float = 1.0) -> float:
     """The error bound of a DFT of ``lengths`` (the transformed dims' lengths) computed by fp32 matrix
     products: each output sums M = prod(lengths) products of |x| <= max|x|, so its fp32 error is below
-    ~M * u * max|x| (times the norm= scale); pocketfft's own error (O(log M) u) is far below it."""
+    ~M * u * max|x| (times the norm= scale); the CPU FFT's own error (O(log M) u) is far below it."""
     m = math.prod(lengths)
     mx = x.abs().max().item() if x.numel() else 0.0
     return 2 * m * U * mx * scale + 1e-30
@@ -108,7 +108,7 @@ def test_long_prime_length_falls_back():
 
 
 def test_non_finite_input_falls_back_and_matches_cpu():
-    # a matrix product spreads NaN into every real and imaginary part, pocketfft's butterflies do not
+    # a matrix product spreads NaN into every real and imaginary part, the CPU FFT's butterflies do not
     x = torch.randn(3, 8)
     x[0, 0], x[1, 3], x[2, 5] = float("nan"), float("inf"), -float("inf")
     torchneuron.reset_fallback_counts()

@@ -9,11 +9,11 @@ gives real rows): one fp32 ``mm`` launch per stage (fp32 products, fp32 PSUM acc
 when the dim is not the contiguous last one. The matrices are built on the host in float64 from exact angle
 indices ``(j * k) mod N``, rounded once to fp32, scaled by the ``norm=`` factor of their dim and kept on the
 device (``base.device_table``). n-D transforms run one stage per dim (r2c on the last dim first, c2r on it
-last, as pocketfft orders them).
+last, as the CPU's FFT libraries order them).
 
 Accuracy: an output of a direct DFT of length N sums N products; in fp32 its error is below ~N * eps * max|x|
-and in practice (blocked fp32 accumulation, 128 products per PSUM pass) within 2x of pocketfft's O(log N) eps
-on random data up to N = 4096 (``bench/fft.py`` prints the ratio). Lengths up to ``DIRECT_MAX`` take one
+and in practice (blocked fp32 accumulation, 128 products per PSUM pass) within 4x of the CPU FFT's O(log N) eps
+on random data (``bench/fft.py`` prints the ratio). Lengths up to ``DIRECT_MAX`` take one
 stage; longer lengths N = N1 * N2 with both factors up to ``DIRECT_MAX`` take two stages with a twiddle
 multiplication between them (the four-step FFT), so their error is that of two short DFTs; a length that is
 neither takes one long stage up to ``DIRECT_LIMIT`` and the CPU fallback beyond.
@@ -21,7 +21,7 @@ neither takes one long stage up to ``DIRECT_LIMIT`` and the CPU fallback beyond.
 Also on the CPU fallback (counted): float64/complex128 (no fp64 arithmetic), ``out=`` (complex operands the
 registry refuses), and any input holding NaN or inf,
 found by one device reduction and a host read: a matrix product spreads a NaN (or inf * 0) into the real and
-imaginary part of every output, where pocketfft's butterflies leave some parts finite.
+imaginary part of every output, where the CPU FFT's butterflies leave some parts finite.
 """
 from __future__ import annotations
 
