@@ -281,3 +281,19 @@ def test_fft_tensors_save_and_load():
     buf.seek(0)
     back = torch.load(buf)
     assert back.device == spec.device and torch.equal(back.cpu(), spec.cpu())
+
+
+@pytest.mark.parametrize("size,step", [(5, 2), (4, 4), (3, 5), (7, 3)])
+def test_unfold_backward_matches_cpu(strict, size, step):
+    # the overlap-add istft uses, as Tensor.unfold's gradient: each sample sums the windows covering it
+    x = torch.randn(3, 23, 2)
+    g = torch.randn(3, (23 - size) // step + 1, 2, size)
+    expected = torch.ops.aten.unfold_backward(g, [3, 23, 2], 1, size, step)
+    got = torch.ops.aten.unfold_backward(to_n(g), [3, 23, 2], 1, size, step)
+    # at most ceil(size / step) windows cover a sample: that many fp32 additions, in any order
+    torch.testing.assert_close(got.cpu(), expected, atol=2 * -(-size // step) * U * g.abs().max().item(), rtol=0)
+    xn = to_n(x).requires_grad_()
+    xn.unfold(1, size, step).backward(to_n(g))
+    xc = x.clone().requires_grad_()
+    xc.unfold(1, size, step).backward(g)
+    torch.testing.assert_close(xn.grad.cpu(), xc.grad, atol=2 * -(-size // step) * U * g.abs().max().item(), rtol=0)
