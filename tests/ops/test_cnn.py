@@ -123,9 +123,10 @@ def test_conv_float64_takes_the_cpu_route():
 
 def test_direct_conv_launches(strict):
     # a plain 1-D/2-D convolution is one launch forward; backward one for each gradient plus the bias sum
+    # (a contraction C*KH*KW of more than 128: smaller ones, a stem's, take im2col's single matmul forward)
     from torchneuron.runtime import profiler
-    for fn, xs, ws in ((lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1), (2, 3, 9, 8), (4, 3, 3, 3)),
-                       (lambda x, w, b: F.conv1d(x, w, b, padding=2, dilation=2), (2, 3, 11), (4, 3, 3))):
+    for fn, xs, ws in ((lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1), (2, 16, 9, 8), (4, 16, 3, 3)),
+                       (lambda x, w, b: F.conv1d(x, w, b, padding=2, dilation=2), (2, 48, 11), (4, 48, 3))):
         x, w, b = to_n(torch.randn(xs)).requires_grad_(), to_n(torch.randn(ws)).requires_grad_(), to_n(torch.randn(4))
         with profiler.record() as fwd:
             y = fn(x, w, b)

@@ -132,6 +132,11 @@ def _direct_dims(input: torch.Tensor, weight: torch.Tensor, geo: tuple, groups: 
     k, s, p, d, patch, rows = geo
     if input.dim() not in (3, 4) or input.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
+    if not (grad or wgrad) and groups == 1 and math.prod(k) > 1 and weight.shape[1] * math.prod(k) <= 128:
+        # the whole contraction (a stem's 3 channels x 3 x 3) fits one TensorE pass: im2col's single matmul
+        # uses C*KH*KW rows of the array where the direct kernel uses C per window offset, and sums without
+        # accumulating in PSUM
+        return None
     one = (1,) if input.dim() == 3 else ()
     k, s, p, d, patch, rows = (one + tuple(v) for v in (k, s, p, d, patch, rows))
     if grad:      # the gradient of the output, zero-inserted by the stride; the kernel window flipped
@@ -207,8 +212,7 @@ def convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight:
             grad_input = _follow_layout(_from_rows(_rows_from_cols(_group_weight(weight, G), cols), B, rows), input)
         if output_mask[1]:
             grad_weight = _weight_grad(_to_rows(input), cols, weight.shape)
-    elif _direct_dims(input, weight, geo, groups, wgrad=True) is not None:
-        dims = _direct_dims(input, weight, geo, groups)
+    elif (dims := _direct_dims(input, weight, geo, groups, wgrad=True)) is not None:
         x4, g4, w4 = _as_2d(input), _as_2d(grad_output), _as_2d(weight)
         if output_mask[1]:
             (gw,) = call_kernel(conv2d_wgrad_kernel, {"x": x4, "gy": g4},
