@@ -161,11 +161,12 @@ def mm_tutorial(kernel_name: str, n_outer: bool = False) -> Callable[[ChipSpec, 
     return measure
 
 
-def kopt_tutorial(nth: int, n_outer: bool = False) -> Callable[[ChipSpec, Sdk, int], float]:
-    """The kernel-optimization guide's matmul versions, fp32."""
+def kopt_tutorial(nth: int, n_outer: bool = False,
+                  dtype: torch.dtype = torch.float32) -> Callable[[ChipSpec, Sdk, int], float]:
+    """The kernel-optimization guide's matmul versions (fp32 there; bf16 as the matmul tutorial's algorithm)."""
     def measure(spec: ChipSpec, sdk: Sdk, div: int) -> float:
         k = sdk.rst_kernel(CURRENT_COMMIT, KOPT_PAGE, nth).matrix_multiply_kernel
-        args = matmul_args(1 if n_outer else div, div if n_outer else 1, torch.float32)
+        args = matmul_args(1 if n_outer else div, div if n_outer else 1, dtype)
         return div * kernel_ns(k, args, spec)
     return measure
 
@@ -245,6 +246,17 @@ CASES: list[Case] = [
          mm_tutorial("nki_matmul_block_free_dimension_")),
     Case("mm tutorial opt3 fully opt", "trn1", 6.97e6, _MMT, _MM_SHAPE + ", nki_matmul_fully_optimized_",
          mm_tutorial("nki_matmul_fully_optimized_", n_outer=True)),
+    # The same four algorithms written against the current NKI (the kernel-optimization guide's versions, whose
+    # tile sizes and block factors are the matmul tutorial's), in bf16 on trn1: the tutorial's figures without the
+    # earlier-generation front-end's lowering of `tile[...] = nl.load(...)` (docs: Calibration).
+    Case("mm algorithm tiled, nki 0.6", "trn1", 51.80e6, _MMT, _MM_SHAPE + ", kernel-opt guide v2 in bf16",
+         kopt_tutorial(1, dtype=torch.bfloat16)),
+    Case("mm algorithm hoist, nki 0.6", "trn1", 42.96e6, _MMT, _MM_SHAPE + ", kernel-opt guide v3 in bf16",
+         kopt_tutorial(2, dtype=torch.bfloat16), held_out=True),
+    Case("mm algorithm block free, nki 0.6", "trn1", 22.07e6, _MMT, _MM_SHAPE + ", kernel-opt guide v4 in bf16",
+         kopt_tutorial(3, dtype=torch.bfloat16)),
+    Case("mm algorithm fully opt, nki 0.6", "trn1", 6.97e6, _MMT, _MM_SHAPE + ", kernel-opt guide v5 in bf16",
+         kopt_tutorial(4, n_outer=True, dtype=torch.bfloat16)),
     Case("mamba v1 256 ch", "trn1", 172.93e3, _MAMBA + ", 'Hooray!' (mamba_v1 profile)",
          "mamba_v1, [1, 256, 512], state 16, fp32", mamba("mamba_v1", 256, 512), quick=True),
     Case("mamba v1 4096 ch", "trn1", 2.34e6, _MAMBA + ", 'Increasing input channels size'",

@@ -266,6 +266,12 @@ _DMA_DESC_BYTES = 256.0     # ASSUMPTION (the guides give a curve, no per-descri
                             # ">= 2 KiB approaches peak", ">= 4 KiB saturates") and DMAO example 1
                             # (32 KiB in 4 rows of 8 KiB on one NC-v3 engine: 1416 ns measured,
                             # 1469 ns modelled).
+_DMA_DESC_BYTES_V2 = 1280.0 # ASSUMPTION (16), NC-v2: NO hardware DGE (A-v3, DGE), so every descriptor is one
+                            # prepared in HBM and fetched by the engine (DGE: "each descriptor consumes HBM
+                            # bandwidth on first fetch"); 1280 B (75 ns at 17 B/ns) fitted to the trn1 matmul
+                            # tutorial's DMA-bound versions (MMT @4eba310f: tiled 51.80 ms, block-free 22.07 ms),
+                            # run as the kernel-optimization guide's same algorithms (docs: Calibration). Rows of
+                            # 4 KiB reach 76 %, near PG's "close to 70 % DMA throughput" for large transfers.
 _DMA_MIN_ROW = 2 * KiB      # DMABW: ">= 2 KiB per partition (minimum recommended)"
 _DMA_SAT_ROW = 4 * KiB      # DMABW, DMAO: ">= 4 KiB per partition ... saturates the DMA engines"
 _DMA_HBM_PIECE = 32 * KiB   # ASSUMPTION for HBM->HBM copies (no SBUF partitions to spread by): one
@@ -335,7 +341,7 @@ CHIPS: dict[str, ChipSpec] = {
             chip_bytes_per_s=1e12,                        # HW (trainium.rst)
             fixed_ns=_DMA_FIXED_NS,                       # DMABW
             hwdge_fixed_ns=None,                          # A-v3: hardware DGE is new in NC-v3
-            descriptor_overhead_bytes=_DMA_DESC_BYTES,    # ASSUMPTION (see _DMA_DESC_BYTES)
+            descriptor_overhead_bytes=_DMA_DESC_BYTES_V2,  # ASSUMPTION (16; see _DMA_DESC_BYTES_V2)
             min_recommended_row_bytes=_DMA_MIN_ROW, saturating_row_bytes=_DMA_SAT_ROW,
             hbm_hbm_bytes_per_engine=_DMA_HBM_PIECE,
             transpose_hbm_efficiency=None, transpose_sbuf_efficiency=None,  # A-v3: DMA transpose is NC-v3+
