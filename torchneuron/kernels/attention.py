@@ -57,8 +57,10 @@ def flash_fits(E: int, Ev: int, S: int, L: int, dtype) -> bool:
         nl.tile_size.sbuf_fmax_bytes
 
 
-FLASH_MIN_KEYS = 128       # shorter sequences run faster as grouped small matmuls around a row softmax (64 heads of
-                           # 64 x 16: 94 us against 111 us for flash on trn2); from 128 keys flash wins
+FLASH_MIN_KEYS = 32        # shorter sequences run faster as grouped small matmuls around a row softmax (256 heads of
+                           # 16 x 16 bf16, compiled: forward 109 us against 184 us for flash on trn2); from 32 keys
+                           # flash wins (64 heads of 64 x 16 fp32, compiled: forward 58 against 86 us, backward 95
+                           # against 190 us; 96 heads of 32 x 64 bf16: 40 against 52 us, 65 against 98 us)
 
 
 def flash_preferred(E: int, Ev: int, S: int, L: int, dtype) -> bool:

@@ -2,7 +2,7 @@
 
 The device's SDPA backend choice (``_csrc/attention.cpp``) sends 4-D floating inputs without an
 attention mask, dropout or grouped-query heads here, through PyTorch's "overrideable" backend; the
-rest takes PyTorch's math path. Sequences of 128 keys or queries and more whose heads fit the flash
+rest takes PyTorch's math path. Sequences of 32 keys or queries and more whose heads fit the flash
 kernels (head dims <= 128, a head's Q, K, V in SBUF: ``kernels/attention.py``) run as one launch
 per direction, reading strided heads in place; the scores never reach HBM. Shorter sequences (many
 small heads: grouped matmuls are faster) and larger heads are composed per (batch, head) matrix, with
