@@ -229,6 +229,22 @@ def test_atan2_signed_zeros_and_infinities_match_cpu(dtype, strict):
     assert torch.equal(torch.signbit(got)[finite], torch.signbit(ref)[finite])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_hypot_neither_overflows_nor_underflows(dtype, strict):
+    # sqrt(a^2 + b^2) squared naively overflows at 1e20 and underflows at 1e-20 in fp32 (hypot(1e30, 1e30) was
+    # inf, hypot(1e-30, 1e-30) 0); an infinity beside a NaN gives inf as C's hypot does. Every pair of these
+    # values, within two ulps of the dtype (the scaled sum of squares and its square root round twice)
+    v = torch.tensor([0.0, -0.0, 1.0, -3.0, 4.0, 1e30, -1e30, 3e38, 1e-30, 1e-40, 1e-45, 1e19, 1e-19, 2.0 ** 60,
+                      2.0 ** -60, 65504.0, float("inf"), -float("inf"), float("nan")]).to(dtype)
+    a, b = (t.contiguous() for t in torch.meshgrid(v, v, indexing="ij"))
+    ref, got = torch.hypot(a, b), torch.hypot(to_n(a), to_n(b)).cpu()
+    assert torch.equal(ref.isnan(), got.isnan()) and torch.equal(ref.isinf(), got.isinf())
+    torch.testing.assert_close(got, ref, rtol=2 * torch.finfo(dtype).eps, atol=0, equal_nan=True)
+    big = torch.tensor([1e30, 3e-30, 1e-38]).to(dtype)
+    torch.testing.assert_close(torch.hypot(to_n(big), to_n(big)).cpu(), torch.hypot(big, big),
+                               rtol=2 * torch.finfo(dtype).eps, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8])
 def test_hardtanh_of_integers_keeps_the_dtype(dtype):
     # the CPU casts the bounds to the input's dtype (truncating); clamp's promotion would give a float result

@@ -356,8 +356,22 @@ def _fill(a, b, value):
     return z if isinstance(value, (int, float)) and value == 0 else nl.add(z, value)
 
 
+HYPOT_BIG, HYPOT_SMALL = 2.0 ** 60, 2.0 ** -60   # beyond these the squares overflow or lose the smaller operand
+
+
 def hypot(a, b):
-    return nl.sqrt(nl.add(nl.multiply(a, a), nl.multiply(b, b)))
+    """sqrt(a^2 + b^2) without overflow or underflow of the squares: both operands scaled by a power of two
+    (exact) when the larger is above 2^60 (by 2^-70) or below 2^-60 (by 2^90), the result scaled back; an
+    infinite operand gives +inf even beside a NaN, as C's hypot."""
+    big = nl.maximum(abs_(a), abs_(b))
+    large, small = nl.greater_equal(big, HYPOT_BIG), nl.less(big, HYPOT_SMALL)
+    like = nl.add(nl.multiply(a, 0.0), nl.multiply(b, 0.0))           # a tile of the broadcast shape
+    one = _const(like, 1.0)
+    scale = where(large, _const(like, 2.0 ** -70), where(small, _const(like, 2.0 ** 90), one))
+    back = where(large, _const(like, 2.0 ** 70), where(small, _const(like, 2.0 ** -90), one))
+    sa, sb = nl.multiply(a, scale), nl.multiply(b, scale)
+    r = nl.multiply(nl.sqrt(nl.add(nl.multiply(sa, sa), nl.multiply(sb, sb))), back)
+    return where(nl.logical_or(isinf(a), isinf(b)), _const(like, math.inf), r)
 
 
 def copysign(a, b):
