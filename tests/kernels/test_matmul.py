@@ -215,18 +215,27 @@ def test_matmul_a_given_as_km_narrow_output_loads_several_strips_at_once(mkn, dt
     _accumulation_close(out, a, b, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mkn,transpose_a,transpose_b,bias", [((300, 200, 100), False, False, False),
-                                                              ((768, 1024, 640), True, False, False),
-                                                              ((130, 1030, 600), False, True, True),
-                                                              ((200, 64, 96), False, True, True)])
-def test_matmul_widened_output_is_the_rounded_product_cast_exactly(mkn, transpose_a, transpose_b, bias, dtype):
-    # out_dtype=float32: the grouped and the tiled path round the product to the operands' dtype at the
-    # eviction, as without it, and the store widens exactly: equal to the narrow result cast to float32
+# (M, K, N), transpose_a, transpose_b, bias: the grouped path (K, N <= 512) and the tiled one, each layout
+FOLD_CASES = [((300, 200, 100), False, False, False), ((768, 1024, 640), True, False, False),
+              ((130, 1030, 600), False, True, True), ((1024, 768, 768), False, True, True),
+              ((256, 64, 96), True, False, True)]
+
+
+def _fold_operands(mkn, transpose_a, transpose_b, bias, dtype):
+    """(A, B, the kernel's layout and bias arguments) of one FOLD_CASES case."""
     M, K, N = mkn
     a = torch.randn((K, M) if transpose_a else (M, K)).to(dtype)
     b = torch.randn((N, K) if transpose_b else (K, N)).to(dtype)
-    kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, bias=torch.randn(1, N).to(dtype) if bias else None)
+    return a, b, dict(transpose_a=transpose_a, transpose_b=transpose_b,
+                      bias=torch.randn(1, N).to(dtype) if bias else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mkn,transpose_a,transpose_b,bias", FOLD_CASES)
+def test_matmul_widened_output_is_the_rounded_product_cast_exactly(mkn, transpose_a, transpose_b, bias, dtype):
+    # out_dtype=float32: the grouped and the tiled path round the product to the operands' dtype at the
+    # eviction, as without it, and the store widens exactly: equal to the narrow result cast to float32
+    a, b, kw = _fold_operands(mkn, transpose_a, transpose_b, bias, dtype)
     narrow = torch.as_tensor(matmul_kernel(a, b, **kw))
     wide = torch.as_tensor(matmul_kernel(a, b, out_dtype=torch.float32, **kw))
     assert narrow.dtype == dtype and wide.dtype == torch.float32
@@ -255,18 +264,12 @@ def _matmul_plus(a, b, r, bias=None, transpose_a=False, transpose_b=False):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mkn,transpose_a,transpose_b,bias", [((300, 200, 100), False, False, False),
-                                                              ((1024, 768, 768), False, True, True),
-                                                              ((130, 1030, 600), False, True, False),
-                                                              ((256, 64, 96), True, False, True)])
+@pytest.mark.parametrize("mkn,transpose_a,transpose_b,bias", FOLD_CASES)
 def test_matmul_epilogue_equals_the_stored_product_then_the_pass(mkn, transpose_a, transpose_b, bias, dtype):
     # the grouped and the tiled path: each block is the product rounded as it would be stored, then the
     # epilogue's fp32 math, rounded once at the store, exactly what a separate element-wise pass computes
-    M, K, N = mkn
-    a = torch.randn((K, M) if transpose_a else (M, K)).to(dtype)
-    b = torch.randn((N, K) if transpose_b else (K, N)).to(dtype)
-    r = torch.randn(M, N).to(dtype)
-    kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, bias=torch.randn(1, N).to(dtype) if bias else None)
+    a, b, kw = _fold_operands(mkn, transpose_a, transpose_b, bias, dtype)
+    r = torch.randn(mkn[0], mkn[2]).to(dtype)
     product = torch.as_tensor(matmul_kernel(a, b, **kw))
     got = torch.as_tensor(_matmul_plus(a, b, r, **kw))
     assert got.dtype == dtype and torch.equal(got, (product.float() + r.float()).to(dtype))
