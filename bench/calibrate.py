@@ -1,10 +1,10 @@
 """Calibration of the timing model: public NKI kernels and microbenchmarks whose Trainium timings are
 published, simulated on the matching chip model, each against its published figure.
 
-    .venv/bin/python bench/calibrate.py               # every case (the large tutorial kernels: ~30 min of host time)
+    .venv/bin/python bench/calibrate.py               # every case at the published shapes (hours of host time)
     .venv/bin/python bench/calibrate.py --quick       # the cases that take seconds
     .venv/bin/python bench/calibrate.py --only mamba  # cases whose name contains a word
-    .venv/bin/python bench/calibrate.py --reduced     # the large kernels on 1/8 of their independent outer loop
+    .venv/bin/python bench/calibrate.py --reduced     # the large kernels on 1/8 of their outer loop (~15 min)
 
 Prints, per case, simulated vs published time and their ratio, then one summary line over the tuned cases
 (geometric-mean error, worst ratio) and one over the held-out cases, which were not looked at while the model's
