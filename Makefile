@@ -47,7 +47,8 @@ bench: setup
 	$(PY) bench/distributed.py
 
 # The timing model against published Trainium timings (bench/calibrate.py; the public kernels are read from a
-# git copy of aws-neuron/aws-neuron-sdk: SDK=path or TORCHNEURON_NKI_SDK). The full set takes tens of minutes.
+# git copy of aws-neuron/aws-neuron-sdk: SDK=path or TORCHNEURON_NKI_SDK). At the published shapes this takes hours
+# of host time; bench/calibrate.py --reduced runs the large kernels on 1/8 of their outer loop.
 calibrate: setup
 	$(PY) bench/calibrate.py $(if $(SDK),--sdk $(SDK))
 
