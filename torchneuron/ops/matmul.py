@@ -20,10 +20,10 @@ import torch
 from torchneuron import runtime
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel, max_contraction
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import aten, FLOATS, on_one_device, type_name
+from torchneuron.ops.base import FLOATS, on_one_device, type_name, Unsupported
 from torchneuron.ops.elementwise import dense, KIND, run_pointwise
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 
 MATMUL_DTYPES = FLOATS
 
@@ -101,8 +101,7 @@ def _on_device(*ts: torch.Tensor) -> bool:
 def mm(self: torch.Tensor, mat2: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``self @ mat2`` for matrices."""
     if not _on_device(self, mat2) or (out is not None and not _on_device(self, out)):
-        return cpu_fallback(aten.mm.out if out is not None else aten.mm.default, self, mat2,
-                            **({"out": out} if out is not None else {}))
+        raise Unsupported("operands (and out=) are not matmul dtypes on one neuron device")
     _check_mm(self, mat2)
     if out is not None and tuple(out.shape) != (self.shape[0], mat2.shape[1]):
         torch._refs._maybe_resize_out(out, (self.shape[0], mat2.shape[1]))
@@ -125,8 +124,7 @@ def _check_bmm(a: torch.Tensor, b: torch.Tensor) -> None:
 def bmm(self: torch.Tensor, mat2: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Batched ``self[i] @ mat2[i]``: one matmul launch per batch entry."""
     if not _on_device(self, mat2) or (out is not None and not _on_device(self, out)):
-        return cpu_fallback(aten.bmm.out if out is not None else aten.bmm.default, self, mat2,
-                            **({"out": out} if out is not None else {}))
+        raise Unsupported("operands (and out=) are not matmul dtypes on one neuron device")
     _check_bmm(self, mat2)
     shape = (self.shape[0], self.shape[1], mat2.shape[2])
     if out is not None and tuple(out.shape) != shape:
@@ -198,10 +196,7 @@ def _addmm_kernel(op_name: str, batched: bool):
         inplace = op_name.split(".")[0].endswith("_")
         target = input if inplace else out
         if not _on_device(input, mat1, mat2) or (target is not None and not _on_device(input, target)):
-            packet = getattr(aten, op_name.split(".")[0])
-            op = packet.out if out is not None else packet.default
-            return cpu_fallback(op, input, mat1, mat2, beta=beta, alpha=alpha,
-                                **({"out": out} if out is not None else {}))
+            raise Unsupported("operands (and out=) are not matmul dtypes on one neuron device")
         if inplace:
             res = _addmm(input, mat1, mat2, beta, alpha, None, batched)
             return input.copy_(res)
@@ -219,8 +214,7 @@ def addbmm(input: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, b
            out: torch.Tensor | None = None) -> torch.Tensor:
     """``beta * input + alpha * sum_i batch1[i] @ batch2[i]``: one batched matmul, a sum over the batch."""
     if not _on_device(input, batch1, batch2) or (out is not None and not _on_device(input, out)):
-        return cpu_fallback(aten.addbmm.out if out is not None else aten.addbmm.default, input, batch1, batch2,
-                            beta=beta, alpha=alpha, **({"out": out} if out is not None else {}))
+        raise Unsupported("operands (and out=) are not matmul dtypes on one neuron device")
     _check_bmm(batch1, batch2)
     shape = (batch1.shape[1], batch2.shape[2])
     torch.broadcast_shapes(input.shape, shape)

@@ -14,7 +14,7 @@ import torch
 
 from torchneuron import _C
 from torchneuron.ops.base import aten, floats_on_one_device, meta_run, Unsupported
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 from torchneuron.ops.windows import as_float32
 
 
@@ -161,7 +161,7 @@ def native_group_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, mean
 def _var_mean(self: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False):
     """(var, mean) over ``dim``: the device's var and mean reductions."""
     if not floats_on_one_device(self):
-        return cpu_fallback(aten.var_mean.correction, self, dim, correction=correction, keepdim=keepdim)
+        raise Unsupported("not a float tensor on a neuron device")
     var = torch.var(self, dim, correction=correction, keepdim=keepdim)
     dims = [] if dim is None else dim
     mean = self.mean(dims, keepdim=keepdim) if dims else self.mean().reshape([1] * self.dim() if keepdim else [])

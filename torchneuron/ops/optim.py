@@ -18,9 +18,9 @@ from typing import Sequence
 import torch
 
 from torchneuron.kernels.optim import SCALARS, adam_step
-from torchneuron.ops.base import aten
+from torchneuron.ops.base import aten, Unsupported
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import cpu_fallback, lowering
+from torchneuron.ops.registry import lowering
 
 
 
@@ -38,9 +38,7 @@ def _step(decoupled: bool, op: torch._ops.OpOverload):
                found_inf: torch.Tensor | None = None) -> None:
         if amsgrad or maximize or grad_scale is not None or found_inf is not None or \
                 not _runs_on_device([self, grads, exp_avgs, exp_avg_sqs]):
-            return cpu_fallback(op, self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr=lr,
-                                beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
-                                maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
+            raise Unsupported("amsgrad, maximize, gradient scaling or operands the device step does not take")
         for p, g, m, v, s in zip(self, grads, exp_avgs, exp_avg_sqs, state_steps):
             if p.numel() == 0:
                 continue
@@ -78,9 +76,7 @@ def _sgd(op: torch._ops.OpOverload):
         if not self:
             return
         if not _plain(grad_scale, found_inf, [self, grads, *([momentum_buffer_list] if momentum else [])]):
-            return cpu_fallback(op, self, grads, momentum_buffer_list, weight_decay=weight_decay, momentum=momentum,
-                                lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize,
-                                is_first_step=is_first_step, grad_scale=grad_scale, found_inf=found_inf)
+            raise Unsupported("gradient scaling or operands the device step does not take")
         lr = float(lr.item()) if isinstance(lr, torch.Tensor) else lr
         g = _grads(grads, self, maximize, weight_decay)
         if momentum != 0:
@@ -102,9 +98,7 @@ def _adagrad(op: torch._ops.OpOverload):
         if not self:
             return
         if not _plain(grad_scale, found_inf, [self, grads, state_sums]):
-            return cpu_fallback(op, self, grads, state_sums, state_steps, lr=lr, lr_decay=lr_decay,
-                                weight_decay=weight_decay, eps=eps, maximize=maximize, grad_scale=grad_scale,
-                                found_inf=found_inf)
+            raise Unsupported("gradient scaling or operands the device step does not take")
         lr = float(lr.item()) if isinstance(lr, torch.Tensor) else lr
         g = _grads(grads, self, maximize, weight_decay)
         # clr = lr / (1 + (step - 1) * lr_decay) per parameter (its step count is read on the host)
@@ -129,13 +123,12 @@ def amp_non_finite_check_and_unscale_(self: list, found_inf: torch.Tensor, inv_s
     """``grads *= inv_scale``; ``found_inf = 1`` if any gradient held an inf or NaN (found before the scaling,
     as the CPU kernel checks): ``0 * g`` is 0 for finite values and NaN otherwise, so one multi-tensor
     2-norm of ``0 * g`` per list flags them without overflowing on large finite gradients."""
-    op = aten._amp_foreach_non_finite_check_and_unscale_.default
     if not self:
         return
     if not _runs_on_device([self]) or found_inf.device != self[0].device or inv_scale.device != self[0].device \
             or found_inf.dtype != torch.float32 or inv_scale.dtype != torch.float32 or found_inf.numel() != 1 \
             or inv_scale.numel() != 1:
-        return cpu_fallback(op, self, found_inf, inv_scale)
+        raise Unsupported("operands not float32 one-element tensors on the gradients' device")
     flags = torch._foreach_norm(torch._foreach_mul(self, 0.0))
     bad = torch.stack(flags).sum().isnan().to(torch.float32)
     found_inf.copy_(torch.maximum(found_inf, bad.reshape(found_inf.shape)))
@@ -147,11 +140,9 @@ def amp_update_scale_(self: torch.Tensor, growth_tracker: torch.Tensor, found_in
                       scale_growth_factor: float, scale_backoff_factor: float, growth_interval: int) -> torch.Tensor:
     """The CPU kernel's rule on the host-read flags: back off and reset the tracker after an inf, else count
     the step and grow the scale (when the grown scale is finite) every ``growth_interval`` clean steps."""
-    op = aten._amp_update_scale_.default
     if self.dtype != torch.float32 or growth_tracker.dtype != torch.int32 or found_inf.dtype != torch.float32 \
             or self.numel() != 1 or growth_tracker.numel() != 1 or found_inf.numel() != 1:
-        return cpu_fallback(op, self, growth_tracker, found_inf, scale_growth_factor, scale_backoff_factor,
-                            growth_interval)
+        raise Unsupported("operands not the float32/int32 one-element tensors the device rule takes")
     scale = torch.tensor(float(self.item()), dtype=torch.float32)       # fp32 products, as on the CPU
     if float(found_inf.item()):
         scale, tracker = scale * scale_backoff_factor, 0
