@@ -750,8 +750,9 @@ def expand_dims(x: Tile, axis: int) -> Tile:
 
 class no_reorder:
     """``with nl.no_reorder():`` — instructions in the block keep program order. The simulator executes every
-    instruction in program order and its timing keeps each engine's order; across engines only data
-    dependencies order instructions (the block does not add any)."""
+    instruction in program order; its timing lets each compute engine issue the ready instruction earliest in
+    program order (the compiler's reordering, ``docs/hardware-model.md``), and the block is not yet exempt
+    from that: it marks nothing and adds no ordering."""
 
     def __enter__(self) -> "no_reorder":
         return self
