@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 
-def _grads(model: nn.Module, x: torch.Tensor, compiled: bool) -> list[torch.Tensor]:
+def _grads(model: nn.Module, x: torch.Tensor, compiled: bool, autocast: bool = True) -> list[torch.Tensor]:
+    """The loss and every parameter's gradient of a copy of ``model`` on neuron, eager or compiled."""
     m = copy.deepcopy(model).to("neuron")
     run = torch.compile(m, backend="neuron") if compiled else m
-    with torch.autocast("neuron", torch.bfloat16):
+    with torch.autocast("neuron", torch.bfloat16, enabled=autocast):
         loss = run(x.to("neuron")).float().square().mean()
     loss.backward()
     return [loss.detach().cpu()] + [p.grad.cpu() for p in m.parameters()]
@@ -68,15 +69,7 @@ def test_epilogues_equal_eager_bit_for_bit(bias, autocast, tmp_path, monkeypatch
     monkeypatch.setenv("TORCHNEURON_DUMP_DIR", str(tmp_path / "dump"))
     torch.manual_seed(0)
     model, x = _Block(bias=bias), torch.randn(2, 70, 96)
-    results = []
-    for compiled in (False, True):
-        m = copy.deepcopy(model).to("neuron")
-        run = torch.compile(m, backend="neuron") if compiled else m
-        with torch.autocast("neuron", torch.bfloat16, enabled=autocast):
-            loss = run(x.to("neuron")).float().square().mean()
-        loss.backward()
-        results.append([loss.detach().cpu()] + [p.grad.cpu() for p in m.parameters()])
-    for e, c in zip(*results):
+    for e, c in zip(_grads(model, x, False, autocast), _grads(model, x, True, autocast)):
         assert torch.equal(c, e)   # the product rounded as stored, then the group's math, rounded once
     fusion = {d.name.split("_")[1]: (d / "fusion.txt").read_text() for d in (tmp_path / "dump").iterdir()}
     assert fusion["forward"].count("with epilogue [add") >= 1   # (under autocast the first add also feeds a cast)

@@ -59,6 +59,16 @@ def pointwise(fn: Callable, values: list, shape: tuple, out_dtype: torch.dtype |
     return hbm_value(out).reshape(shape)
 
 
+def _cast(t, shape: tuple, dtype: torch.dtype):
+    """A dense HBM tensor viewed as ``shape``, in ``dtype`` (one element-wise pass when it is another dtype): the
+    short-sequence attention computes scores and their gradients in fp32, as the eager op and the CPU do, and
+    rounds the probabilities and dS to the input dtype before their products; addmm's separate bias pass is
+    widened by it when a cast was folded into the product."""
+    if t.dtype == dtype:
+        return t
+    return dense(pointwise(lambda x: x, [hbm_value(t).reshape(shape)], shape, dtype))
+
+
 # ---- matrix products -------------------------------------------------------------------------
 
 def _matmul_operand(v: Value) -> tuple[Any, bool]:
@@ -116,7 +126,7 @@ def lower_addmm(ctx, node, bias: Value, a: Value, b: Value, beta=1, alpha=1) -> 
     if epi is not None:
         raise NotLowerable("addmm: an epilogue needs the bias added at the eviction")
     out = pointwise(tm.add, [_product(matmul_kernel, a, b), bias], (M, N), a.dtype)
-    return out if wide is None else pointwise(lambda x: x, [out], (M, N), wide)   # the cast folded into it
+    return out if wide is None else hbm_value(_cast(dense(out), (M, N), wide))   # the cast folded into it
 
 
 # ---- softmax ---------------------------------------------------------------------------------------
@@ -329,15 +339,6 @@ def _heads(v: Value):
     """[B, H, n, d] as the dense [B*H, n, d] batch the bmm kernel takes."""
     B, H, n, d = v.shape
     return dense(v, (B * H, n, d))
-
-
-def _cast(t, shape: tuple, dtype: torch.dtype):
-    """A dense HBM tensor viewed as ``shape``, in ``dtype`` (one element-wise pass when it is another dtype): the
-    eager op computes scores and their gradients in fp32, as the CPU does, and rounds the probabilities and dS
-    to the input dtype before their products."""
-    if t.dtype == dtype:
-        return t
-    return dense(pointwise(lambda x: x, [hbm_value(t).reshape(shape)], shape, dtype))
 
 
 def _attention_probs(Q, K, L: int, S: int, scale: float, causal: bool):

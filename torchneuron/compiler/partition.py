@@ -357,8 +357,8 @@ def _epilogue_of(g: FusionGroup, seg: Segment, roles: dict, order: dict, escapes
     ``_fold_epilogues``), else None."""
     if g.kind != "float" or len(g.outputs) != 1:
         return None
-    found = [(n, _root(n, roles)) for n in g.inputs if roles.get(_root(n, roles)) == "kernel"
-             and _root(n, roles).target in _PRODUCTS]
+    roots = [(n, _root(n, roles)) for n in g.inputs]
+    found = [(n, r) for n, r in roots if roles.get(r) == "kernel" and r.target in _PRODUCTS]
     if len(found) != 1:
         return None
     src, prod = found[0]

@@ -365,7 +365,7 @@ def hypot(a, b):
     infinite operand gives +inf even beside a NaN, as C's hypot."""
     big = nl.maximum(abs_(a), abs_(b))
     large, small = nl.greater_equal(big, HYPOT_BIG), nl.less(big, HYPOT_SMALL)
-    like = nl.add(nl.multiply(a, 0.0), nl.multiply(b, 0.0))           # a tile of the broadcast shape
+    like = _fill(a, b, 0)                                              # a tile of the broadcast shape
     one = _const(like, 1.0)
     scale = where(large, _const(like, 2.0 ** -70), where(small, _const(like, 2.0 ** 90), one))
     back = where(large, _const(like, 2.0 ** 70), where(small, _const(like, 2.0 ** -90), one))
