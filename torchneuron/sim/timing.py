@@ -419,6 +419,7 @@ def dependencies(instructions: Sequence[Instruction],
     last_read: dict[tuple, _Access] = {}
     preds: list[list[int]] = []
     qkeys_seen: list[tuple] = []
+    ordered_seen: list[bool] = []   # whether each instruction's queue runs in program order (asked once each)
     for i, ins in enumerate(instructions):
         qkey = queue_keys[i] if queue_keys is not None else (ins.engine.value, ins.queue)
         deps: set[int] = set()
@@ -459,12 +460,13 @@ def dependencies(instructions: Sequence[Instruction],
             last_read[key] = acc
         deps.discard(i)
         qkeys_seen.append(qkey)
+        ordered_seen.append(ordered)
         # Only the latest dependency on each in-order queue matters (it ends last there).
         latest: dict[tuple, int] = {}
         kept: list[int] = []
         for d in deps:
             k = qkeys_seen[d]
-            if in_order is not None and not in_order(k):
+            if not ordered_seen[d]:
                 kept.append(d)
             elif d > latest.get(k, -1):
                 latest[k] = d
@@ -614,13 +616,18 @@ def schedule(instructions: Sequence[Instruction], spec: ChipSpec,
             pushed[h] = True
             heapq.heappush(heap, (max(queue_free[k], ready_at(h)), h, k, 0))
 
+    def release(k: tuple, t: float) -> list:
+        """A reordering engine's available heap, with every instruction ready by ``t`` moved into it."""
+        avail, wait = available[k], waiting[k]
+        while wait and wait[0][0] <= t:
+            heapq.heappush(avail, heapq.heappop(wait)[1])
+        return avail
+
     def next_issue(k: tuple) -> tuple[float, int] | None:
         """When a reordering engine issues next, and what: at the time it is free, the ready
         instruction earliest in program order; if none is ready then, the first to become ready."""
-        avail, wait = available[k], waiting[k]
         t = queue_free[k]
-        while wait and wait[0][0] <= t:
-            heapq.heappush(avail, heapq.heappop(wait)[1])
+        avail, wait = release(k, t), waiting[k]
         if avail:
             return t, avail[0]
         return (wait[0][0], wait[0][1]) if wait else None
@@ -653,10 +660,7 @@ def schedule(instructions: Sequence[Instruction], spec: ChipSpec,
         if k in waiting:
             if ver != version[k]:
                 continue                                  # superseded by a later offer
-            avail, wait = available[k], waiting[k]
-            while wait and wait[0][0] <= est:
-                heapq.heappush(avail, heapq.heappop(wait)[1])
-            h = heapq.heappop(avail)                      # ready by now and earliest in program order
+            h = heapq.heappop(release(k, est))            # ready by now and earliest in program order
         dc = dmac[h]
         if dc is None:
             s, e = est, est + dur[h]
