@@ -37,10 +37,10 @@ import torch
 from torchneuron.distributed.cost import collective_ns
 from torchneuron.distributed.topology import links, placement
 from torchneuron.sim import NeuronCore, Program, SimulatorError
-from torchneuron.sim.core import RunReport
+from torchneuron.sim.core import RunReport, host_binding
 from torchneuron.sim.instruction import CostInputs, Engine, Footprint
 from torchneuron.sim.isa import Instr
-from torchneuron.sim.memory import AP, Memory, check_host_binding
+from torchneuron.sim.memory import AP, Memory
 from torchneuron.sim.numerics import apply_alu, compute_dtype
 from torchneuron.sim.program import ArgSlot
 from torchneuron.sim.specs import ChipSpec
@@ -403,21 +403,8 @@ def run(launch: LaunchProgram, bindings: dict[str, torch.Tensor], spec: ChipSpec
     """Run every rank of ``launch`` on its own core of a ``spec`` chip (shared HBM) and report like
     ``NeuronCore.run``."""
     bound = launch.bind(bindings or {})
-    tensors = []
-    for s in launch.args:
-        check_host_binding(s.name, bound[s.name])
-        tensors.append(bound[s.name].detach())
-    run_bound(launch, tensors, spec)
-    report = RunReport(outputs={s.name: bound[s.name] for s in launch.args if s.kind == "output"}, bindings=bound,
-                       device_time_ns=None, flops=launch.flops, hbm_bytes_read=launch.hbm_bytes_read,
-                       hbm_bytes_written=launch.hbm_bytes_written, instructions=len(launch.instructions))
-    if timed:
-        sched = launch.schedule(spec)
-        report.device_time_ns = sched.device_time_ns
-        report.start_ns, report.end_ns = list(sched.start_ns), list(sched.end_ns)
-        report.engine_busy_ns = dict(sched.engine_busy_ns)
-        report.roofline = launch.roofline(spec)
-    return report
+    run_bound(launch, [host_binding(s.name, bound[s.name]) for s in launch.args], spec)
+    return RunReport.of(launch, bound, spec, timed)
 
 
 def run_bound(launch: LaunchProgram, tensors: list, spec: ChipSpec) -> list:

@@ -47,6 +47,21 @@ class RunReport:
     instructions: int = 0
     roofline: Roofline | None = None       # fractions of TensorE peak and DMA/HBM bandwidth reached
 
+    @classmethod
+    def of(cls, program: Program, bound: dict[str, torch.Tensor], spec: ChipSpec, timed: bool) -> "RunReport":
+        """The report of a run of ``program`` (or a multi-core launch) on ``bound`` arguments, priced on ``spec``
+        when ``timed``."""
+        report = cls(outputs={s.name: bound[s.name] for s in program.args if s.kind == "output"}, bindings=bound,
+                     device_time_ns=None, flops=program.flops, hbm_bytes_read=program.hbm_bytes_read,
+                     hbm_bytes_written=program.hbm_bytes_written, instructions=len(program.instructions))
+        if timed:
+            sched = program.schedule(spec)
+            report.device_time_ns = sched.device_time_ns
+            report.start_ns, report.end_ns = list(sched.start_ns), list(sched.end_ns)
+            report.engine_busy_ns = dict(sched.engine_busy_ns)
+            report.roofline = program.roofline(spec)
+        return report
+
 
 class _Plan:
     """A program prepared for one core: per instruction its step (None: ``execute``) and, for a
@@ -259,21 +274,11 @@ class NeuronCore:
             timed: bool = True) -> RunReport:
         """Bind the arguments, execute every instruction in program order, then price the run."""
         bound = program.bind(bindings or {}, nan_fill=self.nan_fill)
-        self.run_bound(program, [_host(s.name, bound[s.name]) for s in program.args])
-        report = RunReport(outputs={s.name: bound[s.name] for s in program.args if s.kind == "output"},
-                           bindings=bound, device_time_ns=None, flops=program.flops,
-                           hbm_bytes_read=program.hbm_bytes_read, hbm_bytes_written=program.hbm_bytes_written,
-                           instructions=len(program.instructions))
-        if timed:
-            sched = program.schedule(self.spec)
-            report.device_time_ns = sched.device_time_ns
-            report.start_ns, report.end_ns = list(sched.start_ns), list(sched.end_ns)
-            report.engine_busy_ns = dict(sched.engine_busy_ns)
-            report.roofline = program.roofline(self.spec)
-        return report
+        self.run_bound(program, [host_binding(s.name, bound[s.name]) for s in program.args])
+        return RunReport.of(program, bound, self.spec, timed)
 
 
-def _host(name: str, tensor: torch.Tensor) -> torch.Tensor:
+def host_binding(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """A bound tensor as the core reads it: detached, on the host, contiguous (what Memory.hbm checks)."""
     check_host_binding(name, tensor)
     return tensor.detach()
