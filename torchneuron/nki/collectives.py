@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from torchneuron.nki import multicore
-from torchneuron.nki.isa import NkiInstruction, VirtualRegister, _emit, register_alloc
+from torchneuron.nki.isa import NkiInstruction, VirtualRegister, _emit, _needs, register_alloc
 from torchneuron.nki.tracing import NKIObject, NkiTensor, current
 from torchneuron.sim.numerics import alu_op
 
@@ -182,7 +182,6 @@ def _check_split(what: str, part: NkiTensor, whole: NkiTensor, d: int, groups: A
 
 def _priority(priority: Optional[int], what: str) -> None:
     if priority is not None:
-        from torchneuron.nki.isa import _needs
         _needs(f"{what}(priority=...)", 4)
         if not 0 <= int(priority) <= 3:
             raise ValueError(f"{what}: priority is {priority}; DMA QoS levels are 0-3")

@@ -25,15 +25,15 @@ imaginary part of every output, where the CPU FFT's butterflies leave some parts
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
 import torch
 
-from torchneuron.ops.base import FLOATS, Unsupported, checked, device_table
+from torchneuron.ops.base import FLOATS, Unsupported, aten, checked, device_table
 from torchneuron.ops.registry import complex_lowering, lowering
 
-aten = torch.ops.aten
 
 DIRECT_MAX = 2048    # longest dim one DFT stage transforms when the length factors (tables of 2N x 2N fp32, 64 MiB)
 DIRECT_LIMIT = 4096  # longest dim transformed in one stage at all (lengths that do not factor)
@@ -100,6 +100,7 @@ def _direct(x: torch.Tensor, dim: int, kind: str, n_out: int, sign: int, scale: 
     return out.reshape(*batch, n_out).movedim(-1, dim)
 
 
+@functools.cache
 def _split(n: int) -> tuple[int, int] | None:
     """n = n1 * n2 with both factors up to DIRECT_MAX, n1 the one nearest sqrt(n) (None if there is none)."""
     best = None
