@@ -27,8 +27,7 @@ from torchneuron.kernels.elementwise import fold_broadcast, stream
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.reduction import reduce_kernel
-from torchneuron.kernels.softmax import (attention_fits, attention_softmax_kernel, fits_one_pass, softmax_bwd_kernel,
-                                         softmax_kernel)
+from torchneuron.kernels.softmax import attention_fits, attention_softmax_kernel, softmax_bwd_kernel, softmax_kernel
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import FLOATS
 
@@ -159,7 +158,7 @@ def lower_log_softmax(ctx, node, x: Value, dim: int, half_to_float: bool) -> Val
 
 for _op in (aten._softmax_backward_data.default, aten._log_softmax_backward_data.default):
     supports(_op)(lambda node, g, y, dim, input_dtype: (
-        _floats(g, y) and g.dtype == input_dtype and _last(dim, y.dim()) and fits_one_pass(y.shape[-1])
+        _floats(g, y) and g.dtype == input_dtype and _last(dim, y.dim())
         and tuple(g.shape) == tuple(y.shape)))
 
 
@@ -323,7 +322,7 @@ def _sdpa_ok(q, k, v, bias, dropout_p, scale) -> bool:
             and q.dtype == k.dtype == v.dtype
             and tuple(k.shape[:2]) == tuple(v.shape[:2]) == tuple(q.shape[:2]) and k.shape[3] == q.shape[3]
             and k.shape[2] == v.shape[2] and _sdpa_scale(scale, q.shape[3]) > 0
-            and (_flash(q, k, v) or (attention_fits(k.shape[2]) and fits_one_pass(k.shape[2]))))
+            and (_flash(q, k, v) or attention_fits(k.shape[2])))
 
 
 def _sdpa_scale(scale: float | None, head_dim: int) -> float:

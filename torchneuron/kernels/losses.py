@@ -54,11 +54,6 @@ def wide(N: int, C: int) -> bool:
     return nll_sbuf_bytes(N, C) > nl.tile_size.sbuf_fmax_bytes
 
 
-def nll_fits(N: int, C: int) -> bool:
-    """Whether the nll kernels take N rows of C classes: any (wide rows in column blocks of WC)."""
-    return N >= 1 and C >= 1
-
-
 def _col(g: int = 1):
     return nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
 

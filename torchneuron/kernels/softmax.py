@@ -50,12 +50,6 @@ def one_pass(D: int) -> bool:
     return (NBUF + 1) * 3 * D * 4 + 64 <= nl.tile_size.sbuf_fmax_bytes
 
 
-def fits_one_pass(D: int) -> bool:
-    """Whether ``softmax_kernel`` and ``softmax_bwd_kernel`` take rows of D elements in one launch: any D
-    (rows beyond SBUF take their two-pass paths; the name is kept for the callers that ask)."""
-    return D >= 1
-
-
 def _col():
     return nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
 

@@ -22,9 +22,9 @@ from typing import Sequence
 import torch
 from torch._prims_common import canonicalize_dim
 
-from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fits, nll_fwd_kernel
+from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
-from torchneuron.kernels.softmax import fits_one_pass, softmax_bwd_kernel, softmax_kernel
+from torchneuron.kernels.softmax import softmax_bwd_kernel, softmax_kernel
 from torchneuron.ops.base import aten, checked, FLOATS, on_one_device, type_name, Unsupported
 from torchneuron.ops.elementwise import dense, device_copy, write_result
 from torchneuron.ops.indexing import arange_values, index_words
@@ -68,7 +68,7 @@ for _name, _log in (("_softmax", False), ("_softmax.out", False), ("_log_softmax
 def softmax_backward(grad: torch.Tensor, out: torch.Tensor, dim: int, log: bool, scale: float = 1.0) -> torch.Tensor:
     """``scale`` times the input gradient of softmax (``log``: log_softmax) over ``dim``, given its output."""
     dim = canonicalize_dim(max(out.dim(), 1), dim)
-    if out.dim() and dim == out.dim() - 1 and out.numel() and fits_one_pass(out.shape[-1]):
+    if out.dim() and dim == out.dim() - 1 and out.numel():
         D = out.shape[-1]
         (res,) = call_kernel(softmax_bwd_kernel, {"grad": dense(grad).reshape(-1, D), "y": dense(out).reshape(-1, D)},
                              {"log": log, "scale": float(scale)},
@@ -172,11 +172,11 @@ def native_layer_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, norm
 
 def _nll_ok(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int) -> bool:
     """Whether the nll kernels take these arguments (int64 class targets, as the CPU demands; the rest,
-    with its errors, goes to the CPU; so do class counts whose rows do not fit SBUF)."""
+    with its errors, goes to the CPU; so do zero classes). Rows of any class count fit: wide ones run in
+    column blocks."""
     return (self.dtype in (torch.float32, torch.bfloat16) and self.dim() in (1, 2) and target.device == self.device
             and target.dtype == torch.int64 and target.numel() > 0 and target.dim() == self.dim() - 1
-            and (self.dim() == 1 or target.shape[0] == self.shape[0]) and self.shape[-1] < EXACT
-            and nll_fits(target.numel(), self.shape[-1])
+            and (self.dim() == 1 or target.shape[0] == self.shape[0]) and 0 < self.shape[-1] < EXACT
             and abs(ignore_index) < EXACT
             and (weight is None or (weight.device == self.device and weight.dtype == self.dtype
                                     and weight.numel() == self.shape[-1])))
