@@ -29,6 +29,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def tiles(n: int, size: int = PMAX) -> list[tuple[int, int]]:
+    """(start, length) of the ``size``-long tiles covering [0, n), the last one partial."""
+    return [(t0, min(size, n - t0)) for t0 in range(0, n, size)]
+
+
 def itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

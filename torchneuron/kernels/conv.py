@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import PMAX, PSUM_FP32, cdiv, itemsize
+from torchneuron.kernels._common import PMAX, PSUM_FP32, cdiv, itemsize, tiles
 from torchneuron.kernels.matmul import alternating_evict
 
 X_BAND_BYTES = 40 * 1024    # SBUF bytes per partition of one input band (all ci tiles); two are in flight
@@ -137,10 +137,6 @@ def conv_fits(channels: int, w_shape, groups: int, dims: tuple[Dim, Dim], flip: 
     return not wgrad or ci * hd.k * wd.k * (4 + isz) <= WGRAD_ROW_BYTES
 
 
-def _tiles(n: int) -> list[tuple[int, int]]:
-    return [(c0, min(PMAX, n - c0)) for c0 in range(0, n, PMAX)]
-
-
 @nki.jit
 def conv2d_kernel(x, w, bias=None, dims=None, groups=1, flip=False):
     """2-D convolution of x [N, C, H, W] with w ([O, C/G, KH, KW]; ``flip``: the forward weight of an input
@@ -161,7 +157,7 @@ def conv2d_kernel(x, w, bias=None, dims=None, groups=1, flip=False):
     OH, OW = hd.out, wd.out
     out = nl.ndarray((N, co * G, OH, OW), dt, buffer=nl.shared_hbm)
     evict = alternating_evict()
-    cis, cos_all = _tiles(ci), _tiles(co)
+    cis, cos_all = tiles(ci), tiles(co)
     ring = collections.deque(maxlen=3)     # input bands of the last bands (the next one's loads overlap matmuls)
     accs = collections.deque(maxlen=4)     # PSUM chunks in flight (evictions overlap the next matmuls)
     stages = collections.deque(maxlen=2)
@@ -328,7 +324,7 @@ def conv2d_wgrad_kernel(x, gy, dims=None, groups=1, kernel=(1, 1)):
     out = nl.ndarray((O, ci, KH, KW), dt, buffer=nl.shared_hbm)
     p = plan(hd, wd, ci, 1, isz)
     assert p is not None, "conv2d_wgrad: the input bands do not fit SBUF (see conv_fits)"
-    cis, cos = _tiles(ci), _tiles(co)
+    cis, cos = tiles(ci), tiles(co)
     lead = (KW - 1) * wd.d                          # zero columns before the spread gradient
     cols = KW * KH * ci                             # accumulator columns per output channel, (kw, kh, c) order
     blocks = [(f0, min(4 * PSUM_FP32, cols - f0)) for f0 in range(0, cols, 4 * PSUM_FP32)]

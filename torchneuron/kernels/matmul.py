@@ -54,7 +54,7 @@ from typing import Callable
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import PMAX, PSUM_FP32, cdiv, itemsize, spread_row
+from torchneuron.kernels._common import PMAX, PSUM_FP32, cdiv, itemsize, spread_row, tiles
 
 TM, TK, TN = 128, 128, 512     # stationary M, contraction K, moving N (one fp32 PSUM bank)
 
@@ -223,15 +223,10 @@ def fuses_bias(K: int, N: int) -> bool:
     return True
 
 
-def _k_tiles(K: int) -> list[tuple[int, int]]:
-    """(first row, rows) of the 128-row K tiles of a contraction of K."""
-    return [(k0, min(TK, K - k0)) for k0 in range(0, K, TK)]
-
-
 def _load_k_major(src, c0: int, width: int, K: int, dt):
     """Columns [c0, c0 + width) of a K-major HBM matrix [K, C] as SBUF [128, KT, width] (one DMA per K tile)."""
     t = nl.ndarray((TK, cdiv(K, TK), width), dt, buffer=nl.sbuf)
-    for kt, (k0, kk) in enumerate(_k_tiles(K)):
+    for kt, (k0, kk) in enumerate(tiles(K, TK)):
         nisa.dma_copy(dst=t[:kk, kt, :], src=src[k0:k0 + kk, c0:c0 + width])
     return t
 
@@ -251,7 +246,7 @@ def _transpose_rows(chunks, rows: int, K: int, evict: Callable):
     """Loaded row chunks (``_load_rows``, rows <= 512 fp32) as K-major SBUF [128, KT, rows]: each (chunk,
     K tile) transposed on TensorE into one PSUM tile per K tile, each evicted once."""
     kT = nl.ndarray((TK, cdiv(K, TK), rows), chunks.dtype, buffer=nl.sbuf)
-    for kt, (k0, kk) in enumerate(_k_tiles(K)):
+    for kt, (k0, kk) in enumerate(tiles(K, TK)):
         tp = nl.ndarray((TK, rows), chunks.dtype, buffer=nl.psum)
         for c in range(chunks.shape[1]):
             n = min(PMAX, rows - c * PMAX)
@@ -277,7 +272,7 @@ def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool
     step = chunks_per_group * PMAX
     groups = [(m0, min(step, M - m0)) for m0 in range(0, M, step)]
     bK = _transpose_rows(_load_rows(b, 0, N, K, dt), N, K, evict) if transpose_b else _load_k_major(b, 0, N, K, dt)
-    ktiles = _k_tiles(K)
+    ktiles = tiles(K, TK)
 
     brow = None
     if bias is not None:   # the bias row on every partition, added by the evictions

@@ -39,7 +39,7 @@ from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.kernels._common import (PMAX, PSUM_FP32, ROW_ELEMS, as_tensor, cdiv, check_sbuf, grouped_rows,
-                                         load_grouped, row_blocks, spread, spread_row)
+                                         load_grouped, row_blocks, spread, spread_row, tiles)
 
 NBUF = 3
 BN = 512   # nl.tile_size.bn_stats_fmax
@@ -152,7 +152,7 @@ def _long_stats(x, r0, p, D, eps, rms, sc, mean=None):
 
 def _blocks(N):
     """Super-blocks: lists of (row block index in the super-block, r0, rows)."""
-    rbs = [(r0, min(PMAX, N - r0)) for r0 in range(0, N, PMAX)]
+    rbs = tiles(N)
     for s0 in range(0, len(rbs), SB):
         yield [(i, r0, p) for i, (r0, p) in enumerate(rbs[s0:s0 + SB])]
 
