@@ -205,3 +205,27 @@ def test_batchnorm_running_stats_match_cpu() -> None:
     bn_neuron.eval()
     x = torch.randn(8, 4, 5, 5)
     torch.testing.assert_close(bn_neuron(x.to(NEURON)).cpu(), bn_cpu(x))
+
+
+def test_backward_of_neuron_ops_runs_on_the_calling_thread() -> None:
+    """A Python autograd Function's backward on neuron tensors runs on the thread calling backward(),
+    as CPU backward does: autograd's device thread freed Python-owned tensors after backward()
+    returned, which aborted a program that ended at that moment."""
+    import threading
+
+    seen: list[int] = []
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+            seen.append(threading.get_ident())
+            return g * 2
+
+    x = torch.ones(4, device=NEURON, requires_grad=True)
+    Double.apply(Double.apply(x)).sum().backward()
+    assert seen == [threading.get_ident()] * 2
+    torch.testing.assert_close(x.grad.cpu(), torch.full((4,), 4.0))

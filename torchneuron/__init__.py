@@ -22,6 +22,12 @@ def _register() -> None:
         return
     _C._configure(CONFIG.num_devices, CONFIG.chip.hbm_bytes_per_core)
     _C._set_strict(CONFIG.strict)
+    # Backward of neuron ops runs on the thread that calls backward(), not on autograd's device
+    # thread: that thread frees Python-owned tensors after backward() has returned, so a program
+    # ending right after backward() could abort ("terminate called without an active exception")
+    # when the free met the interpreter's shutdown. The device's launches are serialized by its
+    # core lock, so a device thread gained no overlap. Thread-local: set for the importing thread.
+    torch.autograd.set_multithreading_enabled(False)
     torch.utils.rename_privateuse1_backend("neuron")
     from torchneuron import neuron as device_module
 
