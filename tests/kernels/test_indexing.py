@@ -28,3 +28,11 @@ def test_gather_rows_reads_every_other_word_with_stride_2():
 def test_gather_rows_raises_for_a_row_outside_the_table():
     with pytest.raises(IndexOutOfRange, match="outside the 4 rows"):
         gather_rows(torch.randn(4, 2), torch.tensor([0, 4], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("bad", [2**32 + 1, 2**31 + 1, -(2**32) + 3, -1])
+def test_gather_rows_refuses_an_int64_index_whose_high_word_is_not_zero(bad):
+    """An int64 index is its full value, not its low word: 2**32 + 1 must not read row 1."""
+    index = torch.tensor([1, bad], dtype=torch.int64)
+    with pytest.raises(IndexOutOfRange):
+        gather_rows(torch.randn(10, 3), index.view(torch.int32), stride=2)

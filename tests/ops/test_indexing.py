@@ -240,3 +240,16 @@ def test_embedding_bag_training(mode, padding_idx, include_last_offset, strict):
     torch.testing.assert_close(mn.weight.grad.cpu(), m.weight.grad)
     if w is not None:
         torch.testing.assert_close(wn.grad.cpu(), w.grad)
+
+
+@pytest.mark.parametrize("bad", [2**32 + 1, 2**31 + 1, -(2**32) + 3])
+def test_embedding_index_beyond_int32_raises_like_the_cpu(bad):
+    """The low word of 2**32 + 1 is a valid row: the device must raise as the CPU does, not return row 1."""
+    w = torch.randn(10, 4)
+    idx = torch.tensor([1, bad])
+    with pytest.raises(IndexError) as cpu:
+        torch.nn.functional.embedding(idx, w)
+    with pytest.raises(IndexError, match=str(cpu.value)):
+        torch.nn.functional.embedding(idx.to("neuron"), w.to("neuron"))
+    with pytest.raises(IndexError):
+        torch.index_select(w.to("neuron"), 0, idx.to("neuron"))

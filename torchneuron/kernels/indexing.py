@@ -7,7 +7,7 @@
 For each block of up to 128 indices, one DMA loads the indices into a [P, 1] SBUF column and
 one indirect DMA per column block gathers the rows straight from HBM (``.ap(vector_offset=...)``:
 the DMA engine reads row ``index[p]`` for partition p), then a store writes the block out. The
-index may be int32, or int64 read as the low words of its int32 pairs (``stride=2``): row
+index may be int32, or int64 as int32 word pairs (``stride=2``), whose high word must be 0: row
 numbers are below 2**31. Out-of-range indices fail the DMA (``oob_mode=error``) before it moves
 anything.
 
@@ -31,15 +31,29 @@ from torchneuron.kernels._common import DMA_ROW_BYTES, PMAX, flat_blocks, itemsi
 
 def row_blocks(index, N: int, D: int, dtype, stride: int = 1):
     """The loop nest of an indirect row DMA: per block of up to 128 indices, load them into a [P, 1]
-    SBUF column (every ``stride``-th int32 word), then yield (n0, p, index column, c0, w) per block of
-    columns, W wide so each row DMA moves a few KiB."""
+    SBUF column (int32, or int64 as word pairs with ``stride=2``), then yield (n0, p, index column, c0, w)
+    per block of columns, W wide so each row DMA moves a few KiB."""
     W = max(1, min(D, 4 * DMA_ROW_BYTES // itemsize(dtype)))
     for n0 in range(0, N, PMAX):
         p = min(PMAX, N - n0)
-        ix = nl.ndarray((PMAX, 1), nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=ix[:p], src=index.ap([[stride, p], [1, 1]], offset=n0 * stride))
+        ix = nl.ndarray((PMAX, stride), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=ix[:p], src=index.ap([[stride, p], [1, stride]], offset=n0 * stride))
+        col = ix[:p, 0:1] if stride == 1 else _low_word_if_exact(ix[:p], p)
         for c0 in range(0, D, W):
-            yield n0, p, ix[:p], c0, min(W, D - c0)
+            yield n0, p, col, c0, min(W, D - c0)
+
+
+def _low_word_if_exact(words, p: int):
+    """[p, 1]: an int64's low word where its high word is 0, else -1, which fails the indirect DMA: the
+    row numbers are non-negative int32, so any other high word is out of range (2**32 + 1 is not row 1)."""
+    exact = nl.ndarray((PMAX, 1), nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=exact[:p], data=words[:, 1:2], op0=nl.equal, operand0=0)
+    row = nl.ndarray((PMAX, 1), nl.int32, buffer=nl.sbuf)   # (low + 1) * exact - 1
+    nisa.scalar_tensor_tensor(dst=row[:p], data=words[:, 0:1], op0=nl.add, operand0=1, op1=nl.multiply,
+                              operand1=exact[:p])
+    out = nl.ndarray((PMAX, 1), nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out[:p], data=row[:p], op0=nl.subtract, operand0=1)
+    return out[:p]
 
 
 @nki.jit
