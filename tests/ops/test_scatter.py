@@ -230,6 +230,28 @@ def test_eight_byte_elements_move_as_word_pairs(dtype, strict):
              torch.nn.functional.one_hot(torch.tensor([0, 3, 1]), 5))
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64])
+def test_eight_byte_gather_scatter_of_size_one_dims_with_any_stride(dtype, strict):
+    # a contiguous tensor may carry any stride on a size-1 dim (kthvalue's backward scatters into such a
+    # block): the word-pair view must not depend on it
+    x = torch.empty_strided((5, 1), (1, 5), dtype=dtype).copy_((torch.randn(5, 1) * 1e12).to(dtype))
+    idx = torch.zeros(5, 1, dtype=torch.int64)
+    same(torch.gather(to_n(x), 1, to_n(idx)), torch.gather(x, 1, idx), atol=0, rtol=0)
+    src = torch.empty_strided((5, 1), (1, 7), dtype=dtype).copy_((torch.randn(5, 1) * 1e12).to(dtype))
+    same(to_n(x).scatter(1, to_n(idx), to_n(src)), x.scatter(1, idx, src), atol=0, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+def test_float64_kthvalue_backward_scatters_into_its_size_one_dim():
+    # float64 kthvalue itself takes the counted fallback; its gradient is a device scatter into such a block
+    g = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    gn = to_n(g.detach()).requires_grad_(True)
+    cot = torch.randn(4, 5, dtype=torch.float64)
+    torch.kthvalue(g, 2, 1)[0].backward(cot)
+    torch.kthvalue(gn, 2, 1)[0].backward(to_n(cot))
+    same(gn.grad, g.grad, atol=0, rtol=0)
+
+
 @pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
 @pytest.mark.parametrize("reduce", ["amax", "amin", "sum", "prod"])
 def test_int32_scatter_reduce_past_2_24_is_exact_like_cpu(reduce):

@@ -107,9 +107,10 @@ def any_outside(idx: torch.Tensor, lo: int, hi: int) -> bool:
 def _gather_elems(table: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     """``table.reshape(-1)[flat]`` for int32 ``flat`` (any shape); one-element-row indirect DMAs (8-byte
     elements: rows of two int32 words)."""
-    src = dense(table).reshape(-1, 1)
+    src = dense(table).reshape(-1)      # 1-D first: see scatter_into
     wide = src.element_size() == 8
-    (rows,) = call_kernel(gather_rows, {"table": src.view(torch.int32) if wide else src,
+    src = src.view(torch.int32).view(-1, 2) if wide else src.view(-1, 1)
+    (rows,) = call_kernel(gather_rows, {"table": src,
                                         "index": dense(flat).reshape(-1)}, {"stride": 1}, op="aten::gather")
     return (rows.view(table.dtype) if wide else rows).reshape(flat.shape)
 
@@ -120,9 +121,11 @@ def scatter_into(table: torch.Tensor, flat: torch.Tensor, values: torch.Tensor) 
     if n == 0:
         return
     D = values.numel() // n
-    rows, vals = table.view(-1, D), dense(values).reshape(n, D)
+    # through 1-D views: a dense [n, 1] tensor may carry any stride on its size-1 dim, which a dtype view refuses
+    rows, vals = table.view(-1), dense(values).reshape(-1)
     if table.element_size() == 8:   # 8-byte elements move as pairs of int32 words
-        rows, vals = rows.view(torch.int32), vals.view(torch.int32)
+        rows, vals, D = rows.view(torch.int32), vals.view(torch.int32), 2 * D
+    rows, vals = rows.view(-1, D), vals.view(n, D)
     call_kernel(scatter_rows, {"table": rows, "index": dense(flat).reshape(-1), "values": vals}, {"stride": 1},
                 op="aten::scatter")
 
