@@ -90,6 +90,24 @@ def test_lu_family_matches_cpu(shape, strict):
                    torch.linalg.lu_solve(lu, piv, b, left=left, adjoint=adjoint))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_det_slogdet_logdet_gradients_match_cpu(transposed, strict):
+    # the CPU factors a contiguous A as A^T and its backward reads the saved LU that way: the device's LU and
+    # pivots must be the same factorisation, or every gradient is wrong while the values are right
+    a = torch.randn(3, 5, 5)
+    a = a.mT if transposed else a
+    ops = (torch.linalg.det, lambda t: torch.linalg.slogdet(t).logabsdet, lambda t: torch.logdet(t @ t.mT))
+    for op in ops:
+        want = torch.ops.aten._linalg_det(a) if op is torch.linalg.det else torch.ops.aten._linalg_slogdet(a)
+        got = (torch.ops.aten._linalg_det if op is torch.linalg.det else torch.ops.aten._linalg_slogdet)(to_n(a))
+        _close(got, want)
+        assert got[-2].stride() == want[-2].stride()
+        x, xn = a.clone().requires_grad_(), to_n(a).requires_grad_()
+        g = torch.randn(3)
+        (gx,), (gn,) = torch.autograd.grad(op(x), x, g), torch.autograd.grad(op(xn), xn, to_n(g))
+        _close(gn, gx)
+
+
 def test_lu_pivots_and_info_follow_lapack(strict):
     # ties pick the first row of largest |a|; an exactly zero pivot sets info (the first one) and goes on
     a = torch.tensor([[[0., 1, 2], [0, 3, 4], [0, 5, 7]],

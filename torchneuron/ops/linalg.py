@@ -388,8 +388,12 @@ def _det_family(op: torch._ops.OpOverload, out_op: torch._ops.OpOverload, A: tor
     elif n == 0:   # the empty product: det 1
         res = empty(batch)
     else:
-        lu, piv, diag, psign = _det_parts(_batched(A))
-        res = from_lu(lu.reshape(A.shape), piv.reshape(*batch, n), diag, psign, batch)
+        # as the CPU: a contiguous A is factored as A^T (same determinant), and the backward (linalg_det_backward)
+        # reads the saved LU and pivots as that factorisation
+        lu, piv, diag, psign = _det_parts(_batched(A.mT if A.is_contiguous() else A))
+        lu = torch.empty_strided(metas[-2].shape, metas[-2].stride(), dtype=A.dtype, device=A.device).copy_(
+            lu.reshape(A.shape))
+        res = from_lu(lu, piv.reshape(*batch, n), diag, psign, batch)
     return _write_all(res, tuple(outs.get(k) for k in [a.name for a in out_op._schema.arguments
                                                        if a.is_out])) if outs else res
 
