@@ -256,6 +256,26 @@ def test_linspace_logspace_match_cpu(dtype):
     assert torch.equal(out.cpu(), torch.tensor([0.0, 1.0]))
 
 
+def _linspace_in_dtype(start: float, end: float, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """PyTorch's linspace formula evaluated in ``dtype`` arithmetic (each operation rounded to it, as its CPU
+    kernel's scalar_t does): the step from the rounded difference over the rounded count, then start + step * i
+    up to the middle and end - step * (steps - 1 - i) after it."""
+    one = lambda v: torch.tensor(v, dtype=dtype)  # noqa: E731
+    s, e = one(start), one(end)
+    step = (e - s) / one(steps - 1)
+    return torch.stack([s + step * one(i) if i < steps // 2 else e - step * one(steps - 1 - i) for i in range(steps)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_float_linspace_rounds_each_step_in_its_dtype(dtype):
+    # fp32 intermediates rounded once land on the other neighbour of many values (4.3 -> -3 in 50 bf16 steps:
+    # 14 of 50); the CPU rounds every operation to the dtype, and so must the device. fp16's +-65504 overflows
+    # the difference to inf, giving the CPU's NaN and infinities.
+    for start, end, steps in [(4.3, -3, 50), (-2.5, 7.1, 300), (-10, 10, 999), (0.1, 0.2, 3), (-65504, 65504, 5)]:
+        got = torch.linspace(start, end, steps, dtype=dtype, device=N).cpu()
+        torch.testing.assert_close(got, _linspace_in_dtype(start, end, steps, dtype), atol=0, rtol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.bfloat16])
 def test_eye_matches_cpu(dtype):
     for args in [(3,), (3, 5), (6, 2), (0, 4)]:

@@ -489,6 +489,15 @@ def _linspace_into(out: torch.Tensor, start: float, end: float, steps: int) -> N
         return
     step = rnd((end - start) / (steps - 1))
     half = steps // 2
+    if dt in (torch.bfloat16, torch.float16):
+        # PyTorch's kernel computes in scalar_t: the step from the rounded difference, the index converted to
+        # the dtype, and each product and sum rounded to it (fp32 intermediates give other roundings)
+        step = rnd(rnd(end - start) / rnd(steps - 1))
+        counts = (arange_values(half, out.device), torch.flip(arange_values(steps - half, out.device), (0,)))
+        for part, count, sign, base in ((out[:half], counts[0], 1.0, start), (out[half:], counts[1], -1.0, end)):
+            if part.numel():
+                torch.add(torch.mul(count.to(dt), step * sign), base, out=part)
+        return
     if half:
         i = arange_values(half, out.device)
         run_pointwise(_linspace_head, [i, float(start), float(step)], KIND.DEFAULT, out[:half], op="aten::linspace")
