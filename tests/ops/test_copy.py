@@ -83,6 +83,27 @@ def test_int64_sign_and_range(strict):
     torch.testing.assert_close(to_n(y).float().cpu(), y.float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_float_to_int64_beyond_int32_is_exact(dtype, strict):
+    # an int32 step saturated every value past 2**31 (a masked logsumexp's -inf came back as -2**31): the two
+    # words are computed from the float; in range, int64(x) is trunc(x) exactly, a known answer
+    bits = torch.randint(-2 ** 31, 2 ** 31, (4096,), dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32).to(dtype)
+    edges = [0.0, -0.0, -0.7, 2.5, 2.0 ** 31, -2.0 ** 31, 2.0 ** 31 - 128, -(2.0 ** 31 + 256), 2.0 ** 32, -2.0 ** 32,
+             3e9, -3e9, 2.0 ** 40, 1.5e10, -2.0 ** 63, 65504.0, -65504.0]
+    x = torch.cat([x, torch.tensor(edges).to(dtype)])
+    x = x[x.abs() < 2.0 ** 63]     # (fp16: the edges past 65504 are inf)
+    want = torch.tensor([int(v) for v in x.double().tolist()], dtype=torch.int64)
+    assert torch.equal(to_n(x).long().cpu(), want)
+    assert torch.equal(to_n(x)[::2].long().cpu(), want[::2])
+    out = torch.empty(len(x), 2, dtype=torch.int64, device="neuron")[:, 1]
+    out.copy_(to_n(x))
+    assert torch.equal(out.cpu(), want)
+    # NaN, infinities and magnitudes from 2**63 have no int64: the CPU's conversion decides (x86: INT64_MIN)
+    beyond = torch.tensor([float("nan"), float("inf"), -float("inf"), 2.0 ** 63, -2.0 ** 64]).to(dtype)
+    assert torch.equal(to_n(beyond).long().cpu(), beyond.long())
+
+
 def test_fills_and_factories(strict):
     torch.testing.assert_close(torch.full((3, 5), -2.5, device="neuron").cpu(), torch.full((3, 5), -2.5))
     torch.testing.assert_close(torch.zeros(4, dtype=torch.int64, device="neuron").cpu(), torch.zeros(4, dtype=torch.int64))

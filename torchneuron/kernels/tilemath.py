@@ -401,6 +401,32 @@ def pow_(a, b):
     return nl.power(a, b)
 
 
+def _int64_words(x):
+    """(high word, low word read signed) of ``int64(x)`` for fp32 ``x``, as fp32 integers: ``trunc(x)`` below
+    2**31 in magnitude is its own low word; above, ``floor(t / 2**32)`` and the remainder (both exact: such a t
+    is a multiple of 2**8). NaN and magnitudes from 2**63 give INT64_MIN, as the CPU's x86 conversion."""
+    t = trunc(x)
+    a = nl.abs(t)
+    hi = floor(nl.multiply(t, 2.0 ** -32))
+    r = nl.subtract(t, nl.multiply(hi, 2.0 ** 32))
+    lo = nl.subtract(r, nl.multiply(nl.greater_equal(r, 2.0 ** 31), 2.0 ** 32))
+    small = nl.less(a, 2.0 ** 31)      # 0 for NaN
+    hi = where(small, nl.multiply(nl.less(t, 0.0), -1.0), hi)
+    lo = where(small, t, lo)
+    beyond = nl.subtract(1.0, nl.less(a, 2.0 ** 63))   # 1 for NaN too
+    return where_value(beyond, -2.0 ** 31, hi), where_value(beyond, 0.0, lo)
+
+
+def f32_int64_high_word(x):
+    """The high int32 word of ``int64(x)`` (fp32 ``x``), as an fp32 integer."""
+    return _int64_words(x)[0]
+
+
+def f32_int64_low_word(x):
+    """The low int32 word (read signed) of ``int64(x)`` (fp32 ``x``), as an fp32 integer."""
+    return _int64_words(x)[1]
+
+
 def from_words(hi, lo, two32):
     """An int64 from its int32 high and low words, in fp32: ``(hi + (lo < 0)) * 2**32 + lo``
     (the low word read signed, which fp32 holds more exactly than the unsigned value)."""

@@ -72,7 +72,16 @@ def can_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 
 def to_int64(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``src`` (a device dtype) as int64, on the device: via int32, then the sign-extended high words."""
+    """``src`` (a device dtype) as int64, on the device: integers via int32, then the sign-extended high words;
+    floats by their two words computed from the fp32 value (an int32 cast would saturate at 2**31)."""
+    if src.dtype.is_floating_point:
+        dst = out if out is not None else torch.empty(src.shape, dtype=torch.int64, device=src.device)
+        if src.numel() == 0:
+            return dst
+        src = src if src.dtype == torch.float32 else src.to(torch.float32)   # exact
+        for k, word in ((1, tilemath.f32_int64_high_word), (0, tilemath.f32_int64_low_word)):
+            run_pointwise(word, [src], KIND.DEFAULT, _word(dst, k), result_dtype=torch.int32, op="aten::_to_copy")
+        return dst
     if src.dtype != torch.int32:
         src32 = torch.empty(src.shape, dtype=torch.int32, device=src.device)
         device_copy(src32, src)
