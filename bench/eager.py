@@ -216,6 +216,9 @@ def heavy_cases(size: str) -> list[tuple[str, str, Callable, Callable, float, in
          2 * nbytes(xs), "bfloat16"),
         ("softmax", f"{T}x{Dm}", lambda: None, lambda: torch.softmax(xs, -1), 0, 2 * nbytes(xs), "bfloat16"),
     ]
+    xg, wg = mk(T, Dm, grad=True), mk(Dm, grad=True)   # backward: x and dy read, dx written
+    cases.append(("rms_norm bwd", f"{T}x{Dm}", lambda: held.update(r=torch.nn.functional.rms_norm(xg, (Dm,), wg)),
+                  lambda: held.pop("r").backward(xs), 0, 3 * nbytes(xs), "bfloat16"))
     logits = mk(T // 2, V, grad=True)
     target = torch.zeros(T // 2, dtype=torch.int64).to("neuron")   # (written by a transfer: valid classes)
     ce = torch.nn.functional.cross_entropy

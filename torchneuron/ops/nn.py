@@ -7,7 +7,8 @@ of ``softmax_bwd_kernel`` over the last dim (rows that fit SBUF), else element-w
 launches. Layer norm runs ``kernels.norms.layer_norm_kernel`` on the rows (missing weight/bias:
 ones/zeros), which also returns the mean and 1/std that ``native_layer_norm`` returns (autograd saves
 them); the backward is one ``layer_norm_bwd_kernel`` launch on those saved statistics, as the CPU
-kernel uses them.
+kernel uses them. ``F.rms_norm`` reaches ``_fused_rms_norm`` (PyTorch's composite calls it once the backend has a
+kernel for it): one launch of the same kernel returning the fp32 1/rms, and one backward launch on it.
 
 ``nll_loss`` forward and backward are one launch each (``kernels.losses``: the targets become one-hot
 rows against an iota, the reduction runs in the kernel). The other losses (``mse_loss``,
@@ -17,6 +18,7 @@ inputs out of range raise the CPU's errors after one host read of the device's r
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -166,6 +168,81 @@ def native_layer_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, norm
     dw = dw.reshape(normalized_shape) if output_mask[1] and weight is not None else None
     db = db.to(bias.dtype).reshape(normalized_shape) if output_mask[2] and bias is not None else None
     return dx, dw, db
+
+
+# ---- RMS norm ----------------------------------------------------------------------------------------
+# ``rms_norm`` is CompositeImplicitAutograd; it calls ``_fused_rms_norm`` on a backend with a kernel for it (else
+# it decomposes into pow, mean, add, rsqrt and two products: 8 launches each way), whose own autograd formula
+# calls ``_fused_rms_norm_backward``: one launch of the norm kernels each way.
+
+def _fused_rms_ok(input: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Tensor | None) -> bool:
+    """Whether the norm kernels take this RMS norm: a float dtype the engines compute in, a weight of the input's
+    dtype, device and the normalized shape."""
+    k = len(normalized_shape)
+    return (input.dtype in FLOATS and 0 < k <= input.dim()
+            and tuple(input.shape[input.dim() - k:]) == tuple(normalized_shape)
+            and (weight is None or (weight.dtype == input.dtype and weight.device == input.device
+                                    and tuple(weight.shape) == tuple(normalized_shape))))
+
+
+def _rms_eps(eps: float | None) -> float:
+    """The epsilon PyTorch adds when none is given: that of the fp32 the statistics are computed in."""
+    return torch.finfo(torch.float32).eps if eps is None else float(eps)
+
+
+@lowering("_fused_rms_norm")
+def fused_rms_norm(input: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Tensor | None,
+                   eps: float | None):
+    """(rms_norm(input), 1/rms) over the trailing ``normalized_shape`` dims, 1/rms in fp32 with those dims kept."""
+    if not _fused_rms_ok(input, normalized_shape, weight):
+        checked(aten._fused_rms_norm.default, input, normalized_shape, weight, eps)   # the CPU's errors
+        raise Unsupported("a dtype the engines lack, or a weight unlike the input")
+    N, D = _norm_shape(input, normalized_shape)
+    stat_shape = list(input.shape[:input.dim() - len(normalized_shape)]) + [1] * len(normalized_shape)
+    if N == 0 or D == 0:   # nothing to normalise: empty results of the right shapes
+        return torch.empty_like(input), torch.empty(stat_shape, dtype=torch.float32, device=input.device)
+    w = _param(weight, D, 1.0, input)
+    out, rstd = call_kernel(layer_norm_kernel, {"x": dense(input).reshape(N, D), "weight": w, "bias": w},
+                            {"eps": _rms_eps(eps), "rms": True, "stats": True}, op="aten::_fused_rms_norm")
+    return out.reshape(input.shape), rstd.reshape(stat_shape)
+
+
+def _rms_norm_backward_composed(grad_out: torch.Tensor, input: torch.Tensor, normalized_shape: Sequence[int],
+                                rstd: torch.Tensor, weight: torch.Tensor | None, output_mask: Sequence[bool]):
+    """(grad_input, grad_weight) of RMS norm from element-wise and reduction ops, in fp32 (fp64 for fp64 inputs)."""
+    k = len(normalized_shape)
+    rows = list(range(input.dim() - k))
+    ct = torch.promote_types(input.dtype, torch.float32)
+    g, r = grad_out.to(ct), rstd.to(ct)
+    xh = input.to(ct) * r
+    gw = g * weight.to(ct) if weight is not None else g
+    dx = dw = None
+    if output_mask[0]:
+        dims = list(range(input.dim() - k, input.dim()))
+        dx = (r * (gw - xh * (gw * xh).mean(dims, keepdim=True))).to(input.dtype)
+    if output_mask[1] and weight is not None:
+        gx = g * xh
+        dw = (gx.sum(rows) if rows else gx).reshape(weight.shape).to(weight.dtype)
+    return dx, dw
+
+
+@lowering("_fused_rms_norm_backward")
+def fused_rms_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, normalized_shape: Sequence[int],
+                            rstd: torch.Tensor, weight: torch.Tensor | None, output_mask: Sequence[bool]):
+    """(grad_input, grad_weight) of RMS norm, from the forward's saved 1/rms."""
+    N = input.numel() // max(1, math.prod(normalized_shape))
+    if not _fused_rms_ok(input, normalized_shape, weight) or input.numel() == 0 or grad_out.dtype != input.dtype or \
+            grad_out.shape != input.shape or rstd.dtype != torch.float32 or rstd.numel() != N or \
+            any(t.device != input.device for t in (grad_out, rstd)):
+        # the CPU has no kernel of this op to fall back to: what the kernel does not take is composed of other ops
+        return _rms_norm_backward_composed(grad_out, input, normalized_shape, rstd, weight, output_mask)
+    N, D = _norm_shape(input, normalized_shape)
+    # x^ = x * rstd, g = dy * w: dx = rstd * (g - x^ * mean(g * x^)), dw = sum(dy * x^) over rows
+    dx, dw, _ = call_kernel(layer_norm_bwd_kernel, {
+        "dy": dense(grad_out).reshape(N, D), "x": dense(input).reshape(N, D), "weight": _param(weight, D, 1.0, input),
+        "rstd": dense(rstd).reshape(N, 1)}, {"rms": True}, op="aten::_fused_rms_norm_backward")
+    return (dx.reshape(input.shape) if output_mask[0] else None,
+            dw.reshape(normalized_shape) if output_mask[1] and weight is not None else None)
 
 
 # ---- negative log likelihood ------------------------------------------------------------------------

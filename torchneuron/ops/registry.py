@@ -69,8 +69,10 @@ def lowering(*names: str, complex_operands: bool = False) -> Callable[[Callable]
     complex operands itself says so with ``complex_operands``; the others never see them)."""
     def register(fn: Callable) -> Callable:
         for name in names:
-            if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "CompositeImplicitAutograd"):
-                # it decomposes before reaching a backend; a backend kernel would bypass its autograd
+            if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "CompositeImplicitAutograd") and \
+                    not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Autograd"):
+                # it decomposes before reaching a backend; a backend kernel would bypass its autograd (an op with an
+                # autograd kernel of its own, as _fused_rms_norm, runs that one above a backend kernel)
                 raise RuntimeError(f"aten::{name} is CompositeImplicitAutograd: lower what it decomposes into")
             if name in LOWERED:
                 raise RuntimeError(f"aten::{name} already has a neuron kernel ({LOWERED[name].__qualname__})")
