@@ -253,3 +253,31 @@ def test_hardtanh_of_integers_keeps_the_dtype(dtype):
         got = torch.nn.functional.hardtanh(x.to("neuron"), lo, hi)
         assert got.dtype == dtype
         assert torch.equal(got.cpu(), torch.nn.functional.hardtanh(x, lo, hi))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.bool])
+def test_comparisons_with_scalars_beyond_the_dtype_wrap_like_cpu(dtype, strict):
+    # the CPU converts an int scalar to a narrow integer tensor's dtype (a wrapping cast) before comparing:
+    # uint8 t == -1 is t == 255 (cosine_embedding_loss's target == -1 on uint8 targets); bool compares in int64
+    x = torch.tensor([0, 1, 127, 255, -1, 100, -128, 2 ** 31 - 1]).to(dtype)
+    for v in (-1, 255, 256, -129, 2 ** 32, 2 ** 32 + 1, -2 ** 40, 2 ** 62):
+        for cmp in (torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge):
+            assert torch.equal(cmp(to_n(x), v).cpu(), cmp(x, v)), (cmp, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.float16, torch.bfloat16])
+def test_clamp_scalar_bounds_convert_to_the_dtype_like_cpu(dtype, strict):
+    # a bound the dtype cannot hold raises the CPU's error (int8 min=200 came back as -56); uint8 max=-1 wraps to 255
+    x = torch.tensor([0, 1, 100, 120]).to(dtype)
+    calls = (lambda t, v: torch.clamp(t, min=v), lambda t, v: torch.clamp(t, max=v), lambda t, v: t.clone().clamp_(v, 127),
+             lambda t, v: torch.clamp_min(t, v), lambda t, v: torch.clamp_max(t, v))
+    for v in (-1, 3, 200, 300, 2 ** 40, 70000.0, 1e39, 2.5):
+        for call in calls:
+            try:
+                want = call(x, v)
+            except RuntimeError as e:
+                with pytest.raises(RuntimeError) as dev:
+                    call(to_n(x), v)
+                assert "without overflow" not in str(e) or str(dev.value) == str(e)
+                continue
+            assert torch.equal(call(to_n(x), v).cpu(), want), (v, dtype)

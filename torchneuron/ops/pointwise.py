@@ -207,9 +207,32 @@ register_pointwise(["pow.Tensor_Tensor", "pow_.Tensor", "pow.Tensor_Tensor_out",
             "pow.Tensor_Scalar_out", "pow.Scalar", "pow.Scalar_out"], _pow, KIND.DEFAULT)
 
 # comparisons and logical ops: bool results
+_NARROW_INTS = (torch.uint8, torch.int8, torch.int16, torch.int32)
+
+
+def _in_dtype_of(v: Any, other: Any) -> Any:
+    """An int scalar compared with a narrow integer tensor, converted to that dtype as C++ casts it (wrapping):
+    the CPU compares in the tensor's dtype, so ``uint8 t == -1`` is ``t == 255`` and ``int8 t == 256`` is
+    ``t == 0`` (the engines would compare the unconverted value). Beside a bool tensor (compared in int64) it is
+    clamped to [-1, 2], which keeps every comparison with 0 and 1 and fits the engines' int32."""
+    if isinstance(v, int) and not isinstance(v, bool) and isinstance(other, torch.Tensor) \
+            and other.dtype == torch.bool:
+        return min(max(v, -1), 2)
+    if isinstance(v, int) and not isinstance(v, bool) and isinstance(other, torch.Tensor) \
+            and other.dtype in _NARROW_INTS and -2 ** 63 <= v < 2 ** 63:
+        bits = 8 * other.dtype.itemsize
+        v &= (1 << bits) - 1
+        if other.dtype.is_signed and v >= 1 << (bits - 1):
+            v -= 1 << bits
+    return v
+
+
+def _comparison(fn: Callable) -> Callable:
+    return lambda x, y: (fn, [_in_dtype_of(x, y), _in_dtype_of(y, x)])
+
+
 for _name, _fn in {"eq": tm.eq, "ne": tm.ne, "lt": tm.lt, "le": tm.le, "gt": tm.gt, "ge": tm.ge}.items():
-    register_pointwise(variants(_name, "Tensor", "Scalar"), (lambda f: lambda x, y: (f, [x, y]))(_fn), KIND.ALWAYS_BOOL,
-               torch.bool)
+    register_pointwise(variants(_name, "Tensor", "Scalar"), _comparison(_fn), KIND.ALWAYS_BOOL, torch.bool)
 for _name, _fn in {"logical_and": tm.logical_and, "logical_or": tm.logical_or,
                    "logical_xor": tm.logical_xor}.items():
     register_pointwise([_name, f"{_name}_", f"{_name}.out"], (lambda f: lambda x, y: (f, [x, y]))(_fn), KIND.ALWAYS_BOOL,
@@ -267,9 +290,21 @@ for _name in ("where.self", "where.self_out"):
     where_lowering(_name)
 
 
+def _bounds_in_dtype(x: Any, *bounds: Any) -> list:
+    """Scalar clamp bounds as the CPU takes them for a narrow integer or 2-byte float ``x``: converted to its
+    dtype with the CPU's overflow check (its error, from the CPU's clamp of one zero element) and, for the
+    integers, wrapping as C++ casts (a uint8 ``max=-1`` is 255)."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in (*_NARROW_INTS, torch.float16, torch.bfloat16) \
+            or not any(isinstance(b, Number) for b in bounds):
+        return list(bounds)
+    torch.clamp(torch.zeros(1, dtype=x.dtype), *(b if isinstance(b, Number) else None for b in bounds))
+    return [_in_dtype_of(b, x) for b in bounds]
+
+
 def _clamp(x, min=None, max=None):  # noqa: A002 (ATen's names)
     if min is None and max is None:
         raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
+    min, max = _bounds_in_dtype(x, min, max)  # noqa: A001
     if min is None:
         return tm.minimum_nan, [x, max]
     if max is None:
@@ -279,9 +314,10 @@ def _clamp(x, min=None, max=None):  # noqa: A002 (ATen's names)
 
 register_pointwise(["clamp", "clamp_", "clamp.out", "clamp.Tensor", "clamp_.Tensor", "clamp.Tensor_out"], _clamp, KIND.DEFAULT)
 register_pointwise(["clamp_min", "clamp_min_", "clamp_min.out", "clamp_min.Tensor", "clamp_min_.Tensor",
-            "clamp_min.Tensor_out"], lambda x, m: (tm.maximum_nan, [x, m]), KIND.DEFAULT)
+            "clamp_min.Tensor_out"], lambda x, m: (tm.maximum_nan, [x, *_bounds_in_dtype(x, m)]), KIND.DEFAULT)
 register_pointwise(["clamp_max", "clamp_max_", "clamp_max.out", "clamp_max.Tensor", "clamp_max_.Tensor",
-            "clamp_max.Tensor_out"], lambda x, m: (tm.minimum_nan, [x, m]), KIND.DEFAULT)
+            "clamp_max.Tensor_out"], lambda x, m: (tm.minimum_nan, [x, _bounds_in_dtype(x, None, m)[1]]),
+                   KIND.DEFAULT)
 
 # ternary
 register_pointwise(["addcmul", "addcmul_", "addcmul.out"], lambda s, a, b, value=1: (tm.addcmul, [s, a, b, value]),
