@@ -34,12 +34,14 @@ OPINFOS = {
     "_log_softmax": "log_softmax", "_softmax_backward_data": "softmax",
     "_log_softmax_backward_data": "log_softmax", "native_layer_norm": "nn.functional.layer_norm",
     "native_layer_norm_backward": "nn.functional.layer_norm", "sum": "sum", "mean": "mean", "amax": "amax",
-    "amin": "amin", "cat": "cat", "full_like": "full_like",
+    "amin": "amin", "cat": "cat", "full_like": "full_like", "embedding": "nn.functional.embedding",
+    "embedding_dense_backward": "nn.functional.embedding",
 }
 # lowered ops whose OpInfo samples never reach the lowering (3-D attention takes the math path): tested below
 ELSEWHERE = {"_scaled_dot_product_fused_attention_overrideable": "test_fused_attention_in_a_program",
              "_scaled_dot_product_fused_attention_overrideable_backward": "test_fused_attention_in_a_program",
-             "copy_": "test_input_mutation_is_written_by_the_program"}
+             "copy_": "test_input_mutation_is_written_by_the_program",
+             "arange": "test_token_and_position_embeddings_run_in_the_program"}
 SAMPLES = 3
 BY_NAME = {(o.name, o.variant_test_name): o for o in op_db}
 
@@ -212,3 +214,51 @@ def test_layer_norm_backward_for_weights_only_stays_in_the_program():
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4 * r.abs().max().item())
     backward = [r for r in reports() if "backward" in r.name][-1]
     assert "aten.native_layer_norm_backward.default" in backward.kernels and not backward.eager_nodes
+
+
+class _Embedder(torch.nn.Module):
+    """Token plus position embeddings (positions from ``arange``, as GPT-style models build them)."""
+
+    def __init__(self, V: int = 50, T: int = 16, D: int = 32, padding_idx: int | None = None):
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(V, D, padding_idx=padding_idx), torch.nn.Embedding(T, D)
+        self.head = torch.nn.Linear(D, V)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(0, idx.shape[1], device=idx.device)
+        return self.head(self.wte(idx) + self.wpe(pos)).square().mean()
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_token_and_position_embeddings_run_in_the_program(padding_idx):
+    """int64 token ids bound as int32 words, ``arange`` positions, both gathers and the gradients' one-hot
+    products inside the programs (no eager node); every gradient equals the CPU's up to fp32 summation order."""
+    torch.manual_seed(0)
+    cpu = _Embedder(padding_idx=padding_idx)
+    dev = _Embedder(padding_idx=padding_idx).to("neuron")
+    dev.load_state_dict(cpu.state_dict())
+    idx = torch.randint(0, 50, (4, 16))
+    idx[0, :4] = 3                                  # repeated rows (and the padding row when there is one)
+    before = {id(r) for r in reports()}
+    got = torch.compile(dev, backend="neuron")(idx.to("neuron"))
+    want = cpu(idx)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got.cpu(), want.detach())
+    for (name, p), q in zip(cpu.named_parameters(), dev.parameters()):
+        torch.testing.assert_close(q.grad.cpu(), p.grad, msg=name)
+    new = [r for r in reports() if id(r) not in before]
+    assert new and all(r.segments == 1 and not r.eager_nodes for r in new)
+    kernels = {k for r in new for k in r.kernels}
+    assert {"aten.embedding.default", "aten.arange.start_step", "aten.embedding_dense_backward.default"} <= kernels
+
+
+@pytest.mark.parametrize("bad", [50, -1, 2**32 + 1])
+def test_an_embedding_index_outside_the_table_raises_index_error(bad):
+    """A bad token id fails the program's indirect DMA (2**32 + 1 is not row 1), as the eager op raises."""
+    emb = torch.nn.Embedding(50, 8).to("neuron")
+    idx = torch.tensor([[1, bad]])
+    with pytest.raises(IndexError):
+        emb(idx.to("neuron"))
+    with pytest.raises(IndexError):
+        torch.compile(emb, backend="neuron")(idx.to("neuron"))

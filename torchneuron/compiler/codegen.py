@@ -69,9 +69,9 @@ def signature(v: Any) -> InputSig:
 
 @dataclass(frozen=True)
 class OutputLayout:
-    """Where a segment output lies in its program output slot: sizes, strides and offset in elements. With no
-    slot, the output is made on the host: an uninitialized tensor of ``shape``/``dtype`` (a placeholder), or
-    the Python value ``scalar``."""
+    """Where a segment output lies in its program output slot: sizes, strides and offset in elements (``dtype``
+    int64: of the slot's int32 words viewed as int64). With no slot, the output is made on the host: an
+    uninitialized tensor of ``shape``/``dtype`` (a placeholder), or the Python value ``scalar``."""
 
     slot: str | None
     shape: tuple = ()
@@ -254,7 +254,9 @@ def trace_segment(plan: Plan, seg: Segment, sigs: list[InputSig], spec: ChipSpec
             continue
         n = f"in{i}"
         params.append(inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY))
-        kwargs[n] = torch.empty((max(sig.span, 1),), dtype=sig.dtype, device="meta")
+        words = 2 if sig.dtype == torch.int64 else 1     # an int64 input is bound as its int32 words
+        kwargs[n] = torch.empty((words * max(sig.span, 1),), dtype=torch.int32 if words == 2 else sig.dtype,
+                                device="meta")
         slots.append(n)
 
     def kernel(**kw):
@@ -268,7 +270,9 @@ def trace_segment(plan: Plan, seg: Segment, sigs: list[InputSig], spec: ChipSpec
         v = body.env[node]
         if isinstance(v, Value):
             lay = v.layout
-            outs.append(OutputLayout(next(returned), tuple(lay.shape), tuple(lay.stride()), lay.storage_offset()))
+            wide = torch.int64 if v.dtype == torch.int64 else None   # int32 words the host views as int64
+            outs.append(OutputLayout(next(returned), tuple(lay.shape), tuple(lay.stride()), lay.storage_offset(),
+                                     wide))
         elif isinstance(v, HostTensor):
             outs.append(OutputLayout(None, tuple(v.shape), dtype=v.dtype))
         else:
@@ -277,5 +281,6 @@ def trace_segment(plan: Plan, seg: Segment, sigs: list[InputSig], spec: ChipSpec
 
 
 def bindable(sig: InputSig) -> bool:
-    """Whether a tensor input can be an HBM slot of a program (a device dtype, at least one element)."""
-    return sig.dtype in DEVICE_DTYPES and sig.span > 0
+    """Whether a tensor input can be an HBM slot of a program (a device dtype or int64 indices, at least one
+    element)."""
+    return (sig.dtype in DEVICE_DTYPES or sig.dtype == torch.int64) and sig.span > 0

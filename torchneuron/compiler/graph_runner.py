@@ -101,7 +101,8 @@ class CompiledGraph:
         for v, sig, slot in zip(values, sigs, prog.input_slots):
             if slot is not None:
                 t = v if v.device.type == "neuron" else _scalar_to_device(v, device)
-                tensors[index[slot]] = t.as_strided((max(sig.span, 1),), (1,), t.storage_offset())  # its storage span
+                t = t.as_strided((max(sig.span, 1),), (1,), t.storage_offset())   # its storage span
+                tensors[index[slot]] = t.view(torch.int32) if t.dtype == torch.int64 else t   # int64: its words
         arena = index.get(ARENA)
         if arena is not None:   # the planned intermediates: one device allocation per call
             slot = prog.program.args[arena]
@@ -109,7 +110,9 @@ class CompiledGraph:
         bound = launch_slots(prog.program, tensors, device.index, f"compiled::{self.name}")
         for node, lay in zip(seg.outputs, prog.outputs):
             if lay.slot is not None:
-                env[node] = bound[index[lay.slot]].reshape(-1).as_strided(lay.shape, lay.stride, lay.offset)
+                t = bound[index[lay.slot]].reshape(-1)
+                t = t.view(lay.dtype) if lay.dtype is not None else t    # int32 words of int64 values
+                env[node] = t.as_strided(lay.shape, lay.stride, lay.offset)
             elif lay.dtype is not None:   # a placeholder the program does not compute (never read)
                 env[node] = torch.empty(lay.shape, dtype=lay.dtype, device=device)
             else:

@@ -20,10 +20,12 @@ import torch
 import torchneuron.nki.language as nl
 from torchneuron.compiler.lowering import register_kernel, supports
 from torchneuron.compiler.partition import DEVICE_DTYPES
-from torchneuron.compiler.values import HostTensor, NotLowerable, Value, dense, flat, hbm_value, numel, unexpanded
+from torchneuron.compiler.values import (HostTensor, NotLowerable, Value, dense, flat, hbm_value, index_words, numel,
+                                         unexpanded, words_value)
 from torchneuron.kernels.copy import strided_copy
 from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_preferred
 from torchneuron.kernels.elementwise import fold_broadcast, stream
+from torchneuron.kernels.indexing import gather_rows, iota
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.reduction import reduce_kernel
@@ -251,8 +253,9 @@ def _reduce(op: str) -> Callable:
 for _op, _name in REDUCTIONS.items():
     supports(_op)(_reduction_ok)
     register_kernel(_op)(_reduce(_name))
-supports(aten.sum.default)(lambda node, x, dtype=None: _reduction_ok(node, x, None, False, dtype))
-register_kernel(aten.sum.default)(_reduce("sum"))
+for _op, _name in ((aten.sum.default, "sum"), (aten.mean.default, "mean")):   # over every element
+    supports(_op)(lambda node, x, dtype=None: _reduction_ok(node, x, None, False, dtype))
+    register_kernel(_op)(_reduce(_name))
 
 
 # ---- concatenation ---------------------------------------------------------------------------------
@@ -280,6 +283,68 @@ def lower_cat(ctx, node, tensors: list, dim: int = 0) -> Value:
                      (v.layout.storage_offset(), v.shape, v.layout.stride()))
         start += v.shape[dim]
     return out
+
+
+# ---- indices: positions, embeddings and their gradient ------------------------------------------------
+# Token ids and positions are int64 on the host; in a program they are int32 word pairs (``values``). A row
+# index outside the table fails the gather's indirect DMA, so a bad token id raises IndexError as eager does.
+
+ONEHOT_LIMIT = 1 << 26     # elements of the one-hot matrix embedding's backward builds (as the eager op)
+
+
+def _index(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.int32, torch.int64) and t.is_contiguous() and t.numel() > 0
+
+
+@supports(aten.arange.start_step)
+def _arange_ok(node, start, end, step=1, *, dtype=None, **_) -> bool:
+    out = node.meta["val"]
+    if out.dtype not in (torch.int32, torch.int64) or out.numel() == 0 or \
+            not all(isinstance(x, int) for x in (start, end, step)):
+        return False
+    last = start + (out.numel() - 1) * step
+    return 0 <= min(start, last) and max(start, last) < 2 ** 31   # non-negative int32 values (positions)
+
+
+@register_kernel(aten.arange.start_step)
+def lower_arange(ctx, node, start: int, end: int, step: int = 1, **_) -> Value:
+    """``torch.arange`` of integers: GpSimd's iota (int64 as word pairs)."""
+    n = node.meta["val"].numel()
+    if node.meta["val"].dtype == torch.int64:
+        return words_value(iota(n, start, step, wide=True), (n,))
+    return hbm_value(iota(n, start, step))
+
+
+@supports(aten.embedding.default)
+def _embedding_ok(node, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False) -> bool:
+    return weight.dim() == 2 and weight.dtype in DEVICE_DTYPES and weight.numel() > 0 and _index(indices)
+
+
+@register_kernel(aten.embedding.default)
+def lower_embedding(ctx, node, weight: Value, indices: Value, *_) -> Value:
+    """Rows of the table by indirect DMA (``gather_rows``), shaped [*indices, D]."""
+    words, stride = index_words(indices)
+    return hbm_value(gather_rows(dense(weight), words, stride=stride)).reshape(tuple(node.meta["val"].shape))
+
+
+@supports(aten.embedding_dense_backward.default)
+def _embedding_bwd_ok(node, grad, indices, num_weights, padding_idx, scale_grad_by_freq) -> bool:
+    return (_floats(grad) and _index(indices) and not scale_grad_by_freq
+            and num_weights * indices.numel() <= ONEHOT_LIMIT and num_weights <= 2 ** 24   # ids exact in fp32
+            and grad.numel() == indices.numel() * grad.shape[-1])
+
+
+@register_kernel(aten.embedding_dense_backward.default)
+def lower_embedding_backward(ctx, node, grad: Value, indices: Value, num_weights: int, padding_idx: int,
+                             scale_grad_by_freq: bool) -> Value:
+    """Per-row sums of the gradient by index: ``onehot(indices)^T @ grad`` on TensorE (rows summed in index
+    order with fp32 accumulation, as the eager op and the CPU sum them)."""
+    n, D = indices.layout.numel(), grad.shape[-1]
+    words, stride = index_words(indices)
+    low = Value(words, torch.empty(words.shape[0], dtype=torch.int32, device="meta").as_strided((1, n), (0, stride)))
+    ids = hbm_value(iota(num_weights)).reshape((num_weights, 1))
+    onehot = pointwise(lambda i, x: tm.onehot_rows(i, x, padding_idx), [ids, low], (num_weights, n), grad.dtype)
+    return _product(matmul_kernel, onehot, hbm_value(dense(grad, (n, D))))
 
 
 # ---- input mutation ---------------------------------------------------------------------------------

@@ -6,6 +6,10 @@ strides and storage offset (in elements of ``buf``) say where the value's elemen
 change only the layout (``torch`` computes it on the meta tensor, with PyTorch's own rules), so a
 transpose or a slice moves no data; a kernel that needs its operand dense gets it through
 ``dense``, which copies only when the layout is not already contiguous.
+
+int64 values (indices: token ids, ``arange`` positions, targets) live as int32 word pairs, as the
+eager kernels read them: ``buf`` holds the words, ``layout`` counts int64 elements. Only index
+lowerings read them, through ``index_words``; no element-wise pass computes on them.
 """
 from __future__ import annotations
 
@@ -68,10 +72,28 @@ def hbm_value(buf: object) -> Value:
     return Value(buf, torch.empty(numel(shape), dtype=buf.dtype, device="meta").view(shape))
 
 
+def words_value(buf: object, shape: tuple) -> Value:
+    """An int64 value of ``shape`` whose elements are the word pairs of the int32 HBM tensor ``buf``."""
+    return Value(buf, torch.empty(numel(shape), dtype=torch.int64, device="meta").view(shape))
+
+
 def input_value(buf: object, shape: tuple, stride: tuple, dtype: torch.dtype) -> Value:
-    """A graph input bound as the flat span of its storage (``buf``: 1-D) seen with its real strides."""
-    flat = torch.empty(buf.shape[0], dtype=dtype, device="meta")
-    return Value(buf, flat.as_strided(shape, stride, 0))
+    """A graph input bound as the flat span of its storage (``buf``: 1-D; int32 words for int64) seen with its
+    real strides."""
+    n = buf.shape[0] // (2 if dtype == torch.int64 else 1)
+    return Value(buf, torch.empty(n, dtype=dtype, device="meta").as_strided(shape, stride, 0))
+
+
+def index_words(v: Value) -> tuple[object, int]:
+    """(the value's elements as a 1-D int32 HBM tensor, the words per element: 2 for int64, else 1) of a
+    contiguous int32/int64 index value (what ``gather_rows`` and the one-hot builders take)."""
+    lay = v.layout
+    if v.dtype not in (torch.int32, torch.int64) or not lay.is_contiguous():
+        raise NotLowerable(f"an index of dtype {v.dtype} and strides {tuple(lay.stride())}")
+    w = 2 if v.dtype == torch.int64 else 1
+    n, off = lay.numel(), lay.storage_offset()
+    whole = flat(v)
+    return (whole if off == 0 and n * w == whole.shape[0] else whole[off * w:(off + n) * w]), w
 
 
 def flat(v: Value):
@@ -84,6 +106,8 @@ def dense(v: Value, shape: tuple[int, ...] | None = None):
     """``v`` as a contiguous HBM tensor of ``shape`` (default: its own; a 0-d value is [1]): a view when the
     layout is contiguous, else a strided DMA copy into a new buffer."""
     shape = tuple(shape if shape is not None else v.shape) or (1,)
+    if v.dtype == torch.int64:
+        raise NotLowerable("int64 values are read only as index words")
     n = v.layout.numel()
     assert numel(shape) == n, f"dense: {v.shape} has {n} elements, not {numel(shape)}"
     lay = v.layout

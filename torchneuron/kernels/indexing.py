@@ -71,13 +71,20 @@ def gather_rows(table, index, stride=1):
 
 
 @nki.jit
-def iota(n):
-    """The int32 vector [0, 1, ..., n - 1]."""
-    out = nl.ndarray((n,), nl.int32, buffer=nl.shared_hbm)
+def iota(n, start=0, step=1, wide=False):
+    """The int32 vector [start, start + step, ..., start + (n - 1) * step]; ``wide``: the same values as int64
+    word pairs [2n] (low word, high word 0: the values must be non-negative)."""
+    last = start + (n - 1) * step
+    assert -2**31 <= min(start, last) and max(start, last) < 2**31, "iota: values beyond int32"
+    assert not wide or min(start, last) >= 0, "iota: int64 words of negative values"
+    words = 2 if wide else 1
+    out = nl.ndarray((words * n,), nl.int32, buffer=nl.shared_hbm)
     for s, p, w in flat_blocks(n):
-        t = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
-        nisa.iota(dst=t[:p], pattern=[[1, w]], offset=s, channel_multiplier=w)
-        nisa.dma_copy(dst=out[s:s + p * w].reshape((p, w)), src=t[:p])
+        t = nl.ndarray((PMAX, w, words), nl.int32, buffer=nl.sbuf)
+        if wide:
+            nisa.memset(dst=t[:p, :, 1], value=0)
+        nisa.iota(dst=t[:p, :, 0], pattern=[[step, w]], offset=start + s * step, channel_multiplier=w * step)
+        nisa.dma_copy(dst=out[words * s:words * (s + p * w)].reshape((p, words * w)), src=t[:p].reshape((p, words * w)))
     return out
 
 
