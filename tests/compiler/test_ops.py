@@ -262,3 +262,26 @@ def test_an_embedding_index_outside_the_table_raises_index_error(bad):
         emb(idx.to("neuron"))
     with pytest.raises(IndexError):
         torch.compile(emb, backend="neuron")(idx.to("neuron"))
+
+
+def test_cat_of_slices_lying_side_by_side_is_a_view():
+    """``cat`` of a product's column blocks in their own order is the product itself (no copy); in another order
+    the blocks are copied. Both equal the CPU's."""
+    x, w = torch.randn(32, 24), torch.randn(24, 48)
+
+    def joined(order):
+        def fn(a, b):
+            parts = (a @ b).split(16, dim=1)
+            return torch.cat([parts[i] for i in order], dim=1) * 2
+        return fn
+
+    instructions = {}
+    for order in ((0, 1, 2), (1, 0, 2)):
+        torch._dynamo.reset()
+        fn = joined(order)
+        got = torch.compile(fn, backend="neuron")(x.to("neuron"), w.to("neuron"))
+        torch.testing.assert_close(got.cpu(), fn(x, w))
+        rep = reports()[-1]
+        assert rep.segments == 1 and not rep.eager_nodes
+        instructions[order] = rep.programs[0].instructions
+    assert instructions[(0, 1, 2)] < instructions[(1, 0, 2)]

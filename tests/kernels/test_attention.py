@@ -127,3 +127,28 @@ def test_many_heads_fit_psum(L, E):
     lse = torch.zeros(1, 4, L)
     flash_attention_bwd.trace((), dict(q=q, k=q, v=q, o=q, do=q, lse=lse, causal=True), SPEC)
     flash_attention_fwd.trace((), dict(q=q, k=q, v=q, causal=True), SPEC)
+
+
+@pytest.mark.parametrize("L,S", [(40, 40), (200, 200), (40, 72)])
+def test_result_layouts_hold_the_same_values(L, S):
+    """O in "rows" ([B, L, H, Ev]) and dQ/dK/dV in "rows" or "packed" ([B, L, 3, H, E]) are the default results
+    moved, bit for bit: only where they are stored changes."""
+    torch.manual_seed(0)
+    B, H, E = 2, 3, 16
+    q, k, v = torch.randn(B, H, L, E), torch.randn(B, H, S, E), torch.randn(B, H, S, E)
+    o, lse = flash_attention_fwd(q, k, v, scale=0.25, causal=True)
+    rows, lse_rows = flash_attention_fwd(q, k, v, scale=0.25, causal=True, out_layout="rows")
+    assert torch.equal(rows.transpose(1, 2), o) and torch.equal(lse_rows, lse)
+    g = torch.randn(B, H, L, E)
+    grads = flash_attention_bwd(q, k, v, o, g, lse, scale=0.25, causal=True)
+    by_rows = flash_attention_bwd(q, k, v, o, g, lse, scale=0.25, causal=True, out_layout="rows")
+    for want, got in zip(grads, by_rows):
+        assert torch.equal(got.transpose(1, 2), want)
+    if L == S:
+        packed = flash_attention_bwd(q, k, v, o, g, lse, scale=0.25, causal=True, out_layout="packed")
+        assert packed.shape == (B, L, 3, H, E)
+        for i, want in enumerate(grads):
+            assert torch.equal(packed[:, :, i].transpose(1, 2), want)
+    else:
+        with pytest.raises(AssertionError, match="packed gradients need L == S"):
+            flash_attention_bwd(q, k, v, o, g, lse, scale=0.25, causal=True, out_layout="packed")

@@ -23,7 +23,7 @@ from torchneuron.compiler.partition import DEVICE_DTYPES
 from torchneuron.compiler.values import (HostTensor, NotLowerable, Value, dense, flat, hbm_value, index_words, numel,
                                          unexpanded, words_value)
 from torchneuron.kernels.copy import strided_copy
-from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_preferred
+from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_preferred, result_views
 from torchneuron.kernels.elementwise import fold_broadcast, stream
 from torchneuron.kernels.indexing import gather_rows, iota
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
@@ -269,11 +269,15 @@ def _cat_ok(node, tensors, dim=0) -> bool:
 
 @register_kernel(aten.cat.default)
 def lower_cat(ctx, node, tensors: list, dim: int = 0) -> Value:
-    """Each operand copied by strided DMAs into its slice of the output (read where it lies)."""
+    """Each operand copied by strided DMAs into its slice of the output (read where it lies); no copy at all when
+    the operands already lie side by side in one buffer (a kernel wrote them as the slices of the result)."""
     out_meta = node.meta["val"]
     shape = tuple(out_meta.shape)
-    out = hbm_value(nl.ndarray(shape, out_meta.dtype, buffer=nl.shared_hbm))
     dim %= len(shape)
+    joined = _adjacent(tensors, shape, dim)
+    if joined is not None:
+        return joined
+    out = hbm_value(nl.ndarray(shape, out_meta.dtype, buffer=nl.shared_hbm))
     start = 0
     for v in tensors:
         if numel(v.shape) == 0:   # (cat skips empty operands, as PyTorch does)
@@ -345,6 +349,27 @@ def lower_embedding_backward(ctx, node, grad: Value, indices: Value, num_weights
     ids = hbm_value(iota(num_weights)).reshape((num_weights, 1))
     onehot = pointwise(lambda i, x: tm.onehot_rows(i, x, padding_idx), [ids, low], (num_weights, n), grad.dtype)
     return _product(matmul_kernel, onehot, hbm_value(dense(grad, (n, D))))
+
+
+def _adjacent(tensors: list, shape: tuple, dim: int) -> Value | None:
+    """The concatenation as a view, when every operand is the next slice along ``dim`` of one buffer's layout."""
+    live = [v for v in tensors if numel(v.shape) > 0]
+    first = live[0] if live else None
+    if first is None or any(v.buf is not first.buf or v.layout.stride() != first.layout.stride() for v in live):
+        return None
+    whole = first.layout.as_strided(shape, first.layout.stride(), first.layout.storage_offset())
+    if any(st == 0 and n > 1 for n, st in zip(shape, whole.stride())):   # broadcast operands: copies, not a view
+        return None
+    start = 0
+    for v in live:
+        part = whole.narrow(dim, start, v.shape[dim])
+        if part.storage_offset() != v.layout.storage_offset() or tuple(part.shape) != v.shape:
+            return None
+        start += v.shape[dim]
+    if start != shape[dim] or whole.storage_offset() + 1 + sum(
+            (n - 1) * st for n, st in zip(shape, whole.stride())) > numel(tuple(first.buf.shape)):
+        return None
+    return first.with_layout(whole)
 
 
 # ---- input mutation ---------------------------------------------------------------------------------
@@ -430,13 +455,28 @@ def lower_sdpa(ctx, node, q: Value, k: Value, v: Value, attn_bias=None, dropout_
     if _flash(q, k, v):
         (qb, qv), (kb, kv), (vb, vv) = _head_view(q), _head_view(k), _head_view(v)
         out, lse = flash_attention_fwd(qb, kb, vb, scale=s, causal=bool(is_causal), q_view=qv, k_view=kv,
-                                       v_view=vv, shape=(B, H, L, S, E, Ev))
+                                       v_view=vv, shape=(B, H, L, S, E, Ev), out_layout="rows")
+        out = _result(out, (B, H, L, Ev), result_views(B, H, L, Ev, "rows")[1][0])
+        return out, hbm_value(lse).reshape((B, H, L)), *_sdpa_placeholders(q, L, S)
     else:
         probs, lse = _attention_probs(_heads(q), _heads(k), L, S, s, is_causal)
         out = bmm_kernel(_cast(probs, (B * H, L, S), v.dtype), _heads(v))
     out, lse = hbm_value(out).reshape((B, H, L, Ev)), hbm_value(lse).reshape((B, H, L))
+    return out, lse, *_sdpa_placeholders(q, L, S)
+
+
+def _sdpa_placeholders(q: Value, L: int, S: int) -> tuple:
+    """The fused attention op's bookkeeping outputs (cumulative lengths, max lengths, RNG seed and offset,
+    debug mask): host placeholders no program computes."""
     empty, seed = HostTensor((0,), q.dtype), HostTensor((), torch.int64)
-    return out, lse, empty, empty, L, S, seed, seed, empty
+    return empty, empty, L, S, seed, seed, empty
+
+
+def _result(buf, shape: tuple, view: tuple) -> Value:
+    """A flash kernel's result ``buf`` seen as ``shape`` through ``view`` (offset, strides: ``result_views``)."""
+    off, strides = view
+    return Value(buf, torch.empty(numel(tuple(buf.shape)), dtype=buf.dtype, device="meta").as_strided(
+        shape, strides, off))
 
 
 @supports(SDPA_BACKWARD)
@@ -456,9 +496,16 @@ def lower_sdpa_backward(ctx, node, g: Value, q: Value, k: Value, v: Value, attn_
     s = _sdpa_scale(scale, E)
     if _flash(q, k, v):
         (qb, qv), (kb, kv), (vb, vv), (ob, ov), (gb, gv) = (_head_view(x) for x in (q, k, v, out, g))
-        dq, dk, dv = flash_attention_bwd(qb, kb, vb, ob, gb, dense(lse), scale=s, causal=bool(is_causal), q_view=qv,
-                                         k_view=kv, v_view=vv, o_view=ov, do_view=gv, shape=(B, H, L, S, E, Ev))
-        return hbm_value(dq), hbm_value(dk), hbm_value(dv), None
+        # self-attention's gradients as the rows of the fused QKV projection's gradient: ``cat`` of them is a view
+        layout = "packed" if L == S and E == Ev else "rows"
+        grads = flash_attention_bwd(qb, kb, vb, ob, gb, dense(lse), scale=s, causal=bool(is_causal), q_view=qv,
+                                    k_view=kv, v_view=vv, o_view=ov, do_view=gv, shape=(B, H, L, S, E, Ev),
+                                    out_layout=layout)
+        if layout == "packed":
+            views = result_views(B, H, L, E, layout, parts=3)[1]
+            return (*(_result(grads, (B, H, L, E), w) for w in views), None)
+        return (*(_result(g, (B, H, n, d), result_views(B, H, n, d, layout)[1][0])
+                  for g, n, d in zip(grads, (L, S, S), (E, E, Ev))), None)
     Q, K, V, dO = _heads(q), _heads(k), _heads(v), _heads(g)
     probs, _ = _attention_probs(Q, K, L, S, s, is_causal)            # fp32
     BH = B * H

@@ -104,15 +104,33 @@ def _load_head_rows(t, view, b: int, h: int, n: int, d: int, dt):
     return tile
 
 
-def _store_head_rows(t, b: int, h: int, tile, n: int, d: int) -> None:
-    """SBUF [128, ceil(n/128), d] (``_load_head_rows``' layout) into rows [0, n) of head (b, h) of a contiguous
-    HBM [B, H, n, d] tensor."""
-    base = (b * t.shape[1] + h) * n * d
+def _store_head_rows(t, view, b: int, h: int, tile, n: int, d: int) -> None:
+    """SBUF [128, ceil(n/128), d] (``_load_head_rows``' layout) into rows [0, n) of head (b, h) of an HBM tensor
+    seen through ``view`` (offset, strides of [B, H, n, d])."""
+    off, (sb, sh, sn, sd) = view
+    base = off + b * sb + h * sh
     full, rem = divmod(n, PMAX)
     if full:
-        nisa.dma_copy(dst=t.ap([[d, PMAX], [PMAX * d, full], [1, d]], offset=base), src=tile[:, :full, :d])
+        nisa.dma_copy(dst=t.ap([[sn, PMAX], [PMAX * sn, full], [sd, d]], offset=base), src=tile[:, :full, :d])
     if rem:
-        nisa.dma_copy(dst=t.ap([[d, rem], [1, d]], offset=base + full * PMAX * d), src=tile[:rem, full, :d])
+        nisa.dma_copy(dst=_rows(t, view, b, h, full * PMAX, rem, d), src=tile[:rem, full, :d])
+
+
+def result_views(B: int, H: int, n: int, d: int, layout: str, parts: int = 1):
+    """(HBM shape, per part the (offset, strides of [B, H, n, d])) of a kernel result of ``parts`` tensors:
+
+    ``"heads"``  [B, H, n, d] each, contiguous (the op's own layout);
+    ``"rows"``   [B, n, H, d] each: heads side by side in each row, so ``transpose(1, 2)`` of the result is
+                 contiguous and merging (H, d) is a view (what an output projection reads);
+    ``"packed"`` all parts in one [B, n, parts, H, d]: the backward's dQ, dK, dV as the rows of the fused QKV
+                 projection's gradient (``cat`` of the three is then a view)."""
+    if layout == "heads":
+        return (B, H, n, d), [(0, (H * n * d, n * d, d, 1))] * parts
+    if layout == "rows":
+        return (B, n, H, d), [(0, (n * H * d, d, H * d, 1))] * parts
+    assert layout == "packed", f"result_views: unknown layout {layout!r}"
+    row = parts * H * d
+    return (B, n, parts, H, d), [(i * H * d, (n * row, d, row, 1)) for i in range(parts)]
 
 
 def _transposed(rows, n: int, d: int, evict):
@@ -172,14 +190,18 @@ def _prologue(q, k, v, scale: float, shape, operands, what: str):
 
 
 @nki.jit
-def flash_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=None, v_view=None, shape=None):
-    """(O [B, H, L, Ev] in q's dtype, lse [B, H, L] fp32) of ``softmax(scale * Q K^T + mask) V``.
+def flash_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=None, v_view=None, shape=None,
+                        out_layout="heads"):
+    """(O in q's dtype, lse [B, H, L] fp32) of ``softmax(scale * Q K^T + mask) V``; O is [B, H, L, Ev], or
+    [B, L, H, Ev] with ``out_layout="rows"`` (``result_views``).
 
     ``shape`` = (B, H, L, S, E, Ev) when q/k/v are flat buffers seen through the views; else their shapes."""
     (B, H, L, S, E, Ev), dt, (qv, kv, vv) = _prologue(q, k, v, scale, shape, ((q, q_view), (k, k_view), (v, v_view)),
                                                       "flash attention")
-    out = nl.ndarray((B, H, L, Ev), dt, buffer=nl.shared_hbm)
+    out_shape, (ov,) = result_views(B, H, L, Ev, out_layout)
+    out = nl.ndarray(out_shape, dt, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, H, L), nl.float32, buffer=nl.shared_hbm)
+    lv = (0, (H * L, L, 1, 1))
     evict, bias, ring, pipe = _emitters(causal, itemsize(dt) * (S + 2 * PMAX + cdiv(S, PMAX) * (Ev + PMAX)))
     for b in range(B):
         for h in range(H):
@@ -192,8 +214,8 @@ def flash_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=No
             for i, q0 in enumerate(range(0, L, PMAX)):
                 p = min(PMAX, L - q0)
                 last = q0 + p == L
-                store = (lambda b=b, h=h, res=res, ls=ls: (_store_head_rows(out, b, h, res, L, Ev),
-                                                          _store_head_rows(lse, b, h, ls, L, 1))) if last else None
+                store = (lambda b=b, h=h, res=res, ls=ls: (_store_head_rows(out, ov, b, h, res, L, Ev),
+                                                          _store_head_rows(lse, lv, b, h, ls, L, 1))) if last else None
                 pipe.push(_fwd_tile(qT, kT, vr, q0, p, _visible(q0, p, S, causal), E, Ev, float(scale), bias,
                                     causal, evict, res[:, i, :], ls[:, i, :], ring, store))
     pipe.drain()
@@ -332,15 +354,22 @@ DQ_PSUM_BYTES = 2048       # the dQ accumulator of a head stays in PSUM (one ban
 
 @nki.jit
 def flash_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=None, k_view=None, v_view=None,
-                        o_view=None, do_view=None, shape=None):
+                        o_view=None, do_view=None, shape=None, out_layout="heads"):
     """(dQ, dK, dV) of ``flash_attention_fwd`` given its output ``o``, the output's gradient ``do`` and the
-    forward's ``lse`` [B, H, L] fp32; the probabilities are recomputed, never stored."""
+    forward's ``lse`` [B, H, L] fp32; the probabilities are recomputed, never stored. ``out_layout``
+    (``result_views``): "heads" or "rows" give three tensors; "packed" (L == S, E == Ev) one [B, L, 3, H, E]."""
     (B, H, L, S, E, Ev), dt, (qv, kv, vv, ov, dov) = _prologue(
         q, k, v, scale, shape, ((q, q_view), (k, k_view), (v, v_view), (o, o_view), (do, do_view)),
         "flash attention backward")
-    dq = nl.ndarray((B, H, L, E), dt, buffer=nl.shared_hbm)
-    dk = nl.ndarray((B, H, S, E), dt, buffer=nl.shared_hbm)
-    dv = nl.ndarray((B, H, S, Ev), dt, buffer=nl.shared_hbm)
+    if out_layout == "packed":
+        assert L == S and E == Ev, "flash attention backward: packed gradients need L == S and E == Ev"
+        packed_shape, views = result_views(B, H, L, E, "packed", parts=3)
+        dq = dk = dv = nl.ndarray(packed_shape, dt, buffer=nl.shared_hbm)
+    else:
+        (q_shape, (dqv,)), (k_shape, (dkv,)), (v_shape, (dvv,)) = (
+            result_views(B, H, n, d, out_layout) for n, d in ((L, E), (S, E), (S, Ev)))
+        views = (dqv, dkv, dvv)
+        dq, dk, dv = (nl.ndarray(sh, dt, buffer=nl.shared_hbm) for sh in (q_shape, k_shape, v_shape))
     Lc, Sc = cdiv(L, PMAX), cdiv(S, PMAX)
     epad = 1 << (E - 1).bit_length()                 # dQ columns per tile, a power of two: no tile crosses a bank
     dq_in_psum = Lc * epad * 4 <= DQ_PSUM_BYTES
@@ -379,9 +408,9 @@ def flash_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=Non
                     pipe.push(_bwd_pair(qT, kT, vT, doT, qr, kr, dor, d, nlse, dqacc, dvj, dkj, i, q0, p, j, s0, kb,
                                         E, Ev, float(scale), bias, causal, evict, dq_in_psum, first=n == 0,
                                         ring=ring, last=last))
-            pipe.push(_bwd_head_end(dq, dk, dv, dqacc, dkh, dvh, b, h, L, S, E, Ev, float(scale)))
+            pipe.push(_bwd_head_end(dq, dk, dv, views, dqacc, dkh, dvh, b, h, L, S, E, Ev, float(scale)))
     pipe.drain()
-    return dq, dk, dv
+    return dq if out_layout == "packed" else (dq, dk, dv)
 
 
 def _row_stats(o, ov, dor, lse, b: int, h: int, L: int, Ev: int):
@@ -440,11 +469,12 @@ def _bwd_pair(qT, kT, vT, doT, qr, kr, dor, d, nlse, dqacc, dvj, dkj, i, q0, p, 
     ring.sbuf(pr, ds, dsT)
 
 
-def _bwd_head_end(dq, dk, dv, dqacc, dkh, dvh, b, h, L, S, E, Ev, scale):
+def _bwd_head_end(dq, dk, dv, views, dqacc, dkh, dvh, b, h, L, S, E, Ev, scale):
     """Pipeline steps closing a head: dQ scaled and cast, the head's dQ, dK, dV stored."""
     yield
     dqh = nl.ndarray((PMAX, cdiv(L, PMAX), E), dq.dtype, buffer=nl.sbuf)
     nisa.activation(dst=dqh, op=nl.copy, data=dqacc[:, :, :E], scale=scale)
-    _store_head_rows(dq, b, h, dqh, L, E)
-    _store_head_rows(dk, b, h, dkh, S, E)
-    _store_head_rows(dv, b, h, dvh, S, Ev)
+    dqv, dkv, dvv = views
+    _store_head_rows(dq, dqv, b, h, dqh, L, E)
+    _store_head_rows(dk, dkv, b, h, dkh, S, E)
+    _store_head_rows(dv, dvv, b, h, dvh, S, Ev)

@@ -8,6 +8,8 @@ without the numerics, and the numerics without the clock.
 """
 from __future__ import annotations
 
+import math
+
 import enum
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -30,17 +32,39 @@ class Footprint:
     ``memory`` is ``"sbuf"``, ``"psum"`` or ``"hbm:<buffer name>"``. On-chip memories are
     2-D: ``partitions`` is the half-open partition range and ``byte_range`` the half-open
     byte range inside each partition. HBM buffers are 1-D: ``partitions == (0, 1)``.
+
+    A strided pattern whose contiguous chunks all start ``period`` bytes apart (a multiple of it) and
+    are ``run`` < ``period`` bytes long touches, inside its byte range, only the bytes b with
+    ``(b - byte_range[0]) % period < run``: rows of one head among the heads of a row, say. Two such
+    boxes with disjoint phases share no byte even where their ranges interleave (``period`` 0: dense).
     """
 
     memory: str
     partitions: tuple[int, int]
     byte_range: tuple[int, int]
+    period: int = 0
+    run: int = 0
 
     def overlaps(self, other: "Footprint") -> bool:
         """Whether the two boxes share at least one byte."""
         return (self.memory == other.memory
                 and self.partitions[0] < other.partitions[1] and other.partitions[0] < self.partitions[1]
-                and self.byte_range[0] < other.byte_range[1] and other.byte_range[0] < self.byte_range[1])
+                and self.byte_range[0] < other.byte_range[1] and other.byte_range[0] < self.byte_range[1]
+                and not phases_disjoint(self.byte_range[0], self.period, self.run,
+                                        other.byte_range[0], other.period, other.run))
+
+
+def phases_disjoint(a0: int, pa: int, ra: int, b0: int, pb: int, rb: int) -> bool:
+    """Whether two periodic byte sets (chunks of ``ra`` bytes every ``pa`` from ``a0``; ``pa`` 0: dense) are
+    disjoint by their phases: modulo g = gcd(pa, pb) each set lies in one arc [start, start + run), so
+    arcs that do not meet prove the sets disjoint (a sufficient test; ``False`` means they may meet)."""
+    if not pa or not pb:
+        return False
+    g = math.gcd(pa, pb)
+    if ra >= g or rb >= g:
+        return False
+    d = (b0 - a0) % g
+    return ra <= d and d + rb <= g
 
 
 @dataclass(frozen=True)

@@ -342,7 +342,27 @@ class AP:
     @cached_property
     def _footprint(self) -> Footprint:
         parts = (self.start_partition, self.start_partition + self.partitions) if self.on_chip else (0, 1)
-        return Footprint(self.memory, parts, self.byte_range)
+        if self.on_chip:
+            return Footprint(self.memory, parts, self.byte_range)
+        return Footprint(self.memory, parts, self.byte_range, *self._period())
+
+    def _period(self) -> tuple[int, int]:
+        """(period, run) in bytes of an HBM pattern's contiguous chunks (``Footprint``), or (0, 0): chunks of
+        ``contiguous_run`` elements whose starts differ by multiples of the gcd of the outer strides."""
+        run, outer = 1, []
+        inner = True
+        for st, sz in reversed(self.pattern):
+            if sz == 1:
+                continue
+            if inner and st == run:
+                run *= sz
+            else:
+                inner = False
+                outer.append(abs(st))
+        period = math.gcd(*outer) if outer else 0
+        if not period or run >= period:
+            return 0, 0
+        return period * self.dtype.itemsize, run * self.dtype.itemsize
 
     @cached_property
     def _geometry(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:

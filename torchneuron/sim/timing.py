@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from torchneuron.sim.instruction import CostInputs, Engine, Footprint, Instruction
+from torchneuron.sim.instruction import CostInputs, Engine, Footprint, Instruction, phases_disjoint
 from torchneuron.sim.specs import FP8_DTYPES, ChipSpec, StreamEngineSpec
 
 ENGINE_NAMES = ("tensor", "vector", "scalar", "gpsimd", "dma")
@@ -328,17 +328,20 @@ def _flops(ci: CostInputs) -> int:
 # dependencies: a per-memory interval index
 # ---------------------------------------------------------------------------------------
 class _Access:
-    __slots__ = ("p0", "p1", "b0", "b1", "idx", "alive", "mark")
+    __slots__ = ("p0", "p1", "b0", "b1", "period", "run", "idx", "alive", "mark")
 
     def __init__(self, fp: Footprint, idx: int):
         self.p0, self.p1 = fp.partitions
         self.b0, self.b1 = fp.byte_range
+        self.period, self.run = fp.period, fp.run
         self.idx = idx
         self.alive = True
         self.mark = 0
 
-    def covered_by(self, p0: int, p1: int, b0: int, b1: int) -> bool:
-        return p0 <= self.p0 and self.p1 <= p1 and b0 <= self.b0 and self.b1 <= b1
+    def covered_by(self, fp: Footprint) -> bool:
+        """Whether a dense write ``fp`` rewrites every byte of this access (a strided one rewrites only some)."""
+        (p0, p1), (b0, b1) = fp.partitions, fp.byte_range
+        return not fp.period and p0 <= self.p0 and self.p1 <= p1 and b0 <= self.b0 and self.b1 <= b1
 
 
 class _IntervalIndex:
@@ -367,31 +370,35 @@ class _IntervalIndex:
             self.bins.setdefault(k, []).append(acc)
 
     @staticmethod
-    def _scan(lst: list[_Access], p0, p1, b0, b1, stamp: int, out: list) -> None:
+    def _scan(lst: list[_Access], fp: Footprint, stamp: int, out: list) -> None:
+        (p0, p1), (b0, b1), period, run = fp.partitions, fp.byte_range, fp.period, fp.run
         dead = 0
         for a in lst:
             if not a.alive:
                 dead += 1
-            elif a.mark != stamp and a.b0 < b1 and b0 < a.b1 and a.p0 < p1 and p0 < a.p1:
+            elif a.mark != stamp and a.b0 < b1 and b0 < a.b1 and a.p0 < p1 and p0 < a.p1 and not (
+                    period and a.period and phases_disjoint(a.b0, a.period, a.run, b0, period, run)):
                 a.mark = stamp
                 out.append(a)
         if dead and dead * 2 >= len(lst):
             lst[:] = [a for a in lst if a.alive]
 
-    def query(self, p0: int, p1: int, b0: int, b1: int) -> list[_Access]:
+    def query(self, fp: Footprint) -> list[_Access]:
+        """The live accesses that may share a byte with ``fp``."""
         out: list[_Access] = []
         self.stamp += 1
         stamp = self.stamp
+        b0, b1 = fp.byte_range
         lo, hi = b0 // self.bin, (b1 - 1) // self.bin
         if hi - lo >= self.MAX_BINS:
-            self._scan(self.all, p0, p1, b0, b1, stamp, out)
+            self._scan(self.all, fp, stamp, out)
             return out
         for k in range(lo, hi + 1):
             lst = self.bins.get(k)
             if lst:
-                self._scan(lst, p0, p1, b0, b1, stamp, out)
+                self._scan(lst, fp, stamp, out)
         if self.wide:
-            self._scan(self.wide, p0, p1, b0, b1, stamp, out)
+            self._scan(self.wide, fp, stamp, out)
         return out
 
 
@@ -428,18 +435,17 @@ def dependencies(instructions: Sequence[Instruction],
         for fp in rds:                                           # read-after-write
             idx = writes.get(fp.memory)
             if idx is not None:
-                for a in idx.query(fp.partitions[0], fp.partitions[1], fp.byte_range[0], fp.byte_range[1]):
+                for a in idx.query(fp):
                     deps.add(a.idx)
         for fp in wrs:                                           # write-after-write, write-after-read
-            box = (fp.partitions[0], fp.partitions[1], fp.byte_range[0], fp.byte_range[1])
             for table in (writes, reads):
                 idx = table.get(fp.memory)
                 if idx is None:
                     continue
-                for a in idx.query(*box):
+                for a in idx.query(fp):
                     if a.idx != i:
                         deps.add(a.idx)
-                    if a.covered_by(*box):
+                    if a.covered_by(fp):
                         a.alive = False
         for fp in wrs:
             idx = writes.get(fp.memory)
@@ -448,7 +454,7 @@ def dependencies(instructions: Sequence[Instruction],
             idx.add(_Access(fp, i))
         ordered = in_order is None or in_order(qkey)
         for fp in rds:
-            key = (fp.memory, fp.partitions, fp.byte_range, qkey)
+            key = (fp.memory, fp.partitions, fp.byte_range, fp.period, fp.run, qkey)
             old = last_read.get(key) if ordered else None
             if old is not None:
                 old.alive = False                                # same box, same in-order queue
