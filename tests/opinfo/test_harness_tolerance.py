@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.testing._internal.common_methods_invocations import op_db
 
-from tests.opinfo.harness import (ORDER_ULPS, any_index_of_value, at_least_as_exact, check_sample_grads,
-                                  term_magnitudes, tie_order_free, within_summation_order)
+from tests.opinfo.harness import (ORDER_ULPS, any_index_of_value, at_least_as_exact, broadcast_grad_term_magnitudes,
+                                  check_sample_grads, term_magnitudes, tie_order_free, within_summation_order)
 
 CONV2D = next(o for o in op_db if o.name == "nn.functional.conv2d")
 
@@ -95,3 +95,28 @@ def test_a_reductions_index_may_point_at_any_element_holding_the_value():
     assert torch.equal(any_index_of_value(mode, (x, (1,), {}), (values, other), (values, indices))[1], other)
     wrong = torch.tensor([0])                                        # holds 1.0
     assert torch.equal(any_index_of_value(mode, (x, (1,), {}), (values, wrong), (values, indices))[1], indices)
+
+
+def test_a_broadcast_inputs_gradient_is_bounded_by_its_terms_and_a_wrong_one_fails():
+    # pow's exponent broadcast over 10 rows: its gradient sums 10 terms cot * x**y * log(x), so the bound is
+    # sum(|terms|) at 2 (K + 3) = 26 rounding units; a row's worth of error still fails
+    pow_op = next(o for o in op_db if o.name == "pow" and not o.variant_test_name)
+    gen = torch.Generator().manual_seed(0)
+    x, y = 1 + 8 * torch.rand(10, 1, 5, generator=gen), 4 * torch.rand(10, 5, generator=gen)
+    cot = torch.randn(10, 10, 5, generator=gen)
+    bounds, ulps = broadcast_grad_term_magnitudes(pow_op, (x, (y,), {}), [cot])
+    terms = cot.double() * x.double().pow(y.double()) * x.double().log()
+    torch.testing.assert_close(bounds[0], (cot.double() * y.double() * x.double().pow(y.double() - 1)).abs()
+                               .sum(1, keepdim=True))
+    torch.testing.assert_close(bounds[1], terms.abs().sum(0))
+    assert ulps[1] == 2 * (10 + 3)
+    exact = terms.sum(0)
+    expected = exact.float()
+    eps = torch.finfo(torch.float32).eps / 2
+    nearby = (exact + 20 * eps * bounds[1]).float()
+    assert torch.equal(within_summation_order(nearby, expected, bounds[1], ulps[1]), nearby)
+    wrong = (exact + terms[0]).float()                            # one term counted twice
+    assert not torch.equal(within_summation_order(wrong, expected, bounds[1], ulps[1]), wrong)
+    full = x.expand(10, 10, 5).clone()                             # spans the output: the plain tolerance
+    assert broadcast_grad_term_magnitudes(pow_op, (full, (y,), {}), [cot])[0][0] is None
+    assert broadcast_grad_term_magnitudes(pow_op, (full, (y.expand(10, 10, 5).clone(),), {}), [cot]) is None
