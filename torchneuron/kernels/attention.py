@@ -90,18 +90,41 @@ def _rows(t, view, b: int, h: int, r0: int, rows: int, cols: int):
     return t.ap([[sn, rows], [sd, cols]], offset=off + b * sb + h * sh + r0 * sn)
 
 
-def _load_head_rows(t, view, b: int, h: int, n: int, d: int, dt):
+def _load_head_rows(t, view, b: int, h: int, n: int, d: int, dt, heads: int = 0):
     """All n rows of head (b, h) as SBUF [128, ceil(n/128), d]: chunk c, partition i holds row c*128 + i (the
-    whole 128-row chunks in one DMA)."""
+    whole 128-row chunks in one DMA). ``heads`` > 0: heads h .. h + heads - 1 at once, [128, chunks, heads, d]
+    (one DMA moves each row's heads together: fewer, longer descriptors where the heads lie side by side)."""
     off, (sb, sh, sn, sd) = view
-    tile = nl.ndarray((PMAX, cdiv(n, PMAX), d), dt, buffer=nl.sbuf)
+    inner = [[sh, heads], [sd, d]] if heads else [[sd, d]]
+    tile = nl.ndarray((PMAX, cdiv(n, PMAX), *([heads] if heads else []), d), dt, buffer=nl.sbuf)
     full, rem = divmod(n, PMAX)
     base = off + b * sb + h * sh
     if full:
-        nisa.dma_copy(dst=tile[:, :full, :], src=t.ap([[sn, PMAX], [PMAX * sn, full], [sd, d]], offset=base))
+        nisa.dma_copy(dst=tile[:, :full], src=t.ap([[sn, PMAX], [PMAX * sn, full], *inner], offset=base))
     if rem:
-        nisa.dma_copy(dst=tile[:rem, full, :], src=_rows(t, view, b, h, full * PMAX, rem, d))
+        nisa.dma_copy(dst=tile[:rem, full], src=t.ap([[sn, rem], *inner], offset=base + full * PMAX * sn))
     return tile
+
+
+HEAD_GROUP_BYTES = 2048    # SBUF per partition for the rows of heads loaded together (small heads: one DMA per
+                           # operand for several heads instead of one each)
+
+
+def _heads_rows(operands, b: int, H: int, dt, ring):
+    """Per head h of batch b: (h, the rows of each operand (tensor, view, rows, head dim) as ``_load_head_rows``
+    gives them). Small heads are loaded several at a time (as many as HEAD_GROUP_BYTES of rows hold), each
+    head's rows then a view of the group's tile."""
+    per_head = itemsize(dt) * sum(cdiv(n, PMAX) * d for _, _, n, d in operands)
+    G = max(1, min(H, HEAD_GROUP_BYTES // max(per_head, 1)))
+    for h0 in range(0, H, G):
+        if G == 1:
+            yield h0, [_load_head_rows(t, w, b, h0, n, d, dt) for t, w, n, d in operands]
+            continue
+        g = min(G, H - h0)
+        group = [_load_head_rows(t, w, b, h0, n, d, dt, heads=g) for t, w, n, d in operands]
+        ring.sbuf(*group)
+        for j in range(g):
+            yield h0 + j, [x[:, :, j, :] for x in group]
 
 
 def _store_head_rows(t, view, b: int, h: int, tile, n: int, d: int) -> None:
@@ -203,11 +226,11 @@ def flash_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=No
     lse = nl.ndarray((B, H, L), nl.float32, buffer=nl.shared_hbm)
     lv = (0, (H * L, L, 1, 1))
     evict, bias, ring, pipe = _emitters(causal, itemsize(dt) * (S + 2 * PMAX + cdiv(S, PMAX) * (Ev + PMAX)))
+    operands = ((k, kv, S, E), (v, vv, S, Ev), (q, qv, L, E))
     for b in range(B):
-        for h in range(H):
-            kT = _transposed(_load_head_rows(k, kv, b, h, S, E, dt), S, E, evict)           # [E, S]
-            vr = _load_head_rows(v, vv, b, h, S, Ev, dt)                                      # [128, S/128, Ev]
-            qT = _transposed(_load_head_rows(q, qv, b, h, L, E, dt), L, E, evict)           # [E, L]
+        for h, (kr, vr, qr) in _heads_rows(operands, b, H, dt, ring):
+            kT = _transposed(kr, S, E, evict)                                                 # [E, S]
+            qT = _transposed(qr, L, E, evict)                                                 # [E, L]
             res = nl.ndarray((PMAX, cdiv(L, PMAX), Ev), dt, buffer=nl.sbuf)                  # O of the head
             ls = nl.ndarray((PMAX, cdiv(L, PMAX), 1), nl.float32, buffer=nl.sbuf)             # lse of the head
             ring.sbuf(kT, vr, qT, res, ls)
@@ -374,15 +397,13 @@ def flash_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=Non
     epad = 1 << (E - 1).bit_length()                 # dQ columns per tile, a power of two: no tile crosses a bank
     dq_in_psum = Lc * epad * 4 <= DQ_PSUM_BYTES
     evict, bias, ring, pipe = _emitters(causal, itemsize(dt) * (3 * PMAX + 2 * (L + S) + (Lc + Sc) * (E + Ev)))
+    operands = ((q, qv, L, E), (k, kv, S, E), (do, dov, L, Ev), (v, vv, S, Ev), (o, ov, L, Ev))
     for b in range(B):
-        for h in range(H):
-            qr = _load_head_rows(q, qv, b, h, L, E, dt)                   # [128, Lc, E]
-            kr = _load_head_rows(k, kv, b, h, S, E, dt)                   # [128, Sc, E]
-            dor = _load_head_rows(do, dov, b, h, L, Ev, dt)               # [128, Lc, Ev]
+        for h, (qr, kr, dor, vr, orows) in _heads_rows(operands, b, H, dt, ring):   # [128, chunks, d] each
             qT, kT = _transposed(qr, L, E, evict), _transposed(kr, S, E, evict)
-            vT = _transposed(_load_head_rows(v, vv, b, h, S, Ev, dt), S, Ev, evict)
+            vT = _transposed(vr, S, Ev, evict)
             doT = _transposed(dor, L, Ev, evict)
-            d, nlse = _row_stats(o, ov, dor, lse, b, h, L, Ev)
+            d, nlse = _row_stats(orows, dor, lse, b, h, L, Ev)
             dqacc = nl.ndarray((PMAX, Lc, epad), nl.float32, buffer=nl.psum if dq_in_psum else nl.sbuf)
             if not dq_in_psum:
                 nisa.memset(dst=dqacc, value=0.0)
@@ -413,10 +434,9 @@ def flash_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=Non
     return dq if out_layout == "packed" else (dq, dk, dv)
 
 
-def _row_stats(o, ov, dor, lse, b: int, h: int, L: int, Ev: int):
+def _row_stats(orows, dor, lse, b: int, h: int, L: int, Ev: int):
     """Per query of head (b, h), as [128, Lc] fp32 tiles: D = rowsum(dO * O) and -lse (the exponent's bias)."""
     Lc = cdiv(L, PMAX)
-    orows = _load_head_rows(o, ov, b, h, L, Ev, dor.dtype)
     prod = nl.ndarray((PMAX, Lc, Ev), nl.float32, buffer=nl.sbuf)
     d = nl.ndarray((PMAX, Lc), nl.float32, buffer=nl.sbuf)
     nlse = nl.ndarray((PMAX, Lc), nl.float32, buffer=nl.sbuf)
