@@ -101,6 +101,8 @@ _DERIVED = {
                                                                                 out=out),
     "cholesky_inverse.out": lambda c, out: torch.cholesky_inverse(c(_L), out=out),
     "max_unpool2d.out": lambda c, out: torch._C._nn.max_unpool2d(c(_POOLED), c(_ARGMAX), [4, 4], out=out),  # quiet
+    "nansum.out": lambda c, out: torch.nansum(c(_X.masked_fill(_MASK, float("nan"))), 1, out=out),  # sums in out's dtype
+    "_logcumsumexp.out": lambda c, out: torch.logcumsumexp(c(_X), 1, out=out),
 }
 
 
@@ -141,6 +143,18 @@ def test_a_derived_out_variant_resizes_and_warns_like_the_cpu(name, strict):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64, torch.int32])
 def test_a_derived_out_variant_of_another_dtype_casts_or_refuses_like_the_cpu(name, dtype):
     _assert_like_cpu(lambda conv: _DERIVED[name](conv, conv(torch.empty(0, dtype=dtype))))
+
+
+@pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
+def test_index_reduce_out_is_derived_and_writes_like_the_cpu(strict):
+    # (not in the table above: the CPU's one-time beta warning would be compared word for word)
+    assert LOWERED["index_reduce.out"].__doc__.startswith("``index_reduce.out``: ")
+    for size in (0, 5):
+        want = torch.index_reduce(_X, 1, _IDX, _T[:, :2], "amax", out=torch.empty(size))
+        out = to_n(torch.empty(size))
+        got = torch.index_reduce(to_n(_X), 1, to_n(_IDX), to_n(_T[:, :2]), "amax", out=out)
+        assert got is out
+        torch.testing.assert_close(out.cpu(), want, atol=0, rtol=0)
 
 
 @pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")

@@ -32,19 +32,22 @@ from torchneuron.ops.sort import lines, SORT_LIMIT, sort_lines
 
 # ---- nansum, std_mean, aminmax, count_nonzero ---------------------------------------------------
 
-@lowering("nansum", "nansum.out")
-def nansum(self: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: torch.dtype | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+@lowering("nansum")
+def nansum(self: torch.Tensor, dim: Any = None, keepdim: bool = False, *,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
     """``nansum``: NaNs replaced by zero, then the lowered ``sum``."""
     if self.is_complex():
         raise RuntimeError("nansum does not support complex inputs")
-    if not on_one_device(self, out) or self.dtype == torch.float64 or dtype == torch.float64:
+    if not on_one_device(self) or self.dtype == torch.float64 or dtype == torch.float64:
         raise Unsupported("a tensor off the device, or float64")
-    if dtype is None and out is not None:
-        dtype = out.dtype   # the CPU sums in out's dtype
+    if self.is_floating_point() and dtype is not None and not dtype.is_floating_point:
+        # the CPU's kernel decides: a result functionally, its not-implemented error into an integer out=
+        raise Unsupported("a float input summed in an integer dtype")
     x = torch.where(self.isnan(), 0.0, self) if self.is_floating_point() else self
-    res = torch.sum(x, dim, keepdim, dtype=dtype)
-    return write_result(res, out)
+    return torch.sum(x, dim, keepdim, dtype=dtype)
+
+
+register_out("nansum.out", nansum, dtype_from_out=True)   # the CPU sums in out's dtype
 
 
 @lowering("std_mean.correction")
@@ -207,21 +210,20 @@ _cum_extreme("_cummax_helper", True)
 _cum_extreme("_cummin_helper", False)
 
 
-@lowering("_logcumsumexp", "_logcumsumexp.out")
-def logcumsumexp(self: torch.Tensor, dim: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+@lowering("_logcumsumexp")
+def logcumsumexp(self: torch.Tensor, dim: int) -> torch.Tensor:
     """log(cumsum(exp(x))) as a stable ``logsumexp`` over every prefix (no running-sum overflow)."""
-    if not on_one_device(self, out) or self.dtype not in FLOATS:
+    if not on_one_device(self) or self.dtype not in FLOATS:
         raise Unsupported
-    if out is not None and out.dtype != self.dtype:
-        raise Unsupported   # the CPU's dtype error
     d = canonicalize_dim(max_dim(self), dim)
     if self.numel() == 0:
-        return write_result(torch.empty(self.shape, dtype=self.dtype, device=self.device), out)
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
     x = self.reshape(1) if self.dim() == 0 else self
     prefix, _, _ = _prefixes(x.to(torch.float32), d, float("-inf"))
-    res = _restore(torch.logsumexp(prefix, -1), x, d).to(self.dtype).reshape(self.shape)
-    check_out(out, self)
-    return write_result(res, out)
+    return _restore(torch.logsumexp(prefix, -1), x, d).to(self.dtype).reshape(self.shape)
+
+
+register_out("_logcumsumexp.out", logcumsumexp)
 
 
 # ---- index_reduce ------------------------------------------------------------------------------
@@ -253,16 +255,14 @@ def _index_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, source: tor
     return torch.scatter_reduce(self, d, idx, source, reduce, include_self=include_self)
 
 
-@lowering("index_reduce", "index_reduce.out")
+@lowering("index_reduce")
 def index_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, reduce: str, *,
-                 include_self: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``index_reduce`` (prod, mean, amax, amin), out-of-place, in place or into ``out``."""
-    res = _index_reduce(self, dim, index, source, reduce, include_self)
-    if out is not None:
-        if out.device != self.device:
-            raise Unsupported("an out= on another device")
-        return write_result(res, out)
-    return res
+                 include_self: bool = True) -> torch.Tensor:
+    """``index_reduce`` (prod, mean, amax, amin), out-of-place (in place: ``index_reduce_``)."""
+    return _index_reduce(self, dim, index, source, reduce, include_self)
+
+
+register_out("index_reduce.out", index_reduce)
 
 
 @lowering("index_reduce_")

@@ -127,10 +127,12 @@ def _aliased_cpu_twin() -> Callable[[Any], Any]:
     return twin
 
 
-def register_out(name: str, functional: Callable, warn_resize: bool = True) -> None:
+def register_out(name: str, functional: Callable, warn_resize: bool = True, dtype_from_out: bool = False) -> None:
     """Register the ``out=`` overload ``name`` as ``functional`` (its functional form's kernel) with each result
     written into its ``out=`` tensor, resized first as PyTorch resizes (with its warning when the tensor had
-    elements; ``warn_resize=False`` for an op whose CPU kernel resizes quietly). The CPU fallback of ``name``
+    elements; ``warn_resize=False`` for an op whose CPU kernel resizes quietly). ``dtype_from_out``: an op whose
+    ``dtype=`` argument, when not given, is the ``out=`` tensor's dtype (the CPU's reductions compute in it). The
+    CPU fallback of ``name``
     takes the ``out=`` tensors whose semantics are the CPU kernel's to decide: one on another device or of
     another dtype than its result (the CPU casts or refuses), one whose elements alias each other or that shares
     memory with an input or another ``out=`` tensor (the CPU's overlap error, met on a CPU image of the memory,
@@ -148,6 +150,8 @@ def register_out(name: str, functional: Callable, warn_resize: bool = True) -> N
             twin = _aliased_cpu_twin()
             op(*twin(args), **twin(kwargs), **{n: twin(o) for n, o in zip(out_names, outs)})
             raise Unsupported("an out= tensor aliasing itself, an input or another out= tensor")
+        if dtype_from_out and kwargs.get("dtype") is None:
+            kwargs["dtype"] = outs[0].dtype
         res = functional(*args, **kwargs)
         results = res if isinstance(res, tuple) else (res,)
         if any(o.device != r.device or o.dtype != r.dtype for o, r in zip(outs, results)):
