@@ -19,6 +19,9 @@ Weight and bias rows are DMA-broadcast to all 128 partitions once. The tiles of 
 blocks stay alive so DMA and the three engines overlap. The single pass holds whole rows: D fp32 x
 (tiles) x NBUF in SBUF (D <= ~4700 forward, ~1700 backward on trn2); bn_stats chunks of <= 512.
 
+The RMS backward from saved statistics has its own one-pass path (``_rms_bwd_saved``: rows up to 4096 bf16,
+~2900 fp32), its intermediates in the input dtype where PyTorch's composite rounds them.
+
 Longer rows take several passes over column blocks of W (any D up to ~5 M), on super-blocks of up
 to SB x 128 rows whose per-row scalars stay in SBUF:
 
@@ -38,7 +41,7 @@ import collections
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import (PMAX, PSUM_FP32, ROW_ELEMS, as_tensor, cdiv, check_sbuf, grouped_rows,
+from torchneuron.kernels._common import (PMAX, PSUM_FP32, ROW_ELEMS, as_tensor, cdiv, check_sbuf, grouped_rows, itemsize,
                                          load_grouped, row_blocks, spread, spread_row, tiles)
 
 NBUF = 3
@@ -473,6 +476,83 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved):
         nisa.dma_copy(dst=dst, src=col)
 
 
+RMS_RING = 1       # earlier row blocks whose tiles stay live in the RMS backward from saved statistics
+PSUM_BANKS = 8     # dw accumulates over all row blocks in PSUM: rows of up to 8 x 512 fp32
+
+
+def _rms_bwd_bytes(D: int, size: int) -> int:
+    """SBUF bytes per partition of the RMS backward from saved statistics: the weight row and, per live row block,
+    six tiles in the input's dtype (``size`` bytes) and two fp32 ones."""
+    return size * D + (RMS_RING + 1) * (6 * size + 8) * D
+
+
+def rms_bwd_fits(D: int, size: int) -> bool:
+    """Whether an RMS backward row of D elements of ``size`` bytes takes the one-pass path on saved statistics."""
+    return D <= PSUM_BANKS * PSUM_FP32 and _rms_bwd_bytes(D, size) <= nl.tile_size.sbuf_fmax_bytes
+
+
+def _rms_bwd_saved(dy, x, weight, dx_out, dw_out, db_out, rstd_in):
+    """RMS backward from the forward's 1/rms (x, dy, w of one dtype), one pass over each row block. With
+    g = dy * w and xh = x * rstd rounded to that dtype, as PyTorch's composite rounds them:
+
+        g = dy * w, xh = x * rstd, p = dy * xh      VectorE, in the input dtype (bf16: its fast modes)
+        dw += ones^T @ p                            TensorE, accumulated in PSUM over all rows (fp32), rounded once
+        c = sum(x * g)                              VectorE fp32 products (scalar_tensor_tensor), ScalarE sum
+        dx = rstd * g - (rstd^3 c / D) * x          ScalarE x * k, GpSimd rstd * g and the sum, rounded once
+    (dx = rstd * (g - xh * mean(g * xh)) with xh = x * rstd.) x and dy stay in their dtype; db is zero."""
+    N, D = x.shape
+    dt = x.dtype
+    check_sbuf(_rms_bwd_bytes(D, itemsize(dt)), f"rms_norm backward D={D}")
+    w = _row(weight, D, dt)
+    ones = nl.ndarray((PMAX, 1), dt, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    banks = [nl.ndarray((1, PSUM_FP32), nl.float32, buffer=nl.psum) for _ in range(cdiv(D, PSUM_FP32))]
+    ring = collections.deque(maxlen=RMS_RING)
+    for i, r0 in enumerate(range(0, N, PMAX)):
+        p = min(PMAX, N - r0)
+        t = nl.ndarray((PMAX, D), dt, buffer=nl.sbuf)
+        d = nl.ndarray((PMAX, D), dt, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t[:p], src=x[r0:r0 + p, :])
+        nisa.dma_copy(dst=d[:p], src=dy[r0:r0 + p, :])
+        sc = nl.ndarray((PMAX, 3), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=sc[:p, 0:1], src=rstd_in[r0:r0 + p, :])
+        rs, c, k = sc[:, 0:1], sc[:, 1:2], sc[:, 2:3]
+        g = nl.ndarray((PMAX, D), dt, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=g[:p], data1=d[:p], data2=w[:p], op=nl.multiply)
+        xh = nl.ndarray((PMAX, D), dt, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=xh[:p], data=t[:p], op0=nl.multiply, operand0=rs[:p])
+        prod = nl.ndarray((PMAX, D), dt, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=prod[:p], data1=d[:p], data2=xh[:p], op=nl.multiply)
+        for b, c0 in enumerate(range(0, D, PSUM_FP32)):
+            cw = min(PSUM_FP32, D - c0)
+            nisa.nc_matmul(dst=banks[b][:, :cw], stationary=ones[:p, :], moving=prod[:p, c0:c0 + cw],
+                           accumulate=i > 0)
+        xg = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=xg[:p], data=t[:p], op0=nl.subtract, operand0=0.0, op1=nl.multiply,
+                                  operand1=g[:p])
+        nisa.activation(dst=xg[:p], op=nl.identity, data=xg[:p], reduce_op=nl.add, reduce_res=c[:p],
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        # k = -rstd^3 * c / D, then xg = x * k (its products no longer needed)
+        nisa.tensor_scalar(dst=k[:p], data=c[:p], op0=nl.multiply, operand0=rs[:p], op1=nl.multiply,
+                           operand1=rs[:p])
+        nisa.tensor_scalar(dst=k[:p], data=k[:p], op0=nl.multiply, operand0=rs[:p], op1=nl.multiply,
+                           operand1=-1.0 / D)
+        nisa.activation(dst=xg[:p], op=nl.identity, data=t[:p], scale=k[:p])
+        gr = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=gr[:p], data=g[:p], op0=nl.multiply, operand0=rs[:p], engine=nisa.gpsimd_engine)
+        out = nl.ndarray((PMAX, D), dx_out.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=out[:p], data1=gr[:p], data2=xg[:p], op=nl.add, engine=nisa.gpsimd_engine)
+        nisa.dma_copy(dst=dx_out[r0:r0 + p, :], src=out[:p])
+        ring.append((t, d, g, xh, prod, xg, gr, out))
+    dw = nl.ndarray((1, D), dw_out.dtype, buffer=nl.sbuf)
+    for b, c0 in enumerate(range(0, D, PSUM_FP32)):
+        cw = min(PSUM_FP32, D - c0)
+        nisa.tensor_copy(dst=dw[:, c0:c0 + cw], src=banks[b][:, :cw])
+    nisa.dma_copy(dst=dw_out, src=dw)
+    nisa.memset(dst=dw, value=0.0)
+    nisa.dma_copy(dst=db_out, src=dw)
+
+
 @nki.jit
 def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=None):
     """Backward of layer norm (``rms``: RMS norm): returns (dx, dweight, dbias) (dbias zero for RMS).
@@ -489,6 +569,9 @@ def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=No
     dx_out = nl.ndarray((N, D), x.dtype, buffer=nl.shared_hbm)
     dw_out = nl.ndarray((1, D), weight.dtype, buffer=nl.shared_hbm)
     db_out = nl.ndarray((1, D), weight.dtype, buffer=nl.shared_hbm)
+    if rms and saved and dy.dtype == x.dtype == weight.dtype and rms_bwd_fits(D, itemsize(x.dtype)):
+        _rms_bwd_saved(dy, x, weight, dx_out, dw_out, db_out, saved[1])
+        return dx_out, dw_out, db_out
     if not bwd_fits(D):
         _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved)
         return dx_out, dw_out, db_out
