@@ -103,6 +103,10 @@ _DERIVED = {
     "max_unpool2d.out": lambda c, out: torch._C._nn.max_unpool2d(c(_POOLED), c(_ARGMAX), [4, 4], out=out),  # quiet
     "nansum.out": lambda c, out: torch.nansum(c(_X.masked_fill(_MASK, float("nan"))), 1, out=out),  # sums in out's dtype
     "_logcumsumexp.out": lambda c, out: torch.logcumsumexp(c(_X), 1, out=out),
+    "histc.out": lambda c, out: torch.histc(c(_X), 5, 0, 1, out=out),
+    "take.out": lambda c, out: torch.take(c(_X), c(_IDX), out=out),
+    "index.Tensor_out": lambda c, out: torch.ops.aten.index.Tensor_out(c(_X), [c(_IDX)], out=out),  # quiet
+    "nonzero_static.out": lambda c, out: torch.nonzero_static(c(_MASK), size=4, out=out),
 }
 
 
@@ -134,7 +138,7 @@ def _assert_like_cpu(call) -> None:
 def test_a_derived_out_variant_resizes_and_warns_like_the_cpu(name, strict):
     assert LOWERED[name].__doc__.startswith(f"``{name}``: ")      # registered by register_out
     for size in (0, 5):                            # empty: resized quietly; else warned (unless the CPU does not)
-        dtype = torch.bool if name.startswith("isin") else torch.float32
+        dtype = torch.bool if name.startswith("isin") else torch.int64 if name.startswith("nonzero") else torch.float32
         _assert_like_cpu(lambda conv: _DERIVED[name](conv, conv(torch.empty(size, dtype=dtype))))
 
 

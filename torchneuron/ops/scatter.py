@@ -397,22 +397,23 @@ _row_lowering("index_fill_.int_Scalar", "fill")
 _row_lowering("index_fill_.int_Tensor", "fillt")
 
 
-@lowering("take", "take.out")
-def take(self: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+@lowering("take")
+def take(self: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``torch.take``: elements of the flattened tensor by indirect DMA (negative indices from the end)."""
-    op = aten.take.out if out is not None else aten.take.default
-    op(meta_twin(self), meta_twin(index), **({"out": meta_twin(out)} if out is not None else {}))
-    check_out(out, self, index, shape=index.shape)
-    if not on_one_device(self, index, out) or self.dtype not in MOVE_DTYPES or index.dtype not in INDEX_DTYPES:
+    aten.take.default(meta_twin(self), meta_twin(index))
+    if not on_one_device(self, index) or self.dtype not in MOVE_DTYPES or index.dtype not in INDEX_DTYPES:
         raise Unsupported("tensors on more than one device, or a dtype the DMA gather lacks")
     if index.numel() == 0:
-        return write_result(torch.empty(index.shape, dtype=self.dtype, device=self.device), out)
+        return torch.empty(index.shape, dtype=self.dtype, device=self.device)
     n = self.numel()
     flat = index_int32(index)
     if any_outside(flat, -n, n):
         raise_like_cpu(aten.take.default, self, index, with_data=True)
     flat = run_pointwise(_wrap, [flat, n], KIND.DEFAULT, op="aten::take")
-    return write_result(_gather_elems(dense(self), flat), out)
+    return _gather_elems(dense(self), flat)
+
+
+register_out("take.out", take)
 
 
 @lowering("put_")
@@ -488,23 +489,24 @@ def nonzero(self: torch.Tensor) -> torch.Tensor:
 register_out("nonzero.out", nonzero)
 
 
-@lowering("nonzero_static", "nonzero_static.out")
-def nonzero_static(self: torch.Tensor, *, size: int, fill_value: int = -1,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+@lowering("nonzero_static")
+def nonzero_static(self: torch.Tensor, *, size: int, fill_value: int = -1) -> torch.Tensor:
     """``torch.nonzero_static``: the first ``size`` coordinates of ``nonzero`` (device scan and scatter), the
     remaining rows ``fill_value``."""
     if size < 0:
         raise RuntimeError("nonzero_static: 'size' must be an non-negative integer")
-    if not on_one_device(self, out) or self.dtype not in DATA_DTYPES or self.numel() >= 1 << 24 \
-            or (out is not None and out.dtype != torch.int64):
-        raise Unsupported("several devices, an unsupported dtype, 2**24 elements or more, or an out= not int64")
+    if not on_one_device(self) or self.dtype not in DATA_DTYPES or self.numel() >= 1 << 24:
+        raise Unsupported("several devices, an unsupported dtype, or 2**24 elements or more")
     nd = self.dim()
     res = torch.full((size, nd), fill_value, dtype=torch.int64, device=self.device)
     coords = _nonzero32(self)
     k = min(size, coords.shape[0])
     if k and nd:
         device_copy(res[:k], to_int64(dense(coords[:k])))
-    return write_result(res, out)
+    return res
+
+
+register_out("nonzero_static.out", nonzero_static)
 
 
 @lowering("masked_select")
@@ -582,10 +584,10 @@ def _layout(self: torch.Tensor, dims: list[int], B: tuple):
     return perm, others, at
 
 
-@lowering("index.Tensor", "index.Tensor_out")
-def index(self: torch.Tensor, indices: Sequence[torch.Tensor | None], *, out: torch.Tensor | None = None):
+@lowering("index.Tensor")
+def index(self: torch.Tensor, indices: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """Advanced indexing ``x[idx]``: indexed dims flattened to row numbers, rows gathered by indirect DMA."""
-    if not on_one_device(self, out, *indices) or self.dtype not in MOVE_DTYPES or self.dim() == 0:
+    if not on_one_device(self, *indices) or self.dtype not in MOVE_DTYPES or self.dim() == 0:
         raise Unsupported
     if len(indices) > self.dim():   # (the CPU's error, before the fast path looks at the indices)
         aten.index.Tensor(meta_twin(self), meta_twin(list(indices)))
@@ -595,7 +597,7 @@ def index(self: torch.Tensor, indices: Sequence[torch.Tensor | None], *, out: to
     if fast is not None:   # integer indices: one launch (8-byte elements move as int32 word pairs)
         dims, B, got = fast
     elif masked is not None:   # one bool mask over leading dims: two launches
-        return write_result(masked[1], out)
+        return masked[1]
     elif self.dtype not in DATA_DTYPES:
         raise Unsupported
     else:
@@ -606,7 +608,7 @@ def index(self: torch.Tensor, indices: Sequence[torch.Tensor | None], *, out: to
         dims, B, rows = _row_numbers(self, idx + [None] * (self.dim() - len(idx)), aten.index.Tensor,
                                      (self, indices))
         if rows.numel() == 0 or self.numel() == 0:
-            return write_result(torch.empty(res_meta.shape, dtype=self.dtype, device=self.device), out)
+            return torch.empty(res_meta.shape, dtype=self.dtype, device=self.device)
         V = _numel(self.shape[k] for k in dims)
         table = dense(self.permute(_layout(self, dims, B)[0])).reshape(V, -1)
         (got,) = call_kernel(gather_rows, {"table": table, "index": rows}, {"stride": 1}, op="aten::index")
@@ -617,7 +619,10 @@ def index(self: torch.Tensor, indices: Sequence[torch.Tensor | None], *, out: to
         order = list(range(nb, nb + at)) + list(range(nb)) + list(range(nb + at, res.dim()))
         res = dense(res.permute(order))
     assert res_meta is None or tuple(res.shape) == tuple(res_meta.shape), (res.shape, res_meta.shape)
-    return write_result(res, out)
+    return res
+
+
+register_out("index.Tensor_out", index, warn_resize=False)   # the CPU kernel resizes quietly
 
 
 def _put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: torch.Tensor, accumulate: bool,

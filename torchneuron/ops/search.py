@@ -32,7 +32,7 @@ from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, FLOATS, meta_twin, on_one_device, raise_like_cpu, Unsupported
 from torchneuron.ops.elementwise import dense, run_pointwise, to_int64, write_result
 from torchneuron.ops.indexing import arange_values
-from torchneuron.ops.registry import lowering
+from torchneuron.ops.registry import lowering, register_out
 from torchneuron.ops.scatter import (any_outside, check_out, compact, DATA_DTYPES, index_int32, match_tile,
                                      scatter_into, slot_tile)
 from torchneuron.ops.sort import SORT_LIMIT, sort_lines
@@ -144,15 +144,12 @@ def _edge(value: float, dtype: torch.dtype) -> float:
     return torch.tensor(value, dtype=dtype).item()
 
 
-@lowering("histc", "histc.out")
-def histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0, *,  # noqa: A002
-          out: torch.Tensor | None = None) -> torch.Tensor:
+@lowering("histc")
+def histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0) -> torch.Tensor:  # noqa: A002
     """``torch.histc``: bin = trunc((x - lo) * bins / (hi - lo)) in the input's dtype, as the CPU rounds
     it, then a one-hot count; a range of (0, 0) is the data's (one host sync)."""
-    if not on_one_device(self, out) or self.dtype not in FLOATS:
+    if not on_one_device(self) or self.dtype not in FLOATS:
         raise Unsupported   # integer inputs: the CPU's NotImplementedError
-    if out is not None and out.dtype != self.dtype:
-        raise Unsupported
     if bins <= 0:
         raise RuntimeError(f"torch.histogram(): bins must be > 0, but got {bins} for dimension 0")
     lo, hi = float(min), float(max)
@@ -164,10 +161,9 @@ def histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0, *,  #
         lo, hi = lo - 1, hi + 1
     if not (math.isfinite(lo) and math.isfinite(hi)):
         raise RuntimeError(f"torch.histc: range of [{lo:g}, {hi:g}] is not finite")
-    check_out(out, self, shape=(bins,))
     N = self.numel()
     if N == 0:
-        return write_result(torch.zeros(bins, dtype=self.dtype, device=self.device), out)
+        return torch.zeros(bins, dtype=self.dtype, device=self.device)
     if N * bins > SORT_LIMIT or (self.dtype != torch.float32 and N > 256):
         raise Unsupported   # too much work / counts the CPU's half-precision histogram would round
     lo, hi = _edge(lo, self.dtype), _edge(hi, self.dtype)
@@ -176,7 +172,10 @@ def histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0, *,  #
     q = (((x - lo) * bins) / width).clamp_max(bins - 1)   # each step rounded to the dtype, as the CPU's
     bin_of = run_pointwise(_bin, [x, q, lo, hi], KIND.DEFAULT, result_dtype=torch.float32,
                            op="aten::histc")
-    return write_result(_one_hot(bin_of, bins).sum(0).to(self.dtype), out)
+    return _one_hot(bin_of, bins).sum(0).to(self.dtype)
+
+
+register_out("histc.out", histc)
 
 
 def _bin(x, q, lo, hi):
