@@ -104,6 +104,11 @@ _DERIVED = {
     "nansum.out": lambda c, out: torch.nansum(c(_X.masked_fill(_MASK, float("nan"))), 1, out=out),  # sums in out's dtype
     "_logcumsumexp.out": lambda c, out: torch.logcumsumexp(c(_X), 1, out=out),
     "histc.out": lambda c, out: torch.histc(c(_X), 5, 0, 1, out=out),
+    "var.correction_out": lambda c, out: torch.var(c(_X), 1, correction=0, out=out),
+    "std.correction_out": lambda c, out: torch.std(c(_X), 0, keepdim=True, out=out),
+    "argmax.out": lambda c, out: torch.argmax(c(_X), 1, out=out),
+    "argmin.out": lambda c, out: torch.argmin(c(_X), out=out),
+    "linalg_vector_norm.out": lambda c, out: torch.linalg.vector_norm(c(_X), 3, 1, out=out),
     "take.out": lambda c, out: torch.take(c(_X), c(_IDX), out=out),
     "index.Tensor_out": lambda c, out: torch.ops.aten.index.Tensor_out(c(_X), [c(_IDX)], out=out),  # quiet
     "nonzero_static.out": lambda c, out: torch.nonzero_static(c(_MASK), size=4, out=out),
@@ -138,7 +143,8 @@ def _assert_like_cpu(call) -> None:
 def test_a_derived_out_variant_resizes_and_warns_like_the_cpu(name, strict):
     assert LOWERED[name].__doc__.startswith(f"``{name}``: ")      # registered by register_out
     for size in (0, 5):                            # empty: resized quietly; else warned (unless the CPU does not)
-        dtype = torch.bool if name.startswith("isin") else torch.int64 if name.startswith("nonzero") else torch.float32
+        dtype = torch.bool if name.startswith("isin") else torch.int64 if name.startswith(("nonzero", "arg")) \
+            else torch.float32
         _assert_like_cpu(lambda conv: _DERIVED[name](conv, conv(torch.empty(size, dtype=dtype))))
 
 

@@ -20,7 +20,7 @@ from torchneuron.ops.base import FLOATS, type_name, Unsupported
 from torchneuron.ops.elementwise import dense, to_int64, write_result
 from torchneuron.ops.int64_elementwise import int_reduce  # exact integer sums (fp32 is exact only below 2**24)
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import lowering
+from torchneuron.ops.registry import lowering, register_out
 
 INT_SUM = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -187,48 +187,47 @@ _with_indices("min.dim", "min")
 
 def _arg(name: str, op: str):
 
-    def kernel(self: torch.Tensor, dim: int | None = None, keepdim: bool = False, *, out=None) -> torch.Tensor:
+    def kernel(self: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
         if self.numel() == 0 or self.device.type != "neuron":
             raise Unsupported
         if dim is None:
             res = _reduce(self.reshape(-1), [0], op, False)
-            res = res.reshape([1] * self.dim()) if keepdim else res
-        else:
-            res = _reduce(self, _dims(self, dim), op, keepdim)
-        return write_result(res, out)
+            return res.reshape([1] * self.dim()) if keepdim else res
+        return _reduce(self, _dims(self, dim), op, keepdim)
+    kernel.__name__ = kernel.__qualname__ = name
     lowering(name)(kernel)
+    register_out(f"{name}.out", kernel)
 
 
-for _name, _op in (("argmax", "argmax"), ("argmax.out", "argmax"), ("argmin", "argmin"), ("argmin.out", "argmin")):
-    _arg(_name, _op)
+_arg("argmax", "argmax")
+_arg("argmin", "argmin")
 
 
 def _var_lowering(name: str, take_sqrt: bool):
-    def kernel(self: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+    def kernel(self: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False) -> torch.Tensor:
         """var/std as sum((x - mean)**2) / (N - correction), each step a device launch."""
-        if self.dtype not in FLOATS or (out is not None and out.device != self.device):
-            raise Unsupported("a dtype the engines lack, or an out= on another device")
+        if self.dtype not in FLOATS:
+            raise Unsupported("a dtype the engines lack")
         dims = _dims(self, dim)
         n = _prod(self.shape[d] for d in dims) if self.dim() else 1
         if self.numel() == 0:  # no elements: NaN for each (empty) group, as on CPU
             shape = [1 if d in dims else s for d, s in enumerate(self.shape)] if keepdim else \
                 [s for d, s in enumerate(self.shape) if d not in dims]
-            return write_result(torch.full(shape, float("nan"), dtype=self.dtype, device=self.device), out)
+            return torch.full(shape, float("nan"), dtype=self.dtype, device=self.device)
         c = 1 if correction is None else correction
         # fp16/bf16 accumulate in fp32 as the CPU does (an fp16 sum of squares overflows past 65504)
         x = self.to(torch.float32) if self.dtype in (torch.float16, torch.bfloat16) else self
         d = x - x.mean(dims, keepdim=True) if dims else x - x
         res = (d * d).sum(dims, keepdim=keepdim) if dims else d * d
         res = res / max(n - c, 0)
-        res = (res.sqrt() if take_sqrt else res).to(self.dtype)
-        return write_result(res, out)
+        return (res.sqrt() if take_sqrt else res).to(self.dtype)
+    kernel.__name__ = kernel.__qualname__ = name.partition(".")[0]
     lowering(name)(kernel)
+    register_out(f"{name}_out", kernel)
 
 
-for _name, _sqrt in (("var.correction", False), ("var.correction_out", False), ("std.correction", True),
-                     ("std.correction_out", True)):
-    _var_lowering(_name, _sqrt)
+_var_lowering("var.correction", False)
+_var_lowering("std.correction", True)
 
 
 def _any_all(name: str, is_all: bool):
@@ -258,16 +257,16 @@ for _name in ("any", "any.dim", "any.dims", "any.out", "any.dims_out", "any.all_
     _any_all(_name, False)
 
 
-@lowering("linalg_vector_norm", "linalg_vector_norm.out")
+@lowering("linalg_vector_norm")
 def linalg_vector_norm(self: torch.Tensor, ord: Any = 2, dim: Any = None, keepdim: bool = False, *,  # noqa: A002
-                       dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
     """Vector p-norms: inf/-inf as amax/amin of |x|, 0 as a count of non-zeros, p as (sum |x|**p)**(1/p)."""
     if not (self.is_floating_point() or self.is_complex()):
         raise RuntimeError(f"linalg.vector_norm: Expected a floating point or complex tensor as input. Got "
                            f"{type_name(self.dtype)}")
     x = self if dtype is None else self.to(dtype) if dtype in FLOATS else None
-    if x is None or x.dtype not in FLOATS or x.numel() == 0 or (out is not None and out.device != self.device):
-        raise Unsupported("a dtype the engines lack, an empty input, or an out= on another device")
+    if x is None or x.dtype not in FLOATS or x.numel() == 0:
+        raise Unsupported("a dtype the engines lack, or an empty input")
     dims = _dims(x, dim)
     # fp16/bf16 accumulate in fp32 and round once, as the CPU does (fp16 sums of squares overflow past 65504)
     a = x.abs().to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.abs()
@@ -284,4 +283,7 @@ def linalg_vector_norm(self: torch.Tensor, ord: Any = 2, dim: Any = None, keepdi
         res = _reduce(a * a, dims, "sum", keepdim).sqrt()
     else:
         res = _reduce(a.pow(p), dims, "sum", keepdim).pow(1.0 / p)
-    return write_result(res.to(x.dtype), out)
+    return res.to(x.dtype)
+
+
+register_out("linalg_vector_norm.out", linalg_vector_norm)
