@@ -37,11 +37,14 @@ OPINFOS = {
     "amin": "amin", "cat": "cat", "full_like": "full_like", "embedding": "nn.functional.embedding",
     "embedding_dense_backward": "nn.functional.embedding",
 }
-# lowered ops whose OpInfo samples never reach the lowering (3-D attention takes the math path): tested below
+# lowered ops whose OpInfo samples never reach the lowering (3-D attention takes the math path; the first nll_loss
+# samples are unreduced or 1-D, which stay eager): tested below
 ELSEWHERE = {"_scaled_dot_product_fused_attention_overrideable": "test_fused_attention_in_a_program",
              "_scaled_dot_product_fused_attention_overrideable_backward": "test_fused_attention_in_a_program",
              "copy_": "test_input_mutation_is_written_by_the_program",
-             "arange": "test_token_and_position_embeddings_run_in_the_program"}
+             "arange": "test_token_and_position_embeddings_run_in_the_program",
+             "nll_loss_forward": "test_cross_entropy_runs_in_the_program_and_checks_its_targets",
+             "nll_loss_backward": "test_cross_entropy_runs_in_the_program_and_checks_its_targets"}
 SAMPLES = 3
 BY_NAME = {(o.name, o.variant_test_name): o for o in op_db}
 
@@ -285,3 +288,36 @@ def test_cat_of_slices_lying_side_by_side_is_a_view():
         assert rep.segments == 1 and not rep.eager_nodes
         instructions[order] = rep.programs[0].instructions
     assert instructions[(0, 1, 2)] < instructions[(1, 0, 2)]
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cross_entropy_runs_in_the_program_and_checks_its_targets(weighted, reduction):
+    """log_softmax and nll (forward and backward) in the programs, equal to the CPU within fp32 summation order
+    over the rows; a target outside the classes fails the program's device-side assertion with the eager op's
+    IndexError, and the next call with good targets runs as before."""
+    torch.manual_seed(0)
+    x, t = torch.randn(96, 40), torch.randint(0, 40, (96,))
+    t[:5] = 7                                               # ignored rows
+    w = torch.rand(40) if weighted else None
+    fn = lambda a, b, c: F.cross_entropy(a, b, weight=c, ignore_index=7, reduction=reduction)  # noqa: E731
+    xn = x.to("neuron").requires_grad_()
+    wn = None if w is None else w.to("neuron")
+    compiled = torch.compile(fn, backend="neuron")
+    got = compiled(xn, t.to("neuron"), wn)
+    got.backward()
+    xc = x.clone().requires_grad_()
+    want = fn(xc, t, w)
+    want.backward()
+    torch.testing.assert_close(got.cpu(), want.detach())
+    torch.testing.assert_close(xn.grad.cpu(), xc.grad)
+    new = reports()[-2:]
+    assert all(not r.eager_nodes for r in new)
+    assert {"aten.nll_loss_forward.default", "aten.nll_loss_backward.default"} <= {k for r in new for k in r.kernels}
+    bad = t.clone()
+    bad[50] = 40
+    with pytest.raises(IndexError):
+        fn(x.to("neuron"), bad.to("neuron"), wn)             # the eager op
+    with pytest.raises(IndexError, match="Target out of bounds"):
+        compiled(x.to("neuron"), bad.to("neuron"), wn)
+    torch.testing.assert_close(compiled(x.to("neuron"), t.to("neuron"), wn).cpu(), want.detach())

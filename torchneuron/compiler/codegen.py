@@ -81,6 +81,17 @@ class OutputLayout:
     scalar: Any = None
 
 
+@dataclass(frozen=True)
+class Check:
+    """A device-side assertion: the program writes a count to ``slot``; after the launch the host reads it and
+    raises ``error`` (a builtin exception's name) with ``message`` when it is not 0 (bad class targets: the
+    eager op reads the same count and raises the same exception type)."""
+
+    slot: str
+    error: str
+    message: str
+
+
 @dataclass
 class SegmentProgram:
     """A traced segment: its Program, the slot bound to each input, and where each output lies."""
@@ -89,6 +100,7 @@ class SegmentProgram:
     input_slots: list[str | None]        # per segment input (None: a host scalar, baked in)
     outputs: list[OutputLayout]
     buffer_bytes: int = 0                # the intermediates' bytes before the memory plan packed them
+    checks: tuple = ()                   # Check per device-side assertion, read after each launch
 
     @cached_property
     def slot_index(self) -> dict[str, int]:
@@ -103,6 +115,12 @@ class _Body:
         self.plan, self.seg, self.sigs = plan, seg, sigs
         self.roles = plan.roles
         self.folded = {n for _, _, chain in seg.epilogues.values() for n in chain}
+        self.checks: list[tuple[Any, str, str]] = []   # (count buffer, exception name, message)
+
+    def check(self, count: Any, error: str, message: str) -> None:
+        """A lowering's device-side assertion: raise ``error(message)`` after the launch if ``count`` (an HBM
+        tensor of one element) is not 0."""
+        self.checks.append((count, error, message))
 
     def __call__(self, **slots: Any) -> tuple:
         env: dict[fx.Node, Any] = {}
@@ -119,7 +137,8 @@ class _Body:
                 self._group(item)
             else:
                 self._node(item)
-        return tuple(v.buf for v in map(self.value, self.seg.outputs) if isinstance(v, Value))
+        outs = tuple(v.buf for v in map(self.value, self.seg.outputs) if isinstance(v, Value))
+        return outs + tuple(count for count, _, _ in self.checks)
 
     # values ------------------------------------------------------------------------------------
 
@@ -277,7 +296,8 @@ def trace_segment(plan: Plan, seg: Segment, sigs: list[InputSig], spec: ChipSpec
             outs.append(OutputLayout(None, tuple(v.shape), dtype=v.dtype))
         else:
             outs.append(OutputLayout(None, scalar=v))
-    return SegmentProgram(program, slots, outs, memory.buffer_bytes)
+    checks = tuple(Check(next(returned), error, message) for _, error, message in body.checks)
+    return SegmentProgram(program, slots, outs, memory.buffer_bytes, checks)
 
 
 def bindable(sig: InputSig) -> bool:

@@ -31,6 +31,7 @@ from torchneuron.compiler.values import NotLowerable
 from torchneuron.runtime.launch import launch_slots
 
 EAGER = "eager"   # a segment signature that runs as eager ops
+_ERRORS = {"IndexError": IndexError, "RuntimeError": RuntimeError, "ValueError": ValueError}   # Check.error
 
 
 class CompiledGraph:
@@ -108,6 +109,9 @@ class CompiledGraph:
             slot = prog.program.args[arena]
             tensors[arena] = torch.empty(slot.shape, dtype=slot.dtype, device=device)
         bound = launch_slots(prog.program, tensors, device.index, f"compiled::{self.name}")
+        for check in prog.checks:   # device-side assertions (one host read each, as the eager ops read them)
+            if bound[index[check.slot]].reshape(-1)[0].item():
+                raise _ERRORS[check.error](check.message)
         for node, lay in zip(seg.outputs, prog.outputs):
             if lay.slot is not None:
                 t = bound[index[lay.slot]].reshape(-1)

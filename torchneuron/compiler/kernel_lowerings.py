@@ -26,6 +26,7 @@ from torchneuron.kernels.copy import strided_copy
 from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_preferred, result_views
 from torchneuron.kernels.elementwise import fold_broadcast, stream
 from torchneuron.kernels.indexing import gather_rows, iota
+from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.reduction import reduce_kernel
@@ -370,6 +371,54 @@ def _adjacent(tensors: list, shape: tuple, dim: int) -> Value | None:
             (n - 1) * st for n, st in zip(shape, whole.stride())) > numel(tuple(first.buf.shape)):
         return None
     return first.with_layout(whole)
+
+
+# ---- negative log likelihood (cross-entropy's second half) ----------------------------------------------
+# The kernels count targets outside [0, C) (other than ignore_index); the program returns the count as a
+# device-side assertion the host reads after the launch, raising IndexError as the eager op does.
+
+def _nll_ok(x, target, weight, reduction, ignore_index) -> bool:
+    return (x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and reduction in (1, 2)
+            and target.dtype == torch.int64 and target.is_contiguous() and tuple(target.shape) == (x.shape[0],)
+            and 0 < x.shape[1] < EXACT and abs(ignore_index) < EXACT and x.numel() > 0
+            and (weight is None or (weight.dtype == x.dtype and tuple(weight.shape) == (x.shape[1],))))
+
+
+def _nll_checked(ctx, bad, C: int, ignore_index: int) -> None:
+    ctx.check(bad, "IndexError", f"Target out of bounds: a class index outside [0, {C}) other than the "
+                                 f"ignore_index {ignore_index}")
+
+
+supports(aten.nll_loss_forward.default)(lambda node, x, t, w, reduction, ignore_index: _nll_ok(
+    x, t, w, reduction, ignore_index))
+supports(aten.nll_loss_backward.default)(lambda node, g, x, t, w, reduction, ignore_index, total: (
+    _nll_ok(x, t, w, reduction, ignore_index) and g.dtype == x.dtype and g.numel() == 1 and total.numel() == 1))
+
+
+@register_kernel(aten.nll_loss_forward.default)
+def lower_nll_loss(ctx, node, x: Value, target: Value, weight: Value | None, reduction: int,
+                   ignore_index: int) -> tuple[Value, Value]:
+    """(loss, total weight) reduced over the rows: the eager op's kernel, its target check a device assertion."""
+    N, C = x.shape
+    words, _ = index_words(target)
+    w = {} if weight is None else {"weight": dense(weight, (1, C))}
+    loss, total, bad = nll_fwd_kernel(dense(x), words.reshape((N, 2)), ignore_index=int(ignore_index),
+                                      reduction=reduction, **w)
+    _nll_checked(ctx, bad, C, ignore_index)
+    return hbm_value(loss).reshape(()), hbm_value(total).reshape(())
+
+
+@register_kernel(aten.nll_loss_backward.default)
+def lower_nll_loss_backward(ctx, node, g: Value, x: Value, target: Value, weight: Value | None, reduction: int,
+                            ignore_index: int, total: Value) -> Value:
+    """d loss / d x: ``-w[t_n] * g`` (over the total weight for 'mean') at each row's target, zero elsewhere."""
+    N, C = x.shape
+    words, _ = index_words(target)
+    w = {} if weight is None else {"weight": dense(weight, (1, C))}
+    dx, bad = nll_bwd_kernel(dense(g, (1, 1)), words.reshape((N, 2)), dense(total, (1, 1)), num_classes=C,
+                             ignore_index=int(ignore_index), reduction=reduction, **w)
+    _nll_checked(ctx, bad, C, ignore_index)
+    return hbm_value(dx)
 
 
 # ---- input mutation ---------------------------------------------------------------------------------
