@@ -104,6 +104,10 @@ _DERIVED = {
     "nansum.out": lambda c, out: torch.nansum(c(_X.masked_fill(_MASK, float("nan"))), 1, out=out),  # sums in out's dtype
     "_logcumsumexp.out": lambda c, out: torch.logcumsumexp(c(_X), 1, out=out),
     "histc.out": lambda c, out: torch.histc(c(_X), 5, 0, 1, out=out),
+    "sort.values_stable": lambda c, out: torch.sort(c(_X), dim=0, stable=True,
+                                                    out=(out, c(torch.empty(0, dtype=torch.int64)))),
+    "topk.values": lambda c, out: torch.topk(c(_X), 2, out=(out, c(torch.empty(0, dtype=torch.int64)))),
+    "mode.values": lambda c, out: torch.mode(c(_X.round()), 0, True, out=(out, c(torch.empty(0, dtype=torch.int64)))),
     "var.correction_out": lambda c, out: torch.var(c(_X), 1, correction=0, out=out),
     "std.correction_out": lambda c, out: torch.std(c(_X), 0, keepdim=True, out=out),
     "argmax.out": lambda c, out: torch.argmax(c(_X), 1, out=out),

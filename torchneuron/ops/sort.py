@@ -38,7 +38,7 @@ from torchneuron.ops.base import aten, meta_twin, on_one_device, Unsupported
 from torchneuron.ops.elementwise import dense, run_pointwise, to_int64, write_result
 from torchneuron.ops.indexing import arange_values
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import lowering
+from torchneuron.ops.registry import lowering, register_out
 from torchneuron.ops.scatter import check_out, DATA_DTYPES, scatter_into
 
 SORT_LIMIT = 1 << 24       # comparisons (L * n * n) of one device rank sort
@@ -301,43 +301,33 @@ def _sort_int64(self: torch.Tensor, dim: int, descending: bool) -> tuple[torch.T
     return torch.gather(x, d, order).reshape(self.shape), order.reshape(self.shape)
 
 
-@lowering("sort.stable", "sort.values_stable")
-def sort(self: torch.Tensor, *, stable: bool | None = None, dim: int = -1, descending: bool = False,
-         values: torch.Tensor | None = None, indices: torch.Tensor | None = None):
+@lowering("sort.stable")
+def sort(self: torch.Tensor, *, stable: bool | None = None, dim: int = -1,
+         descending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.sort`` (always stable): a rank sort on the device."""
-    outs = values is not None
-    overload = aten.sort.values_stable if outs else aten.sort.stable
-    if not on_one_device(self, values, indices):
+    if not on_one_device(self):
         raise Unsupported
-    overload(meta_twin(self), stable=stable, dim=dim, descending=descending,
-             **({"values": meta_twin(values), "indices": meta_twin(indices)} if outs else {}))
-    check_out(values, self)
-    check_out(indices, self)
-    v, i = sort_lines(self, dim, descending)
-    if outs:
-        return write_result(v, values), write_result(i, indices)
-    return v, i
+    aten.sort.stable(meta_twin(self), stable=stable, dim=dim, descending=descending)
+    return sort_lines(self, dim, descending)
 
 
-@lowering("topk", "topk.values")
-def topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True, *,  # noqa: A002
-         values: torch.Tensor | None = None, indices: torch.Tensor | None = None):
+register_out("sort.values_stable", sort)
+
+
+@lowering("topk")
+def topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
+         sorted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: A002
     """``torch.topk``: the leading ``k`` of a stable sort (exact values, stable tie order)."""
-    outs = values is not None
-    overload = aten.topk.values if outs else aten.topk.default
-    kw = {"values": values, "indices": indices} if outs else {}
-    if not on_one_device(self, values, indices):
+    if not on_one_device(self):
         raise Unsupported
     d = canonicalize_dim(max(self.dim(), 1), dim)
     if not 0 <= k <= (self.shape[d] if self.dim() else 1):
         raise RuntimeError("selected index k out of range")   # the CPU's words (the meta check's differ)
-    overload(meta_twin(self), k, dim, largest, sorted, **{a: meta_twin(b) for a, b in kw.items()})
-    check_out(values, self)
-    check_out(indices, self)
-    v, i = _leading(self, k, d, largest) if self.dim() else sort_lines(self, dim, largest)
-    if outs:
-        return write_result(v, values), write_result(i, indices)
-    return v, i
+    aten.topk.default(meta_twin(self), k, dim, largest, sorted)
+    return _leading(self, k, d, largest) if self.dim() else sort_lines(self, dim, largest)
+
+
+register_out("topk.values", topk)
 
 
 def _leading(x: torch.Tensor, k: int, d: int, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -401,28 +391,22 @@ def _mode(x: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (dense(t.reshape(shape).movedim(-1, d)) for t in (values, indices))
 
 
-@lowering("mode", "mode.values")
-def mode(self: torch.Tensor, dim: int = -1, keepdim: bool = False, *, values: torch.Tensor | None = None,
-         indices: torch.Tensor | None = None):
+@lowering("mode")
+def mode(self: torch.Tensor, dim: int = -1, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.mode``: run lengths of a stable sort (lines up to ``SORT_LIMIT`` pairs)."""
-    outs = values is not None
-    if not on_one_device(self, values, indices) or self.dtype not in DATA_DTYPES:
+    if not on_one_device(self) or self.dtype not in DATA_DTYPES:
         raise Unsupported
     d = canonicalize_dim(max(self.dim(), 1), dim)
     if self.numel() == 0:       # the CPU's error for an empty dim, or its empty result
         v, i = aten.mode.default(torch.empty(self.shape, dtype=self.dtype), dim, keepdim)
-        v, i = v.to(self.device), i.to(self.device)
-    else:
-        if outs and (values.dtype != self.dtype or indices.dtype != torch.int64):
-            raise Unsupported   # the CPU's dtype errors
-        check_out(values, self)
-        check_out(indices, self)
-        x = self.reshape(1) if self.dim() == 0 else self
-        v, i = _mode(x, d)
-        if not keepdim or self.dim() == 0:
-            v, i = v.squeeze(d), i.squeeze(d)
-        if self.dim() == 0:
-            v, i = v.reshape(()), i.reshape(())
-    if outs:
-        return write_result(v, values), write_result(i, indices)
+        return v.to(self.device), i.to(self.device)
+    x = self.reshape(1) if self.dim() == 0 else self
+    v, i = _mode(x, d)
+    if not keepdim or self.dim() == 0:
+        v, i = v.squeeze(d), i.squeeze(d)
+    if self.dim() == 0:
+        v, i = v.reshape(()), i.reshape(())
     return v, i
+
+
+register_out("mode.values", mode)
