@@ -11,6 +11,7 @@ from torchneuron.kernels.matmul import max_contraction
 from torchneuron.runtime import profiler
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+EPS32 = torch.finfo(torch.float32).eps
 
 
 def _check(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -91,3 +92,41 @@ def test_out_and_inplace_variants_of_long_products(strict):
     nc = to_n(c)
     nc.addmm_(to_n(a), to_n(b))
     _check(nc, a, b, c)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batched", [False, True])
+def test_scaled_sum_with_a_full_input_is_one_launch(batched, dtype, strict):
+    # beta * C + alpha * (A @ B) with C of the result's shape: the sum is formed at the product's store (it was a
+    # second, element-wise launch), from the product rounded to the dtype as that launch read it
+    torch.manual_seed(0)
+    sa, sb = ((3, 200, 64), (3, 260, 64)) if batched else ((200, 300), (600, 300))
+    a, bt = torch.randn(sa).to(dtype), torch.randn(sb).to(dtype)
+    b = bt.transpose(-1, -2)                       # a transposed operand, read as it lies
+    c = torch.randn(a.shape[:-1] + b.shape[-1:]).to(dtype)
+    alpha, beta = 0.75, -1.5
+    op = torch.baddbmm if batched else torch.addmm
+    an, bn, cn = to_n(a), to_n(bt).transpose(-1, -2), to_n(c)
+    out = torch.empty(c.shape, dtype=dtype, device="neuron")
+    for call in (lambda: op(cn, an, bn, beta=beta, alpha=alpha), lambda: op(cn, an, bn, beta=beta, alpha=alpha, out=out)):
+        res, names = _launches(call)
+        assert names == ["addmm_kernel"]
+        prod, mag = a.double() @ b.double(), a.double().abs() @ b.double().abs()
+        eps = torch.finfo(dtype).eps
+        prod_err = 4 * a.shape[-1] ** 0.5 * EPS32 * mag + eps * prod.abs()     # fp32 sums, rounded to the dtype
+        ref = beta * c.double() + alpha * prod
+        tol = abs(alpha) * prod_err + EPS32 * (abs(alpha) * prod.abs() + abs(beta) * c.double().abs()) \
+            + eps * ref.abs()
+        err = (res.cpu().double() - ref).abs()
+        assert res.dtype == dtype and bool((err <= tol).all()), f"exceeds the bound by {float((err - tol).max()):.3g}"
+    assert out.data_ptr() == res.data_ptr()
+
+
+def test_scaled_sum_keeps_its_second_launch_where_the_input_broadcasts_or_beta_is_zero(strict):
+    a, b = torch.randn(130, 70), torch.randn(70, 140)
+    c = torch.full((130, 140), float("nan"))
+    res, names = _launches(lambda: torch.addmm(to_n(c), to_n(a), to_n(b), beta=0, alpha=2))
+    assert "addmm_kernel" not in names and not bool(res.cpu().isnan().any())   # beta == 0 ignores NaN input
+    col = torch.randn(130, 1)
+    res, names = _launches(lambda: torch.addmm(to_n(col), to_n(a), to_n(b), beta=0.5, alpha=2))
+    torch.testing.assert_close(res.cpu(), torch.addmm(col, a, b, beta=0.5, alpha=2), rtol=1e-5, atol=1e-4)

@@ -107,6 +107,22 @@ def bmm_kernel(a, b, transpose_a=False, transpose_b=False):
     return out
 
 
+@nki.jit
+def addmm_kernel(a, b, c, transpose_a=False, transpose_b=False, alpha=1.0, beta=1.0):
+    """``beta * C + alpha * (A @ B)`` with C of the product's shape, in one launch: 2-D (layouts as
+    ``matmul_kernel``) or batched over the leading dim of 3-D operands (entries of more than one tile each).
+    The sum is formed in fp32 at each block's store from the product rounded to A's dtype, as the separate
+    element-wise launch it replaces computed it."""
+    def scaled_sum(prod, inp):
+        return nl.add(nl.multiply(prod, alpha), nl.multiply(inp, beta))
+    if len(a.shape) == 2:
+        return matmul_kernel(a, b, transpose_a, transpose_b, epilogue=Epilogue(scaled_sum, (c,), a.dtype))
+    out = nl.ndarray(tuple(c.shape), a.dtype, buffer=nl.shared_hbm)
+    for i in range(a.shape[0]):
+        matmul_into(a[i], b[i], out[i], transpose_a, transpose_b, epilogue=Epilogue(scaled_sum, (c[i],), a.dtype))
+    return out
+
+
 def alternating_evict() -> Callable:
     """A PSUM -> SBUF copy ``evict(dst, src)`` (casting to dst's dtype) alternating ScalarE and VectorE."""
     turn = [0]

@@ -8,7 +8,8 @@ the device first. Each product is one launch of the matmul kernel, unless its co
 than the kernel keeps in SBUF (``max_contraction``: ~14k-38k bf16, ~7k-19k fp32 depending on the
 layouts), when equal chunks are summed in fp32. ``bmm`` is one launch of the batched kernel.
 ``addmm`` with a bias row (``linear``: beta = alpha = 1) adds it inside the matmul launch, at the
-PSUM eviction; otherwise ``addmm``/``baddbmm`` add ``beta * input`` with one element-wise launch. fp32, bf16 and fp16 run on the device (fp32 PSUM
+PSUM eviction; an input of the result's shape (any alpha, beta != 0) is summed at the product's store by
+``addmm_kernel``, in the same launch; otherwise ``addmm``/``baddbmm`` add ``beta * input`` with one element-wise launch. fp32, bf16 and fp16 run on the device (fp32 PSUM
 accumulation); other dtypes take the CPU fallback.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from torchneuron import runtime
-from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel, max_contraction
+from torchneuron.kernels.matmul import addmm_kernel, bmm_kernel, fuses_bias, matmul_kernel, max_contraction
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import FLOATS, on_one_device, type_name, Unsupported
 from torchneuron.ops.elementwise import dense, KIND, run_pointwise
@@ -169,6 +170,25 @@ def _bias_row(inp: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: Any, al
     return dense(inp).reshape(1, N)
 
 
+def _fused_sum_operands(inp, a, b, beta, shape: tuple, batched: bool) -> dict | None:
+    """The ``addmm_kernel`` operands of ``beta * inp + alpha * (a @ b)`` when ``inp`` has the result's shape and
+    dtype (the sum formed at the product's store), or None where it takes its own launch: a broadcast input,
+    beta == 0 (the input ignored, NaN included), an empty or split contraction, or batch entries the grouped
+    small-matrix kernel takes."""
+    K = a.shape[-1]
+    if tuple(inp.shape) != shape or inp.dtype != a.dtype or beta == 0 or 0 in shape or K == 0:
+        return None
+    if batched:
+        (ka, ta), (kb, tb) = _batched_operand(a), _batched_operand(b)
+        if shape[1] <= 128 and K <= 128 and shape[2] <= 512:
+            return None
+    else:
+        (ka, ta), (kb, tb) = _operand(a), _operand(b)
+        if K > _k_limit(a, ta, tb, True):
+            return None
+    return {"a": ka, "b": kb, "c": dense(inp), "transpose_a": ta, "transpose_b": tb}
+
+
 def _addmm(inp, a, b, beta, alpha, out, batched: bool):
     check = _check_bmm if batched else _check_mm
     check(a, b)
@@ -180,11 +200,19 @@ def _addmm(inp, a, b, beta, alpha, out, batched: bool):
         if out is not None and tuple(out.shape) != shape:
             torch._refs._maybe_resize_out(out, shape)
         return mm_into(a, b, out, bias)
+    if out is not None and tuple(out.shape) != shape:
+        torch._refs._maybe_resize_out(out, shape)
+    fused = _fused_sum_operands(inp, a, b, beta, shape, batched)
+    if fused is not None and (out is None or out.dtype == a.dtype):
+        direct = out is not None and out.is_contiguous() and out.dtype == a.dtype
+        meta = {"transpose_a": fused.pop("transpose_a"), "transpose_b": fused.pop("transpose_b"),
+                "alpha": float(alpha), "beta": float(beta)}
+        (res,) = call_kernel(addmm_kernel, fused, meta, [out if direct else None],
+                             op="aten::baddbmm" if batched else "aten::addmm")
+        return res if out is None or direct else out.copy_(res)
     prod = bmm(a, b) if batched else mm_into(a, b, None)
     if out is None:
         out = torch.empty(shape, dtype=a.dtype, device=a.device)
-    elif tuple(out.shape) != shape:
-        torch._refs._maybe_resize_out(out, shape)
     if beta == 1 and alpha == 1:
         return run_pointwise(tm.add, [prod, inp], KIND.DEFAULT, out, inplace=False, op="aten::addmm")
     return add_scaled(prod, inp, beta, alpha, out)
