@@ -87,6 +87,8 @@ _X, _T = torch.rand(3, 4), torch.rand(3, 4)
 _MASK, _IDX = _X > 0.5, torch.tensor([2, 0])
 _L = torch.tril(torch.rand(4, 4)) + 2 * torch.eye(4)      # well conditioned: solves stay within a few ulps
 _POOLED, _ARGMAX = torch.nn.functional.max_pool2d(torch.rand(1, 2, 4, 4), 2, return_indices=True)
+_IMG = torch.rand(1, 2, 4, 4)
+_POOL3, _ARG3 = torch.nn.functional.max_pool2d(_IMG, 2, 1, return_indices=True)   # overlapping windows
 # out= overloads derived from their functional kernels: overload -> call(convert, out)
 _DERIVED = {
     "mse_loss.out": lambda c, out: torch._C._nn.mse_loss(c(_X), c(_T), 0, out=out),
@@ -104,6 +106,13 @@ _DERIVED = {
     "nansum.out": lambda c, out: torch.nansum(c(_X.masked_fill(_MASK, float("nan"))), 1, out=out),  # sums in out's dtype
     "_logcumsumexp.out": lambda c, out: torch.logcumsumexp(c(_X), 1, out=out),
     "histc.out": lambda c, out: torch.histc(c(_X), 5, 0, 1, out=out),
+    "max_pool2d_with_indices.out": lambda c, out: torch.ops.aten.max_pool2d_with_indices.out(
+        c(_IMG), [2, 2], [1, 1], out=out, indices=c(torch.empty(0, dtype=torch.int64))),   # quiet
+    "max_pool2d_with_indices_backward.grad_input": lambda c, out: torch.ops.aten.max_pool2d_with_indices_backward(
+        c(_POOL3), c(_IMG), [2, 2], [1, 1], [0, 0], [1, 1], False, c(_ARG3), grad_input=out),   # quiet
+    "avg_pool2d.out": lambda c, out: torch._C._nn.avg_pool2d(c(_IMG), [2, 2], [1, 1], out=out),
+    "avg_pool2d_backward.grad_input": lambda c, out: torch.ops.aten.avg_pool2d_backward(
+        c(_POOL3), c(_IMG), [2, 2], [1, 1], [0, 0], False, True, None, grad_input=out),   # quiet
     "sort.values_stable": lambda c, out: torch.sort(c(_X), dim=0, stable=True,
                                                     out=(out, c(torch.empty(0, dtype=torch.int64)))),
     "topk.values": lambda c, out: torch.topk(c(_X), 2, out=(out, c(torch.empty(0, dtype=torch.int64)))),

@@ -27,9 +27,9 @@ import torchneuron.nki.language as nl
 from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, device_table, floats_on_one_device, meta_run, Unsupported
-from torchneuron.ops.elementwise import dense, run_pointwise, to_int64, write_result
+from torchneuron.ops.elementwise import dense, run_pointwise, to_int64
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import lowering
+from torchneuron.ops.registry import lowering, register_out
 from torchneuron.ops.windows import as_float32, col2im_patches, im2col_patches, int_tuple
 
 
@@ -130,15 +130,6 @@ def _max_pool_forward(n: int, self, kernel_size, stride, padding, dilation, ceil
     return _max_pool(n, self, kernel_size, stride, padding, dilation, ceil_mode)
 
 
-def _max_pool_forward_out(n: int, self, kernel_size, stride, padding, dilation, ceil_mode, out, indices):
-    """``max_pool{n}d_with_indices.out``."""
-    if not _max_pool_ok(self, n) or out.device != self.device or indices.device != self.device \
-            or out.dtype != self.dtype or indices.dtype != torch.int64:
-        raise Unsupported("a tensor or dtype the device pooling does not take, or out= tensors unlike the results")
-    values, idx = _max_pool(n, self, kernel_size, stride, padding, dilation, ceil_mode)
-    return write_result(values, out), write_result(idx, indices)
-
-
 @lowering("max_pool2d_with_indices")
 def max_pool2d_with_indices(self: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int] = (),
                             padding: Sequence[int] = (0,), dilation: Sequence[int] = (1,), ceil_mode: bool = False):
@@ -153,20 +144,8 @@ def max_pool3d_with_indices(self: torch.Tensor, kernel_size: Sequence[int], stri
     return _max_pool_forward(3, self, kernel_size, stride, padding, dilation, ceil_mode)
 
 
-@lowering("max_pool2d_with_indices.out")
-def max_pool2d_with_indices_out(self: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int] = (),
-                                padding: Sequence[int] = (0,), dilation: Sequence[int] = (1,), ceil_mode: bool = False,
-                                *, out: torch.Tensor, indices: torch.Tensor):
-    """``max_pool2d_with_indices`` into ``out`` and ``indices``."""
-    return _max_pool_forward_out(2, self, kernel_size, stride, padding, dilation, ceil_mode, out, indices)
-
-
-@lowering("max_pool3d_with_indices.out")
-def max_pool3d_with_indices_out(self: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int] = (),
-                                padding: Sequence[int] = (0,), dilation: Sequence[int] = (1,), ceil_mode: bool = False,
-                                *, out: torch.Tensor, indices: torch.Tensor):
-    """``max_pool3d_with_indices`` into ``out`` and ``indices``."""
-    return _max_pool_forward_out(3, self, kernel_size, stride, padding, dilation, ceil_mode, out, indices)
+register_out("max_pool2d_with_indices.out", max_pool2d_with_indices, warn_resize=False)   # the CPU resizes quietly
+register_out("max_pool3d_with_indices.out", max_pool3d_with_indices, warn_resize=False)   # the CPU resizes quietly
 
 
 def _max_pool_backward(n: int, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
@@ -178,8 +157,10 @@ def _max_pool_backward(n: int, grad_output, self, kernel_size, stride, padding, 
     # the low int32 words of the int64 indices (indices are below 2**24)
     low = dense(indices.reshape(BC, L)).view(torch.int32).view(1, BC, L, 2)[..., 0]
     table = device_table(self.device, _window_index, S, k, s, p, d, O)           # [K, 1, prod(O)]
-    contrib = torch.where(low == table, grad_output.reshape(1, BC, L), 0)   # [K, BC, prod(O)]
-    return col2im_patches(contrib.view(1, *k, BC, *O), (BC, 1, *S), k, s, p, d).view(self.shape)
+    # overlapping windows' bf16/fp16 gradients summed in fp32 and rounded once: at least as exact as the CPU's
+    contrib = torch.where(low == table, as_float32(grad_output).reshape(1, BC, L), 0)   # [K, BC, prod(O)]
+    grad = col2im_patches(contrib.view(1, *k, BC, *O), (BC, 1, *S), k, s, p, d).view(self.shape)
+    return grad.to(self.dtype)
 
 
 def _max_pool_backward_ok(n: int, grad_output, self, indices) -> bool:
@@ -189,18 +170,11 @@ def _max_pool_backward_ok(n: int, grad_output, self, indices) -> bool:
             and tuple(indices.shape) == tuple(grad_output.shape))
 
 
-def _max_pool_grad(n: int, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices,
-                   grad_input=None):
-    """``max_pool{n}d_with_indices_backward`` (into ``grad_input`` when given): the device or the fallback."""
-    ok = _max_pool_backward_ok(n, grad_output, self, indices)
-    if grad_input is None:
-        if not ok:
-            raise Unsupported("tensors or dtypes the device gradient does not take")
-        return _max_pool_backward(n, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
-    if not ok or grad_input.device != self.device:
-        raise Unsupported("tensors or dtypes the device gradient does not take, or a grad_input on another device")
-    return write_result(_max_pool_backward(n, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode,
-                                    indices), grad_input)
+def _max_pool_grad(n: int, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    """``max_pool{n}d_with_indices_backward``: the device or the fallback."""
+    if not _max_pool_backward_ok(n, grad_output, self, indices):
+        raise Unsupported("tensors or dtypes the device gradient does not take")
+    return _max_pool_backward(n, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
 
 
 @lowering("max_pool2d_with_indices_backward")
@@ -219,24 +193,10 @@ def max_pool3d_with_indices_backward(grad_output: torch.Tensor, self: torch.Tens
     return _max_pool_grad(3, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
 
 
-@lowering("max_pool2d_with_indices_backward.grad_input")
-def max_pool2d_with_indices_backward_out(grad_output: torch.Tensor, self: torch.Tensor, kernel_size: Sequence[int],
-                                         stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
-                                         ceil_mode: bool, indices: torch.Tensor, *,
-                                         grad_input: torch.Tensor) -> torch.Tensor:
-    """``max_pool2d_with_indices_backward`` into ``grad_input``."""
-    return _max_pool_grad(2, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices,
-                          grad_input)
-
-
-@lowering("max_pool3d_with_indices_backward.grad_input")
-def max_pool3d_with_indices_backward_out(grad_output: torch.Tensor, self: torch.Tensor, kernel_size: Sequence[int],
-                                         stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
-                                         ceil_mode: bool, indices: torch.Tensor, *,
-                                         grad_input: torch.Tensor) -> torch.Tensor:
-    """``max_pool3d_with_indices_backward`` into ``grad_input``."""
-    return _max_pool_grad(3, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices,
-                          grad_input)
+register_out("max_pool2d_with_indices_backward.grad_input", max_pool2d_with_indices_backward,
+             warn_resize=False)
+register_out("max_pool3d_with_indices_backward.grad_input", max_pool3d_with_indices_backward,
+             warn_resize=False)
 
 
 # ---- unfold / fold (im2col, col2im) -------------------------------------------------------------------
@@ -383,14 +343,7 @@ def avg_pool2d(self: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[
     return _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
 
 
-@lowering("avg_pool2d.out")
-def avg_pool2d_out(self: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int] = (),
-                   padding: Sequence[int] = (0,), ceil_mode: bool = False, count_include_pad: bool = True,
-                   divisor_override: int | None = None, *, out: torch.Tensor) -> torch.Tensor:
-    """``avg_pool2d`` into ``out``."""
-    if not _avg_ok(self) or out.device != self.device or out.dtype != self.dtype:
-        raise Unsupported
-    return write_result(_avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override), out)
+register_out("avg_pool2d.out", avg_pool2d)
 
 
 def _avg_pool_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
@@ -416,15 +369,7 @@ def avg_pool2d_backward(grad_output: torch.Tensor, self: torch.Tensor, kernel_si
                               divisor_override)
 
 
-@lowering("avg_pool2d_backward.grad_input")
-def avg_pool2d_backward_out(grad_output: torch.Tensor, self: torch.Tensor, kernel_size: Sequence[int],
-                            stride: Sequence[int], padding: Sequence[int], ceil_mode: bool, count_include_pad: bool,
-                            divisor_override: int | None, *, grad_input: torch.Tensor) -> torch.Tensor:
-    """``avg_pool2d_backward`` into ``grad_input``."""
-    if not _avg_backward_ok(grad_output, self) or grad_input.device != self.device:
-        raise Unsupported
-    return write_result(_avg_pool_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                                    divisor_override), grad_input)
+register_out("avg_pool2d_backward.grad_input", avg_pool2d_backward, warn_resize=False)   # quietly, as the CPU
 
 
 @lowering("_adaptive_avg_pool2d")
