@@ -146,3 +146,23 @@ def test_incomplete_gamma_dtype_errors(dtype, strict):
     with pytest.raises(type(cpu.value)) as dev:
         torch.igamma(to_n(t), to_n(t))
     assert str(dev.value) == str(cpu.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_float_glu_and_its_gradient_round_once(dtype, strict):
+    # computed in fp32 and rounded once (as the CPU's kernel): each element is the float64 result rounded to the
+    # dtype, to within fp32's rounding of a few operations; edges: fp16's 65504, +-inf and NaN gates, -0.0
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 8, generator=gen) * 4).to(dtype)
+    x[0, :4] = torch.tensor([65504.0, -65504.0, -0.0, float("nan")]).to(dtype)
+    x[0, 4:] = torch.tensor([float("inf"), -float("inf"), 3.0, 0.0]).to(dtype)
+    g = (torch.randn(6, 4, generator=gen) * 4).to(dtype)
+    exact = torch.nn.functional.glu(x.double(), -1)
+    got = torch.nn.functional.glu(to_n(x), -1).cpu()
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), exact.to(dtype).double(), rtol=2 * torch.finfo(dtype).eps, atol=0,
+                               equal_nan=True)
+    exact_g = torch.ops.aten.glu_backward(g.double(), x.double(), -1)
+    got_g = torch.ops.aten.glu_backward(to_n(g), to_n(x), -1).cpu()
+    torch.testing.assert_close(got_g.double(), exact_g.to(dtype).double(), rtol=2 * torch.finfo(dtype).eps, atol=0,
+                               equal_nan=True)

@@ -206,6 +206,11 @@ def prelu_kernel_backward(grad: torch.Tensor, self: torch.Tensor, weight: torch.
     return gi, gw.reshape(weight.shape)
 
 
+def _in_fp32(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 ``x`` in fp32 (the CPU's glu computes in fp32 and rounds once); others as they are."""
+    return x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def _glu_halves(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     if x.dim() == 0:
         raise RuntimeError("glu does not support scalars because halving size must be even")
@@ -225,8 +230,8 @@ def glu(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
     check_dtypes_like_cpu(aten.glu.default, self, numel=2)   # glu halves its dim: two elements
     if self.dtype == torch.float64 or not on_one_device(self):
         raise Unsupported("float64, or a tensor off the device")
-    a, b, _ = _glu_halves(self, dim)
-    return a * torch.sigmoid(b)
+    a, b, _ = _glu_halves(_in_fp32(self), dim)
+    return (a * torch.sigmoid(b)).to(self.dtype)
 
 
 register_out("glu.out", glu)
@@ -237,11 +242,12 @@ def glu_backward(grad_output: torch.Tensor, self: torch.Tensor, dim: int) -> tor
     """(g * sigmoid(b), g * a * sigmoid(b) * (1 - sigmoid(b))) joined along ``dim``."""
     if not self.is_floating_point() or self.dtype == torch.float64 or not on_one_device(self, grad_output):
         raise Unsupported("a dtype the engines lack, or tensors on more than one device")
-    a, b, d = _glu_halves(self, dim)
+    a, b, d = _glu_halves(_in_fp32(self), dim)
+    g = _in_fp32(grad_output)
     s = torch.sigmoid(b)
-    ga = grad_output * s
+    ga = g * s
     gb = ga * a * (1 - s)
-    return torch.cat([ga, gb], d)
+    return torch.cat([ga, gb], d).to(self.dtype)
 
 
 register_out("glu_backward.grad_input", glu_backward)
