@@ -11,14 +11,32 @@
   timing model (the first timed run schedules; later runs reuse the cached schedule).
 * Large tiles: host time of one instruction divided by the time of the equivalent torch
   call on ordinary contiguous tensors (1.0 = no simulator overhead).
+* Tutorials (``--tutorials``): host seconds to trace and functionally simulate each public NKI tutorial
+  kernel at its tutorial's shapes (target: at most 10 s each), its result checked against the tutorial's
+  NumPy/torch reference at the tutorial's tolerance. The kernels are not part of this repository: they are
+  read at run time from a git copy of ``aws-neuron/nki-samples`` (``--samples PATH`` or
+  ``TORCHNEURON_NKI_SAMPLES``; otherwise a copy next to this checkout is looked for) at pinned commits, with
+  NKI imports aliased to TorchNeuron's; without a copy the cases are reported as skipped. ``--check`` also
+  prints a digest of each kernel's outputs and program and its simulated device time, to compare runs of two
+  versions of the simulator (a host-speed change must leave all three unchanged).
 
-Run: ``.venv/bin/python bench/sim_speed.py``. Timings are the best of several repeats.
+Run: ``.venv/bin/python bench/sim_speed.py`` (``--tutorials [--only NAME] [--check]``). Timings are the
+best of several repeats, except the tutorials' (one cold run each: tracing is part of what is measured).
 """
 from __future__ import annotations
 
+import argparse
+import hashlib
 import math
+import os
+import sys
 import time
-from typing import Callable
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -176,7 +194,243 @@ def large_tiles(core: NeuronCore) -> list[tuple[str, isa.Instr, Callable[[], obj
     ]
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# public NKI tutorial kernels
+# ---------------------------------------------------------------------------------------------------------------
+SAMPLES_HEAD = "6905a68a122f937e68403727759f035ddd144f95"    # aws-neuron/nki-samples: current tutorials
+SAMPLES_LEGACY = "7af4e4d0210b2baf98cfa2bd033b06fc8ac60355"  # the parent of 8370e11, which removed the legacy ones
+TUTORIALS = "src/nki_samples/tutorials/"
+
+
+@dataclass(frozen=True)
+class Tutorial:
+    """One tutorial kernel at its tutorial's shapes: where it is, its arguments and its reference result."""
+
+    name: str
+    commit: str
+    path: str                                   # under TUTORIALS
+    kernel: str                                 # the module attribute the tutorial calls
+    shapes: str
+    inputs: Callable[[np.random.Generator], tuple]
+    reference: Callable[..., Any]               # the expected output from the same arguments
+    atol: float                                 # the tutorial's own tolerance (np.allclose)
+    rtol: float
+    needs: tuple[str, ...] = ()                 # sibling modules the kernel file imports by name
+
+
+def _bf16(*shape: int, rng: np.random.Generator) -> torch.Tensor:
+    return torch.from_numpy(rng.random(shape, dtype=np.float32)).to(torch.bfloat16)
+
+
+def _ref_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """The attention tutorial's NumPy reference: softmax(q.T @ k) @ v.T, q/k/v [d_head, seqlen]."""
+    qk = q.T.astype(np.float64) @ k
+    e = np.exp(qk - qk.max(axis=1, keepdims=True))
+    return (e / e.sum(axis=1, keepdims=True)) @ v.T
+
+
+def _ref_sd_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    s = (q.astype(np.float64) * 0.125) @ k.T
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    return (e / e.sum(axis=1, keepdims=True)) @ v
+
+
+def _ref_mamba(delta, u, a, b, c) -> np.ndarray:
+    """The Mamba tutorial's layer: a sequential scan of exp(delta*A) * state + delta*B*u, summed against C."""
+    delta, u, a, b, c = (x.astype(np.float64) for x in (delta, u, a, b, c))
+    d_a = np.exp(delta[:, :, None, :] * a[None, :, :, None])
+    d_bu = delta[:, :, None, :] * b[:, None, :, :] * u[:, :, None, :]
+    state, out = np.zeros(d_a.shape[:-1]), np.empty(delta.shape)
+    for i in range(delta.shape[-1]):
+        state = d_a[..., i] * state + d_bu[..., i]
+        out[..., i] = (c[:, None, :, i] * state).sum(-1)
+    return out
+
+
+def _ref_layernorm(x, eps, gamma, beta) -> np.ndarray:
+    x = x.astype(np.float64)
+    return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * gamma + beta
+
+
+def _attention_inputs(seqlen: int) -> Callable[[np.random.Generator], tuple]:
+    return lambda rng: tuple(((rng.random((128, seqlen)) - 0.5) * 2).astype(np.float32) for _ in range(3))
+
+
+def _mamba_inputs(rng: np.random.Generator) -> tuple:
+    """The fused Mamba kernels' default size (batch 1, 256 channels, state 16, seq 2048), random data with a
+    negative A (the tutorial's advice: a positive one overflows the scan and hides numerical errors)."""
+    b, c, s, n = 1, 256, 16, 2048
+    return (rng.random((b, c, n), dtype=np.float32), rng.random((b, c, n), dtype=np.float32),
+            -rng.random((c, s), dtype=np.float32), rng.random((b, s, n), dtype=np.float32),
+            rng.random((b, s, n), dtype=np.float32))
+
+
+def _matmul_inputs(m: int, k: int, n: int) -> Callable[[np.random.Generator], tuple]:
+    return lambda rng: (_bf16(k, m, rng=rng), _bf16(k, n, rng=rng))     # (lhsT, rhs)
+
+
+def _ref_matmul(lhs_t: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    return lhs_t.double().T @ rhs.double()
+
+
+_ATTN = "attention_fwd_performance/attention_kernels.py"
+_MM = "matrix_multiplication/matrix_multiplication_nki_kernels.py"
+_MAMBA = "fused_mamba/mamba_nki_kernels.py"
+_LN = "layernorm/layernorm_nki_kernel.py"
+_MM_LARGE = "[4096,1024] @ [1024,2048] bf16"
+
+TUTORIAL_CASES: list[Tutorial] = [
+    Tutorial("tensor_add", SAMPLES_LEGACY, "tensor_addition/tensor_addition_nki_kernels.py", "nki_tensor_add",
+             "[256,1024] fp16, grid 2x2", lambda rng: tuple(rng.random((256, 1024)).astype(np.float16) for _ in "ab"),
+             lambda a, b: a + b, 1e-4, 1e-2),
+    Tutorial("tensor_add spmd 2 NC", SAMPLES_LEGACY, "tensor_addition/spmd_multiple_nc_tensor_addition_nki_kernels.py",
+             "nki_tensor_add_nc2", "[512,2048] bf16, grid (spmd_dim(2, nc(2)), 4)",
+             lambda rng: (_bf16(512, 2048, rng=rng), _bf16(512, 2048, rng=rng)), lambda a, b: a + b, 1e-4, 1e-2,
+             needs=("tensor_addition/spmd_tensor_addition_nki_kernels.py",)),
+    Tutorial("transpose2d", SAMPLES_LEGACY, "transpose2d/transpose2d_nki_kernels.py", "tensor_transpose2D_kernel_",
+             "[5, 3x4] int8", lambda rng: (np.arange(60, dtype=np.int8).reshape(5, 12), (3, 4)),
+             lambda a, s: a.reshape(5, *s).transpose(0, 2, 1).reshape(5, -1), 0, 0),
+    Tutorial("average_pool2d", SAMPLES_LEGACY, "average_pool2d/average_pool2d_nki_kernels.py", "tensor_avgpool_kernel",
+             "[2,6,6] bf16, pool 2", lambda rng: (torch.arange(72, dtype=torch.bfloat16).reshape(2, 6, 6), 2),
+             lambda x, p: F.avg_pool2d(x, p, p), 0, 0),
+    Tutorial("matmul basic", SAMPLES_LEGACY, _MM, "nki_matmul_basic_", "[64,128] @ [128,512] bf16",
+             _matmul_inputs(64, 128, 512), _ref_matmul, 1e-4, 1e-2),
+    *(Tutorial(f"matmul {v}", SAMPLES_LEGACY, _MM, f"nki_matmul_{v}_", _MM_LARGE, _matmul_inputs(4096, 1024, 2048),
+               _ref_matmul, 1e-4, 1e-2)
+      for v in ("tiled", "hoist_load", "block_free_dimension", "fully_optimized")),
+    *(Tutorial(f"mamba {v}", SAMPLES_LEGACY, _MAMBA, f"mamba_{v}", "batch 1, 256 ch, state 16, seq 2048, fp32",
+               _mamba_inputs, _ref_mamba, 1e-2, 1e-2) for v in ("v1", "v2", "v3")),
+    *(Tutorial(f"layernorm {v}", SAMPLES_LEGACY, _LN, f"nki_layernorm_kernel_{v}", "[4096,8192] fp32",
+               lambda rng: (rng.random((4096, 8192), dtype=np.float32), 1e-5, rng.random(8192, dtype=np.float32),
+                            rng.random(8192, dtype=np.float32)), _ref_layernorm, 1e-3, 1e-2) for v in ("v1", "v2")),
+    Tutorial("rmsnorm", SAMPLES_LEGACY, "rmsnorm/rmsnorm_nki_kernels.py", "nki_rmsnorm_kernel", "[128,512] fp32",
+             lambda rng: (rng.random((128, 512), dtype=np.float32), rng.random(512, dtype=np.float32)),
+             lambda a, g: a / np.sqrt((a.astype(np.float64) ** 2).mean(1, keepdims=True)) * g, 1e-4, 1e-2),
+    Tutorial("softmax", SAMPLES_LEGACY, "softmax/softmax_nki_kernels.py", "nki_softmax_kernel", "[2,5] fp32",
+             lambda rng: (np.array([[1, 2, 3, 4, 5], [5, 4, 3, 2, 1]], dtype=np.float32),),
+             lambda x: np.exp(x) / np.exp(x).sum(-1, keepdims=True), 1e-5, 1e-5),
+    Tutorial("sd_attention", SAMPLES_LEGACY, "sd_attention/sd_attention_nki_kernels.py",
+             "fused_self_attn_for_SD_small_head_size", "q,k,v [4096,64] fp32",
+             lambda rng: tuple(rng.random((4096, 64), dtype=np.float32) for _ in "qkv"), _ref_sd_attention, 1e-5, 1e-3),
+    *(Tutorial(f"attention {v}", SAMPLES_HEAD, _ATTN, f"attn_fwd_{v}", "d_head 128, seqlen 128, fp32",
+               _attention_inputs(128), _ref_attention, 1e-2, 0) for v in ("v1", "v2")),
+    *(Tutorial(f"attention {v}", SAMPLES_HEAD, _ATTN, f"attn_fwd_{v}", "d_head 128, seqlen 4096, fp32",
+               _attention_inputs(4096), _ref_attention, 1e-2, 0)
+      for v in ("v3", "v4", "v5", "v6", "v7", "v8", "v8a", "v9", "v10", "v11")),
+]
+
+
+def find_samples(explicit: str | None) -> Path | None:
+    """The git directory of a copy of aws-neuron/nki-samples: --samples, TORCHNEURON_NKI_SAMPLES, or one near here."""
+    given = explicit or os.environ.get("TORCHNEURON_NKI_SAMPLES")
+    here = Path(__file__).resolve().parent.parent
+    bases = [Path(given)] if given else [b / sub for b in (here.parent, here.parent.parent)
+                                         for sub in (Path(".mirror/aws-neuron+nki-samples/repo"), Path("nki-samples"))]
+    for base in bases:
+        for git_dir in (base / ".git", base):
+            if (git_dir / "HEAD").is_file() and (git_dir / "objects").is_dir():
+                return git_dir
+    return None
+
+
+def _stub_missing(names: tuple[str, ...]) -> None:
+    """Empty modules for imports the tutorial files make but whose kernels do not use (the Neuron torch
+    bridge, which only exists on Trainium hosts)."""
+    for name in names:
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            sub = ".".join(parts[:i])
+            if sub not in sys.modules:
+                try:
+                    __import__(sub)
+                except ImportError:
+                    sys.modules[sub] = types.ModuleType(sub, "stub: not used by the kernels")
+
+
+def _digest(value: Any) -> str:
+    arrays = value if isinstance(value, (tuple, list)) else (value,)
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(a.contiguous().view(torch.uint8).numpy().tobytes() if isinstance(a, torch.Tensor)
+                 else np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:12]
+
+
+def _max_error(out: Any, ref: Any, atol: float, rtol: float) -> tuple[float, bool]:
+    """The largest |out - ref| and whether np.allclose(out, ref, atol, rtol) holds (the tutorials' check)."""
+    o = (out.float() if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out))).double()
+    r = (ref if isinstance(ref, torch.Tensor) else torch.from_numpy(np.asarray(ref))).double()
+    if o.shape != r.shape:
+        return math.inf, False
+    return float((o - r).abs().max()), bool(torch.allclose(o, r, rtol=rtol, atol=atol))
+
+
+def tutorial_speed(only: str, samples: str | None, check: bool, threads: int) -> None:
+    """Host seconds per public NKI tutorial kernel, traced and simulated functionally at the tutorial's shapes."""
+    # torch's intra-op threads barely help the simulator's tile-sized calls, and on a busy machine each parallel
+    # call waits for a descheduled thread (measured: 2-3x the host time at 2 threads under load)
+    torch.set_num_threads(threads)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from calibrate import Sdk   # the reader of a git copy of public kernels, shared with the calibration
+    from torchneuron import nki
+    from torchneuron.nki import resolve_chip
+
+    source = Sdk(find_samples(samples))
+    print(f"Public NKI tutorial kernels, traced and simulated functionally (host seconds; target <= 10 s; "
+          f"torch threads = {threads})\nsources: {source.git_dir or 'none found (cases skipped)'}")
+    _stub_missing(("torch_xla.core.xla_model",))
+    traced: list = []
+    run = nki.Kernel.run
+
+    def recording_run(self, args, kwargs, chip=None, timed=False):
+        result = run(self, args, kwargs, chip, timed)
+        traced.append((result[2].program, resolve_chip(chip or self.options.get("platform_target"))))
+        return result
+
+    nki.Kernel.run = recording_run
+    print(f"  {'kernel':24s} {'host s':>7s}  {'max |err|':>9s}  shapes" + ("  [output, program, device ns]" if check else ""))
+    exact = any(case.name == only for case in TUTORIAL_CASES)   # "attention v1" is not also v10 and v11
+    for case in TUTORIAL_CASES:
+        if (case.name != only) if exact else (only not in case.name):
+            continue
+        try:
+            for dep in case.needs:
+                sys.modules[Path(dep).stem] = source.module(case.commit, TUTORIALS + dep)
+            kernel = getattr(source.module(case.commit, TUTORIALS + case.path), case.kernel)
+        except FileNotFoundError as exc:
+            print(f"  {case.name:24s} skipped: {exc}")
+            continue
+        args = case.inputs(np.random.default_rng(0))
+        traced.clear()
+        t0 = time.perf_counter()
+        out = kernel(*args)
+        host = time.perf_counter() - t0
+        err, ok = _max_error(out, case.reference(*args), case.atol, case.rtol)
+        line = f"  {case.name:24s} {host:7.1f}  {err:9.2e}{'' if ok else ' MISMATCH'}  {case.shapes}"
+        if check:
+            ns = sum(p.schedule(spec).device_time_ns for p, spec in traced)
+            programs = hashlib.sha256(b"".join(p.to_bytes() for p, _ in traced)).hexdigest()[:12]
+            line += f"  [{_digest(out)}, {programs}, {ns:.0f}]"
+        print(line, flush=True)
+    nki.Kernel.run = run
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tutorials", action="store_true", help="host seconds per public NKI tutorial kernel")
+    parser.add_argument("--only", default="", help="with --tutorials: only kernels whose name contains this")
+    parser.add_argument("--samples", default=None, help="a git copy of aws-neuron/nki-samples")
+    parser.add_argument("--check", action="store_true", help="with --tutorials: digests and device time per kernel")
+    parser.add_argument("--threads", type=int, default=1, help="with --tutorials: torch intra-op threads (default 1)")
+    args = parser.parse_args()
+    if args.tutorials:
+        tutorial_speed(args.only, args.samples, args.check, args.threads)
+        return
+    simulator_speed()
+
+
+def simulator_speed() -> None:
+    """The launch, per-instruction and large-tile host costs."""
     torch.set_num_threads(1)  # the simulator is single-threaded per core; compare like with like
     print("NeuronCore simulator speed (host time; torch threads = 1)\n")
     costs = launch_costs()

@@ -302,12 +302,29 @@ def _boxes_meet(a: Alloc, b: Alloc) -> bool:
 
 def _first_fit(region: Region, busy: list[tuple[int, int]], cap: int, bank: int, align: int) -> int | None:
     """The lowest offset where ``region``'s bytes fit between ``busy`` ranges (PSUM: never across a bank
-    unless it needs more than one), or None."""
+    unless it needs more than one), or None.
+
+    The candidates are 0 and each busy range's aligned end (moved to the next bank start if the tile would
+    cross a bank). A candidate ``c`` fits if no range ``[s, e)`` has ``s < c + n`` and ``c < e``: with the
+    ranges sorted by start, the ranges starting below ``c + n`` are a prefix, so ``c`` fits iff that
+    prefix's largest end is at most ``c`` (one bisection per candidate instead of a scan of every range,
+    which made placement quadratic in the number of tiles)."""
     n = region.nbytes
+    starts = [s for s, _ in busy]            # busy is sorted by start (``_Boxes.busy``)
+    reach, top = [], 0                       # reach[i]: the largest end among busy[0..i]
+    for _, e in busy:
+        top = max(top, e)
+        reach.append(top)
+    cands = set()
     for cand in [0, *(-(-end // align) * align for _, end in busy)]:
         if bank and (n > bank or cand // bank != (cand + n - 1) // bank):
             cand = -(-cand // bank) * bank
-        if cand + n <= cap and all(cand + n <= s or e <= cand for s, e in busy):
+        cands.add(cand)
+    for cand in sorted(cands):
+        if cand + n > cap:
+            return None                      # every later candidate is larger still
+        below = bisect.bisect_left(starts, cand + n)
+        if below == 0 or reach[below - 1] <= cand:
             return cand
     return None
 
