@@ -158,3 +158,21 @@ def test_segment_reduce_bad_lengths_match_cpu(strict):
             torch.segment_reduce(torch.randn(6), "sum", lengths=torch.tensor(lengths))
         with pytest.raises(RuntimeError, match=re.escape(str(cpu_err.value))):
             torch.segment_reduce(to_n(torch.randn(6)), "sum", lengths=to_n(torch.tensor(lengths)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("reduce", ["sum", "mean", "prod"])
+def test_reduced_float_segment_reduce_rounds_once(dtype, reduce, strict):
+    # reduced in fp32 and rounded once: each segment is the float64 result rounded to the dtype (or its
+    # neighbour, from fp32's own rounding of <= 7 operations); fp16 sums past 65504 are inf like the CPU's
+    gen = torch.Generator().manual_seed(0)
+    data = (torch.randn(2, 12, 3, generator=gen) * 8).to(dtype)
+    data[1, :3, 0] = 60000.0 if dtype == torch.float16 else 1e38    # (an fp32 sum: finite)
+    lengths = torch.tensor([[3, 0, 5, 4], [3, 4, 4, 1]])   # with an empty segment
+    for initial in (None, 2.5):
+        kw = {"lengths": lengths, "axis": 1, "initial": initial}
+        exact = torch.segment_reduce(data.double(), reduce, **kw)
+        got = torch.segment_reduce(to_n(data), reduce, **{**kw, "lengths": to_n(lengths)}).cpu()
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), exact.to(dtype).double(), rtol=2 * torch.finfo(dtype).eps,
+                                   atol=0, equal_nan=True)

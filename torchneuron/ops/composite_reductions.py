@@ -320,7 +320,8 @@ def segment_reduce(data: torch.Tensor, reduce: str, *, lengths: torch.Tensor | N
         raise Unsupported("a selection beyond SEGMENT_LIMIT")
     pos = torch.arange(n, dtype=torch.int32, device=data.device)
     member = (pos >= bounds_off[:, :s, None]) & (pos < bounds_off[:, 1:, None])          # [B, S, N]
-    x = data.reshape(b, 1, n, inner)
+    # bf16/fp16 reduce in fp32 and round once (rounding the sum, then initial and the mean's division, drifted)
+    x = data.reshape(b, 1, n, inner).to(torch.float32)
     masked = torch.where(member[..., None], x, _SEGMENT_FILL[kind])                           # [B, S, N, I]
     if kind in ("sum", "mean"):
         res = masked.sum(2)
@@ -336,5 +337,5 @@ def segment_reduce(data: torch.Tensor, reduce: str, *, lengths: torch.Tensor | N
         res = res / count
         if initial is not None:  # an empty segment's mean is the initial value
             res = torch.where(count == 0, torch.full_like(res, initial), res)
-    return res.reshape(*lead, s, *rest)
+    return res.to(data.dtype).reshape(*lead, s, *rest)
 
