@@ -253,3 +253,19 @@ def test_embedding_index_beyond_int32_raises_like_the_cpu(bad):
         torch.nn.functional.embedding(idx.to("neuron"), w.to("neuron"))
     with pytest.raises(IndexError):
         torch.index_select(w.to("neuron"), 0, idx.to("neuron"))
+
+
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+def test_float64_per_sample_weights_gradient_keeps_float64_precision():
+    # the device computes in fp32: a float64 gradient goes to the CPU instead of losing half its digits
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(10, 5, dtype=torch.float64, generator=gen)
+    idx, off = torch.tensor([5, 1, 6, 5, 6]), torch.tensor([0, 2])
+    psw = torch.randn(5, dtype=torch.float64, generator=gen)
+    grads = []
+    for conv in (lambda t: t, to_n):
+        p = conv(psw).requires_grad_(True)
+        out = F.embedding_bag(conv(idx), conv(w), conv(off), mode="sum", per_sample_weights=p)
+        (g,) = torch.autograd.grad(out, p, conv(torch.ones(2, 5, dtype=torch.float64)))
+        grads.append(g.cpu())
+    torch.testing.assert_close(grads[1], grads[0], atol=0, rtol=4 * torch.finfo(torch.float64).eps)

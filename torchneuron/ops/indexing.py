@@ -29,7 +29,7 @@ from torchneuron.kernels.indexing import gather_rows, index_rows, iota, mask_row
 from torchneuron.kernels.scan import scan_rows
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import aten, DEVICE_DTYPES, raise_like_cpu, resize_out, Unsupported
+from torchneuron.ops.base import aten, DEVICE_DTYPES, FLOATS, raise_like_cpu, resize_out, Unsupported
 from torchneuron.ops.elementwise import (can_copy, check_no_internal_overlap, check_no_overlap, copy_parts, dense,
                                          device_copy, run_pointwise)
 from torchneuron.ops.kernel_call import call_kernel
@@ -475,8 +475,10 @@ def embedding_bag_per_sample_weights_backward(grad: torch.Tensor, weight: torch.
                                               offsets: torch.Tensor, offset2bag: torch.Tensor, mode: int,
                                               padding_idx: int = -1) -> torch.Tensor:
     """d loss / d per_sample_weights (sum mode): each member's bag gradient dotted with its embedding row."""
-    if mode != 0 or grad.dim() != 2 or any(t.device != grad.device for t in (weight, indices, offsets, offset2bag)):
-        raise Unsupported("a mode other than sum, or inputs on more than one device")
+    if mode != 0 or grad.dim() != 2 or any(t.device != grad.device for t in (weight, indices, offsets, offset2bag)) \
+            or grad.dtype not in FLOATS or weight.dtype not in FLOATS:
+        # (float64 computed in fp32 lost half its digits: the CPU computes it)
+        raise Unsupported("a mode other than sum, inputs on more than one device, or a dtype beyond fp32")
     n = indices.numel()
     bag = _bags(offset2bag, offsets, n)
     dots = (grad.float().index_select(0, bag) * weight.float().index_select(0, indices)).sum(1)
