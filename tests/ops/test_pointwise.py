@@ -281,3 +281,20 @@ def test_clamp_scalar_bounds_convert_to_the_dtype_like_cpu(dtype, strict):
                 assert "without overflow" not in str(e) or str(dev.value) == str(e)
                 continue
             assert torch.equal(call(to_n(x), v).cpu(), want), (v, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_float_pow_takes_its_scalar_exponent_in_the_dtype(dtype, strict):
+    # the CPU converts a scalar exponent to the tensor's dtype (fp16 3.1 is 3.099609375): x ** 3.1 is then
+    # x ** rnd(3.1), rounded once; an exponent the dtype cannot hold raises the CPU's overflow error
+    x = torch.tensor([3.60546875, 0.19055, 8.8125, 2.5, 1.0, 0.0, 65504.0, float("inf"), float("nan")]).to(dtype)
+    for e in (3.1, -3.1, -2.1, 1.7, 0.1, 2, 3000):
+        rounded = torch.tensor(float(e), dtype=torch.float64).to(dtype).item()
+        want = x.double().pow(rounded).to(dtype)
+        got = torch.pow(to_n(x), e).cpu()
+        # fp32's exp/log of the power: the result or its neighbour
+        torch.testing.assert_close(got.double(), want.double(), rtol=2 * torch.finfo(dtype).eps, atol=0,
+                                   equal_nan=True)
+    if dtype == torch.float16:
+        with pytest.raises(RuntimeError, match="without overflow"):
+            torch.pow(to_n(x), 1e6)

@@ -192,6 +192,12 @@ register_pointwise(variants("fmod", "Tensor", "Scalar"), float_only(tm.fmod), KI
 
 
 def _pow(x, y):
+    if isinstance(y, Number) and not isinstance(y, bool) and isinstance(x, torch.Tensor) \
+            and x.dtype in (torch.float16, torch.bfloat16):
+        # the CPU's kernel takes a scalar exponent in the tensor's dtype (fp16 x ** 3.1 is x ** 3.099609375), with
+        # its overflow error for one the dtype cannot hold
+        torch.pow(torch.ones(1, dtype=x.dtype), y)
+        y = torch.tensor(float(y), dtype=torch.float64).to(x.dtype).item()
     if isinstance(y, Number) and not isinstance(y, bool):
         fn = tm.pow_scalar(float(y)) if isinstance(x, torch.Tensor) and (x.is_floating_point() or isinstance(y, float)) \
             else None
