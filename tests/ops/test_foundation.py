@@ -106,6 +106,8 @@ _DERIVED = {
     "nansum.out": lambda c, out: torch.nansum(c(_X.masked_fill(_MASK, float("nan"))), 1, out=out),  # sums in out's dtype
     "_logcumsumexp.out": lambda c, out: torch.logcumsumexp(c(_X), 1, out=out),
     "histc.out": lambda c, out: torch.histc(c(_X), 5, 0, 1, out=out),
+    "tril.out": lambda c, out: torch.tril(c(_X), 1, out=out),
+    "triu.out": lambda c, out: torch.triu(c(_X), -1, out=out),
     "max_pool2d_with_indices.out": lambda c, out: torch.ops.aten.max_pool2d_with_indices.out(
         c(_IMG), [2, 2], [1, 1], out=out, indices=c(torch.empty(0, dtype=torch.int64))),   # quiet
     "max_pool2d_with_indices_backward.grad_input": lambda c, out: torch.ops.aten.max_pool2d_with_indices_backward(

@@ -203,26 +203,27 @@ def arange_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> tor
 def _triangle(name: str, lower: bool) -> None:
     packet = name.partition(".")[0]
 
-    def kernel(self: torch.Tensor, diagonal: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def kernel(self: torch.Tensor, diagonal: int = 0) -> torch.Tensor:
         inplace = packet.endswith("_")
         if self.dim() < 2:
             raise RuntimeError(f"{packet.rstrip('_')}: input tensor must have at least 2 dimensions")
-        if self.dtype not in DEVICE_DTYPES or self.numel() == 0 or (out is not None and out.device != self.device):
-            raise Unsupported("a dtype the device lacks, an empty input, or an out= on another device")
+        if self.dtype not in DEVICE_DTYPES or self.numel() == 0:
+            raise Unsupported("a dtype the device lacks, or an empty input")
         M, N = self.shape[-2], self.shape[-1]
         rows = arange_values(M, self.device).reshape(M, 1)
         cols = arange_values(N, self.device).reshape(1, N)
         keep = run_pointwise(tm.tri_keep_lower if lower else tm.tri_keep_upper, [cols, rows, diagonal],
                              KIND.ALWAYS_BOOL, result_dtype=torch.bool, op=f"aten::{packet}")
-        target = self if inplace else out
         zero = False if self.dtype == torch.bool else 0
-        return run_pointwise(tm.where, [keep, self, zero], KIND.NO_OPMATH, target, inplace, self.dtype,
-                             op=f"aten::{packet}")
+        return run_pointwise(tm.where, [keep, self, zero], KIND.NO_OPMATH, self if inplace else None, inplace,
+                             self.dtype, op=f"aten::{packet}")
+    kernel.__name__ = kernel.__qualname__ = packet
     lowering(name)(kernel)
+    if not packet.endswith("_"):
+        register_out(f"{packet}.out", kernel)
 
 
-for _name, _lower in (("tril", True), ("tril_", True), ("tril.out", True), ("triu", False), ("triu_", False),
-                      ("triu.out", False)):
+for _name, _lower in (("tril", True), ("tril_", True), ("triu", False), ("triu_", False)):
     _triangle(_name, _lower)
 
 
