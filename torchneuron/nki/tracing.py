@@ -121,9 +121,10 @@ class IndexOutOfBounds(SimulatorError, IndexError):
     """A kernel indexed a tensor outside its shape (an error, not NumPy's clamping of slices)."""
 
 
-def check_index(shape: Sequence[int], index: tuple, what: str = "tensor") -> None:
+def check_index(shape: Sequence[int], index: tuple, what: object = "tensor") -> None:
     """Raise IndexOutOfBounds naming the dim, the index and the bound when an integer or slice of ``index``
-    reaches outside ``shape`` (negative values count from the end, as in Python, down to -size)."""
+    reaches outside ``shape`` (negative values count from the end, as in Python, down to -size). ``what`` (the
+    tensor itself, or a name) is formatted only into an error: its repr costs more than the check."""
     if any(i is Ellipsis for i in index):
         at = index.index(Ellipsis)
         index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
@@ -173,7 +174,7 @@ class NkiTensor(NKIObject):
 
     def __getitem__(self, index: Any) -> "NkiTensor":
         index = tuple(_index(i) for i in (index if isinstance(index, tuple) else (index,)))
-        check_index(self.shape, index, repr(self))
+        check_index(self.shape, index, self)
         return self._view(self.access[index])
 
     def __setitem__(self, index: Any, value: Any) -> None:
@@ -317,15 +318,18 @@ class Trace:
         self.program_id = program_id
         self.sbuf = self._memory("sbuf")
         self.psum = self._memory("psum")
-        self.psum_open = torch.zeros(self.spec.sbuf_partitions, self.capacity["psum"] // 4, dtype=torch.bool)
-        self.psum_written = torch.zeros_like(self.psum_open)  # written since its tile was allocated
+        # per 4-byte PSUM word: an accumulation group is open / written since its tile was allocated. Made at
+        # the first PSUM access (``_grow_psum_flags``): most kernels use no PSUM, and filling two 512K-element
+        # tensors per traced instance cost more than many small kernels' whole trace (torch runs such fills on
+        # its intra-op threads, which wait for a free core on a busy machine)
+        self.psum_open = self.psum_written = torch.zeros(self.spec.sbuf_partitions, 0, dtype=torch.bool)
         self._hbm_count = self._const_count = 0
 
     def _memory(self, name: str) -> Memory:
         """An allocation-only memory (no data) whose first-fit allocator reaches past the capacity."""
         none = torch.empty((self.spec.sbuf_partitions, 0), dtype=torch.uint8)
         mem = Memory(name, self.spec.sbuf_partitions, self.capacity[name], nan_fill=False, data=none,
-                     bank_bytes=self.bank_bytes.get(name, 0))
+                     bank_bytes=self.bank_bytes.get(name, 0), group_flags=False)
         # first fit prefers low offsets, so a box past the capacity is given only when none fits below it
         mem.bytes_per_partition = VIRTUAL_BYTES
         return mem
@@ -424,12 +428,13 @@ class Trace:
         return region, off
 
     def _grow_psum_flags(self, end: int) -> None:
-        """Widen the PSUM flags to cover bytes [0, end) (virtual boxes past the capacity)."""
+        """Widen the PSUM flags to cover bytes [0, end): at least the whole PSUM, and virtual boxes past it."""
         have = self.psum_open.shape[1]
         need = -(-end // 4)
         if need > have:
+            width = max(need, 2 * have, self.capacity["psum"] // 4)
             self.psum_open, self.psum_written = (
-                torch.cat([f, torch.zeros(f.shape[0], max(need, 2 * have) - have, dtype=torch.bool)], 1)
+                torch.cat([f, torch.zeros(f.shape[0], width - have, dtype=torch.bool)], 1)
                 for f in (self.psum_open, self.psum_written))
 
     def _allocate_hbm(self, shape, dtype, buffer: Buffer, name: str) -> NkiTensor:
@@ -465,6 +470,7 @@ class Trace:
         """The trace-time "accumulation group open" flags (``written``: "written since allocated") under an
         fp32 PSUM pattern (one per element)."""
         assert ap.dtype.itemsize == 4, "accumulation groups are tracked for fp32 PSUM tiles"
+        self._grow_psum_flags(ap.byte_range[1])
         flags = self.psum_written if written else self.psum_open
         st = [s for s, _ in ap.pattern]
         sizes = [n for _, n in ap.pattern]
@@ -513,6 +519,7 @@ class Trace:
         self.clock += 1
         for f in instr.psum_writes:
             (p0, p1), (b0, b1) = f.partitions, f.byte_range
+            self._grow_psum_flags(b1)
             self.psum_open[p0:p1, b0 // 4:-(-b1 // 4)] = instr.engine is Engine.TENSOR
             self.psum_written[p0:p1, b0 // 4:-(-b1 // 4)] = True
         return instr

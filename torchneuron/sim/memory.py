@@ -97,7 +97,8 @@ class Memory:
     """A byte-addressed memory of ``partitions`` rows with a next-fit allocator of [partitions, bytes] boxes."""
 
     def __init__(self, name: str, partitions: int, bytes_per_partition: int, *, bank_bytes: int = 0,
-                 align: int = 4, nan_fill: bool | None = None, data: torch.Tensor | None = None):
+                 align: int = 4, nan_fill: bool | None = None, data: torch.Tensor | None = None,
+                 group_flags: bool = True):
         self.name = name
         self.partitions = partitions
         self.bytes_per_partition = bytes_per_partition
@@ -122,8 +123,10 @@ class Memory:
         self.rotate_below = bytes_per_partition if partitions > 1 else 0
         self._cursor = 0
         # PSUM only: per 4-byte word, True where no matmul accumulation group is open, so the next
-        # nc_matmul with accumulate=None overwrites instead of adding
-        self.group_closed = torch.ones(partitions, bytes_per_partition // 4, dtype=torch.bool) if bank_bytes else None
+        # nc_matmul with accumulate=None overwrites instead of adding (not kept by an allocation-only
+        # memory, ``group_flags=False``: a trace tracks groups itself)
+        self.group_closed = torch.ones(partitions, bytes_per_partition // 4, dtype=torch.bool) \
+            if bank_bytes and group_flags else None
         # PSUM only: the flag views TensorE instructions cleared (opened a group in), by box. Only
         # these can hold False, so closing every group resets them instead of the whole 512 KiB
         # flag tensor, and an empty dict means every flag is True.

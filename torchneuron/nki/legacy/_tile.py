@@ -298,7 +298,7 @@ class LegacyTile(NkiTensor):
         if any(isinstance(i, IndexExpr) for i in items):
             return self._plain()._advanced(items, None)
         items = tuple(int(i) if isinstance(i, np.integer) else i for i in items)
-        check_index(self.access.shape, items, repr(self))
+        check_index(self.access.shape, items, self)
         t = self._plain()._view(self.access[items])
         if (not t.access.on_chip and len(items) == len(self.shape) >= 2 and len(t.shape) == 1
                 and isinstance(items[-1], (int, np.integer))):
@@ -349,7 +349,7 @@ class LegacyTile(NkiTensor):
         pattern = tuple((free[p], sizes[p]) for p in range(first, ndim))
         if any(n == 0 for n in sizes):
             raise SimulatorError("a mask selects no elements of this access")
-        oob = _out_of_bounds(exprs, a.shape, lo, sizes, repr(self))
+        oob = _out_of_bounds(exprs, a.shape, lo, sizes, self)
         if oob and box:
             raise IndexOutOfBounds(oob)
         t = self._view(AP(a.memory, a.dtype, pattern, start_p, parts, offset))
@@ -396,7 +396,7 @@ class LegacyTile(NkiTensor):
         nisa.nc_matmul(dst=dst, stationary=stationary, moving=moving, accumulate=accumulate, **options)
 
 
-def _out_of_bounds(exprs: list, shape: tuple, lo: list, sizes: list, what: str) -> str | None:
+def _out_of_bounds(exprs: list, shape: tuple, lo: list, sizes: list, what: object) -> str | None:
     """The message for the first dim an index expression reaches outside of (its range over the grid
     positions ``[lo, lo + size)``), or None when every dim stays inside the tensor."""
     for d, (e, bound) in enumerate(zip(exprs, shape)):
