@@ -258,14 +258,16 @@ def _store_stats(stats, r0, p, mean, rstd):
 
 
 @nki.jit
-def layer_norm_kernel(x, weight, bias, eps=1e-5, rms=False, stats=False):
+def layer_norm_kernel(x, weight, bias, eps=1e-5, rms=False, stats=False, stats_dtype=None):
     """Forward layer norm (``rms``: RMS norm, ``bias`` ignored) of the rows of [N, D]. With ``stats`` it
-    returns (out, mean, rstd) (RMS norm: (out, rstd)), the row statistics as (N, 1) fp32, which the
+    returns (out, mean, rstd) (RMS norm: (out, rstd)), the row statistics as (N, 1) fp32 (or rounded to
+    ``stats_dtype`` by their store, as ``native_layer_norm`` returns them for half inputs), which the
     backward takes (``layer_norm_bwd_kernel(..., mean=, rstd=)``)."""
     N, D = x.shape
     out = nl.ndarray((N, D), x.dtype, buffer=nl.shared_hbm)
-    saved = (None if rms else nl.ndarray((N, 1), nl.float32, buffer=nl.shared_hbm),
-             nl.ndarray((N, 1), nl.float32, buffer=nl.shared_hbm)) if stats else None
+    sdt = stats_dtype or nl.float32
+    saved = (None if rms else nl.ndarray((N, 1), sdt, buffer=nl.shared_hbm),
+             nl.ndarray((N, 1), sdt, buffer=nl.shared_hbm)) if stats else None
     result = (out, *[t for t in saved if t is not None]) if stats else out
     if not fwd_fits(D):
         _ln_fwd_long(x, weight, bias, out, eps, rms, saved)

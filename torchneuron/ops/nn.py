@@ -137,11 +137,12 @@ def native_layer_norm(input: torch.Tensor, normalized_shape: Sequence[int], weig
     if input.dtype not in FLOATS or N == 0 or D == 0 or any(t.dtype != input.dtype for t in params):
         raise Unsupported
     rows = dense(input).reshape(N, D)
+    # the statistics in the input's dtype, as the CPU returns them, rounded by the kernel's store
     out, mean, rstd = call_kernel(layer_norm_kernel, {"x": rows, "weight": _param(weight, D, 1.0, input),
                                                       "bias": _param(bias, D, 0.0, input)},
-                                  {"eps": float(eps), "stats": True}, op="aten::native_layer_norm")
-    return (out.reshape(input.shape), mean.to(input.dtype).reshape(stat_shape),
-            rstd.to(input.dtype).reshape(stat_shape))
+                                  {"eps": float(eps), "stats": True, "stats_dtype": input.dtype},
+                                  op="aten::native_layer_norm")
+    return out.reshape(input.shape), mean.reshape(stat_shape), rstd.reshape(stat_shape)
 
 
 @lowering("native_layer_norm_backward")
