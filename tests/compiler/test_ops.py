@@ -321,3 +321,17 @@ def test_cross_entropy_runs_in_the_program_and_checks_its_targets(weighted, redu
     with pytest.raises(IndexError, match="Target out of bounds"):
         compiled(x.to("neuron"), bad.to("neuron"), wn)
     torch.testing.assert_close(compiled(x.to("neuron"), t.to("neuron"), wn).cpu(), want.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_arange_with_a_start_and_a_step(dtype):
+    """``arange(2, 2 + 3n, 3)`` in a program (GpSimd's iota): int32 feeds the element-wise pass in the program,
+    int64 leaves the program as word pairs the host views as int64 (an eager op reads it); both equal the CPU."""
+    x = torch.randn(4, 50)
+    fn = lambda t: t * torch.arange(2, 152, 3, device=t.device, dtype=dtype)  # noqa: E731
+    got = torch.compile(fn, backend="neuron")(x.to("neuron"))
+    torch.testing.assert_close(got.cpu(), fn(x))
+    assert "aten.arange.start_step" in reports()[-1].kernels
+    ids = torch.compile(lambda t: torch.arange(5, 5 + t.shape[0], device=t.device) * 1, backend="neuron")(
+        x.to("neuron"))
+    assert ids.dtype == torch.int64 and torch.equal(ids.cpu(), torch.arange(5, 9))

@@ -25,7 +25,7 @@ from torchneuron import _C, runtime
 from torchneuron.compiler import cache
 from torchneuron.compiler.codegen import SegmentProgram, signature, trace_segment
 from torchneuron.compiler.memory_plan import ARENA
-from torchneuron.compiler.partition import Plan, Segment, partition
+from torchneuron.compiler.partition import Plan, Segment, partition, tensor_values
 from torchneuron.compiler.report import GraphReport, dump_graph, dump_segment
 from torchneuron.compiler.values import NotLowerable
 from torchneuron.runtime.launch import launch_slots
@@ -90,6 +90,8 @@ class CompiledGraph:
         values = [self._host(n, env) for n in seg.inputs]
         sigs = [signature(v) for v in values]
         device = next((v.device for v in values if isinstance(v, torch.Tensor) and v.device.type == "neuron"), None)
+        if device is None:   # a segment reading no device tensor (an ``arange``): the device its results are on
+            device = next(t.device for n in seg.outputs for t in tensor_values(n) if t.device.type == "neuron")
         key = (seg.index, device.index if device is not None else None, *sigs)
         prog = self.programs.get(key)
         if prog is None:

@@ -37,13 +37,14 @@ DEVICE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torc
                  torch.bool)
 
 
-def _vals(node: fx.Node) -> list:
+def tensor_values(node: fx.Node) -> list:
+    """The fake tensors a node computes (its traced ``val``, a tuple's tensors for multi-output ops)."""
     v = node.meta.get("val")
     return [x for x in (v if isinstance(v, (tuple, list)) else [v]) if isinstance(x, torch.Tensor)]
 
 
 def _operand_vals(node: fx.Node) -> list:
-    return [x for a in node.all_input_nodes for x in _vals(a)]
+    return [x for a in node.all_input_nodes for x in tensor_values(a)]
 
 
 def _on_device(ts: list) -> bool:
@@ -56,7 +57,7 @@ def _static(ts: list) -> bool:
 
 def _cast_ok(node: fx.Node) -> bool:
     """Casts fused into a group: float to float, or integer/bool to float (exact below 2**24, as eager's)."""
-    (src,), (dst,) = _operand_vals(node)[:1], _vals(node)
+    (src,), (dst,) = _operand_vals(node)[:1], tensor_values(node)
     if node.target is torch.ops.aten._to_copy.default and set(node.kwargs) - {"dtype", "layout", "device"}:
         return False   # memory_format, pin_memory, non_blocking: the eager op
     return dst.dtype in FLOATS and src.device == dst.device
@@ -76,7 +77,7 @@ def role(node: fx.Node) -> str:
     k = lowering.kind(node.target)
     if k == "view":
         return "view"
-    outs, ins = _vals(node), _operand_vals(node)
+    outs, ins = tensor_values(node), _operand_vals(node)
     if k == "eager" or not outs or not _static(outs + ins):
         return "eager"
     pred = lowering.SUPPORTS.get(node.target)
@@ -98,7 +99,7 @@ def role(node: fx.Node) -> str:
 
 def compute_kind(node: fx.Node) -> str:
     """``float`` when the node's result or a tensor operand is floating (fp32 tiles), else ``int``."""
-    return "float" if any(t.dtype.is_floating_point for t in _vals(node) + _operand_vals(node)) else "int"
+    return "float" if any(t.dtype.is_floating_point for t in tensor_values(node) + _operand_vals(node)) else "int"
 
 
 @dataclass
@@ -150,7 +151,7 @@ class Segment:
                 lines.append(f"  kernel: {_name(it)} with epilogue [" + ", ".join(_name(n) for n in g.nodes)
                              + "] -> " + ", ".join(n.name for n in g.outputs))
             elif it in self.widen_casts:
-                lines.append(f"  widened: {_name(it)} (stored as {_vals(it)[0].dtype} by {self.widen_casts[it].name})")
+                lines.append(f"  widened: {_name(it)} (stored as {tensor_values(it)[0].dtype} by {self.widen_casts[it].name})")
             else:
                 lines.append(f"  {role(it)}: {_name(it)}")
         return "\n".join(lines)
@@ -271,7 +272,7 @@ def _readers(node: fx.Node, roles: dict) -> list[fx.Node]:
 
 
 def _shape(node: fx.Node) -> tuple[int, ...]:
-    return tuple(_vals(node)[0].shape)
+    return tuple(tensor_values(node)[0].shape)
 
 
 def _fuse(seg: Segment, roles: dict) -> list[Any]:
@@ -320,8 +321,8 @@ def _widen_products(seg: Segment, items: list[Any], roles: dict) -> list[Any]:
             prod = _root(src, roles) if src is not None else None
             if (prod is not None and roles.get(prod) == "kernel" and prod.target in _PRODUCTS and prod in seg.nodes
                     and prod not in escapes and _readers(prod, roles) == [cast]
-                    and _vals(prod)[0].dtype in (torch.bfloat16, torch.float16)
-                    and _vals(cast)[0].dtype == torch.float32):
+                    and tensor_values(prod)[0].dtype in (torch.bfloat16, torch.float16)
+                    and tensor_values(cast)[0].dtype == torch.float32):
                 seg.widened[prod] = torch.float32
                 seg.widen_casts[cast] = prod
                 roles[cast] = "widened"
@@ -362,7 +363,7 @@ def _epilogue_of(g: FusionGroup, seg: Segment, roles: dict, order: dict, escapes
     if len(found) != 1:
         return None
     src, prod = found[0]
-    n = _vals(prod)[0].numel()
+    n = tensor_values(prod)[0].numel()
     others = [a for a in g.inputs if a is not src]
     chain, node = [], src
     while node is not prod:
@@ -371,7 +372,7 @@ def _epilogue_of(g: FusionGroup, seg: Segment, roles: dict, order: dict, escapes
     if (prod not in order or prod in escapes or prod in seg.widened or prod in seg.epilogues
             or not set(_readers(prod, roles)) <= set(g.nodes) or math.prod(g.shape) != n
             or any(c.target not in _RESHAPES for c in chain)
-            or not all(_vals(a) and _vals(a)[0].numel() == n and order.get(_root(a, roles), -1) < order[prod]
+            or not all(tensor_values(a) and tensor_values(a)[0].numel() == n and order.get(_root(a, roles), -1) < order[prod]
                        for a in others)
             or not _depends_on(g.outputs[0], src, set(g.nodes))):
         return None
@@ -408,7 +409,7 @@ def _with_outputs(g: FusionGroup, escapes: set, roles: dict) -> FusionGroup:
 def _fit(g: FusionGroup, escapes: set, roles: dict) -> list[FusionGroup]:
     """``g``, split in halves (in node order) until each part streams at most MAX_GROUP_OPERANDS tensors."""
     g = _with_outputs(g, escapes, roles)
-    streamed = [n for n in g.inputs if any(t.numel() > 1 for t in _vals(n))]
+    streamed = [n for n in g.inputs if any(t.numel() > 1 for t in tensor_values(n))]
     if len(streamed) + len(g.outputs) <= MAX_GROUP_OPERANDS or len(g.nodes) == 1:
         return [g]
     half = len(g.nodes) // 2
