@@ -113,8 +113,15 @@ def addmm_kernel(a, b, c, transpose_a=False, transpose_b=False, alpha=1.0, beta=
     ``matmul_kernel``) or batched over the leading dim of 3-D operands (entries of more than one tile each).
     The sum is formed in fp32 at each block's store from the product rounded to A's dtype, as the separate
     element-wise launch it replaces computed it."""
-    def scaled_sum(prod, inp):
-        return nl.add(nl.multiply(prod, alpha), nl.multiply(inp, beta))
+    def scaled_sum(prod, inp):   # in place on the block's fp32 tiles; a factor of 1 is exact: its pass is left out
+        if beta != 1:
+            nisa.tensor_scalar(dst=inp, data=inp, op0=nl.multiply, operand0=float(beta))
+        if alpha == 1:
+            nisa.tensor_tensor(dst=prod, data1=prod, data2=inp, op=nl.add)
+        else:
+            nisa.scalar_tensor_tensor(dst=prod, data=prod, op0=nl.multiply, operand0=float(alpha), op1=nl.add,
+                                      operand1=inp)
+        return prod
     if len(a.shape) == 2:
         return matmul_kernel(a, b, transpose_a, transpose_b, epilogue=Epilogue(scaled_sum, (c,), a.dtype))
     out = nl.ndarray(tuple(c.shape), a.dtype, buffer=nl.shared_hbm)
