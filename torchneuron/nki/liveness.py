@@ -206,12 +206,12 @@ class _Boxes:
         """Byte ranges of placed tiles that share partitions with ``region`` over instructions ``span``
         (``others``: "reserved" counts each tile over its reservation, "live" over its accesses only)."""
         lo, hi = span
-        seen, out = set(), []
-        for b in range(lo // _BLOCK, hi // _BLOCK + 1):
+        first, out = lo // _BLOCK, []
+        for b in range(first, hi // _BLOCK + 1):
             for o in self.index.get(b, ()):
-                if id(o) in seen:
+                # a tile is listed in every bucket its reservation covers: take it in the first one queried
+                if b != max(o.reserved[0] // _BLOCK, first):
                     continue
-                seen.add(id(o))
                 when = o.reserved if others == "reserved" else o.live
                 if when is None or when[1] < lo or hi < when[0]:
                     continue
