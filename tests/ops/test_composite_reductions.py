@@ -176,3 +176,17 @@ def test_reduced_float_segment_reduce_rounds_once(dtype, reduce, strict):
         assert got.dtype == dtype
         torch.testing.assert_close(got.double(), exact.to(dtype).double(), rtol=2 * torch.finfo(dtype).eps,
                                    atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_float_std_mean_rounds_each_result_once(dtype, strict):
+    # the variance's square root in fp32, then rounded: std is the float64 std rounded to the dtype or its
+    # neighbour (fp32's rounding); fp16 values past sqrt(65504) per element would overflow a fp16 sum of squares
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 300, generator=gen) * 300).to(dtype)
+    std, mean = torch.std_mean(to_n(x), 1)
+    exact_std, exact_mean = torch.std_mean(x.double(), 1)
+    for got, want in ((std, exact_std), (mean, exact_mean)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.cpu().double(), want.to(dtype).double(), rtol=2 * torch.finfo(dtype).eps,
+                                   atol=0)

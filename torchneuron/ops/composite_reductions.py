@@ -52,9 +52,11 @@ register_out("nansum.out", nansum, dtype_from_out=True)   # the CPU sums in out'
 
 @lowering("std_mean.correction")
 def std_mean(self: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False):
-    """(std, mean): the lowered ``var_mean`` and a square root."""
-    var, mean = aten.var_mean.correction(self, dim, correction=correction, keepdim=keepdim)
-    return var.sqrt(), mean
+    """(std, mean): the lowered ``var_mean`` and a square root; bf16/fp16 in fp32, each result rounded once as the
+    CPU's (a rounded variance's square root rounded again drifted from it)."""
+    x = self.to(torch.float32) if self.dtype in (torch.float16, torch.bfloat16) else self
+    var, mean = aten.var_mean.correction(x, dim, correction=correction, keepdim=keepdim)
+    return var.sqrt().to(self.dtype), mean.to(self.dtype)
 
 
 @lowering("aminmax")
