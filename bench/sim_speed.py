@@ -398,7 +398,9 @@ def tutorial_speed(only: str, samples: str | None, check: bool, threads: int) ->
                 sys.modules[Path(dep).stem] = source.module(case.commit, TUTORIALS + dep)
             kernel = getattr(source.module(case.commit, TUTORIALS + case.path), case.kernel)
         except FileNotFoundError as exc:
-            print(f"  {case.name:24s} skipped: {exc}")
+            why = exc if source.git_dir else "no copy of aws-neuron/nki-samples (pass --samples or set " \
+                                             "TORCHNEURON_NKI_SAMPLES)"
+            print(f"  {case.name:24s} skipped: {why}")
             continue
         args = case.inputs(np.random.default_rng(0))
         traced.clear()
