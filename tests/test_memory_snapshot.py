@@ -179,6 +179,8 @@ def test_state_only_keeps_stacks_without_history():
 
 
 def test_pytorch_memory_viz_reads_the_snapshot(history, tmp_path):
+    gc.collect()
+    torch.neuron.empty_cache()   # a block earlier tests left cached would serve the allocation with no segment_alloc
     keep = _allocate_here(1 << 16)
     path = tmp_path / "snapshot.pickle"
     devices = range(torch.neuron.device_count())
