@@ -22,10 +22,21 @@ def test_matmul_matches_torch(mkn, transpose_a, dtype):
     close(out, (a.float() @ b.float()), dtype, scale=2.0)
 
 
-def test_matmul_k_beyond_sbuf_budget_is_refused():
-    a, b = torch.zeros(1, 128 * 1024), torch.zeros(128 * 1024, 1)
-    with pytest.raises(AssertionError, match="SBUF"):
-        matmul(a, b)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_matmul_contraction_beyond_one_pass_sums_k_chunks_in_fp32(transpose_a, transpose_b, dtype):
+    # past the longest contraction one pass keeps in SBUF (a partial last K tile, ragged M and N), the K chunks'
+    # partial sums are kept in fp32 in the same launch: the bound is that of one fp32 accumulation
+    isz = torch.tensor([], dtype=dtype).element_size()
+    budget = runtime.core(0).spec.sbuf_bytes_per_partition
+    K = max_contraction(isz, transpose_a, transpose_b, budget) + 300
+    M, N = 130, 515
+    a, b = torch.randn(M, K).to(dtype), torch.randn(K, N).to(dtype)
+    out = matmul_kernel(a.T.contiguous() if transpose_a else a, b.T.contiguous() if transpose_b else b,
+                        transpose_a=transpose_a, transpose_b=transpose_b)
+    assert out.dtype == dtype and out.shape == (M, N)
+    _accumulation_close(out, a, b, dtype)
 
 
 def test_matmul_mismatched_k():

@@ -63,16 +63,37 @@ def test_linear_3d_input_with_bias(strict):
     _check(out.reshape(150, 520), x.reshape(150, 600), w.t(), bias)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_contraction_beyond_sbuf_is_split_into_chunks(bias, strict):
-    # fp32 with B given as [N, K]: past the kernel's longest contraction the product is summed from equal
-    # chunks of whole K tiles in fp32 (and the bias added once), then rounded
+def test_contraction_beyond_sbuf_is_one_launch(bias, dtype, strict):
+    # with B given as [N, K], past the longest contraction one pass keeps in SBUF: the kernel sums equal chunks
+    # of whole K tiles in fp32 (the bias added once) and rounds once; it was one launch per chunk plus the sums
     budget = runtime.core(0).spec.sbuf_bytes_per_partition
-    K = max_contraction(4, False, True, budget, bias) + 300
-    x, w, b = torch.randn(5, K), torch.randn(6, K), torch.randn(6)
+    K = max_contraction(torch.tensor([], dtype=dtype).element_size(), False, True, budget, bias) + 300
+    x, w, b = (torch.randn(5, K).to(dtype), torch.randn(6, K).to(dtype), torch.randn(6).to(dtype))
     out, names = _launches(lambda: F.linear(to_n(x), to_n(w), to_n(b) if bias else None))
-    assert names.count("matmul_kernel") == 2
+    assert names == ["matmul_kernel"]
     _check(out, x, w.t(), b if bias else None)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_scaled_sum_over_a_contraction_beyond_sbuf_is_one_launch(batched, strict):
+    # the scaled sum at the store of the last K chunk's pass, from the total rounded to the dtype
+    budget = runtime.core(0).spec.sbuf_bytes_per_partition
+    K = max_contraction(2, True, False, budget, True) + 200
+    lead = (2,) if batched else ()
+    a, b = torch.randn(lead + (K, 70)).bfloat16(), torch.randn(lead + (K, 150)).bfloat16()
+    c = torch.randn(lead + (70, 150)).bfloat16()
+    op = torch.baddbmm if batched else torch.addmm
+    out, names = _launches(lambda: op(to_n(c), to_n(a).transpose(-1, -2), to_n(b), beta=0.5, alpha=2.0))
+    assert names == ["addmm_kernel"]
+    prod = (a.transpose(-1, -2).double() @ b.double()).bfloat16().double()   # the product rounded, as a launch reads it
+    ref = 0.5 * c.double() + 2.0 * prod
+    mag = (a.transpose(-1, -2).double().abs() @ b.double().abs())
+    # the product's fp32 sum of K terms, its rounding (relative eps_bf16), then the fp32 sum rounded to bf16
+    tol = 2.0 * (4 * K ** 0.5 * EPS32 * mag + torch.finfo(torch.bfloat16).eps * prod.abs()) \
+        + torch.finfo(torch.bfloat16).eps * ref.abs()
+    assert bool(((out.cpu().double() - ref).abs() <= tol).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

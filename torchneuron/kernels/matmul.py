@@ -21,7 +21,10 @@ take half of SBUF (two with B as [N, K]); where a long contraction leaves less r
 narrows in steps of 128 columns (``panel_width``): TensorE's cost per column is the same, only A
 is read more often, and 256 bf16 columns (2 x 256 FLOPs per A byte) still keep the DMAs behind
 TensorE. ``max_contraction`` says how long K may get before nothing fits (~22k bf16, ~11k fp32
-with both operands as they lie); the eager ops split longer ones. A ``bias`` row ([1, N], e.g.
+with both operands as they lie); a longer contraction runs this nest once per K chunk in the same
+launch, the partial sums evicted in fp32 to an HBM scratch and added at the next pass's stores
+(``_matmul_k_chunks``: two passes at K = 11008 fp32 add 2 x 4 bytes per output element of HBM
+traffic to ~2.8k FLOPs each, so the product stays TensorE-bound). A ``bias`` row ([1, N], e.g.
 ``linear``'s) is added by VectorE as it evicts the accumulators, so the sum is rounded once.
 
 A as [M, K]: during the first N panel, strip i+1's row block is transposed on TensorE (one PSUM
@@ -346,17 +349,19 @@ def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool
             nisa.dma_copy(dst=out[m0 + full * PMAX:m0 + rows, :], src=res[:last, full * N:nch * N])
 
 
-def _sbuf_need(K: int, NW: int, isz: int, transpose_a: bool, transpose_b: bool, bias: bool = False) -> int:
+def _sbuf_need(K: int, NW: int, isz: int, transpose_a: bool, transpose_b: bool, bias: bool = False,
+               stage_isz: int | None = None) -> int:
     """SBUF bytes per partition of ``matmul_into`` with panels NW columns wide: B panel(s) (two with B as
     [N, K]: the next is built during this one), 2 A^T strips, 2 A row blocks (A as [M, K]), 2 B row blocks
-    (B as [N, K]), 2 output staging tiles and 2 fp32 bias rows."""
+    (B as [N, K]), 2 output staging tiles (``stage_isz`` bytes per element, default the operands') and 2 fp32
+    bias rows."""
     KT = cdiv(K, TK)
     return ((2 if transpose_b else 1) * KT * NW * isz + 2 * KT * TM * isz + (0 if transpose_a else 2 * K * isz)
-            + (2 * K * isz if transpose_b else 0) + 2 * NW * isz + (2 * NW * 4 if bias else 0))
+            + (2 * K * isz if transpose_b else 0) + 2 * NW * (stage_isz or isz) + (2 * NW * 4 if bias else 0))
 
 
 def panel_width(K: int, N: int, isz: int, transpose_a: bool, transpose_b: bool, budget: int,
-                bias: bool = False) -> int:
+                bias: bool = False, stage_isz: int | None = None) -> int:
     """Columns of ``matmul_into``'s B panel: up to 4 PSUM banks (3 when 2 banks hold A transposes) while a
     panel fits half of SBUF, narrower (multiples of 128) where everything must fit; 0 if nothing does."""
     # each A^T strip is read from HBM once per panel: a bf16 panel of 256 columns or more keeps TensorE
@@ -365,18 +370,20 @@ def panel_width(K: int, N: int, isz: int, transpose_a: bool, transpose_b: bool, 
     while bn > 1 and cdiv(K, TK) * bn * TN * isz > budget // 2:   # (B as [N, K] keeps two panels: the need
         bn -= 1                                                     # check below narrows them to fit)
     nw = min(bn, cdiv(N, TN)) * TN
-    while nw > 0 and _sbuf_need(K, nw, isz, transpose_a, transpose_b, bias) > budget:
+    while nw > 0 and _sbuf_need(K, nw, isz, transpose_a, transpose_b, bias, stage_isz) > budget:
         nw -= TM
     return nw
 
 
-def max_contraction(isz: int, transpose_a: bool, transpose_b: bool, budget: int, bias: bool = False) -> int:
-    """The longest contraction (a multiple of 128) ``matmul_kernel`` runs in one pass over SBUF of ``budget`` B."""
+def max_contraction(isz: int, transpose_a: bool, transpose_b: bool, budget: int, bias: bool = False,
+                    stage_isz: int | None = None) -> int:
+    """The longest contraction (a multiple of 128) one pass of ``matmul_into``'s loop nest keeps in SBUF of
+    ``budget`` B (longer ones run as several passes over K chunks, ``_matmul_k_chunks``)."""
     # _sbuf_need grows with K: bisect over K tiles for the narrowest panel
     lo, hi = 0, budget // TM
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _sbuf_need(mid * TK, TM, isz, transpose_a, transpose_b, bias) <= budget:
+        if _sbuf_need(mid * TK, TM, isz, transpose_a, transpose_b, bias, stage_isz) <= budget:
             lo = mid
         else:
             hi = mid - 1
@@ -384,16 +391,86 @@ def max_contraction(isz: int, transpose_a: bool, transpose_b: bool, budget: int,
 
 
 def matmul_into(a, b, out, transpose_a=False, transpose_b=False, bias=None, epilogue: Epilogue | None = None):
-    """The matmul loop nest: ``out[M, N] = A @ B`` (plus a [1, N] ``bias`` row) into an HBM view (called
-    while tracing a kernel)."""
+    """``out[M, N] = A @ B`` (plus a [1, N] ``bias`` row, then the ``epilogue``) into an HBM view (called while
+    tracing a kernel): one pass of the loop nest below, or, for a contraction longer than SBUF holds, one pass
+    per K chunk with the partial sums kept in fp32 (``_matmul_k_chunks``)."""
+    K = a.shape[0] if transpose_a else a.shape[1]
+    N = b.shape[0] if transpose_b else b.shape[1]
+    if panel_width(K, N, itemsize(a.dtype), transpose_a, transpose_b, nl.tile_size.sbuf_fmax_bytes,
+                   bias is not None):
+        _matmul_pass(a, b, out, transpose_a, transpose_b, bias, epilogue)
+    else:
+        _matmul_k_chunks(a, b, out, transpose_a, transpose_b, bias, epilogue)
+
+
+def k_chunk(K: int, isz: int, transpose_a: bool, transpose_b: bool, budget: int, extras: int = 0) -> int:
+    """Rows of each K chunk (a multiple of 128, equal chunks) of a contraction longer than one pass holds:
+    each pass stages fp32 and keeps room for a bias row and the fp32 tiles of an epilogue with ``extras``
+    operands besides the partial sums."""
+    # the epilogue's tiles: the product widened, the partial sums, each extra, the result ([128, 512] fp32 each)
+    reserve = (3 + extras) * TN * 4
+    limit = max_contraction(isz, transpose_a, transpose_b, budget - reserve, True, stage_isz=4)
+    assert limit, "matmul: not even one K tile of this layout fits SBUF"
+    n = cdiv(K, limit)
+    return cdiv(cdiv(K, n), TK) * TK
+
+
+def _matmul_k_chunks(a, b, out, transpose_a=False, transpose_b=False, bias=None, epilogue: Epilogue | None = None):
+    """``out = A @ B`` for a contraction longer than one pass of the loop nest keeps in SBUF, in one launch: one
+    pass per K chunk into an fp32 HBM scratch of partial sums (the PSUM accumulators are evicted in fp32, and each
+    later pass adds the partial sums to its block at the store), the last pass storing the total in out's dtype
+    (plus the bias row; through the ``epilogue`` from the total rounded to the operands' dtype)."""
+    K, M = a.shape if transpose_a else (a.shape[1], a.shape[0])
+    N = b.shape[0] if transpose_b else b.shape[1]
+    dt, isz = a.dtype, itemsize(a.dtype)
+    extras = len(epilogue.extras) if epilogue is not None else 0
+    kc = k_chunk(K, isz, transpose_a, transpose_b, nl.tile_size.sbuf_fmax_bytes, extras)
+    part = nl.ndarray((M, N), nl.float32, buffer=nl.hbm)
+
+    def add(prod, partial):   # fp32, in place on the block's tiles
+        nisa.tensor_tensor(dst=prod, data1=prod, data2=partial, op=nl.add)
+        return prod
+
+    def total_then(prod, partial, *rest):
+        """The last pass's block: the total, rounded to the operands' dtype as a stored product is, then the
+        caller's epilogue."""
+        total = add(prod, partial)
+        if itemsize(dt) != 4:
+            rounded = nl.ndarray(tuple(total.shape), dt, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=rounded, src=total, engine=nisa.vector_engine)
+            nisa.tensor_copy(dst=total, src=rounded, engine=nisa.gpsimd_engine)
+        return epilogue.fn(total, *rest)
+
+    starts = list(range(0, K, kc))
+    for i, k0 in enumerate(starts):
+        k1 = min(K, k0 + kc)
+        ac = a[k0:k1, :] if transpose_a else a[:, k0:k1]
+        bc = b[:, k0:k1] if transpose_b else b[k0:k1, :]
+        if i == 0:
+            _matmul_pass(ac, bc, part, transpose_a, transpose_b, stage_dtype=nl.float32)
+        elif i < len(starts) - 1:
+            _matmul_pass(ac, bc, part, transpose_a, transpose_b, epilogue=Epilogue(add, (part,), nl.float32),
+                         stage_dtype=nl.float32)
+        else:
+            last = (Epilogue(add, (part,), out.dtype) if epilogue is None
+                    else Epilogue(total_then, (part, *epilogue.extras), epilogue.out_dtype))
+            _matmul_pass(ac, bc, out, transpose_a, transpose_b, bias, last, stage_dtype=nl.float32)
+
+
+def _matmul_pass(a, b, out, transpose_a=False, transpose_b=False, bias=None, epilogue: Epilogue | None = None,
+                 stage_dtype=None):
+    """The matmul loop nest, one pass over K: ``out[M, N] = A @ B`` (plus a [1, N] ``bias`` row) into an HBM
+    view, the PSUM accumulators evicted to ``stage_dtype`` (default the operands')."""
     K, M = a.shape if transpose_a else (a.shape[1], a.shape[0])
     N, Kb = b.shape if transpose_b else (b.shape[1], b.shape[0])
     assert K == Kb, f"matmul: contraction dims differ ({K} vs {Kb})"
     assert a.dtype == b.dtype, f"matmul: operand dtypes differ ({a.dtype} vs {b.dtype})"
     dt, isz = a.dtype, itemsize(a.dtype)
+    sdt = stage_dtype or dt
     KT, MT = cdiv(K, TK), cdiv(M, TM)
     full, kr = K // TK, K % TK                 # whole K tiles, rows of the partial last one
-    NW = panel_width(K, N, isz, transpose_a, transpose_b, nl.tile_size.sbuf_fmax_bytes, bias is not None)
+    NW = panel_width(K, N, isz, transpose_a, transpose_b, nl.tile_size.sbuf_fmax_bytes, bias is not None,
+                     itemsize(sdt))
     assert NW, f"matmul: a contraction of K={K} does not fit SBUF (see max_contraction)"
     GT = max(1, 2048 // (TM * isz))            # A transposes per PSUM bank (8 bf16, 4 fp32)
     NG = cdiv(KT, GT)                          # transpose groups (PSUM banks) per strip
@@ -415,12 +492,12 @@ def matmul_into(a, b, out, transpose_a=False, transpose_b=False, bias=None, epil
     # keep one strip per DMA: their TensorE work hides the loads, and smaller loads start sooner.
     GA = 1
     if transpose_a and N <= 2 * TM:
-        base = _sbuf_need(K, NW, isz, transpose_a, transpose_b, bias is not None)
+        base = _sbuf_need(K, NW, isz, transpose_a, transpose_b, bias is not None, itemsize(sdt))
         GA = next((g for g in (4, 2) if base + 2 * (g - 1) * KT * TM * isz <= nl.tile_size.sbuf_fmax_bytes), 1)
         GA = max(1, min(GA, MT))
     strips = [nl.ndarray((TK, KT, GA * TM), dt, buffer=nl.sbuf) for _ in range(2)]
     groups_loaded = 0                          # GA-strip loads so far (their ring index), across panels
-    stage = [nl.ndarray((TM, NW), dt, buffer=nl.sbuf) for _ in range(2)]
+    stage = [nl.ndarray((TM, NW), sdt, buffer=nl.sbuf) for _ in range(2)]
     # the bias row of each panel on every partition, in fp32 (a ring of two: a panel's evictions may still
     # read the previous row when the next is loaded); the evictions add it, so the sum is rounded once
     brows = [nl.ndarray((TM, NW), nl.float32, buffer=nl.sbuf) for _ in range(2)] if bias is not None else None

@@ -4,9 +4,9 @@
 into these (plus views), so they run here too. An operand that is the transpose of a contiguous
 matrix (``w.t()`` in ``linear``) is handed to the kernel in its stored layout with
 ``transpose_a`` / ``transpose_b``, so no copy is made; other strided operands are made dense on
-the device first. Each product is one launch of the matmul kernel, unless its contraction is longer
-than the kernel keeps in SBUF (``max_contraction``: ~14k-38k bf16, ~7k-19k fp32 depending on the
-layouts), when equal chunks are summed in fp32. ``bmm`` is one launch of the batched kernel.
+the device first. Each product is one launch of the matmul kernel, a contraction longer than the
+kernel keeps in SBUF (``max_contraction``: ~14k-38k bf16, ~7k-19k fp32 depending on the layouts)
+included: the kernel sums its K chunks in fp32 itself. ``bmm`` is one launch of the batched kernel.
 ``addmm`` with a bias row (``linear``: beta = alpha = 1) adds it inside the matmul launch, at the
 PSUM eviction; an input of the result's shape (any alpha, beta != 0) is summed at the product's store by
 ``addmm_kernel``, in the same launch; otherwise ``addmm``/``baddbmm`` add ``beta * input`` with one element-wise launch. fp32, bf16 and fp16 run on the device (fp32 PSUM
@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from torchneuron import runtime
-from torchneuron.kernels.matmul import addmm_kernel, bmm_kernel, fuses_bias, matmul_kernel, max_contraction
+from torchneuron.kernels.matmul import addmm_kernel, bmm_kernel, fuses_bias, matmul_kernel
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import FLOATS, on_one_device, type_name, Unsupported
 from torchneuron.ops.elementwise import dense, KIND, run_pointwise
@@ -38,32 +37,15 @@ def _operand(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return dense(t), False
 
 
-def _k_limit(a: torch.Tensor, ta: bool, tb: bool, bias: bool) -> int:
-    """The longest contraction the matmul kernel takes in one launch for these operand layouts."""
-    budget = runtime.core(a.device.index).spec.sbuf_bytes_per_partition
-    return max_contraction(a.element_size(), ta, tb, budget, bias)
-
-
 def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b`` (2-D, same dtype, one device) by one kernel launch, written into ``out`` when given;
-    plus a [1, N] ``bias`` row added in the kernel (``_bias_row`` decides when).
-    A contraction longer than the kernel keeps in SBUF (fp32 beyond ~12k, bf16 beyond ~20k) is split;
-    the partial products are summed in fp32."""
+    plus a [1, N] ``bias`` row added in the kernel (``_bias_row`` decides when)."""
     M, N = a.shape[0], b.shape[1]
     if a.shape[1] == 0 or M == 0 or N == 0:  # an empty contraction sums nothing: zeros
         res = torch.zeros((M, N), dtype=a.dtype, device=a.device)
         return res if out is None else out.copy_(res)
     (ka, ta), (kb, tb) = _operand(a), _operand(b)
-    K, limit = a.shape[1], _k_limit(a, ta, tb, bias is not None)
-    if K > limit:   # equal chunks of whole K tiles
-        chunk = -(-K // -(-K // limit) // 128) * 128
-        acc = None
-        for k0 in range(0, K, chunk):
-            part = mm_into(a[:, k0:k0 + chunk], b[k0:k0 + chunk], None).float()
-            acc = part if acc is None else acc.add_(part)
-        res = (acc if bias is None else acc.add_(bias)).to(a.dtype)
-        return res if out is None else out.copy_(res)
     direct = out is not None and out.is_contiguous() and out.dtype == a.dtype
     operands = {"a": ka, "b": kb} if bias is None else {"a": ka, "b": kb, "bias": bias}
     (res,) = call_kernel(matmul_kernel, operands, {"transpose_a": ta, "transpose_b": tb},
@@ -173,7 +155,7 @@ def _bias_row(inp: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: Any, al
 def _fused_sum_operands(inp, a, b, beta, shape: tuple, batched: bool) -> dict | None:
     """The ``addmm_kernel`` operands of ``beta * inp + alpha * (a @ b)`` when ``inp`` has the result's shape and
     dtype (the sum formed at the product's store), or None where it takes its own launch: a broadcast input,
-    beta == 0 (the input ignored, NaN included), an empty or split contraction, or batch entries the grouped
+    beta == 0 (the input ignored, NaN included), an empty contraction, or batch entries the grouped
     small-matrix kernel takes."""
     K = a.shape[-1]
     if tuple(inp.shape) != shape or inp.dtype != a.dtype or beta == 0 or 0 in shape or K == 0:
@@ -184,8 +166,6 @@ def _fused_sum_operands(inp, a, b, beta, shape: tuple, batched: bool) -> dict | 
             return None
     else:
         (ka, ta), (kb, tb) = _operand(a), _operand(b)
-        if K > _k_limit(a, ta, tb, True):
-            return None
     return {"a": ka, "b": kb, "c": dense(inp), "transpose_a": ta, "transpose_b": tb}
 
 
