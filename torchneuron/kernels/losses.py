@@ -65,7 +65,7 @@ def _class_iota(G: int, C: int):
     return cols
 
 
-def _bits(t, p, g, C):
+def int_bits(t, p, g, C):
     """The int32 view of the bits of an fp32 [p, g, C] SBUF tile (or of a [p, g] one read as [p, g, C])."""
     if len(t.shape) == 2:
         return t[:p, :g].ap([[g, p], [1, g], [0, C]], dtype=nl.int32)
@@ -75,12 +75,12 @@ def _bits(t, p, g, C):
 def _targets(words, weight, cols, r0, p, g, C, ignore_index):
     """(pick [P, g, C] int32 select mask, w_n [P, g], bad [P, g]) of the rows' targets (see the module
     docstring)."""
-    tf, valid, bad = _row_targets(words, r0, p, g, C, ignore_index)
+    tf, valid, bad = row_targets(words, r0, p, g, C, ignore_index)
     pick, w = _pick(tf, valid, cols, weight, p, g, C)
     return pick, (valid if w is None else w), bad
 
 
-def _row_targets(words, r0, p, g, C, ignore_index):
+def row_targets(words, r0, p, g, C, ignore_index):
     """(targets as fp32 [P, g, S] (the low word first), valid [P, g], bad [P, g]) of the rows' targets."""
     S = words.shape[1]
     wd = load_grouped(words, r0, p, g, nl.int32)
@@ -124,7 +124,7 @@ def _pick(tf, valid, cols, weight, p, g, W):
         return pick, None
     weighted = nl.ndarray((PMAX, g, W), nl.float32, buffer=nl.sbuf)     # weight[target] of counted rows
     row = weight[:p, :W].ap([[weight.shape[1], p], [0, g], [1, W]], dtype=nl.int32)
-    nisa.tensor_tensor(dst=_bits(weighted, p, g, W), data1=row, data2=pick[:p], op=nl.bitwise_and)
+    nisa.tensor_tensor(dst=int_bits(weighted, p, g, W), data1=row, data2=pick[:p], op=nl.bitwise_and)
     w = _col(g)
     nisa.tensor_reduce(dst=w[:p], op=nl.add, data=weighted[:p], axis=(2,))
     return pick, w
@@ -138,7 +138,7 @@ def _weight_row(weight, C):
     return t
 
 
-def _total(acc, k, dst):
+def partition_totals(acc, k, dst):
     """dst[0, :k] = the sums over partitions of acc[:, :k] (ones^T @ acc on TensorE)."""
     ones = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
@@ -159,7 +159,7 @@ def _picked_rows(x, words, weight, ignore_index, ring):
         for r0, p, g in blocks:
             xt = load_grouped(x, r0, p, g)
             pick, w, bad = _targets(words, wrow, cols, r0, p, g, C, ignore_index)
-            nisa.tensor_tensor(dst=_bits(xt, p, g, C), data1=_bits(xt, p, g, C), data2=pick[:p],
+            nisa.tensor_tensor(dst=int_bits(xt, p, g, C), data1=int_bits(xt, p, g, C), data2=pick[:p],
                                op=nl.bitwise_and)
             s = _col(g)
             nisa.tensor_reduce(dst=s[:p], op=nl.add, data=xt[:p], axis=(2,))
@@ -169,14 +169,14 @@ def _picked_rows(x, words, weight, ignore_index, ring):
     pr = min(PMAX, EXACT // C)               # rows per block: every flat index below 2**24 (exact in fp32)
     for r0 in range(0, N, pr):
         p = min(pr, N - r0)
-        tf, valid, bad = _row_targets(words, r0, p, 1, C, ignore_index)
-        idx, mask = _flat_targets(tf, valid, bad, p, C)
-        s = _gathered(x[r0:r0 + p, :], idx, mask, p)
-        w = valid if weight is None else _gathered(weight, _weight_index(tf, valid, bad, p), mask, p)
+        tf, valid, bad = row_targets(words, r0, p, 1, C, ignore_index)
+        idx, mask = flat_targets(tf, valid, bad, p, C)
+        s = gathered(x[r0:r0 + p, :], idx, mask, p)
+        w = valid if weight is None else gathered(weight, weight_index(tf, valid, bad, p), mask, p)
         yield r0, p, 1, (None, w, bad, s)
 
 
-def _flat_targets(tf, valid, bad, p: int, C: int):
+def flat_targets(tf, valid, bad, p: int, C: int):
     """(int32 [P, 1] index of row i's target in its row block's flat [p * C] view: i * C + t, or i * C where
     the row reads nothing; int32 [P, 1] select mask, all bits set where it reads its target)."""
     use = _col()   # counted and in range
@@ -193,7 +193,7 @@ def _flat_targets(tf, valid, bad, p: int, C: int):
     return idx, mask
 
 
-def _weight_index(tf, valid, bad, p: int):
+def weight_index(tf, valid, bad, p: int):
     """int32 [P, 1]: each row's target class where it reads one, else 0 (an index into the class weights)."""
     use, f = _col(), _col()
     nisa.tensor_tensor(dst=use[:p], data1=valid[:p], data2=bad[:p], op=nl.subtract)
@@ -203,14 +203,37 @@ def _weight_index(tf, valid, bad, p: int):
     return idx
 
 
-def _gathered(src, idx, mask, p: int):
+def gathered(src, idx, mask, p: int):
     """fp32 [P, 1]: element idx[i] of the flat HBM view ``src`` by one indirect DMA, kept where ``mask`` is set
     and 0 elsewhere (a bitwise select: an inf/NaN read for an ignored row stays out)."""
     v = _col()
     nisa.dma_copy(dst=v[:p], src=src.ap([[1, p], [1, 1]], vector_offset=idx[:p]))
-    nisa.tensor_tensor(dst=_bits(v, p, 1, 1), data1=_bits(v, p, 1, 1), data2=mask[:p].ap([[1, p], [1, 1], [0, 1]]),
+    nisa.tensor_tensor(dst=int_bits(v, p, 1, 1), data1=int_bits(v, p, 1, 1), data2=mask[:p].ap([[1, p], [1, 1], [0, 1]]),
                        op=nl.bitwise_and)
     return v
+
+
+def accumulate_rows(acc, cols, p: int) -> None:
+    """acc[:p, k] += the row sums of the [P, g] tiles ``cols`` (the per-partition sums of loss, weight, bad)."""
+    part = nl.ndarray((PMAX, len(cols)), nl.float32, buffer=nl.sbuf)
+    for k, v in enumerate(cols):
+        nisa.tensor_reduce(dst=part[:p, k:k + 1], op=nl.add, data=v[:p], axis=(1,))
+    nisa.tensor_tensor(dst=acc[:p], data1=acc[:p], data2=part[:p], op=nl.add)
+
+
+def store_totals(acc, reduction: int, losses, total, bad_count) -> None:
+    """From per-partition sums acc [P, 3] of (loss, weight, bad): the reduced loss into ``losses`` (reduction 1: over
+    the total weight, 0 / 0 NaN as on the CPU; 0 stores nothing), the total weight and the bad count."""
+    tot = nl.ndarray((1, 3), nl.float32, buffer=nl.sbuf)
+    partition_totals(acc, 3, tot)
+    if reduction == 1:
+        r = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
+        nisa.reciprocal(dst=r, data=tot[:, 1:2])
+        nisa.tensor_tensor(dst=tot[:, 0:1], data1=tot[:, 0:1], data2=r, op=nl.multiply)
+    if reduction != 0:
+        nisa.dma_copy(dst=losses, src=tot[:, 0:1])
+    nisa.dma_copy(dst=total, src=tot[:, 1:2])
+    nisa.dma_copy(dst=bad_count, src=tot[:, 2:3])
 
 
 @nki.jit
@@ -232,20 +255,8 @@ def nll_fwd_kernel(x, words, weight=None, ignore_index=-100, reduction=1):
                                   op1=nl.multiply, operand1=w[:p])
         if reduction == 0:
             nisa.dma_copy(dst=losses[r0:r0 + p * g, :].reshape((p, g)), src=loss[:p])
-        part = nl.ndarray((PMAX, 3), nl.float32, buffer=nl.sbuf)
-        for k, v in enumerate((loss, w, bad)):
-            nisa.tensor_reduce(dst=part[:p, k:k + 1], op=nl.add, data=v[:p], axis=(1,))
-        nisa.tensor_tensor(dst=acc[:p], data1=acc[:p], data2=part[:p], op=nl.add)
-    tot = nl.ndarray((1, 3), nl.float32, buffer=nl.sbuf)
-    _total(acc, 3, tot)
-    if reduction == 1:   # mean: sum / total weight (0 / 0 is NaN, as on the CPU)
-        r = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
-        nisa.reciprocal(dst=r, data=tot[:, 1:2])
-        nisa.tensor_tensor(dst=tot[:, 0:1], data1=tot[:, 0:1], data2=r, op=nl.multiply)
-    if reduction != 0:
-        nisa.dma_copy(dst=losses, src=tot[:, 0:1])
-    nisa.dma_copy(dst=total, src=tot[:, 1:2])
-    nisa.dma_copy(dst=bad_count, src=tot[:, 2:3])
+        accumulate_rows(acc, (loss, w, bad), p)
+    store_totals(acc, reduction, losses, total, bad_count)
     return losses, total, bad_count
 
 
@@ -267,17 +278,34 @@ def _bwd_rows(words, weight, C, ignore_index, coefficient, spread_coef, dx):
     nisa.memset(dst=zeros, value=0.0)
     for r0 in range(0, N, pr):
         p = min(pr, N - r0)
-        tf, valid, bad = _row_targets(words, r0, p, 1, C, ignore_index)
-        idx, mask = _flat_targets(tf, valid, bad, p, C)
-        w = valid if weight is None else _gathered(weight, _weight_index(tf, valid, bad, p), mask, p)
+        tf, valid, bad = row_targets(words, r0, p, 1, C, ignore_index)
+        idx, mask = flat_targets(tf, valid, bad, p, C)
+        w = valid if weight is None else gathered(weight, weight_index(tf, valid, bad, p), mask, p)
         coef = coefficient(w, r0, p, 1)
         for c0 in range(0, C, WC):            # the block's rows zeroed, then each target element written
             wc = min(WC, C - c0)
             nisa.dma_copy(dst=dx[r0:r0 + p, c0:c0 + wc], src=zeros[:p, :wc])
-        nisa.tensor_tensor(dst=_bits(coef, p, 1, 1), data1=_bits(coef, p, 1, 1),
+        nisa.tensor_tensor(dst=int_bits(coef, p, 1, 1), data1=int_bits(coef, p, 1, 1),
                            data2=mask[:p].ap([[1, p], [1, 1], [0, 1]]), op=nl.bitwise_and)
         nisa.dma_copy(dst=dx[r0:r0 + p, :].ap([[1, p], [1, 1]], vector_offset=idx[:p]), src=coef[:p])
         yield r0, p, 1, bad
+
+
+def gradient_scale(grad, total, reduction: int, sign: float):
+    """fp32 [P, 1]: ``sign`` times the scalar incoming gradient [1, 1] on every partition, over the total weight
+    [1, 1] for the mean; None for reduction 0 (a gradient per row)."""
+    if reduction == 0:
+        return None
+    scale = _col()
+    nisa.dma_copy(dst=scale, src=grad.broadcast_to((PMAX, 1)))
+    if sign != 1.0:
+        nisa.tensor_scalar(dst=scale, data=scale, op0=nl.multiply, operand0=sign)
+    if reduction == 1:
+        tw = _col()
+        nisa.dma_copy(dst=tw, src=total.broadcast_to((PMAX, 1)))
+        nisa.reciprocal(dst=tw, data=tw)
+        nisa.tensor_tensor(dst=scale, data1=scale, data2=tw, op=nl.multiply)
+    return scale
 
 
 @nki.jit
@@ -288,16 +316,7 @@ def nll_bwd_kernel(grad, words, total, weight=None, num_classes=1, ignore_index=
     assert C < EXACT and abs(ignore_index) < EXACT, "nll_loss: classes and ignore_index must be below 2**24"
     dx = nl.ndarray((N, C), grad.dtype, buffer=nl.shared_hbm)
     bad_count = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
-    scale = None
-    if reduction != 0:   # the scalar gradient on every partition, over the total weight for mean
-        scale = _col()
-        nisa.dma_copy(dst=scale, src=grad.broadcast_to((PMAX, 1)))
-        nisa.tensor_scalar(dst=scale, data=scale, op0=nl.multiply, operand0=-1.0)
-        if reduction == 1:
-            tw = _col()
-            nisa.dma_copy(dst=tw, src=total.broadcast_to((PMAX, 1)))
-            nisa.reciprocal(dst=tw, data=tw)
-            nisa.tensor_tensor(dst=scale, data1=scale, data2=tw, op=nl.multiply)
+    scale = gradient_scale(grad, total, reduction, -1.0)
     acc = _col()
     nisa.memset(dst=acc, value=0.0)
     ring = collections.deque(maxlen=NBUF)
@@ -316,7 +335,7 @@ def nll_bwd_kernel(grad, words, total, weight=None, num_classes=1, ignore_index=
     def spread_coef(coef, pick, p, g, W, dst):
         """dst[:, :, :W] = coef at each row's target column, 0 elsewhere (a bitwise select), then store it."""
         d = nl.ndarray((PMAX, g, W), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=_bits(d, p, g, W), data1=_bits(coef, p, g, W), data2=pick[:p], op=nl.bitwise_and)
+        nisa.tensor_tensor(dst=int_bits(d, p, g, W), data1=int_bits(coef, p, g, W), data2=pick[:p], op=nl.bitwise_and)
         nisa.dma_copy(dst=dst, src=d[:p])
         ring.append((pick, d))
 
@@ -325,6 +344,6 @@ def nll_bwd_kernel(grad, words, total, weight=None, num_classes=1, ignore_index=
         nisa.tensor_reduce(dst=part[:p], op=nl.add, data=bad[:p], axis=(1,))
         nisa.tensor_tensor(dst=acc[:p], data1=acc[:p], data2=part[:p], op=nl.add)
     tot = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
-    _total(acc, 1, tot)
+    partition_totals(acc, 1, tot)
     nisa.dma_copy(dst=bad_count, src=tot)
     return dx, bad_count

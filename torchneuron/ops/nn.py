@@ -10,7 +10,9 @@ them); the backward is one ``layer_norm_bwd_kernel`` launch on those saved stati
 kernel uses them. ``F.rms_norm`` reaches ``_fused_rms_norm`` (PyTorch's composite calls it once the backend has a
 kernel for it): one launch of the same kernel returning the fp32 1/rms, and one backward launch on it.
 
-``nll_loss`` forward and backward are one launch each (``kernels.losses``: the targets become one-hot
+``F.cross_entropy`` with class targets of a 1-D/2-D input runs the fused ``kernels.cross_entropy`` kernels (one read
+of the logits forward; one read and one write backward) through an autograd kernel of ``cross_entropy_loss``; other
+calls take PyTorch's composition of log_softmax and nll_loss. ``nll_loss`` forward and backward are one launch each (``kernels.losses``: the targets become one-hot
 rows against an iota, the reduction runs in the kernel). The other losses (``mse_loss``,
 ``binary_cross_entropy``, ``multi_margin_loss``, ``multilabel_margin_loss``) are composed of element-wise,
 comparison and reduction launches; class targets become [N, C] masks against an iota row. Targets and
@@ -24,6 +26,7 @@ from typing import Sequence
 import torch
 from torch._prims_common import canonicalize_dim
 
+from torchneuron.kernels.cross_entropy import cross_entropy_bwd_kernel, cross_entropy_fwd_kernel
 from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.softmax import softmax_bwd_kernel, softmax_kernel
@@ -311,6 +314,81 @@ def nll_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: tor
                           op="aten::nll_loss_backward")
     _raise_bad_target(bad, target, C, ignore_index)
     return dx.reshape(self.shape)
+
+
+# ---- cross-entropy -----------------------------------------------------------------------------------
+# ``cross_entropy_loss`` is CompositeImplicitAutograd: log_softmax then nll_loss, which writes and rereads the [N, C]
+# log-probabilities. On neuron its autograd kernel runs the fused kernels (``kernels.cross_entropy``: each row of
+# logits read once each way) for class targets of 1-D/2-D inputs; anything else, and calls being traced (fake or
+# functorch-wrapped tensors: the compiler lowers the composition), take PyTorch's composition.
+
+_AUTOGRAD_LIB = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (kept alive for the process)
+
+
+def _fused_ce_ok(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, reduction: int,
+                 ignore_index: int, label_smoothing: float) -> bool:
+    """Whether the fused kernels take this cross-entropy: a float input [N, C] or [C] on one device with int64 class
+    targets of its batch shape, class weights of its dtype, label smoothing in [0, 1] without class weights, and
+    no tensor being traced."""
+    ts = [t for t in (self, target, weight) if t is not None]
+    if any(type(t) is not torch.Tensor for t in ts) or torch._C._are_functorch_transforms_active() or \
+            torch.compiler.is_compiling():
+        return False
+    C = self.shape[-1] if self.dim() else 0
+    return (self.dtype in FLOATS and self.dim() in (1, 2) and self.numel() > 0 and 0 < C < EXACT
+            and target.dtype == torch.int64 and target.dim() == self.dim() - 1
+            and (self.dim() == 1 or target.shape[0] == self.shape[0]) and abs(ignore_index) < EXACT
+            and reduction in (0, 1, 2) and 0.0 <= label_smoothing <= 1.0
+            and (weight is None or (label_smoothing == 0.0 and weight.dtype == self.dtype and weight.dim() == 1
+                                    and weight.numel() == C))
+            and on_one_device(*ts))
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    """Cross-entropy through the fused kernels; its backward runs the fused backward kernel (a backward that
+    builds a graph, for higher derivatives, differentiates PyTorch's composition instead)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, reduction: int,
+                ignore_index: int, smoothing: float) -> torch.Tensor:
+        """The loss, from one launch; saves the row log-sum-exp and the total weight."""
+        args, C = _nll_args(x, target, weight)
+        red = reduction if x.dim() == 2 or reduction else 2   # one sample unreduced: its loss, a scalar
+        meta = {"ignore_index": int(ignore_index), "reduction": red, "smoothing": float(smoothing)}
+        loss, lse, total, bad = call_kernel(cross_entropy_fwd_kernel, {"x": dense(x).reshape(-1, C), **args}, meta,
+                                            op="aten::cross_entropy_loss")
+        _raise_bad_target(bad, target, C, ignore_index)
+        ctx.save_for_backward(x, target, weight, lse, total)
+        ctx.meta = (reduction, int(ignore_index), float(smoothing), red)
+        return loss.reshape(-1) if red == 0 else loss.reshape(())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        """d loss / d x from one launch."""
+        x, target, weight, lse, total = ctx.saved_tensors
+        reduction, ignore_index, smoothing, red = ctx.meta
+        if torch.is_grad_enabled():   # create_graph: a gradient that is itself differentiable
+            loss = aten.cross_entropy_loss.default.decompose(x, target, weight, reduction, ignore_index, smoothing)
+            return torch.autograd.grad(loss, x, grad, create_graph=True)[0], None, None, None, None, None
+        args, C = _nll_args(x, target, weight)
+        g = dense(grad.to(x.dtype)).reshape(-1, 1)
+        dx, bad = call_kernel(cross_entropy_bwd_kernel, {"grad": g, "x": dense(x).reshape(-1, C), "lse": lse,
+                                                        "total": total, **args},
+                              {"ignore_index": ignore_index, "reduction": red, "smoothing": smoothing},
+                              op="aten::cross_entropy_loss_backward")
+        _raise_bad_target(bad, target, C, ignore_index)
+        return dx.reshape(x.shape), None, None, None, None, None
+
+
+def cross_entropy_loss(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                       reduction: int = 1, ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
+    """``F.cross_entropy`` on neuron: the fused kernels where they apply, else PyTorch's composition."""
+    if _fused_ce_ok(self, target, weight, reduction, ignore_index, label_smoothing):
+        return _FusedCrossEntropy.apply(self, target, weight, reduction, ignore_index, label_smoothing)
+    return aten.cross_entropy_loss.default.decompose(self, target, weight, reduction, ignore_index, label_smoothing)
+
+
+_AUTOGRAD_LIB.impl("cross_entropy_loss", cross_entropy_loss, "AutogradPrivateUse1")
 
 
 # ---- regression losses ---------------------------------------------------------------------------------
