@@ -2,11 +2,14 @@
 
 One row per partition, blocks of 128 rows, the whole row [128, D] in SBUF (fp32):
 
-    layer norm fwd:  bn_stats per 512 columns + bn_aggr -> mean, var      VectorE
-                     rstd = (var + eps) ** -0.5                            VectorE (one tensor_scalar)
-                     xhat = x * rstd + (-mean * rstd)                      ScalarE (activation scale/bias)
-                     y = xhat * w + b                                      GpSimd (two tensor_tensor)
-                     (VectorE stays free for the next block's statistics: no in-order stall)
+    layer norm fwd:  even row blocks: bn_stats per 512 columns + bn_aggr   VectorE
+                     odd row blocks: mean = sum(x / D), then                ScalarE (two activations with
+                       var = sum((mean - x)^2) / D                          their accumulate: exact two-pass)
+                     rstd = (var + eps) ** -0.5                            VectorE / GpSimd (tensor_scalar)
+                     u = (x - mean) * w                                    VectorE (bf16: its fast mode)
+                     u = u * rstd                                          ScalarE
+                     y = u + b                                             GpSimd
+                     (alternating the statistics leaves each engine about one pass per block)
     rms norm fwd:    ss = sum(x^2) fused into a ScalarE activation, rstd = (ss/D + eps) ** -0.5,
                      y = x * rstd (ScalarE), y *= w (VectorE)
     backward:        recompute the statistics, then
@@ -82,6 +85,22 @@ def _ln_stats(t, p, D, eps):
     nisa.tensor_scalar(dst=nmr[:p], data=mv[:p, 0:1], op0=nl.multiply, operand0=rstd[:p], op1=nl.multiply,
                        operand1=-1.0)
     return rstd, nmr, mv[:, 0:1]
+
+
+def _ln_stats_scalar(t, p, D, eps, junk):
+    """(rstd, mean) columns of the rows of t[:p] on ScalarE, two passes: the mean (a sum of x / D), then the sum of
+    squared deviations from it (exact two-pass variance, no cancellation); ``junk`` [P, D] takes the unused
+    element-wise results."""
+    mean = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=junk[:p], op=nl.identity, data=t[:p], scale=1.0 / D, reduce_op=nl.add, reduce_res=mean[:p],
+                    reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    rstd = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=junk[:p], op=nl.square, data=t[:p], scale=-1.0, bias=mean[:p], reduce_op=nl.add,
+                    reduce_res=rstd[:p], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    nisa.tensor_scalar(dst=rstd[:p], data=rstd[:p], op0=nl.multiply, operand0=1.0 / D, op1=nl.add, operand1=eps,
+                       engine=nisa.gpsimd_engine)
+    nisa.tensor_scalar(dst=rstd[:p], data=rstd[:p], op0=nl.power, operand0=-0.5, engine=nisa.gpsimd_engine)
+    return rstd, mean
 
 
 def _saved_stats(mean, rstd, r0, p, sc):
@@ -281,14 +300,16 @@ def layer_norm_kernel(x, weight, bias, eps=1e-5, rms=False, stats=False, stats_d
     w = _row(weight, D, weight.dtype if weight.dtype == x.dtype else nl.float32)
     b = None if rms else _row(bias, D, bias.dtype if bias.dtype == x.dtype else nl.float32)
     ring = collections.deque(maxlen=NBUF)
-    for r0 in range(0, N, PMAX):
+    for b_i, r0 in enumerate(range(0, N, PMAX)):
         p = min(PMAX, N - r0)
         t = nl.ndarray((PMAX, D), x.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=t[:p], src=x[r0:r0 + p, :])
         u = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
         y = u if x.dtype == nl.float32 else nl.ndarray((PMAX, D), x.dtype, buffer=nl.sbuf)
         # one pass per engine: the statistics and u = (x - mean) * w on VectorE, the scaling on ScalarE
-        # (layer norm) or GpSimd (RMS), the bias on GpSimd; y is written once, in the output dtype
+        # (layer norm) or GpSimd (RMS), the bias on GpSimd; y is written once, in the output dtype. Layer norm's
+        # VectorE would carry two passes per block to the others' one: every other block takes its statistics
+        # on ScalarE instead (two passes: the mean, then the sum of squared deviations from it)
         if rms:
             rstd = _rms_stats(t, p, D, eps)
             nisa.scalar_tensor_tensor(dst=u[:p], data=t[:p], op0=nl.subtract, operand0=0.0, op1=nl.multiply,
@@ -296,7 +317,7 @@ def layer_norm_kernel(x, weight, bias, eps=1e-5, rms=False, stats=False, stats_d
             nisa.tensor_scalar(dst=y[:p], data=u[:p], op0=nl.multiply, operand0=rstd[:p], engine=nisa.gpsimd_engine)
             mean = None
         else:
-            rstd, _, mean = _ln_stats(t, p, D, eps)
+            rstd, mean = _ln_stats_scalar(t, p, D, eps, y) if b_i % 2 else _ln_stats(t, p, D, eps)[::2]
             nisa.scalar_tensor_tensor(dst=u[:p], data=t[:p], op0=nl.subtract, operand0=mean[:p], op1=nl.multiply,
                                       operand1=w[:p])
             nisa.activation(dst=u[:p], op=nl.identity, data=u[:p], scale=rstd[:p])
