@@ -28,6 +28,49 @@ def _stat_dtype(input: torch.Tensor, *params: torch.Tensor | None) -> torch.dtyp
     return input.dtype
 
 
+def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` rounded to ``dtype`` and back to fp32: one bf16/fp16 operation of the CPU's scalar code."""
+    return t.to(dtype).to(torch.float32)
+
+
+def _saved_statistics(mean: torch.Tensor, var_sum: torch.Tensor, n: int, eps: float,
+                      sdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(save_mean, save_invstd) in ``sdt`` from the fp32 per-channel mean and sum of squared deviations.
+
+    The CPU's bf16 kernel keeps its statistics in bf16 scalars: the sum of squares is rounded, divided by
+    ``n`` (itself rounded to bf16) in bf16, and 1/sqrt(var + eps) taken in fp32 from that. Its fp16 kernel,
+    like fp32 and the mixed kernels, takes 1/sqrt(var_sum / n + eps) in fp32 and rounds once."""
+    if sdt == torch.bfloat16:
+        n_r = float(torch.tensor(float(n)).to(sdt))
+        var = _rounded(_rounded(var_sum, sdt) / n_r, sdt)
+        return mean.to(sdt), (var + eps).sqrt().reciprocal().to(sdt)
+    return mean.to(sdt), (var_sum / n + eps).rsqrt().to(sdt)
+
+
+def _update_running(running_mean: torch.Tensor | None, running_var: torch.Tensor | None, mean: torch.Tensor,
+                    save_mean: torch.Tensor, var_sum: torch.Tensor, n: int, momentum: float,
+                    sdt: torch.dtype) -> None:
+    """running = momentum * batch + (1 - momentum) * running, the variance unbiased, in place, rounded as the
+    CPU's kernel rounds: per bf16 operation for bf16 statistics (from the saved bf16 mean and the bf16 sum of
+    squares; only ``momentum * unbiased_var`` stays fp32 there), once from fp32 otherwise."""
+    unbiased = var_sum / max(n - 1, 1)
+    if sdt == torch.bfloat16:
+        m = _rounded(torch.tensor(momentum), sdt).item()
+        keep = _rounded(torch.tensor(1.0 - m), sdt).item()
+        if running_mean is not None:
+            running_mean.copy_(_rounded(_rounded(save_mean.float() * m, sdt)
+                                        + _rounded(running_mean.float() * keep, sdt), sdt))
+        if running_var is not None:
+            n1 = float(torch.tensor(float(max(n - 1, 1))).to(sdt))
+            unbiased = _rounded(_rounded(var_sum, sdt) / n1, sdt)
+            running_var.copy_(unbiased * m + _rounded(running_var.float() * keep, sdt))
+        return
+    if running_mean is not None:
+        running_mean.copy_(as_float32(running_mean) * (1 - momentum) + mean * momentum)
+    if running_var is not None:
+        running_var.copy_(as_float32(running_var) * (1 - momentum) + unbiased * momentum)
+
+
 @lowering("native_batch_norm")
 def native_batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                       running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool,
@@ -47,14 +90,13 @@ def native_batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: to
         n = input.numel() // C
         mean = x.mean(dims)
         dev = x - mean.view(shape)
-        var = (dev * dev).mean(dims)
-        invstd = (var + eps).rsqrt()
+        var_sum = (dev * dev).sum(dims)
+        save_mean, save_invstd = _saved_statistics(mean, var_sum, n, eps, sdt)
         with torch.no_grad():
-            if running_mean is not None:   # running = (1 - momentum) * running + momentum * batch
-                running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-            if running_var is not None:    # with the unbiased variance
-                running_var.mul_(1 - momentum).add_(var, alpha=momentum * n / max(n - 1, 1))
-        save_mean, save_invstd = mean.to(sdt), invstd.to(sdt)
+            _update_running(running_mean, running_var, mean, save_mean, var_sum, n, momentum, sdt)
+        # the CPU transforms the input with the statistics as saved (rounded to bf16/fp16 when those are the
+        # parameters' dtype), not with their fp32 values
+        mean, invstd = as_float32(save_mean), as_float32(save_invstd)
     else:
         mean, invstd = as_float32(running_mean), (as_float32(running_var) + eps).rsqrt()
         save_mean = torch.empty((0,), dtype=sdt, device=input.device)
