@@ -267,8 +267,8 @@ def heavy_table(size: str) -> None:
 
 @contextlib.contextmanager
 def _range_flags_unread():
-    """Under ``timing_only`` no instruction writes data, so a kernel's out-of-range flags (nll_loss's target
-    count) read back garbage: the check that raises IndexError on them is skipped while measuring."""
+    """Under ``timing_only`` no instruction writes data, so a kernel's out-of-range flags (nll_loss's and the fused
+    cross-entropy's target counts) read back garbage: the check that raises IndexError on them is skipped while measuring."""
     nn_ops = importlib.import_module("torchneuron.ops.nn")
     check = nn_ops._raise_bad_target
     nn_ops._raise_bad_target = lambda *args: None
