@@ -29,9 +29,6 @@ import torchneuron
 VOCAB = 128
 NEW_TOKENS = 6
 TRAINER_STEPS = 8
-# The ops GPT-2's and Llama's generate() still run through the CPU fallback: the position ids are an
-# int64 cumsum of the attention mask with the padded places filled (transformers' generation utils).
-GENERATE_FALLBACKS = {"aten::cumsum", "aten::masked_fill_.Scalar"}
 # Rounding steps one attention or MLP sub-layer adds on its path: the norm, the input product(s),
 # the scores or the activation, the softmax, the output product and the residual add.
 ROUNDINGS_PER_SUBLAYER = 6
@@ -195,10 +192,10 @@ class Comparison:
         return torch.equal(self.neuron_tokens, self.cpu_tokens)
 
     def ok(self) -> bool:
-        """Everything within the bounds, the same decisions, and the decisions not a near tie."""
+        """Everything within the bounds, the same decisions, the decisions not a near tie, no CPU fallback."""
         return (self.logits_error <= self.forward_bound and self.gradient_error <= self.backward_bound
                 and self.scores_error <= self.forward_bound and self.decisions_equal()
-                and self.margin > 2 * self.forward_bound)
+                and self.margin > 2 * self.forward_bound and not self.fallbacks and not self.generate_fallbacks)
 
 
 def compare(name: str) -> Comparison:

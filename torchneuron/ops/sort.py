@@ -3,7 +3,9 @@
 
 - Scans move the dim last and run ``kernels.scan.scan_rows`` (VectorE ``tensor_tensor_scan``, fp32
   for floats, int32 for integers; integer inputs give int64 results like the CPU, widened on the
-  device; lines whose partial sums/products could leave int32 are refused to the fallback). Their backward ops come from autograd's formulas over lowered ops (flip, cumsum, ...).
+  device). Integer sums whose partial sums could leave int32, and int64 inputs, take
+  ``kernels.scan.scan_int64_rows`` (exact mod 2**64 over int32 word pairs); int products whose partial
+  products could leave int32, and int64 products, are refused to the fallback. Their backward ops come from autograd's formulas over lowered ops (flip, cumsum, ...).
 - Short lines (up to ``RANK_COLS``) sort by a stable rank sort: with the dim last as rows [L, n], element
   i of a row goes to position ``rank[i] = #{j : x[j] before x[i]}``, where "before" is ``x[j] < x[i]``
   (``>`` descending), or equal with ``j < i`` (the stable tie order), NaN after every number (before,
@@ -31,7 +33,7 @@ from torch._prims_common import canonicalize_dim
 
 import torchneuron.nki.language as nl
 from torchneuron.kernels._common import PMAX
-from torchneuron.kernels.scan import scan_rows
+from torchneuron.kernels.scan import scan_int64_rows, scan_rows
 from torchneuron.kernels.sort import MAX_COLS, bitonic_sort_rows
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, meta_twin, on_one_device, Unsupported
@@ -51,27 +53,45 @@ INTS = (torch.bool, torch.int8, torch.int16, torch.int32, torch.uint8)
 
 def _scan(self: torch.Tensor, dim: int, op: str, dtype: torch.dtype | None) -> torch.Tensor:
     """Cumulative ``op`` along ``dim`` in the result dtype PyTorch picks (ints -> int64)."""
-    result = dtype or (torch.int64 if self.dtype in INTS else self.dtype)
-    if self.dtype not in DATA_DTYPES or result not in DATA_DTYPES | {torch.int64}:
+    result = dtype or (torch.int64 if self.dtype in INTS + (torch.int64,) else self.dtype)
+    if self.dtype not in DATA_DTYPES | {torch.int64} or result not in DATA_DTYPES | {torch.int64}:
         raise Unsupported
+    if self.dtype == torch.int64 and not (op == "sum" or result.is_floating_point):
+        raise Unsupported       # int64 products have no device scan: the CPU fallback's
     d = canonicalize_dim(max(self.dim(), 1), dim)
     if self.numel() == 0:
         return torch.empty(self.shape, dtype=result, device=self.device)
     x = self.reshape(1) if self.dim() == 0 else self
-    if x.dtype != result and result.is_floating_point:   # dtype= casts the input before the scan, as the CPU
+    # dtype= casts the input before the scan, as the CPU; int64 to a narrower int keeps the low bits,
+    # all an int scan of that width depends on
+    if x.dtype != result and (result.is_floating_point or x.dtype == torch.int64):
         x = x.to(result)
     moved = dense(x.movedim(d, -1))
     n = moved.shape[-1]
     integer = not result.is_floating_point
-    if integer and not _int32_scan_exact(moved, op):
-        raise Unsupported       # a partial result may pass int32: the CPU fallback scans in int64
-    (res,) = call_kernel(scan_rows, {"x": moved.reshape(-1, n)},
-                         {"op": op, "out_dtype": torch.int32 if result == torch.int64 else result,
-                          "compute": nl.int32 if integer else nl.float32}, op=f"aten::cum{op}")
-    if result == torch.int64:
-        res = to_int64(res)
+    if result == torch.int64 and op == "sum" and (moved.dtype == torch.int64 or not _int32_sums_fit(moved)):
+        # exact mod 2**64 (the CPU wraps there), no host read of the data
+        wide = moved if moved.dtype == torch.int64 else to_int64(moved)
+        (res,) = call_kernel(scan_int64_rows, {"x": wide.reshape(-1, n).view(torch.int32)}, op="aten::cumsum")
+        res = res.view(torch.int64)
+    else:
+        # an int32 result wraps as the kernel's int32 tiles do; a wider or narrower one needs every
+        # partial result inside int32 (else the CPU fallback, which accumulates in int64)
+        if integer and result != torch.int32 and not _int32_scan_exact(moved, op):
+            raise Unsupported
+        (res,) = call_kernel(scan_rows, {"x": moved.reshape(-1, n)},
+                             {"op": op, "out_dtype": torch.int32 if result == torch.int64 else result,
+                              "compute": nl.int32 if integer else nl.float32}, op=f"aten::cum{op}")
+        if result == torch.int64:
+            res = to_int64(res)
     res = res.reshape(moved.shape).movedim(-1, d)
     return dense(res).reshape(self.shape)
+
+
+def _int32_sums_fit(moved: torch.Tensor) -> bool:
+    """Whether every partial sum of lines of ``moved``'s last dim fits int32 whatever the values (dtype bound)."""
+    largest = 255 if moved.dtype == torch.uint8 else 1 << 8 * moved.element_size() - 1
+    return moved.shape[-1] * largest < 1 << 31
 
 
 def _int32_scan_exact(moved: torch.Tensor, op: str) -> bool:
@@ -80,7 +100,7 @@ def _int32_scan_exact(moved: torch.Tensor, op: str) -> bool:
     max(|x|, 1) over the line (bounded through fp32 log2 sums, with a margin of one power of two)."""
     n = moved.shape[-1]
     if op == "sum":
-        if n * (1 << 8 * moved.element_size() - 1 if moved.dtype != torch.uint8 else 255) < 1 << 31:
+        if _int32_sums_fit(moved):
             return True
         big = max(abs(int(moved.amax().item())), abs(int(moved.amin().item())))
         return n * big < 1 << 31
