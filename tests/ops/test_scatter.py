@@ -252,37 +252,87 @@ def test_float64_kthvalue_backward_scatters_into_its_size_one_dim():
     same(gn.grad, g.grad, atol=0, rtol=0)
 
 
-@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
-@pytest.mark.parametrize("reduce", ["amax", "amin", "sum", "prod"])
-def test_int32_scatter_reduce_past_2_24_is_exact_like_cpu(reduce):
-    # int32 values or partial results beyond +-2**24 are not exact in the device's fp32 accumulation:
-    # they are refused to the counted fallback, so every result is the CPU's; small ones stay exact
-    s = torch.tensor([5, 0, 0], dtype=torch.int32)
-    idx = torch.tensor([0, 0, 1, 2])
-    for src in (torch.tensor([2 ** 24 + 1, 3, 2 ** 24 + 3, -2 ** 31], dtype=torch.int32),
-                torch.tensor([4000, 5000, 7, -9], dtype=torch.int32)):
-        ref = s.scatter_reduce(0, idx, src, reduce)
-        got = to_n(s).scatter_reduce(0, to_n(idx), to_n(src), reduce).cpu()
-        assert torch.equal(got, ref), (reduce, got, ref)
-    big = torch.full((40,), 2 ** 20, dtype=torch.int32)
-    ref = torch.zeros(1, dtype=torch.int32).scatter_add(0, torch.zeros(40, dtype=torch.int64), big)
-    got = to_n(torch.zeros(1, dtype=torch.int32)).scatter_add(0, to_n(torch.zeros(40, dtype=torch.int64)), to_n(big))
+INTS = [torch.int8, torch.int16, torch.uint8, torch.int32]
+
+
+def _wide_ints(dtype, shape, g):
+    """Values across the dtype's whole range, odd (so that no sum of them is a multiple of a large power of two)."""
+    info = torch.iinfo(dtype)
+    return (torch.randint(info.min, info.max, shape, generator=g, dtype=torch.int64) | 1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", INTS)
+@pytest.mark.parametrize("reduce", ["sum", "prod", "mean", "amax", "amin"])
+def test_integer_scatter_reduce_exact_and_wrapping_like_cpu(dtype, reduce, strict):
+    # 8-32-bit ints reduce in int32, exact mod 2**32, and wrap to their width as the CPU's arithmetic does
+    # (an fp32 accumulation rounds past 2**24: 101**4 in int8, 600 int16 values near 30000)
+    g = torch.Generator().manual_seed(5)
+    s = _wide_ints(dtype, (4,), g)
+    idx = torch.randint(0, 3, (600,), generator=g)                # line 3 gets nothing
+    src = _wide_ints(dtype, (600,), g)
+    for include_self in (True, False):
+        ref = s.scatter_reduce(0, idx, src, reduce, include_self=include_self)
+        got = to_n(s).scatter_reduce(0, to_n(idx), to_n(src), reduce, include_self=include_self).cpu()
+        assert torch.equal(got, ref), (include_self, got, ref)
+    p = torch.full((6,), 101, dtype=dtype)
+    ref = torch.ones(2, dtype=dtype).scatter_reduce(0, torch.zeros(6, dtype=torch.int64), p, reduce)
+    got = to_n(torch.ones(2, dtype=dtype)).scatter_reduce(0, to_n(torch.zeros(6, dtype=torch.int64)), to_n(p), reduce)
     assert torch.equal(got.cpu(), ref)
+    if reduce == "sum":
+        ref = s.scatter_add(0, idx, src)
+        assert torch.equal(to_n(s).scatter_add(0, to_n(idx), to_n(src)).cpu(), ref)
 
 
-@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
-def test_int32_index_add_index_put_put_accumulate_past_2_24_are_exact_like_cpu():
-    # accumulating int32 past +-2**24 is refused to the counted fallback (fp32 sums would round), so
-    # index_add, index_put_(accumulate=True) and put_(accumulate=True) give the CPU's integers
-    t = torch.tensor([1, 0, 0], dtype=torch.int32)
-    idx = torch.tensor([0, 0, 2])
-    for src in (torch.tensor([2 ** 24 + 1, 3, 2 ** 30], dtype=torch.int32),
-                torch.tensor([400, -3, 9], dtype=torch.int32)):
-        assert torch.equal(to_n(t).index_add(0, to_n(idx), to_n(src), alpha=2).cpu(),
-                           t.index_add(0, idx, src, alpha=2))
-        for call in (lambda x, i, v: x.index_put_((i,), v, accumulate=True),
-                     lambda x, i, v: x.put_(i, v, accumulate=True)):
-            ref, got = t.clone(), to_n(t)
-            call(ref, idx, src)
-            call(got, to_n(idx), to_n(src))
-            assert torch.equal(got.cpu(), ref)
+@pytest.mark.parametrize("dtype", INTS)
+def test_integer_index_add_index_put_put_accumulate_exact_and_wrapping_like_cpu(dtype, strict):
+    # row sums per byte of the values on TensorE (each exact in fp32), recombined in int32: exact mod
+    # 2**32 and wrapped to the dtype's width like the CPU, with any alpha
+    g = torch.Generator().manual_seed(6)
+    t = _wide_ints(dtype, (5, 3), g)
+    idx = torch.randint(0, 4, (700,), generator=g)                # row 4 gets nothing
+    src = _wide_ints(dtype, (700, 3), g)
+    for alpha in (1, 3, -5, torch.iinfo(dtype).max):
+        assert torch.equal(to_n(t).index_add(0, to_n(idx), to_n(src), alpha=alpha).cpu(),
+                           t.index_add(0, idx, src, alpha=alpha)), alpha
+    for call in (lambda x, i, v: x.index_put_((i,), v, accumulate=True),
+                 lambda x, i, v: x.put_(i * 3 + 1, v[:, 0], accumulate=True)):
+        ref, got = t.clone(), to_n(t)
+        call(ref, idx, src)
+        call(got, to_n(idx), to_n(src))
+        assert torch.equal(got.cpu(), ref)
+
+
+def test_integer_row_sums_past_one_byte_product(strict, monkeypatch):
+    # more rows than one byte product sums exactly: the products go in blocks of BYTE_ROWS rows
+    from torchneuron.ops import scatter
+    monkeypatch.setattr(scatter, "BYTE_ROWS", 64)
+    g = torch.Generator().manual_seed(7)
+    t, idx, src = _wide_ints(torch.int32, (3,), g), torch.randint(0, 3, (200,), generator=g), _wide_ints(torch.int32, (200,), g)
+    assert torch.equal(to_n(t).index_add(0, to_n(idx), to_n(src)).cpu(), t.index_add(0, idx, src))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64])
+def test_eight_byte_masked_fill_selects_word_pairs(dtype, strict):
+    # int64/float64 masked_fill_ selects both int32 words: every bit kept (values past 2**31, NaN, -0.0)
+    g = torch.Generator().manual_seed(8)
+    if dtype == torch.int64:
+        x = torch.randint(-2 ** 63, 2 ** 63 - 1, (3, 7), generator=g)
+        values = [1, -2 ** 63, 2 ** 40 + 3, torch.tensor(2 ** 35), torch.tensor(-9)]
+    else:
+        x = torch.randn(3, 7, generator=g, dtype=torch.float64) * 1e200
+        values = [1.0000000001, float("nan"), -0.0, torch.tensor(2.5e-300, dtype=torch.float64)]
+    m = torch.rand(3, 7, generator=g) < 0.5
+    for v in values:
+        for target, mask in ((x, m), (x, m[0]), (x.t(), m.t()), (x[1, 2], m[0, 0])):
+            ref = target.clone().masked_fill_(mask, v)
+            on_device = to_n(v) if isinstance(v, torch.Tensor) and v.dtype == dtype and v.dim() == 0 else v
+            got = to_n(target).masked_fill_(to_n(mask), on_device).cpu()
+            assert torch.equal(got.view(torch.int64) if dtype == torch.float64 else got,
+                               ref.view(torch.int64) if dtype == torch.float64 else ref), (v, target.shape)
+    # the CPU's conversion errors for a value the dtype cannot hold
+    if dtype == torch.int64:
+        with pytest.raises(OverflowError) as cpu:
+            x.clone().masked_fill_(m, 2 ** 64)
+        with pytest.raises(OverflowError) as dev:
+            to_n(x).masked_fill_(to_n(m), 2 ** 64)
+        assert str(dev.value) == str(cpu.value)

@@ -20,9 +20,12 @@ CUDA does), then each selected element is scattered to its rank.
 Index dtypes int32/int64 (int64 read as their low words); ranges are checked on the device and an
 error is raised by re-running the op on CPU copies, so the exception and message are the CPU's.
 Shapes and dtypes are checked by running the op on ``meta`` tensors (the CPU's checks), before any
-fallback, and ``out=`` overlaps after its resize (as the CPU does). Integer data accumulates in fp32
-(exact below 2**24; an int32 accumulation whose operands or partial results could pass it is refused); int64/float64 data moves (gather, plain scatter, take, put) as pairs of int32
-words, and takes the CPU fallback where it would accumulate.
+fallback, and ``out=`` overlaps after its resize (as the CPU does). 8-32-bit integer data accumulates
+exactly mod 2**32 and wraps to its width as the CPU's does: scatter reductions select and reduce in
+int32 (products by pairwise int32 multiplies), row sums are one-hot products on TensorE per byte of the
+values (each byte's sums exact in fp32), recombined in int32. int64/float64 data moves (gather, plain
+scatter, take, put, masked_fill_) as pairs of int32 words, and takes the CPU fallback where it would
+accumulate.
 """
 from __future__ import annotations
 
@@ -52,6 +55,9 @@ DATA_DTYPES = DEVICE_DTYPES - {torch.float8_e4m3fn, torch.float8_e5m2, torch.uin
 MOVE_DTYPES = DATA_DTYPES | {torch.int64, torch.float64}
 LINES_LIMIT = 1 << 24      # elements of the [L, S, I] selection an accumulating scatter builds
 ONEHOT_LIMIT = 1 << 26     # elements of the one-hot matrix an accumulating row put builds
+# integer data accumulated exactly mod 2**32 in int32 (as the CPU's own-width arithmetic, wrapped after)
+EXACT_INTS = (torch.int8, torch.int16, torch.int32, torch.uint8)
+BYTE_ROWS = 1 << 16        # rows of one byte product: 255 * BYTE_ROWS < 2**24, exact in fp32
 
 
 # ---- tile functions (per element of the element-wise kernel) -----------------------------------
@@ -79,6 +85,11 @@ def _pick(idx, ids, v, identity):
 def match_tile(idx, ids):
     """1.0 where idx == id."""
     return nl.equal(idx, ids)
+
+
+def byte_tile(v, shift):
+    """Byte ``shift // 8`` of an int's two's complement bits (0..255)."""
+    return nl.bitwise_and(nl.right_shift(v, shift), 255)
 
 
 def slot_tile(flag, rank, dummy):
@@ -212,47 +223,76 @@ def _scatter_impl(target: torch.Tensor, dim: int, index: torch.Tensor, src: Any,
         return
     if L * S * I > LINES_LIMIT:
         raise Unsupported
-    if target.dtype == torch.int32 and not _fp32_exact(block, vals, reduce, I):
-        raise Unsupported       # the fp32 accumulation would round: the fallback is exact
-    x = block.reshape(L, S).to(torch.float32)
-    v = dense(vals).reshape(L, 1, I).to(torch.float32)
+    # integers reduce in int32 (exact mod 2**32, which is all a result of 32 bits or fewer keeps), the
+    # rest in fp32 (bools: nonzero sums and products are what their or/and give)
+    exact = target.dtype in EXACT_INTS
+    compute = torch.int32 if exact else torch.float32
+    x = block.reshape(L, S).to(compute)
+    v = dense(vals).reshape(L, 1, I).to(compute)
     ids = arange_values(S, target.device).reshape(1, S, 1)
     ix = idx.reshape(L, 1, I)
-    identity = {"sum": 0.0, "mean": 0.0, "prod": 1.0, "amax": float("-inf"), "amin": float("inf")}[reduce]
+    lowest, highest = ((torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max) if exact
+                       else (float("-inf"), float("inf")))
+    identity = {"sum": 0, "mean": 0, "prod": 1, "amax": lowest, "amin": highest}[reduce]
     picked = run_pointwise(_pick, [ix, ids, v, identity], KIND.DEFAULT, op="aten::scatter_reduce")
-    red = {"sum": torch.sum, "mean": torch.sum, "prod": torch.prod, "amax": torch.amax,
-           "amin": torch.amin}[reduce](picked, -1)
+    if exact:
+        red = {"sum": lambda t: t.sum(-1, dtype=torch.int32), "mean": lambda t: t.sum(-1, dtype=torch.int32),
+               "prod": _int_prod_last, "amax": lambda t: t.amax(-1), "amin": lambda t: t.amin(-1)}[reduce](picked)
+    else:
+        red = {"sum": torch.sum, "mean": torch.sum, "prod": torch.prod, "amax": torch.amax,
+               "amin": torch.amin}[reduce](picked, -1)
     if reduce == "mean" or not include_self:
         count = run_pointwise(match_tile, [ix, ids], KIND.DEFAULT, result_dtype=torch.float32,
                               op="aten::scatter_reduce").sum(-1)
     if reduce == "mean":
         total = red + x if include_self else red
-        n = count + 1 if include_self else count.clamp(min=1)
-        new = total / n
+        if exact:   # the CPU sums and counts in the data's dtype (both wrap at its width), a count of 0 taken
+            # as 1, and divides with floor
+            n = (count + 1 if include_self else count).to(torch.int32).to(target.dtype)
+            n = n.masked_fill(n == 0, 1)
+            new = torch.div(total.to(target.dtype), n, rounding_mode="floor")
+        else:
+            new = total / (count + 1 if include_self else count.clamp(min=1))
     elif include_self:
         new = {"sum": torch.add, "prod": torch.mul, "amax": torch.maximum, "amin": torch.minimum}[reduce](x, red)
     else:
         new = red
     if not include_self or reduce == "mean":
         new = torch.where(count > 0, new, x) if not include_self else new
-    if reduce == "mean" and not target.dtype.is_floating_point:
-        new = new.floor()
     _write(target, view, new.to(target.dtype).reshape(view.shape))
 
 
-def _magnitude(t: torch.Tensor) -> int:
-    return max(abs(int(t.amax().item())), abs(int(t.amin().item()))) if t.numel() else 0
+def _int_prod_last(t: torch.Tensor) -> torch.Tensor:
+    """Products of int32 ``t`` over its last dim, exact mod 2**32: halves multiplied pairwise (int32
+    products wrap exactly), log2 of the length launches."""
+    while t.shape[-1] > 1:
+        h = t.shape[-1] // 2
+        head = t[..., :h] * t[..., h:2 * h]
+        t = torch.cat([head, t[..., 2 * h:]], -1) if t.shape[-1] % 2 else head
+    return t[..., 0]
 
 
-def _fp32_exact(block: torch.Tensor, vals: torch.Tensor, reduce: str, count: int) -> bool:
-    """Whether an int32 scatter reduction of ``count`` values per line into ``block`` is exact in fp32:
-    every operand and every partial result within +-2**24."""
-    a, b = _magnitude(block), _magnitude(vals)
-    if reduce in ("amax", "amin"):
-        return max(a, b) <= 1 << 24
-    if reduce == "prod":
-        return max(a, 1) * max(b, 1) ** min(count, 25) <= 1 << 24
-    return a + count * b <= 1 << 24
+def _int32(k: Any) -> int:
+    """A Python int as the int32 it is mod 2**32."""
+    return (int(k) + (1 << 31)) % (1 << 32) - (1 << 31)
+
+
+def _onehot_sums(onehot: torch.Tensor, vals: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``onehot [S, n] @ vals [n, R]``: fp32 on TensorE for floats and bools; for ``EXACT_INTS`` int32 sums
+    exact mod 2**32, one product per byte of the values (each exact in fp32, BYTE_ROWS rows at a time)."""
+    if dtype not in EXACT_INTS:
+        return onehot @ vals.to(torch.float32)
+    v32 = vals.to(torch.int32)
+    n = v32.shape[0]
+    total = None
+    for shift in range(0, 8 * dtype.itemsize, 8):
+        byte = run_pointwise(byte_tile, [v32, shift], KIND.DEFAULT, result_dtype=torch.float32,
+                             op="aten::index_add")
+        for r0 in range(0, n, BYTE_ROWS):
+            part = (onehot[:, r0:r0 + BYTE_ROWS] @ byte[r0:r0 + BYTE_ROWS]).to(torch.int32)
+            term = part * (1 << shift) if shift else part
+            total = term if total is None else total + term
+    return total
 
 
 def _scatter_lowering(name: str, kind: str) -> None:
@@ -274,7 +314,7 @@ def _scatter_lowering(name: str, kind: str) -> None:
             raise Unsupported
         if reduce is not None and reduce not in ("sum", "mean", "prod", "amax", "amin"):
             raise Unsupported
-        if reduce == "mean" and self.dtype not in FLOATS:
+        if reduce == "mean" and self.dtype not in FLOATS + EXACT_INTS:
             raise Unsupported
         target = self if inplace else write_result(self, out) if out is not None else self.clone()
         # the functional op re-run on CPU copies when an index is out of range
@@ -321,17 +361,18 @@ def _row_put(target: torch.Tensor, d: int, rows: torch.Tensor, source: torch.Ten
         return
     if S * n > ONEHOT_LIMIT:
         raise Unsupported
-    if target.dtype == torch.int32 and \
-            _magnitude(block) + n * abs(int(alpha)) * _magnitude(vals) > 1 << 24:
-        raise Unsupported       # the fp32 sums would round: the fallback is exact
-    # sums of the rows per destination: onehot [S, n] @ values [n, R] on TensorE (fp32 accumulation)
+    # sums of the rows per destination: onehot [S, n] @ values [n, R] on TensorE
     onehot = run_pointwise(match_tile, [arange_values(S, target.device).reshape(S, 1), rows.reshape(1, n)], KIND.DEFAULT,
                            result_dtype=torch.float32, op="aten::index_add")
-    sums = onehot @ vals.to(torch.float32)
-    new = run_pointwise(tm.add_scaled, [block.reshape(S, -1).to(torch.float32), sums, alpha], KIND.DEFAULT,
-                        op="aten::index_add")
-    if not target.dtype.is_floating_point:
-        new = new.round()
+    sums = _onehot_sums(onehot, vals, target.dtype)
+    if target.dtype in EXACT_INTS:   # int32 arithmetic wraps mod 2**32, as the CPU's narrower one does
+        new = run_pointwise(tm.add_scaled, [block.reshape(S, -1).to(torch.int32), sums, _int32(alpha)],
+                            KIND.DEFAULT, op="aten::index_add")
+    else:
+        new = run_pointwise(tm.add_scaled, [block.reshape(S, -1).to(torch.float32), sums, alpha], KIND.DEFAULT,
+                            op="aten::index_add")
+        if not target.dtype.is_floating_point:
+            new = new.round()
     _write(target, view, new.to(target.dtype).reshape(view.shape))
 
 
@@ -682,13 +723,10 @@ def _put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: tor
     else:
         if V * n > ONEHOT_LIMIT or self.dtype not in DATA_DTYPES - {torch.bool}:
             raise Unsupported
-        if self.dtype == torch.int32 and _magnitude(table) + n * _magnitude(v2) > 1 << 24:
-            raise Unsupported   # the fp32 sums would round: the fallback is exact
         onehot = run_pointwise(match_tile, [arange_values(V, self.device).reshape(V, 1), rows.reshape(1, n)], KIND.DEFAULT,
                                result_dtype=torch.float32, op="aten::index_put_")
-        new = table.to(torch.float32) + onehot @ v2.to(torch.float32)
-        if not self.dtype.is_floating_point:
-            new = new.round()
+        exact = self.dtype in EXACT_INTS
+        new = table.to(torch.int32 if exact else torch.float32) + _onehot_sums(onehot, v2, self.dtype)
         block = new.to(self.dtype).reshape(view.shape)
     _write(self, view, block)
 
@@ -718,19 +756,41 @@ def _masked_fill(name: str) -> None:
             if value.device.type == "cpu":
                 value = value.item()
         tensors = [self, mask] + ([value] if isinstance(value, torch.Tensor) else [])
-        if not on_one_device(*tensors) or self.dtype not in DATA_DTYPES:
+        if not on_one_device(*tensors) or self.dtype not in MOVE_DTYPES:
             raise Unsupported("tensors on more than one device, or a dtype the select lacks")
         shape = broadcast_shape([self.shape, mask.shape])
         if tuple(shape) != tuple(self.shape):
             raise RuntimeError(f"output with shape {list(self.shape)} doesn't match the broadcast shape {list(shape)}")
-        if not isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and value.dtype != self.dtype:
+            if self.dtype not in DATA_DTYPES:
+                raise Unsupported("a value tensor of another dtype into 8-byte elements")
+        elif not isinstance(value, torch.Tensor):
             # the CPU's scalar conversion (overflow errors, int truncation), on a one-element host tensor
-            value = torch.zeros(1, dtype=self.dtype).masked_fill_(torch.ones(1, dtype=torch.bool), value).item()
-        if self.numel():
+            value = torch.zeros(1, dtype=self.dtype).masked_fill_(torch.ones(1, dtype=torch.bool), value)
+            value = value if self.dtype not in DATA_DTYPES else value.item()
+        if not self.numel():
+            return self
+        if self.dtype in DATA_DTYPES:
             run_pointwise(tm.where, [mask, value, self], KIND.NO_OPMATH, self, True, self.dtype,
                           op="aten::masked_fill_")
+        else:
+            _masked_fill_words(self, mask, value)
         return self
     lowering(name)(kernel)
+
+
+def _masked_fill_words(self: torch.Tensor, mask: torch.Tensor, value: torch.Tensor) -> None:
+    """masked_fill_ of 8-byte elements (int64, float64) as a select of their int32 word pairs: exact bits."""
+    flat = self.reshape(1) if self.dim() == 0 else self
+    # a view's words are adjacent only when its last dim is dense: else a dense copy, written back
+    work = flat if flat.stride(-1) == 1 else dense(flat)
+    words = work.view(torch.int32).unflatten(-1, (work.shape[-1], 2))
+    # the value's two words, on the device (a one-element host tensor is copied there)
+    pair = value.reshape(1).to(self.device).view(torch.int32)
+    run_pointwise(tm.where, [mask.unsqueeze(-1), pair, words], KIND.NO_OPMATH, words, True, torch.int32,
+                  op="aten::masked_fill_")
+    if work is not flat:
+        device_copy(flat, work)
 
 
 _masked_fill("masked_fill_.Scalar")
