@@ -194,3 +194,61 @@ def test_cross_entropy_over_more_classes_than_sbuf_rows_hold():
     torch.testing.assert_close(xn.grad.cpu(), xc.grad, **tol)
     counts = fallback_counts()
     assert not any("nll_loss" in k or "log_softmax" in k for k in counts)
+
+
+# ---- out= variants (derived from the functional kernels by register_out) ---------------------------------------
+_aten = torch.ops.aten
+_x, _g = torch.rand(4, 3) * 0.8 + 0.1, torch.rand(4, 3)
+_cls = torch.tensor([0, 2, 1, 1])
+_lbl = torch.tensor([[0, 1, -1], [2, -1, 0], [1, 0, 2], [0, -1, 1]])
+OUT_CALLS = {   # name -> (call(convert, out), out tensor's keyword)
+    "_softmax.out": lambda n, o: _aten._softmax.out(n(_x), 1, False, out=o),
+    "_log_softmax.out": lambda n, o: _aten._log_softmax.out(n(_x), 0, False, out=o),
+    "_softmax_backward_data.out": lambda n, o: _aten._softmax_backward_data.out(
+        n(_g), n(_x.softmax(1)), 1, torch.float32, grad_input=o),
+    "_log_softmax_backward_data.out": lambda n, o: _aten._log_softmax_backward_data.out(
+        n(_g), n(_x.log_softmax(1)), 1, torch.float32, out=o),
+    "binary_cross_entropy.out": lambda n, o: _aten.binary_cross_entropy.out(n(_x), n(_g), None, 0, out=o),
+    "binary_cross_entropy_backward.grad_input": lambda n, o: _aten.binary_cross_entropy_backward.grad_input(
+        n(_g), n(_x), n(_g), n(_g[0]), 1, grad_input=o),
+    "multi_margin_loss.out": lambda n, o: _aten.multi_margin_loss.out(n(_x), n(_cls), 2, 0.5, None, 0, out=o),
+    "multi_margin_loss_backward.grad_input": lambda n, o: _aten.multi_margin_loss_backward.grad_input(
+        n(_g[:, 0]), n(_x), n(_cls), 1, 1.0, None, 0, grad_input=o),
+    "multilabel_margin_loss_backward.grad_input": lambda n, o: _aten.multilabel_margin_loss_backward.grad_input(
+        n(_g[:, 0]), n(_x), n(_lbl), 0, n((_lbl >= 0).float()), grad_input=o),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OUT_CALLS))
+@pytest.mark.parametrize("out_shape", [(4, 3), (0,), (4,)])
+def test_out_variants_write_like_the_cpu(name, out_shape, strict):
+    """Into an out= tensor of the result's shape, of no elements, or of another shape: the CPU's values, shape and
+    strides, the out= tensor itself returned, no fallback."""
+    if name.startswith("binary_cross_entropy") and out_shape != (4, 3):
+        pytest.skip("the CPU's bce kernels write through a squeezed view of a mis-shaped out=: the tensor keeps its "
+                    "shape without the result (the device resizes it, as every other out= op)")
+    call = OUT_CALLS[name]
+    cpu_out = torch.full(out_shape, 7.0)
+    want = call(lambda t: t, cpu_out)
+    dev_out = to_n(torch.full(out_shape, 7.0))
+    got = call(to_n, dev_out)
+    assert got is dev_out
+    assert got.shape == want.shape and got.stride() == want.stride()
+    torch.testing.assert_close(got.cpu(), want, **TOL)
+
+
+def test_multilabel_margin_forward_writes_both_outputs(strict):
+    loss, flags = torch.full((7,), 7.0), torch.empty(0)
+    want = _aten.multilabel_margin_loss_forward.output(_x, _lbl, 0, output=loss, is_target=flags)
+    dl, df = to_n(torch.full((7,), 7.0)), to_n(torch.empty(0))
+    got = _aten.multilabel_margin_loss_forward.output(to_n(_x), to_n(_lbl), 0, output=dl, is_target=df)
+    assert got[0] is dl and got[1] is df
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g.cpu(), w, **TOL)
+
+
+@pytest.mark.parametrize("name", sorted(OUT_CALLS))
+def test_out_variants_of_another_dtype_raise_like_the_cpu(name):
+    """An fp16 out= for an fp32 result: the CPU's error, from its own kernel (the counted fallback)."""
+    assert_raises_like_cpu(lambda n: OUT_CALLS[name](n, n(torch.empty(4, 3, dtype=torch.float16))))

@@ -31,13 +31,13 @@ from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.softmax import softmax_bwd_kernel, softmax_kernel
 from torchneuron.ops.base import aten, checked, FLOATS, on_one_device, type_name, Unsupported
-from torchneuron.ops.elementwise import dense, device_copy, write_result
+from torchneuron.ops.elementwise import dense
 from torchneuron.ops.indexing import arange_values, index_words
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering, register_out
 
 
-def _softmax(x: torch.Tensor, dim: int, log: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+def _softmax(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     dim = canonicalize_dim(max(x.dim(), 1), dim)
     if x.dim() == 0:
         x = x.reshape(1)
@@ -47,27 +47,25 @@ def _softmax(x: torch.Tensor, dim: int, log: bool, out: torch.Tensor | None = No
     (res,) = call_kernel(softmax_kernel, {"x": rows}, {"log": log}, op="aten::_log_softmax" if log else "aten::_softmax")
     res = res.reshape(moved.shape)
     # contiguous, as the CPU's (and the meta kernel's, which compiled graphs are traced with) result is
-    res = res if dim == last else dense(res.movedim(last, dim))
-    return write_result(res, out)
+    return res if dim == last else dense(res.movedim(last, dim))
 
 
 def _softmax_lowering(name: str, log: bool) -> None:
-    def kernel(self: torch.Tensor, dim: int, half_to_float: bool, *, out: torch.Tensor | None = None):
-        if self.numel() == 0 and self.dtype in FLOATS and not half_to_float and out is None:
+    def kernel(self: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+        if self.numel() == 0 and self.dtype in FLOATS and not half_to_float:
             canonicalize_dim(max(self.dim(), 1), dim)   # IndexError for a bad dim, as on CPU
             return torch.empty_like(self)
-        if self.dtype not in FLOATS or half_to_float or self.numel() == 0 or \
-                (out is not None and (out.dtype != self.dtype or out.device != self.device)):
-            raise Unsupported("a dtype the engines lack, half_to_float, an empty input, or an out= unlike the input")
-        scalar = self.dim() == 0
-        res = _softmax(self, dim, log, out)
-        return res.reshape(()) if scalar and out is None else res
+        if self.dtype not in FLOATS or half_to_float:
+            raise Unsupported("a dtype the engines lack, or half_to_float")
+        res = _softmax(self, dim, log)
+        return res.reshape(()) if self.dim() == 0 else res
+    kernel.__name__ = kernel.__qualname__ = name
     lowering(name)(kernel)
+    register_out(f"{name}.out", kernel)
 
 
-for _name, _log in (("_softmax", False), ("_softmax.out", False), ("_log_softmax", True),
-                    ("_log_softmax.out", True)):
-    _softmax_lowering(_name, _log)
+_softmax_lowering("_softmax", False)
+_softmax_lowering("_log_softmax", True)
 
 
 def softmax_backward(grad: torch.Tensor, out: torch.Tensor, dim: int, log: bool, scale: float = 1.0) -> torch.Tensor:
@@ -89,21 +87,17 @@ def softmax_backward(grad: torch.Tensor, out: torch.Tensor, dim: int, log: bool,
 
 
 def _backward_lowering(name: str, log: bool) -> None:
-    def kernel(grad_output: torch.Tensor, output: torch.Tensor, dim: int, input_dtype: torch.dtype, *,
-               grad_input: torch.Tensor | None = None):
+    def kernel(grad_output: torch.Tensor, output: torch.Tensor, dim: int, input_dtype: torch.dtype) -> torch.Tensor:
         if output.dtype not in FLOATS or input_dtype != output.dtype or grad_output.dtype != output.dtype:
             raise Unsupported("a dtype the engines lack, or mixed dtypes")
-        res = softmax_backward(grad_output, output, dim, log)
-        if grad_input is not None:
-            device_copy(grad_input, res)
-            return grad_input
-        return res
+        return softmax_backward(grad_output, output, dim, log)
+    kernel.__name__ = kernel.__qualname__ = name
     lowering(name)(kernel)
+    register_out(f"{name}.out", kernel)
 
 
-for _name, _log in (("_softmax_backward_data", False), ("_softmax_backward_data.out", False),
-                    ("_log_softmax_backward_data", True), ("_log_softmax_backward_data.out", True)):
-    _backward_lowering(_name, _log)
+_backward_lowering("_softmax_backward_data", False)
+_backward_lowering("_log_softmax_backward_data", True)
 
 
 # ---- layer norm -----------------------------------------------------------------------------------
@@ -447,15 +441,13 @@ def _class_rows(self: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor,
 MARGIN_DTYPES = (torch.float32,)   # the CPU's margin-loss kernels have no half types (theirs raise)
 
 
-@lowering("binary_cross_entropy", "binary_cross_entropy.out")
+@lowering("binary_cross_entropy")
 def binary_cross_entropy(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
-                         reduction: int = 1, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                         reduction: int = 1) -> torch.Tensor:
     """``-w (t log(x) + (1 - t) log(1 - x))`` with the logs clamped at -100, as the CPU kernel computes it."""
-    op = aten.binary_cross_entropy.out if out is not None else aten.binary_cross_entropy.default
-    kw = {"out": out} if out is not None else {}
-    checked(op, self, target, weight, reduction, **kw)
+    checked(aten.binary_cross_entropy.default, self, target, weight, reduction)
     ts = [t for t in (self, target, weight) if t is not None]
-    if not on_one_device(*ts, out) or not _mse_ok(*ts):
+    if not on_one_device(*ts) or not _mse_ok(*ts):
         raise Unsupported("mixed or unsupported dtypes, or several devices")
     bad_x, bad_t = _any_true(~((self >= 0) & (self <= 1)), ~((target >= 0) & (target <= 1)))  # NaN is outside
     if bad_x:
@@ -465,40 +457,36 @@ def binary_cross_entropy(self: torch.Tensor, target: torch.Tensor, weight: torch
     losses = (target - 1) * torch.log1p(-self).clamp(min=-100) - target * torch.log(self).clamp(min=-100)
     if weight is not None:
         losses = losses * weight
-    return write_result(reduce_loss(losses, reduction), out)
+    return reduce_loss(losses, reduction)
 
 
-@lowering("binary_cross_entropy_backward", "binary_cross_entropy_backward.grad_input")
+@lowering("binary_cross_entropy_backward")
 def binary_cross_entropy_backward(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor,
-                                  weight: torch.Tensor | None = None, reduction: int = 1, *,
-                                  grad_input: torch.Tensor | None = None) -> torch.Tensor:
+                                  weight: torch.Tensor | None = None, reduction: int = 1) -> torch.Tensor:
     """``g (x - t) / max((1 - x) x, 1e-12)``, times the weight, over the element count for the mean."""
-    op = aten.binary_cross_entropy_backward.grad_input if grad_input is not None \
-        else aten.binary_cross_entropy_backward.default
-    kw = {"grad_input": grad_input} if grad_input is not None else {}
-    checked(op, grad_output, self, target, weight, reduction, **kw)
+    checked(aten.binary_cross_entropy_backward.default, grad_output, self, target, weight, reduction)
     ts = [t for t in (grad_output, self, target, weight) if t is not None]
-    if not on_one_device(*ts, grad_input) or not _mse_ok(*ts):
+    if not on_one_device(*ts) or not _mse_ok(*ts):
         raise Unsupported("mixed or unsupported dtypes, or several devices")
     res = grad_output * (self - target) / ((1 - self) * self).clamp(min=1e-12)
     if weight is not None:
         res = res * weight
     if reduction == 1:
         res = res / self.numel()
-    res = res.expand(self.shape) if res.shape != self.shape else res
-    return write_result(res if grad_input is not None else res.contiguous(), grad_input)
+    return (res.expand(self.shape) if res.shape != self.shape else res).contiguous()
 
 
-@lowering("multi_margin_loss", "multi_margin_loss.out")
+register_out("binary_cross_entropy.out", binary_cross_entropy)
+register_out("binary_cross_entropy_backward.grad_input", binary_cross_entropy_backward)
+
+
+@lowering("multi_margin_loss")
 def multi_margin_loss(self: torch.Tensor, target: torch.Tensor, p: int = 1, margin: float = 1,
-                      weight: torch.Tensor | None = None, reduction: int = 1, *,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      weight: torch.Tensor | None = None, reduction: int = 1) -> torch.Tensor:
     """Per row, ``sum_{i != y} w_y max(0, margin - x_y + x_i)^p / C`` (y the row's target class)."""
-    op = aten.multi_margin_loss.out if out is not None else aten.multi_margin_loss.default
-    kw = {"out": out} if out is not None else {}
-    checked(op, self, target, p, margin, weight, reduction, **kw)
+    checked(aten.multi_margin_loss.default, self, target, p, margin, weight, reduction)
     _check_long(target)
-    ok = on_one_device(self, target, weight, out) and self.dtype in MARGIN_DTYPES and target.dtype == torch.int64
+    ok = on_one_device(self, target, weight) and self.dtype in MARGIN_DTYPES and target.dtype == torch.int64
     if not ok or (weight is not None and weight.dtype != self.dtype) or p not in (1, 2):
         raise Unsupported("several devices, a dtype the CPU kernel has no half form of, or p other than 1 and 2")
     x, t = _class_rows(self, target)
@@ -515,8 +503,12 @@ def multi_margin_loss(self: torch.Tensor, target: torch.Tensor, p: int = 1, marg
         h = h * torch.where(mask, weight.reshape(1, C), 0).sum(1, keepdim=True)
     losses = torch.where(mask, 0, h).sum(1) / C
     if reduction == 0:   # shaped like the target (the meta function says [1] for a 0-dim one)
-        return write_result(losses.reshape(target.shape), out)
-    return write_result(reduce_loss(losses, reduction), out)
+        return losses.reshape(target.shape)
+    return reduce_loss(losses, reduction)
+
+
+# the CPU's margin-loss kernels resize an out= tensor without a warning
+register_out("multi_margin_loss.out", multi_margin_loss, warn_resize=False)
 
 
 MARGIN_LIMIT = 1 << 24    # elements of the [N, C, C] blocks multilabel_margin_loss builds
@@ -539,19 +531,15 @@ def _scale_by_grad(grad: torch.Tensor, grad_output: torch.Tensor, reduction: int
     return grad * (grad_output.reshape(N, 1) if reduction == 0 else grad_output.reshape(1, 1))
 
 
-@lowering("multilabel_margin_loss_forward", "multilabel_margin_loss_forward.output")
-def multilabel_margin_loss_forward(self: torch.Tensor, target: torch.Tensor, reduction: int, *,
-                                   output: torch.Tensor | None = None, is_target: torch.Tensor | None = None):
+@lowering("multilabel_margin_loss_forward")
+def multilabel_margin_loss_forward(self: torch.Tensor, target: torch.Tensor, reduction: int):
     """(loss, is_target): per row, ``sum_j sum_{i not a target} max(0, 1 - x_{y_j} + x_i) / C`` over the target
     classes y_j listed before the row's first -1."""
-    op = aten.multilabel_margin_loss_forward.output if output is not None \
-        else aten.multilabel_margin_loss_forward.default
-    kw = {"output": output, "is_target": is_target} if output is not None else {}
-    checked(op, self, target, reduction, **kw)
+    checked(aten.multilabel_margin_loss_forward.default, self, target, reduction)
     _check_long(target)
     x, t = _class_rows(self, target)
     N, C = x.shape
-    if not on_one_device(self, target, output, is_target) or self.dtype not in MARGIN_DTYPES or \
+    if not on_one_device(self, target) or self.dtype not in MARGIN_DTYPES or \
             target.dtype != torch.int64 or N * C * C > MARGIN_LIMIT:
         raise Unsupported("several devices, an unsupported dtype, or more than MARGIN_LIMIT terms")
     listed, hot, z = _multilabel_terms(x, t)
@@ -560,23 +548,20 @@ def multilabel_margin_loss_forward(self: torch.Tensor, target: torch.Tensor, red
     losses = h.sum((1, 2)) / C
     # a vector input gives a 0-dim loss (the meta function says [1])
     loss = losses.reshape(() if self.dim() <= 1 else (N,)) if reduction == 0 else reduce_loss(losses, reduction)
-    flags = targets.to(self.dtype).reshape(target.shape)
-    if output is not None:
-        write_result(loss, output)
-        write_result(flags, is_target)
-        return output, is_target
-    return loss, flags
+    return loss, targets.to(self.dtype).reshape(target.shape)
 
 
-@lowering("multilabel_margin_loss_backward", "multilabel_margin_loss_backward.grad_input")
+register_out("multilabel_margin_loss_forward.output", multilabel_margin_loss_forward, warn_resize=False)
+
+
+@lowering("multilabel_margin_loss_backward")
 def multilabel_margin_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor,
-                                    reduction: int, is_target: torch.Tensor, *,
-                                    grad_input: torch.Tensor | None = None) -> torch.Tensor:
+                                    reduction: int, is_target: torch.Tensor) -> torch.Tensor:
     """Each active term ``1 - x_{y_j} + x_i > 0`` adds g to x_i's gradient and -g to x_{y_j}'s,
     g = 1/C (1/(N C) for the mean), times the incoming gradient."""
     x, t = _class_rows(self, target)
     N, C = x.shape
-    ok = (on_one_device(grad_output, self, target, is_target, grad_input) and self.dtype in MARGIN_DTYPES
+    ok = (on_one_device(grad_output, self, target, is_target) and self.dtype in MARGIN_DTYPES
           and target.dtype == torch.int64 and t.shape == x.shape and is_target.shape == target.shape
           and grad_output.dtype == self.dtype and N * C * C <= MARGIN_LIMIT and self.numel() > 0
           and grad_output.numel() == (N if reduction == 0 else 1))
@@ -589,19 +574,20 @@ def multilabel_margin_loss_backward(grad_output: torch.Tensor, self: torch.Tenso
     taken = torch.where(hot, per_target.reshape(N, C, 1), 0).sum(1)                    # [N, i] as a target
     g = 1.0 / (C * N) if reduction == 1 else 1.0 / C
     grad = (active.sum(1) - taken) * g
-    grad = _scale_by_grad(grad.to(self.dtype), grad_output, reduction, N).reshape(self.shape)
-    return write_result(grad, grad_input)
+    return _scale_by_grad(grad.to(self.dtype), grad_output, reduction, N).reshape(self.shape)
 
 
-@lowering("multi_margin_loss_backward", "multi_margin_loss_backward.grad_input")
+register_out("multilabel_margin_loss_backward.grad_input", multilabel_margin_loss_backward, warn_resize=False)
+
+
+@lowering("multi_margin_loss_backward")
 def multi_margin_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor, p: int,
-                               margin: float, weight: torch.Tensor | None = None, reduction: int = 1, *,
-                               grad_input: torch.Tensor | None = None) -> torch.Tensor:
+                               margin: float, weight: torch.Tensor | None = None, reduction: int = 1) -> torch.Tensor:
     """For each active class ``margin - x_y + x_i > 0``: ``g`` (p = 1) or ``2 g z`` (p = 2), times ``w_y``, at
     x_i, their negated sum at x_y; g = 1/C (1/(N C) for the mean), times the incoming gradient."""
     x = self.reshape(-1, self.shape[-1] if self.dim() else 1)
     N, C = x.shape
-    ok = (on_one_device(grad_output, self, target, weight, grad_input) and self.dtype in MARGIN_DTYPES
+    ok = (on_one_device(grad_output, self, target, weight) and self.dtype in MARGIN_DTYPES
           and target.dtype == torch.int64 and target.numel() == N and p in (1, 2)
           and grad_output.dtype == self.dtype and (weight is None or weight.dtype == self.dtype) and C > 0
           and grad_output.numel() == (N if reduction == 0 else 1))
@@ -618,8 +604,10 @@ def multi_margin_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, ta
     if weight is not None:
         h = h * torch.where(mask, weight.reshape(1, C), 0).sum(1, keepdim=True)
     grad = torch.where(mask, -h.sum(1, keepdim=True), h).to(self.dtype)
-    grad = _scale_by_grad(grad, grad_output, reduction, N).reshape(self.shape)
-    return write_result(grad, grad_input)
+    return _scale_by_grad(grad, grad_output, reduction, N).reshape(self.shape)
+
+
+register_out("multi_margin_loss_backward.grad_input", multi_margin_loss_backward, warn_resize=False)
 
 
 # ---- weight normalization (nn.utils.parametrizations.weight_norm) -------------------------------------
