@@ -116,6 +116,54 @@ def test_bmm_large_matrices_per_entry(transpose_a, transpose_b):
     close(bmm_kernel(a, b, transpose_a=transpose_a, transpose_b=transpose_b), ref, torch.float32, scale=2.0)
 
 
+def _bmm_accumulation_close(out, a, b, dtype):
+    """``out`` [B, M, N] against the float64 product of the same operands (as [B, M, K] @ [B, K, N]): fp32
+    accumulation over K (4 sqrt(K) eps32 of the summed magnitudes) plus one rounding to ``dtype``."""
+    ref = a.double() @ b.double()
+    mag = a.double().abs() @ b.double().abs()
+    tol = 4 * a.shape[-1] ** 0.5 * torch.finfo(torch.float32).eps * mag + torch.finfo(dtype).eps * ref.abs()
+    assert out.dtype == dtype and out.shape == ref.shape
+    err = (out.double() - ref).abs()
+    assert bool((err <= tol + 1e-30).all()), f"max error {float((err - tol).max()):.3g} beyond the bound"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("bmkn", [
+    (2, 1030, 64, 700),     # one contraction tile (K = 64, half the PE rows): row groups of r rows per partition,
+    (1, 300, 128, 513),     # a ragged last group (fewer than 128 rows, one per partition), N past one PSUM bank
+    (3, 260, 300, 64),      # a long contraction into a narrow output: K = 2 whole tiles + 44 rows
+    (2, 700, 1030, 100),    # ... several row groups, N not dividing a PSUM bank
+    (1, 130, 129, 512),     # ... K one row past a tile, N one whole bank
+])
+def test_bmm_streamed_paths(bmkn, transpose_a, transpose_b, dtype):
+    # attention-shaped entries (K <= 128, or N <= 512 with B as [K, N]) are streamed: rows staged r per partition,
+    # the contraction split over partitions as q * KT + t; B as [N, K] with a long K keeps the per-entry loop nest
+    B, M, K, N = bmkn
+    a, b = torch.randn(B, M, K).to(dtype), torch.randn(B, K, N).to(dtype)
+    out = bmm_kernel(a.transpose(1, 2).contiguous() if transpose_a else a,
+                     b.transpose(1, 2).contiguous() if transpose_b else b,
+                     transpose_a=transpose_a, transpose_b=transpose_b)
+    _bmm_accumulation_close(out, a, b, dtype)
+
+
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_bmm_streamed_entries_stay_independent(transpose_a):
+    # the streamed paths share staging tiles across row groups and entries but no contraction: inf/NaN in one
+    # entry's operand reach only the outputs that contract with it
+    a, b = torch.randn(2, 300, 260), torch.randn(2, 260, 64)
+    a[0, 5, 7] = float("inf")
+    b[1, 200, 3] = float("nan")
+    out = bmm_kernel(a.transpose(1, 2).contiguous() if transpose_a else a, b, transpose_a=transpose_a)
+    ref = a @ b
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.equal(torch.isinf(out), torch.isinf(ref))
+    # the finite outputs contract only finite operands: the fp32 bound of those (non-finite ones zeroed)
+    fin = torch.isfinite(ref)
+    _bmm_accumulation_close(torch.where(fin, out, 0), torch.where(torch.isfinite(a), a, 0) * fin.any(-1, keepdim=True),
+                            torch.where(torch.isfinite(b), b, 0) * fin.any(-2, keepdim=True), torch.float32)
+
+
 @pytest.mark.parametrize("transpose_b", [False, True])
 @pytest.mark.parametrize("transpose_a", [False, True])
 @pytest.mark.parametrize("bmkn", [(64, 64, 16, 64), (64, 64, 64, 16), (64, 16, 64, 64)])

@@ -116,18 +116,22 @@ def test_out_and_inplace_variants_of_long_products(strict):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("batched", [False, True])
-def test_scaled_sum_with_a_full_input_is_one_launch(batched, dtype, strict):
+@pytest.mark.parametrize("shape", ["2d", "batched short K", "batched narrow"])
+def test_scaled_sum_with_a_full_input_is_one_launch(shape, dtype, strict):
     # beta * C + alpha * (A @ B) with C of the result's shape: the sum is formed at the product's store (it was a
-    # second, element-wise launch), from the product rounded to the dtype as that launch read it
+    # second, element-wise launch), from the product rounded to the dtype as that launch read it; batched, on both
+    # streamed paths (one contraction tile; a long contraction into a narrow output)
     torch.manual_seed(0)
-    sa, sb = ((3, 200, 64), (3, 260, 64)) if batched else ((200, 300), (600, 300))
+    batched = shape != "2d"
+    sa, sb = {"2d": ((200, 300), (600, 300)), "batched short K": ((3, 200, 64), (3, 260, 64)),
+              "batched narrow": ((3, 300, 260), (3, 260, 70))}[shape]
+    given_t = shape != "batched narrow"            # B as [N, K]: a transposed operand, read as it lies
     a, bt = torch.randn(sa).to(dtype), torch.randn(sb).to(dtype)
-    b = bt.transpose(-1, -2)                       # a transposed operand, read as it lies
+    b = bt.transpose(-1, -2) if given_t else bt
     c = torch.randn(a.shape[:-1] + b.shape[-1:]).to(dtype)
     alpha, beta = 0.75, -1.5
     op = torch.baddbmm if batched else torch.addmm
-    an, bn, cn = to_n(a), to_n(bt).transpose(-1, -2), to_n(c)
+    an, bn, cn = to_n(a), to_n(bt).transpose(-1, -2) if given_t else to_n(bt), to_n(c)
     out = torch.empty(c.shape, dtype=dtype, device="neuron")
     for call in (lambda: op(cn, an, bn, beta=beta, alpha=alpha), lambda: op(cn, an, bn, beta=beta, alpha=alpha, out=out)):
         res, names = _launches(call)

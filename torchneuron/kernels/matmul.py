@@ -39,8 +39,17 @@ one DMA, one transpose per (chunk, K tile) into one PSUM tile per K tile evicted
 accumulated per chunk into one bank [128, chunks * N], one eviction and one store per group: about
 1 + 2 * KT instructions per 128 rows instead of ~3 + 2 * KT.
 
-Batched (``bmm_kernel``): entries larger than one TensorE tile run this loop nest one after the other.
-Small entries (M, K <= 128, N <= 512: attention in a small transformer) are worked in groups of G, G
+Batched (``bmm_kernel``): entries larger than one TensorE tile are streamed entry after entry when they
+have attention's shapes, so that every DMA moves long rows (per-partition descriptors of 256 B, a
+head dim of bf16, reach half the DMA bandwidth; 4-16 KiB, 94-98%):
+  * one contraction tile (K <= 128: Q K^T, dO V^T; ``_bmm_short_k``): output rows staged r per
+    partition ([128, r, N], rows q*r .. q*r + r - 1 on partition q), one store per row group, A's
+    rows loaded the same way and transposed slot by slot on TensorE, B^T built once per entry;
+  * a long contraction into a narrow output (N <= 512 with B as [K, N]: P V, P^T dO, dS K;
+    ``_bmm_narrow``): k split over partitions as q * KT + t, so B loads as one run per partition;
+    A given as [K, M] streams K tile after K tile of whole rows into one PSUM accumulator per row
+    slot, A as [M, K] is transposed on TensorE (its strided column sets) row slot by row slot.
+Other entries run this loop nest one after the other. Small entries (M, K <= 128, N <= 512: attention in a small transformer) are worked in groups of G, G
 as large as one PSUM bank allows (output [M, G*N] fp32; operands transposed on TensorE [K, G*M] /
 [K, G*N] in their dtype): per group each operand is one DMA into its K-major SBUF layout [K, G, width]
 (A as [B, K, M], B as [B, K, N]), or else (A as [B, M, K], B as [B, N, K]) the group's G*width rows,
@@ -105,9 +114,24 @@ def bmm_kernel(a, b, transpose_a=False, transpose_b=False):
     if M <= TM and K <= TK and N <= TN:
         bmm_grouped_into(a, b, out, transpose_a, transpose_b)
     else:
-        for i in range(a.shape[0]):      # TensorE works the batch entries back to back; DMAs overlap them
-            matmul_into(a[i], b[i], out[i], transpose_a, transpose_b)
+        bmm_entries_into(a, b, out, transpose_a, transpose_b)
     return out
+
+
+def bmm_entries_into(a, b, out, transpose_a: bool = False, transpose_b: bool = False,
+                     epilogues: Callable | None = None) -> None:
+    """Batched ``out[i] = A[i] @ B[i]`` for entries larger than one TensorE tile (``epilogues(i)``: entry i's
+    ``Epilogue``, or None): one contraction tile (``_bmm_short_k``), a narrow output of B given as [K, N]
+    (``_bmm_narrow``), else the 2-D loop nest entry after entry (TensorE works them back to back; DMAs overlap)."""
+    K = a.shape[1] if transpose_a else a.shape[2]
+    N = out.shape[2]
+    if K <= TK:
+        _bmm_short_k(a, b, out, transpose_a, transpose_b, epilogues)
+    elif N <= TN and not transpose_b:
+        _bmm_narrow(a, b, out, transpose_a, epilogues)
+    else:
+        for i in range(a.shape[0]):
+            matmul_into(a[i], b[i], out[i], transpose_a, transpose_b, epilogue=epilogues(i) if epilogues else None)
 
 
 @nki.jit
@@ -128,8 +152,7 @@ def addmm_kernel(a, b, c, transpose_a=False, transpose_b=False, alpha=1.0, beta=
     if len(a.shape) == 2:
         return matmul_kernel(a, b, transpose_a, transpose_b, epilogue=Epilogue(scaled_sum, (c,), a.dtype))
     out = nl.ndarray(tuple(c.shape), a.dtype, buffer=nl.shared_hbm)
-    for i in range(a.shape[0]):
-        matmul_into(a[i], b[i], out[i], transpose_a, transpose_b, epilogue=Epilogue(scaled_sum, (c[i],), a.dtype))
+    bmm_entries_into(a, b, out, transpose_a, transpose_b, lambda i: Epilogue(scaled_sum, (c[i],), a.dtype))
     return out
 
 
@@ -658,6 +681,245 @@ def _matmul_pass(a, b, out, transpose_a=False, transpose_b=False, bias=None, epi
         if builder is not None:                # (nothing left unless the M loop was short)
             for _ in builder:
                 pass
+
+
+STAGE_BYTES = 24 * 1024   # SBUF bytes per partition of one output staging tile of the streamed bmm paths
+
+
+def _row_groups(M: int, R: int) -> list[tuple[int, int, int]]:
+    """Rows [0, M) as groups (m0, r, p): partition q < p holds rows m0 + q*r .. m0 + q*r + r - 1 (r <= R)."""
+    groups, m0 = [], 0
+    while m0 < M:
+        r = min(R, (M - m0) // PMAX)
+        p = PMAX if r else M - m0
+        r = max(r, 1)
+        groups.append((m0, r, p))
+        m0 += r * p
+    return groups
+
+
+def _rows_ap(t, m0: int, r: int, p: int, width: int):
+    """Rows m0 + q*r + j (q < p, j < r) of a row-major HBM [rows, width] view as [p, r*width]: one descriptor per
+    partition (its r rows are consecutive)."""
+    return t.ap([[r * width, p], [1, r * width]], offset=m0 * width)
+
+
+def _store_rows(out, stage, m0: int, r: int, p: int, N: int, epilogue: Epilogue | None) -> None:
+    """Store the staged product block stage[:p, :r, :N] (partition q, slot j = row m0 + q*r + j) to ``out``,
+    through the epilogue row slot by row slot when there is one."""
+    if epilogue is not None:
+        res = nl.ndarray((PMAX, r, N), epilogue.out_dtype, buffer=nl.sbuf)
+        for j in range(r):
+            x = nl.ndarray((PMAX, N), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=x[:p], src=stage[:p, j, :N], engine=nisa.gpsimd_engine)
+            ts = [x[:p]]
+            for e in epilogue.extras:
+                t = nl.ndarray((PMAX, N), nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=t[:p], src=e.ap([[r * N, p], [1, N]], offset=(m0 + j) * N))
+                ts.append(t[:p])
+            nisa.tensor_copy(dst=res[:p, j, :], src=epilogue.fn(*ts), engine=nisa.vector_engine)
+        stage = res
+    nisa.dma_copy(dst=_rows_ap(out, m0, r, p, N), src=stage[:p, :r, :N])
+
+
+def _bmm_short_k(a, b, out, transpose_a: bool, transpose_b: bool, epilogues) -> None:
+    """Batched product of one contraction tile (K <= 128: attention's Q K^T with its head dim) and a large
+    output, entry after entry with the next entry's operands loaded ahead.
+
+    The output is what moves: it is staged as row groups [128, r, N] whose partition q holds rows q*r .. q*r + r
+    - 1, so each store writes r whole rows per partition (one long descriptor). A's rows are loaded the same way
+    (A as [M, K]: r rows per partition, one descriptor each) and transposed on TensorE slot by slot, which puts
+    row q*r + j in column q of slot j's stationary tile; A given as [K, M] is loaded as it lies and slot j is
+    the strided column set j::r. B^T [K, N] is built once per entry (B as [N, K]: rows loaded c per partition,
+    transposed, and evicted into the columns they belong to)."""
+    Bt, M, N = out.shape
+    K = a.shape[1] if transpose_a else a.shape[2]
+    dt, isz = a.dtype, itemsize(a.dtype)
+    R = max(1, min(8, STAGE_BYTES // (N * isz)))
+    groups = _row_groups(M, R)
+    evict = alternating_evict()
+    GT = max(1, 2048 // (PMAX * isz))           # transposes per PSUM bank (8 bf16, 4 fp32)
+    C, nr = divmod(N, PMAX)                    # B as [N, K]: whole 128-row chunks, leftover rows
+
+    def load_b(i):
+        if not transpose_b:
+            t = nl.ndarray((K, N), dt, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=b[i])
+            return t
+        rows = nl.ndarray((PMAX, C + (1 if nr else 0), K), dt, buffer=nl.sbuf)
+        if C:      # partition q holds rows q*C .. q*C + C - 1
+            nisa.dma_copy(dst=rows[:, :C, :], src=b[i].ap([[C * K, PMAX], [1, C * K]]))
+        if nr:
+            nisa.dma_copy(dst=rows[:nr, C, :], src=b[i][C * PMAX:N, :])
+        return rows
+
+    def b_transposed(rows):
+        """B^T [K, N] in column order from the loaded row chunks (slot c of partition q is row q*C + c)."""
+        if not transpose_b:
+            return rows
+        bT = nl.ndarray((K, N), dt, buffer=nl.sbuf)
+        for c0 in range(0, C, GT):
+            g = min(GT, C - c0)
+            tp = nl.ndarray((K, GT, PMAX), dt, buffer=nl.psum)
+            for c in range(g):
+                nisa.nc_transpose(dst=tp[:K, c, :], data=rows[:, c0 + c, :K])
+            evict(bT.ap([[N, K], [1, g], [C, PMAX]], offset=c0), tp[:K, :g, :])
+        if nr:
+            tp = nl.ndarray((K, PMAX), dt, buffer=nl.psum)
+            nisa.nc_transpose(dst=tp[:K, :nr], data=rows[:nr, C, :K])
+            evict(bT[:K, C * PMAX:N], tp[:K, :nr])
+        return bT
+
+    def load_a(i, m0, r, p):
+        if transpose_a:
+            t = nl.ndarray((K, r * p), dt, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=a[i][:, m0:m0 + r * p])
+            return t
+        t = nl.ndarray((PMAX, r, K), dt, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t[:p], src=_rows_ap(a[i], m0, r, p, K))
+        return t
+
+    def stationaries(loaded, r, p):
+        """Slot j's stationary [K, p] (column q: row m0 + q*r + j), per slot."""
+        if transpose_a:
+            return [loaded[:K, j::r] for j in range(r)]
+        aT = nl.ndarray((K, r, PMAX), dt, buffer=nl.sbuf)
+        for j0 in range(0, r, GT):
+            g = min(GT, r - j0)
+            tp = nl.ndarray((K, GT, PMAX), dt, buffer=nl.psum)
+            for j in range(g):
+                nisa.nc_transpose(dst=tp[:K, j, :p], data=loaded[:p, j0 + j, :K])
+            evict(aT[:K, j0:j0 + g, :p], tp[:K, :g, :p])
+        return [aT[:K, j, :p] for j in range(r)]
+
+    work = [(i, g) for i in range(Bt) for g in groups]
+    nxt_b = load_b(0)
+    nxt_a = load_a(0, *groups[0])
+    bT = None
+    for w, (i, (m0, r, p)) in enumerate(work):
+        cur_a = nxt_a
+        if m0 == 0:
+            bT = b_transposed(nxt_b)
+            nxt_b = load_b(i + 1) if i + 1 < Bt else None
+        nxt_a = load_a(work[w + 1][0], *work[w + 1][1]) if w + 1 < len(work) else None
+        stat = stationaries(cur_a, r, p)
+        stage = nl.ndarray((PMAX, r, N), dt, buffer=nl.sbuf)
+        for j in range(r):
+            for n0 in range(0, N, TN):
+                w_ = min(TN, N - n0)
+                acc = nl.ndarray((PMAX, TN), nl.float32, buffer=nl.psum)
+                nisa.nc_matmul(dst=acc[:p, :w_], stationary=stat[j], moving=bT[:K, n0:n0 + w_], accumulate=False)
+                evict(stage[:p, j, n0:n0 + w_], acc[:p, :w_])
+        _store_rows(out[i], stage, m0, r, p, N, epilogues(i) if epilogues else None)
+
+
+def _bmm_narrow(a, b, out, transpose_a: bool, epilogues) -> None:
+    """Batched product with a long contraction (K > 128) into a narrow output (N <= 512: attention's P V, P^T dO
+    with the head dim as N), B given as [K, N], entry after entry.
+
+    The contraction is split over partitions as k = q * KT + t for K tile t < KT = K // 128 (the rows left over
+    form a last tile of their own), so B loads as one descriptor per partition (its KT rows are consecutive), and
+    A's matching rows or columns are strided reads. Output rows are staged as in ``_bmm_short_k`` (r whole rows
+    per partition, one descriptor each). A given as [K, M]: K tile after K tile, one load of [128, rows] per tile
+    (long rows of the block's columns), every slot of the block accumulating in its own PSUM tile. A as [M, K]:
+    r rows per partition loaded at once, each slot's K tiles transposed on TensorE (strided columns of the rows)
+    and accumulated in one PSUM tile."""
+    Bt, M, N = out.shape
+    K = a.shape[1] if transpose_a else a.shape[2]
+    dt, isz = a.dtype, itemsize(a.dtype)
+    KT, kr = divmod(K, TK)
+    ktiles = KT + (1 if kr else 0)
+    evict, evict_t = alternating_evict(), alternating_evict()   # products; transposes (each alternating)
+    GT = max(1, 2048 // (PMAX * isz))
+    per_bank = PSUM_FP32 // N                   # accumulators of N fp32 columns per PSUM bank
+    if transpose_a:   # the slots of a block accumulate together: up to 4 PSUM banks of them
+        R = max(1, min(4 * per_bank, 16, STAGE_BYTES // (N * isz)))
+    else:             # r rows of K per partition loaded at once
+        R = max(1, min(8, STAGE_BYTES // (K * isz), STAGE_BYTES // (N * isz)))
+    groups = _row_groups(M, R)
+
+    def load_b(i):
+        t = nl.ndarray((TK, ktiles, N), dt, buffer=nl.sbuf)
+        if KT:
+            nisa.dma_copy(dst=t[:, :KT, :], src=b[i].ap([[KT * N, TK], [1, KT * N]]))
+        if kr:
+            nisa.dma_copy(dst=t[:kr, KT, :], src=b[i][KT * TK:K, :])
+        return t
+
+    def a_tiles(i, kt, u, m0, cols):
+        """A given as [K, M]: K tiles kt .. kt + u - 1, columns [m0, m0 + cols), as [128, u, cols] (whole rows,
+        u > 1, are one descriptor per partition: tile kt + 1's row follows tile kt's in HBM)."""
+        t = nl.ndarray((TK, u, cols), dt, buffer=nl.sbuf)
+        if kt < KT:
+            nisa.dma_copy(dst=t, src=a[i].ap([[KT * M, TK], [M, u], [1, cols]], offset=kt * M + m0))
+        else:
+            nisa.dma_copy(dst=t[:kr, 0, :], src=a[i][KT * TK:K, m0:m0 + cols])
+        return t
+
+    def a_steps(cols):
+        """(first K tile, tiles) per load of A given as [K, M]: several tiles per load when the block is whole
+        rows (up to 8 KiB per partition)."""
+        u = max(1, min(8, 8192 // (cols * isz))) if cols == M else 1
+        steps = [(k0, min(u, KT - k0)) for k0 in range(0, KT, u)]
+        return steps + ([(KT, 1)] if kr else [])
+
+    def load_rows(i, m0, r, p):
+        t = nl.ndarray((PMAX, r, K), dt, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t[:p], src=_rows_ap(a[i], m0, r, p, K))
+        return t
+
+    def k_cols(kt):
+        """The columns of a row of A (as [M, K]) in K tile kt, and the tile's rows."""
+        return (slice(kt, KT * TK, KT), TK) if kt < KT else (slice(KT * TK, K), kr)
+
+    work = [(i, g) for i in range(Bt) for g in groups]
+    nxt_b = load_b(0)
+    bK = None
+    nxt = None if transpose_a else load_rows(0, *groups[0])
+    for w, (i, (m0, r, p)) in enumerate(work):
+        if m0 == 0:
+            bK = nxt_b
+            nxt_b = load_b(i + 1) if i + 1 < Bt else None
+        stage = nl.ndarray((PMAX, r, N), dt, buffer=nl.sbuf)
+        if transpose_a:
+            banks = [nl.ndarray((PMAX, per_bank, N), nl.float32, buffer=nl.psum) for _ in range(cdiv(r, per_bank))]
+            steps = a_steps(r * p)
+            cur = a_tiles(i, *steps[0], m0, r * p)
+            for s, (k0, u) in enumerate(steps):
+                nxt_t = a_tiles(i, *steps[s + 1], m0, r * p) if s + 1 < len(steps) else None
+                for t in range(u):
+                    kt = k0 + t
+                    kk = TK if kt < KT else kr
+                    for j in range(r):
+                        nisa.nc_matmul(dst=banks[j // per_bank][:p, j % per_bank, :], stationary=cur[:kk, t, j::r],
+                                       moving=bK[:kk, kt, :], accumulate=kt > 0)
+                cur = nxt_t
+            for q, bank in enumerate(banks):
+                s = min(per_bank, r - q * per_bank)
+                evict(stage[:p, q * per_bank:q * per_bank + s, :], bank[:p, :s, :])
+        else:
+            rows = nxt
+            nxt = load_rows(work[w + 1][0], *work[w + 1][1]) if w + 1 < len(work) else None
+            for j in range(r):
+                aT = nl.ndarray((TK, ktiles, PMAX), dt, buffer=nl.sbuf)
+                for k0 in range(0, ktiles, GT):
+                    g = min(GT, ktiles - k0)
+                    tp = nl.ndarray((TK, GT, PMAX), dt, buffer=nl.psum)
+                    for t in range(g):
+                        cols, kk = k_cols(k0 + t)
+                        nisa.nc_transpose(dst=tp[:kk, t, :p], data=rows[:p, j, cols])
+                    whole = min(g, KT - k0)
+                    if whole > 0:
+                        evict_t(aT[:, k0:k0 + whole, :p], tp[:, :whole, :p])
+                    if whole < g:
+                        evict_t(aT[:kr, KT, :p], tp[:kr, g - 1, :p])
+                acc = nl.ndarray((PMAX, N), nl.float32, buffer=nl.psum)
+                for kt in range(ktiles):
+                    kk = TK if kt < KT else kr
+                    nisa.nc_matmul(dst=acc[:p, :], stationary=aT[:kk, kt, :p], moving=bK[:kk, kt, :],
+                                   accumulate=kt > 0)
+                evict(stage[:p, j, :], acc[:p, :])
+        _store_rows(out[i], stage, m0, r, p, N, epilogues(i) if epilogues else None)
 
 
 def matmul(a, b, transpose_a: bool = False, transpose_b: bool = False):
