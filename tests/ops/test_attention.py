@@ -120,3 +120,26 @@ def test_reduced_precision_scores_stay_fp32(dtype, strict):
     bound = eps / 2 * (probs @ v64.abs()) + eps / 2 * exact.abs() + 4 * torch.finfo(torch.float32).eps * (
         probs @ v64.abs())
     assert ((out - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_reduced_precision_short_sequences_round_as_the_cpu(dtype, causal, strict):
+    # The CPU's attention kernel rounds the unnormalized exp(z - max) to the dtype, divides the fp32 sum of their
+    # products with V once, and in the backward rounds P and dS = P (dP - rowsum(dO * O)) before their matmuls,
+    # applying the scale after. Normalizing first (P rounded, then P V rounded) put ~6% of the outputs a unit
+    # of the dtype or more away from the CPU's and twice as far from float64. With the same roundings, a result
+    # moves only where fp32 sums in another order straddle a rounding boundary of the dtype: at most K = 8
+    # units of fp32 in a sum of |terms| ~ the result, against a boundary gap of 2**-8 (bf16) or 2**-11 (fp16)
+    # relative, so a fraction of about K * 2**-24 / 2**-11 < 0.1% of the elements, each by one unit.
+    q, k, v = _inputs((4, 4, 3, 8), 6, 8, dtype, seed=3)
+    q, k, v = q * 4, k * 4, v * 4
+    want, want_grads, _ = _run(q, k, v, is_causal=causal)
+    got, got_grads, ops = _run(to_n(q), to_n(k), to_n(v), is_causal=causal)
+    assert FUSED in ops
+    for name, a, e in [("out", got, want), *zip(("dq", "dk", "dv"), got_grads, want_grads)]:
+        a, e = a.double(), e.double()
+        off = (a - e).abs()
+        unit = torch.finfo(dtype).eps * e.abs().amax()
+        assert float((off > 0).double().mean()) <= 0.01, name
+        assert float(off.max()) <= unit, name

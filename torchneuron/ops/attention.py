@@ -16,7 +16,9 @@ small heads: grouped matmuls are faster) and larger heads are composed per (batc
                dS = s P (dP - rowsum(P dP))   one launch (softmax_bwd_kernel)
                dQ = dS K,  dK = dS^T Q        two batched matmul launches
 
-against about twenty element-wise, mask and copy launches per direction on the math path (the
+bf16/fp16 heads on that path round as the CPU's attention kernel does (``_reduced_attention``): the
+unnormalized exp(z - max) meet V, the sum of the exponentials divides their fp32 products once, and the
+backward applies the scale after rounding dS; against about twenty element-wise, mask and copy launches per direction on the math path (the
 composed path makes strided query/key/value views dense on the device first).
 """
 from __future__ import annotations
@@ -101,6 +103,44 @@ def _probabilities(scores: torch.Tensor, scale: float, causal: bool) -> tuple[to
     return torch.softmax(z, -1).to(scores.dtype), torch.logsumexp(z, -1)
 
 
+def _reduced_attention(scores: torch.Tensor, value: torch.Tensor, scale: float,
+                       causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output in V's dtype, logsumexp) of bf16/fp16 attention from fp32 [BH, L, S] scores, rounded as the CPU's
+    attention kernel rounds: the unnormalized exp(z - max) meet V in its dtype, the products accumulate in fp32,
+    and the sum of the exponentials divides them once, in fp32, before the one rounding of the output.
+    Normalized first and rounded (the fp32 path's form), the probabilities carry a second rounding into every
+    term: twice the CPU's error, 6% of the outputs a unit or more away from its."""
+    L, S = scores.shape[1:]
+    z = scores * scale
+    if causal:
+        keep = torch.ones((L, S), dtype=torch.bool, device=scores.device).tril()
+        z = z.masked_fill(~keep, float("-inf"))
+    top = z.amax(-1, keepdim=True)
+    weights = (z - top).exp()
+    total = weights.sum(-1, keepdim=True)
+    out = torch.bmm(weights.to(value.dtype).float(), value.float()) / total
+    return out.to(value.dtype), (top + total.log()).squeeze(-1)
+
+
+def _reduced_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                                out: torch.Tensor, scale: float, causal: bool, mask: Sequence[bool]):
+    """(dq, dk, dv) of bf16/fp16 attention over [BH, n, d] matrices, rounded as the CPU's attention backward
+    rounds: the probabilities and dS = P (dP - rowsum(dO * O)) (O the rounded output) each meet their matmul
+    rounded to the dtype, the scale multiplies the fp32 products of dS, and each gradient is rounded once."""
+    probs, _ = _probabilities(_products(q, k.transpose(1, 2)), scale, causal)
+    dq = dk = dv = None
+    if mask[2]:
+        dv = _products(probs.to(q.dtype).transpose(1, 2), do).to(q.dtype)
+    if mask[0] or mask[1]:
+        row = (do.float() * out.float()).sum(-1, keepdim=True)
+        ds = (probs * (_products(do, v.transpose(1, 2)) - row)).to(q.dtype)
+        if mask[0]:
+            dq = (_products(ds, k) * scale).to(q.dtype)
+        if mask[1]:
+            dk = (_products(ds.transpose(1, 2), q) * scale).to(q.dtype)
+    return dq, dk, dv
+
+
 @lowering("_scaled_dot_product_fused_attention_overrideable")
 def sdpa_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: torch.Tensor | None = None,
                dropout_p: float = 0.0, is_causal: bool = False, return_debug_mask: bool = False, *,
@@ -114,10 +154,13 @@ def sdpa_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
         flat, views = _in_place({"q": query, "k": key, "v": value})
         out, lse = call_kernel(flash_attention_fwd, flat, {"scale": s, "causal": bool(is_causal), **views,
                                                            "shape": (B, H, L, S, E, Ev)}, op=OP)
+    elif query.dtype in (torch.bfloat16, torch.float16):
+        out, lse = _reduced_attention(_products(_matrices(query), _matrices(key).transpose(1, 2)), _matrices(value),
+                                      s, is_causal)
+        out = out.view(B, H, L, Ev)
     else:
         probs, lse = _probabilities(_products(_matrices(query), _matrices(key).transpose(1, 2)), s, is_causal)
-        # the probabilities meet V in its dtype, as the CPU's
-        out = torch.bmm(probs.to(value.dtype), _matrices(value)).view(B, H, L, Ev)
+        out = torch.bmm(probs, _matrices(value)).view(B, H, L, Ev)
     empty = query.new_empty(0)
     # no dropout, so no random state to record: the philox seed/offset are placeholders (never read)
     seed, offset = (torch.empty((), dtype=torch.int64, device=query.device) for _ in range(2))
@@ -142,6 +185,9 @@ def sdpa_fused_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.
         return (dq if grad_input_mask[0] else None, dk if grad_input_mask[1] else None,
                 dv if grad_input_mask[2] else None, None)
     q, k, v, do = _matrices(query), _matrices(key), _matrices(value), _matrices(grad_out)
+    if query.dtype in (torch.bfloat16, torch.float16) and grad_out.dtype == out.dtype == query.dtype:
+        grads = _reduced_attention_backward(q, k, v, do, _matrices(out), s, is_causal, grad_input_mask)
+        return (*(g if g is None else g.view(t.shape) for g, t in zip(grads, (query, key, value))), None)
     probs, _ = _probabilities(_products(q, k.transpose(1, 2)), s, is_causal)   # fp32 for bf16/fp16 inputs
     dq = dk = dv = None
     if grad_input_mask[2]:
