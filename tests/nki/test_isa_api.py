@@ -189,10 +189,9 @@ def _state_kernel(engine_name: str, words: int):
         eng = getattr(nisa.engine, engine_name)
         saved = nl.ndarray((32, words), nl.uint32)
         nisa.rand_get_state(dst=saved, engine=eng)
-        a, b = nl.ndarray((32, 64), nl.float32), nl.ndarray((32, 64), nl.float32)
-        nisa.rand2(dst=a, min=0.0, max=1.0)
+        a, b = nl.rand((32, 64), nl.float32), None
         nisa.rand_set_state(src_seeds=saved, engine=eng)        # back to the saved state: the same draws
-        nisa.rand2(dst=b, min=0.0, max=1.0)
+        b = nl.rand((32, 64), nl.float32)
         nl.store(out[0], a)
         nl.store(out[1], b)
         return out
@@ -211,9 +210,7 @@ def test_rand_set_state_from_seeds_is_deterministic_and_needs_neuroncore_v3():
         out = nl.ndarray((32, 16), nl.float32, buffer=nl.shared_hbm)
         s = nl.load(seeds)
         nisa.rand_set_state(src_seeds=s)
-        r = nl.ndarray((32, 16), nl.float32)
-        nisa.rand2(dst=r, min=0.0, max=1.0)
-        nl.store(out, r)
+        nl.store(out, nl.rand((32, 16), nl.float32))
         return out
 
     import torch
@@ -298,3 +295,19 @@ def test_dma_transpose_takes_the_published_priority_and_oob_mode():
 
     a = RNG.standard_normal((32, 64)).astype(np.float32)
     np.testing.assert_array_equal(k(a), a.T)
+
+
+def test_rand2_is_neuroncore_v4_only_and_draws_within_its_bounds():
+    # "Available only on NeuronCore-v4 and newer": refused on trn2 naming the chip
+    @nki.jit
+    def k(x):
+        out = nl.ndarray((64, 128), nl.float32, buffer=nl.shared_hbm)
+        r = nl.ndarray((64, 128), nl.float32)
+        nisa.rand2(dst=r, min=-2.0, max=3.0)
+        nl.store(out, r)
+        return out
+
+    with pytest.raises(SimulatorError, match="rand2: needs NeuronCore-v4 or newer; trn2 is NeuronCore-v3"):
+        nki.profile(k, chip="trn2")(np.zeros((1, 1), np.float32))
+    u = np.asarray(nki.profile(k, chip="trn3")(np.zeros((1, 1), np.float32)).outputs)
+    assert -2.0 <= u.min() and u.max() <= 3.0 and abs(u.mean() - 0.5) < 0.1   # mean 0.5, std 5/sqrt(12 * 8192)

@@ -6,8 +6,8 @@ the neuron generator), so a launch is a pure function of its inputs: ``torch.man
 ``get_rng_state``/``set_rng_state`` reproduce it. The distribution's parameters arrive in
 ``params``, a [1, 4] fp32 tensor broadcast to a [128, 4] tile of per-partition columns, so one
 Program serves every mean, bound or probability. Per [p, f] tile (the blocks of
-``kernels.random._tiles``), VectorE's ``rand2`` gives uniforms u in [0, 1) and the engines turn
-them into the distribution:
+``kernels.random._tiles``), 24 of VectorE ``rng``'s random bits scaled by 2**-24 give uniforms u in
+[0, 1) (``rand2`` exists only from NeuronCore-v4) and the engines turn them into the distribution:
 
     uniform      lo + u * (hi - lo), capped at the largest value of dtype below hi   (a, b, c = lo, hi, cap)
     normal       mean + std * sqrt(-2 log(1 - u1)) * cos(2 pi u2)   (Box-Muller)      (a, b = mean, std)
@@ -46,8 +46,11 @@ KCHUNK = 4096            # table columns compared per instruction in count_kerne
 
 
 def _uniform(t, pp, ff):
-    """Uniforms in [0, 1) into ``t[:pp, :ff]``."""
-    nisa.rand2(dst=t[:pp, :ff], min=0.0, max=1.0)
+    """Uniforms in [0, 1) into the fp32 tile ``t[:pp, :ff]``: random bits written over its words, the top 24 kept."""
+    bits = t[:pp, :ff].ap([[ff, pp], [1, ff]], dtype=nl.uint32)
+    nisa.rng(dst=bits)
+    nisa.tensor_scalar(dst=bits, data=bits, op0=nl.right_shift, operand0=8)
+    nisa.tensor_scalar(dst=t[:pp, :ff], data=bits, op0=nl.multiply, operand0=2.0 ** -24)
 
 
 def _log1m(dst, u, pp, ff):
@@ -58,7 +61,10 @@ def _log1m(dst, u, pp, ff):
 def _draw(dist, y, w, col, pp, ff):
     """Draw ``dist`` into the fp32 tile ``y[:pp, :ff]`` (``w`` a scratch tile, ``col(i)`` parameter i)."""
     if dist == "uniform":
-        nisa.rand2(dst=y[:pp, :ff], min=col(0), max=col(1))
+        _uniform(y, pp, ff)
+        nisa.tensor_tensor(dst=w[:pp, 0:1], data1=col(1), data2=col(0), op=nl.subtract)
+        nisa.tensor_scalar(dst=y[:pp, :ff], data=y[:pp, :ff], op0=nl.multiply, operand0=w[:pp, 0:1], op1=nl.add,
+                           operand1=col(0))
         # lo + u * (hi - lo) may round up to hi: cap at the largest value of the dtype below hi
         nisa.tensor_scalar(dst=y[:pp, :ff], data=y[:pp, :ff], op0=nl.minimum, operand0=col(2))
     elif dist in ("normal", "log_normal"):

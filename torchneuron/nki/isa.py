@@ -347,7 +347,8 @@ def rand_set_state(src_seeds: Tile, engine: Any = engine.gpsimd, name: str | Non
 
 
 def rand2(dst: Tile, min: Operand, max: Operand, name: str | None = None) -> NkiInstruction:
-    """Uniform random values in [min, max]."""
+    """Uniform random values in [min, max] (VectorE, NeuronCore-v4 and newer)."""
+    _needs("rand2", 4)
     return _emit(sim.Rand2, dst=dst, min=min, max=max)
 
 

@@ -725,9 +725,13 @@ def zeros_like(x: Tile, dtype: Any = None, buffer: Buffer | None = None, name: s
 
 
 def rand(shape: Sequence[int], dtype: Any, buffer: Buffer = sbuf, name: str = "") -> Tile:
-    """A tensor of uniform random values in [0, 1) from the core's generator (VectorE ``rand2``)."""
+    """A tensor of uniform random values in [0, 1) from the core's generator: 24 of VectorE ``rng``'s random bits
+    scaled by 2**-24, as the ISA reference suggests (``rand2`` exists only from NeuronCore-v4)."""
     t = ndarray(shape, dtype, buffer, name)
-    nisa.rand2(dst=t, min=0.0, max=1.0)
+    bits = ndarray(shape, uint32, buffer)
+    nisa.rng(dst=bits)
+    nisa.tensor_scalar(dst=bits, data=bits, op0=right_shift, operand0=8)
+    nisa.tensor_scalar(dst=t, data=bits, op0="multiply", operand0=2.0 ** -24)
     return t
 
 
