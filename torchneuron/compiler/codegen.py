@@ -35,7 +35,7 @@ from torchneuron.compiler.dma_queues import allocate_dma_queues
 from torchneuron.compiler.kernel_lowerings import pointwise
 from torchneuron.compiler.memory_plan import plan_memory
 from torchneuron.compiler.partition import DEVICE_DTYPES, FusionGroup, Plan, Segment
-from torchneuron.compiler.values import HostTensor, NotLowerable, Value, dense, hbm_value, input_value
+from torchneuron.compiler.values import HostTensor, NotLowerable, Value, dense, hbm_value, strided_value
 from torchneuron.kernels.matmul import Epilogue
 from torchneuron.sim import Program
 from torchneuron.sim.specs import ChipSpec
@@ -131,7 +131,7 @@ class _Body:
             elif not bindable(sig):
                 env[node] = HostTensor(sig.shape, sig.dtype)
             else:
-                env[node] = input_value(slots[f"in{i}"], sig.shape, sig.stride, sig.dtype)
+                env[node] = strided_value(slots[f"in{i}"], sig.shape, sig.stride, dtype=sig.dtype)
         self.env = env
         for item in self.seg.items:
             if isinstance(item, FusionGroup):

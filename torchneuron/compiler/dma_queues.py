@@ -16,6 +16,7 @@ import dataclasses
 from torchneuron.nki.tracing import DMA_QUEUES
 from torchneuron.sim import Engine, Program
 from torchneuron.sim.specs import ChipSpec
+from torchneuron.sim.timing import Timeline
 
 
 ROUNDS = 3   # allocations, each from the schedule of the best program so far (ready times move as queues do)
@@ -23,19 +24,18 @@ ROUNDS = 3   # allocations, each from the schedule of the best program so far (r
 
 def allocate_dma_queues(program: Program, spec: ChipSpec) -> Program:
     """``program`` with its DMA transfers on the queues that free first (itself when that is not faster)."""
-    best, best_ns = program, program.schedule(spec).device_time_ns
+    best, timeline = program, program.schedule(spec)
     for _ in range(ROUNDS):
-        candidate = _allocate(best, spec)
-        ns = candidate.schedule(spec).device_time_ns
-        if ns >= best_ns:
+        candidate = _allocate(best, timeline)
+        scheduled = candidate.schedule(spec)      # each program is scheduled once: the next round reads it
+        if scheduled.device_time_ns >= timeline.device_time_ns:
             break
-        best, best_ns = candidate, ns
+        best, timeline = candidate, scheduled
     return best
 
 
-def _allocate(program: Program, spec: ChipSpec) -> Program:
-    """One allocation pass over ``program``'s schedule."""
-    timeline = program.schedule(spec)
+def _allocate(program: Program, timeline: Timeline) -> Program:
+    """One allocation pass over ``program``, reading ready times and durations off its ``timeline``."""
     free = [0.0] * DMA_QUEUES          # when each queue's last allocated transfer is estimated to end
     moved = list(program.instructions)
     for k, ins in enumerate(program.instructions):

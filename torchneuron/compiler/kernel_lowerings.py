@@ -21,13 +21,14 @@ import torchneuron.nki.language as nl
 from torchneuron.compiler.lowering import register_kernel, supports
 from torchneuron.compiler.partition import DEVICE_DTYPES
 from torchneuron.compiler.values import (HostTensor, NotLowerable, Value, dense, flat, hbm_value, index_words, numel,
-                                         unexpanded, words_value)
+                                         strided_value, unexpanded)
 from torchneuron.kernels.copy import strided_copy
 from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_preferred, result_views
 from torchneuron.kernels.elementwise import fold_broadcast, stream
-from torchneuron.kernels.indexing import gather_rows, iota
+from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows, iota
 from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
+from torchneuron.kernels.packed_attention import packed_attention_bwd, packed_attention_fwd, packed_heads
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.kernels.softmax import attention_fits, attention_softmax_kernel, softmax_bwd_kernel, softmax_kernel
@@ -294,8 +295,6 @@ def lower_cat(ctx, node, tensors: list, dim: int = 0) -> Value:
 # Token ids and positions are int64 on the host; in a program they are int32 word pairs (``values``). A row
 # index outside the table fails the gather's indirect DMA, so a bad token id raises IndexError as eager does.
 
-ONEHOT_LIMIT = 1 << 26     # elements of the one-hot matrix embedding's backward builds (as the eager op)
-
 
 def _index(t: torch.Tensor) -> bool:
     return t.dtype in (torch.int32, torch.int64) and t.is_contiguous() and t.numel() > 0
@@ -316,7 +315,7 @@ def lower_arange(ctx, node, start: int, end: int, step: int = 1, **_) -> Value:
     """``torch.arange`` of integers: GpSimd's iota (int64 as word pairs)."""
     n = node.meta["val"].numel()
     if node.meta["val"].dtype == torch.int64:
-        return words_value(iota(n, start, step, wide=True), (n,))
+        return strided_value(iota(n, start, step, wide=True), (n,), dtype=torch.int64)
     return hbm_value(iota(n, start, step))
 
 
@@ -346,7 +345,7 @@ def lower_embedding_backward(ctx, node, grad: Value, indices: Value, num_weights
     order with fp32 accumulation, as the eager op and the CPU sum them)."""
     n, D = indices.layout.numel(), grad.shape[-1]
     words, stride = index_words(indices)
-    low = Value(words, torch.empty(words.shape[0], dtype=torch.int32, device="meta").as_strided((1, n), (0, stride)))
+    low = strided_value(words, (1, n), (0, stride))                    # each id's low word
     ids = hbm_value(iota(num_weights)).reshape((num_weights, 1))
     onehot = pointwise(lambda i, x: tm.onehot_rows(i, x, padding_idx), [ids, low], (num_weights, n), grad.dtype)
     return _product(matmul_kernel, onehot, hbm_value(dense(grad, (n, D))))
@@ -384,6 +383,14 @@ def _nll_ok(x, target, weight, reduction, ignore_index) -> bool:
             and (weight is None or (weight.dtype == x.dtype and tuple(weight.shape) == (x.shape[1],))))
 
 
+def _nll_operands(x: Value, target: Value, weight: Value | None) -> tuple[object, dict]:
+    """The targets as [N, 2] int32 words and the optional class weights as a ``weight=`` keyword, as both
+    nll kernels take them."""
+    N, C = x.shape
+    words, _ = index_words(target)
+    return words.reshape((N, 2)), ({} if weight is None else {"weight": dense(weight, (1, C))})
+
+
 def _nll_checked(ctx, bad, C: int, ignore_index: int) -> None:
     ctx.check(bad, "IndexError", f"Target out of bounds: a class index outside [0, {C}) other than the "
                                  f"ignore_index {ignore_index}")
@@ -399,12 +406,9 @@ supports(aten.nll_loss_backward.default)(lambda node, g, x, t, w, reduction, ign
 def lower_nll_loss(ctx, node, x: Value, target: Value, weight: Value | None, reduction: int,
                    ignore_index: int) -> tuple[Value, Value]:
     """(loss, total weight) reduced over the rows: the eager op's kernel, its target check a device assertion."""
-    N, C = x.shape
-    words, _ = index_words(target)
-    w = {} if weight is None else {"weight": dense(weight, (1, C))}
-    loss, total, bad = nll_fwd_kernel(dense(x), words.reshape((N, 2)), ignore_index=int(ignore_index),
-                                      reduction=reduction, **w)
-    _nll_checked(ctx, bad, C, ignore_index)
+    words, w = _nll_operands(x, target, weight)
+    loss, total, bad = nll_fwd_kernel(dense(x), words, ignore_index=int(ignore_index), reduction=reduction, **w)
+    _nll_checked(ctx, bad, x.shape[1], ignore_index)
     return hbm_value(loss).reshape(()), hbm_value(total).reshape(())
 
 
@@ -412,10 +416,9 @@ def lower_nll_loss(ctx, node, x: Value, target: Value, weight: Value | None, red
 def lower_nll_loss_backward(ctx, node, g: Value, x: Value, target: Value, weight: Value | None, reduction: int,
                             ignore_index: int, total: Value) -> Value:
     """d loss / d x: ``-w[t_n] * g`` (over the total weight for 'mean') at each row's target, zero elsewhere."""
-    N, C = x.shape
-    words, _ = index_words(target)
-    w = {} if weight is None else {"weight": dense(weight, (1, C))}
-    dx, bad = nll_bwd_kernel(dense(g, (1, 1)), words.reshape((N, 2)), dense(total, (1, 1)), num_classes=C,
+    C = x.shape[1]
+    words, w = _nll_operands(x, target, weight)
+    dx, bad = nll_bwd_kernel(dense(g, (1, 1)), words, dense(total, (1, 1)), num_classes=C,
                              ignore_index=int(ignore_index), reduction=reduction, **w)
     _nll_checked(ctx, bad, C, ignore_index)
     return hbm_value(dx)
@@ -446,7 +449,8 @@ def lower_copy_(ctx, node, dst: Value, src: Value, non_blocking=False) -> Value:
 # The device's fused SDPA ops (what F.scaled_dot_product_attention dispatches to on neuron), as the eager
 # op runs them: long sequences as the flash kernels (scores and probabilities never leave the core, the
 # heads' strided views read where they lie, the backward recomputes the probabilities); short ones as
-# grouped small matmuls around a row softmax, each step inlined (no launch per step).
+# grouped small matmuls around a row softmax, each step inlined (no launch per step). Small heads of one
+# tile of queries and keys go several per instruction (``packed_attention``) before either.
 
 SDPA = aten._scaled_dot_product_fused_attention_overrideable.default
 SDPA_BACKWARD = aten._scaled_dot_product_fused_attention_overrideable_backward.default
@@ -454,6 +458,11 @@ SDPA_BACKWARD = aten._scaled_dot_product_fused_attention_overrideable_backward.d
 
 def _flash(q, k, v) -> bool:
     return flash_preferred(q.shape[3], v.shape[3], k.shape[2], q.shape[2], q.dtype)
+
+
+def _packed(q, k, v) -> bool:
+    B, H, L, E = q.shape
+    return packed_heads(B, H, L, k.shape[2], E, v.shape[3]) > 0
 
 
 def _sdpa_ok(q, k, v, bias, dropout_p, scale) -> bool:
@@ -501,10 +510,11 @@ def lower_sdpa(ctx, node, q: Value, k: Value, v: Value, attn_bias=None, dropout_
     B, H, L, E = q.shape
     S, Ev = k.shape[2], v.shape[3]
     s = _sdpa_scale(scale, E)
-    if _flash(q, k, v):
+    if _packed(q, k, v) or _flash(q, k, v):
         (qb, qv), (kb, kv), (vb, vv) = _head_view(q), _head_view(k), _head_view(v)
-        out, lse = flash_attention_fwd(qb, kb, vb, scale=s, causal=bool(is_causal), q_view=qv, k_view=kv,
-                                       v_view=vv, shape=(B, H, L, S, E, Ev), out_layout="rows")
+        kernel = packed_attention_fwd if _packed(q, k, v) else flash_attention_fwd
+        out, lse = kernel(qb, kb, vb, scale=s, causal=bool(is_causal), q_view=qv, k_view=kv, v_view=vv,
+                          shape=(B, H, L, S, E, Ev), out_layout="rows")
         out = _result(out, (B, H, L, Ev), result_views(B, H, L, Ev, "rows")[1][0])
         return out, hbm_value(lse).reshape((B, H, L)), *_sdpa_placeholders(q, L, S)
     else:
@@ -524,8 +534,7 @@ def _sdpa_placeholders(q: Value, L: int, S: int) -> tuple:
 def _result(buf, shape: tuple, view: tuple) -> Value:
     """A flash kernel's result ``buf`` seen as ``shape`` through ``view`` (offset, strides: ``result_views``)."""
     off, strides = view
-    return Value(buf, torch.empty(numel(tuple(buf.shape)), dtype=buf.dtype, device="meta").as_strided(
-        shape, strides, off))
+    return strided_value(buf, shape, strides, off)
 
 
 @supports(SDPA_BACKWARD)
@@ -543,13 +552,13 @@ def lower_sdpa_backward(ctx, node, g: Value, q: Value, k: Value, v: Value, attn_
     B, H, L, E = q.shape
     S, Ev = k.shape[2], v.shape[3]
     s = _sdpa_scale(scale, E)
-    if _flash(q, k, v):
+    if _packed(q, k, v) or _flash(q, k, v):
         (qb, qv), (kb, kv), (vb, vv), (ob, ov), (gb, gv) = (_head_view(x) for x in (q, k, v, out, g))
         # self-attention's gradients as the rows of the fused QKV projection's gradient: ``cat`` of them is a view
         layout = "packed" if L == S and E == Ev else "rows"
-        grads = flash_attention_bwd(qb, kb, vb, ob, gb, dense(lse), scale=s, causal=bool(is_causal), q_view=qv,
-                                    k_view=kv, v_view=vv, o_view=ov, do_view=gv, shape=(B, H, L, S, E, Ev),
-                                    out_layout=layout)
+        kernel = packed_attention_bwd if _packed(q, k, v) else flash_attention_bwd
+        grads = kernel(qb, kb, vb, ob, gb, dense(lse), scale=s, causal=bool(is_causal), q_view=qv, k_view=kv,
+                       v_view=vv, o_view=ov, do_view=gv, shape=(B, H, L, S, E, Ev), out_layout=layout)
         if layout == "packed":
             views = result_views(B, H, L, E, layout, parts=3)[1]
             return (*(_result(grads, (B, H, L, E), w) for w in views), None)

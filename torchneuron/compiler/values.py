@@ -66,22 +66,21 @@ def numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
+def strided_value(buf: object, shape: tuple, stride: tuple | None = None, offset: int = 0,
+                  dtype: torch.dtype | None = None) -> Value:
+    """The HBM tensor ``buf`` seen as ``shape`` through ``stride`` and ``offset`` (in elements; contiguous when
+    ``stride`` is None); ``dtype`` int64 over an int32 ``buf`` counts its word pairs as elements."""
+    dtype = dtype or buf.dtype
+    words = 2 if dtype == torch.int64 and buf.dtype == torch.int32 else 1
+    base = torch.empty(numel(tuple(buf.shape)) // words, dtype=dtype, device="meta")
+    if stride is None:
+        return Value(buf, base[offset:offset + numel(shape)].view(shape))
+    return Value(buf, base.as_strided(shape, stride, offset))
+
+
 def hbm_value(buf: object) -> Value:
     """A whole HBM tensor of the trace as a contiguous value of its own shape."""
-    shape = tuple(buf.shape)
-    return Value(buf, torch.empty(numel(shape), dtype=buf.dtype, device="meta").view(shape))
-
-
-def words_value(buf: object, shape: tuple) -> Value:
-    """An int64 value of ``shape`` whose elements are the word pairs of the int32 HBM tensor ``buf``."""
-    return Value(buf, torch.empty(numel(shape), dtype=torch.int64, device="meta").view(shape))
-
-
-def input_value(buf: object, shape: tuple, stride: tuple, dtype: torch.dtype) -> Value:
-    """A graph input bound as the flat span of its storage (``buf``: 1-D; int32 words for int64) seen with its
-    real strides."""
-    n = buf.shape[0] // (2 if dtype == torch.int64 else 1)
-    return Value(buf, torch.empty(n, dtype=dtype, device="meta").as_strided(shape, stride, 0))
+    return strided_value(buf, tuple(buf.shape))
 
 
 def index_words(v: Value) -> tuple[object, int]:

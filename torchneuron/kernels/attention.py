@@ -172,7 +172,7 @@ def _transposed(rows, n: int, d: int, evict):
     return out
 
 
-def _causal_bias():
+def causal_bias():
     """[128, 128] fp32: 0 where column t <= row r (key at or before the query), else NEG_BIG."""
     zero = nl.ndarray((PMAX, PMAX), nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=zero, value=0.0)
@@ -248,7 +248,7 @@ def flash_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=No
 def _emitters(causal: bool, tile_bytes: int):
     """(PSUM eviction alternating Scalar/Vector, the causal bias tile or None, the tiles kept allocated, the
     software pipeline) of one kernel whose query tiles use ``tile_bytes`` of SBUF per partition."""
-    return alternating_evict(), _causal_bias() if causal else None, _Keep(tile_bytes), _Pipeline()
+    return alternating_evict(), causal_bias() if causal else None, _Keep(tile_bytes), _Pipeline()
 
 
 class _Keep:

@@ -89,6 +89,9 @@ def iota(n, start=0, step=1, wide=False):
 
 
 MAX_INDEX_DIMS = 4   # index tensors ``index_rows`` takes
+# Elements of the [rows, indices] one-hot matrix an index sum builds on TensorE (an embedding's backward, an
+# accumulating row put): 256 MiB of fp32, beyond which the callers take another path.
+ONEHOT_LIMIT = 1 << 26
 
 
 def _col(p: int):

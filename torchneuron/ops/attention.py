@@ -2,7 +2,9 @@
 
 The device's SDPA backend choice (``_csrc/attention.cpp``) sends 4-D floating inputs without an
 attention mask, dropout or grouped-query heads here, through PyTorch's "overrideable" backend; the
-rest takes PyTorch's math path. Sequences of 32 keys or queries and more whose heads fit the flash
+rest takes PyTorch's math path. Small heads of at most 128 queries and keys run several heads per
+instruction (``kernels/packed_attention.py``: one launch per direction). Other sequences of 32 keys or
+queries and more whose heads fit the flash
 kernels (head dims <= 128, a head's Q, K, V in SBUF: ``kernels/attention.py``) run as one launch
 per direction, reading strided heads in place; the scores never reach HBM. Shorter sequences (many
 small heads: grouped matmuls are faster) and larger heads are composed per (batch, head) matrix, with
@@ -29,6 +31,7 @@ from typing import Sequence
 import torch
 
 from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_preferred
+from torchneuron.kernels.packed_attention import packed_attention_bwd, packed_attention_fwd, packed_heads
 from torchneuron.kernels.softmax import attention_fits, attention_softmax_kernel
 from torchneuron.ops.base import storage_span
 from torchneuron.ops.kernel_call import call_kernel
@@ -64,6 +67,18 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: f
     B, H, L, E = query.shape
     return query.dtype == key.dtype == value.dtype and scale > 0 and \
         flash_preferred(E, value.shape[3], key.shape[2], L, query.dtype) and B * H > 0
+
+
+def _kernels(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> tuple | None:
+    """(forward, backward) kernels for these heads: several small heads per instruction (``packed_heads``),
+    the flash kernels (``_flash``), or None for the composed path. The compiler takes the same ones."""
+    B, H, L, E = query.shape
+    if packed_heads(B, H, L, key.shape[2], E, value.shape[3]) and scale > 0 and \
+            query.dtype == key.dtype == value.dtype:
+        return packed_attention_fwd, packed_attention_bwd
+    if _flash(query, key, value, scale):
+        return flash_attention_fwd, flash_attention_bwd
+    return None
 
 
 def _in_place(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
@@ -150,9 +165,10 @@ def sdpa_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
     B, H, L, E = query.shape
     S, Ev = key.shape[2], value.shape[3]
     s = _scale(scale, E)
-    if _flash(query, key, value, s):
+    kernels = _kernels(query, key, value, s)
+    if kernels:
         flat, views = _in_place({"q": query, "k": key, "v": value})
-        out, lse = call_kernel(flash_attention_fwd, flat, {"scale": s, "causal": bool(is_causal), **views,
+        out, lse = call_kernel(kernels[0], flat, {"scale": s, "causal": bool(is_causal), **views,
                                                            "shape": (B, H, L, S, E, Ev)}, op=OP)
     elif query.dtype in (torch.bfloat16, torch.float16):
         out, lse = _reduced_attention(_products(_matrices(query), _matrices(key).transpose(1, 2)), _matrices(value),
@@ -176,10 +192,11 @@ def sdpa_fused_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.
     """Attention backward: (grad_query, grad_key, grad_value, grad_attn_bias = None)."""
     _check(query, key, value, attn_bias if attn_bias is not None and attn_bias.numel() else None, dropout_p)
     s = _scale(scale, query.shape[3])
-    if _flash(query, key, value, s) and grad_out.dtype == out.dtype == query.dtype:
+    kernels = _kernels(query, key, value, s)
+    if kernels and grad_out.dtype == out.dtype == query.dtype:
         B, H, L, E = query.shape
         flat, views = _in_place({"q": query, "k": key, "v": value, "o": out, "do": grad_out})
-        dq, dk, dv = call_kernel(flash_attention_bwd, {**flat, "lse": logsumexp.contiguous()},
+        dq, dk, dv = call_kernel(kernels[1], {**flat, "lse": logsumexp.contiguous()},
                                  {"scale": s, "causal": bool(is_causal), **views,
                                   "shape": (B, H, L, key.shape[2], E, value.shape[3])}, op=OP + "_backward")
         return (dq if grad_input_mask[0] else None, dk if grad_input_mask[1] else None,
