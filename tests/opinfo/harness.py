@@ -593,6 +593,18 @@ def at_least_as_exact(exact, actual, expected):
     return torch.where(ok, actual.detach().cpu(), expected.detach())
 
 
+def _each_result(check, exact, actual, expected):
+    """``check(exact, actual, expected)`` on a tensor result, or on each tensor of a tuple or list of results
+    (an op returning several: attention's output and weights, a norm's output and statistics)."""
+    if isinstance(expected, torch.Tensor):
+        return check(exact, actual, expected)
+    if isinstance(expected, (tuple, list)) and isinstance(actual, (tuple, list)) \
+            and isinstance(exact, (tuple, list)) and len(actual) == len(expected) == len(exact):
+        items = [check(x, a, e) if isinstance(e, torch.Tensor) else e for x, a, e in zip(exact, actual, expected)]
+        return type(expected)(*items) if hasattr(expected, "_fields") else type(expected)(items)
+    return expected
+
+
 # Ops whose index results may order tied values either way unless asked to be stable: {name: the position
 # of ``dim`` among the positional arguments after the input}.
 _TIE_ORDER_FREE = {"sort": 0, "argsort": 0, "topk": 1}
@@ -707,12 +719,12 @@ def check_sample(op, sample, *, atol=None, rtol=None, meta_only=False) -> None:
         expected = any_index_of_value(op, (inputs_before, *parts[1:]), actual, expected)
     bound = term_magnitudes(op, parts) if isinstance(expected, torch.Tensor) and not meta_only else None
     expected = within_summation_order(actual, expected, bound)
-    if parts64 is not None and isinstance(expected, torch.Tensor) and expected.dtype in REDUCED_FLOATS:
+    if parts64 is not None and any(t.dtype in REDUCED_FLOATS for t in _tensors(expected)):
         try:
             exact = _run(op, parts64)
         except Exception:  # noqa: BLE001 (an op that will not take float64 inputs: the plain comparison)
             exact = None
-        expected = at_least_as_exact(exact, actual, expected)
+        expected = _each_result(at_least_as_exact, exact, actual, expected)
     compare(actual, expected, atol=atol, rtol=rtol, meta_only=meta_only)
     # In-place updates of the input tensors (running stats, out=, in-place variants) must
     # match too.

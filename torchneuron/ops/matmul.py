@@ -190,9 +190,16 @@ def _addmm(inp, a, b, beta, alpha, out, batched: bool):
         (res,) = call_kernel(addmm_kernel, fused, meta, [out if direct else None],
                              op="aten::baddbmm" if batched else "aten::addmm")
         return res if out is None or direct else out.copy_(res)
-    prod = bmm(a, b) if batched else mm_into(a, b, None)
     if out is None:
         out = torch.empty(shape, dtype=a.dtype, device=a.device)
+    if a.dtype in (torch.bfloat16, torch.float16):
+        # the CPU adds beta * input to the fp32 products and rounds once: a product rounded to the dtype first
+        # is a second rounding (a broadcast attention mask plus scores ~400 came out two fp16 units off)
+        a32, b32 = a.float(), b.float()
+        prod = bmm(a32, b32) if batched else mm_into(a32, b32, None)
+        prod = prod if alpha == 1 else prod * alpha
+        return out.copy_(prod if beta == 0 else prod + (inp.float() if beta == 1 else inp.float() * beta))
+    prod = bmm(a, b) if batched else mm_into(a, b, None)
     if beta == 1 and alpha == 1:
         return run_pointwise(tm.add, [prod, inp], KIND.DEFAULT, out, inplace=False, op="aten::addmm")
     return add_scaled(prod, inp, beta, alpha, out)
