@@ -190,28 +190,79 @@ def test_variable_length_all_gather_and_all_to_all():
     meta = np.zeros((p, 3, p), np.uint32)
     for r in range(p):
         meta[r, 0, 0], meta[r, 1, 0] = r + 2, r  # rank r sends r+2 elements from element r
-    out, got = agv.ranks(p)(x, meta.copy())
+    out, got = agv[2].ranks(p)(x, meta.copy())   # LNC=2, 4 ranks on one trn2 chip: the published deployment
     for r in range(p):
         for s in range(p):
             np.testing.assert_array_equal(out[r][8 * s:8 * s + s + 2], x[s, s:2 * s + 2])
         assert got[r][2].tolist() == [s + 2 for s in range(p)]  # row 2: the counts received
 
+    # all_to_all_v on trn3 (NeuronSwitch): LNC=2, the rank list every rank of two devices (4 ranks a device)
+    q = 8
+
     @nki.jit
     def a2av(x, meta):
-        out = nl.ndarray((p * 8,), x.dtype, buffer=nl.shared_hbm)
-        ncc.all_to_all_v(srcs=[x], dsts=[out], replica_group=ncc.ReplicaGroup([list(range(p))]),
+        out = nl.ndarray((q * 8,), x.dtype, buffer=nl.shared_hbm)
+        ncc.all_to_all_v(srcs=[x], dsts=[out], replica_group=ncc.ReplicaGroup([list(range(q))]),
                          metadata_tensor=meta, recv_counts_known=True)
         return out
 
-    meta = np.zeros((p, 3, p), np.uint32)
-    for s in range(p):
-        for d in range(p):
+    x = _ints(q, 32)
+    meta = np.zeros((q, 3, q), np.uint32)
+    for s in range(q):
+        for d in range(q):
             meta[s, 0, d], meta[s, 1, d] = (s + d) % 3 + 1, 4 * d  # to d: (s+d)%3+1 elements from 4d
-    out = a2av.ranks(p)(x, meta)
-    for d in range(p):
-        for s in range(p):
+    out = nki.profile(a2av[2].ranks(q), chip="trn3")(x, meta).outputs
+    for d in range(q):
+        for s in range(q):
             n = (s + d) % 3 + 1
             np.testing.assert_array_equal(out[d][8 * s:8 * s + n], x[s, 4 * d:4 * d + n])
+
+
+@nki.jit
+def a2av_groups(x, meta, groups):
+    out = nl.ndarray((16,), x.dtype, buffer=nl.shared_hbm)
+    ncc.all_to_all_v(srcs=[x], dsts=[out], replica_group=ncc.ReplicaGroup(groups), metadata_tensor=meta,
+                     recv_counts_known=True)
+    return out
+
+
+def test_all_to_all_v_keeps_its_published_deployment_limits():
+    # NeuronSwitch (trn3): "requires LNC=2 and more than one participating device ... every device participating in
+    # that rank-list must have all of its ranks ... sequential ranks"; other chips: "only inter-node replica groups:
+    # each rank-list contains same-indexed ranks from different nodes"; has_rdispls only on NeuronSwitch
+    x = _ints(34, 16)
+    meta = np.zeros((34, 3, 2), np.uint32)
+    meta[:, 0, :] = 2
+    with pytest.raises(NotImplementedError, match="only LNC=2 is supported"):
+        nki.profile(a2av_groups.ranks(8), chip="trn3")(x[:8], np.zeros((8, 3, 8), np.uint32), [list(range(8))])
+    with pytest.raises(ValueError, match=r"every rank of more than one device, in order .* got \[0, 1, 2, 3\]"):
+        nki.profile(a2av_groups[2].ranks(8), chip="trn3")(x[:8], np.zeros((8, 3, 4), np.uint32),
+                                                          [[0, 1, 2, 3], [4, 5, 6, 7]])
+    with pytest.raises(ValueError, match=r"only inter-node rank lists .* 128 ranks a node\), got \[0, 1\]"):
+        a2av_groups.ranks(2)(x[:2], meta[:2], [[0, 1]])
+    # trn1: 32 cores a node, so ranks r and r + 32 are same-indexed ranks of two nodes
+    out = nki.profile(a2av_groups.ranks(34), chip="trn1")(x, meta, [[0, 32], [1, 33]]).outputs
+    for r, peer in ((0, 32), (32, 0), (1, 33)):
+        mine, theirs = (0, 1) if r < 32 else (1, 0)
+        np.testing.assert_array_equal(out[r][8 * mine:8 * mine + 2], x[r, :2])
+        np.testing.assert_array_equal(out[r][8 * theirs:8 * theirs + 2], x[peer, :2])
+
+
+def test_all_gather_v_keeps_its_published_deployment_limits():
+    # "Only LNC=2 is supported"; "Each rank-list must have exactly 4 ranks (intra-chip)"
+    @nki.jit
+    def agv(x, meta, groups):
+        out = nl.ndarray((16,), x.dtype, buffer=nl.shared_hbm)
+        ncc.all_gather_v(srcs=[x], dsts=[out], replica_group=ncc.ReplicaGroup(groups), metadata_tensor=meta)
+        return out
+
+    x, meta = _ints(8, 16), np.zeros((8, 3, 4), np.uint32)
+    with pytest.raises(NotImplementedError, match="only LNC=2 is supported"):
+        agv.ranks(4)(x[:4], meta[:4], [[0, 1, 2, 3]])
+    with pytest.raises(ValueError, match=r"4 ranks on one chip .* got \[0, 1\]"):
+        agv[2].ranks(4)(x[:4], np.zeros((4, 3, 2), np.uint32), [[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match=r"got \[0, 1, 2, 4\] \(4 ranks of two cores per trn2 chip\)"):
+        agv[2].ranks(8)(x, meta, [[0, 1, 2, 4], [3, 5, 6, 7]])
 
 
 def _collective_time(kernel, x, *args) -> float:

@@ -15,6 +15,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from torchneuron.distributed.topology import links
 from torchneuron.nki import multicore
 from torchneuron.nki.isa import NkiInstruction, VirtualRegister, _emit, _needs, register_alloc
 from torchneuron.nki.tracing import NKIObject, NkiTensor, current
@@ -23,6 +24,9 @@ from torchneuron.sim.numerics import alu_op
 __all__ = ["ReplicaGroup", "all_reduce", "all_gather", "all_gather_v", "reduce_scatter", "all_to_all", "all_to_all_v",
            "collective_permute", "collective_permute_implicit", "collective_permute_implicit_reduce",
            "collective_permute_implicit_current_processing_rank_id", "rank_id"]
+
+# chips whose instances connect through a NeuronSwitch fabric (the all_to_all_v reference: Trn3)
+NEURON_SWITCH_CHIPS = ("trn3",)
 
 
 @dataclass
@@ -193,8 +197,12 @@ def _variable(kind: str, srcs: Any, dsts: Any, replica_group: ReplicaGroup, meta
     if len(srcs) != 1:
         raise ValueError(f"{kind}: srcs and dsts hold exactly one tensor each, got {len(srcs)}")
     groups = _group(replica_group, kind)
-    if kind == "all_gather_v" and has_rdispls:
-        raise NotImplementedError("all_gather_v: has_rdispls=True is not supported (as in the reference)")
+    if kind == "all_gather_v":
+        _all_gather_v_deployment(groups)
+        if has_rdispls:
+            raise NotImplementedError("all_gather_v: has_rdispls=True is not supported (as in the reference)")
+    else:
+        _all_to_all_v_deployment(groups, has_rdispls)
     if not isinstance(metadata_tensor, NkiTensor):
         raise TypeError(f"{kind}: metadata_tensor is a uint32 tensor, got {type(metadata_tensor).__name__}")
     rows = 4 if has_rdispls else 3
@@ -209,6 +217,50 @@ def _variable(kind: str, srcs: Any, dsts: Any, replica_group: ReplicaGroup, meta
     _priority(priority, kind)
     return _emit_collective(kind, srcs, dsts, groups=groups, metadata=metadata_tensor.access,
                             recv_counts_known=bool(recv_counts_known), has_rdispls=bool(has_rdispls))
+
+
+def _all_gather_v_deployment(groups: tuple[tuple[int, ...], ...]) -> None:
+    """The published limits of all_gather_v: LNC=2 (two cores per rank), rank lists of exactly 4 ranks on one chip."""
+    trace = current()
+    if trace.instances != 2:
+        raise NotImplementedError(f"all_gather_v: only LNC=2 is supported (as in the reference): launch two instances "
+                                  f"per rank (kernel[2].ranks(n)), not {trace.instances}")
+    per_chip = trace.spec.cores_per_chip
+    for g in groups:
+        if len(g) != 4 or len({r * 2 // per_chip for r in g}) != 1:
+            raise ValueError(f"all_gather_v: each rank list must be 4 ranks on one chip (intra-chip, as in the "
+                             f"reference), got {list(g)} ({per_chip // 2} ranks of two cores per "
+                             f"{trace.spec.name} chip)")
+
+
+def _all_to_all_v_deployment(groups: tuple[tuple[int, ...], ...], has_rdispls: bool) -> None:
+    """The published limits of all_to_all_v. On a NeuronSwitch fabric: LNC=2, rank lists of whole devices (every
+    rank of each device it touches, sequential), more than one device. Elsewhere: inter-node rank lists only
+    (same-indexed ranks of different nodes), and no ``has_rdispls``."""
+    trace = current()
+    spec, lanes = trace.spec, trace.instances
+    per_chip, per_node = spec.cores_per_chip, spec.cores_per_chip * links(spec).chips_per_node
+    what = "all_to_all_v"
+    if spec.name in NEURON_SWITCH_CHIPS:
+        if lanes != 2:
+            raise NotImplementedError(f"{what}: on {spec.name} (NeuronSwitch) only LNC=2 is supported: launch two "
+                                      f"instances per rank (kernel[2].ranks(n)), not {lanes}")
+        per_device = per_chip // 2
+        for g in groups:
+            devices = sorted({r // per_device for r in g})
+            whole = [r for d in devices for r in range(d * per_device, (d + 1) * per_device)]
+            if len(devices) < 2 or list(g) != whole:
+                raise ValueError(f"{what}: on {spec.name} (NeuronSwitch) each rank list is every rank of more than "
+                                 f"one device, in order ({per_device} ranks a device), got {list(g)}")
+        return
+    if has_rdispls:
+        raise NotImplementedError(f"{what}: has_rdispls=True needs a NeuronSwitch fabric ({', '.join(NEURON_SWITCH_CHIPS)}); "
+                                  f"{spec.name} has none")
+    for g in groups:
+        nodes = [r * lanes // per_node for r in g]
+        if len(set(nodes)) != len(g) or len({r * lanes % per_node for r in g}) != 1:
+            raise ValueError(f"{what}: on {spec.name} only inter-node rank lists are supported (same-indexed ranks "
+                             f"of different nodes, {per_node // lanes} ranks a node), got {list(g)}")
 
 
 def all_gather_v(srcs: List[NkiTensor], dsts: List[NkiTensor], replica_group: ReplicaGroup, metadata_tensor: NkiTensor,
