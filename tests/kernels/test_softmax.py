@@ -107,3 +107,23 @@ def test_softmax_backward_rows(N, D, log, dtype):
     backward = torch._log_softmax_backward_data if log else torch._softmax_backward_data
     want = backward(g.float(), y.float(), -1, torch.float32) * 0.5
     close(softmax_bwd_kernel(g, y, log=log, scale=0.5), want, dtype, scale=2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [3, 100, 1000, 6000])
+def test_half_log_softmax_over_the_last_dim_rounds_as_the_cpu(dtype, D):
+    """The CPU's last-dim log_softmax of half types keeps the row sum and its log in the input type: x - max -
+    round(log(round(sum))). The device rounds them alike, so its results are the CPU's bit for bit (whole rows) or,
+    on the two-pass path (D = 6000), within one unit in the last place (a row sum accumulated in another order can
+    round to the neighbouring half value); another dim is exact on both."""
+    import torchneuron  # noqa: F401  (registers the device)
+    x = (torch.randn(300, D) * 3).to(dtype)
+    got, want = torch.log_softmax(x.to("neuron"), 1).cpu(), torch.log_softmax(x, 1)
+    if D <= 1000:
+        assert torch.equal(got, want)
+    else:
+        ulp = torch.finfo(dtype).eps * want.float().abs().clamp(min=1.0)
+        assert ((got.float() - want.float()).abs() <= ulp).all()
+    exact = (x.float() - torch.logsumexp(x.float(), 0, keepdim=True)).to(dtype)
+    got0 = torch.log_softmax(x.to("neuron"), 0).cpu()
+    assert ((got0.float() - exact.float()).abs() <= torch.finfo(dtype).eps * exact.float().abs().clamp(min=1.0)).all()

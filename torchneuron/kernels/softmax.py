@@ -24,6 +24,10 @@ blocks overlap. The single pass holds the whole row: D fp32 x 3 tiles x (NBUF + 
         softmax: y = exp(x + m) * (1/s)                  ScalarE activation, GpSimd tensor_scalar
         log_softmax: y = (x + m) - log s                 one two-op tensor_scalar (GpSimd)
 
+``half_logsum`` (log_softmax of bf16/fp16 rows over the last dim) rounds the row sum and its log to the input dtype
+before the subtraction, as the CPU's last-dim kernel keeps them in arrays of the input type (its results, off the
+exact ones by up to ~2**-9, are matched bit for bit rather than bettered).
+
 Both subtract the max before anything else, as the CPU does: folding m - log s into one bias rounds it at
 the max's magnitude, an absolute error of ulp(max) in every log-probability (and a relative one in every
 probability).
@@ -60,7 +64,20 @@ def _max_dtype(dt):
     return nl.bfloat16 if dt == nl.bfloat16 else nl.float32
 
 
-def _softmax_long(x, out, log):
+def _log_sum(s, p, dt, half_logsum):
+    """log s of a (P, 1) fp32 row sum; ``half_logsum``: s and its log each rounded to ``dt`` (the CPU's last-dim
+    log_softmax of half types)."""
+    ls = nl.ndarray((PMAX, 1), dt if half_logsum else nl.float32, buffer=nl.sbuf)
+    if half_logsum:
+        sr = nl.ndarray((PMAX, 1), dt, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=sr[:p], src=s[:p])
+        nisa.activation(dst=ls[:p], op=nl.log, data=sr[:p])
+    else:
+        nisa.activation(dst=ls[:p], op=nl.log, data=s[:p])
+    return ls
+
+
+def _softmax_long(x, out, log, half_logsum=False):
     """Two passes over column blocks of W: online max/sum, then the output (any row length)."""
     N, D = x.shape
     ring = collections.deque(maxlen=NBUF)
@@ -91,10 +108,10 @@ def _softmax_long(x, out, log):
             ring.append((t, e))
         # the max is subtracted first and log s (1/s) applied after, as the CPU does: one bias -max - log s
         # would be rounded at the max's magnitude (an absolute error of ulp(max) in every result)
-        ls = _col()
         if log:
-            nisa.activation(dst=ls[:p], op=nl.log, data=s[:p])
+            ls = _log_sum(s, p, x.dtype, half_logsum)
         else:
+            ls = _col()
             nisa.reciprocal(dst=ls[:p], data=s[:p])
         for c0 in range(0, D, W):
             w = min(W, D - c0)
@@ -115,12 +132,14 @@ def _softmax_long(x, out, log):
 
 
 @nki.jit
-def softmax_kernel(x, log=False):
-    """softmax (or log_softmax) of every row of a 2-D [N, D] tensor (any D)."""
+def softmax_kernel(x, log=False, half_logsum=False):
+    """softmax (or log_softmax) of every row of a 2-D [N, D] tensor (any D); ``half_logsum``: see the module
+    docstring."""
     N, D = x.shape
     out = nl.ndarray((N, D), x.dtype, buffer=nl.shared_hbm)
+    half_logsum = bool(half_logsum and log and x.dtype in (nl.bfloat16, nl.float16))
     if not one_pass(D):
-        _softmax_long(x, out, log)
+        _softmax_long(x, out, log, half_logsum)
         return out
     check_sbuf((NBUF + 1) * 3 * D * 4 + 64, f"softmax D={D}")
     ring = collections.deque(maxlen=NBUF)
@@ -136,8 +155,7 @@ def softmax_kernel(x, log=False):
                         reduce_cmd=nisa.reduce_cmd.reset_reduce)
         y = nl.ndarray((PMAX, D), x.dtype, buffer=nl.sbuf)     # the one rounding to the output dtype
         if log:   # (x - max) - log s, as the CPU: x - (max + log s) rounds the sum at max's magnitude first
-            ls = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=ls[:p], op=nl.log, data=s[:p])
+            ls = _log_sum(s, p, x.dtype, half_logsum)
             nisa.tensor_scalar(dst=y[:p], data=t[:p], op0=nl.add, operand0=neg_max[:p], op1=nl.subtract,
                                operand1=ls[:p], engine=nisa.gpsimd_engine)
         else:

@@ -44,7 +44,9 @@ def _softmax(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     last = x.dim() - 1
     moved = x if dim == last else x.movedim(dim, last)
     rows = dense(moved).reshape(-1, moved.shape[-1])
-    (res,) = call_kernel(softmax_kernel, {"x": rows}, {"log": log}, op="aten::_log_softmax" if log else "aten::_softmax")
+    # the CPU's last-dim log_softmax of half types rounds the row sum and its log to the dtype: so does the kernel
+    meta = {"log": log, "half_logsum": log and dim == last}
+    (res,) = call_kernel(softmax_kernel, {"x": rows}, meta, op="aten::_log_softmax" if log else "aten::_softmax")
     res = res.reshape(moved.shape)
     # contiguous, as the CPU's (and the meta kernel's, which compiled graphs are traced with) result is
     return res if dim == last else dense(res.movedim(last, dim))
