@@ -99,9 +99,15 @@ def cpu_fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     schema = op._schema
     # a Python kernel receives wrapped-number operands as Python scalars: the schema wants tensors
     tensor_args = {a.name for a in schema.arguments if str(a.type) == "Tensor"}
-    args = tuple(torch.tensor(v) if a.name in tensor_args and isinstance(v, (int, float, bool, complex)) else v
+    # a 0-d tensor stands in for the wrapped number; a float one is fp32 (the wrapped number's promotion) unless a
+    # float64 operand computes in float64, where an fp32 scalar would round it (x * sqrt(0.5) off by 3e-8)
+    f64 = any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in (*args, *kwargs.values()))
+
+    def number(v: Any) -> torch.Tensor:
+        return torch.tensor(v, dtype=torch.float64) if f64 and isinstance(v, float) else torch.tensor(v)
+    args = tuple(number(v) if a.name in tensor_args and isinstance(v, (int, float, bool, complex)) else v
                  for a, v in zip(schema.arguments, args))
-    kwargs = {k: torch.tensor(v) if k in tensor_args and isinstance(v, (int, float, bool, complex)) else v
+    kwargs = {k: number(v) if k in tensor_args and isinstance(v, (int, float, bool, complex)) else v
               for k, v in kwargs.items()}
     return _C._cpu_fallback(schema.name, schema.overload_name, *args, **kwargs)
 
