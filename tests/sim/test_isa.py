@@ -266,6 +266,20 @@ def test_tensor_tensor_mixed_dtypes_psum_operand_and_gpsimd(core):
     same(dst2.read(core), a.float() * b)
 
 
+@pytest.mark.parametrize("dtype,wide", [(BF16, F32), (F16, F32), (BF16, F16)])
+@pytest.mark.parametrize("op", ["add", "multiply", "divide"])
+def test_tensor_tensor_rounds_once_into_a_wider_dst(core, op, dtype, wide):
+    """Two narrow operands into a wider dst: computed in fp32 and rounded once, to dst's dtype. (torch's
+    ``mul(bf16, bf16, out=fp32)`` rounds the product to bf16 first: a bf16 x bf16 product stored as fp32 lost
+    its low half, and bf16 into fp16 was rounded twice.)"""
+    a, b = rand((32, 64), dtype, seed=24), rand((32, 64), dtype, seed=25)
+    dst = empty(core, (32, 64), wide)
+    core.execute(isa.tensor_tensor(dst=dst, data1=put(core, a), data2=put(core, b), op=op))
+    want = FLOAT_OPS[op](a.float(), b.float()).to(wide)
+    same(dst.read(core), want)
+    assert not torch.equal(want, FLOAT_OPS[op](a, b).to(wide))     # the double rounding would be caught
+
+
 INT_OPS = {
     "add": torch.add, "subtract": torch.sub, "multiply": torch.mul, "maximum": torch.maximum,
     "minimum": torch.minimum, "bitwise_and": torch.bitwise_and, "bitwise_or": torch.bitwise_or,
