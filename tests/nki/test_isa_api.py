@@ -311,3 +311,28 @@ def test_rand2_is_neuroncore_v4_only_and_draws_within_its_bounds():
         nki.profile(k, chip="trn2")(np.zeros((1, 1), np.float32))
     u = np.asarray(nki.profile(k, chip="trn3")(np.zeros((1, 1), np.float32)).outputs)
     assert -2.0 <= u.min() and u.max() <= 3.0 and abs(u.mean() - 0.5) < 0.1   # mean 0.5, std 5/sqrt(12 * 8192)
+
+
+def test_activation_bias_is_a_column_on_neuroncore_v2():
+    # "In NeuronCore-v2, the bias must be a [N, 1] vector, but starting NeuronCore-v3, bias can either be a
+    # compile-time constant scalar or a [N, 1] vector"
+    @nki.jit
+    def k(x, scalar_bias):
+        t = nl.load(x)
+        r = nl.ndarray(x.shape, nl.float32)
+        if scalar_bias:
+            nisa.activation(dst=r, op=nl.exp, data=t, bias=0.5)
+        else:
+            b = nl.full((x.shape[0], 1), 0.5, nl.float32)
+            nisa.activation(dst=r, op=nl.exp, data=t, bias=b)
+        out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
+        nl.store(out, r)
+        return out
+
+    x = np.random.default_rng(3).standard_normal((16, 8)).astype(np.float32)
+    want = np.exp(x.astype(np.float64) + 0.5)
+    for chip, scalar in (("trn1", False), ("trn2", True), ("trn2", False)):
+        got = np.asarray(nki.profile(k, chip=chip)(x, scalar).outputs)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    with pytest.raises(SimulatorError, match=r"bias must be an \[N, 1\] tile on NeuronCore-v2 \(trn1\)"):
+        nki.profile(k, chip="trn1")(x, True)

@@ -43,6 +43,7 @@ from torchneuron.kernels.random import _tiles
 
 DISTRIBUTIONS = ("uniform", "normal", "log_normal", "exponential", "geometric", "cauchy", "bernoulli")
 KCHUNK = 4096            # table columns compared per instruction in count_kernel
+ONE, MINUS_HALF_PI = 4, 5  # constant columns after the 4 parameters: ScalarE biases (tiles on NeuronCore-v2)
 
 
 def _uniform(t, pp, ff):
@@ -53,9 +54,9 @@ def _uniform(t, pp, ff):
     nisa.tensor_scalar(dst=t[:pp, :ff], data=bits, op0=nl.multiply, operand0=2.0 ** -24)
 
 
-def _log1m(dst, u, pp, ff):
-    """``log(1 - u)`` (ScalarE: the function of ``u * -1 + 1``)."""
-    nisa.activation(dst=dst[:pp, :ff], op=nl.log, data=u[:pp, :ff], scale=-1.0, bias=1.0)
+def _log1m(dst, u, col, pp, ff):
+    """``log(1 - u)`` (ScalarE: the function of ``u * -1 + 1``, the 1 a bias column as NeuronCore-v2 needs)."""
+    nisa.activation(dst=dst[:pp, :ff], op=nl.log, data=u[:pp, :ff], scale=-1.0, bias=col(ONE))
 
 
 def _draw(dist, y, w, col, pp, ff):
@@ -70,7 +71,7 @@ def _draw(dist, y, w, col, pp, ff):
     elif dist in ("normal", "log_normal"):
         _uniform(y, pp, ff)
         _uniform(w, pp, ff)
-        _log1m(y, y, pp, ff)
+        _log1m(y, y, col, pp, ff)
         nisa.activation(dst=y[:pp, :ff], op=nl.sqrt, data=y[:pp, :ff], scale=-2.0)
         nisa.activation(dst=w[:pp, :ff], op=nl.cos, data=w[:pp, :ff], scale=2.0 * math.pi)
         nisa.scalar_tensor_tensor(dst=y[:pp, :ff], data=y[:pp, :ff], op0=nl.multiply, operand0=col(1),
@@ -81,18 +82,18 @@ def _draw(dist, y, w, col, pp, ff):
             nisa.tensor_scalar(dst=y[:pp, :ff], data=y[:pp, :ff], op0=nl.add, operand0=col(0))
     elif dist == "exponential":
         _uniform(y, pp, ff)
-        _log1m(y, y, pp, ff)
+        _log1m(y, y, col, pp, ff)
         # as CUDA does: log(1 - u) = 0 would give 0, which the distribution excludes
         nisa.tensor_scalar(dst=y[:pp, :ff], data=y[:pp, :ff], op0=nl.minimum, operand0=col(1),
                            op1=nl.multiply, operand1=col(0))
     elif dist == "geometric":
         _uniform(y, pp, ff)
-        _log1m(y, y, pp, ff)
+        _log1m(y, y, col, pp, ff)
         nisa.activation(dst=y[:pp, :ff], op="ceil", data=y[:pp, :ff], scale=col(0))
         nisa.tensor_scalar(dst=y[:pp, :ff], data=y[:pp, :ff], op0=nl.maximum, operand0=1.0)
     elif dist == "cauchy":
         _uniform(y, pp, ff)
-        nisa.activation(dst=y[:pp, :ff], op="tan", data=y[:pp, :ff], scale=math.pi, bias=-math.pi / 2)
+        nisa.activation(dst=y[:pp, :ff], op="tan", data=y[:pp, :ff], scale=math.pi, bias=col(MINUS_HALF_PI))
         nisa.tensor_scalar(dst=y[:pp, :ff], data=y[:pp, :ff], op0=nl.multiply, operand0=col(1),
                            op1=nl.add, operand1=col(0))
     elif dist == "bernoulli":
@@ -115,11 +116,13 @@ def sample_kernel(seed, params, n, dist, dtype):
     """A flat [n] ``dtype`` tensor drawn from ``dist`` with ``params`` (see the module docstring)."""
     assert tuple(params.shape) == (1, 4) and params.dtype == nl.float32, "sample: params is a [1, 4] fp32 tensor"
     F = DMA_ROW_BYTES // 4
-    check_sbuf(2 * 2 * F * 4 + 16, "sample")                  # y and scratch, double-buffered
+    check_sbuf(2 * 2 * F * 4 + 24, "sample")                  # y and scratch, double-buffered; the columns
     out = nl.ndarray((n,), dtype, buffer=nl.shared_hbm)
     _seed(seed)
-    prm = nl.ndarray((PMAX, 4), nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=prm, src=params.broadcast_to((PMAX, 4)))
+    prm = nl.ndarray((PMAX, 6), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=prm[:, 0:4], src=params.broadcast_to((PMAX, 4)))
+    nisa.memset(dst=prm[:, ONE:ONE + 1], value=1.0)
+    nisa.memset(dst=prm[:, MINUS_HALF_PI:MINUS_HALF_PI + 1], value=-math.pi / 2)
     f = max(1, min(F, n // PMAX))
     keep = []
     for s, pp, ff in _tiles(n, f):

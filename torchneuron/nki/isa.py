@@ -250,6 +250,10 @@ def reciprocal(dst: Tile, data: Tile, name: str | None = None) -> NkiInstruction
 def activation(dst: Tile, op: Any, data: Tile, bias: Operand = None, scale: Operand = 1.0, reduce_op: Any = None,
                reduce_res: Tile | None = None, reduce_cmd: Any = reduce_cmd.idle, name: str | None = None) -> NkiInstruction:
     """``dst = op(data * scale + bias)`` on ScalarE, optionally reducing the result per partition."""
+    if bias is not None and not isinstance(bias, NkiTensor) and _generation() < 3:
+        spec = current().spec
+        raise SimulatorError(f"activation: bias must be an [N, 1] tile on {spec.core_generation} ({spec.name}); a "
+                             f"constant scalar bias needs NeuronCore-v3 or newer")
     return _emit(sim.Activation, dst=dst, op=op, data=data, bias=bias, scale=scale, reduce_op=reduce_op,
           reduce_res=reduce_res, reduce_cmd=reduce_cmd)
 
