@@ -834,6 +834,33 @@ def broadcast_grad_term_magnitudes(op, parts: tuple, cotangents: list) -> tuple[
     return bounds, ulps
 
 
+def _normalize_grad_terms(parts: tuple, cotangents: list) -> tuple[list, list] | None:
+    """``F.normalize``'s input gradient g / n - dn/dx * sum_j(g_j x_j) / n**2 (n the p-norm over ``dim``,
+    clamped to ``eps``) is a difference of two terms that cancel exactly where the normalized dim has one
+    element (sign(x): gradient 0); per element, (sum(|terms|), rounding units). Each side rounds the norm's
+    K-term sum and its p-th root (relative error up to (K + 2) units, times 1/p through the root) and a few
+    products and quotients of each term: within (K + 8) max(1, 1/|p|) units of the terms, the two within
+    twice that. None for p = 0 or infinite (the plain comparison)."""
+    x, args, kwargs = parts
+    p = float(args[0] if args else kwargs.get("p", 2.0))
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 1)
+    eps = float(args[2] if len(args) > 2 else kwargs.get("eps", 1e-12))
+    if not isinstance(x, torch.Tensor) or len(cotangents) != 1 or not math.isfinite(p) or p == 0 or x.dim() == 0:
+        return None
+    x, g = x.detach().double(), cotangents[0].double().abs()
+    n = x.abs().pow(p).sum(dim, keepdim=True).pow(1 / p)
+    denom = n.clamp_min(eps)
+    dn = x.abs().pow(p - 1) * n.pow(1 - p) * (n > eps)            # |dn/dx_i|, 0 where the clamp holds
+    terms = g / denom + dn * (g * x.abs()).sum(dim, keepdim=True) / denom ** 2
+    K = x.shape[dim]
+    return [terms], [2 * (K + 8) * max(1.0, 1 / abs(p))]
+
+
+# Ops whose input gradient is a difference of terms that can cancel, with a bound on each side's error derived
+# from their formula: {op name: fn(parts, cotangents) -> (per-input sum(|terms|), rounding units) or None}.
+GRAD_TERMS = {"nn.functional.normalize": _normalize_grad_terms}
+
+
 def check_sample_grads(op, sample, *, atol=None, rtol=None, seed: int = DEFAULT_SEED) -> str:
     """Compare the input gradients (a VJP with seeded random cotangents) of one sample on neuron with the
     CPU's; returns 'checked' or why not. Raises AssertionError on a mismatch."""
@@ -861,6 +888,8 @@ def check_sample_grads(op, sample, *, atol=None, rtol=None, seed: int = DEFAULT_
     if actual is None or len(actual[2]) != len(grads):
         raise AssertionError("neuron's result has other differentiable outputs or inputs than the CPU's")
     bounds, ulps = grad_term_magnitudes(op, parts, cots), [ORDER_ULPS] * len(grads)
+    if bounds is None and op.name in GRAD_TERMS:
+        bounds, ulps = GRAD_TERMS[op.name](parts, cots) or (None, ulps)
     if bounds is None:
         bounds, ulps = broadcast_grad_term_magnitudes(op, parts, cots) or ([None] * len(grads), ulps)
     exact = [None] * len(grads)

@@ -120,3 +120,27 @@ def test_a_broadcast_inputs_gradient_is_bounded_by_its_terms_and_a_wrong_one_fai
     full = x.expand(10, 10, 5).clone()                             # spans the output: the plain tolerance
     assert broadcast_grad_term_magnitudes(pow_op, (full, (y,), {}), [cot])[0][0] is None
     assert broadcast_grad_term_magnitudes(pow_op, (full, (y.expand(10, 10, 5).clone(),), {}), [cot]) is None
+
+
+def test_normalize_gradient_bound_follows_its_terms():
+    from tests.opinfo.harness import GRAD_TERMS
+
+    # One element along dim: y = sign(x), an exact gradient of 0 reached as g/|x| - g/|x|; each side's bf16
+    # result is noise of the terms' size, which the bound covers, while a gradient off by a tenth of the terms
+    # on a longer dim fails.
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 4, 5, generator=gen)
+    g = torch.randn(1, 2, 4, 5, generator=gen)
+    (terms,), (units,) = GRAD_TERMS["nn.functional.normalize"]((x, (), {"p": 0.5, "dim": 0}), [g])
+    torch.testing.assert_close(terms, 2 * g.double().abs() / x.double().abs())
+    assert units == 2 * (1 + 8) * 2
+    xb = x.bfloat16().requires_grad_()
+    (noise,) = torch.autograd.grad(torch.nn.functional.normalize(xb, p=0.5, dim=0), xb, g.bfloat16())
+    eps = torch.finfo(torch.bfloat16).eps / 2
+    assert (noise.double().abs() <= units * eps * terms).all()
+    x2 = x.double().requires_grad_()
+    (exact,) = torch.autograd.grad(torch.nn.functional.normalize(x2, dim=1), x2, g.double())
+    (terms2,), (units2,) = GRAD_TERMS["nn.functional.normalize"]((x, (), {"dim": 1}), [g])
+    wrong = exact + 0.1 * terms2
+    kept = within_summation_order(wrong.bfloat16(), exact.bfloat16(), terms2, units2)
+    assert not torch.equal(kept, wrong.bfloat16())
