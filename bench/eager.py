@@ -116,41 +116,62 @@ def _bytes(*ts: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-SIZES = {  # squares; tokens, model width, MLP width; heads, sequence, head dim
-    "quick": ((1024, 2048), (2048, 1024, 3584), (8, 1024, 128)),
-    "default": ((1024, 2048, 4096), (2048, 4096, 11008), (16, 2048, 128)),
-    "full": ((1024, 2048, 4096, 8192), (8192, 4096, 14336), (32, 2048, 128)),
+SIZES = {  # squares; tokens, model width, MLP width, a long contraction; (heads, sequence, head dim) per attention shape
+    "quick": ((1024, 2048), (2048, 1024, 3584, 8192), ((8, 1024, 128), (8, 1024, 64))),
+    "default": ((1024, 2048, 4096), (2048, 4096, 11008, 11008), ((16, 2048, 128), (16, 2048, 64), (32, 512, 64))),
+    "full": ((1024, 2048, 4096, 8192), (8192, 4096, 14336, 14336), ((32, 2048, 128), (16, 4096, 64), (64, 512, 128))),
 }
 
 
-def product_cases(dtype: torch.dtype, size: str) -> list[tuple[str, str, Callable, int, int]]:
-    """(op, shape, call, FLOPs, bytes of operands and result) per matrix product of the table."""
+TM = 128   # TensorE's stationary tile (rows of A per transpose)
+
+
+def _transposed_a_floor(batch: int, M: int, K: int, N: int, dtype: torch.dtype) -> float:
+    """Seconds TensorE needs for ``A @ B`` with A given as [M, K] (attention's P @ V): every 128 x 128 block of A
+    is transposed on TensorE before its matmul (the model's cycles for both: ``sim/timing.tensor_cycles``)."""
+    t = runtime.core(0).spec.tensor
+    fp32 = dtype == torch.float32
+    transpose = max(TM, min(t.mm_init_latency_cycles, TM)) * (t.fp32_transpose_factor if fp32 else 1)
+    matmul = max(min(t.mm_init_latency_cycles, TM), min(N, 512)) * (t.fp32_factor if fp32 else 1)
+    blocks = batch * -(-M // TM) * -(-K // TM) * -(-N // 512)
+    return blocks * (transpose + matmul) / t.clock_hz
+
+
+def product_cases(dtype: torch.dtype, size: str) -> list[tuple[str, str, Callable, int, int, float]]:
+    """(op, shape, call, FLOPs, bytes of operands and result, seconds of TensorE work the operand layout adds or 0)
+    per matrix product of the table."""
     def mk(*shape: int) -> torch.Tensor:   # contents never read: the table only schedules
         return torch.empty(shape, dtype=dtype, device="neuron")
-    squares, (T, D, F), (B, S, hd) = SIZES[size]
+    squares, (T, D, F, KL), attention = SIZES[size]
     cases = []
     for n in squares:
         a, b = mk(n, n), mk(n, n)
-        cases.append(("mm", f"{n}x{n} @ {n}x{n}", lambda a=a, b=b: torch.mm(a, b), 2 * n ** 3, 3 * _bytes(a)))
+        cases.append(("mm", f"{n}x{n} @ {n}x{n}", lambda a=a, b=b: torch.mm(a, b), 2 * n ** 3, 3 * _bytes(a), 0.0))
     x, w, bias, dy = mk(T, D), mk(F, D), mk(F), mk(T, F)
     fl, io = 2 * T * D * F, _bytes(x, w, dy)
     cases += [
-        ("linear", f"x {T}x{D}, W {F}x{D}", lambda: torch.nn.functional.linear(x, w), fl, io),
-        ("linear+bias", f"x {T}x{D}, W {F}x{D}", lambda: torch.nn.functional.linear(x, w, bias), fl, io),
-        ("matmul dy@W", f"{T}x{F} @ {F}x{D}", lambda: dy @ w, fl, io),
-        ("matmul dy.T@x", f"({T}x{F}).T @ {T}x{D}", lambda: dy.t() @ x, fl, io),
+        ("linear", f"x {T}x{D}, W {F}x{D}", lambda: torch.nn.functional.linear(x, w), fl, io, 0.0),
+        ("linear+bias", f"x {T}x{D}, W {F}x{D}", lambda: torch.nn.functional.linear(x, w, bias), fl, io, 0.0),
+        ("matmul dy@W", f"{T}x{F} @ {F}x{D}", lambda: dy @ w, fl, io, 0.0),
+        ("matmul dy.T@x", f"({T}x{F}).T @ {T}x{D}", lambda: dy.t() @ x, fl, io, 0.0),
     ]
-    q, k, v, p = mk(B, S, hd), mk(B, S, hd), mk(B, S, hd), mk(B, S, S)
-    fl = 2 * B * S * S * hd
-    cases += [
-        ("bmm q@k.T", f"{B}x{S}x{hd} @ ({B}x{S}x{hd}).T", lambda: torch.bmm(q, k.transpose(1, 2)), fl,
-         _bytes(q, k, p)),
-        ("bmm p@v", f"{B}x{S}x{S} @ {B}x{S}x{hd}", lambda: torch.bmm(p, v), fl, _bytes(p, v, q)),
-        ("bmm p.T@dO", f"({B}x{S}x{S}).T @ {B}x{S}x{hd}", lambda: torch.bmm(p.transpose(1, 2), v), fl,
-         _bytes(p, v, q)),
-        ("baddbmm", f"{B}x{S}x{hd} @ ({B}x{S}x{hd}).T", lambda: torch.baddbmm(p, q, k.transpose(1, 2)), fl,
-         _bytes(q, k, p, p)),
-    ]
+    xl, wl = mk(T, KL), mk(D, KL)   # a contraction past what one pass keeps in SBUF (fp32): K chunks, one launch
+    cases.append(("linear long K", f"x {T}x{KL}, W {D}x{KL}", lambda: torch.nn.functional.linear(xl, wl),
+                  2 * T * KL * D, _bytes(xl, wl) + T * D * xl.element_size(), 0.0))
+    for n, (B, S, hd) in enumerate(attention):
+        q, k, v, p = mk(B, S, hd), mk(B, S, hd), mk(B, S, hd), mk(B, S, S)
+        fl, io = 2 * B * S * S * hd, _bytes(q, k, p)
+        cases += [
+            ("bmm q@k.T", f"{B}x{S}x{hd} @ ({B}x{S}x{hd}).T", lambda q=q, k=k: torch.bmm(q, k.transpose(1, 2)), fl, io,
+             0.0),
+            ("bmm p@v", f"{B}x{S}x{S} @ {B}x{S}x{hd}", lambda p=p, v=v: torch.bmm(p, v), fl, io,
+             _transposed_a_floor(B, S, S, hd, dtype)),
+            ("bmm p.T@dO", f"({B}x{S}x{S}).T @ {B}x{S}x{hd}", lambda p=p, v=v: torch.bmm(p.transpose(1, 2), v), fl,
+             io, 0.0),
+        ]
+        if n == 0:
+            cases.append(("baddbmm", f"{B}x{S}x{hd} @ ({B}x{S}x{hd}).T",
+                          lambda p=p, q=q, k=k: torch.baddbmm(p, q, k.transpose(1, 2)), fl, _bytes(q, k, p, p), 0.0))
     return cases
 
 
@@ -159,22 +180,25 @@ def products_table(size: str) -> None:
     spec = runtime.core(0).spec
     bw = min(spec.hbm_bytes_per_second_per_core, spec.dma_bytes_per_second_per_core)
     print(f"\neager matrix products on the simulated {spec.name} core (time per op call incl. launch overhead; "
-          f"roofline: max(FLOPs at peak, bytes once at {bw / 1e9:.0f} GB/s)):")
+          f"roofline: max(FLOPs at peak, bytes once at {bw / 1e9:.0f} GB/s); % achievable: against the roofline or "
+          f"the TensorE time the layout needs, whichever is longer (P @ V: P transposed on TensorE); a head dim of 64 "
+          f"fills half the PE rows, its matmuls alternate row halves (PE tiling), so peak stays the bound):")
     print(f"  {'op':<14} {'dtype':<8} {'shape':<32} {'launches':>8} {'time us':>10} {'TFLOPS':>7} "
-          f"{'% peak':>7} {'% roofline':>10}   host s")
+          f"{'% peak':>7} {'% roofline':>10} {'% achievable':>12}   host s")
     for dtype in (torch.bfloat16, torch.float32):
         name = str(dtype).removeprefix("torch.")
         peak = spec.tensor_peak_flops(name)
-        for op, shape, fn, flops, nbytes in product_cases(dtype, size):
+        for op, shape, fn, flops, nbytes, floor in product_cases(dtype, size):
             t0 = time.perf_counter()
             with runtime.timing_only(), profiler.record() as rs:
                 fn()
             host = time.perf_counter() - t0
             ns = sum(r.end_ns - r.start_ns for r in rs)
             bound = max(flops / peak, nbytes / bw) * 1e9
+            achievable = f"{max(bound, floor * 1e9) / ns:>12.1%}" if floor else f"{'':>12}"
             print(f"  {op:<14} {name:<8} {shape:<32} {len(rs):>8} {ns / 1e3:>10.1f} "
-                  f"{flops / ns / 1e3:>7.1f} {flops / ns / peak * 1e9:>7.1%} {bound / ns:>10.1%}   {host:6.1f}",
-                  flush=True)
+                  f"{flops / ns / 1e3:>7.1f} {flops / ns / peak * 1e9:>7.1%} {bound / ns:>10.1%} {achievable}   "
+                  f"{host:6.1f}", flush=True)
 
 
 def heavy_cases(size: str) -> list[tuple[str, str, Callable, Callable, float, int, str]]:

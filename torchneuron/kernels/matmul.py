@@ -60,6 +60,7 @@ instead of ~7; the entries share tiles but never a contraction, so inf/NaN stay 
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -119,19 +120,21 @@ def bmm_kernel(a, b, transpose_a=False, transpose_b=False):
 
 
 def bmm_entries_into(a, b, out, transpose_a: bool = False, transpose_b: bool = False,
-                     epilogues: Callable | None = None) -> None:
-    """Batched ``out[i] = A[i] @ B[i]`` for entries larger than one TensorE tile (``epilogues(i)``: entry i's
-    ``Epilogue``, or None): one contraction tile (``_bmm_short_k``), a narrow output of B given as [K, N]
-    (``_bmm_narrow``), else the 2-D loop nest entry after entry (TensorE works them back to back; DMAs overlap)."""
+                     scaled: Callable | None = None) -> None:
+    """Batched ``out[i] = A[i] @ B[i]`` for entries larger than one TensorE tile (``scaled(i)``: entry i's
+    ``ScaledSum`` to store instead, or None): one contraction tile (``_bmm_short_k``), a narrow output of B
+    given as [K, N] (``_bmm_narrow``), else the 2-D loop nest entry after entry (TensorE works them back to back;
+    DMAs overlap)."""
     K = a.shape[1] if transpose_a else a.shape[2]
     N = out.shape[2]
     if K <= TK:
-        _bmm_short_k(a, b, out, transpose_a, transpose_b, epilogues)
+        _bmm_short_k(a, b, out, transpose_a, transpose_b, scaled)
     elif N <= TN and not transpose_b:
-        _bmm_narrow(a, b, out, transpose_a, epilogues)
+        _bmm_narrow(a, b, out, transpose_a, scaled)
     else:
         for i in range(a.shape[0]):
-            matmul_into(a[i], b[i], out[i], transpose_a, transpose_b, epilogue=epilogues(i) if epilogues else None)
+            matmul_into(a[i], b[i], out[i], transpose_a, transpose_b,
+                        epilogue=scaled(i).epilogue(a.dtype) if scaled else None)
 
 
 @nki.jit
@@ -140,20 +143,49 @@ def addmm_kernel(a, b, c, transpose_a=False, transpose_b=False, alpha=1.0, beta=
     ``matmul_kernel``) or batched over the leading dim of 3-D operands (entries of more than one tile each).
     The sum is formed in fp32 at each block's store from the product rounded to A's dtype, as the separate
     element-wise launch it replaces computed it."""
-    def scaled_sum(prod, inp):   # in place on the block's fp32 tiles; a factor of 1 is exact: its pass is left out
-        if beta != 1:
-            nisa.tensor_scalar(dst=inp, data=inp, op0=nl.multiply, operand0=float(beta))
-        if alpha == 1:
-            nisa.tensor_tensor(dst=prod, data1=prod, data2=inp, op=nl.add)
-        else:
-            nisa.scalar_tensor_tensor(dst=prod, data=prod, op0=nl.multiply, operand0=float(alpha), op1=nl.add,
-                                      operand1=inp)
-        return prod
     if len(a.shape) == 2:
-        return matmul_kernel(a, b, transpose_a, transpose_b, epilogue=Epilogue(scaled_sum, (c,), a.dtype))
+        return matmul_kernel(a, b, transpose_a, transpose_b, epilogue=ScaledSum(c, alpha, beta).epilogue(a.dtype))
     out = nl.ndarray(tuple(c.shape), a.dtype, buffer=nl.shared_hbm)
-    bmm_entries_into(a, b, out, transpose_a, transpose_b, lambda i: Epilogue(scaled_sum, (c[i],), a.dtype))
+    bmm_entries_into(a, b, out, transpose_a, transpose_b, lambda i: ScaledSum(c[i], alpha, beta))
     return out
+
+
+@dataclass(frozen=True)
+class ScaledSum:
+    """``beta * c + alpha * product`` for a product of c's shape, formed in fp32 from the product rounded to the
+    operands' dtype, rounded once (``addmm_kernel``)."""
+
+    c: object
+    alpha: float
+    beta: float
+
+    def epilogue(self, dtype) -> "Epilogue":
+        """As an ``Epilogue`` on fp32 tiles (the loop nest's block stores)."""
+        def scaled_sum(prod, inp):   # in place; a factor of 1 is exact: its pass is left out
+            if self.beta != 1:
+                nisa.tensor_scalar(dst=inp, data=inp, op0=nl.multiply, operand0=float(self.beta))
+            if self.alpha == 1:
+                nisa.tensor_tensor(dst=prod, data1=prod, data2=inp, op=nl.add)
+            else:
+                nisa.scalar_tensor_tensor(dst=prod, data=prod, op0=nl.multiply, operand0=float(self.alpha),
+                                          op1=nl.add, operand1=inp)
+            return prod
+        return Epilogue(scaled_sum, (self.c,), dtype)
+
+    def apply(self, res, prod, c) -> None:
+        """``res = beta * c + alpha * prod`` over SBUF tiles of one shape (prod and c in the operands' dtype,
+        res in any): beta * c by GpSimd into fp32 when beta != 1 (the engine the evictions leave idle), then
+        one VectorE pass, the sum rounded once as it is written (fewer passes per element than the fp32
+        epilogue's widening copies)."""
+        if self.beta != 1:
+            cb = nl.ndarray(tuple(c.shape), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=cb, data=c, op0=nl.multiply, operand0=float(self.beta), engine=nisa.gpsimd_engine)
+            c = cb
+        if self.alpha == 1:
+            nisa.tensor_tensor(dst=res, data1=prod, data2=c, op=nl.add)
+        else:
+            nisa.scalar_tensor_tensor(dst=res, data=prod, op0=nl.multiply, operand0=float(self.alpha), op1=nl.add,
+                                      operand1=c)
 
 
 def alternating_evict() -> Callable:
@@ -686,6 +718,12 @@ def _matmul_pass(a, b, out, transpose_a=False, transpose_b=False, bias=None, epi
 STAGE_BYTES = 24 * 1024   # SBUF bytes per partition of one output staging tile of the streamed bmm paths
 
 
+def _stage_bytes(scaled) -> int:
+    """Bytes per partition of a staging tile: a quarter with a scaled sum (its input, fp32 beta * input and
+    result are staged too)."""
+    return STAGE_BYTES // 4 if scaled else STAGE_BYTES
+
+
 def _row_groups(M: int, R: int) -> list[tuple[int, int, int]]:
     """Rows [0, M) as groups (m0, r, p): partition q < p holds rows m0 + q*r .. m0 + q*r + r - 1 (r <= R)."""
     groups, m0 = [], 0
@@ -704,25 +742,19 @@ def _rows_ap(t, m0: int, r: int, p: int, width: int):
     return t.ap([[r * width, p], [1, r * width]], offset=m0 * width)
 
 
-def _store_rows(out, stage, m0: int, r: int, p: int, N: int, epilogue: Epilogue | None) -> None:
+def _store_rows(out, stage, m0: int, r: int, p: int, N: int, scaled: ScaledSum | None) -> None:
     """Store the staged product block stage[:p, :r, :N] (partition q, slot j = row m0 + q*r + j) to ``out``,
-    through the epilogue row slot by row slot when there is one."""
-    if epilogue is not None:
-        res = nl.ndarray((PMAX, r, N), epilogue.out_dtype, buffer=nl.sbuf)
-        for j in range(r):
-            x = nl.ndarray((PMAX, N), nl.float32, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=x[:p], src=stage[:p, j, :N], engine=nisa.gpsimd_engine)
-            ts = [x[:p]]
-            for e in epilogue.extras:
-                t = nl.ndarray((PMAX, N), nl.float32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=t[:p], src=e.ap([[r * N, p], [1, N]], offset=(m0 + j) * N))
-                ts.append(t[:p])
-            nisa.tensor_copy(dst=res[:p, j, :], src=epilogue.fn(*ts), engine=nisa.vector_engine)
+    as ``scaled``'s sum with its input's rows when given."""
+    if scaled is not None:
+        c = nl.ndarray((PMAX, r, N), stage.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=c[:p], src=_rows_ap(scaled.c, m0, r, p, N))
+        res = nl.ndarray((PMAX, r, N), out.dtype, buffer=nl.sbuf)
+        scaled.apply(res[:p], stage[:p, :r, :N], c[:p])
         stage = res
     nisa.dma_copy(dst=_rows_ap(out, m0, r, p, N), src=stage[:p, :r, :N])
 
 
-def _bmm_short_k(a, b, out, transpose_a: bool, transpose_b: bool, epilogues) -> None:
+def _bmm_short_k(a, b, out, transpose_a: bool, transpose_b: bool, scaled: Callable | None) -> None:
     """Batched product of one contraction tile (K <= 128: attention's Q K^T with its head dim) and a large
     output, entry after entry with the next entry's operands loaded ahead.
 
@@ -735,7 +767,7 @@ def _bmm_short_k(a, b, out, transpose_a: bool, transpose_b: bool, epilogues) -> 
     Bt, M, N = out.shape
     K = a.shape[1] if transpose_a else a.shape[2]
     dt, isz = a.dtype, itemsize(a.dtype)
-    R = max(1, min(8, STAGE_BYTES // (N * isz)))
+    R = max(1, min(8, _stage_bytes(scaled) // (N * isz)))
     groups = _row_groups(M, R)
     evict = alternating_evict()
     GT = max(1, 2048 // (PMAX * isz))           # transposes per PSUM bank (8 bf16, 4 fp32)
@@ -792,6 +824,10 @@ def _bmm_short_k(a, b, out, transpose_a: bool, transpose_b: bool, epilogues) -> 
             evict(aT[:K, j0:j0 + g, :p], tp[:K, :g, :p])
         return [aT[:K, j, :p] for j in range(r)]
 
+    # K <= 64 fills half of the PE array's rows: consecutive matmuls take alternate row halves (PE tiling), which
+    # run concurrently, so TensorE is not held at half its peak by the head dim
+    half_rows = itertools.cycle([dict(tile_position=(0, 0), tile_size=(64, TM)),
+                                 dict(tile_position=(64, 0), tile_size=(64, TM))] if K <= 64 else [{}])
     work = [(i, g) for i in range(Bt) for g in groups]
     nxt_b = load_b(0)
     nxt_a = load_a(0, *groups[0])
@@ -808,12 +844,13 @@ def _bmm_short_k(a, b, out, transpose_a: bool, transpose_b: bool, epilogues) -> 
             for n0 in range(0, N, TN):
                 w_ = min(TN, N - n0)
                 acc = nl.ndarray((PMAX, TN), nl.float32, buffer=nl.psum)
-                nisa.nc_matmul(dst=acc[:p, :w_], stationary=stat[j], moving=bT[:K, n0:n0 + w_], accumulate=False)
+                nisa.nc_matmul(dst=acc[:p, :w_], stationary=stat[j], moving=bT[:K, n0:n0 + w_], accumulate=False,
+                               **next(half_rows))
                 evict(stage[:p, j, n0:n0 + w_], acc[:p, :w_])
-        _store_rows(out[i], stage, m0, r, p, N, epilogues(i) if epilogues else None)
+        _store_rows(out[i], stage, m0, r, p, N, scaled(i) if scaled else None)
 
 
-def _bmm_narrow(a, b, out, transpose_a: bool, epilogues) -> None:
+def _bmm_narrow(a, b, out, transpose_a: bool, scaled: Callable | None) -> None:
     """Batched product with a long contraction (K > 128) into a narrow output (N <= 512: attention's P V, P^T dO
     with the head dim as N), B given as [K, N], entry after entry.
 
@@ -833,9 +870,9 @@ def _bmm_narrow(a, b, out, transpose_a: bool, epilogues) -> None:
     GT = max(1, 2048 // (PMAX * isz))
     per_bank = PSUM_FP32 // N                   # accumulators of N fp32 columns per PSUM bank
     if transpose_a:   # the slots of a block accumulate together: up to 4 PSUM banks of them
-        R = max(1, min(4 * per_bank, 16, STAGE_BYTES // (N * isz)))
+        R = max(1, min(4 * per_bank, 16, _stage_bytes(scaled) // (N * isz)))
     else:             # r rows of K per partition loaded at once
-        R = max(1, min(8, STAGE_BYTES // (K * isz), STAGE_BYTES // (N * isz)))
+        R = max(1, min(8, STAGE_BYTES // (K * isz), _stage_bytes(scaled) // (N * isz)))
     groups = _row_groups(M, R)
 
     def load_b(i):
@@ -919,7 +956,7 @@ def _bmm_narrow(a, b, out, transpose_a: bool, epilogues) -> None:
                     nisa.nc_matmul(dst=acc[:p, :], stationary=aT[:kk, kt, :p], moving=bK[:kk, kt, :],
                                    accumulate=kt > 0)
                 evict(stage[:p, j, :], acc[:p, :])
-        _store_rows(out[i], stage, m0, r, p, N, epilogues(i) if epilogues else None)
+        _store_rows(out[i], stage, m0, r, p, N, scaled(i) if scaled else None)
 
 
 def matmul(a, b, transpose_a: bool = False, transpose_b: bool = False):
