@@ -73,13 +73,21 @@ def test_wide_rows_match_the_cpu(dtype, reduction):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_class_weights_and_label_smoothing(dtype, reduction):
-    x, t = _inputs(130, 70, dtype)
-    w = torch.rand(70).to(dtype)
+    x, t = _inputs(130, 300, dtype)
+    w = torch.rand(300).to(dtype)
     for kw in ({"weight": w}, {"label_smoothing": 0.2}):
         loss, dx, ref, ref_dx = _run(x, t, reduction=reduction, **kw)
         loss_b, dx_b = _bounds(x, ref, ref_dx, reduction, dtype)
         _check(loss, ref, loss_b)
         _check(dx, ref_dx, dx_b)
+
+
+def test_few_classes_take_the_composition():
+    """Below FUSED_CE_MIN_CLASSES the composition's grouped rows are faster: log_softmax and nll launches."""
+    x, t = _inputs(64, 100, torch.float32)
+    with profiler.record() as fwd:
+        F.cross_entropy(x.to("neuron"), t.to("neuron"))
+    assert "cross_entropy_fwd_kernel" not in [r.name for r in fwd] and len(fwd) == 2
 
 
 def test_one_launch_each_way():
@@ -128,7 +136,7 @@ def test_one_sample_and_all_rows_ignored():
 
 
 def test_second_derivative_differentiates_the_composition():
-    x, t = _inputs(8, 50, torch.float32)
+    x, t = _inputs(8, 300, torch.float32)
     xn = x.to("neuron").requires_grad_()
     (g,) = torch.autograd.grad(F.cross_entropy(xn, t.to("neuron")), xn, create_graph=True)
     (gg,) = torch.autograd.grad(g.square().sum(), xn)
@@ -138,9 +146,9 @@ def test_second_derivative_differentiates_the_composition():
     torch.testing.assert_close(gg.cpu().double(), ggr, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("bad", [50, -1, -101])
+@pytest.mark.parametrize("bad", [300, -1, -101])
 def test_a_target_out_of_range_raises_as_the_cpu(bad):
-    x, t = _inputs(8, 50, torch.float32)
+    x, t = _inputs(8, 300, torch.float32)
     t[3] = bad
     with pytest.raises(IndexError) as cpu:
         F.cross_entropy(x, t)
@@ -151,16 +159,16 @@ def test_a_target_out_of_range_raises_as_the_cpu(bad):
 
 def test_what_the_kernels_do_not_take_runs_the_composition():
     """int32 targets (the CPU refuses them), class probabilities, weights with smoothing: PyTorch's composition."""
-    x, t = _inputs(8, 50, torch.float32)
+    x, t = _inputs(8, 300, torch.float32)
     with pytest.raises(RuntimeError) as cpu:
         F.cross_entropy(x, t.int())
     with pytest.raises(RuntimeError) as dev:
         F.cross_entropy(x.to("neuron"), t.int().to("neuron"))
     assert type(dev.value) is type(cpu.value)
-    probs = torch.rand(8, 50).softmax(1)
+    probs = torch.rand(8, 300).softmax(1)
     out = F.cross_entropy(x.to("neuron"), probs.to("neuron"))
     torch.testing.assert_close(out.cpu(), F.cross_entropy(x, probs), rtol=1e-5, atol=1e-5)
-    w = torch.rand(50)
+    w = torch.rand(300)
     loss, dx, ref, ref_dx = _run(x, t, weight=w, label_smoothing=0.1)
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dx, ref_dx, rtol=1e-4, atol=1e-7)
