@@ -562,18 +562,58 @@ def within_summation_order(actual, expected, bound, ulps: float = ORDER_ULPS):
 REDUCED_FLOATS = (torch.bfloat16, torch.float16)
 
 
-def _to64(obj):
-    """``obj`` with its reduced-precision float tensors (bf16, fp16) as float64, and those dtypes (a factory's
-    ``dtype=``) as float64, recursively."""
+def _to64(obj, dtypes: tuple = REDUCED_FLOATS):
+    """``obj`` with its float tensors of ``dtypes`` (by default the reduced-precision ones, bf16 and fp16) as
+    float64, and those dtypes (a factory's ``dtype=``) as float64, recursively."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().double() if obj.dtype in REDUCED_FLOATS else obj
+        return obj.detach().double() if obj.dtype in dtypes else obj
     if isinstance(obj, torch.dtype):
-        return torch.float64 if obj in REDUCED_FLOATS else obj
+        return torch.float64 if obj in dtypes else obj
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_to64(o) for o in obj)
+        return type(obj)(_to64(o, dtypes) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to64(v) for k, v in obj.items()}
+        return {k: _to64(v, dtypes) for k, v in obj.items()}
     return obj
+
+
+def within_reference_error(exact, actual, expected, atol: float | None, rtol: float | None):
+    """``expected`` (an fp32 result) with each element where ``actual`` is as close to ``exact`` (the float64
+    result of the same inputs) as the CPU's is, give or take the comparison's own tolerance, replaced by
+    ``actual``'s. Where a result is ill-conditioned (a solve, a gradient of cancelling terms), both devices
+    carry errors much larger than a rounding of the result, in different directions; the CPU's own error on
+    the sample is not held against the device, which must still be within tolerance of the exact value beyond
+    it. A device result further off than that still fails the plain comparison that follows."""
+    if not isinstance(expected, torch.Tensor) or expected.dtype != torch.float32 \
+            or not isinstance(actual, torch.Tensor) or actual.shape != expected.shape \
+            or not isinstance(exact, torch.Tensor) or exact.shape != expected.shape \
+            or torch.strided not in {expected.layout} & {actual.layout} & {exact.layout}:
+        return expected
+    from torch.testing._comparison import default_tolerances
+
+    rtol0, atol0 = default_tolerances(torch.float32)
+    atol, rtol = (atol0, rtol0) if atol is None else (atol, rtol)
+    a, e, x = actual.detach().cpu().double(), expected.detach().double(), exact.detach().double()
+    ok = (a - x).abs() <= (e - x).abs() + atol + rtol * x.abs()
+    return torch.where(ok, actual.detach().cpu(), expected.detach())
+
+
+def _compared_beyond_reference_error(compare_fn, exact_fn, actual, expected, atol, rtol) -> None:
+    """``compare_fn(actual, expected)``; when it fails on an fp32 result, again after ``within_reference_error``
+    against ``exact_fn()`` (float64 on the same inputs, run only then)."""
+    try:
+        compare_fn(actual, expected)
+        return
+    except AssertionError:
+        if not any(t.dtype == torch.float32 for t in _tensors(expected)):
+            raise
+        try:
+            exact = exact_fn()
+        except Exception:  # noqa: BLE001 (an op that will not take float64 inputs: the plain comparison)
+            exact = None
+        if exact is None:
+            raise
+    compare_fn(actual, _each_result(lambda x, a, e: within_reference_error(x, a, e, atol, rtol), exact, actual,
+                                    expected))
 
 
 def at_least_as_exact(exact, actual, expected):
@@ -725,7 +765,11 @@ def check_sample(op, sample, *, atol=None, rtol=None, meta_only=False) -> None:
         except Exception:  # noqa: BLE001 (an op that will not take float64 inputs: the plain comparison)
             exact = None
         expected = _each_result(at_least_as_exact, exact, actual, expected)
-    compare(actual, expected, atol=atol, rtol=rtol, meta_only=meta_only)
+    if meta_only:
+        compare(actual, expected, atol=atol, rtol=rtol, meta_only=meta_only)
+    else:
+        _compared_beyond_reference_error(lambda a, e: compare(a, e, atol=atol, rtol=rtol),
+                                         lambda: _run(op, _to64(parts, (torch.float32,))), actual, expected, atol, rtol)
     # In-place updates of the input tensors (running stats, out=, in-place variants) must
     # match too.
     compare(_tensors(neuron_parts), _tensors(parts), atol=atol, rtol=rtol, meta_only=meta_only,
@@ -898,13 +942,23 @@ def check_sample_grads(op, sample, *, atol=None, rtol=None, seed: int = DEFAULT_
             exact = _vjp(op, _to64(parts), [_to64(c) for c in cots], seed)[2]
         except Exception:  # noqa: BLE001 (an op that will not take float64 inputs: the plain comparison)
             pass
+    cache: list = []
+
+    def exact32() -> list:
+        """The float64 input gradients of the fp32 inputs (computed once, when a comparison needs them)."""
+        if not cache:
+            cache.append(_vjp(op, _to64(parts, (torch.float32,)), [c.double() for c in cots], seed)[2])
+        return cache[0]
+
     for i, (a, e, b, u, x) in enumerate(zip(actual[2], grads, bounds, ulps, exact)):
         if (a is None) != (e is None):
             raise AssertionError(f"gradient of input {i}: {'none' if a is None else 'a tensor'} on neuron, "
                                  f"{'none' if e is None else 'a tensor'} on the CPU")
         if e is not None:
             e = at_least_as_exact(x, a, within_summation_order(a, e, b, u))
-            compare(a, e, atol=atol, rtol=rtol, path=f"gradient of input {i}")
+            _compared_beyond_reference_error(
+                lambda a_, e_, i=i: compare(a_, e_, atol=atol, rtol=rtol, path=f"gradient of input {i}"),
+                lambda i=i: exact32()[i], a, e, atol, rtol)
     return "checked"
 
 

@@ -144,3 +144,21 @@ def test_normalize_gradient_bound_follows_its_terms():
     wrong = exact + 0.1 * terms2
     kept = within_summation_order(wrong.bfloat16(), exact.bfloat16(), terms2, units2)
     assert not torch.equal(kept, wrong.bfloat16())
+
+
+def test_an_fp32_result_as_close_to_float64_as_the_cpus_passes_and_a_further_one_fails():
+    from tests.opinfo.harness import within_reference_error
+
+    # An ill-conditioned solve: the CPU's fp32 result is ~1e-4 off the float64 one. A device result off by as
+    # much in the other direction is as right; one off by 100 times that is not.
+    gen = torch.Generator().manual_seed(0)
+    A = torch.randn(6, 6, generator=gen).triu() + 0.05 * torch.eye(6)
+    B = torch.randn(6, 2, generator=gen) * 100
+    cpu = torch.linalg.solve_triangular(A, B, upper=True)
+    exact = torch.linalg.solve_triangular(A.double(), B.double(), upper=True)
+    err = (cpu.double() - exact).abs()
+    assert err.max() > 1e-5                                   # beyond a plain fp32 comparison of the two
+    other = (exact - (cpu.double() - exact)).float()          # the same error, the other way
+    assert torch.equal(within_reference_error(exact, other, cpu, None, None), other)
+    wrong = (exact + 100 * err + 1e-3).float()
+    assert not torch.equal(within_reference_error(exact, wrong, cpu, None, None), wrong)
