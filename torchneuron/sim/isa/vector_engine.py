@@ -76,10 +76,10 @@ class TensorTensor(Instr):
         # torch's fp32/bf16/fp16 kernels for these ops compute in fp32 and round once, to the operands'
         # promoted dtype, then cast to out=: exactly the engine's semantics (one rounding, to dst) only when
         # that dtype is fp32 or dst's own; two bf16 operands into an fp32 dst would be rounded to bf16 first
-        promoted = torch.promote_types(self.data1.dtype, self.data2.dtype)
         return (self.op in FUSED_OPS and self.data1.shape == self.data2.shape == self.dst.shape
                 and {self.data1.dtype, self.data2.dtype, self.dst.dtype} <= FUSED_DTYPES
-                and promoted in (torch.float32, self.dst.dtype)
+                # only after the dtype check: torch cannot promote uint32 with int32 (int64 word kernels)
+                and torch.promote_types(self.data1.dtype, self.data2.dtype) in (torch.float32, self.dst.dtype)
                 and disjoint_or_same(self.dst, self.data1, self.data2))
 
     def execute(self, core) -> None:
