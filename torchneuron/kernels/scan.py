@@ -59,44 +59,50 @@ def scan_int64_rows(x):
     """Cumulative sum along each row of int64 values given as [R, 2N] int32 words (little-endian pairs);
     returns [R, 2N] words of the sums, wrapped mod 2**64 as PyTorch's int64 cumsum wraps.
 
-    The low words are scanned as uint32 (the store wraps mod 2**32). Each step adds less than 2**32, so
-    the running low sum passes 2**32 at most once per step, exactly where it comes out below the step
-    before (unsigned): that 0/1 carry is added to the step's high word before the high words are scanned.
+    Each block of word pairs moves by one contiguous DMA each way (a DMA of every other word would move
+    4-byte pieces); the engines read the low and high words as stride-2 views of the tile. The low words
+    are scanned as uint32 (the write wraps mod 2**32). Each step adds less than 2**32, so the running low
+    sum passes 2**32 at most once per step, exactly where it comes out below the step before (unsigned):
+    that 0/1 carry is added to the step's high word before the high words are scanned.
     """
     R, N2 = x.shape
     N = N2 // 2
     out = nl.ndarray((R, N2), nl.int32, buffer=nl.shared_hbm)
     W = min(N, COLS // 2)
-    check_sbuf(6 * NBUF * W * 4, "scan_int64_rows")
+    check_sbuf(4 * NBUF * 2 * W * 4, "scan_int64_rows")
     ring = collections.deque(maxlen=NBUF)                     # keeps NBUF blocks' tiles alive (overlap)
 
-    def words(t, r0, p, c0, w, k, dtype):
-        return t.ap([[N2, p], [2, w]], offset=r0 * N2 + 2 * c0 + k, dtype=dtype)
+    def word(t, p, w, k, dtype, first=0, count=None):
+        """Word k (0 low, 1 high) of pairs first.. of the [p, 2w] tile ``t``, as a [p, count] view."""
+        count = w - first if count is None else count
+        return t[:p, :2 * w].ap([[2 * w, p], [2, count]], offset=2 * first + k, dtype=dtype)
 
     for r0 in range(0, R, PMAX):
         p = min(PMAX, R - r0)
         carry_lo, carry_hi = 0, 0                             # the running sum's words entering the block
         for c0 in range(0, N, W):
             w = min(W, N - c0)
-            lo, lo_sum = (nl.ndarray((PMAX, w), nl.uint32, buffer=nl.sbuf) for _ in range(2))
-            hi, hi_sum, wrap, ones = (nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf) for _ in range(4))
-            ring.append((lo, lo_sum, hi, hi_sum, wrap, ones))
-            nisa.dma_copy(dst=lo[:p], src=words(x, r0, p, c0, w, 0, nl.uint32))
-            nisa.dma_copy(dst=hi[:p], src=words(x, r0, p, c0, w, 1, nl.int32))
-            nisa.memset(dst=ones[:p], value=1)
-            nisa.tensor_tensor_scan(dst=lo_sum[:p], data0=ones[:p], data1=lo[:p], initial=carry_lo,
-                                    op0=nl.multiply, op1=nl.add)
+            words, sums = (nl.ndarray((PMAX, 2 * W), nl.int32, buffer=nl.sbuf) for _ in range(2))
+            wrap, ones = (nl.ndarray((PMAX, W), nl.int32, buffer=nl.sbuf) for _ in range(2))
+            ring.append((words, sums, wrap, ones))
+            nisa.dma_copy(dst=words[:p, :2 * w], src=x[r0:r0 + p, 2 * c0:2 * (c0 + w)])
+            nisa.memset(dst=ones[:p, :w], value=1)
+            lo_sum = word(sums, p, w, 0, nl.uint32)
+            nisa.tensor_tensor_scan(dst=lo_sum, data0=ones[:p, :w], data1=word(words, p, w, 0, nl.uint32),
+                                    initial=carry_lo, op0=nl.multiply, op1=nl.add)
             if w > 1:                                         # carry out of step i: sum[i] < sum[i-1]
-                nisa.tensor_tensor(dst=wrap[:p, 1:w], data1=lo_sum[:p, 1:w], data2=lo_sum[:p, 0:w - 1],
-                                   op=nl.less)
+                nisa.tensor_tensor(dst=wrap[:p, 1:w], data1=word(sums, p, w, 0, nl.uint32, 1),
+                                   data2=word(sums, p, w, 0, nl.uint32, 0, w - 1), op=nl.less)
             if isinstance(carry_lo, int):                     # the row's first step cannot carry
                 nisa.memset(dst=wrap[:p, 0:1], value=0)
             else:
-                nisa.tensor_tensor(dst=wrap[:p, 0:1], data1=lo_sum[:p, 0:1], data2=carry_lo, op=nl.less)
-            nisa.tensor_tensor(dst=hi[:p], data1=hi[:p], data2=wrap[:p], op=nl.add)   # int32 wraps
-            nisa.tensor_tensor_scan(dst=hi_sum[:p], data0=ones[:p], data1=hi[:p], initial=carry_hi,
-                                    op0=nl.multiply, op1=nl.add)
-            carry_lo, carry_hi = lo_sum[:p, w - 1:w], hi_sum[:p, w - 1:w]
-            nisa.dma_copy(dst=words(out, r0, p, c0, w, 0, nl.uint32), src=lo_sum[:p])
-            nisa.dma_copy(dst=words(out, r0, p, c0, w, 1, nl.int32), src=hi_sum[:p])
+                nisa.tensor_tensor(dst=wrap[:p, 0:1], data1=word(sums, p, w, 0, nl.uint32, 0, 1), data2=carry_lo,
+                                   op=nl.less)
+            hi = word(words, p, w, 1, nl.int32)
+            nisa.tensor_tensor(dst=hi, data1=hi, data2=wrap[:p, :w], op=nl.add)            # int32 wraps
+            nisa.tensor_tensor_scan(dst=word(sums, p, w, 1, nl.int32), data0=ones[:p, :w], data1=hi,
+                                    initial=carry_hi, op0=nl.multiply, op1=nl.add)
+            carry_lo = word(sums, p, w, 0, nl.uint32, w - 1, 1)
+            carry_hi = word(sums, p, w, 1, nl.int32, w - 1, 1)
+            nisa.dma_copy(dst=out[r0:r0 + p, 2 * c0:2 * (c0 + w)], src=sums[:p, :2 * w])
     return out
