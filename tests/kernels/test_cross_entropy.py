@@ -172,3 +172,18 @@ def test_what_the_kernels_do_not_take_runs_the_composition():
     loss, dx, ref, ref_dx = _run(x, t, weight=w, label_smoothing=0.1)
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dx, ref_dx, rtol=1e-4, atol=1e-7)
+
+
+def test_a_compiled_call_takes_the_composition_the_compiler_lowers():
+    """Under torch.compile the tensors are being traced: the autograd kernel hands them to PyTorch's composition,
+    which the compiler lowers (a fused custom function would not be in its graph)."""
+    x, t = _inputs(64, 300, torch.float32)
+    xn = x.to("neuron").requires_grad_()
+    loss = torch.compile(lambda a, b: F.cross_entropy(a, b), backend="neuron")(xn, t.to("neuron"))
+    loss.backward()
+    xr = x.double().requires_grad_()
+    ref = F.cross_entropy(xr, t)
+    ref.backward()
+    loss_b, dx_b = _bounds(x, ref.detach(), xr.grad, "mean", torch.float32)
+    _check(loss.detach().cpu().double(), ref.detach(), loss_b)
+    _check(xn.grad.cpu().double(), xr.grad, dx_b)
