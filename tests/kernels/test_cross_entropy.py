@@ -174,6 +174,19 @@ def test_what_the_kernels_do_not_take_runs_the_composition():
     torch.testing.assert_close(dx, ref_dx, rtol=1e-4, atol=1e-7)
 
 
+def test_class_weights_that_require_grad_raise_as_the_cpu():
+    x, t = _inputs(8, 300, torch.float32)
+    w = torch.rand(300)
+
+    def call(n):
+        F.cross_entropy(n(x).requires_grad_(), n(t), weight=n(w).requires_grad_()).backward()
+    with pytest.raises(RuntimeError) as cpu:
+        call(lambda v: v.clone())
+    with pytest.raises(RuntimeError) as dev:
+        call(lambda v: v.to("neuron"))
+    assert str(dev.value) == str(cpu.value)
+
+
 def test_a_compiled_call_takes_the_composition_the_compiler_lowers():
     """Under torch.compile the tensors are being traced: the autograd kernel hands them to PyTorch's composition,
     which the compiler lowers (a fused custom function would not be in its graph)."""

@@ -329,7 +329,8 @@ def _fused_ce_ok(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor 
                  ignore_index: int, label_smoothing: float) -> bool:
     """Whether the fused kernels take this cross-entropy: a float input [N, C] or [C] of at least
     FUSED_CE_MIN_CLASSES classes on one device with int64 class targets of its batch shape, class weights of its
-    dtype, label smoothing in [0, 1] without class weights, and no tensor being traced."""
+    dtype that need no gradient (the composition raises the CPU's error for one), label smoothing in [0, 1] without
+    class weights, and no tensor being traced."""
     ts = [t for t in (self, target, weight) if t is not None]
     if any(type(t) is not torch.Tensor for t in ts) or torch._C._are_functorch_transforms_active() or \
             torch.compiler.is_compiling():
@@ -340,7 +341,7 @@ def _fused_ce_ok(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor 
             and (self.dim() == 1 or target.shape[0] == self.shape[0]) and abs(ignore_index) < EXACT
             and reduction in (0, 1, 2) and 0.0 <= label_smoothing <= 1.0
             and (weight is None or (label_smoothing == 0.0 and weight.dtype == self.dtype and weight.dim() == 1
-                                    and weight.numel() == C))
+                                    and weight.numel() == C and not weight.requires_grad))
             and on_one_device(*ts))
 
 
