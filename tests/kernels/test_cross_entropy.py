@@ -187,6 +187,21 @@ def test_class_weights_that_require_grad_raise_as_the_cpu():
     assert str(dev.value) == str(cpu.value)
 
 
+def test_forward_mode_derivatives_take_the_composition():
+    import torch.autograd.forward_ad as fwad
+    x, t = _inputs(8, 300, torch.float32)
+    v = torch.randn(8, 300)
+    tangents = []
+    for dev in ("cpu", "neuron"):
+        with fwad.dual_level():
+            out = F.cross_entropy(fwad.make_dual(x.to(dev), v.to(dev)), t.to(dev))
+            tangents.append(fwad.unpack_dual(out).tangent.cpu())
+    # the tangent sum_j (p_j - onehot_j) v_j / N: fp32 sums of C terms on both sides
+    p = x.double().softmax(1)
+    scale = ((p + 1) * v.double().abs()).sum() / 8
+    assert (tangents[1].double() - tangents[0].double()).abs() <= 2 * (300 + 8) * EPS32 * scale
+
+
 def test_a_compiled_call_takes_the_composition_the_compiler_lowers():
     """Under torch.compile the tensors are being traced: the autograd kernel hands them to PyTorch's composition,
     which the compiler lowers (a fused custom function would not be in its graph)."""

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 from torch._prims_common import canonicalize_dim
+from torch.autograd import forward_ad
 
 from torchneuron.kernels.cross_entropy import cross_entropy_bwd_kernel, cross_entropy_fwd_kernel
 from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
@@ -333,8 +334,8 @@ def _fused_ce_ok(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor 
     class weights, and no tensor being traced."""
     ts = [t for t in (self, target, weight) if t is not None]
     if any(type(t) is not torch.Tensor for t in ts) or torch._C._are_functorch_transforms_active() or \
-            torch.compiler.is_compiling():
-        return False
+            torch.compiler.is_compiling() or forward_ad.unpack_dual(self).tangent is not None:
+        return False     # traced, or a forward-mode tangent (the composition has the forward derivatives)
     C = self.shape[-1] if self.dim() else 0
     return (self.dtype in FLOATS and self.dim() in (1, 2) and self.numel() > 0 and FUSED_CE_MIN_CLASSES <= C < EXACT
             and target.dtype == torch.int64 and target.dim() == self.dim() - 1
