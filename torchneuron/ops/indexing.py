@@ -337,8 +337,10 @@ def embedding_renorm_(self: torch.Tensor, indices: torch.Tensor, max_norm: float
         return self
     idx = indices.reshape(-1)
     rows = index_select(self, 0, idx)
-    norms = torch.linalg.vector_norm(rows.float(), norm_type, dim=1, keepdim=True)
-    scale = torch.where(norms > max_norm, max_norm / (norms + 1e-7), 1.0)
+    # the CPU takes each row's norm in the row's dtype and multiplies the row by a scale in its dtype (a
+    # bf16/fp16 norm and scale rounded; from fp32 values, fp16 rows came out a unit off)
+    norms = torch.linalg.vector_norm(rows.float(), norm_type, dim=1, keepdim=True).to(self.dtype).float()
+    scale = torch.where(norms > max_norm, (max_norm / (norms + 1e-7)).to(self.dtype).float(), 1.0)
     self.index_copy_(0, idx, (rows.float() * scale).to(self.dtype))
     return self
 
