@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.grad import conv2d_input, conv2d_weight
 
-from torchneuron.kernels.conv import Dim, conv2d_kernel, conv2d_wgrad_kernel, conv_fits, dims_of
+from torchneuron.kernels.conv import Dim, conv2d_backward_kernel, conv2d_kernel, conv2d_wgrad_kernel, conv_fits, dims_of
 
 U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -32,6 +32,15 @@ def case(N, C, H, W, O, kh, kw, s, p, d, G, dtype, bias=False):
     return x, w, b, dims
 
 
+def grad_case(N, O, H, W, p, dims, dtype):
+    """An output gradient rounded to ``dtype`` (as float64) and the input gradient kernel's dims for it."""
+    OH, OW = dims[0].out, dims[1].out
+    gy = torch.randn(N, O, OH, OW).to(dtype).double()
+    gdims = tuple(Dim(o, dd.s, dd.d * (dd.k - 1) - pp, i + pp - 1 - (o - 1) * dd.s, dd.k, dd.d, 1)
+                  for o, i, dd, pp in ((OH, H, dims[0], p[0]), (OW, W, dims[1], p[1])))
+    return gy, gdims
+
+
 # (N, C, H, W, O, kh, kw, stride, padding, dilation, groups)
 CASES = {
     "3x3 pad": (2, 3, 9, 9, 5, 3, 3, (1, 1), (1, 1), (1, 1), 1),
@@ -46,6 +55,8 @@ CASES = {
     "1-D as H=1": (2, 5, 1, 40, 7, 1, 5, (1, 2), (0, 2), (1, 1), 1),
     "non-square": (1, 3, 12, 5, 4, 3, 1, (2, 1), (1, 0), (1, 1), 1),
     "wide rows": (1, 2, 3, 600, 3, 1, 3, (1, 1), (0, 1), (1, 1), 1),
+    "two rows per chunk": (2, 8, 7, 50, 4, 3, 3, (1, 1), (1, 1), (1, 1), 1),    # weight gradient: x^T rows reused
+    "a row per chunk, dilated": (1, 4, 6, 100, 3, 3, 3, (1, 1), (2, 2), (2, 2), 1),
 }
 
 
@@ -65,10 +76,7 @@ def test_forward(name, dtype):
 def test_input_gradient(name, dtype):
     N, C, H, W, O, kh, kw, s, p, d, G = CASES[name]
     x, w, _, dims = case(N, C, H, W, O, kh, kw, s, p, d, G, dtype)
-    OH, OW = dims[0].out, dims[1].out
-    gy = torch.randn(N, O, OH, OW).to(dtype).double()
-    gdims = tuple(Dim(o, dd.s, dd.d * (dd.k - 1) - pp, i + pp - 1 - (o - 1) * dd.s, dd.k, dd.d, 1)
-                  for o, i, dd, pp in ((OH, H, dims[0], p[0]), (OW, W, dims[1], p[1])))
+    gy, gdims = grad_case(N, O, H, W, p, dims, dtype)
     if any(g.lo < 0 for g in gdims):   # padding beyond the window: the eager op takes the im2col route
         pytest.skip("padding larger than dilation * (k - 1)")
     out = conv2d_kernel(gy.to(dtype), w.to(dtype), dims=gdims, groups=G, flip=True)
@@ -87,6 +95,33 @@ def test_weight_gradient(name, dtype):
     ref = conv2d_weight(x, w.shape, gy, s, p, d, G)
     mag = conv2d_weight(x.abs(), w.shape, gy.abs(), s, p, d, G)
     within(out, ref, mag, N * dims[0].out * dims[1].out, dtype)
+
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("name", ["3x3 pad", "stride 2 odd", "groups", "two rows per chunk", "channel tiles"])
+def test_both_gradients_in_one_launch(name, dtype):
+    # conv2d_backward_kernel: the input gradient and the weight gradient of one program, each within its bound
+    N, C, H, W, O, kh, kw, s, p, d, G = CASES[name]
+    x, w, _, dims = case(N, C, H, W, O, kh, kw, s, p, d, G, dtype)
+    gy, gdims = grad_case(N, O, H, W, p, dims, dtype)
+    OH, OW = dims[0].out, dims[1].out
+    gx, gw = conv2d_backward_kernel(x.to(dtype), gy.to(dtype), w.to(dtype), dims=dims, gdims=gdims, groups=G)
+    within(gx, conv2d_input(x.shape, w, gy, s, p, d, G), conv2d_input(x.shape, w.abs(), gy.abs(), s, p, d, G),
+           O // G * kh * kw, dtype)
+    within(gw, conv2d_weight(x, w.shape, gy, s, p, d, G), conv2d_weight(x.abs(), w.shape, gy.abs(), s, p, d, G),
+           N * OH * OW, dtype)
+
+
+def test_weight_gradient_keeps_non_finite_values_in_their_windows():
+    # the gradient's shifted copies (one transpose per chunk moved down kw partitions, the last column's NaN next to
+    # the row end they wrap over) and reused x^T rows must carry a NaN / inf to exactly the weight entries whose
+    # windows pair it with the other operand, as on the CPU (an inf in x's first or last columns also meets the
+    # zeros the spread gradient holds there: inf * 0 makes NaNs the CPU does not have, so it is placed inside)
+    x, gy = torch.randn(1, 4, 7, 50), torch.randn(1, 3, 7, 50)
+    x[0, 1, 3, 20], gy[0, 2, 5, 49] = float("inf"), float("nan")
+    dims = (dims_of(7, 3, 1, (1, 1), 1), dims_of(50, 3, 1, (1, 1), 1))
+    out, ref = conv2d_wgrad_kernel(x, gy, dims=dims, kernel=(3, 3)), conv2d_weight(x, (3, 4, 3, 3), gy, padding=1)
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
 
 
 def test_nan_and_inf_stay_in_their_positions():

@@ -22,7 +22,13 @@ output gradient, zero-inserted by the forward stride (``lhs_dilation``) and padd
 The weight gradient (``conv2d_wgrad_kernel``) contracts over output positions instead: per chunk of
 128 positions the output gradient [o, positions] and each window of the input [c, positions] are
 transposed on TensorE (positions onto the partitions), then one matmul per (c tile, up to 4 window
-offsets in one PSUM bank) accumulates dW^T[o, (k, c)] over all images and positions in PSUM.
+offsets in one PSUM bank) accumulates dW^T[o, (k, c)] over all images and positions in PSUM. Where a
+chunk is whole rows, the gradient is transposed once and its other column offsets are that transpose
+moved down kw*d partitions by SBUF -> SBUF DMAs (``_grad_columns``), and an input window row already
+transposed for the previous chunk is reused: at 128 channels 3x3, 2 transposes per 9 matmuls instead
+of 6 (TensorE transposes cost as much as the matmuls they feed; the DMAs had time to spare).
+``conv2d_backward_kernel`` runs both gradients as one program (one launch; each part's DMAs and
+evictions overlap the other's TensorE work).
 
 TensorE time of the forward equals its FLOPs at peak when the channel tiles are full (C, O >= 128):
 the chunks are N = rows * cols <= 512 columns and every matmul pass is one stationary load.
@@ -331,7 +337,7 @@ def conv2d_wgrad_kernel(x, gy, dims=None, groups=1, kernel=(1, 1)):
     per_bank = max(1, PSUM_FP32 * 4 // (PMAX * isz))
     evict = alternating_evict()
     ring = collections.deque(maxlen=3)              # input bands and spread gradients of the last bands
-    keep = (collections.deque(maxlen=4), collections.deque(maxlen=8))   # transposes' PSUM, SBUF tiles
+    keep = (collections.deque(maxlen=4), collections.deque(maxlen=16))  # transposes' PSUM, SBUF tiles
 
     def piece(kw, kh, c0, cn, f0, fw):
         """Accumulator columns [s0, s1) of (kw, kh, channels c0..c0+cn) inside the block [f0, f0 + fw)."""
@@ -349,7 +355,8 @@ def conv2d_wgrad_kernel(x, gy, dims=None, groups=1, kernel=(1, 1)):
                         for b in range(0, fw, PSUM_FP32)]
 
                 def operands():
-                    """Per chunk of positions (issuing its transposes): (positions, gradient^T per kw, x^T per xs)."""
+                    """Per chunk of positions (issuing its transposes and copies): (positions, gradient^T per kw,
+                    x^T per xs), each a [positions, channels] SBUF view."""
                     def inputs():
                         for n in range(N):
                             for oh0, nr, ow0, nc, bands in _bands(x, n, g * ci, cis, hd, wd, p):
@@ -359,19 +366,28 @@ def conv2d_wgrad_kernel(x, gy, dims=None, groups=1, kernel=(1, 1)):
                         ring.append((bands, gz))
                         wq = min(wb, PMAX)
                         rc = max(1, PMAX // wq)
+                        made = {}                             # x^T views of the previous chunk, by what they hold
                         for r0 in range(0, nr, rc):
                             rn = min(rc, nr - r0)
                             for c1 in range(0, wb, wq):
                                 cw = min(wq, wb - c1)
                                 q = rn * cw
-                                gT = _transposed([gz[:on, r0:r0 + rn, c1 + lead - kw * wd.d:c1 + lead - kw * wd.d + cw]
-                                                  for kw in kws], q, on, dt, per_bank, evict, keep)
+                                gTs = _grad_columns(gz, kws, r0, rn, c1, cw, lead, wd.d, on, q, wq == wb, dt, per_bank,
+                                                    evict, keep)
                                 a = r0 * hd.s
-                                xT = _transposed([bands[i][:cis[i][1], a + kh * hd.d:a + kh * hd.d + (rn - 1) * hd.s + 1:hd.s,
-                                                           c1:c1 + cw] for kh, i in xs], q, PMAX, dt, per_bank, evict, keep)
-                                yield q, gT, xT
+                                xTs, new = [], {}
+                                for kh, i in xs:              # a window row another chunk already transposed is reused
+                                    key = (a + kh * hd.d, rn, c1, i)
+                                    if key not in made:
+                                        view = bands[i][:cis[i][1], a + kh * hd.d:a + kh * hd.d + (rn - 1) * hd.s + 1:hd.s,
+                                                        c1:c1 + cw]
+                                        made[key] = _transposed([view], q, PMAX, dt, per_bank, evict, keep)[:, 0, :]
+                                    new[key] = made[key]
+                                    xTs.append(made[key])
+                                made = new
+                                yield q, gTs, xTs
 
-                def products(q, gT, xT, first):
+                def products(q, gTs, xTs, first):
                     for u, kw in enumerate(kws):
                         for j, (kh, i) in enumerate(xs):
                             base, s0, s1 = piece(kw, kh, *cis[i], f0, fw)
@@ -379,14 +395,14 @@ def conv2d_wgrad_kernel(x, gy, dims=None, groups=1, kernel=(1, 1)):
                                 b = (s0 - f0) // PSUM_FP32
                                 e = min(s1, f0 + (b + 1) * PSUM_FP32)
                                 lo = f0 + b * PSUM_FP32
-                                nisa.nc_matmul(dst=accs[b][:on, s0 - lo:e - lo], stationary=gT[:q, u, :on],
-                                               moving=xT[:q, j, s0 - base:e - base], accumulate=not first)
+                                nisa.nc_matmul(dst=accs[b][:on, s0 - lo:e - lo], stationary=gTs[u][:q, :on],
+                                               moving=xTs[j][:q, s0 - base:e - base], accumulate=not first)
                                 s0 = e
 
-                # software pipeline: chunk i+1's transposes are issued before chunk i's matmuls, so TensorE
-                # never waits for the evictions of the operands it is about to use
+                # software pipeline: chunk i+1's and i+2's transposes are issued before chunk i's matmuls, so TensorE
+                # never waits for the evictions and copies of the operands it is about to use
                 first = True
-                for chunk in _ahead(operands(), 2):
+                for chunk in _ahead(operands(), 3):
                     products(*chunk, first)
                     first = False
                 for bi, acc in enumerate(accs):
@@ -400,6 +416,17 @@ def conv2d_wgrad_kernel(x, gy, dims=None, groups=1, kernel=(1, 1)):
     return out
 
 
+@nki.jit
+def conv2d_backward_kernel(x, gy, w, dims=None, gdims=None, groups=1):
+    """Both gradients of a 2-D convolution of x [N, C, H, W] by w, whose output gradient is gy, in one launch:
+    (input gradient, ``conv2d_kernel`` with ``flip`` along ``gdims``; weight gradient, ``conv2d_wgrad_kernel``
+    along the forward's ``dims``). One program lets each part's DMAs and evictions overlap the other's TensorE
+    work, and saves a launch."""
+    gw = conv2d_wgrad_kernel(x, gy, dims=dims, groups=groups, kernel=(w.shape[2], w.shape[3]))
+    gx = conv2d_kernel(gy, w, dims=gdims, groups=groups, flip=True)
+    return gx, gw
+
+
 def _spread_grad(gy, n: int, o0: int, on: int, oh0: int, nr: int, ow0: int, nc: int, s: int, lead: int, wb: int):
     """SBUF [on, nr, lead + wb]: rows [oh0, oh0 + nr) of image n's gradient channels [o0, o0 + on), column ow at
     lead + (ow - ow0) * s, zeros elsewhere (loaded contiguous, placed by one GpSimd copy)."""
@@ -409,6 +436,35 @@ def _spread_grad(gy, n: int, o0: int, on: int, oh0: int, nr: int, ow0: int, nc: 
     nisa.dma_copy(dst=raw[:on], src=gy[n, o0:o0 + on, oh0:oh0 + nr, ow0:ow0 + nc])
     nisa.tensor_copy(dst=gz[:on, :, lead:lead + (nc - 1) * s + 1:s], src=raw[:on], engine=_copy_engine(gy.dtype))
     return gz
+
+
+def _grad_columns(gz, kws: list, r0: int, rn: int, c1: int, cw: int, lead: int, d: int, on: int, q: int,
+                  whole_rows: bool, dt, per_bank: int, evict, keep: tuple) -> list:
+    """The spread gradient's chunk (rows [r0, r0 + rn), columns c1 .. c1 + cw of each window offset kw's view)
+    transposed: [q, on] per kw. With ``whole_rows`` (the chunk's positions are whole spread rows, row after
+    row), offset kw's transpose is offset 0's moved down kw * d partitions with zeros above: a position w < kw * d
+    of a row reads the zero columns before the data, and its shifted source, the end of the row before (or
+    nothing, in the first row), the zero columns after it. So one TensorE transpose and SBUF -> SBUF DMAs serve
+    every kw, and TensorE keeps its time for the matmuls."""
+    def view(kw):
+        return gz[:on, r0:r0 + rn, c1 + lead - kw * d:c1 + lead - kw * d + cw]
+    if not whole_rows:
+        t = _transposed([view(kw) for kw in kws], q, on, dt, per_bank, evict, keep)
+        return [t[:, u, :] for u in range(len(kws))]
+    base = _transposed([view(0)], q, on, dt, per_bank, evict, keep)[:, 0, :]
+    out = []
+    for kw in kws:
+        k = kw * d
+        if k == 0:
+            out.append(base)
+            continue
+        t = nl.ndarray((PMAX, on), dt, buffer=nl.sbuf)
+        nisa.memset(dst=t[:min(k, q), :], value=0.0, engine=nisa.gpsimd_engine)
+        if k < q:
+            nisa.dma_copy(dst=t[k:q, :], src=base[:q - k, :on])
+        keep[1].append(t)
+        out.append(t)
+    return out
 
 
 def _transposed(views: list, q: int, width: int, dt, per_bank: int, evict, keep: tuple):

@@ -3,8 +3,9 @@
 
 The direct kernel takes a 1-D convolution as 2-D with H = 1. Its input gradient is the same kernel run on the
 output gradient (zero-inserted by the stride, padded by ``dilation * (k - 1) - padding``) with the weight
-flipped; a padding larger than that takes the im2col route. The weight gradient is one
-``conv2d_wgrad_kernel`` launch.
+flipped; a padding larger than that takes the im2col route. The weight gradient is ``conv2d_wgrad_kernel``;
+when both gradients are wanted and the input gradient runs directly, one ``conv2d_backward_kernel`` launch
+computes the two.
 
 PyTorch hands convolutions to a PrivateUse1 backend only through ``convolution_overrideable`` and its
 backward (their default kernels raise): inputs these kernels do not run go to the C++ glue's dedicated CPU
@@ -25,7 +26,8 @@ from typing import Sequence
 import torch
 
 from torchneuron import _C
-from torchneuron.kernels.conv import Dim, conv2d_kernel, conv2d_wgrad_kernel, conv_fits, dims_of
+from torchneuron.kernels.conv import (Dim, conv2d_backward_kernel, conv2d_kernel, conv2d_wgrad_kernel, conv_fits,
+                                      dims_of)
 from torchneuron.ops.base import floats_on_one_device
 from torchneuron.ops.elementwise import dense
 from torchneuron.ops.kernel_call import call_kernel
@@ -214,13 +216,17 @@ def convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight:
             grad_weight = _weight_grad(_to_rows(input), cols, weight.shape)
     elif (dims := _direct_dims(input, weight, geo, groups, wgrad=True)) is not None:
         x4, g4, w4 = _as_2d(input), _as_2d(grad_output), _as_2d(weight)
+        gdims = _direct_dims(input, weight, geo, groups, grad=True) if output_mask[0] else None
+        if output_mask[1] and gdims is not None:   # both gradients from one launch
+            gi, gw = call_kernel(conv2d_backward_kernel, {"x": x4, "gy": g4, "w": w4},
+                                 {"dims": dims, "gdims": gdims, "groups": groups}, op="aten::convolution_backward")
+            return _follow_layout(gi.view(input.shape), input), gw.view(weight.shape), grad_bias
         if output_mask[1]:
             (gw,) = call_kernel(conv2d_wgrad_kernel, {"x": x4, "gy": g4},
                                 {"dims": dims, "groups": groups, "kernel": tuple(w4.shape[2:])},
                                 op="aten::convolution_backward")
             grad_weight = gw.view(weight.shape)
         if output_mask[0]:
-            gdims = _direct_dims(input, weight, geo, groups, grad=True)
             if gdims is not None:
                 (gi,) = call_kernel(conv2d_kernel, {"x": g4, "w": w4}, {"dims": gdims, "groups": groups, "flip": True},
                                     op="aten::convolution_backward")
