@@ -1,7 +1,9 @@
 """int64 kernels on a core without 64-bit integers: each int64 is its little-endian pair of int32 words.
 
-The low words are read as uint32 and the high words as int32 (strided DMAs over the word pairs); every
-integer op on the engines is exact on such tiles, so:
+The low words are read as uint32 and the high words as int32: each block's pairs move by one contiguous DMA
+and GpSimd copies split them into word tiles (a DMA of every other word would move 4-byte pieces, about 30x
+slower), and stores interleave them back the same way; every integer op on the engines is exact on such
+tiles, so:
 
 - ``int64_add`` adds the low words (the uint32 store wraps mod 2**32), derives the carry as
   ``sum < a_low`` (an unsigned overflow) and adds the high words plus the carry (int32 wraps, as int64
@@ -44,6 +46,33 @@ def word_block(t, s, p, w, k, dtype):
     return t.ap([[2 * w, p], [2, w]], offset=2 * s + k, dtype=dtype)
 
 
+def _half(pairs, p, w, k, dtype):
+    """Word k of the [p, 2w] SBUF tile of word pairs, as a stride-2 [p, w] view."""
+    return pairs[:p, :2 * w].ap([[2 * w, p], [2, w]], offset=k, dtype=dtype)
+
+
+def _words_in(t, s, p, w, dtypes):
+    """Word tiles (low, high; of ``dtypes``) of elements s.. of a [n, 2] word tensor: the block's pairs move by one
+    contiguous DMA (a DMA of every other word moves 4-byte pieces) and two engine copies split them."""
+    if t.shape[0] == 1:                      # one value for all: a broadcast of each word
+        lo, hi = (nl.ndarray((PMAX, w), dt, buffer=nl.sbuf) for dt in dtypes)
+        nisa.dma_copy(dst=lo[:p], src=word_block(t, s, p, w, 0, dtypes[0]))
+        nisa.dma_copy(dst=hi[:p], src=word_block(t, s, p, w, 1, dtypes[1]))
+        return lo, hi
+    return _split(t.ap([[2 * w, p], [1, 2 * w]], offset=2 * s), p, w, dtypes)
+
+
+def _split(src, p, w, dtypes):
+    """Word tiles (low, high; of ``dtypes``) of the [p, 2w] HBM word pairs ``src``: one DMA, then two GpSimd
+    copies (they leave VectorE to the arithmetic)."""
+    lo, hi = (nl.ndarray((PMAX, w), dt, buffer=nl.sbuf) for dt in dtypes)
+    pairs = nl.ndarray((PMAX, 2 * w), nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=pairs[:p, :2 * w], src=src)
+    nisa.tensor_copy(dst=lo[:p], src=_half(pairs, p, w, 0, dtypes[0]), engine=nisa.engine.gpsimd)
+    nisa.tensor_copy(dst=hi[:p], src=_half(pairs, p, w, 1, dtypes[1]), engine=nisa.engine.gpsimd)
+    return lo, hi
+
+
 @nki.jit
 def int64_add(a, b):
     """``a + b`` for int64 values given as [n, 2] int32 words (``b`` may be [1, 2]: one value for all)."""
@@ -51,28 +80,21 @@ def int64_add(a, b):
     assert a.shape[1] == 2 and b.shape[1] == 2 and nb in (1, n), "int64_add: operands are [n, 2] words"
     out = nl.ndarray((n, 2), nl.int32, buffer=nl.shared_hbm)
     for s, p, w in flat_blocks(n):
-        lo_a, lo_b, lo = (nl.ndarray((PMAX, w), nl.uint32, buffer=nl.sbuf) for _ in range(3))
-        hi_a, hi_b, carry = (nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf) for _ in range(3))
-        nisa.dma_copy(dst=lo_a[:p], src=word_block(a, s, p, w, 0, nl.uint32))
-        nisa.dma_copy(dst=hi_a[:p], src=word_block(a, s, p, w, 1, nl.int32))
-        nisa.dma_copy(dst=lo_b[:p], src=word_block(b, s, p, w, 0, nl.uint32))
-        nisa.dma_copy(dst=hi_b[:p], src=word_block(b, s, p, w, 1, nl.int32))
+        lo_a, hi_a = _load(a, s, p, w)
+        lo_b, hi_b = _load(b, s, p, w)
+        lo = nl.ndarray((PMAX, w), nl.uint32, buffer=nl.sbuf)
+        carry = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=lo[:p], data1=lo_a[:p], data2=lo_b[:p], op=nl.add)          # wraps mod 2**32
         nisa.tensor_tensor(dst=carry[:p], data1=lo[:p], data2=lo_a[:p], op=nl.less)       # unsigned overflow
         nisa.tensor_tensor(dst=hi_a[:p], data1=hi_a[:p], data2=hi_b[:p], op=nl.add)
         nisa.tensor_tensor(dst=hi_a[:p], data1=hi_a[:p], data2=carry[:p], op=nl.add)
-        nisa.dma_copy(dst=word_block(out, s, p, w, 0, nl.uint32), src=lo[:p])
-        nisa.dma_copy(dst=word_block(out, s, p, w, 1, nl.int32), src=hi_a[:p])
+        _store(out, s, p, w, lo, hi_a)
     return out
 
 
 def _load(t, s, p, w):
     """(low as uint32, high as int32) SBUF tiles of a block of an int64 word tensor."""
-    lo = nl.ndarray((PMAX, w), nl.uint32, buffer=nl.sbuf)
-    hi = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=lo[:p], src=word_block(t, s, p, w, 0, nl.uint32))
-    nisa.dma_copy(dst=hi[:p], src=word_block(t, s, p, w, 1, nl.int32))
-    return lo, hi
+    return _words_in(t, s, p, w, (nl.uint32, nl.int32))
 
 
 def _compare(alo, ahi, blo, bhi, op, p, w):
@@ -117,8 +139,12 @@ def _negate(lo, hi, p, w, hi_dtype=nl.int32):
 
 
 def _store(out, s, p, w, lo, hi):
-    nisa.dma_copy(dst=out.ap([[2 * w, p], [2, w]], offset=2 * s, dtype=nl.uint32), src=lo[:p])
-    nisa.dma_copy(dst=out.ap([[2 * w, p], [2, w]], offset=2 * s + 1, dtype=nl.int32), src=hi[:p])
+    """Store word tiles (low, high; each of its own dtype) as elements s.. of the [n, 2] word tensor ``out``:
+    two engine copies interleave them, one contiguous DMA writes the pairs."""
+    pairs = nl.ndarray((PMAX, 2 * w), nl.int32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=_half(pairs, p, w, 0, lo.dtype), src=lo[:p])
+    nisa.tensor_copy(dst=_half(pairs, p, w, 1, hi.dtype), src=hi[:p])
+    nisa.dma_copy(dst=out.ap([[2 * w, p], [1, 2 * w]], offset=2 * s), src=pairs[:p, :2 * w])
 
 
 def _n(a, b):
@@ -234,11 +260,7 @@ def int_sum(x, words):
         for c0 in range(0, R, F):
             w = min(F, R - c0)
             if words:
-                lo = nl.ndarray((PMAX, F), nl.uint32, buffer=nl.sbuf)
-                top = nl.ndarray((PMAX, F), nl.int32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=lo[:p, :w], src=flat.ap([[W, p], [2, w]], offset=r0 * W + 2 * c0, dtype=nl.uint32))
-                nisa.dma_copy(dst=top[:p, :w], src=flat.ap([[W, p], [2, w]], offset=r0 * W + 2 * c0 + 1,
-                                                            dtype=nl.int32))
+                lo, top = _split(flat.ap([[W, p], [1, 2 * w]], offset=r0 * W + 2 * c0), p, w, (nl.uint32, nl.int32))
             else:
                 lo = nl.ndarray((PMAX, F), nl.int32, buffer=nl.sbuf)     # the DMA widens 8/16-bit ints exactly
                 nisa.dma_copy(dst=lo[:p, :w], src=x[r0:r0 + p, c0:c0 + w])
@@ -281,10 +303,7 @@ def int64_extreme(x, op):
         best = None
         for c0 in range(0, R, F):
             w = min(F, R - c0)
-            lo = nl.ndarray((PMAX, F), nl.uint32, buffer=nl.sbuf)
-            hi = nl.ndarray((PMAX, F), nl.int32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=lo[:p, :w], src=flat.ap([[W, p], [2, w]], offset=r0 * W + 2 * c0, dtype=nl.uint32))
-            nisa.dma_copy(dst=hi[:p, :w], src=flat.ap([[W, p], [2, w]], offset=r0 * W + 2 * c0 + 1, dtype=nl.int32))
+            lo, hi = _split(flat.ap([[W, p], [1, 2 * w]], offset=r0 * W + 2 * c0), p, w, (nl.uint32, nl.int32))
             mh, ml = _col(), _col(nl.uint32)
             nisa.tensor_reduce(dst=mh[:p], op=red, data=hi[:p, :w], axis=(1,))
             mask = nl.ndarray((PMAX, F), nl.int32, buffer=nl.sbuf)
@@ -309,9 +328,7 @@ def int64_extreme(x, op):
 def _digits(t, s, p, w):
     """The four 16-bit digits (least significant first) of a block of int64 words, as uint32 tiles."""
     out = []
-    for k in (0, 1):
-        word = nl.ndarray((PMAX, w), nl.uint32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=word[:p], src=word_block(t, s, p, w, k, nl.uint32))   # both words unsigned: mod 2**64
+    for word in _words_in(t, s, p, w, (nl.uint32, nl.uint32)):                 # both words unsigned: mod 2**64
         d0 = nl.ndarray((PMAX, w), nl.uint32, buffer=nl.sbuf)
         d1 = nl.ndarray((PMAX, w), nl.uint32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=d0[:p], data=word[:p], op0=nl.bitwise_and, operand0=0xFFFF)
@@ -349,8 +366,7 @@ def int64_mul(a, b):
         for k in (0, 2):                         # word = low digit + high digit * 2**16 (< 2**32)
             nisa.scalar_tensor_tensor(dst=col[k][:p], data=col[k + 1][:p], op0=nl.multiply, operand0=65536,
                                       op1=nl.add, operand1=col[k][:p])
-        nisa.dma_copy(dst=out.ap([[2 * w, p], [2, w]], offset=2 * s, dtype=nl.uint32), src=col[0][:p])
-        nisa.dma_copy(dst=out.ap([[2 * w, p], [2, w]], offset=2 * s + 1, dtype=nl.uint32), src=col[2][:p])
+        _store(out, s, p, w, col[0], col[2])
     return out
 
 
@@ -491,6 +507,5 @@ def int64_divmod(a, b, mode):
             nisa.tensor_tensor(dst=chi[:p], data1=chi[:p], data2=bw[:p], op=nl.subtract)
             lo, hi = _select(inexact, clo, rlo, p, w, nl.uint32), _select(inexact, chi, rhi, p, w, nl.uint32)
             lo, hi = _sign_select(sb, lo, hi, p, w)
-        nisa.dma_copy(dst=out.ap([[2 * w, p], [2, w]], offset=2 * s, dtype=nl.uint32), src=lo[:p])
-        nisa.dma_copy(dst=out.ap([[2 * w, p], [2, w]], offset=2 * s + 1, dtype=nl.uint32), src=hi[:p])
+        _store(out, s, p, w, lo, hi)
     return out
