@@ -829,16 +829,20 @@ def _bmm_short_k(a, b, out, transpose_a: bool, transpose_b: bool, scaled: Callab
     half_rows = itertools.cycle([dict(tile_position=(0, 0), tile_size=(64, TM)),
                                  dict(tile_position=(64, 0), tile_size=(64, TM))] if K <= 64 else [{}])
     work = [(i, g) for i in range(Bt) for g in groups]
-    nxt_b = load_b(0)
     nxt_a = load_a(0, *groups[0])
-    bT = None
+    bTs = {0: b_transposed(load_b(0))}
+    nxt_b = load_b(1) if Bt > 1 else None
     for w, (i, (m0, r, p)) in enumerate(work):
         cur_a = nxt_a
-        if m0 == 0:
-            bT = b_transposed(nxt_b)
-            nxt_b = load_b(i + 1) if i + 1 < Bt else None
         nxt_a = load_a(work[w + 1][0], *work[w + 1][1]) if w + 1 < len(work) else None
         stat = stationaries(cur_a, r, p)
+        last = w + 1 == len(work) or work[w + 1][0] != i
+        if last and i + 1 < Bt:
+            # the next entry's B^T is built during this entry's last row group, so its evictions are done
+            # before the next entry's first matmul needs it
+            bTs[i + 1] = b_transposed(nxt_b)
+            nxt_b = load_b(i + 2) if i + 2 < Bt else None
+        bT = bTs.pop(i) if last else bTs[i]
         stage = nl.ndarray((PMAX, r, N), dt, buffer=nl.sbuf)
         for j in range(r):
             for n0 in range(0, N, TN):
