@@ -208,6 +208,11 @@ def write_report(results: list[dict], path: Path, *, command: str, elapsed: floa
         "outputs are compared with `torch.testing.assert_close` (the OpInfo's tolerances where it declares",
         "them); its `error_inputs` must raise the CPU's exception type on neuron. Random ops are compared by",
         "shape, dtype and device only. Complex-only ops are skipped: the device rejects complex dtypes by design.",
+        "Bounds derived from the math replace the plain tolerance where summation order alone separates the two:",
+        "sums of products (matmul, convolution, their gradients, a broadcast input's gradient) within rounding",
+        "units of sum(|terms|) for their length; `normalize`'s gradient within its two cancelling terms; a",
+        "bf16/fp16 result at least as close to float64 on the same inputs as the CPU's; and an fp32 result that",
+        "fails the plain comparison, within tolerance of float64 beyond the CPU's own error on the sample.",
         "See `tests/opinfo/harness.py`.",
         "",
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; torch {torch.__version__}; "
