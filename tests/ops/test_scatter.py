@@ -261,11 +261,12 @@ def _wide_ints(dtype, shape, g):
     return (torch.randint(info.min, info.max, shape, generator=g, dtype=torch.int64) | 1).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", INTS)
+@pytest.mark.parametrize("dtype", INTS + [torch.int64])
 @pytest.mark.parametrize("reduce", ["sum", "prod", "mean", "amax", "amin"])
 def test_integer_scatter_reduce_exact_and_wrapping_like_cpu(dtype, reduce, strict):
     # 8-32-bit ints reduce in int32, exact mod 2**32, and wrap to their width as the CPU's arithmetic does
-    # (an fp32 accumulation rounds past 2**24: 101**4 in int8, 600 int16 values near 30000)
+    # (an fp32 accumulation rounds past 2**24: 101**4 in int8, 600 int16 values near 30000); int64 reduces
+    # on its word kernels, exact mod 2**64
     g = torch.Generator().manual_seed(5)
     s = _wide_ints(dtype, (4,), g)
     idx = torch.randint(0, 3, (600,), generator=g)                # line 3 gets nothing

@@ -23,9 +23,9 @@ Shapes and dtypes are checked by running the op on ``meta`` tensors (the CPU's c
 fallback, and ``out=`` overlaps after its resize (as the CPU does). 8-32-bit integer data accumulates
 exactly mod 2**32 and wraps to its width as the CPU's does: scatter reductions select and reduce in
 int32 (products by pairwise int32 multiplies), row sums are one-hot products on TensorE per byte of the
-values (each byte's sums exact in fp32), recombined in int32. int64/float64 data moves (gather, plain
-scatter, take, put, masked_fill_) as pairs of int32 words, and takes the CPU fallback where it would
-accumulate.
+values (each byte's sums exact in fp32), recombined in int32. int64 scatter reductions select and reduce on
+the int64 word kernels (exact mod 2**64). int64/float64 data moves (gather, plain scatter, take, put,
+masked_fill_) as pairs of int32 words, and takes the CPU fallback where it would accumulate otherwise.
 """
 from __future__ import annotations
 
@@ -223,20 +223,23 @@ def _scatter_impl(target: torch.Tensor, dim: int, index: torch.Tensor, src: Any,
         return
     if L * S * I > LINES_LIMIT:
         raise Unsupported
-    # integers reduce in int32 (exact mod 2**32, which is all a result of 32 bits or fewer keeps), the
-    # rest in fp32 (bools: nonzero sums and products are what their or/and give)
-    exact = target.dtype in EXACT_INTS
-    compute = torch.int32 if exact else torch.float32
+    # integers reduce in int32 (exact mod 2**32, which is all a result of 32 bits or fewer keeps) or int64 (its
+    # word kernels: exact mod 2**64), the rest in fp32 (bools: nonzero sums and products are their or/and)
+    exact = target.dtype in EXACT_INTS + (torch.int64,)
+    compute = (torch.int64 if target.dtype == torch.int64 else torch.int32) if exact else torch.float32
     x = block.reshape(L, S).to(compute)
     v = dense(vals).reshape(L, 1, I).to(compute)
     ids = arange_values(S, target.device).reshape(1, S, 1)
     ix = idx.reshape(L, 1, I)
-    lowest, highest = ((torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max) if exact
+    lowest, highest = ((torch.iinfo(compute).min, torch.iinfo(compute).max) if exact
                        else (float("-inf"), float("inf")))
     identity = {"sum": 0, "mean": 0, "prod": 1, "amax": lowest, "amin": highest}[reduce]
-    picked = run_pointwise(_pick, [ix, ids, v, identity], KIND.DEFAULT, op="aten::scatter_reduce")
+    if compute == torch.int64:   # the int64 select (the element-wise kernels take no 8-byte data)
+        picked = torch.where(ix == ids, v, identity)
+    else:
+        picked = run_pointwise(_pick, [ix, ids, v, identity], KIND.DEFAULT, op="aten::scatter_reduce")
     if exact:
-        red = {"sum": lambda t: t.sum(-1, dtype=torch.int32), "mean": lambda t: t.sum(-1, dtype=torch.int32),
+        red = {"sum": lambda t: t.sum(-1, dtype=compute), "mean": lambda t: t.sum(-1, dtype=compute),
                "prod": _int_prod_last, "amax": lambda t: t.amax(-1), "amin": lambda t: t.amin(-1)}[reduce](picked)
     else:
         red = {"sum": torch.sum, "mean": torch.sum, "prod": torch.prod, "amax": torch.amax,
@@ -263,8 +266,8 @@ def _scatter_impl(target: torch.Tensor, dim: int, index: torch.Tensor, src: Any,
 
 
 def _int_prod_last(t: torch.Tensor) -> torch.Tensor:
-    """Products of int32 ``t`` over its last dim, exact mod 2**32: halves multiplied pairwise (int32
-    products wrap exactly), log2 of the length launches."""
+    """Products of int32/int64 ``t`` over its last dim, exact mod 2**32/2**64: halves multiplied pairwise
+    (the products wrap exactly), log2 of the length launches."""
     while t.shape[-1] > 1:
         h = t.shape[-1] // 2
         head = t[..., :h] * t[..., h:2 * h]
@@ -308,13 +311,13 @@ def _scatter_lowering(name: str, kind: str) -> None:
         overload(*meta_twin((self, dim, index, src)), *args, **{k: meta_twin(v) for k, v in kwargs.items()})
         tensors = [self, index, out] + ([src] if isinstance(src, torch.Tensor) else [])
         if not on_one_device(*tensors) or index.dtype not in INDEX_DTYPES or \
-                self.dtype not in (MOVE_DTYPES if reduce is None else DATA_DTYPES):
+                self.dtype not in (MOVE_DTYPES if reduce is None else DATA_DTYPES | {torch.int64}):
             raise Unsupported
         if isinstance(src, torch.Tensor) and src.dtype != self.dtype:
             raise Unsupported
         if reduce is not None and reduce not in ("sum", "mean", "prod", "amax", "amin"):
             raise Unsupported
-        if reduce == "mean" and self.dtype not in FLOATS + EXACT_INTS:
+        if reduce == "mean" and self.dtype not in FLOATS + EXACT_INTS + (torch.int64,):
             raise Unsupported
         target = self if inplace else write_result(self, out) if out is not None else self.clone()
         # the functional op re-run on CPU copies when an index is out of range
