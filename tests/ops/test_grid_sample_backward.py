@@ -80,3 +80,22 @@ def test_grid_sample_backward_many_passes(strict, mode):
     got = _grads(to_n(x), to_n(g), to_n(go.transpose(2, 3).contiguous()).transpose(2, 3), **kw)
     for w, r in zip(want, got):
         torch.testing.assert_close(r, w, atol=1e-4, rtol=1e-5)
+
+
+def test_one_hot_work_beyond_the_limit_takes_the_counted_fallback():
+    # (N*S + 1) * N*P * 8 = (2*8000 + 1) * 2*2048 * 8 > ONEHOT_WORK_LIMIT: the CPU fallback, counted, and the CPU's
+    # gradients exactly (its own kernel)
+    import torchneuron
+    from torchneuron.ops.sampling_grid_backward import ONEHOT_WORK_LIMIT
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 2, 20, 20, 20, generator=gen)
+    grid = torch.rand(2, 8, 16, 16, 3, generator=gen) * 2 - 1
+    assert (2 * 8000 + 1) * 2 * 2048 * 8 > ONEHOT_WORK_LIMIT
+    g = torch.randn(2, 2, 8, 16, 16, generator=gen)
+    want = torch.ops.aten.grid_sampler_3d_backward(g, x, grid, 0, 0, False, [True, True])
+    before = torchneuron.fallback_counts().get("aten::grid_sampler_3d_backward", 0)
+    got = torch.ops.aten.grid_sampler_3d_backward(to_n(g), to_n(x), to_n(grid), 0, 0, False, [True, True])
+    assert torchneuron.fallback_counts().get("aten::grid_sampler_3d_backward", 0) == before + 1
+    for a, e in zip(got, want):
+        assert torch.equal(a.cpu(), e)

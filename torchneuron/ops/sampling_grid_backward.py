@@ -10,7 +10,8 @@ the CPU kernel's ``*_set_grad`` factors. Only the summation order differs from t
 on a clip boundary autograd's ``clamp`` passes the gradient where the CPU kernel zeroes it. The input
 grad's ``index_add`` builds a one-hot matrix of (input rows) x (gathered rows), so passes shrink to keep it
 within ``ONEHOT_LIMIT``; inputs too large for even one point per pass (over 2**26 / taps rows: ~4M
-bicubic, ~8M trilinear) take the CPU fallback, as do dtypes other than fp32.
+bicubic, ~8M trilinear), or whose one-hot matrices together pass ``ONEHOT_WORK_LIMIT`` elements, take the
+CPU fallback, as do dtypes other than fp32.
 """
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ from torchneuron.ops.resample import EXACT
 from torchneuron.ops.sampling_grid import batch_base, BICUBIC, chunk_size, grid_check, grid_points, GridRows, NEAREST
 from torchneuron.ops.scatter import ONEHOT_LIMIT
 
+
+
+# Elements of all the input grad's one-hot matrices together ((input rows + 1) x points x taps) beyond which the
+# CPU fallback takes the backward: the one-hot products grow with the input size times the points, where the
+# CPU's scatter grows with the points alone (a 20x21x22x23x24 input sampled at 26,400 points: 5e10 elements,
+# minutes of launches for one sample).
+ONEHOT_WORK_LIMIT = 1 << 28
 
 
 def _autograd_on() -> Any:
@@ -110,10 +118,14 @@ def _grid_sampler_backward(k: int) -> Any:
         check(input, grid, interpolation_mode)
         mask = [bool(m) for m in output_mask]
         want = [N, input.shape[1], *grid.shape[1:-1]]
+        taps = _taps(k, int(interpolation_mode))
+        P = math.prod(int(v) for v in grid.shape[1:-1])
         if (list(grad_output.shape) != want or input.numel() == 0 or grid.numel() == 0
-                or (output_mask[0] and not _row_chunk(N * S + 1, _taps(k, int(interpolation_mode))))):
+                or (output_mask[0] and (not _row_chunk(N * S + 1, taps)
+                                        or (N * S + 1) * N * P * taps > ONEHOT_WORK_LIMIT))):
             # the CPU's own result for these (empty operands, an unchecked grad_output shape), and inputs too
-            # large for the input grad's one-hot accumulation
+            # large for the input grad's one-hot accumulation, or whose one-hot products, quadratic in the size
+            # (input rows x gathered rows), outgrow ONEHOT_WORK_LIMIT
             raise Unsupported("empty operands, an unchecked grad_output shape, or a too large input gradient")
         gi, gg = _backward(grad_output, input, grid, int(interpolation_mode), int(padding_mode),
                            bool(align_corners), mask)
