@@ -60,6 +60,7 @@ instead of ~7; the entries share tiles but never a contraction, so inf/NaN stay 
 """
 from __future__ import annotations
 
+import collections
 import itertools
 from dataclasses import dataclass
 from typing import Callable
@@ -905,8 +906,13 @@ def _bmm_narrow(a, b, out, transpose_a: bool, scaled: Callable | None) -> None:
         return steps + ([(KT, 1)] if kr else [])
 
     def load_rows(i, m0, r, p):
+        """A's rows m0 + q*r + j as [p, r, K], u slots per DMA (u rows of at least 8 KiB per partition): the
+        first slot's transposes start when its rows arrive, not the whole group's."""
         t = nl.ndarray((PMAX, r, K), dt, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t[:p], src=_rows_ap(a[i], m0, r, p, K))
+        u = max(1, min(r, cdiv(8192, K * isz)))
+        for j0 in range(0, r, u):
+            n = min(u, r - j0)
+            nisa.dma_copy(dst=t[:p, j0:j0 + n, :], src=a[i].ap([[r * K, p], [1, n * K]], offset=(m0 + j0) * K))
         return t
 
     def k_cols(kt):
@@ -916,7 +922,10 @@ def _bmm_narrow(a, b, out, transpose_a: bool, scaled: Callable | None) -> None:
     work = [(i, g) for i in range(Bt) for g in groups]
     nxt_b = load_b(0)
     bK = None
-    nxt = None if transpose_a else load_rows(0, *groups[0])
+    # A as [M, K]: row groups loaded two ahead (TensorE and the DMAs are about equally loaded: one group ahead
+    # left each waiting on the other at group boundaries)
+    ahead = collections.deque() if transpose_a else collections.deque(
+        load_rows(*work[k][:1], *work[k][1]) for k in range(min(2, len(work))))
     for w, (i, (m0, r, p)) in enumerate(work):
         if m0 == 0:
             bK = nxt_b
@@ -939,8 +948,9 @@ def _bmm_narrow(a, b, out, transpose_a: bool, scaled: Callable | None) -> None:
                 s = min(per_bank, r - q * per_bank)
                 evict(stage[:p, q * per_bank:q * per_bank + s, :], bank[:p, :s, :])
         else:
-            rows = nxt
-            nxt = load_rows(work[w + 1][0], *work[w + 1][1]) if w + 1 < len(work) else None
+            rows = ahead.popleft()
+            if w + 2 < len(work):
+                ahead.append(load_rows(work[w + 2][0], *work[w + 2][1]))
             for j in range(r):
                 aT = nl.ndarray((TK, ktiles, PMAX), dt, buffer=nl.sbuf)
                 for k0 in range(0, ktiles, GT):
