@@ -284,10 +284,10 @@ def test_integer_scatter_reduce_exact_and_wrapping_like_cpu(dtype, reduce, stric
         assert torch.equal(to_n(s).scatter_add(0, to_n(idx), to_n(src)).cpu(), ref)
 
 
-@pytest.mark.parametrize("dtype", INTS)
+@pytest.mark.parametrize("dtype", INTS + [torch.int64])
 def test_integer_index_add_index_put_put_accumulate_exact_and_wrapping_like_cpu(dtype, strict):
-    # row sums per byte of the values on TensorE (each exact in fp32), recombined in int32: exact mod
-    # 2**32 and wrapped to the dtype's width like the CPU, with any alpha
+    # row sums per byte of the values on TensorE (each exact in fp32), recombined in int32 (int64: on its word
+    # kernels): exact mod 2**32 (2**64) and wrapped to the dtype's width like the CPU, with any alpha
     g = torch.Generator().manual_seed(6)
     t = _wide_ints(dtype, (5, 3), g)
     idx = torch.randint(0, 4, (700,), generator=g)                # row 4 gets nothing
@@ -303,12 +303,13 @@ def test_integer_index_add_index_put_put_accumulate_exact_and_wrapping_like_cpu(
         assert torch.equal(got.cpu(), ref)
 
 
-def test_integer_row_sums_past_one_byte_product(strict, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_integer_row_sums_past_one_byte_product(dtype, strict, monkeypatch):
     # more rows than one byte product sums exactly: the products go in blocks of BYTE_ROWS rows
     from torchneuron.ops import scatter
     monkeypatch.setattr(scatter, "BYTE_ROWS", 64)
     g = torch.Generator().manual_seed(7)
-    t, idx, src = _wide_ints(torch.int32, (3,), g), torch.randint(0, 3, (200,), generator=g), _wide_ints(torch.int32, (200,), g)
+    t, idx, src = _wide_ints(dtype, (3,), g), torch.randint(0, 3, (200,), generator=g), _wide_ints(dtype, (200,), g)
     assert torch.equal(to_n(t).index_add(0, to_n(idx), to_n(src)).cpu(), t.index_add(0, idx, src))
 
 

@@ -23,9 +23,10 @@ Shapes and dtypes are checked by running the op on ``meta`` tensors (the CPU's c
 fallback, and ``out=`` overlaps after its resize (as the CPU does). 8-32-bit integer data accumulates
 exactly mod 2**32 and wraps to its width as the CPU's does: scatter reductions select and reduce in
 int32 (products by pairwise int32 multiplies), row sums are one-hot products on TensorE per byte of the
-values (each byte's sums exact in fp32), recombined in int32. int64 scatter reductions select and reduce on
-the int64 word kernels (exact mod 2**64). int64/float64 data moves (gather, plain scatter, take, put,
-masked_fill_) as pairs of int32 words, and takes the CPU fallback where it would accumulate otherwise.
+values (each byte's sums exact in fp32), recombined in int32. int64 accumulates on the int64 word kernels
+(exact mod 2**64): scatter reductions select and reduce there, row sums recombine their 8 byte products with
+int64 shifts and adds. int64/float64 data moves (gather, plain scatter, take, put, masked_fill_) as pairs of
+int32 words; float64 takes the CPU fallback where it would accumulate.
 """
 from __future__ import annotations
 
@@ -280,20 +281,29 @@ def _int32(k: Any) -> int:
     return (int(k) + (1 << 31)) % (1 << 32) - (1 << 31)
 
 
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an accumulation into ``dtype`` data computes in: int32 for 8-32-bit ints (exact mod 2**32),
+    int64 for int64, else fp32."""
+    return torch.int32 if dtype in EXACT_INTS else torch.int64 if dtype == torch.int64 else torch.float32
+
+
 def _onehot_sums(onehot: torch.Tensor, vals: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``onehot [S, n] @ vals [n, R]``: fp32 on TensorE for floats and bools; for ``EXACT_INTS`` int32 sums
     exact mod 2**32, one product per byte of the values (each exact in fp32, BYTE_ROWS rows at a time)."""
-    if dtype not in EXACT_INTS:
+    if dtype not in EXACT_INTS + (torch.int64,):
         return onehot @ vals.to(torch.float32)
-    v32 = vals.to(torch.int32)
+    v32 = vals.to(torch.int32) if dtype != torch.int64 else vals
     n = v32.shape[0]
     total = None
     for shift in range(0, 8 * dtype.itemsize, 8):
-        byte = run_pointwise(byte_tile, [v32, shift], KIND.DEFAULT, result_dtype=torch.float32,
-                             op="aten::index_add")
+        if dtype == torch.int64:   # the word kernels' shift and mask, then a cast of 0..255
+            byte = ((v32 >> shift) & 255).to(torch.float32)
+        else:
+            byte = run_pointwise(byte_tile, [v32, shift], KIND.DEFAULT, result_dtype=torch.float32,
+                                 op="aten::index_add")
         for r0 in range(0, n, BYTE_ROWS):
-            part = (onehot[:, r0:r0 + BYTE_ROWS] @ byte[r0:r0 + BYTE_ROWS]).to(torch.int32)
-            term = part * (1 << shift) if shift else part
+            part = (onehot[:, r0:r0 + BYTE_ROWS] @ byte[r0:r0 + BYTE_ROWS]).to(accumulate_dtype(dtype))
+            term = (part << shift if dtype == torch.int64 else part * (1 << shift)) if shift else part
             total = term if total is None else total + term
     return total
 
@@ -368,7 +378,9 @@ def _row_put(target: torch.Tensor, d: int, rows: torch.Tensor, source: torch.Ten
     onehot = run_pointwise(match_tile, [arange_values(S, target.device).reshape(S, 1), rows.reshape(1, n)], KIND.DEFAULT,
                            result_dtype=torch.float32, op="aten::index_add")
     sums = _onehot_sums(onehot, vals, target.dtype)
-    if target.dtype in EXACT_INTS:   # int32 arithmetic wraps mod 2**32, as the CPU's narrower one does
+    if target.dtype == torch.int64:
+        new = block.reshape(S, -1).add(sums, alpha=alpha)
+    elif target.dtype in EXACT_INTS:   # int32 arithmetic wraps mod 2**32, as the CPU's narrower one does
         new = run_pointwise(tm.add_scaled, [block.reshape(S, -1).to(torch.int32), sums, _int32(alpha)],
                             KIND.DEFAULT, op="aten::index_add")
     else:
@@ -390,8 +402,9 @@ def _row_lowering(name: str, kind: str) -> None:
         out = kwargs.get("out")
         alpha = kwargs.get("alpha", args[0] if args else 1)
         tensors = [self, index, out] + ([source] if isinstance(source, torch.Tensor) and kind != "fillt" else [])
-        if (not on_one_device(*tensors) or index.dtype not in INDEX_DTYPES or self.dtype not in DATA_DTYPES
-                or (isinstance(source, torch.Tensor) and source.dtype not in DATA_DTYPES)):
+        ok = DATA_DTYPES | ({torch.int64} if kind == "add" else set())   # int64 sums: exact by bytes
+        if (not on_one_device(*tensors) or index.dtype not in INDEX_DTYPES or self.dtype not in ok
+                or (isinstance(source, torch.Tensor) and source.dtype not in ok)):
             raise Unsupported
         overload(*meta_twin((self, dim, index, source)), *args, **{k: meta_twin(v) for k, v in kwargs.items()})
         if kind == "add" and self.dim() > 1:   # a check the meta function leaves out
@@ -473,7 +486,7 @@ def put_(self: torch.Tensor, index: torch.Tensor, source: torch.Tensor, accumula
     if source.numel() != index.numel():
         raise IndexError(f"put_(): Expected source and index to have the same number of elements, but got "
                          f"source.numel() = {source.numel()}, index.numel() = {index.numel()}")
-    if not on_one_device(self, index, source) or self.dtype not in (DATA_DTYPES if accumulate else MOVE_DTYPES):
+    if not on_one_device(self, index, source) or self.dtype not in (DATA_DTYPES | {torch.int64} if accumulate else MOVE_DTYPES):
         raise Unsupported
     if index.numel() == 0:
         return self
@@ -687,7 +700,7 @@ def _put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: tor
         return
     # integer indices keep their dtype until ``index_rows_launch`` (no conversion launch); masks expand here
     integer = not accumulate and all(i is None or i.dtype in (torch.int32, torch.int64) for i in ind)
-    if moves_only and not integer:
+    if moves_only and not integer and not (accumulate and self.dtype == torch.int64):
         raise Unsupported
     idx = ind if integer else _expand_masks(self, ind)
     if not any(i is not None for i in idx):
@@ -702,7 +715,7 @@ def _put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: tor
     fast = index_rows_launch(self, ind, False, *check) if integer else None
     if fast is not None:   # integer indices into leading dims: the row numbers in one launch
         dims, B, rows = fast
-    elif moves_only:
+    elif moves_only and not accumulate:
         raise Unsupported
     else:
         idx = _expand_masks(self, ind) if integer else idx
@@ -724,12 +737,11 @@ def _put(self: torch.Tensor, indices: Sequence[torch.Tensor | None], values: tor
     if not accumulate:
         scatter_into(table, rows, v2)
     else:
-        if V * n > ONEHOT_LIMIT or self.dtype not in DATA_DTYPES - {torch.bool}:
+        if V * n > ONEHOT_LIMIT or self.dtype not in (DATA_DTYPES - {torch.bool}) | {torch.int64}:
             raise Unsupported
         onehot = run_pointwise(match_tile, [arange_values(V, self.device).reshape(V, 1), rows.reshape(1, n)], KIND.DEFAULT,
                                result_dtype=torch.float32, op="aten::index_put_")
-        exact = self.dtype in EXACT_INTS
-        new = table.to(torch.int32 if exact else torch.float32) + _onehot_sums(onehot, v2, self.dtype)
+        new = table.to(accumulate_dtype(self.dtype)) + _onehot_sums(onehot, v2, self.dtype)
         block = new.to(self.dtype).reshape(view.shape)
     _write(self, view, block)
 
