@@ -96,12 +96,7 @@ GRAD_OPS = ["add", "mul", "div.no_rounding_mode", "exp", "sum", "mean", "amax", 
             "gather", "index_add", "cat", "nn.functional.gelu"]
 
 # {(op key, dtype): reason}: known mismatches at a dtype, strict xfails.
-DTYPE_EXPECTED_FAILURES: dict[tuple[str, torch.dtype], str] = {
-    ("nn.functional.cross_entropy", torch.bfloat16):
-        "probability targets with class weights (sample 19): the bf16 terms log p * target * weight (|terms| ~22) "
-        "cancel to 2.38; the device's log-probabilities are the correctly rounded ones (the CPU's -0.0155 is "
-        "4 ulps from -0.0161), yet its rounded terms sum to 2.3125 against the CPU's 2.375 (float64: 2.380)",
-}
+DTYPE_EXPECTED_FAILURES: dict[tuple[str, torch.dtype], str] = {}
 
 
 def _dtype_params() -> list:
