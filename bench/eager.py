@@ -137,6 +137,17 @@ def _transposed_a_floor(batch: int, M: int, K: int, N: int, dtype: torch.dtype) 
     return blocks * (transpose + matmul) / t.clock_hz
 
 
+def _short_k_floor(batch: int, L: int, d: int, dtype: torch.dtype) -> float:
+    """Seconds TensorE needs for ``Q @ K.T`` with Q, K given as [L, d] (a head dim d <= 128): each 128-row block of
+    Q and of K transposed once, then [128, 512] output tiles at one column per cycle (a head dim of 64 in PE-array
+    row halves, two at a time)."""
+    t = runtime.core(0).spec.tensor
+    fp32 = dtype == torch.float32
+    transposes = 2 * -(-L // TM) * TM * (t.fp32_transpose_factor if fp32 else 1)
+    tile = 512 * (t.fp32_factor if fp32 else 1) * (0.5 if d <= 64 else 1)
+    return batch * (transposes + -(-L // TM) * -(-L // 512) * tile) / t.clock_hz
+
+
 def product_cases(dtype: torch.dtype, size: str) -> list[tuple[str, str, Callable, int, int, float]]:
     """(op, shape, call, FLOPs, bytes of operands and result, seconds of TensorE work the operand layout adds or 0)
     per matrix product of the table."""
@@ -163,7 +174,7 @@ def product_cases(dtype: torch.dtype, size: str) -> list[tuple[str, str, Callabl
         fl, io = 2 * B * S * S * hd, _bytes(q, k, p)
         cases += [
             ("bmm q@k.T", f"{B}x{S}x{hd} @ ({B}x{S}x{hd}).T", lambda q=q, k=k: torch.bmm(q, k.transpose(1, 2)), fl, io,
-             0.0),
+             _short_k_floor(B, S, hd, dtype)),
             ("bmm p@v", f"{B}x{S}x{S} @ {B}x{S}x{hd}", lambda p=p, v=v: torch.bmm(p, v), fl, io,
              _transposed_a_floor(B, S, S, hd, dtype)),
             ("bmm p.T@dO", f"({B}x{S}x{S}).T @ {B}x{S}x{hd}", lambda p=p, v=v: torch.bmm(p.transpose(1, 2), v), fl,
@@ -181,8 +192,9 @@ def products_table(size: str) -> None:
     bw = min(spec.hbm_bytes_per_second_per_core, spec.dma_bytes_per_second_per_core)
     print(f"\neager matrix products on the simulated {spec.name} core (time per op call incl. launch overhead; "
           f"roofline: max(FLOPs at peak, bytes once at {bw / 1e9:.0f} GB/s); % achievable: against the roofline or "
-          f"the TensorE time the layout needs, whichever is longer (P @ V: P transposed on TensorE); a head dim of 64 "
-          f"fills half the PE rows, its matmuls alternate row halves (PE tiling), so peak stays the bound):")
+          f"the TensorE time the layout needs, whichever is longer (Q @ K.T: Q and K, P @ V: P transposed on TensorE); a "
+          f"head dim of 64 fills half the PE rows, its matmuls alternate row halves (PE tiling), so peak stays the "
+          f"bound):")
     print(f"  {'op':<14} {'dtype':<8} {'shape':<32} {'launches':>8} {'time us':>10} {'TFLOPS':>7} "
           f"{'% peak':>7} {'% roofline':>10} {'% achievable':>12}   host s")
     for dtype in (torch.bfloat16, torch.float32):
