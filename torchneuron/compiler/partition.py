@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from torchneuron.compiler import lowering
+from torchneuron.kernels.elementwise import stream_tile_width
 from torchneuron.ops.base import FLOATS
 
 # the dtypes a program binds and computes (ops.base.DEVICE_DTYPES less the unsigned wide ints and fp8, which
@@ -300,8 +301,35 @@ def _fuse(seg: Segment, roles: dict) -> list[Any]:
             items.append(target)
         target.nodes.append(node)
         group_of[node] = target
+    items = _merge_into_readers(items, order)
     items = [part for it in items for part in (_fit(it, escapes, roles) if isinstance(it, FusionGroup) else [it])]
     return items
+
+
+def _merge_into_readers(items: list[Any], order: dict) -> list[Any]:
+    """``items`` with each group whose values only one later group of its shape and kind reads folded into
+    that group (its nodes join the reader's pass, in graph order): AdamW's per-parameter update is built as
+    three groups (decayed parameter, first moment, second moment and step) whose values went through HBM.
+    The reader runs later than the producer did, so every operand of the producer is ready by then; other
+    readers of the producer's values (an optimizer's ``copy_`` into its state) must come after the reader,
+    which then writes those values too."""
+    group_of = {n: it for it in items if isinstance(it, FusionGroup) for n in it.nodes}
+    gone = set()
+    for g in [it for it in items if isinstance(it, FusionGroup)]:
+        members = set(g.nodes)
+        users = [u for n in g.nodes for u in n.users if u not in members]
+        readers = {id(group_of[u]): group_of[u] for u in users if u in group_of}
+        if len(readers) != 1:
+            continue
+        (r,) = readers.values()
+        if r.shape != g.shape or r.kind != g.kind or r.start < g.start or \
+                any(order.get(u, -1) <= r.start for u in users if u not in group_of):
+            continue
+        r.nodes = sorted(r.nodes + g.nodes, key=order.__getitem__)
+        for n in g.nodes:
+            group_of[n] = r
+        gone.add(id(g))
+    return [it for it in items if id(it) not in gone]
 
 
 _CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
@@ -396,8 +424,16 @@ def _depends_on(node: fx.Node, src: fx.Node, members: set) -> bool:
 # Streamed tensors (inputs of more than one element, and outputs) of one fusion group: the element-wise
 # template keeps NBUF = 3 [128, 2048] fp32 tiles per full input and output, plus one temporary (a broadcast
 # row takes one 8 KiB tile instead, a scalar a [128, 1] column): at most (6 + 1) x 3 x 8 KiB = 168 KiB,
-# within the smallest SBUF partition modelled (trn1: 192 KiB).
+# within the smallest SBUF partition modelled (trn1: 192 KiB). Smaller tensors stream narrower tiles, so the
+# same SBUF holds more of them (an optimizer step's per-parameter update: 4 inputs and 3 results).
 MAX_GROUP_OPERANDS = 6
+
+
+def _max_operands(shape: tuple) -> int:
+    """Streamed tensors a group of result ``shape`` may have within MAX_GROUP_OPERANDS' SBUF budget."""
+    n = math.prod(shape) if shape else 1
+    full = stream_tile_width(1 << 30, 1 << 30)
+    return max(MAX_GROUP_OPERANDS, (MAX_GROUP_OPERANDS + 1) * full // stream_tile_width(n, shape[-1] if shape else 1) - 1)
 
 
 def _with_outputs(g: FusionGroup, escapes: set, roles: dict) -> FusionGroup:
@@ -407,10 +443,10 @@ def _with_outputs(g: FusionGroup, escapes: set, roles: dict) -> FusionGroup:
 
 
 def _fit(g: FusionGroup, escapes: set, roles: dict) -> list[FusionGroup]:
-    """``g``, split in halves (in node order) until each part streams at most MAX_GROUP_OPERANDS tensors."""
+    """``g``, split in halves (in node order) until each part streams at most ``_max_operands`` tensors."""
     g = _with_outputs(g, escapes, roles)
     streamed = [n for n in g.inputs if any(t.numel() > 1 for t in tensor_values(n))]
-    if len(streamed) + len(g.outputs) <= MAX_GROUP_OPERANDS or len(g.nodes) == 1:
+    if len(streamed) + len(g.outputs) <= _max_operands(tuple(g.shape)) or len(g.nodes) == 1:
         return [g]
     half = len(g.nodes) // 2
     first = FusionGroup(g.nodes[:half], g.shape, g.kind, g.start)

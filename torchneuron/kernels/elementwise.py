@@ -41,6 +41,12 @@ def _apply(fn, tiles):
     return fn(*tiles)
 
 
+def stream_tile_width(n: int, cols: int) -> int:
+    """Elements per partition of the streaming loops' tiles for an [n / cols, cols] result: at most 2048 (8 KiB
+    rows), narrower for small tensors (the flat loop's n / 128, the row loop's column block; the larger)."""
+    return min(DMA_ROW_BYTES // 4, max(1, n // PMAX, min(cols, n)))
+
+
 def _body(ins, fn, out_dtype, compute=nl.float32):
     """The streaming loops; ``fn`` may return a tuple of tiles, one per dtype of a tuple ``out_dtype`` (a fused
     group with several results): then the outputs are a tuple too."""
@@ -49,11 +55,12 @@ def _body(ins, fn, out_dtype, compute=nl.float32):
     dtypes = out_dtype if multi else (out_dtype,)
     outs = tuple(nl.ndarray((R, C), dt, buffer=nl.shared_hbm) for dt in dtypes)
     F = DMA_ROW_BYTES // 4                                    # 4-byte compute tiles: 2048 elements, 8 KiB rows
-    # SBUF: (full inputs + results + one temporary) x NBUF buffers of F fp32, plus the broadcast rows loaded
-    # once per column block; scalars and columns are [128, 1] tiles
+    # SBUF: (full inputs + results + one temporary) x NBUF buffers of the tile width, plus the broadcast rows
+    # loaded once per column block; scalars and columns are [128, 1] tiles
     full = sum(tuple(t.shape) == (R, C) for t in ins)
     rows = sum(t.shape[0] == 1 and t.shape[1] > 1 for t in ins)
-    check_sbuf((full + len(outs) + 1) * NBUF * F * 4 + rows * min(C, F) * 4 + len(ins) * NBUF * 4, "elementwise")
+    width = stream_tile_width(R * C, C)
+    check_sbuf((full + len(outs) + 1) * NBUF * width * 4 + rows * min(C, F) * 4 + len(ins) * NBUF * 4, "elementwise")
 
     def results(tiles, p, f):
         ys = _apply(fn, tiles)
