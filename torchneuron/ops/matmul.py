@@ -105,7 +105,7 @@ def _check_bmm(a: torch.Tensor, b: torch.Tensor) -> None:
 
 @lowering("bmm", "bmm.out")
 def bmm(self: torch.Tensor, mat2: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Batched ``self[i] @ mat2[i]``: one matmul launch per batch entry."""
+    """Batched ``self[i] @ mat2[i]``: one launch of the batched kernel."""
     if not _on_device(self, mat2) or (out is not None and not _on_device(self, out)):
         raise Unsupported("operands (and out=) are not matmul dtypes on one neuron device")
     _check_bmm(self, mat2)
