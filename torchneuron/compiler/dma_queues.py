@@ -42,7 +42,9 @@ def _allocate(program: Program, timeline: Timeline) -> Program:
         if ins.engine is not Engine.DMA or not hasattr(ins, "queue"):
             continue
         ready = max((timeline.end_ns[p] for p in timeline.preds[k]), default=0.0)
-        q = min(range(DMA_QUEUES), key=lambda j: max(free[j], ready))
+        # the queue it starts on earliest; among queues idle by then, the one idle longest (ties all went to
+        # queue 0, which then held a third of a backward's transfers and ran late when they did)
+        q = min(range(DMA_QUEUES), key=lambda j: (max(free[j], ready), free[j]))
         free[q] = max(free[q], ready) + timeline.end_ns[k] - timeline.start_ns[k]
         if q != ins.queue:
             moved[k] = dataclasses.replace(ins, queue=q)
