@@ -89,3 +89,23 @@ def test_sparse_embedding_gradients_train_like_cpu(optimizer):
             opt.step()
     assert dev.weight.grad.is_sparse and dev.weight.grad.device.type == "neuron"
     torch.testing.assert_close(dev.weight.detach().cpu(), cpu.weight.detach())
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "amax", "amin"])
+def test_sparse_mm_reduce_gradients_match_cpu(reduce):
+    """``torch.sparse.mm(csr, dense, reduce)`` falls back with its dense operand's ``requires_grad`` kept on the
+    CPU copy: the CPU kernel returns the amax/amin positions only then, and their backward indexed an empty
+    tensor (a crash) when the copy lost it."""
+    torch.manual_seed(0)
+    a = torch.randn(6, 5).relu().to_sparse_csr()
+    b = torch.randn(5, 3)
+    grads = []
+    for device in ("cpu", "neuron"):
+        x = b.clone().to(device).requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            y = torch.sparse.mm(a.to(device), x, reduce)
+            (y * torch.arange(3.0, device=device)).sum().backward()
+        grads.append((y.detach().cpu(), x.grad.cpu()))
+    torch.testing.assert_close(grads[1][0], grads[0][0])
+    torch.testing.assert_close(grads[1][1], grads[0][1])

@@ -43,7 +43,11 @@ c10::IValue to_device(const c10::IValue& v, std::optional<c10::Device>* device, 
     if (to_cpu) {
       if (!t.is_privateuseone()) return t;
       if (!device->has_value()) *device = t.device();
-      return t.cpu();
+      // the copy keeps the input's requires_grad: CPU kernels read it to decide what to save for the
+      // backward (sparse.mm's amax/amin reduction returns its argmax only then; its backward indexes it)
+      at::Tensor moved = t.cpu();
+      if (t.requires_grad() && moved.is_floating_point()) moved.requires_grad_(true);
+      return moved;
     }
     return t.is_cpu() ? t.to(device->value()) : t;
   };
