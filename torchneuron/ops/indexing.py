@@ -25,7 +25,7 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torch._prims_common import canonicalize_dim
 
-from torchneuron.kernels.indexing import gather_rows, index_rows, iota, mask_rows, MAX_INDEX_DIMS
+from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows, index_rows, iota, mask_rows, MAX_INDEX_DIMS
 from torchneuron.kernels.scan import scan_rows
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
@@ -34,8 +34,6 @@ from torchneuron.ops.elementwise import (can_copy, check_no_internal_overlap, ch
                                          device_copy, run_pointwise)
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering, register_out
-
-ONEHOT_LIMIT = 1 << 26     # elements of the one-hot matrix embedding's backward builds
 
 
 def index_words(index: torch.Tensor) -> tuple[torch.Tensor, int]:

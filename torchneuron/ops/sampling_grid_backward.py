@@ -25,7 +25,7 @@ from torchneuron.ops.elementwise import dense
 from torchneuron.ops.registry import lowering
 from torchneuron.ops.resample import EXACT
 from torchneuron.ops.sampling_grid import batch_base, BICUBIC, chunk_size, grid_check, grid_points, GridRows, NEAREST
-from torchneuron.ops.scatter import ONEHOT_LIMIT
+from torchneuron.kernels.indexing import ONEHOT_LIMIT
 
 
 

@@ -37,7 +37,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torch._prims_common import canonicalize_dim
 
 import torchneuron.nki.language as nl
-from torchneuron.kernels.indexing import gather_rows
+from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows
 from torchneuron.kernels.scan import scan_rows
 from torchneuron.kernels.scatter import scatter_rows
 from torchneuron.kernels import tilemath as tm
@@ -55,7 +55,6 @@ DATA_DTYPES = DEVICE_DTYPES - {torch.float8_e4m3fn, torch.float8_e5m2, torch.uin
 # ops that only move elements (gather, plain scatter, take, put): 8-byte ones move as int32 word pairs
 MOVE_DTYPES = DATA_DTYPES | {torch.int64, torch.float64}
 LINES_LIMIT = 1 << 24      # elements of the [L, S, I] selection an accumulating scatter builds
-ONEHOT_LIMIT = 1 << 26     # elements of the one-hot matrix an accumulating row put builds
 # integer data accumulated exactly mod 2**32 in int32 (as the CPU's own-width arithmetic, wrapped after)
 EXACT_INTS = (torch.int8, torch.int16, torch.int32, torch.uint8)
 BYTE_ROWS = 1 << 16        # rows of one byte product: 255 * BYTE_ROWS < 2**24, exact in fp32
