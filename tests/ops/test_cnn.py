@@ -28,6 +28,31 @@ def _check(fn, *inputs, atol=1e-4, rtol=1e-4):
             torch.testing.assert_close(d.grad.cpu(), c.grad, atol=atol, rtol=rtol)
 
 
+def _check_conv(fn, *inputs):
+    """An fp32 convolution on CPU and on neuron: output and input gradients within the bound of two fp32
+    accumulations (each side K * 2**-24 relative to the sum of the absolute terms, K the longest contraction:
+    at most the elements of the input, weight or output), the sums of terms computed in float64 from the
+    absolute inputs and output gradient (a convolution is linear in each operand)."""
+    cpu = [t.clone().requires_grad_() for t in inputs]
+    dev = [to_n(t).detach().requires_grad_() for t in inputs]
+    want, got = fn(*cpu), fn(*dev)
+    g = torch.randn_like(want)
+    want.backward(g)
+    got.backward(to_n(g))
+    absolute = [t.double().abs().requires_grad_() for t in inputs]
+    terms = fn(*absolute)
+    terms.backward(g.double().abs())
+    k = max(max(t.numel() for t in inputs), want.numel())
+    assert [d.grad is None for d in dev] == [c.grad is None for c in cpu]     # an unused input has no gradient
+    pairs = [(got, want, terms)] + [(d.grad, c.grad, a.grad) for d, c, a in zip(dev, cpu, absolute)
+                                    if c.grad is not None]
+    for i, (a, b, t) in enumerate(pairs):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        err = (a.detach().cpu().double() - b.detach().double()).abs()
+        bound = 2 * k * 2.0**-24 * t.detach()
+        assert (err <= bound).all(), f"result {i}: error {err.max():.3e}, {(err / bound).max():.2f}x its bound"
+
+
 CONVS = {
     "groups2_stride2_pad1_dil2": (lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1, dilation=2, groups=2),
                                   (2, 4, 9, 10), (6, 2, 3, 3)),
@@ -60,13 +85,13 @@ CONVS = {
 @pytest.mark.parametrize("name", sorted(CONVS))
 def test_conv_forward_backward(name, strict):
     fn, xs, ws, *bias_size = CONVS[name]       # (a transposed convolution's bias size is given)
-    _check(fn, torch.randn(xs), torch.randn(ws), torch.randn(bias_size[0] if bias_size else ws[0]))
+    _check_conv(fn, torch.randn(xs), torch.randn(ws), torch.randn(bias_size[0] if bias_size else ws[0]))
 
 
 def test_conv_channels_last_3d(strict):
     x = torch.randn(2, 3, 4, 5, 3).contiguous(memory_format=torch.channels_last_3d)
-    _check(lambda x, w: F.conv3d(x, w, padding=1), x, torch.randn(4, 3, 2, 3, 3))
-    _check(lambda x, w: F.conv_transpose3d(x, w, stride=2), x, torch.randn(3, 2, 2, 2, 2))
+    _check_conv(lambda x, w: F.conv3d(x, w, padding=1), x, torch.randn(4, 3, 2, 3, 3))
+    _check_conv(lambda x, w: F.conv_transpose3d(x, w, stride=2), x, torch.randn(3, 2, 2, 2, 2))
 
 
 def test_conv_transpose_bf16(strict):
