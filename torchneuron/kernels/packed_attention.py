@@ -69,7 +69,8 @@ def _rows_ap(t, view, f0: int, G: int, H: int, n: int, d: int):
 
 def _load_rows(t, view, f0: int, G: int, H: int, n: int, d: int, dt, copies: int = 1, block: int = 0):
     """SBUF [copies * block or n, G, d]: the G heads' rows side by side on partitions 0 .. n (``copies`` > 1:
-    repeated on partition blocks of ``block`` rows, for block-diagonal operands)."""
+    repeated on partition blocks of ``block`` rows, so that head j of a transposed chunk finds its own rows on
+    the partitions its P^T rows occupy: ``_chunk_products``)."""
     tile = nl.ndarray((PMAX, G, d), dt, buffer=nl.sbuf)
     for j in range(copies):
         nisa.dma_copy(dst=tile[j * block:j * block + n], src=_rows_ap(t, view, f0, G, H, n, d))
