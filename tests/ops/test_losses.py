@@ -252,3 +252,22 @@ def test_multilabel_margin_forward_writes_both_outputs(strict):
 def test_out_variants_of_another_dtype_raise_like_the_cpu(name):
     """An fp16 out= for an fp32 result: the CPU's error, from its own kernel (the counted fallback)."""
     assert_raises_like_cpu(lambda n: OUT_CALLS[name](n, n(torch.empty(4, 3, dtype=torch.float16))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("loss", [F.huber_loss, F.smooth_l1_loss])
+def test_robust_losses_of_16_bit_values_round_once(loss, dtype):
+    """Each element's huber / smooth-L1 loss is computed in fp32 and rounded once (rounding ``input - target``
+    to the 16-bit dtype first put results a unit off where the difference is not exact in the dtype). The
+    CPU's kernels round once for huber@fp16 and smooth-L1@bf16 and every step for the other two; so each
+    result is at least as close to the exact loss as the CPU's, and equal to it where the CPU rounds once."""
+    torch.manual_seed(0)
+    x = (torch.randn(4096) * 30).to(dtype)
+    t = (torch.randn(4096) * 0.3).to(dtype)
+    for kw in ({"delta": 1.5} if loss is F.huber_loss else {"beta": 1.5}, {}):
+        want = loss(x, t, reduction="none", **kw)
+        got = loss(to_n(x), to_n(t), reduction="none", **kw).cpu()
+        exact = loss(x.double(), t.double(), reduction="none", **kw)
+        assert ((got.double() - exact).abs() <= (want.double() - exact).abs()).all()
+        if (loss is F.huber_loss) == (dtype == torch.float16):
+            assert torch.equal(got, want)

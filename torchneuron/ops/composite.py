@@ -241,12 +241,16 @@ def _piecewise_loss(name: str, quadratic_scale: bool) -> None:
             raise_like_cpu(op.default, self, target, reduction, param)   # the CPU's range message
         if not _loss_ok(self, target) or param == 0:   # beta == 0: smooth_l1 is l1 (host)
             raise Unsupported("operands on more than one device, mixed or unsupported dtypes, or beta 0")
-        z = (self - target).abs()
+        # bf16/fp16: each element's loss computed in fp32 and rounded once: as the CPU's kernels do for huber@fp16
+        # and smooth_l1@bf16, and at least as exact as theirs, which round every step, for the other two
+        # (rounding self - target first had put huber@fp16 results a unit off the CPU's)
+        wide = self.dtype in (torch.float16, torch.bfloat16)
+        z = ((self.float() - target.float()) if wide else (self - target)).abs()
         if quadratic_scale:
             losses = torch.where(z < param, z * z * (0.5 / param), z - 0.5 * param)
         else:
             losses = torch.where(z < param, z * z * 0.5, (z - 0.5 * param) * param)
-        return reduce_loss(losses, reduction)
+        return reduce_loss(losses.to(self.dtype) if wide else losses, reduction)
     kernel.__name__ = kernel.__qualname__ = name
     lowering(name)(kernel)
     register_out(f"{name}.out", kernel)
