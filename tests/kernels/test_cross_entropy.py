@@ -11,7 +11,16 @@ import torch
 import torch.nn.functional as F
 
 import torchneuron  # noqa: F401  (registers the device)
+from torchneuron.ops.nn import use_fused_cross_entropy
 from torchneuron.runtime import profiler
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fused():
+    """The fused kernels are opt-in (``use_fused_cross_entropy``): on for these tests, off again after."""
+    use_fused_cross_entropy(True)
+    yield
+    use_fused_cross_entropy(False)
 
 U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}   # unit roundoffs
 EPS32 = 2.0 ** -24
