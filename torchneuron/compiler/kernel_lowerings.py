@@ -23,12 +23,12 @@ from torchneuron.compiler.partition import DEVICE_DTYPES
 from torchneuron.compiler.values import (HostTensor, NotLowerable, Value, dense, flat, hbm_value, index_words, numel,
                                          strided_value, unexpanded)
 from torchneuron.kernels.copy import strided_copy
-from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_preferred, result_views
+from torchneuron.kernels.attention import result_views
 from torchneuron.kernels.elementwise import fold_broadcast, stream
 from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows, iota
 from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
-from torchneuron.kernels.packed_attention import packed_attention_bwd, packed_attention_fwd, packed_heads
+from torchneuron.kernels.packed_attention import attention_kernels
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.kernels.softmax import attention_fits, attention_softmax_kernel, softmax_bwd_kernel, softmax_kernel
@@ -456,13 +456,10 @@ SDPA = aten._scaled_dot_product_fused_attention_overrideable.default
 SDPA_BACKWARD = aten._scaled_dot_product_fused_attention_overrideable_backward.default
 
 
-def _flash(q, k, v) -> bool:
-    return flash_preferred(q.shape[3], v.shape[3], k.shape[2], q.shape[2], q.dtype)
-
-
-def _packed(q, k, v) -> bool:
+def _kernels(q, k, v) -> tuple | None:
+    """(forward, backward) kernels of these heads, or None for the composed path (as the eager op picks them)."""
     B, H, L, E = q.shape
-    return packed_heads(B, H, L, k.shape[2], E, v.shape[3]) > 0
+    return attention_kernels(B, H, L, k.shape[2], E, v.shape[3], q.dtype)
 
 
 def _sdpa_ok(q, k, v, bias, dropout_p, scale) -> bool:
@@ -470,7 +467,7 @@ def _sdpa_ok(q, k, v, bias, dropout_p, scale) -> bool:
             and q.dtype == k.dtype == v.dtype
             and tuple(k.shape[:2]) == tuple(v.shape[:2]) == tuple(q.shape[:2]) and k.shape[3] == q.shape[3]
             and k.shape[2] == v.shape[2] and _sdpa_scale(scale, q.shape[3]) > 0
-            and (_flash(q, k, v) or attention_fits(k.shape[2])))
+            and (_kernels(q, k, v) is not None or attention_fits(k.shape[2])))
 
 
 def _sdpa_scale(scale: float | None, head_dim: int) -> float:
@@ -510,10 +507,10 @@ def lower_sdpa(ctx, node, q: Value, k: Value, v: Value, attn_bias=None, dropout_
     B, H, L, E = q.shape
     S, Ev = k.shape[2], v.shape[3]
     s = _sdpa_scale(scale, E)
-    if _packed(q, k, v) or _flash(q, k, v):
+    kernels = _kernels(q, k, v)
+    if kernels:
         (qb, qv), (kb, kv), (vb, vv) = _head_view(q), _head_view(k), _head_view(v)
-        kernel = packed_attention_fwd if _packed(q, k, v) else flash_attention_fwd
-        out, lse = kernel(qb, kb, vb, scale=s, causal=bool(is_causal), q_view=qv, k_view=kv, v_view=vv,
+        out, lse = kernels[0](qb, kb, vb, scale=s, causal=bool(is_causal), q_view=qv, k_view=kv, v_view=vv,
                           shape=(B, H, L, S, E, Ev), out_layout="rows")
         out = _result(out, (B, H, L, Ev), result_views(B, H, L, Ev, "rows")[1][0])
         return out, hbm_value(lse).reshape((B, H, L)), *_sdpa_placeholders(q, L, S)
@@ -552,12 +549,12 @@ def lower_sdpa_backward(ctx, node, g: Value, q: Value, k: Value, v: Value, attn_
     B, H, L, E = q.shape
     S, Ev = k.shape[2], v.shape[3]
     s = _sdpa_scale(scale, E)
-    if _packed(q, k, v) or _flash(q, k, v):
+    kernels = _kernels(q, k, v)
+    if kernels:
         (qb, qv), (kb, kv), (vb, vv), (ob, ov), (gb, gv) = (_head_view(x) for x in (q, k, v, out, g))
         # self-attention's gradients as the rows of the fused QKV projection's gradient: ``cat`` of them is a view
         layout = "packed" if L == S and E == Ev else "rows"
-        kernel = packed_attention_bwd if _packed(q, k, v) else flash_attention_bwd
-        grads = kernel(qb, kb, vb, ob, gb, dense(lse), scale=s, causal=bool(is_causal), q_view=qv, k_view=kv,
+        grads = kernels[1](qb, kb, vb, ob, gb, dense(lse), scale=s, causal=bool(is_causal), q_view=qv, k_view=kv,
                        v_view=vv, o_view=ov, do_view=gv, shape=(B, H, L, S, E, Ev), out_layout=layout)
         if layout == "packed":
             views = result_views(B, H, L, E, layout, parts=3)[1]

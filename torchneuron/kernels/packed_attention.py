@@ -28,7 +28,8 @@ from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.kernels._common import PMAX, PSUM_FP32, spread
-from torchneuron.kernels.attention import causal_bias, result_views
+from torchneuron.kernels.attention import (causal_bias, flash_attention_bwd, flash_attention_fwd, flash_preferred,
+                                           result_views)
 from torchneuron.kernels.matmul import alternating_evict
 
 MIN_GROUP = 2             # fewer heads per instruction than this: the flash kernels are as good
@@ -45,6 +46,16 @@ def packed_heads(B: int, H: int, L: int, S: int, E: int, Ev: int) -> int:
     else:
         g = _largest_divisor(H, g)
     return g if g >= MIN_GROUP else 0
+
+
+def attention_kernels(B: int, H: int, L: int, S: int, E: int, Ev: int, dtype) -> tuple | None:
+    """(forward, backward) attention kernels for heads of these sizes, the one rule of the eager op and the
+    compiler: packed heads where they pack, else the flash kernels where preferred, else None (composed)."""
+    if packed_heads(B, H, L, S, E, Ev):
+        return packed_attention_fwd, packed_attention_bwd
+    if flash_preferred(E, Ev, S, L, dtype):
+        return flash_attention_fwd, flash_attention_bwd
+    return None
 
 
 def _largest_divisor(n: int, at_most: int) -> int:

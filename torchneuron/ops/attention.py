@@ -30,8 +30,7 @@ from typing import Sequence
 
 import torch
 
-from torchneuron.kernels.attention import flash_attention_bwd, flash_attention_fwd, flash_preferred
-from torchneuron.kernels.packed_attention import packed_attention_bwd, packed_attention_fwd, packed_heads
+from torchneuron.kernels.packed_attention import attention_kernels
 from torchneuron.kernels.softmax import attention_fits, attention_softmax_kernel
 from torchneuron.ops.base import storage_span
 from torchneuron.ops.kernel_call import call_kernel
@@ -62,23 +61,13 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bia
 OP = "aten::_scaled_dot_product_fused_attention_overrideable"
 
 
-def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> bool:
-    """Whether the flash kernels take these heads (long enough sequences; ``flash_preferred``)."""
-    B, H, L, E = query.shape
-    return query.dtype == key.dtype == value.dtype and scale > 0 and \
-        flash_preferred(E, value.shape[3], key.shape[2], L, query.dtype) and B * H > 0
-
-
 def _kernels(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> tuple | None:
-    """(forward, backward) kernels for these heads: several small heads per instruction (``packed_heads``),
-    the flash kernels (``_flash``), or None for the composed path. The compiler takes the same ones."""
+    """(forward, backward) kernels for these heads (``attention_kernels``: packed heads, flash, or None for the
+    composed path), for one dtype, a positive scale and at least one head."""
     B, H, L, E = query.shape
-    if packed_heads(B, H, L, key.shape[2], E, value.shape[3]) and scale > 0 and \
-            query.dtype == key.dtype == value.dtype:
-        return packed_attention_fwd, packed_attention_bwd
-    if _flash(query, key, value, scale):
-        return flash_attention_fwd, flash_attention_bwd
-    return None
+    if not (query.dtype == key.dtype == value.dtype and scale > 0 and B * H > 0):
+        return None
+    return attention_kernels(B, H, L, key.shape[2], E, value.shape[3], query.dtype)
 
 
 def _in_place(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
