@@ -75,13 +75,21 @@ def _assert_curves_close(got: list, want: list, rtol: float) -> None:
     assert worst <= rtol, f"largest relative loss deviation {worst:.2e} > {rtol:.0e}\n{got}\n{want}"
 
 
+# Models whose forward Dynamo hands no graph to the backend (torch 2.13 traces nothing of ``nn.LSTM``'s module: it
+# trains as eager ops under torch.compile). The test fails when one of them starts being compiled.
+NOT_CAPTURED = {"lstm"}
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_compiled_training_matches_cpu(case):
     torchneuron.reset_fallback_counts()
+    before = {id(r) for r in reports()}
     got, model = _train(case, "neuron", compiled=True)
+    compiled = any(r.segments for r in reports() if id(r) not in before)   # this test's graphs only
     want, ref = _train(case, "cpu", compiled=False)
     _assert_curves_close(got, want, 1e-4)
-    assert any(r.segments for r in reports()), "nothing was compiled"
+    assert compiled != (case in NOT_CAPTURED), \
+        "nothing was compiled" if not compiled else f"{case} is compiled now: remove it from NOT_CAPTURED"
     assert torchneuron.fallback_counts() == {}
     for (name, b), (_, b_ref) in zip(model.named_buffers(), ref.named_buffers()):  # BatchNorm running stats
         torch.testing.assert_close(b.cpu(), b_ref, rtol=1e-4, atol=1e-5, msg=name)
