@@ -1,6 +1,6 @@
 """Compiled training and inference against the CPU: a GPT-style transformer (fp32 and bf16 autocast), a CNN
-with BatchNorm (its running statistics are input mutations), an LSTM, a compiled optimizer step, and
-``no_grad`` inference. 20 training steps each; losses within 1e-4 relative of the CPU in fp32 (the
+with BatchNorm (its running statistics are input mutations), an LSTM (traced with Dynamo's ``allow_rnn``), a
+compiled optimizer step, and ``no_grad`` inference. 20 training steps each; losses within 1e-4 relative of the CPU in fp32 (the
 transformers match eager to ~1e-7; the CPU's own 1-vs-2-thread runs differ by ~1e-5 over such runs) and
 2e-2 under bf16 autocast (bf16's 2**-8 relative rounding, accumulated over the steps).
 """
@@ -49,6 +49,12 @@ CASES = {
 
 
 def _train(case: str, device: str, compiled: bool, autocast: bool = False, compile_step: bool = False):
+    # Dynamo traces into ``nn.LSTM`` only with ``allow_rnn`` (off by default: the module then runs eagerly)
+    with torch._dynamo.config.patch(allow_rnn=case == "lstm"):
+        return _train_steps(case, device, compiled, autocast, compile_step)
+
+
+def _train_steps(case: str, device: str, compiled: bool, autocast: bool, compile_step: bool):
     build, batch, loss_fn = CASES[case]
     torch.manual_seed(0)
     model = build().to(device)
@@ -75,11 +81,6 @@ def _assert_curves_close(got: list, want: list, rtol: float) -> None:
     assert worst <= rtol, f"largest relative loss deviation {worst:.2e} > {rtol:.0e}\n{got}\n{want}"
 
 
-# Models whose forward Dynamo hands no graph to the backend (torch 2.13 traces nothing of ``nn.LSTM``'s module: it
-# trains as eager ops under torch.compile). The test fails when one of them starts being compiled.
-NOT_CAPTURED = {"lstm"}
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_compiled_training_matches_cpu(case):
     torchneuron.reset_fallback_counts()
@@ -88,11 +89,27 @@ def test_compiled_training_matches_cpu(case):
     compiled = any(r.segments for r in reports() if id(r) not in before)   # this test's graphs only
     want, ref = _train(case, "cpu", compiled=False)
     _assert_curves_close(got, want, 1e-4)
-    assert compiled != (case in NOT_CAPTURED), \
-        "nothing was compiled" if not compiled else f"{case} is compiled now: remove it from NOT_CAPTURED"
+    assert compiled, "nothing was compiled"
     assert torchneuron.fallback_counts() == {}
     for (name, b), (_, b_ref) in zip(model.named_buffers(), ref.named_buffers()):  # BatchNorm running stats
         torch.testing.assert_close(b.cpu(), b_ref, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_lstm_without_allow_rnn_trains_eagerly():
+    """Dynamo's default leaves ``nn.LSTM`` out of the graph (as with any backend): the model trains as eager ops."""
+    torch.manual_seed(0)
+    model = torch.nn.LSTM(6, 8, batch_first=True)
+    x = torch.randn(2, 5, 6)
+    dev = torch.nn.LSTM(6, 8, batch_first=True)
+    dev.load_state_dict(model.state_dict())
+    dev = dev.to("neuron")
+    before = {id(r) for r in reports()}
+    torch._dynamo.reset()
+    got, _ = torch.compile(dev, backend="neuron")(x.to("neuron"))
+    assert not any(r.segments for r in reports() if id(r) not in before)
+    # outputs in (-1, 1); each step's gates sum 6 + 8 products and two biases (2**-23 per term, both sides),
+    # compounding over the 5 steps
+    torch.testing.assert_close(got.cpu(), model(x)[0], rtol=0, atol=5 * 16 * 2**-23)
 
 
 def test_compiled_gpt_under_bf16_autocast_matches_cpu():
