@@ -271,3 +271,58 @@ def test_robust_losses_of_16_bit_values_round_once(loss, dtype):
         assert ((got.double() - exact).abs() <= (want.double() - exact).abs()).all()
         if (loss is F.huber_loss) == (dtype == torch.float16):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_xlogy_of_16_bit_values_rounds_where_the_cpu_does(dtype, strict):
+    """xlogy of bf16/fp16 rounds log(y) to the dtype and then the product, as the CPU's kernel does
+    (``x * std::log(y)`` on 2-byte scalars): the device equals the CPU bit for bit, and both are within those
+    two roundings of the exact value, |r - x log y| <= (2u + u^2) |x log y| (u = eps / 2; the operands are
+    exact in the dtype) plus the fp32 log's own error, a few fp32 units of |x log y| and of |x| (near y = 1)."""
+    torch.manual_seed(0)
+    x = torch.randn(8192).to(dtype)
+    y = (torch.rand(8192) * 4).to(dtype)
+    x[:4], y[4:8] = 0.0, 0.0
+    want = torch.xlogy(x, y)
+    got = torch.xlogy(to_n(x), to_n(y)).cpu()
+    assert torch.equal(got, want)
+    exact = torch.xlogy(x.double(), y.double())
+    u, u32 = torch.finfo(dtype).eps / 2, torch.finfo(torch.float32).eps
+    fin = exact.isfinite()
+    bound = (2 * u + u * u + 4 * u32) * exact.abs() + 4 * u32 * x.double().abs()
+    assert ((got.double() - exact).abs() <= bound)[fin].all()
+    # a Python scalar y is taken to the dtype first, as the CPU's common dtype does
+    assert torch.equal(torch.xlogy(to_n(x), 3.7).cpu(), torch.xlogy(x, 3.7))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["batchmean", "sum", "none"])
+def test_kl_div_gradients_of_16_bit_values_round_where_the_cpu_does(dtype, reduction, strict):
+    """kl_div(input, target) = xlogy(target, target) - target * input: the target's gradient is
+    g log t + g - g input, formed by PyTorch's composition in the dtype with the terms rounded one by one and
+    summed. With xlogy's backward (xlogy(g, t)) rounding as the CPU's, the device's gradients equal the CPU's
+    bit for bit (they were a few units of the largest term off where the terms cancel), and each is within the
+    roundings of its steps of the float64 gradient of the same inputs: a term rounded at most twice (2u + u^2
+    of it) and the two sums of the accumulation (u of each partial sum), so (4u + u^2) sum|terms| bounds it,
+    plus half a subnormal unit s of each product in the gradual underflow range (fp16 targets below 2^-14):
+    g t rounded there and then divided by t is s / (2t) off, the other products s / 2."""
+    torch.manual_seed(1)
+    inp = torch.randn(16, 40).log_softmax(-1).to(dtype)
+    tgt = torch.randn(16, 40).mul(2).softmax(-1).to(dtype)
+    g = torch.randn(16, 40) if reduction == "none" else torch.randn(())
+    g = g.to(dtype)
+    grads = []
+    for dev in ("cpu", "neuron", "float64"):
+        i, t, gg = (inp.double(), tgt.double(), g.double()) if dev == "float64" else \
+            (inp.to(dev), tgt.to(dev), g.to(dev))
+        i, t = i.clone().requires_grad_(), t.clone().requires_grad_()
+        F.kl_div(i, t, reduction=reduction).backward(gg)
+        grads.append((i.grad.cpu(), t.grad.cpu()))
+    (ci, ct), (ni, nt), (xi, xt) = grads
+    assert torch.equal(ni, ci) and torch.equal(nt, ct)
+    u = torch.finfo(dtype).eps / 2
+    gs = g.double() / (16 if reduction == "batchmean" else 1)
+    terms = gs.abs() * (tgt.double().log().abs() + 1 + inp.double().abs())
+    s = torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+    floor = s / 2 * (3 + 1 / tgt.double())
+    assert ((nt.double() - xt).abs() <= (4 * u + u * u) * terms + floor).all()

@@ -9,11 +9,13 @@ Inputs the device cannot compute (int64, float64, complex) go to the CPU fallbac
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
 from torch._prims_common import elementwise_dtypes
 
+import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
 from torchneuron.kernels.int64_words import int64_add
 from torchneuron.ops.base import overload, overload_exists, resize_out, type_name, Unsupported, variants
@@ -175,8 +177,35 @@ register_pointwise(["atan2", "atan2_", "atan2.out"], lambda x, y: (tm.atan2, [x,
 register_pointwise(["hypot", "hypot_", "hypot.out"], lambda x, y: (tm.hypot, [x, y]), KIND.DEFAULT)
 register_pointwise(["copysign.Tensor", "copysign_.Tensor", "copysign.out", "copysign.Scalar", "copysign_.Scalar",
             "copysign.Scalar_out"], lambda x, y: (tm.copysign, [x, y]), KIND.INT_TO_FLOAT)
+
+
+@functools.cache
+def _xlogy_half(dtype: torch.dtype) -> Callable:
+    """xlogy computed in ``dtype`` (bf16 or fp16) as the CPU's kernel does it: log(y) rounded to the dtype, then
+    x * that rounded again (``x * std::log(y)`` on 2-byte scalars), the operands first taken to the dtype (a
+    Python scalar, an integer tensor) as the CPU's common dtype does. The fp32 product of two 2-byte values is
+    exact, so rounding it to the dtype is the CPU's rounding; it is rounded here too, not only by the store,
+    for an ``out=`` of a wider dtype."""
+    half = nl.bfloat16 if dtype == torch.bfloat16 else nl.float16
+
+    def rounded(t):
+        return nl.copy(nl.copy(t, dtype=half), dtype=nl.float32)
+
+    def xlogy_half(x, y):
+        x, y = rounded(x), rounded(y)   # a scalar or an integer operand, in the dtype as on the CPU
+        r = tm.where(nl.equal(x, 0.0), tm._fill(x, y, 0), rounded(nl.multiply(x, rounded(nl.log(y)))))
+        return tm.where(tm.isnan(y), y, r)
+    xlogy_half.__name__ = f"xlogy_{type_name(dtype)}"
+    return xlogy_half
+
+
+def _xlogy(x, y):
+    dtype = torch.result_type(x, y)
+    return (_xlogy_half(dtype) if dtype in (torch.bfloat16, torch.float16) else tm.xlogy), [x, y]
+
+
 register_pointwise(["xlogy.Tensor", "xlogy_.Tensor", "xlogy.OutTensor", "xlogy.Scalar_Other", "xlogy_.Scalar_Other",
-            "xlogy.OutScalar_Other"], lambda x, y: (tm.xlogy, [x, y]), KIND.INT_TO_FLOAT)
+            "xlogy.OutScalar_Other"], _xlogy, KIND.INT_TO_FLOAT)
 
 
 def float_only(fn: Callable) -> Callable:
