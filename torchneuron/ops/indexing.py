@@ -29,9 +29,8 @@ from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows, index_rows, 
 from torchneuron.kernels.scan import scan_rows
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import aten, DEVICE_DTYPES, FLOATS, raise_like_cpu, resize_out, Unsupported
-from torchneuron.ops.elementwise import (can_copy, check_no_internal_overlap, check_no_overlap, copy_parts, dense,
-                                         device_copy, run_pointwise)
+from torchneuron.ops.base import aten, DEVICE_DTYPES, FLOATS, raise_like_cpu, type_name, Unsupported
+from torchneuron.ops.elementwise import can_copy, copy_parts, dense, device_copy, run_pointwise
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering, register_out
 
@@ -242,51 +241,43 @@ def embedding_dense_backward(grad_output: torch.Tensor, indices: torch.Tensor, n
     return onehot @ grad_output.reshape(n, D)
 
 
-@lowering("cat", "cat.out")
-def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``torch.cat``: each input copied into its slice of the result by strided DMAs."""
+@lowering("cat")
+def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.cat``: each input copied into its slice of the result by strided DMAs. ``dtype``: the result's
+    dtype, where it is not the inputs' promoted one (``cat.out`` writes an ``out=`` tensor's dtype: each input
+    is cast into it directly, as the CPU casts it, refused where the promoted dtype cannot be cast to it)."""
     ts = list(tensors)
     dev = ts[0].device if ts else None
     live = [t for t in ts if not (t.dim() == 1 and t.numel() == 0)]   # legacy empty inputs are skipped
-    if ts and not live and all(t.device == dev for t in ts) and out is None and dev.type == "neuron":
-        dtype = ts[0].dtype                    # only legacy empty inputs: an empty result
-        for t in ts[1:]:
-            dtype = torch.promote_types(dtype, t.dtype)
-        return torch.empty((0,), dtype=dtype, device=dev)
-    for i, t in enumerate(ts):     # the CPU's rank checks, whatever then runs the op
+    if not ts or any(t.device != dev for t in ts) or dev.type != "neuron":
+        raise Unsupported("no inputs, or inputs on more than one device")
+    for i, t in enumerate(ts):     # the CPU's checks, in its order, whatever then runs the op
         if t.dim() == 0:
             raise RuntimeError(f"zero-dimensional tensor (at position {i}) cannot be concatenated")
-    for t in live:
-        if t.dim() != live[0].dim():
-            raise RuntimeError(f"Tensors must have same number of dimensions: got {live[0].dim()} and {t.dim()}")
-    ok = ts and all(t.device == dev for t in ts) and (out is None or out.device == dev) and live
-    if not ok:
-        raise Unsupported("inputs on more than one device")
-    d = canonicalize_dim(live[0].dim(), dim)
+    d = canonicalize_dim(live[0].dim(), dim) if live else dim
+    promoted = ts[0].dtype
+    for t in ts[1:]:
+        promoted = torch.promote_types(promoted, t.dtype)
+    if dtype is not None and not torch.can_cast(promoted, dtype):
+        raise TypeError(f"torch.cat(): input types can't be cast to the desired output type {type_name(dtype)}")
+    dtype = promoted if dtype is None else dtype
+    if not live:                   # only legacy empty inputs: an empty result
+        return torch.empty((0,), dtype=dtype, device=dev)
     ref = live[0].shape
     for i, t in enumerate(ts):
         if t.dim() == 1 and t.numel() == 0:
             continue
+        if t.dim() != len(ref):
+            raise RuntimeError(f"Tensors must have same number of dimensions: got {len(ref)} and {t.dim()}")
         for k in range(t.dim()):
             if k != d and t.shape[k] != ref[k]:
                 raise RuntimeError(f"Sizes of tensors must match except in dimension {d}. Expected size {ref[k]} but "
                                    f"got size {t.shape[k]} for tensor number {i} in the list.")
-    dtype = live[0].dtype
-    for t in ts[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
     shape = list(ref)
     shape[d] = sum(t.shape[d] for t in live)
-    if out is None:
-        out = torch.empty(shape, dtype=dtype, device=dev)
-    else:
-        check_no_internal_overlap(out)
-        if not torch.can_cast(dtype, out.dtype):
-            raise RuntimeError(f"torch.cat(): input types can't be cast to the desired output type {out.dtype}")
-        if tuple(out.shape) != tuple(shape):
-            resize_out(out, shape)
-        check_no_overlap(out, ts)             # (after the resize: an out= that now covers an input, or is one)
+    out = torch.empty(shape, dtype=dtype, device=dev)
     if any(not can_copy(out, t) for t in live):
-        # the result (or the given out=) is already allocated and sized: the CPU fills it
+        # the result is already allocated and sized: the CPU fills it
         raise Unsupported("a dtype conversion the device lacks", fallback=(aten.cat.out, (tensors, dim), {"out": out}))
     parts, o = [], 0
     for t in live:
@@ -300,6 +291,10 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: torch.Tensor | No
         for dst, t in parts:
             device_copy(dst, t)
     return out
+
+
+# the CPU writes each input into the out= tensor cast to its dtype: the functional kernel makes the result in it
+register_out("cat.out", cat, dtype_from_out=True)
 
 
 @lowering("flip")

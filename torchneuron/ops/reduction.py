@@ -10,17 +10,17 @@ and products (int64 results), empty inputs and other dtypes take the CPU fallbac
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch._prims_common import canonicalize_dim
 
 from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.ops.base import FLOATS, type_name, Unsupported
-from torchneuron.ops.elementwise import dense, to_int64, write_result
+from torchneuron.ops.elementwise import dense, to_int64
 from torchneuron.ops.int64_elementwise import int_reduce  # exact integer sums (fp32 is exact only below 2**24)
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import lowering, register_out
+from torchneuron.ops.registry import LOWERED, lowering, out_dtype_error, register_out
 
 INT_SUM = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -90,31 +90,34 @@ def _cast_input(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return x.to(dtype)
 
 
-def _lower(name: str, op: str, *, has_dtype: bool = True, default_dims: bool = False):
+def _mean_dtype_check(self: torch.Tensor, dtype: torch.dtype | None) -> None:
+    """mean's refusal of an integer result (of the input's dtype, or of the ``dtype=`` given), as on CPU."""
+    if dtype is None and not (self.is_floating_point() or self.is_complex()):
+        raise RuntimeError(f"mean(): could not infer output dtype. Input dtype must be either a floating "
+                           f"point or complex dtype. Got: {type_name(self.dtype)}")
+    if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+        raise RuntimeError(f"mean(): could not infer output dtype. Optional dtype must be either a floating "
+                           f"point or complex dtype. Got: {type_name(dtype)}")
+
+
+def _reduction_args(args: tuple, kwargs: dict, has_dtype: bool, default_dims: bool) -> tuple:
+    """(dim, keepdim, dtype) of a reduction's call, whichever overload it came through."""
+    if default_dims:  # sum(x, dtype=None), prod(x, dtype=None) ... over everything
+        return None, False, args[0] if args else kwargs.get("dtype")
+    dim = args[0] if args else kwargs.get("dim")
+    keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
+    dtype = (args[2] if len(args) > 2 else kwargs.get("dtype")) if has_dtype else None
+    return dim, keepdim, dtype
+
+
+def _lower(name: str, op: str, *, has_dtype: bool = True, default_dims: bool = False) -> Callable:
 
     def kernel(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        out = kwargs.get("out")
-        if self.device.type != "neuron" or (out is not None and out.device != self.device):
+        if self.device.type != "neuron":
             raise Unsupported
-        if default_dims:  # sum(x, dtype=None), prod(x, dtype=None) ... over everything
-            dim, keepdim = None, False
-            dtype = args[0] if args else kwargs.get("dtype")
-        else:
-            dim = args[0] if args else kwargs.get("dim")
-            keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
-            dtype = (args[2] if len(args) > 2 else kwargs.get("dtype")) if has_dtype else None
-        if op == "mean" and not (self.is_floating_point() or self.is_complex()) and dtype is None:
-            raise RuntimeError(f"mean(): could not infer output dtype. Input dtype must be either a floating "
-                               f"point or complex dtype. Got: {type_name(self.dtype)}")
-        if op == "mean" and dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
-            raise RuntimeError(f"mean(): could not infer output dtype. Optional dtype must be either a floating "
-                               f"point or complex dtype. Got: {type_name(dtype)}")
-        if dtype is None and out is not None and has_dtype:
-            dtype = out.dtype
-        if out is not None and not has_dtype and out.dtype != self.dtype:
-            raise RuntimeError(f"Expected the dtype for input and out to match, but got "
-                               f"{type_name(self.dtype)} for input's dtype and {type_name(out.dtype)} for "
-                               "out's dtype.")
+        dim, keepdim, dtype = _reduction_args(args, kwargs, has_dtype, default_dims)
+        if op == "mean":
+            _mean_dtype_check(self, dtype)
         x = _cast_input(self, dtype)
         dims = _dims(x, dim)
         if op in ("max", "min") and x.numel() == 0:
@@ -124,8 +127,10 @@ def _lower(name: str, op: str, *, has_dtype: bool = True, default_dims: bool = F
         res = _reduce(x, dims, op, bool(keepdim))
         if dtype is not None and res.dtype != dtype:  # an integer sum in another int dtype: wraps like the CPU
             res = res.to(dtype)
-        return write_result(res, out)
+        return res
+    kernel.__name__ = kernel.__qualname__ = name.partition(".")[0]
     lowering(name)(kernel)
+    return kernel
 
 
 def _check_empty_extreme(name: str, x: torch.Tensor, dim: Any, dims: list[int]) -> None:
@@ -138,17 +143,34 @@ def _check_empty_extreme(name: str, x: torch.Tensor, dim: Any, dims: list[int]) 
             raise IndexError(f"{name}(): Expected reduction dim {d} to have non-zero size.")
 
 
-for _name in ("sum.dim_IntList", "sum.IntList_out"):
-    _lower(_name, "sum")
-_lower("sum", "sum", default_dims=True)
-for _name in ("mean.dim", "mean.out"):
-    _lower(_name, "mean")
-_lower("mean", "mean", default_dims=True)
-for _name, _op in (("amax", "max"), ("amax.out", "max"), ("amin", "min"), ("amin.out", "min")):
-    _lower(_name, _op, has_dtype=False)
-for _name in ("prod.dim_int", "prod.int_out"):
-    _lower(_name, "prod")
-_lower("prod", "prod", default_dims=True)
+def _out_checks(op: str) -> Callable[..., None]:
+    """The CPU's checks of a reduction's ``out=`` dtype, in its order (``register_out``'s ``cast``). sum, prod and
+    mean compute in the ``dtype=`` given, else in the ``out=`` tensor's dtype, and refuse an ``out=`` of another
+    dtype than a given one after checking the dims; amax/amin refuse one unlike the input before anything else."""
+    def check(out: torch.Tensor, self: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if op in ("max", "min"):
+            if out.dtype != self.dtype:
+                raise RuntimeError(f"Expected the dtype for input and out to match, but got {type_name(self.dtype)} "
+                                   f"for input's dtype and {type_name(out.dtype)} for out's dtype.")
+            return
+        dim, _, dtype = _reduction_args(args, kwargs, True, False)
+        if op == "mean":
+            _mean_dtype_check(self, dtype)
+        _dims(self, dim)
+        if dtype is not None and dtype != out.dtype:
+            raise out_dtype_error(dtype, out.dtype)
+        if op == "mean" and not (out.dtype.is_floating_point or out.dtype.is_complex):
+            # the CPU sums into the integer out= tensor, then refuses to divide it in place: its kernel does both
+            raise Unsupported("mean into an integer out= tensor")
+    return check
+
+
+for _name, _out, _op in (("sum.dim_IntList", "sum.IntList_out", "sum"), ("mean.dim", "mean.out", "mean"),
+                         ("prod.dim_int", "prod.int_out", "prod")):
+    register_out(_out, _lower(_name, _op), dtype_from_out=True, cast=_out_checks(_op))
+    _lower(_op, _op, default_dims=True)
+for _name, _op in (("amax", "max"), ("amin", "min")):
+    register_out(f"{_name}.out", _lower(_name, _op, has_dtype=False), cast=_out_checks(_op))
 
 
 def _full_extreme(name: str, op: str):
@@ -165,24 +187,25 @@ _full_extreme("max", "max")
 _full_extreme("min", "min")
 
 
-def _with_indices(name: str, op: str):
+def _with_indices(name: str, op: str, out_name: str) -> None:
 
-    def kernel(self: torch.Tensor, dim: int, keepdim: bool = False, **kwargs: Any):
-        outs = [kwargs.get(k) for k in ("max", "max_values", "min", "min_indices", "indices") if k in kwargs]
-        if not outs and self.dim() == 0 and self.device.type == "neuron":   # a scalar is its own extreme
-            canonicalize_dim(1, dim)                                        # IndexError as on CPU
+    def kernel(self: torch.Tensor, dim: int, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.device.type != "neuron" or self.numel() == 0:
+            raise Unsupported("a tensor off the device, or an empty input")
+        if self.dim() == 0:                             # a scalar is its own extreme
+            canonicalize_dim(1, dim)                    # IndexError as on CPU
             return self.clone(), torch.zeros((), dtype=torch.int64, device=self.device)
-        if outs or self.dim() == 0 or self.numel() == 0:
-            raise Unsupported
         d = _dims(self, dim)
         values = _reduce(self, d, op, keepdim)
         indices = _reduce(self, d, f"arg{op}", keepdim)
         return values, indices
+    kernel.__name__ = kernel.__qualname__ = op
     lowering(name)(kernel)
+    register_out(out_name, kernel)
 
 
-_with_indices("max.dim", "max")
-_with_indices("min.dim", "min")
+_with_indices("max.dim", "max", "max.dim_max")
+_with_indices("min.dim", "min", "min.dim_min")
 
 
 def _arg(name: str, op: str):
@@ -230,31 +253,38 @@ _var_lowering("var.correction", False)
 _var_lowering("std.correction", True)
 
 
-def _any_all(name: str, is_all: bool):
-    def kernel(self: torch.Tensor, dim: Any = None, keepdim: bool = False, *, out=None) -> torch.Tensor:
-        """all/any: the min/max over the dims of (x != 0) in fp32, as bool."""
-        if self.device.type != "neuron" or self.dtype.is_complex or \
-                (out is not None and (out.device != self.device or out.dtype not in (torch.bool, torch.uint8))):
-            raise Unsupported("a tensor off the device, a complex input, or an out= unlike a bool result")
+def _any_all(name: str, is_all: bool) -> Callable:
+    def kernel(self: torch.Tensor, dim: Any = None, keepdim: bool = False) -> torch.Tensor:
+        """all/any: the min/max over the dims of (x != 0) in fp32, as bool (uint8 for a uint8 input)."""
+        if self.device.type != "neuron":
+            raise Unsupported("a tensor off the device")
         if self.numel() == 0:  # the empty identity: all() is True, any() is False
             dims = _dims(self, dim)
             shape = [1 if d in dims else n for d, n in enumerate(self.shape)] if keepdim else \
                 [n for d, n in enumerate(self.shape) if d not in dims]
-            res = torch.full(shape, is_all, dtype=torch.uint8 if self.dtype == torch.uint8 else torch.bool,
-                             device=self.device)
-            return write_result(res, out)
+            return torch.full(shape, is_all, dtype=torch.uint8 if self.dtype == torch.uint8 else torch.bool,
+                              device=self.device)
         flags = (self != 0).to(torch.float32)
         res = _reduce(flags, _dims(self, dim), "min" if is_all else "max", bool(keepdim)) != 0
-        if self.dtype == torch.uint8:
-            res = res.to(torch.uint8)
-        return write_result(res, out)
+        return res.to(torch.uint8) if self.dtype == torch.uint8 else res
+    kernel.__name__ = kernel.__qualname__ = name.partition(".")[0]
     lowering(name)(kernel)
+    return kernel
 
 
-for _name in ("all", "all.dim", "all.dims", "all.out", "all.dims_out", "all.all_out"):
-    _any_all(_name, True)
-for _name in ("any", "any.dim", "any.dims", "any.out", "any.dims_out", "any.all_out"):
-    _any_all(_name, False)
+def _bool_or_byte_out(name: str) -> Callable[..., None]:
+    """The CPU's check of an any/all ``out=`` tensor (before the dims): bool, or uint8 (written 0/1)."""
+    def check(out: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if out.dtype not in (torch.bool, torch.uint8):
+            raise RuntimeError(f"{name} only supports bool tensor for result, got: {type_name(out.dtype)}")
+    return check
+
+
+for _packet, _is_all in (("all", True), ("any", False)):
+    _any_all(_packet, _is_all)
+    for _name, _out in ((f"{_packet}.dim", f"{_packet}.out"), (f"{_packet}.dims", f"{_packet}.dims_out")):
+        register_out(_out, _any_all(_name, _is_all), cast=_bool_or_byte_out(_packet))
+    register_out(f"{_packet}.all_out", LOWERED[_packet], cast=_bool_or_byte_out(_packet))
 
 
 @lowering("linalg_vector_norm")

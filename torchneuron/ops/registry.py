@@ -11,7 +11,7 @@ operators take, so it is counted, warned about once, refused under ``TORCHNEURON
 checks devices the way PyTorch does. A kernel that must fall back to another call (the ``out=``
 overload of a result it already allocated) names it: ``Unsupported(reason, fallback=(op, args,
 kwargs))``. No lowering calls ``cpu_fallback`` itself. ``register_out`` derives an ``out=``
-overload from its functional kernel.
+overload from its functional kernel, casting into an ``out=`` tensor of another dtype where the CPU does.
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ import torch
 
 from torchneuron import _C
 from torchneuron.ops.base import overload, Unsupported
-from torchneuron.ops.elementwise import aliases_itself, share_bytes, write_result
+from torchneuron.ops.elementwise import aliases_itself, can_copy, share_bytes, write_result
 
 __all__ = ["COMPLEX_LOWERED", "LOWERED", "Unsupported", "complex_lowering", "cpu_fallback", "lowering",
-           "register_out"]
+           "out_dtype_error", "register_out"]
 
 
 _LIB = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (kept alive for the process)
@@ -114,17 +114,22 @@ def cpu_fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
 
 def _aliased_cpu_twin() -> Callable[[Any], Any]:
     """A function making CPU copies of tensors (in lists, tuples and dicts too) that share memory where the
-    originals do: each storage is copied once, each tensor re-made as the same view of its copy."""
+    originals do: each storage is copied once, each tensor re-made as the same view of its copy (once: a tensor
+    met twice, an input passed as out=, is one twin, so a resize of one is a resize of the other)."""
     images: dict[int, torch.Tensor] = {}
+    twins: dict[int, torch.Tensor] = {}     # a tensor passed twice (an input as out=) is one twin
 
     def twin(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
+            if id(v) in twins:
+                return twins[id(v)]
             storage = v.untyped_storage()
-            if storage.data_ptr() not in images:
+            if storage._cdata not in images:      # (keyed by the storage itself: empty ones share data_ptr 0)
                 raw = torch.empty(0, dtype=torch.uint8, device=v.device).set_(storage)
-                images[storage.data_ptr()] = raw.cpu()
-            return torch.empty(0, dtype=v.dtype).set_(images[storage.data_ptr()].untyped_storage(),
-                                                      v.storage_offset(), v.shape, v.stride())
+                images[storage._cdata] = raw.cpu()
+            twins[id(v)] = torch.empty(0, dtype=v.dtype).set_(images[storage._cdata].untyped_storage(),
+                                                              v.storage_offset(), v.shape, v.stride())
+            return twins[id(v)]
         if isinstance(v, (list, tuple)):
             return type(v)(twin(x) for x in v)
         if isinstance(v, dict):
@@ -133,35 +138,79 @@ def _aliased_cpu_twin() -> Callable[[Any], Any]:
     return twin
 
 
-def register_out(name: str, functional: Callable, warn_resize: bool = True, dtype_from_out: bool = False) -> None:
+def _shared(out: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether an ``out=`` tensor shares bytes with ``t``, or is empty on ``t``'s storage (which a resize grows)."""
+    return share_bytes(out, t) or (not out.numel() and out.device == t.device and
+                                   out.untyped_storage()._cdata == t.untyped_storage()._cdata)
+
+
+# the C++ type names of PyTorch's structured-kernel messages ("Expected out tensor to have dtype float, ...")
+_CPP_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+              torch.bfloat16: "c10::BFloat16", torch.int64: "long int", torch.int32: "int", torch.int16: "short int",
+              torch.int8: "signed char", torch.uint8: "unsigned char", torch.bool: "bool",
+              torch.complex64: "c10::complex<float>", torch.complex128: "c10::complex<double>"}
+
+
+def out_dtype_error(expected: torch.dtype, got: torch.dtype) -> RuntimeError:
+    """The refusal of a structured CPU kernel (``sum``, ``prod``, ``mean``, ``max.dim`` ...) given an ``out=``
+    tensor of another dtype than the one it computes, word for word."""
+    return RuntimeError(f"Expected out tensor to have dtype {_CPP_NAMES.get(expected, str(expected))}, but got "
+                        f"{_CPP_NAMES.get(got, str(got))} instead")
+
+
+def register_out(name: str, functional: Callable, warn_resize: bool = True, dtype_from_out: bool = False,
+                 cast: Callable[..., None] | None = None) -> None:
     """Register the ``out=`` overload ``name`` as ``functional`` (its functional form's kernel) with each result
     written into its ``out=`` tensor, resized first as PyTorch resizes (with its warning when the tensor had
     elements; ``warn_resize=False`` for an op whose CPU kernel resizes quietly). ``dtype_from_out``: an op whose
-    ``dtype=`` argument, when not given, is the ``out=`` tensor's dtype (the CPU's reductions compute in it). The
-    CPU fallback of ``name``
-    takes the ``out=`` tensors whose semantics are the CPU kernel's to decide: one on another device or of
-    another dtype than its result (the CPU casts or refuses), one whose elements alias each other or that shares
-    memory with an input or another ``out=`` tensor (the CPU's overlap error, met on a CPU image of the memory,
-    or its result)."""
+    ``dtype=`` argument, when not given, is the ``out=`` tensor's dtype (the CPU's reductions compute in it).
+
+    ``cast``: the CPU kernel's checks of its ``out=`` tensor's dtype, for an op with one ``out=`` tensor that the
+    CPU writes its result into cast to that tensor's dtype: called as ``cast(out, *args, **kwargs)`` (the call's
+    arguments) before anything is computed, it raises the CPU's refusal, in the CPU's order of checks, or
+    ``Unsupported`` for a case the device leaves to the CPU kernel. A result of another dtype than an ``out=``
+    tensor that passed is written into it cast on the device (or, for a conversion the device lacks, by the CPU
+    fallback of ``name``). Without ``cast``, an ``out=`` tensor of another dtype than its result takes that
+    fallback, which casts or raises as the CPU does.
+
+    The CPU fallback of ``name`` also takes the ``out=`` tensors whose semantics are the CPU kernel's to decide:
+    one on another device than its result, one whose elements alias each other or that shares memory with an
+    input or another ``out=`` tensor (the CPU's overlap error, met on a CPU image of the memory, or its
+    result)."""
     op = overload(name)
     out_names = [a.name for a in op._schema.arguments if a.is_out]
+    if cast is not None and len(out_names) != 1:
+        raise RuntimeError(f"aten::{name}: cast= is for an op with one out= tensor")
 
     def out_variant(*args: Any, **kwargs: Any) -> Any:
         outs = [kwargs.pop(n) for n in out_names]
         inputs = [t for v in (*args, *kwargs.values()) for t in (v if isinstance(v, (list, tuple)) else [v])
                   if isinstance(t, torch.Tensor)]
-        if any(aliases_itself(o) or any(share_bytes(o, t) for t in inputs + outs[:i]) for i, o in enumerate(outs)):
+        if any(aliases_itself(o) or any(_shared(o, t) for t in inputs + outs[:i]) for i, o in enumerate(outs)):
             # the boxed fallback copies each tensor on its own, losing the aliasing: the CPU kernel first meets it
-            # on a CPU image of the memory, where it raises its overlap error if it refuses
+            # on a CPU image of the memory, where it raises its overlap error if it refuses (an empty out= that is an
+            # input, or a view of one, overlaps it once resized)
             twin = _aliased_cpu_twin()
             op(*twin(args), **twin(kwargs), **{n: twin(o) for n, o in zip(out_names, outs)})
             raise Unsupported("an out= tensor aliasing itself, an input or another out= tensor")
+        if cast is not None:
+            cast(outs[0], *args, **kwargs)
         if dtype_from_out and kwargs.get("dtype") is None:
             kwargs["dtype"] = outs[0].dtype
-        res = functional(*args, **kwargs)
+        try:
+            res = functional(*args, **kwargs)
+        except Unsupported as refusal:
+            if refusal.fallback is None:
+                raise
+            # a call the functional kernel names (the out= overload of its own result) would fill that result,
+            # not the out= tensor: the fallback is this overload's, on the arguments it was called with
+            raise Unsupported(str(refusal)) from None
         results = res if isinstance(res, tuple) else (res,)
-        if any(o.device != r.device or o.dtype != r.dtype for o, r in zip(outs, results)):
-            raise Unsupported("an out= tensor of another device or dtype than its result")
+        if any(o.device != r.device for o, r in zip(outs, results)):
+            raise Unsupported("an out= tensor on another device than its result")
+        if any(o.dtype != r.dtype and (cast is None or not can_copy(o, r)) for o, r in zip(outs, results)):
+            raise Unsupported("an out= tensor of another dtype than its result" if cast is None else
+                              "a conversion into the out= tensor's dtype that the device lacks")
         written = tuple(write_result(r, o, warn_resize) for r, o in zip(results, outs))
         return written if isinstance(res, tuple) else written[0]
 

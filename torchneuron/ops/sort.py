@@ -41,7 +41,7 @@ from torchneuron.ops.elementwise import dense, run_pointwise, to_int64, write_re
 from torchneuron.ops.indexing import arange_values
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering, register_out
-from torchneuron.ops.scatter import check_out, DATA_DTYPES, scatter_into
+from torchneuron.ops.scatter import DATA_DTYPES, scatter_into
 
 SORT_LIMIT = 1 << 24       # comparisons (L * n * n) of one device rank sort
 RANK_COLS = 16             # longer lines take the bitonic network (faster from about there on)
@@ -366,22 +366,22 @@ def _leading(x: torch.Tensor, k: int, d: int, descending: bool) -> tuple[torch.T
     return v, torch.gather(indices, d, j)
 
 
-@lowering("kthvalue.values")
-def kthvalue(self: torch.Tensor, k: int, dim: int = -1, keepdim: bool = False, *, values: torch.Tensor,
-             indices: torch.Tensor):
+@lowering("kthvalue")
+def kthvalue(self: torch.Tensor, k: int, dim: int = -1, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.kthvalue``: column k - 1 of an ascending stable sort."""
-    if not on_one_device(self, values, indices):
+    if not on_one_device(self):
         raise Unsupported
-    aten.kthvalue.values(meta_twin(self), k, dim, keepdim, values=meta_twin(values), indices=meta_twin(indices))
-    check_out(values, self)
-    check_out(indices, self)
+    aten.kthvalue.default(meta_twin(self), k, dim, keepdim)
     d = canonicalize_dim(max(self.dim(), 1), dim)
     v, i = sort_lines(self, dim, False)
     if self.dim():
         v, i = v.narrow(d, k - 1, 1), i.narrow(d, k - 1, 1)
         if not keepdim:
             v, i = v.squeeze(d), i.squeeze(d)
-    return write_result(dense(v), values), write_result(dense(i), indices)
+    return dense(v), dense(i)
+
+
+register_out("kthvalue.values", kthvalue)
 
 
 def _same(xj, xi):
