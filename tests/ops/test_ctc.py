@@ -53,3 +53,50 @@ def test_ctc_loss_errors_match_cpu(input_lengths, target_lengths, strict):
     with pytest.raises(type(cpu.value)) as dev:
         torch.ops.aten._ctc_loss(to_n(LOG_PROBS), to_n(TARGETS), input_lengths, target_lengths)
     assert str(dev.value) == str(cpu.value)
+
+
+def test_ctc_loss_gradient_as_exact_as_the_cpus(strict):
+    """The input gradient against float64 on the same inputs, element by element, as the conformance harness
+    compares it: the device's error within the CPU's plus fp32's default tolerances. Both run the recursion
+    in log space; the CPU (and the device's first version) rounds each step at the magnitude of log alpha,
+    which grows to the whole sequence's |log likelihood| (~300 here), so after T = 100 steps the
+    probabilities carry relative errors of ~1e-4, in directions that differ between the two. The device's
+    backward runs the recursions scaled (each row less the previous row's maximum) and normalizes the
+    posterior at each time step, so its steps round at the magnitude of the scaled values, a few units."""
+    torch.manual_seed(3)
+    t_max, n, c, s = 100, 8, 20, 40
+    log_probs = (torch.randn(t_max, n, c) * 2).log_softmax(2)
+    targets = torch.randint(1, c, (n, s))
+    input_lengths, target_lengths = [t_max] * n, torch.randint(20, s + 1, (n,)).tolist()
+    cot = torch.randn(n)
+    grads = []
+    for x in (to_n(log_probs), log_probs, log_probs.double()):
+        x = x.detach().requires_grad_()
+        loss = F.ctc_loss(x, targets.to(x.device), input_lengths, target_lengths, reduction="none")
+        (g,) = torch.autograd.grad(loss, x, cot.to(x.device, x.dtype))
+        grads.append(g.cpu().double())
+    dev, cpu, exact = grads
+    rtol, atol = 1.3e-6, 1e-5                         # torch.testing's fp32 defaults, as the harness uses
+    assert ((dev - exact).abs() <= (cpu - exact).abs() + atol + rtol * exact.abs()).all()
+
+
+@pytest.mark.parametrize("zero_infinity", [False, True])
+def test_ctc_loss_with_impossible_emissions(zero_infinity, strict):
+    """log_probs of -inf (a blank never emitted; one class only at a time step): the losses stay finite and
+    the gradient is the CPU's, nan where log_probs is -inf (its exp(lp) - exp(log occupancy + nll - lp))
+    and the posterior of the other classes unchanged."""
+    torch.manual_seed(0)
+    log_probs = torch.randn(12, 3, 6).log_softmax(2)
+    log_probs[:, 0, 0] = float("-inf")
+    log_probs[5, 1, :] = float("-inf")
+    log_probs[5, 1, 2] = 0.0
+    targets = torch.tensor([[1, 2, 3], [2, 2, 4], [5, 1, 1]])
+    got, want = [], []
+    for x, out in ((to_n(log_probs), got), (log_probs, want)):
+        x = x.detach().requires_grad_()
+        loss = F.ctc_loss(x, targets.to(x.device), [12, 12, 7], [3, 3, 2], reduction="none",
+                          zero_infinity=zero_infinity)
+        out += [loss.detach().cpu(), torch.autograd.grad(loss.sum(), x)[0].cpu()]
+    assert want[0].isfinite().all()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, equal_nan=True)

@@ -7,7 +7,10 @@ Layout: each time step's alphas are one flat row of ``N * W`` values, ``W = 2 + 
 predecessors of position ``p`` (``p``, ``p - 1``, ``p - 2``) are then contiguous slices of the previous
 row, and the pads keep each batch element's recursion from reading its neighbour's. The betas of the
 backward are the alphas of the reversed problem (each sequence reversed in time within its input length
-and in position within its extended target), so one recursion serves both. The lengths are read on the
+and in position within its extended target), so one recursion serves both. The backward runs the alphas
+again beside the betas, both scaled at each step (see ``_Problem.alphas``), and normalizes the posterior at
+each time step: the forward's log alphas round at the magnitude of the log likelihood, the scaled ones near
+0, which keeps the gradient well inside the CPU's error against float64. The lengths are read on the
 host (the ``int[]`` overloads already have them; the Tensor overloads sync once) to plan the loop.
 """
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 
+import torchneuron.nki.language as nl
+from torchneuron.kernels import tilemath as tm
 from torchneuron.kernels import tilemath_special as ts
 from torchneuron.ops.base import aten, Unsupported
 from torchneuron.ops.elementwise import run_pointwise
@@ -83,16 +88,28 @@ class _Problem:
         flat = ext.reshape(-1)
         return torch.where((flat[2:] != flat[:-2]) & odd_label, 0.0, NEG_INF)
 
-    def alphas(self, emit: torch.Tensor, skip_pen: torch.Tensor) -> torch.Tensor:
+    def alphas(self, emit: torch.Tensor, skip_pen: torch.Tensor, scaled: bool = False) -> torch.Tensor:
         """(T, N * W) log alphas of emissions ``emit``: row -1 is a virtual start (0 before each first
-        position, read as the predecessor of positions 0 and 1), so every row is one step."""
-        first = torch.full((self.t_max + 1, self.n, self.width), NEG_INF)
+        position, read as the predecessor of positions 0 and 1), so every row is one step.
+
+        ``scaled``: each step's row less its batch element's largest value of the row before (taken off the
+        emissions), so row t holds log alpha_t - c_t with c_t a sum of t such maxima, not known here. The
+        plain log alphas grow to |log alpha| of the sequence's whole log likelihood, and each step rounds
+        at that magnitude (T steps of u |log alpha|, a relative error of the probabilities: ~1e-4 over 50
+        steps of a likelihood of e^-150); the scaled rows stay within a few units of 0 where the
+        probability mass is, so a step's rounding is u times that."""
+        n, w = self.n, self.width
+        first = torch.full((self.t_max + 1, n, w), NEG_INF)
         first[0, :, PAD] = 0.0
         alpha = first.reshape(self.t_max + 1, -1).to(self.dev)
         for t in range(1, self.t_max + 1):
             prev = alpha[t - 1]
             skip = prev[:-2] + skip_pen    # the element-wise kernel takes at most 4 operands
-            run_pointwise(ts.ctc_alpha_step, [prev[2:], prev[1:-1], skip, emit[t - 1, 2:]], KIND.DEFAULT,
+            e = emit[t - 1]
+            if scaled:
+                top = prev.view(n, w).amax(1, keepdim=True)
+                e = run_pointwise(_less_finite, [e.view(n, w), top], KIND.DEFAULT, op="aten::_ctc_loss").view(-1)
+            run_pointwise(ts.ctc_alpha_step, [prev[2:], prev[1:-1], skip, e[2:]], KIND.DEFAULT,
                           alpha[t, 2:], op="aten::_ctc_loss")
         return alpha[1:]
 
@@ -125,6 +142,11 @@ class _Problem:
         return nll
 
 
+def _less_finite(e, top):
+    """``e - top``, ``e`` where ``top`` is not finite (a row of no reachable position: its step stays -inf)."""
+    return tm.where(tm.isinf(top), e, nl.subtract(e, top))
+
+
 def ctc_forward(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: list[int],
                 target_lengths: list[int], blank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(neg_log_likelihood (N,), log_alpha (N, T, 2 * max_target_length + 1)) as the CPU kernel; log_alpha
@@ -139,22 +161,35 @@ def ctc_backward(grad: torch.Tensor, log_probs: torch.Tensor, targets: torch.Ten
                  target_lengths: list[int], nll: torch.Tensor, log_alpha: torch.Tensor, blank: int,
                  zero_infinity: bool) -> torch.Tensor:
     """d loss / d log_probs: ``(exp(lp) - sum_{s: l'_s = c} exp(alpha + beta - lp + nll)) * grad`` below each
-    input length, 0 past it; nan for an impossible target (inf nll), 0 there with ``zero_infinity``."""
+    input length, 0 past it; nan for an impossible target (inf nll), 0 there with ``zero_infinity``.
+    ``alpha + beta - lp + nll`` is taken as the scaled alphas and betas less their log-sum-exp over the
+    positions at each time step (equal to it: the likelihood is that sum at any t), so ``log_alpha`` is not
+    read; ``nll`` marks the impossible targets."""
     p = _Problem(log_probs, targets, input_lengths, target_lengths, blank)
     t_max, n, w = p.t_max, p.n, p.width
     rev = p.reversal()
     # the reversed labels: a row gather of int32 class ids (as in _extended_labels)
     ext_rev = p.ext.to(torch.int32).reshape(-1).index_select(0, p.reversal(in_time=False)).reshape(n, w)
     emit_rev = p.emit.reshape(-1).index_select(0, rev).reshape(t_max, -1)
-    beta = p.alphas(emit_rev, p.skip_penalty(ext_rev)).reshape(-1).index_select(0, rev).reshape(t_max, n, w)
-    beta, emit = beta[:, :, PAD:], p.emit.reshape(t_max, n, w)[:, :, PAD:]
+    beta = p.alphas(emit_rev, p.skip_penalty(ext_rev), scaled=True)
+    beta = beta.reshape(-1).index_select(0, rev).reshape(t_max, n, w)[:, :, PAD:]
+    alpha = p.alphas(p.emit, p.skip_penalty(p.ext), scaled=True).reshape(t_max, n, w)[:, :, PAD:]
+    emit = p.emit.reshape(t_max, n, w)[:, :, PAD:]
     inside = torch.tensor([[[t < il and bool(p.valid[b, s]) for s in range(PAD, w)]
                             for b, il in enumerate(input_lengths)] for t in range(t_max)]).to(p.dev)
-    # the posterior of each (t, position): alpha and beta both hold the emission once
-    log_post = torch.where(inside, log_alpha.permute(1, 0, 2) + beta - emit + nll[None, :, None], NEG_INF)
+    # the posterior of each (t, position), alpha_t beta_t / y_t (both hold the emission once) over its sum
+    # at t, which is the likelihood whatever t (every path is at one position at each time step): the scaled
+    # alphas and betas differ from the true ones by a constant of each (t, batch element), which the
+    # normalization takes off, and the (T, N, L) sums are of values near 0, not of the log likelihood
+    # (log_alpha + beta + nll rounds at its magnitude)
+    log_post = torch.where(inside & (emit > NEG_INF), alpha + beta - emit, NEG_INF)   # -inf - -inf: none
+    log_total = torch.logsumexp(log_post, 2, keepdim=True)
+    log_post = log_post - torch.where(torch.isinf(log_total), 0.0, log_total)
     occupancy = torch.zeros_like(log_probs).scatter_add_(
         2, p.ext[:, PAD:].unsqueeze(0).expand(t_max, n, p.length), torch.exp(log_post))
     g = (torch.exp(log_probs) - occupancy) * grad[None, :, None]
+    # the CPU's exp(lp) - exp(log occupancy + nll - lp) is nan where lp = -inf (its occupancy is 0 there)
+    g = torch.where(log_probs == NEG_INF, float("nan"), g)
     live = torch.tensor([[t < il for il in input_lengths] for t in range(t_max)]).to(p.dev)[:, :, None]
     impossible = torch.isinf(nll)[None, :, None]
     g = torch.where(live & impossible, 0.0 if zero_infinity else float("nan"), g)
