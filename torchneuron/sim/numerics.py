@@ -325,6 +325,19 @@ def activation_fn(op: str | Callable) -> str:
     return _canonical(op, _ACT_ALIASES, ACTIVATIONS, "activation function")
 
 
+# PyTorch's CPU kernels evaluate contiguous elements in vector blocks (of at most 64 fp32 lanes with
+# unrolling) and the remainder, and strided tensors, one element at a time, with different implementations
+# of erf, exp, tanh, ...: a few ulp apart. Evaluated on whole blocks, an activation's result depends on the
+# value alone, not on where the tile lies in SBUF or how wide it is (the hardware's function tables don't).
+_VECTOR_BLOCK = 64
+
+
 def apply_activation(op: str, x: torch.Tensor) -> torch.Tensor:
-    """Apply a canonical activation function to a floating-point tensor."""
-    return ACTIVATIONS[op](x)
+    """Apply a canonical activation function to a floating-point tensor, element by element."""
+    fn = ACTIVATIONS[op]
+    n = x.numel()
+    if n == 0:
+        return fn(x)
+    flat = torch.zeros(-(-n // _VECTOR_BLOCK) * _VECTOR_BLOCK, dtype=x.dtype)
+    flat[:n] = x.reshape(-1)
+    return fn(flat)[:n].reshape(x.shape)
