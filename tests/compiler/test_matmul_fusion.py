@@ -51,8 +51,8 @@ def test_a_product_read_elsewhere_is_not_widened(tmp_path, monkeypatch):
 
 
 class _Block(nn.Module):
-    """Residual adds after two products and a GELU between two more: each add, and GELU's backward, can be
-    the epilogue of the product it reads."""
+    """Residual adds after two products and a GELU between two more: each add, GELU, and GELU's backward can
+    be the epilogue of the product it reads."""
 
     def __init__(self, d: int = 96, bias: bool = True) -> None:
         super().__init__()
@@ -74,6 +74,8 @@ def test_epilogues_equal_eager_bit_for_bit(bias, autocast, tmp_path, monkeypatch
     fusion = {d.name.split("_")[1]: (d / "fusion.txt").read_text() for d in (tmp_path / "dump").iterdir()}
     assert fusion["forward"].count("with epilogue [add") >= 1   # (under autocast the first add also feeds a cast)
     assert "with epilogue [gelu_backward" in fusion["backward"]
+    # GELU's input is saved for the backward: its product stores it beside the activation (no pass reading it)
+    assert "with epilogue [gelu=gelu.default] -> gelu (product kept)" in fusion["forward"]
     assert "runs as eager ops" not in "".join(fusion.values())
 
 

@@ -334,6 +334,34 @@ def test_matmul_epilogue_equals_the_stored_product_then_the_pass(mkn, transpose_
     assert got.dtype == dtype and torch.equal(got, (product.float() + r.float()).to(dtype))
 
 
+@nki.jit
+def _matmul_plus_kept(a, b, r, bias=None, transpose_a=False, transpose_b=False):
+    return matmul_kernel(a, b, transpose_a=transpose_a, transpose_b=transpose_b, bias=bias,
+                         epilogue=Epilogue(_add_tiles, (r,), r.dtype, keep_product=True))
+
+
+def _k_chunked_case(dtype):
+    """Operands whose contraction is past one pass (the K-chunked loop nest) with a ragged M and N."""
+    isz = torch.tensor([], dtype=dtype).element_size()
+    K = max_contraction(isz, False, False, runtime.core(0).spec.sbuf_bytes_per_partition) + 300
+    return (130, K, 515), False, False, False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(FOLD_CASES) + 1))
+def test_matmul_epilogue_keeping_the_product_stores_both(case, dtype):
+    # a product the graph still needs (an activation's saved input): the kernel returns the epilogue's result
+    # and the product, each exactly what the plain kernel and a separate pass store (every loop nest: grouped
+    # rows, tiled, K chunks)
+    mkn, transpose_a, transpose_b, bias = FOLD_CASES[case] if case < len(FOLD_CASES) else _k_chunked_case(dtype)
+    a, b, kw = _fold_operands(mkn, transpose_a, transpose_b, bias, dtype)
+    r = torch.randn(mkn[0], mkn[2]).to(dtype)
+    want = torch.as_tensor(matmul_kernel(a, b, **kw))
+    got, product = (torch.as_tensor(t) for t in _matmul_plus_kept(a, b, r, **kw))
+    assert product.dtype == dtype and torch.equal(product, want)
+    assert got.dtype == dtype and torch.equal(got, (want.float() + r.float()).to(dtype))
+
+
 def test_matmul_epilogue_operands_must_span_the_output():
     a, r = torch.randn(8, 8), torch.randn(8, 4)
     with pytest.raises(AssertionError, match="epilogue operands"):

@@ -115,7 +115,7 @@ class _Body:
     def __init__(self, plan: Plan, seg: Segment, sigs: list[InputSig]):
         self.plan, self.seg, self.sigs = plan, seg, sigs
         self.roles = plan.roles
-        self.folded = {n for _, _, chain in seg.epilogues.values() for n in chain}
+        self.folded = {n for _, _, chain, _ in seg.epilogues.values() for n in chain}
         self.checks: list[tuple[Any, str, str]] = []   # (count buffer, exception name, message)
 
     def check(self, count: Any, error: str, message: str) -> None:
@@ -192,17 +192,22 @@ class _Body:
             self.env[node] = v
             return
         lower = lowering.KERNELS[node.target]
-        self.env[node] = lower(self, node, *args, **kwargs)
-        if node in self.seg.epilogues:   # the product's kernel computed its epilogue group's result
-            g = self.seg.epilogues[node][0]
-            self.env[g.outputs[0]] = self.env.pop(node).reshape(g.shape)
+        res = lower(self, node, *args, **kwargs)
+        if node not in self.seg.epilogues:
+            self.env[node] = res
+            return
+        g, _, _, keep = self.seg.epilogues[node]   # the product's kernel computed its epilogue group's result
+        out, product = res if keep else (res, None)
+        self.env[g.outputs[0]] = out.reshape(g.shape)
+        if keep:
+            self.env[node] = product
 
     def epilogue(self, node: fx.Node) -> Epilogue | None:
         """The fusion group a product's kernel applies to its blocks (``Segment.epilogues``), as an Epilogue."""
         hit = self.seg.epilogues.get(node)
         if hit is None:
             return None
-        g, src, _ = hit
+        g, src, _, keep = hit
         M, N = node.meta["val"].shape
         others = [n for n in g.inputs if n is not src]
         extras = [self.value(n) for n in others]
@@ -210,7 +215,7 @@ class _Body:
             raise NotLowerable(f"{node.name}: an epilogue operand is not a device tensor")
         fn = self._group_fn(g, [src] + others)
         return Epilogue(lambda *tiles: fn(*tiles)[0], tuple(dense(v, (M, N)) for v in extras),
-                        g.outputs[0].meta["val"].dtype)
+                        g.outputs[0].meta["val"].dtype, keep_product=keep)
 
     def _group(self, g: FusionGroup) -> None:
         inputs = g.inputs

@@ -91,10 +91,12 @@ def _floats(*ts: torch.Tensor) -> bool:
 
 
 def _product(kernel, a: Value, b: Value, **kw: Any) -> Value:
-    """``kernel`` (matmul or bmm) on the operands as they lie (transposed ones by the kernel's flags)."""
+    """``kernel`` (matmul or bmm) on the operands as they lie (transposed ones by the kernel's flags); with an
+    epilogue that keeps the product, (the epilogue's result, the product)."""
     A, ta = _matmul_operand(a)
     B, tb = _matmul_operand(b)
-    return hbm_value(kernel(A, B, transpose_a=ta, transpose_b=tb, **kw))
+    res = kernel(A, B, transpose_a=ta, transpose_b=tb, **kw)
+    return tuple(map(hbm_value, res)) if isinstance(res, tuple) else hbm_value(res)
 
 
 for _op in (aten.mm.default, aten.bmm.default):

@@ -148,9 +148,9 @@ class Segment:
                 lines.append(f"  fused[{it.kind} {list(it.shape)}]: " + ", ".join(_name(n) for n in it.nodes)
                              + " -> " + ", ".join(n.name for n in it.outputs))
             elif isinstance(it, fx.Node) and it in self.epilogues:
-                g = self.epilogues[it][0]
+                g, keep = self.epilogues[it][0], self.epilogues[it][3]
                 lines.append(f"  kernel: {_name(it)} with epilogue [" + ", ".join(_name(n) for n in g.nodes)
-                             + "] -> " + ", ".join(n.name for n in g.outputs))
+                             + "] -> " + ", ".join(n.name for n in g.outputs) + (" (product kept)" if keep else ""))
             elif it in self.widen_casts:
                 lines.append(f"  widened: {_name(it)} (stored as {tensor_values(it)[0].dtype} by {self.widen_casts[it].name})")
             else:
@@ -364,11 +364,12 @@ _RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, t
 
 
 def _fold_epilogues(seg: Segment, items: list[Any], roles: dict) -> list[Any]:
-    """``items`` with each float fusion group that reads a matrix product nothing else reads moved into that
-    product's kernel as its epilogue (``Segment.epilogues``): the product never goes to HBM and back. The group
-    has one result, which depends on the product; the product reaches it through reshapes only; its other
-    operands span the product's elements and are computed before the product (they are read block by block
-    while it is evicted)."""
+    """``items`` with each float fusion group that reads a matrix product no other node of the segment reads
+    moved into that product's kernel as its epilogue (``Segment.epilogues``): the product never goes to HBM and
+    back. The group has one result, which depends on the product; the product reaches it through reshapes
+    only; its other operands span the product's elements and are computed before the product (they are read
+    block by block while it is evicted). A product read after the segment too (an activation's input saved for
+    the backward) is kept: the kernel stores it beside the group's result."""
     order = {n: i for i, n in enumerate(seg.nodes)}
     escapes = set(seg.outputs)
     out = []
@@ -382,8 +383,8 @@ def _fold_epilogues(seg: Segment, items: list[Any], roles: dict) -> list[Any]:
 
 
 def _epilogue_of(g: FusionGroup, seg: Segment, roles: dict, order: dict, escapes: set) -> tuple | None:
-    """(product, operand, the reshapes between them) when ``g`` can be that product's epilogue (see
-    ``_fold_epilogues``), else None."""
+    """(product, operand, the reshapes between them, whether the product is kept) when ``g`` can be that
+    product's epilogue (see ``_fold_epilogues``), else None."""
     if g.kind != "float" or len(g.outputs) != 1:
         return None
     roots = [(n, _root(n, roles)) for n in g.inputs]
@@ -397,14 +398,15 @@ def _epilogue_of(g: FusionGroup, seg: Segment, roles: dict, order: dict, escapes
     while node is not prod:
         chain.append(node)
         node = node.args[0]
-    if (prod not in order or prod in escapes or prod in seg.widened or prod in seg.epilogues
-            or not set(_readers(prod, roles)) <= set(g.nodes) or math.prod(g.shape) != n
+    later = [r for r in _readers(prod, roles) if r not in g.nodes]   # readers after the segment (or its output)
+    if (prod not in order or prod in seg.widened or prod in seg.epilogues
+            or any(r in order for r in later) or any(c in escapes for c in chain) or math.prod(g.shape) != n
             or any(c.target not in _RESHAPES for c in chain)
             or not all(tensor_values(a) and tensor_values(a)[0].numel() == n and order.get(_root(a, roles), -1) < order[prod]
                        for a in others)
             or not _depends_on(g.outputs[0], src, set(g.nodes))):
         return None
-    return prod, src, chain
+    return prod, src, chain, bool(later) or prod in escapes
 
 
 def _depends_on(node: fx.Node, src: fx.Node, members: set) -> bool:

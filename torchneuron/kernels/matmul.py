@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from torchneuron import nki
@@ -93,6 +93,8 @@ def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None, out_dty
         assert all(tuple(e.shape) == (M, N) for e in epilogue.extras), \
             f"matmul: epilogue operands {[tuple(e.shape) for e in epilogue.extras]} are not the output's [{M}, {N}]"
     out = nl.ndarray((M, N), out_dtype or a.dtype, buffer=nl.shared_hbm)
+    if epilogue is not None and epilogue.keep_product:
+        epilogue = replace(epilogue, product=nl.ndarray((M, N), a.dtype, buffer=nl.shared_hbm))
     K = a.shape[0] if transpose_a else a.shape[1]
     Kb = b.shape[1] if transpose_b else b.shape[0]
     assert K == Kb, f"matmul: contraction dims differ ({K} vs {Kb})"
@@ -101,7 +103,7 @@ def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None, out_dty
         mm_rows_grouped_into(a, b, out, transpose_a, transpose_b, bias, epilogue)
     else:
         matmul_into(a, b, out, transpose_a, transpose_b, bias, epilogue)
-    return out
+    return (out, epilogue.product) if epilogue is not None and epilogue.keep_product else out
 
 
 @nki.jit
@@ -205,14 +207,23 @@ def alternating_evict() -> Callable:
 @dataclass(frozen=True)
 class Epilogue:
     """Element-wise work applied to each evicted block of a product before its store (the graph compiler's
-    fused group that reads the product): ``fn(product, *extras)`` over fp32 tiles returns the result tile.
-    The product is rounded to the operands' dtype first, as a separate pass would read it from HBM; each
-    extra is a dense HBM tensor of the output's [M, N] shape, read block by block; the result is stored in
-    ``out_dtype``."""
+    fused group that reads the product): ``fn(product, *extras)`` over fp32 tiles returns the result tile
+    (it may overwrite its operand tiles). The product is rounded to the operands' dtype first, as a separate
+    pass would read it from HBM; each extra is a dense HBM tensor of the output's [M, N] shape, read block by
+    block; the result is stored in ``out_dtype``.
+
+    ``keep_product``: the product itself is stored too (``matmul_kernel`` then returns (result, product)), for
+    a product the graph still needs (an activation's input saved for the backward): one more store instead
+    of a separate pass that reads the product back. ``product`` is that HBM tensor, set by the kernel;
+    ``finish`` an in-place step on the block's tiles that completes the product before it is stored and
+    ``fn`` runs (the K-chunked loop nest adds its partial sums there)."""
 
     fn: Callable
     extras: tuple
     out_dtype: object
+    keep_product: bool = False
+    product: object = None
+    finish: Callable | None = None
 
 
 def _store_block(out, res, p: int, f: int, at: Callable, epilogue: Epilogue | None) -> None:
@@ -228,6 +239,10 @@ def _store_block(out, res, p: int, f: int, at: Callable, epilogue: Epilogue | No
         t = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=t, src=at(e))
         tiles.append(t)
+    if epilogue.finish is not None:
+        epilogue.finish(*tiles)
+    if epilogue.product is not None:   # before fn, which may overwrite x
+        nisa.dma_copy(dst=at(epilogue.product), src=x)
     nisa.dma_copy(dst=at(out), src=epilogue.fn(*tiles))
 
 
@@ -487,15 +502,14 @@ def _matmul_k_chunks(a, b, out, transpose_a=False, transpose_b=False, bias=None,
         nisa.tensor_tensor(dst=prod, data1=prod, data2=partial, op=nl.add)
         return prod
 
-    def total_then(prod, partial, *rest):
-        """The last pass's block: the total, rounded to the operands' dtype as a stored product is, then the
-        caller's epilogue."""
-        total = add(prod, partial)
+    def total(prod, partial, *rest):
+        """The last pass's block, in place: the total, rounded to the operands' dtype as a stored product is
+        (then the caller's epilogue)."""
+        add(prod, partial)
         if itemsize(dt) != 4:
-            rounded = nl.ndarray(tuple(total.shape), dt, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=rounded, src=total, engine=nisa.vector_engine)
-            nisa.tensor_copy(dst=total, src=rounded, engine=nisa.gpsimd_engine)
-        return epilogue.fn(total, *rest)
+            rounded = nl.ndarray(tuple(prod.shape), dt, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=rounded, src=prod, engine=nisa.vector_engine)
+            nisa.tensor_copy(dst=prod, src=rounded, engine=nisa.gpsimd_engine)
 
     starts = list(range(0, K, kc))
     for i, k0 in enumerate(starts):
@@ -509,7 +523,8 @@ def _matmul_k_chunks(a, b, out, transpose_a=False, transpose_b=False, bias=None,
                          stage_dtype=nl.float32)
         else:
             last = (Epilogue(add, (part,), out.dtype) if epilogue is None
-                    else Epilogue(total_then, (part, *epilogue.extras), epilogue.out_dtype))
+                    else replace(epilogue, fn=lambda prod, partial, *rest: epilogue.fn(prod, *rest),
+                                 extras=(part, *epilogue.extras), finish=total))
             _matmul_pass(ac, bc, out, transpose_a, transpose_b, bias, last, stage_dtype=nl.float32)
 
 
