@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.grad import conv2d_input, conv2d_weight
 
+import torchneuron
 from torchneuron.kernels.conv import Dim, conv2d_backward_kernel, conv2d_kernel, conv2d_wgrad_kernel, conv_fits, dims_of
 
 U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
@@ -57,6 +58,8 @@ CASES = {
     "wide rows": (1, 2, 3, 600, 3, 1, 3, (1, 1), (0, 1), (1, 1), 1),
     "two rows per chunk": (2, 8, 7, 50, 4, 3, 3, (1, 1), (1, 1), (1, 1), 1),    # weight gradient: x^T rows reused
     "a row per chunk, dilated": (1, 4, 6, 100, 3, 3, 3, (1, 1), (2, 2), (2, 2), 1),
+    "stride 3 dilated": (1, 4, 11, 13, 4, 3, 3, (3, 3), (1, 1), (2, 2), 1),      # weight gradient: 3 tap groups
+    "window wider than a chunk's columns": (1, 2, 2, 100, 3, 1, 3, (1, 1), (0, 0), (1, 40), 1),   # a group split
 }
 
 
@@ -113,12 +116,13 @@ def test_both_gradients_in_one_launch(name, dtype):
 
 
 def test_weight_gradient_keeps_non_finite_values_in_their_windows():
-    # the gradient's shifted copies (one transpose per chunk moved down kw partitions, the last column's NaN next to
-    # the row end they wrap over) and reused x^T rows must carry a NaN / inf to exactly the weight entries whose
-    # windows pair it with the other operand, as on the CPU (an inf in x's first or last columns also meets the
-    # zeros the spread gradient holds there: inf * 0 makes NaNs the CPU does not have, so it is placed inside)
+    # the gradient's shifted copies (one transpose per chunk moved down kw * d * rows partitions, the last column's
+    # NaN at the end of the range they cover) and reused x^T rows must carry a NaN / inf to exactly the weight
+    # entries whose windows pair it with the other operand, as on the CPU; an inf in x's first or last column
+    # reaches only the window offsets that read that column
     x, gy = torch.randn(1, 4, 7, 50), torch.randn(1, 3, 7, 50)
     x[0, 1, 3, 20], gy[0, 2, 5, 49] = float("inf"), float("nan")
+    x[0, 3, 2, 0], x[0, 0, 4, 49] = float("inf"), float("-inf")
     dims = (dims_of(7, 3, 1, (1, 1), 1), dims_of(50, 3, 1, (1, 1), 1))
     out, ref = conv2d_wgrad_kernel(x, gy, dims=dims, kernel=(3, 3)), conv2d_weight(x, (3, 4, 3, 3), gy, padding=1)
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
@@ -139,3 +143,114 @@ def test_fits_refuses_what_does_not_fit_sbuf():
     assert conv_fits(64, (64, 64, 7, 7), 1, dims, False, 4)
     assert not conv_fits(4096, (4096, 4096, 7, 7), 1, dims, False, 4)     # weights of one co tile > budget
     assert not conv_fits(1024, (64, 1024, 7, 7), 1, dims, False, 4, wgrad=True)   # dW row > budget
+
+
+# ---- non-finite values at the edges, through the eager op, against the CPU ----------------------------------
+# An inf or NaN in x's first or last columns (rows, padding-adjacent positions) reaches exactly the outputs and
+# weight-gradient entries whose sums read it: the weight gradient once paired every padded input column with a
+# zero of the spread output gradient, and 0 * inf = NaN put NaNs in window offsets that never read the column.
+# The CPU's sums (float64, and its own kernels in the test's dtype) are the reference for where NaN and inf lie;
+# elsewhere a result differs from the float64 sum by at most K * eps(dtype) times the float64 sum of the absolute
+# terms (K the length of its contraction: the products of dtype operands and at most K - 1 additions are each
+# rounded at most once to a precision no coarser than the dtype's).
+EDGE_CASES = {   # (spatial dims, size, kernel, stride, padding, dilation, groups)
+    "2-D 3x3 pad 1": (2, 9, 3, 1, 1, 1, 1),
+    "2-D 3x3 valid": (2, 9, 3, 1, 0, 1, 1),
+    "2-D stride 2 pad 1": (2, 9, 3, 2, 1, 1, 1),
+    "2-D stride 2 valid": (2, 10, 3, 2, 0, 1, 1),
+    "2-D 1x1 stride 2": (2, 9, 1, 2, 0, 1, 1),
+    "2-D dilation 2": (2, 9, 3, 1, 2, 2, 1),
+    "2-D groups 2": (2, 8, 3, 1, 1, 1, 2),
+    "1-D pad 1": (1, 20, 3, 1, 1, 1, 1),
+    "1-D stride 2 dilation 2": (1, 21, 3, 2, 1, 2, 1),
+    "3-D pad 1": (3, 5, 3, 1, 1, 1, 1),
+}
+EDGES = ["first column", "second column", "last column", "first row", "last row"]
+CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def _edge_operands(nd, size, k, s, p, d, G, dtype, edge, target):
+    """x, w and an output gradient in ``dtype`` with non-finite values at ``edge`` of ``target`` ("x" or "gy"): +inf
+    along it in image 0 channel 1, NaN in image 1 channel 0, -inf at its middle element in image 1 channel 2."""
+    C, O = 4, 6
+    x = torch.randn(2, C, *[size] * nd).to(dtype)
+    w = torch.randn(O, C // G, *[k] * nd).to(dtype)
+    out = (size + 2 * p - d * (k - 1) - 1) // s + 1
+    gy = torch.randn(2, O, *[out] * nd).to(dtype)
+    t = x if target == "x" else gy
+    n = t.shape[-1]
+    if edge.endswith("row"):
+        if nd == 1:
+            pytest.skip("a 1-D convolution has no rows")
+        index = (..., 0 if edge == "first row" else n - 1, slice(None))
+    else:
+        index = (..., {"first column": 0, "second column": 1, "last column": n - 1}[edge])
+    t[0, 1][index], t[1, 0][index] = float("inf"), float("nan")
+    line = t[1, 2][index]
+    line[tuple(n // 2 for n in line.shape)] = float("-inf")
+    return x, w, gy
+
+
+def _conv_and_grads(x, w, gy, s, p, d, G, device):
+    x = x.detach().to(device).requires_grad_()
+    w = w.detach().to(device).requires_grad_()
+    y = CONV[x.dim() - 2](x, w, None, s, p, d, G)
+    y.backward(gy.to(device))
+    return [t.detach().cpu() for t in (y, x.grad, w.grad)]
+
+
+def _same_non_finite(a, b, what):
+    for name, f in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        diff = f(a) != f(b)
+        assert not diff.any(), f"{what}: {name} differs at {diff.nonzero()[:4].tolist()} ({int(diff.sum())} places)"
+
+
+@pytest.mark.parametrize("target", ["x", "gy"])
+@pytest.mark.parametrize("edge", EDGES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(EDGE_CASES))
+def test_non_finite_values_at_the_edges_match_the_cpu(name, dtype, edge, target):
+    nd, size, k, s, p, d, G = EDGE_CASES[name]
+    x, w, gy = _edge_operands(nd, size, k, s, p, d, G, dtype, edge, target)
+    strict = torchneuron.is_strict()
+    torchneuron.set_strict(True)        # every op on the device: no CPU fallback computes a result
+    try:
+        got = _conv_and_grads(x, w, gy, s, p, d, G, "neuron")
+    finally:
+        torchneuron.set_strict(strict)
+    exact = _conv_and_grads(x.double(), w.double(), gy.double(), s, p, d, G, "cpu")
+    terms = _conv_and_grads(x.double().abs(), w.double().abs(), gy.double().abs(), s, p, d, G, "cpu")
+    # where the CPU's kernels in the test's dtype decide which sums meet a non-finite value, they agree with float64;
+    # an inf or NaN of the output gradient meets the padding's zeros in the weight gradient's sums (0 * inf = NaN),
+    # as in float64 and on the device, except in the CPU's fp32 kernel for batches > 1 (oneDNN), which leaves
+    # padding out of the sum: for gy the float64 sums are the reference
+    cpu = _conv_and_grads(x, w, gy, s, p, d, G, "cpu") if target == "x" else exact
+    K = [w[0].numel(), w.shape[0] // G * w[0, 0].numel(), gy.shape[0] * gy[0, 0].numel()]
+    for what, g, c, e, t, kk in zip(("output", "input gradient", "weight gradient"), got, cpu, exact, terms, K):
+        assert g.dtype == dtype and g.shape == e.shape
+        _same_non_finite(g, c, what)
+        _same_non_finite(g, e.to(dtype), what)
+        fin = e.isfinite() & e.to(dtype).isfinite()
+        err = (g.double() - e).abs()[fin]
+        bound = kk * torch.finfo(dtype).eps * t[fin]
+        assert bool((err <= bound).all()), f"{what}: error {(err / bound).max().item():.3g} x its bound"
+
+
+@pytest.mark.parametrize("edge", ["first", "last"])
+@pytest.mark.parametrize("name", ["3x3 pad", "stride 2 odd", "stride > kernel", "kernel > input", "dilation", "groups",
+                                  "1-D as H=1", "wide rows", "two rows per chunk", "a row per chunk, dilated",
+                                  "stride 3 dilated", "window wider than a chunk's columns"])
+def test_weight_gradient_of_non_finite_edge_columns(name, edge):
+    # the kernel alone over its chunkings (rows per chunk, columns split, several tap groups): inf / NaN in x's first
+    # or last columns (and next to them) reach exactly the weight entries whose windows read them, as in float64
+    N, C, H, W, O, kh, kw, s, p, d, G = CASES[name]
+    x, w, _, dims = case(N, C, H, W, O, kh, kw, s, p, d, G, torch.float32)
+    cols = [0, 1] if edge == "first" else [W - 1, W - 2]
+    x[0, 0, :, cols[0]], x[0, C - 1, H // 2, cols[1]] = float("inf"), float("nan")
+    gy = torch.randn(N, O, dims[0].out, dims[1].out).double()
+    out = conv2d_wgrad_kernel(x.float(), gy.float(), dims=dims, groups=G, kernel=(kh, kw))
+    ref = conv2d_weight(x, w.shape, gy, s, p, d, G)
+    _same_non_finite(out, ref.float(), "weight gradient")
+    fin = ref.isfinite()
+    within(torch.where(fin, out, 0), torch.where(fin, ref, 0), conv2d_weight(x.abs().nan_to_num(0, 0), w.shape,
+           gy.abs(), s, p, d, G), N * dims[0].out * dims[1].out, torch.float32)

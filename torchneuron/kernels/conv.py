@@ -20,13 +20,19 @@ output gradient, zero-inserted by the forward stride (``lhs_dilation``) and padd
 ([co_fwd, ci_fwd, k] is already contraction-major) with the kernel window flipped.
 
 The weight gradient (``conv2d_wgrad_kernel``) contracts over output positions instead: per chunk of
-128 positions the output gradient [o, positions] and each window of the input [c, positions] are
-transposed on TensorE (positions onto the partitions), then one matmul per (c tile, up to 4 window
-offsets in one PSUM bank) accumulates dW^T[o, (k, c)] over all images and positions in PSUM. Where a
-chunk is whole rows, the gradient is transposed once and its other column offsets are that transpose
-moved down kw*d partitions by SBUF -> SBUF DMAs (``_grad_columns``), and an input window row already
-transposed for the previous chunk is reused: at 128 channels 3x3, 2 transposes per 9 matmuls instead
-of 6 (TensorE transposes cost as much as the matmuls they feed; the DMAs had time to spare).
+<= 128 positions (rows x output columns, numbered column after column) the output gradient [o, positions]
+and the input columns the window reads [c, positions] are transposed on TensorE (positions onto the
+partitions), then one matmul per (c tile, up to 4 window offsets in one PSUM bank) accumulates
+dW^T[o, (k, c)] over all images and positions in PSUM. The gradient is transposed once per chunk; window
+offsets kw whose columns kw * d + s * ow share a residue mod s share one transpose of the input's columns
+per window row, in which offset kw's are a contiguous run of partitions, kw * d // s rows' worth further
+down: its matmuls contract over that run only, against the gradient's transpose moved there by an
+SBUF -> SBUF DMA (``_grad_shifted``). So each product pairs an input column only with the outputs that
+read it (an inf or NaN of x in a column some offset never reads cannot meet a zero there: 0 * inf = NaN),
+and at stride 2 the chunks hold twice the outputs of a layout that also transposes the unread columns.
+An input window row already transposed for the previous chunk is reused: at 128 channels 3x3, 2 transposes
+per 9 matmuls instead of 6 (TensorE transposes cost as much as the matmuls they feed; the DMAs had time
+to spare).
 ``conv2d_backward_kernel`` runs both gradients as one program (one launch; each part's DMAs and
 evictions overlap the other's TensorE work).
 
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 from dataclasses import dataclass
 
 from torchneuron import nki
@@ -313,16 +320,22 @@ def conv2d_wgrad_kernel(x, gy, dims=None, groups=1, kernel=(1, 1)):
     """The weight gradient [O, C/G, KH, KW] of a 2-D convolution of x [N, C, H, W] whose output gradient is
     gy [N, O, OH, OW], along ``dims`` (the forward's two ``Dim``).
 
-    dW[o, c, kh, kw] = sum over (n, oh, w) of gz_kw[o, oh, w] * xp[c, oh * s + kh * d, w], where w runs over
-    the padded input columns and gz_kw is the output gradient spread to the columns its window offset kw
-    reads (gy[o, oh, ow] at w = ow * s + kw * d, zeros elsewhere): per chunk of (rows, w) positions one
-    TensorE transpose per kh of the input and one per kw of the gradient (not one per window offset)."""
+    dW[o, c, kh, kw] = sum over (n, oh, ow) of gy[o, oh, ow] * xp[c, oh * sh + kh * dh, ow * s + kw * d] (xp: x
+    zero-padded). Per chunk of (rows, output columns) positions, numbered column-major (position (j, r) on
+    partition j * rows + r), the gradient is transposed once, and each window row kh of the input once per
+    ``_tap_groups`` group: the band columns rho + s * t, t from the chunk's first column plus the group's first
+    delta. Window offset kw of the group (kw * d = rho + s * delta) reads one contiguous range of those
+    partitions, (delta - d0) * rows down from the gradient's: its matmuls contract over that range only, with
+    the gradient moved there by an SBUF -> SBUF DMA. No product pairs an input column with a zero standing for
+    an output the window offset does not have there (a NaN or inf of x would make 0 * inf = NaN where the CPU's
+    sum never reads it); padding is read as the zeros it is, as im2col reads it."""
     N, C, H, Wd = x.shape
     O, OH, OW = gy.shape[1], gy.shape[2], gy.shape[3]
     hd, wd = dims
     KH, KW = kernel
     assert (hd.k, wd.k) == (KH, KW) and (hd.out, wd.out) == (OH, OW) and (hd.size, wd.size) == (H, Wd), \
         "conv2d_wgrad: dims do not match the tensors"
+    assert hd.ld == wd.ld == 1, "conv2d_wgrad: the forward's dims have no inserted zeros"
     G = groups
     ci, co = C // G, O // G
     dt, isz = x.dtype, itemsize(x.dtype)
@@ -331,12 +344,13 @@ def conv2d_wgrad_kernel(x, gy, dims=None, groups=1, kernel=(1, 1)):
     p = plan(hd, wd, ci, 1, isz)
     assert p is not None, "conv2d_wgrad: the input bands do not fit SBUF (see conv_fits)"
     cis, cos = tiles(ci), tiles(co)
-    lead = (KW - 1) * wd.d                          # zero columns before the spread gradient
+    taps, tap_of = _tap_groups(wd)
+    spread = max(d1 - d0 for _, d0, d1 in taps)     # columns a group's transpose holds beyond the chunk's
     cols = KW * KH * ci                             # accumulator columns per output channel, (kw, kh, c) order
     blocks = [(f0, min(4 * PSUM_FP32, cols - f0)) for f0 in range(0, cols, 4 * PSUM_FP32)]
     per_bank = max(1, PSUM_FP32 * 4 // (PMAX * isz))
     evict = alternating_evict()
-    ring = collections.deque(maxlen=3)              # input bands and spread gradients of the last bands
+    ring = collections.deque(maxlen=3)              # input bands and gradient bands of the last bands
     keep = (collections.deque(maxlen=4), collections.deque(maxlen=16))  # transposes' PSUM, SBUF tiles
 
     def piece(kw, kh, c0, cn, f0, fw):
@@ -351,52 +365,59 @@ def conv2d_wgrad_kernel(x, gy, dims=None, groups=1, kernel=(1, 1)):
                 kws = list(range(f0 // (KH * ci), (f0 + fw - 1) // (KH * ci) + 1))
                 xs = [(kh, i) for kh in range(KH) for i, (c0, cn) in enumerate(cis)
                       if any(piece(kw, kh, c0, cn, f0, fw)[1] < piece(kw, kh, c0, cn, f0, fw)[2] for kw in kws)]
+                used = sorted({tap_of[kw][0] for kw in kws})     # the tap groups whose input columns are transposed
                 accs = [nl.ndarray((PMAX, min(PSUM_FP32, fw - b)), nl.float32, buffer=nl.psum)
                         for b in range(0, fw, PSUM_FP32)]
 
                 def operands():
-                    """Per chunk of positions (issuing its transposes and copies): (positions, gradient^T per kw,
-                    x^T per xs), each a [positions, channels] SBUF view."""
+                    """Per chunk of positions (issuing its transposes and copies): ({kw: (slot of its group in the
+                    x^T tiles, first partition)}, positions, gradient^T by first partition, x^T per xs)."""
                     def inputs():
                         for n in range(N):
                             for oh0, nr, ow0, nc, bands in _bands(x, n, g * ci, cis, hd, wd, p):
-                                wb = wd.span(ow0, nc)[1]
-                                yield nr, wb, bands, _spread_grad(gy, n, g * co + o0, on, oh0, nr, ow0, nc, wd.s, lead, wb)
-                    for nr, wb, bands, gz in _ahead(inputs()):
-                        ring.append((bands, gz))
-                        wq = min(wb, PMAX)
-                        rc = max(1, PMAX // wq)
-                        made = {}                             # x^T views of the previous chunk, by what they hold
+                                yield nr, ow0, nc, bands, _grad_band(gy, n, g * co + o0, on, oh0, nr, ow0, nc)
+                    for nr, ow0, nc, bands, gb in _ahead(inputs()):
+                        ring.append((bands, gb))
+                        m, rc = (nc, max(1, PMAX // (nc + spread))) if nc + spread <= PMAX else (PMAX - spread, 1)
+                        made = {}                             # x^T tiles of the previous chunk, by what they hold
                         for r0 in range(0, nr, rc):
                             rn = min(rc, nr - r0)
-                            for c1 in range(0, wb, wq):
-                                cw = min(wq, wb - c1)
-                                q = rn * cw
-                                gTs = _grad_columns(gz, kws, r0, rn, c1, cw, lead, wd.d, on, q, wq == wb, dt, per_bank,
-                                                    evict, keep)
+                            for j0 in range(0, nc, m):
+                                mn = min(m, nc - j0)
+                                # offset kw reads partitions [off * rn, (off + mn) * rn) of its group's x^T
+                                spans = {kw: (used.index(tap_of[kw][0]), tap_of[kw][1] * rn) for kw in kws}
+                                gTs = _grad_shifted(gb, r0, rn, j0, mn, on, {e for _, e in spans.values()},
+                                                    dt, per_bank, evict, keep)
                                 a = r0 * hd.s
                                 xTs, new = [], {}
                                 for kh, i in xs:              # a window row another chunk already transposed is reused
-                                    key = (a + kh * hd.d, rn, c1, i)
+                                    key = (a + kh * hd.d, rn, j0, i)
                                     if key not in made:
-                                        view = bands[i][:cis[i][1], a + kh * hd.d:a + kh * hd.d + (rn - 1) * hd.s + 1:hd.s,
-                                                        c1:c1 + cw]
-                                        made[key] = _transposed([view], q, PMAX, dt, per_bank, evict, keep)[:, 0, :]
+                                        h0, cn = a + kh * hd.d, cis[i][1]
+                                        views = []
+                                        for t in used:
+                                            rho, d0, d1 = taps[t]
+                                            c0, ln = rho + wd.s * (j0 + d0), mn + d1 - d0
+                                            views.append(_cols_first(bands[i][:cn, h0:h0 + (rn - 1) * hd.s + 1:hd.s,
+                                                                              c0:c0 + (ln - 1) * wd.s + 1:wd.s]))
+                                        made[key] = _transposed(views, PMAX, dt, per_bank, evict, keep)
                                     new[key] = made[key]
                                     xTs.append(made[key])
                                 made = new
-                                yield q, gTs, xTs
+                                yield spans, rn * mn, gTs, xTs
 
-                def products(q, gTs, xTs, first):
-                    for u, kw in enumerate(kws):
+                def products(spans, q, gTs, xTs, first):
+                    for kw in kws:
+                        u, p0 = spans[kw]
+                        gT, p1 = gTs[p0], p0 + q
                         for j, (kh, i) in enumerate(xs):
                             base, s0, s1 = piece(kw, kh, *cis[i], f0, fw)
                             while s0 < s1:                    # split at PSUM bank edges
                                 b = (s0 - f0) // PSUM_FP32
                                 e = min(s1, f0 + (b + 1) * PSUM_FP32)
                                 lo = f0 + b * PSUM_FP32
-                                nisa.nc_matmul(dst=accs[b][:on, s0 - lo:e - lo], stationary=gTs[u][:q, :on],
-                                               moving=xTs[j][:q, s0 - base:e - base], accumulate=not first)
+                                nisa.nc_matmul(dst=accs[b][:on, s0 - lo:e - lo], stationary=gT[p0:p1, :on],
+                                               moving=xTs[j][p0:p1, u, s0 - base:e - base], accumulate=not first)
                                 s0 = e
 
                 # software pipeline: chunk i+1's and i+2's transposes are issued before chunk i's matmuls, so TensorE
@@ -427,57 +448,73 @@ def conv2d_backward_kernel(x, gy, w, dims=None, gdims=None, groups=1):
     return gx, gw
 
 
-def _spread_grad(gy, n: int, o0: int, on: int, oh0: int, nr: int, ow0: int, nc: int, s: int, lead: int, wb: int):
-    """SBUF [on, nr, lead + wb]: rows [oh0, oh0 + nr) of image n's gradient channels [o0, o0 + on), column ow at
-    lead + (ow - ow0) * s, zeros elsewhere (loaded contiguous, placed by one GpSimd copy)."""
-    gz = nl.ndarray((PMAX, nr, lead + wb), gy.dtype, buffer=nl.sbuf)
-    _zero_outside(gz, on, nr, lead + wb, (0, nr, 1), (lead, nc, s))
-    raw = nl.ndarray((PMAX, nr, nc), gy.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=raw[:on], src=gy[n, o0:o0 + on, oh0:oh0 + nr, ow0:ow0 + nc])
-    nisa.tensor_copy(dst=gz[:on, :, lead:lead + (nc - 1) * s + 1:s], src=raw[:on], engine=_copy_engine(gy.dtype))
-    return gz
+def _tap_groups(wd: Dim, limit: int = 64) -> tuple[list, dict]:
+    """The window offsets kw of ``wd`` grouped for the weight gradient's input transposes: the band columns offset
+    kw reads for output columns j are kw * d + s * j = rho + s * (j + delta), so offsets of one residue rho share
+    one strided run of columns, shifted by delta (a group is split where its deltas spread beyond ``limit``,
+    which keeps 128 - limit output columns per chunk). ([(rho, d0, d1) per group], {kw: (group, delta - d0)})."""
+    groups, where = [], {}
+    by_rho = collections.defaultdict(list)
+    for kw in range(wd.k):
+        by_rho[kw * wd.d % wd.s].append((kw * wd.d // wd.s, kw))
+    for rho in sorted(by_rho):
+        for delta, kw in sorted(by_rho[rho]):
+            if not groups or groups[-1][0] != rho or delta - groups[-1][1] > limit:
+                groups.append([rho, delta, delta])
+            groups[-1][2] = delta
+            where[kw] = (len(groups) - 1, delta - groups[-1][1])
+    return [tuple(t) for t in groups], where
 
 
-def _grad_columns(gz, kws: list, r0: int, rn: int, c1: int, cw: int, lead: int, d: int, on: int, q: int,
-                  whole_rows: bool, dt, per_bank: int, evict, keep: tuple) -> list:
-    """The spread gradient's chunk (rows [r0, r0 + rn), columns c1 .. c1 + cw of each window offset kw's view)
-    transposed: [q, on] per kw. With ``whole_rows`` (the chunk's positions are whole spread rows, row after
-    row), offset kw's transpose is offset 0's moved down kw * d partitions with zeros above: a position w < kw * d
-    of a row reads the zero columns before the data, and its shifted source, the end of the row before (or
-    nothing, in the first row), the zero columns after it. So one TensorE transpose and SBUF -> SBUF DMAs serve
-    every kw, and TensorE keeps its time for the matmuls."""
-    def view(kw):
-        return gz[:on, r0:r0 + rn, c1 + lead - kw * d:c1 + lead - kw * d + cw]
-    if not whole_rows:
-        t = _transposed([view(kw) for kw in kws], q, on, dt, per_bank, evict, keep)
-        return [t[:, u, :] for u in range(len(kws))]
-    base = _transposed([view(0)], q, on, dt, per_bank, evict, keep)[:, 0, :]
-    out = []
-    for kw in kws:
-        k = kw * d
-        if k == 0:
-            out.append(base)
+def _cols_first(v):
+    """An on-chip [p, rows, cols] view read column after column (free order cols, rows): a transpose puts its
+    element (r, j) on partition j * rows + r."""
+    (rs, rn), (cs, cn) = v.access.pattern
+    return v.ap([[1, v.shape[0]], [cs, cn], [rs, rn]])
+
+
+def _grad_band(gy, n: int, o0: int, on: int, oh0: int, nr: int, ow0: int, nc: int):
+    """SBUF [on, nr, nc]: rows [oh0, oh0 + nr) x columns [ow0, ow0 + nc) of image n's gradient channels
+    [o0, o0 + on)."""
+    gb = nl.ndarray((PMAX, nr, nc), gy.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=gb[:on], src=gy[n, o0:o0 + on, oh0:oh0 + nr, ow0:ow0 + nc])
+    return gb
+
+
+def _grad_shifted(gb, r0: int, rn: int, j0: int, mn: int, on: int, shifts: set, dt, per_bank: int, evict,
+                  keep: tuple) -> dict:
+    """The gradient band's chunk (rows [r0, r0 + rn) x columns [j0, j0 + mn)) transposed column-major,
+    [rn * mn, on], and for each shift e > 0 a copy moved down e partitions (an SBUF -> SBUF DMA): {e: tile}.
+    One TensorE transpose serves every window offset; the partitions outside a copy's range are never read."""
+    q = rn * mn
+    base = _transposed([_cols_first(gb[:on, r0:r0 + rn, j0:j0 + mn])], on, dt, per_bank, evict, keep)[:, 0, :]
+    out = {}
+    for e in sorted(shifts):
+        if e == 0:
+            out[0] = base
             continue
         t = nl.ndarray((PMAX, on), dt, buffer=nl.sbuf)
-        nisa.memset(dst=t[:min(k, q), :], value=0.0, engine=nisa.gpsimd_engine)
-        if k < q:
-            nisa.dma_copy(dst=t[k:q, :], src=base[:q - k, :on])
+        nisa.dma_copy(dst=t[e:e + q, :on], src=base[:q, :on])
         keep[1].append(t)
-        out.append(t)
+        out[e] = t
     return out
 
 
-def _transposed(views: list, q: int, width: int, dt, per_bank: int, evict, keep: tuple):
-    """SBUF [q, len(views), width]: each view [p, ...q positions...] transposed on TensorE (positions onto the
-    partitions), ``per_bank`` transposes per PSUM bank, each bank evicted once; the PSUM and SBUF tiles go
-    into the rings ``keep`` (so the next chunks' transposes and evictions use other buffers and overlap)."""
+def _transposed(views: list, width: int, dt, per_bank: int, evict, keep: tuple):
+    """SBUF [q, len(views), width]: each view [p, ...positions...] transposed on TensorE (its positions onto
+    partitions from 0; q the most positions of a view), ``per_bank`` transposes per PSUM bank, each bank
+    evicted once (the partitions past a shorter view's positions hold whatever the bank held: never read);
+    the PSUM and SBUF tiles go into the rings ``keep`` (so the next chunks' transposes and evictions use other
+    buffers and overlap)."""
+    qs = [math.prod(v.shape[1:]) for v in views]
     t = nl.ndarray((PMAX, len(views), width), dt, buffer=nl.sbuf)
     for v0 in range(0, len(views), per_bank):
         nv = min(per_bank, len(views) - v0)
+        q = max(qs[v0:v0 + nv])
         tp = nl.ndarray((PMAX, per_bank, width), dt, buffer=nl.psum)
         for j in range(nv):
             v = views[v0 + j]
-            nisa.nc_transpose(dst=tp[:q, j, :v.shape[0]], data=v)
+            nisa.nc_transpose(dst=tp[:qs[v0 + j], j, :v.shape[0]], data=v)
         evict(t[:q, v0:v0 + nv, :], tp[:q, :nv, :])
         keep[0].append(tp)
     keep[1].append(t)
