@@ -7,25 +7,34 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchneuron
+from tests.ops.bounds import U, assert_within, check_linear, gamma, linear_bounds, norm_bounds, var_bounds
 from tests.ops.conftest import to_n
 
 torch.manual_seed(0)
 X = torch.randn(2, 4, 9, 10)
 
 
-def _check(fn, *inputs, atol=1e-4, rtol=1e-4):
-    """fn on CPU and on neuron: outputs and the gradients of every float input agree."""
-    cpu = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
-    dev = [to_n(t).detach().requires_grad_(t.is_floating_point()) for t in inputs]
-    want, got = fn(*cpu), fn(*dev)
-    assert got.dtype == want.dtype and got.shape == want.shape
-    torch.testing.assert_close(got.cpu(), want, atol=atol, rtol=rtol)
-    g = torch.randn_like(want)
-    want.backward(g)
-    got.backward(to_n(g))
-    for c, d in zip(cpu, dev):
-        if c.grad is not None:
-            torch.testing.assert_close(d.grad.cpu(), c.grad, atol=atol, rtol=rtol)
+def _check_norm(fn, inputs, bounds):
+    """fn(*inputs) (a normalization: x and optional weight, bias) on CPU and on neuron: the output and the gradients
+    of every float input each within ``bounds(g)`` (``norm_bounds``' four, for the output gradient g) of the
+    float64 result."""
+    runs = {}
+    for side, move in (("cpu", lambda t: t.clone()), ("device", to_n), ("exact", lambda t: t.double())):
+        leaves = [None if t is None else move(t).detach().requires_grad_() for t in inputs]
+        runs[side] = (fn(*leaves), leaves)
+    want = runs["cpu"][0]
+    assert runs["device"][0].dtype == want.dtype and runs["device"][0].shape == want.shape
+    g = torch.randn(want.shape)
+    for side, (out, _) in runs.items():
+        out.backward(g.to(out.device, out.dtype))
+    b_out, *b_grads = bounds(g)
+    exact, exact_leaves = runs["exact"]
+    for side in ("device", "cpu"):
+        out, leaves = runs[side]
+        assert_within(f"{side} output", out, exact.detach(), b_out)
+        for i, (leaf, ref, bound) in enumerate(zip(leaves, exact_leaves, b_grads)):
+            if leaf is not None:
+                assert_within(f"{side} gradient {i}", leaf.grad, ref.grad, bound.reshape(ref.shape))
 
 
 def _check_conv(fn, *inputs):
@@ -94,9 +103,57 @@ def test_conv_channels_last_3d(strict):
     _check_conv(lambda x, w: F.conv_transpose3d(x, w, stride=2), x, torch.randn(3, 2, 2, 2, 2))
 
 
+def _check_conv_bf16(fn, x, w, rounds_once=("output", "dx", "dw")):
+    """A bf16 convolution fn(x, w) on CPU and on neuron, output and both gradients, against float64 of the same
+    values. The device multiplies bf16 values exactly in fp32, sums in fp32 and rounds once: within one bf16
+    rounding of the result plus the fp32 sum's bound (k - 1 additions of the k terms of the element: the
+    non-zero entries of the op's Jacobian in that operand). The CPU's bf16 kernels may round each product and
+    partial sum to bf16: within that many bf16 roundings of the sum of absolute terms; so is the device's
+    result where it is not named in ``rounds_once``."""
+    cpu = [t.clone().requires_grad_() for t in (x, w)]
+    dev = [to_n(t).detach().requires_grad_() for t in (x, w)]
+    want, got = fn(*cpu), fn(*dev)
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    g = torch.randn(want.shape).bfloat16()
+    want.backward(g)
+    got.backward(to_n(g))
+    x64, w64 = x.double(), w.double()
+    # linear in each operand: the x-Jacobian gives the output's and dx's terms, the w-Jacobian dw's
+    (exact, dx), (t_out, t_dx) = linear_bounds(lambda t: fn(t, w64), x, g, torch.float32)
+    (_, dw), (_, t_dw) = linear_bounds(lambda t: fn(x64, t), w, g, torch.float32)
+    (_, _), (c_out, c_dx) = linear_bounds(lambda t: fn(t, w64), x, g, torch.bfloat16, roundings=1)
+    (_, _), (_, c_dw) = linear_bounds(lambda t: fn(x64, t), w, g, torch.bfloat16, roundings=1)
+    u = U[torch.bfloat16]
+    errors = []
+    for name, a, b, ref, dev_bound, cpu_bound in (("output", got, want, exact, t_out, c_out),
+                                                  ("dx", dev[0].grad, cpu[0].grad, dx, t_dx, c_dx),
+                                                  ("dw", dev[1].grad, cpu[1].grad, dw, t_dw, c_dw)):
+        assert_within(f"cpu {name}", b, ref, cpu_bound)
+        try:
+            assert_within(f"device {name}", a, ref, u * (ref.abs() + dev_bound) + dev_bound
+                          if name in rounds_once else cpu_bound)
+        except AssertionError as e:
+            errors.append(str(e))
+    assert not errors, "; ".join(errors)
+
+
+def _conv_transpose_bf16_inputs():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(2, 3, 4, 5, generator=g).bfloat16(), torch.randn(3, 2, 3, 3, generator=g).bfloat16()
+
+
 def test_conv_transpose_bf16(strict):
-    x, w = torch.randn(2, 3, 4, 5).bfloat16(), torch.randn(3, 2, 3, 3).bfloat16()
-    _check(lambda x, w: F.conv_transpose2d(x, w, stride=2, padding=1), x, w, atol=5e-2, rtol=2e-2)
+    # the device's bf16 transposed convolution adds the overlapping taps' products in bf16 (see below): its
+    # output is held to the bound of bf16 partial sums; its gradients (convolutions) round once
+    _check_conv_bf16(lambda x, w: F.conv_transpose2d(x, w, stride=2, padding=1), *_conv_transpose_bf16_inputs(),
+                     rounds_once=("dx", "dw"))
+
+
+@pytest.mark.xfail(strict=True, reason="the device's bf16 conv_transpose2d forward sums the overlapping taps "
+                   "(a matmul per tap, then col2im adds) in bf16, rounding each partial sum: up to 75x the bound "
+                   "of an fp32 sum rounded once, which the CPU meets (errors of 0.04 at magnitude 0.42)")
+def test_conv_transpose_bf16_output_rounds_once_like_cpu(strict):
+    _check_conv_bf16(lambda x, w: F.conv_transpose2d(x, w, stride=2, padding=1), *_conv_transpose_bf16_inputs())
 
 
 def test_conv_transpose_errors_match_cpu():
@@ -120,14 +177,10 @@ def test_conv_transpose_float64_takes_the_cpu_route():
 
 
 def test_conv_bf16(strict):
-    # the device sums bf16 products in fp32 and rounds once: the reference is the fp32 convolution of the
-    # same bf16 values, rounded to bf16 (the CPU's bf16 kernel rounds partial sums too, by up to ~0.1)
+    # the device sums bf16 products in fp32 and rounds once (the CPU's bf16 kernel may round partial sums too)
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 3, 6, 6, generator=g).bfloat16(), torch.randn(4, 3, 3, 3, generator=g).bfloat16()
-    got = F.conv2d(to_n(x), to_n(w), padding=1)
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.cpu(), F.conv2d(x.float(), w.float(), padding=1).bfloat16(), atol=1e-2, rtol=1e-2)
-    _check(lambda x, w: F.conv2d(x, w, padding=1), x, w, atol=1.3e-1, rtol=5e-2)
+    _check_conv_bf16(lambda x, w: F.conv2d(x, w, padding=1), x, w)
 
 
 def test_conv_errors_match_cpu():
@@ -165,8 +218,8 @@ def test_direct_conv_launches(strict):
 
 def test_conv_padding_beyond_the_window_and_empty_batch(strict):
     # padding > dilation * (k - 1): the input gradient takes the im2col route; an empty batch: empty results
-    _check(lambda x, w, b: F.conv2d(x, w, b, padding=2), torch.randn(1, 2, 4, 4), torch.randn(3, 2, 1, 1),
-           torch.randn(3))
+    _check_conv(lambda x, w, b: F.conv2d(x, w, b, padding=2), torch.randn(1, 2, 4, 4), torch.randn(3, 2, 1, 1),
+                torch.randn(3))
     x, w = torch.randn(0, 2, 5, 5), torch.randn(3, 2, 3, 3)
     got = F.conv2d(to_n(x), to_n(w), padding=1)
     assert got.shape == (0, 3, 5, 5) and got.device.type == "neuron"
@@ -190,9 +243,17 @@ POOLS = {
 }
 
 
+def _roundings(name: str) -> int:
+    """Roundings per term beyond a window's sum: an average divides by its divisor (a reciprocal, then a
+    product: 2); an adaptive average whose windows differ in size is two matmuls with band matrices of 1/kh and
+    1/kw on the device (two reciprocals, two products: 4; its sums over kh and kw terms take kh + kw - 2 <=
+    kh kw - 1 additions); max pooling, unfold and fold copy and add values (0: a window's maximum is exact)."""
+    return 4 if "adaptive" in name else 2 if "avg" in name else 0
+
+
 @pytest.mark.parametrize("name", sorted(POOLS))
 def test_pooling_forward_backward(name, strict):
-    _check(POOLS[name], X)
+    check_linear(POOLS[name], X, _roundings(name))
 
 
 POOLS_3D = {
@@ -208,7 +269,7 @@ POOLS_3D = {
 
 @pytest.mark.parametrize("name", sorted(POOLS_3D))
 def test_pooling_3d_unfold_forward_backward(name, strict):
-    _check(POOLS_3D[name], torch.randn(2, 3, 5, 6, 4))
+    check_linear(POOLS_3D[name], torch.randn(2, 3, 5, 6, 4), _roundings(name))
 
 
 def test_max_pool3d_indices(strict):
@@ -243,8 +304,9 @@ def test_max_pool_indices(strict):
 
 def test_pooling_bf16(strict):
     x = X.bfloat16()
-    for fn in (lambda t: F.max_pool2d(t, 2), lambda t: F.avg_pool2d(t, 2), lambda t: F.adaptive_avg_pool2d(t, 3)):
-        _check(fn, x, atol=2e-2, rtol=2e-2)
+    for fn, roundings in ((lambda t: F.max_pool2d(t, 2), 0), (lambda t: F.avg_pool2d(t, 2), 2),
+                          (lambda t: F.adaptive_avg_pool2d(t, 3), 4)):
+        check_linear(fn, x, roundings)
 
 
 def test_pooling_errors_match_cpu():
@@ -259,32 +321,63 @@ def test_pooling_errors_match_cpu():
             fn(to_n(X))
 
 
+def _bn_bounds(x, w, b, training=True, running=None, eps=1e-5):
+    """``norm_bounds`` of a batch norm of x (N, C, ...): statistics over every dim but the channels'."""
+    dims = tuple(d for d in range(x.dim()) if d != 1)
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    w, b = (None if t is None else t.reshape(shape) for t in (w, b))
+    running = None if running is None else tuple(t.double().reshape(shape) for t in running)
+    return lambda g: norm_bounds(x, g, w, b, dims, eps, training, running)
+
+
 def test_batch_norm_training_updates_running_stats(strict):
     w, b = torch.randn(4), torch.randn(4)
     stats = [torch.randn(4), torch.rand(4) + 0.5]
-    dstats = [to_n(s) for s in stats]
-    _check(lambda x, w, b: F.batch_norm(x, *(dstats if x.is_neuron else stats), w, b, True, 0.2), X, w, b)
-    for d, s in zip(dstats, stats):
-        torch.testing.assert_close(d.cpu(), s, atol=1e-5, rtol=1e-5)
+    dstats, stats64 = [to_n(s) for s in stats], [s.double() for s in stats]
+    new = [s.clone() for s in stats]
+    _check_norm(lambda x, w, b: F.batch_norm(x, *(dstats if x.is_neuron else stats64 if x.dtype == torch.float64
+                                                else new), w, b, True, 0.2), (X, w, b), _bn_bounds(X, w, b))
+    # (1 - m) old + m new, new the batch's mean and unbiased variance (``var_bounds``), three roundings
+    b_var, b_mean = (t.reshape(4) for t in var_bounds(X, (0, 2, 3), correction=1))
+    for name, d, c, exact, old, b_new in (("mean", dstats[0], new[0], stats64[0], stats[0], b_mean),
+                                          ("var", dstats[1], new[1], stats64[1], stats[1], b_var)):
+        bound = 0.2 * b_new + gamma(3) * (0.8 * old.double().abs() + (exact - 0.8 * old.double()).abs())
+        assert_within(f"device running {name}", d, exact, bound)
+        assert_within(f"cpu running {name}", c, exact, bound)
 
 
 def test_batch_norm_eval_and_no_affine(strict):
     rm, rv = torch.randn(4), torch.rand(4) + 0.5
-    _check(lambda x, w, b: F.batch_norm(x, to_n(rm) if x.is_neuron else rm, to_n(rv) if x.is_neuron else rv,
-                                        w, b, False), X, torch.randn(4), torch.randn(4))
-    _check(lambda x: F.batch_norm(x, None, None, training=True), torch.randn(5, 3))          # 2-D, no params
+    w, b = torch.randn(4), torch.randn(4)
+    _check_norm(lambda x, w, b: F.batch_norm(x, rm.to(x.device, x.dtype), rv.to(x.device, x.dtype), w, b, False),
+                (X, w, b), _bn_bounds(X, w, b, training=False, running=(rm, rv)))
+    x = torch.randn(5, 3)
+    _check_norm(lambda x: F.batch_norm(x, None, None, training=True), (x,), _bn_bounds(x, None, None))  # 2-D
     out, mean, invstd = torch.native_batch_norm(to_n(X), None, None, to_n(rm), to_n(rv), False, 0.1, 1e-5)
     assert mean.shape == (0,) and invstd.shape == (0,)                                       # as the CPU kernel
 
 
 def test_batch_norm_bf16_mixed(strict):
+    # the CPU keeps a bf16 input's statistics and normalization in fp32 and rounds the output once: each
+    # side within the fp32 bounds plus one bf16 rounding of the float64 result of the same bf16 values
     ref, bn = nn.BatchNorm2d(4), nn.BatchNorm2d(4).to("neuron")     # fp32 parameters, bf16 input
     bn.num_batches_tracked = ref.num_batches_tracked = None          # (int64 += 1 is not lowered yet)
-    want, got = ref(X.bfloat16()), bn(to_n(X.bfloat16()))
+    x = X.bfloat16()
+    want, got = ref(x), bn(to_n(x))
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.cpu(), want, atol=3e-2, rtol=2e-2)
-    torch.testing.assert_close(bn.running_mean.cpu(), ref.running_mean, atol=1e-3, rtol=1e-2)
-    torch.testing.assert_close(bn.running_var.cpu(), ref.running_var, atol=1e-3, rtol=1e-2)
+    x64 = x.double()
+    exact = F.batch_norm(x64, None, None, training=True)
+    b_y = _bn_bounds(x64, None, None)(torch.zeros_like(x64))[0]
+    b_y = b_y + gamma(1, torch.bfloat16) * (exact.abs() + b_y)
+    b_var, b_mean = (t.reshape(4) for t in var_bounds(x64, (0, 2, 3), correction=1))
+    mean, var = x64.mean((0, 2, 3)), x64.var((0, 2, 3))
+    for side, out, stats in (("device", got, bn), ("cpu", want, ref)):
+        assert_within(f"{side} output", out, exact, b_y)
+        # 0.9 * 0 + 0.1 * mean, 0.9 * 1 + 0.1 * var: the new statistic's bound and three roundings
+        assert_within(f"{side} running mean", stats.running_mean, 0.1 * mean,
+                      0.1 * b_mean + gamma(3) * 0.1 * mean.abs())
+        assert_within(f"{side} running var", stats.running_var, 0.9 + 0.1 * var,
+                      0.1 * b_var + gamma(3) * (0.9 + 0.1 * var))
 
 
 def test_batch_norm_errors_match_cpu():
@@ -314,13 +407,30 @@ def test_fp16_group_norm_statistics_in_fp32_like_cpu(scale, param_dtype, strict)
                                atol=8 * torch.finfo(torch.float16).eps)
 
 
+def _gn_bounds(x, groups, w, b, eps=1e-5):
+    """``norm_bounds`` of a group norm: x (N, C, ...) viewed as (N, G, C / G, L), statistics over the last two
+    dims, the parameters per (G, C / G)."""
+    n, c = x.shape[:2]
+    shape = (n, groups, c // groups, -1)
+    w, b = (None if t is None else t.reshape(1, groups, c // groups, 1) for t in (w, b))
+
+    def bounds(g):
+        found = norm_bounds(x.reshape(shape), g.reshape(shape), w, b, (2, 3), eps, param_dims=(1, 2))
+        return [found[0].reshape(x.shape), found[1].reshape(x.shape), *found[2:]]
+    return bounds
+
+
 def test_group_norm_and_var_mean(strict):
-    _check(lambda x, w, b: F.group_norm(x, 2, w, b), X, torch.randn(4), torch.randn(4))
-    _check(lambda x: F.group_norm(x, 4), torch.randn(3, 4, 5))
+    w, b = torch.randn(4), torch.randn(4)
+    _check_norm(lambda x, w, b: F.group_norm(x, 2, w, b), (X, w, b), _gn_bounds(X, 2, w, b))
+    x = torch.randn(3, 4, 5)
+    _check_norm(lambda x: F.group_norm(x, 4), (x,), _gn_bounds(x, 4, None, None))
     for kw in ({"dim": (0, 2)}, {"dim": 1, "correction": 0, "keepdim": True}, {}):
-        got, want = torch.var_mean(to_n(X), **kw), torch.var_mean(X, **kw)
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-5)
+        got, want, exact = torch.var_mean(to_n(X), **kw), torch.var_mean(X, **kw), torch.var_mean(X.double(), **kw)
+        b_var, b_mean = var_bounds(X, kw.get("dim"), kw.get("correction", 1))
+        for side, (v, m) in (("device", got), ("cpu", want)):
+            assert_within(f"{side} var", v, exact[0], b_var.reshape(exact[0].shape))
+            assert_within(f"{side} mean", m, exact[1], b_mean.reshape(exact[1].shape))
 
 
 def test_dropout(strict):
@@ -365,42 +475,73 @@ class _Replay(nn.Module):
         return x * self.masks[self.step].to(x.dtype) / 0.9
 
 
+def _yardstick(got, cpus, exact) -> tuple[float, float]:
+    """(the device's deviation from float64, 4x the CPU's largest): the CPU runs' deviations from the float64
+    run of the same model, at least one unit of fp32 (2**-23) of the exact values' magnitude."""
+    exact = exact.detach().cpu().double()
+    dev = float((got.detach().cpu().double() - exact).abs().max())
+    cpu = max(float((c.detach().double() - exact).abs().max()) for c in cpus)
+    return dev, 4 * max(cpu, 2.0**-23 * float(exact.abs().max()))
+
+
 def test_cnn_trains_like_cpu(strict):
+    # 20 AdamW steps: a derived bound would have to follow every rounding through the trajectory, so the yardstick
+    # is the CPU's own: fp32 runs with 1 and 2 threads (other summation orders) against the same model trained in
+    # float64. Rounding moves every fp32 run off the exact trajectory by the same few units (here the losses by
+    # about one unit of fp32, the parameters by a few); the device's run must stay within 4x the CPU's largest
+    # deviation (or of one unit of fp32). A wrong step (a dropout scale, a biased variance, a lost term) puts it
+    # orders of magnitude further.
     torchneuron.reset_fallback_counts()
     dev = _cnn().to("neuron")
     # int64 arithmetic (num_batches_tracked += 1) is not lowered yet; momentum is fixed, so it is unused
     dev[1].num_batches_tracked = None
     masks = []
     dev[9].register_forward_hook(lambda m, i, o: masks.append((o != 0).cpu()))   # inputs are non-zero
-    ref = _cnn()
-    ref[9] = replay = _Replay(masks)
+    refs = {"cpu2": _cnn(), "cpu1": _cnn(), "exact": _cnn().double()}
+    for m in refs.values():
+        m[9] = _Replay(masks)
     torch.manual_seed(1)
     x, y = torch.randn(4, 3, 12, 12), torch.randint(0, 10, (4,))
     opt_d = torch.optim.AdamW(dev.parameters(), lr=1e-2)
-    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in refs.items()}
+    threads = {"cpu2": 2, "cpu1": 1, "exact": 2}
     xd, yd = to_n(x), to_n(y)
-    for step in range(20):
-        loss_d = F.cross_entropy(dev(xd), yd)
-        opt_d.zero_grad()
-        loss_d.backward()
-        opt_d.step()
-        replay.step = step
-        loss_r = F.cross_entropy(ref(x), y)
-        opt_r.zero_grad()
-        loss_r.backward()
-        opt_r.step()
-        assert abs(loss_d.item() - loss_r.item()) <= 1e-4 * abs(loss_r.item()), step
+    before = torch.get_num_threads()
+    try:
+        for step in range(20):
+            loss_d = F.cross_entropy(dev(xd), yd)
+            opt_d.zero_grad()
+            loss_d.backward()
+            opt_d.step()
+            losses = {}
+            for k, m in refs.items():
+                torch.set_num_threads(threads[k])
+                m[9].step = step
+                losses[k] = F.cross_entropy(m(x.to(next(m.parameters()).dtype)), y)
+                opts[k].zero_grad()
+                losses[k].backward()
+                opts[k].step()
+            got, allowed = _yardstick(loss_d, [losses["cpu1"], losses["cpu2"]], losses["exact"])
+            assert got <= allowed, f"step {step}: loss {got:.3e} off float64, beyond {allowed:.3e}"
+    finally:
+        torch.set_num_threads(before)
     # the first conv's bias feeds batch norm, so its true gradient is 0 and AdamW turns rounding noise into
-    # +-lr steps that differ between any two backends; the rest (and the loss) does not depend on it
-    got, want = dev.state_dict(), ref.state_dict()
+    # +-lr steps that differ between any two runs; the rest (and the loss) does not depend on it
+    got = dev.state_dict()
+    cpus = [refs[k].state_dict() for k in ("cpu1", "cpu2")]
+    want = refs["exact"].state_dict()
     for name in ("0.weight", "1.weight", "1.bias", "1.running_var", "4.weight", "4.bias", "10.weight"):
-        torch.testing.assert_close(got[name].cpu(), want[name], atol=1e-3, rtol=1e-3)
-    # eval mode (running statistics, no dropout) with the trained device weights
-    ref[9] = nn.Dropout(0.1)
-    ref.load_state_dict({k: v.cpu() for k, v in got.items()}, strict=False)
+        off, allowed = _yardstick(got[name], [c[name] for c in cpus], want[name])
+        assert off <= allowed, f"{name}: {off:.3e} off float64, beyond {allowed:.3e}"
+    # eval mode (running statistics, no dropout) with the trained device weights, on the CPU in fp32 and float64
+    evals = {k: _cnn() for k in ("cpu", "exact")}
+    for m in evals.values():
+        m.load_state_dict({k: v.cpu() for k, v in got.items()}, strict=False)
+        m.eval()
+    evals["exact"].double()
     dev.eval()
-    ref.eval()
-    torch.testing.assert_close(dev(xd).cpu(), ref(x), atol=1e-4, rtol=1e-4)
+    off, allowed = _yardstick(dev(xd), [evals["cpu"](x)], evals["exact"](x.double()))
+    assert off <= allowed, f"eval: {off:.3e} off float64, beyond {allowed:.3e}"
     assert torchneuron.fallback_counts() == {}
 
 
@@ -415,14 +556,10 @@ def test_avg_pool_keeps_non_finite_values_in_their_windows(dims, strict):
             continue                                          # (padding is at most half the kernel)
         x = torch.randn(2, 3, *(7, 9, 5)[:dims], generator=g)
         x.view(-1)[17], x.view(-1)[40] = float("nan"), float("inf")
-        xc, xn = x.clone().requires_grad_(), to_n(x).requires_grad_()
-        want, got = pool(xc, k, s, p, ceil, cip, div), pool(xn, k, s, p, ceil, cip, div)
-        torch.testing.assert_close(got.detach().cpu(), want.detach(), atol=1e-5, rtol=1e-5, equal_nan=True)
-        grad = torch.randn(want.shape, generator=g)
+        fn = lambda t: pool(t, k, s, p, ceil, cip, div)                 # noqa: E731
+        grad = torch.randn(fn(x).shape, generator=g)
         grad[0, 1, 0, 0] = float("nan")
-        want.backward(grad)
-        got.backward(to_n(grad))
-        torch.testing.assert_close(xn.grad.cpu(), xc.grad, atol=1e-5, rtol=1e-5, equal_nan=True)
+        check_linear(fn, x, 2, g=grad)       # non-finite where float64 is, elsewhere within the windows' bound
 
 
 @pytest.mark.parametrize("shape,out", [((2, 3, 8, 6), (4, 3)), ((2, 3, 7, 7), (1, 1)), ((3, 7, 9), (7, 3)),
@@ -432,10 +569,4 @@ def test_adaptive_avg_pool_of_even_windows_keeps_non_finite_values_in_them(shape
     pool = F.adaptive_avg_pool2d if len(out) == 2 else F.adaptive_avg_pool3d
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     x.view(-1)[5] = float("nan")
-    xc, xn = x.clone().requires_grad_(), to_n(x).requires_grad_()
-    want, got = pool(xc, out), pool(xn, out)
-    torch.testing.assert_close(got.detach().cpu(), want.detach(), atol=1e-5, rtol=1e-5, equal_nan=True)
-    grad = torch.randn(want.shape)
-    want.backward(grad)
-    got.backward(to_n(grad))
-    torch.testing.assert_close(xn.grad.cpu(), xc.grad, atol=1e-5, rtol=1e-5, equal_nan=True)
+    check_linear(lambda t: pool(t, out), x, _roundings("adaptive"))
