@@ -137,3 +137,23 @@ def test_packing_takes_fewer_instructions_and_less_time_than_flash():
     for p, f in zip(packed, flash):
         assert len(p.instructions) < len(f.instructions) / 2
         assert p.schedule(SPEC).device_time_ns < f.schedule(SPEC).device_time_ns
+
+
+@pytest.mark.parametrize("chip,rows", [("trn1", 64), ("trn2", 32)])
+def test_head_matmuls_use_row_tiles_only_of_their_own_partitions(chip, rows):
+    """A tiled matmul claims the PE rows its contraction's partitions feed (the smallest tile of the chip
+    holding them), so heads on different rows may overlap and heads on the same rows never claim to; the
+    heads contracting over the queries (dV, dK: all on the same rows) keep the whole array."""
+    spec = chip_spec(chip)
+    q, lse = torch.zeros(16, 4, 64, 16), torch.zeros(16, 4, 64)
+    progs = [packed_attention_fwd.trace((), dict(q=q, k=q, v=q, causal=True), spec).program,
+             packed_attention_bwd.trace((), dict(q=q, k=q, v=q, o=q, do=q, lse=lse, causal=True), spec).program]
+    for prog, plain_products in zip(progs, (0, 2 * 64)):   # the backward's dV and dK: one per head each
+        tiled = [i for i in prog.instructions if i.opcode == "nc_matmul_tiled"]
+        assert tiled and sum(i.opcode == "nc_matmul" for i in prog.instructions) == plain_products
+        for ins in tiled:
+            (r0, c0), (nr, nc) = ins.tile_position, ins.tile_size
+            p0 = ins.stationary.start_partition
+            p1 = p0 + ins.stationary.partitions
+            assert ins.moving.start_partition == p0 and (c0, nc) == (0, 128) and r0 <= p0 and p1 <= r0 + nr
+            assert nr == min(s for s in (rows, 64) if p0 // s == (p1 - 1) // s)

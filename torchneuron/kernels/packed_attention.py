@@ -12,6 +12,11 @@ partition's elements). Here a group of G heads shares every instruction but its 
 * softmax, its statistics and the backward's dS run once over [L, G, S] (reductions over the trailing axis);
 * P^T (and dS^T) are transposed 128 // S heads at a time.
 
+Heads whose contraction rows lie on different partitions (Q K^T and dO V^T over each head's E rows, the
+products of a transposed chunk over its heads' S rows) run on row tiles of the PE array (``tile_position``),
+which the hardware runs concurrently; heads contracting over the same partitions (dV, dK: the queries) keep
+the whole array.
+
 A head's matmuls read only its own rows, so an inf or NaN in one head never reaches another (a block-diagonal
 operand would: 0 * inf is NaN).
 
@@ -97,13 +102,25 @@ def _stacked_t(rows, n: int, G: int, d: int, dt, evict):
     return out
 
 
+def _row_tile(k0: int, k: int) -> dict:
+    """PE tiling arguments of a matmul contracting over partitions [k0, k0 + k): the smallest row tile of the
+    array holding them (all 128 columns), so that heads whose rows lie in different tiles run concurrently
+    (PE rows are fed by their own partitions: heads on the same rows cannot); {} when that is the whole array.
+    Row tiles are 32 rows from NeuronCore-v3, 64 on v2."""
+    for size in ((32, 64) if nisa.get_nc_version() != nisa.nc_version.gen2 else (64,)):
+        if k0 // size == (k0 + k - 1) // size:
+            return dict(tile_position=(k0 // size * size, 0), tile_size=(size, PMAX))
+    return {}
+
+
 def _per_head(dst, a, b, G: int, da: int, db: int, n: int) -> None:
     """``dst[:, g] = a_g^T b_g`` for each head g: a [G*da, ...] and b [G*db, ...] hold head g's contraction
     rows at g*da / g*db (n of them when da, db are 0: the heads' rows are the same partitions)."""
     for g in range(G):
         ra = slice(g * da, g * da + n) if da else slice(0, n)
         rb = slice(g * db, g * db + n) if db else slice(0, n)
-        nisa.nc_matmul(dst=dst[:, g], stationary=a(ra, g), moving=b(rb, g), accumulate=False)
+        tiling = _row_tile(ra.start, n) if da and da == db else {}   # (da = 0: every head on the same rows)
+        nisa.nc_matmul(dst=dst[:, g], stationary=a(ra, g), moving=b(rb, g), accumulate=False, **tiling)
 
 
 def _probabilities(qT, kT, L: int, S: int, G: int, E: int, scale: float, bias):
@@ -135,7 +152,7 @@ def _chunk_products(dst, probs, rows, L: int, S: int, G: int, hc: int, dt, evict
         evict(pT[:n * S, :L], tp[:n * S, :L])
         for j in range(n):
             nisa.nc_matmul(dst=dst[:, c0 + j], stationary=pT[j * S:(j + 1) * S, :L],
-                           moving=rows[j * S:(j + 1) * S, c0 + j], accumulate=False)
+                           moving=rows[j * S:(j + 1) * S, c0 + j], accumulate=False, **_row_tile(j * S, S))
 
 
 def _group_shape(q, k, v, scale: float, shape, what: str):
