@@ -455,14 +455,17 @@ def _geqrf(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _apply_q(refl: torch.Tensor, tau: torch.Tensor, c: torch.Tensor, transpose: bool) -> torch.Tensor:
     """``Q C`` (``Q^T C`` when ``transpose``) for ``Q = H_0 ... H_{k-1}`` whose reflectors are stored below
     the diagonal of ``refl`` [B, m, >= k] with ``tau`` [B, k], and ``C`` [B, m, p]: one reflector at a time,
-    ``H C = C - tau v (v^T C)``."""
+    ``H C = C - v (tau (v^T C))``, rounded as LAPACK's ``larf`` (its ``ger`` scales ``w = v^T C`` by tau, then
+    multiplies by v): orgqr's backward amplifies the forward's last bits far beyond fp32's tolerance on the
+    non-orthogonal reflectors of PyTorch's samples, and ``(tau v) w`` put gradients off where the CPU's
+    were not."""
     m, k = refl.size(-2), tau.size(-1)
     if k == 0 or c.numel() == 0:
         return c.clone()
     vs = refl[..., :k].tril(-1) + torch.eye(m, k, device=c.device)
     for j in (range(k) if transpose else reversed(range(k))):
         v = vs[:, :, j:j + 1]                                                     # [B, m, 1]
-        c = c - (tau[:, j:j + 1].unsqueeze(-1) * v) * (v.mT @ c)
+        c = c - v * (tau[:, j:j + 1].unsqueeze(-1) * (v.mT @ c))
     return c
 
 
