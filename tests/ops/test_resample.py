@@ -3,22 +3,29 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.ops.bounds import check_linear, check_linear_forward
 from tests.ops.conftest import to_n
 
 torch.manual_seed(0)
 
+# Every op here is linear in its input, so ``check_linear`` holds the device and the CPU each to the rounding
+# bound of its sums of terms against float64 (tests/ops/bounds.py). Roundings per term beyond the sums:
+COPY = 0          # padding, nearest, max pooling and unpooling: copies and sums of copies (a forward is exact)
+AVG = 2           # a window average: a reciprocal of the divisor and the product with it
 
-def _check(fn, x, atol=1e-5, rtol=1e-5):
-    """fn on CPU and on neuron: output and input gradient agree."""
-    cpu = x.clone().requires_grad_(True)
-    dev = to_n(x).requires_grad_(True)
-    want, got = fn(cpu), fn(dev)
-    assert got.dtype == want.dtype and got.shape == want.shape
-    torch.testing.assert_close(got.cpu(), want, atol=atol, rtol=rtol)
-    g = torch.randn_like(want)
-    want.backward(g)
-    got.backward(to_n(g))
-    torch.testing.assert_close(dev.grad.cpu(), cpu.grad, atol=atol, rtol=rtol)
+
+def _interp(mode: str, dims: int) -> tuple[int, str | None]:
+    """(roundings, weights) of an interpolation: one product per dim's weight (the weights' product, then the
+    term), the weights themselves computed from rounded coordinates; nearest copies."""
+    if mode.startswith("nearest"):
+        return COPY, None
+    return dims, "cubic" if "cubic" in mode else "linear"
+
+
+def _adaptive(dims: int) -> int:
+    """An adaptive average whose windows differ in size is a band matrix per dim on the device (1/k entries: a
+    reciprocal and a product each); the even case is a plain window average."""
+    return 2 * dims
 
 
 PADS = {
@@ -37,7 +44,7 @@ PADS = {
 @pytest.mark.parametrize("name", PADS)
 def test_pad(strict, name):
     shape, pad, mode = PADS[name]
-    _check(lambda x: F.pad(x, pad, mode=mode), torch.randn(shape))
+    check_linear(lambda x: F.pad(x, pad, mode=mode), torch.randn(shape), COPY)
 
 
 def test_pad_out_and_bf16(strict):
@@ -88,13 +95,13 @@ UPS = {
 @pytest.mark.parametrize("name", UPS)
 def test_upsample(strict, name):
     shape, kw = UPS[name]
-    _check(lambda x: F.interpolate(x, **kw), torch.randn(shape), atol=1e-5, rtol=1e-4)
+    check_linear(lambda x: F.interpolate(x, **kw), torch.randn(shape), *_interp(kw["mode"], len(shape) - 2))
 
 
 def test_adaptive_max_pool2d(strict):
     x = torch.randn(2, 3, 7, 9)
-    _check(lambda t: F.adaptive_max_pool2d(t, (3, 4)), x)
-    _check(lambda t: F.adaptive_max_pool1d(t, 4), torch.randn(2, 3, 10))
+    check_linear(lambda t: F.adaptive_max_pool2d(t, (3, 4)), x, COPY)
+    check_linear(lambda t: F.adaptive_max_pool1d(t, 4), torch.randn(2, 3, 10), COPY)
     v, i = F.adaptive_max_pool2d(to_n(x), (4, 5), return_indices=True)
     wv, wi = F.adaptive_max_pool2d(x, (4, 5), return_indices=True)
     torch.testing.assert_close(v.cpu(), wv)
@@ -116,15 +123,15 @@ def test_adaptive_max_pool2d_nan_and_empty(strict):
 
 
 def test_adaptive_avg_pool3d(strict):
-    _check(lambda t: F.adaptive_avg_pool3d(t, (2, 3, 2)), torch.randn(2, 3, 5, 7, 4))
-    _check(lambda t: F.adaptive_avg_pool3d(t, (3, 1, 4)), torch.randn(2, 4, 5, 6))
+    check_linear(lambda t: F.adaptive_avg_pool3d(t, (2, 3, 2)), torch.randn(2, 3, 5, 7, 4), _adaptive(3))
+    check_linear(lambda t: F.adaptive_avg_pool3d(t, (3, 1, 4)), torch.randn(2, 4, 5, 6), _adaptive(3))
 
 
 @pytest.mark.parametrize("kw", [dict(kernel_size=2), dict(kernel_size=(3, 2, 2), stride=(2, 1, 2), padding=(1, 0, 1)),
                                 dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, count_include_pad=False),
                                 dict(kernel_size=2, divisor_override=3)])
 def test_avg_pool3d(strict, kw):
-    _check(lambda t: F.avg_pool3d(t, **kw), torch.randn(2, 2, 5, 6, 7))
+    check_linear(lambda t: F.avg_pool3d(t, **kw), torch.randn(2, 2, 5, 6, 7), AVG)
 
 
 @pytest.mark.parametrize("size", [(5,), (7, 3), (4, 6, 5)])
@@ -140,15 +147,18 @@ def test_interpolate_half_and_out(strict, mode):
     nd = {"linear": 1, "bicubic": 2, "trilinear": 3}[mode]
     x = torch.randn((1, 2) + (4,) * nd)
     for dt in (torch.bfloat16, torch.float16):
-        want = F.interpolate(x.to(dt), scale_factor=1.5, mode=mode)
-        got = F.interpolate(to_n(x.to(dt)), scale_factor=1.5, mode=mode)
-        assert got.dtype == dt
-        torch.testing.assert_close(got.cpu(), want, atol=2e-2, rtol=2e-2)
+        # (the bound of sums in the 2-byte dtype, every step rounded: a CPU kernel's, or fp32 rounded once)
+        check_linear_forward(lambda t: F.interpolate(t, scale_factor=1.5, mode=mode), x.to(dt), *_interp(mode, nd))
     op = {"linear": torch.ops.aten.upsample_linear1d, "bicubic": torch.ops.aten.upsample_bicubic2d,
           "trilinear": torch.ops.aten.upsample_trilinear3d}[mode]
-    out = to_n(torch.empty(0))
-    op.out(to_n(x), [6] * nd, False, out=out)
-    torch.testing.assert_close(out.cpu(), op(x, [6] * nd, False))
+
+    def out_variant(t):
+        if t.dtype == torch.float64:                                   # (the float64 reference)
+            return op(t, [6] * nd, False)
+        out = torch.empty(0, device=t.device)
+        op.out(t, [6] * nd, False, out=out)
+        return out
+    check_linear_forward(out_variant, x, *_interp(mode, nd))
 
 
 def test_interpolate_errors_like_cpu(strict):
@@ -168,11 +178,11 @@ def test_interpolate_errors_like_cpu(strict):
 
 def test_empty_batches(strict):
     """Empty operands run the CPU's checks and give empty results on the device, forward and backward."""
-    _check(lambda t: F.pad(t, (1, 2), mode="reflect"), torch.randn(0, 3, 3))
-    _check(lambda t: F.pad(t, (0, 2, 0, 1), mode="replicate"), torch.randn(0, 3, 3, 3))
-    _check(lambda t: F.adaptive_avg_pool3d(t, (5, 7, 4)), torch.randn(0, 2, 8, 8, 8))
-    _check(lambda t: F.avg_pool3d(t, (2, 3, 1), (2, 1, 2)), torch.randn(0, 1, 4, 5, 4))
-    _check(lambda t: F.interpolate(t, size=(3, 5), mode="bicubic"), torch.randn(0, 2, 4, 4))
+    check_linear(lambda t: F.pad(t, (1, 2), mode="reflect"), torch.randn(0, 3, 3))
+    check_linear(lambda t: F.pad(t, (0, 2, 0, 1), mode="replicate"), torch.randn(0, 3, 3, 3))
+    check_linear(lambda t: F.adaptive_avg_pool3d(t, (5, 7, 4)), torch.randn(0, 2, 8, 8, 8))
+    check_linear(lambda t: F.avg_pool3d(t, (2, 3, 1), (2, 1, 2)), torch.randn(0, 1, 4, 5, 4))
+    check_linear(lambda t: F.interpolate(t, size=(3, 5), mode="bicubic"), torch.randn(0, 2, 4, 4))
     for pad in ([-1, -1, -1], [4, 4, 4]):
         with pytest.raises(RuntimeError, match="pad"):
             torch.ops.aten.avg_pool3d(to_n(torch.randn(0, 1, 49, 50)), [2, 2, 2], [50, 50, 50], pad)
@@ -181,7 +191,7 @@ def test_empty_batches(strict):
 def test_max_unpool3d(strict):
     x = torch.randn(2, 3, 4, 6, 4)
     v, i = F.max_pool3d(x, 2, return_indices=True)
-    _check(lambda t: F.max_unpool3d(t, to_n(i) if t.is_neuron else i, 2, output_size=(5, 7, 4)), v)
+    check_linear(lambda t: F.max_unpool3d(t, i.to(t.device), 2, output_size=(5, 7, 4)), v, COPY)
     got = F.max_unpool3d(to_n(v[0]), to_n(i[0]), 2)          # unbatched
     assert torch.equal(got.cpu(), F.max_unpool3d(v[0], i[0], 2))
     out = to_n(torch.empty(0))
@@ -205,9 +215,10 @@ def test_grid_sample_2d(strict, mode, padding):
     x = torch.randn(2, 3, 5, 7)
     g = torch.rand(2, 6, 4, 2) * 3.2 - 1.6
     for align in (False, True):
-        want = F.grid_sample(x, g, mode=mode, padding_mode=padding, align_corners=align)
-        got = F.grid_sample(to_n(x), to_n(g), mode=mode, padding_mode=padding, align_corners=align)
-        torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+        # linear in x, the weights from the grid's coordinates (nearest: the CPU's rounding of the same fp32
+        # coordinate picks the same element, exactly)
+        check_linear_forward(lambda t: F.grid_sample(t, g.to(t.device, t.dtype), mode=mode, padding_mode=padding,
+                                                     align_corners=align), x, *_interp(mode, 2))
 
 
 @pytest.mark.parametrize("mode", ["bilinear", "nearest"])
@@ -216,9 +227,9 @@ def test_grid_sample_3d(strict, mode):
     g = torch.rand(2, 3, 2, 4, 3) * 3 - 1.5
     for padding in ("zeros", "border", "reflection"):
         for align in (False, True):
-            want = F.grid_sample(x, g, mode=mode, padding_mode=padding, align_corners=align)
-            got = F.grid_sample(to_n(x), to_n(g), mode=mode, padding_mode=padding, align_corners=align)
-            torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+            check_linear_forward(lambda t: F.grid_sample(t, g.to(t.device, t.dtype), mode=mode,
+                                                         padding_mode=padding, align_corners=align),
+                                 x, *_interp(mode, 3))
 
 
 def test_grid_sample_errors_like_cpu(strict):
@@ -250,7 +261,8 @@ def test_fractional_max_pool(strict, k):
     pool = F.fractional_max_pool2d if k == 2 else F.fractional_max_pool3d
     xs = torch.randn((1, 2) + (16, 9, 8)[:k])
     samples = torch.tensor([[[0.96, 0.2, 0.5][:k], [0.0, 0.7, 0.33][:k]]])
-    _check(lambda t: pool(t, 2, output_ratio=(0.5,) * k, _random_samples=to_n(samples) if t.is_neuron else samples), xs)
+    check_linear(lambda t: pool(t, 2, output_ratio=(0.5,) * k, _random_samples=samples.to(t.device, t.dtype)), xs,
+                 COPY)
 
 
 def test_adaptive_max_pool3d(strict):
@@ -260,7 +272,14 @@ def test_adaptive_max_pool3d(strict):
     wv, wi = F.adaptive_max_pool3d(x, (2, 3, 3), return_indices=True)
     torch.testing.assert_close(v.cpu(), wv, equal_nan=True)
     assert torch.equal(i.cpu(), wi)
-    _check(lambda t: F.adaptive_max_pool3d(t, (3, 2, 4)), torch.randn(3, 6, 5, 4))
+    check_linear(lambda t: F.adaptive_max_pool3d(t, (3, 2, 4)), torch.randn(3, 6, 5, 4), COPY)
+
+
+def _antialiased(mode: str, sizes) -> tuple[int, str]:
+    """(roundings, weights) of an antialiased resize: per dim the filter's values at rounded coordinates, divided
+    by their sum (at most as many taps as inputs: that many additions, a division) and the product with the
+    term; the triangle filter's slope is at most 1, the cubic's 1.35 (its taps' coordinates are scaled down)."""
+    return sum(n + 2 for n in sizes), "cubic" if mode == "bicubic" else "linear"
 
 
 @pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
@@ -269,22 +288,16 @@ def test_antialiased_resize(strict, mode):
     x = torch.randn(2, 3, 10, 20)
     for kw in (dict(size=(3, 7)), dict(size=(23, 9)), dict(size=(4, 20), align_corners=True),
                dict(scale_factor=(1.7, 0.45))):
-        want = F.interpolate(x, mode=mode, antialias=True, **kw)
-        got = F.interpolate(to_n(x), mode=mode, antialias=True, **kw)
-        torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+        check_linear_forward(lambda t: F.interpolate(t, mode=mode, antialias=True, **kw), x,
+                             *_antialiased(mode, x.shape[2:]))
 
 
 @pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
 def test_antialiased_resize_backward(mode, strict):
     for size in ((5, 5), (12, 3)):
-        x = torch.randn(2, 3, 8, 8, requires_grad=True)
-        xn = x.detach().to("neuron").requires_grad_()
-        y = F.interpolate(x, size=size, mode=mode, antialias=True)
-        yn = F.interpolate(xn, size=size, mode=mode, antialias=True)
-        g = torch.randn_like(y)
-        y.backward(g)
-        yn.backward(g.to("neuron"))
-        torch.testing.assert_close(xn.grad.cpu(), x.grad, atol=1e-5, rtol=1e-4)
+        x = torch.randn(2, 3, 8, 8)
+        check_linear(lambda t: F.interpolate(t, size=size, mode=mode, antialias=True), x,
+                     *_antialiased(mode, x.shape[2:]))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
