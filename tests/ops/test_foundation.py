@@ -127,6 +127,15 @@ _DERIVED = {
     "take.out": lambda c, out: torch.take(c(_X), c(_IDX), out=out),
     "index.Tensor_out": lambda c, out: torch.ops.aten.index.Tensor_out(c(_X), [c(_IDX)], out=out),  # quiet
     "nonzero_static.out": lambda c, out: torch.nonzero_static(c(_MASK), size=4, out=out),
+    # (their out= tensors of another dtype, cast into or refused as the CPU does: tests/ops/test_out_variants.py)
+    "sum.IntList_out": lambda c, out: torch.sum(c(_X), 1, out=out),
+    # (quarters: the products of 3 are exact in fp16, which the CPU rounds after each product and the device once)
+    "prod.int_out": lambda c, out: torch.prod(c((_X * 4).round() / 4), 0, keepdim=True, out=out),
+    "mean.out": lambda c, out: torch.mean(c(_X), (0, 1), out=out),
+    "amax.out": lambda c, out: torch.amax(c(_X), 0, out=out),
+    "cat.out": lambda c, out: torch.cat([c(_X), c(_T[:1])], out=out),
+    "kthvalue.values": lambda c, out: torch.kthvalue(c(_X), 2, 1, out=(out, c(torch.empty(0, dtype=torch.int64)))),
+    "max.dim_max": lambda c, out: torch.max(c(_X), 0, out=(out, c(torch.empty(0, dtype=torch.int64)))),
 }
 
 

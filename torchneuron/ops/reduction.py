@@ -147,7 +147,8 @@ def _out_checks(op: str) -> Callable[..., None]:
     """The CPU's checks of a reduction's ``out=`` dtype, in its order (``register_out``'s ``cast``). sum, prod and
     mean compute in the ``dtype=`` given, else in the ``out=`` tensor's dtype, and refuse an ``out=`` of another
     dtype than a given one after checking the dims; amax/amin refuse one unlike the input before anything else."""
-    def check(out: torch.Tensor, self: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    def check(outs: list[torch.Tensor], self: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        (out,) = outs
         if op in ("max", "min"):
             if out.dtype != self.dtype:
                 raise RuntimeError(f"Expected the dtype for input and out to match, but got {type_name(self.dtype)} "
@@ -274,9 +275,9 @@ def _any_all(name: str, is_all: bool) -> Callable:
 
 def _bool_or_byte_out(name: str) -> Callable[..., None]:
     """The CPU's check of an any/all ``out=`` tensor (before the dims): bool, or uint8 (written 0/1)."""
-    def check(out: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        if out.dtype not in (torch.bool, torch.uint8):
-            raise RuntimeError(f"{name} only supports bool tensor for result, got: {type_name(out.dtype)}")
+    def check(outs: list[torch.Tensor], *args: Any, **kwargs: Any) -> None:
+        if outs[0].dtype not in (torch.bool, torch.uint8):
+            raise RuntimeError(f"{name} only supports bool tensor for result, got: {type_name(outs[0].dtype)}")
     return check
 
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch._prims_common import canonicalize_dim
 
 from torchneuron import _C
-from torchneuron.ops.base import overload, Unsupported
+from torchneuron.ops.base import overload, resize_out, Unsupported
 from torchneuron.ops.elementwise import aliases_itself, can_copy, share_bytes, write_result
 
 __all__ = ["COMPLEX_LOWERED", "LOWERED", "Unsupported", "complex_lowering", "cpu_fallback", "lowering",
-           "out_dtype_error", "register_out"]
+           "out_dtype_error", "register_out", "resize_reduced_outs"]
 
 
 _LIB = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (kept alive for the process)
@@ -158,43 +159,86 @@ def out_dtype_error(expected: torch.dtype, got: torch.dtype) -> RuntimeError:
                         f"{_CPP_NAMES.get(got, str(got))} instead")
 
 
+def _on_aliased_cpu_image(op: torch._ops.OpOverload, out_names: list[str], args: tuple, kwargs: dict,
+                          outs: list[torch.Tensor]) -> Any:
+    """``op`` with ``out=`` tensors that alias themselves, an input or each other, run by the CPU kernel on a CPU
+    image of the memory that keeps the aliasing (an empty ``out=`` that is an input, or a view of one, overlaps it
+    once resized). The boxed fallback would copy each tensor on its own, losing the aliasing, and refuses partial
+    overlaps the CPU kernel accepts. Where the CPU kernel raises (its overlap errors), that is the error; where it
+    computes, the call is counted as the CPU fallback of ``op`` (refused in strict mode) and the image of each
+    ``out=`` tensor's memory is written back to the device, resized as the CPU resized it."""
+    twin = _aliased_cpu_twin()
+    cpu_outs = [twin(o) for o in outs]
+    op(*twin(args), **twin(kwargs), **dict(zip(out_names, cpu_outs)))
+    # counted as the fallback it is: the boxed fallback runs the op once more into new out= tensors, its result
+    # unused (the count, the once-per-op warning and strict mode's refusal live in the C++ fallback; the new
+    # tensors are empty, so the resize warning is the CPU kernel's one above)
+    cpu_fallback(op, *args, **kwargs, **{n: torch.empty(0, dtype=o.dtype, device=o.device)
+                                          for n, o in zip(out_names, outs)})
+    written = set()
+    for o, c in zip(outs, cpu_outs):
+        if tuple(o.shape) != tuple(c.shape):
+            o.resize_(c.shape)               # (the CPU kernel has warned about the resize)
+        storage = o.untyped_storage()
+        if storage._cdata in written:
+            continue
+        written.add(storage._cdata)
+        image = torch.empty(0, dtype=torch.uint8).set_(c.untyped_storage())
+        raw = torch.empty(0, dtype=torch.uint8, device=o.device).set_(storage)
+        n = min(raw.numel(), image.numel())
+        raw[:n].copy_(image[:n])
+    return tuple(outs) if len(outs) > 1 else outs[0]
+
+
+def resize_reduced_outs(outs: list[torch.Tensor], self: torch.Tensor, dim: int, keepdim: bool) -> None:
+    """Resize the (values, indices) ``out=`` tensors of a reduction with indices over ``dim`` (``kthvalue``) as its
+    CPU kernel does: one of the reduced rank unsqueezed at ``dim`` first, resized to the kept-dim shape (ATen's
+    warning naming those shapes), then squeezed at ``dim`` unless ``keepdim``."""
+    d = canonicalize_dim(max(self.dim(), 1), dim)
+    shape = list(self.shape)
+    if shape:
+        shape[d] = 1
+    for out in outs:
+        if not keepdim and out.dim() == self.dim() - 1:
+            out.unsqueeze_(d)
+        resize_out(out, shape)
+    if not keepdim:
+        for out in outs:
+            out.squeeze_(d)
+
+
 def register_out(name: str, functional: Callable, warn_resize: bool = True, dtype_from_out: bool = False,
-                 cast: Callable[..., None] | None = None) -> None:
+                 cast: Callable[..., None] | None = None, resize: Callable[..., None] | None = None) -> None:
     """Register the ``out=`` overload ``name`` as ``functional`` (its functional form's kernel) with each result
     written into its ``out=`` tensor, resized first as PyTorch resizes (with its warning when the tensor had
     elements; ``warn_resize=False`` for an op whose CPU kernel resizes quietly). ``dtype_from_out``: an op whose
     ``dtype=`` argument, when not given, is the ``out=`` tensor's dtype (the CPU's reductions compute in it).
 
-    ``cast``: the CPU kernel's checks of its ``out=`` tensor's dtype, for an op with one ``out=`` tensor that the
-    CPU writes its result into cast to that tensor's dtype: called as ``cast(out, *args, **kwargs)`` (the call's
-    arguments) before anything is computed, it raises the CPU's refusal, in the CPU's order of checks, or
-    ``Unsupported`` for a case the device leaves to the CPU kernel. A result of another dtype than an ``out=``
-    tensor that passed is written into it cast on the device (or, for a conversion the device lacks, by the CPU
-    fallback of ``name``). Without ``cast``, an ``out=`` tensor of another dtype than its result takes that
-    fallback, which casts or raises as the CPU does.
+    ``cast``: the CPU kernel's checks of its ``out=`` tensors' dtypes, for an op whose CPU kernel writes its result
+    into an ``out=`` tensor of another dtype cast, or refuses one itself: called as ``cast(outs, *args, **kwargs)``
+    (the ``out=`` tensors, then the call's arguments) before anything is computed, it raises the CPU's refusal, in
+    the CPU's order of checks, or ``Unsupported`` for a case the device leaves to the CPU kernel. A result of
+    another dtype than an ``out=`` tensor that passed is written into it cast on the device (or, for a conversion
+    the device lacks, by the CPU fallback of ``name``). Without ``cast``, an ``out=`` tensor of another dtype than
+    its result takes that fallback, which casts or raises as the CPU does. ``resize``: for an op whose CPU kernel
+    resizes its ``out=`` tensors its own way, ``resize(outs, *args, **kwargs)`` resizes them to their results'
+    shapes.
 
-    The CPU fallback of ``name`` also takes the ``out=`` tensors whose semantics are the CPU kernel's to decide:
-    one on another device than its result, one whose elements alias each other or that shares memory with an
-    input or another ``out=`` tensor (the CPU's overlap error, met on a CPU image of the memory, or its
-    result)."""
+    The CPU kernel also decides for the ``out=`` tensors whose semantics are its own: one on another device than
+    its result (the fallback of ``name``), one whose elements alias each other or that shares memory with an input
+    or another ``out=`` tensor (run on a CPU image of the memory that keeps the aliasing: its overlap error, or
+    its result written back, counted as the fallback)."""
     op = overload(name)
     out_names = [a.name for a in op._schema.arguments if a.is_out]
-    if cast is not None and len(out_names) != 1:
-        raise RuntimeError(f"aten::{name}: cast= is for an op with one out= tensor")
 
     def out_variant(*args: Any, **kwargs: Any) -> Any:
         outs = [kwargs.pop(n) for n in out_names]
         inputs = [t for v in (*args, *kwargs.values()) for t in (v if isinstance(v, (list, tuple)) else [v])
                   if isinstance(t, torch.Tensor)]
         if any(aliases_itself(o) or any(_shared(o, t) for t in inputs + outs[:i]) for i, o in enumerate(outs)):
-            # the boxed fallback copies each tensor on its own, losing the aliasing: the CPU kernel first meets it
-            # on a CPU image of the memory, where it raises its overlap error if it refuses (an empty out= that is an
-            # input, or a view of one, overlaps it once resized)
-            twin = _aliased_cpu_twin()
-            op(*twin(args), **twin(kwargs), **{n: twin(o) for n, o in zip(out_names, outs)})
-            raise Unsupported("an out= tensor aliasing itself, an input or another out= tensor")
+            return _on_aliased_cpu_image(op, out_names, args, kwargs, outs)
         if cast is not None:
-            cast(outs[0], *args, **kwargs)
+            cast(outs, *args, **kwargs)
         if dtype_from_out and kwargs.get("dtype") is None:
             kwargs["dtype"] = outs[0].dtype
         try:
@@ -211,6 +255,8 @@ def register_out(name: str, functional: Callable, warn_resize: bool = True, dtyp
         if any(o.dtype != r.dtype and (cast is None or not can_copy(o, r)) for o, r in zip(outs, results)):
             raise Unsupported("an out= tensor of another dtype than its result" if cast is None else
                               "a conversion into the out= tensor's dtype that the device lacks")
+        if resize is not None:
+            resize(outs, *args, **kwargs)
         written = tuple(write_result(r, o, warn_resize) for r, o in zip(results, outs))
         return written if isinstance(res, tuple) else written[0]
 

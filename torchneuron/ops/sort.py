@@ -40,7 +40,7 @@ from torchneuron.ops.base import aten, meta_twin, on_one_device, Unsupported
 from torchneuron.ops.elementwise import dense, run_pointwise, to_int64, write_result
 from torchneuron.ops.indexing import arange_values
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import lowering, register_out
+from torchneuron.ops.registry import lowering, register_out, resize_reduced_outs
 from torchneuron.ops.scatter import DATA_DTYPES, scatter_into
 
 SORT_LIMIT = 1 << 24       # comparisons (L * n * n) of one device rank sort
@@ -369,8 +369,8 @@ def _leading(x: torch.Tensor, k: int, d: int, descending: bool) -> tuple[torch.T
 @lowering("kthvalue")
 def kthvalue(self: torch.Tensor, k: int, dim: int = -1, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.kthvalue``: column k - 1 of an ascending stable sort."""
-    if not on_one_device(self):
-        raise Unsupported
+    if not on_one_device(self) or self.dtype == torch.bool:
+        raise Unsupported("a tensor off the device, or bool (the CPU kernel refuses it)")
     aten.kthvalue.default(meta_twin(self), k, dim, keepdim)
     d = canonicalize_dim(max(self.dim(), 1), dim)
     v, i = sort_lines(self, dim, False)
@@ -381,7 +381,19 @@ def kthvalue(self: torch.Tensor, k: int, dim: int = -1, keepdim: bool = False) -
     return dense(v), dense(i)
 
 
-register_out("kthvalue.values", kthvalue)
+def _kthvalue_out_checks(outs: list[torch.Tensor], self: torch.Tensor, k: int, dim: int = -1,
+                         keepdim: bool = False) -> None:
+    """The CPU's checks of kthvalue's arguments, then of its out= dtypes (it casts into neither)."""
+    aten.kthvalue.default(meta_twin(self), k, dim, keepdim)
+    values, indices = outs
+    if values.dtype != self.dtype:
+        raise RuntimeError("output values must be of same type as input")
+    if indices.dtype != torch.int64:
+        raise RuntimeError("output indices must be of scalar type Long")
+
+
+register_out("kthvalue.values", kthvalue, cast=_kthvalue_out_checks,
+             resize=lambda outs, self, k, dim=-1, keepdim=False: resize_reduced_outs(outs, self, dim, keepdim))
 
 
 def _same(xj, xi):

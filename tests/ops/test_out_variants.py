@@ -1,0 +1,245 @@
+"""out= variants that register_out derives from their functional kernels where the CPU writes into an out= tensor
+of another dtype than the result: sum, prod, mean, amax, any/all, cat (and kthvalue, max.dim beside them).
+
+Every (input dtype, out= dtype) pair is run on the CPU and on the device: the device gives the CPU's result,
+element by element, or raises the CPU's exception type with its message. The inputs are small integers
+(-2..2, nonzero for products) and the reductions have at most 12 of them, so every sum, product, mean (over
+4 elements) and cast involved is exact in every dtype: results are compared exactly. Pairs that ran on the
+device before these ops moved onto register_out must still run there: the fallback counter must not move.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torchneuron
+from torchneuron.ops import LOWERED
+
+from .conftest import to_n
+
+B, U8, I8, I16, I32, I64 = torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64
+F16, BF16, F32, F64, C64 = torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64
+DTYPES = (B, U8, I8, I16, I32, I64, F16, BF16, F32, F64, C64)
+INTEGRAL = (B, U8, I8, I16, I32, I64)
+CORE_FLOATS = (F16, BF16, F32)        # the float dtypes the engines compute in (float64 has no arithmetic)
+
+
+def _values(dtype: torch.dtype, shape=(4, 3), nonzero: bool = False) -> torch.Tensor:
+    """Small integers -2..2 (0..2 unsigned, 0/1 bool; no zeros with ``nonzero``), exact in every dtype."""
+    n = 1
+    for s in shape:
+        n *= s
+    v = (torch.arange(n) * 7 + 3) % 5 - 2
+    if nonzero:
+        v = torch.where(v == 0, 1, v)
+    if dtype == B:
+        v = v > 0
+    elif dtype == U8:
+        v = v.abs()
+    return v.reshape(shape).to(dtype)
+
+
+def _idx() -> torch.Tensor:
+    return torch.empty(0, dtype=I64)
+
+
+# name -> (call(x, out, conv) -> result, out shape, input values with nonzero?, native(input, out) before the move)
+def _native_sum(i, o):     # integer sums exact on the device; no float64 result, no float -> integer cast
+    return i != C64 and o != F64 and o != C64 and (o in CORE_FLOATS or (i in INTEGRAL and (o != B or i == B)))
+
+
+def _native_prod(i, o):
+    return i != C64 and o in CORE_FLOATS
+
+
+def _native_mean(i, o):    # an integer input is refused natively whatever out= is
+    return i != C64 and o != C64 and (i in INTEGRAL or (o in CORE_FLOATS))
+
+
+def _native_any(i, o):
+    return i not in (F64, C64) and o in (B, U8)
+
+
+def _native_cat(i, o):     # float64 from an integer input takes the CPU
+    return i != C64 and o != C64 and not (o == F64 and i in INTEGRAL)
+
+
+def _native_mean_all(i, o):  # mean.dtype_out refuses an out= the input cannot be cast to before anything runs
+    return _native_mean(i, o) or (o != C64 and not torch.can_cast(i, o))
+
+
+def _native_amax(i, o):    # an out= unlike the input is refused natively; float64 has no device max
+    return i != C64 and o != C64 and (i != o or i != F64)
+
+
+def _native_kthvalue(i, o):   # likewise; and the CPU has no bool kthvalue: its kernel raises
+    return i != C64 and o != C64 and (i != o or i not in (B, F64))
+
+
+def _native_max_dim(i, o):    # (its out= variant took the CPU before; float values and indices on the device)
+    return i == o and i in CORE_FLOATS
+
+
+CASES = {
+    "sum.IntList_out": (lambda x, out, c: torch.sum(x, 0, out=out), (3,), False, _native_sum),
+    "sum.IntList_out (dims, keepdim)": (lambda x, out, c: torch.sum(x, (0, 1), True, out=out), (1, 1), False,
+                                        _native_sum),
+    # sum.out is PyTorch's wrapper of the functional sum (the input's promoted dtype, refused unlike out='s)
+    "sum.out": (lambda x, out, c: torch.ops.aten.sum.out(x, out=out), (), False, lambda i, o: i not in (F64, C64)),
+    "prod.int_out": (lambda x, out, c: torch.prod(x, 1, out=out), (4,), True, _native_prod),
+    "mean.out": (lambda x, out, c: torch.mean(x, 0, out=out), (3,), False, _native_mean),
+    "mean.dtype_out": (lambda x, out, c: torch.mean(x, out=out), (), False, _native_mean_all),
+    "amax.out": (lambda x, out, c: torch.amax(x, 1, out=out), (4,), False, _native_amax),
+    "any.out": (lambda x, out, c: torch.any(x, 0, out=out), (3,), False, _native_any),
+    "any.dims_out": (lambda x, out, c: torch.any(x, (0, 1), out=out), (), False, _native_any),
+    "any.all_out": (lambda x, out, c: torch.any(x, out=out), (), False, _native_any),
+    "all.out": (lambda x, out, c: torch.all(x, 1, out=out), (4,), True, _native_any),
+    "all.dims_out": (lambda x, out, c: torch.all(x, (1,), True, out=out), (4, 1), False, _native_any),
+    "all.all_out": (lambda x, out, c: torch.all(x, out=out), (), True, _native_any),
+    "cat.out": (lambda x, out, c: torch.cat([x, x[1:]], out=out), (7, 3), False, _native_cat),
+    "kthvalue.values": (lambda x, out, c: torch.kthvalue(x, 2, 0, out=(out, c(_idx()))), (3,), False,
+                        _native_kthvalue),
+    "max.dim_max": (lambda x, out, c: torch.max(x, 1, out=(out, c(_idx()))), (4,), False, _native_max_dim),
+}
+
+
+def _fallbacks() -> int:
+    return sum(torchneuron.fallback_counts().values())
+
+
+def _outcome(call, convert) -> tuple:
+    """("result", out= tensors on the CPU, whether the result is the out= tensor, warnings) or ("error", type,
+    message) of ``call(convert)``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out, res = call(convert)
+        except Exception as e:  # noqa: BLE001 (the CPU's exception is the reference, whatever it is)
+            return "error", type(e), str(e)
+    # (the complex -> real cast warning is PyTorch's warn-once: only the first of the two runs can see it)
+    said = [str(w.message) for w in caught if "neuron kernel" not in str(w.message)
+            and "Casting complex values to real" not in str(w.message)]
+    res = tuple(res) if isinstance(res, tuple) else (res,)
+    outs = out if isinstance(out, tuple) else (out,)
+    return "result", [t.cpu() for t in outs], all(r is o for r, o in zip(res, outs)), said
+
+
+def _assert_like_cpu(call) -> tuple:
+    """``call`` on the device gives what it gives on the CPU, exactly; returns the CPU's outcome."""
+    cpu = _outcome(call, lambda t: t)
+    dev = _outcome(call, to_n)
+    assert dev[0] == cpu[0], (cpu, dev)
+    if cpu[0] == "error":
+        assert dev == cpu
+        return cpu
+    assert dev[2] and cpu[2]          # the out= tensors are what the call returns
+    for got, want in zip(dev[1], cpu[1]):
+        assert got.dtype == want.dtype and got.shape == want.shape, (got, want)
+        assert torch.equal(got, want), (got, want)        # exact values: see the module's docstring
+    assert dev[3] == cpu[3]           # the resize warning (word for word), or none
+    return cpu
+
+
+def _run(name: str, make_out) -> None:
+    """Every (input, out=) dtype pair of ``name``; the pairs native before the move must not fall back."""
+    call, shape, nonzero, native = CASES[name]
+    for i in DTYPES:
+        x = _values(i, nonzero=nonzero)
+        for o in DTYPES:
+            before = _fallbacks()
+            _assert_like_cpu(lambda c: (lambda out: (out, call(c(x), out, c)))(c(make_out(shape, o))))
+            if native(i, o):
+                assert _fallbacks() == before, f"{name}: {i} -> {o} fell back"
+
+
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_dtype_pair_writes_or_refuses_like_the_cpu(name):
+    _run(name, lambda shape, o: torch.full(shape, 7, dtype=o))
+
+
+def test_the_moved_out_variants_are_derived_by_register_out():
+    for name in ("sum.IntList_out", "prod.int_out", "mean.out", "amax.out", "amin.out", "any.out", "any.dims_out",
+                 "any.all_out", "all.out", "all.dims_out", "all.all_out", "cat.out", "kthvalue.values",
+                 "max.dim_max", "min.dim_min"):
+        assert LOWERED[name].__doc__.startswith(f"``{name}``: "), name
+
+
+# a dtype= given with out=: the CPU computes in it and refuses an out= of another dtype (before: the device
+# computed in dtype= and cast into out=)
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+@pytest.mark.parametrize("op", ["sum", "prod", "mean"])
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, I32, I64, F64])
+def test_a_dtype_argument_unlike_out_is_refused_like_the_cpu(op, dtype):
+    fn = getattr(torch, op)
+    for i in (I32, F16, F32):
+        x = _values(i, nonzero=op == "prod")
+        for o in DTYPES[:-1]:
+            before = _fallbacks()
+            _assert_like_cpu(lambda c: (lambda out: (out, fn(c(x), 0, dtype=dtype, out=out)))(c(torch.empty(3, dtype=o))))
+            if o != dtype:        # the refusal (or mean's of an integer dtype=) is raised on the device
+                assert _fallbacks() == before, f"{op}: {i} dtype={dtype} -> {o} fell back"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_wrong_shaped_out_resizes_with_the_cpus_warning(name, strict):
+    call, shape, nonzero, _ = CASES[name]
+    dtype = F32 if name.startswith(("sum", "prod", "mean", "amax", "cat", "kthvalue", "max")) else B
+    x = _values(F32, nonzero=nonzero)
+    for size in ((0,), (5,), (2, 9)):        # empty: resized quietly; else with the warning
+        _assert_like_cpu(lambda c: (lambda out: (out, call(c(x), out, c)))(c(torch.full(size, 7, dtype=dtype))))
+
+
+# out= made from the input x (and convert), then the call writing it
+_ALIASED = {
+    "sum": (lambda x, c: x[0], lambda x, out, c: torch.sum(x, 0, out=out)),           # out= is part of the input
+    "amax": (lambda x, c: x[:, 0], lambda x, out, c: torch.amax(x, 1, out=out)),
+    "mean": (lambda x, c: x[0], lambda x, out, c: torch.mean(x, 0, out=out)),
+    "prod": (lambda x, c: x[:, 0], lambda x, out, c: torch.prod(x, 1, out=out)),
+    "cat": (lambda x, c: x[:2], lambda x, out, c: torch.cat([x[1:2], x[3:]], out=out)),     # cat refuses any overlap
+    "cat-legacy-empty-input": (lambda x, c: c(torch.zeros(0)), lambda x, out, c: torch.cat([out, x], out=out)),
+    "cat-empty-view": (lambda x, c: x.view(-1)[:0], lambda x, out, c: torch.cat([x.view(-1)[:0], x.view(-1)], out=out)),
+    "kthvalue": (lambda x, c: x[0], lambda x, out, c: torch.kthvalue(x, 2, 0, out=(out, c(_idx())))),
+    "any-expanded": (lambda x, c: c(torch.empty(1, dtype=B)).expand(3), lambda x, out, c: torch.any(x, 0, out=out)),
+    "sum-expanded": (lambda x, c: c(torch.empty(1)).expand(3), lambda x, out, c: torch.sum(x, 0, out=out)),
+    "max-values-and-indices": (lambda x, c: x[0], lambda x, out, c: torch.max(x, 0, out=(out, out.view(I32)))),
+}
+
+
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+@pytest.mark.parametrize("name", sorted(_ALIASED))
+def test_an_out_aliasing_an_input_or_itself_behaves_as_on_the_cpu(name):
+    make_out, call = _ALIASED[name]
+    x = _values(F32)
+
+    def run(c):
+        xc = c(x.clone())
+        out = make_out(xc, c)
+        return out, call(xc, out, c)
+    _assert_like_cpu(run)
+
+
+def test_cat_casts_each_input_into_out_directly_as_the_cpu_does(strict):
+    # an int32 beside a float16 input promotes to float16, where 2049 rounds: the CPU casts each input straight into
+    # a float32 out=, so 2049 stays (a cast of the float16 result would give 2048)
+    a, b = torch.tensor([2049, -3], dtype=I32), torch.tensor([0.5], dtype=F16)
+    want = torch.cat([a, b], out=torch.empty(3))
+    got = torch.cat([to_n(a), to_n(b)], out=to_n(torch.empty(3)))
+    assert torch.equal(got.cpu(), want) and want[0] == 2049
+
+
+def test_any_all_cast_into_uint8_and_refuse_other_dtypes_on_the_device(strict):
+    x = _values(F32)
+    for fn in (torch.any, torch.all):
+        for o in (B, U8):
+            want = fn(x, 0, out=torch.empty(3, dtype=o))
+            got = fn(to_n(x), 0, out=to_n(torch.empty(3, dtype=o)))
+            assert got.dtype == o and torch.equal(got.cpu(), want)
+        for o in (I32, F32):     # refused before the dims are looked at, as on the CPU
+            with pytest.raises(RuntimeError) as cpu:
+                fn(x, 5, out=torch.empty(3, dtype=o))
+            with pytest.raises(RuntimeError) as dev:
+                fn(to_n(x), 5, out=to_n(torch.empty(3, dtype=o)))
+            assert str(dev.value) == str(cpu.value)
