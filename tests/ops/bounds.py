@@ -219,3 +219,57 @@ def check_linear_forward(fn, x: torch.Tensor, roundings: int = 0, weights: str |
     (exact, _), (bound, _) = linear_bounds(fn, x, torch.zeros(want.shape), x.dtype, roundings, weights)
     assert_within("device output", got, exact, bound)
     assert_within("cpu output", want, exact, bound)
+
+
+# ---- attention ------------------------------------------------------------------------------------------
+
+def attention_bounds(q, k, v, g, scale=None, causal=False, attn_mask=None, enable_gqa=False):
+    """Float64 (out, dq, dk, dv) of scaled_dot_product_attention of q, k, v with output gradient g, and per-side
+    bounds of each for q's dtype (scores, softmax statistics and sums in fp32; a 2-byte dtype's probabilities
+    or exponentials, dS and results rounded to it).
+
+    With E the head width, S the keys, L the queries, u fp32's unit roundoff and r the 2-byte dtype's (0 for
+    fp32): a score is a sum of E products, scaled: off by gamma(E + 3) of its absolute terms, which with the row
+    maximum and the subtraction put exp's argument off by delta (per query row). A probability exp(s - m) / l is
+    then off by eps_P = 2 delta + gamma(S + 4 + 2 B) relative (its exp, the sum l of S of them, the division; B
+    rescalings of an online softmax over blocks of 128 keys). The output's S products with V add gamma(S + 1),
+    r for rounded probabilities and r for the result: relative to T = P |V|. Backward: dV = P^T dO likewise
+    over L; dS = P (dO V^T - D), D = rowsum(dO O), carries eps_P, the E-term sums of dO V^T and D's error in
+    each term (relative to P (|dO| |V|^T + |D|)); dQ and dK sum S (L) of dS's terms with K (Q). The CPU's
+    2-byte flash backward adds each block of 32 queries' (keys') contribution to dK and dV (dQ) in the dtype:
+    one rounding r per block, relative to the sum of absolute terms."""
+    if enable_gqa:
+        k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], -3) for t in (k, v))
+    dtype = q.dtype
+    red = U[dtype] if dtype in REDUCED else 0.0
+    q, k, v, g = (t.detach().double() for t in (q, k, v, g))
+    L, E, S = q.shape[-2], q.shape[-1], k.shape[-2]
+    scale = E ** -0.5 if scale is None else scale
+    bias = torch.zeros(L, S, dtype=torch.float64)
+    if causal:
+        bias = bias.masked_fill(torch.ones(L, S, dtype=torch.bool).tril().logical_not(), float("-inf"))
+    if attn_mask is not None:
+        bias = bias + (attn_mask.double() if attn_mask.is_floating_point()
+                       else torch.zeros(attn_mask.shape, dtype=torch.float64).masked_fill(~attn_mask, float("-inf")))
+    qk_abs = scale * q.abs() @ k.abs().transpose(-1, -2)
+    delta = gamma(E + 3) * (2 * qk_abs + bias.nan_to_num(0, 0, 0).abs()).amax(-1, keepdim=True)
+    p = torch.softmax(scale * q @ k.transpose(-1, -2) + bias, -1)
+    eps_p = 2 * delta + gamma(S + 4 + 2 * -(-S // 128))
+    o = p @ v
+    b_o = (eps_p + gamma(S + 1) + 2 * red) * (p @ v.abs())
+    q_blocks, k_blocks = -(-L // 32), -(-S // 32)
+    b_dv = (eps_p.transpose(-1, -2).amax(-1, keepdim=True) + gamma(L + 1) + (1 + q_blocks) * red) * (
+        p.transpose(-1, -2) @ g.abs())
+    a = g.abs() @ v.abs().transpose(-1, -2)
+    d = (g * o).sum(-1, keepdim=True)
+    d_abs = (g.abs() * o.abs()).sum(-1, keepdim=True)
+    d_err = gamma(E + 1) * d_abs + (g.abs() * b_o).sum(-1, keepdim=True)
+    ds = p * (g @ v.transpose(-1, -2) - d)
+    ds_abs = p * (a + d_abs)
+    ds_err = p * ((eps_p + gamma(v.shape[-1] + 2) + 2 * red) * (a + d_abs) + d_err)
+    dq, dk = scale * ds @ k, scale * ds.transpose(-1, -2) @ q
+    b_dq = scale * (ds_err @ k.abs() + (gamma(S + 2) + k_blocks * red) * (ds_abs @ k.abs()))
+    b_dk = scale * (ds_err.transpose(-1, -2) @ q.abs()
+                    + (gamma(L + 2) + q_blocks * red) * (ds_abs.transpose(-1, -2) @ q.abs()))
+    dv = p.transpose(-1, -2) @ g
+    return (o, dq, dk, dv), (b_o, b_dq, b_dk, b_dv)
