@@ -83,14 +83,16 @@ def _dilated(support: torch.Tensor, shape) -> torch.Tensor:
 def weight_error(size: int, kind: str) -> float:
     """The absolute error of one interpolation weight computed from a source coordinate, for inputs of at most
     ``size`` along a dim; coordinates and weights are fp32 (or wider) for every float dtype, on the CPU (its
-    kernels' opmath type) and on the device. The coordinate (dst + 1/2) * scale - 1/2 (or from a grid value,
-    ((g + 1) size - 1) / 2, then reflected or clipped) is at most 8 operations on values up to 2 (size + 1),
-    each a rounding: 16 u (size + 1). A linear weight (the fractional part and one minus it) moves with the
-    coordinate plus one rounding; a cubic convolution weight (A = -0.75) has a slope of at most 1.35 and its
-    Horner evaluation rounds 6 times values of at most 4.5 (27 u)."""
+    kernels' opmath type) and on the device. A resize's coordinate (dst + 1/2) * scale - 1/2 or dst * scale
+    (the scale itself rounded) is at most 4 roundings of values up to size + 1: 4 u (size + 1); a grid's
+    ("grid-" kinds), ((g + 1) size - 1) / 2 then reflected or clipped, at most 8 of values up to 2 (size + 1):
+    16 u (size + 1). A linear weight (the fractional part and one minus it) moves with the coordinate plus one
+    rounding; a cubic convolution weight (A = -0.75) has a slope of at most 1.35 and its Horner evaluation
+    rounds 6 times values of at most 4.5 (27 u)."""
     u = U[torch.float32]
-    dsrc = 16 * u * (size + 1)
-    return {"linear": dsrc + u, "cubic": 1.35 * dsrc + 27 * u}[kind]
+    grid = kind.startswith("grid-")
+    dsrc = (16 if grid else 4) * u * (size + 1)
+    return {"linear": dsrc + u, "cubic": 1.35 * dsrc + 27 * u}[kind.removeprefix("grid-")]
 
 
 def linear_bounds(fn, x: torch.Tensor, g: torch.Tensor, dtype, roundings: int = 0, weights: str | None = None):

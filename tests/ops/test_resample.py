@@ -14,12 +14,13 @@ COPY = 0          # padding, nearest, max pooling and unpooling: copies and sums
 AVG = 2           # a window average: a reciprocal of the divisor and the product with it
 
 
-def _interp(mode: str, dims: int) -> tuple[int, str | None]:
-    """(roundings, weights) of an interpolation: one product per dim's weight (the weights' product, then the
-    term), the weights themselves computed from rounded coordinates; nearest copies."""
+def _interp(mode: str, dims: int, grid: bool = False) -> tuple[int, str | None]:
+    """(roundings, weights) of an interpolation (or a grid sampling): one product per dim's weight (the
+    weights' product, then the term), the weights themselves computed from rounded coordinates; nearest
+    copies."""
     if mode.startswith("nearest"):
         return COPY, None
-    return dims, "cubic" if "cubic" in mode else "linear"
+    return dims, ("grid-" if grid else "") + ("cubic" if "cubic" in mode else "linear")
 
 
 def _adaptive(dims: int) -> int:
@@ -218,7 +219,7 @@ def test_grid_sample_2d(strict, mode, padding):
         # linear in x, the weights from the grid's coordinates (nearest: the CPU's rounding of the same fp32
         # coordinate picks the same element, exactly)
         check_linear_forward(lambda t: F.grid_sample(t, g.to(t.device, t.dtype), mode=mode, padding_mode=padding,
-                                                     align_corners=align), x, *_interp(mode, 2))
+                                                     align_corners=align), x, *_interp(mode, 2, grid=True))
 
 
 @pytest.mark.parametrize("mode", ["bilinear", "nearest"])
@@ -229,7 +230,7 @@ def test_grid_sample_3d(strict, mode):
         for align in (False, True):
             check_linear_forward(lambda t: F.grid_sample(t, g.to(t.device, t.dtype), mode=mode,
                                                          padding_mode=padding, align_corners=align),
-                                 x, *_interp(mode, 3))
+                                 x, *_interp(mode, 3, grid=True))
 
 
 def test_grid_sample_errors_like_cpu(strict):
