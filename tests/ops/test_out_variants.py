@@ -78,6 +78,10 @@ def _native_kthvalue(i, o):   # likewise; and the CPU has no bool kthvalue: its 
     return i != C64 and o != C64 and (i != o or i not in (B, F64))
 
 
+def _native_scan(i, o):       # scans compute in out='s dtype; no float64 on the device, no bool scan on the CPU
+    return i not in (F64, C64) and o not in (B, F64, C64)
+
+
 def _native_max_dim(i, o):    # (its out= variant took the CPU before; float values and indices on the device)
     return i == o and i in CORE_FLOATS
 
@@ -99,6 +103,9 @@ CASES = {
     "all.dims_out": (lambda x, out, c: torch.all(x, (1,), True, out=out), (4, 1), False, _native_any),
     "all.all_out": (lambda x, out, c: torch.all(x, out=out), (), True, _native_any),
     "cat.out": (lambda x, out, c: torch.cat([x, x[1:]], out=out), (7, 3), False, _native_cat),
+    "cumsum.out": (lambda x, out, c: torch.cumsum(x, 1, out=out), (4, 3), False, _native_scan),
+    "cumprod.out": (lambda x, out, c: torch.cumprod(x, 0, out=out), (4, 3), True,
+                    lambda i, o: _native_scan(i, o) and i != I64),
     "kthvalue.values": (lambda x, out, c: torch.kthvalue(x, 2, 0, out=(out, c(_idx()))), (3,), False,
                         _native_kthvalue),
     "max.dim_max": (lambda x, out, c: torch.max(x, 1, out=(out, c(_idx()))), (4,), False, _native_max_dim),
@@ -163,22 +170,22 @@ def test_every_dtype_pair_writes_or_refuses_like_the_cpu(name):
 def test_the_moved_out_variants_are_derived_by_register_out():
     for name in ("sum.IntList_out", "prod.int_out", "mean.out", "amax.out", "amin.out", "any.out", "any.dims_out",
                  "any.all_out", "all.out", "all.dims_out", "all.all_out", "cat.out", "kthvalue.values",
-                 "max.dim_max", "min.dim_min"):
+                 "max.dim_max", "min.dim_min", "cumsum.out", "cumprod.out"):
         assert LOWERED[name].__doc__.startswith(f"``{name}``: "), name
 
 
 # a dtype= given with out=: the CPU computes in it and refuses an out= of another dtype (before: the device
 # computed in dtype= and cast into out=)
 @pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
-@pytest.mark.parametrize("op", ["sum", "prod", "mean"])
+@pytest.mark.parametrize("op", ["sum", "prod", "mean", "cumsum", "cumprod"])
 @pytest.mark.parametrize("dtype", [F16, BF16, F32, I32, I64, F64])
 def test_a_dtype_argument_unlike_out_is_refused_like_the_cpu(op, dtype):
     fn = getattr(torch, op)
     for i in (I32, F16, F32):
-        x = _values(i, nonzero=op == "prod")
+        x = _values(i, nonzero=op.endswith("prod"))
         for o in DTYPES[:-1]:
             before = _fallbacks()
-            _assert_like_cpu(lambda c: (lambda out: (out, fn(c(x), 0, dtype=dtype, out=out)))(c(torch.empty(3, dtype=o))))
+            _assert_like_cpu(lambda c: (lambda out: (out, fn(c(x), 0, dtype=dtype, out=out)))(c(torch.empty(0, dtype=o))))
             if o != dtype:        # the refusal (or mean's of an integer dtype=) is raised on the device
                 assert _fallbacks() == before, f"{op}: {i} dtype={dtype} -> {o} fell back"
 
@@ -186,7 +193,7 @@ def test_a_dtype_argument_unlike_out_is_refused_like_the_cpu(op, dtype):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_wrong_shaped_out_resizes_with_the_cpus_warning(name, strict):
     call, shape, nonzero, _ = CASES[name]
-    dtype = F32 if name.startswith(("sum", "prod", "mean", "amax", "cat", "kthvalue", "max")) else B
+    dtype = B if name.startswith(("any", "all")) else F32
     x = _values(F32, nonzero=nonzero)
     for size in ((0,), (5,), (2, 9)):        # empty: resized quietly; else with the warning
         _assert_like_cpu(lambda c: (lambda out: (out, call(c(x), out, c)))(c(torch.full(size, 7, dtype=dtype))))

@@ -40,7 +40,7 @@ from torchneuron.ops.base import aten, meta_twin, on_one_device, Unsupported
 from torchneuron.ops.elementwise import dense, run_pointwise, to_int64, write_result
 from torchneuron.ops.indexing import arange_values
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import lowering, register_out, resize_reduced_outs
+from torchneuron.ops.registry import lowering, out_dtype_error, register_out, resize_reduced_outs
 from torchneuron.ops.scatter import DATA_DTYPES, scatter_into
 
 SORT_LIMIT = 1 << 24       # comparisons (L * n * n) of one device rank sort
@@ -109,24 +109,28 @@ def _int32_scan_exact(moved: torch.Tensor, op: str) -> bool:
 
 
 def _scan_lowering(name: str, op: str) -> None:
-    inplace = name.split(".")[0].endswith("_")
 
-    def kernel(self: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
-        if not on_one_device(self, out):
-            raise Unsupported
-        if inplace:
-            dtype = dtype or self.dtype
-        elif out is not None:
-            dtype = dtype or out.dtype
-        res = _scan(self, dim, op, dtype)
-        return write_result(res, self if inplace else out)
-    lowering(name)(kernel)
+    def functional(self: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if not on_one_device(self) or dtype == torch.bool:
+            raise Unsupported("a tensor off the device, or a bool result (the CPU kernel refuses it)")
+        return _scan(self, dim, op, dtype)
+    functional.__name__ = functional.__qualname__ = name
+    lowering(name)(functional)
+
+    def inplace(self: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return write_result(functional(self, dim, dtype=dtype or self.dtype), self)
+    lowering(f"{name}_")(inplace)
+
+    def out_checks(outs: list[torch.Tensor], self: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None):
+        """The CPU's: the dim, then an out= unlike the dtype= given (it computes in out='s dtype otherwise)."""
+        canonicalize_dim(max(self.dim(), 1), dim)
+        if dtype is not None and dtype != outs[0].dtype:
+            raise out_dtype_error(dtype, outs[0].dtype)
+    register_out(f"{name}.out", functional, dtype_from_out=True, cast=out_checks)
 
 
-for _name in ("cumsum", "cumsum_", "cumsum.out"):
-    _scan_lowering(_name, "sum")
-for _name in ("cumprod", "cumprod_", "cumprod.out"):
-    _scan_lowering(_name, "prod")
+_scan_lowering("cumsum", "sum")
+_scan_lowering("cumprod", "prod")
 
 
 # ---- sorts --------------------------------------------------------------------------------------
