@@ -149,10 +149,12 @@ def test_fits_refuses_what_does_not_fit_sbuf():
 # An inf or NaN in x's first or last columns (rows, padding-adjacent positions) reaches exactly the outputs and
 # weight-gradient entries whose sums read it: the weight gradient once paired every padded input column with a
 # zero of the spread output gradient, and 0 * inf = NaN put NaNs in window offsets that never read the column.
-# The CPU's sums (float64, and its own kernels in the test's dtype) are the reference for where NaN and inf lie;
-# elsewhere a result differs from the float64 sum by at most K * eps(dtype) times the float64 sum of the absolute
-# terms (K the length of its contraction: the products of dtype operands and at most K - 1 additions are each
-# rounded at most once to a precision no coarser than the dtype's).
+# Likewise an inf or NaN weight reaches only the input-gradient elements whose sums have a term with it (the
+# input gradient's kernel once multiplied it by the zeros around and inside the stride-spread output gradient).
+# The CPU's sums (float64, and for x its own kernels in the test's dtype) are the reference for where NaN and
+# inf lie; elsewhere a result differs from the float64 sum by at most K * eps(dtype) times the float64 sum of the
+# absolute terms (K the length of its contraction: the products of dtype operands and at most K - 1 additions
+# are each rounded at most once to a precision no coarser than the dtype's).
 EDGE_CASES = {   # (spatial dims, size, kernel, stride, padding, dilation, groups)
     "2-D 3x3 pad 1": (2, 9, 3, 1, 1, 1, 1),
     "2-D 3x3 valid": (2, 9, 3, 1, 0, 1, 1),
@@ -170,15 +172,18 @@ CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 def _edge_operands(nd, size, k, s, p, d, G, dtype, edge, target):
-    """x, w and an output gradient in ``dtype`` with non-finite values at ``edge`` of ``target`` ("x" or "gy"): +inf
-    along it in image 0 channel 1, NaN in image 1 channel 0, -inf at its middle element in image 1 channel 2."""
+    """x, w and an output gradient in ``dtype`` with non-finite values at ``edge`` of ``target`` ("x", "w" or "gy"):
+    +inf along it in [0, 1], NaN in [1, 0], -inf at its middle element in the last channel of the last image (or
+    output channel, for w)."""
     C, O = 4, 6
     x = torch.randn(2, C, *[size] * nd).to(dtype)
     w = torch.randn(O, C // G, *[k] * nd).to(dtype)
     out = (size + 2 * p - d * (k - 1) - 1) // s + 1
     gy = torch.randn(2, O, *[out] * nd).to(dtype)
-    t = x if target == "x" else gy
+    t = {"x": x, "w": w, "gy": gy}[target]
     n = t.shape[-1]
+    if edge == "second column" and n < 2:
+        pytest.skip("a 1-wide window has no second column")
     if edge.endswith("row"):
         if nd == 1:
             pytest.skip("a 1-D convolution has no rows")
@@ -186,7 +191,7 @@ def _edge_operands(nd, size, k, s, p, d, G, dtype, edge, target):
     else:
         index = (..., {"first column": 0, "second column": 1, "last column": n - 1}[edge])
     t[0, 1][index], t[1, 0][index] = float("inf"), float("nan")
-    line = t[1, 2][index]
+    line = t[-1, -1][index]
     line[tuple(n // 2 for n in line.shape)] = float("-inf")
     return x, w, gy
 
@@ -205,7 +210,7 @@ def _same_non_finite(a, b, what):
         assert not diff.any(), f"{what}: {name} differs at {diff.nonzero()[:4].tolist()} ({int(diff.sum())} places)"
 
 
-@pytest.mark.parametrize("target", ["x", "gy"])
+@pytest.mark.parametrize("target", ["x", "w", "gy"])
 @pytest.mark.parametrize("edge", EDGES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(EDGE_CASES))
@@ -220,10 +225,10 @@ def test_non_finite_values_at_the_edges_match_the_cpu(name, dtype, edge, target)
         torchneuron.set_strict(strict)
     exact = _conv_and_grads(x.double(), w.double(), gy.double(), s, p, d, G, "cpu")
     terms = _conv_and_grads(x.double().abs(), w.double().abs(), gy.double().abs(), s, p, d, G, "cpu")
-    # where the CPU's kernels in the test's dtype decide which sums meet a non-finite value, they agree with float64;
-    # an inf or NaN of the output gradient meets the padding's zeros in the weight gradient's sums (0 * inf = NaN),
-    # as in float64 and on the device, except in the CPU's fp32 kernel for batches > 1 (oneDNN), which leaves
-    # padding out of the sum: for gy the float64 sums are the reference
+    # for x the CPU's kernels in the test's dtype agree with float64 on which sums meet a non-finite value; an inf or
+    # NaN of the output gradient (weight) meets the padding's zeros in the weight gradient's (output's) sums, 0 * inf
+    # = NaN, in float64 and on the device, but not in the CPU's fp32 kernel for batches > 1 (oneDNN), which leaves
+    # padding out of its sums: for gy and w the float64 sums are the reference
     cpu = _conv_and_grads(x, w, gy, s, p, d, G, "cpu") if target == "x" else exact
     K = [w[0].numel(), w.shape[0] // G * w[0, 0].numel(), gy.shape[0] * gy[0, 0].numel()]
     for what, g, c, e, t, kk in zip(("output", "input gradient", "weight gradient"), got, cpu, exact, terms, K):
@@ -254,3 +259,22 @@ def test_weight_gradient_of_non_finite_edge_columns(name, edge):
     fin = ref.isfinite()
     within(torch.where(fin, out, 0), torch.where(fin, ref, 0), conv2d_weight(x.abs().nan_to_num(0, 0), w.shape,
            gy.abs(), s, p, d, G), N * dims[0].out * dims[1].out, torch.float32)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_input_gradient_of_non_finite_weights(name):
+    # the input-gradient kernel over its chunkings (a first offset with every output; none, under stride > kernel,
+    # where the sums start from zeros): an inf / NaN weight reaches exactly the input-gradient elements whose sums
+    # have a term with it, as in float64, not those where it would only meet padding or a zero inserted by the stride
+    N, C, H, W, O, kh, kw, s, p, d, G = CASES[name]
+    x, w, _, dims = case(N, C, H, W, O, kh, kw, s, p, d, G, torch.float32)
+    gy, gdims = grad_case(N, O, H, W, p, dims, torch.float32)
+    if any(g.lo < 0 for g in gdims):   # padding beyond the window: the eager op takes the im2col route
+        pytest.skip("padding larger than dilation * (k - 1)")
+    w[0, 0, 0, 0], w[O - 1, C // G - 1, kh - 1, kw - 1] = float("inf"), float("nan")
+    out = conv2d_kernel(gy.float(), w.float(), dims=gdims, groups=G, flip=True)
+    ref = conv2d_input(x.shape, w, gy, s, p, d, G)
+    _same_non_finite(out, ref.float(), "input gradient")
+    fin = ref.isfinite()
+    within(torch.where(fin, out, 0), torch.where(fin, ref, 0), conv2d_input(x.shape, w.abs().nan_to_num(0, 0),
+           gy.abs(), s, p, d, G), O // G * kh * kw, torch.float32)

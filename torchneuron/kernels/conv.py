@@ -17,7 +17,12 @@ fp32 accumulation in one PSUM bank per chunk of <= 512 output positions:
 ``flip=True`` runs the input gradient of a convolution with the same loop nest: the input is the
 output gradient, zero-inserted by the forward stride (``lhs_dilation``) and padded by
 ``dilation * (k - 1) - padding``; the stationary tiles are the forward weight's rows as stored
-([co_fwd, ci_fwd, k] is already contraction-major) with the kernel window flipped.
+([co_fwd, ci_fwd, k] is already contraction-major) with the kernel window flipped. Each window offset's
+matmul there covers only the outputs at which it reads an element of the gradient (``_gradient_reads``: a
+strided rectangle), never the padding or an inserted zero: a zero times an inf or NaN weight would be NaN
+where the CPU's sum has no term. An offset that covers the whole chunk goes first and overwrites PSUM;
+where none does (stride > kernel), a 0 x 0 matmul of one partition starts the chunk from zeros. At stride
+2 this also skips the three quarters of the products that were zeros.
 
 The weight gradient (``conv2d_wgrad_kernel``) contracts over output positions instead: per chunk of
 <= 128 positions (rows x output columns, numbered column after column) the output gradient [o, positions]
@@ -174,6 +179,10 @@ def conv2d_kernel(x, w, bias=None, dims=None, groups=1, flip=False):
     ring = collections.deque(maxlen=3)     # input bands of the last bands (the next one's loads overlap matmuls)
     accs = collections.deque(maxlen=4)     # PSUM chunks in flight (evictions overlap the next matmuls)
     stages = collections.deque(maxlen=2)
+    zeros = None
+    if flip:
+        zeros = nl.ndarray((1, PSUM_FP32), nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=zeros, value=0.0, engine=nisa.gpsimd_engine)
     wflat = w.reshape((w.shape[0], w.shape[1] * kk))
     for g in range(G):
         for b0 in range(0, len(cos_all), p.co_block):
@@ -197,9 +206,26 @@ def conv2d_kernel(x, w, bias=None, dims=None, groups=1, flip=False):
                         accs.append(acc)
                         steps = [(i, kh, kw) for i in range(len(cis)) for kh in range(hd.k)
                                  for kw in range(wd.k)]
+                        reads = _gradient_reads(hd, wd, oh0 + r0, rn, ow0, nc) if flip else None
+                        if flip:     # each offset's products over the outputs it has; the first covers them all
+                            full = [kk for kk, ((_, cr), (_, cc)) in reads.items() if (cr, cc) == (rn, nc)]
+                            if full:
+                                steps = [(0, *full[0])] + [t for t in steps if t != (0, *full[0])]
+                            else:    # no offset has every output: the sums start from zeros (0 x 0 on TensorE)
+                                nisa.nc_matmul(dst=acc[:on], stationary=zeros[:1, :on], moving=zeros[:1, :rn * nc],
+                                               accumulate=False)
                         for s, (i, kh, kw) in enumerate(steps):
                             cn = cis[i][1]
                             a, b = r0 * hd.s + kh * hd.d, kw * wd.d
+                            if flip:
+                                (fr, cr), (fc, cc) = reads[kh, kw]
+                                if cr == 0 or cc == 0:
+                                    continue
+                                rows, cols = slice(fr, fr + (cr - 1) * hd.ld + 1, hd.ld), slice(fc, fc + (cc - 1) * wd.ld + 1, wd.ld)
+                                nisa.nc_matmul(dst=acc[:on, rows, cols], stationary=stat[i, j][:cn, kh * wd.k + kw, :on],
+                                               moving=bands[i][:cn, a + fr:a + rows.stop:hd.ld, b + fc:b + cols.stop:wd.ld],
+                                               accumulate=s > 0 or not full)
+                                continue
                             mv = bands[i][:cn, a:a + (rn - 1) * hd.s + 1:hd.s, b:b + (nc - 1) * wd.s + 1:wd.s]
                             nisa.nc_matmul(dst=acc[:on], stationary=stat[i, j][:cn, kh * wd.k + kw, :on],
                                            moving=mv, accumulate=s > 0)
@@ -211,6 +237,22 @@ def conv2d_kernel(x, w, bias=None, dims=None, groups=1, flip=False):
                     nisa.dma_copy(dst=out[n, g * co + o0:g * co + o0 + on, oh0:oh0 + nr, ow0:ow0 + nc],
                                   src=stage[:on])
     return out
+
+
+def _gradient_reads(hd: Dim, wd: Dim, oh0: int, rn: int, ow0: int, nc: int) -> dict:
+    """{(kh, kw): ((first, count) of rows, (first, count) of columns)}: the outputs of an input gradient's chunk
+    (rows oh0 + r, r < rn; columns ow0 + c, c < nc) whose window offset reads an element of the output gradient,
+    not the padding around it or a zero inserted by the stride (every ld-th output from the first; stride-1
+    dims). Its matmuls cover only those: a zero there times an inf or NaN weight would be NaN where the CPU's
+    sum has no term."""
+    def along(dim: Dim, o0: int, n: int, k: int) -> tuple[int, int]:
+        q0 = o0 + k * dim.d - dim.lo          # the zero-inserted coordinate output o0 reads
+        t = max(0, -q0)
+        t += -(q0 + t) % dim.ld
+        last = min(n - 1, (dim.size - 1) * dim.ld - q0)
+        return (t, (last - t) // dim.ld + 1) if last >= t else (0, 0)
+    assert hd.s == wd.s == 1, "an input gradient's dims have stride 1"
+    return {(kh, kw): (along(hd, oh0, rn, kh), along(wd, ow0, nc, kw)) for kh in range(hd.k) for kw in range(wd.k)}
 
 
 def _weights(wflat, g: int, cis: list, cos: list, kk: int, flip: bool, ci: int, co: int, evict) -> dict:
