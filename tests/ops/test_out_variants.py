@@ -250,3 +250,24 @@ def test_any_all_cast_into_uint8_and_refuse_other_dtypes_on_the_device(strict):
             with pytest.raises(RuntimeError) as dev:
                 fn(to_n(x), 5, out=to_n(torch.empty(3, dtype=o)))
             assert str(dev.value) == str(cpu.value)
+
+
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+def test_an_aliasing_out_the_cpu_computes_is_counted_as_its_fallback():
+    x = _values(F32)
+    want = x.clone()
+    torch.sum(want, 0, out=want[0])
+    got = to_n(x)
+    before = torchneuron.fallback_counts().get("aten::sum.IntList_out", 0)
+    torch.sum(got, 0, out=got[0])
+    assert torchneuron.fallback_counts().get("aten::sum.IntList_out", 0) == before + 1
+    assert torch.equal(got.cpu(), want)
+
+
+def test_strict_mode_refuses_the_cpu_kernel_but_not_its_overlap_errors(strict):
+    x = to_n(_values(F32))
+    with pytest.raises(NotImplementedError, match="sum.IntList_out"):
+        torch.sum(x, 0, out=x[0])                   # the CPU computes it: that takes the fallback
+    assert torch.equal(x.cpu(), _values(F32))       # untouched
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        torch.cat([x[1:2], x[3:]], out=x[:2])       # the CPU refuses it: its error, fallback or not
