@@ -300,10 +300,11 @@ def test_max_pool_indices(strict):
 
 
 def test_pooling_bf16(strict):
+    # the device pools bf16 in fp32 and rounds once; the CPU's backward kernels may add in bf16
     x = X.bfloat16()
     for fn, roundings in ((lambda t: F.max_pool2d(t, 2), 0), (lambda t: F.avg_pool2d(t, 2), 2),
                           (lambda t: F.adaptive_avg_pool2d(t, 3), 4)):
-        check_linear(fn, x, roundings)
+        check_linear(fn, x, roundings, device_rounds_once=True)
 
 
 def test_pooling_errors_match_cpu():
