@@ -233,6 +233,8 @@ def register_out(name: str, functional: Callable, warn_resize: bool = True, dtyp
 
     def out_variant(*args: Any, **kwargs: Any) -> Any:
         outs = [kwargs.pop(n) for n in out_names]
+        if any(o.device.type != "neuron" for o in outs):
+            raise Unsupported("an out= tensor off the device")
         inputs = [t for v in (*args, *kwargs.values()) for t in (v if isinstance(v, (list, tuple)) else [v])
                   if isinstance(t, torch.Tensor)]
         if any(aliases_itself(o) or any(_shared(o, t) for t in inputs + outs[:i]) for i, o in enumerate(outs)):
