@@ -239,7 +239,7 @@ def check_linear_forward(fn, x: torch.Tensor, roundings: int = 0, weights: str |
 
 # ---- attention ------------------------------------------------------------------------------------------
 
-def attention_bounds(q, k, v, g, scale=None, causal=False, attn_mask=None, enable_gqa=False):
+def attention_bounds(q, k, v, g, scale=None, causal=False, attn_mask=None, enable_gqa=False, blocks_in_dtype=True):
     """Float64 (out, dq, dk, dv) of scaled_dot_product_attention of q, k, v with output gradient g, and per-side
     bounds of each for q's dtype (scores, softmax statistics and sums in fp32; a 2-byte dtype's probabilities
     or exponentials, dS and results rounded to it).
@@ -253,7 +253,7 @@ def attention_bounds(q, k, v, g, scale=None, causal=False, attn_mask=None, enabl
     over L; dS = P (dO V^T - D), D = rowsum(dO O), carries eps_P, the E-term sums of dO V^T and D's error in
     each term (relative to P (|dO| |V|^T + |D|)); dQ and dK sum S (L) of dS's terms with K (Q). The CPU's
     2-byte flash backward adds each block of 32 queries' (keys') contribution to dK and dV (dQ) in the dtype:
-    one rounding r per block, relative to the sum of absolute terms."""
+    one rounding r per block, relative to the sum of absolute terms (``blocks_in_dtype``; else one)."""
     if enable_gqa:
         k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], -3) for t in (k, v))
     dtype = q.dtype
@@ -273,7 +273,7 @@ def attention_bounds(q, k, v, g, scale=None, causal=False, attn_mask=None, enabl
     eps_p = 2 * delta + gamma(S + 4 + 2 * -(-S // 128))
     o = p @ v
     b_o = (eps_p + gamma(S + 1) + 2 * red) * (p @ v.abs())
-    q_blocks, k_blocks = -(-L // 32), -(-S // 32)
+    q_blocks, k_blocks = (-(-L // 32), -(-S // 32)) if blocks_in_dtype else (1, 1)
     b_dv = (eps_p.transpose(-1, -2).amax(-1, keepdim=True) + gamma(L + 1) + (1 + q_blocks) * red) * (
         p.transpose(-1, -2) @ g.abs())
     a = g.abs() @ v.abs().transpose(-1, -2)
