@@ -583,3 +583,15 @@ def test_adaptive_avg_pool_of_even_windows_keeps_non_finite_values_in_them(shape
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     x.view(-1)[5] = float("nan")
     check_linear(lambda t: pool(t, out), x, _roundings("adaptive"))
+
+
+def test_bounds_fail_a_unit_in_the_wrong_place(strict):
+    # the derived bounds are far below the error of a wrong divisor, selection or variance: each check fails
+    with pytest.raises(AssertionError, match="device output"):       # a 3x3 window's average over 10
+        check_linear(lambda t: F.avg_pool2d(t, 3, 2, 1, divisor_override=10 if t.is_neuron else None), X, 2)
+    with pytest.raises(AssertionError, match="device output"):       # a window's minimum
+        check_linear(lambda t: -F.max_pool2d(-t, 2) if t.is_neuron else F.max_pool2d(t, 2), X)
+    w, b = torch.randn(4), torch.randn(4)
+    with pytest.raises(AssertionError, match="device output"):       # the unbiased variance: 1 + 1/(2n) off
+        _check_norm(lambda x, w, b: F.batch_norm(x, None, None, w, b, True) * (1 + 1 / 360 if x.is_neuron else 1),
+                    (X, w, b), _bn_bounds(X, w, b))
