@@ -312,3 +312,13 @@ def test_fractional_max_pool_windows_in_half_precision_like_cpu(dtype, strict):
         want = F.fractional_max_pool2d(x, 2, output_size=(4, 5), _random_samples=u, return_indices=True)
         got = F.fractional_max_pool2d(to_n(x), 2, output_size=(4, 5), _random_samples=to_n(u), return_indices=True)
         assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+def test_bounds_fail_a_unit_in_the_wrong_place(strict):
+    # the derived bounds are far below the error of the other corner alignment or a neighbouring element
+    x = torch.randn(2, 3, 5, 6)
+    with pytest.raises(AssertionError, match="device output"):
+        check_linear(lambda t: F.interpolate(t, size=(7, 9), mode="bilinear", align_corners=t.is_neuron), x,
+                     *_interp("bilinear", 2))
+    with pytest.raises(AssertionError, match="device output"):
+        check_linear(lambda t: F.pad(t, (1, 2, 2, 1), mode="reflect" if t.is_neuron else "replicate"), x, COPY)
