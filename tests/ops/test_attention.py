@@ -158,3 +158,13 @@ def test_reduced_precision_short_sequences_round_as_the_cpu(dtype, causal, stric
         unit = torch.finfo(dtype).eps * e.abs().amax()
         assert float((off > 0).double().mean()) <= 0.01, name
         assert float(off.max()) <= unit, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bounds_fail_a_unit_in_the_wrong_place(dtype, strict):
+    # the derived bounds are far below the error of a scale of 1/E instead of 1/sqrt(E) in the fused kernel
+    q, k, v = _inputs((2, 4, 64, 16), 64, 16, dtype)
+    want, want_grads, _ = _run(q, k, v, is_causal=True)
+    got, grads, _ = _run(to_n(q), to_n(k), to_n(v), is_causal=True, scale=1 / 16)
+    with pytest.raises(AssertionError, match="device output"):
+        _within_bounds(q, k, v, {"device": (got, grads), "cpu": (want, want_grads)}, causal=True)
