@@ -196,7 +196,7 @@ def norm_bounds(x, g, w, b, dims, eps: float, training: bool = True, running=Non
                                  + xhat.abs() * (gamma(n + 2) * g2 + (g.abs() * e_xh).mean(dims, keepdim=True))
                                  + e_xh * g2)
     else:
-        b_dx = gamma(3) * (w * rstd * g).abs()
+        b_dx = (d_r + gamma(2)) * (w * rstd * g).abs()        # g w rstd: rstd's error and two products
     other = [d for d in range(x.dim()) if d not in param_dims]
     m = 1
     for d in other:
