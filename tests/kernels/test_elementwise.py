@@ -28,3 +28,14 @@ def test_expression_string_three_inputs(dtype):
 def test_add_large_flat_tail():
     a, b = torch.randn(128 * 600 + 77), torch.randn(128 * 600 + 77)
     close(elementwise(nl.add, a, b), a + b, torch.float32)
+
+
+def test_consecutive_tiles_compute_on_vector_and_gpsimd():
+    # the template alternates its tiles' element-wise ops between VectorE and GpSimdE (the compiler's choice
+    # for ops placed on no engine): the engines overlap, the results are those of one engine
+    a, b = torch.randn(128 * 2048 * 4), torch.randn(128 * 2048 * 4)
+    rep = elementwise(lambda x, y: nl.maximum(x * y + 1.0, 0.0), a, b, profile=True)
+    close(rep.outputs, torch.clamp(a * b + 1, min=0), torch.float32)
+    alu = [i.engine.value for i in rep.program.instructions if i.opcode in ("tensor_tensor", "tensor_scalar")]
+    assert alu.count("vector") == alu.count("gpsimd") == len(alu) // 2
+    assert rep.engine_busy_ns["gpsimd"] > 0 and rep.engine_busy_ns["vector"] < rep.device_time_ns

@@ -1,13 +1,17 @@
 """Shared helpers of the kernel library: limits, tile sizes and the host-side argument handling."""
 from __future__ import annotations
 
+import contextlib
 import math
+import weakref
+from typing import Iterator
 
 import numpy as np
 import torch
 
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
+from torchneuron.nki.tracing import current
 
 PMAX = 128                     # partitions of SBUF/PSUM (nl.tile_size.pmax)
 PSUM_FP32 = 512                # fp32 elements in one 2 KiB PSUM bank (nl.tile_size.psum_bank_fmax)
@@ -23,6 +27,31 @@ def check_sbuf(need: int, what: str) -> None:
     """State a kernel's SBUF budget: ``need`` bytes per partition must fit the chip."""
     have = sbuf_budget()
     assert need <= have, f"{what}: needs {need} B of SBUF per partition; the chip has {have} B"
+
+
+@contextlib.contextmanager
+def elementwise_on(engine) -> Iterator[None]:
+    """Place the ``nl`` element-wise ops (``nl.add`` ...) traced inside on ``engine`` (VectorE or GpSimdE) where
+    their operands allow it, as the compiler places ops a kernel leaves to it: a streaming template spreads
+    its tiles over both engines this way."""
+    trace = current()
+    before, trace.elementwise_engine = trace.elementwise_engine, engine
+    try:
+        yield
+    finally:
+        trace.elementwise_engine = before
+
+
+_turns: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def alternating_elementwise():
+    """``elementwise_on`` VectorE and GpSimdE in turn, call by call within a trace: consecutive tiles of a
+    streaming template (and of the templates a graph program chains) compute on both engines at once."""
+    trace = current()
+    n = _turns.get(trace, 0)
+    _turns[trace] = n + 1
+    return elementwise_on(nisa.gpsimd_engine if n % 2 else None)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -27,7 +27,7 @@ import torch
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import DMA_ROW_BYTES, PMAX, as_tensor, check_sbuf, prod
+from torchneuron.kernels._common import DMA_ROW_BYTES, PMAX, alternating_elementwise, as_tensor, check_sbuf, prod
 
 NAMES = ("a", "b", "c", "d", "e")
 NBUF = 3                       # pipeline depth of the streaming loops (buffers per tile)
@@ -63,7 +63,8 @@ def _body(ins, fn, out_dtype, compute=nl.float32):
     check_sbuf((full + len(outs) + 1) * NBUF * width * 4 + rows * min(C, F) * 4 + len(ins) * NBUF * 4, "elementwise")
 
     def results(tiles, p, f):
-        ys = _apply(fn, tiles)
+        with alternating_elementwise():
+            ys = _apply(fn, tiles)
         ys = ys if multi else (ys,)
         assert len(ys) == len(outs), f"elementwise: {len(ys)} results for {len(outs)} output dtypes"
         return [_widen(y, p, f, compute) for y in ys]

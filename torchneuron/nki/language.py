@@ -20,6 +20,7 @@ from torchneuron.nki import isa as nisa
 from torchneuron.nki.tracing import (TENSOR_OPS, Buffer, MxDtype, NKIObject, Tf32Dtype, NkiTensor, as_dtype, current, ds,  # noqa: F401
                                      hbm, private_hbm, psum, sbuf, shared_hbm)
 from torchneuron.sim import SimulatorError
+from torchneuron.sim.numerics import BITVEC_OPS, alu_op
 from torchneuron.sim import isa as sim_isa
 from torchneuron.sim.isa import DevicePrint
 from torchneuron.sim.isa import BN_STATS_FMAX, GEMM_MOVING_FMAX, GEMM_STATIONARY_FMAX, PSUM_BANK_BYTES
@@ -351,6 +352,17 @@ def _in_sbuf(t: Value) -> Value:
     return copy(t) if isinstance(t, NkiTensor) and t.buffer is psum else t
 
 
+def _placed(op: str, *operands: Value) -> Any:
+    """The engine of element-wise ``op`` on ``operands``: the trace's ``elementwise_engine`` where the op and
+    operands allow it (bitvec operators run on VectorE only, GpSimdE reads no PSUM), else None (the default,
+    VectorE): the compiler's choice for ops a kernel places on no engine."""
+    engine = current().elementwise_engine
+    if (engine is None or alu_op(op) in BITVEC_OPS
+            or any(isinstance(v, NkiTensor) and v.buffer is psum for v in operands)):
+        return None
+    return engine
+
+
 def _binary(op: str, x: Value, y: Value, dtype: Any) -> Tile:
     tiles = [v for v in (x, y) if isinstance(v, NkiTensor)]
     assert tiles, f"nl.{op} needs at least one tile"
@@ -358,7 +370,7 @@ def _binary(op: str, x: Value, y: Value, dtype: Any) -> Tile:
         y = _in_sbuf(y)  # the engines read at most one operand from PSUM
     if len(tiles) == 2 and tuple(x.shape) == tuple(y.shape):
         out = ndarray(x.shape, _result_dtype(x, y, dtype))
-        nisa.tensor_tensor(dst=out, data1=x, data2=y, op=op)
+        nisa.tensor_tensor(dst=out, data1=x, data2=y, op=op, engine=_placed(op, x, y))
         return out
     reverse = not isinstance(x, NkiTensor) or (isinstance(y, NkiTensor) and _is_column(x, y))
     data, operand = (y, x) if reverse else (x, y)
@@ -366,7 +378,7 @@ def _binary(op: str, x: Value, y: Value, dtype: Any) -> Tile:
         raise SimulatorError(f"nl.{op}: shapes {x.shape} and {y.shape} do not broadcast on one instruction "
                              f"(use (P, F) with (P, F), (P, 1) or a scalar; nl.broadcast_to for rows)")
     out = ndarray(data.shape, _result_dtype(x, y, dtype))
-    nisa.tensor_scalar(dst=out, data=data, op0=op, operand0=operand, reverse0=reverse)
+    nisa.tensor_scalar(dst=out, data=data, op0=op, operand0=operand, reverse0=reverse, engine=_placed(op, data, operand))
     return out
 
 

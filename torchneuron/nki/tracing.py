@@ -297,6 +297,9 @@ class Trace:
         self.ordering: list[tuple[Instr, Instr]] = []  # (consumer, producer) edges of NkiInstruction.depends_on
         self.registers = 0               # virtual registers allocated (nisa.register_alloc, dynamic loops)
         self.open_loops: list[int] = []  # instruction indices of dynamic loops whose body is being traced
+        # where nl's element-wise ops go (the compiler's choice for ops the kernel places on no engine):
+        # None is VectorE; a template may spread its tiles over VectorE and GpSimdE (nl.elementwise_on)
+        self.elementwise_engine: str | None = None
         self.overflowed = False         # whether some tile only fit past the capacity
         self.capacity = {"sbuf": spec.sbuf_bytes_per_partition, "psum": spec.psum_bytes_per_partition}
         self.bank_bytes = {"psum": spec.psum_bytes_per_partition // spec.psum_banks}
