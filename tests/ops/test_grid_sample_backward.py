@@ -15,12 +15,24 @@ def _grads(x: torch.Tensor, g: torch.Tensor, go: torch.Tensor, **kw) -> tuple[to
     return x.grad.cpu(), g.grad.cpu()
 
 
+def _as_exact_as_cpu(got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor, atol: float, rtol: float) -> None:
+    """Each element of ``got`` as close to ``exact`` (float64 on the same inputs) as the CPU's ``want``, give or
+    take ``atol + rtol |exact|`` (the conformance harness's comparison of fp32 gradients)."""
+    err, cpu_err = (got.double() - exact).abs(), (want.double() - exact).abs()
+    assert (err <= cpu_err + atol + rtol * exact.abs()).all(), (err - cpu_err).max()
+
+
 def _check(x: torch.Tensor, g: torch.Tensor, **kw) -> None:
     go = torch.randn(F.grid_sample(x, g, **kw).shape)
     want = _grads(x, g, go, **kw)
     got = _grads(to_n(x), to_n(g), to_n(go), **kw)
-    for w, r in zip(want, got):
-        torch.testing.assert_close(r, w, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=1e-5)
+    if kw.get("mode") == "bicubic":
+        # the device's bicubic grid gradient is computed more exactly than the CPU's (see
+        # test_bicubic_grid_gradient_as_exact_as_float64): it is compared with float64 on the same inputs
+        _as_exact_as_cpu(got[1], want[1], _grads(x.double(), g.double(), go.double(), **kw)[1], 2e-5, 1e-5)
+    else:
+        torch.testing.assert_close(got[1], want[1], atol=2e-5, rtol=1e-5)
 
 
 SHAPES = {2: [((2, 3, 5, 7), (2, 6, 4)), ((1, 2, 1, 9), (1, 3, 5)), ((3, 1, 4, 4), (3, 1, 1))],
@@ -99,3 +111,38 @@ def test_one_hot_work_beyond_the_limit_takes_the_counted_fallback():
     assert torchneuron.fallback_counts().get("aten::grid_sampler_3d_backward", 0) == before + 1
     for a, e in zip(got, want):
         assert torch.equal(a.cpu(), e)
+
+
+@pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("align", [False, True])
+def test_bicubic_grid_gradient_as_exact_as_float64(padding, align, strict):
+    """The bicubic grid gradient against float64 on the same inputs. Its exact value is a sum over 16 taps
+    and C channels of v * go * w_y * w_x' (and alike in y) times dx/dg = W/2: each fp32 term within a few
+    roundings of itself, u (sum |terms|) bounds the evaluation error; the fp32 position x = (g + 1) W/2 - 1/2
+    adds its own rounding (up to u |x|) times the slope of the gradient in x, the interpolant's curvature
+    sum |v go w_y w_x''| (dx/dg)^2. The device takes the tap weights in factored form, their slopes, the sums
+    over an axis of the values less the floor tap's, and the position in twice fp32's precision; so its
+    error is within 8 u sum|terms| (a product of four rounded factors and its share of the sum), with no
+    share of the position's rounding. The CPU kernel (as the device's first version, autograd's chain
+    through the forward) evaluates the expanded polynomials, which cancel near their roots, and rounds the
+    position: 5-15x further from float64 on PyTorch's samples, beyond this bound. Points past the border
+    (all four taps along an axis on one pixel) have an exact gradient of 0 along it, which the device
+    returns exactly."""
+    torch.manual_seed(5)
+    n, c, h, w = 2, 3, 5, 20
+    x = torch.randn(n, c, h, w)
+    g = torch.rand(n, 13, 10, 2) * 4 - 2                   # many points outside [-1, 1]
+    go = torch.randn(n, c, 13, 10)
+    kw = {"mode": "bicubic", "padding_mode": padding, "align_corners": align}
+    got = _grads(to_n(x), to_n(g), to_n(go), **kw)[1].double()
+    exact = _grads(x.double(), g.double(), go.double(), **kw)[1]
+    # sum |terms|: the same gradient of |values| and |go| with |weight| and |slope| products: bounded above
+    # by 16 C max|v| max|go| max|w| max|w'| dx/dg, per point taken as sum_c |go_c| 16 max|v| (1.0 * 1.25)
+    u = torch.finfo(torch.float32).eps / 2
+    scale = torch.tensor([((w - 1) if align else w) / 2, ((h - 1) if align else h) / 2], dtype=torch.float64)
+    terms = (go.abs().sum(1).double() * 16 * x.abs().max().double() * 1.0 * 1.25)[..., None] * scale
+    assert ((got - exact).abs() <= 8 * u * terms).all()
+    # outside the image along x (past the border with border padding), the x gradient is 0 exactly
+    if padding == "border":
+        off = (g[..., 0] * (w if not align else w - 1) / 2).abs() > w / 2 + 2
+        assert (got[..., 0][off] == 0).all() and off.any()

@@ -163,6 +163,19 @@ def _weighted_sum(vals: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.
 
 # ---- the samplers ---------------------------------------------------------------------------------------
 
+def bicubic_taps(rows: GridRows, g: torch.Tensor, base: torch.Tensor, padding: int, align: bool
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """2-D bicubic sampling's ([tx, ty] fractions ``[Q]`` of the points past their floor pixels, those floor
+    pixels [x, y], the 16 tap values ``[4 (y), 4 (x), Q, C]``): taps at floor - 1 .. floor + 2 along each axis, each padded on its own
+    (clip or reflect; outside the input with ``zeros`` padding, the zero row)."""
+    sizes = rows.sizes[::-1]                 # W, H: the order of the grid's coordinates
+    coords = [_unnormalize(g[i], sizes[i], align, True) for i in range(2)]
+    low = [torch.floor(c) for c in coords]
+    tx, ty = [[_pad(f + float(t - 1), n, padding, align, True) for t in range(4)] for f, n in zip(low, sizes)]
+    vals = rows.gather(rows.index([ty, tx], base, padding == ZEROS)).view(4, 4, -1, rows.rows.shape[1])
+    return [c - f for c, f in zip(coords, low)], low, vals
+
+
 def grid_points(rows: GridRows, g: torch.Tensor, base: torch.Tensor, mode: int, padding: int, align: bool
             ) -> torch.Tensor:
     """[Q, C]: the samples at ``Q`` points whose grid coordinates are the rows of ``g [k, Q]`` (x first)."""
@@ -171,12 +184,9 @@ def grid_points(rows: GridRows, g: torch.Tensor, base: torch.Tensor, mode: int, 
     sizes = rows.sizes[::-1]                 # W, H (, D): the order of the grid's coordinates
     check = padding == ZEROS
     if mode == BICUBIC:
-        coords = [_unnormalize(g[i], sizes[i], align, vec) for i in range(k)]
-        low = [torch.floor(c) for c in coords]
-        cx, cy = [cubic_weights(c - f) for c, f in zip(coords, low)]
-        tx, ty = [[_pad(f + float(t - 1), n, padding, align, vec) for t in range(4)] for f, n in zip(low, sizes)]
-        vals = rows.gather(rows.index([ty, tx], base, check)).view(4, -1, rows.rows.shape[1])
-        across = [_weighted_sum(vals[j], cx) for j in range(4)]       # each y tap j: its 4 x taps
+        (tx, ty), _, vals = bicubic_taps(rows, g, base, padding, align)
+        cx, cy = cubic_weights(tx), cubic_weights(ty)
+        across = [_weighted_sum(vals[j].flatten(0, 1), cx) for j in range(4)]   # each y tap j: its 4 x taps
         return _weighted_sum(torch.cat(across), cy)
     coords = [_pad(_unnormalize(g[i], sizes[i], align, vec), sizes[i], padding, align, vec) for i in range(k)]
     if mode == NEAREST:
