@@ -146,3 +146,14 @@ def test_bicubic_grid_gradient_as_exact_as_float64(padding, align, strict):
     if padding == "border":
         off = (g[..., 0] * (w if not align else w - 1) / 2).abs() > w / 2 + 2
         assert (got[..., 0][off] == 0).all() and off.any()
+
+
+def test_grid_sampler_2d_gradients_pass_the_conformance_check():
+    """PyTorch's OpInfo samples of grid_sampler_2d at fp32 with their gradients, compared as
+    ``make conformance`` does (element by element, the CPU's error against float64 plus fp32's tolerances):
+    the first version's bicubic grid gradients failed 13 elements of the border-padded sample, up to
+    3.8e-5 from float64 where the exact value is 0 and the CPU is within 1.2e-5."""
+    from tests.opinfo.harness import check_op, find_ops, load_op_db
+
+    (op,) = find_ops(["grid_sampler_2d"], load_op_db())
+    check_op(op, torch.float32, grads=True, error_inputs=False)
