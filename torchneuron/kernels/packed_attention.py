@@ -135,7 +135,8 @@ def _probabilities(qT, kT, L: int, S: int, G: int, E: int, scale: float, bias):
         src = x
     m = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=m[:L], op=nl.maximum, data=src[:L], axis=(2,))
-    nisa.tensor_tensor(dst=x[:L], data1=src[:L], data2=spread(m, L, G, S), op=nl.subtract)
+    nisa.tensor_tensor(dst=x[:L], data1=src[:L], data2=spread(m, L, G, S), op=nl.subtract,
+                       engine=nisa.gpsimd_engine if src is x else nisa.vector_engine)   # (GpSimd reads no PSUM)
     nisa.activation(dst=x[:L], op=nl.exp, data=x[:L], scale=scale)
     return x, m
 
@@ -256,7 +257,7 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
                                on_false_value=0.0, cmp_op="greater_equal")
         # D = rowsum(dO * O) per head
         prod = nl.ndarray((PMAX, G, Ev), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod[:L], data1=dor[:L], data2=orr[:L], op=nl.multiply)
+        nisa.tensor_tensor(dst=prod[:L], data1=dor[:L], data2=orr[:L], op=nl.multiply, engine=nisa.gpsimd_engine)
         dsum = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=dsum[:L], op=nl.add, data=prod[:L], axis=(2,))
         # dS = P * (dO V^T - D)   (scale applied to dQ and dK when they are evicted)
@@ -265,7 +266,7 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
         ds = nl.ndarray((PMAX, G, S), nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=ds[:L], data1=dp[:L], data2=spread(dsum, L, G, S), op=nl.subtract)
         dsd = nl.ndarray((PMAX, G, S), dt, buffer=nl.sbuf)                        # rounded for its matmuls
-        nisa.tensor_tensor(dst=dsd[:L], data1=ds[:L], data2=p[:L], op=nl.multiply)
+        nisa.tensor_tensor(dst=dsd[:L], data1=ds[:L], data2=p[:L], op=nl.multiply, engine=nisa.gpsimd_engine)
         pd = p
         if dt != nl.float32:
             pd = nl.ndarray((PMAX, G, S), dt, buffer=nl.sbuf)
