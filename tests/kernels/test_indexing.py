@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchneuron.kernels.indexing import gather_rows, iota
+from torchneuron.kernels.indexing import gather_rows, iota, low_words
 from torchneuron.sim import IndexOutOfRange
 
 
@@ -36,3 +36,15 @@ def test_gather_rows_refuses_an_int64_index_whose_high_word_is_not_zero(bad):
     index = torch.tensor([1, bad], dtype=torch.int64)
     with pytest.raises(IndexOutOfRange):
         gather_rows(torch.randn(10, 3), index.view(torch.int32), stride=2)
+
+
+@pytest.mark.parametrize("n", [1, 127, 128 * 3 + 5, 128 * 2048 + 130])
+def test_low_words_are_each_int64s_low_32_bits(n):
+    # int64 values beyond int32 (both signs) as little-endian word pairs: each value's low 32 bits, read
+    # as a two's-complement int32
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(-2**40, 2**40, (n,), generator=g, dtype=torch.int64)
+    low = ids & 0xFFFFFFFF
+    want = torch.where(low >= 2**31, low - 2**32, low).to(torch.int32)
+    got = torch.as_tensor(low_words(ids.view(torch.int32)))
+    assert got.dtype == torch.int32 and torch.equal(got, want)

@@ -25,7 +25,7 @@ from torchneuron.compiler.values import (HostTensor, NotLowerable, Value, dense,
 from torchneuron.kernels.copy import strided_copy
 from torchneuron.kernels.attention import result_views
 from torchneuron.kernels.elementwise import fold_broadcast, stream
-from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows, iota
+from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows, iota, low_words
 from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
 from torchneuron.kernels.packed_attention import attention_kernels
@@ -347,7 +347,7 @@ def lower_embedding_backward(ctx, node, grad: Value, indices: Value, num_weights
     order with fp32 accumulation, as the eager op and the CPU sum them)."""
     n, D = indices.layout.numel(), grad.shape[-1]
     words, stride = index_words(indices)
-    low = strided_value(words, (1, n), (0, stride))                    # each id's low word
+    low = hbm_value(low_words(words) if stride == 2 else words).reshape((1, n))   # each id's low word
     ids = hbm_value(iota(num_weights)).reshape((num_weights, 1))
     onehot = pointwise(lambda i, x: tm.onehot_rows(i, x, padding_idx), [ids, low], (num_weights, n), grad.dtype)
     return _product(matmul_kernel, onehot, hbm_value(dense(grad, (n, D))))

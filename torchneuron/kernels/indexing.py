@@ -88,6 +88,22 @@ def iota(n, start=0, step=1, wide=False):
     return out
 
 
+@nki.jit
+def low_words(words):
+    """The [n] int32 low words of n int64 values given as [2n] int32 word pairs: whole pairs loaded as
+    contiguous [128, 2f] rows (an HBM access of every other 4-byte word would cost a DMA descriptor per
+    element), the low words picked by a strided SBUF copy, stored contiguous."""
+    n = words.shape[0] // 2
+    out = nl.ndarray((n,), nl.int32, buffer=nl.shared_hbm)
+    for s, p, w in flat_blocks(n):
+        pairs = nl.ndarray((PMAX, w, 2), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=pairs[:p].reshape((p, 2 * w)), src=words[2 * s:2 * (s + p * w)].reshape((p, 2 * w)))
+        low = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=low[:p], src=pairs[:p, :, 0])
+        nisa.dma_copy(dst=out[s:s + p * w].reshape((p, w)), src=low[:p])
+    return out
+
+
 MAX_INDEX_DIMS = 4   # index tensors ``index_rows`` takes
 # Elements of the [rows, indices] one-hot matrix an index sum builds on TensorE (an embedding's backward, an
 # accumulating row put): 256 MiB of fp32, beyond which the callers take another path.
