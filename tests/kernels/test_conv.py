@@ -88,6 +88,32 @@ def test_input_gradient(name, dtype):
     within(out, ref, mag, O // G * kh * kw, dtype)
 
 
+# transposed convolutions (the eager forward runs them as ``flip``): (N, C, H, W, O/G, k, stride, padding,
+# output_padding, dilation, groups)
+TRANSPOSED = {
+    "4x4 stride 2": (2, 16, 5, 6, 8, 4, 2, 1, 0, 1, 1),
+    "3x3 stride 2 output_padding": (1, 8, 4, 5, 6, 3, 2, 1, 1, 1, 1),
+    "groups dilated": (2, 8, 5, 4, 3, 3, 1, 2, 1, 2, 2),
+    "channel tiles": (1, 130, 3, 4, 140, 3, 2, 0, 0, 1, 1),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(TRANSPOSED))
+def test_transposed_forward_with_bias(name, dtype):
+    # every window offset's products and the bias summed in fp32 (PSUM, then the eviction), rounded once
+    N, C, H, W, OG, k, s, p, op, d, G = TRANSPOSED[name]
+    x = torch.randn(N, C, H, W).to(dtype).double()
+    w = torch.randn(C, OG, k, k).to(dtype).double()
+    b = torch.randn(OG * G).to(dtype).double()
+    ref = F.conv_transpose2d(x, w, b, s, p, op, G, d)
+    mag = F.conv_transpose2d(x.abs(), w.abs(), b.abs(), s, p, op, G, d)
+    dims = tuple(Dim(i, s, d * (k - 1) - p, o + p - 1 - (i - 1) * s, k, d, 1) for i, o in ((H, ref.shape[2]),
+                                                                                         (W, ref.shape[3])))
+    out = conv2d_kernel(x.to(dtype), w.to(dtype), b.to(dtype), dims=dims, groups=G, flip=True)
+    within(out, ref, mag, C // G * k * k + 1, dtype)
+
+
 @pytest.mark.parametrize("dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("name", list(CASES))
 def test_weight_gradient(name, dtype):

@@ -104,26 +104,28 @@ def test_conv_channels_last_3d(strict):
 
 
 def _check_conv_bf16(fn, x, w, rounds_once=("output", "dx", "dw")):
-    """A bf16 convolution fn(x, w) on CPU and on neuron, output and both gradients, against float64 of the same
-    values. The device multiplies bf16 values exactly in fp32, sums in fp32 and rounds once: within one bf16
-    rounding of the result plus the fp32 sum's bound (k - 1 additions of the k terms of the element: the
-    non-zero entries of the op's Jacobian in that operand). The CPU's bf16 kernels may round each product and
-    partial sum to bf16: within that many bf16 roundings of the sum of absolute terms; so is the device's
-    result where it is not named in ``rounds_once``."""
+    """A 2-byte (bf16 or fp16) convolution fn(x, w) on CPU and on neuron, output and both gradients, against
+    float64 of the same values. The device multiplies 2-byte values exactly in fp32, sums in fp32 and rounds once:
+    within one rounding of the result to the dtype plus the fp32 sum's bound (k - 1 additions of the k terms of
+    the element: the non-zero entries of the op's Jacobian in that operand). The CPU's 2-byte kernels may round
+    each product and partial sum to the dtype: within that many roundings of the sum of absolute terms; so is
+    the device's result where it is not named in ``rounds_once``."""
+    dtype = x.dtype
+    assert dtype in (torch.bfloat16, torch.float16) and w.dtype == dtype
     cpu = [t.clone().requires_grad_() for t in (x, w)]
     dev = [to_n(t).detach().requires_grad_() for t in (x, w)]
     want, got = fn(*cpu), fn(*dev)
-    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
-    g = torch.randn(want.shape).bfloat16()
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    g = torch.randn(want.shape).to(dtype)
     want.backward(g)
     got.backward(to_n(g))
     x64, w64 = x.double(), w.double()
     # linear in each operand: the x-Jacobian gives the output's and dx's terms, the w-Jacobian dw's
     (exact, dx), (t_out, t_dx) = linear_bounds(lambda t: fn(t, w64), x, g, torch.float32)
     (_, dw), (_, t_dw) = linear_bounds(lambda t: fn(x64, t), w, g, torch.float32)
-    (_, _), (c_out, c_dx) = linear_bounds(lambda t: fn(t, w64), x, g, torch.bfloat16, roundings=1)
-    (_, _), (_, c_dw) = linear_bounds(lambda t: fn(x64, t), w, g, torch.bfloat16, roundings=1)
-    u = U[torch.bfloat16]
+    (_, _), (c_out, c_dx) = linear_bounds(lambda t: fn(t, w64), x, g, dtype, roundings=1)
+    (_, _), (_, c_dw) = linear_bounds(lambda t: fn(x64, t), w, g, dtype, roundings=1)
+    u = U[dtype]
     errors = []
     for name, a, b, ref, dev_bound, cpu_bound in (("output", got, want, exact, t_out, c_out),
                                                   ("dx", dev[0].grad, cpu[0].grad, dx, t_dx, c_dx),
@@ -142,18 +144,34 @@ def _conv_transpose_bf16_inputs():
     return torch.randn(2, 3, 4, 5, generator=g).bfloat16(), torch.randn(3, 2, 3, 3, generator=g).bfloat16()
 
 
-def test_conv_transpose_bf16(strict):
-    # the device's bf16 transposed convolution adds the overlapping taps' products in bf16 (see below): its
-    # output is held to the bound of bf16 partial sums; its gradients (convolutions) round once
-    _check_conv_bf16(lambda x, w: F.conv_transpose2d(x, w, stride=2, padding=1), *_conv_transpose_bf16_inputs(),
-                     rounds_once=("dx", "dw"))
-
-
-@pytest.mark.xfail(strict=True, reason="the device's bf16 conv_transpose2d forward sums the overlapping taps "
-                   "(a matmul per tap, then col2im adds) in bf16, rounding each partial sum: up to 75x the bound "
-                   "of an fp32 sum rounded once, which the CPU meets (errors of 0.04 at magnitude 0.42)")
 def test_conv_transpose_bf16_output_rounds_once_like_cpu(strict):
+    # the window offsets' products are summed in fp32 and rounded once (they were rounded per offset and added
+    # in bf16: up to 75x this bound, errors of 0.04 at magnitude 0.42)
     _check_conv_bf16(lambda x, w: F.conv_transpose2d(x, w, stride=2, padding=1), *_conv_transpose_bf16_inputs())
+
+
+# 2-byte transposed convolutions (and a plain one whose input gradient takes col2im): (fn, x shape, w shape).
+# 1-D and 2-D ones with padding <= dilation * (k - 1) run the direct kernel; 3-D ones and a larger padding
+# take the matmul + col2im route, which sums the window offsets in fp32 too.
+CONVS_2BYTE = {
+    "convT1d": (lambda x, w: F.conv_transpose1d(x, w, stride=2, padding=1, output_padding=1, groups=2, dilation=2),
+                (2, 4, 9), (4, 3, 3)),
+    "convT2d_overlap": (lambda x, w: F.conv_transpose2d(x, w, stride=2, padding=1), (2, 3, 4, 5), (3, 2, 3, 3)),
+    "convT2d_4x4_stride2": (lambda x, w: F.conv_transpose2d(x, w, stride=2, padding=1), (1, 6, 5, 4), (6, 5, 4, 4)),
+    "convT2d_large_padding": (lambda x, w: F.conv_transpose2d(x, w, stride=2, padding=3), (2, 3, 6, 5),
+                              (3, 4, 3, 3)),
+    "convT3d": (lambda x, w: F.conv_transpose3d(x, w, stride=2, padding=1, output_padding=1, groups=2),
+                (2, 4, 3, 4, 3), (4, 2, 3, 3, 2)),
+    "conv3d": (lambda x, w: F.conv3d(x, w, stride=2, padding=1), (1, 3, 5, 6, 5), (4, 3, 3, 3, 3)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(CONVS_2BYTE))
+def test_conv_transpose_2byte_rounds_once(name, dtype, strict):
+    fn, xs, ws = CONVS_2BYTE[name]
+    g = torch.Generator().manual_seed(1)
+    _check_conv_bf16(fn, torch.randn(xs, generator=g).to(dtype), torch.randn(ws, generator=g).to(dtype))
 
 
 def test_conv_transpose_errors_match_cpu():

@@ -1,5 +1,11 @@
-"""Convolution on the device (1-3-D, plain or transposed): the direct kernel (``kernels.conv``) for plain 1-D and
-2-D convolutions, forward and backward; im2col and the matmul kernel for the rest.
+"""Convolution on the device (1-3-D, plain or transposed): the direct kernel (``kernels.conv``) for 1-D and 2-D
+convolutions, plain forward and backward and transposed forward; im2col and the matmul kernel for the rest.
+
+A transposed convolution's forward is a plain one's input gradient: the direct kernel's ``flip`` loop nest, which
+sums every window offset's products in PSUM and rounds once. Where col2im sums the offsets instead (3-D, a
+padding beyond ``dilation * (k - 1)``, bands that do not fit), a 2-byte dtype's columns are fp32 (the products
+of its values are exact there) and the result is rounded once at the end, as the CPU does: one bf16 column per
+offset, added in bf16, was up to 75x that bound off.
 
 The direct kernel takes a 1-D convolution as 2-D with H = 1. Its input gradient is the same kernel run on the
 output gradient (zero-inserted by the stride, padded by ``dilation * (k - 1) - padding``) with the weight
@@ -102,6 +108,24 @@ def _cols_from_rows(w2: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _col2im_of_rows(w2: torch.Tensor, rows: torch.Tensor, shape: tuple, k: tuple, s: tuple, p: tuple, d: tuple,
+                    row_size: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """col2im of ``cols_g = W_g^T @ rows_g`` into a [B, C, *S] ``shape`` (plus a per-channel ``bias``): a transposed
+    convolution, or a plain one's input gradient, on the im2col route. A 2-byte dtype's window offsets are summed
+    in fp32 and rounded once, as the direct kernel and the CPU do: the products of 2-byte values are exact in fp32,
+    so the matmul runs on fp32 copies and col2im adds fp32 columns (a bf16 column per offset, added in bf16, is
+    up to ~k roundings of the sum off)."""
+    B, C = shape[:2]
+    dtype = rows.dtype
+    if dtype.itemsize == 2:
+        w2, rows = w2.to(torch.float32), rows.to(torch.float32)
+    cols = _cols_from_rows(w2, rows)
+    res = col2im_patches(cols.view(C, *k, B, *row_size), shape, k, s, p, d)
+    if bias is not None:
+        res = res + bias.to(res.dtype).view(C, *[1] * len(k))
+    return res if res.dtype == dtype else res.to(dtype)
+
+
 def _weight_grad(rows: torch.Tensor, cols: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """grad W_g = rows_g @ cols_g^T for rows [G * R, L], cols [G, Kp, L]: the weight's gradient, ``shape``."""
     G, Kp, _ = cols.shape
@@ -164,22 +188,22 @@ def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if geo is None or not floats_on_one_device(input, weight, bias) or (bias is not None and bias.dtype != input.dtype):
         return _C._fallback_convolution(input, weight, bias, list(stride), list(padding), list(dilation), transposed,
                                         list(output_padding), groups)
-    dims = None if transposed else _direct_dims(input, weight, geo, groups)
+    # a transposed convolution is a plain one's input gradient: the direct kernel's flipped loop nest, every
+    # window offset's products summed in PSUM (fp32) and rounded once
+    dims = _direct_dims(input, weight, geo, groups, grad=transposed)
     if dims is not None:
         args = {"x": _as_2d(input), "w": _as_2d(weight)}
         if bias is not None:
             args["bias"] = dense(bias)
-        (res,) = call_kernel(conv2d_kernel, args, {"dims": dims, "groups": groups}, op="aten::convolution")
+        (res,) = call_kernel(conv2d_kernel, args, {"dims": dims, "groups": groups, "flip": transposed},
+                             op="aten::convolution")
         return _follow_layout(res.view(res.shape[0], res.shape[1], -1) if input.dim() == 3 else res, input)
     k, s, p, d, patch, rows = geo
     B, G = input.shape[0], groups
     w2 = _group_weight(weight, G)
     if transposed:
         OC = weight.shape[1] * G
-        cols = _cols_from_rows(w2, _to_rows(input))
-        res = col2im_patches(cols.view(OC, *k, B, *rows), (B, OC, *patch), k, s, p, d)
-        if bias is not None:
-            res = res + bias.view(OC, *[1] * len(k))
+        res = _col2im_of_rows(w2, _to_rows(input), (B, OC, *patch), k, s, p, d, rows, bias)
     else:
         OC = weight.shape[0]
         out = _rows_from_cols(w2, im2col_patches(input, k, s, p, d, rows).view(G, -1, B * math.prod(rows)))
@@ -231,15 +255,14 @@ def convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight:
                 (gi,) = call_kernel(conv2d_kernel, {"x": g4, "w": w4}, {"dims": gdims, "groups": groups, "flip": True},
                                     op="aten::convolution_backward")
             else:
-                gcols = _cols_from_rows(_group_weight(weight, G), _to_rows(grad_output))
-                gi = col2im_patches(gcols.view(input.shape[1], *k, B, *rows), tuple(input.shape), k, s, p, d)
+                gi = _col2im_of_rows(_group_weight(weight, G), _to_rows(grad_output), tuple(input.shape), k, s, p, d,
+                                     rows)
             grad_input = _follow_layout(gi.view(input.shape), input)
     else:
         g2 = _to_rows(grad_output)
         if output_mask[1]:
             grad_weight = _weight_grad(g2, im2col_patches(input, k, s, p, d, rows).view(G, -1, L), weight.shape)
         if output_mask[0]:
-            gcols = _cols_from_rows(_group_weight(weight, G), g2)
-            grad_input = _follow_layout(col2im_patches(gcols.view(input.shape[1], *k, B, *rows), tuple(input.shape),
-                                                k, s, p, d), input)
+            grad_input = _follow_layout(_col2im_of_rows(_group_weight(weight, G), g2, tuple(input.shape), k, s, p,
+                                                        d, rows), input)
     return grad_input, grad_weight, grad_bias
