@@ -46,6 +46,30 @@ def test_parallel_training_matches_single_device(tmp_path, ranks, parallel):
     _check(json.loads(report.read_text()), parallel.split(","), "core")
 
 
+# Runs a script with the main thread keeping the GIL until it blocks (a switch interval of 100 s instead of 5 ms)
+_HOLD_GIL = """
+import runpy, sys
+sys.setswitchinterval(100.0)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_ranks_exit_right_after_their_last_collective(tmp_path):
+    # Gloo's worker threads once destroyed the works of finished collectives, which hold tensors made in Python,
+    # taking the GIL; one still waiting for it when the interpreter finalized ended its thread inside a noexcept
+    # destructor ("terminate called without an active exception"). Holding the GIL on the main thread made the
+    # workers wait past the exit of the ranks that leave right after their last all-gather: with the fused
+    # cross-entropy's autograd kernel registered (its removal at exit shifts the exit sequence), most runs aborted.
+    wrapper = tmp_path / "hold_gil.py"
+    wrapper.write_text(_HOLD_GIL)
+    proc = subprocess.run(_torchrun("--standalone", "--nproc-per-node", "4", str(wrapper), str(SCRIPT),
+                                    "--parallel", "fsdp-tp", "--steps", "3"),
+                          capture_output=True, text=True, timeout=600)
+    assert "terminate called" not in proc.stderr
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

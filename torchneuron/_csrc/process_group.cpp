@@ -9,8 +9,12 @@
 #include "neuron.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
+
+#include <chrono>
+#include <thread>
 
 namespace py = pybind11;
 
@@ -149,6 +153,28 @@ class ProcessGroupNeuron final : public c10d::Backend {
   py::object impl_;
 };
 
+// Waits for a Gloo work, then for the Gloo worker thread that ran it to drop its references to it.
+//
+// A work holds the tensors of its collective, and the neuron backend's tensors were made in Python
+// (the CPU aliases, the metadata), so whoever destroys the work releases Python objects and needs the
+// GIL. Gloo's worker drops its references just after marking the work complete: if the caller has
+// let go of it by then, the worker destroys it and takes the GIL. At interpreter exit, with the
+// interpreter finalizing, taking the GIL ends the thread (pthread_exit), and the unwinding through
+// the work's noexcept destructor calls std::terminate ("terminate called without an active
+// exception"). Waiting here, without the GIL, until the caller's reference is the only one left
+// makes the caller's thread, holding the GIL, the one that destroys the work.
+void wait_work(py::handle handle) {
+  auto* work = handle.cast<c10d::Work*>();  // no holder copy: the Python object's is the one left
+  py::gil_scoped_release no_gil;
+  work->wait();
+  // The worker lets go within microseconds of completing the work; a reference held elsewhere (none
+  // is known) must not hang the caller, so the wait is bounded.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (c10::raw::intrusive_ptr::use_count(work) > 1 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::yield();
+  }
+}
+
 }  // namespace
 
 void bind_process_group(py::module_& m) {
@@ -158,6 +184,8 @@ void bind_process_group(py::module_& m) {
   py::class_<ProcessGroupNeuron, c10d::Backend, c10::intrusive_ptr<ProcessGroupNeuron>>(m, "_ProcessGroupNeuron")
       .def(py::init<int, int, py::object>(), py::arg("rank"), py::arg("size"), py::arg("impl"))
       .def_property_readonly("impl", &ProcessGroupNeuron::impl);
+  m.def("_wait_work", &wait_work, py::arg("work"),
+        "Wait for a Gloo work and for its worker thread to let go of it (see process_group.cpp).");
 }
 
 }  // namespace torchneuron

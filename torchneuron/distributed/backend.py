@@ -16,6 +16,11 @@ Gloo (a group created with ``"neuron"`` alone serves CPU tensors too).
 Collectives on neuron tensors complete before the call returns (the returned ``Work`` is
 already done and its future holds the neuron tensors, which DDP's reducer reads); send and
 recv return Gloo's pending work, so pairs of them can be posted in either order.
+
+Each Gloo work this module waits for is waited for with ``_wait``, which also waits for Gloo's
+worker thread to let go of it: the work holds tensors made in Python (the aliases, the metadata),
+and a worker thread destroying it takes the GIL, which at interpreter exit ends the thread inside
+a noexcept destructor and aborts the process ("terminate called without an active exception").
 """
 from __future__ import annotations
 
@@ -74,6 +79,12 @@ def _describe(method: str, meta: Sequence[int]) -> str:
     if reduce_op >= 0:
         parts.append(f"op {torch.distributed.ReduceOp.RedOpType(reduce_op).name}")
     return parts[0] + "(" + ", ".join(parts[1:]) + ")"
+
+
+def _wait(work: Any) -> None:
+    """Wait for a Gloo ``work`` and for the Gloo thread that ran it to drop it, so that this thread
+    destroys it (``_C._wait_work``; the module docstring says why)."""
+    _C._wait_work(work)
 
 
 def _done(outputs: list[torch.Tensor]) -> Any:
@@ -181,7 +192,7 @@ class NeuronBackend:
         (on every rank alike); return the latest clock."""
         mine = self._metadata(method, sig, clock, contiguous)
         everyone = torch.empty(self.size * _META_LEN, dtype=torch.int64)
-        self.gloo._allgather_base(everyone, mine).wait()
+        _wait(self.gloo._allgather_base(everyone, mine))
         rows = everyone.view(self.size, _META_LEN)
         if not torch.equal(rows[:, 1:], mine[1:].expand(self.size, -1)):
             described = [f"rank {r}: {_describe(method, rows[r].tolist())}" for r in range(self.size)]
@@ -215,7 +226,7 @@ class NeuronBackend:
         contiguous = all(_contiguous(t) for t in tensors)
         start = self._agree(method, sig, clock, contiguous)
         if sig.kind != "barrier":
-            gloo(*_premul_as_sum(method, tuple(_host(a) for a in args))).wait()
+            _wait(gloo(*_premul_as_sum(method, tuple(_host(a) for a in args))))
         duration = cost.collective_ns(sig.kind, sig.nbytes, self.placement, self.spec, self.link)
         self._advance(method, sig, device, stream.stream_id, clock, start, duration, self.placement)
         return _done(outputs)
@@ -254,12 +265,12 @@ class NeuronBackend:
     # -- what Gloo's binding lacks ------------------------------------------------------------
     def _gloo_allgather_into_tensor_coalesced(self, outputs: list, inputs: list, opts: Any) -> Any:
         for out, inp in zip(outputs, inputs, strict=True):
-            self.gloo._allgather_base(out, inp, opts).wait()
+            _wait(self.gloo._allgather_base(out, inp, opts))
         return _done(outputs)
 
     def _gloo_reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, opts: Any) -> Any:
         for out, inp in zip(outputs, inputs, strict=True):
-            self.gloo._reduce_scatter_base(out, inp, opts).wait()
+            _wait(self.gloo._reduce_scatter_base(out, inp, opts))
         return _done(outputs)
 
     # -- the Backend methods (names and arguments of torch's Backend binding) -----------------
