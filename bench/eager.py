@@ -257,8 +257,6 @@ def heavy_cases(size: str) -> list[tuple[str, str, Callable, Callable, float, in
                   lambda: held.pop("r").backward(xs), 0, 3 * nbytes(xs), "bfloat16"))
     logits = mk(T // 2, V, grad=True)
     target = torch.zeros(T // 2, dtype=torch.int64).to("neuron")   # (written by a transfer: valid classes)
-    from torchneuron.ops.nn import use_fused_cross_entropy
-    use_fused_cross_entropy(True)          # opt-in (see ops/nn.py): the rows measure the fused kernels
     ce = torch.nn.functional.cross_entropy
     cases.append(("cross_entropy", f"{T // 2}x{V}", lambda: None, lambda: ce(logits, target), 0, nbytes(logits),
                   "bfloat16"))

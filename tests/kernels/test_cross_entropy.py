@@ -15,12 +15,12 @@ from torchneuron.ops.nn import use_fused_cross_entropy
 from torchneuron.runtime import profiler
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def _fused():
-    """The fused kernels are opt-in (``use_fused_cross_entropy``): on for these tests, off again after."""
+    """The fused path is the default; a test that turns it off (``use_fused_cross_entropy``) gets it back after."""
     use_fused_cross_entropy(True)
     yield
-    use_fused_cross_entropy(False)
+    use_fused_cross_entropy(True)
 
 U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}   # unit roundoffs
 EPS32 = 2.0 ** -24
@@ -97,6 +97,18 @@ def test_few_classes_take_the_composition():
     with profiler.record() as fwd:
         F.cross_entropy(x.to("neuron"), t.to("neuron"))
     assert "cross_entropy_fwd_kernel" not in [r.name for r in fwd] and len(fwd) == 2
+
+
+def test_the_fused_path_is_the_default_and_can_be_turned_off():
+    x, t = _inputs(64, 300, torch.float32)
+    with profiler.record() as default:
+        F.cross_entropy(x.to("neuron"), t.to("neuron"))
+    use_fused_cross_entropy(False)
+    with profiler.record() as off:
+        loss = F.cross_entropy(x.to("neuron"), t.to("neuron"))
+    assert [r.name for r in default] == ["cross_entropy_fwd_kernel"]
+    assert "cross_entropy_fwd_kernel" not in [r.name for r in off] and len(off) == 2
+    torch.testing.assert_close(loss.cpu(), F.cross_entropy(x, t))
 
 
 def test_one_launch_each_way():

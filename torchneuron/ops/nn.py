@@ -319,10 +319,8 @@ def nll_loss_backward(grad_output: torch.Tensor, self: torch.Tensor, target: tor
 # logits read once each way) for class targets of 1-D/2-D inputs; anything else, and calls being traced (fake or
 # functorch-wrapped tensors: the compiler lowers the composition), take PyTorch's composition.
 #
-# The autograd kernel is opt-in (``use_fused_cross_entropy``): while it is registered, 2-D FSDP x tensor-parallel
-# training under torchrun aborts a rank now and then ("terminate called without an active exception", about one run
-# in four of examples/distributed/train_parallel.py --parallel fsdp-tp; never in 24 runs without it), even when every
-# call takes the composition. Until that is understood, F.cross_entropy takes PyTorch's composition by default.
+# The autograd kernel is registered on import; ``use_fused_cross_entropy(False)`` removes it (PyTorch's composition
+# for every call) and ``use_fused_cross_entropy(True)`` registers it again.
 
 _AUTOGRAD_LIB: torch.library.Library | None = None
 # Below this many classes the composition is faster: its kernels group several short rows per partition, where the
@@ -396,8 +394,8 @@ def cross_entropy_loss(self: torch.Tensor, target: torch.Tensor, weight: torch.T
 
 
 def use_fused_cross_entropy(enabled: bool = True) -> None:
-    """Route ``F.cross_entropy`` on neuron through the fused kernels (True) or PyTorch's composition (False, the
-    default; see the note above ``cross_entropy_loss``)."""
+    """Route ``F.cross_entropy`` on neuron through the fused kernels where they apply (True, the default) or
+    PyTorch's composition always (False)."""
     global _AUTOGRAD_LIB
     if enabled and _AUTOGRAD_LIB is None:
         _AUTOGRAD_LIB = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (kept alive while enabled)
@@ -405,6 +403,9 @@ def use_fused_cross_entropy(enabled: bool = True) -> None:
     elif not enabled and _AUTOGRAD_LIB is not None:
         _AUTOGRAD_LIB._destroy()
         _AUTOGRAD_LIB = None
+
+
+use_fused_cross_entropy(True)
 
 
 # ---- regression losses ---------------------------------------------------------------------------------
