@@ -1,5 +1,6 @@
 """out= variants that register_out derives from their functional kernels where the CPU writes into an out= tensor
-of another dtype than the result: sum, prod, mean, amax, any/all, cat (and kthvalue, max.dim beside them).
+of another dtype than the result: sum, prod, mean, amax, any/all, cat (and kthvalue, max.dim beside them); and the
+out= variants moved onto it later (gather, norm, the matrix products), whose CPU kernels refuse such an out=.
 
 Every (input dtype, out= dtype) pair is run on the CPU and on the device: the device gives the CPU's result,
 element by element, or raises the CPU's exception type with its message. The inputs are small integers
@@ -271,3 +272,76 @@ def test_strict_mode_refuses_the_cpu_kernel_but_not_its_overlap_errors(strict):
     assert torch.equal(x.cpu(), _values(F32))       # untouched
     with pytest.raises(RuntimeError, match="refer to a single memory location"):
         torch.cat([x[1:2], x[3:]], out=x[:2])       # the CPU refuses it: its error, fallback or not
+
+
+# ---- gather, norm and the matrix products: out= derived by register_out ---------------------------------------
+
+_GATHER_INDEX = torch.tensor([[0, 2], [1, 1], [2, 0], [0, 0]])
+
+
+def _native_same(i, o):       # the CPU refuses an out= unlike the input; the device raises that error itself
+    return i != C64 and o != C64  # (complex operands are refused before any kernel sees them)
+
+
+def _native_norm(i, o):       # float input on the device (float64 computes through the fallback)
+    return i not in (F64, C64) and o != C64
+
+
+DERIVED = {
+    "gather.out": (lambda x, out, c: torch.gather(x, 1, c(_GATHER_INDEX), out=out), (4, 2), False, _native_same),
+    "norm.out": (lambda x, out, c: torch._VF.norm(x, 2, [0], False, out=out), (3,), False, _native_norm),
+    "norm.dtype_out": (lambda x, out, c: torch._VF.norm(x, 1, [1], True, dtype=F32, out=out), (4, 1), False,
+                       lambda i, o: i in (F16, BF16, F32) and o != C64),
+}
+CASES.update(DERIVED)
+
+
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+@pytest.mark.parametrize("name", sorted(DERIVED))
+def test_derived_every_dtype_pair_writes_or_refuses_like_the_cpu(name):
+    _run(name, lambda shape, o: torch.full(shape, 7, dtype=o))
+
+
+@pytest.mark.parametrize("name", sorted(DERIVED))
+def test_derived_a_wrong_shaped_out_resizes_with_the_cpus_warning(name, strict):
+    call, shape, nonzero, _ = CASES[name]
+    x = _values(F32, nonzero=nonzero)
+    for size in ((0,), (5,), (2, 9)) + ((shape,) if shape else ()):
+        _assert_like_cpu(lambda c: (lambda out: (out, call(c(x), out, c)))(c(torch.full(size, 7, dtype=F32))))
+
+
+def test_the_derived_out_variants_are_registered_by_register_out():
+    for name in DERIVED:
+        assert LOWERED[name].__doc__.startswith(f"``{name}``: "), name
+
+
+_DERIVED_ALIASED = {
+    "gather-into-its-input": (lambda x, c: x[:, :2], lambda x, out, c: torch.gather(x, 1, c(_GATHER_INDEX[:, :2].remainder(2)),
+                                                                                   out=out)),
+    "norm-into-its-input": (lambda x, c: x[0], lambda x, out, c: torch._VF.norm(x, 2, [0], False, out=out)),
+    "norm-expanded": (lambda x, c: c(torch.empty(1)).expand(3), lambda x, out, c: torch._VF.norm(x, 2, [0], False,
+                                                                                                 out=out)),
+}
+
+
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+@pytest.mark.parametrize("name", sorted(_DERIVED_ALIASED))
+def test_derived_an_out_aliasing_an_input_or_itself_behaves_as_on_the_cpu(name):
+    make_out, call = _DERIVED_ALIASED[name]
+    x = _values(F32)
+
+    def run(c):
+        xc = c(x.clone())
+        out = make_out(xc, c)
+        return out, call(xc, out, c)
+    _assert_like_cpu(run)
+
+
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+@pytest.mark.parametrize("name", sorted(DERIVED))
+def test_derived_an_out_on_the_cpu_is_refused_as_on_the_cpu(name):
+    call = CASES[name][0]
+    x = _values(F32)
+    with pytest.raises(RuntimeError) as cpu:
+        call(to_n(x), torch.empty(0), to_n)
+    assert "device" in str(cpu.value)

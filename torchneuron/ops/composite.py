@@ -17,13 +17,12 @@ from torch._prims_common import canonicalize_dim
 
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import (aten, DEVICE_DTYPES, FLOATS, meta_twin, on_one_device, raise_like_cpu, type_name,
-                                  resize_out, Unsupported, variants)
-from torchneuron.ops.elementwise import write_result
+from torchneuron.ops.base import (aten, DEVICE_DTYPES, FLOATS, meta_twin, on_one_device, overload, raise_like_cpu,
+                                  type_name, resize_out, Unsupported, variants)
 from torchneuron.ops.matmul import add_scaled, MATMUL_DTYPES, mm_into
 from torchneuron.ops.nn import reduce_loss
 from torchneuron.ops.pointwise import register_pointwise, unary
-from torchneuron.ops.registry import lowering, register_out
+from torchneuron.ops.registry import lowering, refuse_other_out_dtypes, register_out
 
 
 # ---- vector products -------------------------------------------------------------------------------
@@ -130,25 +129,32 @@ def equal(self: torch.Tensor, other: torch.Tensor) -> bool:
 
 # ---- norm ------------------------------------------------------------------------------------------
 
-def _norm_lowering(name: str) -> None:
-    packet, _, ov = name.partition(".")
-    op = getattr(aten.norm, ov)
+def _norm_lowering(name: str, out_name: str) -> None:
+    op = overload(name)
 
     def kernel(self: torch.Tensor, p: Any = None, dim: Sequence[int] = (), keepdim: bool = False, *,
-               dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+               dtype: torch.dtype | None = None) -> torch.Tensor:
         """The vector p-norm over ``dim`` (2 when ``p`` is None): ``linalg_vector_norm``."""
-        kw = {**({"dtype": dtype} if dtype is not None else {}), **({"out": out} if out is not None else {})}
-        if not on_one_device(self, out):
+        if not on_one_device(self):
             raise Unsupported("operands on more than one device")
-        if not self.is_floating_point() or (dtype is not None and not dtype.is_floating_point):
-            raise_like_cpu(op, self, p, dim, keepdim, **{k: v for k, v in kw.items() if k != "out"})
-        res = torch.linalg.vector_norm(self, 2 if p is None else p, list(dim) or None, keepdim, dtype=dtype)
-        return write_result(res, out)
+        if not self.is_floating_point() or (dtype is not None and (not dtype.is_floating_point or
+                                                                   torch.promote_types(self.dtype, dtype) != dtype)):
+            # (a dtype= the input narrows into: "should be convertible without narrowing")
+            raise_like_cpu(op, self, p, dim, keepdim, **({"dtype": dtype} if dtype is not None else {}))
+        return torch.linalg.vector_norm(self, 2 if p is None else p, list(dim) or None, keepdim, dtype=dtype)
     lowering(name)(kernel)
+    # the CPU kernel refuses an out= unlike its result: dtype=, else the input's real dtype
+    register_out(out_name, kernel, cast=refuse_other_out_dtypes(
+        out_name, lambda self, *a, dtype=None, **k: dtype or _real_dtype(self.dtype)))
 
 
-for _name in ("norm.ScalarOpt_dim", "norm.out", "norm.ScalarOpt_dim_dtype", "norm.dtype_out"):
-    _norm_lowering(_name)
+def _real_dtype(dtype: torch.dtype) -> torch.dtype:
+    return {torch.complex64: torch.float32, torch.complex128: torch.float64, torch.complex32: torch.float16}.get(dtype,
+                                                                                                                 dtype)
+
+
+_norm_lowering("norm.ScalarOpt_dim", "norm.out")
+_norm_lowering("norm.ScalarOpt_dim_dtype", "norm.dtype_out")
 
 
 # ---- losses, unpooling -------------------------------------------------------------------------------

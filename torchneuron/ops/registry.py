@@ -11,7 +11,8 @@ operators take, so it is counted, warned about once, refused under ``TORCHNEURON
 checks devices the way PyTorch does. A kernel that must fall back to another call (the ``out=``
 overload of a result it already allocated) names it: ``Unsupported(reason, fallback=(op, args,
 kwargs))``. No lowering calls ``cpu_fallback`` itself. ``register_out`` derives an ``out=``
-overload from its functional kernel, casting into an ``out=`` tensor of another dtype where the CPU does.
+overload from its functional kernel, casting into an ``out=`` tensor of another dtype where the CPU does, or
+handing the kernel the ``out=`` tensor to write into (``into=``) where that saves a copy.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from torchneuron.ops.base import overload, resize_out, Unsupported
 from torchneuron.ops.elementwise import aliases_itself, can_copy, share_bytes, write_result
 
 __all__ = ["COMPLEX_LOWERED", "LOWERED", "Unsupported", "complex_lowering", "cpu_fallback", "lowering",
-           "out_dtype_error", "register_out", "resize_reduced_outs"]
+           "out_dtype_error", "refuse_other_out_dtypes", "register_out", "resize_reduced_outs"]
 
 
 _LIB = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (kept alive for the process)
@@ -145,6 +146,21 @@ def _shared(out: torch.Tensor, t: torch.Tensor) -> bool:
                                    out.untyped_storage()._cdata == t.untyped_storage()._cdata)
 
 
+def _grows_into(out: torch.Tensor, shape: Any, t: torch.Tensor) -> bool:
+    """Whether an ``out=`` tensor of another shape, once resized to ``shape`` (contiguous from its offset, as
+    ``resize_`` makes it), would share bytes with ``t``, on its storage."""
+    if tuple(out.shape) == tuple(shape) or not t.numel() or t.device != out.device or \
+            out.untyped_storage()._cdata != t.untyped_storage()._cdata:
+        return False
+    n = 1
+    for s in shape:
+        n *= s
+    lo = out.data_ptr()
+    lo_t = t.data_ptr()
+    hi_t = lo_t + (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+    return n > 0 and lo_t < lo + n * out.element_size() and lo < hi_t
+
+
 # the C++ type names of PyTorch's structured-kernel messages ("Expected out tensor to have dtype float, ...")
 _CPP_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
               torch.bfloat16: "c10::BFloat16", torch.int64: "long int", torch.int32: "int", torch.int16: "short int",
@@ -157,6 +173,34 @@ def out_dtype_error(expected: torch.dtype, got: torch.dtype) -> RuntimeError:
     tensor of another dtype than the one it computes, word for word."""
     return RuntimeError(f"Expected out tensor to have dtype {_CPP_NAMES.get(expected, str(expected))}, but got "
                         f"{_CPP_NAMES.get(got, str(got))} instead")
+
+
+def _cpu_zeros(v: Any) -> Any:
+    """CPU zeros standing for tensors (of their shapes and dtypes; lists and tuples mapped)."""
+    if isinstance(v, torch.Tensor):
+        return torch.zeros(v.shape, dtype=v.dtype)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_cpu_zeros(x) for x in v)
+    return v
+
+
+def refuse_other_out_dtypes(name: str, result_dtype: Callable[..., torch.dtype]) -> Callable[..., None]:
+    """A ``cast=`` hook for the ``out=`` overload ``name`` of an op whose CPU kernel refuses an ``out=`` tensor of
+    another dtype than its result (``result_dtype(*args, **kwargs)``): for such a tensor the CPU kernel is run on
+    CPU zeros of the arguments with an empty ``out=`` tensor of that dtype, raising its own error after its own
+    earlier checks (an argument's before the ``out=`` dtype's), word for word; a call it accepts after all takes
+    the CPU fallback. An ``out=`` tensor of the result's dtype passes, to the functional kernel's checks."""
+    op = overload(name)
+    out_names = [a.name for a in op._schema.arguments if a.is_out]
+
+    def check(outs: list[torch.Tensor], *args: Any, **kwargs: Any) -> None:
+        expected = result_dtype(*args, **kwargs)
+        if all(o.dtype == expected for o in outs):
+            return
+        op(*_cpu_zeros(args), **_cpu_zeros(kwargs),
+           **{n: torch.empty(0, dtype=o.dtype) for n, o in zip(out_names, outs)})
+        raise Unsupported("an out= tensor of another dtype the CPU kernel accepts")
+    return check
 
 
 def _on_aliased_cpu_image(op: torch._ops.OpOverload, out_names: list[str], args: tuple, kwargs: dict,
@@ -208,7 +252,8 @@ def resize_reduced_outs(outs: list[torch.Tensor], self: torch.Tensor, dim: int, 
 
 
 def register_out(name: str, functional: Callable, warn_resize: bool = True, dtype_from_out: bool = False,
-                 cast: Callable[..., None] | None = None, resize: Callable[..., None] | None = None) -> None:
+                 cast: Callable[..., None] | None = None, resize: Callable[..., None] | None = None,
+                 into: Callable[..., tuple[Any, torch.dtype] | None] | None = None) -> None:
     """Register the ``out=`` overload ``name`` as ``functional`` (its functional form's kernel) with each result
     written into its ``out=`` tensor, resized first as PyTorch resizes (with its warning when the tensor had
     elements; ``warn_resize=False`` for an op whose CPU kernel resizes quietly). ``dtype_from_out``: an op whose
@@ -224,10 +269,18 @@ def register_out(name: str, functional: Callable, warn_resize: bool = True, dtyp
     resizes its ``out=`` tensors its own way, ``resize(outs, *args, **kwargs)`` resizes them to their results'
     shapes.
 
+    ``into``: for a kernel that can write its result straight into a destination tensor, saving the copy (the
+    matrix products). ``into(*args, **kwargs)`` gives the result's (shape, dtype) without computing it, or None
+    where it cannot tell; when the (single) ``out=`` tensor has that shape and dtype, is contiguous, lies on the
+    inputs' device and shares memory with none of them (an aliasing one never gets here: see below), the kernel is
+    called as ``functional(*args, into=out, **kwargs)`` and writes its result into it, returning it; any other
+    ``out=`` tensor takes the normal path (the result computed, then written into it resized). A result the kernel
+    returns that is not the ``out=`` tensor is written into it as usual.
+
     The CPU kernel also decides for the ``out=`` tensors whose semantics are its own: one on another device than
     its result (the fallback of ``name``), one whose elements alias each other or that shares memory with an input
-    or another ``out=`` tensor (run on a CPU image of the memory that keeps the aliasing: its overlap error, or
-    its result written back, counted as the fallback)."""
+    or another ``out=`` tensor, or would once resized to its result's shape (run on a CPU image of the memory that
+    keeps the aliasing: its overlap error, or its result written back, counted as the fallback)."""
     op = overload(name)
     out_names = [a.name for a in op._schema.arguments if a.is_out]
 
@@ -241,10 +294,17 @@ def register_out(name: str, functional: Callable, warn_resize: bool = True, dtyp
             return _on_aliased_cpu_image(op, out_names, args, kwargs, outs)
         if cast is not None:
             cast(outs, *args, **kwargs)
+        given = dict(kwargs)
         if dtype_from_out and kwargs.get("dtype") is None:
             kwargs["dtype"] = outs[0].dtype
+        call_kwargs = kwargs
+        if into is not None and len(outs) == 1 and outs[0].is_contiguous() and \
+                all(t.device == outs[0].device for t in inputs):
+            meta = into(*args, **kwargs)
+            if meta is not None and tuple(outs[0].shape) == tuple(meta[0]) and outs[0].dtype == meta[1]:
+                call_kwargs = {**kwargs, "into": outs[0]}
         try:
-            res = functional(*args, **kwargs)
+            res = functional(*args, **call_kwargs)
         except Unsupported as refusal:
             if refusal.fallback is None:
                 raise
@@ -257,9 +317,13 @@ def register_out(name: str, functional: Callable, warn_resize: bool = True, dtyp
         if any(o.dtype != r.dtype and (cast is None or not can_copy(o, r)) for o, r in zip(outs, results)):
             raise Unsupported("an out= tensor of another dtype than its result" if cast is None else
                               "a conversion into the out= tensor's dtype that the device lacks")
+        if any(_grows_into(o, r.shape, t) for i, (o, r) in enumerate(zip(outs, results))
+               for t in inputs + outs[:i] + outs[i + 1:]):
+            # an out= tensor the resize makes overlap an input or another out=: the CPU kernel decides (as above)
+            return _on_aliased_cpu_image(op, out_names, args, given, outs)
         if resize is not None:
             resize(outs, *args, **kwargs)
-        written = tuple(write_result(r, o, warn_resize) for r, o in zip(results, outs))
+        written = tuple(o if r is o else write_result(r, o, warn_resize) for r, o in zip(results, outs))
         return written if isinstance(res, tuple) else written[0]
 
     out_variant.__name__ = out_variant.__qualname__ = f"{functional.__name__}_out"

@@ -48,7 +48,7 @@ from torchneuron.ops.elementwise import (broadcast_shape, check_no_internal_over
                                          device_copy, run_pointwise, to_int64, write_result)
 from torchneuron.ops.indexing import arange_values, index_rows_launch, mask_rows_launch
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import lowering, register_out
+from torchneuron.ops.registry import lowering, refuse_other_out_dtypes, register_out
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 DATA_DTYPES = DEVICE_DTYPES - {torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32}
@@ -180,27 +180,26 @@ def _flat(idx: torch.Tensor, L: int, S: int) -> torch.Tensor:
     return run_pointwise(_fma, [arange_values(L, idx.device).reshape(L, 1), idx, S], KIND.DEFAULT, op="aten::gather")
 
 
-@lowering("gather", "gather.out")
-def gather(self: torch.Tensor, dim: int, index: torch.Tensor, *, sparse_grad: bool = False,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+@lowering("gather")
+def gather(self: torch.Tensor, dim: int, index: torch.Tensor, *, sparse_grad: bool = False) -> torch.Tensor:
     """``torch.gather``: element gathers along ``dim`` by indirect DMA."""
-    op = aten.gather.out if out is not None else aten.gather.default
-    kw = {"sparse_grad": sparse_grad, **({"out": out} if out is not None else {})}
-    res_meta = op(meta_twin(self), dim, meta_twin(index), **{k: meta_twin(v) for k, v in kw.items()})
-    check_out(out, self, index, shape=res_meta.shape)   # (the fallback's CPU copies would no longer overlap)
-    if not on_one_device(self, index, out) or (index.numel() and (self.dtype not in MOVE_DTYPES
-                                                               or index.dtype not in INDEX_DTYPES)):
+    res_meta = aten.gather.default(meta_twin(self), dim, meta_twin(index), sparse_grad=sparse_grad)
+    if not on_one_device(self, index) or (index.numel() and (self.dtype not in MOVE_DTYPES
+                                                          or index.dtype not in INDEX_DTYPES)):
         raise Unsupported("tensors on more than one device, or a dtype the DMA gather lacks")
     if index.numel() == 0:
-        return write_result(torch.empty(res_meta.shape, dtype=self.dtype, device=self.device), out)
+        return torch.empty(res_meta.shape, dtype=self.dtype, device=self.device)
     d, index_m, L, S, I, idx = _line_setup(self, dim, index)
     if any_outside(idx, 0, S):
         raise_like_cpu(aten.gather.default, self, dim, index, with_data=True)
     src = self.reshape(1) if self.dim() == 0 else _lines(self, index_m.shape[:-1], d)
     vals = _gather_elems(dense(src), _flat(idx, L, S))
     res = vals.reshape(index_m.shape)
-    res = res.reshape(res_meta.shape) if index.dim() == 0 else dense(res.movedim(-1, d))
-    return write_result(res, out)
+    return res.reshape(res_meta.shape) if index.dim() == 0 else dense(res.movedim(-1, d))
+
+
+# the CPU kernel refuses an out= unlike the input ("Expected out tensor to have dtype ...")
+register_out("gather.out", gather, cast=refuse_other_out_dtypes("gather.out", lambda self, *a, **k: self.dtype))
 
 
 def _scatter_impl(target: torch.Tensor, dim: int, index: torch.Tensor, src: Any, reduce: str | None,
