@@ -287,11 +287,26 @@ def _native_norm(i, o):       # float input on the device (float64 computes thro
     return i not in (F64, C64) and o != C64
 
 
+def _native_product(i, o):    # an out= of another dtype is refused natively; integer and float64 products take the CPU
+    return i != C64 and o != C64 and (i != o or i in CORE_FLOATS)
+
+
 DERIVED = {
     "gather.out": (lambda x, out, c: torch.gather(x, 1, c(_GATHER_INDEX), out=out), (4, 2), False, _native_same),
     "norm.out": (lambda x, out, c: torch._VF.norm(x, 2, [0], False, out=out), (3,), False, _native_norm),
     "norm.dtype_out": (lambda x, out, c: torch._VF.norm(x, 1, [1], True, dtype=F32, out=out), (4, 1), False,
                        lambda i, o: i in (F16, BF16, F32) and o != C64),
+    # the matrix products: x is [4, 3]; the CPU refuses an out= unlike the operands, the device raises that itself
+    "mm.out": (lambda x, out, c: torch.mm(x, x.t(), out=out), (4, 4), False, _native_product),
+    "bmm.out": (lambda x, out, c: torch.bmm(x[None], x.t()[None], out=out), (1, 4, 4), False, _native_product),
+    "addmm.out": (lambda x, out, c: torch.addmm(x[0], x.t(), x, out=out), (3, 3), False, _native_product),
+    "addmm.out (scaled, full input)": (lambda x, out, c: torch.addmm(x[:3], x.t(), x, beta=2, alpha=-1, out=out),
+                                       (3, 3), False, _native_product),
+    "baddbmm.out": (lambda x, out, c: torch.baddbmm(x[None, :3], x.t()[None], x[None], out=out), (1, 3, 3), False,
+                    _native_product),
+    "addbmm.out": (lambda x, out, c: torch.addbmm(x[:3], x.t()[None], x[None], alpha=2, out=out), (3, 3), False,
+                   _native_product),
+    "addmv.out": (lambda x, out, c: torch.addmv(x[:, 0], x, x[0], out=out), (4,), False, _native_product),
 }
 CASES.update(DERIVED)
 
@@ -311,7 +326,7 @@ def test_derived_a_wrong_shaped_out_resizes_with_the_cpus_warning(name, strict):
 
 
 def test_the_derived_out_variants_are_registered_by_register_out():
-    for name in DERIVED:
+    for name in {n.split(" ")[0] for n in DERIVED}:
         assert LOWERED[name].__doc__.startswith(f"``{name}``: "), name
 
 
@@ -345,3 +360,64 @@ def test_derived_an_out_on_the_cpu_is_refused_as_on_the_cpu(name):
     with pytest.raises(RuntimeError) as cpu:
         call(to_n(x), torch.empty(0), to_n)
     assert "device" in str(cpu.value)
+
+
+_PRODUCTS = ("mm.out", "bmm.out", "addmm.out", "addmm.out (scaled, full input)", "baddbmm.out", "addbmm.out",
+             "addmv.out")
+
+
+@pytest.mark.parametrize("name", _PRODUCTS)
+@pytest.mark.parametrize("dtype", CORE_FLOATS)
+def test_a_product_writes_straight_into_a_matching_out(name, dtype, strict):
+    # a contiguous out= of the result's shape and dtype is the kernel's destination (register_out's into=): the same
+    # launches as the functional form, no copy after them; any other out= takes a copy of the result
+    from torchneuron.runtime import profiler
+    call, shape, _, _ = CASES[name]
+    x = to_n(_values(dtype))
+    with profiler.record() as recs:
+        want = call(x, None, to_n)
+    functional = [r.name for r in recs]
+    out = to_n(torch.full(shape, 7, dtype=dtype))
+    ptr = out.data_ptr()
+    with profiler.record() as recs:
+        got = call(x, out, to_n)
+    assert got is out and out.data_ptr() == ptr and [r.name for r in recs] == functional
+    assert torch.equal(out.cpu(), want.cpu())
+    strided = to_n(torch.full(shape + (2,), 7, dtype=dtype))[..., 0]     # non-contiguous: one copy more
+    with profiler.record() as recs:
+        call(x, strided, to_n)
+    assert len(recs) == len(functional) + 1 and torch.equal(strided.cpu(), want.cpu())
+
+
+_PRODUCTS_ALIASED = {
+    "mm-into-its-input": (lambda x, c: x[:3, :3].contiguous(), lambda x, out, c: torch.mm(out, out, out=out)),
+    "addmm-into-its-input": (lambda x, c: x[:3], lambda x, out, c: torch.addmm(out, x.t(), x, out=out)),
+    "addmv-into-a-row": (lambda x, c: x[:, 0], lambda x, out, c: torch.addmv(x[:, 1], x, x[0], out=out)),
+    "bmm-resized-into-its-input": (lambda x, c: x.view(-1)[:2], lambda x, out, c: torch.bmm(
+        x.view(-1)[:4].view(1, 2, 2), x.view(-1)[4:8].view(1, 2, 2), out=out)),
+}
+
+
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+@pytest.mark.parametrize("name", sorted(_PRODUCTS_ALIASED))
+def test_a_product_into_an_aliased_out_behaves_as_on_the_cpu(name):
+    make_out, call = _PRODUCTS_ALIASED[name]
+    x = _values(F32)
+
+    def run(c):
+        xc = c(x.clone())
+        out = make_out(xc, c)
+        return out, call(xc, out, c)
+    _assert_like_cpu(run)
+
+
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+@pytest.mark.parametrize("name", sorted(DERIVED))
+def test_derived_an_out_on_another_neuron_device_is_refused(name):
+    if torch.neuron.device_count() < 2:
+        pytest.skip("one neuron device")
+    call = CASES[name][0]
+    out = torch.full(CASES[name][1], 7.0, device="neuron:1")
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        call(to_n(_values(F32)), out, to_n)
+    assert torch.equal(out.cpu(), torch.full(CASES[name][1], 7.0))

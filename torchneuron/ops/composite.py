@@ -18,7 +18,7 @@ from torch._prims_common import canonicalize_dim
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import (aten, DEVICE_DTYPES, FLOATS, meta_twin, on_one_device, overload, raise_like_cpu,
-                                  type_name, resize_out, Unsupported, variants)
+                                  type_name, Unsupported, variants)
 from torchneuron.ops.matmul import add_scaled, MATMUL_DTYPES, mm_into
 from torchneuron.ops.nn import reduce_loss
 from torchneuron.ops.pointwise import register_pointwise, unary
@@ -49,32 +49,36 @@ _dot_lowering("vdot")   # real inputs: no conjugation
 
 def _addmv_lowering(name: str) -> None:
     inplace = name == "addmv_"
-    packet = aten.addmv
-    op = packet.out if name == "addmv.out" else getattr(aten, "addmv_").default if inplace else packet.default
+    op = aten.addmv_.default if inplace else aten.addmv.default
 
     def kernel(self: torch.Tensor, mat: torch.Tensor, vec: torch.Tensor, *, beta: Any = 1, alpha: Any = 1,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """``beta * self + alpha * (mat @ vec)``: one matmul launch and one element-wise launch."""
-        kw = {"beta": beta, "alpha": alpha, **({"out": out} if out is not None else {})}
-        if not on_one_device(self, mat, vec, out):
+               into: torch.Tensor | None = None) -> torch.Tensor:
+        """``beta * self + alpha * (mat @ vec)``: one matmul launch and one element-wise launch (the sum written into
+        ``into``, ``register_out``'s destination, when given)."""
+        if not on_one_device(self, mat, vec):
             raise Unsupported("operands on more than one device")
         ok = (mat.dim() == 2 and vec.dim() == 1 and mat.shape[1] == vec.shape[0] and self.dim() <= 1
               and self.shape in ((), (1,), (mat.shape[0],)) and mat.dtype == vec.dtype == self.dtype
               and (not inplace or self.shape == (mat.shape[0],)))
         if not ok:
-            raise_like_cpu(op, self, mat, vec, **{k: v for k, v in kw.items() if k != "out"})
-        if mat.dtype not in MATMUL_DTYPES or (out is not None and out.dtype != mat.dtype):
-            raise Unsupported("a dtype the matmul lacks, or an out= of another dtype")
+            raise_like_cpu(op, self, mat, vec, beta=beta, alpha=alpha)
+        if mat.dtype not in MATMUL_DTYPES:
+            raise Unsupported("a dtype the matmul lacks")
         prod = mm_into(mat, vec.reshape(-1, 1), None).reshape(mat.shape[0])
         if inplace:
             return self.copy_(add_scaled(prod, self, beta, alpha, None))
-        if out is not None and tuple(out.shape) != (mat.shape[0],):
-            resize_out(out, (mat.shape[0],))
-        return add_scaled(prod, self, beta, alpha, out)
+        res = add_scaled(prod, self, beta, alpha, into)
+        return res if into is None else into
+    kernel.__name__ = kernel.__qualname__ = name
     lowering(name)(kernel)
+    if not inplace:
+        # the CPU's structured kernel refuses an out= unlike the matrix ("Expected out tensor to have dtype ...");
+        # a contiguous out= of the result's shape and dtype takes the sum directly
+        register_out("addmv.out", kernel, cast=refuse_other_out_dtypes("addmv.out", lambda self, mat, *a, **k: mat.dtype),
+                     into=lambda self, mat, vec, **k: ((mat.shape[0],), mat.dtype) if mat.dim() == 2 else None)
 
 
-for _name in ("addmv", "addmv_", "addmv.out"):
+for _name in ("addmv", "addmv_"):
     _addmv_lowering(_name)
 
 

@@ -10,7 +10,8 @@ included: the kernel sums its K chunks in fp32 itself. ``bmm`` is one launch of 
 ``addmm`` with a bias row (``linear``: beta = alpha = 1) adds it inside the matmul launch, at the
 PSUM eviction; an input of the result's shape (any alpha, beta != 0) is summed at the product's store by
 ``addmm_kernel``, in the same launch; otherwise ``addmm``/``baddbmm`` add ``beta * input`` with one element-wise launch. fp32, bf16 and fp16 run on the device (fp32 PSUM
-accumulation); other dtypes take the CPU fallback.
+accumulation); other dtypes take the CPU fallback. The ``out=`` forms are derived by ``register_out``: a contiguous
+``out=`` of the result's shape and dtype is handed to the kernel as its destination (``into=``), saving the copy.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import FLOATS, on_one_device, type_name, Unsupported
 from torchneuron.ops.elementwise import dense, KIND, run_pointwise
 from torchneuron.ops.kernel_call import call_kernel
-from torchneuron.ops.registry import lowering
+from torchneuron.ops.registry import LOWERED, lowering, refuse_other_out_dtypes, register_out
 
 MATMUL_DTYPES = FLOATS
 
@@ -53,7 +54,7 @@ def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None,
     if out is not None and not direct:
         out.copy_(res)
         return out
-    return res
+    return out if direct else res
 
 
 def _check_mm(a: torch.Tensor, b: torch.Tensor, name: str = "mm") -> None:
@@ -80,15 +81,34 @@ def _on_device(*ts: torch.Tensor) -> bool:
     return on_one_device(*ts) and all(t.dtype in MATMUL_DTYPES for t in ts)
 
 
-@lowering("mm", "mm.out")
-def mm(self: torch.Tensor, mat2: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``self @ mat2`` for matrices."""
-    if not _on_device(self, mat2) or (out is not None and not _on_device(self, out)):
-        raise Unsupported("operands (and out=) are not matmul dtypes on one neuron device")
+@lowering("mm")
+def mm(self: torch.Tensor, mat2: torch.Tensor, *, into: torch.Tensor | None = None) -> torch.Tensor:
+    """``self @ mat2`` for matrices (written into ``into``, ``register_out``'s destination, when given)."""
+    if not _on_device(self, mat2):
+        raise Unsupported("operands are not matmul dtypes on one neuron device")
     _check_mm(self, mat2)
-    if out is not None and tuple(out.shape) != (self.shape[0], mat2.shape[1]):
-        torch._refs._maybe_resize_out(out, (self.shape[0], mat2.shape[1]))
-    return mm_into(self, mat2, out)
+    return mm_into(self, mat2, into)
+
+
+def _result_of(batched: bool, first: int):
+    """``register_out``'s ``into=`` for a product of the operands ``first`` and ``first + 1`` (their dtype): the
+    result's (shape, dtype), or None for operands of the wrong rank (the kernel's checks raise)."""
+    def meta(*args: Any, **kwargs: Any) -> tuple | None:
+        a, b = args[first], args[first + 1]
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != 2 + batched or \
+                b.dim() != 2 + batched:
+            return None
+        return ((a.shape[0], a.shape[1], b.shape[2]) if batched else (a.shape[0], b.shape[-1])), a.dtype
+    return meta
+
+
+def _dtype_of(i: int):
+    """The result dtype of a product: its operand ``i``'s."""
+    return lambda *args, **kwargs: args[i].dtype
+
+
+# the CPU's structured kernels refuse an out= unlike the operands ("Expected out tensor to have dtype ...")
+register_out("mm.out", mm, cast=refuse_other_out_dtypes("mm.out", _dtype_of(0)), into=_result_of(False, 0))
 
 
 def _check_bmm(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -103,26 +123,23 @@ def _check_bmm(a: torch.Tensor, b: torch.Tensor) -> None:
         raise RuntimeError(f"expected scalar type {type_name(a.dtype)} but found {type_name(b.dtype)}")
 
 
-@lowering("bmm", "bmm.out")
-def bmm(self: torch.Tensor, mat2: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Batched ``self[i] @ mat2[i]``: one launch of the batched kernel."""
-    if not _on_device(self, mat2) or (out is not None and not _on_device(self, out)):
-        raise Unsupported("operands (and out=) are not matmul dtypes on one neuron device")
+@lowering("bmm")
+def bmm(self: torch.Tensor, mat2: torch.Tensor, *, into: torch.Tensor | None = None) -> torch.Tensor:
+    """Batched ``self[i] @ mat2[i]``: one launch of the batched kernel (written into ``into`` when given)."""
+    if not _on_device(self, mat2):
+        raise Unsupported("operands are not matmul dtypes on one neuron device")
     _check_bmm(self, mat2)
     shape = (self.shape[0], self.shape[1], mat2.shape[2])
-    if out is not None and tuple(out.shape) != shape:
-        torch._refs._maybe_resize_out(out, shape)
     if 0 in shape or self.shape[2] == 0:
         res = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        return res if out is None else out.copy_(res)
+        return res if into is None else into.copy_(res)
     (ka, ta), (kb, tb) = _batched_operand(self), _batched_operand(mat2)
-    direct = out is not None and out.is_contiguous()
-    (res,) = call_kernel(bmm_kernel, {"a": ka, "b": kb}, {"transpose_a": ta, "transpose_b": tb},
-                         [out if direct else None], op="aten::bmm")
-    if out is not None and not direct:
-        out.copy_(res)
-        return out
-    return res
+    (res,) = call_kernel(bmm_kernel, {"a": ka, "b": kb}, {"transpose_a": ta, "transpose_b": tb}, [into],
+                         op="aten::bmm")
+    return res if into is None else into
+
+
+register_out("bmm.out", bmm, cast=refuse_other_out_dtypes("bmm.out", _dtype_of(0)), into=_result_of(True, 0))
 
 
 def _batched_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -170,26 +187,20 @@ def _fused_sum_operands(inp, a, b, beta, shape: tuple, batched: bool) -> dict | 
 
 
 def _addmm(inp, a, b, beta, alpha, out, batched: bool):
+    """``beta * inp + alpha * (a @ b)``, written into ``out`` (the result's shape and dtype, contiguous) when given."""
     check = _check_bmm if batched else _check_mm
     check(a, b)
     shape = (a.shape[0], a.shape[1], b.shape[2]) if batched else (a.shape[0], b.shape[1])
     bias = None if batched else _bias_row(inp, a, b, beta, alpha)
-    if bias is None:
-        torch.broadcast_shapes(inp.shape, shape)   # (PyTorch's error for an input that does not broadcast)
-    else:
-        if out is not None and tuple(out.shape) != shape:
-            torch._refs._maybe_resize_out(out, shape)
+    if bias is not None:
         return mm_into(a, b, out, bias)
-    if out is not None and tuple(out.shape) != shape:
-        torch._refs._maybe_resize_out(out, shape)
+    torch.broadcast_shapes(inp.shape, shape)   # (PyTorch's error for an input that does not broadcast)
     fused = _fused_sum_operands(inp, a, b, beta, shape, batched)
-    if fused is not None and (out is None or out.dtype == a.dtype):
-        direct = out is not None and out.is_contiguous() and out.dtype == a.dtype
+    if fused is not None:
         meta = {"transpose_a": fused.pop("transpose_a"), "transpose_b": fused.pop("transpose_b"),
                 "alpha": float(alpha), "beta": float(beta)}
-        (res,) = call_kernel(addmm_kernel, fused, meta, [out if direct else None],
-                             op="aten::baddbmm" if batched else "aten::addmm")
-        return res if out is None or direct else out.copy_(res)
+        (res,) = call_kernel(addmm_kernel, fused, meta, [out], op="aten::baddbmm" if batched else "aten::addmm")
+        return res if out is None else out
     if out is None:
         out = torch.empty(shape, dtype=a.dtype, device=a.device)
     if a.dtype in (torch.bfloat16, torch.float16):
@@ -206,37 +217,53 @@ def _addmm(inp, a, b, beta, alpha, out, batched: bool):
 
 
 def _addmm_kernel(op_name: str, batched: bool):
+    inplace = op_name.endswith("_")
+
     def kernel(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        inplace = op_name.split(".")[0].endswith("_")
-        target = input if inplace else out
-        if not _on_device(input, mat1, mat2) or (target is not None and not _on_device(input, target)):
-            raise Unsupported("operands (and out=) are not matmul dtypes on one neuron device")
+               into: torch.Tensor | None = None) -> torch.Tensor:
+        if not _on_device(input, mat1, mat2):
+            raise Unsupported("operands are not matmul dtypes on one neuron device")
         if inplace:
-            res = _addmm(input, mat1, mat2, beta, alpha, None, batched)
-            return input.copy_(res)
-        return _addmm(input, mat1, mat2, beta, alpha, target, batched)
+            return input.copy_(_addmm(input, mat1, mat2, beta, alpha, None, batched))
+        res = _addmm(input, mat1, mat2, beta, alpha, into, batched)
+        return res if into is None else into
+    kernel.__name__ = kernel.__qualname__ = op_name
+    kernel.__doc__ = f"``{op_name}``: ``beta * input + alpha * (mat1 @ mat2)``."
     return kernel
 
 
-for _name, _batched in (("addmm", False), ("addmm.out", False), ("addmm_", False), ("baddbmm", True),
-                        ("baddbmm.out", True), ("baddbmm_", True)):
+for _name, _batched in (("addmm", False), ("addmm_", False), ("baddbmm", True), ("baddbmm_", True)):
     lowering(_name)(_addmm_kernel(_name, _batched))
+    if not _name.endswith("_"):
+        register_out(f"{_name}.out", LOWERED[_name], cast=refuse_other_out_dtypes(f"{_name}.out", _dtype_of(1)),
+                     into=_result_of(_batched, 1))
 
 
-@lowering("addbmm", "addbmm.out")
+@lowering("addbmm")
 def addbmm(input: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """``beta * input + alpha * sum_i batch1[i] @ batch2[i]``: one batched matmul, a sum over the batch."""
-    if not _on_device(input, batch1, batch2) or (out is not None and not _on_device(input, out)):
-        raise Unsupported("operands (and out=) are not matmul dtypes on one neuron device")
+           into: torch.Tensor | None = None) -> torch.Tensor:
+    """``beta * input + alpha * sum_i batch1[i] @ batch2[i]``: one batched matmul, a sum over the batch (written
+    into ``into`` when given)."""
+    if not _on_device(input, batch1, batch2):
+        raise Unsupported("operands are not matmul dtypes on one neuron device")
     _check_bmm(batch1, batch2)
     shape = (batch1.shape[1], batch2.shape[2])
     torch.broadcast_shapes(input.shape, shape)
     prod = bmm(batch1, batch2).sum(0) if batch1.shape[0] else torch.zeros(shape, dtype=input.dtype,
                                                                              device=input.device)
-    if out is None:
-        out = torch.empty(shape, dtype=input.dtype, device=input.device)
-    elif tuple(out.shape) != shape:
-        torch._refs._maybe_resize_out(out, shape)
-    return add_scaled(prod, input, beta, alpha, out)
+    out = into if into is not None else torch.empty(shape, dtype=input.dtype, device=input.device)
+    add_scaled(prod, input, beta, alpha, out)
+    return out
+
+
+def _addbmm_result(input: torch.Tensor, batch1: Any, batch2: Any, **kwargs: Any) -> tuple | None:
+    if not isinstance(batch1, torch.Tensor) or not isinstance(batch2, torch.Tensor) or batch1.dim() != 3 or \
+            batch2.dim() != 3:
+        return None
+    return (batch1.shape[1], batch2.shape[2]), input.dtype
+
+
+# (the CPU's addbmm refuses an out= unlike the batches with its addmm_'s "self and mat2 must have the same dtype",
+# and resizes a wrong-shaped out= quietly)
+register_out("addbmm.out", addbmm, warn_resize=False, cast=refuse_other_out_dtypes("addbmm.out", _dtype_of(1)),
+             into=_addbmm_result)
