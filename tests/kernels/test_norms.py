@@ -136,3 +136,16 @@ def test_forward_statistics_keep_a_large_mean_in_every_row_block():
     bound = (D * e * 1000.0 * ref_rstd + rel * (x.double() - ref_mean).abs() * ref_rstd) * w.double().abs() \
         + 8 * e * (ref_out.abs() + b.double().abs() + 1)
     assert ((out.double() - ref_out).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("N,D", [(1024, 64), (8192, 64), (300, 100), (128, 1024), (5, 64)])
+def test_row_blocks_leave_several_blocks_in_flight(N, D):
+    # the grouped norms' blocks: every row exactly once, G rows per partition within ROW_ELEMS, and at least
+    # PIPELINE_BLOCKS full blocks wherever N has rows for them (one block would serialize DMA and the engines)
+    from torchneuron.kernels._common import ROW_ELEMS, row_blocks
+    from torchneuron.kernels.norms import PIPELINE_BLOCKS
+    blocks, G = row_blocks(N, D, PIPELINE_BLOCKS)
+    rows = [r for r0, p, g in blocks for r in range(r0, r0 + p * g)]
+    assert rows == list(range(N)) and G * D <= max(D, ROW_ELEMS)
+    full = sum(1 for _, p, g in blocks if g == G and p == 128)
+    assert full >= min(PIPELINE_BLOCKS, N // 128)

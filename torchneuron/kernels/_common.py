@@ -97,10 +97,12 @@ def flat_blocks(n: int, fmax: int = 2048):
 ROW_ELEMS = 2048    # elements per partition of a grouped tile
 
 
-def row_blocks(N: int, D: int) -> tuple[list[tuple[int, int, int]], int]:
+def row_blocks(N: int, D: int, min_blocks: int = 1) -> tuple[list[tuple[int, int, int]], int]:
     """((first row, partitions, rows per partition) blocks covering N rows of D elements, G): [128, G]
-    blocks with G * D <= max(D, ROW_ELEMS), then the rows left over one per partition."""
-    G = max(1, min(ROW_ELEMS // D, N // PMAX))
+    blocks with G * D <= max(D, ROW_ELEMS), then the rows left over one per partition. ``min_blocks``: G
+    small enough that N rows make at least that many full blocks where they can (a kernel whose per-block
+    chain of dependent passes is long pipelines its blocks across DMA and the engines)."""
+    G = max(1, min(ROW_ELEMS // D, N // PMAX, N // (PMAX * min_blocks)))
     step = PMAX * G
     full = N - N % step
     blocks = [(r0, PMAX, G) for r0 in range(0, full, step)]

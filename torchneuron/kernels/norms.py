@@ -48,6 +48,7 @@ from torchneuron.kernels._common import (PMAX, PSUM_FP32, ROW_ELEMS, as_tensor, 
                                          load_grouped, row_blocks, spread, spread_row, tiles)
 
 NBUF = 3
+PIPELINE_BLOCKS = 4   # the grouped paths' chains of ~10 dependent passes: at least 4 row blocks in flight
 BN = 512   # nl.tile_size.bn_stats_fmax
 W = 2048   # columns per block of the multi-pass path (forward)
 WB = 1024  # ... backward (dw and db accumulate in 2 PSUM banks each)
@@ -243,7 +244,7 @@ def _grouped_stats(t, p, g, D, eps, rms):
 def _ln_fwd_grouped(x, weight, bias, out, eps, rms, stats):
     """Short rows (``grouped(D)``): G rows per partition, y = (x - mean) * rstd * w + b per [128, G, D] tile."""
     N, D = x.shape
-    blocks, G = row_blocks(N, D)
+    blocks, G = row_blocks(N, D, PIPELINE_BLOCKS)
     check_sbuf((2 + (NBUF + 1) * 3 * G) * D * 4 + 8 * G, f"layer_norm D={D}")
     w = _row(weight, D)
     b = None if rms else _row(bias, D)
@@ -430,7 +431,7 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved):
     """Short rows (``grouped(D)``): G rows per partition. dw/db column sums run on TensorE over the
     [p, G*D] tiles into a [1, G, D] accumulator, summed over G at the end."""
     N, D = x.shape
-    blocks, G = row_blocks(N, D)
+    blocks, G = row_blocks(N, D, PIPELINE_BLOCKS)
     check_sbuf(_bwd_grouped_bytes(D, G), f"layer_norm backward D={D}")
     w = _row(weight, D)
     ones = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
@@ -598,7 +599,7 @@ def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=No
     if not bwd_fits(D):
         _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved)
         return dx_out, dw_out, db_out
-    if grouped(D) and _bwd_grouped_bytes(D, row_blocks(N, D)[1]) <= nl.tile_size.sbuf_fmax_bytes:
+    if grouped(D) and _bwd_grouped_bytes(D, row_blocks(N, D, PIPELINE_BLOCKS)[1]) <= nl.tile_size.sbuf_fmax_bytes:
         _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved)
         return dx_out, dw_out, db_out
     check_sbuf((1 + (NBUF + 1) * 7) * D * 4 + 16 * D, f"layer_norm backward D={D}")
