@@ -216,19 +216,6 @@ _ALIASED = {
 }
 
 
-@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
-@pytest.mark.parametrize("name", sorted(_ALIASED))
-def test_an_out_aliasing_an_input_or_itself_behaves_as_on_the_cpu(name):
-    make_out, call = _ALIASED[name]
-    x = _values(F32)
-
-    def run(c):
-        xc = c(x.clone())
-        out = make_out(xc, c)
-        return out, call(xc, out, c)
-    _assert_like_cpu(run)
-
-
 def test_cat_casts_each_input_into_out_directly_as_the_cpu_does(strict):
     # an int32 beside a float16 input promotes to float16, where 2049 rounds: the CPU casts each input straight into
     # a float32 out=, so 2049 stays (a cast of the float16 result would give 2048)
@@ -339,17 +326,6 @@ _DERIVED_ALIASED = {
 }
 
 
-@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
-@pytest.mark.parametrize("name", sorted(_DERIVED_ALIASED))
-def test_derived_an_out_aliasing_an_input_or_itself_behaves_as_on_the_cpu(name):
-    make_out, call = _DERIVED_ALIASED[name]
-    x = _values(F32)
-
-    def run(c):
-        xc = c(x.clone())
-        out = make_out(xc, c)
-        return out, call(xc, out, c)
-    _assert_like_cpu(run)
 
 
 @pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
@@ -398,17 +374,6 @@ _PRODUCTS_ALIASED = {
 }
 
 
-@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
-@pytest.mark.parametrize("name", sorted(_PRODUCTS_ALIASED))
-def test_a_product_into_an_aliased_out_behaves_as_on_the_cpu(name):
-    make_out, call = _PRODUCTS_ALIASED[name]
-    x = _values(F32)
-
-    def run(c):
-        xc = c(x.clone())
-        out = make_out(xc, c)
-        return out, call(xc, out, c)
-    _assert_like_cpu(run)
 
 
 @pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
@@ -421,3 +386,21 @@ def test_derived_an_out_on_another_neuron_device_is_refused(name):
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         call(to_n(_values(F32)), out, to_n)
     assert torch.equal(out.cpu(), torch.full(CASES[name][1], 7.0))
+
+
+# every aliasing case: the ops with their own out= handling, those derived by register_out, the products
+_ALL_ALIASED = {**_ALIASED, **_DERIVED_ALIASED, **_PRODUCTS_ALIASED}
+assert len(_ALL_ALIASED) == len(_ALIASED) + len(_DERIVED_ALIASED) + len(_PRODUCTS_ALIASED)
+
+
+@pytest.mark.filterwarnings("ignore:The operator .* has no neuron kernel")
+@pytest.mark.parametrize("name", sorted(_ALL_ALIASED))
+def test_an_out_aliasing_an_input_or_itself_behaves_as_on_the_cpu(name):
+    make_out, call = _ALL_ALIASED[name]
+    x = _values(F32)
+
+    def run(c):
+        xc = c(x.clone())
+        out = make_out(xc, c)
+        return out, call(xc, out, c)
+    _assert_like_cpu(run)

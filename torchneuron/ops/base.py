@@ -131,11 +131,13 @@ def meta_run(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     return op(*meta_twin(args), **{k: meta_twin(v) for k, v in kwargs.items()})
 
 
-def _zeros_twin(x: Any) -> Any:
+def zeros_twin(x: Any) -> Any:
+    """CPU zeros standing for tensors (of their shapes and dtypes; lists and tuples mapped, other values kept):
+    what a CPU kernel is run on to meet its argument checks."""
     if isinstance(x, torch.Tensor):
         return torch.zeros(x.shape, dtype=x.dtype)
     if isinstance(x, (list, tuple)):
-        return type(x)(_zeros_twin(v) for v in x)
+        return type(x)(zeros_twin(v) for v in x)
     return x
 
 
@@ -156,7 +158,7 @@ def raise_like_cpu(op: torch._ops.OpOverload, *args: Any, with_data: bool = Fals
     if with_data:
         op(*_cpu_twin(args), **{k: _cpu_twin(v) for k, v in kwargs.items() if k != "out"})
         raise IndexError("index out of range")
-    op(*_zeros_twin(args), **{k: _zeros_twin(v) for k, v in kwargs.items()})
+    op(*zeros_twin(args), **{k: zeros_twin(v) for k, v in kwargs.items()})
     raise RuntimeError(f"{op}: arguments the device cannot run")
 
 

@@ -22,7 +22,7 @@ import torch
 from torch._prims_common import canonicalize_dim
 
 from torchneuron import _C
-from torchneuron.ops.base import overload, resize_out, Unsupported
+from torchneuron.ops.base import overload, resize_out, Unsupported, zeros_twin
 from torchneuron.ops.elementwise import aliases_itself, can_copy, share_bytes, write_result
 
 __all__ = ["COMPLEX_LOWERED", "LOWERED", "Unsupported", "complex_lowering", "cpu_fallback", "lowering",
@@ -175,15 +175,6 @@ def out_dtype_error(expected: torch.dtype, got: torch.dtype) -> RuntimeError:
                         f"{_CPP_NAMES.get(got, str(got))} instead")
 
 
-def _cpu_zeros(v: Any) -> Any:
-    """CPU zeros standing for tensors (of their shapes and dtypes; lists and tuples mapped)."""
-    if isinstance(v, torch.Tensor):
-        return torch.zeros(v.shape, dtype=v.dtype)
-    if isinstance(v, (list, tuple)):
-        return type(v)(_cpu_zeros(x) for x in v)
-    return v
-
-
 def refuse_other_out_dtypes(name: str, result_dtype: Callable[..., torch.dtype]) -> Callable[..., None]:
     """A ``cast=`` hook for the ``out=`` overload ``name`` of an op whose CPU kernel refuses an ``out=`` tensor of
     another dtype than its result (``result_dtype(*args, **kwargs)``): for such a tensor the CPU kernel is run on
@@ -197,7 +188,7 @@ def refuse_other_out_dtypes(name: str, result_dtype: Callable[..., torch.dtype])
         expected = result_dtype(*args, **kwargs)
         if all(o.dtype == expected for o in outs):
             return
-        op(*_cpu_zeros(args), **_cpu_zeros(kwargs),
+        op(*zeros_twin(args), **zeros_twin(kwargs),
            **{n: torch.empty(0, dtype=o.dtype) for n, o in zip(out_names, outs)})
         raise Unsupported("an out= tensor of another dtype the CPU kernel accepts")
     return check
