@@ -39,3 +39,14 @@ def test_consecutive_tiles_compute_on_vector_and_gpsimd():
     alu = [i.engine.value for i in rep.program.instructions if i.opcode in ("tensor_tensor", "tensor_scalar")]
     assert alu.count("vector") == alu.count("gpsimd") == len(alu) // 2
     assert rep.engine_busy_ns["gpsimd"] > 0 and rep.engine_busy_ns["vector"] < rep.device_time_ns
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,C", [(16, 4096), (5, 3000), (1, 640), (100, 130), (127, 65)])
+def test_few_long_rows_with_a_broadcast_row(R, C, dtype):
+    # fewer rows than partitions: each row's column blocks spread over partitions, the broadcast row repeated
+    # into each row's partitions (and a scalar beside them)
+    g = torch.Generator().manual_seed(R * C)
+    a, b = torch.randn(R, C, generator=g).to(dtype), torch.randn(C, generator=g).to(dtype)
+    out = elementwise(lambda x, y, z: x * y + z, a, b, torch.tensor(0.5).to(dtype))
+    close(out, a.float() * b.float() + 0.5, dtype)

@@ -117,31 +117,50 @@ def _body(ins, fn, out_dtype, compute=nl.float32):
              "row" if t.shape[0] == 1 else "col" for t in ins]
     assert all(k == "full" or tuple(t.shape) in ((1, C), (R, 1), (1, 1)) for k, t in zip(kinds, ins)), \
         f"elementwise: inputs {[tuple(t.shape) for t in ins]} are not (R, C), (1, C), (R, 1) or (1, 1)"
+    results_2d = outs
+    k = _column_fold(R, C, kinds)
+    if k > 1:   # few long rows: each row's k column blocks on k partitions ([R, C] as [R*k, C/k])
+        ins = [t.reshape((R * k, C // k)) if kd == "full" else t for t, kd in zip(ins, kinds)]
+        outs = tuple(o.reshape((R * k, C // k)) for o in outs)
+        R, C = R * k, C // k
     f = min(F, C)
     for c0 in range(0, C, f):
         fw = min(f, C - c0)
         pre = {}
-        for i, (k, t) in enumerate(zip(kinds, ins)):         # broadcast operands: loaded once per column block
-            if k == "row":
+        for i, (kd, t) in enumerate(zip(kinds, ins)):        # broadcast operands: loaded once per column block
+            if kd == "row" and k > 1:   # folded: row r's partitions r*k .. hold the row's k column blocks
+                pre[i] = nl.ndarray((PMAX, fw), compute, buffer=nl.sbuf)
+                blocks = t.reshape((k, C))[:, c0:c0 + fw]
+                for r in range(R // k):
+                    nisa.dma_copy(dst=pre[i][r * k:(r + 1) * k, :], src=blocks)
+            elif kd == "row":
                 pre[i] = nl.ndarray((PMAX, fw), compute, buffer=nl.sbuf)
                 nisa.dma_copy(dst=pre[i], src=t[0:1, c0:c0 + fw].broadcast_to((PMAX, fw)))
-            elif k == "scalar":
+            elif kd == "scalar":
                 pre[i] = nl.ndarray((PMAX, 1), compute, buffer=nl.sbuf)
                 nisa.dma_copy(dst=pre[i], src=t.broadcast_to((PMAX, 1)))
         for r0 in range(0, R, PMAX):
             p = min(PMAX, R - r0)
             tiles = []
-            for i, (k, t) in enumerate(zip(kinds, ins)):
+            for i, (kd, t) in enumerate(zip(kinds, ins)):
                 if i in pre:
                     tiles.append(pre[i][:p, :])
                     continue
-                x = nl.ndarray((PMAX, fw if k == "full" else 1), compute, buffer=nl.sbuf)
-                src = t[r0:r0 + p, c0:c0 + fw] if k == "full" else t[r0:r0 + p, 0:1]
+                x = nl.ndarray((PMAX, fw if kd == "full" else 1), compute, buffer=nl.sbuf)
+                src = t[r0:r0 + p, c0:c0 + fw] if kd == "full" else t[r0:r0 + p, 0:1]
                 nisa.dma_copy(dst=x[:p, :], src=src)
                 tiles.append(x[:p, :])
             for out, y in zip(outs, results(tiles, p, fw)):
                 nisa.dma_copy(dst=out[r0:r0 + p, c0:c0 + fw], src=y)
-    return outs if multi else outs[0]
+    return results_2d if multi else results_2d[0]
+
+
+def _column_fold(R: int, C: int, kinds: list) -> int:
+    """k > 1 when [R, C] operands with R < 128 rows go better as [R * k, C / k] (the most partitions, blocks
+    of at least 64 elements): full operands and rows only (a column would repeat over k partitions)."""
+    if R >= PMAX or "col" in kinds:
+        return 1
+    return max((k for k in range(1, PMAX // R + 1) if C % k == 0 and C // k >= 64), default=1)
 
 
 def _widen(y, p: int, f: int, compute):
