@@ -157,3 +157,25 @@ def test_memory_plan_reuses_intermediates_and_reports_the_peak():
     before = torch.neuron.memory_stats()["allocation.all.allocated"]
     torch.compile(fn, backend="neuron")(x.to("neuron"))       # the arena is a device allocation per call
     assert torch.neuron.memory_stats()["allocation.all.allocated"] > before
+
+
+def test_fused_groups_share_their_constant_columns(tmp_path, monkeypatch):
+    """A constant column is set once per program however many fused groups use it (an optimizer step's groups
+    share their betas and learning rate), and -0.0 stays apart from 0.0."""
+    monkeypatch.setenv("TORCHNEURON_DUMP_DIR", str(tmp_path))
+
+    def fn(a, w):      # a group before the first product, one epilogue of each product: three uses of 0.375
+        return ((((a * 0.375) @ w) * 0.375) @ w) * 0.375
+    a, w = torch.randn(128, 128), torch.randn(128, 128)
+    got = torch.compile(fn, backend="neuron")(a.to("neuron"), w.to("neuron"))
+    torch.testing.assert_close(got.cpu(), fn(a, w), rtol=1e-4, atol=1e-4)
+    rep = reports()[-1]
+    assert "with epilogue" in (tmp_path / rep.name / "fusion.txt").read_text()
+    listing = (tmp_path / rep.name / "program_s0.txt").read_text().splitlines()
+    assert sum("memset" in ln for ln in listing) == 1
+
+    def zeros(x):
+        return x * -0.0, x * 0.0
+    x = torch.rand(64, 32) + 0.5
+    for g, want in zip(torch.compile(zeros, backend="neuron")(x.to("neuron")), zeros(x)):
+        assert torch.equal(g.cpu(), want) and torch.equal(torch.signbit(g.cpu()), torch.signbit(want))

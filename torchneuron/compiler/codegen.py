@@ -117,6 +117,9 @@ class _Body:
         self.roles = plan.roles
         self.folded = {n for _, _, chain, _ in seg.epilogues.values() for n in chain}
         self.checks: list[tuple[Any, str, str]] = []   # (count buffer, exception name, message)
+        # the [p, 1] constant columns of the fused groups' tile math, each set once for the whole program (an
+        # optimizer step's groups share their betas, learning rate and eps)
+        self.consts: dict = {}
 
     def check(self, count: Any, error: str, message: str) -> None:
         """A lowering's device-side assertion: raise ``error(message)`` after the launch if ``count`` (an HBM
@@ -230,11 +233,11 @@ class _Body:
     def _group_fn(self, g: FusionGroup, operands: list[fx.Node]):
         """The group's tile function: tiles of ``operands`` (in that order) in, a tuple of its outputs' tiles out."""
         compute = nl.float32 if g.kind == "float" else nl.int32
-        consts: dict = {}
+        consts = self.consts
 
         def const(value: Any, like):
             p = like.shape[0]
-            key = (value, p)
+            key = (str(compute), p, type(value), repr(value))   # (repr: -0.0 is not 0.0)
             if key not in consts:
                 col = nl.ndarray((p, 1), compute, buffer=nl.sbuf)
                 nisa.memset(dst=col, value=value)
