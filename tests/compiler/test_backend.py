@@ -11,9 +11,11 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import torchneuron
 from torchneuron.compiler import cache_stats, clear_cache, reports
+from torchneuron.runtime import profiler
 
 
 def _run(code: str, env: dict) -> str:
@@ -179,3 +181,56 @@ def test_fused_groups_share_their_constant_columns(tmp_path, monkeypatch):
     x = torch.rand(64, 32) + 0.5
     for g, want in zip(torch.compile(zeros, backend="neuron")(x.to("neuron")), zeros(x)):
         assert torch.equal(g.cpu(), want) and torch.equal(torch.signbit(g.cpu()), torch.signbit(want))
+
+
+def _logits_and_loss(x, w, y):
+    logits = torch.tanh(x @ w)
+    return logits, F.cross_entropy(logits, y)
+
+
+def _grads(x, w, y, device, backward):
+    """x and w's gradients after ``backward(logits, loss)`` on ``device`` (compiled there on neuron), and the
+    launches that backward made."""
+    xd, wd = (t.to(device).requires_grad_() for t in (x, w))
+    fn = torch.compile(_logits_and_loss, backend="neuron") if device == "neuron" else _logits_and_loss
+    logits, loss = fn(xd, wd, y.to(device))
+    with profiler.record() as records:
+        backward(logits, loss)
+    return xd.grad.cpu(), wd.grad.cpu(), records
+
+
+@pytest.mark.parametrize("use", ["loss only", "logits too", "given gradient"])
+def test_an_unused_output_gets_no_zero_gradient(use):
+    """The logits nothing used: autograd fills no zeros for them and the backward adds none (a variant of the
+    backward graph without their tangent, and no zeros kernel); when the logits do get a gradient (a loss on
+    them too, or one given), the full backward runs. Gradients equal the CPU's either way."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, y = torch.randn(48, 32, generator=gen), torch.randn(32, 20, generator=gen), torch.randint(0, 20, (48,))
+    g = torch.randn(48, 20, generator=gen)
+    backward = {"loss only": lambda logits, loss: loss.backward(),
+                "logits too": lambda logits, loss: (loss + logits.square().mean()).backward(),
+                "given gradient": lambda logits, loss: torch.autograd.backward(
+                    [loss, logits], [torch.ones((), device=loss.device), g.to(logits.device)])}[use]
+    *got, records = _grads(x, w, y, "neuron", backward)
+    *want, _ = _grads(x, w, y, "cpu", backward)
+    for a, b in zip(got, want):   # fp32 products of 32 terms and one softmax: a few ulp of their magnitudes
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    programs = [r.op for r in records if r.op.startswith("compiled::")]
+    assert len(programs) == 1 and ("_zero" in programs[0]) == (use == "loss only")
+    if use == "loss only":   # the loss's seed of ones, then the backward program: no zeros for the logits
+        assert len(records) == 2
+
+
+def test_an_unused_output_whose_gradient_is_not_only_added_gets_zeros():
+    """A zero tangent read by more than an add (here a product): the backward gets the zeros autograd would have
+    made, and its gradients equal the CPU's; with both outputs used, the same."""
+    def fn(t):
+        return torch.sin(t), t * 3
+    x = torch.randn(40, 24)
+    for both in (False, True):
+        xn, xc = x.to("neuron").requires_grad_(), x.clone().requires_grad_()
+        (a, b), (ac, bc) = torch.compile(fn, backend="neuron")(xn), fn(xc)
+        (a.sum() + b.sum() if both else a.sum()).backward()
+        (ac.sum() + bc.sum() if both else ac.sum()).backward()
+        torch.testing.assert_close(xn.grad.cpu(), xc.grad, rtol=1e-6, atol=1e-6)
+        torch._dynamo.reset()

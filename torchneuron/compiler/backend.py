@@ -14,6 +14,7 @@ for this device.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.util
 import itertools
@@ -80,9 +81,40 @@ def _aot(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     from torch._dynamo.backends.common import aot_autograd
 
     from torchneuron.compiler.decompositions import decomposition_table
-    return aot_autograd(fw_compiler=compile_graph("forward"), bw_compiler=compile_graph("backward"),
-                        inference_compiler=compile_graph("inference"), decompositions=decomposition_table(),
-                        keep_inference_input_mutations=True)(gm, example_inputs)
+    with _gradients_left_undefined():
+        return aot_autograd(fw_compiler=compile_graph("forward"), bw_compiler=compile_graph("backward"),
+                            inference_compiler=compile_graph("inference"), decompositions=decomposition_table(),
+                            keep_inference_input_mutations=True)(gm, example_inputs)
+
+
+@contextlib.contextmanager
+def _gradients_left_undefined():
+    """While AOTAutograd builds this backend's autograd function: its forward tells autograd not to fill the
+    gradient of an output nothing used with zeros (``ctx.set_materialize_grads(False)``).
+
+    The backward then gets ``None`` for it and runs without it (``graph_runner``): no zeros kernel, and no
+    add of zeros to the other gradients (the demo's unused logits: ~20 us of its backward's critical path).
+    AOTAutograd passes ``None`` tangents through to the compiled backward. Without the hook (another
+    PyTorch's internals) autograd materializes the zeros, which is only slower."""
+    try:
+        from torch._functorch._aot_autograd import runtime_wrappers
+        make_forward = runtime_wrappers._codegen_compiled_forward
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def make_forward_without_zero_gradients(*args: Any, **kwargs: Any) -> Callable:
+        forward = make_forward(*args, **kwargs)
+
+        def forward_without_zero_gradients(ctx: Any, *rest: Any) -> Any:
+            ctx.set_materialize_grads(False)
+            return forward(ctx, *rest)
+        return forward_without_zero_gradients
+    runtime_wrappers._codegen_compiled_forward = make_forward_without_zero_gradients
+    try:
+        yield
+    finally:
+        runtime_wrappers._codegen_compiled_forward = make_forward
 
 
 def _on_neuron(inputs: Any) -> bool:

@@ -11,6 +11,11 @@
 Views are applied to host tensors on demand (``torch`` views: the strides eager would give).
 A segment whose lowering meets a case it cannot emit (``NotLowerable``) runs as eager ops for
 that signature, with a one-time warning; the report counts it.
+
+A backward graph may get ``None`` for a tangent: the gradient of an output nothing used, which
+autograd is asked not to fill with zeros (``backend.py``). Such a call runs a variant of the graph in
+which the tangent is known to be zero: its ``add``s drop out (``x + 0`` is ``x``, as eager's autograd
+never adds it). A variant whose zero tangent has other uses gets the zeros after all.
 """
 from __future__ import annotations
 
@@ -46,10 +51,15 @@ class CompiledGraph:
         self.programs: dict[tuple, SegmentProgram | str] = {}
         self.report = GraphReport.of(name, self.plan, time.perf_counter() - t0)
         self.fingerprints = [cache.segment_fingerprint(self.plan, s) for s in self.plan.segments]
+        self.zero_variants: dict[tuple[int, ...], CompiledGraph | None] = {}
         dump_graph(self)
 
     def __call__(self, args: list) -> list:
         """Run the graph on ``args`` (cleared, as the boxed convention asks); return its outputs."""
+        absent = tuple(i for i, (a, p) in enumerate(zip(args, self.placeholders))
+                       if a is None and p.users and isinstance(p.meta.get("val"), torch.Tensor))
+        if absent:
+            return self._with_zero_inputs(absent, args)
         env: dict[fx.Node, Any] = dict(zip(self.placeholders, args))
         args.clear()
         for step in self.plan.steps:
@@ -59,6 +69,21 @@ class CompiledGraph:
                 env[step] = self._run_eager(step, env)
         out = fx.node.map_arg(self.output_node.args[0], lambda n: self._host(n, env))
         return list(out)
+
+    def _with_zero_inputs(self, absent: tuple[int, ...], args: list) -> list:
+        """A call whose tensor inputs ``absent`` are ``None`` (undefined gradients: zeros)."""
+        if absent not in self.zero_variants:
+            gm = without_zero_inputs(self.gm, [self.placeholders[i] for i in absent])
+            self.zero_variants[absent] = None if gm is None else CompiledGraph(
+                gm, f"{self.name}_zero{'_'.join(map(str, absent))}")
+        variant = self.zero_variants[absent]
+        if variant is not None:
+            return variant(args)
+        device = next(a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "neuron")
+        for i in absent:   # the zeros autograd would have made
+            val = self.placeholders[i].meta["val"]
+            args[i] = torch.zeros(val.shape, dtype=val.dtype, device=device)
+        return self(args)
 
     def _run_eager(self, node: fx.Node, env: dict) -> Any:
         """One fx node run on host values: an ATen op (or getitem), a method call, or a graph attribute."""
@@ -148,6 +173,39 @@ class CompiledGraph:
     def _eager(self, seg: Segment, env: dict) -> None:
         for node in seg.nodes:
             env[node] = self._run_eager(node, env)
+
+
+def without_zero_inputs(gm: fx.GraphModule, zeros: list[fx.Node]) -> fx.GraphModule | None:
+    """A copy of ``gm`` in which the placeholders ``zeros`` are known to be zero and no node reads them:
+    each ``add(x, zero)`` is ``x`` (when it has ``x``'s dtype, shape and strides). ``None`` if another
+    use remains (a product, a view, an output)."""
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, copies))
+    for zero in (copies[z] for z in zeros):
+        for use in list(zero.users):
+            other = _added_to_zero(use, zero)
+            if other is None:
+                return None
+            use.replace_all_uses_with(other)
+            graph.erase_node(use)
+    graph.lint()
+    return fx.GraphModule(gm, graph)
+
+
+def _added_to_zero(node: fx.Node, zero: fx.Node) -> fx.Node | None:
+    """``x`` if ``node`` is ``x + zero`` (or ``zero + x``) and equals ``x`` exactly: same dtype, shape and
+    strides (no promotion or broadcast), ``alpha`` only on the zero."""
+    if node.target is not torch.ops.aten.add.Tensor or len(node.args) != 2 or node.args.count(zero) != 1:
+        return None
+    other = node.args[1] if node.args[0] is zero else node.args[0]
+    if not isinstance(other, fx.Node) or ("alpha" in node.kwargs and node.args[0] is zero):
+        return None
+    out, val = node.meta.get("val"), other.meta.get("val")
+    if not (isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor)):
+        return None
+    same = (out.dtype, out.shape, out.stride(), out.device) == (val.dtype, val.shape, val.stride(), val.device)
+    return other if same else None
 
 
 def _scalar_to_device(v: torch.Tensor, device: torch.device) -> torch.Tensor:
