@@ -32,6 +32,9 @@ CASES = [  # B, H, L, S, E, Ev, causal: G heads per group
     (1, 6, 128, 128, 32, 32, True),    # whole tiles: 4 would not divide H = 6, so groups of 3
     (1, 5, 40, 40, 16, 16, False),     # 5 heads, P^T chunks of 3: a ragged last chunk
     (3, 1, 50, 30, 8, 24, True),       # L > S: later queries see every key; G = 3 batch elements of 1 head
+    (4, 4, 64, 64, 16, 16, True),      # two groups of 8 stacked on the partitions (queries 0-63 and 64-127)
+    (6, 4, 64, 64, 16, 16, False),     # three groups: two stacked, then one alone
+    (3, 8, 32, 32, 16, 16, True),      # queries of 32: up to four groups stacked, here three
 ]
 
 
@@ -139,21 +142,29 @@ def test_packing_takes_fewer_instructions_and_less_time_than_flash():
         assert p.schedule(SPEC).device_time_ns < f.schedule(SPEC).device_time_ns
 
 
-@pytest.mark.parametrize("chip,rows", [("trn1", 64), ("trn2", 32)])
-def test_head_matmuls_use_row_tiles_only_of_their_own_partitions(chip, rows):
+@pytest.mark.parametrize("chip,rows,stacked", [("trn1", 64, False), ("trn2", 32, True)])
+def test_head_matmuls_use_row_tiles_only_of_their_own_partitions(chip, rows, stacked):
     """A tiled matmul claims the PE rows its contraction's partitions feed (the smallest tile of the chip
-    holding them), so heads on different rows may overlap and heads on the same rows never claim to; the
-    heads contracting over the queries (dV, dK: all on the same rows) keep the whole array."""
+    holding them), so heads on different rows may overlap and heads on the same rows never claim to; with two
+    groups of 64 queries stacked on the partitions (NeuronCore-v3) a product also claims only the PE columns
+    of the PSUM partitions it writes, and the backward's dV and dK of the two groups (each group's heads on
+    its own 64 query rows) take row tiles too. Unstacked, those keep the whole array."""
     spec = chip_spec(chip)
     q, lse = torch.zeros(16, 4, 64, 16), torch.zeros(16, 4, 64)
     progs = [packed_attention_fwd.trace((), dict(q=q, k=q, v=q, causal=True), spec).program,
              packed_attention_bwd.trace((), dict(q=q, k=q, v=q, o=q, do=q, lse=lse, causal=True), spec).program]
-    for prog, plain_products in zip(progs, (0, 2 * 64)):   # the backward's dV and dK: one per head each
+    for prog, plain_products in zip(progs, (0, 0 if stacked else 2 * 64)):   # dV and dK: one per head each
         tiled = [i for i in prog.instructions if i.opcode == "nc_matmul_tiled"]
         assert tiled and sum(i.opcode == "nc_matmul" for i in prog.instructions) == plain_products
+        column_tiles = set()   # the PSUM halves written by column-tiled products
         for ins in tiled:
             (r0, c0), (nr, nc) = ins.tile_position, ins.tile_size
             p0 = ins.stationary.start_partition
             p1 = p0 + ins.stationary.partitions
-            assert ins.moving.start_partition == p0 and (c0, nc) == (0, 128) and r0 <= p0 and p1 <= r0 + nr
-            assert nr == min(s for s in (rows, 64) if p0 // s == (p1 - 1) // s)
+            d0 = ins.dst.start_partition
+            assert ins.moving.start_partition == p0 and r0 <= p0 and p1 <= r0 + nr
+            assert nr == min(s for s in (rows, 64, 128) if p0 // s == (p1 - 1) // s)
+            assert (c0, nc) == ((d0, ins.dst.partitions) if nc < 128 else (0, 128))
+            if nc < 128:
+                column_tiles.add(d0 // 64)
+        assert column_tiles == ({0, 1} if stacked else set())

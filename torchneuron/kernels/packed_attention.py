@@ -10,12 +10,16 @@ partition's elements). Here a group of G heads shares every instruction but its 
 * each head's products are matmuls on its own partitions (contraction rows g*d ..), written side by side
   into one PSUM tile: the scores of all G heads are [L, G, S] in one bank;
 * softmax, its statistics and the backward's dS run once over [L, G, S] (reductions over the trailing axis);
-* P^T (and dS^T) are transposed 128 // S heads at a time.
+* P^T (and dS^T) are transposed 128 // S heads at a time;
+* queries of 32 or 64 (L == S) stack 128 // L groups on the partitions (group i's queries on partitions
+  i*L ..; ``stacked_groups``): the softmax and backward passes above run once for all of them on every
+  partition instead of on L, and each group's products take the PE column tile of the PSUM partitions they
+  write (NeuronCore-v3's column tiling), so the stacked groups' products run side by side.
 
 Heads whose contraction rows lie on different partitions (Q K^T and dO V^T over each head's E rows, the
 products of a transposed chunk over its heads' S rows) run on row tiles of the PE array (``tile_position``),
-which the hardware runs concurrently; heads contracting over the same partitions (dV, dK: the queries) keep
-the whole array.
+which the hardware runs concurrently; heads contracting over the same partitions (dV, dK: the queries) share a
+row tile, so only stacked groups' dV and dK products overlap (each group's queries on its own row tile).
 
 A head's matmuls read only its own rows, so an inf or NaN in one head never reaches another (a block-diagonal
 operand would: 0 * inf is NaN).
@@ -33,7 +37,7 @@ from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.kernels._common import PMAX, PSUM_FP32, spread
-from torchneuron.kernels.attention import (causal_bias, flash_attention_bwd, flash_attention_fwd, flash_preferred,
+from torchneuron.kernels.attention import (NEG_BIG, causal_bias, flash_attention_bwd, flash_attention_fwd, flash_preferred,
                                            result_views)
 from torchneuron.kernels.matmul import alternating_evict
 
@@ -102,58 +106,94 @@ def _stacked_t(rows, n: int, G: int, d: int, dt, evict):
     return out
 
 
-def _row_tile(k0: int, k: int) -> dict:
+def _row_tile(k0: int, k: int, c0: int = 0, m: int = PMAX) -> dict:
     """PE tiling arguments of a matmul contracting over partitions [k0, k0 + k): the smallest row tile of the
-    array holding them (all 128 columns), so that heads whose rows lie in different tiles run concurrently
-    (PE rows are fed by their own partitions: heads on the same rows cannot); {} when that is the whole array.
-    Row tiles are 32 rows from NeuronCore-v3, 64 on v2."""
-    for size in ((32, 64) if nisa.get_nc_version() != nisa.nc_version.gen2 else (64,)):
-        if k0 // size == (k0 + k - 1) // size:
-            return dict(tile_position=(k0 // size * size, 0), tile_size=(size, PMAX))
-    return {}
+    array holding them, so that heads whose rows lie in different tiles run concurrently (PE rows are fed by
+    their own partitions: heads on the same rows cannot); {} when that is the whole array. ``m`` < 128
+    stationary columns written to PSUM partitions [c0, c0 + m) (a stacked group: ``stacked_groups``) take the
+    column tile of that size at c0, the PE columns that feed those partitions. Row tiles are 32 rows from
+    NeuronCore-v3, 64 on v2."""
+    rows = ((32, 64) if nisa.get_nc_version() != nisa.nc_version.gen2 else (64,))
+    size = next((r for r in rows if k0 // r == (k0 + k - 1) // r), PMAX)
+    if m == PMAX and size == PMAX:
+        return {}
+    return dict(tile_position=(k0 // size * size, c0), tile_size=(size, m))
 
 
-def _per_head(dst, a, b, G: int, da: int, db: int, n: int) -> None:
-    """``dst[:, g] = a_g^T b_g`` for each head g: a [G*da, ...] and b [G*db, ...] hold head g's contraction
-    rows at g*da / g*db (n of them when da, db are 0: the heads' rows are the same partitions)."""
-    for g in range(G):
-        ra = slice(g * da, g * da + n) if da else slice(0, n)
-        rb = slice(g * db, g * db + n) if db else slice(0, n)
-        tiling = _row_tile(ra.start, n) if da and da == db else {}   # (da = 0: every head on the same rows)
-        nisa.nc_matmul(dst=dst[:, g], stationary=a(ra, g), moving=b(rb, g), accumulate=False, **tiling)
+def stacked_groups(L: int, S: int) -> int:
+    """Groups of heads whose queries share one pass on the partitions (group i on partitions i*L ..): their
+    softmax and its statistics run once over all of them. Queries and keys of one PE column tile (32 or 64 on
+    NeuronCore-v3), so that each group's products land on their own PE columns; 1 otherwise."""
+    if L != S or L not in (32, 64) or nisa.get_nc_version() == nisa.nc_version.gen2:
+        return 1
+    return PMAX // L
 
 
-def _probabilities(qT, kT, L: int, S: int, G: int, E: int, scale: float, bias):
-    """(exp(scale * (s - m)) fp32 [L, G, S], the per-head row max m [L, G]) of the G heads' scores
-    s = Q K^T (+ causal bias): one matmul per head on its E partitions, into one PSUM bank."""
+def _stacked_causal_bias(stack: int, L: int):
+    """[stack * L, L] fp32: ``stack`` copies of the causal bias of L queries and keys, one per group of queries
+    (0 where key t <= query r, else NEG_BIG)."""
+    if stack == 1:
+        return causal_bias()
+    zero = nl.ndarray((PMAX, L), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=zero, value=0.0)
+    bias = nl.ndarray((PMAX, L), nl.float32, buffer=nl.sbuf)
+    for i in range(stack):   # (the select's partition index counts from the slice's first partition)
+        nisa.affine_select(dst=bias[i * L:(i + 1) * L], pattern=[[-1, L]], channel_multiplier=1,
+                           on_true_tile=zero[i * L:(i + 1) * L], on_false_value=NEG_BIG, cmp_op="greater_equal")
+    return bias
+
+
+def _scores(dst, aT, bT, L: int, S: int, G: int, d: int, stack: int) -> None:
+    """``dst[i*L .., g] = a_ig^T b_ig`` for each head g and stacked group i: aT [G*d, stack*L] and bT
+    [G*d, stack*S] hold head g's d contraction rows at g*d, group i's columns at i*L / i*S; each product on
+    its own PE row tile (and column tile when stacked), into one PSUM bank."""
+    for i in range(stack):
+        q, k = slice(i * L, (i + 1) * L), slice(i * S, (i + 1) * S)
+        for g in range(G):
+            r = slice(g * d, (g + 1) * d)
+            tiling = _row_tile(g * d, d, i * L, L) if stack > 1 else _row_tile(g * d, d)
+            nisa.nc_matmul(dst=dst[q, g], stationary=aT[r, q], moving=bT[r, k], accumulate=False, **tiling)
+
+
+def _probabilities(qT, kT, L: int, S: int, G: int, E: int, scale: float, bias, stack: int = 1):
+    """(exp(scale * (s - m)) fp32 [stack*L, G, S], the per-head row max m [stack*L, G]) of the scores
+    s = Q K^T (+ causal bias) of ``stack`` groups of G heads (``_scores``)."""
+    P = stack * L
     sc = nl.ndarray((PMAX, G, S), nl.float32, buffer=nl.psum)
-    _per_head(sc[:L], lambda r, g: qT[r, :L], lambda r, g: kT[r, :S], G, E, E, E)
+    _scores(sc, qT, kT, L, S, G, E, stack)
     x = nl.ndarray((PMAX, G, S), nl.float32, buffer=nl.sbuf)
     src = sc
     if bias is not None:
-        nisa.tensor_tensor(dst=x[:L], data1=sc[:L], data2=bias[:L, :S].ap([[PMAX, L], [0, G], [1, S]]), op=nl.add)
+        nisa.tensor_tensor(dst=x[:P], data1=sc[:P], data2=bias[:P, :S].ap([[bias.shape[1], P], [0, G], [1, S]]),
+                           op=nl.add)
         src = x
     m = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=m[:L], op=nl.maximum, data=src[:L], axis=(2,))
-    nisa.tensor_tensor(dst=x[:L], data1=src[:L], data2=spread(m, L, G, S), op=nl.subtract,
+    nisa.tensor_reduce(dst=m[:P], op=nl.maximum, data=src[:P], axis=(2,))
+    nisa.tensor_tensor(dst=x[:P], data1=src[:P], data2=spread(m, P, G, S), op=nl.subtract,
                        engine=nisa.gpsimd_engine if src is x else nisa.vector_engine)   # (GpSimd reads no PSUM)
-    nisa.activation(dst=x[:L], op=nl.exp, data=x[:L], scale=scale)
+    nisa.activation(dst=x[:P], op=nl.exp, data=x[:P], scale=scale)
     return x, m
 
 
-def _chunk_products(dst, probs, rows, L: int, S: int, G: int, hc: int, dt, evict) -> None:
-    """``dst[:, g] = probs_g rows_g`` ([L, S] x [S, d] per head): probs [L, G, S] transposed hc heads at a
-    time (head j of a chunk on partitions j*S ..), each head's matmul on its own S partitions; ``rows`` holds
-    every head's rows on each partition block (``_load_rows`` with copies=hc)."""
+def _chunk_products(dst, probs, rows: list, L: int, S: int, G: int, hc: int, dt, evict) -> None:
+    """``dst[:, g] = probs_g rows_g`` ([L, S] x [S, d] per head) for ``len(rows)`` stacked groups (group i's
+    queries on partitions i*L ..): probs [stack*L, G, S] transposed hc heads at a time (head j of a chunk on
+    partitions j*S ..), each head's matmul on its own S partitions; ``rows[i]`` holds group i's rows of every
+    head on each partition block (``_load_rows`` with copies=hc)."""
+    stack = len(rows)
+    P = stack * L
     for c0 in range(0, G, hc):
         n = min(hc, G - c0)
-        tp = nl.ndarray((PMAX, L), dt, buffer=nl.psum)
-        nisa.nc_transpose(dst=tp[:n * S, :L], data=probs[:L, c0:c0 + n])
-        pT = nl.ndarray((PMAX, L), dt, buffer=nl.sbuf)
-        evict(pT[:n * S, :L], tp[:n * S, :L])
+        tp = nl.ndarray((PMAX, P), dt, buffer=nl.psum)
+        nisa.nc_transpose(dst=tp[:n * S, :P], data=probs[:P, c0:c0 + n])
+        pT = nl.ndarray((PMAX, P), dt, buffer=nl.sbuf)
+        evict(pT[:n * S, :P], tp[:n * S, :P])
         for j in range(n):
-            nisa.nc_matmul(dst=dst[:, c0 + j], stationary=pT[j * S:(j + 1) * S, :L],
-                           moving=rows[j * S:(j + 1) * S, c0 + j], accumulate=False, **_row_tile(j * S, S))
+            for i, r in enumerate(rows):
+                q = slice(i * L, (i + 1) * L)
+                tiling = _row_tile(j * S, S, i * L, L) if stack > 1 else _row_tile(j * S, S)
+                nisa.nc_matmul(dst=dst[q, c0 + j], stationary=pT[j * S:(j + 1) * S, q],
+                               moving=r[j * S:(j + 1) * S, c0 + j], accumulate=False, **tiling)
 
 
 def _group_shape(q, k, v, scale: float, shape, what: str):
@@ -182,31 +222,39 @@ def packed_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=N
     out = nl.ndarray(out_shape, dt, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, H, L), nl.float32, buffer=nl.shared_hbm)
     evict = alternating_evict()
-    bias = causal_bias() if causal else None
+    stack = stacked_groups(L, S)
+    bias = _stacked_causal_bias(stack, L) if causal else None
     hc = min(G, PMAX // S)                    # heads per P^T chunk (rows: hc * S keys)
-    for f0 in range(0, B * H, G):
-        qr = _load_rows(q, q_view, f0, G, H, L, E, dt)
-        kr = _load_rows(k, k_view, f0, G, H, S, E, dt)
-        vrep = _load_rows(v, v_view, f0, G, H, S, Ev, dt, copies=hc, block=S)
-        qT = _stacked_t(qr, L, G, E, dt, evict)                                   # [G*E, L]
-        kT = _stacked_t(kr, S, G, E, dt, evict)                                   # [G*E, S]
-        x, m = _probabilities(qT, kT, L, S, G, E, float(scale), bias)
+    for f00 in range(0, B * H, stack * G):
+        fs = range(f00, min(f00 + stack * G, B * H), G)   # the groups of this pass: group i on partitions i*L ..
+        P = len(fs) * L
+        qr = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
+        kr = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
+        for i, f0 in enumerate(fs):
+            nisa.dma_copy(dst=qr[i * L:(i + 1) * L], src=_rows_ap(q, q_view, f0, G, H, L, E))
+            nisa.dma_copy(dst=kr[i * S:(i + 1) * S], src=_rows_ap(k, k_view, f0, G, H, S, E))
+        vreps = [_load_rows(v, v_view, f0, G, H, S, Ev, dt, copies=hc, block=S) for f0 in fs]
+        qT = _stacked_t(qr, P, G, E, dt, evict)                                   # [G*E, P]
+        kT = _stacked_t(kr, len(fs) * S, G, E, dt, evict)                         # [G*E, stack*S]
+        x, m = _probabilities(qT, kT, L, S, G, E, float(scale), bias, len(fs))
         lsum = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)                   # the sums of the fp32 exps
-        nisa.tensor_reduce(dst=lsum[:L], op=nl.add, data=x[:L], axis=(2,))
+        nisa.tensor_reduce(dst=lsum[:P], op=nl.add, data=x[:P], axis=(2,))
         pt = x
         if dt != nl.float32:                                                      # p rounded to the input dtype
             pt = nl.ndarray((PMAX, G, S), dt, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=pt[:L], src=x[:L], engine=nisa.gpsimd_engine)
+            nisa.tensor_copy(dst=pt[:P], src=x[:P], engine=nisa.gpsimd_engine)
         o = nl.ndarray((PMAX, G, Ev), nl.float32, buffer=nl.psum)
-        _chunk_products(o[:L], pt, vrep, L, S, G, hc, dt, evict)
+        _chunk_products(o, pt, vreps, L, S, G, hc, dt, evict)
         res = nl.ndarray((PMAX, G, Ev), dt, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=res[:L], data1=o[:L], data2=spread(lsum, L, G, Ev), op=nl.divide)
-        nisa.dma_copy(dst=_rows_ap(out, ov, f0, G, H, L, Ev), src=res[:L])
+        nisa.tensor_tensor(dst=res[:P], data1=o[:P], data2=spread(lsum, P, G, Ev), op=nl.divide)
+        for i, f0 in enumerate(fs):
+            nisa.dma_copy(dst=_rows_ap(out, ov, f0, G, H, L, Ev), src=res[i * L:(i + 1) * L])
         ls = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)                    # lse = log(l) + scale * m
-        nisa.activation(dst=ls[:L], op=nl.log, data=lsum[:L])
-        nisa.scalar_tensor_tensor(dst=ls[:L], data=m[:L], op0=nl.multiply, operand0=float(scale), op1=nl.add,
-                                  operand1=ls[:L])
-        nisa.dma_copy(dst=lse.ap([[1, L], [L, G]], offset=f0 * L), src=ls[:L])
+        nisa.activation(dst=ls[:P], op=nl.log, data=lsum[:P])
+        nisa.scalar_tensor_tensor(dst=ls[:P], data=m[:P], op0=nl.multiply, operand0=float(scale), op1=nl.add,
+                                  operand1=ls[:P])
+        for i, f0 in enumerate(fs):
+            nisa.dma_copy(dst=lse.ap([[1, L], [L, G]], offset=f0 * L), src=ls[i * L:(i + 1) * L])
     return out, lse
 
 
@@ -232,59 +280,73 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
         for n, d in ((L, E), (S, E), (S, Ev)):
             gshape, (w,) = result_views(B, H, n, d, out_layout)
             targets.append((nl.ndarray(gshape, dt, buffer=nl.shared_hbm), w))
-    for f0 in range(0, B * H, G):
-        qr = _load_rows(q, q_view, f0, G, H, L, E, dt)
-        krep = _load_rows(k, k_view, f0, G, H, S, E, dt, copies=hc, block=S)     # block 0: the K rows
-        vr = _load_rows(v, v_view, f0, G, H, S, Ev, dt)
-        orr = _load_rows(o, o_view, f0, G, H, L, Ev, dt)
-        dor = _load_rows(do, do_view, f0, G, H, L, Ev, dt)
-        qT = _stacked_t(qr, L, G, E, dt, evict)
-        kT = _stacked_t(krep, S, G, E, dt, evict)
-        doT = _stacked_t(dor, L, G, Ev, dt, evict)
-        vT = _stacked_t(vr, S, G, Ev, dt, evict)
+    stack = stacked_groups(L, S)
+    for f00 in range(0, B * H, stack * G):
+        fs = range(f00, min(f00 + stack * G, B * H), G)   # the groups of this pass: group i on partitions i*L ..
+        P, PS = len(fs) * L, len(fs) * S
+        qr, kr, vr, orr, dor = (nl.ndarray((PMAX, G, d), dt, buffer=nl.sbuf) for d in (E, E, Ev, Ev, Ev))
+        for i, f0 in enumerate(fs):
+            for tile, t, view, n, d in ((qr, q, q_view, L, E), (kr, k, k_view, S, E), (vr, v, v_view, S, Ev),
+                                        (orr, o, o_view, L, Ev), (dor, do, do_view, L, Ev)):
+                nisa.dma_copy(dst=tile[i * n:(i + 1) * n], src=_rows_ap(t, view, f0, G, H, n, d))
+        kreps = [_load_rows(k, k_view, f0, G, H, S, E, dt, copies=hc, block=S) for f0 in fs]
+        qT = _stacked_t(qr, P, G, E, dt, evict)
+        kT = _stacked_t(kr, PS, G, E, dt, evict)
+        doT = _stacked_t(dor, P, G, Ev, dt, evict)
+        vT = _stacked_t(vr, PS, G, Ev, dt, evict)
         # P = exp(scale * s - lse): the scores minus lse / scale on VectorE, the exp on ScalarE, and keys past
         # the diagonal zeroed by a select on GpSimd (never a product: an overflowed exp there must not be NaN)
         ls = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=ls[:L], src=lse.ap([[1, L], [L, G]], offset=f0 * L))
-        nisa.tensor_scalar(dst=ls[:L], data=ls[:L], op0=nl.multiply, operand0=1.0 / scale)
+        for i, f0 in enumerate(fs):
+            nisa.dma_copy(dst=ls[i * L:(i + 1) * L], src=lse.ap([[1, L], [L, G]], offset=f0 * L))
+        nisa.tensor_scalar(dst=ls[:P], data=ls[:P], op0=nl.multiply, operand0=1.0 / scale)
         sc = nl.ndarray((PMAX, G, S), nl.float32, buffer=nl.psum)
-        _per_head(sc[:L], lambda r, g: qT[r, :L], lambda r, g: kT[r, :S], G, E, E, E)
+        _scores(sc, qT, kT, L, S, G, E, len(fs))
         p = nl.ndarray((PMAX, G, S), nl.float32, buffer=nl.sbuf)                  # P, fp32
-        nisa.tensor_tensor(dst=p[:L], data1=sc[:L], data2=spread(ls, L, G, S), op=nl.subtract)
-        nisa.activation(dst=p[:L], op=nl.exp, data=p[:L], scale=scale)
-        if causal:                                                                # query l sees key t iff l - t >= 0
-            nisa.affine_select(dst=p[:L], pattern=[[0, G], [-1, S]], channel_multiplier=1, on_true_tile=p[:L],
-                               on_false_value=0.0, cmp_op="greater_equal")
+        nisa.tensor_tensor(dst=p[:P], data1=sc[:P], data2=spread(ls, P, G, S), op=nl.subtract)
+        nisa.activation(dst=p[:P], op=nl.exp, data=p[:P], scale=scale)
+        if causal:   # query l sees key t iff l - t >= 0 (the select's partition index counts from the slice's start)
+            for i in range(len(fs)):
+                rows = slice(i * L, (i + 1) * L)
+                nisa.affine_select(dst=p[rows], pattern=[[0, G], [-1, S]], channel_multiplier=1, on_true_tile=p[rows],
+                                   on_false_value=0.0, cmp_op="greater_equal")
         # D = rowsum(dO * O) per head
         prod = nl.ndarray((PMAX, G, Ev), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod[:L], data1=dor[:L], data2=orr[:L], op=nl.multiply, engine=nisa.gpsimd_engine)
+        nisa.tensor_tensor(dst=prod[:P], data1=dor[:P], data2=orr[:P], op=nl.multiply, engine=nisa.gpsimd_engine)
         dsum = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=dsum[:L], op=nl.add, data=prod[:L], axis=(2,))
+        nisa.tensor_reduce(dst=dsum[:P], op=nl.add, data=prod[:P], axis=(2,))
         # dS = P * (dO V^T - D)   (scale applied to dQ and dK when they are evicted)
         dp = nl.ndarray((PMAX, G, S), nl.float32, buffer=nl.psum)
-        _per_head(dp[:L], lambda r, g: doT[r, :L], lambda r, g: vT[r, :S], G, Ev, Ev, Ev)
+        _scores(dp, doT, vT, L, S, G, Ev, len(fs))
         ds = nl.ndarray((PMAX, G, S), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=ds[:L], data1=dp[:L], data2=spread(dsum, L, G, S), op=nl.subtract)
+        nisa.tensor_tensor(dst=ds[:P], data1=dp[:P], data2=spread(dsum, P, G, S), op=nl.subtract)
         dsd = nl.ndarray((PMAX, G, S), dt, buffer=nl.sbuf)                        # rounded for its matmuls
-        nisa.tensor_tensor(dst=dsd[:L], data1=ds[:L], data2=p[:L], op=nl.multiply, engine=nisa.gpsimd_engine)
+        nisa.tensor_tensor(dst=dsd[:P], data1=ds[:P], data2=p[:P], op=nl.multiply, engine=nisa.gpsimd_engine)
         pd = p
         if dt != nl.float32:
             pd = nl.ndarray((PMAX, G, S), dt, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=pd[:L], src=p[:L], engine=nisa.gpsimd_engine)
-        # dV = P^T dO and dK = dS^T Q: per head, contracting over the queries (the same L partitions)
+            nisa.tensor_copy(dst=pd[:P], src=p[:P], engine=nisa.gpsimd_engine)
+        # dV = P^T dO and dK = dS^T Q: per head, contracting over the queries: a group's heads share its L
+        # partitions (one PE row tile), the stacked groups' row tiles run concurrently
         for (t, w), a, b, d, sc in ((targets[2], pd, dor, Ev, 1.0), (targets[1], dsd, qr, E, scale)):
-            acc = nl.ndarray((PMAX, G, d), nl.float32, buffer=nl.psum)
-            _per_head(acc[:S], lambda r, g, a=a: a[r, g], lambda r, g, b=b: b[r, g], G, 0, 0, L)
-            res = nl.ndarray((PMAX, G, d), dt, buffer=nl.sbuf)
-            nisa.activation(dst=res[:S], op=nl.identity, data=acc[:S], scale=sc)
-            nisa.dma_copy(dst=_rows_ap(t, w, f0, G, H, S, d), src=res[:S])
+            accs = [nl.ndarray((PMAX, G, d), nl.float32, buffer=nl.psum) for _ in fs]
+            for g in range(G):
+                for i, acc in enumerate(accs):
+                    rows = slice(i * L, (i + 1) * L)
+                    nisa.nc_matmul(dst=acc[:S, g], stationary=a[rows, g], moving=b[rows, g], accumulate=False,
+                                   **(_row_tile(i * L, L) if len(fs) > 1 else {}))
+            for acc, f0 in zip(accs, fs):
+                res = nl.ndarray((PMAX, G, d), dt, buffer=nl.sbuf)
+                nisa.activation(dst=res[:S], op=nl.identity, data=acc[:S], scale=sc)
+                nisa.dma_copy(dst=_rows_ap(t, w, f0, G, H, S, d), src=res[:S])
         # dQ = dS K: dS^T hc heads at a time, times each head's K rows
         dq = nl.ndarray((PMAX, G, E), nl.float32, buffer=nl.psum)
-        _chunk_products(dq[:L], dsd, krep, L, S, G, hc, dt, evict)
+        _chunk_products(dq, dsd, kreps, L, S, G, hc, dt, evict)
         res = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
-        nisa.activation(dst=res[:L], op=nl.identity, data=dq[:L], scale=scale)
+        nisa.activation(dst=res[:P], op=nl.identity, data=dq[:P], scale=scale)
         t, w = targets[0]
-        nisa.dma_copy(dst=_rows_ap(t, w, f0, G, H, L, E), src=res[:L])
+        for i, f0 in enumerate(fs):
+            nisa.dma_copy(dst=_rows_ap(t, w, f0, G, H, L, E), src=res[i * L:(i + 1) * L])
     if out_layout == "packed":
         return grads
     return tuple(t for t, _ in targets)
