@@ -29,9 +29,8 @@ from typing import Any, Callable
 
 import torch
 
-from torchneuron.ops.base import aten, checked, Unsupported
-from torchneuron.ops.elementwise import write_result
-from torchneuron.ops.registry import lowering, register_out
+from torchneuron.ops.base import aten, checked, meta_run, resize_out, Unsupported
+from torchneuron.ops.registry import lowering, refuse_other_out_dtypes, register_out
 
 MAX_N = 256  # rows beyond which the O(n)-launch loops are left to the CPU
 
@@ -80,6 +79,29 @@ def _square(t: torch.Tensor) -> bool:
     return t.size(-1) == t.size(-2)
 
 
+def _restrided(op: torch._ops.OpOverload) -> Callable[..., None]:
+    """``register_out``'s ``resize=`` for the structured CPU kernels of the factorisations (``op`` their functional
+    form): an ``out=`` tensor of another shape than its result is resized (with ATen's warning) and given the
+    result's strides, column-major where LAPACK's are, as those kernels restride it; one of the right shape keeps
+    its strides."""
+    def resize(outs: list[torch.Tensor], *args: Any, **kwargs: Any) -> None:
+        metas = meta_run(op, *args, **kwargs)
+        for out, meta in zip(outs, metas):
+            if tuple(out.shape) != tuple(meta.shape):
+                resize_out(out, meta.shape)
+                out.as_strided_(meta.shape, meta.stride())
+    return resize
+
+
+def _derive_out(name: str, functional: Callable, dtypes: Callable[..., tuple[torch.dtype, ...]],
+                op: torch._ops.OpOverload | None = None) -> None:
+    """``name``'s ``out=`` tensors written with ``functional``'s results, as ``register_out`` writes them: the CPU
+    kernel refuses ``out=`` tensors of other dtypes than ``dtypes(*args, **kwargs)`` (its own error, raised on the
+    device) and, for a structured kernel (``op``, the functional form), restrides the ones it resizes."""
+    register_out(name, functional, cast=refuse_other_out_dtypes(name, dtypes),
+                 resize=_restrided(op) if op is not None else None)
+
+
 @lowering("cholesky")
 def cholesky(self: torch.Tensor, upper: bool = False) -> torch.Tensor:
     """``torch.cholesky`` (deprecated in PyTorch, still an op)."""
@@ -92,17 +114,18 @@ def cholesky(self: torch.Tensor, upper: bool = False) -> torch.Tensor:
 register_out("cholesky.out", cholesky)
 
 
-@lowering("linalg_cholesky_ex", "linalg_cholesky_ex.L")
-def linalg_cholesky_ex(self: torch.Tensor, *, upper: bool = False, check_errors: bool = False,
-                       L: torch.Tensor | None = None, info: torch.Tensor | None = None):
+@lowering("linalg_cholesky_ex")
+def linalg_cholesky_ex(self: torch.Tensor, *, upper: bool = False,
+                       check_errors: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.linalg.cholesky_ex`` (and so ``torch.linalg.cholesky``): the factor and a zero ``info``."""
     chol = _factor(self, upper) if _runs_here(self) and _square(self) else None
     if chol is None:
         raise Unsupported("bad arguments or a matrix that is not positive-definite: the CPU raises its error")
-    zero = torch.zeros(self.shape[:-2], dtype=torch.int32, device=self.device)
-    if L is None:
-        return chol, zero
-    return write_result(chol, L), write_result(zero, info)
+    return chol, torch.zeros(self.shape[:-2], dtype=torch.int32, device=self.device)
+
+
+_derive_out("linalg_cholesky_ex.L", linalg_cholesky_ex, lambda self, **kw: (self.dtype, torch.int32),
+            aten.linalg_cholesky_ex.default)
 
 
 def _solve_lower(a: torch.Tensor, b: torch.Tensor, unit: bool) -> torch.Tensor:
@@ -132,19 +155,20 @@ def _solve(a: torch.Tensor, b: torch.Tensor, upper: bool, unit: bool = False) ->
     return _solve_lower(a, b, unit).reshape(*batch, n, k)
 
 
-@lowering("triangular_solve", "triangular_solve.X")
+@lowering("triangular_solve")
 def triangular_solve(self: torch.Tensor, A: torch.Tensor, upper: bool = True, transpose: bool = False,
-                     unitriangular: bool = False, *, X: torch.Tensor | None = None, M: torch.Tensor | None = None):
+                     unitriangular: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.triangular_solve``: (the solution of ``op(A) X = self``, a copy of ``A``)."""
     if not (_runs_here(self, A) and _square(A) and A.size(-1) == self.size(-2)):
         raise Unsupported("tensors off the device, or shapes the solve does not take")
     coeff = A.mT if transpose else A
     sol = _solve(coeff, self, upper != transpose, unitriangular)
     batch = torch.broadcast_shapes(self.shape[:-2], A.shape[:-2])
-    cloned = A.expand(*batch, *A.shape[-2:]).clone()
-    if X is None:
-        return sol, cloned
-    return write_result(sol, X), write_result(cloned, M)
+    return sol, A.expand(*batch, *A.shape[-2:]).clone()
+
+
+_derive_out("triangular_solve.X", triangular_solve, lambda self, A, *a, **kw: (self.dtype, A.dtype),
+            aten.triangular_solve.default)
 
 
 @lowering("linalg_solve_triangular")
@@ -200,16 +224,6 @@ def _native(op: torch._ops.OpOverload, *args, **kwargs) -> Any:
     return None
 
 
-def _outs(**outs: torch.Tensor | None) -> dict:
-    """The out= keyword arguments actually given."""
-    return {k: v for k, v in outs.items() if v is not None}
-
-
-def _write_all(res: tuple, outs: tuple) -> tuple:
-    """Each result, or copied into its out= tensor."""
-    return tuple(write_result(r, o) for r, o in zip(res, outs))
-
-
 def _batched(t: torch.Tensor) -> torch.Tensor:
     """``t`` [..., m, n] as one batch dim [B, m, n] (B may be 0)."""
     return t.reshape(math.prod(t.shape[:-2]), *t.shape[-2:])
@@ -263,20 +277,21 @@ def _perm(pivots: torch.Tensor, m: int) -> torch.Tensor:
     return perm
 
 
-@lowering("linalg_lu_factor_ex", "linalg_lu_factor_ex.out")
-def linalg_lu_factor_ex(A: torch.Tensor, *, pivot: bool = True, check_errors: bool = False,
-                        LU: torch.Tensor | None = None, pivots: torch.Tensor | None = None,
-                        info: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+@lowering("linalg_lu_factor_ex")
+def linalg_lu_factor_ex(A: torch.Tensor, *, pivot: bool = True,
+                        check_errors: bool = False) -> tuple[torch.Tensor, ...]:
     """``torch.linalg.lu_factor_ex`` (so ``lu``, ``linalg.lu_factor``): getrf over the batch."""
-    outs = _outs(LU=LU, pivots=pivots, info=info)
     if _native(aten.linalg_lu_factor_ex.default, A) is None or not pivot:   # the CPU refuses pivot=False
         raise Unsupported("what the device's LU does not take, or pivot=False (the CPU refuses it)")
     m, n = A.shape[-2:]
     lu, piv, inf = _lu_factor(_batched(A))
     if check_errors and bool((inf > 0).any()):   # the CPU raises its LinAlgError naming the batch element
         raise Unsupported("a singular matrix under check_errors: the CPU raises its LinAlgError")
-    res = (lu.reshape(A.shape), piv.reshape(*A.shape[:-2], min(m, n)), inf.reshape(A.shape[:-2]))
-    return _write_all(res, (LU, pivots, info)) if outs else res
+    return lu.reshape(A.shape), piv.reshape(*A.shape[:-2], min(m, n)), inf.reshape(A.shape[:-2])
+
+
+_derive_out("linalg_lu_factor_ex.out", linalg_lu_factor_ex, lambda A, **kw: (A.dtype, torch.int32, torch.int32),
+            aten.linalg_lu_factor_ex.default)
 
 
 def _lu_solve(lu: torch.Tensor, pivots: torch.Tensor, b: torch.Tensor, adjoint: bool) -> torch.Tensor:
@@ -328,12 +343,10 @@ def _unpack(lu: torch.Tensor, piv: torch.Tensor, data: bool = True,
     return p, low, up
 
 
-@lowering("lu_unpack", "lu_unpack.out")
+@lowering("lu_unpack")
 def lu_unpack(LU_data: torch.Tensor, LU_pivots: torch.Tensor, unpack_data: bool = True,
-              unpack_pivots: bool = True, *, P: torch.Tensor | None = None, L: torch.Tensor | None = None,
-              U: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+              unpack_pivots: bool = True) -> tuple[torch.Tensor, ...]:
     """``torch.lu_unpack``: the permutation matrix and the unit-lower and upper factors."""
-    outs = _outs(P=P, L=L, U=U)
     metas = _native(aten.lu_unpack.default, LU_data, LU_pivots, unpack_data, unpack_pivots)
     if metas is None:
         raise Unsupported("what the device's unpacking does not take")
@@ -347,14 +360,15 @@ def lu_unpack(LU_data: torch.Tensor, LU_pivots: torch.Tensor, unpack_data: bool 
         res = (p.reshape(*batch, m, m) if p is not None else LU_data.new_empty(metas[0].shape),
                low.reshape(*batch, m, k) if low is not None else LU_data.new_empty(metas[1].shape),
                up.reshape(*batch, k, n) if up is not None else LU_data.new_empty(metas[2].shape))
-    return _write_all(res, (P, L, U)) if outs else res
+    return res
 
 
-@lowering("linalg_lu", "linalg_lu.out")
-def linalg_lu(A: torch.Tensor, *, pivot: bool = True, P: torch.Tensor | None = None,
-              L: torch.Tensor | None = None, U: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+_derive_out("lu_unpack.out", lu_unpack, lambda LU_data, *a, **kw: (LU_data.dtype,) * 3, aten.lu_unpack.default)
+
+
+@lowering("linalg_lu")
+def linalg_lu(A: torch.Tensor, *, pivot: bool = True) -> tuple[torch.Tensor, ...]:
     """``torch.linalg.lu``: getrf, then unpacked."""
-    outs = _outs(P=P, L=L, U=U)
     if _native(aten.linalg_lu.default, A) is None or not pivot:
         raise Unsupported("what the device's LU does not take, or pivot=False (the CPU refuses it)")
     m, n = A.shape[-2:]
@@ -365,7 +379,10 @@ def linalg_lu(A: torch.Tensor, *, pivot: bool = True, P: torch.Tensor | None = N
         lu, piv, _ = _lu_factor(_batched(A))
         p, low, up = _unpack(lu, piv)
         res = (p.reshape(*batch, m, m), low.reshape(*batch, m, k), up.reshape(*batch, k, n))
-    return _write_all(res, (P, L, U)) if outs else res
+    return res
+
+
+_derive_out("linalg_lu.out", linalg_lu, lambda A, **kw: (A.dtype,) * 3, aten.linalg_lu.default)
 
 
 def _det_parts(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -375,10 +392,10 @@ def _det_parts(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return lu, piv, lu.diagonal(dim1=-2, dim2=-1), 1.0 - 2.0 * (swaps % 2).float()
 
 
-def _det_family(op: torch._ops.OpOverload, out_op: torch._ops.OpOverload, A: torch.Tensor, outs: dict,
-                empty: Callable, from_lu: Callable) -> tuple[torch.Tensor, ...]:
+def _det_family(op: torch._ops.OpOverload, A: torch.Tensor, empty: Callable,
+                from_lu: Callable) -> tuple[torch.Tensor, ...]:
     """slogdet/det: the CPU fallback, the empty-batch and 0 x 0 cases (``empty(batch)``), or
-    ``from_lu(lu, pivots, diag U, the permutation's sign)`` over the batch; written to the out= tensors."""
+    ``from_lu(lu, pivots, diag U, the permutation's sign)`` over the batch."""
     metas = _native(op, A)
     if metas is None:
         raise Unsupported("what the device's LU does not take")
@@ -394,32 +411,36 @@ def _det_family(op: torch._ops.OpOverload, out_op: torch._ops.OpOverload, A: tor
         lu = torch.empty_strided(metas[-2].shape, metas[-2].stride(), dtype=A.dtype, device=A.device).copy_(
             lu.reshape(A.shape))
         res = from_lu(lu, piv.reshape(*batch, n), diag, psign, batch)
-    return _write_all(res, tuple(outs.get(k) for k in [a.name for a in out_op._schema.arguments
-                                                       if a.is_out])) if outs else res
+    return res
 
 
-@lowering("_linalg_slogdet", "_linalg_slogdet.sign")
-def linalg_slogdet(A: torch.Tensor, *, sign: torch.Tensor | None = None, logabsdet: torch.Tensor | None = None,
-                   LU: torch.Tensor | None = None, pivots: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+@lowering("_linalg_slogdet")
+def linalg_slogdet(A: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``torch.linalg.slogdet`` (so ``logdet``): from the LU, the sign of prod(diag U) times the
     permutation's, and the sum of log|diag U|."""
     return _det_family(
-        aten._linalg_slogdet.default, aten._linalg_slogdet.sign, A,
-        _outs(sign=sign, logabsdet=logabsdet, LU=LU, pivots=pivots),
+        aten._linalg_slogdet.default, A,
         lambda batch: (A.new_ones(batch), A.new_zeros(batch), A.new_empty(A.shape),
                        A.new_empty((*batch, 0), dtype=torch.int32)),
         lambda lu, piv, diag, psign, batch: ((psign * diag.sign().prod(-1)).reshape(batch),
                                              diag.abs().log().sum(-1).reshape(batch), lu, piv))
 
 
-@lowering("_linalg_det", "_linalg_det.result")
-def linalg_det(A: torch.Tensor, *, result: torch.Tensor | None = None, LU: torch.Tensor | None = None,
-               pivots: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+# (the device's A is float32: its logabsdet's real dtype is float32 too)
+_derive_out("_linalg_slogdet.sign", linalg_slogdet, lambda A: (A.dtype, A.dtype.to_real(), A.dtype, torch.int32),
+            aten._linalg_slogdet.default)
+
+
+@lowering("_linalg_det")
+def linalg_det(A: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``torch.linalg.det`` (so ``det``): prod(diag U) times the permutation's sign."""
     return _det_family(
-        aten._linalg_det.default, aten._linalg_det.result, A, _outs(result=result, LU=LU, pivots=pivots),
+        aten._linalg_det.default, A,
         lambda batch: (A.new_ones(batch), A.new_empty(A.shape), A.new_empty((*batch, 0), dtype=torch.int32)),
         lambda lu, piv, diag, psign, batch: ((psign * diag.prod(-1)).reshape(batch), lu, piv))
+
+
+_derive_out("_linalg_det.result", linalg_det, lambda A: (A.dtype, A.dtype, torch.int32), aten._linalg_det.default)
 
 
 # ---- Householder QR (geqrf) and the products with its Q (orgqr, ormqr) ---------------------------------
@@ -469,26 +490,40 @@ def _apply_q(refl: torch.Tensor, tau: torch.Tensor, c: torch.Tensor, transpose: 
     return c
 
 
-@lowering("geqrf", "geqrf.a")
-def geqrf(self: torch.Tensor, *, a: torch.Tensor | None = None,
-          tau: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+@lowering("geqrf")
+def geqrf(self: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``torch.geqrf``: the reflectors below the diagonal, R on and above it, and the ``tau`` factors."""
-    outs = _outs(a=a, tau=tau)
     if not (self.device.type == "neuron" and self.dtype == torch.float32 and self.dim() >= 2
             and max(self.shape[-2:]) <= MAX_N):   # geqrf has no meta kernel: the CPU checks a 1-d input
         raise Unsupported("a tensor off the device, a dtype other than float32, or a matrix beyond MAX_N")
     m, n = self.shape[-2:]
     qr, t = _geqrf(_batched(self))
-    res = (qr.reshape(self.shape), t.reshape(*self.shape[:-2], min(m, n)))
-    return _write_all(res, (a, tau)) if outs else res
+    return qr.reshape(self.shape), t.reshape(*self.shape[:-2], min(m, n))
 
 
-@lowering("linalg_qr", "linalg_qr.out")
-def linalg_qr(A: torch.Tensor, mode: str = "reduced", *, Q: torch.Tensor | None = None,
-              R: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+def _geqrf_resize(outs: list[torch.Tensor], self: torch.Tensor) -> None:
+    """``register_out``'s ``resize=`` for geqrf, whose CPU kernel is not structured: an empty ``a`` out= is made
+    batched column-major (LAPACK's layout), a non-empty one of another shape resized contiguous (with ATen's
+    warning); ``tau`` resized contiguous."""
+    a, tau = outs
+    m, n = self.shape[-2:]
+    if tuple(a.shape) != tuple(self.shape):
+        column_major = a.numel() == 0
+        resize_out(a, self.shape)
+        if column_major:
+            a.as_strided_(self.shape, (*a.stride()[:-2], 1, m))
+    resize_out(tau, (*self.shape[:-2], min(m, n)))
+
+
+# (the CPU kernel writes float64 out= tensors of a float32 input: that takes its fallback)
+register_out("geqrf.a", geqrf, cast=refuse_other_out_dtypes("geqrf.a", lambda self: (self.dtype, self.dtype)),
+             resize=_geqrf_resize)
+
+
+@lowering("linalg_qr")
+def linalg_qr(A: torch.Tensor, mode: str = "reduced") -> tuple[torch.Tensor, ...]:
     """``torch.linalg.qr`` (so ``qr``): geqrf, then Q as the reflectors applied to the identity's first
     columns (orgqr) and R as the upper triangle."""
-    outs = _outs(Q=Q, R=R)
     metas = _native(aten.linalg_qr.default, A, mode)
     if metas is None:
         raise Unsupported("what the device's QR does not take")
@@ -504,7 +539,10 @@ def linalg_qr(A: torch.Tensor, mode: str = "reduced", *, Q: torch.Tensor | None 
         cols = q_meta.size(-1)
         eye = torch.eye(m, cols, device=A.device).expand(refl.size(0), m, cols)
         q = _apply_q(refl, tau, eye, False).reshape(*batch, m, cols)
-    return _write_all((q, r), (Q, R)) if outs else (q, r)
+    return q, r
+
+
+_derive_out("linalg_qr.out", linalg_qr, lambda A, *a, **kw: (A.dtype, A.dtype), aten.linalg_qr.default)
 
 
 @lowering("linalg_householder_product")

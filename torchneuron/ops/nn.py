@@ -31,8 +31,8 @@ from torchneuron.kernels.cross_entropy import cross_entropy_bwd_kernel, cross_en
 from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.softmax import softmax_bwd_kernel, softmax_kernel
-from torchneuron.ops.base import aten, checked, FLOATS, on_one_device, type_name, Unsupported
-from torchneuron.ops.elementwise import dense
+from torchneuron.ops.base import aten, checked, FLOATS, on_one_device, resize_out, type_name, Unsupported
+from torchneuron.ops.elementwise import dense, device_copy
 from torchneuron.ops.indexing import arange_values, index_words
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering, register_out
@@ -499,8 +499,63 @@ def binary_cross_entropy_backward(grad_output: torch.Tensor, self: torch.Tensor,
     return (res.expand(self.shape) if res.shape != self.shape else res).contiguous()
 
 
-register_out("binary_cross_entropy.out", binary_cross_entropy)
-register_out("binary_cross_entropy_backward.grad_input", binary_cross_entropy_backward)
+# The CPU's out= kernels of binary cross-entropy write each element's value into the out= tensor's squeezed view
+# (resized, growing the storage, where its shape is not the squeezed operands'), then weight and reduce (the
+# forward's mean or sum, the backward's division by the element count) the tensor itself, in its own shape.
+# register_out derives them from the unweighted, unreduced values; their write hooks do the rest in that order.
+
+def _bce_values(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                reduction: int = 1) -> torch.Tensor:
+    """binary_cross_entropy.out's functional part: each element's loss, unweighted (the out= write weighs it)."""
+    if self.shape != target.shape or not on_one_device(*[t for t in (self, target, weight) if t is not None]):
+        raise Unsupported("operands of other shapes (the CPU broadcasts their squeezed forms), or several devices")
+    return binary_cross_entropy(self, target, None, 0)
+
+
+def _write_squeezed(values: torch.Tensor, out: torch.Tensor) -> None:
+    """``values`` written as the CPU's element-wise kernel writes them: into ``out``'s squeezed view, resized to
+    the squeezed values' shape when it differs (ATen's warning naming the view's shape; ``out`` keeps its own)."""
+    view = out.squeeze()
+    shape = values.squeeze().shape
+    resize_out(view, shape)
+    device_copy(view, values.reshape(shape))
+
+
+def _bce_write(values: torch.Tensor, out: torch.Tensor, self: torch.Tensor, target: torch.Tensor,
+               weight: torch.Tensor | None = None, reduction: int = 1) -> torch.Tensor:
+    """binary_cross_entropy.out's write: the losses, then the weight and the reduction applied to ``out``."""
+    _write_squeezed(values, out)
+    if weight is not None:
+        out.mul_(weight)
+    if reduction != 0:
+        total = reduce_loss(out, reduction)
+        out.resize_as_(total).copy_(total)     # (quietly: resize_as_ has no warning)
+    return out
+
+
+def _bce_backward_values(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor,
+                         weight: torch.Tensor | None = None, reduction: int = 1) -> torch.Tensor:
+    """binary_cross_entropy_backward.grad_input's functional part: each element's gradient, unweighted and not
+    divided by the count (the out= write does both)."""
+    if self.shape != target.shape or grad_output.shape not in (self.shape, torch.Size([])) or \
+            not on_one_device(*[t for t in (grad_output, self, target, weight) if t is not None]):
+        raise Unsupported("operands of other shapes (the CPU broadcasts their squeezed forms), or several devices")
+    return binary_cross_entropy_backward(grad_output, self, target, None, 2 if reduction == 1 else reduction)
+
+
+def _bce_backward_write(values: torch.Tensor, out: torch.Tensor, grad_output: torch.Tensor, self: torch.Tensor,
+                        target: torch.Tensor, weight: torch.Tensor | None = None, reduction: int = 1) -> torch.Tensor:
+    """binary_cross_entropy_backward.grad_input's write: the gradients, then the weight and the mean's division."""
+    _write_squeezed(values, out)
+    if weight is not None:
+        out.mul_(weight)
+    if reduction == 1:
+        out.div_(self.numel())
+    return out
+
+
+register_out("binary_cross_entropy.out", _bce_values, write=_bce_write)
+register_out("binary_cross_entropy_backward.grad_input", _bce_backward_values, write=_bce_backward_write)
 
 
 @lowering("multi_margin_loss")

@@ -175,10 +175,13 @@ def out_dtype_error(expected: torch.dtype, got: torch.dtype) -> RuntimeError:
                         f"{_CPP_NAMES.get(got, str(got))} instead")
 
 
-def refuse_other_out_dtypes(name: str, result_dtype: Callable[..., torch.dtype]) -> Callable[..., None]:
+def refuse_other_out_dtypes(name: str, result_dtype: Callable[..., torch.dtype | tuple[torch.dtype, ...]]
+                            ) -> Callable[..., None]:
     """A ``cast=`` hook for the ``out=`` overload ``name`` of an op whose CPU kernel refuses an ``out=`` tensor of
-    another dtype than its result (``result_dtype(*args, **kwargs)``): for such a tensor the CPU kernel is run on
-    CPU zeros of the arguments with an empty ``out=`` tensor of that dtype, raising its own error after its own
+    another dtype than its result (``result_dtype(*args, **kwargs)``, or a tuple of each result's dtype for an op
+    of several ``out=`` tensors, as the factorisations' int32 pivots beside their float factors): for such a
+    tensor the CPU kernel is run on CPU zeros of the arguments (keyword ones too: searchsorted's ``sorter``) with
+    an empty ``out=`` tensor of that dtype, raising its own error after its own
     earlier checks (an argument's before the ``out=`` dtype's), word for word; a call it accepts after all takes
     the CPU fallback. An ``out=`` tensor of the result's dtype passes, to the functional kernel's checks."""
     op = overload(name)
@@ -186,9 +189,11 @@ def refuse_other_out_dtypes(name: str, result_dtype: Callable[..., torch.dtype])
 
     def check(outs: list[torch.Tensor], *args: Any, **kwargs: Any) -> None:
         expected = result_dtype(*args, **kwargs)
-        if all(o.dtype == expected for o in outs):
+        if not isinstance(expected, tuple):
+            expected = (expected,) * len(outs)
+        if all(o.dtype == e for o, e in zip(outs, expected)):
             return
-        op(*zeros_twin(args), **zeros_twin(kwargs),
+        op(*zeros_twin(args), **{k: zeros_twin(v) for k, v in kwargs.items()},
            **{n: torch.empty(0, dtype=o.dtype) for n, o in zip(out_names, outs)})
         raise Unsupported("an out= tensor of another dtype the CPU kernel accepts")
     return check
@@ -244,7 +249,8 @@ def resize_reduced_outs(outs: list[torch.Tensor], self: torch.Tensor, dim: int, 
 
 def register_out(name: str, functional: Callable, warn_resize: bool = True, dtype_from_out: bool = False,
                  cast: Callable[..., None] | None = None, resize: Callable[..., None] | None = None,
-                 into: Callable[..., tuple[Any, torch.dtype] | None] | None = None) -> None:
+                 into: Callable[..., tuple[Any, torch.dtype] | None] | None = None,
+                 write: Callable[..., torch.Tensor] | None = None) -> None:
     """Register the ``out=`` overload ``name`` as ``functional`` (its functional form's kernel) with each result
     written into its ``out=`` tensor, resized first as PyTorch resizes (with its warning when the tensor had
     elements; ``warn_resize=False`` for an op whose CPU kernel resizes quietly). ``dtype_from_out``: an op whose
@@ -267,6 +273,11 @@ def register_out(name: str, functional: Callable, warn_resize: bool = True, dtyp
     called as ``functional(*args, into=out, **kwargs)`` and writes its result into it, returning it; any other
     ``out=`` tensor takes the normal path (the result computed, then written into it resized). A result the kernel
     returns that is not the ``out=`` tensor is written into it as usual.
+
+    ``write``: for an op whose CPU kernel writes its result into its (single) ``out=`` tensor its own way rather
+    than resizing the tensor to the result's shape (binary cross-entropy's write through the tensor's squeezed
+    view, then weight and reduce it in place): ``write(result, out, *args, **kwargs)`` does that, in place of the
+    resize and copy, and returns the ``out=`` tensor.
 
     The CPU kernel also decides for the ``out=`` tensors whose semantics are its own: one on another device than
     its result (the fallback of ``name``), one whose elements alias each other or that shares memory with an input
@@ -314,7 +325,8 @@ def register_out(name: str, functional: Callable, warn_resize: bool = True, dtyp
             return _on_aliased_cpu_image(op, out_names, args, given, outs)
         if resize is not None:
             resize(outs, *args, **kwargs)
-        written = tuple(o if r is o else write_result(r, o, warn_resize) for r, o in zip(results, outs))
+        written = tuple(o if r is o else write(r, o, *args, **kwargs) if write is not None else
+                        write_result(r, o, warn_resize) for r, o in zip(results, outs))
         return written if isinstance(res, tuple) else written[0]
 
     out_variant.__name__ = out_variant.__qualname__ = f"{functional.__name__}_out"

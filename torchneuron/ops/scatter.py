@@ -45,7 +45,7 @@ from torchneuron.ops import base
 from torchneuron.ops.base import (aten, DEVICE_DTYPES, FLOATS, meta_twin, on_one_device, raise_like_cpu, type_name,
                                   resize_out, Unsupported)
 from torchneuron.ops.elementwise import (broadcast_shape, check_no_internal_overlap, check_no_overlap, dense,
-                                         device_copy, run_pointwise, to_int64, write_result)
+                                         device_copy, run_pointwise, to_int64)
 from torchneuron.ops.indexing import arange_values, index_rows_launch, mask_rows_launch
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering, refuse_other_out_dtypes, register_out
@@ -306,18 +306,41 @@ def _onehot_sums(onehot: torch.Tensor, vals: torch.Tensor, dtype: torch.dtype) -
     return total
 
 
-def _scatter_lowering(name: str, kind: str) -> None:
-    """Register one overload of scatter (src/value), scatter_add or scatter_reduce."""
+def _like_self(self: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Size, torch.dtype]:
+    """``register_out``'s ``into=`` for the scatters and row puts: their result is ``self``'s shape and dtype."""
+    return self.shape, self.dtype
+
+
+def _self_dtype(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.dtype:
+    """The dtype of a scatter's or row put's result: ``self``'s."""
+    return self.dtype
+
+
+def _start(self: torch.Tensor, inplace: bool, into: torch.Tensor | None) -> torch.Tensor:
+    """The tensor a scatter or row put writes into: ``self`` in place, else a copy of it (made in ``into``,
+    ``register_out``'s destination, when given)."""
+    if inplace:
+        return self
+    if into is None:
+        return self.clone()
+    device_copy(into, self)
+    return into
+
+
+def _scatter_lowering(name: str, kind: str, out_name: str | None = None) -> None:
+    """Register one overload of scatter (src/value), scatter_add or scatter_reduce, and from a functional one its
+    ``out=`` overload ``out_name`` (the CPU refuses an ``out=`` unlike ``self``)."""
     overload = base.overload(name)
     inplace = name.split(".")[0].endswith("_")
-    def kernel(self: torch.Tensor, dim: int, index: torch.Tensor, src: Any, *args: Any, **kwargs: Any):
-        out = kwargs.get("out")
+
+    def kernel(self: torch.Tensor, dim: int, index: torch.Tensor, src: Any, *args: Any,
+               into: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         reduce = None if kind == "scatter" else "sum" if kind == "add" else (args[0] if args else kwargs["reduce"])
         if kind == "legacy":   # scatter(..., reduce="add" | "multiply"): self always included
             reduce = {"add": "sum", "multiply": "prod"}.get(reduce, reduce)
         include_self = kwargs.get("include_self", args[1] if len(args) > 1 else True) if kind == "reduce" else True
         overload(*meta_twin((self, dim, index, src)), *args, **{k: meta_twin(v) for k, v in kwargs.items()})
-        tensors = [self, index, out] + ([src] if isinstance(src, torch.Tensor) else [])
+        tensors = [self, index] + ([src] if isinstance(src, torch.Tensor) else [])
         if not on_one_device(*tensors) or index.dtype not in INDEX_DTYPES or \
                 self.dtype not in (MOVE_DTYPES if reduce is None else DATA_DTYPES | {torch.int64}):
             raise Unsupported
@@ -327,7 +350,7 @@ def _scatter_lowering(name: str, kind: str) -> None:
             raise Unsupported
         if reduce == "mean" and self.dtype not in FLOATS + EXACT_INTS + (torch.int64,):
             raise Unsupported
-        target = self if inplace else write_result(self, out) if out is not None else self.clone()
+        target = _start(self, inplace, into)
         # the functional op re-run on CPU copies when an index is out of range
         tensor_src = isinstance(src, torch.Tensor)
         check = {"scatter": aten.scatter.src if tensor_src else aten.scatter.value,
@@ -337,18 +360,21 @@ def _scatter_lowering(name: str, kind: str) -> None:
                                                 if kind in ("reduce", "legacy") else ())
         _scatter_impl(target, dim, index, src, reduce, include_self, check, check_args)
         return target
+    kernel.__name__ = kernel.__qualname__ = name.replace(".", "_")
     lowering(name)(kernel)
+    if out_name is not None:
+        register_out(out_name, kernel, cast=refuse_other_out_dtypes(out_name, _self_dtype), into=_like_self)
 
 
-for _name in ("scatter.src", "scatter_.src", "scatter.src_out", "scatter.value", "scatter_.value", "scatter.value_out"):
-    _scatter_lowering(_name, "scatter")
-for _name in ("scatter.reduce", "scatter_.reduce", "scatter.reduce_out", "scatter.value_reduce",
-              "scatter_.value_reduce", "scatter.value_reduce_out"):
-    _scatter_lowering(_name, "legacy")
-for _name in ("scatter_add", "scatter_add_", "scatter_add.out"):
-    _scatter_lowering(_name, "add")
-for _name in ("scatter_reduce.two", "scatter_reduce_.two", "scatter_reduce.two_out"):
-    _scatter_lowering(_name, "reduce")
+for _kind, _functional, _inplace, _out in (
+        ("scatter", "scatter.src", "scatter_.src", "scatter.src_out"),
+        ("scatter", "scatter.value", "scatter_.value", "scatter.value_out"),
+        ("legacy", "scatter.reduce", "scatter_.reduce", "scatter.reduce_out"),
+        ("legacy", "scatter.value_reduce", "scatter_.value_reduce", "scatter.value_reduce_out"),
+        ("add", "scatter_add", "scatter_add_", "scatter_add.out"),
+        ("reduce", "scatter_reduce.two", "scatter_reduce_.two", "scatter_reduce.two_out")):
+    _scatter_lowering(_functional, _kind, _out)
+    _scatter_lowering(_inplace, _kind)
 
 
 # ---- row ops along one dim: index_copy, index_add, index_fill ----------------------------------
@@ -389,17 +415,19 @@ def _row_put(target: torch.Tensor, d: int, rows: torch.Tensor, source: torch.Ten
     _write(target, view, new.to(target.dtype).reshape(view.shape))
 
 
-def _row_lowering(name: str, kind: str) -> None:
+def _row_lowering(name: str, kind: str, out_name: str | None = None) -> None:
+    """Register one overload of index_copy, index_add or index_fill_, and from a functional one its ``out=``
+    overload ``out_name`` (the CPU refuses an ``out=`` unlike ``self``)."""
     overload = base.overload(name)
     packet = name.split(".")[0]
     inplace = packet.endswith("_")
     fn_op = {"copy": aten.index_copy.default, "add": aten.index_add.default, "fill": aten.index_fill.int_Scalar,
              "fillt": aten.index_fill.int_Tensor}[kind]
 
-    def kernel(self: torch.Tensor, dim: int, index: torch.Tensor, source: Any, *args: Any, **kwargs: Any):
-        out = kwargs.get("out")
+    def kernel(self: torch.Tensor, dim: int, index: torch.Tensor, source: Any, *args: Any,
+               into: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         alpha = kwargs.get("alpha", args[0] if args else 1)
-        tensors = [self, index, out] + ([source] if isinstance(source, torch.Tensor) and kind != "fillt" else [])
+        tensors = [self, index] + ([source] if isinstance(source, torch.Tensor) and kind != "fillt" else [])
         ok = DATA_DTYPES | ({torch.int64} if kind == "add" else set())   # int64 sums: exact by bytes
         if (not on_one_device(*tensors) or index.dtype not in INDEX_DTYPES or self.dtype not in ok
                 or (isinstance(source, torch.Tensor) and source.dtype not in ok)):
@@ -417,7 +445,7 @@ def _row_lowering(name: str, kind: str) -> None:
                 source = source.item()
             elif source.device != self.device:
                 raise Unsupported
-        target = self if inplace else (self.clone() if out is None else write_result(self.clone(), out))
+        target = _start(self, inplace, into)
         if index.numel() == 0 or self.numel() == 0:
             return target
         d = canonicalize_dim(max(self.dim(), 1), dim)
@@ -441,13 +469,15 @@ def _row_lowering(name: str, kind: str) -> None:
             return target
         _row_put(target, d, rows, source, kind == "add", alpha)
         return target
+    kernel.__name__ = kernel.__qualname__ = name.replace(".", "_")
     lowering(name)(kernel)
+    if out_name is not None:
+        register_out(out_name, kernel, cast=refuse_other_out_dtypes(out_name, _self_dtype), into=_like_self)
 
 
-for _name in ("index_copy", "index_copy_", "index_copy.out"):
-    _row_lowering(_name, "copy")
-for _name in ("index_add", "index_add_", "index_add.out"):
-    _row_lowering(_name, "add")
+for _packet, _kind in (("index_copy", "copy"), ("index_add", "add")):
+    _row_lowering(_packet, _kind, f"{_packet}.out")
+    _row_lowering(f"{_packet}_", _kind)
 _row_lowering("index_fill_.int_Scalar", "fill")
 _row_lowering("index_fill_.int_Tensor", "fillt")
 

@@ -30,10 +30,10 @@ from torch._prims_common import canonicalize_dim
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, FLOATS, meta_twin, on_one_device, raise_like_cpu, Unsupported
-from torchneuron.ops.elementwise import dense, run_pointwise, to_int64, write_result
+from torchneuron.ops.elementwise import dense, run_pointwise, to_int64
 from torchneuron.ops.indexing import arange_values
-from torchneuron.ops.registry import lowering, register_out
-from torchneuron.ops.scatter import (any_outside, check_out, compact, DATA_DTYPES, index_int32, match_tile,
+from torchneuron.ops.registry import lowering, refuse_other_out_dtypes, register_out
+from torchneuron.ops.scatter import (any_outside, compact, DATA_DTYPES, index_int32, match_tile,
                                      scatter_into, slot_tile)
 from torchneuron.ops.sort import SORT_LIMIT, sort_lines
 
@@ -75,58 +75,71 @@ def _positions(seq: torch.Tensor, values: Any, right: bool, out_int32: bool, sha
     return counts if out_int32 else to_int64(counts)
 
 
+def _both_bool(seq: torch.Tensor, values: Any) -> bool:
+    """Whether boundaries and values are both bool tensors, which the CPU kernels refuse (their common dtype has no
+    kernel; a bool beside another dtype, or a scalar, is promoted)."""
+    return seq.dtype == torch.bool and isinstance(values, torch.Tensor) and values.dtype == torch.bool
+
+
 def _search(overload: Any, seq: torch.Tensor, values: Any, out_int32: bool, right: bool, side: str | None,
-            sorter: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+            sorter: torch.Tensor | None) -> torch.Tensor:
     """``searchsorted`` after PyTorch's argument checks (sorter's range checked on the device)."""
     kw = {"out_int32": out_int32, "right": right, "side": side, "sorter": sorter}
-    if out is not None:
-        kw["out"] = out
     if not isinstance(values, torch.Tensor) and seq.dim() != 1:   # (the meta function fails on this one)
         raise RuntimeError(f"torch.searchsorted(): input value can be a scalar only when boundaries tensor dimension "
                            f"is 1, but we got boundaries tensor dim({seq.dim()}) and input value's dim(0) numel(1)")
-    if not on_one_device(seq, sorter, out, *([values] if isinstance(values, torch.Tensor) else [])):
-        raise Unsupported
+    if not on_one_device(seq, sorter, *([values] if isinstance(values, torch.Tensor) else [])):
+        raise Unsupported("tensors on more than one device")
     res = overload(meta_twin(seq), meta_twin(values), **{k: meta_twin(a) for k, a in kw.items()})
-    check_out(out, seq, *([values] if isinstance(values, torch.Tensor) else []), shape=res.shape)
+    if _both_bool(seq, values):
+        raise_like_cpu(overload, seq, values, **kw)
     if sorter is not None and any_outside(index_int32(sorter), 0, max(seq.shape[-1] if seq.dim() else 1, 1)):
         raise_like_cpu(overload, seq, values, **kw, with_data=True)
-    pos = _positions(seq, values, right or side == "right", out_int32, res.shape)
-    return write_result(pos, out) if out is not None else pos
+    return _positions(seq, values, right or side == "right", out_int32, res.shape)
 
 
-def _searchsorted_lowering(name: str) -> None:
-    overload = getattr(aten.searchsorted, name.split(".")[1])
+def _position_dtype(*args: Any, out_int32: bool = False, **kwargs: Any) -> torch.dtype:
+    """The dtype of searchsorted's and bucketize's positions."""
+    return torch.int32 if out_int32 else torch.int64
+
+
+def _searchsorted_lowering(overload_name: str) -> None:
+    overload = getattr(aten.searchsorted, overload_name)
 
     def kernel(sorted_sequence: torch.Tensor, self: Any, *, out_int32: bool = False, right: bool = False,
-               side: str | None = None, sorter: torch.Tensor | None = None, out: torch.Tensor | None = None):
+               side: str | None = None, sorter: torch.Tensor | None = None) -> torch.Tensor:
         """``torch.searchsorted``: a count of the boundaries before each value."""
-        return _search(overload, sorted_sequence, self, out_int32, right, side, sorter, out)
-    lowering(name)(kernel)
+        return _search(overload, sorted_sequence, self, out_int32, right, side, sorter)
+    kernel.__name__ = kernel.__qualname__ = f"searchsorted_{overload_name}"
+    lowering(f"searchsorted.{overload_name}")(kernel)
+    out_name = f"searchsorted.{overload_name}_out"
+    register_out(out_name, kernel, cast=refuse_other_out_dtypes(out_name, _position_dtype))
 
 
-for _name in ("searchsorted.Tensor", "searchsorted.Scalar", "searchsorted.Tensor_out", "searchsorted.Scalar_out"):
+for _name in ("Tensor", "Scalar"):
     _searchsorted_lowering(_name)
 
 
-def _bucketize_lowering(name: str) -> None:
-    overload = getattr(aten.bucketize, name.split(".")[1])
+def _bucketize_lowering(overload_name: str) -> None:
+    overload = getattr(aten.bucketize, overload_name)
 
-    def kernel(self: Any, boundaries: torch.Tensor, *, out_int32: bool = False, right: bool = False,
-               out: torch.Tensor | None = None):
+    def kernel(self: Any, boundaries: torch.Tensor, *, out_int32: bool = False, right: bool = False) -> torch.Tensor:
         """``torch.bucketize``: ``searchsorted`` over 1-D boundaries."""
-        kw = {"out_int32": out_int32, "right": right, **({"out": out} if out is not None else {})}
         if boundaries.dim() != 1:
             raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({boundaries.dim()})")
-        if not on_one_device(boundaries, out, *([self] if isinstance(self, torch.Tensor) else [])):
-            raise Unsupported
-        res = overload(meta_twin(self), meta_twin(boundaries), **{k: meta_twin(a) for k, a in kw.items()})
-        check_out(out, self, boundaries, shape=res.shape)
-        pos = _positions(boundaries, self, right, out_int32, res.shape)
-        return write_result(pos, out) if out is not None else pos
-    lowering(name)(kernel)
+        if not on_one_device(boundaries, *([self] if isinstance(self, torch.Tensor) else [])):
+            raise Unsupported("tensors on more than one device")
+        res = overload(meta_twin(self), meta_twin(boundaries), out_int32=out_int32, right=right)
+        if _both_bool(boundaries, self):
+            raise_like_cpu(overload, self, boundaries, out_int32=out_int32, right=right)
+        return _positions(boundaries, self, right, out_int32, res.shape)
+    kernel.__name__ = kernel.__qualname__ = f"bucketize_{overload_name}"
+    lowering(f"bucketize.{overload_name}")(kernel)
+    out_name = f"bucketize.{overload_name}_out"
+    register_out(out_name, kernel, cast=refuse_other_out_dtypes(out_name, _position_dtype))
 
 
-for _name in ("bucketize.Tensor", "bucketize.Scalar", "bucketize.Tensor_out"):
+for _name in ("Tensor", "Scalar"):
     _bucketize_lowering(_name)
 
 
