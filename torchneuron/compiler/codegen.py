@@ -249,6 +249,8 @@ class _Body:
             like = tiles[0]
             for node in g.nodes:
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a] if a in env else self.value(a))
+                if node.target in lowering.SCALARS_AT_COMMON_DTYPE:
+                    args, kwargs = lowering.scalars_at_common_dtype(node, args, kwargs)
                 tile_fn, tile_args = lowering.POINTWISE[node.target](*args, **kwargs)
                 ops = [const(o, like) if isinstance(o, (int, float, bool)) else o for o in tile_args]
                 out = tile_fn(*ops)

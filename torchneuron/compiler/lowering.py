@@ -20,16 +20,19 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
+from torchneuron.ops.base import HALF_FLOATS, rounded_scalar
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 VIEWS: set = set()
 POINTWISE: dict[Any, Callable] = {}
+SCALARS_AT_COMMON_DTYPE: set = set()   # element-wise ops whose Python-number operands PyTorch reads in their dtype
 KERNELS: dict[Any, Callable] = {}
 SUPPORTS: dict[Any, Callable] = {}   # kernel op -> pred(node, *traced args): may it be lowered here?
 
@@ -39,9 +42,28 @@ def register_view(*ops: Any) -> None:
     VIEWS.update(ops)
 
 
-def register_pointwise(op: Any, build: Callable) -> None:
-    """An element-wise op: ``build(*args, **kwargs) -> (tile_fn, operands)``."""
+def register_pointwise(op: Any, build: Callable, scalars_at_common_dtype: bool = False) -> None:
+    """An element-wise op: ``build(*args, **kwargs) -> (tile_fn, operands)``. ``scalars_at_common_dtype``: the
+    op reads a Python-number operand (and ``alpha``) rounded to a bfloat16 or float16 common dtype first, as
+    PyTorch's kernels read every input at the common dtype (``bf16 + 0.3`` adds 0.30078125); ``mul``, ``div``
+    and the ops' Scalar arguments (clamp bounds, addcmul's value) read theirs in float32."""
     POINTWISE[op] = build
+    if scalars_at_common_dtype:
+        SCALARS_AT_COMMON_DTYPE.add(op)
+
+
+def scalars_at_common_dtype(node: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` of a ``SCALARS_AT_COMMON_DTYPE`` node with its Python numbers rounded to the
+    node's common dtype where that is bfloat16 or float16."""
+    typed = [a.meta["val"] if hasattr(a, "meta") else a for a in node.args if hasattr(a, "meta") or
+             (isinstance(a, (int, float)) and not isinstance(a, bool))]
+    common = elementwise_dtypes(*typed, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
+    if common not in HALF_FLOATS:
+        return args, kwargs
+
+    def rounded(v: Any) -> Any:
+        return rounded_scalar(v, common) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+    return tuple(rounded(a) for a in args), {k: rounded(v) for k, v in kwargs.items()}
 
 
 def register_kernel(op: Any) -> Callable[[Callable], Callable]:
@@ -116,15 +138,17 @@ for _op, _fn in {aten.mul: tm.mul, aten.div: tm.div, aten.maximum: tm.maximum, a
                  aten.atan2: tm.atan2}.items():
     for _overload in ("Tensor", "Scalar", "default"):
         if hasattr(_op, _overload):
-            register_pointwise(getattr(_op, _overload), _binary(_fn))
-register_pointwise(aten.pow.Tensor_Tensor, _binary(tm.pow_))
-register_pointwise(aten.pow.Tensor_Scalar, lambda x, y: (tm.pow_scalar(float(y)), [x]))
+            register_pointwise(getattr(_op, _overload), _binary(_fn), scalars_at_common_dtype=_op not in (aten.mul,
+                                                                                                       aten.div))
+register_pointwise(aten.pow.Tensor_Tensor, _binary(tm.pow_), scalars_at_common_dtype=True)
+register_pointwise(aten.pow.Tensor_Scalar, lambda x, y: (tm.pow_scalar(float(y)), [x]), scalars_at_common_dtype=True)
 register_pointwise(aten.pow.Scalar, lambda x, y: (tm.pow_, [x, y]))   # a scalar base (Adam's bias correction)
-register_pointwise(aten.add.Tensor, _scaled(tm.add, tm.add_scaled))
-register_pointwise(aten.add.Scalar, _scaled(tm.add, tm.add_scaled))
-register_pointwise(aten.sub.Tensor, _scaled(tm.sub, tm.sub_scaled))
-register_pointwise(aten.sub.Scalar, _scaled(tm.sub, tm.sub_scaled))
-register_pointwise(aten.rsub.Scalar, lambda x, y, alpha=1: _scaled(tm.sub, tm.sub_scaled)(y, x, alpha))
+register_pointwise(aten.add.Tensor, _scaled(tm.add, tm.add_scaled), scalars_at_common_dtype=True)
+register_pointwise(aten.add.Scalar, _scaled(tm.add, tm.add_scaled), scalars_at_common_dtype=True)
+register_pointwise(aten.sub.Tensor, _scaled(tm.sub, tm.sub_scaled), scalars_at_common_dtype=True)
+register_pointwise(aten.sub.Scalar, _scaled(tm.sub, tm.sub_scaled), scalars_at_common_dtype=True)
+register_pointwise(aten.rsub.Scalar, lambda x, y, alpha=1: _scaled(tm.sub, tm.sub_scaled)(y, x, alpha),
+                   scalars_at_common_dtype=True)
 register_pointwise(aten.logical_and.default, _binary(tm.logical_and))
 register_pointwise(aten.logical_or.default, _binary(tm.logical_or))
 register_pointwise(aten.where.self, lambda c, x, y: (tm.where, [c, x, y]))

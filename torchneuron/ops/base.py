@@ -37,6 +37,23 @@ class Unsupported(Exception):
 
 # ---- memory ------------------------------------------------------------------------------------------
 
+HALF_FLOATS = (torch.bfloat16, torch.float16)
+_ROUNDED_SCALARS: dict = {}
+
+
+def rounded_scalar(v: int | float, dtype: torch.dtype) -> int | float:
+    """A Python number as PyTorch converts its wrapped tensor (int64 or float64) to ``dtype`` (an input read at
+    its kernel's common dtype: ``bf16 + 0.3`` adds 0.30078125)."""
+    key = (type(v), v, dtype)
+    hit = _ROUNDED_SCALARS.get(key)
+    if hit is None:
+        if len(_ROUNDED_SCALARS) > 4096:
+            _ROUNDED_SCALARS.clear()
+        wrapped = torch.tensor(v, dtype=torch.float64 if isinstance(v, float) else torch.int64)
+        hit = _ROUNDED_SCALARS[key] = wrapped.to(dtype).item()
+    return hit
+
+
 def storage_span(t: torch.Tensor) -> torch.Tensor:
     """The contiguous 1-D run of storage a (non-empty) view covers, starting at its first element: what a
     kernel binds to read or write the view through its strides."""

@@ -29,7 +29,8 @@ from torchneuron.kernels.copy import multi_copy, strided_copy, widen_int64
 from torchneuron.kernels.elementwise import KERNELS, NAMES, fold_broadcast
 from torchneuron.kernels.transpose import permute_kernel
 from torchneuron.kernels import tilemath
-from torchneuron.ops.base import DEVICE_DTYPES, resize_out, storage_span, type_name, Unsupported
+from torchneuron.ops.base import (DEVICE_DTYPES, HALF_FLOATS, resize_out, rounded_scalar, storage_span, type_name,
+                                  Unsupported)
 from torchneuron.ops.kernel_call import call_kernel, launch_traced, scalar_operand, traced_kernel
 
 Number = (int, float, bool)
@@ -327,6 +328,37 @@ def promote(operands: list, kind: KIND) -> tuple[torch.dtype, torch.dtype]:
     return hit
 
 
+def inputs_at_common_dtype(operands: list, keep: tuple[int, ...] = (), keep_scalar: tuple[int, ...] = ()) -> list:
+    """``operands`` as PyTorch hands a kernel its inputs when their common dtype is bfloat16 or float16.
+
+    TensorIterator casts every input to the common dtype before the kernel's float32 math (CPU and CUDA alike),
+    so an input of another dtype (a Python number, a 0-dim tensor of a wider float, an integer tensor) is rounded
+    to it first: ``bf16 + 0.3`` adds 0.30078125, and ``bf16 % 0.3`` takes the remainder of 0.30078125. The tile
+    math loads every operand in float32, so without this it would use the unrounded value. ``keep``: positions of
+    Scalar arguments the CPU kernel reads in float32 (addcmul's ``value``, lerp's scalar weight); ``keep_scalar``:
+    positions read in float32 when they hold a scalar (mul's and div's second operand, which the CPU kernels read
+    with ``original_scalar_value``)."""
+    first = operands[0]
+    if isinstance(first, torch.Tensor) and all(isinstance(o, torch.Tensor) and o.dtype == first.dtype
+                                               for o in operands):
+        return operands   # one dtype: nothing to convert
+    common = promote([o for i, o in enumerate(operands) if i not in keep], KIND.DEFAULT)[1]
+    if common not in HALF_FLOATS:
+        return operands
+    converted = []
+    for i, o in enumerate(operands):
+        scalar = not isinstance(o, torch.Tensor) or o.dim() == 0
+        if i in keep or (i in keep_scalar and scalar) or isinstance(o, bool):
+            converted.append(o)
+        elif isinstance(o, torch.Tensor):
+            converted.append(o if o.dtype == common else o.to(common))
+        elif isinstance(o, (int, float)):
+            converted.append(rounded_scalar(o, common))
+        else:
+            converted.append(o)
+    return converted
+
+
 def _fold(shape: tuple, shapes: tuple) -> tuple[bool, list, int, int]:
     """(materialise broadcasts first, kind of each operand, R, C) of the kernel's [R, C] problem (memoised)."""
     key = (shape, shapes)
@@ -396,6 +428,10 @@ def run_pointwise(fn: Callable, operands: list, kind: KIND, target: torch.Tensor
             check_overlap(target, tensors)
         if not inplace and tuple(target.shape) != shape:
             resize_out(target, shape)
+        if not inplace and target.dtype != result and result in HALF_FLOATS:
+            # the CPU computes in the 2-byte common dtype and casts that into a wider out= tensor: round there first
+            device_copy(target, run_pointwise(fn, operands, kind, None, False, result_dtype, op))
+            return target
     tile_dtype = nl.float32 if compute.is_floating_point else nl.int32
     out_dtype = target.dtype if target is not None else result
     n = 1

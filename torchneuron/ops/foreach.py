@@ -17,7 +17,7 @@ import torch
 
 from torchneuron.kernels.foreach import foreach_kernel, foreach_sum_kernel, operand_name
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import aten, FLOATS
+from torchneuron.ops.base import aten, FLOATS, HALF_FLOATS, rounded_scalar
 from torchneuron.ops.kernel_call import call_kernel, host_operand
 from torchneuron.ops.pointwise import UNARY_FLOAT, UNARY_SAME
 from torchneuron.ops.registry import lowering
@@ -66,6 +66,21 @@ def _operand(o: Any, device: torch.device) -> Any:
     return o
 
 
+def _at_dtype(operands: list[Any], dtype: torch.dtype) -> list[Any]:
+    """The scalar operands rounded to the lists' bfloat16 or float16 dtype first, as the per-tensor op reads its
+    inputs (``elementwise.inputs_at_common_dtype``): ``bf16 + 0.3`` adds 0.30078125."""
+    if dtype not in HALF_FLOATS:
+        return operands
+
+    def rounded(o: Any) -> Any:
+        if isinstance(o, tuple):
+            return tuple(rounded(v) for v in o)
+        if isinstance(o, torch.Tensor) and o.dim() == 0:
+            o = o.item() if o.device.type == "cpu" else o.to(dtype)
+        return rounded_scalar(o, dtype) if isinstance(o, (int, float)) and not isinstance(o, bool) else o
+    return [rounded(o) for o in operands]
+
+
 def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inplace: bool, op: str,
             result_dtype: torch.dtype | None = None):
     """``fn(self[i], *operands at i)`` for every i, in launches of up to MAX_GROUPS tensors.
@@ -101,10 +116,11 @@ def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inp
     return None if inplace else results
 
 
-def _register(overload: str, build: Callable, each: Callable) -> None:
+def _register(overload: str, build: Callable, each: Callable, at_dtype: bool = False) -> None:
     """Lower ``aten::_foreach_<overload>``: ``build(*args, **kw)`` gives (tile function, operands after
     self, see ``_launch``); ``each(call, i, t, *args, **kw)`` is tensor i's op in the per-tensor loop,
-    ``call`` being the ``torch.Tensor`` method of the same name."""
+    ``call`` being the ``torch.Tensor`` method of the same name. ``at_dtype``: the op reads its scalar operands
+    in the lists' dtype (``_at_dtype``)."""
     packet, _, ov = overload.partition(".")
     inplace = packet.endswith("_")
     op = str(getattr(getattr(aten, "_foreach_" + packet), ov or "default"))
@@ -115,6 +131,8 @@ def _register(overload: str, build: Callable, each: Callable) -> None:
             if not self:
                 raise _Loop
             fn, operands = build(*args, **kwargs)
+            if at_dtype:
+                operands = _at_dtype(operands, self[0].dtype)
             return _launch(fn, self, operands, inplace, op)
         except _Loop:
             out = [each(call, i, t, *args, **kwargs) for i, t in enumerate(self)]
@@ -130,25 +148,27 @@ def _alpha(fn: Callable, scaled: Callable | None, alpha: Any) -> tuple[Callable,
     return scaled, [alpha]
 
 
-def _binary(name: str, fn: Callable, scaled: Callable | None) -> None:
-    """``_foreach_<name>(_)`` with a scalar, a list of scalars, a tensor list or a scalar tensor."""
+def _binary(name: str, fn: Callable, scaled: Callable | None, at_dtype: bool) -> None:
+    """``_foreach_<name>(_)`` with a scalar, a list of scalars, a tensor list or a scalar tensor (``at_dtype``:
+    the scalars and alpha read in the lists' dtype, as ``add`` and ``sub`` read theirs; ``mul`` and ``div``
+    read a scalar in float32)."""
     def with_other(other, *, alpha=1):
         f, extra = _alpha(fn, scaled, alpha)
         return f, [other, *extra]
     shared = lambda call, i, t, x, **kw: call(t, x, **kw)           # noqa: E731
     item = lambda call, i, t, xs, **kw: call(t, xs[i], **kw)        # noqa: E731
     for packet in (name, name + "_"):
-        _register(f"{packet}.Scalar", lambda s: (fn, [s]), shared)
-        _register(f"{packet}.ScalarList", lambda ss: (fn, [tuple(ss)]), item)
-        _register(f"{packet}.List", lambda other, **kw: with_other(list(other), **kw), item)
+        _register(f"{packet}.Scalar", lambda s: (fn, [s]), shared, at_dtype)
+        _register(f"{packet}.ScalarList", lambda ss: (fn, [tuple(ss)]), item, at_dtype)
+        _register(f"{packet}.List", lambda other, **kw: with_other(list(other), **kw), item, at_dtype)
         if hasattr(getattr(aten, "_foreach_" + packet), "Tensor"):
-            _register(f"{packet}.Tensor", with_other, shared)
+            _register(f"{packet}.Tensor", with_other, shared, at_dtype)
 
 
-_binary("add", tm.add, tm.add_scaled)
-_binary("sub", tm.sub, tm.sub_scaled)
-_binary("mul", tm.mul, None)
-_binary("div", tm.div, None)
+_binary("add", tm.add, tm.add_scaled, at_dtype=True)
+_binary("sub", tm.sub, tm.sub_scaled, at_dtype=True)
+_binary("mul", tm.mul, None, at_dtype=False)
+_binary("div", tm.div, None, at_dtype=False)
 
 for _name, _fn in {**UNARY_FLOAT, **UNARY_SAME}.items():
     if hasattr(aten, "_foreach_" + _name):

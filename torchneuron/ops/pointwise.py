@@ -19,7 +19,7 @@ import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
 from torchneuron.kernels.int64_words import int64_add
 from torchneuron.ops.base import overload, overload_exists, resize_out, type_name, Unsupported, variants
-from torchneuron.ops.elementwise import dense, device_copy, KIND, Number, run_pointwise
+from torchneuron.ops.elementwise import dense, device_copy, inputs_at_common_dtype, KIND, Number, run_pointwise
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering
 
@@ -47,6 +47,15 @@ def register_pointwise(names: list[str], build: Callable, kind: KIND, result_dty
                     raise   # neither the tile function nor an alternative runs it: the CPU fallback
                 return res
         lowering(name)(kernel)
+
+
+def at_common_dtype(build: Callable, keep: tuple[int, ...] = (), keep_scalar: tuple[int, ...] = ()) -> Callable:
+    """``build`` with its operands read at their common dtype, as the CPU reads a kernel's inputs
+    (``elementwise.inputs_at_common_dtype``; ``keep``/``keep_scalar`` as there)."""
+    def build_at_common_dtype(*args: Any, **kwargs: Any) -> tuple[Callable, list]:
+        fn, operands = build(*args, **kwargs)
+        return fn, inputs_at_common_dtype(operands, keep, keep_scalar)
+    return build_at_common_dtype
 
 
 # unary ops: tile function and promotion kind
@@ -146,10 +155,12 @@ def _int64_add(args: tuple, kwargs: dict, out: torch.Tensor | None, inplace: boo
 ALTERNATIVES: dict[str, Callable] = {   # tried before the CPU fallback, by op name
     "add": _int64_add, "sub": lambda a, k, o, i: _int64_add(a, k, o, i, -1),
 }
-register_pointwise(variants("add", "Tensor", "Scalar"), _add, KIND.DEFAULT)
-register_pointwise(variants("sub", "Tensor", "Scalar"), _sub, KIND.DEFAULT)
-register_pointwise(["rsub.Tensor", "rsub.Scalar", "rsub.Tensor_out", "rsub.Scalar_out"], _rsub, KIND.DEFAULT)
-register_pointwise(variants("mul", "Tensor", "Scalar"), lambda x, y: (tm.mul, [x, y]), KIND.DEFAULT)
+register_pointwise(variants("add", "Tensor", "Scalar"), at_common_dtype(_add), KIND.DEFAULT)
+register_pointwise(variants("sub", "Tensor", "Scalar"), at_common_dtype(_sub), KIND.DEFAULT)
+register_pointwise(["rsub.Tensor", "rsub.Scalar", "rsub.Tensor_out", "rsub.Scalar_out"], at_common_dtype(_rsub),
+                   KIND.DEFAULT)
+register_pointwise(variants("mul", "Tensor", "Scalar"),
+                   at_common_dtype(lambda x, y: (tm.mul, [x, y]), keep_scalar=(1,)), KIND.DEFAULT)
 
 
 def _div(x, y, rounding_mode=None):
@@ -163,45 +174,46 @@ def _div(x, y, rounding_mode=None):
     return fn, [x, y]
 
 
-register_pointwise(variants("div", "Tensor", "Scalar"), _div, KIND.INT_TO_FLOAT)
+register_pointwise(variants("div", "Tensor", "Scalar"), at_common_dtype(_div, keep_scalar=(1,)), KIND.INT_TO_FLOAT)
 register_pointwise(["div.Tensor_mode", "div_.Tensor_mode", "div.out_mode", "div.Scalar_mode", "div_.Scalar_mode",
-            "div.Scalar_mode_out"], _div, KIND.DEFAULT)
+            "div.Scalar_mode_out"], at_common_dtype(_div, keep_scalar=(1,)), KIND.DEFAULT)
 register_pointwise([n for n in ("floor_divide", "floor_divide_.Tensor", "floor_divide.out", "floor_divide.Scalar",
                         "floor_divide_.Scalar", "floor_divide.Scalar_out") if overload_exists(n)],
-           lambda x, y: _div(x, y, "floor"), KIND.DEFAULT)
-register_pointwise(["maximum", "maximum.out"], lambda x, y: (tm.maximum, [x, y]), KIND.DEFAULT)
-register_pointwise(["minimum", "minimum.out"], lambda x, y: (tm.minimum, [x, y]), KIND.DEFAULT)
-register_pointwise(["fmax", "fmax.out"], lambda x, y: (tm.fmax, [x, y]), KIND.DEFAULT)
-register_pointwise(["fmin", "fmin.out"], lambda x, y: (tm.fmin, [x, y]), KIND.DEFAULT)
-register_pointwise(["atan2", "atan2_", "atan2.out"], lambda x, y: (tm.atan2, [x, y]), KIND.INT_TO_FLOAT)
-register_pointwise(["hypot", "hypot_", "hypot.out"], lambda x, y: (tm.hypot, [x, y]), KIND.DEFAULT)
+           at_common_dtype(lambda x, y: _div(x, y, "floor"), keep_scalar=(1,)), KIND.DEFAULT)
+register_pointwise(["maximum", "maximum.out"], at_common_dtype(lambda x, y: (tm.maximum, [x, y])), KIND.DEFAULT)
+register_pointwise(["minimum", "minimum.out"], at_common_dtype(lambda x, y: (tm.minimum, [x, y])), KIND.DEFAULT)
+register_pointwise(["fmax", "fmax.out"], at_common_dtype(lambda x, y: (tm.fmax, [x, y])), KIND.DEFAULT)
+register_pointwise(["fmin", "fmin.out"], at_common_dtype(lambda x, y: (tm.fmin, [x, y])), KIND.DEFAULT)
+register_pointwise(["atan2", "atan2_", "atan2.out"], at_common_dtype(lambda x, y: (tm.atan2, [x, y])),
+                   KIND.INT_TO_FLOAT)
+register_pointwise(["hypot", "hypot_", "hypot.out"], at_common_dtype(lambda x, y: (tm.hypot, [x, y])), KIND.DEFAULT)
 register_pointwise(["copysign.Tensor", "copysign_.Tensor", "copysign.out", "copysign.Scalar", "copysign_.Scalar",
-            "copysign.Scalar_out"], lambda x, y: (tm.copysign, [x, y]), KIND.INT_TO_FLOAT)
+            "copysign.Scalar_out"], at_common_dtype(lambda x, y: (tm.copysign, [x, y])), KIND.INT_TO_FLOAT)
 
 
 @functools.cache
-def _xlogy_half(dtype: torch.dtype) -> Callable:
-    """xlogy computed in ``dtype`` (bf16 or fp16) as the CPU's kernel does it: log(y) rounded to the dtype, then
-    x * that rounded again (``x * std::log(y)`` on 2-byte scalars), the operands first taken to the dtype (a
-    Python scalar, an integer tensor) as the CPU's common dtype does. The fp32 product of two 2-byte values is
-    exact, so rounding it to the dtype is the CPU's rounding; it is rounded here too, not only by the store,
-    for an ``out=`` of a wider dtype."""
+def x_log_half(dtype: torch.dtype, log: Callable) -> Callable:
+    """``x * log(y)`` (xlogy; xlog1py with ``log`` = log1p) in ``dtype`` (bf16 or fp16) as the CPU's kernel
+    computes it: log(y) rounded to the dtype, then x * that rounded again (``x * std::log(y)`` on 2-byte scalars),
+    the operands first taken to the dtype (a Python scalar, an integer tensor) as the CPU's common dtype does.
+    The fp32 product of two 2-byte values is exact, so rounding it to the dtype is the CPU's rounding; it is
+    rounded here too, not only by the store, for an ``out=`` of a wider dtype. 0 where x == 0 unless y is nan."""
     half = nl.bfloat16 if dtype == torch.bfloat16 else nl.float16
 
     def rounded(t):
         return nl.copy(nl.copy(t, dtype=half), dtype=nl.float32)
 
-    def xlogy_half(x, y):
+    def x_log_in_half(x, y):
         x, y = rounded(x), rounded(y)   # a scalar or an integer operand, in the dtype as on the CPU
-        r = tm.where(nl.equal(x, 0.0), tm._fill(x, y, 0), rounded(nl.multiply(x, rounded(nl.log(y)))))
+        r = tm.where(nl.equal(x, 0.0), tm._fill(x, y, 0), rounded(nl.multiply(x, rounded(log(y)))))
         return tm.where(tm.isnan(y), y, r)
-    xlogy_half.__name__ = f"xlogy_{type_name(dtype)}"
-    return xlogy_half
+    x_log_in_half.__name__ = f"x_{log.__name__}_{type_name(dtype)}"
+    return x_log_in_half
 
 
 def _xlogy(x, y):
     dtype = torch.result_type(x, y)
-    return (_xlogy_half(dtype) if dtype in (torch.bfloat16, torch.float16) else tm.xlogy), [x, y]
+    return (x_log_half(dtype, nl.log) if dtype in (torch.bfloat16, torch.float16) else tm.xlogy), [x, y]
 
 
 register_pointwise(["xlogy.Tensor", "xlogy_.Tensor", "xlogy.OutTensor", "xlogy.Scalar_Other", "xlogy_.Scalar_Other",
@@ -216,8 +228,8 @@ def float_only(fn: Callable) -> Callable:
     return build
 
 
-register_pointwise(variants("remainder", "Tensor", "Scalar"), float_only(tm.remainder), KIND.DEFAULT)
-register_pointwise(variants("fmod", "Tensor", "Scalar"), float_only(tm.fmod), KIND.DEFAULT)
+register_pointwise(variants("remainder", "Tensor", "Scalar"), at_common_dtype(float_only(tm.remainder)), KIND.DEFAULT)
+register_pointwise(variants("fmod", "Tensor", "Scalar"), at_common_dtype(float_only(tm.fmod)), KIND.DEFAULT)
 
 
 def _pow(x, y):
@@ -239,7 +251,7 @@ def _pow(x, y):
 
 
 register_pointwise(["pow.Tensor_Tensor", "pow_.Tensor", "pow.Tensor_Tensor_out", "pow.Tensor_Scalar", "pow_.Scalar",
-            "pow.Tensor_Scalar_out", "pow.Scalar", "pow.Scalar_out"], _pow, KIND.DEFAULT)
+            "pow.Tensor_Scalar_out", "pow.Scalar", "pow.Scalar_out"], at_common_dtype(_pow), KIND.DEFAULT)
 
 # comparisons and logical ops: bool results
 _NARROW_INTS = (torch.uint8, torch.int8, torch.int16, torch.int32)
@@ -267,7 +279,8 @@ def _comparison(fn: Callable) -> Callable:
 
 
 for _name, _fn in {"eq": tm.eq, "ne": tm.ne, "lt": tm.lt, "le": tm.le, "gt": tm.gt, "ge": tm.ge}.items():
-    register_pointwise(variants(_name, "Tensor", "Scalar"), _comparison(_fn), KIND.ALWAYS_BOOL, torch.bool)
+    register_pointwise(variants(_name, "Tensor", "Scalar"), at_common_dtype(_comparison(_fn)), KIND.ALWAYS_BOOL,
+                       torch.bool)
 for _name, _fn in {"logical_and": tm.logical_and, "logical_or": tm.logical_or,
                    "logical_xor": tm.logical_xor}.items():
     register_pointwise([_name, f"{_name}_", f"{_name}.out"], (lambda f: lambda x, y: (f, [x, y]))(_fn), KIND.ALWAYS_BOOL,
@@ -355,12 +368,14 @@ register_pointwise(["clamp_max", "clamp_max_", "clamp_max.out", "clamp_max.Tenso
                    KIND.DEFAULT)
 
 # ternary
-register_pointwise(["addcmul", "addcmul_", "addcmul.out"], lambda s, a, b, value=1: (tm.addcmul, [s, a, b, value]),
-           KIND.DEFAULT)
-register_pointwise(["addcdiv", "addcdiv_", "addcdiv.out"], lambda s, a, b, value=1: (tm.addcdiv, [s, a, b, value]),
-           KIND.DEFAULT)
-register_pointwise(["lerp.Scalar", "lerp_.Scalar", "lerp.Scalar_out", "lerp.Tensor", "lerp_.Tensor", "lerp.Tensor_out"],
-           lambda s, e, w: (tm.lerp, [s, e, w]), KIND.DEFAULT)
+register_pointwise(["addcmul", "addcmul_", "addcmul.out"],
+                   at_common_dtype(lambda s, a, b, value=1: (tm.addcmul, [s, a, b, value]), keep=(3,)), KIND.DEFAULT)
+register_pointwise(["addcdiv", "addcdiv_", "addcdiv.out"],
+                   at_common_dtype(lambda s, a, b, value=1: (tm.addcdiv, [s, a, b, value]), keep=(3,)), KIND.DEFAULT)
+register_pointwise(["lerp.Scalar", "lerp_.Scalar", "lerp.Scalar_out"],
+                   at_common_dtype(lambda s, e, w: (tm.lerp, [s, e, w]), keep=(2,)), KIND.DEFAULT)
+register_pointwise(["lerp.Tensor", "lerp_.Tensor", "lerp.Tensor_out"],
+                   at_common_dtype(lambda s, e, w: (tm.lerp, [s, e, w])), KIND.DEFAULT)
 
 # activations and their backward ops
 def _approximate(approximate: str) -> bool:

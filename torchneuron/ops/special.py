@@ -13,7 +13,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torchneuron.kernels import tilemath_special as ts
 from torchneuron.ops.base import aten, on_one_device, overload_exists, Unsupported, variants
 from torchneuron.ops.elementwise import run_pointwise
-from torchneuron.ops.pointwise import register_pointwise
+from torchneuron.ops.pointwise import at_common_dtype, register_pointwise, x_log_half
 from torchneuron.ops.registry import lowering, register_out
 
 POLYGAMMA_MAX_N = 6
@@ -88,15 +88,23 @@ def _polygamma(n, x):
 register_pointwise(["polygamma", "polygamma.out"], _polygamma, KIND.INT_TO_FLOAT)
 
 # binary
-register_pointwise(["logaddexp", "logaddexp.out"], _guarded(aten.logaddexp.default, lambda a, b: (ts.logaddexp, [a, b])),
+register_pointwise(["logaddexp", "logaddexp.out"],
+                   at_common_dtype(_guarded(aten.logaddexp.default, _binary(ts.logaddexp))),
            KIND.INT_TO_FLOAT)
-register_pointwise(["logaddexp2", "logaddexp2.out"], _guarded(aten.logaddexp2.default, lambda a, b: (ts.logaddexp2, [a, b])),
+register_pointwise(["logaddexp2", "logaddexp2.out"],
+                   at_common_dtype(_guarded(aten.logaddexp2.default, _binary(ts.logaddexp2))),
            KIND.INT_TO_FLOAT)
-register_pointwise(["special_xlog1py", "special_xlog1py.out"], lambda x, y: (ts.xlog1py, [x, y]), KIND.INT_TO_FLOAT)
+def _xlog1py(x, y):
+    dtype = torch.result_type(x, y)
+    return (x_log_half(dtype, ts.log1p_wide) if dtype in (torch.bfloat16, torch.float16) else ts.xlog1py), [x, y]
+
+
+register_pointwise(["special_xlog1py", "special_xlog1py.out"], _xlog1py, KIND.INT_TO_FLOAT)
 
 
 for _name, _fn in {"igamma": ts.igamma, "igammac": ts.igammac}.items():   # ints raise, as on the CPU
-    register_pointwise(variants(_name, ""), _guarded(getattr(aten, _name).default, _binary(_fn)), KIND.INT_TO_FLOAT)
+    register_pointwise(variants(_name, ""), at_common_dtype(_guarded(getattr(aten, _name).default, _binary(_fn))),
+                       KIND.INT_TO_FLOAT)
 
 
 def _heaviside(x, values):
@@ -107,7 +115,7 @@ def _heaviside(x, values):
     return ts.heaviside, [x, values]
 
 
-register_pointwise(["heaviside", "heaviside_", "heaviside.out"], _heaviside, KIND.DEFAULT)
+register_pointwise(["heaviside", "heaviside_", "heaviside.out"], at_common_dtype(_heaviside), KIND.DEFAULT)
 
 
 def _nextafter(a, b):
