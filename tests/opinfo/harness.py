@@ -534,9 +534,28 @@ def _abs64(x):
     return x
 
 
+def _fft_term_magnitudes(op, parts: tuple) -> torch.Tensor | None:
+    """A bound on sum(|terms|) for every output element of an FFT op: each output is a sum of inputs times
+    twiddles of modulus 1 (times the norm's scale), so its sum(|terms|) is at most the transform of |x| at zero
+    frequency, the largest value of that transform; twice that for the Hermitian ops (hfft, irfft), whose stored
+    inputs each stand for two terms."""
+    x = parts[0]
+    if not isinstance(x, torch.Tensor):
+        return None
+    try:
+        out = _run(op, (x.detach().abs().double(), *parts[1:]))
+    except Exception:  # noqa: BLE001 (the plain tolerance)
+        return None
+    if not isinstance(out, torch.Tensor) or out.numel() == 0:
+        return None
+    return torch.full(out.shape, 2 * float(out.abs().amax()), dtype=torch.float64)
+
+
 def term_magnitudes(op, parts: tuple) -> torch.Tensor | None:
     """Per output element, sum(|terms|) of a sum of products: the op on the inputs' absolute values in float64
     (None when the op is not one, or that cannot be run)."""
+    if op.name.startswith("fft."):
+        return _fft_term_magnitudes(op, parts)
     if not _accumulating(op):
         return None
     try:

@@ -42,6 +42,28 @@ def test_another_summation_order_passes_and_a_wrong_element_fails():
         torch.testing.assert_close(wrong, kept)
 
 
+def test_fft_bound_covers_every_outputs_terms_and_a_wrong_element_fails():
+    """An FFT output's terms are the inputs times unit twiddles: the bound is at least sum(|x|) (times two for
+    a Hermitian op) at every frequency, computed here from the explicit DFT sum."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (5, 6, 7), generator=gen, dtype=torch.uint8)
+    hfft2 = next(o for o in op_db if o.name == "fft.hfft2")
+    parts = (x, (), {"dim": (-3, -2, -1)})
+    expected = hfft2.op(x, dim=(-3, -2, -1))
+    bound = term_magnitudes(hfft2, parts)
+    assert bound.shape == expected.shape
+    assert (bound >= 2 * x.double().abs().sum()).all()          # the Hermitian expansion counts x twice
+    c2c = next(o for o in op_db if o.name == "fft.fftn")
+    y = torch.randn(4, 8, generator=gen)
+    assert (term_magnitudes(c2c, (y, (), {})) >= y.abs().sum().double()).all()
+    eps = torch.finfo(torch.float32).eps / 2
+    exact = torch.fft.hfftn(x.double(), dim=(-3, -2, -1)).float()
+    assert torch.equal(within_summation_order(exact, expected, bound), exact)
+    wrong = exact.clone()
+    wrong[1, 2, 3] += 4 * ORDER_ULPS * eps * bound[1, 2, 3].item()
+    assert within_summation_order(wrong, expected, bound)[1, 2, 3] == expected[1, 2, 3]
+
+
 def test_a_reduced_precision_result_at_least_as_exact_as_the_cpus_passes():
     # x + alpha * y in bf16: the CPU rounds alpha * y to bf16 first (-19.875), one rounding gives -19.75,
     # the float64 result is -19.8046875. The device's result passes; one further off than the CPU's fails.
