@@ -3,8 +3,11 @@ cache (kernels without inputs included) and launch errors mapped by type."""
 from __future__ import annotations
 
 import ast
+import json
+import os
 from pathlib import Path
-
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -14,6 +17,7 @@ import torchneuron
 import torchneuron.ops
 from torchneuron.ops import cache_size, LOWERED
 from torchneuron.ops.indexing import arange_values
+from torchneuron.ops.registry import COMPLEX_LOWERED, lowering
 
 from .conftest import assert_raises_like_cpu, to_n
 
@@ -237,3 +241,48 @@ def test_refused_matmuls_and_var_mean_take_the_counted_fallback(name, make):
         assert g.device.type == "neuron"
         torch.testing.assert_close(g.cpu(), w, atol=0, rtol=0)
     assert _fallbacks(key) == before + 1
+
+
+def test_a_second_lowering_of_a_lowered_op_is_refused_and_the_first_kept(strict):
+    first = LOWERED["add.Tensor"]
+    with pytest.raises(RuntimeError, match="aten::add.Tensor already has a neuron kernel"):
+        lowering("add.Tensor")(lambda a, b, alpha=1: a)
+    assert LOWERED["add.Tensor"] is first
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    torch.testing.assert_close((to_n(a) + to_n(b)).cpu(), a + b, atol=0, rtol=0)   # one fp32 add: exact
+
+
+# Imports the ops modules one by one in the order given on the command line, with the package's __init__
+# (which imports them in its own order) replaced by a bare package, and prints what each overload is lowered to.
+_IMPORT_IN_ORDER = """
+import importlib, importlib.util, json, os, sys, types
+spec = importlib.util.find_spec("torchneuron")
+bare = types.ModuleType("torchneuron.ops")
+bare.__path__ = [os.path.join(os.path.dirname(spec.origin), "ops")]
+sys.modules["torchneuron.ops"] = bare
+import torch, torchneuron
+for name in sys.argv[1:]:
+    importlib.import_module("torchneuron.ops." + name)
+from torchneuron.ops.registry import COMPLEX_LOWERED, LOWERED
+print(json.dumps({"lowered": {k: f.__module__ + "." + f.__qualname__ for k, f in LOWERED.items()},
+                  "complex": sorted(str(op) for op in COMPLEX_LOWERED)}))
+"""
+
+
+def _lowered_here() -> dict:
+    return {"lowered": {k: f.__module__ + "." + f.__qualname__ for k, f in LOWERED.items()},
+            "complex": sorted(str(op) for op in COMPLEX_LOWERED)}
+
+
+def test_the_registered_ops_do_not_depend_on_the_order_the_ops_modules_are_imported_in():
+    modules = sorted(p.stem for p in Path(torchneuron.ops.__file__).parent.glob("*.py") if p.stem != "__init__")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHNEURON_")}
+    orders = (modules, modules[::-1])
+    runs = [subprocess.Popen([sys.executable, "-W", "ignore", "-c", _IMPORT_IN_ORDER, *order], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for order in orders]
+    here = _lowered_here()
+    assert len(here["lowered"]) > 500 and here["complex"]           # the package's own import order
+    for order, run in zip(orders, runs):
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, f"importing in the order {order}: {err}"
+        assert json.loads(out) == here, f"importing in the order {order} registers other kernels"
