@@ -286,3 +286,20 @@ def test_the_registered_ops_do_not_depend_on_the_order_the_ops_modules_are_impor
         out, err = run.communicate(timeout=300)
         assert run.returncode == 0, f"importing in the order {order}: {err}"
         assert json.loads(out) == here, f"importing in the order {order} registers other kernels"
+
+
+@pytest.mark.parametrize("sa,sb", [
+    ((2, 3), (4, 5)),              # two mismatches: the CPU names the last
+    ((2, 3, 4), (5, 6, 4)),
+    ((3, 2, 5), (4, 5)),           # different ranks, dimensions counted in the broadcast result
+    ((7,), (2, 3, 6)),
+    ((4, 1, 3), (2, 5)),
+])
+def test_shapes_that_do_not_broadcast_raise_the_cpus_error(sa, sb, strict):
+    a, b = torch.randn(sa), torch.randn(sb)
+    assert_raises_like_cpu(lambda conv: torch.add(conv(a), conv(b)))
+    assert_raises_like_cpu(lambda conv: torch.mul(conv(b), conv(a)))
+    assert_raises_like_cpu(lambda conv: torch.addcmul(conv(torch.randn(sa[-1:])), conv(a), conv(b)))
+    assert_raises_like_cpu(lambda conv: torch.gt(conv(a.long()), conv(b.long())))        # the int64 path
+    assert_raises_like_cpu(lambda conv: torch.where(conv(a > 0), conv(a), conv(b)))
+    assert_raises_like_cpu(lambda conv: conv(a).masked_fill(conv(b > 0), 1.0))

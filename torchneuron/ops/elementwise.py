@@ -247,7 +247,9 @@ def broadcast_shape(shapes: list) -> tuple:
         shape = list(shape)
         n = max(len(out), len(shape))
         a, b = [1] * (n - len(out)) + out, [1] * (n - len(shape)) + shape
-        for d, (x, y) in enumerate(zip(a, b)):
+        # the CPU compares from the last dimension backwards, so of several mismatches it names the last
+        for d in reversed(range(n)):
+            x, y = a[d], b[d]
             if x != y and x != 1 and y != 1:
                 raise RuntimeError(f"The size of tensor a ({x}) must match the size of tensor b ({y}) at "
                                    f"non-singleton dimension {d}")
