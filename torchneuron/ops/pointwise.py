@@ -5,7 +5,8 @@ promotion kind, launched by ``elementwise.run_pointwise`` (TensorIterator's prom
 and target checks, then one launch of ``kernels.elementwise``).
 
 Each ATen op registers its functional, in-place and ``out=`` overloads through ``register_pointwise``.
-Inputs the device cannot compute (int64, float64, complex) go to the CPU fallback.
+int64 operands take the word kernels of ``int64_elementwise`` where it has one (through ``ALTERNATIVES``);
+inputs the device cannot compute (float64, complex, the other int64 cases) go to the CPU fallback.
 """
 from __future__ import annotations
 

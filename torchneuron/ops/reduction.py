@@ -5,8 +5,9 @@ Every call becomes one launch of ``kernels.reduction.reduce_kernel`` over an [ou
 view of the input, R being the reduced elements. Reduced dims that are adjacent in a contiguous
 input are that view for free; otherwise the input is permuted so the reduced dims come together
 and made dense on the device first. Indices come out of the kernel as int32 and are widened to
-PyTorch's int64 on the device. Floating inputs (fp32, bf16, fp16) run on the device; integer sums
-and products (int64 results), empty inputs and other dtypes take the CPU fallback.
+PyTorch's int64 on the device. Floating inputs (fp32, bf16, fp16) run on the device, and so do integer
+sums and max/min values (exact, ``int64_elementwise.int_reduce``); integer products, integer argmax/argmin
+and max/min along a dim, their empty inputs and other dtypes take the CPU fallback.
 """
 from __future__ import annotations
 

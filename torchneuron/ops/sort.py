@@ -328,7 +328,7 @@ def _sort_int64(self: torch.Tensor, dim: int, descending: bool) -> tuple[torch.T
 @lowering("sort.stable")
 def sort(self: torch.Tensor, *, stable: bool | None = None, dim: int = -1,
          descending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.sort`` (always stable): a rank sort on the device."""
+    """``torch.sort`` (always stable): a rank sort, bitonic network or radix sort by line length."""
     if not on_one_device(self):
         raise Unsupported
     aten.sort.stable(meta_twin(self), stable=stable, dim=dim, descending=descending)
