@@ -234,3 +234,59 @@ def test_an_unused_output_whose_gradient_is_not_only_added_gets_zeros():
         (ac.sum() + bc.sum() if both else ac.sum()).backward()
         torch.testing.assert_close(xn.grad.cpu(), xc.grad, rtol=1e-6, atol=1e-6)
         torch._dynamo.reset()
+
+
+def _momentum_step(p, m, g):
+    m.mul_(0.9).add_(g)
+    p.add_(m, alpha=-0.1)
+
+
+def _assert_step_close(got, want, old, m):
+    """p - 0.1 m in fp32 on both sides, the product and the sum rounded (or fused) differently: each result within
+    half an ulp of the product plus half an ulp of the sum of the exact one, 2**-24 * (|0.1 m| + |old p| +
+    |0.1 m|) per element; the two results within twice that of each other."""
+    bound = 2.0 ** -23 * (old.abs() + 0.2 * m.abs())
+    assert ((got - want).abs() <= bound).all(), ((got - want).abs() / bound).max()
+
+
+def test_updated_inputs_are_written_by_their_group_in_place():
+    """An optimizer-style update of graph inputs: the fused group stores the new values straight into the
+    inputs (each written once: no buffer and no copy after it), equal to the CPU's."""
+    gen = torch.Generator().manual_seed(0)
+    p, m, g = (torch.randn(300, 70, generator=gen) for _ in range(3))
+    pn, mn, gn = (t.to("neuron") for t in (p, m, g))
+    old = p.clone()
+    torch.compile(_momentum_step, backend="neuron")(pn, mn, gn)
+    _momentum_step(p, m, g)
+    torch.testing.assert_close(mn.cpu(), m, rtol=0, atol=0)
+    _assert_step_close(pn.cpu(), p, old, m)
+    (prog,) = reports()[-1].programs
+    assert prog.hbm_bytes_written == 2 * p.numel() * 4
+
+
+def test_updated_inputs_read_elsewhere_or_strided_are_copied_after_their_readers():
+    """An updated input another op also reads (its old value, after the update's group), or one whose layout is
+    not the group's (a transposed view): the new value goes through a buffer and a copy after every reader, as
+    before; results equal the CPU's."""
+    def read_too(p, m, g):
+        m.mul_(0.9).add_(g)
+        old = p.sum(1)
+        p.add_(m, alpha=-0.1)
+        return old
+    gen = torch.Generator().manual_seed(1)
+    p, m, g = (torch.randn(64, 48, generator=gen) for _ in range(3))
+    pn, mn, gn = (t.to("neuron") for t in (p, m, g))
+    old = p.clone()
+    got = torch.compile(read_too, backend="neuron")(pn, mn, gn)
+    want = read_too(p, m, g)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)   # sums of 48 terms of ~1: fp32 order
+    _assert_step_close(pn.cpu(), p, old, m)
+    (prog,) = reports()[-1].programs
+    assert prog.hbm_bytes_written > 2 * p.numel() * 4        # p's new value went through a buffer
+    p, m, g = (torch.randn(shape, generator=gen) for shape in ((48, 64), (64, 48), (48, 64)))
+    pn, mn, gn = (t.to("neuron") for t in (p, m, g))
+    old = p.clone()
+    torch.compile(_momentum_step, backend="neuron")(pn.t(), mn, gn.t())
+    _momentum_step(p.t(), m, g.t())
+    torch.testing.assert_close(mn.cpu(), m, rtol=0, atol=0)
+    _assert_step_close(pn.cpu(), p, old, m.t())

@@ -120,6 +120,8 @@ class _Body:
         # the [p, 1] constant columns of the fused groups' tile math, each set once for the whole program (an
         # optimizer step's groups share their betas, learning rate and eps)
         self.consts: dict = {}
+        self.written_in_place: dict[fx.Node, fx.Node] = {}   # a group's result -> the graph input it was stored in
+
 
     def check(self, count: Any, error: str, message: str) -> None:
         """A lowering's device-side assertion: raise ``error(message)`` after the launch if ``count`` (an HBM
@@ -180,6 +182,9 @@ class _Body:
 
     def _node(self, node: fx.Node) -> None:
         role = self.roles[node]
+        if node.target is torch.ops.aten.copy_.default and self.written_in_place.get(node.args[1]) is node.args[0]:
+            self.env[node] = self.value(node.args[0])   # its group already stored the new value there
+            return
         if role == "view":
             if node not in self.folded:   # (a reshape of a product read only by its epilogue has no value)
                 self.value(node)
@@ -227,8 +232,38 @@ class _Body:
         if not tensors:
             raise NotLowerable("a fused group with no tensor operand")
         dtypes = tuple(o.meta["val"].dtype for o in g.outputs)
-        outs = pointwise(self._group_fn(g, [n for n, _ in tensors]), [v for _, v in tensors], g.shape, dtypes)
+        dests = tuple(self._in_place_target(g, o) for o in g.outputs)
+        outs = pointwise(self._group_fn(g, [n for n, _ in tensors]), [v for _, v in tensors], g.shape, dtypes,
+                         dests if any(d is not None for d in dests) else None)
+        for o, d in zip(g.outputs, dests):
+            if d is not None:
+                self.written_in_place[o] = next(u for u in o.users if u.target is torch.ops.aten.copy_.default
+                                                and u.args[1] is o).args[0]
         self.env.update(zip(g.outputs, outs))
+
+    def _in_place_target(self, g: FusionGroup, out: fx.Node) -> Value | None:
+        """The graph input ``out`` is copied into (AOTAutograd's ``copy_`` of an updated input: an optimizer's
+        parameters and moments), when the group can store ``out`` there itself instead of into a buffer the
+        copy then reads: the copy is ``out``'s only reader outside the group, and nothing but this group (where each tile is read
+        before the same tile is written) and the copy reads the input, which is a contiguous tensor of the
+        group's shape and ``out``'s dtype."""
+        members = set(g.nodes)
+        copies = [u for u in out.users if u not in members]
+        if len(copies) != 1:
+            return None
+        copy = copies[0]
+        if (copy.target is not torch.ops.aten.copy_.default or copy.args[1] is not out or copy.kwargs
+                or self.roles.get(copy) != "kernel" or copy not in self.seg.items):
+            return None
+        dst = copy.args[0]
+        if dst.op != "placeholder" or any(u is not copy and u not in members for u in dst.users):
+            return None
+        v = self.value(dst)
+        val = out.meta["val"]
+        if (not isinstance(v, Value) or v.dtype != val.dtype or tuple(v.shape) != tuple(g.shape)
+                or tuple(val.shape) != tuple(g.shape) or not v.layout.is_contiguous()):
+            return None
+        return v
 
     def _group_fn(self, g: FusionGroup, operands: list[fx.Node]):
         """The group's tile function: tiles of ``operands`` (in that order) in, a tuple of its outputs' tiles out."""

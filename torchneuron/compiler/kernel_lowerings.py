@@ -38,9 +38,11 @@ from torchneuron.ops.base import FLOATS
 aten = torch.ops.aten
 
 
-def pointwise(fn: Callable, values: list, shape: tuple, out_dtype: torch.dtype | tuple) -> Value | tuple:
+def pointwise(fn: Callable, values: list, shape: tuple, out_dtype: torch.dtype | tuple,
+              dests: tuple | None = None) -> Value | tuple:
     """``fn`` over tiles of ``values`` broadcast to ``shape``: one pass of the element-wise template (a tuple
-    ``out_dtype``: ``fn`` returns that many tiles, and so many Values come back)."""
+    ``out_dtype``: ``fn`` returns that many tiles, and so many Values come back; ``dests``: per output, a
+    contiguous Value of ``shape`` to write it into, or None)."""
     ins = [unexpanded(v) for v in values]
     fold = fold_broadcast(shape, [i.shape for i in ins])
     if fold is None:  # a broadcast the [R, C] form cannot express: expand those operands in HBM first
@@ -56,7 +58,8 @@ def pointwise(fn: Callable, values: list, shape: tuple, out_dtype: torch.dtype |
     args = [dense(v, two_d[kd]) for v, kd in zip(ins, kinds)]
     dtypes = out_dtype if isinstance(out_dtype, tuple) else (out_dtype,)
     floating = any(v.dtype.is_floating_point for v in values) or any(d.is_floating_point for d in dtypes)
-    out = stream(args, fn, out_dtype, nl.float32 if floating else nl.int32)
+    into = tuple(None if d is None else dense(d, (R, C)) for d in dests) if dests else None
+    out = stream(args, fn, out_dtype, nl.float32 if floating else nl.int32, into)
     if isinstance(out_dtype, tuple):
         return tuple(hbm_value(o).reshape(shape) for o in out)
     return hbm_value(out).reshape(shape)

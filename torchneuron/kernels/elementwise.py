@@ -47,13 +47,15 @@ def stream_tile_width(n: int, cols: int) -> int:
     return min(DMA_ROW_BYTES // 4, max(1, n // PMAX, min(cols, n)))
 
 
-def _body(ins, fn, out_dtype, compute=nl.float32):
+def _body(ins, fn, out_dtype, compute=nl.float32, dests=None):
     """The streaming loops; ``fn`` may return a tuple of tiles, one per dtype of a tuple ``out_dtype`` (a fused
-    group with several results): then the outputs are a tuple too."""
+    group with several results): then the outputs are a tuple too. ``dests``: per output, an [R, C] HBM tensor
+    to write it into (or None: a new one)."""
     R, C = max(t.shape[0] for t in ins), max(t.shape[1] for t in ins)
     multi = isinstance(out_dtype, tuple)
     dtypes = out_dtype if multi else (out_dtype,)
-    outs = tuple(nl.ndarray((R, C), dt, buffer=nl.shared_hbm) for dt in dtypes)
+    dests = dests or (None,) * len(dtypes)
+    outs = tuple(d if d is not None else nl.ndarray((R, C), dt, buffer=nl.shared_hbm) for d, dt in zip(dests, dtypes))
     F = DMA_ROW_BYTES // 4                                    # 4-byte compute tiles: 2048 elements, 8 KiB rows
     # SBUF: (full inputs + results + one temporary) x NBUF buffers of the tile width, plus the broadcast rows
     # loaded once per column block; scalars and columns are [128, 1] tiles
@@ -199,11 +201,13 @@ def elementwise5(a, b, c, d, e, fn, out_dtype, compute=nl.float32):
     return _body([a, b, c, d, e], fn, out_dtype, compute)
 
 
-def stream(ins: list, fn: Callable, out_dtype, compute=nl.float32):
+def stream(ins: list, fn: Callable, out_dtype, compute=nl.float32, dests: tuple | None = None):
     """The template inline in a larger kernel's trace (the graph compiler's fused groups): any number of
     [R, C], (1, C), (R, 1) or (1, 1) HBM inputs; ``fn`` returns a tile, or a tuple of tiles with a tuple
-    ``out_dtype``. Returns the output HBM tensor(s)."""
-    return _body(ins, fn, out_dtype, compute)
+    ``out_dtype``. Returns the output HBM tensor(s). ``dests`` (per output, an [R, C] HBM tensor or None)
+    writes results in place: tile by tile, each after the same tile of every input was read, so a
+    destination may be a full input of the same layout."""
+    return _body(ins, fn, out_dtype, compute, dests)
 
 
 KERNELS = {1: elementwise1, 2: elementwise2, 3: elementwise3, 4: elementwise4, 5: elementwise5}
