@@ -38,9 +38,10 @@ CASES = [  # B, H, L, S, E, Ev, causal: G heads per group
 ]
 
 
+@pytest.mark.parametrize("stack", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,H,L,S,E,Ev,causal", CASES)
-def test_packed_forward_and_backward_match_float64(B, H, L, S, E, Ev, causal, dtype):
+def test_packed_forward_and_backward_match_float64(B, H, L, S, E, Ev, causal, dtype, stack):
     torch.manual_seed(B * 100 + L)
     G = packed_heads(B, H, L, S, E, Ev)
     assert G >= 2 and (B * H) % G == 0 and (G % H == 0 or H % G == 0)
@@ -48,12 +49,13 @@ def test_packed_forward_and_backward_match_float64(B, H, L, S, E, Ev, causal, dt
     g = torch.randn(B, H, L, Ev).to(dtype)
     scale = 1 / math.sqrt(E)
     ref, terms = _reference(q, k, v, g, scale, causal)
-    o, lse = packed_attention_fwd(q, k, v, scale=scale, causal=causal, out_layout="rows")
+    o, lse = packed_attention_fwd(q, k, v, scale=scale, causal=causal, out_layout="rows", stack_queries=stack)
     assert o.dtype == dtype and o.shape == (B, L, H, Ev) and lse.dtype == torch.float32 and lse.shape == (B, H, L)
     o = o.transpose(1, 2)
     _check("O", o, ref["o"], terms["o"], dtype, S, v.abs().max().item())
     _check("lse", lse, ref["lse"], terms["lse"], torch.float32, S, 0.0)
-    dq, dk, dv = packed_attention_bwd(q, k, v, o.contiguous(), g, lse, scale=scale, causal=causal, out_layout="rows")
+    dq, dk, dv = packed_attention_bwd(q, k, v, o.contiguous(), g, lse, scale=scale, causal=causal, out_layout="rows",
+                                      stack_queries=stack)
     n = max(L, S)
     for name, got, other in (("dq", dq, k), ("dk", dk, q), ("dv", dv, g)):
         assert got.dtype == dtype
@@ -146,13 +148,14 @@ def test_packing_takes_fewer_instructions_and_less_time_than_flash():
 def test_head_matmuls_use_row_tiles_only_of_their_own_partitions(chip, rows, stacked):
     """A tiled matmul claims the PE rows its contraction's partitions feed (the smallest tile of the chip
     holding them), so heads on different rows may overlap and heads on the same rows never claim to; with two
-    groups of 64 queries stacked on the partitions (NeuronCore-v3) a product also claims only the PE columns
-    of the PSUM partitions it writes, and the backward's dV and dK of the two groups (each group's heads on
-    its own 64 query rows) take row tiles too. Unstacked, those keep the whole array."""
+    groups of 64 queries stacked on the partitions (``stack_queries``; NeuronCore-v3 only) a product also
+    claims only the PE columns of the PSUM partitions it writes, and the backward's dV and dK of the two groups
+    (each group's heads on its own 64 query rows) take row tiles too. Unstacked, those keep the whole array."""
     spec = chip_spec(chip)
     q, lse = torch.zeros(16, 4, 64, 16), torch.zeros(16, 4, 64)
-    progs = [packed_attention_fwd.trace((), dict(q=q, k=q, v=q, causal=True), spec).program,
-             packed_attention_bwd.trace((), dict(q=q, k=q, v=q, o=q, do=q, lse=lse, causal=True), spec).program]
+    progs = [packed_attention_fwd.trace((), dict(q=q, k=q, v=q, causal=True, stack_queries=True), spec).program,
+             packed_attention_bwd.trace((), dict(q=q, k=q, v=q, o=q, do=q, lse=lse, causal=True, stack_queries=True),
+                                        spec).program]
     for prog, plain_products in zip(progs, (0, 0 if stacked else 2 * 64)):   # dV and dK: one per head each
         tiled = [i for i in prog.instructions if i.opcode == "nc_matmul_tiled"]
         assert tiled and sum(i.opcode == "nc_matmul" for i in prog.instructions) == plain_products

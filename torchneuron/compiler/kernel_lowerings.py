@@ -28,7 +28,7 @@ from torchneuron.kernels.elementwise import fold_broadcast, stream
 from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows, iota, low_words
 from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
-from torchneuron.kernels.packed_attention import attention_kernels
+from torchneuron.kernels.packed_attention import attention_kernels, packed_attention_bwd, packed_attention_fwd
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.kernels.softmax import attention_fits, attention_softmax_kernel, softmax_bwd_kernel, softmax_kernel
@@ -467,6 +467,12 @@ def _kernels(q, k, v) -> tuple | None:
     return attention_kernels(B, H, L, k.shape[2], E, v.shape[3], q.dtype)
 
 
+def _in_program(kernel) -> dict:
+    """Arguments of an attention kernel inside a program: packed heads stack their groups of queries on the
+    partitions (faster there, not as a lone launch: ``packed_attention``)."""
+    return dict(stack_queries=True) if kernel in (packed_attention_fwd, packed_attention_bwd) else {}
+
+
 def _sdpa_ok(q, k, v, bias, dropout_p, scale) -> bool:
     return (bias is None and dropout_p == 0.0 and q.dim() == k.dim() == v.dim() == 4 and _floats(q, k, v)
             and q.dtype == k.dtype == v.dtype
@@ -516,7 +522,7 @@ def lower_sdpa(ctx, node, q: Value, k: Value, v: Value, attn_bias=None, dropout_
     if kernels:
         (qb, qv), (kb, kv), (vb, vv) = _head_view(q), _head_view(k), _head_view(v)
         out, lse = kernels[0](qb, kb, vb, scale=s, causal=bool(is_causal), q_view=qv, k_view=kv, v_view=vv,
-                          shape=(B, H, L, S, E, Ev), out_layout="rows")
+                          shape=(B, H, L, S, E, Ev), out_layout="rows", **_in_program(kernels[0]))
         out = _result(out, (B, H, L, Ev), result_views(B, H, L, Ev, "rows")[1][0])
         return out, hbm_value(lse).reshape((B, H, L)), *_sdpa_placeholders(q, L, S)
     else:
@@ -560,7 +566,8 @@ def lower_sdpa_backward(ctx, node, g: Value, q: Value, k: Value, v: Value, attn_
         # self-attention's gradients as the rows of the fused QKV projection's gradient: ``cat`` of them is a view
         layout = "packed" if L == S and E == Ev else "rows"
         grads = kernels[1](qb, kb, vb, ob, gb, dense(lse), scale=s, causal=bool(is_causal), q_view=qv, k_view=kv,
-                       v_view=vv, o_view=ov, do_view=gv, shape=(B, H, L, S, E, Ev), out_layout=layout)
+                       v_view=vv, o_view=ov, do_view=gv, shape=(B, H, L, S, E, Ev), out_layout=layout,
+                       **_in_program(kernels[1]))
         if layout == "packed":
             views = result_views(B, H, L, E, layout, parts=3)[1]
             return (*(_result(grads, (B, H, L, E), w) for w in views), None)

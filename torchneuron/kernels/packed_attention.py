@@ -11,10 +11,14 @@ partition's elements). Here a group of G heads shares every instruction but its 
   into one PSUM tile: the scores of all G heads are [L, G, S] in one bank;
 * softmax, its statistics and the backward's dS run once over [L, G, S] (reductions over the trailing axis);
 * P^T (and dS^T) are transposed 128 // S heads at a time;
-* queries of 32 or 64 (L == S) stack 128 // L groups on the partitions (group i's queries on partitions
-  i*L ..; ``stacked_groups``): the softmax and backward passes above run once for all of them on every
-  partition instead of on L, and each group's products take the PE column tile of the PSUM partitions they
-  write (NeuronCore-v3's column tiling), so the stacked groups' products run side by side.
+* with ``stack_queries`` (the graph compiler's programs), queries of 32 or 64 (L == S) stack 128 // L groups
+  on the partitions (group i's queries on partitions i*L ..; ``stacked_groups``): the softmax and backward
+  passes above run once for all of them on every partition instead of on L, and each group's products take
+  the PE column tile of the PSUM partitions they write (NeuronCore-v3's column tiling), so the stacked
+  groups' products run side by side. Inside a program, where the operands arrive as earlier kernels store
+  them and other work overlaps, that is faster (the demo's step: forward 144 -> 134 us, backward 225 -> 209
+  us); a lone launch (the eager op) is slower with it (the demo's 64 heads: forward 22.6 -> 24.8 us,
+  backward 40.3 -> 47.1 us: half as many passes, each waiting for twice the loads), so it stays off there.
 
 Heads whose contraction rows lie on different partitions (Q K^T and dO V^T over each head's E rows, the
 products of a transposed chunk over its heads' S rows) run on row tiles of the PE array (``tile_position``),
@@ -212,17 +216,17 @@ def _views(B: int, H: int, given: list) -> list:
 
 @nki.jit
 def packed_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=None, v_view=None, shape=None,
-                         out_layout="heads"):
+                         out_layout="heads", stack_queries=False):
     """(O in q's dtype, [B, H, L, Ev] or as ``result_views`` lays out ``out_layout``, lse [B, H, L] fp32) of
     small heads, G per instruction; ``shape`` = (B, H, L, S, E, Ev) when q/k/v are flat buffers seen through
-    their views."""
+    their views. ``stack_queries``: groups stacked on the partitions where they can be (``stacked_groups``)."""
     B, H, L, S, E, Ev, G, dt = _group_shape(q, k, v, scale, shape, "packed attention")
     q_view, k_view, v_view = _views(B, H, [(q_view, L, E), (k_view, S, E), (v_view, S, Ev)])
     out_shape, (ov,) = result_views(B, H, L, Ev, out_layout)
     out = nl.ndarray(out_shape, dt, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, H, L), nl.float32, buffer=nl.shared_hbm)
     evict = alternating_evict()
-    stack = stacked_groups(L, S)
+    stack = stacked_groups(L, S) if stack_queries else 1
     bias = _stacked_causal_bias(stack, L) if causal else None
     hc = min(G, PMAX // S)                    # heads per P^T chunk (rows: hc * S keys)
     for f00 in range(0, B * H, stack * G):
@@ -260,10 +264,11 @@ def packed_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=N
 
 @nki.jit
 def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=None, k_view=None, v_view=None,
-                         o_view=None, do_view=None, shape=None, out_layout="heads"):
+                         o_view=None, do_view=None, shape=None, out_layout="heads", stack_queries=False):
     """(dQ, dK, dV) of small heads, G per instruction, the probabilities recomputed from the forward's
     logsumexp ``lse`` [B, H, L] fp32; laid out as ``result_views`` gives for ``out_layout`` ("heads" or
-    "rows": one tensor each; "packed": one [B, n, 3, H, d] tensor when L == S and E == Ev)."""
+    "rows": one tensor each; "packed": one [B, n, 3, H, d] tensor when L == S and E == Ev); ``stack_queries`` as
+    for the forward."""
     B, H, L, S, E, Ev, G, dt = _group_shape(q, k, v, scale, shape, "packed attention backward")
     q_view, k_view, v_view, o_view, do_view = _views(B, H, [(q_view, L, E), (k_view, S, E), (v_view, S, Ev),
                                                             (o_view, L, Ev), (do_view, L, Ev)])
@@ -280,16 +285,22 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
         for n, d in ((L, E), (S, E), (S, Ev)):
             gshape, (w,) = result_views(B, H, n, d, out_layout)
             targets.append((nl.ndarray(gshape, dt, buffer=nl.shared_hbm), w))
-    stack = stacked_groups(L, S)
+    stack = stacked_groups(L, S) if stack_queries else 1
     for f00 in range(0, B * H, stack * G):
         fs = range(f00, min(f00 + stack * G, B * H), G)   # the groups of this pass: group i on partitions i*L ..
         P, PS = len(fs) * L, len(fs) * S
         qr, kr, vr, orr, dor = (nl.ndarray((PMAX, G, d), dt, buffer=nl.sbuf) for d in (E, E, Ev, Ev, Ev))
+        operands = [(qr, q, q_view, L, E), (kr, k, k_view, S, E), (vr, v, v_view, S, Ev), (orr, o, o_view, L, Ev),
+                    (dor, do, do_view, L, Ev)]
+        kreps = []
+        if len(fs) == 1:   # one group: its K rows are block 0 of its repeated K rows
+            kreps = [_load_rows(k, k_view, fs[0], G, H, S, E, dt, copies=hc, block=S)]
+            kr = kreps[0]
+            del operands[1]
         for i, f0 in enumerate(fs):
-            for tile, t, view, n, d in ((qr, q, q_view, L, E), (kr, k, k_view, S, E), (vr, v, v_view, S, Ev),
-                                        (orr, o, o_view, L, Ev), (dor, do, do_view, L, Ev)):
+            for tile, t, view, n, d in operands:
                 nisa.dma_copy(dst=tile[i * n:(i + 1) * n], src=_rows_ap(t, view, f0, G, H, n, d))
-        kreps = [_load_rows(k, k_view, f0, G, H, S, E, dt, copies=hc, block=S) for f0 in fs]
+        kreps = kreps or [_load_rows(k, k_view, f0, G, H, S, E, dt, copies=hc, block=S) for f0 in fs]
         qT = _stacked_t(qr, P, G, E, dt, evict)
         kT = _stacked_t(kr, PS, G, E, dt, evict)
         doT = _stacked_t(dor, P, G, Ev, dt, evict)
