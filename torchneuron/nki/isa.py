@@ -16,6 +16,7 @@ import numpy as np
 from torchneuron.sim import SimulatorError, isa as sim
 from torchneuron.sim.specs import chip_spec
 from torchneuron.nki import multicore, tf32
+from torchneuron.nki.forwarding import note_result
 from torchneuron.nki.tracing import TENSOR_OPS, IndexOutOfBounds, NkiTensor, as_dtype, current, sbuf
 
 Tile = NkiTensor
@@ -110,7 +111,10 @@ def _emit(cls: type, **kw: Any) -> NkiInstruction:
     if tf:  # nl.tfloat32 operands: the instruction's TF32 variant (rounds what it writes, prices TF32 matmuls)
         kw.update(tf32_writes=tuple(k for k in tf if k in cls.WRITES), tf32_reads=tuple(k for k in tf if k not in cls.WRITES))
         cls = tf32.variant(cls)
-    return NkiInstruction(trace, trace.emit(cls(**{k: _a(v) for k, v in kw.items()})))
+    instr = trace.emit(cls(**{k: _a(v) for k, v in kw.items()}))
+    if isinstance(kw.get("dst"), NkiTensor):
+        note_result(trace, instr, kw["dst"])   # (a repeat of an earlier result may be dropped: ``forwarding``)
+    return NkiInstruction(trace, instr)
 
 
 def _eng(e: Any) -> Any:

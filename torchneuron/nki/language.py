@@ -318,19 +318,37 @@ def _broadcast(x: Tile, shape: Sequence[int]) -> Tile:
     p, f = shape[0], math.prod(shape[1:])
     out = ndarray(shape, x.dtype, sbuf)
     if x.shape[0] == 1 and p > 1:  # partition broadcast: ones[1, P].T @ x[1, F] on TensorE
-        ones = full((1, p), 1.0, x.dtype if x.dtype in (bfloat16, float16, float32) else float32)
+        ones = _ones_row(p, x.dtype if x.dtype in (bfloat16, float16, float32) else float32)
         row = x.reshape((1, x.access.free_elems)) if x.dtype == ones.dtype else copy(x, ones.dtype).reshape((1, -1))
         flat = out.reshape((p, f))
+        trace = current()
         for n0 in range(0, f, GEMM_MOVING_FMAX):
             n = builtins.min(GEMM_MOVING_FMAX, f - n0)
             acc = ndarray((p, n), float32, psum)
             nisa.nc_matmul(dst=acc, stationary=ones, moving=row[:, n0:n0 + n], accumulate=False)
             nisa.tensor_copy(dst=flat[:, n0:n0 + n], src=acc)
+            if out.dtype == float32 and f <= GEMM_MOVING_FMAX:
+                # an exact copy of one PSUM bank: its readers may read acc instead (``forwarding``), so acc
+                # stays allocated while the broadcast is held, as where the compiler keeps it in PSUM
+                trace.forwardable.append(trace.instructions[-1])
+                out._psum_result = acc
         return out
     assert x.access.free_elems == 1, f"broadcast_to: cannot broadcast {x.shape} to {shape}"
     nisa.memset(dst=out, value=0)
     nisa.tensor_scalar(dst=out, data=out, op0=add, operand0=x)
     return out
+
+
+def _ones_row(p: int, dtype: torch.dtype) -> Tile:
+    """The [1, p] row of ones a partition broadcast multiplies by: a constant of the program (the
+    architecture guide's "compile-time constant matrix"), set once per trace, dtype and loop nest (a row
+    set inside a dynamic loop is not known to be set after it)."""
+    trace = current()
+    key = (p, dtype, tuple(trace.open_loops))
+    row = trace.ones_rows.get(key)
+    if row is None:
+        row = trace.ones_rows[key] = full((1, p), 1.0, dtype)
+    return row
 
 
 # ---- element-wise ops -----------------------------------------------------------------------

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from torchneuron.nki.forwarding import forward
 from torchneuron.nki.liveness import Alloc, place_by_liveness
 from torchneuron.sim import AP, Memory, SimulatorError, tile
 from torchneuron.sim.memory import Region
@@ -300,6 +301,13 @@ class Trace:
         # where nl's element-wise ops go (the compiler's choice for ops the kernel places on no engine):
         # None is VectorE; a template may spread its tiles over VectorE and GpSimdE (nl.elementwise_on)
         self.elementwise_engine: str | None = None
+        # PSUM -> SBUF copies the front-end inserted whose readers may read PSUM instead (``forwarding``)
+        self.forwardable: list[Instr] = []
+        # constant rows of ones partition broadcasts multiply by, set once: (partitions, dtype, loops) -> tile
+        self.ones_rows: dict[tuple, NkiTensor] = {}
+        # element-wise results by what computed them, and (instruction, earlier one it repeats) (``forwarding``)
+        self.results: dict[tuple, tuple] = {}
+        self.recomputations: list[tuple[Instr, Instr]] = []
         self.overflowed = False         # whether some tile only fit past the capacity
         self.capacity = {"sbuf": spec.sbuf_bytes_per_partition, "psum": spec.psum_bytes_per_partition}
         self.bank_bytes = {"psum": spec.psum_bytes_per_partition // spec.psum_banks}
@@ -541,14 +549,27 @@ class Trace:
                                       "liveness across loop iterations is not modelled; free tiles earlier")
         pos = {id(i): k for k, i in enumerate(instructions)}
         after = tuple(sorted({(pos[id(c)], pos[id(p)]) for c, p in self.ordering}))
+        # the front-end's PSUM evictions and the recomputations that forwarding may drop (not those a
+        # depends_on pair names)
+        ordered = {k for pair in after for k in pair}
+        copies = {pos[id(c)] for c in self.forwardable if id(c) in pos} - ordered
+        again = [(pos[id(r)], pos[id(f)]) for r, f in self.recomputations
+                 if id(r) in pos and id(f) in pos and pos[id(r)] not in ordered]
         if self.overflowed:
             self._close_allocs()
             instructions = place_by_liveness(instructions, self.clocks, self.allocs, self.capacity, self.bank_bytes,
                                              host=self)
             self.instructions, self.overflowed = instructions, False  # placed once
-            if after and len(instructions) != len(pos):
-                raise NotImplementedError("depends_on in a kernel whose PSUM tensors are spilled (the spill adds "
-                                          "instructions) is not supported")
+            if len(instructions) != len(pos):
+                if after:
+                    raise NotImplementedError("depends_on in a kernel whose PSUM tensors are spilled (the spill "
+                                              "adds instructions) is not supported")
+                copies, again = set(), []  # (the spill moved the instructions: the indices are gone)
+        instructions, kept = forward(instructions, copies, again)
+        if len(kept) != len(self.instructions):
+            self.instructions = instructions
+            new_index = {k: n for n, k in enumerate(kept)}
+            after = tuple(sorted((new_index[c], new_index[p]) for c, p in after))
         # (after placement: spilling may add scratch slots)
         args = [ArgSlot(s.name, s.shape, s.dtype, "output") if s.name in outputs else s for s in self.slots.values()]
         return Program(tuple(instructions), tuple(args), name, after)
