@@ -311,3 +311,25 @@ def test_pass_keeps_a_repeat_whose_operand_was_written_in_between():
                 TensorTensor(dst=ap_tile("sbuf", "float32", (128, 64), offset=16384), data1=OUT, data2=A, op="add")]
     program, kept = forward(original, (), [(2, 0)])
     assert program == original
+
+
+def test_depends_on_pairs_keep_their_instructions_when_copies_are_dropped():
+    @nki.jit
+    def k(x, row):
+        out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
+        t = nl.load(x)
+        b = nl.load(row).broadcast_to((128, 64))
+        scratch, prod = nl.ndarray((128, 64), nl.float32), nl.ndarray((128, 64), nl.float32)
+        first = nisa.memset(dst=scratch, value=0.0)
+        nisa.tensor_tensor(dst=prod, data1=t, data2=b, op=nl.multiply).depends_on(first)
+        nl.store(out, nl.add(prod, scratch))
+        return out
+
+    x, row = RNG.standard_normal((128, 64), dtype=np.float32), RNG.standard_normal((1, 64), dtype=np.float32)
+    rep = nki.profile(k, chip="trn1")(x, row)
+    np.testing.assert_array_equal(rep.outputs, x * row)
+    assert psum_copies(rep.program) == 0
+    ins = rep.program.instructions
+    (consumer, producer), = rep.program.after
+    assert ins[consumer].opcode == "tensor_tensor" and ins[consumer].data2.kind == "psum"
+    assert ins[producer].opcode == "memset" and ins[producer].value == 0.0
