@@ -38,16 +38,25 @@ def psum_readers(program) -> list[str]:
             if i.engine.value in ("vector", "scalar") and any(f.memory == "psum" for f in i.reads())]
 
 
+def output_tile_and_broadcast(x, row) -> tuple:
+    """In a kernel: an fp32 HBM output shaped like ``x``, ``x`` loaded, and ``row`` broadcast to its shape."""
+    out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
+    return out, nl.load(x), nl.load(row).broadcast_to(tuple(x.shape))
+
+
+def tile_and_row(f: int) -> tuple[np.ndarray, np.ndarray]:
+    """A random fp32 [128, f] tile and [1, f] row."""
+    return RNG.standard_normal((128, f), dtype=np.float32), RNG.standard_normal((1, f), dtype=np.float32)
+
+
 def test_broadcast_read_from_psum_by_its_tensor_tensor():
     @nki.jit
     def k(x, row):
-        out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
-        t = nl.load(x)
-        b = nl.load(row).broadcast_to((128, 512))
+        out, t, b = output_tile_and_broadcast(x, row)
         nl.store(out, nl.multiply(t, b))
         return out
 
-    x, row = RNG.standard_normal((128, 512), dtype=np.float32), RNG.standard_normal((1, 512), dtype=np.float32)
+    x, row = tile_and_row(512)
     rep = nki.profile(k, chip="trn1")(x, row)
     np.testing.assert_array_equal(rep.outputs, x * row)
     c = ops(rep.program)
@@ -151,7 +160,7 @@ def test_a_broadcast_next_to_a_psum_operand_is_copied_to_sbuf():
         nl.store(out, nl.add(p, nl.load(row).broadcast_to((128, 128))))
         return out
 
-    x, row = RNG.standard_normal((128, 128), dtype=np.float32), RNG.standard_normal((1, 128), dtype=np.float32)
+    x, row = tile_and_row(128)
     rep = nki.profile(k, chip="trn1")(x, row)
     ref = (torch.from_numpy(x).double().T @ torch.from_numpy(x).double()).numpy()
     # fp32 matmul over 128 terms of |x| ~ 1, then one fp32 add
@@ -192,7 +201,7 @@ def test_ones_row_set_in_a_dynamic_loop_is_set_again_after_it():
         nl.store(out, nl.add(t, r.broadcast_to((128, 64))))
         return out
 
-    x, row = RNG.standard_normal((128, 64), dtype=np.float32), RNG.standard_normal((1, 64), dtype=np.float32)
+    x, row = tile_and_row(64)
     rep = nki.profile(k, chip="trn1")(x, row, np.array([[0]], np.int32))
     np.testing.assert_array_equal(rep.outputs, x + row)
     assert ops(rep.program)["memset"] == 2   # one row of ones in the loop, one after it
@@ -316,16 +325,14 @@ def test_pass_keeps_a_repeat_whose_operand_was_written_in_between():
 def test_depends_on_pairs_keep_their_instructions_when_copies_are_dropped():
     @nki.jit
     def k(x, row):
-        out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
-        t = nl.load(x)
-        b = nl.load(row).broadcast_to((128, 64))
+        out, t, b = output_tile_and_broadcast(x, row)
         scratch, prod = nl.ndarray((128, 64), nl.float32), nl.ndarray((128, 64), nl.float32)
         first = nisa.memset(dst=scratch, value=0.0)
         nisa.tensor_tensor(dst=prod, data1=t, data2=b, op=nl.multiply).depends_on(first)
         nl.store(out, nl.add(prod, scratch))
         return out
 
-    x, row = RNG.standard_normal((128, 64), dtype=np.float32), RNG.standard_normal((1, 64), dtype=np.float32)
+    x, row = tile_and_row(64)
     rep = nki.profile(k, chip="trn1")(x, row)
     np.testing.assert_array_equal(rep.outputs, x * row)
     assert psum_copies(rep.program) == 0
