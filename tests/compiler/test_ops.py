@@ -233,9 +233,11 @@ class _Embedder(torch.nn.Module):
 
 
 @pytest.mark.parametrize("padding_idx", [None, 3])
-def test_token_and_position_embeddings_run_in_the_program(padding_idx):
+def test_token_and_position_embeddings_run_in_the_program(padding_idx, tmp_path, monkeypatch):
     """int64 token ids bound as int32 words, ``arange`` positions, both gathers and the gradients' one-hot
-    products inside the programs (no eager node); every gradient equals the CPU's up to fp32 summation order."""
+    products inside the programs (no eager node); every gradient equals the CPU's up to fp32 summation order.
+    The backward builds the one-hots (from its id inputs) before its first product, not after the head's."""
+    monkeypatch.setenv("TORCHNEURON_DUMP_DIR", str(tmp_path))
     torch.manual_seed(0)
     cpu = _Embedder(padding_idx=padding_idx)
     dev = _Embedder(padding_idx=padding_idx).to("neuron")
@@ -254,6 +256,9 @@ def test_token_and_position_embeddings_run_in_the_program(padding_idx):
     assert new and all(r.segments == 1 and not r.eager_nodes for r in new)
     kernels = {k for r in new for k in r.kernels}
     assert {"aten.embedding.default", "aten.arange.start_step", "aten.embedding_dense_backward.default"} <= kernels
+    (backward,) = [r for r in new if "backward" in r.name]
+    opcodes = [ln.split()[4] for ln in (tmp_path / backward.name / "program_s0.txt").read_text().splitlines()[2:]]
+    assert opcodes.index("iota") < min(i for i, op in enumerate(opcodes) if op.startswith("nc_matmul"))
 
 
 @pytest.mark.parametrize("bad", [50, -1, 2**32 + 1])

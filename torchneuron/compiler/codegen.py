@@ -32,7 +32,7 @@ import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.compiler import lowering
 from torchneuron.compiler.dma_queues import allocate_dma_queues
-from torchneuron.compiler.kernel_lowerings import pointwise
+from torchneuron.compiler.kernel_lowerings import embedding_onehot, pointwise
 from torchneuron.compiler.memory_plan import plan_memory
 from torchneuron.compiler.partition import DEVICE_DTYPES, FusionGroup, Plan, Segment
 from torchneuron.compiler.values import HostTensor, NotLowerable, Value, dense, hbm_value, strided_value
@@ -138,6 +138,7 @@ class _Body:
             else:
                 env[node] = strided_value(slots[f"in{i}"], sig.shape, sig.stride, dtype=sig.dtype)
         self.env = env
+        self.early_values = self._early_values()
         for item in self.seg.items:
             if isinstance(item, FusionGroup):
                 self._group(item)
@@ -145,6 +146,19 @@ class _Body:
                 self._node(item)
         outs = tuple(v.buf for v in map(self.value, self.seg.outputs) if isinstance(v, Value))
         return outs + tuple(count for count, _, _ in self.checks)
+
+    def _early_values(self) -> dict:
+        """Operands of later kernels that read only the program's inputs, built first so their transfers are
+        not queued behind the whole program's (DMA queues are first in, first out, in program order): the
+        embedding backward's one-hot of its ids (its gradient comes last in a backward graph)."""
+        early = {}
+        for item in self.seg.items:
+            if (isinstance(item, fx.Node) and item.target is torch.ops.aten.embedding_dense_backward.default
+                    and self.roles.get(item) == "kernel" and isinstance(self.env.get(item.args[1]), Value)):
+                _, indices, num_weights, padding_idx, _ = item.args
+                early[item] = embedding_onehot(self.env[indices], num_weights, padding_idx,
+                                               item.args[0].meta["val"].dtype)
+        return early
 
     # values ------------------------------------------------------------------------------------
 

@@ -349,11 +349,21 @@ def lower_embedding_backward(ctx, node, grad: Value, indices: Value, num_weights
     """Per-row sums of the gradient by index: ``onehot(indices)^T @ grad`` on TensorE (rows summed in index
     order with fp32 accumulation, as the eager op and the CPU sum them)."""
     n, D = indices.layout.numel(), grad.shape[-1]
+    onehot = ctx.early_values.pop(node, None)   # built at the program's start (codegen), or here
+    if onehot is None:
+        onehot = embedding_onehot(indices, num_weights, padding_idx, grad.dtype)
+    return _product(matmul_kernel, onehot, hbm_value(dense(grad, (n, D))))
+
+
+def embedding_onehot(indices: Value, num_weights: int, padding_idx: int, dtype: torch.dtype) -> Value:
+    """[num_weights, n] in ``dtype``: 1 where row w is id j's (not ``padding_idx``), else 0; the embedding
+    backward's left operand. It reads only the ids, so a program can build it before the gradient exists
+    (``codegen``: at the program's start, when the ids are one of its inputs)."""
+    n = indices.layout.numel()
     words, stride = index_words(indices)
     low = hbm_value(low_words(words) if stride == 2 else words).reshape((1, n))   # each id's low word
     ids = hbm_value(iota(num_weights)).reshape((num_weights, 1))
-    onehot = pointwise(lambda i, x: tm.onehot_rows(i, x, padding_idx), [ids, low], (num_weights, n), grad.dtype)
-    return _product(matmul_kernel, onehot, hbm_value(dense(grad, (n, D))))
+    return pointwise(lambda i, x: tm.onehot_rows(i, x, padding_idx), [ids, low], (num_weights, n), dtype)
 
 
 def _adjacent(tensors: list, shape: tuple, dim: int) -> Value | None:
