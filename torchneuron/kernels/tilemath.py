@@ -352,8 +352,9 @@ def _const_like(t, value):
 def _fill(a, b, value):
     """A tile of the broadcast shape of ``a`` and ``b`` holding ``value`` (a constant or a column)."""
     big = a if a.access.free_elems >= b.access.free_elems else b
-    z = _const(big, 0)
-    return z if isinstance(value, (int, float)) and value == 0 else nl.add(z, value)
+    if isinstance(value, (int, float)):
+        return _const(big, value)
+    return nl.add(_const(big, -0.0), value)       # -0 + v is v for every v, -0 included
 
 
 HYPOT_BIG, HYPOT_SMALL = 2.0 ** 60, 2.0 ** -60   # beyond these the squares overflow or lose the smaller operand
