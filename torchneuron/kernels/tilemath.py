@@ -236,11 +236,24 @@ def sinc(x):
     return where(nl.equal(x, 0.0), _const(r, 1.0), r)
 
 
+def _abs_cmp(x, op, value):
+    """``|x| <op> value`` (1.0 or 0.0) in one instruction."""
+    out = nl.ndarray(x.shape, x.dtype)
+    nisa.tensor_scalar(dst=out, data=x, op0="abs", operand0=None, op1=op, operand1=value)
+    return out
+
+
+def _with_sign_of(r, x):
+    """``r`` with ``x``'s sign bit or-ed in: ``copysign(r, x)`` where ``r`` is ``x``'s sign or a zero."""
+    return _from_bits(nl.bitwise_or(_bits(r), nl.bitwise_and(_bits(x), -0x80000000)), r)
+
+
 def _round_even(x):
-    # adding and subtracting 1.5 * 2**23 rounds an fp32 to an integer, ties to even (|x| < 2**22)
+    # adding and subtracting 1.5 * 2**23 rounds an fp32 to an integer, ties to even (|x| < 2**22); a zero
+    # result takes x's sign (-0.3 rounds to -0.0), as the CPU's
     magic = 12582912.0
-    r = nl.subtract(nl.add(x, magic), magic)
-    return where(nl.less(abs_(x), 4194304.0), r, x)
+    r = _with_sign_of(nl.subtract(nl.add(x, magic), magic), x)
+    return where(_abs_cmp(x, nl.less, 4194304.0), r, x)
 
 
 def round_(x):
