@@ -303,3 +303,4 @@ def test_shapes_that_do_not_broadcast_raise_the_cpus_error(sa, sb, strict):
     assert_raises_like_cpu(lambda conv: torch.gt(conv(a.long()), conv(b.long())))        # the int64 path
     assert_raises_like_cpu(lambda conv: torch.where(conv(a > 0), conv(a), conv(b)))
     assert_raises_like_cpu(lambda conv: conv(a).masked_fill(conv(b > 0), 1.0))
+    assert_raises_like_cpu(lambda conv: torch.masked_select(conv(a), conv(b > 0)))   # the mask is tensor "a"

@@ -601,7 +601,7 @@ def masked_select(self: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("masked_select: expected BoolTensor for mask")
     if not on_one_device(self, mask) or self.dtype not in MOVE_DTYPES:
         raise Unsupported("several devices, or a dtype the DMA lacks")
-    shape = broadcast_shape([self.shape, mask.shape])
+    shape = broadcast_shape([mask.shape, self.shape])   # the CPU's order: its size errors name the mask "a"
     if _numel(shape) >= 1 << 24:
         raise Unsupported("2**24 elements or more")
     x = dense(self.expand(shape)).reshape(-1, 1)
