@@ -341,7 +341,8 @@ def div_floor(a, b):
     fq = floor(q)
     fq = nl.add(fq, nl.greater(nl.subtract(q, fq), 0.5))
     plain = nl.divide(a, b)
-    r = where(nl.equal(q, 0.0), nl.multiply(abs_(fq), sign(plain)), fq)  # a signed zero like a / b
+    zero = _from_bits(nl.bitwise_and(_bits(plain), -0x80000000), plain)      # a zero signed like a / b
+    r = where(nl.equal(q, 0.0), zero, fq)
     return where(nl.equal(b, 0.0), plain, r)
 
 
