@@ -343,7 +343,11 @@ def div_floor(a, b):
     plain = nl.divide(a, b)
     zero = _from_bits(nl.bitwise_and(_bits(plain), -0x80000000), plain)      # a zero signed like a / b
     r = where(nl.equal(q, 0.0), zero, fq)
-    return where(nl.equal(b, 0.0), plain, r)
+    # a / b where it is infinite and a * b is not: a quotient that overflows (the ALU's fmod of such operands
+    # can be NaN) and division by zero (inf / 0 too: inf * 0 is NaN); where a is infinite and b finite and not
+    # zero, a * b is infinite and r keeps fmod's NaN. (0 / 0 gives NaN either way.)
+    over = nl.logical_and(_abs_cmp(plain, nl.equal, math.inf), _abs_cmp(nl.multiply(a, b), nl.not_equal, math.inf))
+    return where(over, plain, r)
 
 
 def atan2(y, x):
