@@ -249,6 +249,13 @@ def test_div_floor_of_an_overflowing_quotient_is_infinite_like_the_cpu():
     assert_bitwise(elementwise(tm.div_floor, A2, B2), torch.div(A2, B2, rounding_mode="floor"))
 
 
+def test_round_of_halves_up_to_2_to_the_23_rounds_to_even():
+    # (adding and subtracting 1.5 * 2**23 rounded only below 2**22: 4194304.5 stayed 4194304.5)
+    x = torch.tensor([4194303.5, 4194304.5, 4194305.5, 6291456.5, 8388607.5, 8388608.0, 16777215.0, 2.5, 3.5])
+    x = torch.cat([x, -x])
+    assert_bitwise(elementwise(tm.round_, x), torch.round(x))
+
+
 def test_round_keeps_the_sign_of_a_zero_result():
     # x + 1.5 * 2**23 - 1.5 * 2**23 alone rounds -0.3 to +0.0; the CPU gives -0.0
     x = torch.tensor([-0.3, -0.0, -0.001])

@@ -249,11 +249,12 @@ def _with_sign_of(r, x):
 
 
 def _round_even(x):
-    # adding and subtracting 1.5 * 2**23 rounds an fp32 to an integer, ties to even (|x| < 2**22); a zero
-    # result takes x's sign (-0.3 rounds to -0.0), as the CPU's
-    magic = 12582912.0
-    r = _with_sign_of(nl.subtract(nl.add(x, magic), magic), x)
-    return where(_abs_cmp(x, nl.less, 4194304.0), r, x)
+    # adding and subtracting 2**23 rounds |x| < 2**23 to an integer, ties to even (the sum's ulp is 1); the
+    # result takes x's sign (-0.3 rounds to -0.0, as the CPU's); from 2**23 on every fp32 is an integer
+    r = nl.ndarray(x.shape, x.dtype)
+    nisa.tensor_scalar(dst=r, data=x, op0="abs", operand0=None, op1=nl.add, operand1=8388608.0)
+    r = _with_sign_of(nl.subtract(r, 8388608.0), x)
+    return where(_abs_cmp(x, nl.less, 8388608.0), r, x)
 
 
 def round_(x):
