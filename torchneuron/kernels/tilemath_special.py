@@ -75,14 +75,16 @@ def _lgamma_pos(x):
 
 def lgamma(x):
     """``log|Gamma(x)|``: Stirling with the recurrence for x >= 0, reflection
-    ``log(pi / |sin(pi x)|) - lgamma(1 - x)`` below 0; inf at poles and at +-inf."""
+    ``log(pi / |sin(pi x)|) - lgamma(1 - x)`` below 0; inf at poles (every x <= -2**23) and at +-inf."""
     neg = nl.less(x, 0.0)
     y = tm.where(neg, nl.subtract(1.0, x), x)
     pos = _lgamma_pos(y)
     s, _ = _sin_pi_reduced(x)
     refl = nl.subtract(nl.log(nl.divide(math.pi, tm.abs_(s))), pos)
     r = tm.where(neg, refl, pos)
-    return _sel(tm.isinf(x), INF, r)
+    # from -2**23 down every fp32 is an integer, a pole (the reflection there is inf - inf); +inf comes out of
+    # Stirling's series as inf
+    return _sel(nl.less_equal(x, -8388608.0), INF, r)
 
 
 # ---- digamma, polygamma ---------------------------------------------------------------------------
