@@ -183,10 +183,11 @@ def log1p(x):
 
 
 def expm1(x):
-    """Kahan: ``(u - 1) * x / log(u)`` with ``u = exp(x)``."""
+    """Kahan: ``(u - 1) * (x / log(u))`` with ``u = exp(x)`` (the quotient first: ``(u - 1) * x`` overflows
+    from x ~ 84, where expm1 is finite up to 88.7)."""
     u = nl.exp(x)
     d = nl.subtract(u, 1.0)
-    r = nl.divide(nl.multiply(d, x), nl.log(u))
+    r = nl.multiply(d, nl.divide(x, nl.log(u)))
     r = where(nl.equal(u, 1.0), x, r)
     r = where(nl.equal(d, -1.0), d, r)
     return where(isinf(u), u, r)
