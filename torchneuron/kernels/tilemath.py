@@ -65,6 +65,21 @@ def where_value(c, value, b):
     return where(c, _const(b, value), b)
 
 
+def _select_into(dst, src, c):
+    """``dst = c ? src : dst`` in place, one instruction: ``c`` a 0/1 fp32 (or int32) tile shaped like ``dst``
+    (its bits, read as uint32, are the predicate). ``dst`` must be a tile of the caller's own, not an operand."""
+    pred = c.ap([[0, c.shape[0]], [1, c.access.free_elems]], dtype=nl.uint32).reshape(c.shape)
+    nisa.tensor_copy_predicated(dst=dst, src=src, predicate=pred)
+    return dst
+
+
+def _stt(data, op0, scalar, op1, tile):
+    """``(data <op0> scalar) <op1> tile`` in one instruction (each operation rounded)."""
+    out = nl.ndarray(data.shape, data.dtype)
+    nisa.scalar_tensor_tensor(dst=out, data=data, op0=op0, operand0=scalar, op1=op1, operand1=tile)
+    return out
+
+
 # ---- arithmetic -------------------------------------------------------------------------------
 
 def identity(x):
@@ -193,12 +208,39 @@ def expm1(x):
     return where(isinf(u), u, r)
 
 
+def _exp_neg(x):
+    """``exp(-x)`` in one activation (its input scale -1)."""
+    out = nl.ndarray(x.shape, x.dtype)
+    nisa.activation(dst=out, op="exp", data=x, scale=-1.0)
+    return out
+
+
+# e^a / 2 as exp(a - c) * (e^c / 2) with c = 3719 / 256: a - c is exact for a >= c, and e^c / 2 is an fp32
+# within 1e-11 (relative) of its value, so the product is as accurate as exp; it stays finite up to a ~ 89.4
+# (cosh's and sinh's overflow), where e^a itself overflows from 88.7
+HALF_EXP_SHIFT, HALF_EXP_SCALE = 14.52734375, 1018861.6875
+WIDE_EXP = 88.0        # cosh and sinh take the scaled form above this |x|
+
+
+def _half_exp_abs(x, times=None):
+    """``e^|x| / 2`` (times the tile ``times``) for ``|x| >= HALF_EXP_SHIFT``, in the scaled form."""
+    t = nl.ndarray(x.shape, x.dtype)
+    nisa.tensor_scalar(dst=t, data=x, op0="abs", operand0=None, op1=nl.subtract, operand1=HALF_EXP_SHIFT)
+    e = nl.exp(t)
+    return nl.multiply(e, HALF_EXP_SCALE) if times is None else _stt(e, nl.multiply, HALF_EXP_SCALE, nl.multiply,
+                                                                      times)
+
+
 def sinh(x):
-    return nl.multiply(nl.subtract(nl.exp(x), nl.exp(neg(x))), 0.5)
+    """``(e^x - e^-x) / 2``; above |x| = 88 ``sign(x) e^|x| / 2`` in the scaled form (finite up to 89.4)."""
+    r = nl.multiply(nl.subtract(nl.exp(x), _exp_neg(x)), 0.5)
+    return _select_into(r, _half_exp_abs(x, sign(x)), _abs_cmp(x, nl.greater, WIDE_EXP))
 
 
 def cosh(x):
-    return nl.multiply(nl.add(nl.exp(x), nl.exp(neg(x))), 0.5)
+    """``(e^x + e^-x) / 2``; above |x| = 88 ``e^|x| / 2`` in the scaled form (finite up to 89.4)."""
+    r = nl.multiply(nl.add(nl.exp(x), _exp_neg(x)), 0.5)
+    return _select_into(r, _half_exp_abs(x), _abs_cmp(x, nl.greater, WIDE_EXP))
 
 
 def asinh(x):
