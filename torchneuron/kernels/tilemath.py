@@ -231,9 +231,24 @@ def _half_exp_abs(x, times=None):
                                                                       times)
 
 
+def _odd_series(x, z, coeffs):
+    """``x (1 + z (c0 + c1 z + c2 z^2 + ...))`` for ``z = x * x`` by Horner's rule, one instruction a step."""
+    acc = nl.multiply(z, coeffs[-1])
+    for c in reversed(coeffs[:-1]):
+        acc = _stt(acc, nl.add, c, nl.multiply, z)
+    return _stt(acc, nl.add, 1.0, nl.multiply, x)
+
+
+# sinh(x) = x (1 + z P(z)), z = x^2 <= 1: P fitted for an equal relative error of sinh on [0, 1] (Taylor's
+# 1/6, 1/120, 1/5040 adjusted; 0.1 of fp32's half ulp with the coefficients rounded to fp32)
+SINH_SERIES = (0.16666667, 0.00833335, 0.00019836178, 2.8168636e-06)
+
+
 def sinh(x):
-    """``(e^x - e^-x) / 2``; above |x| = 88 ``sign(x) e^|x| / 2`` in the scaled form (finite up to 89.4)."""
+    """``(e^x - e^-x) / 2``, which cancels below |x| = 1: there a polynomial in x (sinh(1e-30) = 1e-30, and
+    -0.0 stays -0.0); above |x| = 88 ``sign(x) e^|x| / 2`` in the scaled form (finite up to 89.4)."""
     r = nl.multiply(nl.subtract(nl.exp(x), _exp_neg(x)), 0.5)
+    _select_into(r, _odd_series(x, nl.multiply(x, x), SINH_SERIES), _abs_cmp(x, nl.less, 1.0))
     return _select_into(r, _half_exp_abs(x, sign(x)), _abs_cmp(x, nl.greater, WIDE_EXP))
 
 
