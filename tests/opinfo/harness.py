@@ -473,6 +473,19 @@ def _parts(sample) -> tuple:
     return (sample.input, tuple(sample.args), dict(sample.kwargs))
 
 
+def _device_resolved(parts: tuple) -> tuple:
+    """``parts`` with what PyTorch resolves per device type made the device's for the CPU run too: the chunked
+    ``linear_cross_entropy``'s ``acc_policy="auto"`` is "accurate" on the CPU but, from PyTorch's own table
+    (``_AUTO_DEFAULTS``), "compact" on an unlisted device such as neuron (as on CUDA), which computes in another
+    precision; the comparison is of the same algorithm."""
+    options = parts[2].get("options")
+    if getattr(options, "acc_policy", None) != "auto" or not isinstance(parts[0], torch.Tensor):
+        return parts
+    from torch.nn.modules import linear_cross_entropy_options as lce
+    policy = lce._AUTO_DEFAULTS.get(("neuron", parts[0].dtype), lce._AUTO_FALLBACK).acc_policy
+    return parts[0], parts[1], {**parts[2], "options": dataclasses.replace(options, acc_policy=policy)}
+
+
 class _StayOnCpu:
     """Wraps a sample argument that the op requires on the CPU (see _CPU_ARGS)."""
 
@@ -737,7 +750,7 @@ def tie_order_free(op, parts: tuple, actual, expected):
 def check_sample(op, sample, *, atol=None, rtol=None, meta_only=False) -> None:
     """Run one CPU sample on both devices and compare; raises AssertionError on a
     mismatch, SampleSkipped for a complex sample that neuron rejects."""
-    parts = _parts(sample)
+    parts = _device_resolved(_parts(sample))
     if has_complex(parts):
         raise SampleSkipped("complex input tensors")
     if (sample.kwargs or {}).get("dropout_p", 0) > 0:  # the device draws its own dropout masks (as CUDA does)
@@ -927,7 +940,7 @@ GRAD_TERMS = {"nn.functional.normalize": _normalize_grad_terms}
 def check_sample_grads(op, sample, *, atol=None, rtol=None, seed: int = DEFAULT_SEED) -> str:
     """Compare the input gradients (a VJP with seeded random cotangents) of one sample on neuron with the
     CPU's; returns 'checked' or why not. Raises AssertionError on a mismatch."""
-    parts = _parts(sample)
+    parts = _device_resolved(_parts(sample))
     if has_complex(parts):
         return "skipped: complex inputs"
     inp = parts[0]
