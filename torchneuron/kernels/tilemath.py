@@ -258,10 +258,23 @@ def cosh(x):
     return _select_into(r, _half_exp_abs(x), _abs_cmp(x, nl.greater, WIDE_EXP))
 
 
+# asinh(x) = x (1 + z Q(z)), z = x^2 <= 9/16: Q fitted for an equal relative error of asinh on [0, 3/4]
+# (0.2 of fp32's half ulp with the coefficients rounded to fp32)
+ASINH_SERIES = (-0.16666585, 0.07496999, -0.04426835, 0.028174214, -0.01537796, 0.0047044144)
+
+
 def asinh(x):
+    """``sign(x) log(|x| + sqrt(x^2 + 1))``; below |x| = 3/4, where the log's argument nears 1 and the log
+    magnifies its rounding (4 ulps at 1/2), a polynomial in x; from |x| = 2^11 ``log|x| + ln 2`` (x^2
+    overflows beyond 1.8e19)."""
     ax = abs_(x)
-    r = nl.log(nl.add(ax, nl.sqrt(nl.add(nl.multiply(x, x), 1.0))))
-    return where(nl.less(x, 0.0), neg(r), r)
+    z = nl.multiply(x, x)
+    a = nl.add(ax, nl.sqrt(nl.add(z, 1.0)))
+    wide = nl.greater_equal(ax, WIDE_LOG)
+    _select_into(a, ax, wide)
+    r = _stt(wide, nl.multiply, math.log(2), nl.add, nl.log(a))
+    _select_into(r, _odd_series(ax, z, ASINH_SERIES), nl.less(ax, 0.75))
+    return _with_sign_of(r, x)
 
 
 # from |x| = 2^11 asinh and acosh take log(2 |x|) = log|x| + ln 2 (what they leave out, 1/(4 x^2), is below
