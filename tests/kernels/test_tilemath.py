@@ -145,12 +145,13 @@ COMPOSED = {
     # (from |x| = 88 e^|x| / 2 as exp(|x| - c) times an fp32 within 1e-11 of e^c / 2: no more)
     # (below |x| = 1 sinh is a polynomial within 0.1 half-ulps: x^2, four Horner steps and a product)
     "cosh": (tm.cosh, torch.cosh, 3, None), "sinh": (tm.sinh, torch.sinh, 3, None),
-    # a square root and a log whose argument is at least 1.6 (condition 1 / ln 1.6 ~ 2): 2 x 1.5 + 0.5, 1 for the CPU
-    # (below |x| = 3/4 a polynomial within 0.2 half-ulps: x^2, six Horner steps and a product; from 2^11
-    # log|x| + ln 2)
+    # a square root and a log whose argument is at least 2 (condition 1 / ln 2 ~ 1.44): 2 x 1.5 + 0.5, 1 for the
+    # CPU (below |x| = 3/4 a polynomial within 0.2 half-ulps: x^2, six Horner steps and a product; from 2^11
+    # log|x| + ln 2: a log, a rounded constant and a sum)
     "asinh": (tm.asinh, torch.asinh, 5, None),
-    # (from |x| = 2^13 log|x| + ln 2: a log, a rounded constant and a sum)
-    "acosh": (tm.acosh, torch.acosh, 5, lambda x: (x >= 1.5) | (x < 1) | x.isnan()),
+    # Kahan's log1p (1.5 ulps) of t = (x - 1) + sqrt((x - 1)(x + 1)), whose roundings (x - 1 exact near 1, the
+    # product's two halved by the root, the sum) the log1p carries at most 1:1; 1 for the CPU; from 2^11 as asinh
+    "acosh": (tm.acosh, torch.acosh, 5, None),
     # two log1p (3 ulps each, no cancellation: opposite signs), a difference, 1 for the CPU
     "atanh": (tm.atanh, torch.atanh, 5, None),
     # 1 - x^2 carries x^2 / (1 - x^2) <= 4.3 half-ulps for |x| <= 0.9, halved by the root; a quotient and atan
@@ -242,6 +243,12 @@ def test_asinh_of_small_and_huge_arguments_like_the_cpu():
                       -0.0])
     assert_within(elementwise(tm.asinh, x), torch.asinh(x), 5)
     assert_bitwise(elementwise(tm.asinh, x[-2:]), torch.asinh(x[-2:]))
+
+
+def test_acosh_near_1_keeps_its_accuracy():
+    # log(x + sqrt(x^2 - 1)) magnified its rounding near 1 (26 ulps at 1.0066)
+    x = torch.cat([torch.linspace(1.0, 1.01, 2001), torch.tensor([1.0000001, 1.0065752, 1.4999999])])
+    assert_within(elementwise(tm.acosh, x), torch.acosh(x), 5)
 
 
 def test_acosh_of_huge_arguments_like_the_cpu():

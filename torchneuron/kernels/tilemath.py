@@ -284,11 +284,18 @@ WIDE_LOG = 2048.0
 
 
 def acosh(x):
-    """``log(x + sqrt(x^2 - 1))``; from |x| = 2^11 ``log(x) + ln 2`` (NaN for x <= -2^11, as acosh's)."""
-    a = nl.add(x, nl.sqrt(nl.subtract(nl.multiply(x, x), 1.0)))
-    wide = _abs_cmp(x, nl.greater_equal, WIDE_LOG)
-    _select_into(a, x, wide)
-    return _stt(wide, nl.multiply, math.log(2), nl.add, nl.log(a))
+    """``log1p(t)`` with ``t = (x - 1) + sqrt((x - 1)(x + 1))`` (``log(x + sqrt(x^2 - 1))`` cancels near
+    x = 1), the log1p as Kahan's ``log(u) * (t / (u - 1))``, ``u = 1 + t`` (u - 1 is 0 only at x = 1, where t
+    is 0: the divisor is kept from 0); below 1 t or u is negative or NaN, and so the result. From |x| = 2^11
+    ``log(x) + ln 2`` (NaN for x <= -2^11, as acosh's)."""
+    d = nl.subtract(x, 1.0)
+    t = nl.add(d, nl.sqrt(_stt(x, nl.add, 1.0, nl.multiply, d)))
+    u = nl.add(t, 1.0)
+    ratio = nl.ndarray(x.shape, x.dtype)
+    nisa.scalar_tensor_tensor(dst=ratio, data=nl.subtract(u, 1.0), op0=nl.maximum, operand0=1e-30,
+                              op1=nl.divide, operand1=t, reverse1=True)
+    r = nl.multiply(nl.log(u), ratio)
+    return _select_into(r, nl.add(nl.log(x), math.log(2)), _abs_cmp(x, nl.greater_equal, WIDE_LOG))
 
 
 def atanh(x):
