@@ -36,3 +36,32 @@ def test_broadcast_input_rounds_once(strict, dtype, batched, K, beta, alpha):
     off = _units_off(got, want)
     assert float((off > 0).double().mean()) <= 0.01
     assert float(off.max()) <= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batched,M,K,N,beta,alpha", [
+    (False, 32, 16, 24, 1, 1),        # rows grouped into one PSUM bank
+    (False, 130, 600, 600, 0.5, 2.0),  # the tiled loop nest
+    (False, 32, 14600, 24, 1, -1.0),   # a contraction longer than one pass (K chunks)
+    (True, 130, 64, 600, 1, 1),        # batched: one contraction tile, large entries
+    (True, 130, 300, 64, 2.0, 1),      # batched: a long contraction into a narrow output
+    (True, 130, 300, 600, 1, 0.5),     # batched: entries through the tiled loop nest
+])
+def test_full_shape_input_rounds_once(strict, dtype, batched, M, K, N, beta, alpha):
+    # An input of the result's shape (the chunked linear_cross_entropy's addmm into its gradient): the CPU's GEMM
+    # adds beta * input to the fp32 product and rounds once. Against float64 of the same rounded operands the
+    # error is then one rounding of the result (eps/2 of it) plus the fp32 accumulation (a random-walk bound,
+    # 4 sqrt(K) eps32 of the terms' magnitudes). The product rounded to the dtype first adds eps/2 of the product,
+    # which where input and product cancel is far more: the bound fails it.
+    gen = torch.Generator().manual_seed(K)
+    lead = (3,) if batched else ()
+    inp = torch.randn(*lead, M, N, generator=gen)
+    a, b = torch.randn(*lead, M, K, generator=gen) / K ** 0.5, torch.randn(*lead, K, N, generator=gen)
+    inp, a, b = (inp * 4).to(dtype), (a * 4).to(dtype), (b * 4).to(dtype)
+    op = torch.baddbmm if batched else torch.addmm
+    got = op(to_n(inp), to_n(a), to_n(b), beta=beta, alpha=alpha).cpu().double()
+    exact = beta * inp.double() + alpha * (a.double() @ b.double())
+    terms = abs(beta) * inp.double().abs() + abs(alpha) * (a.double().abs() @ b.double().abs())
+    fi = torch.finfo(dtype)
+    bound = fi.eps / 2 * exact.abs() + 4 * K ** 0.5 * torch.finfo(torch.float32).eps * terms + fi.tiny
+    assert bool(((got - exact).abs() <= bound).all()), float(((got - exact).abs() / bound).max())

@@ -144,8 +144,8 @@ def bmm_entries_into(a, b, out, transpose_a: bool = False, transpose_b: bool = F
 def addmm_kernel(a, b, c, transpose_a=False, transpose_b=False, alpha=1.0, beta=1.0):
     """``beta * C + alpha * (A @ B)`` with C of the product's shape, in one launch: 2-D (layouts as
     ``matmul_kernel``) or batched over the leading dim of 3-D operands (entries of more than one tile each).
-    The sum is formed in fp32 at each block's store from the product rounded to A's dtype, as the separate
-    element-wise launch it replaces computed it."""
+    The sum is formed in fp32 at each block's store from the fp32 product and rounded once, as the CPU's GEMM
+    forms it (rounding the product to A's dtype first put ~1 in 5 bf16 results a unit off)."""
     if len(a.shape) == 2:
         return matmul_kernel(a, b, transpose_a, transpose_b, epilogue=ScaledSum(c, alpha, beta).epilogue(a.dtype))
     out = nl.ndarray(tuple(c.shape), a.dtype, buffer=nl.shared_hbm)
@@ -155,8 +155,8 @@ def addmm_kernel(a, b, c, transpose_a=False, transpose_b=False, alpha=1.0, beta=
 
 @dataclass(frozen=True)
 class ScaledSum:
-    """``beta * c + alpha * product`` for a product of c's shape, formed in fp32 from the product rounded to the
-    operands' dtype, rounded once (``addmm_kernel``)."""
+    """``beta * c + alpha * product`` for a product of c's shape, formed in fp32 from the product as accumulated
+    in fp32, rounded once, as the CPU's GEMM forms it (``addmm_kernel``)."""
 
     c: object
     alpha: float
@@ -173,10 +173,10 @@ class ScaledSum:
                 nisa.scalar_tensor_tensor(dst=prod, data=prod, op0=nl.multiply, operand0=float(self.alpha),
                                           op1=nl.add, operand1=inp)
             return prod
-        return Epilogue(scaled_sum, (self.c,), dtype)
+        return Epilogue(scaled_sum, (self.c,), dtype, rounds_product=False)
 
     def apply(self, res, prod, c) -> None:
-        """``res = beta * c + alpha * prod`` over SBUF tiles of one shape (prod and c in the operands' dtype,
+        """``res = beta * c + alpha * prod`` over SBUF tiles of one shape (prod the fp32 product, c in any dtype,
         res in any): beta * c by GpSimd into fp32 when beta != 1 (the engine the evictions leave idle), then
         one VectorE pass, the sum rounded once as it is written (fewer passes per element than the fp32
         epilogue's widening copies)."""
@@ -216,7 +216,9 @@ class Epilogue:
     a product the graph still needs (an activation's input saved for the backward): one more store instead
     of a separate pass that reads the product back. ``product`` is that HBM tensor, set by the kernel;
     ``finish`` an in-place step on the block's tiles that completes the product before it is stored and
-    ``fn`` runs (the K-chunked loop nest adds its partial sums there)."""
+    ``fn`` runs (the K-chunked loop nest adds its partial sums there). ``rounds_product=False``: ``fn`` gets the
+    product as TensorE accumulated it in fp32, not rounded first (the accumulators are staged in fp32): addmm's
+    ``beta * C + alpha * (A @ B)``, which the CPU's GEMM rounds once."""
 
     fn: Callable
     extras: tuple
@@ -224,6 +226,7 @@ class Epilogue:
     keep_product: bool = False
     product: object = None
     finish: Callable | None = None
+    rounds_product: bool = True
 
 
 def _store_block(out, res, p: int, f: int, at: Callable, epilogue: Epilogue | None) -> None:
@@ -388,7 +391,8 @@ def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool
         """The group's A loads (DMAs only, issued a group ahead): K-major [128, KT, rows] or row chunks."""
         return _load_k_major(a, m0, rows, K, dt) if transpose_a else _load_rows(a, m0, rows, K, dt)
 
-    stage = [nl.ndarray((PMAX, chunks_per_group * N), dt, buffer=nl.sbuf) for _ in range(2)]
+    sdt = nl.float32 if epilogue is not None and not epilogue.rounds_product else dt
+    stage = [nl.ndarray((PMAX, chunks_per_group * N), sdt, buffer=nl.sbuf) for _ in range(2)]
     nxt = load(*groups[0])
     for i, (m0, rows) in enumerate(groups):
         cur = nxt
@@ -467,8 +471,9 @@ def matmul_into(a, b, out, transpose_a=False, transpose_b=False, bias=None, epil
     per K chunk with the partial sums kept in fp32 (``_matmul_k_chunks``)."""
     K = a.shape[0] if transpose_a else a.shape[1]
     N = b.shape[0] if transpose_b else b.shape[1]
+    exact = epilogue is not None and not epilogue.rounds_product   # (its accumulators staged in fp32)
     if panel_width(K, N, itemsize(a.dtype), transpose_a, transpose_b, nl.tile_size.sbuf_fmax_bytes,
-                   bias is not None):
+                   bias is not None, 4 if exact else None):
         _matmul_pass(a, b, out, transpose_a, transpose_b, bias, epilogue)
     else:
         _matmul_k_chunks(a, b, out, transpose_a, transpose_b, bias, epilogue)
@@ -506,7 +511,7 @@ def _matmul_k_chunks(a, b, out, transpose_a=False, transpose_b=False, bias=None,
         """The last pass's block, in place: the total, rounded to the operands' dtype as a stored product is
         (then the caller's epilogue)."""
         add(prod, partial)
-        if itemsize(dt) != 4:
+        if itemsize(dt) != 4 and epilogue.rounds_product:
             rounded = nl.ndarray(tuple(prod.shape), dt, buffer=nl.sbuf)
             nisa.tensor_copy(dst=rounded, src=prod, engine=nisa.vector_engine)
             nisa.tensor_copy(dst=prod, src=rounded, engine=nisa.gpsimd_engine)
@@ -537,7 +542,7 @@ def _matmul_pass(a, b, out, transpose_a=False, transpose_b=False, bias=None, epi
     assert K == Kb, f"matmul: contraction dims differ ({K} vs {Kb})"
     assert a.dtype == b.dtype, f"matmul: operand dtypes differ ({a.dtype} vs {b.dtype})"
     dt, isz = a.dtype, itemsize(a.dtype)
-    sdt = stage_dtype or dt
+    sdt = stage_dtype or (nl.float32 if epilogue is not None and not epilogue.rounds_product else dt)
     KT, MT = cdiv(K, TK), cdiv(M, TM)
     full, kr = K // TK, K % TK                 # whole K tiles, rows of the partial last one
     NW = panel_width(K, N, isz, transpose_a, transpose_b, nl.tile_size.sbuf_fmax_bytes, bias is not None,
@@ -783,7 +788,8 @@ def _bmm_short_k(a, b, out, transpose_a: bool, transpose_b: bool, scaled: Callab
     Bt, M, N = out.shape
     K = a.shape[1] if transpose_a else a.shape[2]
     dt, isz = a.dtype, itemsize(a.dtype)
-    R = max(1, min(8, _stage_bytes(scaled) // (N * isz)))
+    sdt = nl.float32 if scaled else dt          # a scaled sum reads the fp32 product (rounded once)
+    R = max(1, min(8, _stage_bytes(scaled) // (N * itemsize(sdt))))
     groups = _row_groups(M, R)
     evict = alternating_evict()
     GT = max(1, 2048 // (PMAX * isz))           # transposes per PSUM bank (8 bf16, 4 fp32)
@@ -859,7 +865,7 @@ def _bmm_short_k(a, b, out, transpose_a: bool, transpose_b: bool, scaled: Callab
             bTs[i + 1] = b_transposed(nxt_b)
             nxt_b = load_b(i + 2) if i + 2 < Bt else None
         bT = bTs.pop(i) if last else bTs[i]
-        stage = nl.ndarray((PMAX, r, N), dt, buffer=nl.sbuf)
+        stage = nl.ndarray((PMAX, r, N), sdt, buffer=nl.sbuf)
         for j in range(r):
             for n0 in range(0, N, TN):
                 w_ = min(TN, N - n0)
@@ -884,15 +890,16 @@ def _bmm_narrow(a, b, out, transpose_a: bool, scaled: Callable | None) -> None:
     Bt, M, N = out.shape
     K = a.shape[1] if transpose_a else a.shape[2]
     dt, isz = a.dtype, itemsize(a.dtype)
+    sdt = nl.float32 if scaled else dt          # a scaled sum reads the fp32 product (rounded once)
     KT, kr = divmod(K, TK)
     ktiles = KT + (1 if kr else 0)
     evict, evict_t = alternating_evict(), alternating_evict()   # products; transposes (each alternating)
     GT = max(1, 2048 // (PMAX * isz))
     per_bank = PSUM_FP32 // N                   # accumulators of N fp32 columns per PSUM bank
     if transpose_a:   # the slots of a block accumulate together: up to 4 PSUM banks of them
-        R = max(1, min(4 * per_bank, 16, _stage_bytes(scaled) // (N * isz)))
+        R = max(1, min(4 * per_bank, 16, _stage_bytes(scaled) // (N * itemsize(sdt))))
     else:             # r rows of K per partition loaded at once
-        R = max(1, min(8, STAGE_BYTES // (K * isz), _stage_bytes(scaled) // (N * isz)))
+        R = max(1, min(8, STAGE_BYTES // (K * isz), _stage_bytes(scaled) // (N * itemsize(sdt))))
     groups = _row_groups(M, R)
 
     def load_b(i):
@@ -945,7 +952,7 @@ def _bmm_narrow(a, b, out, transpose_a: bool, scaled: Callable | None) -> None:
         if m0 == 0:
             bK = nxt_b
             nxt_b = load_b(i + 1) if i + 1 < Bt else None
-        stage = nl.ndarray((PMAX, r, N), dt, buffer=nl.sbuf)
+        stage = nl.ndarray((PMAX, r, N), sdt, buffer=nl.sbuf)
         if transpose_a:
             banks = [nl.ndarray((PMAX, per_bank, N), nl.float32, buffer=nl.psum) for _ in range(cdiv(r, per_bank))]
             steps = a_steps(r * p)
