@@ -475,15 +475,20 @@ def _parts(sample) -> tuple:
 
 def _device_resolved(parts: tuple) -> tuple:
     """``parts`` with what PyTorch resolves per device type made the device's for the CPU run too: the chunked
-    ``linear_cross_entropy``'s ``acc_policy="auto"`` is "accurate" on the CPU but, from PyTorch's own table
-    (``_AUTO_DEFAULTS``), "compact" on an unlisted device such as neuron (as on CUDA), which computes in another
-    precision; the comparison is of the same algorithm."""
+    ``linear_cross_entropy``'s ``acc_policy="auto"`` and ``chunking_method="auto"`` are "accurate" and
+    "aspect_ratio" on the CPU but, from PyTorch's own table (``_AUTO_DEFAULTS``), "compact" and "aspect_ratio:2"
+    on an unlisted device such as neuron (as on CUDA): another precision and other chunks, whose 2-byte sums
+    round differently; the comparison is of the same algorithm."""
     options = parts[2].get("options")
-    if getattr(options, "acc_policy", None) != "auto" or not isinstance(parts[0], torch.Tensor):
+    auto = {k for k in ("acc_policy", "chunking_method") if getattr(options, k, None) == "auto"}
+    if getattr(options, "batch_chunk_size", None) is not None:
+        auto.discard("chunking_method")   # (an explicit chunk size turns the heuristic off on every device)
+    if not auto or not isinstance(parts[0], torch.Tensor):
         return parts
     from torch.nn.modules import linear_cross_entropy_options as lce
-    policy = lce._AUTO_DEFAULTS.get(("neuron", parts[0].dtype), lce._AUTO_FALLBACK).acc_policy
-    return parts[0], parts[1], {**parts[2], "options": dataclasses.replace(options, acc_policy=policy)}
+    picked = lce._AUTO_DEFAULTS.get(("neuron", parts[0].dtype), lce._AUTO_FALLBACK)
+    resolved = {k: getattr(picked, k) for k in auto}
+    return parts[0], parts[1], {**parts[2], "options": dataclasses.replace(options, **resolved)}
 
 
 class _StayOnCpu:
