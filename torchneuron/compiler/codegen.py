@@ -122,7 +122,6 @@ class _Body:
         self.consts: dict = {}
         self.written_in_place: dict[fx.Node, fx.Node] = {}   # a group's result -> the graph input it was stored in
 
-
     def check(self, count: Any, error: str, message: str) -> None:
         """A lowering's device-side assertion: raise ``error(message)`` after the launch if ``count`` (an HBM
         tensor of one element) is not 0."""

@@ -229,6 +229,12 @@ class Epilogue:
     rounds_product: bool = True
 
 
+def product_stage_dtype(epilogue: Epilogue | None, dt):
+    """The dtype a loop nest evicts its accumulators to: fp32 for an epilogue that reads the unrounded product
+    (``rounds_product=False``), else the operands' ``dt``."""
+    return nl.float32 if epilogue is not None and not epilogue.rounds_product else dt
+
+
 def _store_block(out, res, p: int, f: int, at: Callable, epilogue: Epilogue | None) -> None:
     """Store an evicted block ``res`` [p, f] at ``at(out)`` (``at`` maps an [M, N] HBM tensor to the block's
     access), through the epilogue when there is one."""
@@ -391,7 +397,7 @@ def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool
         """The group's A loads (DMAs only, issued a group ahead): K-major [128, KT, rows] or row chunks."""
         return _load_k_major(a, m0, rows, K, dt) if transpose_a else _load_rows(a, m0, rows, K, dt)
 
-    sdt = nl.float32 if epilogue is not None and not epilogue.rounds_product else dt
+    sdt = product_stage_dtype(epilogue, dt)
     stage = [nl.ndarray((PMAX, chunks_per_group * N), sdt, buffer=nl.sbuf) for _ in range(2)]
     nxt = load(*groups[0])
     for i, (m0, rows) in enumerate(groups):
@@ -471,9 +477,8 @@ def matmul_into(a, b, out, transpose_a=False, transpose_b=False, bias=None, epil
     per K chunk with the partial sums kept in fp32 (``_matmul_k_chunks``)."""
     K = a.shape[0] if transpose_a else a.shape[1]
     N = b.shape[0] if transpose_b else b.shape[1]
-    exact = epilogue is not None and not epilogue.rounds_product   # (its accumulators staged in fp32)
     if panel_width(K, N, itemsize(a.dtype), transpose_a, transpose_b, nl.tile_size.sbuf_fmax_bytes,
-                   bias is not None, 4 if exact else None):
+                   bias is not None, itemsize(product_stage_dtype(epilogue, a.dtype))):
         _matmul_pass(a, b, out, transpose_a, transpose_b, bias, epilogue)
     else:
         _matmul_k_chunks(a, b, out, transpose_a, transpose_b, bias, epilogue)
@@ -542,7 +547,7 @@ def _matmul_pass(a, b, out, transpose_a=False, transpose_b=False, bias=None, epi
     assert K == Kb, f"matmul: contraction dims differ ({K} vs {Kb})"
     assert a.dtype == b.dtype, f"matmul: operand dtypes differ ({a.dtype} vs {b.dtype})"
     dt, isz = a.dtype, itemsize(a.dtype)
-    sdt = stage_dtype or (nl.float32 if epilogue is not None and not epilogue.rounds_product else dt)
+    sdt = stage_dtype or product_stage_dtype(epilogue, dt)
     KT, MT = cdiv(K, TK), cdiv(M, TM)
     full, kr = K // TK, K % TK                 # whole K tiles, rows of the partial last one
     NW = panel_width(K, N, isz, transpose_a, transpose_b, nl.tile_size.sbuf_fmax_bytes, bias is not None,

@@ -20,6 +20,7 @@ DEVICE_DTYPES = frozenset({torch.bool, torch.int8, torch.int16, torch.int32, tor
                            torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2})
 # the float dtypes the engines compute in (fp8 is a storage format)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+HALF_FLOATS = (torch.bfloat16, torch.float16)   # the 2-byte ones: PyTorch computes them in fp32 (opmath)
 
 
 class Unsupported(Exception):
@@ -35,10 +36,10 @@ class Unsupported(Exception):
         self.fallback = fallback
 
 
-# ---- memory ------------------------------------------------------------------------------------------
+# ---- scalars ----------------------------------------------------------------------------------------
 
-HALF_FLOATS = (torch.bfloat16, torch.float16)
 _ROUNDED_SCALARS: dict = {}
+_ROUNDED_SCALARS_LIMIT = 4096   # entries before the memo starts over
 
 
 def rounded_scalar(v: int | float, dtype: torch.dtype) -> int | float:
@@ -47,12 +48,14 @@ def rounded_scalar(v: int | float, dtype: torch.dtype) -> int | float:
     key = (type(v), v, dtype)
     hit = _ROUNDED_SCALARS.get(key)
     if hit is None:
-        if len(_ROUNDED_SCALARS) > 4096:
+        if len(_ROUNDED_SCALARS) > _ROUNDED_SCALARS_LIMIT:
             _ROUNDED_SCALARS.clear()
         wrapped = torch.tensor(v, dtype=torch.float64 if isinstance(v, float) else torch.int64)
         hit = _ROUNDED_SCALARS[key] = wrapped.to(dtype).item()
     return hit
 
+
+# ---- memory ------------------------------------------------------------------------------------------
 
 def storage_span(t: torch.Tensor) -> torch.Tensor:
     """The contiguous 1-D run of storage a (non-empty) view covers, starting at its first element: what a

@@ -19,7 +19,8 @@ from torch._prims_common import elementwise_dtypes
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
 from torchneuron.kernels.int64_words import int64_add
-from torchneuron.ops.base import overload, overload_exists, resize_out, type_name, Unsupported, variants
+from torchneuron.ops.base import (HALF_FLOATS, overload, overload_exists, resize_out, rounded_scalar, type_name,
+                                  Unsupported, variants)
 from torchneuron.ops.elementwise import dense, device_copy, inputs_at_common_dtype, KIND, Number, run_pointwise
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering
@@ -212,13 +213,16 @@ def x_log_half(dtype: torch.dtype, log: Callable) -> Callable:
     return x_log_in_half
 
 
-def _xlogy(x, y):
-    dtype = torch.result_type(x, y)
-    return (x_log_half(dtype, nl.log) if dtype in (torch.bfloat16, torch.float16) else tm.xlogy), [x, y]
+def x_log(full: Callable, log: Callable) -> Callable:
+    """The build of ``x * log(y)``: ``full`` (the fp32 tile function) or, at a bf16/fp16 result, ``x_log_half``."""
+    def build(x, y):
+        dtype = torch.result_type(x, y)
+        return (x_log_half(dtype, log) if dtype in HALF_FLOATS else full), [x, y]
+    return build
 
 
 register_pointwise(["xlogy.Tensor", "xlogy_.Tensor", "xlogy.OutTensor", "xlogy.Scalar_Other", "xlogy_.Scalar_Other",
-            "xlogy.OutScalar_Other"], _xlogy, KIND.INT_TO_FLOAT)
+            "xlogy.OutScalar_Other"], x_log(tm.xlogy, nl.log), KIND.INT_TO_FLOAT)
 
 
 def float_only(fn: Callable) -> Callable:
@@ -235,11 +239,11 @@ register_pointwise(variants("fmod", "Tensor", "Scalar"), at_common_dtype(float_o
 
 def _pow(x, y):
     if isinstance(y, Number) and not isinstance(y, bool) and isinstance(x, torch.Tensor) \
-            and x.dtype in (torch.float16, torch.bfloat16):
+            and x.dtype in HALF_FLOATS:
         # the CPU's kernel takes a scalar exponent in the tensor's dtype (fp16 x ** 3.1 is x ** 3.099609375), with
         # its overflow error for one the dtype cannot hold
         torch.pow(torch.ones(1, dtype=x.dtype), y)
-        y = torch.tensor(float(y), dtype=torch.float64).to(x.dtype).item()
+        y = rounded_scalar(float(y), x.dtype)
     if isinstance(y, Number) and not isinstance(y, bool):
         fn = tm.pow_scalar(float(y)) if isinstance(x, torch.Tensor) and (x.is_floating_point() or isinstance(y, float)) \
             else None

@@ -13,7 +13,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torchneuron.kernels import tilemath_special as ts
 from torchneuron.ops.base import aten, on_one_device, overload_exists, Unsupported, variants
 from torchneuron.ops.elementwise import run_pointwise
-from torchneuron.ops.pointwise import at_common_dtype, register_pointwise, x_log_half
+from torchneuron.ops.pointwise import at_common_dtype, register_pointwise, x_log
 from torchneuron.ops.registry import lowering, register_out
 
 POLYGAMMA_MAX_N = 6
@@ -89,17 +89,10 @@ register_pointwise(["polygamma", "polygamma.out"], _polygamma, KIND.INT_TO_FLOAT
 
 # binary
 register_pointwise(["logaddexp", "logaddexp.out"],
-                   at_common_dtype(_guarded(aten.logaddexp.default, _binary(ts.logaddexp))),
-           KIND.INT_TO_FLOAT)
+                   at_common_dtype(_guarded(aten.logaddexp.default, _binary(ts.logaddexp))), KIND.INT_TO_FLOAT)
 register_pointwise(["logaddexp2", "logaddexp2.out"],
-                   at_common_dtype(_guarded(aten.logaddexp2.default, _binary(ts.logaddexp2))),
-           KIND.INT_TO_FLOAT)
-def _xlog1py(x, y):
-    dtype = torch.result_type(x, y)
-    return (x_log_half(dtype, ts.log1p_wide) if dtype in (torch.bfloat16, torch.float16) else ts.xlog1py), [x, y]
-
-
-register_pointwise(["special_xlog1py", "special_xlog1py.out"], _xlog1py, KIND.INT_TO_FLOAT)
+                   at_common_dtype(_guarded(aten.logaddexp2.default, _binary(ts.logaddexp2))), KIND.INT_TO_FLOAT)
+register_pointwise(["special_xlog1py", "special_xlog1py.out"], x_log(ts.xlog1py, ts.log1p_wide), KIND.INT_TO_FLOAT)
 
 
 for _name, _fn in {"igamma": ts.igamma, "igammac": ts.igammac}.items():   # ints raise, as on the CPU
