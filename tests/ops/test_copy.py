@@ -140,3 +140,32 @@ def test_bad_copies_match_cpu():
     with pytest.raises(RuntimeError, match="0-dimension"):
         to_n(X).fill_(to_n(torch.ones(2)))
     assert torchneuron.fallback_counts().get("aten::copy_", 0) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64,
+                                   torch.uint8, torch.bool, torch.complex64])
+def test_one_element_fills_write_the_value_without_a_kernel(dtype, strict):
+    """A one-element fill is the host's write of the value (what a fill kernel's scalar operand costs): no launch,
+    the CPU's conversion of the value, and the neighbouring elements of a one-element view untouched."""
+    from torchneuron.runtime import profiler
+    value = {torch.bool: True, torch.complex64: 2.5 - 1j}.get(dtype, 100.75 if dtype.is_floating_point else 100)
+    base = torch.arange(12).reshape(3, 4).to(dtype)
+    t = base.to("neuron")
+    scalar, one = torch.zeros((), dtype=dtype, device="neuron"), torch.zeros(1, 1, dtype=dtype, device="neuron")
+    with profiler.record() as records:
+        t[1:2, 2:3].t().fill_(value)
+        scalar.fill_(value)
+        one.fill_(value)
+        seed = torch.ones_like(scalar)
+    assert not records
+    ref = base.clone()
+    ref[1:2, 2:3].fill_(value)
+    assert torch.equal(t.cpu(), ref)
+    assert torch.equal(scalar.cpu(), torch.zeros((), dtype=dtype).fill_(value))
+    assert torch.equal(one.cpu(), torch.zeros(1, 1, dtype=dtype).fill_(value))
+    assert torch.equal(seed.cpu(), torch.ones((), dtype=dtype))
+    with profiler.record() as records:   # more elements: the fill kernel, as before
+        t[1].fill_(value)
+    assert len(records) == 1
+    ref[1].fill_(value)
+    assert torch.equal(t.cpu(), ref)

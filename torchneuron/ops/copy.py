@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from torchneuron import _C
 from torchneuron.ops.base import aten, DEVICE_DTYPES, Unsupported
 from torchneuron.ops.elementwise import can_copy, device_copy
 from torchneuron.ops.kernel_call import scalar_operand
@@ -59,7 +60,12 @@ def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
 
 def fill(self: torch.Tensor, value: Any) -> torch.Tensor:
     """Fill ``self`` with a scalar on the device."""
-    if self.numel():
+    if self.numel() == 1 and not self.is_conj() and not self.is_neg():
+        # The fill kernel's scalar operand is the host's write of one element into device memory; with one
+        # element to fill, that write goes straight to the tensor and the kernel, which would copy it there,
+        # is not launched (autograd's ``ones_like`` seed of ``loss.backward()``). The same bytes move either way.
+        _C._alias_as_cpu(self).fill_(value)
+    elif self.numel():
         device_copy(self, scalar_operand(value, self.dtype, self.device).view(()))
     return self
 
