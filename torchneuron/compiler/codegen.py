@@ -31,6 +31,7 @@ from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.compiler import lowering
+from torchneuron.compiler.dma_order import order_dma
 from torchneuron.compiler.dma_queues import allocate_dma_queues
 from torchneuron.compiler.kernel_lowerings import embedding_onehot, pointwise
 from torchneuron.compiler.memory_plan import plan_memory
@@ -343,7 +344,7 @@ def trace_segment(plan: Plan, seg: Segment, sigs: list[InputSig], spec: ChipSpec
     kernel.__name__ = kernel.__qualname__ = name
     traced = nki.jit(kernel).trace((), kwargs, spec)
     program, memory = plan_memory(traced.program)
-    program = allocate_dma_queues(program, spec)
+    program = order_dma(allocate_dma_queues(program, spec), spec)
     outs, returned = [], iter(traced.result)
     for node in seg.outputs:
         v = body.env[node]

@@ -1,0 +1,85 @@
+"""DMA ordering: each transfer of a compiled program placed in program order by when it can start.
+
+A DMA queue runs its transfers first in, first out, in program order, and tracing emits them in the order
+the kernels were called: a load that is ready at the start of the program (a later kernel's weights) is
+queued behind transfers that wait for compute, so a whole graph's late kernels wait for loads that could
+have been done long before. This pass moves each transfer towards the place in program order its ready
+time (its producers' end in the current schedule) gives it, and compute instructions to the place their
+start gives them, so queues take transfers closer to the order they become ready. Moved all the way, ready
+transfers also take DMA engines and HBM bandwidth from the ones already on the critical path, so half way
+is tried too (a backward that keeps the DMA engines busy throughout gains from neither and is left as it is).
+
+Values never change: the new order keeps every pair of instructions that touch common bytes (read after
+write, write after read, write after write) and every explicit wait in their original order; a program
+with control instructions (dynamic loops) is left as it is. The queue allocation pass then runs on the
+new order, and the result is kept only when the program schedules faster.
+"""
+from __future__ import annotations
+
+from torchneuron.compiler.dma_queues import allocate_dma_queues
+from torchneuron.sim import Engine, Program
+from torchneuron.sim.specs import ChipSpec
+from torchneuron.sim.timing import Timeline, dependencies
+
+
+ROUNDS = 3   # orderings, each from the schedule of the best program so far
+# How far each transfer moves from its start in the current schedule towards its ready time: all the way
+# suits an optimizer step's independent updates, half way a forward's chain of kernels; the faster is kept.
+EAGERNESS = (1.0, 0.5)
+
+
+def order_dma(program: Program, spec: ChipSpec) -> Program:
+    """``program`` with its transfers ordered by ready time and queues allocated again (itself when not faster)."""
+    best, timeline = program, program.schedule(spec)
+    for _ in range(ROUNDS):
+        improved = False
+        for eagerness in EAGERNESS:
+            ordered = order_transfers(best, timeline, eagerness)
+            if ordered is None:
+                continue
+            candidate = allocate_dma_queues(ordered, spec)
+            scheduled = candidate.schedule(spec)
+            if scheduled.device_time_ns < timeline.device_time_ns:
+                best, timeline, improved = candidate, scheduled, True
+        if not improved:
+            break
+    return best
+
+
+def order_transfers(program: Program, timeline: Timeline, eagerness: float = 1.0) -> Program | None:
+    """``program`` with each transfer placed ``eagerness`` of the way from its start in ``timeline`` to its ready
+    time, compute instructions at their start (None: nothing moves, or the program has control instructions)."""
+    if program.dynamic:
+        return None
+    instructions = program.instructions
+    preds = conflicts(program)
+    start, end = timeline.start_ns, timeline.end_ns
+
+    def key(i: int) -> tuple[float, int]:
+        if instructions[i].engine is Engine.DMA:
+            ready = max((end[p] for p in preds[i]), default=0.0)
+            return start[i] - eagerness * (start[i] - ready), i
+        return start[i], i
+
+    order = sorted(range(len(instructions)), key=key)
+    if order == list(range(len(instructions))):
+        return None
+    position = [0] * len(order)
+    for new, old in enumerate(order):
+        position[old] = new
+    # the schedule met every dependency, so this holds; checked because a broken order would change values
+    if any(position[p] >= position[i] for i, ps in enumerate(preds) for p in ps):
+        return None
+    after = [(position[c], position[p]) for c, p in program.after]
+    return Program([instructions[i] for i in order], program.args, program.name, after)
+
+
+def conflicts(program: Program) -> list[list[int]]:
+    """For each instruction, every earlier one it must follow whatever the queues: the instructions touching
+    common bytes (the timing model's dependencies with no queue taken as in order) and explicit waits."""
+    preds = dependencies(program.instructions, in_order=lambda key: False)
+    for c, p in program.after:
+        if p not in preds[c]:
+            preds[c] = sorted({*preds[c], p})
+    return preds
+
