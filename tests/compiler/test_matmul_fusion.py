@@ -92,3 +92,28 @@ def test_a_product_two_groups_read_keeps_its_own_store(tmp_path, monkeypatch):
         assert torch.equal(g.cpu(), e.cpu())
     text = "".join((d / "fusion.txt").read_text() for d in (tmp_path / "dump").iterdir())
     assert "epilogue" not in text
+
+
+class _TiedLM(nn.Module):
+    """Token embedding tied to the output projection: the weight's gradient is the embedding backward's product
+    plus the projection's; the sum is the epilogue of the product computed last (the embedding backward)."""
+
+    def __init__(self, vocab: int = 50, d: int = 32) -> None:
+        super().__init__()
+        self.emb, self.norm = nn.Embedding(vocab, d), nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.emb(ids)))
+
+
+def test_tied_weights_gradient_sum_is_the_embedding_backwards_epilogue(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHNEURON_DUMP_DIR", str(tmp_path / "dump"))
+    torch.manual_seed(0)
+    model, ids = _TiedLM(), torch.randint(0, 50, (4, 24))
+    for e, c in zip(_grads(model, ids, False, autocast=False), _grads(model, ids, True, autocast=False)):
+        assert torch.equal(c, e)   # the same fp32 product, then the same one add
+    backward = next(d for d in (tmp_path / "dump").iterdir() if d.name.endswith("_backward"))
+    text = (backward / "fusion.txt").read_text()
+    assert "embedding_dense_backward.default with epilogue [add" in text

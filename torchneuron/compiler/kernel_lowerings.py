@@ -352,7 +352,8 @@ def lower_embedding_backward(ctx, node, grad: Value, indices: Value, num_weights
     onehot = ctx.early_values.pop(node, None)   # built at the program's start (codegen), or here
     if onehot is None:
         onehot = embedding_onehot(indices, num_weights, padding_idx, grad.dtype)
-    return _product(matmul_kernel, onehot, hbm_value(dense(grad, (n, D))))
+    return _product(matmul_kernel, onehot, hbm_value(dense(grad, (n, D))), out_dtype=ctx.seg.widened.get(node),
+                    epilogue=ctx.epilogue(node))
 
 
 def embedding_onehot(indices: Value, num_weights: int, padding_idx: int, dtype: torch.dtype) -> Value:

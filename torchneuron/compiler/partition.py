@@ -333,7 +333,9 @@ def _merge_into_readers(items: list[Any], order: dict) -> list[Any]:
 
 
 _CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
-_PRODUCTS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+# matrix products whose kernel can widen its store or apply an epilogue (the embedding backward is one: the
+# one-hot of the ids times the gradient; a GPT's tied embedding then adds the output projection's gradient)
+_PRODUCTS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.embedding_dense_backward.default)
 
 
 def _widen_products(seg: Segment, items: list[Any], roles: dict) -> list[Any]:
@@ -388,10 +390,11 @@ def _epilogue_of(g: FusionGroup, seg: Segment, roles: dict, order: dict, escapes
     if g.kind != "float" or len(g.outputs) != 1:
         return None
     roots = [(n, _root(n, roles)) for n in g.inputs]
-    found = [(n, r) for n, r in roots if roles.get(r) == "kernel" and r.target in _PRODUCTS]
-    if len(found) != 1:
+    found = [(n, r) for n, r in roots if roles.get(r) == "kernel" and r.target in _PRODUCTS and r in order]
+    if len({r for _, r in found}) != len(found) or not found:
         return None
-    src, prod = found[0]
+    # of several products (a tied embedding's two weight gradients), the last computed: the others are operands
+    src, prod = max(found, key=lambda f: order[f[1]])
     n = tensor_values(prod)[0].numel()
     others = [a for a in g.inputs if a is not src]
     chain, node = [], src
