@@ -3,6 +3,7 @@ import torch
 
 import torchneuron.nki.language as nl
 from torchneuron.kernels import elementwise
+from torchneuron.kernels.elementwise import MIN_BLOCK
 from tests.kernels.conftest import DTYPES, close
 
 SHAPES = [((1,), (1,)), ((127, 129), (127, 129)), ((300,), (300,)), ((3, 129, 5), (129, 1)),
@@ -50,3 +51,16 @@ def test_few_long_rows_with_a_broadcast_row(R, C, dtype):
     a, b = torch.randn(R, C, generator=g).to(dtype), torch.randn(C, generator=g).to(dtype)
     out = elementwise(lambda x, y, z: x * y + z, a, b, torch.tensor(0.5).to(dtype))
     close(out, a.float() * b.float() + 0.5, dtype)
+
+
+@pytest.mark.parametrize("n", [1, 15, 64, 100, 192, 1000, 2047, 128 * 16 + 5])
+def test_small_flat_tensors_stream_rows_of_a_block(n):
+    # a tensor too small for [128, 16] tiles goes on fewer partitions with rows of at least 16 elements (each
+    # partition's row is a DMA descriptor of its own: 4-byte rows cost an optimizer step most of its DMA time);
+    # the scalar operand's column is loaded on those partitions only
+    g = torch.Generator().manual_seed(n)
+    a, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    rep = elementwise(lambda x, y, z: x * y + z, a, b, torch.tensor(0.5), profile=True)
+    close(rep.outputs, a * b + 0.5, torch.float32)
+    parts = [i.cost_inputs().partitions for i in rep.program.instructions if i.engine.value == "dma"]
+    assert parts and max(parts) <= max(1, n // MIN_BLOCK)

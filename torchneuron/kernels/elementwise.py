@@ -30,6 +30,7 @@ import torchneuron.nki.language as nl
 from torchneuron.kernels._common import DMA_ROW_BYTES, PMAX, alternating_elementwise, as_tensor, check_sbuf, prod
 
 NAMES = ("a", "b", "c", "d", "e")
+MIN_BLOCK = 16                 # elements per partition below which a streamed tile uses fewer partitions
 NBUF = 3                       # pipeline depth of the streaming loops (buffers per tile)
 
 
@@ -43,8 +44,9 @@ def _apply(fn, tiles):
 
 def stream_tile_width(n: int, cols: int) -> int:
     """Elements per partition of the streaming loops' tiles for an [n / cols, cols] result: at most 2048 (8 KiB
-    rows), narrower for small tensors (the flat loop's n / 128, the row loop's column block; the larger)."""
-    return min(DMA_ROW_BYTES // 4, max(1, n // PMAX, min(cols, n)))
+    rows), narrower for small tensors (the flat loop's n / 128, or under 2 * MIN_BLOCK elements for a tensor too
+    small for rows of MIN_BLOCK on every partition; the row loop's column block; the larger)."""
+    return min(DMA_ROW_BYTES // 4, max(1, n // PMAX, min(cols, n), min(n, 2 * MIN_BLOCK - 1)))
 
 
 def _body(ins, fn, out_dtype, compute=nl.float32, dests=None):
@@ -73,14 +75,17 @@ def _body(ins, fn, out_dtype, compute=nl.float32, dests=None):
     if all(tuple(t.shape) in ((R, C), (1, 1)) for t in ins):   # full inputs and scalars: stream the flat tensor
         n = R * C
         flat = [t.reshape((n,)) if tuple(t.shape) == (R, C) else None for t in ins]
-        scalars = {}                                          # (1, 1) operands: one [128, 1] column, loaded once
+        # tiles of at least MIN_BLOCK elements per partition: a small tensor goes on fewer partitions rather than
+        # in rows of a few bytes, each a DMA descriptor of its own (an optimizer's bias or norm weight update)
+        f = min(F, n // PMAX)
+        step = PMAX * f if f >= MIN_BLOCK else n + 1
+        parts = PMAX if f >= MIN_BLOCK else max(1, min(PMAX, n // MIN_BLOCK))   # partitions the tiles use
+        scalars = {}                                          # (1, 1) operands: one column, loaded once
         for i, t in enumerate(ins):
             if flat[i] is None:
-                scalars[i] = nl.ndarray((PMAX, 1), compute, buffer=nl.sbuf)
-                nisa.dma_copy(dst=scalars[i], src=t.broadcast_to((PMAX, 1)))
+                scalars[i] = nl.ndarray((parts, 1), compute, buffer=nl.sbuf)
+                nisa.dma_copy(dst=scalars[i], src=t.broadcast_to((parts, 1)))
         oflats = [o.reshape((n,)) for o in outs]
-        f = max(1, min(F, n // PMAX))
-        step = PMAX * f
         ring = collections.deque(maxlen=NBUF)                # keeps NBUF iterations' tiles alive: NBUF-deep pipeline
         for s in range(0, n - n % step, step):               # whole [128, f] tiles
             tiles = []
@@ -99,7 +104,7 @@ def _body(ins, fn, out_dtype, compute=nl.float32, dests=None):
         s = n - n % step
         if s < n:                                             # the tail: [p, f'] then a single partial row
             r = n - s
-            p = min(PMAX, r)
+            p = parts if f < MIN_BLOCK else min(PMAX, r)
             q = r // p
             for s0, pp, ff in ((s, p, q), (s + p * q, 1, r - p * q)):
                 if pp * ff == 0:
