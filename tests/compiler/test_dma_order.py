@@ -80,9 +80,10 @@ def test_ordering_keeps_every_conflicting_pair_and_the_values():
     want = _run(program, a, b)
     out = want[[s.name for s in program.args if s.kind == "output"][0]]
     torch.testing.assert_close(out, 2 * b)
-    moved = [order_transfers(program, timeline, eagerness) for eagerness in (1.0, 0.5)]
-    assert all(m is not None for m in moved)
     before = conflicts(program)
+    moved = [order_transfers(program, timeline, before, eagerness) for eagerness in (1.0, 0.5)]
+    assert all(m is not None for m in moved)
+    moved = [m for m, _ in moved]
     pairs = {(program.instructions[p], program.instructions[i]) for i, ps in enumerate(before) for p in ps}
     for m in moved:
         position = {id(ins): k for k, ins in enumerate(m.instructions)}

@@ -30,29 +30,33 @@ EAGERNESS = (1.0, 0.5)
 
 def order_dma(program: Program, spec: ChipSpec) -> Program:
     """``program`` with its transfers ordered by ready time and queues allocated again (itself when not faster)."""
+    if program.dynamic:
+        return program
     best, timeline = program, program.schedule(spec)
+    preds = conflicts(program)
     for _ in range(ROUNDS):
         improved = False
         for eagerness in EAGERNESS:
-            ordered = order_transfers(best, timeline, eagerness)
-            if ordered is None:
+            moved = order_transfers(best, timeline, preds, eagerness)
+            if moved is None:
                 continue
-            candidate = allocate_dma_queues(ordered, spec)
+            ordered, position = moved
+            candidate = allocate_dma_queues(ordered, spec, rounds=1)
             scheduled = candidate.schedule(spec)
             if scheduled.device_time_ns < timeline.device_time_ns:
                 best, timeline, improved = candidate, scheduled, True
+                preds = _renumbered(preds, position)
         if not improved:
             break
     return best
 
 
-def order_transfers(program: Program, timeline: Timeline, eagerness: float = 1.0) -> Program | None:
-    """``program`` with each transfer placed ``eagerness`` of the way from its start in ``timeline`` to its ready
-    time, compute instructions at their start (None: nothing moves, or the program has control instructions)."""
-    if program.dynamic:
-        return None
+def order_transfers(program: Program, timeline: Timeline, preds: list[list[int]],
+                    eagerness: float = 1.0) -> tuple[Program, list[int]] | None:
+    """``program`` (whose instructions must follow ``preds``, its ``conflicts``) with each transfer placed
+    ``eagerness`` of the way from its start in ``timeline`` to its ready time, compute instructions at their start,
+    and each old instruction's new position (None: nothing moves)."""
     instructions = program.instructions
-    preds = conflicts(program)
     start, end = timeline.start_ns, timeline.end_ns
 
     def key(i: int) -> tuple[float, int]:
@@ -71,7 +75,16 @@ def order_transfers(program: Program, timeline: Timeline, eagerness: float = 1.0
     if any(position[p] >= position[i] for i, ps in enumerate(preds) for p in ps):
         return None
     after = [(position[c], position[p]) for c, p in program.after]
-    return Program([instructions[i] for i in order], program.args, program.name, after)
+    return Program([instructions[i] for i in order], program.args, program.name, after), position
+
+
+def _renumbered(preds: list[list[int]], position: list[int]) -> list[list[int]]:
+    """``preds`` of a program whose instruction i moved to ``position[i]``: the same pairs, so still every
+    conflict (computed once: queue allocation and reordering change no instruction's bytes)."""
+    out: list[list[int]] = [[] for _ in preds]
+    for i, ps in enumerate(preds):
+        out[position[i]] = sorted(position[p] for p in ps)
+    return out
 
 
 def conflicts(program: Program) -> list[list[int]]:

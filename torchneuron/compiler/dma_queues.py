@@ -22,10 +22,10 @@ from torchneuron.sim.timing import Timeline
 ROUNDS = 3   # allocations, each from the schedule of the best program so far (ready times move as queues do)
 
 
-def allocate_dma_queues(program: Program, spec: ChipSpec) -> Program:
+def allocate_dma_queues(program: Program, spec: ChipSpec, rounds: int = ROUNDS) -> Program:
     """``program`` with its DMA transfers on the queues that free first (itself when that is not faster)."""
     best, timeline = program, program.schedule(spec)
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         candidate = _allocate(best, timeline)
         scheduled = candidate.schedule(spec)      # each program is scheduled once: the next round reads it
         if scheduled.device_time_ns >= timeline.device_time_ns:
