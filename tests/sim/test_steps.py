@@ -114,6 +114,17 @@ def mixed_program() -> Program:
         i.tensor_tensor(dst=_sb(59, torch.int8), data1=_sb(45, I32), data2=_sb(44, I32), op="bitwise_or"),
         i.tensor_scalar(dst=_sb(60, I32), data=_sb(45, I32), op0="equal", operand0=2 ** 40),  # int64 compute
         i.tensor_scalar(dst=_sb(61, I32), data=_sb(45, I32), op0="add", operand0=_sb(51, I32, (1,))),
+        # scalar_tensor_tensor: a scalar or a (P,1) operand0, reversed operators, bf16 and int32 tiles
+        i.scalar_tensor_tensor(dst=_sb(62), data=_sb(12), op0="multiply", operand0=0.3, op1="add", operand1=_sb(13)),
+        i.scalar_tensor_tensor(dst=_sb(63, BF16), data=_sb(12), op0="subtract", operand0=col, reverse0=True,
+                               op1="divide", operand1=_sb(6, BF16), reverse1=True),
+        i.scalar_tensor_tensor(dst=_sb(64, I32), data=_sb(45, I32), op0="add", operand0=3, op1="multiply",
+                               operand1=_sb(44, I32)),
+        i.scalar_tensor_tensor(dst=_sb(65, F32, (2, F // 2)), data=_sb(4, F32, (2, F // 2)), op0="maximum",
+                               operand0=col, op1="subtract", operand1=_sb(12)),
+        # a matmul overwriting its PSUM tile, then one accumulating onto it
+        i.nc_matmul(dst=_ps(4, (P,), P), stationary=_sb(28, F32, (P,)), moving=_sb(29, F32, (P,)), accumulate=False),
+        i.nc_matmul(dst=_ps(4, (P,), P), stationary=_sb(66, F32, (P,)), moving=_sb(29, F32, (P,))),
         i.dma_copy(dst=tile("hbm:out4", I32, (P, F)), src=_sb(50, I32)),
         i.dma_copy(dst=tile("hbm:out4", I32, (P, F))[:, 1:], src=tile("hbm:out4", I32, (P, F))[:, :F - 1]),
     ]

@@ -175,7 +175,28 @@ class NcMatmul(Instr):
 
     def step(self, core, slots) -> Step | None:
         st = self._state(core, core.memory("sbuf"), core.memory("psum"))
-        return lambda h: self._multiply(core, st)
+        _, psum, s, s_f, s_t, mv, mv_f, mv_use, r, out, closed, flags, rec, box = st
+        if self.is_transpose or s is None or mv is None or out is None:
+            return lambda h: self._multiply(core, st)
+        # the common case (views of operands and of an fp32 dst): _multiply's torch calls in its order,
+        # without its per-run unpacking and branches (a matmul of a small tile costs little more than these)
+        converts = tuple((f, v) for f, v in ((s_f, s), (mv_f, mv)) if f is not None)
+        accumulate, opened = self.accumulate, psum.opened
+
+        def step(h):
+            for scratch, values in converts:
+                scratch.copy_(values)
+            torch.mm(s_t, mv_use, out=r)
+            is_open = _group_open(rec, flags, box)
+            if accumulate is False:
+                out.copy_(r)
+            elif accumulate or is_open:
+                out.add_(r)
+            else:
+                out.masked_fill_(closed, 0.0).add_(r)
+            if not is_open:
+                _open_group(rec, flags, closed, box, opened)
+        return step
 
     def _multiply(self, core, st: tuple) -> None:
         sbuf, psum, s, s_f, s_t, mv, mv_f, mv_use, r, out, closed, flags, rec, box = st

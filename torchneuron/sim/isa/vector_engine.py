@@ -237,12 +237,22 @@ class ScalarTensorTensor(Instr):
         self._same("data", "dst")
         self._not_both_psum("data", "operand1")
 
+    @cached_property
+    def _compute(self) -> torch.dtype:
+        return compute_dtype(self.data.dtype, self.operand1.dtype, *operand_dtypes(self.operand0),
+                             fractional=bool(FRACTIONAL_OPS & {self.op0, self.op1}) or has_fractional(self.operand0))
+
     def execute(self, core) -> None:
-        c = compute_dtype(self.data.dtype, self.operand1.dtype, *operand_dtypes(self.operand0),
-                          fractional=bool(FRACTIONAL_OPS & {self.op0, self.op1}) or has_fractional(self.operand0))
+        c = self._compute
         x = load_tile(core, self.data, c)
         t = apply_ordered(self.op0, x, load_column(core, self.operand0, c, x.dim()), self.reverse0)
         self.dst.write(core, apply_ordered(self.op1, t, load_tile(core, self.operand1, c, x.shape), self.reverse1))
+
+    def step(self, core, slots) -> Step | None:
+        c = self._compute
+        operand0 = self.operand0 if isinstance(self.operand0, AP) else as_scalar(self.operand0, c)  # as load_column
+        return planned_alu_step(core, self.dst, self.data, [(self.op0, operand0, self.reverse0, True),
+                                                            (self.op1, self.operand1, self.reverse1, False)], c)
 
     def price(self) -> CostInputs:
         return self._cost([self.data, self.operand1], self.dst, op=f"{self.op0},{self.op1}",
