@@ -338,6 +338,9 @@ def apply_activation(op: str, x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     if n == 0:
         return fn(x)
+    if n % _VECTOR_BLOCK == 0 and op not in ("identity", "copy"):
+        # whole blocks already: the same blocks without a padded copy (identity would return x itself)
+        return fn(x.contiguous().view(-1)).view(x.shape)
     flat = torch.zeros(-(-n // _VECTOR_BLOCK) * _VECTOR_BLOCK, dtype=x.dtype)
     flat[:n] = x.reshape(-1)
     return fn(flat)[:n].reshape(x.shape)
