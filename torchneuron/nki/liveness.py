@@ -26,16 +26,31 @@ placed by its own liveness.
    each instruction that reads it reads the SBUF backing, or a temporary SBUF box a DMA loads first.
    Accumulating into a spilled tensor is refused. Kernels that fit never reach this step.
 
+5. Spilling SBUF (where step 2 would raise): the SBUF tiles are split where they have to leave SBUF, as the
+   Neuron compiler spills to HBM when the live data overflows SBUF. A pass over the instructions in order
+   (Belady's rule: the tile needed furthest in the future leaves first) keeps the bytes live at every
+   instruction within a budget (SBUF's capacity, lowered if step 2 then finds no box for a piece). Each
+   stretch of a tile between two evictions is placed like an overflowed tile; a stretch that ends by
+   eviction is followed by a DMA store of the tile to a private HBM scratch buffer if it was written since
+   its last store, and the next stretch begins with a DMA load from there, issued as early as its box is
+   free (its box is reserved from when the tiles evicted for it were last touched, when such a box is
+   free). Kernels that fit never reach this step.
+
 Liveness covers every later access, reads and writes alike, so a tile whose box was reclaimed is
 never touched after it was given away: writing through a reclaimed tile is impossible by
-construction. A tile that fits nowhere even by liveness raises the memory's overflow error.
+construction. A tile that fits nowhere even by liveness raises the memory's overflow error, unless the
+trace allows spilling (``host``); then only an instruction whose own operands need more SBUF than there is
+raises.
 """
 from __future__ import annotations
 
 import bisect
 import heapq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Protocol, Sequence
+
+import numpy as np
+import torch
 
 from torchneuron.sim import AP, SimulatorError
 from torchneuron.sim.isa import DmaCopy, Instr, TensorCopy
@@ -45,6 +60,7 @@ _BLOCK = 256  # instructions per bucket of the time index used to find tiles who
 # instructions a spill's temporary box stays reserved from its use: consecutive spilled accesses rotate
 # through that many boxes, so TensorE can write the next tile while the previous one is copied out
 SPILL_WINDOW = 4
+VIRTUAL_HBM_BYTES = 1 << 40  # bytes per row the layout of a spill scratch buffer may reach (it is sized after)
 
 
 class Alloc:
@@ -77,10 +93,11 @@ class Alloc:
 
 
 class SpillHost(Protocol):
-    """What the pass needs from the trace to spill a PSUM tensor: HBM scratch and DMA queues."""
+    """What the pass needs from the trace to spill: HBM scratch and DMA queues."""
 
-    def spill_scratch(self, partitions: int, nbytes: int) -> str:
-        """A new kernel-private HBM buffer of ``partitions`` rows of ``nbytes`` bytes; its memory name."""
+    def spill_scratch(self, memory: str, partitions: int, nbytes: int) -> str:
+        """A new kernel-private HBM buffer of ``partitions`` rows of ``nbytes`` bytes for tiles spilled out of
+        ``memory``; its memory name."""
 
     def next_dma_queue(self) -> int:
         """The DMA queue for the next transfer."""
@@ -90,7 +107,8 @@ def place_by_liveness(instructions: Sequence[Instr], clocks: Sequence[int], allo
                       capacity: dict[str, int], bank_bytes: dict[str, int], align: int = 4,
                       host: SpillHost | None = None) -> list[Instr]:
     """Give every overflowed tile a box within ``capacity`` and rewrite the instructions that access it;
-    with ``host``, spill the PSUM tensors larger than PSUM that fit nowhere (step 4) instead of raising.
+    with ``host``, spill what fits nowhere instead of raising: the PSUM tensors larger than PSUM (step 4),
+    SBUF tiles to HBM (step 5).
 
     ``clocks[i]`` is the trace clock at which instruction i was emitted; tile ``start``/``end`` are on
     that clock and are converted to instruction indices here."""
@@ -101,16 +119,21 @@ def place_by_liveness(instructions: Sequence[Instr], clocks: Sequence[int], allo
     touches = _accesses(instructions, allocs)
     boxes: dict[str, _Boxes] = {}
     spilled: set[Alloc] = set()
+    sbuf_spill = _SbufSpill()
     for memory in sorted(capacity, key=lambda m: m != "psum"):  # PSUM first: its spills need SBUF room
         mine = [a for a in allocs if a.region.memory == memory]
-        if any(a.overflow for a in mine) or (spilled and memory == "sbuf"):
+        if not (any(a.overflow for a in mine) or (spilled and memory == "sbuf")):
+            continue
+        if memory == "sbuf" and host is not None:
+            boxes[memory], sbuf_spill = _place_sbuf(mine, capacity[memory], align, instructions, touches, host)
+        else:
             boxes[memory], lost = _place(mine, capacity[memory], bank_bytes.get(memory, 0), align, instructions,
                                          spill=host is not None and memory == "psum")
             spilled |= lost
     if not boxes:
         return list(instructions)
     spills = _plan_spills(instructions, touches, spilled, boxes, host) if spilled else {}
-    return _rewrite(instructions, touches, spills, host)
+    return _rewrite(instructions, touches, spills, host, sbuf_spill)
 
 
 def _split(a: Alloc) -> list[Alloc]:
@@ -262,6 +285,10 @@ def _assign(allocs: list[Alloc], boxes: _Boxes, instructions: Sequence[Instr]) -
             continue  # never accessed: no instruction names its box
         if not boxes.place(a, ((a.hold, "reserved"), (a.hold, "live"), (a.live, "live"))):
             return a
+        if isinstance(a, _Stretch) and a.reload:
+            # the load back into the box is written where the box becomes free: an access of the tile from
+            # there on, which the tiles placed after it must respect
+            a.first = a.reserved[0]
     return None
 
 
@@ -461,7 +488,7 @@ def _back(backing: _Backing, accesses: list[_SpillAccess], sbuf: _Boxes, host: S
     backing.sbuf_offset = _new_box(sbuf, box, (accesses[0].t, accesses[-1].t))
     if backing.sbuf_offset is None:
         backing.row_bytes = -(-r.nbytes // 4) * 4
-        backing.hbm = host.spill_scratch(r.partitions, backing.row_bytes)
+        backing.hbm = host.spill_scratch("psum", r.partitions, backing.row_bytes)
 
 
 def _temp(access: _SpillAccess, memory: str, window: tuple[int, int], boxes: _Boxes,
@@ -487,6 +514,205 @@ def _new_box(boxes: _Boxes, region: Region, span: tuple[int, int]) -> int | None
     return box.offset if boxes.place(box, ((span, "reserved"), (span, "live"))) else None
 
 
+# ---- SBUF spilling ------------------------------------------------------------------------------
+
+class _Stretch(Alloc):
+    """One stretch of an SBUF tile's life in SBUF between evictions (step 5), placed like an overflowed tile.
+    Unless it is the tile's first, it begins with a load from the tile's HBM copy (``reload``); it ends with a
+    store to that copy when the tile was written since its last store and is needed again (``store``)."""
+
+    __slots__ = ("tile", "reload", "store")
+
+    def __init__(self, tile: Alloc, hold_start: int, first: int, reload: bool):
+        super().__init__(tile.region, hold_start, True)
+        self.end = hold_start                  # (the hold is widened to cover the stretch's accesses)
+        self.first = self.last = first
+        self.tile, self.reload, self.store = tile, reload, False
+
+
+@dataclass
+class _SbufSpill:
+    """The DMAs step 5 adds: ``loads[t]`` go right before instruction t, ``stores[t]`` right after it."""
+
+    loads: dict[int, list[Instr]] = field(default_factory=dict)
+    stores: dict[int, list[Instr]] = field(default_factory=dict)
+
+
+class _NoRoom(Exception):
+    """The eviction pass met an instruction whose own tiles (with the pinned ones) exceed the budget."""
+
+    def __init__(self, t: int, needed: int):
+        super().__init__(t, needed)
+        self.t, self.needed = t, needed
+
+
+def _place_sbuf(allocs: list[Alloc], cap: int, align: int, instructions: Sequence[Instr], touches: dict[int, list],
+                host: SpillHost) -> tuple[_Boxes, _SbufSpill]:
+    """Place SBUF's overflowed tiles (step 2); if one fits nowhere, spill (step 5): evict within a budget,
+    place the stretches, and while a stretch finds no box lower the budget by its size and start again."""
+    boxes = _Boxes(cap, 0, align)
+    failed = _assign(allocs, boxes, instructions)
+    if failed is None:
+        return boxes, _SbufSpill()
+    accesses = _tile_accesses(instructions, touches, allocs)
+    budget = cap
+    while True:
+        try:
+            stretches = _evict(accesses, budget)
+        except _NoRoom as e:
+            if budget < cap:  # no budget low enough leaves a box for every stretch: report the last that found none
+                raise _overflow(failed, boxes.busy(failed.live, "live", failed.region), cap, instructions) from None
+            raise SimulatorError(
+                f"sbuf overflow: instruction {e.t} ({instructions[e.t].opcode}) needs {e.needed} bytes per partition "
+                f"of tiles in SBUF at once (its operands' tiles and any placed with address=), more than the "
+                f"capacity of {cap} bytes per partition: spilling other tiles to HBM cannot make room; use smaller "
+                f"tiles") from None
+        pieces = [s for a in allocs for s in stretches.get(a, (a,))]
+        boxes = _Boxes(cap, 0, align)
+        failed = _assign(pieces, boxes, instructions)
+        if failed is None:
+            return boxes, _spill_dmas(stretches, touches, host)
+        budget -= failed.region.nbytes
+
+
+def _tile_accesses(instructions: Sequence[Instr], touches: dict[int, list],
+                   allocs: list[Alloc]) -> dict[Alloc, list[tuple[int, bool]]]:
+    """(instruction index, whether it writes the tile) of each access of each SBUF tile, in order."""
+    out: dict[Alloc, list[tuple[int, bool]]] = {a: [] for a in allocs if a.live is not None}
+    for t in sorted(touches):
+        writes = type(instructions[t]).WRITES
+        seen: dict[Alloc, bool] = {}
+        for name, _, owners in touches[t]:
+            for a in owners:
+                if a in out:
+                    seen[a] = seen.get(a, False) or name in writes
+        for a, wrote in seen.items():
+            out[a].append((t, wrote))
+    return out
+
+
+def _evict(accesses: dict[Alloc, list[tuple[int, bool]]], budget: int) -> dict[Alloc, list[_Stretch]]:
+    """Walk the instructions in order keeping every tile an instruction accesses in SBUF and the bytes of the
+    tiles in SBUF within ``budget`` per partition: when a tile comes in and they would not be, the tiles whose
+    next access is furthest away leave first (Belady's rule; among equals, those whose HBM copy is current).
+    A tile leaves SBUF for good after its last access. {tile: its stretches} of the tiles that leave earlier.
+
+    A stretch that loads a tile back starts (its box is reserved) as early as the bytes taken before it leave
+    room, so the load can run ahead of the access: ``taken[u]`` is the most any partition holds at
+    instruction u, lowered after the fact where an evicted tile was no longer touched and raised where such
+    an early load holds its box (a tile on some partitions only is counted on all: never too little)."""
+    by_time: dict[int, list[Alloc]] = {}
+    for a, acc in accesses.items():
+        for t, _ in acc:
+            by_time.setdefault(t, []).append(a)
+    usage = np.zeros(max(a.region.start_partition + a.region.partitions for a in accesses), dtype=np.int64)
+    taken = np.zeros(max(by_time) + 1, dtype=np.int64)
+    level, last_t = 0, -1                           # the most taken after the previous accessing instruction
+    rank = {a: k for k, a in enumerate(accesses)}
+    position = dict.fromkeys(accesses, 0)          # index of the tile's next access
+    resident: dict[Alloc, _Stretch] = {}
+    saved: set[Alloc] = set()                       # tiles whose HBM copy holds their current value
+    stretches: dict[Alloc, list[_Stretch]] = {}
+    leaving: list[tuple[int, bool, int, Alloc]] = []  # heap: (-next access, copy stale, rank, tile)
+    for t in sorted(by_time):
+        taken[last_t + 1:t] = level
+        needed = by_time[t]
+        for x in needed:
+            if x in resident:
+                continue
+            rows, n = _rows(x), x.region.nbytes
+            usage[rows] += n
+            aside = []
+            while usage[rows].max() > budget:
+                if not leaving:
+                    raise _NoRoom(t, int(usage[rows].max()))
+                entry = heapq.heappop(leaving)
+                v = entry[3]
+                if v not in resident or accesses[v][position[v]][0] != -entry[0]:
+                    continue  # an outdated entry: the tile was accessed or evicted since
+                if -entry[0] == t or not _rows_meet(v, x):
+                    aside.append(entry)  # needed now, or holds none of the bytes short
+                    continue
+                gone = resident.pop(v)
+                gone.store = v not in saved
+                saved.add(v)
+                usage[_rows(v)] -= v.region.nbytes
+                if v.region.partitions == len(usage):  # (on some partitions only: the others may be the most)
+                    taken[gone.last + 1:t] -= v.region.nbytes
+            for entry in aside:
+                heapq.heappush(leaving, entry)
+            earlier = stretches.get(x)
+            if earlier is None:
+                stretch = _Stretch(x, min(x.hold[0], t), t, reload=False)
+                stretches[x] = [stretch]
+            else:
+                lo = earlier[-1].last + 1
+                short = np.flatnonzero(taken[lo:t] + n > budget)
+                start = lo + int(short[-1]) + 1 if len(short) else lo
+                taken[start:t] += n
+                stretch = _Stretch(x, start, t, reload=True)
+                earlier.append(stretch)
+            resident[x] = stretch
+        taken[t] = usage.max()
+        for x in needed:
+            k = position[x]
+            resident[x].last = t
+            if accesses[x][k][1]:
+                saved.discard(x)
+            position[x] = k + 1
+            if k + 1 == len(accesses[x]):
+                del resident[x]
+                usage[_rows(x)] -= x.region.nbytes
+            elif x.pinned is None:
+                heapq.heappush(leaving, (-accesses[x][k + 1][0], x not in saved, rank[x], x))
+        level, last_t = int(usage.max()), t
+    return {a: s for a, s in stretches.items() if len(s) > 1}
+
+
+def _rows(a: Alloc) -> slice:
+    """The partitions of a tile."""
+    return slice(a.region.start_partition, a.region.start_partition + a.region.partitions)
+
+
+def _rows_meet(a: Alloc, b: Alloc) -> bool:
+    """Whether two tiles share a partition."""
+    ra, rb = a.region, b.region
+    return ra.start_partition < rb.start_partition + rb.partitions and rb.start_partition < ra.start_partition + \
+        ra.partitions
+
+
+def _spill_dmas(stretches: dict[Alloc, list[_Stretch]], touches: dict[int, list], host: SpillHost) -> _SbufSpill:
+    """Point each access of a spilled tile at its stretch's box, lay out the tiles' HBM copies in one scratch
+    buffer (tiles whose copies are never needed at the same time share bytes), and make the stores and loads."""
+    lasts = {a: [s.last for s in ss] for a, ss in stretches.items()}
+    for t, entries in touches.items():
+        if any(o in stretches for _, _, owners in entries for o in owners):
+            touches[t] = [(name, ap, [stretches[o][bisect.bisect_left(lasts[o], t)] if o in stretches else o
+                                      for o in owners]) for name, ap, owners in entries]
+    scratch = _Boxes(VIRTUAL_HBM_BYTES, 0, 4)
+    copies: dict[Alloc, int] = {}
+    for a, ss in stretches.items():
+        stores = [s.last for s in ss if s.store]
+        span = (stores[0], max(s.first for s in ss if s.reload))
+        copies[a] = _new_box(scratch, Region("hbm", a.region.start_partition, a.region.partitions, 0,
+                                             a.region.nbytes), span)
+    row = -(-max(copies[a] + a.region.nbytes for a in copies) // 4) * 4
+    memory = host.spill_scratch("sbuf", max(_rows(a).stop for a in copies), row)
+    moves = sorted([(s.last, 1, a, s) for a, ss in stretches.items() for s in ss if s.store]
+                   + [(s.first, 0, a, s) for a, ss in stretches.items() for s in ss if s.reload],
+                   key=lambda m: m[:2])  # program order: a load goes before its instruction, a store after
+    out = _SbufSpill()
+    for t, after, a, s in moves:
+        r = a.region
+        on_chip = AP("sbuf", torch.uint8, ((1, r.nbytes),), r.start_partition, r.partitions, s.offset)
+        copy = AP(memory, torch.uint8, ((row, r.partitions), (1, r.nbytes)),
+                  offset=r.start_partition * row + copies[a])
+        dma = DmaCopy(dst=copy, src=on_chip, queue=host.next_dma_queue()) if after else \
+            DmaCopy(dst=on_chip, src=copy, queue=host.next_dma_queue())
+        (out.stores if after else out.loads).setdefault(t, []).append(dma)
+    return out
+
+
 # ---- rewriting ---------------------------------------------------------------------------------
 
 def _replaced(instr: Instr, changes: dict) -> Instr:
@@ -497,11 +723,13 @@ def _replaced(instr: Instr, changes: dict) -> Instr:
 
 
 def _rewrite(instructions: Sequence[Instr], touches: dict[int, list], spills: dict[tuple[int, str], _SpillAccess],
-             host: SpillHost | None) -> list[Instr]:
-    """The instructions with every operand inside a moved tile shifted to its new box, and every access to a
-    spilled tensor going through its temporary boxes."""
+             host: SpillHost | None, sbuf_spill: "_SbufSpill") -> list[Instr]:
+    """The instructions with every operand inside a moved tile shifted to its new box, every access to a
+    spilled PSUM tensor going through its temporary boxes, and the spilled SBUF tiles' stores and loads
+    around them (between two instructions: the stores after the first, then the loads for the second)."""
     out: list[Instr] = []
     for t, instr in enumerate(instructions):
+        out += sbuf_spill.loads.get(t, ())
         before, changes, after = [], {}, []
         for name, ap, owners in touches.get(t, ()):
             spill = spills.get((t, name))
@@ -514,6 +742,7 @@ def _rewrite(instructions: Sequence[Instr], touches: dict[int, list], spills: di
             if moved is not None:
                 changes[name] = moved
         out += [*before, _replaced(instr, changes) if changes else instr, *after]
+        out += sbuf_spill.stores.get(t, ())
     return out
 
 

@@ -9,11 +9,12 @@ A tile that does not fit while earlier tiles are still bound in Python is given 
 the capacity; when the trace ends, ``liveness.place_by_liveness`` moves it into memory whose tiles no
 later instruction touches (the compiler allocates by liveness), or raises the overflow error.
 
-PSUM spilling is done there too, in that one place, because only that pass knows that a tensor fits
-nowhere: a PSUM tensor larger than PSUM (even a single tile, which here gets a virtual box instead of
-raising) that cannot be placed is backed by SBUF or a private HBM scratch buffer (``spill_scratch``), and
-the instructions that touch it are rewritten to go through temporary boxes. A kernel whose tiles can be
-placed never reaches that code, so its instructions are exactly those it emitted.
+Spilling is done there too, in that one place, because only that pass knows that a tile fits nowhere:
+a PSUM tensor larger than PSUM (even a single tile, which here gets a virtual box instead of raising)
+that cannot be placed is backed by SBUF or a private HBM scratch buffer (``spill_scratch``), and the
+instructions that touch it are rewritten to go through temporary boxes; SBUF tiles that cannot all be
+placed leave SBUF for HBM scratch between their accesses, by DMA stores and loads added to the program. A
+kernel whose tiles can be placed never reaches that code, so its instructions are exactly those it emitted.
 """
 from __future__ import annotations
 
@@ -537,8 +538,8 @@ class Trace:
 
     def program(self, name: str, outputs: Sequence[str]) -> Program:
         """The traced Program; ``outputs`` are the returned HBM slots. Tiles that overflowed are placed by
-        liveness first (spilling PSUM tensors larger than PSUM, raising the memory's overflow error for any
-        other tile that even that cannot fit)."""
+        liveness first (spilling PSUM tensors larger than PSUM and SBUF tiles to HBM where even that cannot
+        fit them; raising the memory's overflow error where spilling cannot help either)."""
         instructions = self.instructions
         self._check_constants_unwritten()
         if self.open_loops:
@@ -562,8 +563,8 @@ class Trace:
             self.instructions, self.overflowed = instructions, False  # placed once
             if len(instructions) != len(pos):
                 if after:
-                    raise NotImplementedError("depends_on in a kernel whose PSUM tensors are spilled (the spill "
-                                              "adds instructions) is not supported")
+                    raise NotImplementedError("depends_on in a kernel whose tiles are spilled (the spill adds "
+                                              "instructions) is not supported")
                 copies, again = set(), []  # (the spill moved the instructions: the indices are gone)
         instructions, kept = forward(instructions, copies, again)
         if len(kept) != len(self.instructions):
@@ -574,10 +575,11 @@ class Trace:
         args = [ArgSlot(s.name, s.shape, s.dtype, "output") if s.name in outputs else s for s in self.slots.values()]
         return Program(tuple(instructions), tuple(args), name, after)
 
-    def spill_scratch(self, partitions: int, nbytes: int) -> str:
+    def spill_scratch(self, memory: str, partitions: int, nbytes: int) -> str:
         """A new kernel-private HBM scratch buffer of ``partitions`` rows of ``nbytes`` bytes (a multiple of 4)
-        for a spilled PSUM tensor (see ``liveness``); its memory name."""
-        name = f"{self.prefix}psum_spill{sum(k.startswith(self.prefix + 'psum_spill') for k in self.slots)}"
+        for tiles spilled out of ``memory`` (see ``liveness``); its memory name."""
+        kind = f"{self.prefix}{memory}_spill"
+        name = f"{kind}{sum(k.startswith(kind) for k in self.slots)}"
         while name in self.slots:  # a kernel argument already has the name
             name += "_"
         self.slots[name] = ArgSlot(name, (partitions, nbytes // 4), torch.float32, "scratch")
