@@ -32,9 +32,10 @@ placed by its own liveness.
    instruction within a budget (SBUF's capacity, lowered if step 2 then finds no box for a piece). Each
    stretch of a tile between two evictions is placed like an overflowed tile; a stretch that ends by
    eviction is followed by a DMA store of the tile to a private HBM scratch buffer if it was written since
-   its last store, and the next stretch begins with a DMA load from there, issued as early as its box is
-   free (its box is reserved from when the tiles evicted for it were last touched, when such a box is
-   free). Kernels that fit never reach this step.
+   its last store, and the next stretch begins with a DMA load from there, issued as early as SBUF has
+   room for it (its box is reserved from the first instruction after which the bytes in SBUF leave that
+   room, when such a box is free), so the load can run ahead of the access. Kernels that fit never reach
+   this step.
 
 Liveness covers every later access, reads and writes alike, so a tile whose box was reclaimed is
 never touched after it was given away: writing through a reclaimed tile is impossible by
@@ -521,13 +522,13 @@ class _Stretch(Alloc):
     Unless it is the tile's first, it begins with a load from the tile's HBM copy (``reload``); it ends with a
     store to that copy when the tile was written since its last store and is needed again (``store``)."""
 
-    __slots__ = ("tile", "reload", "store")
+    __slots__ = ("reload", "store")
 
     def __init__(self, tile: Alloc, hold_start: int, first: int, reload: bool):
         super().__init__(tile.region, hold_start, True)
         self.end = hold_start                  # (the hold is widened to cover the stretch's accesses)
         self.first = self.last = first
-        self.tile, self.reload, self.store = tile, reload, False
+        self.reload, self.store = reload, False
 
 
 @dataclass
