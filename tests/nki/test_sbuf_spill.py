@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from torchneuron import nki
+from torchneuron.nki import legacy
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
+from torchneuron.nki.legacy import language as lnl
 from torchneuron.sim import SimulatorError
 from torchneuron.sim.specs import chip_spec
 
@@ -172,3 +174,24 @@ def test_operands_that_need_more_than_sbuf_at_once_raise():
     x = np.zeros((128, 3 * 1024), np.float32)  # 12 KiB each, 24 KiB at once against 16 KiB
     with pytest.raises(SimulatorError, match="spilling other tiles to HBM cannot make room"):
         wide_add_kernel.trace((x, x), {}, SMALL)
+
+
+@legacy.jit
+def legacy_reversed_sum_kernel(x):
+    """``reversed_sum_kernel`` in the earlier-generation front-end: ``nl.load`` tiles and ``nl.add``."""
+    n = x.shape[1] // TILE
+    out = lnl.ndarray((128, TILE), dtype=lnl.float32, buffer=lnl.shared_hbm)
+    tiles = [lnl.load(x[:, i * TILE:(i + 1) * TILE]) for i in range(n)]
+    acc = tiles[-1]
+    for t in reversed(tiles[:-1]):
+        acc = lnl.add(acc, t)
+    lnl.store(out, acc)
+    return out
+
+
+def test_legacy_kernels_spill_too():
+    x = randn(128, 12 * TILE)
+    out, _, traced = legacy_reversed_sum_kernel.run((x,), {}, chip=SMALL)
+    np.testing.assert_array_equal(out, reversed_sum_reference(x))
+    assert spill_moves(traced.program)["load"] > 0
+    assert sbuf_end(traced.program) <= SMALL_SBUF
