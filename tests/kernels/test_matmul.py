@@ -6,8 +6,8 @@ from torchneuron.kernels import matmul
 from torchneuron import runtime
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels.matmul import (Epilogue, bmm_group_size, bmm_kernel, matmul_kernel, max_contraction,
-                                         panel_width)
+from torchneuron.kernels.matmul import (Epilogue, addmm_kernel, bmm_group_size, bmm_kernel, matmul_kernel,
+                                         max_contraction, panel_width)
 from tests.kernels.conftest import DTYPES, close
 
 
@@ -366,3 +366,51 @@ def test_matmul_epilogue_operands_must_span_the_output():
     a, r = torch.randn(8, 8), torch.randn(8, 4)
     with pytest.raises(AssertionError, match="epilogue operands"):
         _matmul_plus(a, a, r)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("epilogue", ["none", "bias", "addmm"])
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_long_contraction_layouts_fit_sbuf_as_traced(transpose_a, transpose_b, epilogue, dtype, monkeypatch):
+    # An LLM MLP's long contraction (K = 11008) at M = 1024 in every layout, with a bias row or addmm's scaled sum:
+    # one pass of narrow panels or K chunks of wide ones (``k_passes``). Traced only (cheap): every tile must get
+    # its box when allocated. A tile left past the capacity is placed later by liveness, and that failed where the
+    # epilogue's tiles or the next B panel were not in the budget (fp32, A as [K, M], addmm: SBUF overflow).
+    from torchneuron.nki import tracing
+
+    def placed_later(*args, **kwargs):
+        raise AssertionError("a tile did not fit SBUF when it was allocated")
+    monkeypatch.setattr(tracing, "place_by_liveness", placed_later)
+    M, K, N = 1024, 11008, 1536
+    a = torch.empty((K, M) if transpose_a else (M, K), dtype=dtype)
+    b = torch.empty((N, K) if transpose_b else (K, N), dtype=dtype)
+    layouts = dict(transpose_a=transpose_a, transpose_b=transpose_b)
+    spec = runtime.core(0).spec
+    if epilogue == "addmm":   # a fresh cache: a signature traced before would not be traced again
+        nki.jit(addmm_kernel.fn).trace((a, b, torch.empty(M, N, dtype=dtype)), dict(layouts, alpha=2.0,
+                                                                                           beta=0.5), spec)
+    else:
+        bias = torch.empty(1, N, dtype=dtype) if epilogue == "bias" else None
+        nki.jit(matmul_kernel.fn).trace((a, b), dict(layouts, bias=bias), spec)
+
+
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_addmm_over_k_chunks_rounds_once(transpose_a, transpose_b):
+    # beta * C + alpha * (A @ B) past the contraction one pass holds: the partial sums in fp32 across passes, the
+    # scaled sum formed from the fp32 total and rounded once (against float64: one rounding of the result plus the
+    # fp32 accumulation's random-walk bound)
+    dtype = torch.bfloat16
+    K = max_contraction(2, transpose_a, transpose_b, runtime.core(0).spec.sbuf_bytes_per_partition) + 300
+    M, N, alpha, beta = 130, 300, 2.0, 0.5
+    gen = torch.Generator().manual_seed(K)
+    a, b = (torch.randn(M, K, generator=gen) / K ** 0.5).to(dtype), torch.randn(K, N, generator=gen).to(dtype)
+    c = torch.randn(M, N, generator=gen).to(dtype)
+    got = torch.as_tensor(addmm_kernel(a.T.contiguous() if transpose_a else a,
+                                              b.T.contiguous() if transpose_b else b, c, transpose_a=transpose_a,
+                                              transpose_b=transpose_b, alpha=alpha, beta=beta)).double()
+    exact = beta * c.double() + alpha * (a.double() @ b.double())
+    terms = beta * c.double().abs() + alpha * (a.double().abs() @ b.double().abs())
+    bound = torch.finfo(dtype).eps / 2 * exact.abs() + 4 * K ** 0.5 * torch.finfo(torch.float32).eps * terms
+    assert bool(((got - exact).abs() <= bound + 1e-30).all()), float(((got - exact).abs() / bound).max())

@@ -66,6 +66,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from torchneuron import nki
+from torchneuron.nki.tracing import current
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.kernels._common import PMAX, PSUM_FP32, cdiv, itemsize, spread_row, tiles
@@ -430,6 +431,21 @@ def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool
             nisa.dma_copy(dst=out[m0 + full * PMAX:m0 + rows, :], src=res[:last, full * N:nch * N])
 
 
+EPILOGUE_TILE_BYTES = TN * 4   # bytes per partition of one fp32 tile of ``_store_block`` ([128, 512] at most)
+
+
+def epilogue_reserve(extras: int | None) -> int:
+    """SBUF bytes per partition a loop nest leaves outside its own tiles for the fp32 tiles ``_store_block``
+    allocates per block (None: no epilogue): the product, each extra, the K-chunked total rounded, one spare
+    (next-fit allocation rotates through them)."""
+    return 0 if extras is None else (3 + extras) * EPILOGUE_TILE_BYTES
+
+
+def _pass_budget(epilogue: Epilogue | None) -> int:
+    """SBUF bytes per partition one pass of ``matmul_into``'s loop nest may fill with its own tiles."""
+    return nl.tile_size.sbuf_fmax_bytes - epilogue_reserve(None if epilogue is None else len(epilogue.extras))
+
+
 def _sbuf_need(K: int, NW: int, isz: int, transpose_a: bool, transpose_b: bool, bias: bool = False,
                stage_isz: int | None = None) -> int:
     """SBUF bytes per partition of ``matmul_into`` with panels NW columns wide: B panel(s) (two with B as
@@ -473,39 +489,76 @@ def max_contraction(isz: int, transpose_a: bool, transpose_b: bool, budget: int,
 
 def matmul_into(a, b, out, transpose_a=False, transpose_b=False, bias=None, epilogue: Epilogue | None = None):
     """``out[M, N] = A @ B`` (plus a [1, N] ``bias`` row, then the ``epilogue``) into an HBM view (called while
-    tracing a kernel): one pass of the loop nest below, or, for a contraction longer than SBUF holds, one pass
-    per K chunk with the partial sums kept in fp32 (``_matmul_k_chunks``)."""
-    K = a.shape[0] if transpose_a else a.shape[1]
+    tracing a kernel): one pass of the loop nest below, or, for a contraction longer than SBUF holds or where K
+    chunks with wider panels move so many fewer HBM bytes that the DMAs keep behind TensorE (``k_passes``), one
+    pass per K chunk with the partial sums kept in fp32 (``_matmul_k_chunks``)."""
+    K, M = a.shape if transpose_a else (a.shape[1], a.shape[0])
     N = b.shape[0] if transpose_b else b.shape[1]
-    if panel_width(K, N, itemsize(a.dtype), transpose_a, transpose_b, nl.tile_size.sbuf_fmax_bytes,
-                   bias is not None, itemsize(product_stage_dtype(epilogue, a.dtype))):
+    extras = None if epilogue is None else len(epilogue.extras)
+    passes = k_passes(M, K, N, itemsize(a.dtype), itemsize(out.dtype), transpose_a, transpose_b, bias is not None,
+                      itemsize(product_stage_dtype(epilogue, a.dtype)), extras)
+    if passes == 1:
         _matmul_pass(a, b, out, transpose_a, transpose_b, bias, epilogue)
     else:
-        _matmul_k_chunks(a, b, out, transpose_a, transpose_b, bias, epilogue)
+        _matmul_k_chunks(a, b, out, transpose_a, transpose_b, bias, epilogue, passes)
 
 
-def k_chunk(K: int, isz: int, transpose_a: bool, transpose_b: bool, budget: int, extras: int = 0) -> int:
-    """Rows of each K chunk (a multiple of 128, equal chunks) of a contraction longer than one pass holds:
-    each pass stages fp32 and keeps room for a bias row and the fp32 tiles of an epilogue with ``extras``
-    operands besides the partial sums."""
-    # the epilogue's tiles: the product widened, the partial sums, each extra, the result ([128, 512] fp32 each)
-    reserve = (3 + extras) * TN * 4
-    limit = max_contraction(isz, transpose_a, transpose_b, budget - reserve, True, stage_isz=4)
-    assert limit, "matmul: not even one K tile of this layout fits SBUF"
-    n = cdiv(K, limit)
-    return cdiv(cdiv(K, n), TK) * TK
+MAX_K_PASSES = 4    # K chunks the byte model weighs (each one more adds a round trip of the fp32 partial sums)
+DMA_HEADROOM = 1.5  # the DMAs must move a choice's HBM bytes in at most 1/1.5 of TensorE's time at peak
 
 
-def _matmul_k_chunks(a, b, out, transpose_a=False, transpose_b=False, bias=None, epilogue: Epilogue | None = None):
+def _pass_bytes(M: int, K: int, N: int, NW: int, isz: int, osz: int, transpose_a: bool) -> int:
+    """HBM bytes ``matmul_into``'s loop nest moves with panels NW wide (over all K chunks): B once, A once per
+    panel (A as [M, K] over several panels: its rows once and the transposed strips stored once, then read by
+    each later panel), the output once."""
+    panels = cdiv(N, NW)
+    a_reads = panels if transpose_a or panels == 1 else panels + 1
+    return K * N * isz + a_reads * M * K * isz + M * N * osz
+
+
+def k_passes(M: int, K: int, N: int, isz: int, osz: int, transpose_a: bool, transpose_b: bool, bias: bool,
+             stage_isz: int, extras: int | None) -> int:
+    """Passes over equal K chunks of ``matmul_into``'s loop nest: the fewest whose HBM bytes (A re-read once per
+    panel, the widest panel each chunk's SBUF budget allows; fp32 partial sums written and read back between
+    passes) the DMAs move well within TensorE's time (``DMA_HEADROOM``), else the fewest bytes."""
+    spec = current().spec
+    peak = spec.tensor.fp32_flops if isz == 4 else spec.tensor.bf16_flops
+    bw = min(spec.hbm_bytes_per_second_per_core, spec.dma_bytes_per_second_per_core)
+    tensor_s = 2 * M * K * N / peak
+    moved = {}
+    for n in range(1, MAX_K_PASSES + 1):
+        kc = k_chunk_rows(K, n)
+        if n > 1 and kc == k_chunk_rows(K, n - 1):
+            break
+        # K chunks: each pass stages fp32 and its epilogue adds the partial sums (one more operand), the last
+        # pass also a bias row
+        budget = nl.tile_size.sbuf_fmax_bytes - epilogue_reserve(
+            extras if n == 1 else (extras or 0) + 1)
+        nw = panel_width(kc, N, isz, transpose_a, transpose_b, budget, bias or n > 1, stage_isz if n == 1 else 4)
+        if not nw:
+            continue
+        moved[n] = _pass_bytes(M, K, N, nw, isz, osz, transpose_a) + 2 * (n - 1) * M * N * 4
+        if moved[n] * DMA_HEADROOM / bw <= tensor_s:
+            return n
+    assert moved, "matmul: not even one K tile of this layout fits SBUF"
+    return min(moved, key=moved.get)
+
+
+def k_chunk_rows(K: int, passes: int) -> int:
+    """Rows of each of ``passes`` equal K chunks (a multiple of 128; the last may be shorter)."""
+    return cdiv(cdiv(K, passes), TK) * TK
+
+
+def _matmul_k_chunks(a, b, out, transpose_a=False, transpose_b=False, bias=None, epilogue: Epilogue | None = None,
+                     passes: int = 2):
     """``out = A @ B`` for a contraction longer than one pass of the loop nest keeps in SBUF, in one launch: one
     pass per K chunk into an fp32 HBM scratch of partial sums (the PSUM accumulators are evicted in fp32, and each
     later pass adds the partial sums to its block at the store), the last pass storing the total in out's dtype
     (plus the bias row; through the ``epilogue`` from the total rounded to the operands' dtype)."""
     K, M = a.shape if transpose_a else (a.shape[1], a.shape[0])
     N = b.shape[0] if transpose_b else b.shape[1]
-    dt, isz = a.dtype, itemsize(a.dtype)
-    extras = len(epilogue.extras) if epilogue is not None else 0
-    kc = k_chunk(K, isz, transpose_a, transpose_b, nl.tile_size.sbuf_fmax_bytes, extras)
+    dt = a.dtype
+    kc = k_chunk_rows(K, passes)
     part = nl.ndarray((M, N), nl.float32, buffer=nl.hbm)
 
     def add(prod, partial):   # fp32, in place on the block's tiles
@@ -550,8 +603,8 @@ def _matmul_pass(a, b, out, transpose_a=False, transpose_b=False, bias=None, epi
     sdt = stage_dtype or product_stage_dtype(epilogue, dt)
     KT, MT = cdiv(K, TK), cdiv(M, TM)
     full, kr = K // TK, K % TK                 # whole K tiles, rows of the partial last one
-    NW = panel_width(K, N, isz, transpose_a, transpose_b, nl.tile_size.sbuf_fmax_bytes, bias is not None,
-                     itemsize(sdt))
+    budget = _pass_budget(epilogue)
+    NW = panel_width(K, N, isz, transpose_a, transpose_b, budget, bias is not None, itemsize(sdt))
     assert NW, f"matmul: a contraction of K={K} does not fit SBUF (see max_contraction)"
     GT = max(1, 2048 // (TM * isz))            # A transposes per PSUM bank (8 bf16, 4 fp32)
     NG = cdiv(KT, GT)                          # transpose groups (PSUM banks) per strip
@@ -574,7 +627,7 @@ def _matmul_pass(a, b, out, transpose_a=False, transpose_b=False, bias=None, epi
     GA = 1
     if transpose_a and N <= 2 * TM:
         base = _sbuf_need(K, NW, isz, transpose_a, transpose_b, bias is not None, itemsize(sdt))
-        GA = next((g for g in (4, 2) if base + 2 * (g - 1) * KT * TM * isz <= nl.tile_size.sbuf_fmax_bytes), 1)
+        GA = next((g for g in (4, 2) if base + 2 * (g - 1) * KT * TM * isz <= budget), 1)
         GA = max(1, min(GA, MT))
     strips = [nl.ndarray((TK, KT, GA * TM), dt, buffer=nl.sbuf) for _ in range(2)]
     groups_loaded = 0                          # GA-strip loads so far (their ring index), across panels
@@ -642,6 +695,9 @@ def _matmul_pass(a, b, out, transpose_a=False, transpose_b=False, bias=None, epi
                 transpose_group(cur, panel, min(TM, nw - c0), q, c0)
                 yield None
 
+    # (after the first panel A's row blocks are gone; with B as [N, K] two panels are counted already)
+    two_panels_fit = transpose_b or (_sbuf_need(K, NW, isz, True, False, bias is not None, itemsize(sdt))
+                                     + 2 * GA * KT * TM * isz - 2 * KT * TM * isz + KT * NW * isz <= budget)
     builder = None
     if transpose_b:                            # the first panel is built up front
         builder = build_panel(0, widths[0])
@@ -659,7 +715,10 @@ def _matmul_pass(a, b, out, transpose_a=False, transpose_b=False, bias=None, epi
             steps = cdiv(widths[pi + 1], TM) * NG if more_panels else 0
             done = 0
         else:
-            # B panel: one large DMA per K tile (rows of nw elements), spread over the DMA queues
+            # B panel: one large DMA per K tile (rows of nw elements), spread over the DMA queues; loaded while
+            # the previous panel's matmuls run where SBUF holds both, else into the box that panel leaves
+            if not two_panels_fit:
+                panel = None
             panel = nl.ndarray((TK, KT, NW), dt, buffer=nl.sbuf)
             for kt in range(KT):
                 kk = min(TK, K - kt * TK)
