@@ -21,8 +21,8 @@ take half of SBUF (two with B as [N, K]); where a long contraction leaves less r
 narrows in steps of 128 columns (``panel_width``): TensorE's cost per column is the same, only A
 is read more often, and 256 bf16 columns (2 x 256 FLOPs per A byte) still keep the DMAs behind
 TensorE. ``max_contraction`` says how long K may get before nothing fits (~22k bf16, ~11k fp32
-with both operands as they lie); a longer contraction runs this nest once per K chunk in the same
-launch, the partial sums evicted in fp32 to an HBM scratch and added at the next pass's stores
+with both operands as they lie); a longer contraction, or one whose narrow panels would re-read A more than
+the DMAs hide (``k_passes``, a byte model), runs this nest once per K chunk in the same launch, the partial sums evicted in fp32 to an HBM scratch and added at the next pass's stores
 (``_matmul_k_chunks``: two passes at K = 11008 fp32 add 2 x 4 bytes per output element of HBM
 traffic to ~2.8k FLOPs each, so the product stays TensorE-bound). A ``bias`` row ([1, N], e.g.
 ``linear``'s) is added by VectorE as it evicts the accumulators, so the sum is rounded once.
