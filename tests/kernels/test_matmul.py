@@ -6,8 +6,8 @@ from torchneuron.kernels import matmul
 from torchneuron import runtime
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels.matmul import (Epilogue, addmm_kernel, bmm_group_size, bmm_kernel, matmul_kernel,
-                                         max_contraction, panel_width)
+from torchneuron.kernels.matmul import (MAX_K_PASSES, Epilogue, addmm_kernel, bmm_group_size, bmm_kernel,
+                                         epilogue_reserve, matmul_kernel, max_contraction, panel_width)
 from tests.kernels.conftest import DTYPES, close
 
 
@@ -414,3 +414,18 @@ def test_addmm_over_k_chunks_rounds_once(transpose_a, transpose_b):
     terms = beta * c.double().abs() + alpha * (a.double().abs() @ b.double().abs())
     bound = torch.finfo(dtype).eps / 2 * exact.abs() + 4 * K ** 0.5 * torch.finfo(torch.float32).eps * terms
     assert bool(((got - exact).abs() <= bound + 1e-30).all()), float(((got - exact).abs() / bound).max())
+
+
+def test_contraction_longer_than_the_weighed_chunks():
+    # K needing more equal chunks than the byte model's first choices (a grid_sample backward's K = 131072 with
+    # M = 199, N = 3 asserted "not even one K tile fits"): the fewest chunks that fit, against float64 within the
+    # fp32 accumulation's random-walk bound
+    budget = runtime.core(0).spec.sbuf_bytes_per_partition - epilogue_reserve(1)
+    limit = max_contraction(4, False, False, budget, True, stage_isz=4)
+    K, M, N = (MAX_K_PASSES + 1) * limit + 200, 9, 3
+    gen = torch.Generator().manual_seed(K)
+    a, b = torch.randn(M, K, generator=gen), torch.randn(K, N, generator=gen)
+    got = torch.as_tensor(matmul_kernel(a, b)).double()
+    exact = a.double() @ b.double()
+    bound = 4 * K ** 0.5 * torch.finfo(torch.float32).eps * (a.double().abs() @ b.double().abs())
+    assert bool(((got - exact).abs() <= bound).all()), float(((got - exact).abs() / bound).max())

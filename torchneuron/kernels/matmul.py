@@ -503,7 +503,7 @@ def matmul_into(a, b, out, transpose_a=False, transpose_b=False, bias=None, epil
         _matmul_k_chunks(a, b, out, transpose_a, transpose_b, bias, epilogue, passes)
 
 
-MAX_K_PASSES = 4    # K chunks the byte model weighs (each one more adds a round trip of the fp32 partial sums)
+MAX_K_PASSES = 4    # choices the byte model weighs: one pass, and the fewest K chunks that fit and two more (each one more adds a round trip of the fp32 partial sums)
 DMA_HEADROOM = 1.5  # the DMAs must move a choice's HBM bytes in at most 1/1.5 of TensorE's time at peak
 
 
@@ -525,10 +525,15 @@ def k_passes(M: int, K: int, N: int, isz: int, osz: int, transpose_a: bool, tran
     peak = spec.tensor.fp32_flops if isz == 4 else spec.tensor.bf16_flops
     bw = min(spec.hbm_bytes_per_second_per_core, spec.dma_bytes_per_second_per_core)
     tensor_s = 2 * M * K * N / peak
+    # the fewest equal K chunks the multi-pass nest holds (a contraction may need more than MAX_K_PASSES of them)
+    limit = max_contraction(isz, transpose_a, transpose_b,
+                            nl.tile_size.sbuf_fmax_bytes - epilogue_reserve((extras or 0) + 1), True, stage_isz=4)
+    assert limit, "matmul: not even one K tile of this layout fits SBUF"
+    first = max(2, cdiv(K, limit))
     moved = {}
-    for n in range(1, MAX_K_PASSES + 1):
+    for n in (1, *range(first, first + MAX_K_PASSES - 1)):
         kc = k_chunk_rows(K, n)
-        if n > 1 and kc == k_chunk_rows(K, n - 1):
+        if n > first and kc == k_chunk_rows(K, n - 1):
             break
         # K chunks: each pass stages fp32 and its epilogue adds the partial sums (one more operand), the last
         # pass also a bias row
@@ -540,7 +545,6 @@ def k_passes(M: int, K: int, N: int, isz: int, osz: int, transpose_a: bool, tran
         moved[n] = _pass_bytes(M, K, N, nw, isz, osz, transpose_a) + 2 * (n - 1) * M * N * 4
         if moved[n] * DMA_HEADROOM / bw <= tensor_s:
             return n
-    assert moved, "matmul: not even one K tile of this layout fits SBUF"
     return min(moved, key=moved.get)
 
 
