@@ -34,7 +34,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -55,15 +55,27 @@ def training_setup(device: torch.device, cfg: demo.Config, batches: list) -> tup
     model = demo.build_model(cfg, 0).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
 
-    def step(i: int) -> float:
+    def loss_of(i: int) -> torch.Tensor:
         x, y = (t.to(device) for t in batches[i % len(batches)])
-        _, loss = model(x, y)
+        return model(x, y)[1]
+    return model, training_step(loss_of, opt, clip=model.parameters())
+
+
+def training_step(loss_of: Callable[[int], torch.Tensor], opt: torch.optim.Optimizer,
+                  clip: Iterable[torch.Tensor] | None = None) -> Callable[[int], float]:
+    """Step i of a training loop: ``loss_of(i)``, its backward, gradients clipped to norm 1 (of ``clip``, if
+    given), the optimizer's step; returns the loss."""
+    params = None if clip is None else list(clip)
+
+    def step(i: int) -> float:
+        loss = loss_of(i)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if params is not None:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         return loss.item()
-    return model, step
+    return step
 
 
 def time_steps(steps: dict, n: int) -> tuple[dict, dict]:
@@ -100,17 +112,12 @@ def model_step_builders() -> dict[str, Callable[[torch.device], Callable[[int], 
             opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
             batches = [torch.randint(0, 40, (4, 17), generator=torch.Generator().manual_seed(i)) for i in range(4)]
 
-            def step(i: int) -> float:
+            def loss_of(i: int) -> torch.Tensor:
                 idx = batches[i % len(batches)]
                 x, y = idx[:, :-1].to(device), idx[:, 1:].to(device)
                 with torch.autocast(device.type, torch.bfloat16) if autocast else contextlib.nullcontext():
-                    loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                return loss.item()
-            return step
+                    return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+            return training_step(loss_of, opt, clip=model.parameters())
         return build
 
     def lstm(device: torch.device) -> Callable[[int], float]:
@@ -120,14 +127,10 @@ def model_step_builders() -> dict[str, Callable[[torch.device], Callable[[int], 
         gen = torch.Generator().manual_seed(2)
         batches = [(torch.randn(4, 9, 6, generator=gen), torch.randn(4, 3, generator=gen)) for _ in range(4)]
 
-        def step(i: int) -> float:
+        def loss_of(i: int) -> torch.Tensor:
             x, y = batches[i % len(batches)]
-            loss = F.mse_loss(model(x.to(device)), y.to(device))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            return loss.item()
-        return step
+            return F.mse_loss(model(x.to(device)), y.to(device))
+        return training_step(loss_of, opt)
 
     def case(name: str) -> Callable[[torch.device], Callable[[int], float]]:
         model_class, make_batches, loss_fn = training.CASES[name]
@@ -138,14 +141,10 @@ def model_step_builders() -> dict[str, Callable[[torch.device], Callable[[int], 
             opt = torch.optim.AdamW(model.parameters(), lr=training.LR, weight_decay=0.05)
             batches = make_batches(torch.Generator().manual_seed(1))[:4]
 
-            def step(i: int) -> float:
+            def loss_of(i: int) -> torch.Tensor:
                 x, y = batches[i % len(batches)]
-                loss = loss_fn(model, x.to(device), y.to(device))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                return loss.item()
-            return step
+                return loss_fn(model, x.to(device), y.to(device))
+            return training_step(loss_of, opt)
         return build
 
     return {"TinyGPT fp32": gpt(False), "TinyGPT bf16 autocast": gpt(True), "LSTM (2 layers)": lstm,

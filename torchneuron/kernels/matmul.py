@@ -21,10 +21,11 @@ take half of SBUF (two with B as [N, K]); where a long contraction leaves less r
 narrows in steps of 128 columns (``panel_width``): TensorE's cost per column is the same, only A
 is read more often, and 256 bf16 columns (2 x 256 FLOPs per A byte) still keep the DMAs behind
 TensorE. ``max_contraction`` says how long K may get before nothing fits (~22k bf16, ~11k fp32
-with both operands as they lie); a longer contraction, or one whose narrow panels would re-read A more than
-the DMAs hide (``k_passes``, a byte model), runs this nest once per K chunk in the same launch, the partial sums evicted in fp32 to an HBM scratch and added at the next pass's stores
-(``_matmul_k_chunks``: two passes at K = 11008 fp32 add 2 x 4 bytes per output element of HBM
-traffic to ~2.8k FLOPs each, so the product stays TensorE-bound). A ``bias`` row ([1, N], e.g.
+with both operands as they lie); a longer contraction, or one whose narrow panels would re-read A more
+than the DMAs hide (``k_passes``, a byte model), runs this nest once per K chunk in the same launch, the
+partial sums evicted in fp32 to an HBM scratch and added at the next pass's stores (``_matmul_k_chunks``:
+two passes at K = 11008 fp32 add 2 x 4 bytes per output element of HBM traffic to ~2.8k FLOPs each, so
+the product stays TensorE-bound). A ``bias`` row ([1, N], e.g.
 ``linear``'s) is added by VectorE as it evicts the accumulators, so the sum is rounded once.
 
 A as [M, K]: during the first N panel, strip i+1's row block is transposed on TensorE (one PSUM
@@ -503,7 +504,8 @@ def matmul_into(a, b, out, transpose_a=False, transpose_b=False, bias=None, epil
         _matmul_k_chunks(a, b, out, transpose_a, transpose_b, bias, epilogue, passes)
 
 
-MAX_K_PASSES = 4    # choices the byte model weighs: one pass, and the fewest K chunks that fit and two more (each one more adds a round trip of the fp32 partial sums)
+MAX_K_PASSES = 4    # choices the byte model weighs: one pass, the fewest K chunks that fit and two more (each
+                    # one more adds a round trip of the fp32 partial sums)
 DMA_HEADROOM = 1.5  # the DMAs must move a choice's HBM bytes in at most 1/1.5 of TensorE's time at peak
 
 
@@ -525,9 +527,12 @@ def k_passes(M: int, K: int, N: int, isz: int, osz: int, transpose_a: bool, tran
     peak = spec.tensor.fp32_flops if isz == 4 else spec.tensor.bf16_flops
     bw = min(spec.hbm_bytes_per_second_per_core, spec.dma_bytes_per_second_per_core)
     tensor_s = 2 * M * K * N / peak
+    # K chunks: each pass stages fp32 and its epilogue adds the partial sums (one more operand), the last pass
+    # also a bias row
+    one_pass = nl.tile_size.sbuf_fmax_bytes - epilogue_reserve(extras)
+    chunked = nl.tile_size.sbuf_fmax_bytes - epilogue_reserve((extras or 0) + 1)
     # the fewest equal K chunks the multi-pass nest holds (a contraction may need more than MAX_K_PASSES of them)
-    limit = max_contraction(isz, transpose_a, transpose_b,
-                            nl.tile_size.sbuf_fmax_bytes - epilogue_reserve((extras or 0) + 1), True, stage_isz=4)
+    limit = max_contraction(isz, transpose_a, transpose_b, chunked, True, stage_isz=4)
     assert limit, "matmul: not even one K tile of this layout fits SBUF"
     first = max(2, cdiv(K, limit))
     moved = {}
@@ -535,11 +540,10 @@ def k_passes(M: int, K: int, N: int, isz: int, osz: int, transpose_a: bool, tran
         kc = k_chunk_rows(K, n)
         if n > first and kc == k_chunk_rows(K, n - 1):
             break
-        # K chunks: each pass stages fp32 and its epilogue adds the partial sums (one more operand), the last
-        # pass also a bias row
-        budget = nl.tile_size.sbuf_fmax_bytes - epilogue_reserve(
-            extras if n == 1 else (extras or 0) + 1)
-        nw = panel_width(kc, N, isz, transpose_a, transpose_b, budget, bias or n > 1, stage_isz if n == 1 else 4)
+        if n == 1:
+            nw = panel_width(kc, N, isz, transpose_a, transpose_b, one_pass, bias, stage_isz)
+        else:
+            nw = panel_width(kc, N, isz, transpose_a, transpose_b, chunked, True, 4)
         if not nw:
             continue
         moved[n] = _pass_bytes(M, K, N, nw, isz, osz, transpose_a) + 2 * (n - 1) * M * N * 4

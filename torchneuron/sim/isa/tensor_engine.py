@@ -80,6 +80,21 @@ def _open_group(rec: list | None, flags: torch.Tensor, closed: torch.Tensor, box
     rec[0] = flags._version
 
 
+def _accumulate(out: torch.Tensor, r: torch.Tensor, closed: torch.Tensor, accumulate: bool | None,
+                rec: list | None, flags: torch.Tensor, box, opened: dict) -> None:
+    """PSUM's fp32 accumulation of a product ``r`` into ``out`` (accumulate: False overwrites, True adds, None
+    adds inside an open group and overwrites where none is open), opening the group it writes."""
+    is_open = _group_open(rec, flags, box)
+    if accumulate is False:
+        out.copy_(r)
+    elif accumulate or is_open:  # (an open group has no closed flag to clear)
+        out.add_(r)
+    else:
+        out.masked_fill_(closed, 0.0).add_(r)  # overwrite where no group is open (NaN-safe)
+    if not is_open:
+        _open_group(rec, flags, closed, box, opened)
+
+
 def _one_bank(instr: Instr, name: str) -> None:
     lo, hi = getattr(instr, name).byte_range
     if lo // PSUM_BANK_BYTES != (hi - 1) // PSUM_BANK_BYTES:
@@ -187,15 +202,7 @@ class NcMatmul(Instr):
             for scratch, values in converts:
                 scratch.copy_(values)
             torch.mm(s_t, mv_use, out=r)
-            is_open = _group_open(rec, flags, box)
-            if accumulate is False:
-                out.copy_(r)
-            elif accumulate or is_open:
-                out.add_(r)
-            else:
-                out.masked_fill_(closed, 0.0).add_(r)
-            if not is_open:
-                _open_group(rec, flags, closed, box, opened)
+            _accumulate(out, r, closed, accumulate, rec, flags, box, opened)
         return step
 
     def _multiply(self, core, st: tuple) -> None:
@@ -230,15 +237,7 @@ class NcMatmul(Instr):
             closed = _psum_closed(self, core, dst)
             r = r.view(dst.shape)
         # PSUM accumulates in place, in fp32, after the array's fp32 dot products
-        is_open = _group_open(rec, flags, box)
-        if self.accumulate is False:
-            out.copy_(r)
-        elif self.accumulate or is_open:  # (an open group has no closed flag to clear)
-            out.add_(r)
-        else:
-            out.masked_fill_(closed, 0.0).add_(r)  # overwrite where no group is open (NaN-safe)
-        if not is_open:
-            _open_group(rec, flags, closed, box, psum.opened)
+        _accumulate(out, r, closed, self.accumulate, rec, flags, box, psum.opened)
 
     def price(self) -> CostInputs:
         k, m, n = self.kmn
