@@ -90,6 +90,13 @@ def test_grid_sample_backward_many_passes(strict, mode):
     kw = dict(mode=mode, padding_mode="reflection", align_corners=False)
     want = _grads(x, g, go, **kw)
     got = _grads(to_n(x), to_n(g), to_n(go.transpose(2, 3).contiguous()).transpose(2, 3), **kw)
+    if mode == "bicubic":
+        # the CPU's bicubic gradients sum 16 taps per point in fp32 and can be 1e-4 off at these sizes (two random
+        # draws in six exceeded the tolerance below against the CPU): compared with float64 instead
+        exact = _grads(x.double(), g.double(), go.double(), **kw)
+        for w, r, e in zip(want, got, exact):
+            _as_exact_as_cpu(r, w, e, atol=1e-4, rtol=1e-5)
+        return
     for w, r in zip(want, got):
         torch.testing.assert_close(r, w, atol=1e-4, rtol=1e-5)
 
