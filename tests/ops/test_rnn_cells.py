@@ -76,6 +76,14 @@ def _rand(*shape, dtype, gen, scale=1.0):
     return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
 
 
+def _cell_inputs(gates: int, N: int, H: int, dtype: torch.dtype, bias: bool, gen: torch.Generator):
+    """(input gates, hidden gates, state, input bias, hidden bias) of a cell on the CPU, and their neuron copies."""
+    ts = (_rand(N, gates * H, dtype=dtype, gen=gen, scale=2), _rand(N, gates * H, dtype=dtype, gen=gen, scale=2),
+          _rand(N, H, dtype=dtype, gen=gen))
+    ts += (_rand(gates * H, dtype=dtype, gen=gen), _rand(gates * H, dtype=dtype, gen=gen)) if bias else (None, None)
+    return ts, [None if t is None else to_n(t) for t in ts]
+
+
 # N, H: one row block and a partial column block; several row blocks and column blocks (128 + 2 of each)
 SHAPES = [(4, 12), (130, 130)]
 
@@ -85,10 +93,7 @@ SHAPES = [(4, 12), (130, 130)]
 @pytest.mark.parametrize("N,H", SHAPES)
 def test_lstm_cell_forward_and_backward(dtype, bias, N, H, strict):
     gen = torch.Generator().manual_seed(N + H)
-    ig, hg = _rand(N, 4 * H, dtype=dtype, gen=gen, scale=2), _rand(N, 4 * H, dtype=dtype, gen=gen, scale=2)
-    cx = _rand(N, H, dtype=dtype, gen=gen)
-    b1, b2 = (_rand(4 * H, dtype=dtype, gen=gen), _rand(4 * H, dtype=dtype, gen=gen)) if bias else (None, None)
-    args = [None if t is None else to_n(t) for t in (ig, hg, cx, b1, b2)]
+    (ig, hg, cx, b1, b2), args = _cell_inputs(4, N, H, dtype, bias, gen)
     (hy, cy, ws), names = _launches(lambda: torch.ops.aten._thnn_fused_lstm_cell(*args))
     assert names == ["lstm_cell_kernel"]
     for dev, ref in zip((hy, cy, ws), _ref_lstm(*(None if t is None else t.double() for t in (ig, hg, cx, b1, b2)))):
@@ -114,10 +119,7 @@ def test_lstm_cell_forward_and_backward(dtype, bias, N, H, strict):
 @pytest.mark.parametrize("N,H", SHAPES)
 def test_gru_cell_forward_and_backward(dtype, bias, N, H, strict):
     gen = torch.Generator().manual_seed(N + H)
-    ig, hg = _rand(N, 3 * H, dtype=dtype, gen=gen, scale=2), _rand(N, 3 * H, dtype=dtype, gen=gen, scale=2)
-    hx = _rand(N, H, dtype=dtype, gen=gen)
-    b1, b2 = (_rand(3 * H, dtype=dtype, gen=gen), _rand(3 * H, dtype=dtype, gen=gen)) if bias else (None, None)
-    args = [None if t is None else to_n(t) for t in (ig, hg, hx, b1, b2)]
+    (ig, hg, hx, b1, b2), args = _cell_inputs(3, N, H, dtype, bias, gen)
     (hy, ws), names = _launches(lambda: torch.ops.aten._thnn_fused_gru_cell(*args))
     assert names == ["gru_cell_kernel"]
     for dev, ref in zip((hy, ws), _ref_gru(*(None if t is None else t.double() for t in (ig, hg, hx, b1, b2)))):

@@ -192,10 +192,10 @@ def lstm_cell_backward_kernel(cx, cy, workspace, grad_hy=None, grad_cy=None, N=1
             nisa.activation(dst=t[:p], op=nl.tanh, data=t[:p])     # tanh(cy)
             # the activations' derivatives in place of the gates: s(1-s) for i, f, o; 1-g^2 for g
             deriv, gate_scale = _f32((4, w)), _f32((4, w))
-            _one_minus(deriv[:p], act[:p])
-            _mul(deriv[:p], deriv[:p], act[:p])
-            nisa.tensor_tensor(dst=deriv[:p, 2], data1=act[:p, 2], data2=act[:p, 2], op=nl.multiply)
-            _one_minus(deriv[:p, 2], deriv[:p, 2])
+            _one_minus(gate_scale[:p], act[:p])                          # scratch until the scales are made
+            _mul(deriv[:p], act[:p], gate_scale[:p])
+            nisa.scalar_tensor_tensor(dst=deriv[:p, 2], data=act[:p, 2], op0=nl.add, operand0=1.0,
+                                      op1=nl.multiply, operand1=gate_scale[:p, 2])   # (1 + g)(1 - g)
             gc = _f32((w,))
             if grad_hy is not None:
                 gh = _f32((w,))
