@@ -247,3 +247,29 @@ def test_lstm_step_launches_one_kernel_per_cell(strict):
     ops = [r.op for r in recs]
     assert ops.count("aten::_thnn_fused_lstm_cell") == 18
     assert ops.count("aten::_thnn_fused_lstm_cell_backward_impl") == 18
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_special_values_propagate_as_in_the_math(dtype, strict):
+    """±inf gate pre-activations saturate the activations, NaN propagates, a state at the dtype's largest value
+    stays finite where the math does: the float64 reference on the same inputs, NaN where it has NaN."""
+    big = torch.finfo(dtype).max
+    gen = torch.Generator().manual_seed(9)
+    N, H = 2, 4
+    (ig, hg, cx, b1, b2), _ = _cell_inputs(4, N, H, dtype, True, gen)
+    ig[0, :4] = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0], dtype=dtype)   # four gates' columns
+    ig[1, ::H] = torch.tensor([float("inf"), -float("inf"), -float("inf"), float("inf")], dtype=dtype)
+    cx[1, 0], cx[1, 1] = big, -big
+    args = [to_n(t) for t in (ig, hg, cx, b1, b2)]
+    hy, cy, ws = torch.ops.aten._thnn_fused_lstm_cell(*args)
+    refs = _ref_lstm(*(t.double() for t in (ig, hg, cx, b1, b2)))
+    for dev, ref in zip((hy, cy, ws), refs):
+        eps = EPS[dtype]
+        torch.testing.assert_close(dev.cpu().double(), ref.to(dtype).double(), atol=eps, rtol=eps, equal_nan=True)
+    (ig3, hg3, hx, c1, c2), _ = _cell_inputs(3, N, H, dtype, True, gen)
+    ig3[0, :3] = torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=dtype)
+    ig3[1, ::H] = torch.tensor([-float("inf"), float("inf"), float("inf")], dtype=dtype)
+    hy, ws = torch.ops.aten._thnn_fused_gru_cell(*(to_n(t) for t in (ig3, hg3, hx, c1, c2)))
+    for dev, ref in zip((hy, ws), _ref_gru(*(t.double() for t in (ig3, hg3, hx, c1, c2)))):
+        torch.testing.assert_close(dev.cpu().double(), ref.to(dtype).double(), atol=EPS[dtype], rtol=EPS[dtype],
+                                   equal_nan=True)
