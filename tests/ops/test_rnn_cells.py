@@ -171,6 +171,15 @@ def test_float64_cells_match_the_reference():
     hy, cy, ws = torch.ops.aten._thnn_fused_lstm_cell(to_n(ig), to_n(hg), to_n(cx))
     for dev, ref in zip((hy, cy, ws), _ref_lstm(ig, hg, cx, None, None)):
         torch.testing.assert_close(dev.cpu(), ref)
+    d, dcx, _ = torch.ops.aten._thnn_fused_lstm_cell_backward_impl(hy, None, to_n(cx), cy, ws, False)
+    for dev, ref in zip((d, dcx), _ref_lstm_backward(hy.cpu(), None, cx, cy.cpu(), ws.cpu())):
+        torch.testing.assert_close(dev.cpu(), ref)
+    hy, ws = torch.ops.aten._thnn_fused_gru_cell(to_n(ig[:, :6]), to_n(hg[:, :6]), to_n(cx))
+    for dev, ref in zip((hy, ws), _ref_gru(ig[:, :6], hg[:, :6], cx, None, None)):
+        torch.testing.assert_close(dev.cpu(), ref)
+    res = torch.ops.aten._thnn_fused_gru_cell_backward(hy, ws, False)
+    for dev, ref in zip(res, _ref_gru_backward(hy.cpu(), ws.cpu())):
+        torch.testing.assert_close(dev.cpu(), ref)
 
 
 def _bad_calls():
@@ -273,3 +282,20 @@ def test_special_values_propagate_as_in_the_math(dtype, strict):
     for dev, ref in zip((hy, ws), _ref_gru(*(t.double() for t in (ig3, hg3, hx, c1, c2)))):
         torch.testing.assert_close(dev.cpu().double(), ref.to(dtype).double(), atol=EPS[dtype], rtol=EPS[dtype],
                                    equal_nan=True)
+
+
+@pytest.mark.parametrize("N,H", [(0, 3), (2, 0)])
+def test_empty_cells(N, H, strict):
+    """An empty batch or hidden size: results of the CUDA cells' shapes, the bias gradients (sums over no rows) zero."""
+    z = lambda *s: to_n(torch.zeros(*s))  # noqa: E731
+    hy, cy, ws = torch.ops.aten._thnn_fused_lstm_cell(z(N, 4 * H), z(N, 4 * H), z(N, H), z(4 * H), z(4 * H))
+    assert (hy.shape, cy.shape, ws.shape) == ((N, H), (N, H), (N, 4 * H))
+    d, dcx, db = torch.ops.aten._thnn_fused_lstm_cell_backward_impl(z(N, H), None, z(N, H), cy, ws, True)
+    assert (d.shape, dcx.shape) == ((N, 4 * H), (N, H))
+    torch.testing.assert_close(db.cpu(), torch.zeros(4 * H))
+    hy, ws = torch.ops.aten._thnn_fused_gru_cell(z(N, 3 * H), z(N, 3 * H), z(N, H))
+    assert (hy.shape, ws.shape) == ((N, H), (N, 5 * H))
+    res = torch.ops.aten._thnn_fused_gru_cell_backward(z(N, H), ws, True)
+    assert [t.shape for t in res[:3]] == [(N, 3 * H), (N, 3 * H), (N, H)]
+    for b in res[3:]:
+        torch.testing.assert_close(b.cpu(), torch.zeros(3 * H))

@@ -167,11 +167,17 @@ def fused_gru_cell_backward(grad_hy: torch.Tensor, workspace: torch.Tensor, has_
 
 # ---- float64 and empty cells: composed from element-wise ops ------------------------------------------
 
+def _blocks(t: torch.Tensor, k: int, N: int, H: int) -> list[torch.Tensor]:
+    """The k column blocks of H of ``t`` seen as [N, k * H] (slices: chunk cannot split an empty tensor in k)."""
+    t = t.reshape(N, k * H)
+    return [t[:, j * H:(j + 1) * H] for j in range(k)]
+
+
 def _lstm_cell_composed(input_gates, hidden_gates, cx, input_bias, hidden_bias):
     gates = input_gates + hidden_gates
     if input_bias is not None:
         gates = gates + input_bias + hidden_bias
-    i, f, g, o = gates.chunk(4, 1)
+    i, f, g, o = _blocks(gates, 4, gates.shape[0], gates.shape[1] // 4)
     i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
     cy = f * cx.reshape(i.shape) + i * g
     hy = o * cy.tanh()
@@ -179,7 +185,7 @@ def _lstm_cell_composed(input_gates, hidden_gates, cx, input_bias, hidden_bias):
 
 
 def _lstm_cell_backward_composed(grad_hy, grad_cy, cx, cy, workspace, has_bias):
-    i, f, g, o = workspace.reshape(cx.shape[0], -1).chunk(4, 1)
+    i, f, g, o = _blocks(workspace, 4, *cx.shape)
     tcy = cy.tanh()
     gcx = torch.zeros_like(cx) if grad_cy is None else grad_cy
     if grad_hy is not None:
@@ -194,8 +200,8 @@ def _lstm_cell_backward_composed(grad_hy, grad_cy, cx, cy, workspace, has_bias):
 def _gru_cell_composed(input_gates, hidden_gates, hx, input_bias, hidden_bias):
     if input_bias is not None:
         input_gates, hidden_gates = input_gates + input_bias, hidden_gates + hidden_bias
-    ir, iz, i_n = input_gates.chunk(3, 1)
-    hr, hz, hn = hidden_gates.chunk(3, 1)
+    N, H = input_gates.shape[0], input_gates.shape[1] // 3
+    (ir, iz, i_n), (hr, hz, hn) = _blocks(input_gates, 3, N, H), _blocks(hidden_gates, 3, N, H)
     r, z = (ir + hr).sigmoid(), (iz + hz).sigmoid()
     n = (i_n + r * hn).tanh()
     h = hx.reshape(n.shape)
@@ -204,7 +210,7 @@ def _gru_cell_composed(input_gates, hidden_gates, hx, input_bias, hidden_bias):
 
 
 def _gru_cell_backward_composed(grad_hy, workspace, has_bias):
-    r, z, n, hx, hn = workspace.reshape(grad_hy.shape[0], -1).chunk(5, 1)
+    r, z, n, hx, hn = _blocks(workspace, 5, *grad_hy.shape)
     d_n = grad_hy * (1 - z) * (1 - n * n)
     d_z = grad_hy * (hx - n) * z * (1 - z)
     d_r = d_n * hn * r * (1 - r)
