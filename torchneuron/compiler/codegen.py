@@ -33,10 +33,10 @@ import torchneuron.nki.language as nl
 from torchneuron.compiler import lowering
 from torchneuron.compiler.dma_order import order_dma
 from torchneuron.compiler.dma_queues import allocate_dma_queues
-from torchneuron.compiler.kernel_lowerings import embedding_onehot, pointwise
+from torchneuron.compiler.kernel_lowerings import dma_cast, embedding_onehot, pointwise
 from torchneuron.compiler.memory_plan import plan_memory
 from torchneuron.compiler.partition import DEVICE_DTYPES, FusionGroup, Plan, Segment
-from torchneuron.compiler.values import HostTensor, NotLowerable, Value, dense, hbm_value, strided_value
+from torchneuron.compiler.values import HostTensor, NotLowerable, Value, dense, hbm_value, numel, strided_value
 from torchneuron.kernels.matmul import Epilogue
 from torchneuron.sim import Program
 from torchneuron.sim.specs import ChipSpec
@@ -236,8 +236,17 @@ class _Body:
         if not all(isinstance(v, Value) for v in extras):
             raise NotLowerable(f"{node.name}: an epilogue operand is not a device tensor")
         fn = self._group_fn(g, [src] + others)
-        return Epilogue(lambda *tiles: fn(*tiles)[0], tuple(dense(v, (M, N)) for v in extras),
-                        g.outputs[0].meta["val"].dtype, keep_product=keep)
+        dtype = g.outputs[0].meta["val"].dtype
+
+        def result(*tiles):
+            out = fn(*tiles)[0]
+            if dtype not in ROUNDED:
+                return out
+            # rounded on chip, so the store moves 2-byte elements (a DMA that casts moves the wider side's bytes)
+            low = nl.ndarray(out.shape, dtype, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=low, src=out, engine=nisa.gpsimd_engine)
+            return low
+        return Epilogue(result, tuple(dense(v, (M, N)) for v in extras), dtype, keep_product=keep)
 
     def _group(self, g: FusionGroup) -> None:
         inputs = g.inputs
@@ -247,6 +256,9 @@ class _Body:
             raise NotLowerable("a fused group with no tensor operand")
         dtypes = tuple(o.meta["val"].dtype for o in g.outputs)
         dests = tuple(self._in_place_target(g, o) for o in g.outputs)
+        if self._dma_castable(g, values, dests):   # a lone cast: DMAs convert it on the way, HBM to HBM
+            self.env[g.outputs[0]] = dma_cast(values[0], dtypes[0])
+            return
         outs = pointwise(self._group_fn(g, [n for n, _ in tensors]), [v for _, v in tensors], g.shape, dtypes,
                          dests if any(d is not None for d in dests) else None)
         for o, d in zip(g.outputs, dests):
@@ -254,6 +266,17 @@ class _Body:
                 self.written_in_place[o] = next(u for u in o.users if u.target is torch.ops.aten.copy_.default
                                                 and u.args[1] is o).args[0]
         self.env.update(zip(g.outputs, outs))
+
+    @staticmethod
+    def _dma_castable(g: FusionGroup, values: list, dests: tuple) -> bool:
+        """Whether ``g`` is one cast of a contiguous float device value to another float dtype, its result stored
+        in a buffer of its own (what ``dma_cast`` does)."""
+        if len(g.nodes) != 1 or g.nodes[0].target not in CASTS or g.kind != "float" or dests != (None,):
+            return False
+        (v,), dtype = values, g.nodes[0].meta["val"].dtype
+        return (isinstance(v, Value) and v.dtype in DEVICE_DTYPES and dtype in DEVICE_DTYPES
+                and v.dtype.is_floating_point and dtype.is_floating_point and v.dtype != dtype
+                and tuple(v.shape) == tuple(g.shape) and v.layout.is_contiguous() and numel(v.shape) > 0)
 
     def _in_place_target(self, g: FusionGroup, out: fx.Node) -> Value | None:
         """The graph input ``out`` is copied into (AOTAutograd's ``copy_`` of an updated input: an optimizer's
