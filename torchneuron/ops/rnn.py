@@ -14,6 +14,7 @@ ops instead, which take the CPU fallback for float64 (counted and warned about a
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
 
 from torchneuron.kernels.rnn_cell import (gru_cell_backward_kernel, gru_cell_kernel, lstm_cell_backward_kernel,
                                           lstm_cell_kernel)
@@ -218,3 +219,217 @@ def _gru_cell_backward_composed(grad_hy, workspace, has_bias):
     grad_hidden = torch.cat([d_r, d_z, d_n * r], 1)
     bias = (grad_input.sum(0), grad_hidden.sum(0)) if has_bias else (None, None)
     return grad_input, grad_hidden, grad_hy * z, *bias
+
+
+# ---- whole sequences: nn.LSTM / nn.GRU --------------------------------------------------------------------
+# ``aten::lstm.input`` / ``aten::gru.input`` are CompositeImplicitAutograd: on an accelerator PyTorch runs them as
+# a loop over time steps of two products and a fused cell each, and the autograd engine then differentiates every
+# step's products separately and sums each weight's T gradients with T - 1 additions. On neuron their autograd
+# kernels instead run ``_FusedSequence``: one product for all time steps' input projections of a layer, then a
+# hidden product and a fused cell per step; its backward runs a cell backward and one product per step (the hidden
+# state's gradient, the output's gradient added at the product's store), then each weight's gradient over all
+# steps as one product of the stacked gate gradients and the bias gradients as one reduction.
+#
+# Configurations it does not take (bidirectional, projections, dropout while training, float64, packed sequences,
+# autocast, traced or forward-mode-AD tensors, mixed dtypes or devices) run PyTorch's composition unchanged.
+
+_SEQUENCE_LIB = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (kept alive for the process)
+
+
+def _sequence_fusable(gates: int, input: torch.Tensor, states: list[torch.Tensor], params: list[torch.Tensor],
+                      has_biases: bool, num_layers: int, dropout: float, train: bool, bidirectional: bool) -> bool:
+    """Whether ``_FusedSequence`` takes this call: a unidirectional, unprojected stack of layers over a batched,
+    non-empty sequence of a kernel dtype on neuron, states [layers, batch, hidden], every tensor of the input's
+    dtype and device, no dropout applied, nothing traced, no autocast and no forward-mode tangents."""
+    if bidirectional or (dropout > 0 and train) or num_layers < 1 or input.dim() != 3 or input.numel() == 0:
+        return False
+    if input.device.type != "neuron" or input.dtype not in KERNEL_DTYPES or torch.is_autocast_enabled("neuron"):
+        return False
+    if len(params) != num_layers * (4 if has_biases else 2) or len(states) != (2 if gates == 4 else 1):
+        return False
+    if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+        return False
+    ts = [input, *states, *params]
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.dtype != input.dtype or t.device != input.device or
+           forward_ad.unpack_dual(t).tangent is not None for t in ts):
+        return False
+    L, B, H = states[0].shape if states[0].dim() == 3 else (0, 0, 0)
+    if L != num_layers or H == 0 or any(s.shape != states[0].shape for s in states):
+        return False
+    per = len(params) // num_layers
+    in_size = input.shape[2]
+    for layer in range(num_layers):
+        w_ih, w_hh, *biases = params[layer * per:(layer + 1) * per]
+        if w_ih.shape != (gates * H, in_size) or w_hh.shape != (gates * H, H) or \
+                any(b.shape != (gates * H,) for b in biases):
+            return False
+        in_size = H
+    return True
+
+
+class _FusedSequence(torch.autograd.Function):
+    """A stack of LSTM (``gates`` 4) or GRU (3) layers over a whole sequence; see the section comment. Returns
+    (output, h_n, c_n) for the LSTM, (output, h_n) for the GRU. A backward that builds a graph (double backward)
+    differentiates PyTorch's composition on the saved inputs instead."""
+
+    @staticmethod
+    def forward(ctx, gates: int, batch_first: bool, has_biases: bool, x: torch.Tensor, h0: torch.Tensor,
+                c0: torch.Tensor | None, *params: torch.Tensor) -> tuple:
+        """The layers' outputs step by step; saves each step's cell state and workspace for the backward."""
+        tdim = 1 if batch_first else 0
+        T, L, H = x.shape[tdim], h0.shape[0], h0.shape[2]
+        per = len(params) // L
+        cell = torch.ops.aten._thnn_fused_lstm_cell if gates == 4 else torch.ops.aten._thnn_fused_gru_cell
+        layer_in, outs, h_last, c_last, steps = x, [], [], [], []
+        for layer in range(L):
+            w_ih, w_hh, *biases = params[layer * per:(layer + 1) * per]
+            b_ih, b_hh = biases if biases else (None, None)
+            # every step's input projection in one product, read back a step at a time (strided for batch_first)
+            gi = torch.mm(layer_in.reshape(-1, layer_in.shape[2]), w_ih.t()).view(*layer_in.shape[:2], gates * H)
+            h, c = h0[layer], (c0[layer] if c0 is not None else None)
+            hs, cs, workspaces = [], [c], []     # the LSTM's cell states c_0 .. c_T
+            for t in range(T):
+                hg = torch.mm(h, w_hh.t())
+                if c0 is not None:
+                    h, c, ws = cell(gi.select(tdim, t), hg, c, b_ih, b_hh)
+                    cs.append(c)
+                else:
+                    h, ws = cell(gi.select(tdim, t), hg, h, b_ih, b_hh)
+                hs.append(h)
+                workspaces.append(ws)
+            out = torch.stack(hs, tdim)
+            outs.append(out)
+            steps += (cs if c0 is not None else []) + workspaces
+            h_last.append(h)
+            c_last.append(c)
+            layer_in = out
+        ctx.meta = (gates, batch_first, has_biases, T, L, per)
+        ctx.save_for_backward(x, h0, c0, *params, *outs, *steps)
+        results = (outs[-1], torch.stack(h_last))
+        if c0 is not None:
+            results += (torch.stack(c_last),)
+        ctx.set_materialize_grads(False)
+        return results
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor | None, grad_hn: torch.Tensor | None, *grad_cn: torch.Tensor | None):
+        """Gradients of the input, the initial states and every weight and bias (see the section comment)."""
+        gates, batch_first, has_biases, T, L, per = ctx.meta
+        saved = ctx.saved_tensors
+        x, h0, c0 = saved[:3]
+        params = saved[3:3 + L * per]
+        if torch.is_grad_enabled():
+            return _composed_backward(ctx, gates, batch_first, has_biases, saved[:3 + L * per],
+                                      (grad_out, grad_hn, *grad_cn))
+        grad_cn = grad_cn[0] if grad_cn else None
+        outs = saved[3 + L * per:3 + L * per + L]
+        steps = saved[3 + L * per + L:]
+        per_layer_steps = len(steps) // L
+        tdim = 1 if batch_first else 0
+        H = h0.shape[2]
+        lstm = gates == 4
+        need_x, need_h0, need_c0 = ctx.needs_input_grad[3:6]
+        grad_params: list[torch.Tensor | None] = [None] * len(params)
+        grad_h0, grad_c0 = [None] * L, [None] * L
+        grad_in = grad_out          # the gradient of the current layer's output (None: unused)
+        for layer in reversed(range(L)):
+            w_ih, w_hh = params[layer * per], params[layer * per + 1]
+            layer_steps = steps[layer * per_layer_steps:(layer + 1) * per_layer_steps]
+            layer_in = x if layer == 0 else outs[layer - 1]
+            if grad_in is not None and tdim and not grad_in.select(tdim, 0).is_contiguous():
+                # time-major once, so that each step's slice is read in place (not copied by every addmm)
+                grad_in = grad_in.transpose(0, 1).contiguous().transpose(0, 1)
+            dh = None if grad_hn is None else grad_hn[layer]
+            dc = None if grad_cn is None else grad_cn[layer]
+            g_t = None if grad_in is None else grad_in.select(tdim, T - 1)
+            # the last step's hidden-state gradient: the output's plus h_n's; earlier steps' are formed below
+            dh = g_t if dh is None else dh if g_t is None else g_t + dh
+            d_input_gates, d_hidden_gates = [None] * T, [None] * T
+            for t in reversed(range(T)):
+                if lstm:
+                    if dh is None and dc is None:
+                        dh = torch.zeros_like(h0[layer])
+                    d_gates, dc, _ = torch.ops.aten._thnn_fused_lstm_cell_backward_impl(
+                        dh, dc, layer_steps[t], layer_steps[t + 1], layer_steps[T + 1 + t], False)
+                    d_input_gates[t] = d_hidden_gates[t] = d_gates
+                    direct = None
+                else:
+                    if dh is None:
+                        dh = torch.zeros_like(h0[layer])
+                    d_input_gates[t], d_hidden_gates[t], direct, _, _ = \
+                        torch.ops.aten._thnn_fused_gru_cell_backward(dh, layer_steps[t], False)
+                # the previous step's hidden-state gradient: through W_hh, plus the output's (and the GRU's
+                # direct path) added at the product's store
+                g_t = None if grad_in is None or t == 0 else grad_in.select(tdim, t - 1)
+                addend = direct if g_t is None else g_t if direct is None else g_t + direct
+                dh = torch.mm(d_hidden_gates[t], w_hh) if addend is None else \
+                    torch.addmm(addend, d_hidden_gates[t], w_hh)
+            grad_h0[layer], grad_c0[layer] = dh, dc
+            d_in = torch.stack(d_input_gates, tdim).view(-1, gates * H)
+            d_hid = d_in if lstm else torch.stack(d_hidden_gates, tdim).view(-1, gates * H)
+            flat_in = layer_in.reshape(-1, layer_in.shape[2])
+            needs = ctx.needs_input_grad[6 + layer * per:6 + (layer + 1) * per]   # this layer's weights, biases
+            if needs[0]:
+                grad_params[layer * per] = torch.mm(d_in.t(), flat_in)
+            if needs[1]:
+                h_prev = h0[layer].unsqueeze(tdim) if T == 1 else \
+                    torch.cat([h0[layer].unsqueeze(tdim), outs[layer].narrow(tdim, 0, T - 1)], tdim)
+                grad_params[layer * per + 1] = torch.mm(d_hid.t(), h_prev.reshape(-1, H))
+            if has_biases:
+                needs_b = needs[2:]
+                db_ih = d_in.sum(0) if any(needs_b) else None
+                # the LSTM's two biases receive the same gradient: a copy each, never one tensor for both
+                db_hh = (db_ih.clone() if lstm else d_hid.sum(0)) if needs_b[1] else None
+                grad_params[layer * per + 2], grad_params[layer * per + 3] = db_ih if needs_b[0] else None, db_hh
+            grad_in = torch.mm(d_in, w_ih).view(layer_in.shape) if layer > 0 or need_x else None
+        return (None, None, None, grad_in if need_x else None, torch.stack(grad_h0) if need_h0 else None,
+                torch.stack(grad_c0) if need_c0 and lstm else None, *grad_params)
+
+
+def _composition(op: torch._ops.OpOverload, *args) -> tuple:
+    """PyTorch's own C++ composition of ``op`` (``decompose`` would take the Python decomposition registered
+    for export, which differentiates unfused cells)."""
+    return op._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args)
+
+
+def _composed_backward(ctx, gates: int, batch_first: bool, has_biases: bool, inputs: tuple, grads: tuple) -> tuple:
+    """A differentiable backward (``create_graph``): PyTorch's composition rerun on the saved inputs, then
+    differentiated with a graph."""
+    x, h0, c0, *params = inputs
+    L = h0.shape[0]
+    with torch.enable_grad():
+        if gates == 4:
+            results = _composition(torch.ops.aten.lstm.input, x, [h0, c0], params, has_biases, L, 0.0, False, False,
+                                                          batch_first)
+        else:
+            results = _composition(torch.ops.aten.gru.input, x, h0, params, has_biases, L, 0.0, False, False, batch_first)
+    wanted = [(i, t) for i, t in enumerate((x, h0, c0, *params)) if ctx.needs_input_grad[3 + i]]
+    pairs = [(r, g) for r, g in zip(results, grads) if g is not None]
+    found = torch.autograd.grad([r for r, _ in pairs], [t for _, t in wanted], [g for _, g in pairs],
+                                create_graph=True, allow_unused=True) if pairs and wanted else []
+    out: list[torch.Tensor | None] = [None] * (3 + len(params))
+    for (i, _), g in zip(wanted, found):
+        out[i] = g
+    return (None, None, None, *out)
+
+
+def lstm_input(input: torch.Tensor, hx: list[torch.Tensor], params: list[torch.Tensor], has_biases: bool,
+               num_layers: int, dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> tuple:
+    """``aten::lstm.input`` on neuron: ``_FusedSequence`` where it applies, else PyTorch's composition."""
+    if _sequence_fusable(4, input, list(hx), list(params), has_biases, num_layers, dropout, train, bidirectional):
+        return _FusedSequence.apply(4, batch_first, has_biases, input, hx[0], hx[1], *params)
+    return _composition(torch.ops.aten.lstm.input, input, hx, params, has_biases, num_layers, dropout, train,
+                                               bidirectional, batch_first)
+
+
+def gru_input(input: torch.Tensor, hx: torch.Tensor, params: list[torch.Tensor], has_biases: bool,
+              num_layers: int, dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> tuple:
+    """``aten::gru.input`` on neuron: ``_FusedSequence`` where it applies, else PyTorch's composition."""
+    if _sequence_fusable(3, input, [hx], list(params), has_biases, num_layers, dropout, train, bidirectional):
+        return _FusedSequence.apply(3, batch_first, has_biases, input, hx, None, *params)
+    return _composition(torch.ops.aten.gru.input, input, hx, params, has_biases, num_layers, dropout, train,
+                                              bidirectional, batch_first)
+
+
+_SEQUENCE_LIB.impl("lstm.input", lstm_input, "AutogradPrivateUse1")
+_SEQUENCE_LIB.impl("gru.input", gru_input, "AutogradPrivateUse1")

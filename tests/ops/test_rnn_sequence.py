@@ -1,0 +1,206 @@
+"""Whole ``nn.LSTM`` / ``nn.GRU`` sequences on neuron (``aten::lstm.input`` / ``aten::gru.input`` through
+``ops.rnn._FusedSequence``) against the CPU's module on the same weights and inputs, the configurations that keep
+PyTorch's composition, and the launches a training step takes.
+
+Tolerances: the device and the CPU's module evaluate the same math with the same roundings in other orders (one
+product for all time steps' input projections, one for each weight's gradient over all steps, where the CPU sums
+per-step products). Each result is a sum of first-order rounding errors: every step's gate pre-activations are
+K-term products (K = input size + hidden size), each off by at most K unit roundoffs of their scale, and a result
+collects at most T such steps per layer; a weight gradient is a product over T * B rows. So in fp32 the device is
+within ``T * L * (I + H + B) * u`` of the float64 module relative to the result's scale (at least 1), and so is
+the CPU; the two are compared with the sum of both bounds. In bf16/fp16 that bound is larger than the values, so
+there the device must be as accurate as the CPU's module in the dtype: off the float64 module by at most twice the
+CPU's error plus one ulp of the dtype (as the cell tests' module comparison).
+"""
+import collections
+
+import pytest
+import torch
+
+from tests.ops.conftest import to_n
+from torchneuron.runtime import profiler
+
+U = {torch.float32: 2.0 ** -24}                                   # fp32 unit roundoff
+ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
+I, H, B = 5, 7, 3
+
+
+def _modules(cls, layers: int, batch_first: bool, bias: bool, dtype=torch.float32, **kw):
+    """(float64 reference, CPU module in ``dtype``, neuron module in ``dtype``) with the same weights."""
+    torch.manual_seed(layers * 10 + batch_first * 2 + bias)
+    ref = cls(I, H, num_layers=layers, batch_first=batch_first, bias=bias, **kw).double()
+    cpu = cls(I, H, num_layers=layers, batch_first=batch_first, bias=bias, **kw)
+    dev = cls(I, H, num_layers=layers, batch_first=batch_first, bias=bias, **kw)
+    cpu.load_state_dict(ref.state_dict())
+    dev.load_state_dict(ref.state_dict())
+    return ref, cpu.to(dtype), dev.to(dtype).to("neuron")
+
+
+def _run(m, x, state, grads, device: str, dtype) -> list[torch.Tensor]:
+    """Outputs and every gradient (input, initial states, parameters) of ``m`` on ``device`` in ``dtype``: the
+    outputs' gradients are ``grads`` (None: that output unused)."""
+    x = x.detach().to(dtype).to(device).clone().requires_grad_()
+    state = None if state is None else tuple(s.detach().to(dtype).to(device).clone().requires_grad_() for s in state)
+    y, hn = m(x, None if state is None else (state if len(state) == 2 else state[0]))
+    outs = [y] + (list(hn) if isinstance(hn, tuple) else [hn])
+    used = [(o, g.to(dtype).to(device)) for o, g in zip(outs, grads) if g is not None]
+    torch.autograd.backward([o for o, _ in used], [g for _, g in used])
+    res = outs + [x.grad] + ([] if state is None else [s.grad for s in state]) + [p.grad for p in m.parameters()]
+    return [t.detach().cpu().double() for t in res]
+
+
+def _compare(cls, layers, batch_first, bias, T, with_state=True, used=(True, True, True), dtype=torch.float32):
+    ref, cpu, dev = _modules(cls, layers, batch_first, bias, dtype)
+    gen = torch.Generator().manual_seed(T)
+    shape = (B, T, I) if batch_first else (T, B, I)
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).double()
+    nstate = 2 if cls is torch.nn.LSTM else 1
+    state = tuple(torch.randn(layers, B, H, generator=gen, dtype=torch.float64).to(dtype).double()
+                  for _ in range(nstate)) if with_state else None
+    out_shape = (B, T, H) if batch_first else (T, B, H)
+    grads = [torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype).double() if u else None
+             for s, u in zip([out_shape] + [(layers, B, H)] * nstate, used)]
+    r = _run(ref, x, state, grads, "cpu", torch.float64)
+    c = _run(cpu, x, state, grads, "cpu", dtype)
+    d = _run(dev, x, state, grads, "neuron", dtype)
+    assert len(r) == len(c) == len(d)
+    for k, (rt, ct, dt) in enumerate(zip(r, c, d)):
+        assert dt.shape == rt.shape, k
+        scale = max(1.0, rt.abs().max().item())
+        if dtype == torch.float32:
+            bound = T * layers * (I + H + B) * U[dtype] * scale
+            torch.testing.assert_close(dt, ct, atol=2 * bound, rtol=0, msg=f"result {k}")
+        else:
+            cpu_err, dev_err = (ct - rt).abs().max().item(), (dt - rt).abs().max().item()
+            assert dev_err <= 2 * cpu_err + ULP[dtype] * scale, (k, dev_err, cpu_err)
+
+
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU])
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_sequence_matches_the_cpu(cls, layers, batch_first, bias, strict):
+    _compare(cls, layers, batch_first, bias, T=6)
+
+
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU])
+@pytest.mark.parametrize("T,with_state,used", [
+    (1, True, (True, True, True)),       # one time step
+    (5, False, (True, True, True)),      # no initial state (the module's zeros)
+    (5, True, (True, False, False)),     # only the output used: no gradient reaches h_n, c_n
+    (5, True, (False, True, False)),     # only h_n used: none reaches the output
+    (5, True, (False, False, True)),     # only c_n used
+])
+def test_edge_configurations_match_the_cpu(cls, T, with_state, used, strict):
+    if cls is torch.nn.GRU:
+        used = used[:2]
+        if not any(used):
+            pytest.skip("the GRU has no c_n")
+    _compare(cls, 2, True, True, T, with_state, used)
+
+
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_low_precision_as_accurate_as_the_cpu(cls, dtype, batch_first, strict):
+    _compare(cls, 2, batch_first, True, T=6, dtype=dtype)
+
+
+def _step_ops(m, x) -> collections.Counter:
+    with profiler.record() as recs:
+        m(x)[0].sum().backward()
+    return collections.Counter(r.op for r in recs)
+
+
+@pytest.mark.parametrize("layers,T", [(2, 9), (1, 4)])
+def test_training_step_launches(layers, T, strict):
+    """Forward: per layer one input product, then a hidden product and a cell per step, one stack of the outputs
+    (and the last states' stacks). Backward: per layer a cell backward and a product per step, then a stack of the
+    gate gradients, three weight products, the hidden states' concatenation, a bias reduction and its copy, and
+    at most a time-major copy of the output gradient; at most the summed output's gradient fill besides. Where
+    PyTorch's composition takes 11 launches a step and layer (the step's 2 products, a product per weight and
+    one for the input gradient, the engine's additions of each weight's per-step gradients)."""
+    m = torch.nn.LSTM(6, 12, num_layers=layers, batch_first=True).to("neuron")
+    x = to_n(torch.randn(4, T, 6)).requires_grad_()
+    ops = _step_ops(m, x)
+    assert ops["aten::_thnn_fused_lstm_cell"] == ops["aten::_thnn_fused_lstm_cell_backward_impl"] == T * layers
+    assert ops["aten::mm"] + ops["aten::addmm"] == layers * (1 + T) + layers * (T + 3)
+    forward_bound = layers * (2 * T + 2) + 2 + 2          # + the module's two zero initial states
+    backward_bound = layers * (2 * T + 8) + 2 + 2         # + the h0/c0 gradient stacks, the sum's gradient
+    assert sum(ops.values()) <= forward_bound + backward_bound, ops
+
+
+def test_double_backward_matches_the_cpu(strict):
+    """A gradient built with ``create_graph`` (PyTorch's composition rerun and differentiated): the gradient of a
+    function of the input gradient, against the CPU."""
+    results = []
+    for device in ("cpu", "neuron"):
+        torch.manual_seed(1)
+        m = torch.nn.LSTM(3, 4, num_layers=2).double().float().to(device)
+        x = torch.randn(5, 2, 3, generator=torch.Generator().manual_seed(2)).to(device).requires_grad_()
+        (gx,) = torch.autograd.grad(m(x)[0].pow(2).sum(), x, create_graph=True)
+        gx.pow(2).sum().backward()
+        results.append([gx.detach().cpu()] + [p.grad.cpu() for p in m.parameters()])
+    for c, d in zip(*results):
+        torch.testing.assert_close(d, c, atol=1e-5, rtol=1e-4)
+
+
+# ---- configurations that keep PyTorch's composition ---------------------------------------------------------
+
+def _fused(m, *args) -> bool:
+    """Whether the module's forward took the whole-sequence path (one input product per layer, not one per step)."""
+    with profiler.record() as recs:
+        m(*args)
+    T = args[0].shape[0] if args[0].dim() > 1 else 1
+    return sum(r.op == "aten::mm" for r in recs) < 2 * T * m.num_layers
+
+
+@pytest.mark.parametrize("kw", [dict(bidirectional=True), dict(proj_size=3), dict(dropout=0.5)])
+def test_other_configurations_take_the_composition(kw):
+    torch.manual_seed(0)
+    cpu = torch.nn.LSTM(I, H, num_layers=2, **kw)
+    dev = torch.nn.LSTM(I, H, num_layers=2, **kw).to("neuron")
+    dev.load_state_dict(cpu.state_dict())
+    x = torch.randn(4, B, I)
+    assert not _fused(dev, to_n(x))
+    if "dropout" in kw:          # random masks: the evaluation mode (no dropout) takes the whole-sequence path
+        cpu.eval()
+        dev.eval()
+        assert _fused(dev, to_n(x))
+    xc, xd = x.clone().requires_grad_(), to_n(x).requires_grad_()
+    yc, yd = cpu(xc)[0], dev(xd)[0]
+    yc.sum().backward()
+    yd.sum().backward()
+    torch.testing.assert_close(yd.cpu(), yc, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(xd.grad.cpu(), xc.grad, atol=1e-5, rtol=1e-5)
+    for p, q in zip(cpu.parameters(), dev.parameters()):
+        torch.testing.assert_close(q.grad.cpu(), p.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU])
+def test_float64_unbatched_and_packed_inputs_match_the_cpu(cls):
+    torch.manual_seed(0)
+    cpu = cls(I, H, num_layers=2)
+    dev = cls(I, H, num_layers=2).to("neuron")
+    dev.load_state_dict(cpu.state_dict())
+    x = torch.randn(4, B, I)
+    unbatched = cpu(x[:, 0])[0], dev(to_n(x[:, 0]))[0]
+    packed_in = torch.nn.utils.rnn.pack_padded_sequence(x, [4, 3, 1])
+    packed = cpu(packed_in)[0].data, dev(packed_in.to("neuron"))[0].data
+    double = cpu.double()(x.double())[0], dev.double()(to_n(x.double()))[0]
+    for c, d in (unbatched, packed, double):
+        torch.testing.assert_close(d.cpu(), c, atol=1e-5, rtol=1e-5)
+
+
+def test_mismatched_weights_raise_what_the_composition_raises():
+    """A weight of the wrong shape or dtype is not taken by the whole-sequence path: PyTorch's composition raises
+    its products' errors (the CPU raises for the dtype too; its oneDNN path does not check the shape)."""
+    x, h = torch.randn(3, 2, 4), torch.zeros(1, 2, 5)
+    good = [torch.randn(20, 4), torch.randn(20, 5), torch.randn(20), torch.randn(20)]
+    with pytest.raises(RuntimeError):
+        torch.ops.aten.lstm.input(x, [h, h], [good[0].double()] + good[1:], True, 1, 0.0, True, False, False)
+    for params, message in (([torch.randn(20, 3)] + good[1:], "cannot be multiplied"),
+                            ([good[0].double()] + good[1:], "same dtype")):
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.aten.lstm.input(to_n(x), [to_n(h), to_n(h)], [to_n(p) for p in params], True, 1, 0.0, True,
+                                      False, False)
