@@ -145,6 +145,28 @@ def test_double_backward_matches_the_cpu(strict):
         torch.testing.assert_close(d, c, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU])
+def test_outputs_modified_in_place_before_the_backward(cls, strict):
+    """The outputs may be modified in place before the backward (none of them is saved), as PyTorch's composition
+    for accelerators allows (the CPU's oneDNN layer saves its output: the CPU reference modifies out of place)."""
+    results = []
+    for device in ("cpu", "neuron"):
+        torch.manual_seed(3)
+        m = cls(I, H, num_layers=2).to(device)
+        x = torch.randn(4, B, I, generator=torch.Generator().manual_seed(4)).to(device).requires_grad_()
+        y, hn = m(x)
+        h = hn[0] if isinstance(hn, tuple) else hn
+        if device == "cpu":
+            y, h = y * 2, h + 1
+        else:
+            y.mul_(2)
+            h.add_(1)
+        (y.sum() + h.pow(2).sum()).backward()
+        results.append([y.detach().cpu(), x.grad.cpu()] + [p.grad.cpu() for p in m.parameters()])
+    for c, d in zip(*results):
+        torch.testing.assert_close(d, c, atol=1e-5, rtol=1e-5)
+
+
 # ---- configurations that keep PyTorch's composition ---------------------------------------------------------
 
 def _fused(m, *args) -> bool:

@@ -100,7 +100,7 @@ def _forward(kernel, composed, gates: int, input_gates: torch.Tensor, hidden_gat
                               (input_gates, hidden_gates, prev, input_bias, hidden_bias), N,
                               (gates * H, gates * H, H, 0, 0))
     *states, workspace = call_kernel(kernel, inputs, {"N": N, "H": H, "views": views}, op="aten::" + op)
-    return (*(t.view(prev.shape) for t in states), workspace)
+    return (*(t if t.shape == prev.shape else t.view(prev.shape) for t in states), workspace)
 
 
 @lowering("_thnn_fused_lstm_cell")
@@ -279,7 +279,8 @@ class _FusedSequence(torch.autograd.Function):
         tdim = 1 if batch_first else 0
         T, L, H = x.shape[tdim], h0.shape[0], h0.shape[2]
         per = len(params) // L
-        cell = torch.ops.aten._thnn_fused_lstm_cell if gates == 4 else torch.ops.aten._thnn_fused_gru_cell
+        # the cells' lowerings called directly (no dispatcher round trip: ~15 us of host time a step and layer)
+        cell = fused_lstm_cell if gates == 4 else fused_gru_cell
         layer_in, outs, h_last, c_last, steps = x, [], [], [], []
         for layer in range(L):
             w_ih, w_hh, *biases = params[layer * per:(layer + 1) * per]
@@ -299,12 +300,14 @@ class _FusedSequence(torch.autograd.Function):
                 workspaces.append(ws)
             out = torch.stack(hs, tdim)
             outs.append(out)
-            steps += (cs if c0 is not None else []) + workspaces
+            # the last layer's hidden states h_1 .. h_{T-1} are saved one by one, not as the returned output: the
+            # caller may modify that in place, as PyTorch's composition (which saves none of it) allows
+            steps += (hs[:-1] if layer == L - 1 else []) + (cs if c0 is not None else []) + workspaces
             h_last.append(h)
             c_last.append(c)
             layer_in = out
         ctx.meta = (gates, batch_first, has_biases, T, L, per)
-        ctx.save_for_backward(x, h0, c0, *params, *outs, *steps)
+        ctx.save_for_backward(x, h0, c0, *params, *outs[:-1], *steps)
         results = (outs[-1], torch.stack(h_last))
         if c0 is not None:
             results += (torch.stack(c_last),)
@@ -322,9 +325,9 @@ class _FusedSequence(torch.autograd.Function):
             return _composed_backward(ctx, gates, batch_first, has_biases, saved[:3 + L * per],
                                       (grad_out, grad_hn, *grad_cn))
         grad_cn = grad_cn[0] if grad_cn else None
-        outs = saved[3 + L * per:3 + L * per + L]
-        steps = saved[3 + L * per + L:]
-        per_layer_steps = len(steps) // L
+        outs = saved[3 + L * per:3 + L * per + L - 1]       # the inputs of layers 1 .. L-1
+        steps = saved[3 + L * per + L - 1:]
+        per_layer_steps = (T + 1 if gates == 4 else 0) + T       # cell states, workspaces
         tdim = 1 if batch_first else 0
         H = h0.shape[2]
         lstm = gates == 4
@@ -334,7 +337,9 @@ class _FusedSequence(torch.autograd.Function):
         grad_in = grad_out          # the gradient of the current layer's output (None: unused)
         for layer in reversed(range(L)):
             w_ih, w_hh = params[layer * per], params[layer * per + 1]
-            layer_steps = steps[layer * per_layer_steps:(layer + 1) * per_layer_steps]
+            layer_steps = steps[layer * per_layer_steps:]
+            if layer == L - 1:
+                hidden, layer_steps = layer_steps[:T - 1], layer_steps[T - 1:]
             layer_in = x if layer == 0 else outs[layer - 1]
             if grad_in is not None and tdim and not grad_in.select(tdim, 0).is_contiguous():
                 # time-major once, so that each step's slice is read in place (not copied by every addmm)
@@ -349,7 +354,7 @@ class _FusedSequence(torch.autograd.Function):
                 if lstm:
                     if dh is None and dc is None:
                         dh = torch.zeros_like(h0[layer])
-                    d_gates, dc, _ = torch.ops.aten._thnn_fused_lstm_cell_backward_impl(
+                    d_gates, dc, _ = fused_lstm_cell_backward(
                         dh, dc, layer_steps[t], layer_steps[t + 1], layer_steps[T + 1 + t], False)
                     d_input_gates[t] = d_hidden_gates[t] = d_gates
                     direct = None
@@ -357,7 +362,7 @@ class _FusedSequence(torch.autograd.Function):
                     if dh is None:
                         dh = torch.zeros_like(h0[layer])
                     d_input_gates[t], d_hidden_gates[t], direct, _, _ = \
-                        torch.ops.aten._thnn_fused_gru_cell_backward(dh, layer_steps[t], False)
+                        fused_gru_cell_backward(dh, layer_steps[t], False)
                 # the previous step's hidden-state gradient: through W_hh, plus the output's (and the GRU's
                 # direct path) added at the product's store
                 g_t = None if grad_in is None or t == 0 else grad_in.select(tdim, t - 1)
@@ -372,8 +377,13 @@ class _FusedSequence(torch.autograd.Function):
             if needs[0]:
                 grad_params[layer * per] = torch.mm(d_in.t(), flat_in)
             if needs[1]:
-                h_prev = h0[layer].unsqueeze(tdim) if T == 1 else \
-                    torch.cat([h0[layer].unsqueeze(tdim), outs[layer].narrow(tdim, 0, T - 1)], tdim)
+                # the hidden state each step started from
+                if T == 1:
+                    h_prev = h0[layer].unsqueeze(tdim)
+                elif layer == L - 1:
+                    h_prev = torch.stack([h0[layer], *hidden], tdim)
+                else:
+                    h_prev = torch.cat([h0[layer].unsqueeze(tdim), outs[layer].narrow(tdim, 0, T - 1)], tdim)
                 grad_params[layer * per + 1] = torch.mm(d_hid.t(), h_prev.reshape(-1, H))
             if has_biases:
                 needs_b = needs[2:]
