@@ -222,3 +222,85 @@ def test_activation_result_depends_on_the_value_alone(fn):
     assert torch.equal(nx.apply_activation(fn, x[:, 5:6]), whole[:, 5:6])          # a one-column view
     assert torch.equal(nx.apply_activation(fn, x[3:4, 101:138]), whole[3:4, 101:138])  # a ragged strided block
     assert torch.equal(nx.apply_activation(fn, x.t().contiguous()).t(), whole)      # another element order
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _neg_floats(lo_bits: int, hi_bits: int) -> torch.Tensor:
+    """Every negative fp32 whose magnitude's bit pattern is in [lo_bits, hi_bits)."""
+    return (torch.arange(lo_bits, hi_bits, dtype=torch.int64) - 2**31).to(torch.int32).view(torch.float32)
+
+
+def test_exp_zero_bound_is_where_torch_exp_underflows():
+    # the constants the clamped route relies on, on this torch build: EXP_ZERO_AT is the largest x whose exp is
+    # +0.0 (its successor toward zero is not), and EXP_FAST_MIN's exp is a normal number
+    z = torch.tensor([nx.EXP_ZERO_AT])
+    assert _bits(torch.exp(z)).item() == 0
+    assert torch.exp(torch.nextafter(z, torch.zeros(1))).item() > 0
+    assert torch.exp(torch.tensor([nx.EXP_FAST_MIN])).item() >= torch.finfo(torch.float32).tiny
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_exp_is_zero_below_the_bound(layout):
+    # 2**20 values either side of EXP_ZERO_AT, and 4096 random mantissas of every binade from there to -inf:
+    # torch.exp gives +0.0 (bits 0) on the vector path (contiguous) and the element-by-element path (strided)
+    zbits = _bits(torch.tensor([nx.EXP_ZERO_AT])).item() & 0x7FFFFFFF
+    gen = torch.Generator().manual_seed(0)
+    parts = [_neg_floats(zbits, zbits + (1 << 20))]
+    for exponent in range((zbits >> 23) + 1, 255):
+        mant = torch.randint(0, 1 << 23, (4096,), generator=gen, dtype=torch.int64)
+        parts.append((((exponent << 23) | mant) - 2**31).to(torch.int32).view(torch.float32))
+    x = torch.cat([*parts, torch.tensor([-INF, -torch.finfo(torch.float32).max])])
+    if layout == "strided":
+        buf = torch.empty(2 * x.numel())
+        buf[::2] = x
+        x = buf[::2]
+    assert bool((x <= nx.EXP_ZERO_AT).all())
+    assert bool((_bits(torch.exp(x)) == 0).all())
+    assert bool((_bits(nx.exp(x.contiguous())) == 0).all())
+
+
+def _exp_tile(values: list[float], n: int = 4096, seed: int = 0) -> torch.Tensor:
+    """A [64, n // 64] fp32 tile of normal(0, 4) values with ``values`` scattered through it."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * 4
+    where = torch.randperm(n, generator=gen)[:len(values)]
+    x[where] = torch.tensor(values)
+    return x.view(64, -1)
+
+
+_MASKED = [-1e30, -INF, -torch.finfo(torch.float32).max, nx.EXP_ZERO_AT, -104.0, -1e4, -0.0, 0.0, INF, 88.0, 89.0,
+           nx.EXP_FAST_MIN, -86.9, 1e-30, -1e-30]
+
+
+@pytest.mark.parametrize("extra", [[], [NAN], [-87.5], [-100.0], [nx.EXP_ZERO_AT * (1 - 2**-23)], [-87.0 - 2**-17]],
+                         ids=["masked", "nan", "denormal-result", "denormal-result2", "just-above-zero-bound",
+                              "just-below-fast-min"])
+def test_exp_matches_torch_bit_for_bit(extra):
+    # tiles mixing ordinary scores with the masked values a causal softmax sees (-1e30, -inf, the fp32 minimum), the
+    # bounds and their neighbours, signed zeros, overflow and NaN: exp and exp_out (in place in a strided view, as
+    # the ScalarE step runs it, and from a same-layout source) give torch.exp's bits
+    x = _exp_tile(_MASKED + extra)
+    want = torch.exp(x)
+    assert torch.equal(_bits(nx.exp(x)), _bits(want))
+    sbuf = torch.full((64, 1000), NAN)  # a partition pitch wider than the tile, like SBUF
+    view = sbuf[:, 100:100 + x.shape[1]]
+    view.copy_(x)
+    assert torch.equal(_bits(nx.exp_out(view, out=view)), _bits(want))
+    src = torch.full((64, 1000), NAN)[:, 7:7 + x.shape[1]]
+    src.copy_(x)
+    out = torch.full((64, 1000), NAN)[:, 7:7 + x.shape[1]]
+    nx.exp_out(src, out=out)
+    assert torch.equal(_bits(out), _bits(torch.exp(src))) and torch.equal(_bits(src), _bits(x))
+
+
+def test_exp_route_taken_only_where_exact():
+    # the clamped route runs for masked tiles and steps aside for values whose exp is denormal, NaN tiles, other
+    # dtypes and layouts
+    assert nx._exp_keep(_exp_tile(_MASKED)) is not None
+    assert nx._exp_keep(_exp_tile([-1e30, -100.0])) is None
+    assert nx._exp_keep(_exp_tile([-1e30, NAN])) is None
+    assert nx._exp_keep(_exp_tile([1.0])) is None
+    assert nx._exp_keep(_exp_tile([-1e30]).double()) is None

@@ -275,10 +275,56 @@ def _silu_dx(x: torch.Tensor) -> torch.Tensor:
     return s * (1.0 + x * (1.0 - s))
 
 
+# torch's fp32 exp is fast where its result is a normal number and 10-40x slower below that (denormal or zero
+# results: the masked entries of a causal softmax's scores, -3e38 or -inf). Every x <= EXP_ZERO_AT gives exactly
+# +0.0 (on the vector and the element-by-element path: tests/sim/test_numerics.py checks the boundary and every
+# binade below it; all 1.0e9 fp32 values from there to -inf were checked once), so a tile whose values are each
+# either >= EXP_FAST_MIN or <= EXP_ZERO_AT is computed as exp of the values clamped to EXP_FAST_MIN, times 1 where
+# the input was kept and 0 where it was below: the same bits (a positive result times 1 or 0 is exact), the same
+# torch call on the kept values (same tensor geometry), without the slow path. Float arithmetic does the masking:
+# torch's boolean kernels on strided tiles cost more than the exp they would save.
+EXP_ZERO_AT = -103.97208404541016   # the largest fp32 x whose torch.exp is +0.0
+EXP_FAST_MIN = -87.0                # exp's result is a normal fp32 number from here up (fast)
+_EXP_GAP = EXP_FAST_MIN - EXP_ZERO_AT  # exact (Sterbenz: the bounds are within a factor of 2)
+
+
+def _exp_keep(x: torch.Tensor) -> torch.Tensor | None:
+    """1.0 where ``x`` >= EXP_FAST_MIN and 0.0 where ``x`` <= EXP_ZERO_AT (fp32, contiguous), when the clamped route
+    gives torch.exp's bits for ``x``; None where it does not apply: fp32 values all >= EXP_FAST_MIN (nothing to
+    gain), NaN, or a value between the bounds (only torch's own evaluation gives its denormal or small result)."""
+    if x.dtype != torch.float32 or x.numel() == 0 or not x.amin().item() < EXP_FAST_MIN:  # (NaN: not <)
+        return None
+    # u = clamp(x, ZERO_AT, FAST_MIN) - ZERO_AT is exactly 0 (below), _EXP_GAP (kept) or strictly between (the
+    # band, where u * (_EXP_GAP - u) > 0: both factors are at least an ulp of 100, no underflow); all exact
+    u = torch.clamp(x, EXP_ZERO_AT, EXP_FAST_MIN).sub_(EXP_ZERO_AT)
+    if torch.rsub(u, _EXP_GAP).mul_(u).amax().item() > 0:
+        return None
+    return u.div_(_EXP_GAP)
+
+
+def exp_out(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    """``torch.exp(x, out=out)``, bit for bit, without torch's slow path on large negative inputs."""
+    if x.shape == out.shape and x.stride() == out.stride():
+        keep = _exp_keep(x)
+        if keep is not None:
+            # out has x's shape and strides: the kept values' exp runs with the geometry exp(x, out=out) has
+            torch.clamp_min(x, EXP_FAST_MIN, out=out)
+            torch.exp(out, out=out)
+            return out.mul_(keep)
+    return torch.exp(x, out=out)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """``torch.exp(x)``, bit for bit, without torch's slow path on large negative inputs."""
+    if x.is_contiguous():  # (the result torch allocates then has x's strides too)
+        return exp_out(x, out=torch.empty_like(x))
+    return torch.exp(x)
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "copy": lambda x: x,
     "identity": lambda x: x,
-    "exp": torch.exp,
+    "exp": exp,
     "log": torch.log,
     "tanh": torch.tanh,
     "sigmoid": torch.sigmoid,
@@ -312,7 +358,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 # the functions torch can write straight into an fp32 destination (``fn(x, out=out)``)
 ACTIVATIONS_OUT: dict[str, Callable] = {
-    "exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "sqrt": torch.sqrt,
+    "exp": exp_out, "log": torch.log, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "sqrt": torch.sqrt,
     "rsqrt": torch.rsqrt, "reciprocal": torch.reciprocal, "square": torch.square, "sin": torch.sin,
     "cos": torch.cos, "tan": torch.tan, "arctan": torch.atan, "abs": torch.abs, "sign": torch.sign,
     "negative": torch.neg, "erf": torch.erf, "floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc,

@@ -357,12 +357,16 @@ def fused_rhs(core, value, nd: int) -> torch.Tensor | None:
     """A fused step's fp32 right-hand operand: a (P,1) tile's view shaped to broadcast over ``nd``
     dims, or a planned scalar as its cached 0-d tensor (what ``fused_into`` passes); None where
     the tile's view cannot be reshaped without a copy."""
-    if not isinstance(value, AP):
-        return _f32(value)
-    v = value.view(core)
+    return column_view(core, value, nd) if isinstance(value, AP) else _f32(value)
+
+
+def column_view(core, ap: AP, nd: int) -> torch.Tensor | None:
+    """A (P,1) tile's view shaped to broadcast over ``nd`` dims (what ``load_column`` reads), or None where
+    that needs a copy."""
+    v = ap.view(core)
     if v.dim() != nd:
         try:
-            v = v.view(value.partitions, *([1] * (nd - 1)))
+            v = v.view(ap.partitions, *([1] * (nd - 1)))
         except RuntimeError:
             return None
     return v
@@ -431,10 +435,25 @@ def copy_step(core, dst: AP, src: AP, slots) -> Step | None:
         if sget is None or dget is None:
             return None
         hbm_float = src.dtype != dst.dtype and not (src.dtype in INT_DTYPES and dst.dtype in INT_DTYPES)
+        (ks, src_slot), (kd, dst_slot) = slots[src.memory], slots[dst.memory]
+        if ks == kd or hbm_float or src.shape != dst.shape:
+            def step(h):
+                v = sget(h)
+                store(dst, dget(h), v.float() if hbm_float else v)
+            return step
+        src_bytes, dst_bytes = src_slot.nbytes, dst_slot.nbytes
 
         def step(h):
-            v = sget(h)
-            store(dst, dget(h), v.float() if hbm_float else v)
+            # two slots bound to overlapping memory: write's overlap check (store) decides on a clone; apart (the
+            # usual case), the copy store ends in, without its storage lookups
+            s_ptr, d_ptr = h[ks].data_ptr(), h[kd].data_ptr()
+            if s_ptr < d_ptr + dst_bytes and d_ptr < s_ptr + src_bytes:
+                store(dst, dget(h), sget(h))
+                return
+            try:
+                dget(h).copy_(sget(h))
+            except RuntimeError as e:
+                raise SimulatorError(f"{dst!r}: cannot write through this pattern: {e}") from None
         return step
     # prepare_cast goes through fp32 (a no-op for an fp32 source: .float() returns the tensor itself)
     to_float = (src.dtype != dst.dtype and src.dtype != torch.float32

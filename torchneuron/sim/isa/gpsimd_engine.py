@@ -10,7 +10,7 @@ from functools import cached_property
 import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine
-from torchneuron.sim.memory import AP
+from torchneuron.sim.memory import AP, store
 from torchneuron.sim.numerics import INT_DTYPES, alu_op, apply_alu, as_scalar, dtype_name
 from torchneuron.sim.isa.common import COMPARE_OPS, Instr, Operand, Scalar, Step, load_column, prepare_cast
 
@@ -127,6 +127,18 @@ class AffineSelect(Instr):
         x = prepare_cast(self.on_true_tile.view(core).reshape(p, f), self.dst.dtype)
         fill = torch.tensor(as_scalar(self.on_false_value, torch.float32), dtype=torch.float32).to(x.dtype)
         self.dst.write(core, torch.where(self._predicate, x, fill))
+
+    def step(self, core, slots) -> Step | None:
+        p, f, dst = self.dst.partitions, self.dst.free_elems, self.dst
+        tv, dv, predicate = self.on_true_tile.view(core), dst.view(core), self._predicate
+        to_float = prepare_cast(torch.empty(0, dtype=tv.dtype), dst.dtype).dtype != tv.dtype
+        compute = torch.float32 if to_float else tv.dtype
+        fill = torch.tensor(as_scalar(self.on_false_value, torch.float32), dtype=torch.float32).to(compute)
+
+        def step(h):  # execute's calls, the predicate and the fill value made once
+            x = tv.reshape(p, f)
+            store(dst, dv, torch.where(predicate, x.float() if to_float else x, fill))
+        return step
 
     def price(self) -> CostInputs:
         return self._cost([self.on_true_tile], self.dst, op=self.cmp_op)

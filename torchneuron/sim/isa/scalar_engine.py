@@ -8,11 +8,11 @@ from functools import cached_property
 import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine
-from torchneuron.sim.memory import AP
+from torchneuron.sim.memory import AP, store
 from torchneuron.sim.numerics import (ACTIVATIONS_OUT, REDUCE_IDENTITY, activation_fn, alu_op, apply_activation,
                                       apply_alu, apply_reduce, as_scalar, compute_dtype, dtype_name, reduce_op)
-from torchneuron.sim.isa.common import (Instr, Operand, Step, checked_reduce_cmd, disjoint_or_same, fused_into,
-                                        fused_rhs, load_tile, planned_operand)
+from torchneuron.sim.isa.common import (Instr, Operand, Step, checked_reduce_cmd, column_view, disjoint_or_same,
+                                        fused_into, fused_rhs, load_tile, planned_operand)
 
 
 # ---- ScalarE activation ------------------------------------------------------------------------
@@ -126,10 +126,47 @@ class Activation(Instr):
         self.dst.write(core, y)
         self._reduce(core, y)
 
+    def _planned_step(self, core) -> Step | None:
+        """execute's unfused route (load, scale, bias, function, store, reduction) with its views resolved once."""
+        c, scale, bias = self._plan
+        xv, dv, dst, op = self.data.view(core), self.dst.view(core), self.dst, self.op
+        nd = xv.dim()
+        columns = []
+        for value in (scale, bias):
+            if isinstance(value, AP):  # load_column's view, converted per run where its dtype is not c's
+                v = column_view(core, value, nd)
+                if v is None:
+                    return None
+                columns.append((v, v.dtype != c))
+            else:
+                columns.append((value, False))
+        (s, s_conv), (b, b_conv) = columns
+        convert = xv.dtype != c
+        # apply_activation's identity returns a contiguous copy of its input (the reduction below reads that layout)
+        identity = op in ("identity", "copy")
+        reduce = self.reduce_cmd != "idle" or self.reduce_res is not None
+        regs = engine_registers(core, Engine.SCALAR, self.data)
+        red_op, cmd, res = self.reduce_op or "add", self.reduce_cmd, self.reduce_res
+        rv = res.view(core) if res is not None else None
+
+        def step(h):
+            x = xv.to(c) if convert else xv
+            if scale is not None:
+                x = x * (s.to(c) if s_conv else s)
+            if bias is not None:
+                x = x + (b.to(c) if b_conv else b)
+            y = x.clone(memory_format=torch.contiguous_format) if identity else apply_activation(op, x)
+            store(dst, dv, y)
+            if reduce:
+                accumulate_registers(regs, red_op, cmd, y)
+                if res is not None:
+                    store(res, rv, regs)
+        return step
+
     def step(self, core, slots) -> Step | None:
         fn = self._fused
         if fn is None:
-            return None
+            return self._planned_step(core)
         _, scale, bias = self._plan
         out, x = self.dst.view(core), self.data.view(core)
         nd = out.dim()

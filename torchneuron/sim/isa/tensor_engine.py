@@ -8,7 +8,7 @@ from functools import cached_property
 import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine
-from torchneuron.sim.memory import PMAX, AP, SimulatorError
+from torchneuron.sim.memory import PMAX, AP, SimulatorError, store
 from torchneuron.sim.numerics import dtype_name
 from torchneuron.sim.isa.common import (GEMM_MOVING_FMAX, GEMM_STATIONARY_FMAX, Instr, MATMUL_DTYPES, PSUM_BANK_BYTES,
                                         Step, TENSOR_TRANSPOSE_MAX, VECTOR_TRANSPOSE_MAX)
@@ -289,23 +289,29 @@ class NcTranspose(Instr):
         dst, data = self.dst, self.data
         if dst.memory == data.memory and dst.footprint().overlaps(data.footprint()):
             return None  # in place or overlapping: write's alias check decides on a clone
-        dv = dst.view(core)
+        dv, source = dst.view(core), data.view(core)
         # execute's reshapes, as views of the same memory (a copy here would freeze the tile's values)
-        values = _view2(data.view(core), data.partitions, data.free_elems)
-        if values is None:
-            return None
-        values = values.T
-        if values.shape != dv.shape:
-            try:
-                values = values.view(dv.shape)
-            except RuntimeError:
-                return None
+        values = _view2(source, data.partitions, data.free_elems)
+        if values is not None:
+            values = values.T
+            if values.shape != dv.shape:
+                try:
+                    values = values.view(dv.shape)
+                except RuntimeError:
+                    values = None
+        if values is not None:
+            def copy(h):
+                try:
+                    dv.copy_(values)
+                except RuntimeError as e:
+                    raise SimulatorError(f"{dst!r}: cannot write through this pattern: {e}") from None
+        else:
+            # data's free dims do not flatten into one (a permuted pattern): execute's reshape copies the tile
+            # each run; the transposed copy then lands in dst (copies move bits: the same values either way)
+            rows, cols = data.partitions, data.free_elems
 
-        def copy(h):
-            try:
-                dv.copy_(values)
-            except RuntimeError as e:
-                raise SimulatorError(f"{dst!r}: cannot write through this pattern: {e}") from None
+            def copy(h):
+                store(dst, dv, source.reshape(rows, cols).T, may_alias=False)
         if self.engine != Engine.TENSOR or dst.dtype != torch.float32:
             return copy
         psum = core.memory("psum")
