@@ -312,3 +312,38 @@ def test_run_uses_one_thread_and_restores_the_callers(monkeypatch):
         assert seen == [1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_consecutive_copies_run_as_one_call_in_order():
+    # DMA copies in a row become one torch call that copies in program order: each copy here reads what the one
+    # before it wrote (through SBUF, and through HBM where two slots are bound to one tensor); a broadcast read
+    # joins them, a cast and a reshape stay single steps; results bit for bit as execute's
+    x, out = tile("hbm:x", F32, (P, F)), tile("hbm:out", F32, (P, F))
+    broadcast = AP("hbm:c", F32, ((1, P), (0, F)))  # each partition's one value, F times
+    body = [isa.dma_copy(dst=_sb(0), src=x), isa.dma_copy(dst=out, src=_sb(0)), isa.dma_copy(dst=_sb(1), src=out),
+            isa.tensor_copy(dst=_sb(2), src=_sb(1)), isa.dma_copy(dst=x[:, :F // 2], src=_sb(2)[:, F // 2:]),
+            isa.dma_copy(dst=_sb(3), src=x), isa.dma_copy(dst=_sb(4, BF16), src=x),
+            isa.dma_copy(dst=_sb(5, F32, (2, F // 2)), src=x), isa.dma_copy(dst=_sb(6), src=broadcast),
+            isa.dma_copy(dst=out, src=_sb(3))]
+    prog = Program(body, [ArgSlot("x", (P, F), F32), ArgSlot("out", (P, F), F32, "output"),
+                          ArgSlot("c", (P, 1), F32)], "copies")
+    for shared in (False, True):
+        fast, slow = NeuronCore("trn2"), NeuronCore("trn2")
+        _fill(fast, 5, specials=True)
+        _fill(slow, 5, specials=True)
+        g = torch.Generator().manual_seed(int(shared))
+        x_t, c_t, out_t = torch.randn(P, F, generator=g), torch.randn(P, 1, generator=g), torch.randn(P, F, generator=g)
+        x_t.view(-1)[::5] = SPECIALS.repeat(P * F // len(SPECIALS))[:x_t.view(-1)[::5].numel()]
+        bound = []
+        for _ in (fast, slow):
+            b = {"x": x_t.clone(), "c": c_t.clone()}
+            b["out"] = b["x"] if shared else out_t.clone()
+            bound.append(b)
+        fast.run(prog, bound[0])
+        _reference(slow, prog, bound[1])
+        for name in bound[0]:
+            assert torch.equal(bound[0][name].view(torch.int32), bound[1][name].view(torch.int32)), name
+        assert torch.equal(fast.sbuf.data, slow.sbuf.data)
+        entries = fast._plan(prog).entries
+        # copies 0-5 ran as one call, then the cast and the reshape alone, then copies 8-9 as one call
+        assert [e[0] for e in entries] == [body[0], body[6], body[7], body[8]]

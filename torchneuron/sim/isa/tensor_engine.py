@@ -60,6 +60,15 @@ def _view2(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor | None:
         return None
 
 
+_BOXES: dict[tuple, int] = {}  # a PSUM box (start partition, partitions, geometry) -> its small-integer key
+
+
+def _box(ap: AP) -> int:
+    """The key of the PSUM box ``ap`` writes in the open-group records: one int per distinct box (hashing an int
+    per matmul instead of the nested geometry tuple)."""
+    return _BOXES.setdefault((ap.start_partition, ap.partitions, ap._geometry), len(_BOXES))
+
+
 def _group_open(rec: list | None, flags: torch.Tensor, box) -> bool:
     """Whether ``box``'s flags are known all False (its accumulation group open) without reading them."""
     return rec is not None and rec[0] == flags._version and box in rec[1]
@@ -176,7 +185,7 @@ class NcMatmul(Instr):
                 out2 = closed2 = None
             flags = psum.group_closed
             rec = _open_record(flags)
-        box = (self.dst.start_partition, self.dst.partitions, self.dst._geometry)
+        box = _box(self.dst)
         state = (sbuf, psum, s, s_f, s_t, mv, mv_f, mv_use, torch.empty(m, n), out2, closed2, flags, rec, box)
         self.__dict__["_mm"] = state
         return state
@@ -280,7 +289,7 @@ class NcTranspose(Instr):
             flags = core.memory("psum").group_closed
             rec = self.__dict__.get("_open")
             if rec is None or rec[0] is not flags:
-                box = (self.dst.start_partition, self.dst.partitions, self.dst._geometry)
+                box = _box(self.dst)
                 rec = self.__dict__["_open"] = (flags, _open_record(flags), box)
             if not _group_open(rec[1], flags, rec[2]):
                 _open_group(rec[1], flags, _psum_closed(self, core, self.dst), rec[2], core.memory("psum").opened)
@@ -316,7 +325,7 @@ class NcTranspose(Instr):
             return copy
         psum = core.memory("psum")
         flags, opened = psum.group_closed, psum.opened
-        rec, box = _open_record(flags), (dst.start_partition, dst.partitions, dst._geometry)
+        rec, box = _open_record(flags), _box(dst)
         closed = _psum_closed(self, core, dst)
 
         def step(h):  # the write, then TensorE opens the accumulation group there (as execute)
