@@ -57,7 +57,8 @@ def mixed_program() -> Program:
         i.tensor_copy(dst=_sb(22, F32, (F - 2,)), src=tile("sbuf", F32, (P, F - 2), offset=512 * 22 + 8)),
         i.memset(dst=_sb(23), value=0.0),
         i.memset(dst=_sb(24, I32), value=7),
-        i.iota(dst=_sb(25, I32), pattern=[[1, F]]),                             # no step
+        i.iota(dst=_sb(25, I32), pattern=[[1, F]]),
+        i.iota(dst=_sb(77), pattern=[[-2, F // 4], [1, 4]], offset=5, channel_multiplier=3),
         # TensorE into PSUM: an accumulation group, closed by a VectorE write, then reopened
         i.nc_matmul(dst=_ps(0, (F,), P), stationary=_sb(26, BF16, (P,)), moving=_sb(1, BF16)),
         i.nc_matmul(dst=_ps(0, (F,), P), stationary=_sb(26, BF16, (P,)), moving=_sb(6, BF16)),
@@ -317,14 +318,16 @@ def test_run_uses_one_thread_and_restores_the_callers(monkeypatch):
 def test_consecutive_copies_run_as_one_call_in_order():
     # DMA copies in a row become one torch call that copies in program order: each copy here reads what the one
     # before it wrote (through SBUF, and through HBM where two slots are bound to one tensor); a broadcast read
-    # joins them, a cast and a reshape stay single steps; results bit for bit as execute's
+    # joins them, a cast and a reshape stay single steps; an HBM-to-HBM copy between two slots bound to one
+    # tensor reads its source before writing; results bit for bit as execute's
     x, out = tile("hbm:x", F32, (P, F)), tile("hbm:out", F32, (P, F))
     broadcast = AP("hbm:c", F32, ((1, P), (0, F)))  # each partition's one value, F times
     body = [isa.dma_copy(dst=_sb(0), src=x), isa.dma_copy(dst=out, src=_sb(0)), isa.dma_copy(dst=_sb(1), src=out),
             isa.tensor_copy(dst=_sb(2), src=_sb(1)), isa.dma_copy(dst=x[:, :F // 2], src=_sb(2)[:, F // 2:]),
             isa.dma_copy(dst=_sb(3), src=x), isa.dma_copy(dst=_sb(4, BF16), src=x),
             isa.dma_copy(dst=_sb(5, F32, (2, F // 2)), src=x), isa.dma_copy(dst=_sb(6), src=broadcast),
-            isa.dma_copy(dst=out, src=_sb(3))]
+            isa.dma_copy(dst=out, src=_sb(3)),
+            isa.dma_copy(dst=out[:, 1:], src=x[:, :F - 1])]  # HBM to HBM: overlapping where x and out are one tensor
     prog = Program(body, [ArgSlot("x", (P, F), F32), ArgSlot("out", (P, F), F32, "output"),
                           ArgSlot("c", (P, 1), F32)], "copies")
     for shared in (False, True):
@@ -346,4 +349,4 @@ def test_consecutive_copies_run_as_one_call_in_order():
         assert torch.equal(fast.sbuf.data, slow.sbuf.data)
         entries = fast._plan(prog).entries
         # copies 0-5 ran as one call, then the cast and the reshape alone, then copies 8-9 as one call
-        assert [e[0] for e in entries] == [body[0], body[6], body[7], body[8]]
+        assert [e[0] for e in entries] == [body[0], body[6], body[7], body[8], body[10]]

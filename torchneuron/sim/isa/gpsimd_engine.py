@@ -63,6 +63,10 @@ class Iota(Instr):
     def execute(self, core) -> None:
         self.dst.write(core, self._values)
 
+    def step(self, core, slots) -> Step | None:
+        dst, dv, values = self.dst, self.dst.view(core), self._values
+        return lambda h: store(dst, dv, values, may_alias=False)  # (the constant lives outside the core's memory)
+
     def price(self) -> CostInputs:
         return self._cost([], self.dst, flops=self.dst.numel)
 
