@@ -87,47 +87,9 @@ class _Plan:
                 closes = tuple(flags[f.partitions[0]:f.partitions[1], f.byte_range[0] // 4:-(-f.byte_range[1] // 4)]
                                for f in instr.psum_writes)
             entries.append((instr, step, closes))
-        # a dynamic program's control instructions jump to instruction indices: its entries stay one per instruction
-        self.entries = tuple(entries if program.dynamic else _batch_copies(entries))
+        self.entries = tuple(entries)
         # scratch slots, and output slots a run may leave unbound: allocated per run
         self.fills = tuple(i for i, s in enumerate(program.args) if s.kind != "input")
-
-
-def _batch_copies(entries: list) -> list:
-    """``entries`` with each run of two or more consecutive plain copies (``isa.common.batchable``) made one entry
-    whose step runs them as one ``torch._foreach_copy_``: the same copies in the same order (it copies pair after
-    pair), one torch call instead of one per copy. The entry keeps the run's first instruction."""
-    out, run = [], []
-
-    def flush():
-        if len(run) == 1:
-            out.append(run[0])
-        elif run:
-            out.append((run[0][0], _copy_run(tuple(e[0] for e in run), tuple(e[1].copy_pair for e in run)), None))
-        run.clear()
-    for entry in entries:
-        _, step, closes = entry
-        if closes is None and getattr(step, "copy_pair", None) is not None:
-            run.append(entry)
-            continue
-        flush()
-        out.append(entry)
-    flush()
-    return out
-
-
-def _copy_run(instrs: tuple, pairs: tuple):
-    """The step of consecutive plain copies: (dst view, dst getter, src view, src getter) each, views for on-chip
-    operands and getters of the run's HBM tensors."""
-    def step(h):
-        dsts = [dv if dget is None else dget(h) for dv, dget, _, _ in pairs]
-        srcs = [sv if sget is None else sget(h) for _, _, sv, sget in pairs]
-        try:
-            torch._foreach_copy_(dsts, srcs)
-        except RuntimeError as e:  # not expected (batchable copies cannot fail): say which copies ran together
-            names = ", ".join(f"{i.opcode} to {i.dst!r}" for i in instrs)
-            raise SimulatorError(f"copies {names}: {e}") from None
-    return step
 
 
 class NeuronCore:

@@ -427,17 +427,6 @@ def planned_alu_step(core, dst: AP, data: AP, ops: list, c: torch.dtype) -> Step
     return step
 
 
-def batchable(step: Step, dst: AP, src: AP, *, dst_view: torch.Tensor | None = None, dst_get: Callable | None = None,
-              src_view: torch.Tensor | None = None, src_get: Callable | None = None) -> Step:
-    """Mark ``step``, which is exactly ``dst.copy_(src)`` of two views (on chip: the view; in HBM: its getter of
-    the run's tensors), as one a core may run together with the copies next to it in one ``torch._foreach_copy_``
-    (it copies pair after pair, in order): where both sides have one dtype and shape and dst repeats no element
-    (a stride-0 dim would make copy_ raise, which the step reports itself)."""
-    if src.dtype == dst.dtype and src.shape == dst.shape and all(st or sz == 1 for st, sz in dst.pattern):
-        step.copy_pair = (dst_view, dst_get, src_view, src_get)
-    return step
-
-
 def copy_step(core, dst: AP, src: AP, slots) -> Step | None:
     """The step of ``dst.write(core, prepare_cast(src.view(core), dst.dtype))`` (dma_copy, tensor_copy)."""
     if not src.on_chip and not dst.on_chip:
@@ -485,7 +474,7 @@ def copy_step(core, dst: AP, src: AP, slots) -> Step | None:
                 dv.copy_(sv.float() if to_float else sv)
             except RuntimeError as e:
                 raise SimulatorError(f"{dst!r}: cannot write through this pattern: {e}") from None
-        return batchable(step, dst, src, dst_view=dv, src_view=sv)
+        return step
     # one side in HBM, the other on chip: they never share memory
     if dst.on_chip:
         sget, dv = _hbm_getter(src, slots), dst.view(core)
@@ -497,7 +486,7 @@ def copy_step(core, dst: AP, src: AP, slots) -> Step | None:
                     dv.copy_(sget(h))
                 except RuntimeError as e:
                     raise SimulatorError(f"{dst!r}: cannot write through this pattern: {e}") from None
-            return batchable(step, dst, src, dst_view=dv, src_get=sget)
+            return step
 
         def step(h):
             v = sget(h)
@@ -512,7 +501,7 @@ def copy_step(core, dst: AP, src: AP, slots) -> Step | None:
                 dget(h).copy_(sv)
             except RuntimeError as e:
                 raise SimulatorError(f"{dst!r}: cannot write through this pattern: {e}") from None
-        return batchable(step, dst, src, dst_get=dget, src_view=sv)
+        return step
 
     def step(h):
         store(dst, dget(h), sv.float() if to_float else sv, may_alias=False)
