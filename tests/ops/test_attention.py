@@ -79,6 +79,35 @@ def test_heads_split_from_a_fused_projection(strict):
     _within_bounds(q, k, v, {"device": (got, grads), "cpu": (want, want_grads)}, causal=True)
 
 
+@pytest.mark.parametrize("T", [64, 160])    # packed heads; the flash kernels
+def test_results_are_laid_out_as_the_projection_views(T, strict):
+    """Heads viewed from a fused projection get an output and gradients of the same [B, T, H, d] memory: merging
+    the heads back and autograd's reverse of the split are views, so no copy runs in either direction; a
+    contiguous query keeps contiguous results. Values within the float64 bounds either way."""
+    B, H, E = 2, 4, 16
+    x = torch.randn(B, T, 3 * H * E, generator=torch.Generator().manual_seed(3))
+
+    def heads(t):
+        return (z.view(B, T, H, E).transpose(1, 2) for z in t.split(H * E, dim=2))
+
+    xn = to_n(x).requires_grad_()
+    g = _grad_out(to_n(torch.zeros(B, T, H, E))).reshape(B, T, H * E)   # (the bounds' gradient, per head)
+    with profiler.record() as recs:
+        y = F.scaled_dot_product_attention(*heads(xn), is_causal=True)
+        y.transpose(1, 2).reshape(B, T, H * E).backward(g)
+    ops = [r.op for r in recs]
+    assert FUSED in ops and FUSED + "_backward" in ops and "aten::copy_" not in ops, ops
+    assert y.transpose(1, 2).is_contiguous()
+    q, k, v = heads(x)
+    grads = [g.cpu() for g in heads(xn.grad)]
+    _within_bounds(q, k, v, {"device": (y.detach().cpu(), grads)}, causal=True)
+    qc, kc, vc = (to_n(t.contiguous()).requires_grad_() for t in (q, k, v))
+    yc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
+    yc.backward(_grad_out(yc))
+    assert yc.is_contiguous() and all(t.grad.is_contiguous() for t in (qc, kc, vc))
+    _within_bounds(q, k, v, {"device": (yc.detach().cpu(), [t.grad.cpu() for t in (qc, kc, vc)])}, causal=True)
+
+
 def test_long_key_rows_take_the_unfused_softmax(strict):
     q, k, v = _inputs((1, 1, 3, 4), 2900, 4, torch.float32)
     want, want_grads, _ = _run(q, k, v, is_causal=True)

@@ -4,10 +4,12 @@ The device's SDPA backend choice (``_csrc/attention.cpp``) sends 4-D floating in
 attention mask, dropout or grouped-query heads here, through PyTorch's "overrideable" backend; the
 rest takes PyTorch's math path. Small heads of at most 128 queries and keys run several heads per
 instruction (``kernels/packed_attention.py``: one launch per direction). Other sequences of 32 keys or
-queries and more whose heads fit the flash
-kernels (head dims <= 128, a head's Q, K, V in SBUF: ``kernels/attention.py``) run as one launch
-per direction, reading strided heads in place; the scores never reach HBM. Shorter sequences (many
-small heads: grouped matmuls are faster) and larger heads are composed per (batch, head) matrix, with
+queries and more whose heads fit the flash kernels (head dims <= 128, a head's Q, K, V in SBUF:
+``kernels/attention.py``) run as one launch per direction, reading strided heads in place; the scores never
+reach HBM. Both kernel families lay the output and the gradients out as the query is: a query viewed from a
+[B, n, H * d] projection gets results of [B, n, H, d] memory, so that merging the heads back (and autograd's
+reverse) is a view, not a copy launch. Shorter sequences (many small heads: grouped matmuls are faster) and
+larger heads are composed per (batch, head) matrix, with
 ``s`` the scale (1/sqrt(E) unless given) and the top-left causal mask of ``is_causal``:
 
     forward:   S = Q K^T                      one batched matmul launch
@@ -76,6 +78,13 @@ def _in_place(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     flat = {name: storage_span(t) for name, t in tensors.items()}
     views = {f"{name}_view": (0, tuple(t.stride())) for name, t in tensors.items()}
     return flat, views
+
+
+def _layout(t: torch.Tensor) -> str:
+    """The kernel result layout matching a [B, H, n, d] operand's: "rows" when its heads lie side by side in
+    each row (a view of a [B, n, H * d] projection), so that the caller's ``transpose(1, 2).reshape(B, n, H * d)``
+    of the result (and autograd's of the gradient) is a view rather than a copy launch; else "heads"."""
+    return "rows" if t.shape[1] > 1 and t.shape[2] > 1 and t.stride(1) < t.stride(2) else "heads"
 
 
 def _matrices(t: torch.Tensor) -> torch.Tensor:
@@ -157,8 +166,11 @@ def sdpa_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
     kernels = _kernels(query, key, value, s)
     if kernels:
         flat, views = _in_place({"q": query, "k": key, "v": value})
+        layout = _layout(query)
         out, lse = call_kernel(kernels[0], flat, {"scale": s, "causal": bool(is_causal), **views,
-                                                           "shape": (B, H, L, S, E, Ev)}, op=OP)
+                                                  "shape": (B, H, L, S, E, Ev), "out_layout": layout}, op=OP)
+        if layout == "rows":
+            out = out.transpose(1, 2)
     elif query.dtype in (torch.bfloat16, torch.float16):
         out, lse = _reduced_attention(_products(_matrices(query), _matrices(key).transpose(1, 2)), _matrices(value),
                                       s, is_causal)
@@ -185,9 +197,11 @@ def sdpa_fused_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.
     if kernels and grad_out.dtype == out.dtype == query.dtype:
         B, H, L, E = query.shape
         flat, views = _in_place({"q": query, "k": key, "v": value, "o": out, "do": grad_out})
-        dq, dk, dv = call_kernel(kernels[1], {**flat, "lse": logsumexp.contiguous()},
-                                 {"scale": s, "causal": bool(is_causal), **views,
-                                  "shape": (B, H, L, key.shape[2], E, value.shape[3])}, op=OP + "_backward")
+        layout = _layout(query)
+        grads = call_kernel(kernels[1], {**flat, "lse": logsumexp.contiguous()},
+                            {"scale": s, "causal": bool(is_causal), **views, "out_layout": layout,
+                             "shape": (B, H, L, key.shape[2], E, value.shape[3])}, op=OP + "_backward")
+        dq, dk, dv = (g.transpose(1, 2) for g in grads) if layout == "rows" else grads
         return (dq if grad_input_mask[0] else None, dk if grad_input_mask[1] else None,
                 dv if grad_input_mask[2] else None, None)
     q, k, v, do = _matrices(query), _matrices(key), _matrices(value), _matrices(grad_out)
