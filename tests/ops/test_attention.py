@@ -108,6 +108,41 @@ def test_results_are_laid_out_as_the_projection_views(T, strict):
     _within_bounds(q, k, v, {"device": (yc.detach().cpu(), [t.grad.cpu() for t in (qc, kc, vc)])}, causal=True)
 
 
+def test_packed_heads_launch_the_faster_stacking(strict):
+    """The eager op launches the packed-heads program (queries stacked on the partitions or not) that the
+    device's timing model prices faster, in each direction; the values stay within the float64 bounds."""
+    from torchneuron.kernels.packed_attention import packed_attention_bwd, packed_attention_fwd
+    from torchneuron import runtime
+
+    B, H, T, E = 4, 4, 64, 16
+    x = torch.randn(B, T, 3 * H * E, generator=torch.Generator().manual_seed(4))
+
+    def heads(t):
+        return (z.view(B, T, H, E).transpose(1, 2) for z in t.split(H * E, dim=2))
+
+    xn = to_n(x).requires_grad_()
+    g = _grad_out(to_n(torch.zeros(B, T, H, E))).reshape(B, T, H * E)
+    with profiler.record() as recs:
+        y = F.scaled_dot_product_attention(*heads(xn), is_causal=True)
+        y.transpose(1, 2).reshape(B, T, H * E).backward(g)
+    spec = runtime.core(xn.device.index).spec
+    flat = x.reshape(-1)
+    views = {f"{n}_view": (i * H * E, (T * 3 * H * E, E, 3 * H * E, 1)) for i, n in enumerate("qkv")}
+    rows = torch.zeros(B * T * H * E)
+    common = dict(scale=0.25, causal=True, shape=(B, H, T, T, E, E), out_layout="rows", **views)
+    calls = {packed_attention_fwd: dict(q=flat, k=flat, v=flat),
+             packed_attention_bwd: dict(q=flat, k=flat, v=flat, o=rows, do=rows, lse=torch.zeros(B, H, T),
+                                        o_view=(0, (T * H * E, E, H * E, 1)), do_view=(0, (T * H * E, E, H * E, 1)))}
+    for kernel, args in calls.items():
+        times = [kernel.trace((), {**args, **common, "stack_queries": s}, spec).program.schedule(spec).device_time_ns
+                 for s in (False, True)]
+        assert times[0] != times[1]
+        launched, = [r for r in recs if r.name == kernel.__name__]
+        assert launched.program.schedule(spec).device_time_ns == min(times)
+    q, k, v = heads(x)
+    _within_bounds(q, k, v, {"device": (y.detach().cpu(), [t.cpu() for t in heads(xn.grad)])}, causal=True)
+
+
 def test_long_key_rows_take_the_unfused_softmax(strict):
     q, k, v = _inputs((1, 1, 3, 4), 2900, 4, torch.float32)
     want, want_grads, _ = _run(q, k, v, is_causal=True)

@@ -11,14 +11,15 @@ partition's elements). Here a group of G heads shares every instruction but its 
   into one PSUM tile: the scores of all G heads are [L, G, S] in one bank;
 * softmax, its statistics and the backward's dS run once over [L, G, S] (reductions over the trailing axis);
 * P^T (and dS^T) are transposed 128 // S heads at a time;
-* with ``stack_queries`` (the graph compiler's programs), queries of 32 or 64 (L == S) stack 128 // L groups
+* with ``stack_queries`` (the graph compiler's programs; the eager op where faster), queries of 32 or 64 (L == S) stack 128 // L groups
   on the partitions (group i's queries on partitions i*L ..; ``stacked_groups``): the softmax and backward
   passes above run once for all of them on every partition instead of on L, and each group's products take
   the PE column tile of the PSUM partitions they write (NeuronCore-v3's column tiling), so the stacked
-  groups' products run side by side. Inside a program, where the operands arrive as earlier kernels store
-  them and other work overlaps, that is faster (the demo's step: forward 144 -> 134 us, backward 225 -> 209
-  us); a lone launch (the eager op) is slower with it (the demo's 64 heads: forward 22.6 -> 24.8 us,
-  backward 40.3 -> 47.1 us: half as many passes, each waiting for twice the loads), so it stays off there.
+  groups' products run side by side. Which is faster depends on the shape and on how the heads lie in HBM:
+  inside the graph compiler's programs, where other work overlaps, stacking wins (the demo's step: forward
+  144 -> 134 us, backward 225 -> 209 us); as a lone launch it may win or lose (the demo's 64 heads read from a
+  fused projection: forward 19.8 -> 17.1 us, backward 31.6 -> 33.8 us; from contiguous heads the forward is
+  slower too), so the eager op launches whichever the timing model prices faster (``ops/attention.py``).
 
 Heads whose contraction rows lie on different partitions (Q K^T and dO V^T over each head's E rows, the
 products of a transposed chunk over its heads' S rows) run on row tiles of the PE array (``tile_position``),

@@ -8,7 +8,8 @@ queries and more whose heads fit the flash kernels (head dims <= 128, a head's Q
 ``kernels/attention.py``) run as one launch per direction, reading strided heads in place; the scores never
 reach HBM. Both kernel families lay the output and the gradients out as the query is: a query viewed from a
 [B, n, H * d] projection gets results of [B, n, H, d] memory, so that merging the heads back (and autograd's
-reverse) is a view, not a copy launch. Shorter sequences (many small heads: grouped matmuls are faster) and
+reverse) is a view, not a copy launch. The packed-heads kernels run with or without stacked query groups
+(``stack_queries``), whichever the device's timing model prices faster for the operands. Shorter sequences (many small heads: grouped matmuls are faster) and
 larger heads are composed per (batch, head) matrix, with
 ``s`` the scale (1/sqrt(E) unless given) and the top-left causal mask of ``is_causal``:
 
@@ -32,10 +33,12 @@ from typing import Sequence
 
 import torch
 
-from torchneuron.kernels.packed_attention import attention_kernels
+from torchneuron import runtime
+from torchneuron.kernels.packed_attention import (attention_kernels, packed_attention_bwd, packed_attention_fwd,
+                                                  stacked_groups)
 from torchneuron.kernels.softmax import attention_fits, attention_softmax_kernel
 from torchneuron.ops.base import storage_span
-from torchneuron.ops.kernel_call import call_kernel
+from torchneuron.ops.kernel_call import call_kernel, launch_traced, traced_kernel
 from torchneuron.ops.nn import softmax_backward
 from torchneuron.ops.registry import lowering
 
@@ -78,6 +81,20 @@ def _in_place(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     flat = {name: storage_span(t) for name, t in tensors.items()}
     views = {f"{name}_view": (0, tuple(t.stride())) for name, t in tensors.items()}
     return flat, views
+
+
+def _launch(kernel, inputs: dict[str, torch.Tensor], meta: dict, op: str) -> list[torch.Tensor]:
+    """Launch an attention kernel; the packed-heads kernels with or without query groups stacked on the
+    partitions (``stack_queries``), whichever the device's timing model prices faster for these operands (which
+    wins depends on the shape and on how the heads lie in memory: the demo's forward from a fused projection is
+    faster stacked, its backward not). Both programs are traced once per shape and kept, as every eager kernel."""
+    B, H, L, S = meta["shape"][:4]
+    if kernel not in (packed_attention_fwd, packed_attention_bwd) or stacked_groups(L, S) == 1:
+        return call_kernel(kernel, inputs, meta, op=op)
+    index = next(iter(inputs.values())).device.index
+    spec = runtime.core(index).spec
+    traced = [traced_kernel(kernel, inputs, {**meta, "stack_queries": stack}) for stack in (False, True)]
+    return launch_traced(min(traced, key=lambda t: t[0].schedule(spec).device_time_ns), inputs, op=op, index=index)
 
 
 def _layout(t: torch.Tensor) -> str:
@@ -167,8 +184,8 @@ def sdpa_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
     if kernels:
         flat, views = _in_place({"q": query, "k": key, "v": value})
         layout = _layout(query)
-        out, lse = call_kernel(kernels[0], flat, {"scale": s, "causal": bool(is_causal), **views,
-                                                  "shape": (B, H, L, S, E, Ev), "out_layout": layout}, op=OP)
+        out, lse = _launch(kernels[0], flat, {"scale": s, "causal": bool(is_causal), **views,
+                                              "shape": (B, H, L, S, E, Ev), "out_layout": layout}, OP)
         if layout == "rows":
             out = out.transpose(1, 2)
     elif query.dtype in (torch.bfloat16, torch.float16):
@@ -198,9 +215,9 @@ def sdpa_fused_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.
         B, H, L, E = query.shape
         flat, views = _in_place({"q": query, "k": key, "v": value, "o": out, "do": grad_out})
         layout = _layout(query)
-        grads = call_kernel(kernels[1], {**flat, "lse": logsumexp.contiguous()},
-                            {"scale": s, "causal": bool(is_causal), **views, "out_layout": layout,
-                             "shape": (B, H, L, key.shape[2], E, value.shape[3])}, op=OP + "_backward")
+        grads = _launch(kernels[1], {**flat, "lse": logsumexp.contiguous()},
+                        {"scale": s, "causal": bool(is_causal), **views, "out_layout": layout,
+                         "shape": (B, H, L, key.shape[2], E, value.shape[3])}, OP + "_backward")
         dq, dk, dv = (g.transpose(1, 2) for g in grads) if layout == "rows" else grads
         return (dq if grad_input_mask[0] else None, dk if grad_input_mask[1] else None,
                 dv if grad_input_mask[2] else None, None)
