@@ -171,3 +171,15 @@ def test_head_matmuls_use_row_tiles_only_of_their_own_partitions(chip, rows, sta
             if nc < 128:
                 column_tiles.add(d0 // 64)
         assert column_tiles == ({0, 1} if stacked else set())
+
+
+def test_stacked_backward_loads_each_operand_once():
+    """With two groups of 64 queries stacked (the demo's 64 heads, groups of 8, hc = 2 heads per dS^T chunk),
+    each pass loads Q, V, O, dO once per group, K only as its repeated blocks (K^T is transposed from them),
+    the lse once per group, and stores dQ, dK, dV once per group: 20 DMAs a pass, 4 passes."""
+    q, lse = torch.zeros(16, 4, 64, 16), torch.zeros(16, 4, 64)
+    prog = packed_attention_bwd.trace((), dict(q=q, k=q, v=q, o=q, do=q, lse=lse, causal=True, stack_queries=True),
+                                      SPEC).program
+    stack, hc, passes = 2, 2, 4
+    per_pass = stack * (4 + hc + 1 + 3)
+    assert sum(i.opcode == "dma_copy" for i in prog.instructions) == passes * per_pass

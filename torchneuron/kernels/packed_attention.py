@@ -102,12 +102,14 @@ def _load_rows(t, view, f0: int, G: int, H: int, n: int, d: int, dt, copies: int
     return tile
 
 
-def _stacked_t(rows, n: int, G: int, d: int, dt, evict):
-    """SBUF [n, G, d] rows transposed to [G*d, n] (TensorE, evicted to SBUF)."""
-    tp = nl.ndarray((PMAX, n), dt, buffer=nl.psum)
-    nisa.nc_transpose(dst=tp[:G * d, :n], data=rows[:n])
-    out = nl.ndarray((PMAX, n), dt, buffer=nl.sbuf)
-    evict(out[:G * d, :n], tp[:G * d, :n])
+def _stacked_t(blocks: list, n: int, G: int, d: int, dt, evict):
+    """SBUF row blocks, each [n, G, d] on its own partitions, transposed side by side to [G*d, len(blocks) * n]
+    (TensorE, one transpose per block into one PSUM tile, evicted to SBUF once)."""
+    tp = nl.ndarray((PMAX, len(blocks) * n), dt, buffer=nl.psum)
+    for i, rows in enumerate(blocks):
+        nisa.nc_transpose(dst=tp[:G * d, i * n:(i + 1) * n], data=rows)
+    out = nl.ndarray((PMAX, len(blocks) * n), dt, buffer=nl.sbuf)
+    evict(out[:G * d, :len(blocks) * n], tp[:G * d, :len(blocks) * n])
     return out
 
 
@@ -239,8 +241,8 @@ def packed_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=N
             nisa.dma_copy(dst=qr[i * L:(i + 1) * L], src=_rows_ap(q, q_view, f0, G, H, L, E))
             nisa.dma_copy(dst=kr[i * S:(i + 1) * S], src=_rows_ap(k, k_view, f0, G, H, S, E))
         vreps = [_load_rows(v, v_view, f0, G, H, S, Ev, dt, copies=hc, block=S) for f0 in fs]
-        qT = _stacked_t(qr, P, G, E, dt, evict)                                   # [G*E, P]
-        kT = _stacked_t(kr, len(fs) * S, G, E, dt, evict)                         # [G*E, stack*S]
+        qT = _stacked_t([qr[:P]], P, G, E, dt, evict)                             # [G*E, P]
+        kT = _stacked_t([kr[:len(fs) * S]], len(fs) * S, G, E, dt, evict)         # [G*E, stack*S]
         x, m = _probabilities(qT, kT, L, S, G, E, float(scale), bias, len(fs))
         lsum = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)                   # the sums of the fp32 exps
         nisa.tensor_reduce(dst=lsum[:P], op=nl.add, data=x[:P], axis=(2,))
@@ -290,22 +292,18 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
     for f00 in range(0, B * H, stack * G):
         fs = range(f00, min(f00 + stack * G, B * H), G)   # the groups of this pass: group i on partitions i*L ..
         P, PS = len(fs) * L, len(fs) * S
-        qr, kr, vr, orr, dor = (nl.ndarray((PMAX, G, d), dt, buffer=nl.sbuf) for d in (E, E, Ev, Ev, Ev))
-        operands = [(qr, q, q_view, L, E), (kr, k, k_view, S, E), (vr, v, v_view, S, Ev), (orr, o, o_view, L, Ev),
-                    (dor, do, do_view, L, Ev)]
-        kreps = []
-        if len(fs) == 1:   # one group: its K rows are block 0 of its repeated K rows
-            kreps = [_load_rows(k, k_view, fs[0], G, H, S, E, dt, copies=hc, block=S)]
-            kr = kreps[0]
-            del operands[1]
+        qr, vr, orr, dor = (nl.ndarray((PMAX, G, d), dt, buffer=nl.sbuf) for d in (E, Ev, Ev, Ev))
+        # each group's K rows repeated on blocks of S partitions, for the dQ products of its dS^T chunks
+        # (``_chunk_products``); group i's block i is also where K^T is transposed from: K is loaded once
+        kreps = [_load_rows(k, k_view, f0, G, H, S, E, dt, copies=max(hc, len(fs)), block=S) for f0 in fs]
         for i, f0 in enumerate(fs):
-            for tile, t, view, n, d in operands:
+            for tile, t, view, n, d in ((qr, q, q_view, L, E), (vr, v, v_view, S, Ev), (orr, o, o_view, L, Ev),
+                                        (dor, do, do_view, L, Ev)):
                 nisa.dma_copy(dst=tile[i * n:(i + 1) * n], src=_rows_ap(t, view, f0, G, H, n, d))
-        kreps = kreps or [_load_rows(k, k_view, f0, G, H, S, E, dt, copies=hc, block=S) for f0 in fs]
-        qT = _stacked_t(qr, P, G, E, dt, evict)
-        kT = _stacked_t(kr, PS, G, E, dt, evict)
-        doT = _stacked_t(dor, P, G, Ev, dt, evict)
-        vT = _stacked_t(vr, PS, G, Ev, dt, evict)
+        qT = _stacked_t([qr[:P]], P, G, E, dt, evict)
+        kT = _stacked_t([kr[i * S:(i + 1) * S] for i, kr in enumerate(kreps)], S, G, E, dt, evict)
+        doT = _stacked_t([dor[:P]], P, G, Ev, dt, evict)
+        vT = _stacked_t([vr[:PS]], PS, G, Ev, dt, evict)
         # P = exp(scale * s - lse): the scores minus lse / scale on VectorE, the exp on ScalarE, and keys past
         # the diagonal zeroed by a select on GpSimd (never a product: an overflowed exp there must not be NaN)
         ls = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)
