@@ -11,15 +11,15 @@ partition's elements). Here a group of G heads shares every instruction but its 
   into one PSUM tile: the scores of all G heads are [L, G, S] in one bank;
 * softmax, its statistics and the backward's dS run once over [L, G, S] (reductions over the trailing axis);
 * P^T (and dS^T) are transposed 128 // S heads at a time;
-* with ``stack_queries`` (the graph compiler's programs; the eager op where faster), queries of 32 or 64 (L == S) stack 128 // L groups
-  on the partitions (group i's queries on partitions i*L ..; ``stacked_groups``): the softmax and backward
+* with ``stack_queries`` (the graph compiler's programs; the eager op where faster), queries of 32 or 64
+  (L == S) stack 128 // L groups on the partitions (group i's queries on partitions i*L ..; ``stacked_groups``): the softmax and backward
   passes above run once for all of them on every partition instead of on L, and each group's products take
   the PE column tile of the PSUM partitions they write (NeuronCore-v3's column tiling), so the stacked
-  groups' products run side by side. Which is faster depends on the shape and on how the heads lie in HBM:
-  inside the graph compiler's programs, where other work overlaps, stacking wins (the demo's step: forward
-  144 -> 134 us, backward 225 -> 209 us); as a lone launch it may win or lose (the demo's 64 heads read from a
-  fused projection: forward 19.8 -> 17.1 us, backward 31.6 -> 33.8 us; from contiguous heads the forward is
-  slower too), so the eager op launches whichever the timing model prices faster (``ops/attention.py``).
+  groups' products run side by side, and each operand of a pass moves by one DMA over all its partitions
+  (twice the DMA engines of one group's; ``_pass_dma``). Which is faster depends on the shape and on how the
+  heads lie in HBM, so the eager op launches whichever the timing model prices faster (``ops/attention.py``):
+  the demo's 64 heads read from a fused projection run stacked (forward 19.8 -> 14.3 us, backward 31.6 ->
+  23.0 us against unstacked), as do the graph compiler's programs.
 
 Heads whose contraction rows lie on different partitions (Q K^T and dO V^T over each head's E rows, the
 products of a transposed chunk over its heads' S rows) run on row tiles of the PE array (``tile_position``),
@@ -90,6 +90,42 @@ def _rows_ap(t, view, f0: int, G: int, H: int, n: int, d: int):
     base, heads = _heads_ap(view, f0, G, H)
     _, (_, _, sn, sd) = view
     return t.ap([[sn, n], *heads, [sd, d]], offset=base)
+
+
+def _groups_ap(t, view, fs, G: int, H: int, n: int, d: int):
+    """Rows [0, n) of the G heads of each consecutive group of ``fs`` as one HBM access [len(fs) * n, G, d]
+    (group i's rows first), or None where no one stride steps from group to group (groups of one batch
+    element's heads that run into the next)."""
+    if len(fs) == 1:
+        return _rows_ap(t, view, fs[0], G, H, n, d)
+    _, (sb, sh, sn, sd) = view
+    if G % H == 0:
+        step = (G // H) * sb
+    elif fs[0] % H + len(fs) * G <= H:
+        step = G * sh
+    else:
+        return None
+    base, heads = _heads_ap(view, fs[0], G, H)
+    return t.ap([[step, len(fs)], [sn, n], *heads, [sd, d]], offset=base)
+
+
+def _pass_dma(tile, t, view, fs, G: int, H: int, n: int, d: int, store: bool = False) -> None:
+    """Move rows [0, n) of the G heads of each group of ``fs`` between HBM and ``tile`` (group i on partitions
+    i*n ..; ``store``: to HBM): one DMA for the whole pass where ``_groups_ap`` finds one, else one per group
+    (a DMA over all the pass's partitions also spreads over twice the DMA engines)."""
+    whole = _groups_ap(t, view, fs, G, H, n, d)
+    moves = [(whole, tile[:len(fs) * n])] if whole is not None else \
+        [(_rows_ap(t, view, f0, G, H, n, d), tile[i * n:(i + 1) * n]) for i, f0 in enumerate(fs)]
+    for hbm, sbuf in moves:
+        if store:
+            nisa.dma_copy(dst=hbm, src=sbuf)
+        else:
+            nisa.dma_copy(dst=sbuf, src=hbm)
+
+
+def _lse_view(H: int, L: int) -> tuple:
+    """The [B, H, L] logsumexp seen as [B, H, L, 1] rows (``_rows_ap``'s view)."""
+    return 0, (H * L, L, 1, 1)
 
 
 def _load_rows(t, view, f0: int, G: int, H: int, n: int, d: int, dt, copies: int = 1, block: int = 0):
@@ -237,9 +273,8 @@ def packed_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=N
         P = len(fs) * L
         qr = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
         kr = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
-        for i, f0 in enumerate(fs):
-            nisa.dma_copy(dst=qr[i * L:(i + 1) * L], src=_rows_ap(q, q_view, f0, G, H, L, E))
-            nisa.dma_copy(dst=kr[i * S:(i + 1) * S], src=_rows_ap(k, k_view, f0, G, H, S, E))
+        _pass_dma(qr, q, q_view, fs, G, H, L, E)
+        _pass_dma(kr, k, k_view, fs, G, H, S, E)
         vreps = [_load_rows(v, v_view, f0, G, H, S, Ev, dt, copies=hc, block=S) for f0 in fs]
         qT = _stacked_t([qr[:P]], P, G, E, dt, evict)                             # [G*E, P]
         kT = _stacked_t([kr[:len(fs) * S]], len(fs) * S, G, E, dt, evict)         # [G*E, stack*S]
@@ -254,14 +289,12 @@ def packed_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=N
         _chunk_products(o, pt, vreps, L, S, G, hc, dt, evict)
         res = nl.ndarray((PMAX, G, Ev), dt, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=res[:P], data1=o[:P], data2=spread(lsum, P, G, Ev), op=nl.divide)
-        for i, f0 in enumerate(fs):
-            nisa.dma_copy(dst=_rows_ap(out, ov, f0, G, H, L, Ev), src=res[i * L:(i + 1) * L])
+        _pass_dma(res, out, ov, fs, G, H, L, Ev, store=True)
         ls = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)                    # lse = log(l) + scale * m
         nisa.activation(dst=ls[:P], op=nl.log, data=lsum[:P])
         nisa.scalar_tensor_tensor(dst=ls[:P], data=m[:P], op0=nl.multiply, operand0=float(scale), op1=nl.add,
                                   operand1=ls[:P])
-        for i, f0 in enumerate(fs):
-            nisa.dma_copy(dst=lse.ap([[1, L], [L, G]], offset=f0 * L), src=ls[i * L:(i + 1) * L])
+        _pass_dma(ls, lse, _lse_view(H, L), fs, G, H, L, 1, store=True)
     return out, lse
 
 
@@ -296,10 +329,9 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
         # each group's K rows repeated on blocks of S partitions, for the dQ products of its dS^T chunks
         # (``_chunk_products``); group i's block i is also where K^T is transposed from: K is loaded once
         kreps = [_load_rows(k, k_view, f0, G, H, S, E, dt, copies=max(hc, len(fs)), block=S) for f0 in fs]
-        for i, f0 in enumerate(fs):
-            for tile, t, view, n, d in ((qr, q, q_view, L, E), (vr, v, v_view, S, Ev), (orr, o, o_view, L, Ev),
-                                        (dor, do, do_view, L, Ev)):
-                nisa.dma_copy(dst=tile[i * n:(i + 1) * n], src=_rows_ap(t, view, f0, G, H, n, d))
+        for tile, t, view, n, d in ((qr, q, q_view, L, E), (vr, v, v_view, S, Ev), (orr, o, o_view, L, Ev),
+                                    (dor, do, do_view, L, Ev)):
+            _pass_dma(tile, t, view, fs, G, H, n, d)
         qT = _stacked_t([qr[:P]], P, G, E, dt, evict)
         kT = _stacked_t([kr[i * S:(i + 1) * S] for i, kr in enumerate(kreps)], S, G, E, dt, evict)
         doT = _stacked_t([dor[:P]], P, G, Ev, dt, evict)
@@ -307,8 +339,7 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
         # P = exp(scale * s - lse): the scores minus lse / scale on VectorE, the exp on ScalarE, and keys past
         # the diagonal zeroed by a select on GpSimd (never a product: an overflowed exp there must not be NaN)
         ls = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)
-        for i, f0 in enumerate(fs):
-            nisa.dma_copy(dst=ls[i * L:(i + 1) * L], src=lse.ap([[1, L], [L, G]], offset=f0 * L))
+        _pass_dma(ls, lse, _lse_view(H, L), fs, G, H, L, 1)
         nisa.tensor_scalar(dst=ls[:P], data=ls[:P], op0=nl.multiply, operand0=1.0 / scale)
         sc = nl.ndarray((PMAX, G, S), nl.float32, buffer=nl.psum)
         _scores(sc, qT, kT, L, S, G, E, len(fs))
@@ -354,9 +385,7 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
         _chunk_products(dq, dsd, kreps, L, S, G, hc, dt, evict)
         res = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
         nisa.activation(dst=res[:P], op=nl.identity, data=dq[:P], scale=scale)
-        t, w = targets[0]
-        for i, f0 in enumerate(fs):
-            nisa.dma_copy(dst=_rows_ap(t, w, f0, G, H, L, E), src=res[i * L:(i + 1) * L])
+        _pass_dma(res, *targets[0], fs, G, H, L, E, store=True)
     if out_layout == "packed":
         return grads
     return tuple(t for t, _ in targets)
