@@ -39,10 +39,10 @@ CASES = [  # B, H, L, S, E, Ev, causal: G heads per group
 ]
 
 
-@pytest.mark.parametrize("stack", [False, True])
+@pytest.mark.parametrize("stack,pass_dmas", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,H,L,S,E,Ev,causal", CASES)
-def test_packed_forward_and_backward_match_float64(B, H, L, S, E, Ev, causal, dtype, stack):
+def test_packed_forward_and_backward_match_float64(B, H, L, S, E, Ev, causal, dtype, stack, pass_dmas):
     torch.manual_seed(B * 100 + L)
     G = packed_heads(B, H, L, S, E, Ev)
     assert G >= 2 and (B * H) % G == 0 and (G % H == 0 or H % G == 0)
@@ -50,13 +50,14 @@ def test_packed_forward_and_backward_match_float64(B, H, L, S, E, Ev, causal, dt
     g = torch.randn(B, H, L, Ev).to(dtype)
     scale = 1 / math.sqrt(E)
     ref, terms = _reference(q, k, v, g, scale, causal)
-    o, lse = packed_attention_fwd(q, k, v, scale=scale, causal=causal, out_layout="rows", stack_queries=stack)
+    o, lse = packed_attention_fwd(q, k, v, scale=scale, causal=causal, out_layout="rows", stack_queries=stack,
+                                   pass_dmas=pass_dmas)
     assert o.dtype == dtype and o.shape == (B, L, H, Ev) and lse.dtype == torch.float32 and lse.shape == (B, H, L)
     o = o.transpose(1, 2)
     _check("O", o, ref["o"], terms["o"], dtype, S, v.abs().max().item())
     _check("lse", lse, ref["lse"], terms["lse"], torch.float32, S, 0.0)
     dq, dk, dv = packed_attention_bwd(q, k, v, o.contiguous(), g, lse, scale=scale, causal=causal, out_layout="rows",
-                                      stack_queries=stack)
+                                      stack_queries=stack, pass_dmas=pass_dmas)
     n = max(L, S)
     for name, got, other in (("dq", dq, k), ("dk", dk, q), ("dv", dv, g)):
         assert got.dtype == dtype
@@ -176,12 +177,13 @@ def test_head_matmuls_use_row_tiles_only_of_their_own_partitions(chip, rows, sta
 
 def test_stacked_backward_loads_each_operand_once():
     """With two groups of 64 queries stacked (the demo's 64 heads, groups of 8, hc = 2 heads per dS^T chunk),
-    each pass loads Q, V, O, dO and the lse by one DMA over both groups' partitions, K only as each group's
-    repeated blocks (K^T is transposed from them), and stores dQ by one DMA, dK and dV once per group (each
-    group's on its own key partitions): 14 DMAs a pass, 4 passes."""
+    each pass loads K only as each group's repeated blocks (K^T is transposed from them); with ``pass_dmas`` Q,
+    V, O, dO and the lse by one DMA over both groups' partitions, and dQ stored by one, dK and dV once per group
+    (each group's on its own key partitions): 14 DMAs a pass; else Q, V, O, dO, the lse and the three stores
+    once per group: 20."""
     q, lse = torch.zeros(16, 4, 64, 16), torch.zeros(16, 4, 64)
-    prog = packed_attention_bwd.trace((), dict(q=q, k=q, v=q, o=q, do=q, lse=lse, causal=True, stack_queries=True),
-                                      SPEC).program
     stack, hc, passes = 2, 2, 4
-    per_pass = 4 + stack * hc + 1 + 2 * stack + 1
-    assert sum(i.opcode == "dma_copy" for i in prog.instructions) == passes * per_pass
+    for pass_dmas, per_pass in ((True, 4 + stack * hc + 1 + 2 * stack + 1), (False, stack * (4 + hc + 1 + 3))):
+        prog = packed_attention_bwd.trace((), dict(q=q, k=q, v=q, o=q, do=q, lse=lse, causal=True, stack_queries=True,
+                                                   pass_dmas=pass_dmas), SPEC).program
+        assert sum(i.opcode == "dma_copy" for i in prog.instructions) == passes * per_pass

@@ -134,8 +134,8 @@ def test_packed_heads_launch_the_faster_stacking(strict):
              packed_attention_bwd: dict(q=flat, k=flat, v=flat, o=rows, do=rows, lse=torch.zeros(B, H, T),
                                         o_view=(0, (T * H * E, E, H * E, 1)), do_view=(0, (T * H * E, E, H * E, 1)))}
     for kernel, args in calls.items():
-        times = [kernel.trace((), {**args, **common, "stack_queries": s}, spec).program.schedule(spec).device_time_ns
-                 for s in (False, True)]
+        times = [kernel.trace((), {**args, **common, "stack_queries": s, "pass_dmas": s}, spec).program
+                 .schedule(spec).device_time_ns for s in (False, True)]
         assert times[0] != times[1]
         launched, = [r for r in recs if r.name == kernel.__name__]
         assert launched.program.schedule(spec).device_time_ns == min(times)

@@ -15,11 +15,13 @@ partition's elements). Here a group of G heads shares every instruction but its 
   (L == S) stack 128 // L groups on the partitions (group i's queries on partitions i*L ..; ``stacked_groups``): the softmax and backward
   passes above run once for all of them on every partition instead of on L, and each group's products take
   the PE column tile of the PSUM partitions they write (NeuronCore-v3's column tiling), so the stacked
-  groups' products run side by side, and each operand of a pass moves by one DMA over all its partitions
-  (twice the DMA engines of one group's; ``_pass_dma``). Which is faster depends on the shape and on how the
-  heads lie in HBM, so the eager op launches whichever the timing model prices faster (``ops/attention.py``):
-  the demo's 64 heads read from a fused projection run stacked (forward 19.8 -> 14.3 us, backward 31.6 ->
-  23.0 us against unstacked), as do the graph compiler's programs.
+  groups' products run side by side; with ``pass_dmas`` each operand of a pass also moves by one DMA over
+  all its partitions (twice the DMA engines of one group's; ``_pass_dma``). Which is faster depends on the
+  shape, on how the heads lie in HBM and on what overlaps: the eager op launches whichever the timing model
+  prices faster (``ops/attention.py``), so the demo's 64 heads read from a fused projection run stacked with
+  pass DMAs (forward 19.8 -> 14.3 us, backward 31.6 -> 23.0 us against unstacked). The graph compiler's
+  programs stack without pass DMAs: there the bigger DMAs slow the kernels they overlap (the demo's compiled
+  step 0.379 -> 0.381 ms with them).
 
 Heads whose contraction rows lie on different partitions (Q K^T and dO V^T over each head's E rows, the
 products of a transposed chunk over its heads' S rows) run on row tiles of the PE array (``tile_position``),
@@ -109,11 +111,11 @@ def _groups_ap(t, view, fs, G: int, H: int, n: int, d: int):
     return t.ap([[step, len(fs)], [sn, n], *heads, [sd, d]], offset=base)
 
 
-def _pass_dma(tile, t, view, fs, G: int, H: int, n: int, d: int, store: bool = False) -> None:
+def _pass_dma(tile, t, view, fs, G: int, H: int, n: int, d: int, whole_pass: bool, store: bool = False) -> None:
     """Move rows [0, n) of the G heads of each group of ``fs`` between HBM and ``tile`` (group i on partitions
-    i*n ..; ``store``: to HBM): one DMA for the whole pass where ``_groups_ap`` finds one, else one per group
-    (a DMA over all the pass's partitions also spreads over twice the DMA engines)."""
-    whole = _groups_ap(t, view, fs, G, H, n, d)
+    i*n ..; ``store``: to HBM): with ``whole_pass``, one DMA for the pass where ``_groups_ap`` finds one (over
+    all the pass's partitions: twice the DMA engines of one group's), else one per group."""
+    whole = _groups_ap(t, view, fs, G, H, n, d) if whole_pass else None
     moves = [(whole, tile[:len(fs) * n])] if whole is not None else \
         [(_rows_ap(t, view, f0, G, H, n, d), tile[i * n:(i + 1) * n]) for i, f0 in enumerate(fs)]
     for hbm, sbuf in moves:
@@ -255,10 +257,11 @@ def _views(B: int, H: int, given: list) -> list:
 
 @nki.jit
 def packed_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=None, v_view=None, shape=None,
-                         out_layout="heads", stack_queries=False):
+                         out_layout="heads", stack_queries=False, pass_dmas=False):
     """(O in q's dtype, [B, H, L, Ev] or as ``result_views`` lays out ``out_layout``, lse [B, H, L] fp32) of
     small heads, G per instruction; ``shape`` = (B, H, L, S, E, Ev) when q/k/v are flat buffers seen through
-    their views. ``stack_queries``: groups stacked on the partitions where they can be (``stacked_groups``)."""
+    their views. ``stack_queries``: groups stacked on the partitions where they can be (``stacked_groups``);
+    ``pass_dmas``: a stacked pass's operands moved by one DMA each (``_pass_dma``)."""
     B, H, L, S, E, Ev, G, dt = _group_shape(q, k, v, scale, shape, "packed attention")
     q_view, k_view, v_view = _views(B, H, [(q_view, L, E), (k_view, S, E), (v_view, S, Ev)])
     out_shape, (ov,) = result_views(B, H, L, Ev, out_layout)
@@ -273,8 +276,8 @@ def packed_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=N
         P = len(fs) * L
         qr = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
         kr = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
-        _pass_dma(qr, q, q_view, fs, G, H, L, E)
-        _pass_dma(kr, k, k_view, fs, G, H, S, E)
+        _pass_dma(qr, q, q_view, fs, G, H, L, E, pass_dmas)
+        _pass_dma(kr, k, k_view, fs, G, H, S, E, pass_dmas)
         vreps = [_load_rows(v, v_view, f0, G, H, S, Ev, dt, copies=hc, block=S) for f0 in fs]
         qT = _stacked_t([qr[:P]], P, G, E, dt, evict)                             # [G*E, P]
         kT = _stacked_t([kr[:len(fs) * S]], len(fs) * S, G, E, dt, evict)         # [G*E, stack*S]
@@ -289,22 +292,23 @@ def packed_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=N
         _chunk_products(o, pt, vreps, L, S, G, hc, dt, evict)
         res = nl.ndarray((PMAX, G, Ev), dt, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=res[:P], data1=o[:P], data2=spread(lsum, P, G, Ev), op=nl.divide)
-        _pass_dma(res, out, ov, fs, G, H, L, Ev, store=True)
+        _pass_dma(res, out, ov, fs, G, H, L, Ev, pass_dmas, store=True)
         ls = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)                    # lse = log(l) + scale * m
         nisa.activation(dst=ls[:P], op=nl.log, data=lsum[:P])
         nisa.scalar_tensor_tensor(dst=ls[:P], data=m[:P], op0=nl.multiply, operand0=float(scale), op1=nl.add,
                                   operand1=ls[:P])
-        _pass_dma(ls, lse, _lse_view(H, L), fs, G, H, L, 1, store=True)
+        _pass_dma(ls, lse, _lse_view(H, L), fs, G, H, L, 1, pass_dmas, store=True)
     return out, lse
 
 
 @nki.jit
 def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=None, k_view=None, v_view=None,
-                         o_view=None, do_view=None, shape=None, out_layout="heads", stack_queries=False):
+                         o_view=None, do_view=None, shape=None, out_layout="heads", stack_queries=False,
+                         pass_dmas=False):
     """(dQ, dK, dV) of small heads, G per instruction, the probabilities recomputed from the forward's
     logsumexp ``lse`` [B, H, L] fp32; laid out as ``result_views`` gives for ``out_layout`` ("heads" or
-    "rows": one tensor each; "packed": one [B, n, 3, H, d] tensor when L == S and E == Ev); ``stack_queries`` as
-    for the forward."""
+    "rows": one tensor each; "packed": one [B, n, 3, H, d] tensor when L == S and E == Ev); ``stack_queries`` and
+    ``pass_dmas`` as for the forward."""
     B, H, L, S, E, Ev, G, dt = _group_shape(q, k, v, scale, shape, "packed attention backward")
     q_view, k_view, v_view, o_view, do_view = _views(B, H, [(q_view, L, E), (k_view, S, E), (v_view, S, Ev),
                                                             (o_view, L, Ev), (do_view, L, Ev)])
@@ -331,7 +335,7 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
         kreps = [_load_rows(k, k_view, f0, G, H, S, E, dt, copies=max(hc, len(fs)), block=S) for f0 in fs]
         for tile, t, view, n, d in ((qr, q, q_view, L, E), (vr, v, v_view, S, Ev), (orr, o, o_view, L, Ev),
                                     (dor, do, do_view, L, Ev)):
-            _pass_dma(tile, t, view, fs, G, H, n, d)
+            _pass_dma(tile, t, view, fs, G, H, n, d, pass_dmas)
         qT = _stacked_t([qr[:P]], P, G, E, dt, evict)
         kT = _stacked_t([kr[i * S:(i + 1) * S] for i, kr in enumerate(kreps)], S, G, E, dt, evict)
         doT = _stacked_t([dor[:P]], P, G, Ev, dt, evict)
@@ -339,7 +343,7 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
         # P = exp(scale * s - lse): the scores minus lse / scale on VectorE, the exp on ScalarE, and keys past
         # the diagonal zeroed by a select on GpSimd (never a product: an overflowed exp there must not be NaN)
         ls = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)
-        _pass_dma(ls, lse, _lse_view(H, L), fs, G, H, L, 1)
+        _pass_dma(ls, lse, _lse_view(H, L), fs, G, H, L, 1, pass_dmas)
         nisa.tensor_scalar(dst=ls[:P], data=ls[:P], op0=nl.multiply, operand0=1.0 / scale)
         sc = nl.ndarray((PMAX, G, S), nl.float32, buffer=nl.psum)
         _scores(sc, qT, kT, L, S, G, E, len(fs))
@@ -385,7 +389,7 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
         _chunk_products(dq, dsd, kreps, L, S, G, hc, dt, evict)
         res = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
         nisa.activation(dst=res[:P], op=nl.identity, data=dq[:P], scale=scale)
-        _pass_dma(res, *targets[0], fs, G, H, L, E, store=True)
+        _pass_dma(res, *targets[0], fs, G, H, L, E, pass_dmas, store=True)
     if out_layout == "packed":
         return grads
     return tuple(t for t, _ in targets)

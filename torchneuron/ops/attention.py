@@ -85,7 +85,7 @@ def _in_place(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
 
 def _launch(kernel, inputs: dict[str, torch.Tensor], meta: dict, op: str) -> list[torch.Tensor]:
     """Launch an attention kernel; the packed-heads kernels with or without query groups stacked on the
-    partitions (``stack_queries``), whichever the device's timing model prices faster for these operands (which
+    partitions (``stack_queries``, with ``pass_dmas``: a lone launch has no other DMAs to share with), whichever the device's timing model prices faster for these operands (which
     wins depends on the shape and on how the heads lie in memory: the demo's forward from a fused projection is
     faster stacked, its backward not). Both programs are traced once per shape and kept, as every eager kernel."""
     B, H, L, S = meta["shape"][:4]
@@ -93,7 +93,8 @@ def _launch(kernel, inputs: dict[str, torch.Tensor], meta: dict, op: str) -> lis
         return call_kernel(kernel, inputs, meta, op=op)
     index = next(iter(inputs.values())).device.index
     spec = runtime.core(index).spec
-    traced = [traced_kernel(kernel, inputs, {**meta, "stack_queries": stack}) for stack in (False, True)]
+    traced = [traced_kernel(kernel, inputs, {**meta, "stack_queries": stack, "pass_dmas": stack})
+              for stack in (False, True)]
     return launch_traced(min(traced, key=lambda t: t[0].schedule(spec).device_time_ns), inputs, op=op, index=index)
 
 
