@@ -111,23 +111,37 @@ def _groups_ap(t, view, fs, G: int, H: int, n: int, d: int):
     return t.ap([[step, len(fs)], [sn, n], *heads, [sd, d]], offset=base)
 
 
-def _pass_dma(tile, t, view, fs, G: int, H: int, n: int, d: int, whole_pass: bool, store: bool = False) -> None:
-    """Move rows [0, n) of the G heads of each group of ``fs`` between HBM and ``tile`` (group i on partitions
-    i*n ..; ``store``: to HBM): with ``whole_pass``, one DMA for the pass where ``_groups_ap`` finds one (over
-    all the pass's partitions: twice the DMA engines of one group's), else one per group."""
-    whole = _groups_ap(t, view, fs, G, H, n, d) if whole_pass else None
-    moves = [(whole, tile[:len(fs) * n])] if whole is not None else \
-        [(_rows_ap(t, view, f0, G, H, n, d), tile[i * n:(i + 1) * n]) for i, f0 in enumerate(fs)]
-    for hbm, sbuf in moves:
+def _pass_dma(moves: list, fs, G: int, H: int, whole_pass: bool, store: bool = False) -> None:
+    """Move rows [0, n) of the G heads of each group of ``fs`` between HBM and SBUF for each ``(tile, t, view,
+    n, d)`` of ``moves`` (group i on partitions i*n ..; ``store``: to HBM): with ``whole_pass``, one DMA per
+    operand for the pass where ``_groups_ap`` finds one (over all the pass's partitions: twice the DMA engines
+    of one group's); else one per group and operand, group by group."""
+    dmas = []
+    for i, f0 in enumerate(fs):
+        for tile, t, view, n, d in moves:
+            whole = _groups_ap(t, view, fs, G, H, n, d) if whole_pass else None
+            if whole is not None and i == 0:
+                dmas.append((whole, tile[:len(fs) * n]))
+            elif whole is None:
+                dmas.append((_rows_ap(t, view, f0, G, H, n, d), tile[i * n:(i + 1) * n]))
+    for hbm, sbuf in dmas:
         if store:
             nisa.dma_copy(dst=hbm, src=sbuf)
         else:
             nisa.dma_copy(dst=sbuf, src=hbm)
 
 
-def _lse_view(H: int, L: int) -> tuple:
-    """The [B, H, L] logsumexp seen as [B, H, L, 1] rows (``_rows_ap``'s view)."""
-    return 0, (H * L, L, 1, 1)
+def _lse_dma(tile, lse, fs, G: int, L: int, whole_pass: bool, store: bool = False) -> None:
+    """Move the [B, H, L] logsumexp rows of the groups of ``fs`` between HBM and ``tile`` [len(fs) * L, G]
+    (group i on partitions i*L ..; ``store``: to HBM): one DMA for the pass with ``whole_pass``, else one per
+    group (heads of consecutive groups are consecutive: one stride steps from group to group)."""
+    moves = [(lse.ap([[G * L, len(fs)], [1, L], [L, G]], offset=fs[0] * L), tile[:len(fs) * L])] if whole_pass else \
+        [(lse.ap([[1, L], [L, G]], offset=f0 * L), tile[i * L:(i + 1) * L]) for i, f0 in enumerate(fs)]
+    for hbm, sbuf in moves:
+        if store:
+            nisa.dma_copy(dst=hbm, src=sbuf)
+        else:
+            nisa.dma_copy(dst=sbuf, src=hbm)
 
 
 def _load_rows(t, view, f0: int, G: int, H: int, n: int, d: int, dt, copies: int = 1, block: int = 0):
@@ -276,8 +290,7 @@ def packed_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=N
         P = len(fs) * L
         qr = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
         kr = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
-        _pass_dma(qr, q, q_view, fs, G, H, L, E, pass_dmas)
-        _pass_dma(kr, k, k_view, fs, G, H, S, E, pass_dmas)
+        _pass_dma([(qr, q, q_view, L, E), (kr, k, k_view, S, E)], fs, G, H, pass_dmas)
         vreps = [_load_rows(v, v_view, f0, G, H, S, Ev, dt, copies=hc, block=S) for f0 in fs]
         qT = _stacked_t([qr[:P]], P, G, E, dt, evict)                             # [G*E, P]
         kT = _stacked_t([kr[:len(fs) * S]], len(fs) * S, G, E, dt, evict)         # [G*E, stack*S]
@@ -292,12 +305,12 @@ def packed_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=N
         _chunk_products(o, pt, vreps, L, S, G, hc, dt, evict)
         res = nl.ndarray((PMAX, G, Ev), dt, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=res[:P], data1=o[:P], data2=spread(lsum, P, G, Ev), op=nl.divide)
-        _pass_dma(res, out, ov, fs, G, H, L, Ev, pass_dmas, store=True)
+        _pass_dma([(res, out, ov, L, Ev)], fs, G, H, pass_dmas, store=True)
         ls = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)                    # lse = log(l) + scale * m
         nisa.activation(dst=ls[:P], op=nl.log, data=lsum[:P])
         nisa.scalar_tensor_tensor(dst=ls[:P], data=m[:P], op0=nl.multiply, operand0=float(scale), op1=nl.add,
                                   operand1=ls[:P])
-        _pass_dma(ls, lse, _lse_view(H, L), fs, G, H, L, 1, pass_dmas, store=True)
+        _lse_dma(ls, lse, fs, G, L, pass_dmas, store=True)
     return out, lse
 
 
@@ -333,9 +346,8 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
         # each group's K rows repeated on blocks of S partitions, for the dQ products of its dS^T chunks
         # (``_chunk_products``); group i's block i is also where K^T is transposed from: K is loaded once
         kreps = [_load_rows(k, k_view, f0, G, H, S, E, dt, copies=max(hc, len(fs)), block=S) for f0 in fs]
-        for tile, t, view, n, d in ((qr, q, q_view, L, E), (vr, v, v_view, S, Ev), (orr, o, o_view, L, Ev),
-                                    (dor, do, do_view, L, Ev)):
-            _pass_dma(tile, t, view, fs, G, H, n, d, pass_dmas)
+        _pass_dma([(qr, q, q_view, L, E), (vr, v, v_view, S, Ev), (orr, o, o_view, L, Ev), (dor, do, do_view, L, Ev)],
+                  fs, G, H, pass_dmas)
         qT = _stacked_t([qr[:P]], P, G, E, dt, evict)
         kT = _stacked_t([kr[i * S:(i + 1) * S] for i, kr in enumerate(kreps)], S, G, E, dt, evict)
         doT = _stacked_t([dor[:P]], P, G, Ev, dt, evict)
@@ -343,7 +355,7 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
         # P = exp(scale * s - lse): the scores minus lse / scale on VectorE, the exp on ScalarE, and keys past
         # the diagonal zeroed by a select on GpSimd (never a product: an overflowed exp there must not be NaN)
         ls = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)
-        _pass_dma(ls, lse, _lse_view(H, L), fs, G, H, L, 1, pass_dmas)
+        _lse_dma(ls, lse, fs, G, L, pass_dmas)
         nisa.tensor_scalar(dst=ls[:P], data=ls[:P], op0=nl.multiply, operand0=1.0 / scale)
         sc = nl.ndarray((PMAX, G, S), nl.float32, buffer=nl.psum)
         _scores(sc, qT, kT, L, S, G, E, len(fs))
@@ -389,7 +401,7 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
         _chunk_products(dq, dsd, kreps, L, S, G, hc, dt, evict)
         res = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
         nisa.activation(dst=res[:P], op=nl.identity, data=dq[:P], scale=scale)
-        _pass_dma(res, *targets[0], fs, G, H, L, E, pass_dmas, store=True)
+        _pass_dma([(res, *targets[0], L, E)], fs, G, H, pass_dmas, store=True)
     if out_layout == "packed":
         return grads
     return tuple(t for t, _ in targets)
