@@ -212,7 +212,7 @@ def test_a_plan_replays_its_kernel_program_on_every_device(strict):
                 torch.testing.assert_close(out.cpu(), a * b + (0.5 + k), rtol=0, atol=0)
         assert cache_size() == size
         assert records and {r.device for r in records} == {torch.device(device).index}
-    assert any(p.traced is not None for p in _PLANS.values())
+    assert any(p.bound is not None for p in _PLANS.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

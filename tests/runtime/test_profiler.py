@@ -117,3 +117,36 @@ def test_launch_shows_up_in_torch_profiler(add):
         launch(add, args, name="add_profiled")
     assert "neuron::add_profiled" in {e.name for e in prof.events()}
     assert clock(torch.neuron.current_stream()) > before
+
+
+def test_the_fast_paths_records_are_made_when_read_and_keep_each_launchs_schedule():
+    # launch_slots keeps a launch's fields and makes its record when records() reads it: the same record as a
+    # collected launch's (made at once), the same objects on every read; a program with a dynamic loop is timed
+    # per run, so each deferred record keeps the schedule of its own run, not the program's latest
+    from torchneuron import runtime
+    from torchneuron.runtime.launch import launch_slots
+    from tests.nki.test_dynamic_loops import repeat_add
+    x = torch.randn(64, 128, device="neuron")
+    counts = {n: torch.tensor([[n]], dtype=torch.int32).to("neuron") for n in (1, 4)}
+    program = repeat_add.trace((), {"x": x, "count": counts[1]}, runtime.core(0).spec).program
+    assert program.dynamic and [s.name for s in program.args][:2] == ["x", "count"]
+
+    def run(n: int) -> torch.Tensor:
+        out = launch_slots(program, [x, counts[n], None], 0, "test::repeat_add")[2]
+        torch.testing.assert_close(out.cpu(), n * x.cpu(), rtol=0, atol=0)   # n exact additions of x
+        return out
+    profiler.clear()
+    for n in (1, 4):
+        run(n)
+    deferred = profiler.records()
+    assert all(isinstance(r, LaunchRecord) for r in deferred) and len(deferred) == 2
+    assert all(a is b for a, b in zip(profiler.records(), deferred))
+    with profiler.record() as collected:
+        for n in (1, 4):
+            run(n)
+    assert profiler.records()[2:] == collected
+    for d, c in zip(deferred, collected):
+        assert (d.name, d.op, d.device, d.stream, d.duration_ns, d.device_time_ns, d.engine_busy_ns) == \
+               (c.name, c.op, c.device, c.stream, c.duration_ns, c.device_time_ns, c.engine_busy_ns)
+    assert deferred[0].device_time_ns < deferred[1].device_time_ns
+    assert deferred[0].end_ns == deferred[1].start_ns and deferred[1].end_ns == collected[0].start_ns

@@ -31,7 +31,8 @@ from torchneuron.kernels.transpose import permute_kernel
 from torchneuron.kernels import tilemath
 from torchneuron.ops.base import (DEVICE_DTYPES, HALF_FLOATS, resize_out, rounded_scalar, storage_span, type_name,
                                   Unsupported)
-from torchneuron.ops.kernel_call import call_kernel, launch_traced, scalar_operand, traced_kernel
+from torchneuron.ops.kernel_call import call_kernel, scalar_operand, traced_kernel
+from torchneuron.runtime.launch import launch_slots
 
 Number = (int, float, bool)
 
@@ -389,8 +390,9 @@ def run_pointwise(fn: Callable, operands: list, kind: KIND, target: torch.Tensor
 
     ``target``: the ``out=`` tensor, or ``self`` when ``inplace``; ``result_dtype``: overrides the
     promoted result dtype (comparisons: bool). Raises Unsupported for what the device cannot run."""
-    key = (fn, kind, result_dtype, inplace, None if target is None else _signature(target),
-           *(_signature(o) for o in operands))
+    # (the kind enters by identity: an Enum member hashes in Python; its members are singletons)
+    key = (fn, id(kind), result_dtype, inplace, None if target is None else _signature(target),
+           *[(o.dtype, o.shape, o.stride(), o.device) if isinstance(o, torch.Tensor) else type(o) for o in operands])
     plan = _PLANS.get(key)
     if plan is not None:
         return _run_plan(plan, operands, target, op)
@@ -449,6 +451,7 @@ def run_pointwise(fn: Callable, operands: list, kind: KIND, target: torch.Tensor
     plan = _Plan(kernel=KERNELS[len(args)], meta={"fn": fn, "out_dtype": out_dtype, "compute": tile_dtype},
                  shape=shape, R=R, C=C, tile_dtype=tile_dtype, materialise=materialise,
                  views=[two_d[kd] if isinstance(a, torch.Tensor) else None for a, kd in zip(args, kinds)],
+                 reshape=[isinstance(a, torch.Tensor) and tuple(a.shape) != two_d[kd] for a, kd in zip(args, kinds)],
                  direct=target is not None and target.is_contiguous(), out_dtype=out_dtype, device=device)
     if len(_PLANS) > _MEMO_LIMIT:
         _PLANS.clear()
@@ -469,10 +472,12 @@ class _Plan:
     tile_dtype: torch.dtype
     materialise: bool
     views: list            # per operand: its [R, C]-problem shape, or None for a scalar
+    reshape: list          # per operand: whether it needs a view to that shape (a tensor of another shape)
     direct: bool           # the target is written by the kernel itself (contiguous)
     out_dtype: torch.dtype
     device: torch.device
-    traced: Any = None     # the kernel's traced_kernel entry, once the plan has run
+    # once the plan has run: (the kernel's Program, each operand's slot, the result's slot, the slot count)
+    bound: tuple | None = None
 
 
 def _signature(o: Any) -> Any:
@@ -482,28 +487,45 @@ def _signature(o: Any) -> Any:
     return type(o)
 
 
+def _bind(plan: _Plan, inputs: list[torch.Tensor]) -> tuple:
+    """``plan.bound`` from the first call's kernel inputs (traced once: the plan fixes the kernel's device, shapes,
+    dtypes and meta)."""
+    program, outputs, order = traced_kernel(plan.kernel, dict(zip(NAMES, inputs)), plan.meta)
+    assert len(outputs) == 1, f"an element-wise kernel writes one result, not {outputs}"
+    return program, [order.index(n) for n in NAMES[:len(inputs)]], order.index(outputs[0]), len(order)
+
+
 def _run_plan(plan: _Plan, operands: list, target: torch.Tensor | None, op: str | None,
               checked: bool = False) -> torch.Tensor:
     """Launch a planned element-wise op (operand and target checks done unless a plan replays them)."""
     if target is not None and not checked and target.numel():
         check_overlap(target, [o for o in operands if isinstance(o, torch.Tensor) and o.device.type == "neuron"])
-    inputs = {}
-    for name, o, view in zip(NAMES, operands, plan.views):
+    inputs = []
+    for o, view, reshape in zip(operands, plan.views, plan.reshape):
         if view is None:
             if isinstance(o, torch.Tensor):  # a CPU 0-dim tensor: a weak scalar
                 o = o.item()
-            inputs[name] = scalar_operand(o, plan.tile_dtype, plan.device)
-        else:
-            if plan.materialise and tuple(o.shape) != plan.shape:
-                o = o.expand(plan.shape)
-            inputs[name] = (o if o.is_contiguous() else dense(o)).view(view)
-    out = target.view(plan.R, plan.C) if plan.direct else None
-    traced = plan.traced
-    if traced is None:  # the plan fixes the kernel's device, shapes, dtypes and meta: look it up once
-        traced = plan.traced = traced_kernel(plan.kernel, inputs, plan.meta)
-    (res,) = launch_traced(traced, inputs, [out], op=op, index=plan.device.index)
+            inputs.append(scalar_operand(o, plan.tile_dtype, plan.device))
+            continue
+        if plan.materialise and tuple(o.shape) != plan.shape:
+            o = o.expand(plan.shape)
+        if not o.is_contiguous():
+            o = dense(o)
+        # (sizes as separate ints: a tuple costs the argument parser ~0.5 us more)
+        inputs.append(o.view(*view) if reshape else o)
+    bound = plan.bound
+    if bound is None:
+        bound = plan.bound = _bind(plan, inputs)
+    program, slots, result_slot, count = bound
+    tensors: list = [None] * count
+    for slot, t in zip(slots, inputs):
+        tensors[slot] = t
+    if plan.direct:
+        tensors[result_slot] = target.view(plan.R, plan.C)
+    res = launch_slots(program, tensors, plan.device.index, op)[result_slot]
     if target is None:
-        return res.view(plan.shape)
+        shape = plan.shape
+        return res.view(*shape) if shape else res.view(())
     if not plan.direct:
         device_copy(target, res.view(plan.shape))
     return target

@@ -193,8 +193,20 @@ def launch(program: Program, args: Mapping[str, torch.Tensor] | Sequence[torch.T
 def launch_slots(program: Program, tensors: list[torch.Tensor | None], device: int, op: str | None) -> list:
     """The eager fast path: ``launch(program, tensors, device=device, op=op, check=False)`` for callers
     that need the tensors, not a record: returns ``tensors`` (slot order) with the unbound outputs
-    and scratch slots allocated and the outputs written."""
-    return _annotated(program, tensors, device, None, None, op, False)[1]
+    and scratch slots allocated and the outputs written. The launch's record is made only when read
+    (``profiler.records()``) or collected (``profiler.record()``, a recording torch.profiler session)."""
+    if torch.autograd._profiler_enabled():  # a host range per launch in torch.profiler traces
+        with torch.autograd.profiler.record_function(f"neuron::{program.name}"):
+            return _launch_slots(program, tensors, device, op)
+    return _launch_slots(program, tensors, device, op)
+
+
+def _launch_slots(program: Program, tensors: list[torch.Tensor | None], device: int, op: str | None) -> list:
+    stream_id = _current_stream(device).stream_id
+    start, end, overhead, device_time, schedule, spec = _execute(program, tensors, device, stream_id)
+    profiler._add_launch(program.name, op, device, stream_id, start, end, overhead, device_time, program, spec,
+                         schedule)
+    return tensors
 
 
 def _annotated(program: Program, args: Any, device: Any, stream: Any, name: str | None, op: str | None,
@@ -227,19 +239,33 @@ def _launch(program: Program, args: Any, device: Any, stream: Any, name: str | N
             index = device if type(device) is int else _device.device_index(device)
         if stream is None:   # (what torch.accelerator.current_stream returns, without its argument parsing)
             stream = _current_stream(index)
+    start, end, overhead, device_time, schedule, spec = _execute(program, tensors, index, stream.stream_id)
+    record = LaunchRecord._fast(
+        name=name or program.name, op=op, device=index, stream=stream.stream_id, start_ns=start, end_ns=end,
+        launch_overhead_ns=overhead, device_time_ns=device_time, program=program, spec=spec, outputs={},
+        schedule=schedule)
+    profiler._add(record)
+    return record, tensors
+
+
+def _execute(program: Program, tensors: list[torch.Tensor | None], index: int, stream_id: int) -> tuple:
+    """Allocate ``tensors``' unbound outputs (in place), run ``program`` on device ``index``'s core and advance
+    the stream's clock: (start_ns, end_ns, launch overhead ns, device time ns, the schedule run, the chip spec)."""
     core = _device._cores.get(index)
     if core is None:
         core = _device.core(index)
-    for i, slot in meta.outputs:  # unbound outputs live on the device, like any result
+    for i, slot in _slots(program).outputs:  # unbound outputs live on the device, like any result
         if tensors[i] is None:
             dev = _devices.get(index)
             if dev is None:
                 dev = _devices[index] = torch.device("neuron", index)
-            tensors[i] = torch.empty(slot.shape, dtype=slot.dtype, device=dev)
+            # (sizes as separate ints: a tuple costs the argument parser ~0.5 us more)
+            shape = slot.shape
+            tensors[i] = (torch.empty(*shape, dtype=slot.dtype, device=dev) if shape else
+                          torch.empty((), dtype=slot.dtype, device=dev))
     alias = _C._alias_as_cpu   # (runtime.host_memory, looked up once)
     host = [None if t is None else alias(t) for t in tensors]
     spec = core.spec
-    stream_id = stream.stream_id
     with _device._locks[index]:
         try:
             if not _mode.timing_only:
@@ -249,14 +275,11 @@ def _launch(program: Program, args: Any, device: Any, stream: Any, name: str | N
             if torch_error is None:
                 raise
             raise torch_error(str(e)) from e
-        device_time = program.schedule(spec).device_time_ns
+        schedule = program.schedule(spec)
+        device_time = schedule.device_time_ns
         overhead = float(spec.runtime.kernel_launch_overhead_ns)
         # the stream clock counts whole nanoseconds: the launch takes the nearest one
         duration = max(0, round(overhead + device_time))
         start = _C._stream_clock(index, stream_id)
         _C._advance_stream_clock(index, stream_id, duration)
-    record = LaunchRecord._fast(
-        name=name or program.name, op=op, device=index, stream=stream_id, start_ns=start, end_ns=start + duration,
-        launch_overhead_ns=overhead, device_time_ns=device_time, program=program, spec=spec, outputs={})
-    profiler._add(record)
-    return record, tensors
+    return start, start + duration, overhead, device_time, schedule, spec

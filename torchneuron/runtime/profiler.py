@@ -26,15 +26,21 @@ import contextlib
 import json
 import os
 import threading
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from torchneuron import _C
 from torchneuron.runtime.record import LaunchRecord
+from torchneuron.sim import Program
+from torchneuron.sim.specs import ChipSpec
+
+if TYPE_CHECKING:
+    from torchneuron.sim.timing import Timeline
 
 MAX_RECORDS = 10_000
 
 _lock = threading.Lock()
-_records: collections.deque[LaunchRecord] = collections.deque(maxlen=MAX_RECORDS)
+# records, and launches whose record is not made yet (``_add_launch``: a tuple of its fields)
+_records: collections.deque[LaunchRecord | tuple] = collections.deque(maxlen=MAX_RECORDS)
 _collectors: list[list[LaunchRecord]] = []
 
 
@@ -48,6 +54,29 @@ def _add(record: LaunchRecord) -> None:
             c.append(record)
 
 
+def _add_launch(name: str, op: str | None, device: int, stream: int, start_ns: int, end_ns: int,
+                launch_overhead_ns: float, device_time_ns: float, program: Program, spec: ChipSpec,
+                schedule: Timeline) -> None:
+    """The fast path's ``_add``: a launch's record is only made when something reads it (``records()``),
+    or at once while a ``record()`` block collects or a torch.profiler session records device activity.
+    ``schedule`` is the program's schedule the launch ran (a dynamic program's changes with each run)."""
+    fields = (name, op, device, stream, start_ns, end_ns, launch_overhead_ns, device_time_ns, program, spec,
+              schedule)
+    if _collectors or _C._profiler_recording():
+        _add(_made(fields))
+        return
+    with _lock:
+        _records.append(fields)
+
+
+def _made(fields: tuple) -> LaunchRecord:
+    """The record of a launch ``_add_launch`` kept as its fields."""
+    name, op, device, stream, start_ns, end_ns, overhead, device_time, program, spec, schedule = fields
+    return LaunchRecord._fast(name=name, op=op, device=device, stream=stream, start_ns=start_ns, end_ns=end_ns,
+                              launch_overhead_ns=overhead, device_time_ns=device_time, program=program, spec=spec,
+                              outputs={}, schedule=schedule)
+
+
 def _device_activity(record: LaunchRecord) -> None:
     """Hand the launch to the recording torch.profiler session: a kernel on its stream, linked to the launching op."""
     _C._profiler_add_launch(record.name, record.op or "", record.device, record.stream, record.start_ns,
@@ -59,6 +88,10 @@ def _device_activity(record: LaunchRecord) -> None:
 def records() -> list[LaunchRecord]:
     """The launch records kept since the last ``clear()`` (at most MAX_RECORDS, oldest first)."""
     with _lock:
+        if any(type(r) is tuple for r in _records):  # make the deferred records, once (the same objects each call)
+            made = [_made(r) if type(r) is tuple else r for r in _records]
+            _records.clear()
+            _records.extend(made)
         return list(_records)
 
 

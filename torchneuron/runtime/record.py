@@ -8,12 +8,15 @@ itself (``kernel_start_ns`` to ``end_ns``, its simulated device time).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from torchneuron.sim import Program
 from torchneuron.sim.specs import ChipSpec
+
+if TYPE_CHECKING:
+    from torchneuron.sim.timing import Timeline
 
 
 @dataclass(frozen=True)
@@ -64,15 +67,18 @@ class LaunchRecord:
     @classmethod
     def _fast(cls, *, name: str, op: str | None, device: int, stream: int, start_ns: int, end_ns: int,
               launch_overhead_ns: float, device_time_ns: float, program: Program, spec: ChipSpec,
-              outputs: dict[str, torch.Tensor]) -> "LaunchRecord":
+              outputs: dict[str, torch.Tensor], schedule: Timeline | None = None) -> "LaunchRecord":
         """The record of a launch of ``program`` on ``spec``, the program's static facts filled in
-        from its caches. Built without the dataclass ``__init__``: a frozen dataclass sets each
-        field through ``object.__setattr__``, which is most of a record's cost per launch."""
+        from its caches (``schedule``: the one the launch ran, default ``program.schedule(spec)``).
+        Built without the dataclass ``__init__``: a frozen dataclass sets each field through
+        ``object.__setattr__``, which is most of a record's cost per launch."""
+        if schedule is None:
+            schedule = program.schedule(spec)
         record = object.__new__(cls)
         record.__dict__.update(
             name=name, op=op, device=device, stream=stream, start_ns=start_ns, end_ns=end_ns,
             launch_overhead_ns=launch_overhead_ns, device_time_ns=device_time_ns,
-            engine_busy_ns=dict(program.schedule(spec).engine_busy_ns), flops=program.flops,
+            engine_busy_ns=dict(schedule.engine_busy_ns), flops=program.flops,
             hbm_bytes_read=program.hbm_bytes_read, hbm_bytes_written=program.hbm_bytes_written,
             instructions=len(program.instructions), program=program, spec=spec, outputs=outputs)
         return record
