@@ -258,3 +258,25 @@ def test_timing_only_advances_clocks_and_records_without_executing(add):
     assert profiler.records()[-2] == timed.without_outputs()
     launch(add, {"a": args["a"], "b": args["b"], "out": out})   # executes again after the block
     assert torch.equal(out.cpu(), a + b)
+
+
+def test_the_fast_path_binds_a_tensor_of_the_slots_element_count_at_the_slots_shape(add):
+    # launch_slots binds a contiguous tensor of another shape with the slot's element count as the slot's shape
+    # (an element-wise operand read as [R, C]); a layout allocates an unbound output in another shape; a
+    # non-contiguous tensor or another element count is refused before anything runs
+    from torchneuron.runtime.launch import launch_slots, slot_layout
+    a, b, args = operands(seed=6)
+    out = launch_slots(add, [args["a"].reshape(-1), args["b"].view(512, 128), None], 0, "test::add")[2]
+    assert out.device == torch.device("neuron", 0) and tuple(out.shape) == SHAPE
+    assert torch.equal(out.cpu(), a + b)
+    flat = slot_layout(add, {"out": (128 * 512,)})
+    out = launch_slots(add, [args["a"], args["b"], None], 0, "test::add", flat)[2]
+    assert tuple(out.shape) == (128 * 512,) and torch.equal(out.cpu(), (a + b).reshape(-1))
+    given = torch.zeros(SHAPE, device="neuron")
+    s = torch.neuron.current_stream()
+    before, kept = clock(s), len(profiler.records())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        launch_slots(add, [args["a"].t(), args["b"], given], 0, None)
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        launch_slots(add, [args["a"][:64], args["b"], given], 0, None)
+    assert clock(s) == before and len(profiler.records()) == kept and not given.cpu().any()

@@ -11,6 +11,7 @@ namespace torchneuron {
 void bind_process_group(py::module_& m);  // process_group.cpp: the `neuron` c10d backend
 void bind_profiler(py::module_& m);       // profiler.cpp: kernel launches in torch.profiler
 void bind_memory_history(py::module_& m); // memory_snapshot.cpp: allocator history and snapshots
+void bind_launch(py::module_& m);         // launch.cpp: a launch's slot tensors and their host aliases
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -51,4 +52,5 @@ PYBIND11_MODULE(_C, m) {
   torchneuron::bind_process_group(m);
   torchneuron::bind_profiler(m);
   torchneuron::bind_memory_history(m);
+  torchneuron::bind_launch(m);
 }

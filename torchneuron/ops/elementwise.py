@@ -32,7 +32,7 @@ from torchneuron.kernels import tilemath
 from torchneuron.ops.base import (DEVICE_DTYPES, HALF_FLOATS, resize_out, rounded_scalar, storage_span, type_name,
                                   Unsupported)
 from torchneuron.ops.kernel_call import call_kernel, scalar_operand, traced_kernel
-from torchneuron.runtime.launch import launch_slots
+from torchneuron.runtime.launch import launch_slots, slot_layout
 
 Number = (int, float, bool)
 
@@ -342,9 +342,13 @@ def inputs_at_common_dtype(operands: list, keep: tuple[int, ...] = (), keep_scal
     positions read in float32 when they hold a scalar (mul's and div's second operand, which the CPU kernels read
     with ``original_scalar_value``)."""
     first = operands[0]
-    if isinstance(first, torch.Tensor) and all(isinstance(o, torch.Tensor) and o.dtype == first.dtype
-                                               for o in operands):
-        return operands   # one dtype: nothing to convert
+    if isinstance(first, torch.Tensor):
+        dtype = first.dtype
+        for o in operands:   # (a loop: a generator in all() costs more than the test on two operands)
+            if not isinstance(o, torch.Tensor) or o.dtype != dtype:
+                break
+        else:
+            return operands   # one dtype: nothing to convert
     common = promote([o for i, o in enumerate(operands) if i not in keep], KIND.DEFAULT)[1]
     if common not in HALF_FLOATS:
         return operands
@@ -451,7 +455,6 @@ def run_pointwise(fn: Callable, operands: list, kind: KIND, target: torch.Tensor
     plan = _Plan(kernel=KERNELS[len(args)], meta={"fn": fn, "out_dtype": out_dtype, "compute": tile_dtype},
                  shape=shape, R=R, C=C, tile_dtype=tile_dtype, materialise=materialise,
                  views=[two_d[kd] if isinstance(a, torch.Tensor) else None for a, kd in zip(args, kinds)],
-                 reshape=[isinstance(a, torch.Tensor) and tuple(a.shape) != two_d[kd] for a, kd in zip(args, kinds)],
                  direct=target is not None and target.is_contiguous(), out_dtype=out_dtype, device=device)
     if len(_PLANS) > _MEMO_LIMIT:
         _PLANS.clear()
@@ -472,11 +475,11 @@ class _Plan:
     tile_dtype: torch.dtype
     materialise: bool
     views: list            # per operand: its [R, C]-problem shape, or None for a scalar
-    reshape: list          # per operand: whether it needs a view to that shape (a tensor of another shape)
     direct: bool           # the target is written by the kernel itself (contiguous)
     out_dtype: torch.dtype
     device: torch.device
-    # once the plan has run: (the kernel's Program, each operand's slot, the result's slot, the slot count)
+    # once the plan has run: (the kernel's Program, each operand's slot, the result's slot, the slot count,
+    # the launch's slot layout: operands bound as they are and the result allocated in the broadcast shape)
     bound: tuple | None = None
 
 
@@ -490,9 +493,11 @@ def _signature(o: Any) -> Any:
 def _bind(plan: _Plan, inputs: list[torch.Tensor]) -> tuple:
     """``plan.bound`` from the first call's kernel inputs (traced once: the plan fixes the kernel's device, shapes,
     dtypes and meta)."""
-    program, outputs, order = traced_kernel(plan.kernel, dict(zip(NAMES, inputs)), plan.meta)
+    views = [t.view(v) if v is not None else t for t, v in zip(inputs, plan.views)]
+    program, outputs, order = traced_kernel(plan.kernel, dict(zip(NAMES, views)), plan.meta)
     assert len(outputs) == 1, f"an element-wise kernel writes one result, not {outputs}"
-    return program, [order.index(n) for n in NAMES[:len(inputs)]], order.index(outputs[0]), len(order)
+    layout = slot_layout(program, {outputs[0]: plan.shape})
+    return program, [order.index(n) for n in NAMES[:len(inputs)]], order.index(outputs[0]), len(order), layout
 
 
 def _run_plan(plan: _Plan, operands: list, target: torch.Tensor | None, op: str | None,
@@ -500,8 +505,9 @@ def _run_plan(plan: _Plan, operands: list, target: torch.Tensor | None, op: str 
     """Launch a planned element-wise op (operand and target checks done unless a plan replays them)."""
     if target is not None and not checked and target.numel():
         check_overlap(target, [o for o in operands if isinstance(o, torch.Tensor) and o.device.type == "neuron"])
+    # each operand is bound as it is (contiguous): the launch reads it at its slot's [R, C]-problem shape
     inputs = []
-    for o, view, reshape in zip(operands, plan.views, plan.reshape):
+    for o, view in zip(operands, plan.views):
         if view is None:
             if isinstance(o, torch.Tensor):  # a CPU 0-dim tensor: a weak scalar
                 o = o.item()
@@ -509,23 +515,19 @@ def _run_plan(plan: _Plan, operands: list, target: torch.Tensor | None, op: str 
             continue
         if plan.materialise and tuple(o.shape) != plan.shape:
             o = o.expand(plan.shape)
-        if not o.is_contiguous():
-            o = dense(o)
-        # (sizes as separate ints: a tuple costs the argument parser ~0.5 us more)
-        inputs.append(o.view(*view) if reshape else o)
+        inputs.append(o if o.is_contiguous() else dense(o))
     bound = plan.bound
     if bound is None:
         bound = plan.bound = _bind(plan, inputs)
-    program, slots, result_slot, count = bound
+    program, slots, result_slot, count, layout = bound
     tensors: list = [None] * count
     for slot, t in zip(slots, inputs):
         tensors[slot] = t
     if plan.direct:
-        tensors[result_slot] = target.view(plan.R, plan.C)
-    res = launch_slots(program, tensors, plan.device.index, op)[result_slot]
+        tensors[result_slot] = target
+    res = launch_slots(program, tensors, plan.device.index, op, layout)[result_slot]
     if target is None:
-        shape = plan.shape
-        return res.view(*shape) if shape else res.view(())
+        return res
     if not plan.direct:
-        device_copy(target, res.view(plan.shape))
+        device_copy(target, res)
     return target

@@ -19,8 +19,12 @@ kernel that breaks a NeuronCore rule) stay ``SimulatorError``.
 The host cost of a launch is kept small because eager ops launch one cached Program per call:
 the program's per-core preparation (``NeuronCore.run_bound``), schedule and roofline are
 computed once, and ``record_function`` ranges are opened only while a profiler is active.
-Callers that have already validated their tensors (the eager op layer) can pass
-``check=False`` and the arguments as a list in slot order to skip the per-argument checks.
+Callers that have already validated their tensors can pass ``check=False`` and the arguments
+as a list in slot order to skip the per-argument checks. The eager op layer takes the fast
+path ``launch_slots``: no checks, no ``LaunchRecord`` made unless something reads or collects
+it (``profiler.records()`` makes it from the launch's fields), and the output allocation and
+host aliases in one C++ call (``slot_layout``, once per program), each slot aliased at its
+slot's shape so that a contiguous tensor of the slot's element count needs no view first.
 
 ``with timing_only():`` launches schedule their kernels as usual (stream clocks, records, the
 profiler) without executing the instructions: outputs keep whatever their memory held. The
@@ -48,7 +52,7 @@ TORCH_ERRORS: dict[type[SimulatorError], type[Exception]] = {IndexOutOfRange: In
 class _Slots:
     """Per-program facts the launch path needs, computed once (cached on the Program)."""
 
-    __slots__ = ("by_name", "names", "inputs", "input_set", "outputs")
+    __slots__ = ("by_name", "names", "inputs", "input_set", "outputs", "layout")
 
     def __init__(self, program: Program):
         self.by_name = {s.name: s for s in program.args}
@@ -56,6 +60,17 @@ class _Slots:
         self.inputs = tuple(s.name for s in program.args if s.kind == "input")
         self.input_set = frozenset(self.inputs)
         self.outputs = tuple((i, s) for i, s in enumerate(program.args) if s.kind == "output")
+        self.layout = slot_layout(program)
+
+
+def slot_layout(program: Program, output_shapes: Mapping[str, tuple] | None = None) -> Any:
+    """How a launch binds ``program``'s slots (``_C._SlotLayout``): each slot's tensor aliased as host memory at
+    the slot's shape, and each unbound output allocated on the device, in the shape ``output_shapes`` gives it
+    (by slot name; the same element count) or else the slot's."""
+    output_shapes = output_shapes or {}
+    return _C._SlotLayout([list(s.shape) for s in program.args],
+                          [s.dtype if s.kind == "output" else None for s in program.args],
+                          [list(output_shapes.get(s.name, s.shape)) for s in program.args])
 
 
 def _slots(program: Program) -> _Slots:
@@ -141,7 +156,6 @@ def _check_stream(stream: Any, index: int) -> torch.Stream:
     return stream
 
 
-_devices: dict[int, torch.device] = {}
 _current_stream = torch._C._accelerator_getStream
 class _Mode(threading.local):
     """Per-thread launch mode (a class default: a missing thread-local attribute costs an exception)."""
@@ -190,20 +204,25 @@ def launch(program: Program, args: Mapping[str, torch.Tensor] | Sequence[torch.T
     return record.with_outputs({slot.name: tensors[i] for i, slot in _slots(program).outputs})
 
 
-def launch_slots(program: Program, tensors: list[torch.Tensor | None], device: int, op: str | None) -> list:
+def launch_slots(program: Program, tensors: list[torch.Tensor | None], device: int, op: str | None,
+                 layout: Any = None) -> list:
     """The eager fast path: ``launch(program, tensors, device=device, op=op, check=False)`` for callers
     that need the tensors, not a record: returns ``tensors`` (slot order) with the unbound outputs
-    and scratch slots allocated and the outputs written. The launch's record is made only when read
-    (``profiler.records()``) or collected (``profiler.record()``, a recording torch.profiler session)."""
+    allocated and the outputs written. A tensor may have another shape than its slot's if it is
+    contiguous with the slot's element count (the kernel sees it at the slot's shape); ``layout``
+    (``slot_layout``) allocates the unbound outputs in other shapes. The launch's record is made
+    only when read (``profiler.records()``) or collected (``profiler.record()``, a recording
+    torch.profiler session)."""
     if torch.autograd._profiler_enabled():  # a host range per launch in torch.profiler traces
         with torch.autograd.profiler.record_function(f"neuron::{program.name}"):
-            return _launch_slots(program, tensors, device, op)
-    return _launch_slots(program, tensors, device, op)
+            return _launch_slots(program, tensors, device, op, layout)
+    return _launch_slots(program, tensors, device, op, layout)
 
 
-def _launch_slots(program: Program, tensors: list[torch.Tensor | None], device: int, op: str | None) -> list:
+def _launch_slots(program: Program, tensors: list[torch.Tensor | None], device: int, op: str | None,
+                  layout: Any) -> list:
     stream_id = _current_stream(device).stream_id
-    start, end, overhead, device_time, schedule, spec = _execute(program, tensors, device, stream_id)
+    start, end, overhead, device_time, schedule, spec = _execute(program, tensors, device, stream_id, layout)
     profiler._add_launch(program.name, op, device, stream_id, start, end, overhead, device_time, program, spec,
                          schedule)
     return tensors
@@ -248,23 +267,16 @@ def _launch(program: Program, args: Any, device: Any, stream: Any, name: str | N
     return record, tensors
 
 
-def _execute(program: Program, tensors: list[torch.Tensor | None], index: int, stream_id: int) -> tuple:
-    """Allocate ``tensors``' unbound outputs (in place), run ``program`` on device ``index``'s core and advance
-    the stream's clock: (start_ns, end_ns, launch overhead ns, device time ns, the schedule run, the chip spec)."""
+def _execute(program: Program, tensors: list[torch.Tensor | None], index: int, stream_id: int,
+             layout: Any = None) -> tuple:
+    """Allocate ``tensors``' unbound outputs (in place; ``layout``: in the shapes it gives), run ``program`` on
+    device ``index``'s core and advance the stream's clock: (start_ns, end_ns, launch overhead ns, device time
+    ns, the schedule run, the chip spec)."""
     core = _device._cores.get(index)
     if core is None:
         core = _device.core(index)
-    for i, slot in _slots(program).outputs:  # unbound outputs live on the device, like any result
-        if tensors[i] is None:
-            dev = _devices.get(index)
-            if dev is None:
-                dev = _devices[index] = torch.device("neuron", index)
-            # (sizes as separate ints: a tuple costs the argument parser ~0.5 us more)
-            shape = slot.shape
-            tensors[i] = (torch.empty(*shape, dtype=slot.dtype, device=dev) if shape else
-                          torch.empty((), dtype=slot.dtype, device=dev))
-    alias = _C._alias_as_cpu   # (runtime.host_memory, looked up once)
-    host = [None if t is None else alias(t) for t in tensors]
+    # unbound outputs live on the device, like any result; each slot bound as host memory at the slot's shape
+    host = (layout or _slots(program).layout).bind(tensors, index)
     spec = core.spec
     with _device._locks[index]:
         try:
