@@ -28,3 +28,56 @@ def test_max_pool_gradient_of_overlapping_windows_rounds_once(dtype, dims, stric
     assert ((got.double() - exact).abs() <= bound).all()
     cpu = grad(g, x, *args, idx)                  # (which sums in the dtype: no closer to the exact sum)
     assert ((got.double() - exact).abs() <= (cpu.double() - exact).abs() + bound).all()
+
+
+NAN, INF = float("nan"), float("inf")
+# windows of a 2x2 pooling: ties (the first maximum's index), NaN (the last NaN's index, value NaN), +-inf, -0/+0
+WINDOWS = [[1, 3, 3, 2], [5, 5, 5, 5], [1, NAN, 2, NAN], [NAN, 1, NAN, 2], [INF, NAN, INF, 1], [-INF] * 4,
+           [-0.0, 0.0, 0.0, -0.0], [INF, INF, -INF, 7], [-INF, -INF, -INF, -3]]
+POOL_ARGS = {"2": ((2,), {}), "3_s1_p1": ((3, 1, 1), {}), "3_s2_p1_dil2_ceil": ((3, 2, 1), {"dilation": 2, "ceil_mode": True}),
+             "rect": (((2, 3), (1, 2)), {}), "3_s2_p1": ((3, 2, 1), {}), "2_ceil": ((2, 2), {"ceil_mode": True})}
+
+
+def _assert_pool_like_cpu(x: torch.Tensor, args: tuple, kwargs: dict) -> None:
+    want_v, want_i = torch.nn.functional.max_pool2d(x, *args, return_indices=True, **kwargs)
+    got_v, got_i = torch.nn.functional.max_pool2d(to_n(x), *args, return_indices=True, **kwargs)
+    assert got_i.dtype == torch.int64 and got_v.dtype == x.dtype
+    assert torch.equal(got_i.cpu(), want_i)
+    # a maximum is selected, not computed: the same bits (the sign of a zero too), NaN where the CPU has NaN
+    same = (got_v.cpu() == want_v) & (torch.signbit(got_v.cpu()) == torch.signbit(want_v))
+    assert (same | (got_v.cpu().isnan() & want_v.isnan())).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_max_pool2d_ties_nan_and_infinities_like_cpu(dtype, strict):
+    # each window alone, then the same values spread over a plane under every geometry (padding, ceil_mode,
+    # dilation, a rectangular window): indices of ties and NaN as the CPU's rule picks them
+    for w in WINDOWS:
+        _assert_pool_like_cpu(torch.tensor(w, dtype=dtype).view(1, 1, 2, 2), (2,), {})
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-2, 3, (2, 3, 9, 11), generator=gen).to(dtype)          # many ties
+    flat = x.view(-1)
+    picks = torch.randperm(flat.numel(), generator=gen)
+    flat[picks[:12]] = NAN
+    flat[picks[12:20]] = INF
+    flat[picks[20:28]] = -INF
+    flat[picks[28:34]] = torch.finfo(dtype).max
+    x[1, 1] = -INF                                                            # a plane of -inf: first element inside
+    for args, kwargs in POOL_ARGS.values():
+        _assert_pool_like_cpu(x, args, kwargs)
+
+
+def test_max_pool2d_many_planes_and_bands_like_cpu(strict):
+    # more planes than partitions (150: two tiles) and rows too wide for more than one output row per band
+    gen = torch.Generator().manual_seed(1)
+    _assert_pool_like_cpu(torch.randn(3, 50, 20, 33, generator=gen), (3, 2, 1), {})
+    _assert_pool_like_cpu(torch.randn(1, 3, 9, 2500, generator=gen), (3, 2, 1), {})
+    _assert_pool_like_cpu(torch.randn(3, 7, 12, generator=gen), (2,), {})    # unbatched
+
+
+def test_max_pool2d_is_one_launch(strict):
+    from torchneuron.runtime import profiler
+    x = to_n(torch.randn(4, 8, 16, 16))
+    with profiler.record() as recs:
+        torch.nn.functional.max_pool2d(x, 2, return_indices=True)
+    assert [r.name for r in recs] == ["max_pool2d_kernel"]

@@ -296,19 +296,20 @@ def _copy_engine(dt):
     return nisa.vector_engine if itemsize(dt) == 2 else nisa.gpsimd_engine
 
 
-def _zero_outside(t, p: int, rows: int, cols: int, r: tuple[int, int, int], c: tuple[int, int, int]) -> None:
-    """Zero an SBUF [p, rows, cols] tile outside the (offset, count, step) rows x columns the data will fill:
-    the border strips only when the steps are 1 (padding), the whole tile under inserted zeros."""
+def fill_outside(t, p: int, rows: int, cols: int, r: tuple[int, int, int], c: tuple[int, int, int],
+                 value: float = 0.0) -> None:
+    """Fill an SBUF [p, rows, cols] tile with ``value`` outside the (offset, count, step) rows x columns the data
+    will fill: the border strips only when the steps are 1 (padding), the whole tile under inserted zeros."""
     (r0, nr, rs), (c0, nc, cs) = r, c
     if nr == 0 or nc == 0 or rs > 1 or cs > 1:
-        nisa.memset(dst=t[:p], value=0.0, engine=nisa.gpsimd_engine)
+        nisa.memset(dst=t[:p], value=value, engine=nisa.gpsimd_engine)
         return
     for rr in ((0, r0), (r0 + nr, rows)):
         if rr[0] < rr[1]:
-            nisa.memset(dst=t[:p, rr[0]:rr[1], :], value=0.0, engine=nisa.gpsimd_engine)
+            nisa.memset(dst=t[:p, rr[0]:rr[1], :], value=value, engine=nisa.gpsimd_engine)
     for cc in ((0, c0), (c0 + nc, cols)):
         if cc[0] < cc[1]:
-            nisa.memset(dst=t[:p, r0:r0 + nr, cc[0]:cc[1]], value=0.0, engine=nisa.gpsimd_engine)
+            nisa.memset(dst=t[:p, r0:r0 + nr, cc[0]:cc[1]], value=value, engine=nisa.gpsimd_engine)
 
 
 def _ahead(items, depth: int = 1):
@@ -345,7 +346,7 @@ def _load_band(x, n: int, c0: int, cn: int, hd: Dim, wd: Dim, ph0: int, hb: int,
     if whole:                    # the band is all real input: one DMA straight in
         nisa.dma_copy(dst=band[:cn], src=x[n, c0:c0 + cn, i0:i0 + ni, j0:j0 + nj])
         return band
-    _zero_outside(band, cn, hb, wb, (ri, ni, hd.ld), (rj, nj, wd.ld))
+    fill_outside(band, cn, hb, wb, (ri, ni, hd.ld), (rj, nj, wd.ld))
     if ni == 0 or nj == 0:
         return band
     # the real part lands in strided rows/columns of the band: load it contiguous (long DMA rows, not one

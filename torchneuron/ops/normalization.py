@@ -80,8 +80,11 @@ def native_batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: to
           and input.numel() > 0 and (training or (running_mean is not None and running_var is not None)))
     if not ok:
         return _C._fallback_native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
-    meta_run(aten.native_batch_norm.default, input, weight, bias, running_mean, running_var, training, momentum, eps)
     C = input.shape[1]
+    if any(t is not None and tuple(t.shape) != (C,) for t in (weight, bias, running_mean, running_var)):
+        # the meta kernel's errors for parameters of another size (it costs ~2 ms of host time: only here)
+        meta_run(aten.native_batch_norm.default, input, weight, bias, running_mean, running_var, training, momentum,
+                 eps)
     dims = [0, *range(2, input.dim())]
     shape = [1, C] + [1] * (input.dim() - 2)
     sdt = _stat_dtype(input, weight, bias, running_mean, running_var)

@@ -1,9 +1,11 @@
 """Pooling on the device: max pooling (2-D and 3-D), average pooling (also adaptive), ``im2col`` /
 ``col2im`` (``F.unfold`` / ``F.fold``).
 
-- **Max pooling**: the window gather (``windows.im2col_patches``) with -inf padding, ``max`` and ``argmax``
-  over the window axis by the reduction kernel, the argmax turned into PyTorch's flat input index by one
-  element-wise launch. Backward: ``where(index == window_index[k], grad, 0)`` per window offset k, then
+- **Max pooling**: 2-D in one launch (``kernels.pooling.max_pool2d_kernel``: planes on the partitions, the
+  CPU's rule per window offset, values and int64 indices written by the kernel). 3-D, and 2-D rows too wide
+  for SBUF: the window gather (``windows.im2col_patches``) with -inf padding, ``max`` and ``argmax`` over the
+  window axis by the reduction kernel, the argmax turned into PyTorch's flat input index by one element-wise
+  launch (that route returns the first NaN's index where the CPU returns the last's). Backward: ``where(index == window_index[k], grad, 0)`` per window offset k, then
   col2im.
 - **Average pooling** (n-D): window sums of the zero-padded im2col patches (one reduction over the window
   axis) divided by the CPU kernels' divisors (``count_include_pad``, ``ceil_mode``, ``divisor_override``),
@@ -24,6 +26,8 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 
 import torchneuron.nki.language as nl
+from torchneuron.kernels.conv import Dim
+from torchneuron.kernels.pooling import max_pool2d_kernel, max_pool_fits
 from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, device_table, floats_on_one_device, meta_run, Unsupported
@@ -98,12 +102,44 @@ def _max_pool_ok(x: torch.Tensor, n: int) -> bool:
     return floats_on_one_device(x) and x.dim() in (n + 1, n + 2) and x.numel() > 0 and math.prod(x.shape[-n:]) < EXACT
 
 
+@functools.lru_cache(maxsize=256)
+def _window_first(S: tuple, k: tuple, s: tuple, p: tuple, d: tuple, o: tuple) -> torch.Tensor:
+    """int32 [prod(O)]: the flat index of each window's first element inside the input (the CPU's starting index:
+    a window of -inf keeps it)."""
+    idx = torch.zeros([1] * len(S), dtype=torch.int64)
+    for i in range(len(S)):
+        start = torch.arange(o[i]) * s[i] - p[i]
+        start = torch.where(start < 0, start + (-start + d[i] - 1) // d[i] * d[i], start)   # first dilated step >= 0
+        shape = [1] * len(S)
+        shape[i] = o[i]
+        idx = idx * S[i] + start.view(shape)
+    return idx.to(torch.int32).reshape(-1)
+
+
+def _max_pool2d_direct(self: torch.Tensor, k: tuple, s: tuple, p: tuple, d: tuple, O: tuple):
+    """(values, int64 indices) of 2-D max pooling by ``max_pool2d_kernel`` (one launch), or None where its bands
+    do not fit SBUF."""
+    S = tuple(self.shape[-2:])
+    dims = tuple(Dim(S[i], 1, p[i], (O[i] - 1) * s[i] + d[i] * (k[i] - 1) + 1 - S[i] - p[i], k[i], d[i], s[i])
+                 for i in range(2))
+    if not max_pool_fits(*dims, self.element_size()):
+        return None
+    args = {"x": dense(self).view(-1, *S)}
+    if any(p):
+        args["first"] = device_table(self.device, _window_first, S, k, s, p, d, O)
+    values, words = call_kernel(max_pool2d_kernel, args, {"dims": dims}, op="aten::max_pool2d_with_indices")
+    return values, words.view(torch.int64).view(values.shape)
+
+
 def _max_pool(n: int, self: torch.Tensor, kernel_size, stride, padding, dilation, ceil_mode):
     """(values, int64 flat indices) of n-D max pooling on the device."""
     op = f"aten::max_pool{n}d_with_indices"
     meta, _ = meta_run(_MAX_POOL[n][0].default, self, kernel_size, stride, padding, dilation, ceil_mode)
     k, s, p, d = _pool_geometry(n, kernel_size, stride, padding, dilation)
     S, O = tuple(self.shape[-n:]), tuple(meta.shape[-n:])
+    if n == 2 and (direct := _max_pool2d_direct(self, k, s, p, d, O)) is not None:
+        values, indices = direct
+        return values.view(meta.shape), indices.view(meta.shape)
     BC = self.numel() // math.prod(S)
     cols = im2col_patches(self.reshape(BC, 1, *S), k, s, p, d, O, fill=float("-inf"))
     view = cols.view(1, math.prod(k), BC * math.prod(O))
