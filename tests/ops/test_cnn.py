@@ -373,6 +373,29 @@ def test_batch_norm_eval_and_no_affine(strict):
     assert mean.shape == (0,) and invstd.shape == (0,)                                       # as the CPU kernel
 
 
+@pytest.mark.parametrize("shape,affine", [((3, 130, 5), True), ((6, 5), False), ((2, 3, 80, 80), True)],
+                         ids=["two_channel_tiles", "2d_no_affine", "beyond_one_tile"])
+def test_batch_norm_training_fp32_kernel(shape, affine, strict):
+    # fp32 training batch norm is one launch each way while a channel's values fit one tile (the first two);
+    # beyond that the element-wise route: both within the float64 bounds
+    from torchneuron.runtime import profiler
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=gen) * 2 + 1
+    C = shape[1]
+    w, b = (torch.randn(C, generator=gen), torch.randn(C, generator=gen)) if affine else (None, None)
+    _check_norm(lambda x, w, b: F.batch_norm(x, None, None, w, b, True), (x, w, b), _bn_bounds(x, w, b))
+    xn = to_n(x).requires_grad_()
+    with profiler.record() as fwd:
+        y = F.batch_norm(xn, to_n(torch.zeros(C)), to_n(torch.ones(C)), *(to_n(t) if affine else None for t in (w, b)),
+                         True)
+    g = torch.ones_like(y)
+    with profiler.record() as bwd:
+        y.backward(g)
+    fits = x.numel() // C <= 8192
+    assert ([r.name for r in fwd] == ["batch_norm_train_kernel"]) == fits
+    assert ([r.name for r in bwd] == ["batch_norm_train_backward_kernel"]) == fits
+
+
 def test_batch_norm_bf16_mixed(strict):
     # the CPU keeps a bf16 input's statistics and normalization in fp32 and rounds the output once: each
     # side within the fp32 bounds plus one bf16 rounding of the float64 result of the same bf16 values

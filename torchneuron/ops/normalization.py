@@ -13,7 +13,10 @@ from typing import Any, Sequence
 import torch
 
 from torchneuron import _C
+from torchneuron.kernels.batch_norm import batch_norm_fits, batch_norm_train_backward_kernel, batch_norm_train_kernel
 from torchneuron.ops.base import aten, floats_on_one_device, meta_run, Unsupported
+from torchneuron.ops.elementwise import dense
+from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering
 from torchneuron.ops.windows import as_float32
 
@@ -71,6 +74,39 @@ def _update_running(running_mean: torch.Tensor | None, running_var: torch.Tensor
         running_var.copy_(as_float32(running_var) * (1 - momentum) + unbiased * momentum)
 
 
+def _fused(input: torch.Tensor, *vectors: torch.Tensor | None, grad: torch.Tensor | None = None) -> bool:
+    """Whether the one-launch training kernels take a batch norm of ``input`` (and its gradient ``grad``) with these
+    per-channel vectors: fp32 throughout, contiguous [C] vectors, each channel's values within one tile."""
+    C = input.shape[1]
+    return (input.dtype == torch.float32 and (grad is None or grad.dtype == torch.float32)
+            and all(t is None or (t.dtype == torch.float32 and tuple(t.shape) == (C,) and t.is_contiguous())
+                    for t in vectors)
+            and batch_norm_fits(input.shape[0], input.numel() // (input.shape[0] * C)))
+
+
+def _channels_rows(t: torch.Tensor) -> torch.Tensor:
+    """[N, C, *S] as a dense [N, C, prod(S)]."""
+    return dense(t).view(t.shape[0], t.shape[1], -1)
+
+
+def _present(**tensors: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The kernel inputs that are given."""
+    return {k: v for k, v in tensors.items() if v is not None}
+
+
+def _batch_norm_fused(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                      running_mean: torch.Tensor | None, running_var: torch.Tensor | None, momentum: float,
+                      eps: float):
+    """Training batch norm of fp32 tensors in one launch; the running statistics written in place."""
+    running = running_mean is not None and running_var is not None
+    inputs = _present(x=_channels_rows(input), weight=weight, bias=bias,
+                      running_mean=running_mean if running else None, running_var=running_var if running else None)
+    res = call_kernel(batch_norm_train_kernel, inputs, {"momentum": float(momentum), "eps": float(eps)},
+                      outputs=[None, None, None, running_mean, running_var] if running else (),
+                      op="aten::native_batch_norm")
+    return res[0].view(input.shape), res[1], res[2]
+
+
 @lowering("native_batch_norm")
 def native_batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                       running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool,
@@ -88,6 +124,8 @@ def native_batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: to
     dims = [0, *range(2, input.dim())]
     shape = [1, C] + [1] * (input.dim() - 2)
     sdt = _stat_dtype(input, weight, bias, running_mean, running_var)
+    if training and _fused(input, weight, bias, running_mean, running_var):
+        return _batch_norm_fused(input, weight, bias, running_mean, running_var, momentum, eps)
     if training:
         x = as_float32(input)
         n = input.numel() // C
@@ -122,6 +160,12 @@ def native_batch_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, weig
           and all(t is not None and t.numel() == input.shape[1] for t in stats))
     if not ok:
         raise Unsupported
+    if train and _fused(input, weight, *stats, grad=grad_out):
+        gi, gw, gb = call_kernel(batch_norm_train_backward_kernel,
+                                 _present(g=_channels_rows(grad_out), x=_channels_rows(input), mean=save_mean,
+                                          invstd=save_invstd, weight=weight), op="aten::native_batch_norm_backward")
+        return (gi.view(input.shape) if output_mask[0] else None, gw if output_mask[1] else None,
+                gb if output_mask[2] else None)
     C = input.shape[1]
     dims = [0, *range(2, input.dim())]
     shape = [1, C] + [1] * (input.dim() - 2)
