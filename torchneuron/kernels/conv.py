@@ -140,6 +140,7 @@ def plan(hd: Dim, wd: Dim, ci: int, co: int, isz: int) -> Plan | None:
         cols = max(1, cols // 2)
 
 
+WHOLE_FILL = 1024           # elements per partition of a padded band filled whole, not by its border strips
 WGRAD_ROW_BYTES = 48 * 1024   # SBUF bytes per partition of the weight gradient's fp32 row and its cast
 
 
@@ -299,9 +300,12 @@ def _copy_engine(dt):
 def fill_outside(t, p: int, rows: int, cols: int, r: tuple[int, int, int], c: tuple[int, int, int],
                  value: float = 0.0) -> None:
     """Fill an SBUF [p, rows, cols] tile with ``value`` outside the (offset, count, step) rows x columns the data
-    will fill: the border strips only when the steps are 1 (padding), the whole tile under inserted zeros."""
+    will fill: the border strips when the steps are 1 (padding) and the tile is large, else the whole tile once
+    (under inserted zeros; and a small tile, where one instruction costs less host time than four and about the
+    same device time)."""
     (r0, nr, rs), (c0, nc, cs) = r, c
-    if nr == 0 or nc == 0 or rs > 1 or cs > 1:
+    border = rows * cols > nr * nc
+    if border and (nr == 0 or nc == 0 or rs > 1 or cs > 1 or rows * cols <= WHOLE_FILL):
         nisa.memset(dst=t[:p], value=value, engine=nisa.gpsimd_engine)
         return
     for rr in ((0, r0), (r0 + nr, rows)):
