@@ -299,3 +299,27 @@ def test_empty_cells(N, H, strict):
     assert [t.shape for t in res[:3]] == [(N, 3 * H), (N, 3 * H), (N, H)]
     for b in res[3:]:
         torch.testing.assert_close(b.cpu(), torch.zeros(3 * H))
+
+
+@pytest.mark.parametrize("N,H", [(129, 4), (2, 129)])
+def test_hidden_product_beyond_one_launch_is_refused(N, H):
+    """A step whose batch exceeds the 128 partitions or whose gates exceed one block of 128 hidden columns
+    cannot form its hidden-state product in the cell's launch: the kernels state their limits (the sequence takes
+    the two-launch path for such shapes)."""
+    from torchneuron.kernels.rnn_cell import (fused_product_fits, gru_cell_backward_kernel, gru_cell_kernel,
+                                              lstm_cell_backward_kernel, lstm_cell_kernel)
+    from torchneuron.ops.rnn import _step_with_product
+    assert not fused_product_fits(N, H, 4) and not fused_product_fits(N, H, 3)
+    assert fused_product_fits(128, 128, 4) and fused_product_fits(128, 128, 3)
+    state = to_n(torch.zeros(N, H))
+    for gates, forward, backward in ((4, lstm_cell_kernel, lstm_cell_backward_kernel),
+                                     (3, gru_cell_kernel, gru_cell_backward_kernel)):
+        w_hh, gate_rows = to_n(torch.zeros(gates * H, H)), to_n(torch.zeros(N, gates * H))
+        with pytest.raises(AssertionError, match="partitions|PSUM bank"):
+            _step_with_product(forward, "cell", N, H, igates=gate_rows, prev=state, w_hh=w_hh,
+                               **({"hx": state} if gates == 4 else {}))
+        workspace = to_n(torch.zeros(N, (4 if gates == 4 else 5) * H))   # LSTM: [i, f, g, o]; GRU: [r, z, n, hx, gh_n]
+        spans = dict(cx=state, cy=state, workspace=workspace, grad_hy=state) if gates == 4 else \
+            dict(grad_hy=state, workspace=workspace)
+        with pytest.raises(AssertionError, match="partitions|PSUM bank"):
+            _step_with_product(backward, "cell backward", N, H, w_hh=w_hh, **spans)

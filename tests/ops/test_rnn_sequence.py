@@ -25,12 +25,12 @@ ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 I, H, B = 5, 7, 3
 
 
-def _modules(cls, layers: int, batch_first: bool, bias: bool, dtype=torch.float32, **kw):
+def _modules(cls, layers: int, batch_first: bool, bias: bool, dtype=torch.float32, hidden: int = H, **kw):
     """(float64 reference, CPU module in ``dtype``, neuron module in ``dtype``) with the same weights."""
     torch.manual_seed(layers * 10 + batch_first * 2 + bias)
-    ref = cls(I, H, num_layers=layers, batch_first=batch_first, bias=bias, **kw).double()
-    cpu = cls(I, H, num_layers=layers, batch_first=batch_first, bias=bias, **kw)
-    dev = cls(I, H, num_layers=layers, batch_first=batch_first, bias=bias, **kw)
+    ref = cls(I, hidden, num_layers=layers, batch_first=batch_first, bias=bias, **kw).double()
+    cpu = cls(I, hidden, num_layers=layers, batch_first=batch_first, bias=bias, **kw)
+    dev = cls(I, hidden, num_layers=layers, batch_first=batch_first, bias=bias, **kw)
     cpu.load_state_dict(ref.state_dict())
     dev.load_state_dict(ref.state_dict())
     return ref, cpu.to(dtype), dev.to(dtype).to("neuron")
@@ -49,30 +49,33 @@ def _run(m, x, state, grads, device: str, dtype) -> list[torch.Tensor]:
     return [t.detach().cpu().double() for t in res]
 
 
-def _compare(cls, layers, batch_first, bias, T, with_state=True, used=(True, True, True), dtype=torch.float32):
-    ref, cpu, dev = _modules(cls, layers, batch_first, bias, dtype)
+def _compare(cls, layers, batch_first, bias, T, with_state=True, used=(True, True, True), dtype=torch.float32,
+             batch=B, hidden=H):
+    ref, cpu, dev = _modules(cls, layers, batch_first, bias, dtype, hidden)
     gen = torch.Generator().manual_seed(T)
-    shape = (B, T, I) if batch_first else (T, B, I)
+    shape = (batch, T, I) if batch_first else (T, batch, I)
     x = torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).double()
     nstate = 2 if cls is torch.nn.LSTM else 1
-    state = tuple(torch.randn(layers, B, H, generator=gen, dtype=torch.float64).to(dtype).double()
+    state = tuple(torch.randn(layers, batch, hidden, generator=gen, dtype=torch.float64).to(dtype).double()
                   for _ in range(nstate)) if with_state else None
-    out_shape = (B, T, H) if batch_first else (T, B, H)
+    out_shape = (batch, T, hidden) if batch_first else (T, batch, hidden)
     grads = [torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype).double() if u else None
-             for s, u in zip([out_shape] + [(layers, B, H)] * nstate, used)]
+             for s, u in zip([out_shape] + [(layers, batch, hidden)] * nstate, used)]
     r = _run(ref, x, state, grads, "cpu", torch.float64)
     c = _run(cpu, x, state, grads, "cpu", dtype)
-    d = _run(dev, x, state, grads, "neuron", dtype)
+    with profiler.record() as recs:
+        d = _run(dev, x, state, grads, "neuron", dtype)
     assert len(r) == len(c) == len(d)
     for k, (rt, ct, dt) in enumerate(zip(r, c, d)):
         assert dt.shape == rt.shape, k
         scale = max(1.0, rt.abs().max().item())
         if dtype == torch.float32:
-            bound = T * layers * (I + H + B) * U[dtype] * scale
+            bound = T * layers * (I + hidden + batch) * U[dtype] * scale
             torch.testing.assert_close(dt, ct, atol=2 * bound, rtol=0, msg=f"result {k}")
         else:
             cpu_err, dev_err = (ct - rt).abs().max().item(), (dt - rt).abs().max().item()
             assert dev_err <= 2 * cpu_err + ULP[dtype] * scale, (k, dev_err, cpu_err)
+    return collections.Counter(r.op for r in recs)
 
 
 @pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU])
@@ -106,6 +109,41 @@ def test_low_precision_as_accurate_as_the_cpu(cls, dtype, batch_first, strict):
     _compare(cls, 2, batch_first, True, T=6, dtype=dtype)
 
 
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU])
+@pytest.mark.parametrize("batch,hidden,one_launch", [
+    (3, 7, True),          # the hidden-state product inside the cell's launch
+    (128, 4, True),        # the batch fills the 128 partitions
+    (129, 4, False),       # a batch beyond one block of 128 rows: a product and a cell per step
+    (2, 129, False),       # a hidden size beyond one block of 128 columns (the GRU's 3 x 129 gates fit a bank)
+])
+def test_hidden_product_in_the_cell_launch_where_it_fits(cls, batch, hidden, one_launch, strict):
+    """Per step and layer one launch forward and one backward where the batch and the gates fit one kernel's
+    tiles (batch <= 128, hidden <= 128 so that the gates fit a PSUM bank), else a product besides each cell; the
+    results match the CPU either way."""
+    T, layers = 3, 2
+    ops = _compare(cls, layers, False, True, T, batch=batch, hidden=hidden)
+    products = ops["aten::mm"] + ops["aten::addmm"]
+    # per layer the input projection and the three weight-gradient products; per step two more without fusion
+    assert products == layers * 4 + (0 if one_launch else 2 * T * layers), ops
+
+
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU])
+def test_fp32_hidden_product_in_the_launch_equals_the_two_launch_path(cls, monkeypatch, strict):
+    """In fp32 the in-launch products take the product kernel's operands and contraction order and the addend is
+    added to the fp32 sum as ``addmm`` adds it: outputs and gradients equal the two-launch path's bit for bit."""
+    import torchneuron.ops.rnn as rnn
+    results = []
+    for fits in (rnn.fused_product_fits, lambda *shape: False):
+        monkeypatch.setattr(rnn, "fused_product_fits", fits)
+        ref, _, dev = _modules(cls, 2, True, True)
+        gen = torch.Generator().manual_seed(5)
+        x = torch.randn(B, 6, I, generator=gen)
+        grads = [torch.randn(B, 6, H, generator=gen)] + [torch.randn(2, B, H, generator=gen)] * 2
+        results.append(_run(dev, x, None, grads, "neuron", torch.float32))
+    for k, (fused, two_launch) in enumerate(zip(*results)):
+        assert torch.equal(fused, two_launch), k
+
+
 def _step_ops(m, x) -> collections.Counter:
     with profiler.record() as recs:
         m(x)[0].sum().backward()
@@ -114,19 +152,20 @@ def _step_ops(m, x) -> collections.Counter:
 
 @pytest.mark.parametrize("layers,T", [(2, 9), (1, 4)])
 def test_training_step_launches(layers, T, strict):
-    """Forward: per layer one input product, then a hidden product and a cell per step, one stack of the outputs
-    (and the last states' stacks). Backward: per layer a cell backward and a product per step, then a stack of the
-    gate gradients, three weight products, the hidden states' concatenation, a bias reduction and its copy, and
-    at most a time-major copy of the output gradient; at most the summed output's gradient fill besides. Where
-    PyTorch's composition takes 11 launches a step and layer (the step's 2 products, a product per weight and
-    one for the input gradient, the engine's additions of each weight's per-step gradients)."""
+    """Forward: per layer one input product, then a cell per step (its hidden-state product in the same launch),
+    one stack of the outputs (and the last states' stacks). Backward: per layer a cell backward per step (the
+    previous hidden state's gradient through W_hh in the same launch), then a stack of the gate gradients, three
+    weight products, the hidden states' concatenation, a bias reduction and its copy, and at most a time-major
+    copy of the output gradient; at most the summed output's gradient fill besides. Where PyTorch's composition
+    takes 11 launches a step and layer (the step's 2 products, a product per weight and one for the input
+    gradient, the engine's additions of each weight's per-step gradients)."""
     m = torch.nn.LSTM(6, 12, num_layers=layers, batch_first=True).to("neuron")
     x = to_n(torch.randn(4, T, 6)).requires_grad_()
     ops = _step_ops(m, x)
     assert ops["aten::_thnn_fused_lstm_cell"] == ops["aten::_thnn_fused_lstm_cell_backward_impl"] == T * layers
-    assert ops["aten::mm"] + ops["aten::addmm"] == layers * (1 + T) + layers * (T + 3)
-    forward_bound = layers * (2 * T + 2) + 2 + 2          # + the module's two zero initial states
-    backward_bound = layers * (2 * T + 8) + 2 + 2         # + the h0/c0 gradient stacks, the sum's gradient
+    assert ops["aten::mm"] + ops["aten::addmm"] == layers * 1 + layers * 3
+    forward_bound = layers * (T + 2) + 2 + 2              # + the module's two zero initial states
+    backward_bound = layers * (T + 8) + 2 + 2             # + the h0/c0 gradient stacks, the sum's gradient
     assert sum(ops.values()) <= forward_bound + backward_bound, ops
 
 

@@ -23,6 +23,26 @@ lie instead of being copied first.
 
 With W = 128 the backward's PSUM row (4 gates x 128 fp32) fills one bank. Tiles of the last NBUF row
 blocks stay alive, so loads, compute and stores of consecutive blocks overlap.
+
+A recurrent layer's step may also fold in its hidden-state product (``w_hh`` given; one block of rows and of
+columns: N <= 128, H <= 128, so gates x H fp32 fit one PSUM bank): the forward takes h_{t-1} instead of the hidden
+gates and forms them first,
+
+    load h_{t-1}^T [H, N] and W_hh^T [H, gates * H] (hidden on the partitions)  DMA
+    hidden gates = h_{t-1} @ W_hh^T into one PSUM bank (fp32)                   TensorE
+    the cell as above, its adds reading the hidden gates from PSUM              VectorE
+
+and the backward follows the cell's backward with the previous hidden state's gradient,
+
+    for each 128-column chunk of the rounded hidden-gate gradients [N, gates * H]:
+        transpose it to [<=128, N]                                           TensorE (PSUM), VectorE (to SBUF)
+        load W_hh's matching rows [<=128, H]                                 DMA
+        grad_h_prev (+)= chunk @ rows into one PSUM bank (fp32)              TensorE
+    grad_h_prev += the given addend (the output's gradient at t - 1)         VectorE
+    store grad_h_prev                                                        DMA
+
+in the product kernel's order (one K <= 128 product forward; 128-row contraction chunks accumulated in order
+backward, the addend added to the fp32 sum), so fp32 results equal the two-launch path's.
 """
 from __future__ import annotations
 
@@ -84,6 +104,55 @@ def _one_minus(dst, a, engine=None):
     nisa.tensor_scalar(dst=dst, data=a, op0=nl.subtract, operand0=1.0, reverse0=True, engine=engine)
 
 
+def _check_fused(N: int, H: int, gates: int, what: str) -> None:
+    """The limits of a step with its hidden-state product in the launch: one block of rows and of columns."""
+    assert N <= PMAX, f"{what}: batch {N} exceeds the {PMAX} partitions of one row block"
+    assert H <= W and gates * H <= PSUM_FP32, f"{what}: {gates} x {H} hidden gates exceed one PSUM bank"
+
+
+def fused_product_fits(N: int, H: int, gates: int) -> bool:
+    """Whether a step of batch N and hidden size H can fold its hidden-state product into the cell's launch."""
+    return N <= PMAX and H <= W and gates * H <= PSUM_FP32
+
+
+def _hidden_gates(h, h_view, w_hh, w_view, N: int, H: int, gates: int):
+    """A [128, gates, H] fp32 PSUM tile whose first N rows are h @ W_hh^T (h: [N, H], W_hh: [gates * H, H], spans
+    read through their (row, column) strides), as one product of contraction H on TensorE."""
+    dt = w_hh.dtype
+    hT, wT = nl.ndarray((PMAX, PMAX), dt, buffer=nl.sbuf), nl.ndarray((PMAX, gates * H), dt, buffer=nl.sbuf)
+    (hr, hc), (wr, wc) = h_view, w_view
+    nisa.dma_copy(dst=hT[:H, :N], src=h.ap([[hc, H], [hr, N]], offset=0))                  # DMA: h^T
+    nisa.dma_copy(dst=wT[:H], src=w_hh.ap([[wc, H], [wr, gates * H]], offset=0))          # DMA: W_hh^T
+    bank = nl.ndarray((PMAX, gates, H), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=bank.reshape((PMAX, gates * H))[:N], stationary=hT[:H, :N], moving=wT[:H],
+                   accumulate=False)                                                       # TensorE
+    return bank
+
+
+def _hidden_grad(grad_gates, w_hh, w_view, addend, N: int, H: int, gates: int):
+    """A [128, H] fp32 tile whose first N rows are grad_gates @ W_hh (+ ``addend``, an fp32 [128, H] tile or
+    None): grad_gates ([128, gates, H] in the storage dtype) transposed on TensorE in 128-column chunks, each the
+    stationary operand of a product with W_hh's matching rows, accumulated in order into one PSUM bank."""
+    dt = w_hh.dtype
+    flat = grad_gates.reshape((PMAX, gates * H))
+    bank = nl.ndarray((PMAX, H), nl.float32, buffer=nl.psum)
+    wr, wc = w_view
+    for k, k0 in enumerate(range(0, gates * H, PMAX)):
+        kw = min(PMAX, gates * H - k0)
+        tp = nl.ndarray((PMAX, PMAX), dt, buffer=nl.psum)
+        nisa.nc_transpose(dst=tp[:kw, :N], data=flat[:N, k0:k0 + kw])                     # TensorE
+        chunk, rows = nl.ndarray((PMAX, PMAX), dt, buffer=nl.sbuf), nl.ndarray((PMAX, H), dt, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=chunk[:kw, :N], src=tp[:kw, :N])                              # VectorE
+        nisa.dma_copy(dst=rows[:kw], src=w_hh.ap([[wr, kw], [wc, H]], offset=k0 * wr))    # DMA
+        nisa.nc_matmul(dst=bank[:N], stationary=chunk[:kw, :N], moving=rows[:kw], accumulate=k > 0)   # TensorE
+    out = _f32((H,))
+    if addend is None:
+        nisa.tensor_copy(dst=out[:N], src=bank[:N])
+    else:
+        _add(out[:N], bank[:N], addend[:N])
+    return out
+
+
 def _check(N: int, H: int, what: str, tiles: int) -> None:
     assert N >= 1 and H >= 1, f"{what}: empty problem [{N}, {H}]"
     # ``tiles``: [gates, w] fp32 tiles' worth of SBUF per row block (the kernel's count, rounded up)
@@ -91,27 +160,34 @@ def _check(N: int, H: int, what: str, tiles: int) -> None:
 
 
 @nki.jit
-def lstm_cell_kernel(igates, hgates, prev, b_ih=None, b_hh=None, N=1, H=1, views=()):
+def lstm_cell_kernel(igates, prev, hgates=None, b_ih=None, b_hh=None, hx=None, w_hh=None, N=1, H=1, views=()):
     """(hy, cy, workspace) of one LSTM step over [N, 4H] gate pre-activations (1-D spans read through
-    ``views``: (row, column) strides of igates, hgates, prev (cx), then b_ih, b_hh when given):
-    i, f, o = sigmoid, g = tanh of igates + hgates + b_ih + b_hh; cy = f * cx + i * g; hy = o * tanh(cy);
-    the workspace holds the activated gates [i, f, g, o]."""
+    ``views``: (name, (row, column) strides) of each span given; prev is cx): i, f, o = sigmoid, g = tanh of
+    igates + hgates + b_ih + b_hh; cy = f * cx + i * g; hy = o * tanh(cy); the workspace holds the activated
+    gates [i, f, g, o]. With ``w_hh`` (and hx, no hgates) the hidden gates are hx @ W_hh^T, formed here."""
     _check(N, H, "lstm cell", 5 + 2)
+    views = dict(views)
     dt = igates.dtype
+    bank = None
+    if w_hh is not None:
+        _check_fused(N, H, 4, "lstm cell")
+        bank = _hidden_gates(hx, views["hx"], w_hh, views["w_hh"], N, H, 4)
     hy = nl.ndarray((N, H), dt, buffer=nl.shared_hbm)
     cy = nl.ndarray((N, H), dt, buffer=nl.shared_hbm)
     ws = nl.ndarray((N, 4 * H), dt, buffer=nl.shared_hbm)
     ring = collections.deque(maxlen=NBUF)
     for c0 in range(0, H, W):
         w = min(W, H - c0)
-        biases = [] if b_ih is None else [_bias_block(b, v, min(PMAX, N), c0, w, 4, H) for b, v in ((b_ih, views[3]),
-                                                                                           (b_hh, views[4]))]
+        biases = [] if b_ih is None else [_bias_block(b, views[n], min(PMAX, N), c0, w, 4, H)
+                                          for b, n in ((b_ih, "b_ih"), (b_hh, "b_hh"))]
         for r0 in range(0, N, PMAX):
             p = min(PMAX, N - r0)
-            gates, hg, c = _f32((4, w)), _f32((4, w)), _f32((w,))
-            _load(gates[:p], igates, views[0], r0, p, c0, w, 4, H)
-            _load(hg[:p], hgates, views[1], r0, p, c0, w, 4, H)
-            _load(c[:p], prev, views[2], r0, p, c0, w)
+            gates, hg, c = _f32((4, w)), bank, _f32((w,))
+            _load(gates[:p], igates, views["igates"], r0, p, c0, w, 4, H)
+            if bank is None:
+                hg = _f32((4, w))
+                _load(hg[:p], hgates, views["hgates"], r0, p, c0, w, 4, H)
+            _load(c[:p], prev, views["prev"], r0, p, c0, w)
             _add(gates[:p], gates[:p], hg[:p])                        # CUDA's order: (ig + hg) + b_ih + b_hh
             for b in biases:
                 _add(gates[:p], gates[:p], b[:p])
@@ -142,6 +218,18 @@ def _rounded(t, p: int, dt):
     return r
 
 
+def _rounded_row(t, p: int, dt):
+    """A [128, w] fp32 tile whose first p rows are ``t``'s rounded to the storage dtype (``t`` itself for fp32):
+    the value the two-launch path stores and adds later."""
+    if dt == nl.float32:
+        return t
+    r = nl.ndarray(tuple(t.shape), dt, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=r[:p], src=t[:p])
+    back = nl.ndarray(tuple(t.shape), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=back[:p], src=r[:p])
+    return back
+
+
 def _ones(dt):
     """A [128, 1] column of ones in the storage dtype: the stationary operand of the bias gradients' sums."""
     ones = nl.ndarray((PMAX, 1), dt, buffer=nl.sbuf)
@@ -165,19 +253,24 @@ def _store_bias_grad(dst, bank, c0: int, w: int, gates: int, H: int) -> None:
 
 
 @nki.jit
-def lstm_cell_backward_kernel(cx, cy, workspace, grad_hy=None, grad_cy=None, N=1, H=1, views=(),
-                              has_bias=False):
-    """(grad_gates, grad_cx[, grad_bias]) of one LSTM step from its saved activated gates (spans read through
-    ``views``: (row, column) strides of cx, cy, workspace, then grad_hy and grad_cy when given; a missing one
-    counts as zeros): with gc = grad_hy * o * (1 - tanh(cy)^2) + grad_cy,
+def lstm_cell_backward_kernel(cx, cy, workspace, grad_hy=None, grad_cy=None, w_hh=None, grad_next=None, N=1, H=1,
+                              views=(), has_bias=False):
+    """(grad_gates, grad_cx[, grad_bias][, grad_h_prev]) of one LSTM step from its saved activated gates (spans
+    read through ``views``: (name, (row, column) strides) of each span given; a missing grad_hy or grad_cy counts
+    as zeros): with gc = grad_hy * o * (1 - tanh(cy)^2) + grad_cy,
     d_i = gc * g * i(1-i), d_f = gc * cx * f(1-f), d_g = gc * i * (1-g^2), d_o = grad_hy * tanh(cy) * o(1-o);
-    grad_cx = gc * f; grad_bias = the batch sum of the rounded [d_i, d_f, d_g, d_o]."""
+    grad_cx = gc * f; grad_bias = the batch sum of the rounded [d_i, d_f, d_g, d_o]. With ``w_hh``:
+    grad_h_prev = grad_gates @ W_hh (+ grad_next, the output's gradient of the previous step, when given)."""
     _check(N, H, "lstm cell backward", 5 + 3)
+    views = dict(views)
     dt = workspace.dtype
     grad_gates = nl.ndarray((N, 4 * H), dt, buffer=nl.shared_hbm)
     grad_cx = nl.ndarray((N, H), dt, buffer=nl.shared_hbm)
     grad_bias = nl.ndarray((4 * H,), dt, buffer=nl.shared_hbm) if has_bias else None
-    named = dict(zip([n for n, t in (("grad_hy", grad_hy), ("grad_cy", grad_cy)) if t is not None], views[3:]))
+    grad_h_prev = None
+    if w_hh is not None:
+        _check_fused(N, H, 4, "lstm cell backward")
+        grad_h_prev = nl.ndarray((N, H), dt, buffer=nl.shared_hbm)
     ones, ring = _ones(dt), collections.deque(maxlen=NBUF)
     for c0 in range(0, H, W):
         w = min(W, H - c0)
@@ -186,9 +279,9 @@ def lstm_cell_backward_kernel(cx, cy, workspace, grad_hy=None, grad_cy=None, N=1
         for i, r0 in enumerate(range(0, N, PMAX)):
             p = min(PMAX, N - r0)
             act, c, t = _f32((4, w)), _f32((w,)), _f32((w,))
-            _load(act[:p], workspace, views[2], r0, p, c0, w, 4, H)
-            _load(c[:p], cx, views[0], r0, p, c0, w)
-            _load(t[:p], cy, views[1], r0, p, c0, w)
+            _load(act[:p], workspace, views["workspace"], r0, p, c0, w, 4, H)
+            _load(c[:p], cx, views["cx"], r0, p, c0, w)
+            _load(t[:p], cy, views["cy"], r0, p, c0, w)
             nisa.activation(dst=t[:p], op=nl.tanh, data=t[:p])     # tanh(cy)
             # the activations' derivatives in place of the gates: s(1-s) for i, f, o; 1-g^2 for g
             deriv, gate_scale = _f32((4, w)), _f32((4, w))
@@ -199,7 +292,7 @@ def lstm_cell_backward_kernel(cx, cy, workspace, grad_hy=None, grad_cy=None, N=1
             gc = _f32((w,))
             if grad_hy is not None:
                 gh = _f32((w,))
-                _load(gh[:p], grad_hy, named["grad_hy"], r0, p, c0, w)
+                _load(gh[:p], grad_hy, views["grad_hy"], r0, p, c0, w)
                 # gc = grad_hy * o * (1 - tanh(cy)^2) (+ grad_cy); the o slot's scale is grad_hy * tanh(cy)
                 _mul(gc[:p], t[:p], t[:p])
                 nisa.scalar_tensor_tensor(dst=gc[:p], data=gc[:p], op0=nl.subtract, operand0=1.0, reverse0=True,
@@ -212,7 +305,7 @@ def lstm_cell_backward_kernel(cx, cy, workspace, grad_hy=None, grad_cy=None, N=1
                 nisa.memset(dst=gate_scale[:p, 3], value=0.0)
             if grad_cy is not None:
                 gcy = _f32((w,))
-                _load(gcy[:p], grad_cy, named["grad_cy"], r0, p, c0, w)
+                _load(gcy[:p], grad_cy, views["grad_cy"], r0, p, c0, w)
                 _add(gc[:p], gc[:p], gcy[:p])
                 ring.append(gcy)
             _mul(gate_scale[:p, 0], gc[:p], act[:p, 2])                # d_i = gc * g * i(1-i)
@@ -227,36 +320,54 @@ def lstm_cell_backward_kernel(cx, cy, workspace, grad_hy=None, grad_cy=None, N=1
             _store(grad_cx, dcx[:p], r0, p, c0, w)
             if has_bias:
                 _bias_grad(bank, ones, stored, p, i == 0)
+            if w_hh is not None:
+                addend = None
+                if grad_next is not None:
+                    addend = _f32((H,))
+                    _load(addend[:p], grad_next, views["grad_next"], 0, p, 0, H)
+                _store(grad_h_prev, _hidden_grad(stored, w_hh, views["w_hh"], addend, p, H, 4)[:p], 0, p, 0, H)
             ring.append((act, c, t, deriv, gate_scale, gc, dg, dcx, stored))
         if has_bias:
             _store_bias_grad(grad_bias, bank, c0, w, 4, H)
-    return (grad_gates, grad_cx, grad_bias) if has_bias else (grad_gates, grad_cx)
+    results = (grad_gates, grad_cx) + ((grad_bias,) if has_bias else ())
+    return results + ((grad_h_prev,) if w_hh is not None else ())
 
 
 @nki.jit
-def gru_cell_kernel(igates, hgates, prev, b_ih=None, b_hh=None, N=1, H=1, views=()):
+def gru_cell_kernel(igates, prev, hgates=None, b_ih=None, b_hh=None, w_hh=None, N=1, H=1, views=()):
     """(hy, workspace) of one GRU step over [N, 3H] gate pre-activations (1-D spans read through ``views``:
-    (row, column) strides of igates, hgates, prev (hx), then b_ih, b_hh when given): with gi = igates + b_ih and
+    (name, (row, column) strides) of each span given; prev is hx): with gi = igates + b_ih and
     gh = hgates + b_hh, r, z = sigmoid(gi + gh) of the first two gates, n = tanh(gi_n + r * gh_n),
-    hy = n + z * (hx - n); the workspace holds [r, z, n, hx, gh_n]."""
+    hy = n + z * (hx - n); the workspace holds [r, z, n, hx, gh_n]. With ``w_hh`` (no hgates) the hidden gates
+    are hx @ W_hh^T, formed here."""
     _check(N, H, "gru cell", 5 + 2)
+    views = dict(views)
     dt = igates.dtype
+    bank = None
+    if w_hh is not None:
+        _check_fused(N, H, 3, "gru cell")
+        bank = _hidden_gates(prev, views["prev"], w_hh, views["w_hh"], N, H, 3)
     hy = nl.ndarray((N, H), dt, buffer=nl.shared_hbm)
     ws = nl.ndarray((N, 5 * H), dt, buffer=nl.shared_hbm)
     ring = collections.deque(maxlen=NBUF)
     for c0 in range(0, H, W):
         w = min(W, H - c0)
-        biases = None if b_ih is None else [_bias_block(b, v, min(PMAX, N), c0, w, 3, H) for b, v in ((b_ih, views[3]),
-                                                                                             (b_hh, views[4]))]
+        biases = None if b_ih is None else [_bias_block(b, views[n], min(PMAX, N), c0, w, 3, H)
+                                            for b, n in ((b_ih, "b_ih"), (b_hh, "b_hh"))]
         for r0 in range(0, N, PMAX):
             p = min(PMAX, N - r0)
             gi, gh, keep = _f32((3, w)), _f32((3, w)), _f32((5, w))   # keep: [r, z, n, hx, gh_n]
-            _load(gi[:p], igates, views[0], r0, p, c0, w, 3, H)
-            _load(gh[:p], hgates, views[1], r0, p, c0, w, 3, H)
-            _load(keep[:p, 3], prev, views[2], r0, p, c0, w)
+            _load(gi[:p], igates, views["igates"], r0, p, c0, w, 3, H)
+            if bank is None:
+                _load(gh[:p], hgates, views["hgates"], r0, p, c0, w, 3, H)
+            _load(keep[:p, 3], prev, views["prev"], r0, p, c0, w)
             if biases is not None:
                 _add(gi[:p], gi[:p], biases[0][:p])
-                _add(gh[:p], gh[:p], biases[1][:p], engine=nisa.gpsimd_engine)
+                # (GpSimdE does not read PSUM: VectorE adds the bias to the hidden gates formed here)
+                _add(gh[:p], gh[:p] if bank is None else bank[:p], biases[1][:p],
+                     engine=nisa.gpsimd_engine if bank is None else None)
+            elif bank is not None:
+                nisa.tensor_copy(dst=gh[:p], src=bank[:p])        # VectorE: PSUM to SBUF
             nisa.tensor_copy(dst=keep[:p, 4], src=gh[:p, 2])
             rz = _f32((2, w))
             _add(rz[:p], gi[:p, 0:2], gh[:p, 0:2])
@@ -276,13 +387,17 @@ def gru_cell_kernel(igates, hgates, prev, b_ih=None, b_hh=None, N=1, H=1, views=
 
 
 @nki.jit
-def gru_cell_backward_kernel(grad_hy, workspace, N=1, H=1, views=(), has_bias=False):
+def gru_cell_backward_kernel(grad_hy, workspace, w_hh=None, grad_next=None, N=1, H=1, views=(), has_bias=False):
     """(grad_input_gates, grad_hidden_gates, grad_hx[, grad_input_bias, grad_hidden_bias]) of one GRU step from
-    its workspace [r, z, n, hx, gh_n] (spans read through ``views``: (row, column) strides of grad_hy and the
-    workspace): d_n = grad_hy * (1-z) * (1-n^2), d_z = grad_hy * (hx-n) * z(1-z), d_r = d_n * gh_n * r(1-r);
+    its workspace [r, z, n, hx, gh_n] (spans read through ``views``: (name, (row, column) strides) of each span
+    given): d_n = grad_hy * (1-z) * (1-n^2), d_z = grad_hy * (hx-n) * z(1-z), d_r = d_n * gh_n * r(1-r);
     the input gates' gradient is [d_r, d_z, d_n], the hidden gates' [d_r, d_z, d_n * r], grad_hx = grad_hy * z;
-    the bias gradients are the batch sums of the rounded gate gradients."""
+    the bias gradients are the batch sums of the rounded gate gradients. With ``w_hh`` grad_hx is instead the
+    previous hidden state's whole gradient: hidden gates' gradient @ W_hh + (grad_next + grad_hy * z)."""
     _check(N, H, "gru cell backward", 5 + 6)
+    views = dict(views)
+    if w_hh is not None:
+        _check_fused(N, H, 3, "gru cell backward")
     dt = workspace.dtype
     grad_in = nl.ndarray((N, 3 * H), dt, buffer=nl.shared_hbm)
     grad_hid = nl.ndarray((N, 3 * H), dt, buffer=nl.shared_hbm)
@@ -297,8 +412,8 @@ def gru_cell_backward_kernel(grad_hy, workspace, N=1, H=1, views=(), has_bias=Fa
         for i, r0 in enumerate(range(0, N, PMAX)):
             p = min(PMAX, N - r0)
             keep, g = _f32((5, w)), _f32((w,))
-            _load(g[:p], grad_hy, views[0], r0, p, c0, w)
-            _load(keep[:p], workspace, views[1], r0, p, c0, w, 5, H)
+            _load(g[:p], grad_hy, views["grad_hy"], r0, p, c0, w)
+            _load(keep[:p], workspace, views["workspace"], r0, p, c0, w, 5, H)
             r, z, n, hx, hn = (keep[:p, k] for k in range(5))
             d_in, d_hid = _f32((3, w)), _f32((3, w))
             omz, t, u = _f32((w,)), _f32((w,)), _f32((w,))
@@ -322,6 +437,16 @@ def gru_cell_backward_kernel(grad_hy, workspace, N=1, H=1, views=(), has_bias=Fa
             stored = [_rounded(d_in, p, dt), _rounded(d_hid, p, dt)]
             _store(grad_in, stored[0][:p], r0, p, c0, w, 3, H)
             _store(grad_hid, stored[1][:p], r0, p, c0, w, 3, H)
+            if w_hh is not None:
+                if grad_next is not None:
+                    # the two-launch path's order: (output's gradient + direct path), then + the product
+                    gn = _f32((w,))
+                    _load(gn[:p], grad_next, views["grad_next"], r0, p, c0, w)
+                    _add(dhx[:p], gn[:p], _rounded_row(dhx, p, dt)[:p])
+                    ring.append(gn)
+                else:
+                    dhx = _rounded_row(dhx, p, dt)
+                dhx = _hidden_grad(stored[1], w_hh, views["w_hh"], dhx, p, H, 3)
             _store(grad_hx, dhx[:p], r0, p, c0, w)
             if has_bias:
                 for bank, s in zip(banks, stored):

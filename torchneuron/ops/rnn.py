@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad
 
-from torchneuron.kernels.rnn_cell import (gru_cell_backward_kernel, gru_cell_kernel, lstm_cell_backward_kernel,
-                                          lstm_cell_kernel)
+from torchneuron.kernels.rnn_cell import (fused_product_fits, gru_cell_backward_kernel, gru_cell_kernel,
+                                          lstm_cell_backward_kernel, lstm_cell_kernel)
 from torchneuron.ops.base import storage_span, type_name
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering
@@ -63,18 +63,19 @@ def _check_cell(op: str, input_gates: torch.Tensor, hidden_gates: torch.Tensor, 
 
 
 def _operands(names: tuple[str, ...], tensors: tuple, N: int, cols: tuple[int, ...]) -> tuple[dict, tuple]:
-    """The kernel's inputs (each tensor's storage span) and views ((row, column) strides; a bias (0, stride)) of
-    the given tensors, a 2-D one first brought to [N, cols] (a view where its strides allow)."""
+    """The kernel's inputs (each tensor's storage span) and views ((name, (row, column) strides); a bias
+    (0, stride)) of the given tensors, a 2-D one first brought to [N, cols] (a view where its strides allow;
+    cols 0: a weight, taken as it is)."""
     inputs, views = {}, []
     for name, t, c in zip(names, tensors, cols):
         if t is None:
             continue
         if t.dim() == 1:
-            views.append((0, t.stride(0)))
+            views.append((name, (0, t.stride(0))))
         else:
-            if tuple(t.shape) != (N, c):
+            if c and tuple(t.shape) != (N, c):
                 t = t.reshape(N, c)
-            views.append(tuple(t.stride()))
+            views.append((name, tuple(t.stride())))
         inputs[name] = storage_span(t)
     return inputs, tuple(views)
 
@@ -225,10 +226,12 @@ def _gru_cell_backward_composed(grad_hy, workspace, has_bias):
 # ``aten::lstm.input`` / ``aten::gru.input`` are CompositeImplicitAutograd: on an accelerator PyTorch runs them as
 # a loop over time steps of two products and a fused cell each, and the autograd engine then differentiates every
 # step's products separately and sums each weight's T gradients with T - 1 additions. On neuron their autograd
-# kernels instead run ``_FusedSequence``: one product for all time steps' input projections of a layer, then a
-# hidden product and a fused cell per step; its backward runs a cell backward and one product per step (the hidden
-# state's gradient, the output's gradient added at the product's store), then each weight's gradient over all
-# steps as one product of the stacked gate gradients and the bias gradients as one reduction.
+# kernels instead run ``_FusedSequence``: one product for all time steps' input projections of a layer, then one
+# cell launch per step that also forms the hidden product; its backward runs one cell-backward launch per step that
+# also forms the previous hidden state's gradient (through W_hh, the output's gradient added to the fp32 sum), then
+# each weight's gradient over all steps as one product of the stacked gate gradients and the bias gradients as one
+# reduction. A step beyond one kernel's tiles (batch > 128 rows, hidden > 128 columns) runs the hidden product as
+# its own launch (a product besides each cell, forward and backward).
 #
 # Configurations it does not take (bidirectional, projections, dropout while training, float64, packed sequences,
 # autocast, traced or forward-mode-AD tensors, mixed dtypes or devices) run PyTorch's composition unchanged.
@@ -267,6 +270,15 @@ def _sequence_fusable(gates: int, input: torch.Tensor, states: list[torch.Tensor
     return True
 
 
+def _step_with_product(kernel, op: str, N: int, H: int, **tensors: torch.Tensor | None) -> list[torch.Tensor]:
+    """One launch of a cell kernel that also forms its hidden-state product (``w_hh`` among ``tensors``; the
+    sequence's checks already made): its results."""
+    names = tuple(tensors)
+    widths = {"igates": 0, "workspace": 0, "w_hh": 0}      # taken as they lie; the states are [N, H]
+    inputs, views = _operands(names, tuple(tensors.values()), N, tuple(widths.get(n, H) for n in names))
+    return call_kernel(kernel, inputs, {"N": N, "H": H, "views": views}, op="aten::" + op)
+
+
 class _FusedSequence(torch.autograd.Function):
     """A stack of LSTM (``gates`` 4) or GRU (3) layers over a whole sequence; see the section comment. Returns
     (output, h_n, c_n) for the LSTM, (output, h_n) for the GRU. A backward that builds a graph (double backward)
@@ -289,7 +301,21 @@ class _FusedSequence(torch.autograd.Function):
             gi = torch.mm(layer_in.reshape(-1, layer_in.shape[2]), w_ih.t()).view(*layer_in.shape[:2], gates * H)
             h, c = h0[layer], (c0[layer] if c0 is not None else None)
             hs, cs, workspaces = [], [c], []     # the LSTM's cell states c_0 .. c_T
+            # a batch and hidden size one kernel's tiles hold: the hidden product inside the cell's launch
+            one_launch = fused_product_fits(h.shape[0], H, gates)
             for t in range(T):
+                if one_launch and c0 is not None:
+                    h, c, ws = _step_with_product(lstm_cell_kernel, "_thnn_fused_lstm_cell", h.shape[0], H,
+                                                  igates=gi.select(tdim, t), prev=c, hx=h, w_hh=w_hh, b_ih=b_ih,
+                                                  b_hh=b_hh)
+                    cs.append(c)
+                elif one_launch:
+                    h, ws = _step_with_product(gru_cell_kernel, "_thnn_fused_gru_cell", h.shape[0], H,
+                                               igates=gi.select(tdim, t), prev=h, w_hh=w_hh, b_ih=b_ih, b_hh=b_hh)
+                if one_launch:
+                    hs.append(h)
+                    workspaces.append(ws)
+                    continue
                 hg = torch.mm(h, w_hh.t())
                 if c0 is not None:
                     h, c, ws = cell(gi.select(tdim, t), hg, c, b_ih, b_hh)
@@ -350,7 +376,27 @@ class _FusedSequence(torch.autograd.Function):
             # the last step's hidden-state gradient: the output's plus h_n's; earlier steps' are formed below
             dh = g_t if dh is None else dh if g_t is None else g_t + dh
             d_input_gates, d_hidden_gates = [None] * T, [None] * T
+            one_launch = fused_product_fits(h0.shape[1], H, gates)
             for t in reversed(range(T)):
+                g_t = None if grad_in is None or t == 0 else grad_in.select(tdim, t - 1)
+                if one_launch:
+                    # the cell's backward and the previous hidden state's gradient (through W_hh, plus the
+                    # output's) in one launch
+                    if lstm:
+                        if dh is None and dc is None:
+                            dh = torch.zeros_like(h0[layer])
+                        d_gates, dc, dh = _step_with_product(
+                            lstm_cell_backward_kernel, "_thnn_fused_lstm_cell_backward_impl", h0.shape[1], H,
+                            cx=layer_steps[t], cy=layer_steps[t + 1], workspace=layer_steps[T + 1 + t], grad_hy=dh,
+                            grad_cy=dc, w_hh=w_hh, grad_next=g_t)
+                        d_input_gates[t] = d_hidden_gates[t] = d_gates
+                    else:
+                        if dh is None:
+                            dh = torch.zeros_like(h0[layer])
+                        d_input_gates[t], d_hidden_gates[t], dh = _step_with_product(
+                            gru_cell_backward_kernel, "_thnn_fused_gru_cell_backward", h0.shape[1], H,
+                            grad_hy=dh, workspace=layer_steps[t], w_hh=w_hh, grad_next=g_t)
+                    continue
                 if lstm:
                     if dh is None and dc is None:
                         dh = torch.zeros_like(h0[layer])
@@ -365,7 +411,6 @@ class _FusedSequence(torch.autograd.Function):
                         fused_gru_cell_backward(dh, layer_steps[t], False)
                 # the previous step's hidden-state gradient: through W_hh, plus the output's (and the GRU's
                 # direct path) added at the product's store
-                g_t = None if grad_in is None or t == 0 else grad_in.select(tdim, t - 1)
                 addend = direct if g_t is None else g_t if direct is None else g_t + direct
                 dh = torch.mm(d_hidden_gates[t], w_hh) if addend is None else \
                     torch.addmm(addend, d_hidden_gates[t], w_hh)
