@@ -22,7 +22,9 @@ Prints
      shapes as % of their roofline, measured the same way (target >= 70%).
 A benchmark reports; it does not assert.
 
-Run:  python bench/eager.py [--steps 5] [--only products|host] [--size quick|default|full]   (``make bench``)
+Host times are taken with torch on one intra-op thread unless ``--threads`` says otherwise.
+
+Run:  python bench/eager.py [--steps 5] [--threads 1] [--only products|host] [--size quick|default|full]   (``make bench``)
 """
 from __future__ import annotations
 
@@ -408,11 +410,16 @@ def main() -> None:
     """Measure and print the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per device")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads for the whole run (default 1: both devices' host work on one "
+                             "thread, the neuron device's is mostly single-threaded anyway; on a shared machine a "
+                             "CPU reference with more threads than free cores measures the scheduler, not the work)")
     parser.add_argument("--only", choices=("host", "products", "heavy"), help="print only this part")
     parser.add_argument("--size", choices=tuple(SIZES), default="default",
                         help="shapes of the matrix products (full: squares to 8192, an 8192-token LLM MLP; "
                              "tens of minutes of host time)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     if args.only in (None, "products"):
         products_table(args.size)
     if args.only in (None, "heavy"):
