@@ -429,3 +429,40 @@ def test_contraction_longer_than_the_weighed_chunks():
     exact = a.double() @ b.double()
     bound = 4 * K ** 0.5 * torch.finfo(torch.float32).eps * (a.double().abs() @ b.double().abs())
     assert bool(((got - exact).abs() <= bound).all()), float(((got - exact).abs() / bound).max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("alpha,beta", [(1.0, 1.0), (0.125, 1.0), (0.3, -1.7)])
+@pytest.mark.parametrize("K,N,transpose_a,transpose_b", [
+    (64, 600, False, True),    # one contraction tile (Q @ K.T): A's rows transposed on TensorE, B as [N, K]
+    (100, 600, True, False),   # one contraction tile, A given as [K, M], B as [K, N]
+    (300, 64, False, False),   # a long contraction into a narrow output (P @ V), A's rows transposed
+    (300, 64, True, False),    # the same with A given as [K, M] (P.T @ dO)
+])
+def test_batched_scaled_sum_formed_at_the_eviction(K, N, transpose_a, transpose_b, alpha, beta, dtype):
+    # baddbmm's streamed paths add beta * C to the fp32 accumulator as it leaves PSUM (alpha applied there first)
+    # and round once. Against float64: one rounding of the result (eps/2), the fp32 accumulation's random-walk
+    # bound (4 sqrt(K) eps32 of the terms) and the fp32 roundings of alpha * product and beta * C (eps32 each).
+    # C holds inf and NaN at a few places: they reach the result there and nowhere else (entries and rows
+    # share tiles, never a sum).
+    Bt, M = 2, 300
+    gen = torch.Generator().manual_seed(K + N)
+    a = (torch.randn(Bt, M, K, generator=gen) / K ** 0.5).to(dtype)
+    b = torch.randn(Bt, K, N, generator=gen).to(dtype)
+    c = torch.randn(Bt, M, N, generator=gen).to(dtype)
+    c[0, 5, 7], c[1, 299, N - 1], c[1, 130, 0] = float("inf"), float("-inf"), float("nan")
+    got = torch.as_tensor(addmm_kernel(a.transpose(1, 2).contiguous() if transpose_a else a,
+                                       b.transpose(1, 2).contiguous() if transpose_b else b, c,
+                                       transpose_a=transpose_a, transpose_b=transpose_b, alpha=alpha, beta=beta))
+    assert got.dtype == dtype and got.shape == (Bt, M, N)
+    got = got.double()
+    exact = beta * c.double() + alpha * (a.double() @ b.double())
+    special = ~exact.isfinite()
+    assert int(special.sum()) == 3
+    assert bool((got[special].isnan() == exact[special].isnan()).all())
+    assert bool((got[special & ~exact.isnan()] == exact[special & ~exact.isnan()]).all())
+    terms = (abs(beta) * c.double().abs() + abs(alpha) * (a.double().abs() @ b.double().abs()))[~special]
+    eps32 = torch.finfo(torch.float32).eps
+    bound = torch.finfo(dtype).eps / 2 * exact[~special].abs() + (4 * K ** 0.5 + 2) * eps32 * terms
+    err = (got[~special] - exact[~special]).abs()
+    assert bool((err <= bound + torch.finfo(dtype).tiny).all()), float((err / bound).max())

@@ -146,8 +146,9 @@ def bmm_entries_into(a, b, out, transpose_a: bool = False, transpose_b: bool = F
 def addmm_kernel(a, b, c, transpose_a=False, transpose_b=False, alpha=1.0, beta=1.0):
     """``beta * C + alpha * (A @ B)`` with C of the product's shape, in one launch: 2-D (layouts as
     ``matmul_kernel``) or batched over the leading dim of 3-D operands (entries of more than one tile each).
-    The sum is formed in fp32 at each block's store from the fp32 product and rounded once, as the CPU's GEMM
-    forms it (rounding the product to A's dtype first put ~1 in 5 bf16 results a unit off)."""
+    The sum is formed in fp32 from the fp32 product (at each block's store; on the streamed batched paths as the
+    accumulator leaves PSUM, ``ScaledSum.evict``) and rounded once, as the CPU's GEMM forms it (rounding the
+    product to A's dtype first put ~1 in 5 bf16 results a unit off)."""
     if len(a.shape) == 2:
         return matmul_kernel(a, b, transpose_a, transpose_b, epilogue=ScaledSum(c, alpha, beta).epilogue(a.dtype))
     out = nl.ndarray(tuple(c.shape), a.dtype, buffer=nl.shared_hbm)
@@ -177,20 +178,26 @@ class ScaledSum:
             return prod
         return Epilogue(scaled_sum, (self.c,), dtype, rounds_product=False)
 
-    def apply(self, res, prod, c) -> None:
-        """``res = beta * c + alpha * prod`` over SBUF tiles of one shape (prod the fp32 product, c in any dtype,
-        res in any): beta * c by GpSimd into fp32 when beta != 1 (the engine the evictions leave idle), then
-        one VectorE pass, the sum rounded once as it is written (fewer passes per element than the fp32
-        epilogue's widening copies)."""
-        if self.beta != 1:
-            cb = nl.ndarray(tuple(c.shape), nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=cb, data=c, op0=nl.multiply, operand0=float(self.beta), engine=nisa.gpsimd_engine)
-            c = cb
-        if self.alpha == 1:
-            nisa.tensor_tensor(dst=res, data1=prod, data2=c, op=nl.add)
-        else:
-            nisa.scalar_tensor_tensor(dst=res, data=prod, op0=nl.multiply, operand0=float(self.alpha), op1=nl.add,
-                                      operand1=c)
+    def addend(self, m0: int, r: int, p: int, N: int):
+        """``beta * c`` for rows m0 + q*r + j (partition q < p, slot j < r) of c [M, N] as an SBUF tile [128, r, N]
+        (``_rows_ap``'s layout): c in its dtype when beta == 1, else beta * c in fp32 by GpSimd (the engine the
+        evictions leave idle)."""
+        c = nl.ndarray((PMAX, r, N), self.c.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=c[:p], src=_rows_ap(self.c, m0, r, p, N))
+        if self.beta == 1:
+            return c
+        cb = nl.ndarray((PMAX, r, N), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=cb[:p], data=c[:p], op0=nl.multiply, operand0=float(self.beta),
+                           engine=nisa.gpsimd_engine)
+        return cb
+
+    def evict(self, dst, acc, addend) -> None:
+        """``dst = addend + alpha * acc`` from a PSUM accumulator ``acc`` (``addend``: ``self.addend``'s block of the
+        same shape), the sum rounded once as it is written: ScalarE scales the accumulator in place when alpha != 1,
+        then one VectorE add that reads PSUM (one element per cycle; a sum of two SBUF tiles costs two)."""
+        if self.alpha != 1:
+            nisa.activation(dst=acc, op=nl.identity, data=acc, scale=float(self.alpha))
+        nisa.tensor_tensor(dst=dst, data1=acc, data2=addend, op=nl.add)
 
 
 def alternating_evict() -> Callable:
@@ -811,10 +818,11 @@ def _matmul_pass(a, b, out, transpose_a=False, transpose_b=False, bias=None, epi
 STAGE_BYTES = 24 * 1024   # SBUF bytes per partition of one output staging tile of the streamed bmm paths
 
 
-def _stage_bytes(scaled) -> int:
-    """Bytes per partition of a staging tile: a quarter with a scaled sum (its input, fp32 beta * input and
-    result are staged too)."""
-    return STAGE_BYTES // 4 if scaled else STAGE_BYTES
+def _stage_rows(N: int, dt, scaled: Callable | None, limit: int) -> int:
+    """Output rows per partition (at most ``limit``) of one staging tile [128, r, N] of the streamed bmm paths in
+    ``STAGE_BYTES``: the result in dt, plus with a scaled sum its input's rows in dt and beta * input in fp32."""
+    per_row = N * itemsize(dt) * (2 if scaled else 1) + (N * 4 if scaled else 0)
+    return max(1, min(limit, STAGE_BYTES // per_row))
 
 
 def _row_groups(M: int, R: int) -> list[tuple[int, int, int]]:
@@ -835,16 +843,35 @@ def _rows_ap(t, m0: int, r: int, p: int, width: int):
     return t.ap([[r * width, p], [1, r * width]], offset=m0 * width)
 
 
-def _store_rows(out, stage, m0: int, r: int, p: int, N: int, scaled: ScaledSum | None) -> None:
-    """Store the staged product block stage[:p, :r, :N] (partition q, slot j = row m0 + q*r + j) to ``out``,
-    as ``scaled``'s sum with its input's rows when given."""
-    if scaled is not None:
-        c = nl.ndarray((PMAX, r, N), stage.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=c[:p], src=_rows_ap(scaled.c, m0, r, p, N))
-        res = nl.ndarray((PMAX, r, N), out.dtype, buffer=nl.sbuf)
-        scaled.apply(res[:p], stage[:p, :r, :N], c[:p])
-        stage = res
+def _store_rows(out, stage, m0: int, r: int, p: int, N: int) -> None:
+    """Store the staged block stage[:p, :r, :N] (partition q, slot j = row m0 + q*r + j) to ``out``."""
     nisa.dma_copy(dst=_rows_ap(out, m0, r, p, N), src=stage[:p, :r, :N])
+
+
+def _addends(scaled: Callable | None, work: list, N: int):
+    """Per work item (entry i, (m0, r, p)) of a streamed bmm path, in order: entry i's ``ScaledSum`` and the addend
+    tile of the item's rows (``ScaledSum.addend``), each loaded one item ahead so its DMA overlaps the previous
+    item's matmuls; (None, None) per item without a scaled sum."""
+    if scaled is None:
+        yield from itertools.repeat((None, None), len(work))
+        return
+
+    def load(k):
+        i, (m0, r, p) = work[k]
+        return scaled(i), scaled(i).addend(m0, r, p, N)
+    nxt = load(0)
+    for k in range(len(work)):
+        cur, nxt = nxt, (load(k + 1) if k + 1 < len(work) else None)
+        yield cur
+
+
+def _evict_block(evict: Callable, scaled: ScaledSum | None, addend, dst, acc, at: tuple) -> None:
+    """A PSUM block into its staging tile: ``evict`` (the cast), or with a scaled sum ``scaled.evict`` with the
+    addend tile's block ``addend[at]`` (the rows of dst)."""
+    if scaled is None:
+        evict(dst, acc)
+    else:
+        scaled.evict(dst, acc, addend[at])
 
 
 def _bmm_short_k(a, b, out, transpose_a: bool, transpose_b: bool, scaled: Callable | None) -> None:
@@ -860,8 +887,7 @@ def _bmm_short_k(a, b, out, transpose_a: bool, transpose_b: bool, scaled: Callab
     Bt, M, N = out.shape
     K = a.shape[1] if transpose_a else a.shape[2]
     dt, isz = a.dtype, itemsize(a.dtype)
-    sdt = nl.float32 if scaled else dt          # a scaled sum reads the fp32 product (rounded once)
-    R = max(1, min(8, _stage_bytes(scaled) // (N * itemsize(sdt))))
+    R = _stage_rows(N, dt, scaled, 8)
     groups = _row_groups(M, R)
     evict = alternating_evict()
     GT = max(1, 2048 // (PMAX * isz))           # transposes per PSUM bank (8 bf16, 4 fp32)
@@ -926,7 +952,9 @@ def _bmm_short_k(a, b, out, transpose_a: bool, transpose_b: bool, scaled: Callab
     nxt_a = load_a(0, *groups[0])
     bTs = {0: b_transposed(load_b(0))}
     nxt_b = load_b(1) if Bt > 1 else None
+    addends = _addends(scaled, work, N)
     for w, (i, (m0, r, p)) in enumerate(work):
+        sc, addend = next(addends)
         cur_a = nxt_a
         nxt_a = load_a(work[w + 1][0], *work[w + 1][1]) if w + 1 < len(work) else None
         stat = stationaries(cur_a, r, p)
@@ -937,15 +965,16 @@ def _bmm_short_k(a, b, out, transpose_a: bool, transpose_b: bool, scaled: Callab
             bTs[i + 1] = b_transposed(nxt_b)
             nxt_b = load_b(i + 2) if i + 2 < Bt else None
         bT = bTs.pop(i) if last else bTs[i]
-        stage = nl.ndarray((PMAX, r, N), sdt, buffer=nl.sbuf)
+        stage = nl.ndarray((PMAX, r, N), dt, buffer=nl.sbuf)
         for j in range(r):
             for n0 in range(0, N, TN):
                 w_ = min(TN, N - n0)
                 acc = nl.ndarray((PMAX, TN), nl.float32, buffer=nl.psum)
                 nisa.nc_matmul(dst=acc[:p, :w_], stationary=stat[j], moving=bT[:K, n0:n0 + w_], accumulate=False,
                                **next(half_rows))
-                evict(stage[:p, j, n0:n0 + w_], acc[:p, :w_])
-        _store_rows(out[i], stage, m0, r, p, N, scaled(i) if scaled else None)
+                _evict_block(evict, sc, addend, stage[:p, j, n0:n0 + w_], acc[:p, :w_],
+                             (slice(0, p), j, slice(n0, n0 + w_)))
+        _store_rows(out[i], stage, m0, r, p, N)
 
 
 def _bmm_narrow(a, b, out, transpose_a: bool, scaled: Callable | None) -> None:
@@ -962,16 +991,15 @@ def _bmm_narrow(a, b, out, transpose_a: bool, scaled: Callable | None) -> None:
     Bt, M, N = out.shape
     K = a.shape[1] if transpose_a else a.shape[2]
     dt, isz = a.dtype, itemsize(a.dtype)
-    sdt = nl.float32 if scaled else dt          # a scaled sum reads the fp32 product (rounded once)
     KT, kr = divmod(K, TK)
     ktiles = KT + (1 if kr else 0)
     evict, evict_t = alternating_evict(), alternating_evict()   # products; transposes (each alternating)
     GT = max(1, 2048 // (PMAX * isz))
     per_bank = PSUM_FP32 // N                   # accumulators of N fp32 columns per PSUM bank
     if transpose_a:   # the slots of a block accumulate together: up to 4 PSUM banks of them
-        R = max(1, min(4 * per_bank, 16, _stage_bytes(scaled) // (N * itemsize(sdt))))
+        R = _stage_rows(N, dt, scaled, min(4 * per_bank, 16))
     else:             # r rows of K per partition loaded at once
-        R = max(1, min(8, STAGE_BYTES // (K * isz), _stage_bytes(scaled) // (N * itemsize(sdt))))
+        R = _stage_rows(N, dt, scaled, max(1, min(8, STAGE_BYTES // (K * isz))))
     groups = _row_groups(M, R)
 
     def load_b(i):
@@ -1020,11 +1048,13 @@ def _bmm_narrow(a, b, out, transpose_a: bool, scaled: Callable | None) -> None:
     # left each waiting on the other at group boundaries)
     ahead = collections.deque() if transpose_a else collections.deque(
         load_rows(*work[k][:1], *work[k][1]) for k in range(min(2, len(work))))
+    addends = _addends(scaled, work, N)
     for w, (i, (m0, r, p)) in enumerate(work):
+        sc, addend = next(addends)
         if m0 == 0:
             bK = nxt_b
             nxt_b = load_b(i + 1) if i + 1 < Bt else None
-        stage = nl.ndarray((PMAX, r, N), sdt, buffer=nl.sbuf)
+        stage = nl.ndarray((PMAX, r, N), dt, buffer=nl.sbuf)
         if transpose_a:
             banks = [nl.ndarray((PMAX, per_bank, N), nl.float32, buffer=nl.psum) for _ in range(cdiv(r, per_bank))]
             steps = a_steps(r * p)
@@ -1040,7 +1070,8 @@ def _bmm_narrow(a, b, out, transpose_a: bool, scaled: Callable | None) -> None:
                 cur = nxt_t
             for q, bank in enumerate(banks):
                 s = min(per_bank, r - q * per_bank)
-                evict(stage[:p, q * per_bank:q * per_bank + s, :], bank[:p, :s, :])
+                slots = slice(q * per_bank, q * per_bank + s)
+                _evict_block(evict, sc, addend, stage[:p, slots, :], bank[:p, :s, :], (slice(0, p), slots))
         else:
             rows = ahead.popleft()
             if w + 2 < len(work):
@@ -1063,8 +1094,8 @@ def _bmm_narrow(a, b, out, transpose_a: bool, scaled: Callable | None) -> None:
                     kk = TK if kt < KT else kr
                     nisa.nc_matmul(dst=acc[:p, :], stationary=aT[:kk, kt, :p], moving=bK[:kk, kt, :],
                                    accumulate=kt > 0)
-                evict(stage[:p, j, :], acc[:p, :])
-        _store_rows(out[i], stage, m0, r, p, N, scaled(i) if scaled else None)
+                _evict_block(evict, sc, addend, stage[:p, j, :], acc[:p, :], (slice(0, p), j))
+        _store_rows(out[i], stage, m0, r, p, N)
 
 
 def matmul(a, b, transpose_a: bool = False, transpose_b: bool = False):
