@@ -115,12 +115,16 @@ def fused_product_fits(N: int, H: int, gates: int) -> bool:
     return N <= PMAX and H <= W and gates * H <= PSUM_FP32
 
 
-def _hidden_gates(h, h_view, w_hh, w_view, N: int, H: int, gates: int):
-    """A [128, gates, H] fp32 PSUM tile whose first N rows are h @ W_hh^T (h: [N, H], W_hh: [gates * H, H], spans
-    read through their (row, column) strides), as one product of contraction H on TensorE."""
+def _hidden_gates(h, h_name: str, w_hh, views: dict, N: int, H: int, gates: int, what: str):
+    """None without ``w_hh``; else a [128, gates, H] fp32 PSUM tile whose first N rows are h @ W_hh^T (h: [N, H],
+    W_hh: [gates * H, H], spans read through their (row, column) strides in ``views``), as one product of
+    contraction H on TensorE."""
+    if w_hh is None:
+        return None
+    _check_fused(N, H, gates, what)
     dt = w_hh.dtype
     hT, wT = nl.ndarray((PMAX, PMAX), dt, buffer=nl.sbuf), nl.ndarray((PMAX, gates * H), dt, buffer=nl.sbuf)
-    (hr, hc), (wr, wc) = h_view, w_view
+    (hr, hc), (wr, wc) = views[h_name], views["w_hh"]
     nisa.dma_copy(dst=hT[:H, :N], src=h.ap([[hc, H], [hr, N]], offset=0))                  # DMA: h^T
     nisa.dma_copy(dst=wT[:H], src=w_hh.ap([[wc, H], [wr, gates * H]], offset=0))          # DMA: W_hh^T
     bank = nl.ndarray((PMAX, gates, H), nl.float32, buffer=nl.psum)
@@ -168,10 +172,7 @@ def lstm_cell_kernel(igates, prev, hgates=None, b_ih=None, b_hh=None, hx=None, w
     _check(N, H, "lstm cell", 5 + 2)
     views = dict(views)
     dt = igates.dtype
-    bank = None
-    if w_hh is not None:
-        _check_fused(N, H, 4, "lstm cell")
-        bank = _hidden_gates(hx, views["hx"], w_hh, views["w_hh"], N, H, 4)
+    bank = _hidden_gates(hx, "hx", w_hh, views, N, H, 4, "lstm cell")
     hy = nl.ndarray((N, H), dt, buffer=nl.shared_hbm)
     cy = nl.ndarray((N, H), dt, buffer=nl.shared_hbm)
     ws = nl.ndarray((N, 4 * H), dt, buffer=nl.shared_hbm)
@@ -343,10 +344,7 @@ def gru_cell_kernel(igates, prev, hgates=None, b_ih=None, b_hh=None, w_hh=None, 
     _check(N, H, "gru cell", 5 + 2)
     views = dict(views)
     dt = igates.dtype
-    bank = None
-    if w_hh is not None:
-        _check_fused(N, H, 3, "gru cell")
-        bank = _hidden_gates(prev, views["prev"], w_hh, views["w_hh"], N, H, 3)
+    bank = _hidden_gates(prev, "prev", w_hh, views, N, H, 3, "gru cell")
     hy = nl.ndarray((N, H), dt, buffer=nl.shared_hbm)
     ws = nl.ndarray((N, 5 * H), dt, buffer=nl.shared_hbm)
     ring = collections.deque(maxlen=NBUF)
