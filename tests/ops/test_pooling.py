@@ -67,6 +67,26 @@ def test_max_pool2d_ties_nan_and_infinities_like_cpu(dtype, strict):
         _assert_pool_like_cpu(x, args, kwargs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_max_pool3d_ties_nan_and_infinities_like_cpu(dtype, strict):
+    # 3-D pooling takes the window gather and argmax route: the CPU's rule for NaN (its last NaN's index) and
+    # for windows of -inf overlapping the padding (their first element inside the input), as in 2-D
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randint(-2, 3, (2, 3, 5, 6, 7), generator=gen).to(dtype)       # many ties
+    flat = x.view(-1)
+    picks = torch.randperm(flat.numel(), generator=gen)
+    flat[picks[:20]] = NAN
+    flat[picks[20:30]] = INF
+    flat[picks[30:40]] = -INF
+    x[1, 1] = -INF                                                            # a volume of -inf
+    for args, kwargs in [((2,), {}), ((3, 1, 1), {}), ((3, 2, 1), {"dilation": 2, "ceil_mode": True}), ((3, 2, 1), {})]:
+        want_v, want_i = torch.nn.functional.max_pool3d(x, *args, return_indices=True, **kwargs)
+        got_v, got_i = torch.nn.functional.max_pool3d(to_n(x), *args, return_indices=True, **kwargs)
+        assert torch.equal(got_i.cpu(), want_i)
+        same = (got_v.cpu() == want_v) & (torch.signbit(got_v.cpu()) == torch.signbit(want_v))
+        assert (same | (got_v.cpu().isnan() & want_v.isnan())).all()
+
+
 def test_max_pool2d_many_planes_and_bands_like_cpu(strict):
     # more planes than partitions (150: two tiles) and rows too wide for more than one output row per band
     gen = torch.Generator().manual_seed(1)

@@ -5,7 +5,8 @@
   CPU's rule per window offset, values and int64 indices written by the kernel). 3-D, and 2-D rows too wide
   for SBUF: the window gather (``windows.im2col_patches``) with -inf padding, ``max`` and ``argmax`` over the
   window axis by the reduction kernel, the argmax turned into PyTorch's flat input index by one element-wise
-  launch (that route returns the first NaN's index where the CPU returns the last's). Backward: ``where(index == window_index[k], grad, 0)`` per window offset k, then
+  launch, with the CPU's rule for NaN (its last NaN's index: one more element-wise launch and a max over the
+  window axis find it) and for windows of -inf (their first element inside the input). Backward: ``where(index == window_index[k], grad, 0)`` per window offset k, then
   col2im.
 - **Average pooling** (n-D): window sums of the zero-padded im2col patches (one reduction over the window
   axis) divided by the CPU kernels' divisors (``count_include_pad``, ``ceil_mode``, ``divisor_override``),
@@ -77,19 +78,40 @@ def _window_base(S: tuple, s: tuple, p: tuple, o: tuple) -> torch.Tensor:
     return base.to(torch.float32).reshape(1, -1)
 
 
+@functools.lru_cache(maxsize=256)
+def _window_first_f32(S: tuple, k: tuple, s: tuple, p: tuple, d: tuple, o: tuple) -> torch.Tensor:
+    """fp32 [1, prod(O)]: ``_window_first`` for the fp32 index arithmetic."""
+    return _window_first(S, k, s, p, d, o).to(torch.float32).reshape(1, -1)
+
+
+@functools.lru_cache(maxsize=64)
+def _offsets_from_one(K: int) -> torch.Tensor:
+    """fp32 [K, 1]: 1, 2, .., K (a window offset plus one, so 0 can mean "none")."""
+    return torch.arange(1, K + 1, dtype=torch.float32).view(K, 1)
+
+
+def _nan_offset(x, offset):
+    """Tile function: ``offset`` where x is NaN, else 0."""
+    return tm.where(tm.isnan(x), offset, nl.multiply(offset, 0.0))
+
+
 @functools.lru_cache(maxsize=None)
 def _pool_index_fn(k: tuple, steps: tuple):
     """Tile function: flat input index of window offset ``j``, ``base + sum_i j_i * steps[i]`` with
     ``(j_0, .., j_n-1)`` the digits of j in the mixed radix k (constants of the geometry, which the Program
-    is traced for anyway)."""
-    def pool_index(j, base):
+    is traced for anyway). The CPU's scan takes every NaN (so its last NaN wins: offset ``last_nan - 1`` where
+    ``last_nan`` > 0) and keeps the window's first element inside the input while nothing beats -inf (``first``
+    where the maximum ``value`` is -inf, where argmax gave the first, perhaps padded, offset)."""
+    def pool_index(j, base, last_nan, value, first):
+        j = tm.where(nl.greater(last_nan, 0.0), nl.subtract(last_nan, 1.0), nl.add(j, 0.0))
         acc = base
         for i in range(len(k) - 1):
             radix = math.prod(k[i + 1:])
             digit = tm.floor(nl.multiply(nl.add(j, 0.5), 1.0 / radix))   # j >= 0 and small: exact
             acc = nl.add(acc, nl.multiply(digit, float(steps[i])))
             j = nl.subtract(j, nl.multiply(digit, float(radix)))
-        return nl.add(acc, nl.multiply(j, float(steps[-1])))
+        acc = nl.add(acc, nl.multiply(j, float(steps[-1])))
+        return tm.where(nl.equal(value, -math.inf), first, acc)
     return pool_index
 
 
@@ -145,9 +167,15 @@ def _max_pool(n: int, self: torch.Tensor, kernel_size, stride, padding, dilation
     view = cols.view(1, math.prod(k), BC * math.prod(O))
     (values,) = call_kernel(reduce_kernel, {"x": view}, {"op": "max"}, op=op)
     (arg,) = call_kernel(reduce_kernel, {"x": view}, {"op": "argmax"}, op=op)
+    K, P = math.prod(k), math.prod(O)
+    nan_at = run_pointwise(_nan_offset, [cols.view(K, BC * P), device_table(self.device, _offsets_from_one, K)],
+                           KIND.DEFAULT, result_dtype=torch.float32, op=op)
+    (last_nan,) = call_kernel(reduce_kernel, {"x": nan_at.view(1, K, BC * P)}, {"op": "max"}, op=op)
     base = device_table(self.device, _window_base, S, s, p, O)
+    first = device_table(self.device, _window_first_f32, S, k, s, p, d, O)
     steps = tuple(dd * math.prod(S[i + 1:]) for i, dd in enumerate(d))
-    flat = run_pointwise(_pool_index_fn(k, steps), [arg.view(BC, math.prod(O)), base], KIND.DEFAULT,
+    flat = run_pointwise(_pool_index_fn(k, steps), [arg.view(BC, P), base, last_nan.view(BC, P),
+                                                    values.view(BC, P), first], KIND.DEFAULT,
                          result_dtype=torch.float32, op=op)
     return values.view(meta.shape), to_int64(flat).view(meta.shape)
 
