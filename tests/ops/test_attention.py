@@ -108,6 +108,36 @@ def test_results_are_laid_out_as_the_projection_views(T, strict):
     _within_bounds(q, k, v, {"device": (yc.detach().cpu(), [t.grad.cpu() for t in (qc, kc, vc)])}, causal=True)
 
 
+def test_sequence_major_heads_take_the_layout_with_fewer_copies(strict, monkeypatch):
+    """nn.MultiheadAttention's heads are a view of a sequence-major [T, B * H, d] projection: the rows layout
+    would make autograd copy each of the q/k/v gradients to reverse that split, so the op lays them out as
+    heads. The copies of a forward and backward under the op's choice are the fewest of either forced layout;
+    the input's gradient equals the CPU module's within fp32 accumulation over D and T terms."""
+    import torchneuron.ops.attention as attention
+    torch.manual_seed(0)
+    T, B, D, H = 64, 2, 32, 4
+    mha = torch.nn.MultiheadAttention(D, H)
+    x = torch.randn(T, B, D, requires_grad=True)
+    want = torch.autograd.grad(mha(x, x, x, need_weights=False)[0].square().sum(), x)[0]
+    mha.to("neuron")
+
+    def copies_and_grad():
+        xn = to_n(x.detach()).requires_grad_()
+        with profiler.record() as recs:
+            mha(xn, xn, xn, need_weights=False)[0].square().sum().backward()
+        ops = [r.op for r in recs]
+        assert FUSED in ops and FUSED + "_backward" in ops
+        return ops.count("aten::copy_"), xn.grad.cpu()
+
+    chosen, grad = copies_and_grad()
+    forced = []
+    for layout in ("rows", "heads"):
+        monkeypatch.setattr(attention, "_layout", lambda t, layout=layout: layout)
+        forced.append(copies_and_grad()[0])
+    assert chosen == min(forced) < max(forced), (chosen, forced)
+    torch.testing.assert_close(grad, want, atol=64 * 2.0 ** -24 * (T + D) * want.abs().max().item(), rtol=0)
+
+
 def test_packed_heads_launch_the_faster_stacking(strict):
     """The eager op launches the packed-heads program (queries stacked on the partitions or not) that the
     device's timing model prices faster, in each direction; the values stay within the float64 bounds."""

@@ -100,9 +100,13 @@ def _launch(kernel, inputs: dict[str, torch.Tensor], meta: dict, op: str) -> lis
 
 def _layout(t: torch.Tensor) -> str:
     """The kernel result layout matching a [B, H, n, d] operand's: "rows" when its heads lie side by side in
-    each row (a view of a [B, n, H * d] projection), so that the caller's ``transpose(1, 2).reshape(B, n, H * d)``
-    of the result (and autograd's of the gradient) is a view rather than a copy launch; else "heads"."""
-    return "rows" if t.shape[1] > 1 and t.shape[2] > 1 and t.stride(1) < t.stride(2) else "heads"
+    each row of a batch-major tensor (a view of a [B, n, H * d] projection), so that the caller's
+    ``transpose(1, 2).reshape(B, n, H * d)`` of the result (and autograd's of the gradient) is a view rather than
+    a copy launch; else "heads" (also for sequence-major operands such as ``nn.MultiheadAttention``'s, a view of
+    [n, B * H, d], whose gradients the rows layout would make autograd copy)."""
+    B, H, n = t.shape[:3]
+    rows = H > 1 and n > 1 and t.stride(1) < t.stride(2)
+    return "rows" if rows and (B == 1 or t.stride(0) >= n * t.stride(2)) else "heads"
 
 
 def _matrices(t: torch.Tensor) -> torch.Tensor:
