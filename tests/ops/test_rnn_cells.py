@@ -84,6 +84,18 @@ def _cell_inputs(gates: int, N: int, H: int, dtype: torch.dtype, bias: bool, gen
     return ts, [None if t is None else to_n(t) for t in ts]
 
 
+
+def _forward_checked(gates: int, op, kernel: str, ref, N: int, H: int, dtype: torch.dtype, bias: bool,
+                     gen: torch.Generator) -> tuple:
+    """A cell's forward on the device from ``_cell_inputs``: one launch of ``kernel``, each output against ``ref``
+    on the float64 inputs; returns (CPU inputs, device arguments, device outputs)."""
+    cpu, args = _cell_inputs(gates, N, H, dtype, bias, gen)
+    outs, names = _launches(lambda: op(*args))
+    assert names == [kernel]
+    for dev, want in zip(outs, ref(*(None if t is None else t.double() for t in cpu))):
+        _close(dev, want, dtype)
+    return cpu, args, outs
+
 # N, H: one row block and a partial column block; several row blocks and column blocks (128 + 2 of each)
 SHAPES = [(4, 12), (130, 130)]
 
@@ -93,11 +105,8 @@ SHAPES = [(4, 12), (130, 130)]
 @pytest.mark.parametrize("N,H", SHAPES)
 def test_lstm_cell_forward_and_backward(dtype, bias, N, H, strict):
     gen = torch.Generator().manual_seed(N + H)
-    (ig, hg, cx, b1, b2), args = _cell_inputs(4, N, H, dtype, bias, gen)
-    (hy, cy, ws), names = _launches(lambda: torch.ops.aten._thnn_fused_lstm_cell(*args))
-    assert names == ["lstm_cell_kernel"]
-    for dev, ref in zip((hy, cy, ws), _ref_lstm(*(None if t is None else t.double() for t in (ig, hg, cx, b1, b2)))):
-        _close(dev, ref, dtype)
+    (_, _, cx, _, _), args, (hy, cy, ws) = _forward_checked(4, torch.ops.aten._thnn_fused_lstm_cell, "lstm_cell_kernel",
+                                                            _ref_lstm, N, H, dtype, bias, gen)
     # the backward from this step's own saved state; grad_hy, grad_cy or both
     grads = _rand(N, H, dtype=dtype, gen=gen), _rand(N, H, dtype=dtype, gen=gen)
     for given in ((True, True), (True, False), (False, True)):
@@ -119,11 +128,8 @@ def test_lstm_cell_forward_and_backward(dtype, bias, N, H, strict):
 @pytest.mark.parametrize("N,H", SHAPES)
 def test_gru_cell_forward_and_backward(dtype, bias, N, H, strict):
     gen = torch.Generator().manual_seed(N + H)
-    (ig, hg, hx, b1, b2), args = _cell_inputs(3, N, H, dtype, bias, gen)
-    (hy, ws), names = _launches(lambda: torch.ops.aten._thnn_fused_gru_cell(*args))
-    assert names == ["gru_cell_kernel"]
-    for dev, ref in zip((hy, ws), _ref_gru(*(None if t is None else t.double() for t in (ig, hg, hx, b1, b2)))):
-        _close(dev, ref, dtype)
+    _, _, (hy, ws) = _forward_checked(3, torch.ops.aten._thnn_fused_gru_cell, "gru_cell_kernel", _ref_gru, N, H, dtype,
+                                      bias, gen)
     ghy = _rand(N, H, dtype=dtype, gen=gen)
     res, names = _launches(lambda: torch.ops.aten._thnn_fused_gru_cell_backward(to_n(ghy), ws, bias))
     assert names == ["gru_cell_backward_kernel"]
