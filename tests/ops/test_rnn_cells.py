@@ -251,17 +251,18 @@ def test_low_precision_modules_as_accurate_as_the_cpu(cls, dtype, bias, strict):
         assert dev_err <= 2 * cpu_err + EPS[dtype] * max(1.0, r.abs().max().item()), (dev_err, cpu_err)
 
 
-def test_lstm_step_launches_one_kernel_per_cell(strict):
-    """A 2-layer LSTM's forward and backward over T steps: one launch per cell and direction, and no copies of
-    the gradient slices the recurrent loop hands the cells."""
+def test_gru_step_launches_one_kernel_per_cell(strict):
+    """A 2-layer GRU's forward and backward over T steps: one launch per cell and direction, and no copies of
+    the gradient slices the recurrent loop hands the cells (an LSTM of this size runs a layer per launch)."""
     torch.manual_seed(0)
-    m = torch.nn.LSTM(6, 12, num_layers=2).to("neuron")
+    m = torch.nn.GRU(6, 12, num_layers=2).to("neuron")
     x = to_n(torch.randn(9, 4, 6))
     with profiler.record() as recs:
         m(x)[0].sum().backward()
     ops = [r.op for r in recs]
-    assert ops.count("aten::_thnn_fused_lstm_cell") == 18
-    assert ops.count("aten::_thnn_fused_lstm_cell_backward_impl") == 18
+    assert ops.count("aten::_thnn_fused_gru_cell") == 18
+    assert ops.count("aten::_thnn_fused_gru_cell_backward") == 18
+    assert ops.count("aten::copy_") <= 2        # the module's zero initial state and the sum's gradient at most
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -310,22 +311,24 @@ def test_empty_cells(N, H, strict):
 @pytest.mark.parametrize("N,H", [(129, 4), (2, 129)])
 def test_hidden_product_beyond_one_launch_is_refused(N, H):
     """A step whose batch exceeds the 128 partitions or whose gates exceed one block of 128 hidden columns
-    cannot form its hidden-state product in the cell's launch: the kernels state their limits (the sequence takes
-    the two-launch path for such shapes)."""
-    from torchneuron.kernels.rnn_cell import (fused_product_fits, gru_cell_backward_kernel, gru_cell_kernel,
-                                              lstm_cell_backward_kernel, lstm_cell_kernel)
+    cannot form its hidden-state product in the cell's launch, nor an LSTM layer run as one launch: the kernels
+    state their limits (the sequence takes the two-launch path for such shapes)."""
+    from torchneuron.kernels.rnn_cell import fused_product_fits, gru_cell_backward_kernel, gru_cell_kernel
+    from torchneuron.kernels.rnn_sequence import lstm_sequence_kernel, sequence_fits
+    from torchneuron.ops.kernel_call import call_kernel
     from torchneuron.ops.rnn import _step_with_product
-    assert not fused_product_fits(N, H, 4) and not fused_product_fits(N, H, 3)
-    assert fused_product_fits(128, 128, 4) and fused_product_fits(128, 128, 3)
+    assert not fused_product_fits(N, H, 3) and not sequence_fits(N, H)
+    assert fused_product_fits(128, 128, 3) and sequence_fits(128, 128)
     state = to_n(torch.zeros(N, H))
-    for gates, forward, backward in ((4, lstm_cell_kernel, lstm_cell_backward_kernel),
-                                     (3, gru_cell_kernel, gru_cell_backward_kernel)):
-        w_hh, gate_rows = to_n(torch.zeros(gates * H, H)), to_n(torch.zeros(N, gates * H))
-        with pytest.raises(AssertionError, match="partitions|PSUM bank"):
-            _step_with_product(forward, "cell", N, H, igates=gate_rows, prev=state, w_hh=w_hh,
-                               **({"hx": state} if gates == 4 else {}))
-        workspace = to_n(torch.zeros(N, (4 if gates == 4 else 5) * H))   # LSTM: [i, f, g, o]; GRU: [r, z, n, hx, gh_n]
-        spans = dict(cx=state, cy=state, workspace=workspace, grad_hy=state) if gates == 4 else \
-            dict(grad_hy=state, workspace=workspace)
-        with pytest.raises(AssertionError, match="partitions|PSUM bank"):
-            _step_with_product(backward, "cell backward", N, H, w_hh=w_hh, **spans)
+    w_hh, gate_rows = to_n(torch.zeros(3 * H, H)), to_n(torch.zeros(N, 3 * H))
+    with pytest.raises(AssertionError, match="partitions|PSUM bank"):
+        _step_with_product(gru_cell_kernel, "cell", N, H, igates=gate_rows, prev=state, w_hh=w_hh)
+    workspace = to_n(torch.zeros(N, 5 * H))   # [r, z, n, hx, gh_n]
+    with pytest.raises(AssertionError, match="partitions|PSUM bank"):
+        _step_with_product(gru_cell_backward_kernel, "cell backward", N, H, w_hh=w_hh, grad_hy=state,
+                           workspace=workspace)
+    w4, gates = to_n(torch.zeros(4 * H, H)), to_n(torch.zeros(2 * N * 4 * H))
+    views = (("igates", (N * 4 * H, 4 * H, 1)), ("h0", (H, 1)), ("c0", (H, 1)), ("w_hh", (H, 1)))
+    with pytest.raises(AssertionError, match="exceeds one block"):
+        call_kernel(lstm_sequence_kernel, {"igates": gates, "h0": state.view(-1), "c0": state.view(-1), "w_hh": w4.view(-1)},
+                    {"T": 2, "N": N, "H": H, "views": views})

@@ -1,5 +1,5 @@
 """Whole ``nn.LSTM`` / ``nn.GRU`` sequences on neuron (``aten::lstm.input`` / ``aten::gru.input`` through
-``ops.rnn._FusedSequence``) against the CPU's module on the same weights and inputs, the configurations that keep
+``ops.rnn._LstmSequence`` / ``_FusedSequence``) against the CPU's module on the same weights and inputs, the configurations that keep
 PyTorch's composition, and the launches a training step takes.
 
 Tolerances: the device and the CPU's module evaluate the same math with the same roundings in other orders (one
@@ -111,34 +111,67 @@ def test_low_precision_as_accurate_as_the_cpu(cls, dtype, batch_first, strict):
 
 @pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU])
 @pytest.mark.parametrize("batch,hidden,one_launch", [
-    (3, 7, True),          # the hidden-state product inside the cell's launch
+    (3, 7, True),          # the LSTM: one launch per layer; the GRU: the hidden-state product inside each cell's launch
+    (1, 1, True),          # the smallest layer
     (128, 4, True),        # the batch fills the 128 partitions
+    (4, 128, True),        # the hidden size fills one block of 128 columns (several blocks of time steps each way)
     (129, 4, False),       # a batch beyond one block of 128 rows: a product and a cell per step
     (2, 129, False),       # a hidden size beyond one block of 128 columns (the GRU's 3 x 129 gates fit a bank)
 ])
-def test_hidden_product_in_the_cell_launch_where_it_fits(cls, batch, hidden, one_launch, strict):
-    """Per step and layer one launch forward and one backward where the batch and the gates fit one kernel's
-    tiles (batch <= 128, hidden <= 128 so that the gates fit a PSUM bank), else a product besides each cell; the
-    results match the CPU either way."""
+def test_recurrence_in_one_launch_where_it_fits(cls, batch, hidden, one_launch, strict):
+    """Where the batch and the gates fit one kernel's tiles (batch <= 128, hidden <= 128 so that the gates fit a
+    PSUM bank) an LSTM layer's recurrence is one launch forward and one backward (W_hh's and the biases' gradients
+    summed in it; the products left are the input projection, W_ih's and the input's gradients), a GRU step one
+    launch each way; else a product besides each cell. The results match the CPU either way."""
     T, layers = 3, 2
     ops = _compare(cls, layers, False, True, T, batch=batch, hidden=hidden)
     products = ops["aten::mm"] + ops["aten::addmm"]
+    if cls is torch.nn.LSTM and one_launch:
+        assert ops["aten::lstm"] == ops["aten::lstm_backward"] == layers, ops
+        assert products == layers * 3 and ops["aten::_thnn_fused_lstm_cell"] == 0, ops
+        return
     # per layer the input projection and the three weight-gradient products; per step two more without fusion
     assert products == layers * 4 + (0 if one_launch else 2 * T * layers), ops
 
 
-@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU])
-def test_fp32_hidden_product_in_the_launch_equals_the_two_launch_path(cls, monkeypatch, strict):
-    """In fp32 the in-launch products take the product kernel's operands and contraction order and the addend is
-    added to the fp32 sum as ``addmm`` adds it: outputs and gradients equal the two-launch path's bit for bit."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_lstm_sequence_over_several_blocks_of_steps_matches_the_cpu(dtype, batch_first, strict):
+    """A sequence longer than one block of time steps the sequence kernels keep on chip (hidden 32: 23 steps a
+    block forward, 10 backward): the states and their gradients carried across the blocks."""
+    from torchneuron.kernels.rnn_sequence import BWD_STEP_WORDS, FWD_STEP_WORDS, _steps_per_block
+    T, hidden = 25, 32
+    assert _steps_per_block(hidden, FWD_STEP_WORDS) < T and 2 * _steps_per_block(hidden, BWD_STEP_WORDS) < T
+    ops = _compare(torch.nn.LSTM, 2, batch_first, True, T, dtype=dtype, hidden=hidden)
+    assert ops["aten::lstm"] == ops["aten::lstm_backward"] == 2, ops
+
+
+def test_lstm_sequence_saturates_and_propagates_nan_as_the_cpu(strict):
+    """An infinite input saturates the gates (finite states), a NaN input poisons its batch row from its step on
+    and no other row: outputs and states NaN exactly where the CPU module's are, equal elsewhere."""
+    ref, cpu, dev = _modules(torch.nn.LSTM, 2, False, True)
+    x = torch.randn(6, B, I, generator=torch.Generator().manual_seed(8))
+    x[1, 0, 2], x[2, 1, 0], x[3, 2, 4] = float("inf"), -float("inf"), float("nan")
+    c = [cpu(x)[0], *cpu(x)[1]]
+    d = [t.cpu() for t in (dev(to_n(x))[0], *dev(to_n(x))[1])]
+    assert torch.isfinite(c[0][:, :2]).all() and torch.isnan(c[0][3:, 2]).all()
+    bound = 6 * 2 * (I + H + B) * U[torch.float32]
+    for ct, dt in zip(c, d):
+        torch.testing.assert_close(dt, ct, atol=2 * bound, rtol=0, equal_nan=True)
+
+
+def test_fp32_hidden_product_in_the_launch_equals_the_two_launch_path(monkeypatch, strict):
+    """In fp32 the GRU's in-launch products take the product kernel's operands and contraction order and the
+    addend is added to the fp32 sum as ``addmm`` adds it: outputs and gradients equal the two-launch path's bit
+    for bit."""
     import torchneuron.ops.rnn as rnn
     results = []
     for fits in (rnn.fused_product_fits, lambda *shape: False):
         monkeypatch.setattr(rnn, "fused_product_fits", fits)
-        ref, _, dev = _modules(cls, 2, True, True)
+        ref, _, dev = _modules(torch.nn.GRU, 2, True, True)
         gen = torch.Generator().manual_seed(5)
         x = torch.randn(B, 6, I, generator=gen)
-        grads = [torch.randn(B, 6, H, generator=gen)] + [torch.randn(2, B, H, generator=gen)] * 2
+        grads = [torch.randn(B, 6, H, generator=gen)] + [torch.randn(2, B, H, generator=gen)]
         results.append(_run(dev, x, None, grads, "neuron", torch.float32))
     for k, (fused, two_launch) in enumerate(zip(*results)):
         assert torch.equal(fused, two_launch), k
@@ -152,21 +185,17 @@ def _step_ops(m, x) -> collections.Counter:
 
 @pytest.mark.parametrize("layers,T", [(2, 9), (1, 4)])
 def test_training_step_launches(layers, T, strict):
-    """Forward: per layer one input product, then a cell per step (its hidden-state product in the same launch),
-    one stack of the outputs (and the last states' stacks). Backward: per layer a cell backward per step (the
-    previous hidden state's gradient through W_hh in the same launch), then a stack of the gate gradients, three
-    weight products, the hidden states' concatenation, a bias reduction and its copy, and at most a time-major
-    copy of the output gradient; at most the summed output's gradient fill besides. Where PyTorch's composition
-    takes 11 launches a step and layer (the step's 2 products, a product per weight and one for the input
-    gradient, the engine's additions of each weight's per-step gradients)."""
+    """Forward: per layer one input product and one launch of the recurrence. Backward: per layer one launch of the
+    recurrence's backward (with W_hh's and the biases' gradients), W_ih's gradient and the layer input's as one
+    product each; the module's two zero initial states and the summed output's gradient fill besides. Where
+    PyTorch's composition takes 11 launches a step and layer (the step's 2 products, a product per weight and one
+    for the input gradient, the engine's additions of each weight's per-step gradients)."""
     m = torch.nn.LSTM(6, 12, num_layers=layers, batch_first=True).to("neuron")
     x = to_n(torch.randn(4, T, 6)).requires_grad_()
     ops = _step_ops(m, x)
-    assert ops["aten::_thnn_fused_lstm_cell"] == ops["aten::_thnn_fused_lstm_cell_backward_impl"] == T * layers
-    assert ops["aten::mm"] + ops["aten::addmm"] == layers * 1 + layers * 3
-    forward_bound = layers * (T + 2) + 2 + 2              # + the module's two zero initial states
-    backward_bound = layers * (T + 8) + 2 + 2             # + the h0/c0 gradient stacks, the sum's gradient
-    assert sum(ops.values()) <= forward_bound + backward_bound, ops
+    assert ops["aten::lstm"] == ops["aten::lstm_backward"] == layers, ops
+    assert ops["aten::mm"] + ops["aten::addmm"] == layers * 3, ops
+    assert sum(ops.values()) <= layers * 5 + 2 + 2, ops
 
 
 def test_double_backward_matches_the_cpu(strict):

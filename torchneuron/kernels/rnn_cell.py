@@ -24,9 +24,9 @@ lie instead of being copied first.
 With W = 128 the backward's PSUM row (4 gates x 128 fp32) fills one bank. Tiles of the last NBUF row
 blocks stay alive, so loads, compute and stores of consecutive blocks overlap.
 
-A recurrent layer's step may also fold in its hidden-state product (``w_hh`` given; one block of rows and of
-columns: N <= 128, H <= 128, so gates x H fp32 fit one PSUM bank): the forward takes h_{t-1} instead of the hidden
-gates and forms them first,
+A GRU layer's step may also fold in its hidden-state product (``w_hh`` given; one block of rows and of columns:
+N <= 128, H <= 128, so gates x H fp32 fit one PSUM bank; an LSTM layer of that size runs as one launch per layer,
+``kernels.rnn_sequence``): the forward takes h_{t-1} instead of the hidden gates and forms them first,
 
     load h_{t-1}^T [H, N] and W_hh^T [H, gates * H] (hidden on the partitions)  DMA
     hidden gates = h_{t-1} @ W_hh^T into one PSUM bank (fp32)                   TensorE
@@ -164,15 +164,14 @@ def _check(N: int, H: int, what: str, tiles: int) -> None:
 
 
 @nki.jit
-def lstm_cell_kernel(igates, prev, hgates=None, b_ih=None, b_hh=None, hx=None, w_hh=None, N=1, H=1, views=()):
+def lstm_cell_kernel(igates, prev, hgates, b_ih=None, b_hh=None, N=1, H=1, views=()):
     """(hy, cy, workspace) of one LSTM step over [N, 4H] gate pre-activations (1-D spans read through
     ``views``: (name, (row, column) strides) of each span given; prev is cx): i, f, o = sigmoid, g = tanh of
     igates + hgates + b_ih + b_hh; cy = f * cx + i * g; hy = o * tanh(cy); the workspace holds the activated
-    gates [i, f, g, o]. With ``w_hh`` (and hx, no hgates) the hidden gates are hx @ W_hh^T, formed here."""
+    gates [i, f, g, o]."""
     _check(N, H, "lstm cell", 5 + 2)
     views = dict(views)
     dt = igates.dtype
-    bank = _hidden_gates(hx, "hx", w_hh, views, N, H, 4, "lstm cell")
     hy = nl.ndarray((N, H), dt, buffer=nl.shared_hbm)
     cy = nl.ndarray((N, H), dt, buffer=nl.shared_hbm)
     ws = nl.ndarray((N, 4 * H), dt, buffer=nl.shared_hbm)
@@ -183,11 +182,9 @@ def lstm_cell_kernel(igates, prev, hgates=None, b_ih=None, b_hh=None, hx=None, w
                                           for b, n in ((b_ih, "b_ih"), (b_hh, "b_hh"))]
         for r0 in range(0, N, PMAX):
             p = min(PMAX, N - r0)
-            gates, hg, c = _f32((4, w)), bank, _f32((w,))
+            gates, hg, c = _f32((4, w)), _f32((4, w)), _f32((w,))
             _load(gates[:p], igates, views["igates"], r0, p, c0, w, 4, H)
-            if bank is None:
-                hg = _f32((4, w))
-                _load(hg[:p], hgates, views["hgates"], r0, p, c0, w, 4, H)
+            _load(hg[:p], hgates, views["hgates"], r0, p, c0, w, 4, H)
             _load(c[:p], prev, views["prev"], r0, p, c0, w)
             _add(gates[:p], gates[:p], hg[:p])                        # CUDA's order: (ig + hg) + b_ih + b_hh
             for b in biases:
@@ -254,24 +251,18 @@ def _store_bias_grad(dst, bank, c0: int, w: int, gates: int, H: int) -> None:
 
 
 @nki.jit
-def lstm_cell_backward_kernel(cx, cy, workspace, grad_hy=None, grad_cy=None, w_hh=None, grad_next=None, N=1, H=1,
-                              views=(), has_bias=False):
-    """(grad_gates, grad_cx[, grad_bias][, grad_h_prev]) of one LSTM step from its saved activated gates (spans
+def lstm_cell_backward_kernel(cx, cy, workspace, grad_hy=None, grad_cy=None, N=1, H=1, views=(), has_bias=False):
+    """(grad_gates, grad_cx[, grad_bias]) of one LSTM step from its saved activated gates (spans
     read through ``views``: (name, (row, column) strides) of each span given; a missing grad_hy or grad_cy counts
     as zeros): with gc = grad_hy * o * (1 - tanh(cy)^2) + grad_cy,
     d_i = gc * g * i(1-i), d_f = gc * cx * f(1-f), d_g = gc * i * (1-g^2), d_o = grad_hy * tanh(cy) * o(1-o);
-    grad_cx = gc * f; grad_bias = the batch sum of the rounded [d_i, d_f, d_g, d_o]. With ``w_hh``:
-    grad_h_prev = grad_gates @ W_hh (+ grad_next, the output's gradient of the previous step, when given)."""
+    grad_cx = gc * f; grad_bias = the batch sum of the rounded [d_i, d_f, d_g, d_o]."""
     _check(N, H, "lstm cell backward", 5 + 3)
     views = dict(views)
     dt = workspace.dtype
     grad_gates = nl.ndarray((N, 4 * H), dt, buffer=nl.shared_hbm)
     grad_cx = nl.ndarray((N, H), dt, buffer=nl.shared_hbm)
     grad_bias = nl.ndarray((4 * H,), dt, buffer=nl.shared_hbm) if has_bias else None
-    grad_h_prev = None
-    if w_hh is not None:
-        _check_fused(N, H, 4, "lstm cell backward")
-        grad_h_prev = nl.ndarray((N, H), dt, buffer=nl.shared_hbm)
     ones, ring = _ones(dt), collections.deque(maxlen=NBUF)
     for c0 in range(0, H, W):
         w = min(W, H - c0)
@@ -321,17 +312,10 @@ def lstm_cell_backward_kernel(cx, cy, workspace, grad_hy=None, grad_cy=None, w_h
             _store(grad_cx, dcx[:p], r0, p, c0, w)
             if has_bias:
                 _bias_grad(bank, ones, stored, p, i == 0)
-            if w_hh is not None:
-                addend = None
-                if grad_next is not None:
-                    addend = _f32((H,))
-                    _load(addend[:p], grad_next, views["grad_next"], 0, p, 0, H)
-                _store(grad_h_prev, _hidden_grad(stored, w_hh, views["w_hh"], addend, p, H, 4)[:p], 0, p, 0, H)
             ring.append((act, c, t, deriv, gate_scale, gc, dg, dcx, stored))
         if has_bias:
             _store_bias_grad(grad_bias, bank, c0, w, 4, H)
-    results = (grad_gates, grad_cx) + ((grad_bias,) if has_bias else ())
-    return results + ((grad_h_prev,) if w_hh is not None else ())
+    return (grad_gates, grad_cx) + ((grad_bias,) if has_bias else ())
 
 
 @nki.jit

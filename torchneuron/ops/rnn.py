@@ -18,6 +18,7 @@ from torch.autograd import forward_ad
 
 from torchneuron.kernels.rnn_cell import (fused_product_fits, gru_cell_backward_kernel, gru_cell_kernel,
                                           lstm_cell_backward_kernel, lstm_cell_kernel)
+from torchneuron.kernels.rnn_sequence import lstm_sequence_backward_kernel, lstm_sequence_kernel, sequence_fits
 from torchneuron.ops.base import storage_span, type_name
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering
@@ -226,12 +227,17 @@ def _gru_cell_backward_composed(grad_hy, workspace, has_bias):
 # ``aten::lstm.input`` / ``aten::gru.input`` are CompositeImplicitAutograd: on an accelerator PyTorch runs them as
 # a loop over time steps of two products and a fused cell each, and the autograd engine then differentiates every
 # step's products separately and sums each weight's T gradients with T - 1 additions. On neuron their autograd
-# kernels instead run ``_FusedSequence``: one product for all time steps' input projections of a layer, then one
-# cell launch per step that also forms the hidden product; its backward runs one cell-backward launch per step that
-# also forms the previous hidden state's gradient (through W_hh, the output's gradient added to the fp32 sum), then
-# each weight's gradient over all steps as one product of the stacked gate gradients and the bias gradients as one
-# reduction. A step beyond one kernel's tiles (batch > 128 rows, hidden > 128 columns) runs the hidden product as
-# its own launch (a product besides each cell, forward and backward).
+# kernels instead run the whole sequence a layer at a time, one product for all time steps' input projections first:
+#
+# - an LSTM whose batch and hidden size fit one kernel's tiles (batch <= 128 rows, hidden <= 128 columns) runs as
+#   ``_LstmSequence``: each layer's recurrence is one launch (``kernels.rnn_sequence``: the time loop inside the
+#   kernel, W_hh and the state on chip), its backward one launch that also sums W_hh's and the biases' gradients
+#   over all steps, then W_ih's gradient and the layer input's as one product each;
+# - otherwise ``_FusedSequence`` runs one cell launch per step (a GRU that fits forms the hidden product in it), its
+#   backward one cell-backward launch per step (a GRU that fits forms the previous hidden state's gradient through
+#   W_hh in it, the output's gradient added to the fp32 sum), then each weight's gradient over all steps as one
+#   product of the stacked gate gradients and the bias gradients as one reduction. Beyond one kernel's tiles the
+#   hidden product is its own launch (a product besides each cell, forward and backward).
 #
 # Configurations it does not take (bidirectional, projections, dropout while training, float64, packed sequences,
 # autocast, traced or forward-mode-AD tensors, mixed dtypes or devices) run PyTorch's composition unchanged.
@@ -241,7 +247,7 @@ _SEQUENCE_LIB = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (kept aliv
 
 def _sequence_fusable(gates: int, input: torch.Tensor, states: list[torch.Tensor], params: list[torch.Tensor],
                       has_biases: bool, num_layers: int, dropout: float, train: bool, bidirectional: bool) -> bool:
-    """Whether ``_FusedSequence`` takes this call: a unidirectional, unprojected stack of layers over a batched,
+    """Whether ``_LstmSequence`` / ``_FusedSequence`` take this call: a unidirectional, unprojected stack of layers over a batched,
     non-empty sequence of a kernel dtype on neuron, states [layers, batch, hidden], every tensor of the input's
     dtype and device, no dropout applied, nothing traced, no autocast and no forward-mode tangents."""
     if bidirectional or (dropout > 0 and train) or num_layers < 1 or input.dim() != 3 or input.numel() == 0:
@@ -301,18 +307,12 @@ class _FusedSequence(torch.autograd.Function):
             gi = torch.mm(layer_in.reshape(-1, layer_in.shape[2]), w_ih.t()).view(*layer_in.shape[:2], gates * H)
             h, c = h0[layer], (c0[layer] if c0 is not None else None)
             hs, cs, workspaces = [], [c], []     # the LSTM's cell states c_0 .. c_T
-            # a batch and hidden size one kernel's tiles hold: the hidden product inside the cell's launch
-            one_launch = fused_product_fits(h.shape[0], H, gates)
+            # a GRU batch and hidden size one kernel's tiles hold: the hidden product inside the cell's launch
+            one_launch = c0 is None and fused_product_fits(h.shape[0], H, gates)
             for t in range(T):
-                if one_launch and c0 is not None:
-                    h, c, ws = _step_with_product(lstm_cell_kernel, "_thnn_fused_lstm_cell", h.shape[0], H,
-                                                  igates=gi.select(tdim, t), prev=c, hx=h, w_hh=w_hh, b_ih=b_ih,
-                                                  b_hh=b_hh)
-                    cs.append(c)
-                elif one_launch:
+                if one_launch:
                     h, ws = _step_with_product(gru_cell_kernel, "_thnn_fused_gru_cell", h.shape[0], H,
                                                igates=gi.select(tdim, t), prev=h, w_hh=w_hh, b_ih=b_ih, b_hh=b_hh)
-                if one_launch:
                     hs.append(h)
                     workspaces.append(ws)
                     continue
@@ -348,8 +348,8 @@ class _FusedSequence(torch.autograd.Function):
         x, h0, c0 = saved[:3]
         params = saved[3:3 + L * per]
         if torch.is_grad_enabled():
-            return _composed_backward(ctx, gates, batch_first, has_biases, saved[:3 + L * per],
-                                      (grad_out, grad_hn, *grad_cn))
+            return (None, None, None, *_composed_backward(ctx, gates, batch_first, has_biases, saved[:3 + L * per],
+                                                          (grad_out, grad_hn, *grad_cn)))
         grad_cn = grad_cn[0] if grad_cn else None
         outs = saved[3 + L * per:3 + L * per + L - 1]       # the inputs of layers 1 .. L-1
         steps = saved[3 + L * per + L - 1:]
@@ -376,26 +376,17 @@ class _FusedSequence(torch.autograd.Function):
             # the last step's hidden-state gradient: the output's plus h_n's; earlier steps' are formed below
             dh = g_t if dh is None else dh if g_t is None else g_t + dh
             d_input_gates, d_hidden_gates = [None] * T, [None] * T
-            one_launch = fused_product_fits(h0.shape[1], H, gates)
+            one_launch = not lstm and fused_product_fits(h0.shape[1], H, gates)
             for t in reversed(range(T)):
                 g_t = None if grad_in is None or t == 0 else grad_in.select(tdim, t - 1)
                 if one_launch:
                     # the cell's backward and the previous hidden state's gradient (through W_hh, plus the
                     # output's) in one launch
-                    if lstm:
-                        if dh is None and dc is None:
-                            dh = torch.zeros_like(h0[layer])
-                        d_gates, dc, dh = _step_with_product(
-                            lstm_cell_backward_kernel, "_thnn_fused_lstm_cell_backward_impl", h0.shape[1], H,
-                            cx=layer_steps[t], cy=layer_steps[t + 1], workspace=layer_steps[T + 1 + t], grad_hy=dh,
-                            grad_cy=dc, w_hh=w_hh, grad_next=g_t)
-                        d_input_gates[t] = d_hidden_gates[t] = d_gates
-                    else:
-                        if dh is None:
-                            dh = torch.zeros_like(h0[layer])
-                        d_input_gates[t], d_hidden_gates[t], dh = _step_with_product(
-                            gru_cell_backward_kernel, "_thnn_fused_gru_cell_backward", h0.shape[1], H,
-                            grad_hy=dh, workspace=layer_steps[t], w_hh=w_hh, grad_next=g_t)
+                    if dh is None:
+                        dh = torch.zeros_like(h0[layer])
+                    d_input_gates[t], d_hidden_gates[t], dh = _step_with_product(
+                        gru_cell_backward_kernel, "_thnn_fused_gru_cell_backward", h0.shape[1], H,
+                        grad_hy=dh, workspace=layer_steps[t], w_hh=w_hh, grad_next=g_t)
                     continue
                 if lstm:
                     if dh is None and dc is None:
@@ -441,6 +432,95 @@ class _FusedSequence(torch.autograd.Function):
                 torch.stack(grad_c0) if need_c0 and lstm else None, *grad_params)
 
 
+
+def _steps_view(t: torch.Tensor, tdim: int) -> tuple[int, int, int]:
+    """The (step, row, column) strides of a 3-D sequence tensor whose time dim is ``tdim``."""
+    return t.stride(tdim), t.stride(1 - tdim), t.stride(2)
+
+
+class _LstmSequence(torch.autograd.Function):
+    """A stack of LSTM layers over a whole sequence, each layer one product for all steps' input projections and
+    one ``lstm_sequence_kernel`` launch for its recurrence (batch <= 128, hidden <= 128); the backward one
+    ``lstm_sequence_backward_kernel`` launch a layer (the gate gradients, W_hh's and the biases' over all steps)
+    and two products (W_ih's gradient, the layer input's). Returns (output, h_n, c_n). A backward that builds a
+    graph (double backward) differentiates PyTorch's composition on the saved inputs instead."""
+
+    @staticmethod
+    def forward(ctx, batch_first: bool, has_biases: bool, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor,
+                *params: torch.Tensor) -> tuple:
+        """Each layer's input projection, then its recurrence in one launch; saves each layer's hidden states,
+        cell states and workspace (none of the returned tensors, which the caller may modify in place)."""
+        tdim = 1 if batch_first else 0
+        T, (L, N, H) = x.shape[tdim], h0.shape
+        per = len(params) // L
+        h_n, c_n = torch.empty_like(h0), torch.empty_like(c0)        # each layer's launch writes its row
+        layer_in, saved = x, []
+        for layer in range(L):
+            w_ih, w_hh, *biases = params[layer * per:(layer + 1) * per]
+            gi = torch.mm(layer_in.reshape(-1, layer_in.shape[2]), w_ih.t()).view(*layer_in.shape[:2], 4 * H)
+            named = {"igates": gi, "h0": h0[layer], "c0": c0[layer], "w_hh": w_hh}
+            if biases:
+                named.update(b_ih=biases[0], b_hh=biases[1])
+            views = tuple((n, _steps_view(t, tdim) if n == "igates" else (0, t.stride(0)) if t.dim() == 1
+                           else tuple(t.stride())) for n, t in named.items())
+            out, hs, cs, ws, _, _ = call_kernel(
+                lstm_sequence_kernel, {n: storage_span(t) for n, t in named.items()},
+                {"T": T, "N": N, "H": H, "L": L, "layer": layer, "views": views, "batch_first": batch_first},
+                outputs=(None, None, None, None, h_n, c_n), op="aten::lstm")
+            saved += ([layer_in] if layer else []) + [hs, cs, ws]
+            layer_in = out
+        ctx.meta = (batch_first, has_biases, L, per)
+        ctx.save_for_backward(x, h0, c0, *params, *saved)
+        ctx.set_materialize_grads(False)
+        return layer_in, h_n, c_n
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor | None, grad_hn: torch.Tensor | None, grad_cn: torch.Tensor | None):
+        """Gradients of the input, the initial states and every weight and bias, a layer at a time."""
+        batch_first, has_biases, L, per = ctx.meta
+        saved = ctx.saved_tensors
+        x, h0, c0 = saved[:3]
+        params = saved[3:3 + L * per]
+        if torch.is_grad_enabled():
+            return (None, None, *_composed_backward(ctx, 4, batch_first, has_biases, saved[:3 + L * per],
+                                                    (grad_out, grad_hn, grad_cn)))
+        per_layer = saved[3 + L * per:]
+        tdim = 1 if batch_first else 0
+        T, (_, N, H) = x.shape[tdim], h0.shape
+        need_x, need_h0, need_c0 = ctx.needs_input_grad[2:5]
+        grad_params: list[torch.Tensor | None] = [None] * len(params)
+        grad_h0, grad_c0 = torch.empty_like(h0), torch.empty_like(c0)   # each layer's launch writes its row
+        grad_in = grad_out          # the gradient of the current layer's output (None: unused)
+        for layer in reversed(range(L)):
+            w_ih, w_hh = params[layer * per], params[layer * per + 1]
+            first = 0 if layer == 0 else 4 * layer - 1            # layer 0 saves no input (x is saved)
+            layer_in, (hs, cs, ws) = (x, per_layer[0:3]) if layer == 0 else \
+                (per_layer[first], per_layer[first + 1:first + 4])
+            named = {"ws": ws, "cs": cs, "hs": hs, "w_hh": w_hh}
+            views = [("w_hh", tuple(w_hh.stride()))]
+            if grad_in is not None:
+                named["grad_out"] = grad_in
+                views.append(("grad_out", _steps_view(grad_in, tdim)))
+            for n, g in (("grad_hn", grad_hn), ("grad_cn", grad_cn)):
+                if g is not None:
+                    named[n] = g[layer]
+                    views.append((n, tuple(g[layer].stride())))
+            d_gates, _, _, grad_w_hh, *grad_b = call_kernel(
+                lstm_sequence_backward_kernel, {n: storage_span(t) for n, t in named.items()},
+                {"T": T, "N": N, "H": H, "L": L, "layer": layer, "views": tuple(views), "batch_first": batch_first,
+                 "has_bias": has_biases}, outputs=(None, grad_h0, grad_c0), op="aten::lstm_backward")
+            d_gates = d_gates.view(-1, 4 * H)                       # rows in the layer input's order
+            needs = ctx.needs_input_grad[5 + layer * per:5 + (layer + 1) * per]   # this layer's weights, biases
+            if needs[0]:
+                grad_params[layer * per] = torch.mm(d_gates.t(), layer_in.reshape(-1, layer_in.shape[2]))
+            grad_params[layer * per + 1] = grad_w_hh if needs[1] else None
+            for k, g in enumerate(grad_b):
+                grad_params[layer * per + 2 + k] = g if needs[2 + k] else None
+            grad_in = torch.mm(d_gates, w_ih).view(layer_in.shape) if layer > 0 or need_x else None
+        return (None, None, grad_in if need_x else None, grad_h0 if need_h0 else None,
+                grad_c0 if need_c0 else None, *grad_params)
+
+
 def _composition(op: torch._ops.OpOverload, *args) -> tuple:
     """PyTorch's own C++ composition of ``op`` (``decompose`` would take the Python decomposition registered
     for export, which differentiates unfused cells)."""
@@ -449,8 +529,9 @@ def _composition(op: torch._ops.OpOverload, *args) -> tuple:
 
 def _composed_backward(ctx, gates: int, batch_first: bool, has_biases: bool, inputs: tuple, grads: tuple) -> tuple:
     """A differentiable backward (``create_graph``): PyTorch's composition rerun on the saved inputs, then
-    differentiated with a graph."""
+    differentiated with a graph; the gradients of (x, h0, c0, *params), the Function's last inputs."""
     x, h0, c0, *params = inputs
+    needs = ctx.needs_input_grad[-len(inputs):]
     L = h0.shape[0]
     with torch.enable_grad():
         if gates == 4:
@@ -458,20 +539,22 @@ def _composed_backward(ctx, gates: int, batch_first: bool, has_biases: bool, inp
                                                           batch_first)
         else:
             results = _composition(torch.ops.aten.gru.input, x, h0, params, has_biases, L, 0.0, False, False, batch_first)
-    wanted = [(i, t) for i, t in enumerate((x, h0, c0, *params)) if ctx.needs_input_grad[3 + i]]
+    wanted = [(i, t) for i, t in enumerate((x, h0, c0, *params)) if needs[i]]
     pairs = [(r, g) for r, g in zip(results, grads) if g is not None]
     found = torch.autograd.grad([r for r, _ in pairs], [t for _, t in wanted], [g for _, g in pairs],
                                 create_graph=True, allow_unused=True) if pairs and wanted else []
     out: list[torch.Tensor | None] = [None] * (3 + len(params))
     for (i, _), g in zip(wanted, found):
         out[i] = g
-    return (None, None, None, *out)
+    return tuple(out)
 
 
 def lstm_input(input: torch.Tensor, hx: list[torch.Tensor], params: list[torch.Tensor], has_biases: bool,
                num_layers: int, dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> tuple:
     """``aten::lstm.input`` on neuron: ``_FusedSequence`` where it applies, else PyTorch's composition."""
     if _sequence_fusable(4, input, list(hx), list(params), has_biases, num_layers, dropout, train, bidirectional):
+        if sequence_fits(hx[0].shape[1], hx[0].shape[2]):
+            return _LstmSequence.apply(batch_first, has_biases, input, hx[0], hx[1], *params)
         return _FusedSequence.apply(4, batch_first, has_biases, input, hx[0], hx[1], *params)
     return _composition(torch.ops.aten.lstm.input, input, hx, params, has_biases, num_layers, dropout, train,
                                                bidirectional, batch_first)
