@@ -146,6 +146,22 @@ def test_lstm_sequence_over_several_blocks_of_steps_matches_the_cpu(dtype, batch
     assert ops["aten::lstm"] == ops["aten::lstm_backward"] == 2, ops
 
 
+@pytest.mark.parametrize("dtype,batch_first,used", [
+    (torch.float32, False, (True, True, True)),
+    (torch.float32, True, (True, True, True)),
+    (torch.bfloat16, True, (True, True, True)),
+    (torch.float32, True, (False, True, False)),      # only h_n used: the launches hand on h_n's gradient alone
+    (torch.float32, True, (False, False, True)),      # only c_n used
+])
+def test_lstm_sequence_longer_than_one_launch_matches_the_cpu(dtype, batch_first, used, monkeypatch, strict):
+    """A sequence longer than SEQUENCE_STEPS runs as several launches a layer each way (4 + 4 + 2 steps here), the
+    states and their gradients handed from one launch to the next, W_hh's and the biases' gradients summed."""
+    import torchneuron.ops.rnn as rnn
+    monkeypatch.setattr(rnn, "SEQUENCE_STEPS", 4)
+    ops = _compare(torch.nn.LSTM, 2, batch_first, True, 10, used=used, dtype=dtype)
+    assert ops["aten::lstm"] == ops["aten::lstm_backward"] == 2 * 3, ops
+
+
 def test_lstm_sequence_saturates_and_propagates_nan_as_the_cpu(strict):
     """An infinite input saturates the gates (finite states), a NaN input poisons its batch row from its step on
     and no other row: outputs and states NaN exactly where the CPU module's are, equal elsewhere."""

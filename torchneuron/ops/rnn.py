@@ -433,42 +433,72 @@ class _FusedSequence(torch.autograd.Function):
 
 
 
+SEQUENCE_STEPS = 64    # time steps per sequence launch: bounds each program (traced once per length, ~7 ms a step)
+
+
 def _steps_view(t: torch.Tensor, tdim: int) -> tuple[int, int, int]:
     """The (step, row, column) strides of a 3-D sequence tensor whose time dim is ``tdim``."""
     return t.stride(tdim), t.stride(1 - tdim), t.stride(2)
 
 
+def _sequence_launch(kernel, named: dict[str, torch.Tensor], tdim: int, meta: dict, outputs: tuple,
+                     op: str) -> list[torch.Tensor]:
+    """One launch of a sequence kernel on the given tensors, each handed over as its storage span and strides
+    (the 3-D ones, "igates" and "grad_out", as (step, row, column); 1-D biases as (0, stride))."""
+    views = tuple((n, _steps_view(t, tdim) if t.dim() == 3 else (0, t.stride(0)) if t.dim() == 1
+                   else tuple(t.stride())) for n, t in named.items())
+    return call_kernel(kernel, {n: storage_span(t) for n, t in named.items()}, {**meta, "views": views},
+                       outputs=outputs, op=op)
+
+
+def _chunks(T: int) -> list[tuple[int, int]]:
+    """(first step, steps) of each sequence launch over T steps."""
+    return [(s, min(SEQUENCE_STEPS, T - s)) for s in range(0, T, SEQUENCE_STEPS)]
+
+
+def _summed(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else a + b
+
+
 class _LstmSequence(torch.autograd.Function):
     """A stack of LSTM layers over a whole sequence, each layer one product for all steps' input projections and
-    one ``lstm_sequence_kernel`` launch for its recurrence (batch <= 128, hidden <= 128); the backward one
-    ``lstm_sequence_backward_kernel`` launch a layer (the gate gradients, W_hh's and the biases' over all steps)
-    and two products (W_ih's gradient, the layer input's). Returns (output, h_n, c_n). A backward that builds a
-    graph (double backward) differentiates PyTorch's composition on the saved inputs instead."""
+    one ``lstm_sequence_kernel`` launch for its recurrence (batch <= 128, hidden <= 128; one per SEQUENCE_STEPS
+    steps of a longer sequence, the state handed from one to the next, the outputs concatenated); the backward
+    one ``lstm_sequence_backward_kernel`` launch a layer (the gate gradients, W_hh's and the biases' over its
+    steps; a longer sequence's launches' sums added) and two products (W_ih's gradient, the layer input's).
+    Returns (output, h_n, c_n). A backward that builds a graph (double backward) differentiates PyTorch's
+    composition on the saved inputs instead."""
 
     @staticmethod
     def forward(ctx, batch_first: bool, has_biases: bool, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor,
                 *params: torch.Tensor) -> tuple:
-        """Each layer's input projection, then its recurrence in one launch; saves each layer's hidden states,
-        cell states and workspace (none of the returned tensors, which the caller may modify in place)."""
+        """Each layer's input projection, then its recurrence; saves each launch's hidden states, cell states and
+        workspace (none of the returned tensors, which the caller may modify in place)."""
         tdim = 1 if batch_first else 0
         T, (L, N, H) = x.shape[tdim], h0.shape
         per = len(params) // L
-        h_n, c_n = torch.empty_like(h0), torch.empty_like(c0)        # each layer's launch writes its row
+        chunks = _chunks(T)
+        h_n, c_n = torch.empty_like(h0), torch.empty_like(c0)        # each layer's last launch writes its row
         layer_in, saved = x, []
         for layer in range(L):
             w_ih, w_hh, *biases = params[layer * per:(layer + 1) * per]
             gi = torch.mm(layer_in.reshape(-1, layer_in.shape[2]), w_ih.t()).view(*layer_in.shape[:2], 4 * H)
-            named = {"igates": gi, "h0": h0[layer], "c0": c0[layer], "w_hh": w_hh}
-            if biases:
-                named.update(b_ih=biases[0], b_hh=biases[1])
-            views = tuple((n, _steps_view(t, tdim) if n == "igates" else (0, t.stride(0)) if t.dim() == 1
-                           else tuple(t.stride())) for n, t in named.items())
-            out, hs, cs, ws, _, _ = call_kernel(
-                lstm_sequence_kernel, {n: storage_span(t) for n, t in named.items()},
-                {"T": T, "N": N, "H": H, "L": L, "layer": layer, "views": views, "batch_first": batch_first},
-                outputs=(None, None, None, None, h_n, c_n), op="aten::lstm")
-            saved += ([layer_in] if layer else []) + [hs, cs, ws]
-            layer_in = out
+            h, c, outs = h0[layer], c0[layer], []
+            for s, n in chunks:
+                named = {"igates": gi.narrow(tdim, s, n), "h0": h, "c0": c, "w_hh": w_hh}
+                if biases:
+                    named.update(b_ih=biases[0], b_hh=biases[1])
+                last = s + n == T
+                out, hs, cs, ws, *_ = _sequence_launch(
+                    lstm_sequence_kernel, named, tdim,
+                    {"T": n, "N": N, "H": H, "L": L, "layer": layer, "batch_first": batch_first},
+                    (None, None, None, None, h_n, c_n) if last else (), "aten::lstm")
+                saved += [hs, cs, ws]
+                h, c = out.select(tdim, n - 1), cs[n]
+                outs.append(out)
+            layer_in = outs[0] if len(outs) == 1 else torch.cat(outs, tdim)
+            if layer < L - 1:
+                saved.append(layer_in)                  # the next layer's input
         ctx.meta = (batch_first, has_biases, L, per)
         ctx.save_for_backward(x, h0, c0, *params, *saved)
         ctx.set_materialize_grads(False)
@@ -484,37 +514,45 @@ class _LstmSequence(torch.autograd.Function):
         if torch.is_grad_enabled():
             return (None, None, *_composed_backward(ctx, 4, batch_first, has_biases, saved[:3 + L * per],
                                                     (grad_out, grad_hn, grad_cn)))
-        per_layer = saved[3 + L * per:]
         tdim = 1 if batch_first else 0
         T, (_, N, H) = x.shape[tdim], h0.shape
+        chunks = _chunks(T)
+        per_layer = 3 * len(chunks) + 1                           # each launch's (hs, cs, ws), the next input
+        layers_saved = saved[3 + L * per:]
         need_x, need_h0, need_c0 = ctx.needs_input_grad[2:5]
         grad_params: list[torch.Tensor | None] = [None] * len(params)
-        grad_h0, grad_c0 = torch.empty_like(h0), torch.empty_like(c0)   # each layer's launch writes its row
+        grad_h0, grad_c0 = torch.empty_like(h0), torch.empty_like(c0)   # each layer's first launch writes its row
         grad_in = grad_out          # the gradient of the current layer's output (None: unused)
         for layer in reversed(range(L)):
             w_ih, w_hh = params[layer * per], params[layer * per + 1]
-            first = 0 if layer == 0 else 4 * layer - 1            # layer 0 saves no input (x is saved)
-            layer_in, (hs, cs, ws) = (x, per_layer[0:3]) if layer == 0 else \
-                (per_layer[first], per_layer[first + 1:first + 4])
-            named = {"ws": ws, "cs": cs, "hs": hs, "w_hh": w_hh}
-            views = [("w_hh", tuple(w_hh.stride()))]
-            if grad_in is not None:
-                named["grad_out"] = grad_in
-                views.append(("grad_out", _steps_view(grad_in, tdim)))
-            for n, g in (("grad_hn", grad_hn), ("grad_cn", grad_cn)):
-                if g is not None:
-                    named[n] = g[layer]
-                    views.append((n, tuple(g[layer].stride())))
-            d_gates, _, _, grad_w_hh, *grad_b = call_kernel(
-                lstm_sequence_backward_kernel, {n: storage_span(t) for n, t in named.items()},
-                {"T": T, "N": N, "H": H, "L": L, "layer": layer, "views": tuple(views), "batch_first": batch_first,
-                 "has_bias": has_biases}, outputs=(None, grad_h0, grad_c0), op="aten::lstm_backward")
-            d_gates = d_gates.view(-1, 4 * H)                       # rows in the layer input's order
+            mine = layers_saved[layer * per_layer:]
+            layer_in = x if layer == 0 else layers_saved[layer * per_layer - 1]
+            dh = None if grad_hn is None else grad_hn[layer]
+            dc = None if grad_cn is None else grad_cn[layer]
+            d_gates, grad_w_hh, grad_b = [None] * len(chunks), None, [None, None]
+            for k in reversed(range(len(chunks))):
+                s, n = chunks[k]
+                hs, cs, ws = mine[3 * k:3 * k + 3]
+                named = {"ws": ws, "cs": cs, "hs": hs, "w_hh": w_hh}
+                for name, g in (("grad_out", None if grad_in is None else grad_in.narrow(tdim, s, n)),
+                                ("grad_hn", dh), ("grad_cn", dc)):
+                    if g is not None:
+                        named[name] = g
+                d_gates[k], gh, gc, gw, *gb = _sequence_launch(
+                    lstm_sequence_backward_kernel, named, tdim,
+                    {"T": n, "N": N, "H": H, "L": L, "layer": layer, "batch_first": batch_first,
+                     "has_bias": has_biases},
+                    (None, grad_h0, grad_c0) if k == 0 else (), "aten::lstm_backward")
+                dh, dc = gh[layer], gc[layer]
+                grad_w_hh = _summed(grad_w_hh, gw)
+                grad_b = [_summed(a, b) for a, b in zip(grad_b, gb)]
+            # rows in the layer input's order
+            d_gates = (d_gates[0] if len(chunks) == 1 else torch.cat(d_gates, tdim)).view(-1, 4 * H)
             needs = ctx.needs_input_grad[5 + layer * per:5 + (layer + 1) * per]   # this layer's weights, biases
             if needs[0]:
                 grad_params[layer * per] = torch.mm(d_gates.t(), layer_in.reshape(-1, layer_in.shape[2]))
             grad_params[layer * per + 1] = grad_w_hh if needs[1] else None
-            for k, g in enumerate(grad_b):
+            for k, g in enumerate(grad_b if has_biases else []):
                 grad_params[layer * per + 2 + k] = g if needs[2 + k] else None
             grad_in = torch.mm(d_gates, w_ih).view(layer_in.shape) if layer > 0 or need_x else None
         return (None, None, grad_in if need_x else None, grad_h0 if need_h0 else None,
