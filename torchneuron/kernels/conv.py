@@ -6,13 +6,16 @@ fp32 accumulation in one PSUM bank per chunk of <= 512 output positions:
 
     for each group g, for each block of output-channel tiles whose weights fit SBUF:
         stationary tiles W^T[ci, k, co] of the block                 DMA rows of w, TensorE transposes
-        for each image n, for each band of output rows x columns:
-            input band [ci, rows, cols] per ci tile, zero-padded     DMA (contiguous) + GpSimd copy
+        for each group of images, for each band of output rows x columns:
+            input band [ci, images, rows, cols] per ci tile, padded  DMA (contiguous) + GpSimd copy
             for each co tile, for each chunk of rows (rows * cols <= 512):
                 for each ci tile, kh, kw:                            TensorE, accumulating in PSUM
                     acc[co, chunk] += W^T[ci, k, co]^T @ band[ci, kh*d + rows*s, kw*d + cols*s]
                 evict acc (+ bias, cast to the output dtype)          ScalarE / VectorE alternating
             store the band [co, rows, cols]                           DMA
+
+A group holds several images where one PSUM chunk holds a whole image's outputs (``_image_groups``: at 8 x 8
+maps, 8 images per matmul), else one.
 
 ``flip=True`` runs the input gradient of a convolution with the same loop nest: the input is the
 output gradient, zero-inserted by the forward stride (``lhs_dilation``) and padded by
@@ -185,6 +188,7 @@ def conv2d_kernel(x, w, bias=None, dims=None, groups=1, flip=False):
         zeros = nl.ndarray((1, PSUM_FP32), nl.bfloat16, buffer=nl.sbuf)
         nisa.memset(dst=zeros, value=0.0, engine=nisa.gpsimd_engine)
     wflat = w.reshape((w.shape[0], w.shape[1] * kk))
+    images = _image_groups(N, hd, wd, p, len(cis), isz)
     for g in range(G):
         for b0 in range(0, len(cos_all), p.co_block):
             cos = cos_all[b0:b0 + p.co_block]
@@ -195,15 +199,15 @@ def conv2d_kernel(x, w, bias=None, dims=None, groups=1, flip=False):
                     t = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
                     nisa.dma_copy(dst=t[:on], src=bias.reshape((bias.shape[0], 1))[g * co + o0:g * co + o0 + on])
                     bcols[j] = t
-            for n, (oh0, nr, ow0, nc, bands) in _ahead((n, b) for n in range(N)
-                                                        for b in _bands(x, n, g * ci, cis, hd, wd, p)):
+            for n0, nb, oh0, nr, ow0, nc, bands in _ahead(b for n0, nb in images for b in
+                                                          _bands(x, n0, nb, g * ci, cis, hd, wd, p)):
                 ring.append(bands)
                 for j, (o0, on) in enumerate(cos):
-                    stage = nl.ndarray((PMAX, nr, nc), dt, buffer=nl.sbuf)
+                    stage = nl.ndarray((PMAX, nb, nr, nc), dt, buffer=nl.sbuf)
                     stages.append(stage)
                     for r0 in range(0, nr, p.chunk_rows):
                         rn = min(p.chunk_rows, nr - r0)
-                        acc = nl.ndarray((PMAX, rn, nc), nl.float32, buffer=nl.psum)
+                        acc = nl.ndarray((PMAX, nb, rn, nc), nl.float32, buffer=nl.psum)
                         accs.append(acc)
                         steps = [(i, kh, kw) for i in range(len(cis)) for kh in range(hd.k)
                                  for kw in range(wd.k)]
@@ -213,7 +217,7 @@ def conv2d_kernel(x, w, bias=None, dims=None, groups=1, flip=False):
                             if full:
                                 steps = [(0, *full[0])] + [t for t in steps if t != (0, *full[0])]
                             else:    # no offset has every output: the sums start from zeros (0 x 0 on TensorE)
-                                nisa.nc_matmul(dst=acc[:on], stationary=zeros[:1, :on], moving=zeros[:1, :rn * nc],
+                                nisa.nc_matmul(dst=acc[:on], stationary=zeros[:1, :on], moving=zeros[:1, :nb * rn * nc],
                                                accumulate=False)
                         for s, (i, kh, kw) in enumerate(steps):
                             cn = cis[i][1]
@@ -223,19 +227,21 @@ def conv2d_kernel(x, w, bias=None, dims=None, groups=1, flip=False):
                                 if cr == 0 or cc == 0:
                                     continue
                                 rows, cols = slice(fr, fr + (cr - 1) * hd.ld + 1, hd.ld), slice(fc, fc + (cc - 1) * wd.ld + 1, wd.ld)
-                                nisa.nc_matmul(dst=acc[:on, rows, cols], stationary=stat[i, j][:cn, kh * wd.k + kw, :on],
-                                               moving=bands[i][:cn, a + fr:a + rows.stop:hd.ld, b + fc:b + cols.stop:wd.ld],
+                                nisa.nc_matmul(dst=acc[:on, :, rows, cols], stationary=stat[i, j][:cn, kh * wd.k + kw, :on],
+                                               moving=bands[i][:cn, :, a + fr:a + rows.stop:hd.ld,
+                                                               b + fc:b + cols.stop:wd.ld],
                                                accumulate=s > 0 or not full)
                                 continue
-                            mv = bands[i][:cn, a:a + (rn - 1) * hd.s + 1:hd.s, b:b + (nc - 1) * wd.s + 1:wd.s]
+                            mv = bands[i][:cn, :, a:a + (rn - 1) * hd.s + 1:hd.s, b:b + (nc - 1) * wd.s + 1:wd.s]
                             nisa.nc_matmul(dst=acc[:on], stationary=stat[i, j][:cn, kh * wd.k + kw, :on],
                                            moving=mv, accumulate=s > 0)
                         if bias is not None:
-                            nisa.activation(dst=stage[:on, r0:r0 + rn, :], op=nl.identity, data=acc[:on],
+                            nisa.activation(dst=stage[:on, :, r0:r0 + rn, :], op=nl.identity, data=acc[:on],
                                             bias=bcols[j][:on])
                         else:
-                            evict(stage[:on, r0:r0 + rn, :], acc[:on])
-                    nisa.dma_copy(dst=out[n, g * co + o0:g * co + o0 + on, oh0:oh0 + nr, ow0:ow0 + nc],
+                            evict(stage[:on, :, r0:r0 + rn, :], acc[:on])
+                    nisa.dma_copy(dst=out.ap([[OH * OW, on], [co * G * OH * OW, nb], [OW, nr], [1, nc]],
+                                             offset=((n0 * co * G + g * co + o0) * OH + oh0) * OW + ow0),
                                   src=stage[:on])
     return out
 
@@ -327,37 +333,57 @@ def _ahead(items, depth: int = 1):
     yield from queue
 
 
-def _bands(x, n: int, c0: int, cis: list, hd: Dim, wd: Dim, p: Plan):
-    """(first output row, rows, first output column, columns, input bands per ci tile) of image n's bands."""
+def _image_groups(n: int, hd: Dim, wd: Dim, p: Plan, ci_tiles: int, isz: int) -> list[tuple[int, int]]:
+    """(first image, images) of the forward kernel's bands: several images per band and PSUM chunk where one chunk
+    holds a whole image (a small CNN's 8 x 8 maps: one matmul per window offset for up to 8 images instead of
+    one each), else one."""
     OH, OW = hd.out, wd.out
+    per = 1
+    if p.band_rows == p.chunk_rows == OH and p.band_cols == OW:
+        band = ci_tiles * hd.span(0, OH)[1] * wd.span(0, OW)[1] * isz
+        per = max(1, min(PSUM_FP32 // (OH * OW), X_BAND_BYTES // band))
+    return [(n0, min(per, n - n0)) for n0 in range(0, n, per)]
+
+
+def _bands(x, n0: int, nb: int, c0: int, cis: list, hd: Dim, wd: Dim, p: Plan):
+    """(first image, images, first output row, rows, first output column, columns, input bands per ci tile) of
+    the bands of images [n0, n0 + nb) (several images only where a band holds whole images)."""
+    OH, OW = hd.out, wd.out
+    assert nb == 1 or (p.band_rows >= OH and p.band_cols >= OW), "conv2d: bands of several images hold whole images"
     for oh0 in range(0, OH, p.band_rows):
         nr = min(p.band_rows, OH - oh0)
         ph0, hb = hd.span(oh0, nr)
         for ow0 in range(0, OW, p.band_cols):
             nc = min(p.band_cols, OW - ow0)
             pw0, wb = wd.span(ow0, nc)
-            yield oh0, nr, ow0, nc, [_load_band(x, n, c0 + c, cn, hd, wd, ph0, hb, pw0, wb) for c, cn in cis]
+            yield n0, nb, oh0, nr, ow0, nc, [_load_band(x, n0, nb, c0 + c, cn, hd, wd, ph0, hb, pw0, wb)
+                                             for c, cn in cis]
 
 
-def _load_band(x, n: int, c0: int, cn: int, hd: Dim, wd: Dim, ph0: int, hb: int, pw0: int, wb: int):
-    """SBUF [cn, hb, wb]: padded rows [ph0, ph0 + hb) x columns [pw0, pw0 + wb) of image n's channels
-    [c0, c0 + cn) (zeros where padding or inserted zeros fall)."""
+def _load_band(x, n0: int, nb: int, c0: int, cn: int, hd: Dim, wd: Dim, ph0: int, hb: int, pw0: int, wb: int):
+    """SBUF [cn, nb, hb, wb]: padded rows [ph0, ph0 + hb) x columns [pw0, pw0 + wb) of channels [c0, c0 + cn) of
+    images [n0, n0 + nb) (zeros where padding or inserted zeros fall)."""
+    _, C, H, W = x.shape
     dt = x.dtype
-    band = nl.ndarray((PMAX, hb, wb), dt, buffer=nl.sbuf)
+    band = nl.ndarray((PMAX, nb, hb, wb), dt, buffer=nl.sbuf)
     i0, ni, ri = hd.fill(ph0, hb)
     j0, nj, rj = wd.fill(pw0, wb)
+    src = x.ap([[H * W, cn], [C * H * W, nb], [W, ni], [1, nj]], offset=((n0 * C + c0) * H + i0) * W + j0)
     whole = (ri, rj) == (0, 0) and (ni, nj) == (hb, wb) and hd.ld == wd.ld == 1
     if whole:                    # the band is all real input: one DMA straight in
-        nisa.dma_copy(dst=band[:cn], src=x[n, c0:c0 + cn, i0:i0 + ni, j0:j0 + nj])
+        nisa.dma_copy(dst=band[:cn], src=src)
         return band
-    fill_outside(band, cn, hb, wb, (ri, ni, hd.ld), (rj, nj, wd.ld))
+    if nb == 1:
+        fill_outside(band.reshape((PMAX, hb, wb)), cn, hb, wb, (ri, ni, hd.ld), (rj, nj, wd.ld))
+    else:                        # several small images: one fill
+        nisa.memset(dst=band[:cn], value=0.0, engine=nisa.gpsimd_engine)
     if ni == 0 or nj == 0:
         return band
     # the real part lands in strided rows/columns of the band: load it contiguous (long DMA rows, not one
     # descriptor per short row) and place it with one GpSimd copy
-    raw = nl.ndarray((PMAX, ni, nj), dt, buffer=nl.sbuf)
-    nisa.dma_copy(dst=raw[:cn], src=x[n, c0:c0 + cn, i0:i0 + ni, j0:j0 + nj])
-    nisa.tensor_copy(dst=band[:cn, ri:ri + (ni - 1) * hd.ld + 1:hd.ld, rj:rj + (nj - 1) * wd.ld + 1:wd.ld],
+    raw = nl.ndarray((PMAX, nb, ni, nj), dt, buffer=nl.sbuf)
+    nisa.dma_copy(dst=raw[:cn], src=src)
+    nisa.tensor_copy(dst=band[:cn, :, ri:ri + (ni - 1) * hd.ld + 1:hd.ld, rj:rj + (nj - 1) * wd.ld + 1:wd.ld],
                      src=raw[:cn], engine=_copy_engine(dt))
     return band
 
@@ -421,7 +447,7 @@ def conv2d_wgrad_kernel(x, gy, dims=None, groups=1, kernel=(1, 1)):
                     x^T tiles, first partition)}, positions, gradient^T by first partition, x^T per xs)."""
                     def inputs():
                         for n in range(N):
-                            for oh0, nr, ow0, nc, bands in _bands(x, n, g * ci, cis, hd, wd, p):
+                            for _, _, oh0, nr, ow0, nc, bands in _bands(x, n, 1, g * ci, cis, hd, wd, p):
                                 yield nr, ow0, nc, bands, _grad_band(gy, n, g * co + o0, on, oh0, nr, ow0, nc)
                     for nr, ow0, nc, bands, gb in _ahead(inputs()):
                         ring.append((bands, gb))
@@ -445,7 +471,7 @@ def conv2d_wgrad_kernel(x, gy, dims=None, groups=1, kernel=(1, 1)):
                                         for t in used:
                                             rho, d0, d1 = taps[t]
                                             c0, ln = rho + wd.s * (j0 + d0), mn + d1 - d0
-                                            views.append(_cols_first(bands[i][:cn, h0:h0 + (rn - 1) * hd.s + 1:hd.s,
+                                            views.append(_cols_first(bands[i][:cn, 0, h0:h0 + (rn - 1) * hd.s + 1:hd.s,
                                                                               c0:c0 + (ln - 1) * wd.s + 1:wd.s]))
                                         made[key] = _transposed(views, PMAX, dt, per_bank, evict, keep)
                                     new[key] = made[key]

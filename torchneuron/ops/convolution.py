@@ -34,6 +34,8 @@ import torch
 from torchneuron import _C
 from torchneuron.kernels.conv import (Dim, conv2d_backward_kernel, conv2d_kernel, conv2d_wgrad_kernel, conv_fits,
                                       dims_of)
+from torchneuron.kernels.conv_im2col import (conv2d_im2col_backward_kernel, conv2d_im2col_kernel,
+                                             conv2d_im2col_wgrad_kernel, im2col_fits)
 from torchneuron.ops.base import floats_on_one_device
 from torchneuron.ops.elementwise import dense
 from torchneuron.ops.kernel_call import call_kernel
@@ -178,6 +180,18 @@ def _direct_dims(input: torch.Tensor, weight: torch.Tensor, geo: tuple, groups: 
     return dims
 
 
+def _im2col_dims(input: torch.Tensor, weight: torch.Tensor, geo: tuple, groups: int, wgrad: bool = False):
+    """The (H, W) ``Dim`` pair of a plain 1-D/2-D convolution the SBUF-im2col kernels run (``wgrad``: its weight
+    gradient too), or None."""
+    k, s, p, d, patch, rows = geo
+    if input.dim() not in (3, 4) or input.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    one = (1,) if input.dim() == 3 else ()
+    dims = tuple(dims_of(i, kk, ss, (pp, pp), dd) for i, kk, ss, pp, dd in
+                 zip(*(one + tuple(v) for v in (patch, k, s, p, d))))
+    return dims if im2col_fits(input.shape[1], weight.shape[0], groups, dims, input.element_size(), wgrad) else None
+
+
 @lowering("convolution_overrideable")
 def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Sequence[int],
                 padding: Sequence[int], dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
@@ -188,6 +202,12 @@ def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if geo is None or not floats_on_one_device(input, weight, bias) or (bias is not None and bias.dtype != input.dtype):
         return _C._fallback_convolution(input, weight, bias, list(stride), list(padding), list(dilation), transposed,
                                         list(output_padding), groups)
+    if not transposed and (dims := _im2col_dims(input, weight, geo, groups)) is not None:
+        args = {"x": _as_2d(input), "w": _as_2d(weight)}
+        if bias is not None:
+            args["bias"] = dense(bias)
+        (res,) = call_kernel(conv2d_im2col_kernel, args, {"dims": dims}, op="aten::convolution")
+        return _follow_layout(res.view(res.shape[0], res.shape[1], -1) if input.dim() == 3 else res, input)
     # a transposed convolution is a plain one's input gradient: the direct kernel's flipped loop nest, every
     # window offset's products summed in PSUM (fp32) and rounded once
     dims = _direct_dims(input, weight, geo, groups, grad=transposed)
@@ -238,6 +258,19 @@ def convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight:
             grad_input = _follow_layout(_from_rows(_rows_from_cols(_group_weight(weight, G), cols), B, rows), input)
         if output_mask[1]:
             grad_weight = _weight_grad(_to_rows(input), cols, weight.shape)
+    elif output_mask[1] and (dims := _im2col_dims(input, weight, geo, groups, wgrad=True)) is not None:
+        x4, g4, w4 = _as_2d(input), _as_2d(grad_output), _as_2d(weight)
+        gdims = _direct_dims(input, weight, geo, groups, grad=True) if output_mask[0] else None
+        if gdims is not None:   # both gradients from one launch
+            gi, gw = call_kernel(conv2d_im2col_backward_kernel, {"x": x4, "gy": g4, "w": w4},
+                                 {"dims": dims, "gdims": gdims}, op="aten::convolution_backward")
+            return _follow_layout(gi.view(input.shape), input), gw.view(weight.shape), grad_bias
+        (gw,) = call_kernel(conv2d_im2col_wgrad_kernel, {"x": x4, "gy": g4},
+                            {"dims": dims, "kernel": tuple(w4.shape[2:])}, op="aten::convolution_backward")
+        grad_weight = gw.view(weight.shape)
+        if output_mask[0]:
+            grad_input = convolution_backward(grad_output, input, weight, stride, padding, dilation, transposed,
+                                              output_padding, groups, (True, False, False))[0]
     elif (dims := _direct_dims(input, weight, geo, groups, wgrad=True)) is not None:
         x4, g4, w4 = _as_2d(input), _as_2d(grad_output), _as_2d(weight)
         gdims = _direct_dims(input, weight, geo, groups, grad=True) if output_mask[0] else None
