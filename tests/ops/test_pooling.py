@@ -49,13 +49,15 @@ def _assert_pool_like_cpu(x: torch.Tensor, args: tuple, kwargs: dict) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_max_pool2d_ties_nan_and_infinities_like_cpu(dtype, strict):
+@pytest.mark.parametrize("channels", [3, 128])
+def test_max_pool2d_ties_nan_and_infinities_like_cpu(dtype, channels, strict):
     # each window alone, then the same values spread over a plane under every geometry (padding, ceil_mode,
-    # dilation, a rectangular window): indices of ties and NaN as the CPU's rule picks them
+    # dilation, a rectangular window): indices of ties and NaN as the CPU's rule picks them; 256 planes run as
+    # 2 per partition
     for w in WINDOWS:
         _assert_pool_like_cpu(torch.tensor(w, dtype=dtype).view(1, 1, 2, 2), (2,), {})
     gen = torch.Generator().manual_seed(0)
-    x = torch.randint(-2, 3, (2, 3, 9, 11), generator=gen).to(dtype)          # many ties
+    x = torch.randint(-2, 3, (2, channels, 9, 11), generator=gen).to(dtype)   # many ties
     flat = x.view(-1)
     picks = torch.randperm(flat.numel(), generator=gen)
     flat[picks[:12]] = NAN
@@ -101,3 +103,39 @@ def test_max_pool2d_is_one_launch(strict):
     with profiler.record() as recs:
         torch.nn.functional.max_pool2d(x, 2, return_indices=True)
     assert [r.name for r in recs] == ["max_pool2d_kernel"]
+
+
+# (kernel, stride, padding, dilation, ceil_mode): POOL_ARGS's geometries spelled out
+GRAD_GEOMETRIES = [([2, 2], [2, 2], [0, 0], [1, 1], False), ([3, 3], [1, 1], [1, 1], [1, 1], False),
+                   ([3, 3], [2, 2], [1, 1], [2, 2], True), ([2, 3], [1, 2], [0, 0], [1, 1], False),
+                   ([3, 3], [2, 2], [1, 1], [1, 1], False), ([2, 2], [2, 2], [0, 0], [1, 1], True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("planes", [6, 150, 256, 131])
+def test_max_pool2d_gradient_like_float64(planes, dtype, strict):
+    # one launch under every geometry (disjoint and overlapping windows, padding, ceil_mode, dilation): each output's
+    # gradient lands at its index, overlapping windows' gradients summed in fp32 and rounded once (K <= 9 terms:
+    # within half an ulp of the dtype plus K fp32 roundings of the float64 sum); an inf or NaN gradient reaches only
+    # its own index. Planes: fewer than the partitions, 2 per partition (150, 256), and 131 (one per partition, two
+    # tiles)
+    from torchneuron.runtime import profiler
+    gen = torch.Generator().manual_seed(planes)
+    x = torch.randint(-2, 3, (1, planes, 9, 11), generator=gen).to(dtype)     # ties: the first maximum's index
+    x.view(-1)[torch.randperm(x.numel(), generator=gen)[:10]] = NAN
+    grad = torch.ops.aten.max_pool2d_with_indices_backward
+    for k, s, p, d, ceil in GRAD_GEOMETRIES:
+        _, idx = torch.nn.functional.max_pool2d(x, k, s, p, d, ceil, return_indices=True)
+        g = torch.randn(idx.shape, generator=gen).to(dtype)
+        g.view(-1)[torch.randperm(g.numel(), generator=gen)[:6]] = torch.tensor([INF, -INF, NAN] * 2, dtype=dtype)
+        with profiler.record() as recs:
+            got = grad(to_n(g), to_n(x), k, s, p, d, ceil, to_n(idx)).cpu()
+        assert [r.name for r in recs] == ["max_pool2d_backward_kernel"]
+        exact = grad(g.double(), x.double(), k, s, p, d, ceil, idx)
+        terms = grad(g.double().abs().nan_to_num(0, 0, 0), x.double(), k, s, p, d, ceil, idx)
+        assert got.dtype == dtype and got.shape == x.shape
+        for f in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(f(got), f(exact.to(dtype)))
+        fin = exact.isfinite()
+        bound = (torch.finfo(dtype).eps / 2) * exact.abs() + 9 * 2.0 ** -24 * terms
+        assert ((got.double() - exact).abs()[fin] <= bound[fin]).all()

@@ -6,8 +6,10 @@
   for SBUF: the window gather (``windows.im2col_patches``) with -inf padding, ``max`` and ``argmax`` over the
   window axis by the reduction kernel, the argmax turned into PyTorch's flat input index by one element-wise
   launch, with the CPU's rule for NaN (its last NaN's index: one more element-wise launch and a max over the
-  window axis find it) and for windows of -inf (their first element inside the input). Backward: ``where(index == window_index[k], grad, 0)`` per window offset k, then
-  col2im.
+  window axis find it) and for windows of -inf (their first element inside the input). Backward: 2-D in one
+  launch where a partition's planes fit SBUF (``kernels.pooling.max_pool2d_backward_kernel``: per window offset
+  the gradients whose index is that offset's element, placed or summed in fp32); else ``where(index ==
+  window_index[k], grad, 0)`` per window offset k, then col2im.
 - **Average pooling** (n-D): window sums of the zero-padded im2col patches (one reduction over the window
   axis) divided by the CPU kernels' divisors (``count_include_pad``, ``ceil_mode``, ``divisor_override``),
   so a NaN or inf stays in the windows that hold it. Backward: each window's gradient over its divisor,
@@ -28,7 +30,8 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 
 import torchneuron.nki.language as nl
 from torchneuron.kernels.conv import Dim
-from torchneuron.kernels.pooling import max_pool2d_kernel, max_pool_fits
+from torchneuron.kernels.pooling import (max_pool2d_backward_kernel, max_pool2d_kernel, max_pool_backward_fits,
+                                        max_pool_fits)
 from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, device_table, floats_on_one_device, meta_run, Unsupported
@@ -138,12 +141,17 @@ def _window_first(S: tuple, k: tuple, s: tuple, p: tuple, d: tuple, o: tuple) ->
     return idx.to(torch.int32).reshape(-1)
 
 
+def _pool_dims(S: tuple, k: tuple, s: tuple, p: tuple, d: tuple, O: tuple) -> tuple:
+    """The (H, W) ``Dim`` pair of a 2-D pooling of S into O (padding after the input: whatever ceil_mode reads)."""
+    return tuple(Dim(S[i], 1, p[i], (O[i] - 1) * s[i] + d[i] * (k[i] - 1) + 1 - S[i] - p[i], k[i], d[i], s[i])
+                 for i in range(2))
+
+
 def _max_pool2d_direct(self: torch.Tensor, k: tuple, s: tuple, p: tuple, d: tuple, O: tuple):
     """(values, int64 indices) of 2-D max pooling by ``max_pool2d_kernel`` (one launch), or None where its bands
     do not fit SBUF."""
     S = tuple(self.shape[-2:])
-    dims = tuple(Dim(S[i], 1, p[i], (O[i] - 1) * s[i] + d[i] * (k[i] - 1) + 1 - S[i] - p[i], k[i], d[i], s[i])
-                 for i in range(2))
+    dims = _pool_dims(S, k, s, p, d, O)
     if not max_pool_fits(*dims, self.element_size()):
         return None
     args = {"x": dense(self).view(-1, *S)}
@@ -213,11 +221,17 @@ register_out("max_pool3d_with_indices.out", max_pool3d_with_indices, warn_resize
 
 
 def _max_pool_backward(n: int, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
-    """Gradient of n-D max pooling on the device: window compare against the indices, then col2im."""
+    """Gradient of n-D max pooling on the device: 2-D in one launch where the planes fit SBUF, else a window
+    compare against the indices, then col2im."""
     meta_run(_MAX_POOL[n][1].default, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
     k, s, p, d = _pool_geometry(n, kernel_size, stride, padding, dilation)
     S, O = tuple(self.shape[-n:]), tuple(grad_output.shape[-n:])
     BC, L = self.numel() // math.prod(S), math.prod(O)
+    if n == 2 and max_pool_backward_fits(BC, *(dims := _pool_dims(S, k, s, p, d, O))):
+        words = dense(indices).view(torch.int32).view(BC, *O, 2)
+        (grad,) = call_kernel(max_pool2d_backward_kernel, {"gy": dense(grad_output).view(BC, *O), "words": words},
+                              {"dims": dims}, op="aten::max_pool2d_with_indices_backward")
+        return grad.view(self.shape)
     # the low int32 words of the int64 indices (indices are below 2**24)
     low = dense(indices.reshape(BC, L)).view(torch.int32).view(1, BC, L, 2)[..., 0]
     table = device_table(self.device, _window_index, S, k, s, p, d, O)           # [K, 1, prod(O)]
