@@ -154,6 +154,14 @@ def mixed_program() -> Program:
                         on_false_value=2.5, cmp_op="less"),
         i.affine_select(dst=_sb(45, I32), pattern=[[2, F]], channel_multiplier=-1, on_true_tile=_sb(45, I32),
                         on_false_value=-4, cmp_op="not_equal"),
+        # predicated copies: planned where the three operands have one shape (a strided destination, the predicate
+        # reversed, a bf16 tile); executed where they do not
+        i.tensor_copy_predicated(dst=_sb(77), src=_sb(12), predicate=_sb(78, torch.uint8)),
+        i.tensor_copy_predicated(dst=AP("sbuf", F32, ((2, F // 2),), partitions=P, offset=512 * 79),
+                                 src=_sb(80, F32, (F // 2,)), predicate=_sb(81, torch.uint16, (F // 2,)),
+                                 reverse_pred=True),
+        i.tensor_copy_predicated(dst=_sb(6, BF16), src=_sb(20, BF16), predicate=_sb(78, torch.uint8)),
+        i.tensor_copy_predicated(dst=_sb(82, F32, (2, F // 2)), src=_sb(12), predicate=_sb(78, torch.uint8)),
     ]
     args = [ArgSlot("x", (P, F), F32), ArgSlot("y", (P, F), BF16), ArgSlot("c", (P, 1), F32),
             ArgSlot("out", (P, F), F32, "output"), ArgSlot("out2", (P, F), BF16, "output"),

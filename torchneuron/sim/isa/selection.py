@@ -11,9 +11,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine
-from torchneuron.sim.memory import AP
+from torchneuron.sim.memory import AP, store
 from torchneuron.sim.numerics import INT_DTYPES, alu_op, apply_alu, as_scalar, dtype_name, reduce_op
-from torchneuron.sim.isa.common import (COMPARE_OPS, MAX8_FMAX, MAX8_FMIN, Instr, Operand, checked_reduce_cmd,
+from torchneuron.sim.isa.common import (COMPARE_OPS, MAX8_FMAX, MAX8_FMIN, Instr, Operand, Step, checked_reduce_cmd,
                                         load_column, load_tile, prepare_cast)
 from torchneuron.sim.isa.scalar_engine import reduce_into_registers
 
@@ -82,6 +82,20 @@ class TensorCopyPredicated(Instr):
         else:  # a scalar goes through the engine's fp32 and is cast to dst's dtype
             new = torch.tensor(as_scalar(self.src, torch.float32)).to(self.dst.dtype)
         self.dst.write(core, torch.where(take, new, old))
+
+    def step(self, core, slots) -> Step | None:
+        """``execute`` with the views looked up once, where a tile ``src`` and the predicate have dst's shape
+        (the usual case; else None: execute reshapes them)."""
+        if not isinstance(self.src, AP):
+            return None
+        dst, dv, sv, pv = self.dst, self.dst.view(core), self.src.view(core), self.predicate.view(core)
+        if not dv.shape == sv.shape == pv.shape:
+            return None
+        reverse = self.reverse_pred
+
+        def step(h):
+            store(dst, dv, torch.where(pv == 0 if reverse else pv != 0, sv, dv), may_alias=False)
+        return step
 
     def price(self) -> CostInputs:
         data = [self.src, self.predicate] if isinstance(self.src, AP) else [self.predicate]
