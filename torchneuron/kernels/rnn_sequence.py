@@ -23,18 +23,22 @@ The workspace (fp32, [T, N, 5H]) holds each step's activated gates and tanh(c_{t
 
 Backward, per block (loaded when a step of it is reached):
 
-    load the workspace, c_t, h_t and the output's gradient of the block's steps   DMA
-    the steps' gate derivatives times their partners (vectorized over the block)  VectorE, ScalarE-free
+    load the workspace, c_t, h_t (and x_t) and the output's gradient of the block's steps   DMA
+    the steps' gate derivatives times their partners (vectorized over the block)  VectorE, GpSimdE
     for each step t, last first, with dh (gradient of h_{t+1}) and dc:
         gc = dh * o * (1 - tanh(c)^2) + dc                                        VectorE
         d_gates = [gc * g * i(1-i), gc * c_t * f(1-f), gc * i * (1-g^2), dh * tanh(c) * o(1-o)]
                                                            (rounded to the storage dtype)   VectorE
         dc = gc * f                                                               GpSimdE
         per 128-column chunk of d_gates: transpose it (TensorE, VectorE), then
-            dh (+)= chunk @ W_hh's rows into one PSUM bank                        TensorE
-            grad W_hh rows, grad bias (+)= d_gates^T @ [h_t | 1]                 TensorE (PSUM, all steps)
-        dh = PSUM + the output's gradient at step t - 1                           VectorE
-    store the block's gate gradients                                              DMA
+            [dh | dx_t] (+)= chunk @ [W_hh | W_ih]'s rows into one PSUM bank        TensorE
+            [grad W_hh | grad W_ih | grad bias] rows (+)= d_gates^T @ [h_t | x_t | 1]   TensorE (PSUM, all steps)
+        [dh | dx_t] = PSUM + the output's gradient at step t - 1                  VectorE
+    store the block's input gradients dx (or, where x_t does not fit, the gate gradients)   DMA
+
+so W_ih's and the input's gradients cost no instruction of their own per step: x_t's columns ride along h_t's
+(hidden + input + 1 <= 512 fp32 columns, one PSUM bank row; beyond, the caller forms them from the stored gate
+gradients with two products).
 """
 from __future__ import annotations
 
@@ -172,24 +176,33 @@ def lstm_sequence_kernel(igates, h0, c0, w_hh, b_ih=None, b_hh=None, T=1, N=1, H
 
 
 class _BackwardBlock:
-    """A block of time steps' backward operands, loaded from HBM and prepared once for all its steps."""
+    """A block of time steps' backward operands, loaded from HBM and prepared once for all its steps. ``cols``:
+    the column ranges of the W product's moving operand (h_t, x_t, the ones column); ``dwidth`` the hidden
+    product's width (dh, then dx when it is formed)."""
 
-    def __init__(self, t0: int, nb: int, N: int, H: int, dt, ws, cs, hs, grad_out, views: dict, has_bias: bool):
+    def __init__(self, t0: int, nb: int, N: int, H: int, dt, ws, cs, hs, x, grad_out, views: dict, width: int,
+                 dwidth: int, has_bias: bool):
         f32 = nl.float32
         self.t0 = t0
         wsb = nl.ndarray((PMAX, nb, 5, H), f32, buffer=nl.sbuf)
         nisa.dma_copy(dst=wsb.reshape((PMAX, nb, 5 * H))[:N], src=_steps_ap(ws, N, nb, 5 * H, t0))    # DMA
         cx = nl.ndarray((PMAX, nb, H), f32, buffer=nl.sbuf)                  # c_t of each step
         nisa.dma_copy(dst=cx[:N], src=_steps_ap(cs, N, nb, H, t0))
-        # h_t of each step, with a column of ones: the W_hh product's extra column sums the bias gradient
-        self.h = nl.ndarray((PMAX, nb, H + 1), dt, buffer=nl.sbuf)
+        # [h_t | x_t | 1] of each step: the weight gradients' moving operand (the ones column sums the bias's)
+        self.h = nl.ndarray((PMAX, nb, width), dt, buffer=nl.sbuf)
         nisa.dma_copy(dst=self.h[:N, :, 0:H], src=_steps_ap(hs, N, nb, H, t0))
+        if x is not None:
+            I = width - H - has_bias
+            nisa.dma_copy(dst=self.h[:N, :, H:H + I], src=_steps_ap(x, N, nb, I, t0, views["x"]))
         if has_bias:
-            nisa.memset(dst=self.h[:N, :, H], value=1.0)                                           # VectorE
+            nisa.memset(dst=self.h[:N, :, width - 1], value=1.0)                                   # VectorE
         self.grad_out = None
         if grad_out is not None:
-            self.grad_out = nl.ndarray((PMAX, nb, H), f32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=self.grad_out[:N], src=_steps_ap(grad_out, N, nb, H, t0, views["grad_out"]))
+            # the output's gradient, zero-padded to the hidden product's width (dx's columns add nothing)
+            self.grad_out = nl.ndarray((PMAX, nb, dwidth), f32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=self.grad_out[:N, :, 0:H], src=_steps_ap(grad_out, N, nb, H, t0, views["grad_out"]))
+            if dwidth > H:
+                nisa.memset(dst=self.grad_out[:N, :, H:dwidth], value=0.0)
         a = wsb[:N, :, 0:4]
         self.acts = wsb
         # the gates' derivatives s(1-s) (i, f, o) and 1-g^2 (g), then each times its partner in the chain rule:
@@ -210,37 +223,60 @@ class _BackwardBlock:
         nisa.scalar_tensor_tensor(dst=self.u[:N], data=self.u[:N], op0=nl.subtract, operand0=1.0, reverse0=True,
                                   op1=nl.multiply, operand1=a[:, :, 3])
         self.dg = nl.ndarray((PMAX, nb, 4, H), dt, buffer=nl.sbuf)     # the gate gradients, rounded
+        # per step [dh_t | dx_t]: the hidden product (+ the output's gradient at t - 1), fp32
+        self.e = nl.ndarray((PMAX, nb, dwidth), f32, buffer=nl.sbuf)
+
+
+def input_fits(H: int, I: int) -> bool:
+    """Whether the sequence backward can also form W_ih's gradient and the input's (x_t beside h_t in one PSUM
+    bank row: H + I + 1 fp32 columns)."""
+    return H + I + 1 <= PSUM_FP32
 
 
 @nki.jit
-def lstm_sequence_backward_kernel(ws, cs, hs, w_hh, grad_out=None, grad_hn=None, grad_cn=None, T=1, N=1, H=1, L=1,
-                                  layer=0, views=(), batch_first=False, has_bias=False):
-    """(grad_gates, grad_h0, grad_c0, grad_w_hh[, grad_b_ih, grad_b_hh]) of one LSTM layer from the forward's hs,
-    cs and workspace (``lstm_sequence_kernel``) and the gradients of its output (3-D, read through its (step, row,
-    column) strides), h_n and c_n ([N, H] views); any may be missing (zeros). grad_gates is [T, N, 4H] ([N, T, 4H]
-    with ``batch_first``: the layer input's row order), in the storage dtype, as is every result; grad_h0 and
-    grad_c0 are [L, N, H] results of which this layer writes row ``layer``. The bias gradients are equal (the
-    batch and step sum of the rounded gate gradients)."""
+def lstm_sequence_backward_kernel(ws, cs, hs, w_hh, x=None, w_ih=None, grad_out=None, grad_hn=None, grad_cn=None,
+                                  T=1, N=1, H=1, I=0, L=1, layer=0, views=(), batch_first=False, has_bias=False):
+    """(grad_h0, grad_c0, grad_w_hh[, grad_b_ih, grad_b_hh], then grad_gates, or with ``x`` grad_w_ih[, grad_x]) of
+    one LSTM layer from the forward's hs, cs and workspace (``lstm_sequence_kernel``) and the gradients of its
+    output (3-D, read through its (step, row, column) strides), h_n and c_n ([N, H] views); any may be missing
+    (zeros). grad_gates is [T, N, 4H] ([N, T, 4H] with ``batch_first``: the layer input's row order); with the
+    layer's input ``x`` (3-D, [.., I]) W_ih's gradient is summed here instead, and with ``w_ih`` the input's
+    gradient grad_x (x's layout) formed. Every result is in the storage dtype; grad_h0 and grad_c0 are [L, N, H]
+    results of which this layer writes row ``layer``. The bias gradients are equal (the batch and step sum of the
+    rounded gate gradients)."""
     _check(T, N, H, "lstm sequence backward")
     views = dict(views)
     dt, f32 = w_hh.dtype, nl.float32
     G = 4 * H
-    tb = _steps_per_block(H, BWD_STEP_WORDS)
-    check_sbuf(2 * tb * BWD_STEP_WORDS * H * 4 + cdiv(G, PMAX) * H * 4 + 8 * PMAX * 4, "lstm sequence backward")
-    grad_gates = nl.ndarray((N, T, G) if batch_first else (T, N, G), dt, buffer=nl.shared_hbm)
+    if x is None:
+        I = 0
+    assert input_fits(H, I), f"lstm sequence backward: {H} + {I} + 1 weight-gradient columns exceed a PSUM bank"
+    width = H + I + has_bias                   # the weight gradients' columns: W_hh's, W_ih's, the bias's
+    dwidth = H + (I if w_ih is not None else 0)
+    tb = _steps_per_block(H, BWD_STEP_WORDS + (3 * I + H - 1) // H)
+    check_sbuf(2 * tb * (BWD_STEP_WORDS * H + 3 * I) * 4 + cdiv(G, PMAX) * dwidth * 4 + 8 * PMAX * 4,
+               "lstm sequence backward")
     grad_h0 = nl.ndarray((L, N, H), dt, buffer=nl.shared_hbm)
     grad_c0 = nl.ndarray((L, N, H), dt, buffer=nl.shared_hbm)
     grad_w = nl.ndarray((G, H), dt, buffer=nl.shared_hbm)
     grad_b = [nl.ndarray((G,), dt, buffer=nl.shared_hbm) for _ in range(2)] if has_bias else []
+    grad_gates = grad_w_ih = grad_x = None
+    if x is None:
+        grad_gates = nl.ndarray((N, T, G) if batch_first else (T, N, G), dt, buffer=nl.shared_hbm)
+    else:
+        grad_w_ih = nl.ndarray((G, I), dt, buffer=nl.shared_hbm)
+    if w_ih is not None:
+        grad_x = nl.ndarray((N, T, I) if batch_first else (T, N, I), dt, buffer=nl.shared_hbm)
     chunks = [(k0, min(PMAX, G - k0)) for k0 in range(0, G, PMAX)]
-    wr, wc = views["w_hh"]
-    rows = []                                                        # W_hh's rows per chunk: loaded once
+    rows = []                                                        # [W_hh | W_ih]'s rows per chunk: loaded once
     for k0, kw in chunks:
-        r = nl.ndarray((PMAX, H), dt, buffer=nl.sbuf)
-        nisa.dma_copy(dst=r[:kw], src=w_hh.ap([[wr, kw], [wc, H]], offset=k0 * wr))               # DMA
+        r = nl.ndarray((PMAX, dwidth), dt, buffer=nl.sbuf)
+        for w, name, c0, c in ((w_hh, "w_hh", 0, H), (w_ih, "w_ih", H, I)):
+            if w is not None:
+                wr, wc = views[name]
+                nisa.dma_copy(dst=r[:kw, c0:c0 + c], src=w.ap([[wr, kw], [wc, c]], offset=k0 * wr))  # DMA
         rows.append(r)
-    width = H + 1 if has_bias else H
-    acc = [nl.ndarray((PMAX, width), f32, buffer=nl.psum) for _ in chunks]   # grad W_hh | grad bias, all steps
+    acc = [nl.ndarray((PMAX, width), f32, buffer=nl.psum) for _ in chunks]   # the weight gradients, all steps
 
     blocks = _blocks(T, tb)
     loaded: dict[int, _BackwardBlock] = {}
@@ -249,21 +285,22 @@ def lstm_sequence_backward_kernel(ws, cs, hs, w_hh, grad_out=None, grad_hn=None,
         """The loaded block holding step t (the latest two stay alive) and t's index in it."""
         b = t // tb
         if b not in loaded:
-            loaded[b] = _BackwardBlock(*blocks[b], N, H, dt, ws, cs, hs, grad_out, views, has_bias)
+            loaded[b] = _BackwardBlock(*blocks[b], N, H, dt, ws, cs, hs, x, grad_out, views, width, dwidth,
+                                       has_bias)
             loaded.pop(b + 2, None)
         return loaded[b], t - blocks[b][0]
 
     # the gradient reaching h_T: h_n's plus the output's at the last step
-    dh = nl.ndarray((PMAX, H), f32, buffer=nl.sbuf)
+    dh = nl.ndarray((PMAX, H), f32, buffer=nl.sbuf)[:N]
     last, j = block_of(T - 1)
     if grad_hn is not None:
-        nisa.dma_copy(dst=dh[:N], src=_rows_ap(grad_hn, N, H, views["grad_hn"]))                  # DMA
+        nisa.dma_copy(dst=dh, src=_rows_ap(grad_hn, N, H, views["grad_hn"]))                      # DMA
         if last.grad_out is not None:
-            _add(dh[:N], dh[:N], last.grad_out[:N, j])
+            _add(dh, dh, last.grad_out[:N, j, 0:H])
     elif last.grad_out is not None:
-        nisa.tensor_copy(dst=dh[:N], src=last.grad_out[:N, j])
+        nisa.tensor_copy(dst=dh, src=last.grad_out[:N, j, 0:H])
     else:
-        nisa.memset(dst=dh[:N], value=0.0)
+        nisa.memset(dst=dh, value=0.0)
     dc = None
     if grad_cn is not None:
         dc = nl.ndarray((PMAX, H), f32, buffer=nl.sbuf)
@@ -271,41 +308,52 @@ def lstm_sequence_backward_kernel(ws, cs, hs, w_hh, grad_out=None, grad_hn=None,
     for t in reversed(range(T)):
         blk, j = block_of(t)
         gc = nl.ndarray((PMAX, H), f32, buffer=nl.sbuf)
-        _mul(gc[:N], dh[:N], blk.u[:N, j])                                                         # VectorE
+        _mul(gc[:N], dh, blk.u[:N, j])                                                             # VectorE
         if dc is not None:
             _add(gc[:N], gc[:N], dc[:N])
         dg = blk.dg[:N, j]
         _mul(dg[:, 0:3], _repeat(gc, N, 3, H), blk.q[:N, j, 0:3])                                   # VectorE
-        _mul(dg[:, 3], dh[:N], blk.q[:N, j, 3])
+        _mul(dg[:, 3], dh, blk.q[:N, j, 3])
         dc = nl.ndarray((PMAX, H), f32, buffer=nl.sbuf)
         _mul(dc[:N], gc[:N], blk.acts[:N, j, 1], engine=nisa.gpsimd_engine)                         # GpSimdE
         flat = blk.dg.reshape((PMAX, blk.dg.shape[1], G))
-        bank = nl.ndarray((PMAX, H), f32, buffer=nl.psum)
+        bank = nl.ndarray((PMAX, dwidth), f32, buffer=nl.psum)
         for k, (k0, kw) in enumerate(chunks):
             tp = nl.ndarray((PMAX, PMAX), dt, buffer=nl.psum)
             nisa.nc_transpose(dst=tp[:kw, :N], data=flat[:N, j, k0:k0 + kw])                      # TensorE
             chunk = nl.ndarray((PMAX, PMAX), dt, buffer=nl.sbuf)
             nisa.tensor_copy(dst=chunk[:kw, :N], src=tp[:kw, :N])                                  # VectorE
+            # [dh_t | dx_t] (+)= chunk @ [W_hh | W_ih] rows
             nisa.nc_matmul(dst=bank[:N], stationary=chunk[:kw, :N], moving=rows[k][:kw],
                            accumulate=k > 0)                                                       # TensorE
-            nisa.nc_matmul(dst=acc[k][:kw], stationary=flat[:N, j, k0:k0 + kw], moving=blk.h[:N, j, 0:width],
+            # [grad W_hh | grad W_ih | grad bias] rows (+)= d_gates^T @ [h_t | x_t | 1]
+            nisa.nc_matmul(dst=acc[k][:kw], stationary=flat[:N, j, k0:k0 + kw], moving=blk.h[:N, j],
                            accumulate=t < T - 1)                                                   # TensorE
-        dh = nl.ndarray((PMAX, H), f32, buffer=nl.sbuf)
         prev = block_of(t - 1) if t > 0 else None
         if prev is not None and prev[0].grad_out is not None:
-            _add(dh[:N], bank[:N], prev[0].grad_out[:N, prev[1]])                                  # VectorE
+            _add(blk.e[:N, j], bank[:N], prev[0].grad_out[:N, prev[1]])                           # VectorE
         else:
-            nisa.tensor_copy(dst=dh[:N], src=bank[:N])
+            nisa.tensor_copy(dst=blk.e[:N, j], src=bank[:N])
+        dh = blk.e[:N, j, 0:H]
         if j == 0:
             nb = blk.dg.shape[1]
-            nisa.dma_copy(dst=_steps_ap(grad_gates, N, nb, G, blk.t0, batch_first=batch_first),
-                          src=blk.dg.reshape((PMAX, nb, G))[:N])                                   # DMA
-    nisa.dma_copy(dst=_rows_ap(grad_h0, N, H, offset=layer * N * H), src=dh[:N])                    # DMA
+            if grad_gates is not None:
+                nisa.dma_copy(dst=_steps_ap(grad_gates, N, nb, G, blk.t0, batch_first=batch_first),
+                              src=blk.dg.reshape((PMAX, nb, G))[:N])                               # DMA
+            if grad_x is not None:
+                nisa.dma_copy(dst=_steps_ap(grad_x, N, nb, I, blk.t0, batch_first=batch_first),
+                              src=blk.e[:N, :, H:dwidth])                                          # DMA
+    nisa.dma_copy(dst=_rows_ap(grad_h0, N, H, offset=layer * N * H), src=dh)                        # DMA
     nisa.dma_copy(dst=_rows_ap(grad_c0, N, H, offset=layer * N * H), src=dc[:N])
     for (k0, kw), a in zip(chunks, acc):
         res = nl.ndarray((PMAX, width), dt, buffer=nl.sbuf)
         nisa.tensor_copy(dst=res[:kw], src=a[:kw])                                                 # VectorE
         nisa.dma_copy(dst=grad_w.ap([[H, kw], [1, H]], offset=k0 * H), src=res[:kw, 0:H])          # DMA
+        if grad_w_ih is not None:
+            nisa.dma_copy(dst=grad_w_ih.ap([[I, kw], [1, I]], offset=k0 * I), src=res[:kw, H:H + I])
         for g in grad_b:
-            nisa.dma_copy(dst=g.ap([[1, kw], [1, 1]], offset=k0), src=res[:kw, H:H + 1])
-    return (grad_gates, grad_h0, grad_c0, grad_w, *grad_b)
+            nisa.dma_copy(dst=g.ap([[1, kw], [1, 1]], offset=k0), src=res[:kw, width - 1:width])
+    results = (grad_h0, grad_c0, grad_w, *grad_b)
+    if x is None:
+        return results + (grad_gates,)
+    return results + (grad_w_ih,) + ((grad_x,) if grad_x is not None else ())

@@ -18,7 +18,8 @@ from torch.autograd import forward_ad
 
 from torchneuron.kernels.rnn_cell import (fused_product_fits, gru_cell_backward_kernel, gru_cell_kernel,
                                           lstm_cell_backward_kernel, lstm_cell_kernel)
-from torchneuron.kernels.rnn_sequence import lstm_sequence_backward_kernel, lstm_sequence_kernel, sequence_fits
+from torchneuron.kernels.rnn_sequence import (input_fits, lstm_sequence_backward_kernel, lstm_sequence_kernel,
+                                              sequence_fits)
 from torchneuron.ops.base import storage_span, type_name
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering
@@ -231,8 +232,8 @@ def _gru_cell_backward_composed(grad_hy, workspace, has_bias):
 #
 # - an LSTM whose batch and hidden size fit one kernel's tiles (batch <= 128 rows, hidden <= 128 columns) runs as
 #   ``_LstmSequence``: each layer's recurrence is one launch (``kernels.rnn_sequence``: the time loop inside the
-#   kernel, W_hh and the state on chip), its backward one launch that also sums W_hh's and the biases' gradients
-#   over all steps, then W_ih's gradient and the layer input's as one product each;
+#   kernel, W_hh and the state on chip), its backward one launch that also sums every weight's gradient over all
+#   steps and forms the layer input's;
 # - otherwise ``_FusedSequence`` runs one cell launch per step (a GRU that fits forms the hidden product in it), its
 #   backward one cell-backward launch per step (a GRU that fits forms the previous hidden state's gradient through
 #   W_hh in it, the output's gradient added to the fp32 sum), then each weight's gradient over all steps as one
@@ -464,8 +465,9 @@ class _LstmSequence(torch.autograd.Function):
     """A stack of LSTM layers over a whole sequence, each layer one product for all steps' input projections and
     one ``lstm_sequence_kernel`` launch for its recurrence (batch <= 128, hidden <= 128; one per SEQUENCE_STEPS
     steps of a longer sequence, the state handed from one to the next, the outputs concatenated); the backward
-    one ``lstm_sequence_backward_kernel`` launch a layer (the gate gradients, W_hh's and the biases' over its
-    steps; a longer sequence's launches' sums added) and two products (W_ih's gradient, the layer input's).
+    one ``lstm_sequence_backward_kernel`` launch a layer that also forms every weight's gradient over its steps
+    and the layer input's (a longer sequence's launches' sums added; an input too wide to sit beside h_t in a
+    PSUM row: W_ih's and the input's gradients as two products of the stored gate gradients).
     Returns (output, h_n, c_n). A backward that builds a graph (double backward) differentiates PyTorch's
     composition on the saved inputs instead."""
 
@@ -529,32 +531,46 @@ class _LstmSequence(torch.autograd.Function):
             layer_in = x if layer == 0 else layers_saved[layer * per_layer - 1]
             dh = None if grad_hn is None else grad_hn[layer]
             dc = None if grad_cn is None else grad_cn[layer]
-            d_gates, grad_w_hh, grad_b = [None] * len(chunks), None, [None, None]
+            # W_ih's gradient (and the input's) in the same launches where x_t fits beside h_t in a PSUM row
+            fold = input_fits(H, layer_in.shape[2])
+            need_in = layer > 0 or need_x
+            d_gates, grad_x, grad_w_hh, grad_w_ih, grad_b = [None] * len(chunks), [None] * len(chunks), None, None, \
+                [None, None]
             for k in reversed(range(len(chunks))):
                 s, n = chunks[k]
                 hs, cs, ws = mine[3 * k:3 * k + 3]
                 named = {"ws": ws, "cs": cs, "hs": hs, "w_hh": w_hh}
-                for name, g in (("grad_out", None if grad_in is None else grad_in.narrow(tdim, s, n)),
+                for name, g in (("x", layer_in.narrow(tdim, s, n) if fold else None),
+                                ("w_ih", w_ih if fold and need_in else None),
+                                ("grad_out", None if grad_in is None else grad_in.narrow(tdim, s, n)),
                                 ("grad_hn", dh), ("grad_cn", dc)):
                     if g is not None:
                         named[name] = g
-                d_gates[k], gh, gc, gw, *gb = _sequence_launch(
+                gh, gc, gw, *rest = _sequence_launch(
                     lstm_sequence_backward_kernel, named, tdim,
-                    {"T": n, "N": N, "H": H, "L": L, "layer": layer, "batch_first": batch_first,
-                     "has_bias": has_biases},
-                    (None, grad_h0, grad_c0) if k == 0 else (), "aten::lstm_backward")
+                    {"T": n, "N": N, "H": H, "I": layer_in.shape[2] if fold else 0, "L": L, "layer": layer,
+                     "batch_first": batch_first, "has_bias": has_biases},
+                    (grad_h0, grad_c0) if k == 0 else (), "aten::lstm_backward")
+                gb, rest = rest[:2 if has_biases else 0], rest[2 if has_biases else 0:]
+                if fold:
+                    grad_w_ih = _summed(grad_w_ih, rest[0])
+                    grad_x[k] = rest[1] if need_in else None
+                else:
+                    d_gates[k] = rest[0]
                 dh, dc = gh[layer], gc[layer]
                 grad_w_hh = _summed(grad_w_hh, gw)
                 grad_b = [_summed(a, b) for a, b in zip(grad_b, gb)]
-            # rows in the layer input's order
-            d_gates = (d_gates[0] if len(chunks) == 1 else torch.cat(d_gates, tdim)).view(-1, 4 * H)
             needs = ctx.needs_input_grad[5 + layer * per:5 + (layer + 1) * per]   # this layer's weights, biases
-            if needs[0]:
-                grad_params[layer * per] = torch.mm(d_gates.t(), layer_in.reshape(-1, layer_in.shape[2]))
+            if not fold:
+                # rows in the layer input's order
+                d_gates = (d_gates[0] if len(chunks) == 1 else torch.cat(d_gates, tdim)).view(-1, 4 * H)
+                grad_w_ih = torch.mm(d_gates.t(), layer_in.reshape(-1, layer_in.shape[2])) if needs[0] else None
+                grad_x = [torch.mm(d_gates, w_ih).view(layer_in.shape)] if need_in else [None]
+            grad_params[layer * per] = grad_w_ih if needs[0] else None
             grad_params[layer * per + 1] = grad_w_hh if needs[1] else None
-            for k, g in enumerate(grad_b if has_biases else []):
+            for k, g in enumerate(grad_b):
                 grad_params[layer * per + 2 + k] = g if needs[2 + k] else None
-            grad_in = torch.mm(d_gates, w_ih).view(layer_in.shape) if layer > 0 or need_x else None
+            grad_in = None if not need_in else grad_x[0] if len(grad_x) == 1 else torch.cat(grad_x, tdim)
         return (None, None, grad_in if need_x else None, grad_h0 if need_h0 else None,
                 grad_c0 if need_c0 else None, *grad_params)
 
