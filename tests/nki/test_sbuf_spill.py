@@ -1,7 +1,9 @@
 """SBUF spilling (``torchneuron/nki/liveness.py``, step 5): when the tiles a kernel keeps in use need more SBUF
-than there is, tiles leave SBUF for a private HBM scratch buffer between their accesses (Belady's rule picks
-them) through DMA stores and loads added to the program, so the values stay exact and the time includes the
-traffic. Kernels that fit are traced exactly as before; what no spilling can fit raises."""
+than there is, tiles leave SBUF between their accesses (Belady's rule picks them): a tile the kernel wrote goes
+to a private HBM scratch buffer and back by DMAs on queues of their own; a tile holding what the kernel loaded
+from HBM nothing writes is loaded from there again (and a load whose tile would only leave is issued later).
+Loads back are issued as early as they do no harm. Values stay exact and the time includes the traffic.
+Kernels that fit are traced exactly as before; what no spilling can fit raises."""
 from __future__ import annotations
 
 import collections
@@ -15,6 +17,7 @@ from torchneuron.nki import legacy
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.nki.legacy import language as lnl
+from torchneuron.nki.tracing import DMA_QUEUES, SPILL_DMA_QUEUES
 from torchneuron.sim import SimulatorError
 from torchneuron.sim.specs import chip_spec
 
@@ -27,6 +30,16 @@ ROOMY = dataclasses.replace(chip_spec("trn2"), name="trn2-roomy-sbuf")
 
 def randn(*shape) -> np.ndarray:
     return RNG.standard_normal(shape).astype(np.float32)
+
+
+def loads_from(program, memory: str) -> list:
+    """The DMAs that read ``memory`` (an HBM buffer), in program order."""
+    return [i for i in program.instructions if i.opcode == "dma_copy" and i.src.memory == memory]
+
+
+def first_compute(program) -> int:
+    """The index of the first instruction that is not a DMA."""
+    return next(k for k, i in enumerate(program.instructions) if i.engine.value != "dma")
 
 
 def spill_moves(program) -> collections.Counter:
@@ -47,9 +60,10 @@ def sbuf_end(program) -> int:
 
 
 @nki.jit
-def reversed_sum_kernel(x):
+def reversed_sum_kernel(x, zero_input=False):
     """Load every [128, 512] column block of ``x`` into its own tile, then add them up in reverse order: all
-    blocks are live at once, and the first loaded is needed last."""
+    blocks are live at once, and the first loaded is needed last. ``zero_input``: zero the first block of ``x``
+    after loading it (the kernel then writes its input)."""
     n = x.shape[1] // TILE
     out = nl.ndarray((128, TILE), dtype=nl.float32, buffer=nl.shared_hbm)
     tiles = []
@@ -57,6 +71,10 @@ def reversed_sum_kernel(x):
         t = nl.ndarray((128, TILE), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=t, src=x[:, i * TILE:(i + 1) * TILE])
         tiles.append(t)
+    if zero_input:
+        zeros = nl.ndarray((128, TILE), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=zeros, value=0.0)
+        nisa.dma_copy(dst=x[:, 0:TILE], src=zeros)
     acc = nl.ndarray((128, TILE), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=acc, src=tiles[-1])
     for t in reversed(tiles[:-1]):
@@ -79,27 +97,31 @@ def test_live_tiles_beyond_sbuf_spill_and_stay_exact():
     np.testing.assert_array_equal(out, reversed_sum_reference(x))
     program = traced.program
     assert sbuf_end(program) <= SMALL_SBUF
-    assert any(a.name.startswith("sbuf_spill") for a in program.args)
-    # Belady: the 5 tiles that do not fit beside the accumulator are those needed last (the first loaded); each
-    # is stored once (written once) and loaded back once
-    assert spill_moves(program) == {"store": 5, "load": 5}
-    stored = [i.src for i in program.instructions if i.opcode == "dma_copy" and i.dst.memory.startswith("hbm:sbuf")]
-    loads_from_x = [i for i in program.instructions if i.opcode == "dma_copy" and i.src.memory == "hbm:x"]
-    assert [i.dst.offset for i in loads_from_x[:5]] == [s.offset for s in stored]
+    # Belady: the 5 tiles that do not fit beside the accumulator are those needed last (the first loaded). They
+    # hold x's blocks and nothing writes x, so nothing is stored: their loads are issued later, each right after
+    # an instruction whose tile is not needed again (the first moment with room), and every block is loaded once
+    assert not spill_moves(program) and not any(a.name.startswith("sbuf_spill") for a in program.args)
+    loads = loads_from(program, "hbm:x")
+    assert sorted(i.src.offset for i in loads) == [b * TILE * 4 for b in range(12)]
+    late = [k for k, i in enumerate(program.instructions) if i in loads and k > first_compute(program)]
+    assert [program.instructions[k].src.offset // (4 * TILE) for k in late] == [4, 3, 2, 1, 0]
+    assert all(program.instructions[k - 1].opcode in ("tensor_copy", "tensor_tensor") for k in late)
 
 
 def test_spill_traffic_is_timed():
-    x = randn(128, 12 * TILE)
-    spilled = reversed_sum_kernel.trace((x,), {}, SMALL).program
-    roomy = reversed_sum_kernel.trace((x,), {}, ROOMY).program
+    x = randn(128, 10 * TILE)
+    spilled = rounds_kernel.trace((x,), {"rounds": 3}, SMALL).program
+    roomy = rounds_kernel.trace((x,), {"rounds": 3}, ROOMY).program
     assert not spill_moves(roomy)
     timeline = spilled.schedule(SMALL)
     assert timeline.device_time_ns > roomy.schedule(ROOMY).device_time_ns
+    moves = spill_moves(spilled)
     spill_bytes = sum(i.cost_inputs().dma_bytes for i in spilled.instructions if i.opcode == "dma_copy"
                       and "sbuf_spill" in i.src.memory + i.dst.memory)
-    assert spill_bytes == 10 * 128 * 4 * TILE  # 5 stores and 5 loads of a [128, 512] fp32 tile
+    assert spill_bytes == (moves["store"] + moves["load"]) * 128 * 4 * TILE  # [128, 512] fp32 tiles
+    reloads_from_x = len(loads_from(spilled, "hbm:x")) - len(loads_from(roomy, "hbm:x"))
     assert timeline.dma_bytes == sum(i.cost_inputs().dma_bytes for i in roomy.instructions
-                                     if i.opcode == "dma_copy") + spill_bytes
+                                     if i.opcode == "dma_copy") + spill_bytes + reloads_from_x * 128 * 4 * TILE
 
 
 @nki.jit
@@ -193,5 +215,74 @@ def test_legacy_kernels_spill_too():
     x = randn(128, 12 * TILE)
     out, _, traced = legacy_reversed_sum_kernel.run((x,), {}, chip=SMALL)
     np.testing.assert_array_equal(out, reversed_sum_reference(x))
-    assert spill_moves(traced.program)["load"] > 0
-    assert sbuf_end(traced.program) <= SMALL_SBUF
+    program = traced.program
+    late = [i for i in loads_from(program, "hbm:x") if program.instructions.index(i) > first_compute(program)]
+    assert late  # the blocks that did not fit were loaded while the sum ran
+    assert sbuf_end(program) <= SMALL_SBUF
+
+
+@nki.jit
+def there_and_back_kernel(x):
+    """Every [128, 512] block of ``x`` loaded into its own tile, summed forwards, then backwards: the tiles the
+    first pass leaves are needed again by the second."""
+    n = x.shape[1] // TILE
+    out = nl.ndarray((128, 2 * TILE), dtype=nl.float32, buffer=nl.shared_hbm)
+    tiles = []
+    for i in range(n):
+        t = nl.ndarray((128, TILE), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x[:, i * TILE:(i + 1) * TILE])
+        tiles.append(t)
+    for half, order in enumerate((tiles, tiles[::-1])):
+        acc = nl.ndarray((128, TILE), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=acc, src=order[0])
+        for t in order[1:]:
+            nisa.tensor_tensor(dst=acc, data1=acc, data2=t, op=nl.add)
+        nisa.dma_copy(dst=out[:, half * TILE:(half + 1) * TILE], src=acc)
+    return out
+
+
+def there_and_back_reference(x: np.ndarray) -> np.ndarray:
+    blocks = [x[:, i * TILE:(i + 1) * TILE] for i in range(x.shape[1] // TILE)]
+    out = []
+    for order in (blocks, blocks[::-1]):
+        acc = order[0].copy()
+        for b in order[1:]:
+            acc = acc + b  # fp32, the kernel's order
+        out.append(acc)
+    return np.concatenate(out, axis=1)
+
+
+def test_loaded_tiles_leave_without_a_store_and_come_back_from_their_source():
+    x = randn(128, 12 * TILE)
+    out, _, traced = there_and_back_kernel.run((x,), {}, chip=SMALL)
+    np.testing.assert_array_equal(out, there_and_back_reference(x))
+    program = traced.program
+    assert not spill_moves(program)  # nothing was written to a tile before it left
+    loads = loads_from(program, "hbm:x")
+    assert {i.src.offset for i in loads} == {b * TILE * 4 for b in range(12)} and len(loads) > 12
+    # the kernel's own loads keep its queues; a block loaded again goes on a spill queue
+    seen, again = set(), []
+    for i in loads:
+        (again if i.src.offset in seen else []).append(i)
+        seen.add(i.src.offset)
+    assert again and all(i.queue >= DMA_QUEUES for i in again)
+    assert sbuf_end(program) <= SMALL_SBUF
+
+
+def test_a_source_the_kernel_writes_is_not_loaded_from_again():
+    x = randn(128, 12 * TILE)
+    # a tile loaded from x cannot be loaded from it again (the kernel writes it): a tile that leaves is stored
+    out, _, traced = reversed_sum_kernel.run((x.copy(),), {"zero_input": True}, chip=SMALL)
+    np.testing.assert_array_equal(out, reversed_sum_reference(x))  # the blocks as they were loaded
+    program = traced.program
+    assert spill_moves(program)["store"] > 0
+    assert len(loads_from(program, "hbm:x")) == 12
+
+
+def test_spill_dmas_use_queues_of_their_own():
+    x = randn(128, 10 * TILE)
+    program = rounds_kernel.trace((x,), {"rounds": 3}, SMALL).program
+    spill = [i for i in program.instructions if i.opcode == "dma_copy" and "sbuf_spill" in i.src.memory + i.dst.memory]
+    assert spill and [i.queue for i in spill] == [DMA_QUEUES + k % SPILL_DMA_QUEUES for k in range(len(spill))]
+    others = [i for i in program.instructions if i.opcode == "dma_copy" and i not in spill]
+    assert all(i.queue < DMA_QUEUES for i in others)

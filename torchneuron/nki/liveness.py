@@ -28,14 +28,15 @@ placed by its own liveness.
 
 5. Spilling SBUF (where step 2 would raise): the SBUF tiles are split where they have to leave SBUF, as the
    Neuron compiler spills to HBM when the live data overflows SBUF. A pass over the instructions in order
-   (Belady's rule: the tile needed furthest in the future leaves first) keeps the bytes live at every
-   instruction within a budget (SBUF's capacity, lowered if step 2 then finds no box for a piece). Each
-   stretch of a tile between two evictions is placed like an overflowed tile; a stretch that ends by
-   eviction is followed by a DMA store of the tile to a private HBM scratch buffer if it was written since
-   its last store, and the next stretch begins with a DMA load from there, issued as early as SBUF has
-   room for it (its box is reserved from the first instruction after which the bytes in SBUF leave that
-   room, when such a box is free), so the load can run ahead of the access. Kernels that fit never reach
-   this step.
+   (``_Eviction``; Belady's rule: the tile needed furthest in the future leaves first) keeps the bytes live at
+   every instruction within a budget (SBUF's capacity, lowered if step 2 then finds no box for a piece). Each
+   stretch of a tile between two evictions is placed like an overflowed tile. A tile that leaves holding what a
+   DMA of the kernel loaded from HBM that nothing writes comes back by that DMA issued again (no store; such a
+   load whose tile would leave before anything reads it is issued later instead); any other tile is stored to
+   a private HBM scratch buffer after its last access if it was written since its last store, and loaded back
+   from there. Loads back are issued as early as they do no harm (after each instruction, the missing tile
+   needed first comes back as soon as there is room or a tile needed after it can leave), and the spill DMAs
+   run on queues of their own. Kernels that fit never reach this step.
 
 Liveness covers every later access, reads and writes alike, so a tile whose box was reclaimed is
 never touched after it was given away: writing through a reclaimed tile is impossible by
@@ -53,6 +54,7 @@ from typing import Iterable, Protocol, Sequence
 import numpy as np
 import torch
 
+from torchneuron.nki.multicore import CrossCore
 from torchneuron.sim import AP, SimulatorError
 from torchneuron.sim.isa import DmaCopy, Instr, TensorCopy
 from torchneuron.sim.memory import Region
@@ -102,6 +104,9 @@ class SpillHost(Protocol):
 
     def next_dma_queue(self) -> int:
         """The DMA queue for the next transfer."""
+
+    def spill_dma_queue(self) -> int:
+        """The DMA queue for the next SBUF spill store or load back (queues of their own)."""
 
 
 def place_by_liveness(instructions: Sequence[Instr], clocks: Sequence[int], allocs: Sequence[Alloc],
@@ -519,16 +524,18 @@ def _new_box(boxes: _Boxes, region: Region, span: tuple[int, int]) -> int | None
 
 class _Stretch(Alloc):
     """One stretch of an SBUF tile's life in SBUF between evictions (step 5), placed like an overflowed tile.
-    Unless it is the tile's first, it begins with a load from the tile's HBM copy (``reload``); it ends with a
-    store to that copy when the tile was written since its last store and is needed again (``store``)."""
+    Unless it is the tile's first, it begins with a load (``reload``): from the tile's HBM copy, or, when the
+    tile holds what a DMA of the kernel loaded from HBM that nothing writes (``source``: that DMA's index),
+    by that DMA again. It ends with a store to the copy when the tile was written otherwise since its last
+    store and is needed again (``store``)."""
 
-    __slots__ = ("reload", "store")
+    __slots__ = ("reload", "store", "source")
 
-    def __init__(self, tile: Alloc, hold_start: int, first: int, reload: bool):
+    def __init__(self, tile: Alloc, hold_start: int, first: int, reload: bool, source: int | None = None):
         super().__init__(tile.region, hold_start, True)
         self.end = hold_start                  # (the hold is widened to cover the stretch's accesses)
         self.first = self.last = first
-        self.reload, self.store = reload, False
+        self.reload, self.store, self.source = reload, False, source
 
 
 @dataclass
@@ -537,6 +544,8 @@ class _SbufSpill:
 
     loads: dict[int, list[Instr]] = field(default_factory=dict)
     stores: dict[int, list[Instr]] = field(default_factory=dict)
+    deferred: set[int] = field(default_factory=set)  # the kernel's loads issued later instead (as a stretch's load)
+    reissued: set[int] = field(default_factory=set)  # the kernel's loads issued again
 
 
 class _NoRoom(Exception):
@@ -559,7 +568,7 @@ def _place_sbuf(allocs: list[Alloc], cap: int, align: int, instructions: Sequenc
     budget = cap
     while True:
         try:
-            stretches = _evict(accesses, budget)
+            stretches, deferred = _evict(accesses, budget)
         except _NoRoom as e:
             if budget < cap:  # no budget low enough leaves a box for every stretch: report the last that found none
                 raise _overflow(failed, boxes.busy(failed.live, "live", failed.region), cap, instructions) from None
@@ -572,14 +581,16 @@ def _place_sbuf(allocs: list[Alloc], cap: int, align: int, instructions: Sequenc
         boxes = _Boxes(cap, 0, align)
         failed = _assign(pieces, boxes, instructions)
         if failed is None:
-            return boxes, _spill_dmas(stretches, touches, host)
+            return boxes, _spill_dmas(stretches, deferred, touches, instructions, host)
         budget -= failed.region.nbytes
 
 
 def _tile_accesses(instructions: Sequence[Instr], touches: dict[int, list],
-                   allocs: list[Alloc]) -> dict[Alloc, list[tuple[int, bool]]]:
-    """(instruction index, whether it writes the tile) of each access of each SBUF tile, in order."""
-    out: dict[Alloc, list[tuple[int, bool]]] = {a: [] for a in allocs if a.live is not None}
+                   allocs: list[Alloc]) -> dict[Alloc, list[tuple[int, bool, bool]]]:
+    """(instruction index, whether it writes the tile, whether it is a load of the whole tile that can be
+    issued again: ``_reissuable``) of each access of each SBUF tile, in order."""
+    written = _written_hbm(instructions)
+    out: dict[Alloc, list[tuple[int, bool, bool]]] = {a: [] for a in allocs if a.live is not None}
     for t in sorted(touches):
         writes = type(instructions[t]).WRITES
         seen: dict[Alloc, bool] = {}
@@ -588,86 +599,218 @@ def _tile_accesses(instructions: Sequence[Instr], touches: dict[int, list],
                 if a in out:
                     seen[a] = seen.get(a, False) or name in writes
         for a, wrote in seen.items():
-            out[a].append((t, wrote))
+            out[a].append((t, wrote, wrote and len(seen) == 1 and _reissuable(instructions[t], a, written)))
     return out
 
 
-def _evict(accesses: dict[Alloc, list[tuple[int, bool]]], budget: int) -> dict[Alloc, list[_Stretch]]:
-    """Walk the instructions in order keeping every tile an instruction accesses in SBUF and the bytes of the
-    tiles in SBUF within ``budget`` per partition: when a tile comes in and they would not be, the tiles whose
-    next access is furthest away leave first (Belady's rule; among equals, those whose HBM copy is current).
-    A tile leaves SBUF for good after its last access. {tile: its stretches} of the tiles that leave earlier.
+def _written_hbm(instructions: Sequence[Instr]) -> set[str] | None:
+    """The HBM memories some instruction of the kernel writes; None where other cores may write HBM while it
+    runs (a cross-core instruction cuts it into segments that interleave with theirs)."""
+    if any(isinstance(ins, CrossCore) for ins in instructions):
+        return None
+    return {fp.memory for ins in instructions for fp in ins.writes() if fp.memory.startswith("hbm:")}
 
-    A stretch that loads a tile back starts (its box is reserved) as early as the bytes taken before it leave
-    room, so the load can run ahead of the access: ``taken[u]`` is the most any partition holds at
-    instruction u, lowered after the fact where an evicted tile was no longer touched and raised where such
-    an early load holds its box (a tile on some partitions only is counted on all: never too little)."""
-    by_time: dict[int, list[Alloc]] = {}
-    for a, acc in accesses.items():
-        for t, _ in acc:
-            by_time.setdefault(t, []).append(a)
-    usage = np.zeros(max(a.region.start_partition + a.region.partitions for a in accesses), dtype=np.int64)
-    taken = np.zeros(max(by_time) + 1, dtype=np.int64)
-    level, last_t = 0, -1                           # the most taken after the previous accessing instruction
-    rank = {a: k for k, a in enumerate(accesses)}
-    position = dict.fromkeys(accesses, 0)          # index of the tile's next access
-    resident: dict[Alloc, _Stretch] = {}
-    saved: set[Alloc] = set()                       # tiles whose HBM copy holds their current value
-    stretches: dict[Alloc, list[_Stretch]] = {}
-    leaving: list[tuple[int, bool, int, Alloc]] = []  # heap: (-next access, copy stale, rank, tile)
-    for t in sorted(by_time):
-        taken[last_t + 1:t] = level
-        needed = by_time[t]
-        for x in needed:
-            if x in resident:
+
+def _reissuable(instr: Instr, tile: Alloc, written: set[str] | None) -> bool:
+    """Whether ``instr`` loads all of ``tile`` from HBM that nothing writes while the kernel runs, so that issuing
+    it again later loads the same values (a plain ``dma_copy``: no runtime indices or offsets)."""
+    if written is None or type(instr) is not DmaCopy or instr.src_index is not None or instr.dst_index is not None:
+        return False
+    src, dst, r = instr.src, instr.dst, tile.region
+    return (not src.on_chip and src.memory not in written and dst.memory == "sbuf"
+            and (dst.start_partition, dst.partitions) == (r.start_partition, r.partitions)
+            and dst.byte_range == (r.offset, r.offset + r.nbytes) and dst.free_elems * dst.dtype.itemsize == r.nbytes)
+
+
+def _evict(accesses: dict[Alloc, list[tuple[int, bool, bool]]],
+           budget: int) -> tuple[dict[Alloc, list[_Stretch]], set[int]]:
+    """Walk the instructions in order keeping every tile an instruction accesses in SBUF and the bytes of the
+    tiles in SBUF within ``budget`` per partition (``_Eviction``). {tile: its stretches} of the tiles that leave
+    SBUF before their last access or whose load was issued later, and the instructions of the loads issued
+    later."""
+    walk = _Eviction(accesses, budget)
+    for t in sorted(walk.by_time):
+        walk.step(t)
+    return {a: s for a, s in walk.stretches.items() if len(s) > 1 or s[0].reload}, walk.deferred
+
+
+class _Eviction:
+    """The state of the eviction walk (step 5), one accessing instruction at a time.
+
+    * Which tiles leave: when a tile must come in and the bytes would exceed the budget, the tiles whose next
+      access is furthest away (Belady's rule; among equals, those needing no store). A tile leaves SBUF for good
+      after its last access.
+    * Stores: a tile leaving is stored to its HBM copy unless that copy, or the HBM a load of the kernel filled
+      it from and nothing writes (its ``source``), holds its value: then it comes back by that load issued again.
+    * Loads back, as early as they do no harm: after each instruction, the tile not in SBUF whose next access
+      comes first is loaded back as soon as there is room for it, or a tile in SBUF whose next access comes
+      after it can leave to make room (the "aggressive" integrated prefetching and caching rule of Cao, Felten,
+      Karlin and Li, SIGMETRICS 1995: prefetch the next missing block at the first opportunity, replacing the
+      block referenced furthest in the future, never one referenced before the block fetched). A tile needed
+      before such a load could be issued comes in at its access, its box reserved as early as the bytes taken
+      before it leave room (``taken[u]``: the most any partition holds at instruction u, lowered after the
+      fact where a tile that left was no longer touched; a tile on some partitions only is counted on all).
+    * Deferred loads: a load of the kernel that fills a whole tile not in SBUF from HBM nothing writes, when
+      bringing the tile in would take the room of tiles needed before it, is issued later instead, as the
+      load of the tile's next stretch (nothing reads the tile in between)."""
+
+    def __init__(self, accesses: dict[Alloc, list[tuple[int, bool, bool]]], budget: int):
+        self.accesses, self.budget = accesses, budget
+        self.by_time: dict[int, list[Alloc]] = {}
+        for a, acc in accesses.items():
+            for t, _, _ in acc:
+                self.by_time.setdefault(t, []).append(a)
+        self.usage = np.zeros(max(a.region.start_partition + a.region.partitions for a in accesses), dtype=np.int64)
+        self.taken = np.zeros(max(self.by_time) + 2, dtype=np.int64)
+        self.level, self.last_t = 0, -1             # the most taken after the previous accessing instruction
+        self.rank = {a: k for k, a in enumerate(accesses)}
+        self.position = dict.fromkeys(accesses, 0)  # index of the tile's next access
+        self.resident: dict[Alloc, _Stretch] = {}
+        self.saved: set[Alloc] = set()              # tiles whose HBM copy or source holds their current value
+        self.source: dict[Alloc, int] = {}          # tiles holding what a reissuable load (its index) loaded
+        self.since: dict[Alloc, int] = {}           # tiles whose load was deferred: its index
+        self.deferred: set[int] = set()
+        self.stretches: dict[Alloc, list[_Stretch]] = {}
+        self.leaving: list[tuple[int, bool, int, Alloc]] = []  # heap: (-next access, store needed, rank, tile)
+        self.missing: list[tuple[int, int, Alloc]] = []        # heap: (next access, rank, tile) of tiles out
+
+    def next_access(self, a: Alloc) -> int | None:
+        k = self.position[a]
+        return self.accesses[a][k][0] if k < len(self.accesses[a]) else None
+
+    def furthest(self) -> tuple[Alloc, int] | None:
+        """The tile in SBUF whose next access is furthest away (and that access), dropping outdated entries."""
+        while self.leaving:
+            _, _, _, v = self.leaving[0]
+            if v in self.resident and self.next_access(v) == -self.leaving[0][0]:
+                return v, -self.leaving[0][0]
+            heapq.heappop(self.leaving)
+        return None
+
+    def room(self, x: Alloc) -> bool:
+        return int(self.usage[_rows(x)].max()) + x.region.nbytes <= self.budget
+
+    def leave(self, v: Alloc, t: int) -> None:
+        """Take ``v`` out of SBUF at instruction ``t`` (stored if its value is nowhere in HBM)."""
+        gone = self.resident.pop(v)
+        self.usage[_rows(v)] -= v.region.nbytes
+        if gone.last < gone.first:  # loaded back ahead and not used yet: that load is not made
+            self.stretches[v].pop()
+        elif not gone.reload and gone.first == gone.last == self.source.get(v):
+            # nothing read what the kernel's load brought in before it left: that load is issued later instead
+            self.stretches[v].pop()
+            self.deferred.add(gone.last)
+            self.since[v] = gone.last
+            if v.region.partitions == len(self.usage):
+                self.taken[gone.last:t] -= v.region.nbytes
+        else:
+            gone.store = v not in self.saved
+            self.saved.add(v)
+            if v.region.partitions == len(self.usage):  # (on some partitions only: the others may be the most)
+                self.taken[gone.last + 1:t] -= v.region.nbytes
+        heapq.heappush(self.missing, (self.next_access(v), self.rank[v], v))
+
+    def bring(self, x: Alloc, start: int, first: int, reload: bool) -> None:
+        """Put ``x`` in SBUF from instruction ``start`` for its access at ``first``."""
+        stretch = _Stretch(x, start, first, reload, self.source.get(x) if reload else None)
+        if reload and first > start:
+            stretch.last = start - 1  # (not accessed yet)
+        self.stretches.setdefault(x, []).append(stretch)
+        self.resident[x] = stretch
+        self.usage[_rows(x)] += x.region.nbytes
+
+    def defer(self, x: Alloc, t: int) -> bool:
+        """Whether the kernel's load of ``x`` at ``t`` waits for the tile's next access (then recorded)."""
+        acc, k = self.accesses[x], self.position[x]
+        if x.pinned is not None or not acc[k][2] or k + 1 == len(acc) or self.room(x):
+            return False
+        top = self.furthest()
+        if top is not None and top[1] > acc[k + 1][0]:
+            return False  # a tile needed after it can leave instead
+        self.source[x], self.since[x] = t, t
+        self.saved.add(x)
+        self.deferred.add(t)
+        self.position[x] = k + 1
+        heapq.heappush(self.missing, (acc[k + 1][0], self.rank[x], x))
+        return True
+
+    def demand(self, x: Alloc, t: int) -> None:
+        """Bring ``x``, accessed at ``t``, into SBUF, the tiles needed furthest away leaving for room."""
+        rows, n = _rows(x), x.region.nbytes
+        aside = []
+        while int(self.usage[rows].max()) + n > self.budget:
+            if not self.leaving:
+                raise _NoRoom(t, int(self.usage[rows].max()) + n)
+            entry = heapq.heappop(self.leaving)
+            v = entry[3]
+            if v not in self.resident or self.next_access(v) != -entry[0]:
+                continue  # an outdated entry: the tile was accessed or left since
+            if -entry[0] == t or not _rows_meet(v, x):
+                aside.append(entry)  # needed now, or holds none of the bytes short
                 continue
-            rows, n = _rows(x), x.region.nbytes
-            usage[rows] += n
-            aside = []
-            while usage[rows].max() > budget:
-                if not leaving:
-                    raise _NoRoom(t, int(usage[rows].max()))
-                entry = heapq.heappop(leaving)
-                v = entry[3]
-                if v not in resident or accesses[v][position[v]][0] != -entry[0]:
-                    continue  # an outdated entry: the tile was accessed or evicted since
-                if -entry[0] == t or not _rows_meet(v, x):
-                    aside.append(entry)  # needed now, or holds none of the bytes short
-                    continue
-                gone = resident.pop(v)
-                gone.store = v not in saved
-                saved.add(v)
-                usage[_rows(v)] -= v.region.nbytes
-                if v.region.partitions == len(usage):  # (on some partitions only: the others may be the most)
-                    taken[gone.last + 1:t] -= v.region.nbytes
-            for entry in aside:
-                heapq.heappush(leaving, entry)
-            earlier = stretches.get(x)
-            if earlier is None:
-                stretch = _Stretch(x, min(x.hold[0], t), t, reload=False)
-                stretches[x] = [stretch]
-            else:
-                lo = earlier[-1].last + 1
-                short = np.flatnonzero(taken[lo:t] + n > budget)
-                start = lo + int(short[-1]) + 1 if len(short) else lo
-                taken[start:t] += n
-                stretch = _Stretch(x, start, t, reload=True)
-                earlier.append(stretch)
-            resident[x] = stretch
-        taken[t] = usage.max()
+            self.leave(v, t)
+        for entry in aside:
+            heapq.heappush(self.leaving, entry)
+        earlier = self.stretches.get(x)
+        if self.accesses[x][self.position[x]][2] and (earlier or x in self.since):
+            self.since.pop(x, None)  # loaded whole here: nothing to load back
+            self.bring(x, t, t, reload=False)
+        elif not earlier and x not in self.since:
+            self.bring(x, min(x.hold[0], t), t, reload=False)
+        else:
+            lo = max(earlier[-1].last + 1 if earlier else 0, self.since.pop(x, 0))
+            short = np.flatnonzero(self.taken[lo:t] + n > self.budget)
+            start = lo + int(short[-1]) + 1 if len(short) else lo
+            self.taken[start:t] += n
+            self.bring(x, start, t, reload=True)
+
+    def prefetch(self, t: int) -> None:
+        """After instruction ``t``: load back, in the order of their next accesses, the tiles out of SBUF for which
+        there is room or a tile needed after them can leave."""
+        while self.missing:
+            tn, _, x = self.missing[0]
+            if x in self.resident or self.next_access(x) != tn or tn <= t + 1:
+                heapq.heappop(self.missing)  # outdated, or due now: its access brings it
+                continue
+            if self.accesses[x][self.position[x]][2] or x not in self.saved:
+                heapq.heappop(self.missing)  # its next access loads it whole: nothing to load back
+                continue
+            while not self.room(x):
+                top = self.furthest()
+                if top is None or top[1] <= tn or not _rows_meet(top[0], x):
+                    return  # no harm done: nothing needed after it can leave
+                self.leave(top[0], t + 1)
+            heapq.heappop(self.missing)
+            self.since.pop(x, None)
+            self.bring(x, t + 1, tn, reload=True)
+            heapq.heappush(self.leaving, (-tn, x not in self.saved, self.rank[x], x))
+
+    def step(self, t: int) -> None:
+        """Account instruction ``t``'s accesses."""
+        self.taken[self.last_t + 1:t] = self.level
+        needed = [x for x in self.by_time[t] if x in self.resident or not self.defer(x, t)]
         for x in needed:
-            k = position[x]
-            resident[x].last = t
-            if accesses[x][k][1]:
-                saved.discard(x)
-            position[x] = k + 1
-            if k + 1 == len(accesses[x]):
-                del resident[x]
-                usage[_rows(x)] -= x.region.nbytes
+            if x not in self.resident:
+                self.demand(x, t)
+        self.taken[t] = self.usage.max()
+        for x in needed:
+            k = self.position[x]
+            self.resident[x].last = t
+            _, wrote, reissuable = self.accesses[x][k]
+            if reissuable:
+                self.source[x] = t
+                self.saved.add(x)
+            elif wrote:
+                self.source.pop(x, None)
+                self.saved.discard(x)
+            self.position[x] = k + 1
+            if k + 1 == len(self.accesses[x]):
+                del self.resident[x]
+                self.usage[_rows(x)] -= x.region.nbytes
             elif x.pinned is None:
-                heapq.heappush(leaving, (-accesses[x][k + 1][0], x not in saved, rank[x], x))
-        level, last_t = int(usage.max()), t
-    return {a: s for a, s in stretches.items() if len(s) > 1}
+                heapq.heappush(self.leaving, (-self.accesses[x][k + 1][0], x not in self.saved, self.rank[x], x))
+        self.prefetch(t)
+        self.level, self.last_t = int(self.usage.max()), t
 
 
 def _rows(a: Alloc) -> slice:
@@ -682,9 +825,13 @@ def _rows_meet(a: Alloc, b: Alloc) -> bool:
         ra.partitions
 
 
-def _spill_dmas(stretches: dict[Alloc, list[_Stretch]], touches: dict[int, list], host: SpillHost) -> _SbufSpill:
+def _spill_dmas(stretches: dict[Alloc, list[_Stretch]], deferred: set[int], touches: dict[int, list],
+                instructions: Sequence[Instr], host: SpillHost) -> _SbufSpill:
     """Point each access of a spilled tile at its stretch's box, lay out the tiles' HBM copies in one scratch
-    buffer (tiles whose copies are never needed at the same time share bytes), and make the stores and loads."""
+    buffer (tiles whose copies are never needed at the same time share bytes), and make the stores and loads:
+    a load by a reissued kernel load is that DMA into the stretch's box, on its own queue the first time after
+    it was deferred (it is the kernel's load, issued later), else like the other spill DMAs on the spill
+    queues (``SpillHost.spill_dma_queue``)."""
     lasts = {a: [s.last for s in ss] for a, ss in stretches.items()}
     for t, entries in touches.items():
         if any(o in stretches for _, _, owners in entries for o in owners):
@@ -694,22 +841,32 @@ def _spill_dmas(stretches: dict[Alloc, list[_Stretch]], touches: dict[int, list]
     copies: dict[Alloc, int] = {}
     for a, ss in stretches.items():
         stores = [s.last for s in ss if s.store]
-        span = (stores[0], max(s.first for s in ss if s.reload))
-        copies[a] = _new_box(scratch, Region("hbm", a.region.start_partition, a.region.partitions, 0,
-                                             a.region.nbytes), span)
-    row = -(-max(copies[a] + a.region.nbytes for a in copies) // 4) * 4
-    memory = host.spill_scratch("sbuf", max(_rows(a).stop for a in copies), row)
+        if stores:
+            span = (stores[0], max(s.first for s in ss if s.reload and s.source is None))
+            copies[a] = _new_box(scratch, Region("hbm", a.region.start_partition, a.region.partitions, 0,
+                                                 a.region.nbytes), span)
+    if copies:
+        row = -(-max(copies[a] + a.region.nbytes for a in copies) // 4) * 4
+        memory = host.spill_scratch("sbuf", max(_rows(a).stop for a in copies), row)
     moves = sorted([(s.last, 1, a, s) for a, ss in stretches.items() for s in ss if s.store]
                    + [(s.first, 0, a, s) for a, ss in stretches.items() for s in ss if s.reload],
                    key=lambda m: m[:2])  # program order: a load goes before its instruction, a store after
-    out = _SbufSpill()
+    out = _SbufSpill(deferred=set(deferred))
     for t, after, a, s in moves:
         r = a.region
         on_chip = AP("sbuf", torch.uint8, ((1, r.nbytes),), r.start_partition, r.partitions, s.offset)
-        copy = AP(memory, torch.uint8, ((row, r.partitions), (1, r.nbytes)),
-                  offset=r.start_partition * row + copies[a])
-        dma = DmaCopy(dst=copy, src=on_chip, queue=host.next_dma_queue()) if after else \
-            DmaCopy(dst=on_chip, src=copy, queue=host.next_dma_queue())
+        if not after and s.source is not None:
+            load = instructions[s.source]
+            dst = AP(load.dst.memory, load.dst.dtype, load.dst.pattern, load.dst.start_partition, load.dst.partitions,
+                     load.dst.offset + s.offset - r.offset)
+            own = s.source in deferred and s.source not in out.reissued
+            out.reissued.add(s.source)
+            dma = replace(load, dst=dst, queue=load.queue if own else host.spill_dma_queue())
+        else:
+            copy = AP(memory, torch.uint8, ((row, r.partitions), (1, r.nbytes)),
+                      offset=r.start_partition * row + copies[a])
+            dma = DmaCopy(dst=copy, src=on_chip, queue=host.spill_dma_queue()) if after else \
+                DmaCopy(dst=on_chip, src=copy, queue=host.spill_dma_queue())
         (out.stores if after else out.loads).setdefault(t, []).append(dma)
     return out
 
@@ -731,6 +888,8 @@ def _rewrite(instructions: Sequence[Instr], touches: dict[int, list], spills: di
     out: list[Instr] = []
     for t, instr in enumerate(instructions):
         out += sbuf_spill.loads.get(t, ())
+        if t in sbuf_spill.deferred:  # a kernel load issued later instead, by a stretch's load
+            continue
         before, changes, after = [], {}, []
         for name, ap, owners in touches.get(t, ()):
             spill = spills.get((t, name))

@@ -38,6 +38,9 @@ from torchneuron.sim.program import ArgSlot, Program
 from torchneuron.sim.specs import ChipSpec
 
 DMA_QUEUES = 16  # DMA instructions are spread round-robin over this many in-order queues
+# SBUF spill stores and loads back alternate over queues of their own, numbered after the kernel's: the
+# profiles of spilling kernels show two (qSyncSpillReload0, qVectorSpillReload0; docs/nki.md, "SBUF spilling")
+SPILL_DMA_QUEUES = 2
 VIRTUAL_BYTES = 1 << 40  # trace-time on-chip address space: overflowed tiles live past the capacity
 
 
@@ -295,6 +298,7 @@ class Trace:
         self.hbm_kinds: dict[str, str] = {} if shared is None else shared.hbm_kinds  # slot -> "shared"/"private"
         self.program_id: tuple[int, ...] = ()
         self._dma_queue = 0
+        self._spill_queue = 0
         self.allocs: list[Alloc] = []   # every on-chip tile of the trace (for the liveness pass)
         self.ordering: list[tuple[Instr, Instr]] = []  # (consumer, producer) edges of NkiInstruction.depends_on
         self.registers = 0               # virtual registers allocated (nisa.register_alloc, dynamic loops)
@@ -496,6 +500,12 @@ class Trace:
         q = self._dma_queue
         self._dma_queue = (q + 1) % DMA_QUEUES
         return q
+
+    def spill_dma_queue(self) -> int:
+        """The DMA queue for the next SBUF spill store or load back (round-robin over the spill queues)."""
+        q = self._spill_queue
+        self._spill_queue = (q + 1) % SPILL_DMA_QUEUES
+        return DMA_QUEUES + q
 
     def retract(self, instr: Instr) -> None:
         """Drop ``instr``, the last instruction emitted (legacy ``+=`` re-targets a matmul)."""
