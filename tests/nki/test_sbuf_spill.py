@@ -156,6 +156,37 @@ def test_tiles_written_after_reload_are_stored_again():
     assert moves["load"] >= 3 and moves["store"] >= moves["load"] - 2  # every reloaded tile is written again
 
 
+@nki.jit
+def reloaded_rounds_kernel(x, rounds):
+    """``n`` tiles, each loaded from its block of ``x`` at the start of every round, updated, and stored to the
+    round's part of the output: tiles written before they leave SBUF, then loaded whole by the kernel again."""
+    n = x.shape[1] // TILE
+    out = nl.ndarray((128, rounds * n * TILE), dtype=nl.float32, buffer=nl.shared_hbm)
+    tiles = [nl.ndarray((128, TILE), dtype=nl.float32, buffer=nl.sbuf) for _ in range(n)]
+    for r in range(rounds):
+        for i in range(n):
+            nisa.dma_copy(dst=tiles[i], src=x[:, i * TILE:(i + 1) * TILE])
+        for i in range(n):
+            nisa.tensor_scalar(dst=tiles[i], data=tiles[i], op0=nl.multiply, operand0=1.5, op1=nl.add,
+                               operand1=float(r + i))
+        for i in range(n):
+            nisa.dma_copy(dst=out[:, (r * n + i) * TILE:(r * n + i + 1) * TILE], src=tiles[i])
+    return out
+
+
+def test_written_tiles_are_stored_and_loaded_tiles_loaded_again():
+    x = randn(128, 10 * TILE)
+    out, _, traced = reloaded_rounds_kernel.run((x,), {"rounds": 2}, chip=SMALL)
+    blocks = x.reshape(128, 10, TILE)
+    ref = [(blocks * np.float32(1.5)).astype(np.float32) + (np.arange(10) + r).astype(np.float32)[None, :, None]
+           for r in range(2)]  # fp32, the kernel's order
+    np.testing.assert_array_equal(out, np.concatenate([b.reshape(128, -1) for b in ref], axis=1))
+    moves = spill_moves(traced.program)
+    assert moves["store"] > 0 and moves["store"] == moves["load"]  # every stored tile comes back once
+    assert len(loads_from(traced.program, "hbm:x")) >= 20
+    assert sbuf_end(traced.program) <= SMALL_SBUF
+
+
 def test_kernels_that_fit_are_traced_as_before():
     x = randn(128, 6 * TILE)  # 6 tiles + the accumulator fit in 8
     small = reversed_sum_kernel.trace((x,), {}, SMALL).program

@@ -545,7 +545,6 @@ class _SbufSpill:
     loads: dict[int, list[Instr]] = field(default_factory=dict)
     stores: dict[int, list[Instr]] = field(default_factory=dict)
     deferred: set[int] = field(default_factory=set)  # the kernel's loads issued later instead (as a stretch's load)
-    reissued: set[int] = field(default_factory=set)  # the kernel's loads issued again
 
 
 class _NoRoom(Exception):
@@ -704,7 +703,8 @@ class _Eviction:
             if v.region.partitions == len(self.usage):
                 self.taken[gone.last:t] -= v.region.nbytes
         else:
-            gone.store = v not in self.saved
+            k = self.position[v]  # (a tile whose next access loads all of it needs no copy of its value)
+            gone.store = v not in self.saved and not self.accesses[v][k][2]
             self.saved.add(v)
             if v.region.partitions == len(self.usage):  # (on some partitions only: the others may be the most)
                 self.taken[gone.last + 1:t] -= v.region.nbytes
@@ -852,6 +852,7 @@ def _spill_dmas(stretches: dict[Alloc, list[_Stretch]], deferred: set[int], touc
                    + [(s.first, 0, a, s) for a, ss in stretches.items() for s in ss if s.reload],
                    key=lambda m: m[:2])  # program order: a load goes before its instruction, a store after
     out = _SbufSpill(deferred=set(deferred))
+    reissued: set[int] = set()  # the kernel's loads issued again so far
     for t, after, a, s in moves:
         r = a.region
         on_chip = AP("sbuf", torch.uint8, ((1, r.nbytes),), r.start_partition, r.partitions, s.offset)
@@ -859,8 +860,8 @@ def _spill_dmas(stretches: dict[Alloc, list[_Stretch]], deferred: set[int], touc
             load = instructions[s.source]
             dst = AP(load.dst.memory, load.dst.dtype, load.dst.pattern, load.dst.start_partition, load.dst.partitions,
                      load.dst.offset + s.offset - r.offset)
-            own = s.source in deferred and s.source not in out.reissued
-            out.reissued.add(s.source)
+            own = s.source in deferred and s.source not in reissued
+            reissued.add(s.source)
             dma = replace(load, dst=dst, queue=load.queue if own else host.spill_dma_queue())
         else:
             copy = AP(memory, torch.uint8, ((row, r.partitions), (1, r.nbytes)),
