@@ -1,21 +1,23 @@
 """A whole LSTM layer over a sequence in one launch, forward and backward: the time loop runs inside the kernel.
 
-The forward takes every step's input projection (x_t @ W_ih^T, one product for all steps made by the caller) and
-runs the recurrence with W_hh^T and the state on chip: per step one hidden product on TensorE, the cell's
-element-wise work in fp32, the new hidden state rounded to the storage dtype (the next step's matmul operand, as
-stored between per-step launches) and the cell state rounded as well (the value the next step reads; h uses
-the unrounded one, as PyTorch's fused cell does). The backward runs the steps in reverse with the hidden and cell
-state gradients carried on chip in fp32, and accumulates W_hh's gradient and the bias gradient over all steps in
-PSUM. Batch rows sit on the partitions; both kernels need one block of rows and of columns (N <= 128, H <= 128).
+The forward runs the recurrence with W_hh^T and the state on chip: per step one product on TensorE gives the gates'
+pre-activations, the cell's element-wise work runs in fp32, the new hidden state is rounded to the storage dtype
+(the next step's matmul operand, as stored between per-step launches) and the cell state rounded as well (the
+value the next step reads; h uses the unrounded one, as PyTorch's fused cell does). Where [h_t; x_t; 1; 1] fits
+the 128 contraction rows the step's product also takes the input projection and both biases (moving operand
+[W_hh^T; W_ih^T; b_ih; b_hh], loaded once); otherwise the caller hands every step's input projection in (one
+product for all steps) and the kernel adds it. The backward runs the steps in reverse with the hidden and cell
+state gradients carried on chip in fp32, and accumulates the weight and bias gradients over all steps in PSUM.
+Batch rows sit on the partitions; both kernels need one block of rows and of columns (N <= 128, H <= 128).
 
 Forward, per block of ``nb`` time steps (as many as fit the SBUF budget ``BLOCK_BYTES``):
 
-    load the block's input projections [N, nb, 4H] (+ the summed biases)          DMA (VectorE)
+    load the block's x_t^T and set the ones rows (or load its input projections and add the biases)   DMA
     for each step t:
-        h_t^T = transpose(h_t) [H, N]                                             TensorE, VectorE (PSUM to SBUF)
-        hidden gates = h_t @ W_hh^T into one PSUM bank (fp32)                     TensorE
-        pre-activations = input projection + hidden gates                        VectorE
-        i, f, o = sigmoid, g = tanh                                              ScalarE
+        h_t^T = transpose(h_t) into the step's stationary operand                 TensorE, VectorE (PSUM to SBUF)
+        pre-activations = [h_t; x_t; 1; 1]^T-stack @ [W_hh^T; W_ih^T; b_ih; b_hh] into one PSUM bank (fp32)
+                          (or h_t @ W_hh^T + the input projection)                TensorE (VectorE)
+        i, f, o = sigmoid, g = tanh, read from PSUM                              ScalarE
         c_{t+1} = f * c_t + i * g; h_{t+1} = o * tanh(c_{t+1})                   VectorE, GpSimdE, ScalarE
     store the outputs h_{t+1}, the inputs h_t, the states c_{t+1}, the workspace  DMA
 
@@ -59,6 +61,12 @@ def sequence_fits(N: int, H: int) -> bool:
     return 1 <= N <= PMAX and 1 <= H <= PMAX and 4 * H <= PSUM_FP32
 
 
+def projection_fits(H: int, I: int) -> bool:
+    """Whether a forward step's input projection and biases join its hidden product: h_t^T, x_t^T and two rows of
+    ones stacked on the 128 contraction partitions."""
+    return H + I + 2 <= PMAX
+
+
 def _check(T: int, N: int, H: int, what: str) -> None:
     assert T >= 1, f"{what}: an empty sequence"
     assert sequence_fits(N, H), f"{what}: batch {N} or hidden size {H} exceeds one block of 128 rows and columns"
@@ -95,17 +103,20 @@ def _repeat(tile, p: int, n: int, w: int):
 
 
 @nki.jit
-def lstm_sequence_kernel(igates, h0, c0, w_hh, b_ih=None, b_hh=None, T=1, N=1, H=1, L=1, layer=0, views=(),
-                         batch_first=False):
-    """(out, hs, cs, workspace, h_n, c_n) of one LSTM layer over T steps from its input projections ``igates``
-    (3-D, read through its (step, row, column) strides in ``views``; h0, c0 [N, H] and the 1-D biases through
-    theirs): out is [T, N, H] ([N, T, H] with ``batch_first``) holding h_1 .. h_T, hs [T, N, H] h_0 .. h_{T-1},
+def lstm_sequence_kernel(h0, c0, w_hh, igates=None, x=None, w_ih=None, b_ih=None, b_hh=None, T=1, N=1, H=1, I=0, L=1,
+                         layer=0, views=(), batch_first=False):
+    """(out, hs, cs, workspace, h_n, c_n) of one LSTM layer over T steps from its input projections ``igates``,
+    or from its input ``x`` [.., I] and ``w_ih`` where ``projection_fits`` (3-D tensors read through their (step,
+    row, column) strides in ``views``; h0, c0 [N, H], the weights and the 1-D biases through theirs): out is [T, N, H] ([N, T, H] with ``batch_first``) holding h_1 .. h_T, hs [T, N, H] h_0 .. h_{T-1},
     cs [T + 1, N, H] c_0 .. c_T, the workspace [T, N, 5H] fp32 each step's [i, f, g, o, tanh(c_{t+1})]; h_n and c_n
     are [L, N, H] results of which this layer writes row ``layer`` (the caller binds one tensor for all layers)."""
     _check(T, N, H, "lstm sequence")
     views = dict(views)
-    dt, f32 = igates.dtype, nl.float32
+    dt, f32 = w_hh.dtype, nl.float32
     G = 4 * H
+    fold = x is not None
+    K = H + I + (2 if b_ih is not None else 0) if fold else H     # the hidden product's contraction rows
+    assert not fold or projection_fits(H, I), f"lstm sequence: {H} + {I} + 2 contraction rows exceed 128"
     tb = _steps_per_block(H, FWD_STEP_WORDS)
     check_sbuf(2 * tb * FWD_STEP_WORDS * H * 4 + tb * G * 4 + 2 * PMAX * 4, "lstm sequence")
     out = nl.ndarray((N, T, H) if batch_first else (T, N, H), dt, buffer=nl.shared_hbm)
@@ -115,11 +126,17 @@ def lstm_sequence_kernel(igates, h0, c0, w_hh, b_ih=None, b_hh=None, T=1, N=1, H
     h_n = nl.ndarray((L, N, H), dt, buffer=nl.shared_hbm)
     c_n = nl.ndarray((L, N, H), dt, buffer=nl.shared_hbm)
 
-    wT = nl.ndarray((PMAX, G), dt, buffer=nl.sbuf)                 # W_hh^T [H, 4H]: loaded once
+    # the moving operand, loaded once: W_hh^T [H, 4H] (folded: then W_ih^T [I, 4H], b_ih and b_hh as rows)
+    wT = nl.ndarray((PMAX, G), dt, buffer=nl.sbuf)
     wr, wc = views["w_hh"]
     nisa.dma_copy(dst=wT[:H], src=w_hh.ap([[wc, H], [wr, G]]))                                    # DMA
     bias = None
-    if b_ih is not None:
+    if fold:
+        wr, wc = views["w_ih"]
+        nisa.dma_copy(dst=wT[H:H + I], src=w_ih.ap([[wc, I], [wr, G]]))                           # DMA
+        for k, (b, n) in enumerate(((b_ih, "b_ih"), (b_hh, "b_hh")) if b_ih is not None else ()):
+            nisa.dma_copy(dst=wT[H + I + k:H + I + k + 1], src=b.ap([[0, 1], [views[n][1], G]]))
+    elif b_ih is not None:
         # b_ih + b_hh repeated over the partitions and a block's steps, added to each block's projections
         bias, other = (nl.ndarray((PMAX, tb, G), f32, buffer=nl.sbuf) for _ in range(2))
         for t, b, n in ((bias, b_ih, "b_ih"), (other, b_hh, "b_hh")):
@@ -130,10 +147,18 @@ def lstm_sequence_kernel(igates, h0, c0, w_hh, b_ih=None, b_hh=None, T=1, N=1, H
     nisa.dma_copy(dst=_rows_ap(cs, N, H), src=c_prev)                                              # DMA: c_0
     h_prev = None                                    # the last step's [N, H] hidden state (storage dtype)
     for t0, nb in _blocks(T, tb):
-        gi = nl.ndarray((PMAX, nb, 4, H), f32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=gi.reshape((PMAX, nb, G))[:N], src=_steps_ap(igates, N, nb, G, t0, views["igates"]))
-        if bias is not None:
-            _add(gi.reshape((PMAX, nb, G))[:N], gi.reshape((PMAX, nb, G))[:N], bias[:N, :nb])   # VectorE
+        # the stationary operands [h_t^T; x_t^T; 1; 1] of the block's steps (h_t^T written step by step)
+        st = nl.ndarray((PMAX, nb, PMAX), dt, buffer=nl.sbuf)
+        if fold:
+            xs, xr, xc = views["x"]
+            nisa.dma_copy(dst=st[H:H + I, :, :N], src=x.ap([[xc, I], [xs, nb], [xr, N]], offset=t0 * xs))   # DMA
+            if K > H + I:
+                nisa.memset(dst=st[H + I:K, :, :N], value=1.0)                                     # VectorE
+        else:
+            gi = nl.ndarray((PMAX, nb, 4, H), f32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=gi.reshape((PMAX, nb, G))[:N], src=_steps_ap(igates, N, nb, G, t0, views["igates"]))
+            if bias is not None:
+                _add(gi.reshape((PMAX, nb, G))[:N], gi.reshape((PMAX, nb, G))[:N], bias[:N, :nb])   # VectorE
         acts = nl.ndarray((PMAX, nb, 5, H), f32, buffer=nl.sbuf)     # [i, f, g, o, tanh(c_{t+1})] per step
         cb = nl.ndarray((PMAX, nb, H), dt, buffer=nl.sbuf)           # c_{t+1}, rounded
         hb = nl.ndarray((PMAX, nb + 1, H), dt, buffer=nl.sbuf)       # h_t0 .. h_{t0+nb}, rounded
@@ -144,13 +169,15 @@ def lstm_sequence_kernel(igates, h0, c0, w_hh, b_ih=None, b_hh=None, T=1, N=1, H
         for j in range(nb):
             tp = nl.ndarray((PMAX, PMAX), dt, buffer=nl.psum)
             nisa.nc_transpose(dst=tp[:H, :N], data=hb[:N, j])                                     # TensorE
-            hT = nl.ndarray((PMAX, PMAX), dt, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=hT[:H, :N], src=tp[:H, :N])                                      # VectorE
+            nisa.tensor_copy(dst=st[:H, j, :N], src=tp[:H, :N])                                   # VectorE
+            # the gates' pre-activations (folded: all of them, the input projection and biases included)
             bank = nl.ndarray((PMAX, 4, H), f32, buffer=nl.psum)
-            nisa.nc_matmul(dst=bank.reshape((PMAX, G))[:N], stationary=hT[:H, :N], moving=wT[:H],
+            nisa.nc_matmul(dst=bank.reshape((PMAX, G))[:N], stationary=st[:K, j, :N], moving=wT[:K],
                            accumulate=False)                                                      # TensorE
-            pre = nl.ndarray((PMAX, 4, H), f32, buffer=nl.sbuf)
-            _add(pre[:N], gi[:N, j], bank[:N])                                                    # VectorE
+            pre = bank
+            if not fold:
+                pre = nl.ndarray((PMAX, 4, H), f32, buffer=nl.sbuf)
+                _add(pre[:N], gi[:N, j], bank[:N])                                                # VectorE
             a = acts[:N, j]
             nisa.activation(dst=a[:, 0:2], op=nl.sigmoid, data=pre[:N, 0:2])                      # ScalarE
             nisa.activation(dst=a[:, 2], op=nl.tanh, data=pre[:N, 2])

@@ -19,7 +19,7 @@ from torch.autograd import forward_ad
 from torchneuron.kernels.rnn_cell import (fused_product_fits, gru_cell_backward_kernel, gru_cell_kernel,
                                           lstm_cell_backward_kernel, lstm_cell_kernel)
 from torchneuron.kernels.rnn_sequence import (input_fits, lstm_sequence_backward_kernel, lstm_sequence_kernel,
-                                              sequence_fits)
+                                              projection_fits, sequence_fits)
 from torchneuron.ops.base import storage_span, type_name
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering
@@ -484,16 +484,22 @@ class _LstmSequence(torch.autograd.Function):
         layer_in, saved = x, []
         for layer in range(L):
             w_ih, w_hh, *biases = params[layer * per:(layer + 1) * per]
-            gi = torch.mm(layer_in.reshape(-1, layer_in.shape[2]), w_ih.t()).view(*layer_in.shape[:2], 4 * H)
+            # the input projection inside the launch where x_t^T fits beside h_t^T, else one product for all steps
+            I = layer_in.shape[2]
+            fold = projection_fits(H, I)
+            gi = None if fold else torch.mm(layer_in.reshape(-1, I), w_ih.t()).view(*layer_in.shape[:2], 4 * H)
             h, c, outs = h0[layer], c0[layer], []
             for s, n in chunks:
-                named = {"igates": gi.narrow(tdim, s, n), "h0": h, "c0": c, "w_hh": w_hh}
+                named = {"h0": h, "c0": c, "w_hh": w_hh}
+                named.update({"x": layer_in.narrow(tdim, s, n), "w_ih": w_ih} if fold else
+                             {"igates": gi.narrow(tdim, s, n)})
                 if biases:
                     named.update(b_ih=biases[0], b_hh=biases[1])
                 last = s + n == T
                 out, hs, cs, ws, *_ = _sequence_launch(
                     lstm_sequence_kernel, named, tdim,
-                    {"T": n, "N": N, "H": H, "L": L, "layer": layer, "batch_first": batch_first},
+                    {"T": n, "N": N, "H": H, "I": I if fold else 0, "L": L, "layer": layer,
+                     "batch_first": batch_first},
                     (None, None, None, None, h_n, c_n) if last else (), "aten::lstm")
                 saved += [hs, cs, ws]
                 h, c = out.select(tdim, n - 1), cs[n]
