@@ -60,10 +60,10 @@ def sbuf_end(program) -> int:
 
 
 @nki.jit
-def reversed_sum_kernel(x, zero_input=False):
+def reversed_sum_kernel(x, zeroed=None):
     """Load every [128, 512] column block of ``x`` into its own tile, then add them up in reverse order: all
-    blocks are live at once, and the first loaded is needed last. ``zero_input``: zero the first block of ``x``
-    after loading it (the kernel then writes its input)."""
+    blocks are live at once, and the first loaded is needed last. ``zeroed`` (an argument, maybe ``x``): its
+    first block is zeroed once the blocks are loaded."""
     n = x.shape[1] // TILE
     out = nl.ndarray((128, TILE), dtype=nl.float32, buffer=nl.shared_hbm)
     tiles = []
@@ -71,10 +71,10 @@ def reversed_sum_kernel(x, zero_input=False):
         t = nl.ndarray((128, TILE), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=t, src=x[:, i * TILE:(i + 1) * TILE])
         tiles.append(t)
-    if zero_input:
+    if zeroed is not None:
         zeros = nl.ndarray((128, TILE), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=zeros, value=0.0)
-        nisa.dma_copy(dst=x[:, 0:TILE], src=zeros)
+        nisa.dma_copy(dst=zeroed[:, 0:TILE], src=zeros)
     acc = nl.ndarray((128, TILE), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=acc, src=tiles[-1])
     for t in reversed(tiles[:-1]):
@@ -300,10 +300,13 @@ def test_loaded_tiles_leave_without_a_store_and_come_back_from_their_source():
     assert sbuf_end(program) <= SMALL_SBUF
 
 
-def test_a_source_the_kernel_writes_is_not_loaded_from_again():
+@pytest.mark.parametrize("same", [True, False], ids=["x twice", "another argument"])
+def test_a_source_the_kernel_may_write_is_not_loaded_from_again(same):
+    # a tile loaded from x cannot be loaded from it again when the kernel writes an argument (the caller may
+    # have passed x twice): a tile that leaves is stored
     x = randn(128, 12 * TILE)
-    # a tile loaded from x cannot be loaded from it again (the kernel writes it): a tile that leaves is stored
-    out, _, traced = reversed_sum_kernel.run((x.copy(),), {"zero_input": True}, chip=SMALL)
+    given = x.copy()
+    out, _, traced = reversed_sum_kernel.run((given, given if same else np.zeros_like(x)), {}, chip=SMALL)
     np.testing.assert_array_equal(out, reversed_sum_reference(x))  # the blocks as they were loaded
     program = traced.program
     assert spill_moves(program)["store"] > 0

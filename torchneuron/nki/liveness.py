@@ -108,6 +108,9 @@ class SpillHost(Protocol):
     def spill_dma_queue(self) -> int:
         """The DMA queue for the next SBUF spill store or load back (queues of their own)."""
 
+    def caller_buffers(self) -> set[str]:
+        """The memory names of the HBM buffers the caller binds (the kernel's arguments)."""
+
 
 def place_by_liveness(instructions: Sequence[Instr], clocks: Sequence[int], allocs: Sequence[Alloc],
                       capacity: dict[str, int], bank_bytes: dict[str, int], align: int = 4,
@@ -563,7 +566,7 @@ def _place_sbuf(allocs: list[Alloc], cap: int, align: int, instructions: Sequenc
     failed = _assign(allocs, boxes, instructions)
     if failed is None:
         return boxes, _SbufSpill()
-    accesses = _tile_accesses(instructions, touches, allocs)
+    accesses = _tile_accesses(instructions, touches, allocs, host.caller_buffers())
     budget = cap
     while True:
         try:
@@ -584,11 +587,11 @@ def _place_sbuf(allocs: list[Alloc], cap: int, align: int, instructions: Sequenc
         budget -= failed.region.nbytes
 
 
-def _tile_accesses(instructions: Sequence[Instr], touches: dict[int, list],
-                   allocs: list[Alloc]) -> dict[Alloc, list[tuple[int, bool, bool]]]:
+def _tile_accesses(instructions: Sequence[Instr], touches: dict[int, list], allocs: list[Alloc],
+                   arguments: set[str]) -> dict[Alloc, list[tuple[int, bool, bool]]]:
     """(instruction index, whether it writes the tile, whether it is a load of the whole tile that can be
     issued again: ``_reissuable``) of each access of each SBUF tile, in order."""
-    written = _written_hbm(instructions)
+    written = _written_hbm(instructions, arguments)
     out: dict[Alloc, list[tuple[int, bool, bool]]] = {a: [] for a in allocs if a.live is not None}
     for t in sorted(touches):
         writes = type(instructions[t]).WRITES
@@ -602,12 +605,14 @@ def _tile_accesses(instructions: Sequence[Instr], touches: dict[int, list],
     return out
 
 
-def _written_hbm(instructions: Sequence[Instr]) -> set[str] | None:
-    """The HBM memories some instruction of the kernel writes; None where other cores may write HBM while it
-    runs (a cross-core instruction cuts it into segments that interleave with theirs)."""
+def _written_hbm(instructions: Sequence[Instr], arguments: set[str]) -> set[str] | None:
+    """The HBM memories the kernel may change: those some instruction writes, and every argument if one is written
+    (the caller may pass one tensor as two arguments); None where other cores may write HBM while it runs (a
+    cross-core instruction cuts it into segments that interleave with theirs)."""
     if any(isinstance(ins, CrossCore) for ins in instructions):
         return None
-    return {fp.memory for ins in instructions for fp in ins.writes() if fp.memory.startswith("hbm:")}
+    written = {fp.memory for ins in instructions for fp in ins.writes() if fp.memory.startswith("hbm:")}
+    return written | arguments if written & arguments else written
 
 
 def _reissuable(instr: Instr, tile: Alloc, written: set[str] | None) -> bool:

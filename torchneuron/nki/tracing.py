@@ -501,6 +501,10 @@ class Trace:
         self._dma_queue = (q + 1) % DMA_QUEUES
         return q
 
+    def caller_buffers(self) -> set[str]:
+        """The memory names of the HBM buffers the caller binds (the kernel's arguments and shared constants)."""
+        return {f"hbm:{name}" for name, slot in self.slots.items() if slot.kind == "input"}
+
     def spill_dma_queue(self) -> int:
         """The DMA queue for the next SBUF spill store or load back (round-robin over the spill queues)."""
         q = self._spill_queue
