@@ -139,3 +139,22 @@ def test_max_pool2d_gradient_like_float64(planes, dtype, strict):
         fin = exact.isfinite()
         bound = (torch.finfo(dtype).eps / 2) * exact.abs() + 9 * 2.0 ** -24 * terms
         assert ((got.double() - exact).abs()[fin] <= bound[fin]).all()
+
+
+def test_max_pool_argument_checks_are_cached_per_signature_and_still_raise(strict):
+    # the meta kernel's checks run once per (shapes, strides, dtypes, arguments); a bad call is never cached: it raises
+    # the CPU's error every time, also after a good call with the same tensors
+    from torchneuron.ops.base import _meta_run_signature
+    x = torch.randn(2, 3, 8, 8)
+    _meta_run_signature.cache_clear()
+    for _ in range(3):
+        v, i = torch.nn.functional.max_pool2d(to_n(x), 2, return_indices=True)
+        assert torch.equal(i.cpu(), torch.nn.functional.max_pool2d(x, 2, return_indices=True)[1])
+    assert _meta_run_signature.cache_info().misses == 1
+    for _ in range(2):
+        for t in (x, to_n(x)):
+            with pytest.raises(RuntimeError, match="pad should be at most half of effective kernel size"):
+                torch.nn.functional.max_pool2d(t, 2, padding=2)
+    # a strided input is another signature: checked (and run) on its own
+    xt = x.transpose(2, 3)
+    assert torch.equal(torch.nn.functional.max_pool2d(to_n(xt), 2).cpu(), torch.nn.functional.max_pool2d(xt, 2))

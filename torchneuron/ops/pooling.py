@@ -34,7 +34,7 @@ from torchneuron.kernels.pooling import (max_pool2d_backward_kernel, max_pool2d_
                                         max_pool_fits)
 from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import aten, device_table, floats_on_one_device, meta_run, Unsupported
+from torchneuron.ops.base import aten, device_table, floats_on_one_device, meta_run, meta_run_cached, Unsupported
 from torchneuron.ops.elementwise import dense, run_pointwise, to_int64
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering, register_out
@@ -164,7 +164,7 @@ def _max_pool2d_direct(self: torch.Tensor, k: tuple, s: tuple, p: tuple, d: tupl
 def _max_pool(n: int, self: torch.Tensor, kernel_size, stride, padding, dilation, ceil_mode):
     """(values, int64 flat indices) of n-D max pooling on the device."""
     op = f"aten::max_pool{n}d_with_indices"
-    meta, _ = meta_run(_MAX_POOL[n][0].default, self, kernel_size, stride, padding, dilation, ceil_mode)
+    meta, _ = meta_run_cached(_MAX_POOL[n][0].default, self, kernel_size, stride, padding, dilation, ceil_mode)
     k, s, p, d = _pool_geometry(n, kernel_size, stride, padding, dilation)
     S, O = tuple(self.shape[-n:]), tuple(meta.shape[-n:])
     if n == 2 and (direct := _max_pool2d_direct(self, k, s, p, d, O)) is not None:
@@ -192,8 +192,8 @@ def _max_pool_forward(n: int, self, kernel_size, stride, padding, dilation, ceil
     """``max_pool{n}d_with_indices``: the CPU's errors, empty inputs, the device or the fallback."""
     if self.dim() not in (n + 1, n + 2):      # (the meta kernel raises IndexError for too few dims)
         raise RuntimeError(f"non-empty {n + 1}D or {n + 2}D (batch mode) tensor expected for input")
-    shape = meta_run(_MAX_POOL[n][0].default, self, kernel_size, stride, padding, dilation,
-                      ceil_mode)[0].shape                         # the CPU's errors for bad arguments
+    shape = meta_run_cached(_MAX_POOL[n][0].default, self, kernel_size, stride, padding, dilation,
+                             ceil_mode)[0].shape                  # the CPU's errors for bad arguments
     if self.numel() == 0 and floats_on_one_device(self):
         return (torch.empty(shape, dtype=self.dtype, device=self.device),
                 torch.empty(shape, dtype=torch.int64, device=self.device))
@@ -223,7 +223,8 @@ register_out("max_pool3d_with_indices.out", max_pool3d_with_indices, warn_resize
 def _max_pool_backward(n: int, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
     """Gradient of n-D max pooling on the device: 2-D in one launch where the planes fit SBUF, else a window
     compare against the indices, then col2im."""
-    meta_run(_MAX_POOL[n][1].default, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
+    meta_run_cached(_MAX_POOL[n][1].default, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode,
+                    indices)
     k, s, p, d = _pool_geometry(n, kernel_size, stride, padding, dilation)
     S, O = tuple(self.shape[-n:]), tuple(grad_output.shape[-n:])
     BC, L = self.numel() // math.prod(S), math.prod(O)
