@@ -13,6 +13,7 @@ from torchneuron.nki import legacy
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.nki.legacy import isa as lisa, language as lnl
+from torchneuron.nki.tracing import DMA_QUEUES, SPILL_DMA_QUEUES
 from torchneuron.sim import SimulatorError
 from torchneuron.sim.specs import chip_spec
 
@@ -101,6 +102,10 @@ def test_legacy_scores_spill_to_hbm_when_sbuf_is_full():
     # DMAs are 2 loads and 2 + 10 + 1 stores
     assert ops["tensor_copy"] == 10 + 10 and ops["dma_copy"] == 10 + 20 + 2 + 13
     assert spill_slots(program) == ["psum_spill0"] and within_on_chip_capacity(program)
+    # the spill DMAs alternate over the spill queues; the kernel's own keep its queues
+    spill = [i for i in program.instructions if i.opcode == "dma_copy" and "psum_spill" in i.src.memory + i.dst.memory]
+    assert [i.queue for i in spill] == [DMA_QUEUES + k % SPILL_DMA_QUEUES for k in range(30)]
+    assert all(i.queue < DMA_QUEUES for i in program.instructions if i.opcode == "dma_copy" and i not in spill)
 
 
 @nki.jit

@@ -427,13 +427,13 @@ class _SpillAccess:
                 return [], {self.name: temp}, [TensorCopy(dst=backing.of(ap), src=temp)]
             staged = _at(ap, "sbuf", self.sbuf_temp)
             return [], {self.name: temp}, [TensorCopy(dst=staged, src=temp),
-                                           DmaCopy(dst=backing.of(ap), src=staged, queue=host.next_dma_queue())]
+                                           DmaCopy(dst=backing.of(ap), src=staged, queue=host.spill_dma_queue())]
         if not self.in_hbm:  # the data is in SBUF already: read it there
             return [], {self.name: backing.of(ap)}, []
         # load every byte the operand spans (a dense box: no broadcast or gaps in the DMA's destination)
         dense = AP(ap.memory, ap.dtype, ((1, _span(ap) // ap.dtype.itemsize),), ap.start_partition, ap.partitions,
                    ap.offset)
-        load = DmaCopy(dst=_at(dense, "sbuf", self.sbuf_temp), src=backing.of(dense), queue=host.next_dma_queue())
+        load = DmaCopy(dst=_at(dense, "sbuf", self.sbuf_temp), src=backing.of(dense), queue=host.spill_dma_queue())
         return [load], {self.name: _at(ap, "sbuf", self.sbuf_temp)}, []
 
 
