@@ -183,6 +183,25 @@ def test_lstm_input_products_in_the_launches_where_they_fit(inputs, in_forward, 
     assert ops["aten::mm"] + ops["aten::addmm"] == (0 if in_forward else 1) + (0 if in_backward else 2), ops
 
 
+def test_lstm_initial_states_as_strided_views_match_the_cpu(strict):
+    """Initial states that are permuted views ([batch, layers, hidden] storage seen as [layers, batch, hidden]):
+    the states read through their strides, h_n, c_n and the states' gradients made contiguous, all as the CPU's."""
+    ref, cpu, dev = _modules(torch.nn.LSTM, 2, False, True)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(4, B, I, generator=gen)
+    h, c = (torch.randn(B, 2, H, generator=gen).transpose(0, 1) for _ in range(2))
+    results = []
+    for m, device in ((cpu, "cpu"), (dev, "neuron")):
+        hd, cd = (torch.empty(B, 2, H, device=device).transpose(0, 1).copy_(t).requires_grad_() for t in (h, c))
+        assert not hd.is_contiguous()
+        y, (hn, cn) = m(x.to(device), (hd, cd))
+        (y.sum() + 2 * hn.sum() + 3 * cn.sum()).backward()
+        results.append([t.detach().cpu() for t in (y, hn, cn, hd.grad, cd.grad)])
+    bound = 4 * 2 * (I + H + B) * U[torch.float32]
+    for ct, dt in zip(*results):
+        torch.testing.assert_close(dt, ct, atol=2 * bound, rtol=0)
+
+
 def test_lstm_sequence_saturates_and_propagates_nan_as_the_cpu(strict):
     """An infinite input saturates the gates (finite states), a NaN input poisons its batch row from its step on
     and no other row: outputs and states NaN exactly where the CPU module's are, equal elsewhere."""

@@ -480,7 +480,9 @@ class _LstmSequence(torch.autograd.Function):
         T, (L, N, H) = x.shape[tdim], h0.shape
         per = len(params) // L
         chunks = _chunks(T)
-        h_n, c_n = torch.empty_like(h0), torch.empty_like(c0)        # each layer's last launch writes its row
+        # contiguous (launches bind contiguous results), whatever the initial states' strides; each layer's last
+        # launch writes its row
+        h_n, c_n = (torch.empty(h0.shape, dtype=h0.dtype, device=h0.device) for _ in range(2))
         layer_in, saved = x, []
         for layer in range(L):
             w_ih, w_hh, *biases = params[layer * per:(layer + 1) * per]
@@ -529,7 +531,8 @@ class _LstmSequence(torch.autograd.Function):
         layers_saved = saved[3 + L * per:]
         need_x, need_h0, need_c0 = ctx.needs_input_grad[2:5]
         grad_params: list[torch.Tensor | None] = [None] * len(params)
-        grad_h0, grad_c0 = torch.empty_like(h0), torch.empty_like(c0)   # each layer's first launch writes its row
+        # contiguous, as h_n and c_n; each layer's first launch writes its row
+        grad_h0, grad_c0 = (torch.empty(h0.shape, dtype=h0.dtype, device=h0.device) for _ in range(2))
         grad_in = grad_out          # the gradient of the current layer's output (None: unused)
         for layer in reversed(range(L)):
             w_ih, w_hh = params[layer * per], params[layer * per + 1]
