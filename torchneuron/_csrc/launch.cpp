@@ -11,6 +11,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
+#include <cstring>
+
 namespace py = pybind11;
 
 namespace torchneuron {
@@ -82,6 +84,164 @@ class SlotLayout {
   std::vector<std::vector<int64_t>> allocate_shapes_;
 };
 
+// A run of consecutive same-dtype copies of one program (dma_copy / tensor_copy between HBM and SBUF, or within
+// SBUF), executed in program order in one call: _CopyBatch. From Python each copy is a view (as_strided of the
+// run's HBM tensor, ~1.2 us) and a copy_ (~2-4 us of dispatch for a small tile); here it is a strided byte copy.
+// The caller (torchneuron/sim/copies.py) admits only copies that torch's copy_ would do bit for bit: equal
+// dtypes and shapes, no destination element written twice, source and destination disjoint. On-chip sides are
+// views of the core's SBUF kept with the batch; HBM sides are (slot, byte offset, byte strides) of the run's
+// bound tensors, whose byte lengths are checked against the furthest byte the batch reaches in each.
+class CopyBatch {
+ public:
+  // copies: per copy (sizes, itemsize, dst side, src side); a side is a tensor (an on-chip view) or a tuple
+  // (slot index, byte offset, byte strides).
+  explicit CopyBatch(py::list copies) {
+    for (py::handle c : copies) {
+      auto t = c.cast<py::tuple>();
+      Copy copy;
+      auto sizes = t[0].cast<std::vector<int64_t>>();
+      copy.itemsize = t[1].cast<int64_t>();
+      TORCH_CHECK(copy.itemsize == 1 || copy.itemsize == 2 || copy.itemsize == 4 || copy.itemsize == 8,
+                  "a copy of ", copy.itemsize, "-byte elements");
+      Side dst = side(t[2], sizes.size(), copy.itemsize, sizes), src = side(t[3], sizes.size(), copy.itemsize, sizes);
+      // drop size-1 dims, then merge dims that are contiguous on both sides (fewer, longer inner runs)
+      std::vector<int64_t> sz, ds, ss;
+      for (size_t d = 0; d < sizes.size(); ++d) {
+        if (sizes[d] == 1) continue;
+        if (!sz.empty() && ds.back() == dst.strides[d] * sizes[d] && ss.back() == src.strides[d] * sizes[d]) {
+          sz.back() *= sizes[d];
+          ds.back() = dst.strides[d];
+          ss.back() = src.strides[d];
+          continue;
+        }
+        sz.push_back(sizes[d]);
+        ds.push_back(dst.strides[d]);
+        ss.push_back(src.strides[d]);
+      }
+      if (sz.empty()) {  // one element
+        sz = {1};
+        ds = {copy.itemsize};
+        ss = {copy.itemsize};
+      }
+      copy.sizes = sz;
+      dst.strides = ds;
+      src.strides = ss;
+      copy.dst = std::move(dst);
+      copy.src = std::move(src);
+      copies_.push_back(std::move(copy));
+    }
+  }
+
+  // Run the copies in order on the run's bound HBM tensors (`tensors`, slot order).
+  void run(py::sequence tensors) const {
+    std::vector<char*> base(need_.size(), nullptr);
+    for (size_t k = 0; k < need_.size(); ++k) {
+      if (need_[k] < 0) continue;
+      py::handle item = tensors[k];
+      TORCH_CHECK(THPVariable_Check(item.ptr()), "slot ", k, " is not bound to a tensor");
+      const at::Tensor& t = THPVariable_Unpack(item.ptr());
+      TORCH_CHECK(t.is_cpu() && t.is_contiguous() && static_cast<int64_t>(t.nbytes()) >= need_[k], "slot ", k,
+                  " is bound to ", t.nbytes(), " bytes; its copies reach byte ", need_[k]);
+      base[k] = static_cast<char*>(t.data_ptr());
+    }
+    for (const Copy& c : copies_) {
+      char* dst = c.dst.slot >= 0 ? base[c.dst.slot] + c.dst.offset : c.dst.ptr;
+      const char* src = c.src.slot >= 0 ? base[c.src.slot] + c.src.offset : c.src.ptr;
+      copy_strided(c, dst, src);
+    }
+  }
+
+ private:
+  struct Side {
+    int64_t slot = -1;         // HBM slot index, or -1: an on-chip view
+    at::Tensor view;           // the on-chip view (kept: its storage is the core's memory)
+    char* ptr = nullptr;       // the on-chip view's first byte
+    int64_t offset = 0;        // HBM: byte offset in the slot's tensor
+    std::vector<int64_t> strides;  // byte strides
+  };
+  struct Copy {
+    std::vector<int64_t> sizes;
+    int64_t itemsize = 0;
+    Side dst, src;
+  };
+
+  Side side(py::handle h, size_t dims, int64_t itemsize, const std::vector<int64_t>& sizes) {
+    Side s;
+    if (THPVariable_Check(h.ptr())) {
+      s.view = THPVariable_Unpack(h.ptr());
+      TORCH_CHECK(s.view.is_cpu() && static_cast<size_t>(s.view.dim()) == dims &&
+                      s.view.element_size() == itemsize && s.view.sizes().vec() == sizes,
+                  "an on-chip side must be a CPU view of the copy's shape and element size");
+      s.ptr = static_cast<char*>(s.view.data_ptr());
+      for (int64_t st : s.view.strides()) s.strides.push_back(st * itemsize);
+      return s;
+    }
+    auto t = h.cast<py::tuple>();
+    s.slot = t[0].cast<int64_t>();
+    s.offset = t[1].cast<int64_t>();
+    s.strides = t[2].cast<std::vector<int64_t>>();
+    TORCH_CHECK(s.slot >= 0 && s.offset >= 0 && s.strides.size() == dims, "an HBM side needs a slot, an offset "
+                "and one stride per dim");
+    int64_t end = s.offset + itemsize;  // one past the furthest byte reached
+    for (size_t d = 0; d < dims; ++d) {
+      TORCH_CHECK(s.strides[d] >= 0, "negative HBM stride");
+      end += (sizes[d] - 1) * s.strides[d];
+    }
+    if (need_.size() <= static_cast<size_t>(s.slot)) need_.resize(s.slot + 1, -1);
+    need_[s.slot] = std::max(need_[s.slot], end);
+    return s;
+  }
+
+  template <typename T>
+  static void copy_elems(char* dst, const char* src, int64_t n, int64_t ds, int64_t ss) {
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(dst + i * ds, src + i * ss, sizeof(T));
+    }
+  }
+
+  // innermost dim: one memcpy where both sides are dense, else element by element
+  static void copy_row(const Copy& c, char* dst, const char* src) {
+    const size_t d = c.sizes.size() - 1;
+    const int64_t n = c.sizes[d], ds = c.dst.strides[d], ss = c.src.strides[d], w = c.itemsize;
+    if (ds == w && ss == w) {
+      std::memcpy(dst, src, n * w);
+      return;
+    }
+    switch (w) {
+      case 1: copy_elems<uint8_t>(dst, src, n, ds, ss); break;
+      case 2: copy_elems<uint16_t>(dst, src, n, ds, ss); break;
+      case 4: copy_elems<uint32_t>(dst, src, n, ds, ss); break;
+      default: copy_elems<uint64_t>(dst, src, n, ds, ss); break;
+    }
+  }
+
+  static void copy_strided(const Copy& c, char* dst, const char* src) {
+    const size_t outer = c.sizes.size() - 1;
+    if (outer == 0) {
+      copy_row(c, dst, src);
+      return;
+    }
+    std::vector<int64_t> idx(outer, 0);
+    while (true) {
+      copy_row(c, dst, src);
+      size_t d = outer;
+      while (d > 0) {  // advance the outer index, last dim fastest
+        --d;
+        dst += c.dst.strides[d];
+        src += c.src.strides[d];
+        if (++idx[d] < c.sizes[d]) break;
+        dst -= c.dst.strides[d] * c.sizes[d];
+        src -= c.src.strides[d] * c.sizes[d];
+        idx[d] = 0;
+        if (d == 0) return;
+      }
+    }
+  }
+
+  std::vector<Copy> copies_;
+  std::vector<int64_t> need_;  // per slot: the bytes the batch reaches in it (-1: not used)
+};
+
 }  // namespace
 
 void bind_launch(py::module_& m) {
@@ -89,6 +249,9 @@ void bind_launch(py::module_& m) {
       .def(py::init<std::vector<std::vector<int64_t>>, std::vector<std::optional<at::ScalarType>>,
                     std::vector<std::vector<int64_t>>>())
       .def("bind", &SlotLayout::bind, "Allocate the unbound outputs; return each slot's host alias.");
+  py::class_<CopyBatch>(m, "_CopyBatch", "Consecutive same-dtype copies of a program, run in one call (see launch.cpp).")
+      .def(py::init<py::list>())
+      .def("run", &CopyBatch::run, "Run the copies in order on the run's bound HBM tensors (slot order).");
 }
 
 }  // namespace torchneuron

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from torchneuron.sim.copies import batch_copies
 from torchneuron.sim.instruction import Engine
 from torchneuron.sim.isa import Instr
 from torchneuron.sim.isa.control import REGISTERS
@@ -67,7 +68,7 @@ class _Plan:
     """A program prepared for one core: per instruction its step (None: ``execute``) and, for a
     non-TensorE instruction writing PSUM, the group-closed flag views it closes."""
 
-    __slots__ = ("program", "sbuf", "psum", "keys", "entries", "fills")
+    __slots__ = ("program", "sbuf", "psum", "keys", "entries", "batched", "fills")
 
     def __init__(self, core: "NeuronCore", program: Program):
         self.program = weakref.ref(program)
@@ -88,6 +89,9 @@ class _Plan:
                                for f in instr.psum_writes)
             entries.append((instr, step, closes))
         self.entries = tuple(entries)
+        # what a run in program order executes: runs of plain copies as one call each (a dynamic program's
+        # control instructions jump between ``entries``, so it runs those)
+        self.batched = self.entries if program.dynamic else batch_copies(core, self.entries, slots)
         # scratch slots, and output slots a run may leave unbound: allocated per run
         self.fills = tuple(i for i, s in enumerate(program.args) if s.kind != "input")
 
@@ -219,7 +223,7 @@ class NeuronCore:
                 instr = self._run_dynamic(program, plan, tensors)
             else:
                 psum = self.psum
-                for instr, step, closes in plan.entries:
+                for instr, step, closes in plan.batched:
                     if step is None:
                         self.execute(instr)
                         continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Callable
 
 import torch
 
@@ -294,20 +295,42 @@ class NcTranspose(Instr):
             if not _group_open(rec[1], flags, rec[2]):
                 _open_group(rec[1], flags, _psum_closed(self, core, self.dst), rec[2], core.memory("psum").opened)
 
+    def transposed_view(self, core) -> torch.Tensor | None:
+        """execute's reshapes as a view of data's memory in dst's shape (a copy here would freeze the tile's
+        values), or None where data's free dims do not flatten into one (a permuted pattern)."""
+        dv, data = self.dst.view(core), self.data
+        values = _view2(data.view(core), data.partitions, data.free_elems)
+        if values is None:
+            return None
+        values = values.T
+        if values.shape != dv.shape:
+            try:
+                values = values.view(dv.shape)
+            except RuntimeError:
+                return None
+        return values
+
+    def group_opener(self, core) -> Callable[[], None] | None:
+        """What TensorE does after the write: open the accumulation group at dst (as execute); None where it
+        opens none (VectorE, or a dtype other than fp32)."""
+        dst = self.dst
+        if self.engine != Engine.TENSOR or dst.dtype != torch.float32:
+            return None
+        psum = core.memory("psum")
+        flags, opened = psum.group_closed, psum.opened
+        rec, box = _open_record(flags), _box(dst)
+        closed = _psum_closed(self, core, dst)
+
+        def open_group() -> None:
+            if not _group_open(rec, flags, box):
+                _open_group(rec, flags, closed, box, opened)
+        return open_group
+
     def step(self, core, slots) -> Step | None:
         dst, data = self.dst, self.data
         if dst.memory == data.memory and dst.footprint().overlaps(data.footprint()):
             return None  # in place or overlapping: write's alias check decides on a clone
-        dv, source = dst.view(core), data.view(core)
-        # execute's reshapes, as views of the same memory (a copy here would freeze the tile's values)
-        values = _view2(source, data.partitions, data.free_elems)
-        if values is not None:
-            values = values.T
-            if values.shape != dv.shape:
-                try:
-                    values = values.view(dv.shape)
-                except RuntimeError:
-                    values = None
+        dv, values = dst.view(core), self.transposed_view(core)
         if values is not None:
             def copy(h):
                 try:
@@ -317,21 +340,17 @@ class NcTranspose(Instr):
         else:
             # data's free dims do not flatten into one (a permuted pattern): execute's reshape copies the tile
             # each run; the transposed copy then lands in dst (copies move bits: the same values either way)
-            rows, cols = data.partitions, data.free_elems
+            rows, cols, source = data.partitions, data.free_elems, data.view(core)
 
             def copy(h):
                 store(dst, dv, source.reshape(rows, cols).T, may_alias=False)
-        if self.engine != Engine.TENSOR or dst.dtype != torch.float32:
+        open_group = self.group_opener(core)
+        if open_group is None:
             return copy
-        psum = core.memory("psum")
-        flags, opened = psum.group_closed, psum.opened
-        rec, box = _open_record(flags), _box(dst)
-        closed = _psum_closed(self, core, dst)
 
         def step(h):  # the write, then TensorE opens the accumulation group there (as execute)
             copy(h)
-            if not _group_open(rec, flags, box):
-                _open_group(rec, flags, closed, box, opened)
+            open_group()
         return step
 
     def price(self) -> CostInputs:

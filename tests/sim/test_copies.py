@@ -1,0 +1,137 @@
+"""Runs of plain copies executed in one call (sim/copies.py, ``_C._CopyBatch``): bit for bit what each copy's
+``execute`` does, only the copies the batch can do exactly are batched, and a short HBM binding raises."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchneuron.sim import AP, ArgSlot, NeuronCore, Program, isa, tile
+from torchneuron.sim.copies import _writes_once
+
+F32, BF16, I8, I16 = torch.float32, torch.bfloat16, torch.int8, torch.int16
+P, F = 16, 24
+
+
+def _sb(i: int, dtype=F32, free=(F,), parts: int = P):
+    return tile("sbuf", dtype, (parts, *free), offset=512 * i)
+
+
+def _program() -> Program:
+    """Copies of each itemsize and layout a batch takes, mixed with ones it must leave to their steps."""
+    x, y = tile("hbm:x", F32, (P, F)), tile("hbm:y", BF16, (P, F))
+    q, w = tile("hbm:q", I8, (P, 32)), tile("hbm:w", I16, (P, 4))
+    column = AP("hbm:x", F32, ((F, P), (0, 8)))              # each row's first value, 8 times (stride-0 read)
+    body = [
+        isa.dma_copy(dst=_sb(0), src=x),                                           # whole buffer
+        isa.dma_copy(dst=_sb(1, F32, (F // 2,)), src=x[:, F // 2:]),               # strided HBM view
+        isa.dma_copy(dst=_sb(2, BF16), src=y),                                     # 2-byte elements
+        isa.dma_copy(dst=_sb(3, I8, (32,)), src=q),                                # 1-byte elements
+        isa.dma_copy(dst=_sb(4, I16, (4,)), src=w),                                # 2-byte integers
+        isa.dma_copy(dst=_sb(5, F32, (8,)), src=column),
+        isa.dma_copy(dst=_sb(6, F32, (2, F // 2)), src=x),                         # a reshape: its step
+        isa.dma_copy(dst=_sb(7, BF16), src=x),                                     # a cast: its step
+        isa.tensor_copy(dst=_sb(8)[:, ::2], src=_sb(0)[:, 1::2]),                  # SBUF to SBUF, strided
+        isa.tensor_copy(dst=_sb(9, BF16), src=_sb(2, BF16)),
+        isa.tensor_tensor(dst=_sb(10), data1=_sb(0), data2=_sb(8), op="add"),      # ends the first run
+        isa.dma_copy(dst=tile("hbm:o", F32, (P, F)), src=_sb(10)),
+        isa.dma_copy(dst=tile("hbm:o", F32, (P, F))[:, :F // 2], src=_sb(1, F32, (F // 2,))),
+        isa.dma_copy(dst=tile("hbm:o8", I8, (P, 32)), src=_sb(3, I8, (32,))),
+        isa.dma_copy(dst=tile("hbm:o16", I16, (P, 4)), src=_sb(4, I16, (4,))),
+        isa.dma_copy(dst=tile("hbm:ob", BF16, (P, F)), src=_sb(9, BF16)),
+        isa.dma_copy(dst=tile("hbm:oc", F32, (P, 8)), src=_sb(5, F32, (8,))),
+        # TensorE transposes open PSUM accumulation groups (after the batch's copies); a matmul with
+        # accumulate=None then adds into the first and overwrites past it; identity activations evict PSUM
+        isa.nc_transpose(dst=tile("psum", F32, (F, P)), data=_sb(0)),
+        isa.nc_transpose(dst=tile("psum", BF16, (F, P), offset=2048), data=_sb(2, BF16)),
+        isa.activation(dst=_sb(11), op="identity", data=_sb(8)),
+        isa.nc_matmul(dst=tile("psum", F32, (F, P)), stationary=_sb(0), moving=_sb(12, F32, (P,))),
+        isa.nc_matmul(dst=tile("psum", F32, (F, P), offset=4096), stationary=_sb(0), moving=_sb(12, F32, (P,))),
+        isa.activation(dst=_sb(13, F32, (P,), parts=F), op="identity", data=tile("psum", F32, (F, P))),
+        isa.nc_transpose(dst=_sb(14, F32, (P,), parts=F), data=_sb(0), engine="vector"),
+        isa.tensor_copy(dst=_sb(16, BF16, (P,), parts=F), src=tile("psum", BF16, (F, P), offset=2048)),
+        isa.activation(dst=_sb(15), op="identity", data=_sb(8), scale=2.0),               # scaled: its step
+        isa.dma_copy(dst=tile("hbm:ot", F32, (F, P)), src=_sb(13, F32, (P,), parts=F)),
+    ]
+    args = [ArgSlot("x", (P, F), F32), ArgSlot("y", (P, F), BF16), ArgSlot("q", (P, 32), I8),
+            ArgSlot("w", (P, 4), I16), ArgSlot("o", (P, F), F32, "output"), ArgSlot("o8", (P, 32), I8, "output"),
+            ArgSlot("o16", (P, 4), I16, "output"), ArgSlot("ob", (P, F), BF16, "output"),
+            ArgSlot("oc", (P, 8), F32, "output"), ArgSlot("ot", (F, P), F32, "output")]
+    return Program(body, args, "copies")
+
+
+def _inputs(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(P, F, generator=g)
+    x.view(-1)[::5] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 1e-40]).repeat(16)[:77]
+    x.view(-1)[3] = torch.tensor(0x7FA00001, dtype=torch.int32).view(F32)   # a signalling NaN's payload
+    return {"x": x, "y": torch.randn(P, F, generator=g).to(BF16),
+            "q": torch.randint(-128, 128, (P, 32), dtype=I8, generator=g),
+            "w": torch.randint(-2 ** 15, 2 ** 15, (P, 4), dtype=I16, generator=g)}
+
+
+def _by_execute(core: NeuronCore, prog: Program, bindings: dict[str, torch.Tensor]) -> None:
+    for name, t in bindings.items():
+        core.bind(name, t)
+    core.psum.group_closed.fill_(True)
+    for instr in prog.instructions:
+        core.execute(instr)
+
+
+def test_batched_copies_are_bit_identical_to_execute():
+    prog = _program()
+    fast, slow = NeuronCore("trn2"), NeuronCore("trn2")
+    for seed in (1, 2):   # the second run reuses the prepared batches with new tensors
+        for core in (fast, slow):
+            core.sbuf.data.copy_(torch.randint(0, 256, core.sbuf.data.shape, dtype=torch.uint8,
+                                               generator=torch.Generator().manual_seed(seed)))
+        a = _inputs(seed)
+        outs = fast.run(prog, a).outputs
+        ref = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in prog.args if s.kind == "output"}
+        _by_execute(slow, prog, {**{k: v.clone() for k, v in a.items()}, **ref})
+        for name, t in outs.items():
+            assert torch.equal(t.view(torch.uint8), ref[name].view(torch.uint8)), name
+        assert torch.equal(fast.sbuf.data, slow.sbuf.data) and torch.equal(fast.psum.data, slow.psum.data)
+        assert torch.equal(fast.psum.group_closed, slow.psum.group_closed)
+    plan = fast._plan(prog)
+    # runs of plain copies: the first six, the two SBUF copies, the six stores with the two transposes and the
+    # identity activation after them, the identity eviction with the VectorE transpose and the PSUM copy, the last
+    # store; the reshape, the cast, tensor_tensor, the matmuls and the scaled activation keep their steps
+    ins = prog.instructions
+    first = [0, 6, 7, 8, 10, 11, 20, 21, 22, 25, 26]
+    assert [e[0] for e in plan.batched] == [ins[i] for i in first]
+    assert [len(e) for e in plan.batched] and [e[1] is plan.entries[i][1] for e, i in zip(plan.batched, first)] == [
+        False, True, True, False, True, False, True, True, False, True, False]
+
+
+def test_copies_that_could_differ_are_not_batched():
+    x = tile("hbm:x", F32, (P, F))
+    body = [isa.dma_copy(dst=tile("hbm:o", F32, (P, F)), src=x),                  # HBM to HBM
+            isa.tensor_copy(dst=_sb(0)[:, 1:], src=_sb(0)[:, :F - 1]),           # overlapping in SBUF
+            isa.tensor_copy(dst=tile("psum", F32, (P, F)), src=_sb(1)),          # writes PSUM
+            isa.dma_copy(dst=_sb(2), src=x)]                                      # plain: batched
+    prog = Program(body, [ArgSlot("x", (P, F), F32), ArgSlot("o", (P, F), F32, "output")])
+    core = NeuronCore("trn2")
+    core.run(prog, {"x": torch.randn(P, F)})
+    plan = core._plan(prog)
+    assert [e[0] for e in plan.batched] == list(prog.instructions)          # one entry each
+    assert type(plan.batched[3][1]).__name__ == "method"                   # only the last is a batch
+
+
+def test_a_short_binding_raises_instead_of_reaching_past_it():
+    prog = Program([isa.dma_copy(dst=_sb(0), src=tile("hbm:x", F32, (P, F)))], [ArgSlot("x", (P, F), F32)])
+    core = NeuronCore("trn2")
+    before = core.sbuf.data.clone()
+    with pytest.raises(RuntimeError, match="reach byte"):
+        core.run_bound(prog, [torch.zeros(P * F - 1)])
+    assert torch.equal(core.sbuf.data, before)
+
+
+@pytest.mark.parametrize("sizes, strides, once", [
+    ((4, 6), (6, 1), True), ((4, 6), (1, 4), True), ((4, 6), (0, 1), False), ((4, 6), (3, 1), False),
+    ((1, 6), (0, 1), True), ((2, 3, 4), (1, 8, 2), True), ((2, 3, 4), (1, 2, 6), True), ((2, 3, 4), (1, 2, 5), False)])
+def test_writes_once(sizes, strides, once):
+    # against brute force: every index's offset distinct
+    import itertools
+    offsets = [sum(i * s for i, s in zip(idx, strides)) for idx in itertools.product(*map(range, sizes))]
+    assert (len(set(offsets)) == len(offsets)) == once
+    assert _writes_once(sizes, strides) == once

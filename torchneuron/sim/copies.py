@@ -1,0 +1,145 @@
+"""Runs of plain copies in a prepared program, executed as one C++ call each (``_C._CopyBatch``).
+
+A plain copy moves a tile's bytes unchanged: a ``dma_copy`` (not indirect) or ``tensor_copy`` between equal
+dtypes and shapes, between HBM and SBUF or within SBUF, not writing PSUM (a non-TensorE PSUM write also
+closes accumulation groups); an ``nc_transpose`` whose source is a view (TensorE's opening of the PSUM
+accumulation group it writes runs after the batch's copies, in order: no copy reads the flags); an fp32
+identity ``activation`` without scale, bias or reduction. Its step (``isa.common.copy_step``) builds a view of
+the run's HBM tensor and calls ``copy_``: 4-8 us of host time per copy, for tiles of a few hundred bytes. Consecutive plain copies run
+in program order in one call instead, as strided byte copies, which is what ``copy_`` does for equal dtypes
+(bits move unchanged; NaN payloads included). Admitted only where that equivalence is plain: no
+destination element written twice and, within SBUF, source and destination disjoint; HBM-to-HBM copies
+(two slots may be one tensor) keep their step.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from torchneuron import _C
+from torchneuron.sim.isa import Activation, DmaCopy, Instr, NcTranspose
+from torchneuron.sim.isa.scalar_engine import _identity_out
+from torchneuron.sim.isa.vector_engine import TensorCopy
+from torchneuron.sim.memory import AP
+
+
+def _writes_once(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether a pattern reaches each element at most once (a sufficient test: sorted by stride, each dim's
+    stride clears the span of the dims inside it)."""
+    span = 1   # offsets [0, span) reached by the dims taken so far
+    for stride, size in sorted((st, s) for s, st in zip(sizes, strides) if s > 1):
+        if stride < span:
+            return False
+        span += stride * (size - 1)
+    return True
+
+
+def _side(core, ap: AP, slots: Mapping[str, tuple[int, Any]]) -> tuple[Any, tuple[int, ...]] | None:
+    """A copy side as ``_CopyBatch`` takes it, with its element shape: an on-chip view, or (slot, byte offset,
+    byte strides) of an HBM slot of ``ap``'s dtype; None where neither applies."""
+    if ap.on_chip:
+        view = ap.view(core)
+        return view, tuple(view.shape)
+    entry = slots.get(ap.memory)
+    if entry is None or entry[1].dtype != ap.dtype:
+        return None
+    sizes, strides, offset = ap._geometry
+    size = ap.dtype.itemsize
+    if offset < 0 or any(st < 0 for st in strides):
+        return None
+    return (entry[0], offset * size, tuple(st * size for st in strides)), tuple(sizes)
+
+
+def _plain(core, instr: Instr, slots: Mapping[str, tuple[int, Any]]) -> tuple | None:
+    """``instr`` as one ``_CopyBatch`` copy (sizes, itemsize, dst side, src side) and what must follow the run
+    (a TensorE transpose opening its PSUM accumulation group; else None), or None if it is not plain."""
+    kind = type(instr)
+    if kind is NcTranspose:
+        return _transpose(core, instr)
+    if kind is Activation:
+        return _identity(core, instr)
+    if kind is DmaCopy:
+        if instr.src_index is not None or instr.dst_index is not None:
+            return None
+    elif kind is not TensorCopy:
+        return None
+    dst, src = instr.dst, instr.src
+    if dst.dtype != src.dtype or dst.memory == "psum" or not (dst.on_chip or src.on_chip):
+        return None
+    d, s = _side(core, dst, slots), _side(core, src, slots)
+    if d is None or s is None or d[1] != s[1]:
+        return None
+    return _checked(dst, src, d[0], s[0], d[1])
+
+
+def _checked(dst: AP, src: AP, d: Any, s: Any, sizes: tuple[int, ...], after: Callable | None = None) -> tuple | None:
+    """The copy of sides ``d`` and ``s`` (see ``_side``), or None where dst writes an element twice or the two
+    patterns share memory."""
+    if dst.memory == src.memory and dst.footprint().overlaps(src.footprint()):
+        return None
+    dst_strides = d.stride() if isinstance(d, torch.Tensor) else dst._geometry[1]
+    if not _writes_once(sizes, dst_strides):
+        return None
+    return (list(sizes), dst.dtype.itemsize, d, s), after
+
+
+def _transpose(core, instr: NcTranspose) -> tuple | None:
+    """A transpose whose source is a view (the bits move unchanged), with TensorE's group opening after it."""
+    values = instr.transposed_view(core)
+    if values is None:
+        return None
+    dv = instr.dst.view(core)
+    return _checked(instr.dst, instr.data, dv, values, tuple(dv.shape), instr.group_opener(core))
+
+
+def _identity(core, instr: Activation) -> tuple | None:
+    """An fp32 identity activation without scale, bias or reduction (a bit copy: ``_identity_out``)."""
+    if instr._fused is not _identity_out or instr._plan[1:] != (None, None):
+        return None
+    dv, xv = instr.dst.view(core), instr.data.view(core)
+    if dv.shape != xv.shape:
+        return None
+    return _checked(instr.dst, instr.data, dv, xv, tuple(dv.shape))
+
+
+def batch_copies(core, entries: Sequence[tuple], slots: Mapping[str, tuple[int, Any]]) -> tuple:
+    """``entries`` (instr, step, closes) with each run of consecutive plain copies (that have a step) replaced by
+    one entry whose step runs them all (its instr: the run's first)."""
+    out: list[tuple] = []
+    run: list[tuple] = []
+    after: list[Callable] = []
+    first: Instr | None = None
+
+    def flush() -> None:
+        if run:
+            out.append((first, _run_step(_C._CopyBatch(run).run, tuple(after)), None))
+            run.clear()
+            after.clear()
+
+    for instr, step, closes in entries:
+        plain = _plain(core, instr, slots) if step is not None and closes is None else None
+        if plain is None:
+            flush()
+            out.append((instr, step, closes))
+            continue
+        if not run:
+            first = instr
+        run.append(plain[0])
+        if plain[1] is not None:
+            after.append(plain[1])
+    flush()
+    return tuple(out)
+
+
+def _run_step(run: Callable, after: tuple[Callable, ...]) -> Callable:
+    """The step of a batch: its copies, then the group openings of its TensorE transposes (the PSUM flags are
+    read by no copy, so opening them after the copies leaves every flag as the steps one by one would)."""
+    if not after:
+        return run
+
+    def step(h):
+        run(h)
+        for open_group in after:
+            open_group()
+    return step
