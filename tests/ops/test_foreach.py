@@ -4,6 +4,7 @@ devices, dtypes or layouts."""
 import pytest
 import torch
 
+from torchneuron.ops import foreach as foreach_ops
 from torchneuron.runtime import profiler
 from tests.ops.conftest import to_n
 
@@ -50,6 +51,22 @@ def test_foreach_matches_per_tensor_ops_and_cpu(case, strict):
     for g, d, c in zip(got, per_tensor(*dev), fused(*cpu)):
         assert torch.equal(g.cpu(), d.cpu())        # the same tile math as the per-tensor lowering
         torch.testing.assert_close(g.cpu(), c)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_repeated_call_launches_the_traced_program(case, strict, monkeypatch):
+    # the second call with the same shapes binds its tensors to the traced program's slots directly (no trace,
+    # no views): new values, the same bits as the per-tensor ops
+    fused, per_tensor = CASES[case]
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        cpu = _lists()
+        dev = [[to_n(t) for t in lst] for lst in cpu]
+        got = fused(*dev)
+        for g, d, c in zip(got, per_tensor(*dev), fused(*cpu)):
+            assert g.shape == c.shape and torch.equal(g.cpu(), d.cpu())
+            torch.testing.assert_close(g.cpu(), c)
+        monkeypatch.setattr(foreach_ops, "traced_kernel", None)   # a second trace would fail
 
 
 def test_in_place_foreach_and_one_launch(strict):

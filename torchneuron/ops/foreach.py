@@ -18,11 +18,16 @@ import torch
 from torchneuron.kernels.foreach import foreach_kernel, foreach_sum_kernel, operand_name
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, FLOATS, HALF_FLOATS, rounded_scalar
-from torchneuron.ops.kernel_call import call_kernel, host_operand
+from torchneuron.ops.kernel_call import call_kernel, host_operand, launch_traced, traced_kernel
 from torchneuron.ops.pointwise import UNARY_FLOAT, UNARY_SAME
 from torchneuron.ops.registry import lowering
+from torchneuron.runtime.launch import launch_slots
 
 MAX_GROUPS = 64  # tensors per launch: longer lists are cut into launches of this many
+
+# (kernel, device index, tile function, result dtype, lists' dtype, shapes, scalar operands' dtypes) ->
+# (program, per group its operands' slot positions, per group its output's slot position)
+_plans: dict[tuple, tuple] = {}
 
 
 class _Loop(Exception):
@@ -104,15 +109,38 @@ def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inp
             kinds.append("full")
     results = list(self) if inplace else [torch.empty_like(t, dtype=dtype) for t in self]
     live = [i for i, t in enumerate(self) if t.numel()]
+    index = device.index
     for lo in range(0, len(live), MAX_GROUPS):
         chunk = live[lo:lo + MAX_GROUPS]
+        kernel = foreach_kernel(len(chunk), 1 + len(operands), tuple(kinds))
+        # what the trace depends on (the lists share self's shapes and dtype; scalars are (1, 1) operands)
+        key = (kernel, index, fn, dtype, self[0].dtype, tuple(self[i].shape for i in chunk),
+               tuple(fixed[j][chunk[0]].dtype for j in sorted(fixed)))
+        plan = _plans.get(key)
+        if plan is not None:
+            # a traced program: its slots filled in order, each tensor bound as it is (contiguous, the slot's
+            # element count), without the per-tensor views and name lookups of call_kernel
+            program, inputs_at, outputs_at = plan
+            tensors = [None] * len(program.args)
+            for k, i in enumerate(chunk):
+                at = inputs_at[k]
+                tensors[at[0]] = self[i]
+                for j, o in enumerate(operands):
+                    tensors[at[j + 1]] = fixed[j][i] if j in fixed else o[i]
+                tensors[outputs_at[k]] = results[i]
+            launch_slots(program, tensors, index, op)
+            continue
         inputs = {}
         for k, i in enumerate(chunk):
             inputs[operand_name(k, 0)] = self[i].view(1, -1)
             for j, o in enumerate(operands):
                 inputs[operand_name(k, j + 1)] = fixed[j][i] if j in fixed else o[i].view(1, -1)
-        call_kernel(foreach_kernel(len(chunk), 1 + len(operands), tuple(kinds)), inputs, {"fn": fn, "out_dtype": dtype},
-                    [results[i].view(1, -1) for i in chunk], op=op)
+        meta = {"fn": fn, "out_dtype": dtype}
+        traced = traced_kernel(kernel, inputs, meta)
+        launch_traced(traced, inputs, [results[i].view(1, -1) for i in chunk], op, index)
+        program, out_slots, order = traced
+        _plans[key] = (program, [[order.index(operand_name(k, j)) for j in range(1 + len(operands))]
+                                 for k in range(len(chunk))], [order.index(s) for s in out_slots])
     return None if inplace else results
 
 
