@@ -7,6 +7,7 @@ import torch
 
 from torchneuron.sim import AP, ArgSlot, NeuronCore, Program, isa, tile
 from torchneuron.sim.copies import _writes_once
+from tests.sim.test_steps import _reference
 
 F32, BF16, I8, I16 = torch.float32, torch.bfloat16, torch.int8, torch.int16
 P, F = 16, 24
@@ -69,14 +70,6 @@ def _inputs(seed: int) -> dict[str, torch.Tensor]:
             "w": torch.randint(-2 ** 15, 2 ** 15, (P, 4), dtype=I16, generator=g)}
 
 
-def _by_execute(core: NeuronCore, prog: Program, bindings: dict[str, torch.Tensor]) -> None:
-    for name, t in bindings.items():
-        core.bind(name, t)
-    core.psum.group_closed.fill_(True)
-    for instr in prog.instructions:
-        core.execute(instr)
-
-
 def test_batched_copies_are_bit_identical_to_execute():
     prog = _program()
     fast, slow = NeuronCore("trn2"), NeuronCore("trn2")
@@ -87,7 +80,7 @@ def test_batched_copies_are_bit_identical_to_execute():
         a = _inputs(seed)
         outs = fast.run(prog, a).outputs
         ref = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in prog.args if s.kind == "output"}
-        _by_execute(slow, prog, {**{k: v.clone() for k, v in a.items()}, **ref})
+        _reference(slow, prog, {**{k: v.clone() for k, v in a.items()}, **ref})
         for name, t in outs.items():
             assert torch.equal(t.view(torch.uint8), ref[name].view(torch.uint8)), name
         assert torch.equal(fast.sbuf.data, slow.sbuf.data) and torch.equal(fast.psum.data, slow.psum.data)
