@@ -36,6 +36,7 @@ rounds the probabilities it stores); every accumulation is fp32.
 from __future__ import annotations
 
 import collections
+import itertools
 
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
@@ -371,6 +372,11 @@ def _transposed_cols(t, p: int, w: int, evict):
     return out
 
 
+# Which (query tile, key block) pairs form dS = P * (dP - D) on ScalarE (dP - D, evicting PSUM) and GpSimd (the
+# product; it has no PSUM access) instead of one VectorE scalar_tensor_tensor: that instruction reads fp32 dP at
+# 2 cycles per element, which made VectorE the backward's bottleneck. Two pairs in three (their dS^T evicted by
+# VectorE): the GPT-2 block's backward 856 -> 810 us (one in two 825 us, all 821 us).
+DS_OFFLOAD = (False, True, True)
 DQ_PSUM_BYTES = 2048       # the dQ accumulator of a head stays in PSUM (one bank; two heads in flight) when it
                            # fits, else SBUF
 
@@ -398,18 +404,19 @@ def flash_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=Non
     dq_in_psum = Lc * epad * 4 <= DQ_PSUM_BYTES
     evict, bias, ring, pipe = _emitters(causal, itemsize(dt) * (3 * PMAX + 2 * (L + S) + (Lc + Sc) * (E + Ev)))
     operands = ((q, qv, L, E), (k, kv, S, E), (do, dov, L, Ev), (v, vv, S, Ev), (o, ov, L, Ev))
+    offload = itertools.cycle(DS_OFFLOAD)
     for b in range(B):
         for h, (qr, kr, dor, vr, orows) in _heads_rows(operands, b, H, dt, ring):   # [128, chunks, d] each
             qT, kT = _transposed(qr, L, E, evict), _transposed(kr, S, E, evict)
             vT = _transposed(vr, S, Ev, evict)
             doT = _transposed(dor, L, Ev, evict)
-            d, nlse = _row_stats(orows, dor, lse, b, h, L, Ev)
+            nd, nlse = _row_stats(orows, dor, lse, b, h, L, Ev)
             dqacc = nl.ndarray((PMAX, Lc, epad), nl.float32, buffer=nl.psum if dq_in_psum else nl.sbuf)
             if not dq_in_psum:
                 nisa.memset(dst=dqacc, value=0.0)
             dkh = nl.ndarray((PMAX, Sc, E), dt, buffer=nl.sbuf)
             dvh = nl.ndarray((PMAX, Sc, Ev), dt, buffer=nl.sbuf)
-            ring.sbuf(qr, kr, dor, qT, kT, vT, doT, d, nlse, dkh, dvh)   # dqacc: held by the head's steps only
+            ring.sbuf(qr, kr, dor, qT, kT, vT, doT, nd, nlse, dkh, dvh)   # dqacc: held by the head's steps only
             for j, s0 in enumerate(range(0, S, PMAX)):
                 kb = min(PMAX, S - s0)
                 tiles = [(i, q0, min(PMAX, L - q0)) for i, q0 in enumerate(range(0, L, PMAX))
@@ -426,16 +433,16 @@ def flash_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=Non
                         last = (lambda j=j, kb=kb, dvj=dvj, dkj=dkj, dkh=dkh, dvh=dvh: (
                             evict(dvh[:kb, j, :], dvj[:kb, :Ev]),
                             nisa.activation(dst=dkh[:kb, j, :], op=nl.copy, data=dkj[:kb, :E], scale=float(scale))))
-                    pipe.push(_bwd_pair(qT, kT, vT, doT, qr, kr, dor, d, nlse, dqacc, dvj, dkj, i, q0, p, j, s0, kb,
+                    pipe.push(_bwd_pair(qT, kT, vT, doT, qr, kr, dor, nd, nlse, dqacc, dvj, dkj, i, q0, p, j, s0, kb,
                                         E, Ev, float(scale), bias, causal, evict, dq_in_psum, first=n == 0,
-                                        ring=ring, last=last))
+                                        ring=ring, last=last, offload=next(offload)))
             pipe.push(_bwd_head_end(dq, dk, dv, views, dqacc, dkh, dvh, b, h, L, S, E, Ev, float(scale)))
     pipe.drain()
     return dq if out_layout == "packed" else (dq, dk, dv)
 
 
 def _row_stats(orows, dor, lse, b: int, h: int, L: int, Ev: int):
-    """Per query of head (b, h), as [128, Lc] fp32 tiles: D = rowsum(dO * O) and -lse (the exponent's bias)."""
+    """Per query of head (b, h), as [128, Lc] fp32 tiles: -D = -rowsum(dO * O) and -lse (the exponent's bias)."""
     Lc = cdiv(L, PMAX)
     prod = nl.ndarray((PMAX, Lc, Ev), nl.float32, buffer=nl.sbuf)
     d = nl.ndarray((PMAX, Lc), nl.float32, buffer=nl.sbuf)
@@ -453,12 +460,14 @@ def _row_stats(orows, dor, lse, b: int, h: int, L: int, Ev: int):
         nisa.memset(dst=dor[rem:, Lc - 1, :], value=0.0)
     nisa.tensor_tensor(dst=prod, data1=dor, data2=orows, op=nl.multiply)
     nisa.tensor_reduce(dst=d, op=nl.add, data=prod, axis=(2,))
+    nisa.tensor_scalar(dst=d, data=d, op0=nl.multiply, operand0=-1.0)     # exact: -D, added to dP
     return d, nlse
 
 
-def _bwd_pair(qT, kT, vT, doT, qr, kr, dor, d, nlse, dqacc, dvj, dkj, i, q0, p, j, s0, kb, E, Ev, scale, bias,
-              causal, evict, dq_in_psum, first, ring, last):
-    """Pipeline steps of one (query tile i, key block j) pair of the backward."""
+def _bwd_pair(qT, kT, vT, doT, qr, kr, dor, nd, nlse, dqacc, dvj, dkj, i, q0, p, j, s0, kb, E, Ev, scale, bias,
+              causal, evict, dq_in_psum, first, ring, last, offload=False):
+    """Pipeline steps of one (query tile i, key block j) pair of the backward (``nd``: -D per query; ``offload``:
+    dS formed by ScalarE and GpSimd instead of VectorE)."""
     dt = qT.dtype
     sp = nl.ndarray((PMAX, 2 * PMAX), nl.float32, buffer=nl.psum)     # scores | dP, one PSUM bank
     nisa.nc_matmul(dst=sp[:p, :kb], stationary=qT[:E, q0:q0 + p], moving=kT[:E, s0:s0 + kb], accumulate=False)
@@ -468,15 +477,25 @@ def _bwd_pair(qT, kT, vT, doT, qr, kr, dor, d, nlse, dqacc, dvj, dkj, i, q0, p, 
     pr = nl.ndarray((PMAX, PMAX), dt, buffer=nl.sbuf)                  # P = exp(scale * s - lse)
     nisa.activation(dst=pr[:p, :kb], op=nl.exp, data=sp[:p, :kb], bias=nlse[:p, i:i + 1], scale=scale)
     ds = nl.ndarray((PMAX, PMAX), dt, buffer=nl.sbuf)                  # dS / scale = P * (dP - D)
-    nisa.scalar_tensor_tensor(dst=ds[:p, :kb], data=sp[:p, PMAX:PMAX + kb], op0=nl.subtract,
-                              operand0=d[:p, i:i + 1], op1=nl.multiply, operand1=pr[:p, :kb])
+    if offload:   # ScalarE: dP - D (fp32, as the VectorE form rounds it); GpSimd: times P (SBUF operands only)
+        dd = nl.ndarray((PMAX, PMAX), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=dd[:p, :kb], op=nl.identity, data=sp[:p, PMAX:PMAX + kb], bias=nd[:p, i:i + 1])
+        nisa.tensor_tensor(dst=ds[:p, :kb], data1=dd[:p, :kb], data2=pr[:p, :kb], op=nl.multiply,
+                           engine=nisa.gpsimd_engine)
+        ring.sbuf(dd)
+    else:
+        nisa.scalar_tensor_tensor(dst=ds[:p, :kb], data=sp[:p, PMAX:PMAX + kb], op0=nl.add,
+                                  operand0=nd[:p, i:i + 1], op1=nl.multiply, operand1=pr[:p, :kb])
     yield
     nisa.nc_matmul(dst=dvj[:kb, :Ev], stationary=pr[:p, :kb], moving=dor[:p, i, :Ev], accumulate=not first)
     nisa.nc_matmul(dst=dkj[:kb, :E], stationary=ds[:p, :kb], moving=qr[:p, i, :E], accumulate=not first)
     tp = nl.ndarray((PMAX, PMAX), dt, buffer=nl.psum)
     nisa.nc_transpose(dst=tp[:kb, :p], data=ds[:p, :kb])
     dsT = nl.ndarray((PMAX, PMAX), dt, buffer=nl.sbuf)
-    evict(dsT[:kb, :p], tp[:kb, :p])
+    if offload:   # ScalarE has this pair's dP - D
+        nisa.tensor_copy(dst=dsT[:kb, :p], src=tp[:kb, :p], engine=nisa.vector_engine)
+    else:
+        evict(dsT[:kb, :p], tp[:kb, :p])
     if dq_in_psum:
         nisa.nc_matmul(dst=dqacc[:p, i, :E], stationary=dsT[:kb, :p], moving=kr[:kb, j, :E], accumulate=j > 0)
     else:
