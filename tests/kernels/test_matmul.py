@@ -362,6 +362,33 @@ def test_matmul_epilogue_keeping_the_product_stores_both(case, dtype):
     assert got.dtype == dtype and torch.equal(got, (want.float() + r.float()).to(dtype))
 
 
+EDGES = {torch.bfloat16: [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 3.0e38, 2.0**-133],
+         torch.float16: [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 65504.0, 2.0**-24]}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", [0, 3, len(FOLD_CASES)])
+def test_matmul_epilogue_moves_two_byte_blocks_as_two_bytes(case, dtype):
+    # 2-byte epilogue operands are loaded as they are and widened on chip, and a kept product is stored from the
+    # evicted tile: no DMA of the kernel casts (a casting DMA is priced at the wider side's bytes); values as the
+    # product and a separate pass give them, edges of the dtype (inf, NaN, its largest finite, subnormals) too
+    mkn, transpose_a, transpose_b, bias = FOLD_CASES[case] if case < len(FOLD_CASES) else _k_chunked_case(dtype)
+    a, b, kw = _fold_operands(mkn, transpose_a, transpose_b, bias, dtype)
+    r = torch.randn(mkn[0], mkn[2]).to(dtype)
+    r.view(-1)[:len(EDGES[dtype])] = torch.tensor(EDGES[dtype], dtype=dtype)
+    want = torch.as_tensor(matmul_kernel(a, b, **kw))
+    got, product = (torch.as_tensor(t) for t in _matmul_plus_kept(a, b, r, **kw))
+    assert torch.equal(product, want)
+    torch.testing.assert_close(got, (want.float() + r.float()).to(dtype), rtol=0, atol=0, equal_nan=True)
+    program = _matmul_plus_kept.trace((a, b, r), kw, runtime.core(0).spec).program
+    product_slot = program.args[-1].name   # (the returned product: the last output slot)
+    moved = [i for i in program.instructions if i.opcode == "dma_copy"
+             and {i.src.memory, i.dst.memory} & {"hbm:r", f"hbm:{product_slot}"}]
+    assert moved and all(i.src.dtype == i.dst.dtype for i in moved if i.src.memory == "hbm:r")
+    if case < len(FOLD_CASES):   # (the K-chunked nest's product is its fp32 total, rounded: stored from fp32)
+        assert all(i.src.dtype == i.dst.dtype for i in moved)
+
+
 def test_matmul_epilogue_operands_must_span_the_output():
     a, r = torch.randn(8, 8), torch.randn(8, 4)
     with pytest.raises(AssertionError, match="epilogue operands"):

@@ -254,14 +254,28 @@ def _store_block(out, res, p: int, f: int, at: Callable, epilogue: Epilogue | No
     nisa.tensor_copy(dst=x, src=res, engine=nisa.gpsimd_engine)   # exact: the rounded product, widened
     tiles = [x]
     for e in epilogue.extras:
-        t = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t, src=at(e))
-        tiles.append(t)
+        tiles.append(_load_widened(at(e), e.dtype, p, f))
     if epilogue.finish is not None:
         epilogue.finish(*tiles)
     if epilogue.product is not None:   # before fn, which may overwrite x
-        nisa.dma_copy(dst=at(epilogue.product), src=x)
+        # the product as evicted where that is what is kept (a DMA that casts moves the wider side's bytes)
+        kept = res if epilogue.finish is None and res.dtype == epilogue.product.dtype else x
+        nisa.dma_copy(dst=at(epilogue.product), src=kept)
     nisa.dma_copy(dst=at(out), src=epilogue.fn(*tiles))
+
+
+def _load_widened(src, dtype, p: int, f: int):
+    """An HBM block [p, f] of ``dtype`` as an fp32 SBUF tile: a narrower dtype is loaded as it is and widened by
+    GpSimd (exact), so the DMA moves its own bytes rather than the fp32 tile's (a DMA that casts is priced by
+    its wider side)."""
+    t = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf)
+    if itemsize(dtype) >= 4:
+        nisa.dma_copy(dst=t, src=src)
+        return t
+    low = nl.ndarray((p, f), dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=low, src=src)
+    nisa.tensor_copy(dst=t, src=low, engine=nisa.gpsimd_engine)
+    return t
 
 
 def bmm_group_size(M: int, N: int, isz: int, transpose_a: bool, transpose_b: bool) -> int:
