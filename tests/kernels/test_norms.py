@@ -118,13 +118,14 @@ def test_backward_of_1024_wide_rows_fits_every_chip(chip, saved):
         assert (got.double() - want).abs().max() <= 8 * n * u * want.abs().max()
 
 
-def test_forward_statistics_keep_a_large_mean_in_every_row_block():
+@pytest.mark.parametrize("N,D", [(512, 2048), (1030, 768)])
+def test_forward_statistics_keep_a_large_mean_in_every_row_block(N, D):
     """Row blocks alternate between VectorE (bn_stats) and ScalarE (the mean, then squared deviations from it)
-    statistics. Rows of mean 1000 and spread 1: a sum of x^2 minus the squared mean would lose the variance to
-    cancellation (fp32 sums of ~1e6 carry errors ~sqrt(D) * 2**-24 * 1e6 ~ 3, against a variance of 1); the
-    two-pass forms keep rstd within 2 D 2**-24 plus the squared error of the mean (D 2**-24 * 1000)**2 / var."""
+    statistics; short rows (D = 768: two per partition, then a tail of one) take bn_stats per row. Rows of mean
+    1000 and spread 1: a sum of x^2 minus the squared mean would lose the variance to cancellation (fp32 sums of
+    ~1e6 carry errors ~sqrt(D) * 2**-24 * 1e6 ~ 3, against a variance of 1); the two-pass forms keep rstd within
+    2 D 2**-24 plus the squared error of the mean (D 2**-24 * 1000)**2 / var."""
     from torchneuron.kernels import layer_norm_kernel
-    N, D = 512, 2048
     x, w, b = torch.randn(N, D) + 1000.0, torch.randn(D), torch.randn(D)
     out, mean, rstd = layer_norm_kernel(x, w, b, eps=1e-5, stats=True)
     ref_out, ref_mean, ref_rstd = torch.native_layer_norm(x.double(), [D], w.double(), b.double(), 1e-5)

@@ -15,7 +15,7 @@ transposes), per tile of 128 queries, per group of up to 1024 visible keys (two 
     p = exp(scale*s - scale*m), l = sum(p)   one activation with its reduce          ScalarE
     p^T per 128 keys                         nc_transpose, evicted alternately       TensorE, Scalar/Vector
     o (+)= p V                               nc_matmul accumulating over key blocks  TensorE -> PSUM
-    o = o / l; lse = log(l) + scale*m        [128, Ev] and [128, 1] only            Vector/ScalarE
+    o = o / l; lse = log(l) + scale*m        [128, Ev] and [128, 1] only            Vector/Scalar/GpSimd
 
 Keys past the diagonal are never multiplied (a causal tile of queries stops at its last query), so
 causal attention costs half. Scores, probabilities and their transposes live in PSUM/SBUF; HBM sees Q,
@@ -317,8 +317,9 @@ def _fwd_tile(qT, kT, vr, q0, p, n, E, Ev, scale, bias, causal, evict, res, ls, 
             nisa.tensor_tensor(dst=alpha[:p], data1=m[:p], data2=mnew[:p], op=nl.subtract)
             nisa.activation(dst=alpha[:p], op=nl.exp, data=alpha[:p], scale=scale)
             m = mnew
-        nb = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)   # -scale * m, the exponent's bias
-        nisa.tensor_scalar(dst=nb[:p], data=m[:p], op0=nl.multiply, operand0=-scale)
+        nb = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)   # -scale * m, the exponent's bias (on GpSimd,
+        nisa.tensor_scalar(dst=nb[:p], data=m[:p], op0=nl.multiply, operand0=-scale,   # which is otherwise idle)
+                           engine=nisa.gpsimd_engine)
         pt = nl.ndarray((PMAX, GROUP), dt, buffer=nl.sbuf)
         gsum = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=pt[:p, :w], op=nl.exp, data=sc[:p, :w], bias=nb[:p], scale=scale,
@@ -342,11 +343,9 @@ def _fwd_tile(qT, kT, vr, q0, p, n, E, Ev, scale, bias, causal, evict, res, ls, 
                                       op1=nl.add, operand1=o[:p, :Ev])
         ring.psum(sc, o)
         ring.sbuf(pt, pT)
-    rs = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=rs[:p], data=lsum[:p])
-    nisa.tensor_scalar(dst=res[:p, :Ev], data=acc[:p, :Ev], op0=nl.multiply, operand0=rs[:p])
+    nisa.tensor_scalar(dst=res[:p, :Ev], data=acc[:p, :Ev], op0=nl.divide, operand0=lsum[:p])
     nisa.activation(dst=ls[:p], op=nl.log, data=lsum[:p])            # lse = log(l) + scale * m
-    nisa.tensor_tensor(dst=ls[:p], data1=ls[:p], data2=nb[:p], op=nl.subtract)
+    nisa.tensor_tensor(dst=ls[:p], data1=ls[:p], data2=nb[:p], op=nl.subtract, engine=nisa.gpsimd_engine)
     if store is not None:
         store()
 

@@ -10,6 +10,7 @@ One row per partition, blocks of 128 rows, the whole row [128, D] in SBUF (fp32)
                      u = u * rstd                                          ScalarE
                      y = u + b                                             GpSimd
                      (alternating the statistics leaves each engine about one pass per block)
+                     short rows (G per partition): bn_stats, u and u * rstd per row, + b per block
     rms norm fwd:    ss = sum(x^2) fused into a ScalarE activation, rstd = (ss/D + eps) ** -0.5,
                      y = x * rstd (ScalarE), y *= w (VectorE)
     backward:        recompute the statistics, then
@@ -251,12 +252,27 @@ def _ln_fwd_grouped(x, weight, bias, out, eps, rms, stats):
     ring = collections.deque(maxlen=NBUF)
     for r0, p, g in blocks:
         t = load_grouped(x, r0, p, g)
-        mean, xc, rstd = _grouped_stats(t, p, g, D, eps, rms)
         y = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=y[:p], data1=xc[:p], data2=spread(rstd, p, g, D), op=nl.multiply)
-        nisa.tensor_tensor(dst=y[:p], data1=y[:p], data2=spread_row(w, p, g, D), op=nl.multiply,
-                           engine=nisa.gpsimd_engine)
-        if not rms:
+        if rms:
+            mean, xc, rstd = _grouped_stats(t, p, g, D, eps, rms)
+            nisa.tensor_tensor(dst=y[:p], data1=xc[:p], data2=spread(rstd, p, g, D), op=nl.multiply)
+            nisa.tensor_tensor(dst=y[:p], data1=y[:p], data2=spread_row(w, p, g, D), op=nl.multiply,
+                               engine=nisa.gpsimd_engine)
+            xc = None
+        else:
+            # one pass per engine and row, as the one-row-per-partition path: bn_stats and u = (x - mean) * w
+            # on VectorE, u * rstd on ScalarE, + b on GpSimd (two-pass statistics and a scaling pass on VectorE
+            # left it three passes per block to GpSimd's three and ScalarE's none)
+            xc = None
+            mean = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
+            rstd = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
+            for j in range(g):
+                rs, _, m = _ln_stats(t[:, j, :], p, D, eps)
+                nisa.tensor_copy(dst=mean[:p, j:j + 1], src=m[:p], engine=nisa.gpsimd_engine)
+                nisa.tensor_copy(dst=rstd[:p, j:j + 1], src=rs[:p], engine=nisa.gpsimd_engine)
+                nisa.scalar_tensor_tensor(dst=y[:p, j, :], data=t[:p, j, :], op0=nl.subtract, operand0=m[:p],
+                                          op1=nl.multiply, operand1=w[:p])
+                nisa.activation(dst=y[:p, j, :], op=nl.identity, data=y[:p, j, :], scale=rs[:p])
             nisa.tensor_tensor(dst=y[:p], data1=y[:p], data2=spread_row(b, p, g, D), op=nl.add,
                                engine=nisa.gpsimd_engine)
         nisa.dma_copy(dst=grouped_rows(out, r0, p, g), src=y[:p])
