@@ -454,7 +454,7 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved):
     nisa.memset(dst=ones, value=1.0)
     acc = {k: nl.ndarray((1, G, D), nl.float32, buffer=nl.sbuf) for k in ("dw", "db")}
     for a in acc.values():
-        nisa.memset(dst=a, value=0.0)
+        nisa.memset(dst=a, value=0.0, engine=nisa.gpsimd_engine)
     ring = collections.deque(maxlen=NBUF)
     for r0, p, g in blocks:
         t, gr = load_grouped(x, r0, p, g), load_grouped(dy, r0, p, g)
@@ -487,7 +487,8 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved):
         # dx = rstd * gw - u,  u = (rstd * c2) * xhat + rstd * c1,  gw = dy * w, c1 = mean(gw), c2 = mean(gw * xhat):
         # the passes spread over VectorE (gw, c2, dx), GpSimdE (products) and ScalarE (c1, u)
         gw = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=gw[:p], data1=gr[:p], data2=spread_row(w, p, g, D), op=nl.multiply)
+        nisa.tensor_tensor(dst=gw[:p], data1=gr[:p], data2=spread_row(w, p, g, D), op=nl.multiply,
+                           engine=nisa.gpsimd_engine if saved else None)
         gx = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=gx[:p], data1=gw[:p], data2=xh[:p], op=nl.multiply, engine=nisa.gpsimd_engine)
         c2 = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
