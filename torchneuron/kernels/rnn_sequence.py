@@ -81,14 +81,20 @@ def _blocks(T: int, tb: int) -> list[tuple[int, int]]:
     return [(t0, min(tb, T - t0)) for t0 in range(0, T, tb)]
 
 
-def _steps_ap(t, N: int, nb: int, width: int, t0: int, view=None, batch_first: bool = False):
-    """A [N, nb, width] access pattern over steps [t0, t0 + nb) of a 3-D HBM tensor: ``view`` its (step, row,
-    column) strides, else a contiguous [T, N, width] (or with ``batch_first`` [N, T, width]) tensor."""
+def _steps_ap(t, N: int, nb: int, width: int, t0: int, view=None, batch_first: bool = False, c0: int = 0):
+    """A [N, nb, width] access pattern over steps [t0, t0 + nb) (columns from ``c0``) of a 3-D HBM tensor:
+    ``view`` its (step, row, column) strides, else a contiguous [T, N, width] (or with ``batch_first``
+    [N, T, width]) tensor."""
     if view is None:
         T = t.shape[1] if batch_first else t.shape[0]
         view = (width, T * width, 1) if batch_first else (N * width, width, 1)
     ts, rs, cs = view
-    return t.ap([[rs, N], [ts, nb], [cs, width]], offset=t0 * ts)
+    return t.ap([[rs, N], [ts, nb], [cs, width]], offset=t0 * ts + c0 * cs)
+
+
+# the forward keeps the gates in the order [i, f, o, g] (PyTorch's is [i, f, g, o]): the three sigmoids are one
+# activation. (PyTorch's first gate block, the kernel's first block, blocks) of each copy into that order:
+GATE_ORDER = ((0, 0, 2), (3, 2, 1), (2, 3, 1))
 
 
 def _rows_ap(t, N: int, H: int, view=None, offset: int = 0):
@@ -108,7 +114,7 @@ def lstm_sequence_kernel(h0, c0, w_hh, igates=None, x=None, w_ih=None, b_ih=None
     """(out, hs, cs, workspace, h_n, c_n) of one LSTM layer over T steps from its input projections ``igates``,
     or from its input ``x`` [.., I] and ``w_ih`` where ``projection_fits`` (3-D tensors read through their (step,
     row, column) strides in ``views``; h0, c0 [N, H], the weights and the 1-D biases through theirs): out is [T, N, H] ([N, T, H] with ``batch_first``) holding h_1 .. h_T, hs [T, N, H] h_0 .. h_{T-1},
-    cs [T + 1, N, H] c_0 .. c_T, the workspace [T, N, 5H] fp32 each step's [i, f, g, o, tanh(c_{t+1})]; h_n and c_n
+    cs [T + 1, N, H] c_0 .. c_T, the workspace [T, N, 5H] fp32 each step's [i, f, o, g, tanh(c_{t+1})]; h_n and c_n
     are [L, N, H] results of which this layer writes row ``layer`` (the caller binds one tensor for all layers)."""
     _check(T, N, H, "lstm sequence")
     views = dict(views)
@@ -129,18 +135,26 @@ def lstm_sequence_kernel(h0, c0, w_hh, igates=None, x=None, w_ih=None, b_ih=None
     # the moving operand, loaded once: W_hh^T [H, 4H] (folded: then W_ih^T [I, 4H], b_ih and b_hh as rows)
     wT = nl.ndarray((PMAX, G), dt, buffer=nl.sbuf)
     wr, wc = views["w_hh"]
-    nisa.dma_copy(dst=wT[:H], src=w_hh.ap([[wc, H], [wr, G]]))                                    # DMA
+    for src0, dst0, n in GATE_ORDER:                                                                # DMA
+        nisa.dma_copy(dst=wT[:H, dst0 * H:(dst0 + n) * H], src=w_hh.ap([[wc, H], [wr, n * H]], offset=src0 * H * wr))
     bias = None
     if fold:
         wr, wc = views["w_ih"]
-        nisa.dma_copy(dst=wT[H:H + I], src=w_ih.ap([[wc, I], [wr, G]]))                           # DMA
-        for k, (b, n) in enumerate(((b_ih, "b_ih"), (b_hh, "b_hh")) if b_ih is not None else ()):
-            nisa.dma_copy(dst=wT[H + I + k:H + I + k + 1], src=b.ap([[0, 1], [views[n][1], G]]))
+        for k, (b, name) in enumerate(((b_ih, "b_ih"), (b_hh, "b_hh")) if b_ih is not None else ()):
+            for src0, dst0, n in GATE_ORDER:
+                nisa.dma_copy(dst=wT[H + I + k:H + I + k + 1, dst0 * H:(dst0 + n) * H],
+                              src=b.ap([[0, 1], [views[name][1], n * H]], offset=src0 * H * views[name][1]))
+        for src0, dst0, n in GATE_ORDER:
+            nisa.dma_copy(dst=wT[H:H + I, dst0 * H:(dst0 + n) * H],
+                          src=w_ih.ap([[wc, I], [wr, n * H]], offset=src0 * H * wr))
     elif b_ih is not None:
         # b_ih + b_hh repeated over the partitions and a block's steps, added to each block's projections
         bias, other = (nl.ndarray((PMAX, tb, G), f32, buffer=nl.sbuf) for _ in range(2))
-        for t, b, n in ((bias, b_ih, "b_ih"), (other, b_hh, "b_hh")):
-            nisa.dma_copy(dst=t[:N], src=b.ap([[0, N], [0, tb], [views[n][1], G]]))              # DMA
+        for t, b, name in ((bias, b_ih, "b_ih"), (other, b_hh, "b_hh")):
+            bs = views[name][1]
+            for src0, dst0, n in GATE_ORDER:
+                nisa.dma_copy(dst=t[:N, :, dst0 * H:(dst0 + n) * H],
+                              src=b.ap([[0, N], [0, tb], [bs, n * H]], offset=src0 * H * bs))    # DMA
         _add(bias[:N], bias[:N], other[:N])                                                       # VectorE
     c_prev = nl.ndarray((PMAX, H), f32, buffer=nl.sbuf)[:N]           # the last step's [N, H] cell state
     nisa.dma_copy(dst=c_prev, src=_rows_ap(c0, N, H, views["c0"]))                                 # DMA
@@ -156,10 +170,12 @@ def lstm_sequence_kernel(h0, c0, w_hh, igates=None, x=None, w_ih=None, b_ih=None
                 nisa.memset(dst=st[H + I:K, :, :N], value=1.0)                                     # VectorE
         else:
             gi = nl.ndarray((PMAX, nb, 4, H), f32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=gi.reshape((PMAX, nb, G))[:N], src=_steps_ap(igates, N, nb, G, t0, views["igates"]))
+            for src0, dst0, n in GATE_ORDER:                                                        # DMA
+                nisa.dma_copy(dst=gi.reshape((PMAX, nb, G))[:N, :, dst0 * H:(dst0 + n) * H],
+                              src=_steps_ap(igates, N, nb, n * H, t0, views["igates"], c0=src0 * H))
             if bias is not None:
                 _add(gi.reshape((PMAX, nb, G))[:N], gi.reshape((PMAX, nb, G))[:N], bias[:N, :nb])   # VectorE
-        acts = nl.ndarray((PMAX, nb, 5, H), f32, buffer=nl.sbuf)     # [i, f, g, o, tanh(c_{t+1})] per step
+        acts = nl.ndarray((PMAX, nb, 5, H), f32, buffer=nl.sbuf)     # [i, f, o, g, tanh(c_{t+1})] per step
         cb = nl.ndarray((PMAX, nb, H), dt, buffer=nl.sbuf)           # c_{t+1}, rounded
         hb = nl.ndarray((PMAX, nb + 1, H), dt, buffer=nl.sbuf)       # h_t0 .. h_{t0+nb}, rounded
         if h_prev is None:
@@ -179,18 +195,17 @@ def lstm_sequence_kernel(h0, c0, w_hh, igates=None, x=None, w_ih=None, b_ih=None
                 pre = nl.ndarray((PMAX, 4, H), f32, buffer=nl.sbuf)
                 _add(pre[:N], gi[:N, j], bank[:N])                                                # VectorE
             a = acts[:N, j]
-            nisa.activation(dst=a[:, 0:2], op=nl.sigmoid, data=pre[:N, 0:2])                      # ScalarE
-            nisa.activation(dst=a[:, 2], op=nl.tanh, data=pre[:N, 2])
-            nisa.activation(dst=a[:, 3], op=nl.sigmoid, data=pre[:N, 3])
+            nisa.activation(dst=a[:, 0:3], op=nl.sigmoid, data=pre[:N, 0:3])                      # ScalarE: i, f, o
+            nisa.activation(dst=a[:, 3], op=nl.tanh, data=pre[:N, 3])                             # g
             fc, ig = nl.ndarray((PMAX, H), f32, buffer=nl.sbuf), nl.ndarray((PMAX, H), f32, buffer=nl.sbuf)
             _mul(fc[:N], a[:, 1], c_prev)                                                         # VectorE
-            _mul(ig[:N], a[:, 0], a[:, 2], engine=nisa.gpsimd_engine)                             # GpSimdE
+            _mul(ig[:N], a[:, 0], a[:, 3], engine=nisa.gpsimd_engine)                             # GpSimdE
             c_new = cb[:N, j] if dt == f32 else nl.ndarray((PMAX, H), f32, buffer=nl.sbuf)[:N]
             _add(c_new, fc[:N], ig[:N])                                                           # VectorE
             nisa.activation(dst=a[:, 4], op=nl.tanh, data=c_new)                                  # ScalarE
             if dt != f32:
                 nisa.tensor_copy(dst=cb[:N, j], src=c_new, engine=nisa.gpsimd_engine)             # GpSimdE: round
-            _mul(hb[:N, j + 1], a[:, 3], a[:, 4])                                                 # VectorE
+            _mul(hb[:N, j + 1], a[:, 2], a[:, 4])                                                 # VectorE
             c_prev = cb[:N, j]
         h_prev = hb[:N, nb]
         nisa.dma_copy(dst=_steps_ap(ws, N, nb, 5 * H, t0), src=acts.reshape((PMAX, nb, 5 * H))[:N])   # DMA
@@ -232,23 +247,24 @@ class _BackwardBlock:
                 nisa.memset(dst=self.grad_out[:N, :, H:dwidth], value=0.0)
         a = wsb[:N, :, 0:4]
         self.acts = wsb
-        # the gates' derivatives s(1-s) (i, f, o) and 1-g^2 (g), then each times its partner in the chain rule:
+        # the gates' derivatives s(1-s) (i, f, o) and 1-g^2 (g) (the workspace's order: [i, f, o, g]), then each
+        # times its partner in the chain rule, in PyTorch's gate order:
         # q = [i(1-i) * g, f(1-f) * c_t, (1-g^2) * i, o(1-o) * tanh(c_{t+1})]
         q, d = nl.ndarray((PMAX, nb, 4, H), f32, buffer=nl.sbuf), nl.ndarray((PMAX, nb, 4, H), f32, buffer=nl.sbuf)
         _one_minus(q[:N], a)                                                                       # VectorE
         _mul(d[:N], a, q[:N])
-        nisa.scalar_tensor_tensor(dst=d[:N, :, 2], data=a[:, :, 2], op0=nl.add, operand0=1.0, op1=nl.multiply,
-                                  operand1=q[:N, :, 2])                                            # (1 + g)(1 - g)
-        _mul(q[:N, :, 0], d[:N, :, 0], a[:, :, 2])
+        nisa.scalar_tensor_tensor(dst=d[:N, :, 3], data=a[:, :, 3], op0=nl.add, operand0=1.0, op1=nl.multiply,
+                                  operand1=q[:N, :, 3])                                            # (1 + g)(1 - g)
+        _mul(q[:N, :, 0], d[:N, :, 0], a[:, :, 3])
         _mul(q[:N, :, 1], d[:N, :, 1], cx[:N], engine=nisa.gpsimd_engine)                          # GpSimdE
-        _mul(q[:N, :, 2], d[:N, :, 2], a[:, :, 0])
-        _mul(q[:N, :, 3], d[:N, :, 3], wsb[:N, :, 4], engine=nisa.gpsimd_engine)
+        _mul(q[:N, :, 2], d[:N, :, 3], a[:, :, 0])
+        _mul(q[:N, :, 3], d[:N, :, 2], wsb[:N, :, 4], engine=nisa.gpsimd_engine)
         self.q = q
         # u = o * (1 - tanh(c_{t+1})^2): gc = dh * u + dc
         self.u = nl.ndarray((PMAX, nb, H), f32, buffer=nl.sbuf)
         _mul(self.u[:N], wsb[:N, :, 4], wsb[:N, :, 4])
         nisa.scalar_tensor_tensor(dst=self.u[:N], data=self.u[:N], op0=nl.subtract, operand0=1.0, reverse0=True,
-                                  op1=nl.multiply, operand1=a[:, :, 3])
+                                  op1=nl.multiply, operand1=a[:, :, 2])
         self.dg = nl.ndarray((PMAX, nb, 4, H), dt, buffer=nl.sbuf)     # the gate gradients, rounded
         # per step [dh_t | dx_t]: the hidden product (+ the output's gradient at t - 1), fp32
         self.e = nl.ndarray((PMAX, nb, dwidth), f32, buffer=nl.sbuf)
