@@ -1,13 +1,14 @@
 """Runs of plain copies in a prepared program, executed as one C++ call each (``_C._CopyBatch``).
 
 A plain copy moves a tile's bytes unchanged: a ``dma_copy`` (not indirect) or ``tensor_copy`` between equal
-dtypes and shapes, between HBM and SBUF or within SBUF, not writing PSUM (a non-TensorE PSUM write also
+dtypes and element counts, between HBM and SBUF or within SBUF, not writing PSUM (a non-TensorE PSUM write also
 closes accumulation groups); an ``nc_transpose`` whose source is a view (TensorE's opening of the PSUM
 accumulation group it writes runs after the batch's copies, in order: no copy reads the flags); an fp32
 identity ``activation`` without scale, bias or reduction. Its step (``isa.common.copy_step``) builds a view of
 the run's HBM tensor and calls ``copy_``: 4-8 us of host time per copy, for tiles of a few hundred bytes. Consecutive plain copies run
 in program order in one call instead, as strided byte copies, which is what ``copy_`` does for equal dtypes
-(bits move unchanged; NaN payloads included). Admitted only where that equivalence is plain: no
+(bits move unchanged; NaN payloads included); a source of another shape is read in the destination's where
+that is a view, as the step's ``reshape`` reads it. Admitted only where that equivalence is plain: no
 destination element written twice and, within SBUF, source and destination disjoint; HBM-to-HBM copies
 (two slots may be one tensor) keep their step.
 """
@@ -68,9 +69,29 @@ def _plain(core, instr: Instr, slots: Mapping[str, tuple[int, Any]]) -> tuple | 
     if dst.dtype != src.dtype or dst.memory == "psum" or not (dst.on_chip or src.on_chip):
         return None
     d, s = _side(core, dst, slots), _side(core, src, slots)
-    if d is None or s is None or d[1] != s[1]:
+    if d is not None and s is not None and d[1] != s[1]:
+        s = _reshaped(s, d[1], src.dtype)   # the step's store reads the source in dst's shape
+    if d is None or s is None:
         return None
     return _checked(dst, src, d[0], s[0], d[1])
+
+
+def _reshaped(side: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> tuple | None:
+    """A copy side (see ``_side``) read in ``shape`` (the same element count, row-major order: what ``reshape``
+    gives), where that is a view; None where ``reshape`` would copy."""
+    view, sizes = side
+    try:
+        if isinstance(view, torch.Tensor):
+            return view.view(shape), shape
+        slot, offset, strides = view
+        size = dtype.itemsize
+        elems = [st // size for st in strides]
+        # the HBM pattern as a meta tensor (no data), viewed in the new shape: its strides and offset
+        extent = offset // size + sum((n - 1) * st for n, st in zip(sizes, elems)) + 1
+        v = torch.empty(extent, dtype=dtype, device="meta").as_strided(sizes, elems, offset // size).view(shape)
+    except RuntimeError:
+        return None
+    return (slot, v.storage_offset() * size, tuple(st * size for st in v.stride())), shape
 
 
 def _checked(dst: AP, src: AP, d: Any, s: Any, sizes: tuple[int, ...], after: Callable | None = None) -> tuple | None:
