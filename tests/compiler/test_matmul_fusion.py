@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from torchneuron.compiler import cache, partition
+
 
 def _grads(model: nn.Module, x: torch.Tensor, compiled: bool, autocast: bool = True) -> list[torch.Tensor]:
     """The loss and every parameter's gradient of a copy of ``model`` on neuron, eager or compiled."""
@@ -117,3 +119,60 @@ def test_tied_weights_gradient_sum_is_the_embedding_backwards_epilogue(tmp_path,
     backward = next(d for d in (tmp_path / "dump").iterdir() if d.name.endswith("_backward"))
     text = (backward / "fusion.txt").read_text()
     assert "embedding_dense_backward.default with epilogue [add" in text
+
+
+class _PreNorm(nn.Module):
+    """Two pre-norm residual blocks and a final norm: in the backward each residual add of the gradient reads a
+    layer norm's dx (the last one sums the two blocks' paths into the input's gradient)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(3))
+        self.lins = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, lin in zip(self.norms, self.lins):
+            x = x + lin(norm(x))
+        return self.norms[2](x)
+
+
+def _input_grads(model: nn.Module, x: torch.Tensor, device: str, compiled: bool = False) -> list[torch.Tensor]:
+    """The loss, the input's gradient and every parameter's gradient of a copy of ``model`` on ``device``."""
+    m = copy.deepcopy(model).to(device)
+    xd = x.to(device).requires_grad_()
+    run = torch.compile(m, backend="neuron") if compiled else m
+    weights = torch.linspace(-1, 1, x.shape[-1], dtype=x.dtype, device=device)   # (a plain mean of the final
+    loss = (run(xd) * weights).float().sum()                                       # norm's output has no gradient)
+    loss.backward()
+    return [loss.detach().cpu(), xd.grad.cpu()] + [p.grad.cpu() for p in m.parameters()]
+
+
+# 32: rows grouped several per partition (and a partial block); 1100: one row per partition
+@pytest.mark.parametrize("d", [32, 1100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_gradient_sum_is_the_layer_norm_backwards_epilogue(d, dtype, tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model, x = _PreNorm(d).to(dtype), torch.randn(3, 140 if d < 128 else 20, d, dtype=dtype)
+    with monkeypatch.context() as m:   # the same graph with the adds as passes of their own
+        m.setattr(partition, "_FIRST_RESULT_EPILOGUES", ())
+        m.setenv("TORCHNEURON_CACHE_DIR", "0")
+        unfolded = _input_grads(model, x, "neuron", compiled=True)
+    torch._dynamo.reset()
+    cache.clear()   # (a program's cache key is its graph's, which the fold does not change)
+    monkeypatch.setenv("TORCHNEURON_DUMP_DIR", str(tmp_path / "dump"))
+    compiled = _input_grads(model, x, "neuron", compiled=True)
+    for u, c in zip(unfolded, compiled):
+        # the same dx, rounded to its dtype as the pass would read it, then the same one add, rounded once
+        assert c.dtype == u.dtype and torch.equal(c, u)
+    if dtype == torch.float32:   # (bf16: the compiled graph and eager differ without the fold too)
+        for e, c in zip(_input_grads(model, x, "neuron"), compiled):
+            assert torch.equal(c, e)
+    # and right: no further from float64 than the CPU in the same dtype (plus a few roundings of the largest value)
+    want, cpu = _input_grads(copy.deepcopy(model).double(), x.double(), "cpu"), _input_grads(model, x, "cpu")
+    eps = torch.finfo(dtype).eps
+    for w, c, got in zip(want, cpu, compiled):
+        err, cpu_err = (got.double() - w).abs().max().item(), (c.double() - w).abs().max().item()
+        assert err <= 2 * cpu_err + 4 * eps * w.abs().max().item()
+    backward = next(p for p in (tmp_path / "dump").iterdir() if p.name.endswith("_backward"))
+    folded = (backward / "fusion.txt").read_text().count("native_layer_norm_backward.default with epilogue [add")
+    assert folded == 2   # each block's residual add (the final norm's dx is the first add's other operand)

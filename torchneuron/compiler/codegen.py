@@ -219,6 +219,8 @@ class _Body:
             self.env[node] = res
             return
         g, _, _, keep = self.seg.epilogues[node]   # the product's kernel computed its epilogue group's result
+        if isinstance(res, tuple) and not keep:   # a kernel of several results applies it to its first (dx)
+            res, self.env[node] = res[0], (None, *res[1:])
         out, product = res if keep else (res, None)
         self.env[g.outputs[0]] = out.reshape(g.shape)
         if keep:
@@ -230,7 +232,10 @@ class _Body:
         if hit is None:
             return None
         g, src, _, keep = hit
-        M, N = node.meta["val"].shape
+        val = node.meta["val"]
+        shape = tuple((val[0] if isinstance(val, (tuple, list)) else val).shape)   # (of several results, the first)
+        N = shape[-1]
+        M = numel(shape) // N
         others = [n for n in g.inputs if n is not src]
         extras = [self.value(n) for n in others]
         if not all(isinstance(v, Value) for v in extras):

@@ -235,11 +235,12 @@ def _ln_bwd_ok(node, dy, x, shape, mean, rstd, w, b, mask) -> bool:
 def lower_layer_norm_backward(ctx, node, dy: Value, x: Value, shape, mean: Value, rstd: Value, w: Value, b: Value,
                               mask) -> tuple[Value, Value, Value]:
     """dx, dweight, dbias of layer norm from the forward's saved statistics (None where ``mask`` asks for none:
-    the first layer's input needs no gradient; the kernel's one pass computes all three anyway)."""
+    the first layer's input needs no gradient; the kernel's one pass computes all three anyway). With an epilogue
+    (the residual add of the gradient) the first result is the epilogue's."""
     D = numel(tuple(shape))
     N = numel(x.shape) // D
     dx, dw, db = layer_norm_bwd_kernel(dense(dy, (N, D)), dense(x, (N, D)), dense(w, (1, D)),
-                                       mean=dense(mean, (N, 1)), rstd=dense(rstd, (N, 1)))
+                                       mean=dense(mean, (N, 1)), rstd=dense(rstd, (N, 1)), epilogue=ctx.epilogue(node))
     grads = hbm_value(dx).reshape(x.shape), hbm_value(dw).reshape(w.shape), hbm_value(db).reshape(w.shape)
     return tuple(g if wanted else None for g, wanted in zip(grads, mask))
 

@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from torchneuron.compiler import lowering
+from torchneuron.kernels import norms
 from torchneuron.kernels.elementwise import stream_tile_width
 from torchneuron.ops.base import FLOATS
 
@@ -384,32 +385,54 @@ def _fold_epilogues(seg: Segment, items: list[Any], roles: dict) -> list[Any]:
     return out
 
 
+def _producer(node: fx.Node, roles: dict) -> tuple[fx.Node, fx.Node] | None:
+    """(kernel, the node of its result) when ``node`` reads, through views, a result whose kernel can apply an
+    epilogue: a matrix product, or the first result (a pick) of a kernel of several results that applies it
+    there (layer norm's backward: dx, the gradient a pre-norm block's residual then adds to)."""
+    r = _root(node, roles)
+    if roles.get(r) == "kernel" and r.target in _PRODUCTS:
+        return r, r
+    k = r.args[0] if roles.get(r) == "pick" and r.args[1] == 0 else None
+    if isinstance(k, fx.Node) and roles.get(k) == "kernel" and k.target in _FIRST_RESULT_EPILOGUES:
+        return k, r
+    return None
+
+
+# kernels of several results that apply an epilogue to their first (``norms.layer_norm_bwd_kernel``: the
+# single-pass layer norm backward)
+_FIRST_RESULT_EPILOGUES = (torch.ops.aten.native_layer_norm_backward.default,)
+
+
 def _epilogue_of(g: FusionGroup, seg: Segment, roles: dict, order: dict, escapes: set) -> tuple | None:
     """(product, operand, the reshapes between them, whether the product is kept) when ``g`` can be that
     product's epilogue (see ``_fold_epilogues``), else None."""
     if g.kind != "float" or len(g.outputs) != 1:
         return None
-    roots = [(n, _root(n, roles)) for n in g.inputs]
-    found = [(n, r) for n, r in roots if roles.get(r) == "kernel" and r.target in _PRODUCTS and r in order]
-    if len({r for _, r in found}) != len(found) or not found:
+    found = [(n, *p) for n, p in ((n, _producer(n, roles)) for n in g.inputs) if p is not None and p[0] in order]
+    if len({r for _, r, _ in found}) != len(found) or not found:
         return None
     # of several products (a tied embedding's two weight gradients), the last computed: the others are operands
-    src, prod = max(found, key=lambda f: order[f[1]])
-    n = tensor_values(prod)[0].numel()
+    src, prod, value = max(found, key=lambda f: order[f[1]])
+    n = tensor_values(value)[0].numel()
     others = [a for a in g.inputs if a is not src]
     chain, node = [], src
-    while node is not prod:
+    while node is not value:
         chain.append(node)
         node = node.args[0]
-    later = [r for r in _readers(prod, roles) if r not in g.nodes]   # readers after the segment (or its output)
+    later = [r for r in _readers(value, roles) if r not in g.nodes]   # readers after the segment (or its output)
+    keep = bool(later) or value in escapes
+    if value is not prod:   # the pick of a kernel's first result: part of the chain; that kernel keeps nothing
+        chain.append(value)
+        if keep or not norms.bwd_fits(_shape(value)[-1], len(others)):
+            return None
     if (prod not in order or prod in seg.widened or prod in seg.epilogues
             or any(r in order for r in later) or any(c in escapes for c in chain) or math.prod(g.shape) != n
-            or any(c.target not in _RESHAPES for c in chain)
+            or any(c.target not in _RESHAPES for c in chain if c is not value)
             or not all(tensor_values(a) and tensor_values(a)[0].numel() == n and order.get(_root(a, roles), -1) < order[prod]
                        for a in others)
             or not _depends_on(g.outputs[0], src, set(g.nodes))):
         return None
-    return prod, src, chain, bool(later) or prod in escapes
+    return prod, src, chain, keep
 
 
 def _depends_on(node: fx.Node, src: fx.Node, members: set) -> bool:

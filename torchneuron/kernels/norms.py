@@ -47,6 +47,7 @@ import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.kernels._common import (PMAX, PSUM_FP32, ROW_ELEMS, as_tensor, cdiv, check_sbuf, grouped_rows, itemsize,
                                          load_grouped, row_blocks, spread, spread_row, tiles)
+from torchneuron.kernels.matmul import Epilogue, _store_block
 
 NBUF = 3
 PIPELINE_BLOCKS = 4   # the grouped paths' chains of ~10 dependent passes: at least 4 row blocks in flight
@@ -61,9 +62,9 @@ def fwd_fits(D: int) -> bool:
     return (2 + (NBUF + 1) * 2) * D * 4 + 8 * D <= nl.tile_size.sbuf_fmax_bytes
 
 
-def bwd_fits(D: int) -> bool:
-    """Whether a backward row of D elements takes the single-pass path."""
-    return (1 + (NBUF + 1) * 7) * D * 4 + 16 * D <= nl.tile_size.sbuf_fmax_bytes
+def bwd_fits(D: int, epilogue_extras: int | None = None) -> bool:
+    """Whether a backward row of D elements takes the single-pass path (with an epilogue of that many operands)."""
+    return (1 + (NBUF + 1) * 7) * D * 4 + 16 * D + _epilogue_bytes(epilogue_extras, D) <= nl.tile_size.sbuf_fmax_bytes
 
 
 def _row(v, D, dtype=nl.float32):
@@ -443,7 +444,7 @@ def _bwd_grouped_bytes(D: int, G: int) -> int:
     return (3 + (NBUF + 1) * 6 * G) * D * 4 + 16 * G
 
 
-def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved):
+def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved, epilogue=None):
     """Short rows (``grouped(D)``): G rows per partition. dw/db column sums run on TensorE over the
     [p, G*D] tiles into a [1, G, D] accumulator, summed over G at the end."""
     N, D = x.shape
@@ -509,7 +510,8 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved):
                             bias=None if rms else c1[:p, k:k + 1])
             nisa.scalar_tensor_tensor(dst=gw[:p, k, :], data=gw[:p, k, :], op0=nl.multiply, operand0=rstd[:p, k:k + 1],
                                       op1=nl.subtract, operand1=u[:p, k, :])
-        nisa.dma_copy(dst=grouped_rows(dx_out, r0, p, g), src=gw[:p])
+        _store_dx(dx_out, gw.reshape((PMAX, g * D))[:p], x.dtype, lambda t, r0=r0, p=p, g=g: t[r0:r0 + p * g, :].reshape((p, g * D)),
+                  epilogue)
         ring.append((t, gr, xh, prod, gw, gx))
     for key, dst in (("dw", dw_out), ("db", db_out)):   # sum the G row slots of each column
         col = nl.ndarray((1, D), nl.float32, buffer=nl.sbuf)
@@ -595,11 +597,17 @@ def _rms_bwd_saved(dy, x, weight, dx_out, dw_out, db_out, rstd_in):
 
 
 @nki.jit
-def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=None):
+def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=None, epilogue=None):
     """Backward of layer norm (``rms``: RMS norm): returns (dx, dweight, dbias) (dbias zero for RMS).
     Given the forward's saved ``mean`` and ``rstd`` (N, 1) (RMS norm: ``rstd`` only), it uses them instead
-    of recomputing the row statistics."""
+    of recomputing the row statistics. ``epilogue`` (a matmul ``Epilogue`` over [N, D], single-pass layer norm
+    only): dx goes through it block by block before its store and the first result is the epilogue's (the
+    graph compiler's residual add of the gradient: no round trip of dx through HBM)."""
     N, D = x.shape
+    extras = None if epilogue is None else len(epilogue.extras)
+    assert epilogue is None or (not rms and bwd_fits(D, extras) and not epilogue.keep_product
+                                and all(tuple(e.shape) == (N, D) for e in epilogue.extras)), \
+        "layer_norm backward: an epilogue needs the single-pass layer norm and operands of dx's [N, D] shape"
     saved = None
     if mean is not None or rstd is not None:
         assert rstd is not None and (mean is None) == rms, \
@@ -607,7 +615,7 @@ def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=No
         assert tuple(rstd.shape) == (N, 1) and (mean is None or tuple(mean.shape) == (N, 1)), \
             f"layer_norm backward: stats are not ({N}, 1)"
         saved = (mean, rstd)
-    dx_out = nl.ndarray((N, D), x.dtype, buffer=nl.shared_hbm)
+    dx_out = nl.ndarray((N, D), x.dtype if epilogue is None else epilogue.out_dtype, buffer=nl.shared_hbm)
     dw_out = nl.ndarray((1, D), weight.dtype, buffer=nl.shared_hbm)
     db_out = nl.ndarray((1, D), weight.dtype, buffer=nl.shared_hbm)
     if rms and saved and dy.dtype == x.dtype == weight.dtype and rms_bwd_fits(D, itemsize(x.dtype)):
@@ -616,10 +624,11 @@ def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=No
     if not bwd_fits(D):
         _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved)
         return dx_out, dw_out, db_out
-    if grouped(D) and _bwd_grouped_bytes(D, row_blocks(N, D, PIPELINE_BLOCKS)[1]) <= nl.tile_size.sbuf_fmax_bytes:
-        _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved)
+    G = row_blocks(N, D, PIPELINE_BLOCKS)[1]
+    if grouped(D) and _bwd_grouped_bytes(D, G) + _epilogue_bytes(extras, G * D) <= nl.tile_size.sbuf_fmax_bytes:
+        _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved, epilogue)
         return dx_out, dw_out, db_out
-    check_sbuf((1 + (NBUF + 1) * 7) * D * 4 + 16 * D, f"layer_norm backward D={D}")
+    check_sbuf((1 + (NBUF + 1) * 7) * D * 4 + 16 * D + _epilogue_bytes(extras, D), f"layer_norm backward D={D}")
     w = _row(weight, D)
     ones = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
@@ -670,11 +679,32 @@ def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=No
             nisa.activation(dst=corr[:p], op=nl.identity, data=xh[:p], scale=c2[:p], bias=c1[:p])
         nisa.tensor_tensor(dst=gw[:p], data1=gw[:p], data2=corr[:p], op=nl.subtract)
         nisa.activation(dst=corr[:p], op=nl.identity, data=gw[:p], scale=rs[:p])
-        nisa.dma_copy(dst=dx_out[r0:r0 + p, :], src=corr[:p])
+        _store_dx(dx_out, corr[:p], x.dtype, lambda t, r0=r0, p=p: t[r0:r0 + p, :], epilogue)
         ring.append((t, g, xh, prod, gw, corr, junk))
     nisa.dma_copy(dst=dw_out, src=dw)
     nisa.dma_copy(dst=db_out, src=db)
     return dx_out, dw_out, db_out
+
+
+def _epilogue_bytes(extras: int | None, f: int) -> int:
+    """SBUF bytes per partition of the tiles ``_store_dx`` allocates per block of ``f`` elements for an epilogue of
+    ``extras`` operands (None: no epilogue): dx rounded, dx widened, each operand, one spare (next-fit allocation
+    rotates through them)."""
+    return 0 if extras is None else (3 + extras) * f * 4
+
+
+def _store_dx(dx_out, dx, dtype, at, epilogue: Epilogue | None) -> None:
+    """Store a block ``dx`` [p, f] (fp32) of the input gradient at ``at(dx_out)``, or through ``epilogue``: dx is
+    rounded to ``dtype`` first, as the separate pass the epilogue replaces would read it from HBM."""
+    if epilogue is None:
+        nisa.dma_copy(dst=at(dx_out), src=dx)
+        return
+    p, f = dx.shape
+    if dtype != nl.float32:
+        low = nl.ndarray((p, f), dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=low, src=dx)
+        dx = low
+    _store_block(dx_out, dx, p, f, at, epilogue)
 
 
 def _rows(x):
