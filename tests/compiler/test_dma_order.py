@@ -7,7 +7,7 @@ import torch
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.compiler.dma_order import conflicts, order_dma, order_transfers
+from torchneuron.compiler.dma_order import LATEST, conflicts, latest_starts, order_dma, order_transfers
 from torchneuron.nki.tracing import DMA_QUEUES
 from torchneuron.sim import NeuronCore
 from torchneuron.sim.specs import chip_spec
@@ -100,3 +100,40 @@ def test_ordering_never_makes_a_program_slower():
     for kernel in (queues_held, hazards):
         program = kernel.trace((), {"a": a, "b": b}, SPEC).program
         assert order_dma(program, SPEC).schedule(SPEC).device_time_ns <= program.schedule(SPEC).device_time_ns
+
+
+@nki.jit
+def slack(a, b):
+    """Two loads ready at the start, each over all 128 partitions (every DMA engine): ``a``, first in program order,
+    is only copied back out; ``b`` feeds a long ScalarE chain, so every nanosecond it waits behind ``a`` is added to
+    the program."""
+    out_a = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
+    out_b = nl.ndarray(b.shape, b.dtype, buffer=nl.shared_hbm)
+    x = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=x, src=a)
+    y = nl.ndarray(b.shape, b.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=y, src=b)
+    nisa.dma_copy(dst=out_a, src=x)
+    for _ in range(STEPS):
+        nisa.activation(dst=y, op=nl.exp, data=y, scale=-1.0)
+    nisa.dma_copy(dst=out_b, src=y)
+    return out_a, out_b
+
+
+def test_latest_start_puts_the_transfer_with_least_slack_first():
+    a, b = torch.rand(128, 512), torch.rand(128, 64)
+    program = slack.trace((), {"a": a, "b": b}, SPEC).program
+    timeline = program.schedule(SPEC)
+    preds = conflicts(program)
+    latest = latest_starts(timeline, preds)
+    # the length of the program is reached from every instruction on its longest chain: its latest start is its start
+    end = max(range(len(preds)), key=timeline.end_ns.__getitem__)
+    assert abs(latest[end] - timeline.start_ns[end]) < 1e-6
+    load_a, load_b = 0, 1
+    assert latest[load_b] < latest[load_a]
+    moved, position = order_transfers(program, timeline, preds, LATEST)
+    assert position[load_b] < position[load_a]
+    ordered = order_dma(program, SPEC)
+    assert ordered.schedule(SPEC).device_time_ns < timeline.device_time_ns
+    for got, want in ((_run(moved, a, b), _run(program, a, b)), (_run(ordered, a, b), _run(program, a, b))):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
