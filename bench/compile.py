@@ -16,6 +16,7 @@ Run:  python bench/compile.py   (``make bench``)
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -131,23 +132,38 @@ def gpt2_block(seq: int = 1024, d: int = 768) -> None:
 
 
 FIRST_STEP = """
-import time, torch, torchneuron
+import json, time
 t0 = time.perf_counter()
+import torch, torchneuron
+from torch._dynamo.utils import compilation_time_metrics as dynamo
+from torchneuron.compiler import cache_stats, reports
+t1 = time.perf_counter()
 m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.LayerNorm(256), torch.nn.Linear(256, 64))
 m = torch.compile(m.to("neuron"), backend="neuron")
 m(torch.randn(32, 64, device="neuron")).sum().backward()
-print(time.perf_counter() - t0)
+t2 = time.perf_counter()
+print(json.dumps({"import": t1 - t0, "step": t2 - t1, "dynamo": sum(dynamo.get("_compile.compile_inner", [])),
+                  "partition": sum(r.partition_seconds for r in reports()),
+                  "trace": sum(p.trace_seconds for r in reports() for p in r.programs),
+                  "disk": cache_stats["disk_read_seconds"], "misses": cache_stats["misses"],
+                  "disk_hits": cache_stats["disk_hits"]}))
 """
 
 
 def cold_and_warm() -> None:
-    """Wall time of a fresh process's first compiled step: empty cache, then the cache it left."""
+    """Wall time of a fresh process's first compiled step: empty cache, then the cache it left; and what it is
+    made of: TorchDynamo and AOTAutograd capturing the graphs (our partition of each graph runs inside them),
+    programs traced (cold) or read from disk (warm), and the rest (the step itself, first-use imports)."""
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TORCHNEURON_CACHE_DIR": cache}
-        times = [float(subprocess.run([sys.executable, "-c", FIRST_STEP], env=env, capture_output=True, text=True,
-                                      check=True).stdout.split()[-1]) for _ in range(2)]
-    print(f"first compiled step of a fresh process (MLP, forward+backward): cold {times[0]:.2f} s, "
-          f"warm (on-disk program cache) {times[1]:.2f} s")
+        runs = [json.loads(subprocess.run([sys.executable, "-c", FIRST_STEP], env=env, capture_output=True, text=True,
+                                          check=True).stdout.split("\n")[-2]) for _ in range(2)]
+    print("first compiled step of a fresh process (MLP, forward+backward; import torch+torchneuron before it):")
+    for name, r in zip(("cold (empty program cache)", "warm (on-disk program cache)"), runs):
+        rest = r["step"] - r["dynamo"] - r["trace"] - r["disk"]
+        print(f"  {name}: {r['step']:.2f} s = Dynamo+AOTAutograd {r['dynamo']:.2f} s (our partition "
+              f"{r['partition']:.2f} s inside) + programs traced {r['trace']:.2f} s ({r['misses']}) + read from disk "
+              f"{r['disk']:.3f} s ({r['disk_hits']}) + the rest {rest:.2f} s; import {r['import']:.2f} s")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from torchneuron.sim import Program
 
 FORMAT = "torchneuron-program-1"
 _memory: dict[str, SegmentProgram] = {}
-stats = {"memory_hits": 0, "disk_hits": 0, "misses": 0, "corrupt": 0, "stores": 0}
+stats = {"memory_hits": 0, "disk_hits": 0, "misses": 0, "corrupt": 0, "stores": 0, "disk_read_seconds": 0.0}
 
 
 def cache_dir() -> Path | None:
@@ -99,7 +100,9 @@ def load(key: str) -> SegmentProgram | None:
         return hit
     path = _path(key)
     if path is not None and path.exists():
+        t0 = time.perf_counter()
         prog = _read(path)
+        stats["disk_read_seconds"] += time.perf_counter() - t0
         if prog is not None:
             stats["disk_hits"] += 1
             _memory[key] = prog
