@@ -162,7 +162,7 @@ def cold_and_warm() -> None:
     for name, r in zip(("cold (empty program cache)", "warm (on-disk program cache)"), runs):
         rest = r["step"] - r["dynamo"] - r["trace"] - r["disk"]
         print(f"  {name}: {r['step']:.2f} s = Dynamo+AOTAutograd {r['dynamo']:.2f} s (our partition "
-              f"{r['partition']:.2f} s inside) + programs traced {r['trace']:.2f} s ({r['misses']}) + read from disk "
+              f"{r['partition']:.3f} s inside) + programs traced {r['trace']:.2f} s ({r['misses']}) + read from disk "
               f"{r['disk']:.3f} s ({r['disk_hits']}) + the rest {rest:.2f} s; import {r['import']:.2f} s")
 
 
