@@ -43,7 +43,10 @@ from torchneuron import _C
 from torchneuron.runtime import device as _device
 from torchneuron.runtime import profiler
 from torchneuron.runtime.record import LaunchRecord
-from torchneuron.sim import IndexOutOfRange, Program, SimulatorError
+from torchneuron.sim import IndexOutOfRange, Program, SimulatorError, copies
+
+# the simulator runs consecutive plain copies through the extension's batch runner (it cannot import it itself)
+copies.use_copy_batch(_C._CopyBatch)
 
 # simulator error type -> the PyTorch exception type a launch raises for it (same message)
 TORCH_ERRORS: dict[type[SimulatorError], type[Exception]] = {IndexOutOfRange: IndexError}

@@ -1,4 +1,4 @@
-"""Runs of plain copies in a prepared program, executed as one C++ call each (``_C._CopyBatch``).
+"""Runs of plain copies in a prepared program, executed as one C++ call each (the runtime's ``_C._CopyBatch``).
 
 A plain copy moves a tile's bytes unchanged: a ``dma_copy`` (not indirect) or ``tensor_copy`` between equal
 dtypes and element counts, between HBM and SBUF or within SBUF, not writing PSUM (a non-TensorE PSUM write also
@@ -11,6 +11,9 @@ in program order in one call instead, as strided byte copies, which is what ``co
 that is a view, as the step's ``reshape`` reads it. Admitted only where that equivalence is plain: no
 destination element written twice and, within SBUF, source and destination disjoint; HBM-to-HBM copies
 (two slots may be one tensor) keep their step.
+
+The C++ batch runner belongs to the extension above the simulator: the runtime hands it in
+(``use_copy_batch``); a simulator used without it runs every copy's own step.
 """
 from __future__ import annotations
 
@@ -18,7 +21,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from torchneuron import _C
 from torchneuron.sim.isa import Activation, DmaCopy, Instr, NcTranspose
 from torchneuron.sim.isa.scalar_engine import _identity_out
 from torchneuron.sim.isa.vector_engine import TensorCopy
@@ -124,9 +126,21 @@ def _identity(core, instr: Activation) -> tuple | None:
     return _checked(instr.dst, instr.data, dv, xv, tuple(dv.shape))
 
 
+_copy_batch: Callable[[list], Any] | None = None   # (runs) -> an object whose .run(h) executes them
+
+
+def use_copy_batch(factory: Callable[[list], Any] | None) -> None:
+    """Execute runs of plain copies through ``factory(run).run`` (the runtime passes ``_C._CopyBatch``); None:
+    each copy its own step."""
+    global _copy_batch
+    _copy_batch = factory
+
+
 def batch_copies(core, entries: Sequence[tuple], slots: Mapping[str, tuple[int, Any]]) -> tuple:
     """``entries`` (instr, step, closes) with each run of consecutive plain copies (that have a step) replaced by
     one entry whose step runs them all (its instr: the run's first)."""
+    if _copy_batch is None:
+        return tuple(entries)
     out: list[tuple] = []
     run: list[tuple] = []
     after: list[Callable] = []
@@ -134,7 +148,7 @@ def batch_copies(core, entries: Sequence[tuple], slots: Mapping[str, tuple[int, 
 
     def flush() -> None:
         if run:
-            out.append((first, _run_step(_C._CopyBatch(run).run, tuple(after)), None))
+            out.append((first, _run_step(_copy_batch(run).run, tuple(after)), None))
             run.clear()
             after.clear()
 
