@@ -221,8 +221,7 @@ def _rounded_row(t, p: int, dt):
     the value the two-launch path stores and adds later."""
     if dt == nl.float32:
         return t
-    r = nl.ndarray(tuple(t.shape), dt, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=r[:p], src=t[:p])
+    r = _rounded(t, p, dt)
     back = nl.ndarray(tuple(t.shape), nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=back[:p], src=r[:p])
     return back
