@@ -131,17 +131,40 @@ def _pass_dma(moves: list, fs, G: int, H: int, whole_pass: bool, store: bool = F
             nisa.dma_copy(dst=sbuf, src=hbm)
 
 
-def _lse_dma(tile, lse, fs, G: int, L: int, whole_pass: bool, store: bool = False) -> None:
-    """Move the [B, H, L] logsumexp rows of the groups of ``fs`` between HBM and ``tile`` [len(fs) * L, G]
-    (group i on partitions i*L ..; ``store``: to HBM): one DMA for the pass with ``whole_pass``, else one per
-    group (heads of consecutive groups are consecutive: one stride steps from group to group)."""
-    moves = [(lse.ap([[G * L, len(fs)], [1, L], [L, G]], offset=fs[0] * L), tile[:len(fs) * L])] if whole_pass else \
-        [(lse.ap([[1, L], [L, G]], offset=f0 * L), tile[i * L:(i + 1) * L]) for i, f0 in enumerate(fs)]
-    for hbm, sbuf in moves:
-        if store:
-            nisa.dma_copy(dst=hbm, src=sbuf)
-        else:
-            nisa.dma_copy(dst=sbuf, src=hbm)
+def _lse_ap(lse, fs, G: int, L: int, whole_pass: bool) -> list:
+    """(HBM access, columns of a [G, len(fs) * L] tile) of the [B, H, L] logsumexp rows of the groups of ``fs``:
+    head g of group i is row fs[i] + g, its L values contiguous (one 4*L-byte piece per head and group), the
+    tile holding it on partition g, columns i*L ..: one DMA for the pass with ``whole_pass`` (consecutive groups'
+    heads are consecutive: one stride steps from group to group), else one per group."""
+    if whole_pass:
+        return [(lse.ap([[L, G], [G * L, len(fs)], [1, L]], offset=fs[0] * L), slice(0, len(fs) * L))]
+    return [(lse.ap([[L, G], [1, L]], offset=f0 * L), slice(i * L, (i + 1) * L)) for i, f0 in enumerate(fs)]
+
+
+def _store_lse(ls, lse, fs, G: int, L: int, whole_pass: bool, evict) -> None:
+    """Store ``ls`` [len(fs) * L, G] (query on the partitions, as the softmax makes it) into the [B, H, L]
+    logsumexp: transposed on TensorE (bit-exact) to head-major [G, len(fs) * L] first, so that each head's L
+    values leave as one piece rather than L 4-byte pieces (a 4-byte descriptor moves at ~1.5 % of a DMA
+    engine's peak)."""
+    P = len(fs) * L
+    tp = nl.ndarray((PMAX, P), nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=tp[:G, :P], data=ls[:P, :G])
+    lt = nl.ndarray((PMAX, P), nl.float32, buffer=nl.sbuf)
+    evict(lt[:G, :P], tp[:G, :P])
+    for hbm, cols in _lse_ap(lse, fs, G, L, whole_pass):
+        nisa.dma_copy(dst=hbm, src=lt[:G, cols])
+
+
+def _load_lse(lse, fs, G: int, L: int, whole_pass: bool):
+    """The [B, H, L] logsumexp of the groups of ``fs`` as a PSUM tile [len(fs) * L, G] (``_store_lse``'s
+    inverse: loaded head-major in L-value pieces, transposed on TensorE)."""
+    P = len(fs) * L
+    lt = nl.ndarray((PMAX, P), nl.float32, buffer=nl.sbuf)
+    for hbm, cols in _lse_ap(lse, fs, G, L, whole_pass):
+        nisa.dma_copy(dst=lt[:G, cols], src=hbm)
+    tp = nl.ndarray((PMAX, G), nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(dst=tp[:P, :G], data=lt[:G, :P])
+    return tp
 
 
 def _load_rows(t, view, f0: int, G: int, H: int, n: int, d: int, dt, copies: int = 1, block: int = 0):
@@ -285,6 +308,7 @@ def packed_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=N
     stack = stacked_groups(L, S) if stack_queries else 1
     bias = _stacked_causal_bias(stack, L) if causal else None
     hc = min(G, PMAX // S)                    # heads per P^T chunk (rows: hc * S keys)
+    lse_store = None
     for f00 in range(0, B * H, stack * G):
         fs = range(f00, min(f00 + stack * G, B * H), G)   # the groups of this pass: group i on partitions i*L ..
         P = len(fs) * L
@@ -295,6 +319,8 @@ def packed_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=N
         qT = _stacked_t([qr[:P]], P, G, E, dt, evict)                             # [G*E, P]
         kT = _stacked_t([kr[:len(fs) * S]], len(fs) * S, G, E, dt, evict)         # [G*E, stack*S]
         x, m = _probabilities(qT, kT, L, S, G, E, float(scale), bias, len(fs))
+        if lse_store is not None:     # the previous pass's, emitted behind this pass's softmax
+            lse_store()
         lsum = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)                   # the sums of the fp32 exps
         nisa.tensor_reduce(dst=lsum[:P], op=nl.add, data=x[:P], axis=(2,))
         pt = x
@@ -310,7 +336,8 @@ def packed_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=N
         nisa.activation(dst=ls[:P], op=nl.log, data=lsum[:P])
         nisa.scalar_tensor_tensor(dst=ls[:P], data=m[:P], op0=nl.multiply, operand0=float(scale), op1=nl.add,
                                   operand1=ls[:P])
-        _lse_dma(ls, lse, fs, G, L, pass_dmas, store=True)
+        lse_store = (lambda ls=ls, fs=fs: _store_lse(ls, lse, fs, G, L, pass_dmas, evict))
+    lse_store()
     return out, lse
 
 
@@ -355,8 +382,8 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
         # P = exp(scale * s - lse): the scores minus lse / scale on VectorE, the exp on ScalarE, and keys past
         # the diagonal zeroed by a select on GpSimd (never a product: an overflowed exp there must not be NaN)
         ls = nl.ndarray((PMAX, G), nl.float32, buffer=nl.sbuf)
-        _lse_dma(ls, lse, fs, G, L, pass_dmas)
-        nisa.tensor_scalar(dst=ls[:P], data=ls[:P], op0=nl.multiply, operand0=1.0 / scale)
+        nisa.tensor_scalar(dst=ls[:P], data=_load_lse(lse, fs, G, L, pass_dmas)[:P], op0=nl.multiply,
+                           operand0=1.0 / scale)
         sc = nl.ndarray((PMAX, G, S), nl.float32, buffer=nl.psum)
         _scores(sc, qT, kT, L, S, G, E, len(fs))
         p = nl.ndarray((PMAX, G, S), nl.float32, buffer=nl.sbuf)                  # P, fp32
