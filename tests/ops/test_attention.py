@@ -108,6 +108,35 @@ def test_results_are_laid_out_as_the_projection_views(T, strict):
     _within_bounds(q, k, v, {"device": (yc.detach().cpu(), [t.grad.cpu() for t in (qc, kc, vc)])}, causal=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_heads_of_a_fused_projection(dtype, strict):
+    """In a compiled program the packed-heads kernels see q, k and v as one buffer (the projection's) and the
+    gradients as one [B, T, 3, H, E] tensor: the forward loads each row's q, k, v as one piece and the backward
+    stores dQ, dK, dV together, two groups of 64 queries stacked on the partitions. The same values as the eager
+    op's (bit for bit: the same per-head products) and within the float64 bounds."""
+    B, H, T, E = 4, 4, 64, 16          # 16 heads: one pass of two stacked groups of 8
+    x = torch.randn(B, T, 3 * H * E, generator=torch.Generator().manual_seed(5)).to(dtype)
+
+    def heads(t):
+        return (z.view(B, T, H, E).transpose(1, 2) for z in t.split(H * E, dim=2))
+
+    def attend(t):
+        return F.scaled_dot_product_attention(*heads(t), is_causal=True).transpose(1, 2).reshape(B, T, H * E)
+
+    g = _grad_out(torch.zeros(B, T, H, E, dtype=dtype)).reshape(B, T, H * E)
+    results = []
+    for run in (torch.compile(attend, backend="neuron"), attend):
+        xn = to_n(x).requires_grad_()
+        y = run(xn)
+        y.backward(to_n(g))
+        results.append((y.detach().cpu(), xn.grad.cpu()))
+    (got, got_grad), (want, want_grad) = results
+    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    q, k, v = heads(x)
+    out = got.reshape(B, T, H, E).transpose(1, 2)
+    _within_bounds(q, k, v, {"device": (out, list(heads(got_grad)))}, causal=True)
+
+
 def test_sequence_major_heads_take_the_layout_with_fewer_copies(strict, monkeypatch):
     """nn.MultiheadAttention's heads are a view of a sequence-major [T, B * H, d] projection: the rows layout
     would make autograd copy each of the q/k/v gradients to reverse that split, so the op lays them out as

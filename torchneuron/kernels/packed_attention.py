@@ -167,14 +167,83 @@ def _load_lse(lse, fs, G: int, L: int, whole_pass: bool):
     return tp
 
 
-def _load_rows(t, view, f0: int, G: int, H: int, n: int, d: int, dt, copies: int = 1, block: int = 0):
+def _load_rows(t, view, f0: int, G: int, H: int, n: int, d: int, dt, copies: int = 1, block: int = 0,
+               skip: int = -1):
     """SBUF [copies * block or n, G, d]: the G heads' rows side by side on partitions 0 .. n (``copies`` > 1:
     repeated on partition blocks of ``block`` rows, so that head j of a transposed chunk finds its own rows on
-    the partitions its P^T rows occupy: ``_chunk_products``)."""
+    the partitions its P^T rows occupy: ``_chunk_products``; block ``skip`` left out, another tile holds it)."""
     tile = nl.ndarray((PMAX, G, d), dt, buffer=nl.sbuf)
     for j in range(copies):
-        nisa.dma_copy(dst=tile[j * block:j * block + n], src=_rows_ap(t, view, f0, G, H, n, d))
+        if j != skip:
+            nisa.dma_copy(dst=tile[j * block:j * block + n], src=_rows_ap(t, view, f0, G, H, n, d))
     return tile
+
+
+def _side_by_side(operands: list, G: int, H: int) -> bool:
+    """Whether operands ``(tensor, view, n, d)`` lie side by side in each row of one HBM tensor, as a fused
+    projection's q, k and v do: one buffer, the same strides and rows, each row's H heads contiguous, operand j
+    at j * H * d, and groups of whole batch elements. One DMA per group then moves each row's heads of all the
+    operands as one piece (q, k, v: 3x the bytes per descriptor)."""
+    t0, (o0, st), n0, d0 = operands[0]
+    if G % H or st[3] != 1 or st[1] != d0:
+        return False
+    return all(t.access.memory == t0.access.memory and t.access.offset == t0.access.offset and w == (o0 + j * H * d0, st)
+               and (n, d) == (n0, d0) for j, (t, w, n, d) in enumerate(operands))
+
+
+def _side_by_side_tile(parts: int, G: int, H: int, d: int, dt) -> tuple:
+    """(SBUF [128, G // H, parts * H * d], its [128, G // H, H, d] view of each part): the rows of ``parts``
+    operands side by side (``_side_by_side``), as one DMA moves them."""
+    Gb, row = G // H, parts * H * d
+    tile = nl.ndarray((PMAX, Gb, row), dt, buffer=nl.sbuf)
+    return tile, [tile.ap([[Gb * row, PMAX], [row, Gb], [d, H], [1, d]], offset=j * H * d) for j in range(parts)]
+
+
+def _move_side_by_side(tile, operands: list, fs, G: int, H: int, whole_pass: bool, store: bool = False) -> None:
+    """Move rows [0, n) of the groups of ``fs`` of operands ``_side_by_side`` lays out between HBM and ``tile``
+    (``_side_by_side_tile``; group i on partitions i*n ..; ``store``: to HBM): one DMA per group, or for the
+    pass with ``whole_pass``, each row's heads of all the operands one piece."""
+    t, (off, (sb, _, sn, _)), n, d = operands[0]
+    Gb, row = G // H, len(operands) * H * d
+    if whole_pass:
+        moves = [(t.ap([[Gb * sb, len(fs)], [sn, n], [sb, Gb], [1, row]], offset=off + fs[0] // H * sb),
+                  tile[:len(fs) * n])]
+    else:
+        moves = [(t.ap([[sn, n], [sb, Gb], [1, row]], offset=off + f0 // H * sb), tile[i * n:(i + 1) * n])
+                 for i, f0 in enumerate(fs)]
+    for hbm, sbuf in moves:
+        if store:
+            nisa.dma_copy(dst=hbm, src=sbuf)
+        else:
+            nisa.dma_copy(dst=sbuf, src=hbm)
+
+
+def _load_side_by_side(operands: list, fs, G: int, H: int, whole_pass: bool, dt) -> list:
+    """Operands ``_side_by_side`` lays out, loaded together (``_move_side_by_side``): each a [128, G // H, H, d]
+    view of one tile (``_head``)."""
+    tile, views = _side_by_side_tile(len(operands), G, H, operands[0][3], dt)
+    _move_side_by_side(tile, operands, fs, G, H, whole_pass)
+    return views
+
+
+def _as_heads(t, P: int, H: int):
+    """Partitions [0, P) of a [128, G, d] tile seen as [P, G // H, H, d] (a ``_side_by_side_tile`` view's shape)."""
+    _, G, d = t.shape
+    return t[:P].reshape((P, G // H, H, d))
+
+
+def _head(rows, parts, g: int):
+    """Head g's rows [parts, d] of a rows tile: [P, G, d], or [P, G // H, H, d] (``_load_side_by_side``)."""
+    return rows[parts, g] if rows.ndim == 3 else rows[parts, g // rows.shape[2], g % rows.shape[2]]
+
+
+def _block_rows(t, view, fs, G: int, H: int, n: int, d: int, dt, hc: int, loaded=None) -> list:
+    """Per group i of ``fs``, per partition block j < hc: the tile whose partitions j*n .. hold group i's rows
+    (``_chunk_products``): ``loaded`` (the pass's rows, group i on block i) where j == i, else a tile of copies."""
+    if loaded is None:
+        return [[_load_rows(t, view, f0, G, H, n, d, dt, copies=hc, block=n)] * hc for f0 in fs]
+    rest = [_load_rows(t, view, f0, G, H, n, d, dt, copies=hc, block=n, skip=i) for i, f0 in enumerate(fs)]
+    return [[loaded if j == i else rest[i] for j in range(hc)] for i in range(len(fs))]
 
 
 def _stacked_t(blocks: list, n: int, G: int, d: int, dt, evict):
@@ -260,8 +329,8 @@ def _probabilities(qT, kT, L: int, S: int, G: int, E: int, scale: float, bias, s
 def _chunk_products(dst, probs, rows: list, L: int, S: int, G: int, hc: int, dt, evict) -> None:
     """``dst[:, g] = probs_g rows_g`` ([L, S] x [S, d] per head) for ``len(rows)`` stacked groups (group i's
     queries on partitions i*L ..): probs [stack*L, G, S] transposed hc heads at a time (head j of a chunk on
-    partitions j*S ..), each head's matmul on its own S partitions; ``rows[i]`` holds group i's rows of every
-    head on each partition block (``_load_rows`` with copies=hc)."""
+    partitions j*S ..), each head's matmul on its own S partitions; ``rows[i][j]`` holds group i's rows of every
+    head on partition block j (``_block_rows``)."""
     stack = len(rows)
     P = stack * L
     for c0 in range(0, G, hc):
@@ -275,7 +344,8 @@ def _chunk_products(dst, probs, rows: list, L: int, S: int, G: int, hc: int, dt,
                 q = slice(i * L, (i + 1) * L)
                 tiling = _row_tile(j * S, S, i * L, L) if stack > 1 else _row_tile(j * S, S)
                 nisa.nc_matmul(dst=dst[q, c0 + j], stationary=pT[j * S:(j + 1) * S, q],
-                               moving=r[j * S:(j + 1) * S, c0 + j], accumulate=False, **tiling)
+                               moving=_head(r[j], slice(j * S, (j + 1) * S), c0 + j), accumulate=False,
+                               **tiling)
 
 
 def _group_shape(q, k, v, scale: float, shape, what: str):
@@ -308,14 +378,20 @@ def packed_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=N
     stack = stacked_groups(L, S) if stack_queries else 1
     bias = _stacked_causal_bias(stack, L) if causal else None
     hc = min(G, PMAX // S)                    # heads per P^T chunk (rows: hc * S keys)
+    qkv = [(q, q_view, L, E), (k, k_view, S, E), (v, v_view, S, Ev)]
+    fused = _side_by_side(qkv, G, H)          # a fused projection's q, k, v: one DMA for the three
     lse_store = None
     for f00 in range(0, B * H, stack * G):
         fs = range(f00, min(f00 + stack * G, B * H), G)   # the groups of this pass: group i on partitions i*L ..
         P = len(fs) * L
-        qr = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
-        kr = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
-        _pass_dma([(qr, q, q_view, L, E), (kr, k, k_view, S, E)], fs, G, H, pass_dmas)
-        vreps = [_load_rows(v, v_view, f0, G, H, S, Ev, dt, copies=hc, block=S) for f0 in fs]
+        if fused:
+            qr, kr, vr = _load_side_by_side(qkv, fs, G, H, pass_dmas, dt)
+            vrows = _block_rows(v, v_view, fs, G, H, S, Ev, dt, hc, loaded=vr)
+        else:
+            qr = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
+            kr = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
+            _pass_dma([(qr, q, q_view, L, E), (kr, k, k_view, S, E)], fs, G, H, pass_dmas)
+            vrows = _block_rows(v, v_view, fs, G, H, S, Ev, dt, hc)
         qT = _stacked_t([qr[:P]], P, G, E, dt, evict)                             # [G*E, P]
         kT = _stacked_t([kr[:len(fs) * S]], len(fs) * S, G, E, dt, evict)         # [G*E, stack*S]
         x, m = _probabilities(qT, kT, L, S, G, E, float(scale), bias, len(fs))
@@ -328,7 +404,7 @@ def packed_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=N
             pt = nl.ndarray((PMAX, G, S), dt, buffer=nl.sbuf)
             nisa.tensor_copy(dst=pt[:P], src=x[:P], engine=nisa.gpsimd_engine)
         o = nl.ndarray((PMAX, G, Ev), nl.float32, buffer=nl.psum)
-        _chunk_products(o, pt, vreps, L, S, G, hc, dt, evict)
+        _chunk_products(o, pt, vrows, L, S, G, hc, dt, evict)
         res = nl.ndarray((PMAX, G, Ev), dt, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=res[:P], data1=o[:P], data2=spread(lsum, P, G, Ev), op=nl.divide)
         _pass_dma([(res, out, ov, L, Ev)], fs, G, H, pass_dmas, store=True)
@@ -366,17 +442,28 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
             gshape, (w,) = result_views(B, H, n, d, out_layout)
             targets.append((nl.ndarray(gshape, dt, buffer=nl.shared_hbm), w))
     stack = stacked_groups(L, S) if stack_queries else 1
+    qkv = [(q, q_view, L, E), (k, k_view, S, E), (v, v_view, S, Ev)]
+    fused = _side_by_side(qkv, G, H)          # a fused projection's q, k, v: one DMA for the three
+    together = out_layout == "packed" and _side_by_side([(t, w, L, E) for t, w in targets], G, H)
     for f00 in range(0, B * H, stack * G):
         fs = range(f00, min(f00 + stack * G, B * H), G)   # the groups of this pass: group i on partitions i*L ..
         P, PS = len(fs) * L, len(fs) * S
-        qr, vr, orr, dor = (nl.ndarray((PMAX, G, d), dt, buffer=nl.sbuf) for d in (E, Ev, Ev, Ev))
-        # each group's K rows repeated on blocks of S partitions, for the dQ products of its dS^T chunks
-        # (``_chunk_products``); group i's block i is also where K^T is transposed from: K is loaded once
-        kreps = [_load_rows(k, k_view, f0, G, H, S, E, dt, copies=max(hc, len(fs)), block=S) for f0 in fs]
-        _pass_dma([(qr, q, q_view, L, E), (vr, v, v_view, S, Ev), (orr, o, o_view, L, Ev), (dor, do, do_view, L, Ev)],
-                  fs, G, H, pass_dmas)
+        orr, dor = (nl.ndarray((PMAX, G, Ev), dt, buffer=nl.sbuf) for _ in range(2))
+        if fused:
+            qr, kr, vr = _load_side_by_side(qkv, fs, G, H, pass_dmas, dt)
+            _pass_dma([(orr, o, o_view, L, Ev), (dor, do, do_view, L, Ev)], fs, G, H, pass_dmas)
+            krows = _block_rows(k, k_view, fs, G, H, S, E, dt, hc, loaded=kr)
+            kT = _stacked_t([kr[:PS]], PS, G, E, dt, evict)
+        else:
+            qr, vr = (nl.ndarray((PMAX, G, d), dt, buffer=nl.sbuf) for d in (E, Ev))
+            # each group's K rows repeated on blocks of S partitions, for the dQ products of its dS^T chunks
+            # (``_chunk_products``); group i's block i is also where K^T is transposed from: K is loaded once
+            kreps = [_load_rows(k, k_view, f0, G, H, S, E, dt, copies=max(hc, len(fs)), block=S) for f0 in fs]
+            _pass_dma([(qr, q, q_view, L, E), (vr, v, v_view, S, Ev), (orr, o, o_view, L, Ev),
+                       (dor, do, do_view, L, Ev)], fs, G, H, pass_dmas)
+            krows = [[kr] * hc for kr in kreps]
+            kT = _stacked_t([kr[i * S:(i + 1) * S] for i, kr in enumerate(kreps)], S, G, E, dt, evict)
         qT = _stacked_t([qr[:P]], P, G, E, dt, evict)
-        kT = _stacked_t([kr[i * S:(i + 1) * S] for i, kr in enumerate(kreps)], S, G, E, dt, evict)
         doT = _stacked_t([dor[:P]], P, G, Ev, dt, evict)
         vT = _stacked_t([vr[:PS]], PS, G, Ev, dt, evict)
         # P = exp(scale * s - lse): the scores minus lse / scale on VectorE, the exp on ScalarE, and keys past
@@ -411,21 +498,32 @@ def packed_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=No
             pd = nl.ndarray((PMAX, G, S), dt, buffer=nl.sbuf)
             nisa.tensor_copy(dst=pd[:P], src=p[:P], engine=nisa.gpsimd_engine)
         # dV = P^T dO and dK = dS^T Q: per head, contracting over the queries: a group's heads share its L
-        # partitions (one PE row tile), the stacked groups' row tiles run concurrently
-        for (t, w), a, b, d, sc in ((targets[2], pd, dor, Ev, 1.0), (targets[1], dsd, qr, E, scale)):
-            accs = [nl.ndarray((PMAX, G, d), nl.float32, buffer=nl.psum) for _ in fs]
+        # partitions (one PE row tile), the stacked groups' row tiles run concurrently, each writing its keys'
+        # PSUM partitions (i*S .., the PE column tile there): one eviction per gradient for the pass. The packed
+        # gradients of a fused projection are evicted side by side and stored together (768-byte rows of q, k,
+        # v for the demo's heads instead of three 256-byte pieces)
+        if together:
+            gtile, gviews = _side_by_side_tile(3, G, H, E, dt)
+        for (t, w), a, b, d, sc, part in ((targets[2], pd, dor, Ev, 1.0, 2), (targets[1], dsd, qr, E, scale, 1)):
+            acc = nl.ndarray((PMAX, G, d), nl.float32, buffer=nl.psum)
             for g in range(G):
-                for i, acc in enumerate(accs):
-                    rows = slice(i * L, (i + 1) * L)
-                    nisa.nc_matmul(dst=acc[:S, g], stationary=a[rows, g], moving=b[rows, g], accumulate=False,
-                                   **(_row_tile(i * L, L) if len(fs) > 1 else {}))
-            for acc, f0 in zip(accs, fs):
-                res = nl.ndarray((PMAX, G, d), dt, buffer=nl.sbuf)
-                nisa.activation(dst=res[:S], op=nl.identity, data=acc[:S], scale=sc)
-                nisa.dma_copy(dst=_rows_ap(t, w, f0, G, H, S, d), src=res[:S])
+                for i in range(len(fs)):
+                    rows, keys = slice(i * L, (i + 1) * L), slice(i * S, (i + 1) * S)
+                    nisa.nc_matmul(dst=acc[keys, g], stationary=a[rows, g], moving=_head(b, rows, g), accumulate=False,
+                                   **(_row_tile(i * L, L, i * S, S) if len(fs) > 1 else {}))
+            if together:
+                nisa.activation(dst=gviews[part][:PS], op=nl.identity, data=_as_heads(acc, PS, H), scale=sc)
+                continue
+            res = nl.ndarray((PMAX, G, d), dt, buffer=nl.sbuf)
+            nisa.activation(dst=res[:PS], op=nl.identity, data=acc[:PS], scale=sc)
+            _pass_dma([(res, t, w, S, d)], fs, G, H, pass_dmas, store=True)
         # dQ = dS K: dS^T hc heads at a time, times each head's K rows
         dq = nl.ndarray((PMAX, G, E), nl.float32, buffer=nl.psum)
-        _chunk_products(dq, dsd, kreps, L, S, G, hc, dt, evict)
+        _chunk_products(dq, dsd, krows, L, S, G, hc, dt, evict)
+        if together:
+            nisa.activation(dst=gviews[0][:P], op=nl.identity, data=_as_heads(dq, P, H), scale=scale)
+            _move_side_by_side(gtile, [(t, w, L, E) for t, w in targets], fs, G, H, pass_dmas, store=True)
+            continue
         res = nl.ndarray((PMAX, G, E), dt, buffer=nl.sbuf)
         nisa.activation(dst=res[:P], op=nl.identity, data=dq[:P], scale=scale)
         _pass_dma([(res, *targets[0], L, E)], fs, G, H, pass_dmas, store=True)
