@@ -30,7 +30,7 @@ import torch.fx as fx
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.compiler import lowering
+from torchneuron.compiler import group_batch, lowering
 from torchneuron.compiler.dma_order import order_dma
 from torchneuron.compiler.dma_queues import allocate_dma_queues
 from torchneuron.compiler.kernel_lowerings import dma_cast, embedding_onehot, pointwise
@@ -139,11 +139,17 @@ class _Body:
                 env[node] = strided_value(slots[f"in{i}"], sig.shape, sig.stride, dtype=sig.dtype)
         self.env = env
         self.early_values = self._early_values()
-        for item in self.seg.items:
-            if isinstance(item, FusionGroup):
-                self._group(item)
-            else:
+        packed: set[int] = set()   # ids of the groups a packed pass already computed
+        for k, item in enumerate(self.seg.items):
+            if not isinstance(item, FusionGroup):
                 self._node(item)
+            elif id(item) not in packed:
+                run = self._packable_run(k)
+                if len(run) > 1:
+                    self._packed(run)
+                    packed.update(map(id, run))
+                else:
+                    self._group(item)
         outs = tuple(v.buf for v in map(self.value, self.seg.outputs) if isinstance(v, Value))
         return outs + tuple(count for count, _, _ in self.checks)
 
@@ -268,9 +274,59 @@ class _Body:
                          dests if any(d is not None for d in dests) else None)
         for o, d in zip(g.outputs, dests):
             if d is not None:
-                self.written_in_place[o] = next(u for u in o.users if u.target is torch.ops.aten.copy_.default
-                                                and u.args[1] is o).args[0]
+                self.written_in_place[o] = _copied_into(o)
         self.env.update(zip(g.outputs, outs))
+
+    def _packable_run(self, k: int) -> list[FusionGroup]:
+        """The fusion group at ``items[k]`` and the groups of its signature right after it (views between them
+        aside) whose operands are all available now: what one packed pass computes (``group_batch``)."""
+        items = self.seg.items
+        key = self._pack_signature(items[k])
+        run = [items[k]]
+        if key is None:
+            return run
+        for it in items[k + 1:]:
+            if not isinstance(it, FusionGroup):
+                if self.roles.get(it) == "view":
+                    continue
+                break
+            if self._pack_signature(it) != key:
+                break
+            run.append(it)
+        return run
+
+    def _pack_signature(self, g: FusionGroup) -> tuple | None:
+        """``group_batch.signature`` of ``g``, None when an operand is not computed yet (the output of a group
+        before it in the run) or ``g`` is a lone cast (``dma_cast``)."""
+        try:
+            values = [self.value(n) for n in g.inputs]
+        except NotLowerable:
+            return None
+        if self._dma_castable(g, values, tuple(self._in_place_target(g, o) for o in g.outputs)):
+            return None
+        return group_batch.signature(g, values)
+
+    def _packed(self, groups: list[FusionGroup]) -> None:
+        """Groups of one signature in one packed pass (``group_batch.packed_stream``)."""
+        g0 = groups[0]
+        values = [[self.value(n) for n in g.inputs] for g in groups]
+        pos = [i for i, v in enumerate(values[0]) if isinstance(v, Value)]
+        kinds = ["full" if tuple(values[0][i].shape) == tuple(g0.shape) else "scalar" for i in pos]
+        operands, dests = [], []
+        for g, vals in zip(groups, values):
+            n = numel(g.shape)
+            operands.append([dense(vals[i], (n,) if kd == "full" else (1, 1)) for i, kd in zip(pos, kinds)])
+            dests.append(tuple(self._in_place_target(g, o) for o in g.outputs))
+        flat_dests = [tuple(None if d is None else dense(d, (numel(g.shape),)) for d in ds)
+                      for g, ds in zip(groups, dests)]
+        fn = self._group_fn(g0, [g0.inputs[i] for i in pos])
+        dtypes = tuple(o.meta["val"].dtype for o in g0.outputs)
+        results = group_batch.packed_stream(fn, operands, kinds, dtypes, flat_dests)
+        for g, ds, outs in zip(groups, dests, results):
+            for o, d, buf in zip(g.outputs, ds, outs):
+                if d is not None:
+                    self.written_in_place[o] = _copied_into(o)
+                self.env[o] = hbm_value(buf).reshape(g.shape)
 
     @staticmethod
     def _dma_castable(g: FusionGroup, values: list, dests: tuple) -> bool:
@@ -340,6 +396,11 @@ class _Body:
 
 
 _MISSING = object()
+
+
+def _copied_into(out: fx.Node) -> fx.Node:
+    """The graph input a group result is copied into (its ``copy_`` user), which the group stored it in."""
+    return next(u for u in out.users if u.target is torch.ops.aten.copy_.default and u.args[1] is out).args[0]
 
 
 def _round(tile, dtype: torch.dtype):
