@@ -104,6 +104,32 @@ def test_lists_that_do_not_fuse_take_the_per_tensor_loop():
         torch._foreach_add([to_n(a[0])], [to_n(a[0]), to_n(a[1])])
 
 
+def test_transposed_lists_take_the_loop_and_equal_the_cpu(strict):
+    # transposed (non-contiguous) lists of the shapes a contiguous call has just traced must not take its
+    # traced program (which reads each tensor as a contiguous run): in place and out of place, called
+    # several times, each result bit for bit the CPU's (the same IEEE fp32 add and multiply)
+    torch.manual_seed(3)
+    shapes = [(4, 6), (5, 3), (7, 2)]
+    flat = [torch.randn(s) for s in shapes]
+    cpu_t = [torch.randn(s[::-1]).t() for s in shapes]
+    other = [torch.randn(s) for s in shapes]
+    dev_flat, dev_t = [to_n(t) for t in flat], [to_n(t.t().contiguous()).t() for t in cpu_t]
+    dev_other = [to_n(t) for t in other]
+    assert not any(t.is_contiguous() for t in dev_t)
+    for step in range(3):
+        for cpu, dev in ((flat, dev_flat), (cpu_t, dev_t)):
+            torch._foreach_add_(cpu, other, alpha=0.5)
+            torch._foreach_add_(dev, dev_other, alpha=0.5)
+            torch._foreach_add_(cpu, 0.25 * step)
+            torch._foreach_add_(dev, 0.25 * step)
+            want, got = torch._foreach_mul(cpu, other), torch._foreach_mul(dev, dev_other)
+            for g, w, c, d in zip(got, want, cpu, dev):
+                assert g.shape == w.shape and torch.equal(g.cpu(), w)
+                assert d.stride() == c.stride() and torch.equal(d.cpu(), c)
+            want, got = torch._foreach_mul(cpu, 1.5 + step), torch._foreach_mul(dev, 1.5 + step)
+            assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+
+
 def test_default_adamw_and_clipping_match_cpu(strict):
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))

@@ -220,6 +220,53 @@ def test_cat_of_many_inputs_is_one_launch(strict):
     assert torch.equal(torch.cat(views, 0).cpu(), want)
 
 
+def test_a_repeated_cat_launches_its_traced_program(strict):
+    # the second call at the same shapes binds the inputs to the traced multi_copy directly: new values, the
+    # CPU's result; two cats whose flat spans and copies coincide ([2, 3] + [2, 3] on dim 0, [6] + [6]) keep
+    # their own result shapes; non-contiguous inputs of a planned shape and a dtype= call take the checked path
+    from torchneuron.ops import indexing
+    from torchneuron.runtime import profiler
+    for seed in (1, 2, 3):
+        torch.manual_seed(seed)
+        for shapes, dim in ((((2, 3), (2, 3)), 0), (((6,), (6,)), 0), (((2, 3), (2, 5), (2, 1)), 1),
+                            ((((),) * 5), None)):
+            cpu = [torch.randn(s) for s in shapes]
+            with profiler.record() as records:
+                got = torch.stack([to_n(t) for t in cpu]) if dim is None else torch.cat([to_n(t) for t in cpu], dim)
+            want = torch.stack(cpu) if dim is None else torch.cat(cpu, dim)
+            assert len(records) == 1 and got.shape == want.shape and torch.equal(got.cpu(), want)
+    assert any(key[3] == ((2, 3), (2, 3)) for key in indexing._cat_plans)
+    for _ in range(2):     # inputs without elements: nothing to copy, no plan
+        got = torch.cat([to_n(torch.randn(0, 3)), to_n(torch.randn(0, 2))], 1)
+        assert got.shape == (0, 5) and got.device.type == "neuron"
+    for seed in (1, 2):    # int64 moves as int32 words: the checked path, every time
+        words = [torch.randint(-2 ** 40, 2 ** 40, (1, 1), generator=torch.Generator().manual_seed(seed + k))
+                 for k in range(3)]
+        assert torch.equal(torch.cat([to_n(w) for w in words], -1).cpu(), torch.cat(words, -1))
+    base = torch.randn(3, 2)
+    assert torch.equal(torch.cat([to_n(base).t(), to_n(base).t()], 0).cpu(), torch.cat([base.t(), base.t()], 0))
+    halves = [torch.randn(2, 3), torch.randn(2, 3)]
+    got = torch.cat([to_n(h) for h in halves], 0, out=to_n(torch.empty(4, 3, dtype=torch.float64)))
+    assert got.dtype == torch.float64 and torch.equal(got.cpu(), torch.cat(halves, 0).double())
+    with pytest.raises(RuntimeError, match="zero-dimensional"):    # the CPU's checks still run for new shapes
+        torch.cat([to_n(torch.randn(())), to_n(torch.randn(()))])
+
+
+def test_embedding_backward_reads_the_row_numbers_table(strict):
+    # the one-hot rows compare with a table of row numbers uploaded once per (device, rows): two calls, the
+    # CPU's gradients, no iota launch the second time
+    from torchneuron.runtime import profiler
+    for idx in (torch.tensor([[3, 0, 3], [10, 2, 0]]), torch.tensor([1, 1, 10, 4], dtype=torch.int32)):
+        w = W.clone().requires_grad_()
+        wn = to_n(W).requires_grad_()
+        g = torch.randn(*idx.shape, W.shape[1])
+        F.embedding(idx, w).backward(g)
+        with profiler.record() as records:
+            F.embedding(to_n(idx), wn).backward(to_n(g))
+        assert not any(r.name == "iota" for r in records)
+        torch.testing.assert_close(wn.grad.cpu(), w.grad)
+
+
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 @pytest.mark.parametrize("padding_idx", [None, 4])
 @pytest.mark.parametrize("include_last_offset", [False, True])

@@ -31,7 +31,7 @@ from torchneuron.kernels.transpose import permute_kernel
 from torchneuron.kernels import tilemath
 from torchneuron.ops.base import (DEVICE_DTYPES, HALF_FLOATS, resize_out, rounded_scalar, storage_span, type_name,
                                   Unsupported)
-from torchneuron.ops.kernel_call import call_kernel, scalar_operand, traced_kernel
+from torchneuron.ops.kernel_call import call_kernel, launch_traced, scalar_operand, traced_kernel
 from torchneuron.runtime.launch import launch_slots, slot_layout
 
 Number = (int, float, bool)
@@ -156,12 +156,14 @@ def device_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
                 {"dst_view": (0, sizes, dstr), "src_view": (0, sizes, sstr)}, op="aten::copy_")
 
 
-def copy_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def copy_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple | None:
     """``dst[...] = src`` for each (dst, src) pair, the dsts being non-overlapping views of one tensor and
-    every src of the dsts' dtype: one ``multi_copy`` launch (``torch.cat`` of many inputs)."""
+    every src of the dsts' dtype: one ``multi_copy`` launch (``torch.cat`` of many inputs). Returns the launch's
+    ``traced_kernel`` and its inputs by slot name (``dst``: the dsts' span, ``src<i>``: pair i's source span),
+    None when nothing was copied."""
     parts = [(d, s.expand(d.shape)) for d, s in parts if d.numel()]
     if not parts:
-        return
+        return None
     base = parts[0][0]
     start = min(d.storage_offset() for d, _ in parts)
     end = max(d.storage_offset() + sum((n - 1) * st for n, st in zip(d.shape, d.stride())) for d, _ in parts)
@@ -181,7 +183,9 @@ def copy_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         scale = d.dtype.itemsize // 4 if words else 1
         inputs[f"src{i}"] = sspan
         views.append(((scale * (d.storage_offset() - start), sizes, dstr), (0, sizes, sstr)))
-    call_kernel(multi_copy(len(parts)), inputs, {"views": tuple(views)}, op="aten::cat")
+    traced = traced_kernel(multi_copy(len(parts)), inputs, {"views": tuple(views)})
+    launch_traced(traced, inputs, op="aten::cat")
+    return traced, inputs
 
 
 def write_result(res: torch.Tensor, out: torch.Tensor | None, warn_resize: bool = True) -> torch.Tensor:

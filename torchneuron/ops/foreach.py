@@ -18,15 +18,17 @@ import torch
 from torchneuron.kernels.foreach import foreach_kernel, foreach_sum_kernel, operand_name
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, FLOATS, HALF_FLOATS, rounded_scalar
-from torchneuron.ops.kernel_call import call_kernel, host_operand, launch_traced, traced_kernel
+from torchneuron.ops.kernel_call import (call_kernel, host_operand, launch_traced, scalar_operand,
+                                         traced_kernel)
 from torchneuron.ops.pointwise import UNARY_FLOAT, UNARY_SAME
 from torchneuron.ops.registry import lowering
-from torchneuron.runtime.launch import launch_slots
+from torchneuron.runtime.launch import launch_slots, slot_layout
 
 MAX_GROUPS = 64  # tensors per launch: longer lists are cut into launches of this many
 
-# (kernel, device index, tile function, result dtype, lists' dtype, shapes, scalar operands' dtypes) ->
-# (program, per group its operands' slot positions, per group its output's slot position)
+# (kernel, device index, tile function, result dtype, lists' dtype, shapes, scalar operands' dtypes, in place) ->
+# (program, per slot the (operand position, group) it binds (position 1 + arity: the group's result; None: a
+# result the launch allocates), the launch's slot layout (None in place), the result slots in group order)
 _plans: dict[tuple, tuple] = {}
 
 
@@ -42,9 +44,17 @@ def _fusable(lists: Sequence[Sequence[torch.Tensor]]) -> bool:
     device, dtype = first[0].device, first[0].dtype
     if device.type != "neuron" or dtype not in FLOATS:
         return False
-    return all(len(lst) == len(first) and all(
-        t.device == device and t.dtype == dtype and t.shape == s.shape and t.is_contiguous()
-        for t, s in zip(lst, first)) for lst in lists)
+    # (an int device index is cheaper to read than a device: with no other accelerator in the process, a tensor
+    # of index ``device.index`` is a neuron tensor, a CPU one's being -1)
+    index = device.index
+    shapes = [t.shape for t in first]
+    for lst in lists:
+        if len(lst) != len(shapes):
+            return False
+        for t, shape in zip(lst, shapes):
+            if t.dtype != dtype or not t.is_contiguous() or t.get_device() != index or t.shape != shape:
+                return False
+    return True
 
 
 def _real(v: Any) -> float:
@@ -53,10 +63,15 @@ def _real(v: Any) -> float:
     return float(v)
 
 
-def _scalars(values: Sequence[Any], device: torch.device) -> list[torch.Tensor]:
+def _scalars(values: Sequence[Any], device: torch.device) -> tuple[torch.Tensor, ...]:
     """One (1, 1) fp32 device operand per value, from one device buffer written in one transfer."""
     buf = host_operand(torch.tensor([[_real(v)] for v in values], dtype=torch.float32), torch.float32, device)
-    return [buf[i:i + 1] for i in range(len(values))]
+    return buf.split(1)
+
+
+def _shared_scalar(value: Any, device: torch.device) -> torch.Tensor:
+    """A number as a (1, 1) fp32 device operand (rounded to fp32 as ``_scalars`` rounds it)."""
+    return scalar_operand(_real(value), torch.float32, device)
 
 
 def _operand(o: Any, device: torch.device) -> Any:
@@ -95,52 +110,61 @@ def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inp
     device, dtype = self[0].device, result_dtype or self[0].dtype
     if not _fusable([self] + [o for o in operands if isinstance(o, list)]):
         raise _Loop
-    fixed = {}
+    # per operand position, the tensors of every group (a scalar operand is one (1, 1) tensor per group)
+    columns: list[Sequence[torch.Tensor]] = [self]
     kinds = ["full"]
-    for j, o in enumerate(operands):
+    for o in operands:
         if isinstance(o, tuple):
-            fixed[j] = _scalars(o, device)
+            columns.append(_scalars(o, device))
             kinds.append("each")
         elif not isinstance(o, list):
             o = _operand(o, device)
-            fixed[j] = [o if isinstance(o, torch.Tensor) else _scalars([o], device)[0]] * len(self)
+            columns.append([o if isinstance(o, torch.Tensor) else _shared_scalar(o, device)] * len(self))
             kinds.append("shared")
         else:
+            columns.append(o)
             kinds.append("full")
-    results = list(self) if inplace else [torch.empty_like(t, dtype=dtype) for t in self]
+    # in place the results are self; else each group's is allocated by its launch (a list's empty tensors here)
+    results = list(self) if inplace else [torch.empty_like(t, dtype=dtype) if not t.numel() else None for t in self]
+    columns.append(results)
     live = [i for i, t in enumerate(self) if t.numel()]
     index = device.index
+    scalar_dtypes = tuple(c[0].dtype for c, k in zip(columns, kinds) if k != "full")
     for lo in range(0, len(live), MAX_GROUPS):
         chunk = live[lo:lo + MAX_GROUPS]
         kernel = foreach_kernel(len(chunk), 1 + len(operands), tuple(kinds))
         # what the trace depends on (the lists share self's shapes and dtype; scalars are (1, 1) operands)
-        key = (kernel, index, fn, dtype, self[0].dtype, tuple(self[i].shape for i in chunk),
-               tuple(fixed[j][chunk[0]].dtype for j in sorted(fixed)))
+        key = (kernel, index, fn, dtype, self[0].dtype, tuple(self[i].shape for i in chunk), scalar_dtypes, inplace)
         plan = _plans.get(key)
         if plan is not None:
-            # a traced program: its slots filled in order, each tensor bound as it is (contiguous, the slot's
-            # element count), without the per-tensor views and name lookups of call_kernel
-            program, inputs_at, outputs_at = plan
-            tensors = [None] * len(program.args)
-            for k, i in enumerate(chunk):
-                at = inputs_at[k]
-                tensors[at[0]] = self[i]
-                for j, o in enumerate(operands):
-                    tensors[at[j + 1]] = fixed[j][i] if j in fixed else o[i]
-                tensors[outputs_at[k]] = results[i]
-            launch_slots(program, tensors, index, op)
+            # a traced program: each slot filled from its (operand position, group) in one pass, each tensor
+            # bound as it is (contiguous, the slot's element count), without the views and name lookups of
+            # call_kernel; unbound results are allocated by the launch in their tensors' shapes
+            program, slot_sources, layout, result_slots = plan
+            tensors = launch_slots(program, [None if src is None else columns[src[0]][chunk[src[1]]]
+                                             for src in slot_sources], index, op, layout)
+            if not inplace:
+                for k, at in enumerate(result_slots):
+                    results[chunk[k]] = tensors[at]
             continue
+        if not inplace:
+            for i in chunk:
+                results[i] = torch.empty_like(self[i], dtype=dtype)
         inputs = {}
         for k, i in enumerate(chunk):
-            inputs[operand_name(k, 0)] = self[i].view(1, -1)
-            for j, o in enumerate(operands):
-                inputs[operand_name(k, j + 1)] = fixed[j][i] if j in fixed else o[i].view(1, -1)
+            for j, kind in enumerate(kinds):
+                t = columns[j][i]
+                inputs[operand_name(k, j)] = t.view(1, -1) if kind == "full" else t
         meta = {"fn": fn, "out_dtype": dtype}
         traced = traced_kernel(kernel, inputs, meta)
         launch_traced(traced, inputs, [results[i].view(1, -1) for i in chunk], op, index)
         program, out_slots, order = traced
-        _plans[key] = (program, [[order.index(operand_name(k, j)) for j in range(1 + len(operands))]
-                                 for k in range(len(chunk))], [order.index(s) for s in out_slots])
+        where = {operand_name(k, j): (j, k) for k in range(len(chunk)) for j in range(len(kinds))}
+        where.update({s: (len(kinds), k) for k, s in enumerate(out_slots)})
+        # in place each result slot binds its self tensor; else the launch allocates it in its tensor's shape
+        sources = tuple(None if not inplace and n in out_slots else where[n] for n in order)
+        layout = None if inplace else slot_layout(program, {s: tuple(self[i].shape) for s, i in zip(out_slots, chunk)})
+        _plans[key] = (program, sources, layout, tuple(order.index(s) for s in out_slots))
     return None if inplace else results
 
 
@@ -165,7 +189,9 @@ def _register(overload: str, build: Callable, each: Callable, at_dtype: bool = F
         except _Loop:
             out = [each(call, i, t, *args, **kwargs) for i, t in enumerate(self)]
             return None if inplace else out
-    lowering("_foreach_" + overload)(kernel)
+    # complex operands take the per-tensor loop (``_fusable`` and ``_real`` refuse them), each op then lowering
+    # or falling back on its own: no check of every tensor before the kernel runs
+    lowering("_foreach_" + overload, complex_operands=True)(kernel)
 
 
 def _alpha(fn: Callable, scaled: Callable | None, alpha: Any) -> tuple[Callable, list]:
@@ -225,7 +251,7 @@ for _packet in ("lerp", "lerp_"):
               lambda call, i, t, e, w: call(t, e[i], w[i]))
 
 
-@lowering("_foreach_norm.Scalar")
+@lowering("_foreach_norm.Scalar", complex_operands=True)
 def foreach_norm(self: list, ord: Any = 2, dtype: torch.dtype | None = None) -> list:
     """``_foreach_norm`` (``clip_grad_norm_``): for the 2-norm, three multi-tensor launches (squares,
     sums, square roots) computing what ``linalg_vector_norm`` computes per tensor, bit for bit."""

@@ -5,7 +5,7 @@
   is moved first. int64 indices are read as the low words of their int32 pairs.
 - ``embedding_dense_backward`` sums gradient rows per index as a one-hot matrix product on
   TensorE: ``onehot(indices)^T @ grad`` (fp32 accumulation, rows summed in index order, as the
-  CPU kernel does); the one-hot matrix is built from ``arange`` and a comparison.
+  CPU kernel does); the one-hot matrix is built from the row numbers (a table uploaded once) and a comparison.
 - ``arange`` is GpSimd's iota then ``start + i * step`` element-wise (int64 results widened).
 - ``tril``/``triu`` keep elements by comparing column - row with the diagonal (iota-built).
 - ``cat`` copies each input into its slice of the output with the strided DMA kernel.
@@ -29,10 +29,11 @@ from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows, index_rows, 
 from torchneuron.kernels.scan import scan_rows
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import aten, DEVICE_DTYPES, FLOATS, raise_like_cpu, type_name, Unsupported
+from torchneuron.ops.base import aten, DEVICE_DTYPES, device_table, FLOATS, raise_like_cpu, type_name, Unsupported
 from torchneuron.ops.elementwise import can_copy, copy_parts, dense, device_copy, run_pointwise
 from torchneuron.ops.kernel_call import call_kernel
 from torchneuron.ops.registry import lowering, register_out
+from torchneuron.runtime.launch import launch_slots
 
 
 def index_words(index: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -224,6 +225,11 @@ for _name, _lower in (("tril", True), ("tril_", True), ("triu", False), ("triu_"
     _triangle(_name, _lower)
 
 
+def _row_ids(n: int) -> torch.Tensor:
+    """int32 [[0], [1], ..., [n - 1]]: the weight rows a one-hot matrix compares indices with."""
+    return torch.arange(n, dtype=torch.int32).reshape(n, 1)
+
+
 @lowering("embedding_dense_backward")
 def embedding_dense_backward(grad_output: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int,
                              scale_grad_by_freq: bool) -> torch.Tensor:
@@ -235,10 +241,33 @@ def embedding_dense_backward(grad_output: torch.Tensor, indices: torch.Tensor, n
         raise Unsupported
     words, stride = index_words(indices)
     idx = words if stride == 1 else words.view(n, 2)[:, 0]
-    ids = arange_values(num_weights, grad_output.device).reshape(num_weights, 1)
+    ids = device_table(grad_output.device, _row_ids, num_weights)   # uploaded once, not an iota launch each call
     onehot = run_pointwise(tm.onehot_rows, [ids, idx.reshape(1, n), padding_idx], KIND.DEFAULT,
                            result_dtype=grad_output.dtype, op="aten::embedding_dense_backward")
     return onehot @ grad_output.reshape(n, D)
+
+
+# (device, dtype, dim, the inputs' shapes) -> (program, per slot: 0 for the result, i + 1 for input i, the result's
+# shape), for inputs that are contiguous, non-empty and of one dtype: a repeated cat (``torch.stack`` of the
+# per-tensor norms in ``clip_grad_norm_``) launches its traced program without the checks, views and spans
+# (~12 us an input)
+_cat_plans: dict[tuple, tuple[Any, tuple[int, ...], tuple[int, ...]]] = {}
+_CAT_PLAN_LIMIT = 1024   # plans kept before the cache starts over
+
+
+def _cat_key(ts: list, dim: int) -> tuple | None:
+    """``_cat_plans``' key of a call, or None where its inputs are not all contiguous, non-empty neuron tensors of
+    one device dtype (another, int64, moves as int32 words: its slots do not bind the tensors) on one device."""
+    first = ts[0]
+    device, dtype = first.device, first.dtype
+    if device.type != "neuron" or dtype not in DEVICE_DTYPES:
+        return None
+    shapes = []
+    for t in ts:
+        if t.device != device or t.dtype != dtype or not t.is_contiguous() or not t.numel():
+            return None
+        shapes.append(tuple(t.shape))
+    return device.index, dtype, dim, tuple(shapes)
 
 
 @lowering("cat")
@@ -247,6 +276,14 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, dtype: torch.dtype | N
     dtype, where it is not the inputs' promoted one (``cat.out`` writes an ``out=`` tensor's dtype: each input
     is cast into it directly, as the CPU casts it, refused where the promoted dtype cannot be cast to it)."""
     ts = list(tensors)
+    key = _cat_key(ts, dim) if ts and dtype in (None, ts[0].dtype) else None
+    plan = _cat_plans.get(key) if key is not None else None
+    if plan is not None:   # these shapes passed the checks below before, and ran as one multi_copy launch
+        program, order, shape = plan
+        out = torch.empty(shape, dtype=key[1], device=ts[0].device)
+        args = [out, *ts]
+        launch_slots(program, [args[k] for k in order], key[0], "aten::cat")
+        return out
     dev = ts[0].device if ts else None
     live = [t for t in ts if not (t.dim() == 1 and t.numel() == 0)]   # legacy empty inputs are skipped
     if not ts or any(t.device != dev for t in ts) or dev.type != "neuron":
@@ -286,7 +323,14 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, dtype: torch.dtype | N
             parts.append((out.narrow(d, o, n), t))
         o += n
     if len(parts) > 1 and all(t.dtype == out.dtype for _, t in parts):
-        copy_parts(parts)      # one launch for all the inputs
+        copied = copy_parts(parts)      # one launch for all the inputs (none when every part is empty)
+        if copied is not None and key is not None and len(parts) == len(ts):
+            traced, _ = copied
+            # the result and every input are bound whole (contiguous, each part non-empty): keep the plan
+            program, _, names = traced
+            if len(_cat_plans) > _CAT_PLAN_LIMIT:
+                _cat_plans.clear()
+            _cat_plans[key] = (program, tuple(0 if n == "dst" else int(n[3:]) + 1 for n in names), tuple(shape))
     else:
         for dst, t in parts:
             device_copy(dst, t)
