@@ -290,3 +290,32 @@ def test_updated_inputs_read_elsewhere_or_strided_are_copied_after_their_readers
     _momentum_step(p.t(), m, g.t())
     torch.testing.assert_close(mn.cpu(), m, rtol=0, atol=0)
     _assert_step_close(pn.cpu(), p, old, m.t())
+
+
+def test_a_program_read_from_disk_keeps_its_checks_and_host_scalars():
+    """What a traced program carries besides its instructions survives the disk cache: the device-side assertion
+    of a bad class target (IndexError from a program read from disk, not a silent loss), and the slot of the host
+    scalars (an AdamW step read from disk updates the parameters as the traced one did, bit for bit)."""
+    x, t = torch.randn(16, 10), torch.randint(0, 10, (16,))
+    bad = t.clone()
+    bad[3] = 10
+    ps = [torch.randn(40, 3), torch.randn(7)]
+    results = []
+    for run in range(2):   # traced, then read from disk (the in-memory cache and Dynamo's emptied in between)
+        clear_cache()
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda a, b: F.cross_entropy(a, b), backend="neuron")
+        compiled(x.to("neuron"), t.to("neuron"))
+        with pytest.raises(IndexError, match="Target out of bounds"):
+            compiled(x.to("neuron"), bad.to("neuron"))
+        params = [p.to("neuron").requires_grad_() for p in ps]
+        opt = torch.optim.AdamW([{"params": params[:1], "lr": 1e-2}, {"params": params[1:], "lr": 3e-3}])
+        step = torch.compile(opt.step, backend="neuron")
+        for k in range(2):
+            for p in params:
+                p.grad = torch.full_like(p, 0.5 + k)
+            step()
+        results.append([p.detach().cpu() for p in params])
+    assert cache_stats["disk_hits"] > 0
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

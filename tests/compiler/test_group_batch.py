@@ -16,7 +16,9 @@ SHAPES = [(5,), (64,), (300, 70), (129, 3), (1000,), (64, 64), (700, 300)]
 def _adamw_runs(params, grads, dtype=torch.float32) -> tuple[list, list, int]:
     """Parameters and second moments after one compiled AdamW step per gradient list; the program's instructions."""
     ps = [p.to("neuron", dtype).requires_grad_() for p in params]
-    opt = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+    # two learning rates (no weight decay, which would make the groups' constants differ): each parameter's
+    # bias-corrected step size, a host scalar, differs from its neighbour's
+    opt = torch.optim.AdamW([{"params": ps[0::2], "lr": 1e-2}, {"params": ps[1::2], "lr": 3e-3}], weight_decay=0.0)
     step = torch.compile(opt.step, backend="neuron")
     for gs in grads:
         for p, g in zip(ps, gs):
@@ -35,8 +37,8 @@ def test_packed_adamw_step_equals_one_pass_per_parameter_bit_for_bit(dtype, tmp_
     grads[1][6][-1, -3:] = torch.tensor([3e38, -3e38, 1e-40])                    # near fp32's max, a subnormal
     runs = []
     real = group_batch.packed_stream
-    monkeypatch.setattr(group_batch, "packed_stream", lambda fn, operands, *a: runs.append(len(operands))
-                        or real(fn, operands, *a))
+    monkeypatch.setattr(group_batch, "packed_stream", lambda fn, operands, *a, **kw: runs.append(len(operands))
+                        or real(fn, operands, *a, **kw))
     packed = _adamw_runs(params, grads, dtype)
     assert runs == [len(SHAPES)]   # (traced once: the second step reuses the program)
     torch._dynamo.reset()
@@ -55,8 +57,8 @@ def test_consecutive_groups_pack_and_a_dependent_group_does_not(monkeypatch):
     rounds once in fp32, as the CPU's)."""
     runs = []
     real = group_batch.packed_stream
-    monkeypatch.setattr(group_batch, "packed_stream", lambda fn, operands, *a: runs.append(len(operands))
-                        or real(fn, operands, *a))
+    monkeypatch.setattr(group_batch, "packed_stream", lambda fn, operands, *a, **kw: runs.append(len(operands))
+                        or real(fn, operands, *a, **kw))
 
     def fn(a, b):
         d = b * 2 + 1

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torchneuron.compiler.codegen import InputSig, OutputLayout, SegmentProgram
+from torchneuron.compiler.codegen import Check, InputSig, OutputLayout, SegmentProgram
 from torchneuron.compiler.partition import Plan, Segment
 from torchneuron.sim import Program
 
@@ -120,7 +120,8 @@ def store(key: str, prog: SegmentProgram) -> None:
     if path is None:
         return
     payload = json.dumps({"program": base64.b64encode(prog.program.to_bytes()).decode(),
-                          "inputs": prog.input_slots,
+                          "inputs": prog.input_slots, "host_scalars": list(prog.host_scalars),
+                          "checks": [[c.slot, c.error, c.message] for c in prog.checks],
                           "outputs": [[o.slot, list(o.shape), list(o.stride), o.offset,
                                        None if o.dtype is None else str(o.dtype).removeprefix("torch."), o.scalar]
                                       for o in prog.outputs]}).encode()
@@ -162,6 +163,7 @@ def _read(path: Path) -> SegmentProgram | None:
         program = Program.from_bytes(base64.b64decode(doc["program"]))
         outputs = [OutputLayout(s, tuple(sh), tuple(st), off, None if dt is None else getattr(torch, dt), sc)
                    for s, sh, st, off, dt, sc in doc["outputs"]]
-        return SegmentProgram(program, list(doc["inputs"]), outputs)
+        return SegmentProgram(program, list(doc["inputs"]), outputs, checks=tuple(Check(*c) for c in doc["checks"]),
+                              host_scalars=tuple(doc["host_scalars"]))
     except Exception:  # noqa: BLE001 (whatever fails to decode is rebuilt, never trusted)
         return None

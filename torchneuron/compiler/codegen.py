@@ -103,6 +103,7 @@ class SegmentProgram:
     outputs: list[OutputLayout]
     buffer_bytes: int = 0                # the intermediates' bytes before the memory plan packed them
     checks: tuple = ()                   # Check per device-side assertion, read after each launch
+    host_scalars: tuple = ()             # segment inputs (CPU fp32 0-d tensors) bound together in slot HOST_SCALARS
 
     @cached_property
     def slot_index(self) -> dict[str, int]:
@@ -122,6 +123,7 @@ class _Body:
         # optimizer step's groups share their betas, learning rate and eps)
         self.consts: dict = {}
         self.written_in_place: dict[fx.Node, fx.Node] = {}   # a group's result -> the graph input it was stored in
+        self.host_scalars = host_scalars(seg, sigs)
 
     def check(self, count: Any, error: str, message: str) -> None:
         """A lowering's device-side assertion: raise ``error(message)`` after the launch if ``count`` (an HBM
@@ -130,11 +132,14 @@ class _Body:
 
     def __call__(self, **slots: Any) -> tuple:
         env: dict[fx.Node, Any] = {}
+        self.scalar_slot = slots.get(HOST_SCALARS)
         for i, (node, sig) in enumerate(zip(self.seg.inputs, self.sigs)):
             if sig.shape is None:
                 env[node] = sig.scalar
             elif not bindable(sig):
                 env[node] = HostTensor(sig.shape, sig.dtype)
+            elif i in self.host_scalars:   # one element of the slot all such scalars share
+                env[node] = strided_value(self.scalar_slot, (), offset=self.host_scalars.index(i))
             else:
                 env[node] = strided_value(slots[f"in{i}"], sig.shape, sig.stride, dtype=sig.dtype)
         self.env = env
@@ -321,7 +326,11 @@ class _Body:
                       for g, ds in zip(groups, dests)]
         fn = self._group_fn(g0, [g0.inputs[i] for i in pos])
         dtypes = tuple(o.meta["val"].dtype for o in g0.outputs)
-        results = group_batch.packed_stream(fn, operands, kinds, dtypes, flat_dests)
+        scalars = [[vals[i] for i, kd in zip(pos, kinds) if kd == "scalar"] for vals in values]
+        table = None
+        if "scalar" in kinds and all(v.buf is self.scalar_slot for vs in scalars for v in vs):
+            table = (self.scalar_slot, [[v.layout.storage_offset() for v in vs] for vs in scalars])
+        results = group_batch.packed_stream(fn, operands, kinds, dtypes, flat_dests, table=table)
         for g, ds, outs in zip(groups, dests, results):
             for o, d, buf in zip(g.outputs, ds, outs):
                 if d is not None:
@@ -417,7 +426,7 @@ def trace_segment(plan: Plan, seg: Segment, sigs: list[InputSig], spec: ChipSpec
     body = _Body(plan, seg, sigs)
     params, kwargs, slots = [], {}, []
     for i, sig in enumerate(sigs):
-        if sig.shape is None or not bindable(sig):
+        if sig.shape is None or not bindable(sig) or i in body.host_scalars:
             slots.append(None)
             continue
         n = f"in{i}"
@@ -426,6 +435,9 @@ def trace_segment(plan: Plan, seg: Segment, sigs: list[InputSig], spec: ChipSpec
         kwargs[n] = torch.empty((words * max(sig.span, 1),), dtype=torch.int32 if words == 2 else sig.dtype,
                                 device="meta")
         slots.append(n)
+    if body.host_scalars:
+        params.append(inspect.Parameter(HOST_SCALARS, inspect.Parameter.KEYWORD_ONLY))
+        kwargs[HOST_SCALARS] = torch.empty((len(body.host_scalars),), dtype=torch.float32, device="meta")
 
     def kernel(**kw):
         return body(**kw)
@@ -447,7 +459,19 @@ def trace_segment(plan: Plan, seg: Segment, sigs: list[InputSig], spec: ChipSpec
         else:
             outs.append(OutputLayout(None, scalar=v))
     checks = tuple(Check(next(returned), error, message) for _, error, message in body.checks)
-    return SegmentProgram(program, slots, outs, memory.buffer_bytes, checks)
+    return SegmentProgram(program, slots, outs, memory.buffer_bytes, checks, body.host_scalars)
+
+
+HOST_SCALARS = "host_scalars"
+
+
+def host_scalars(seg: Segment, sigs: list[InputSig]) -> tuple[int, ...]:
+    """The segment inputs that are CPU fp32 0-d tensors (an optimizer's per-parameter bias corrections), when there
+    are several: the host copies them to the device together, as one slot, and a program reads several in one DMA."""
+    found = tuple(i for i, (node, sig) in enumerate(zip(seg.inputs, sigs))
+                  if sig.shape == () and sig.dtype == torch.float32
+                  and getattr(node.meta.get("val"), "device", None) == torch.device("cpu"))
+    return found if len(found) > 1 else ()
 
 
 def bindable(sig: InputSig) -> bool:

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from torchneuron import _C, runtime
 from torchneuron.compiler import cache
-from torchneuron.compiler.codegen import SegmentProgram, signature, trace_segment
+from torchneuron.compiler.codegen import HOST_SCALARS, SegmentProgram, signature, trace_segment
 from torchneuron.compiler.memory_plan import ARENA
 from torchneuron.compiler.partition import Plan, Segment, partition, tensor_values
 from torchneuron.compiler.report import GraphReport, dump_graph, dump_segment
@@ -131,6 +131,8 @@ class CompiledGraph:
                 t = v if v.device.type == "neuron" else _scalar_to_device(v, device)
                 t = t.as_strided((max(sig.span, 1),), (1,), t.storage_offset())   # its storage span
                 tensors[index[slot]] = t.view(torch.int32) if t.dtype == torch.int64 else t   # int64: its words
+        if prog.host_scalars:   # CPU 0-d operands, written to the device together
+            tensors[index[HOST_SCALARS]] = _scalars_to_device([values[i] for i in prog.host_scalars], device)
         arena = index.get(ARENA)
         if arena is not None:   # the planned intermediates: one device allocation per call
             slot = prog.program.args[arena]
@@ -213,4 +215,11 @@ def _scalar_to_device(v: torch.Tensor, device: torch.device) -> torch.Tensor:
     operands are: no kernel launch)."""
     t = torch.empty((), dtype=v.dtype, device=device)
     _C._alias_as_cpu(t).copy_(v)
+    return t
+
+
+def _scalars_to_device(vs: list, device: torch.device) -> torch.Tensor:
+    """CPU fp32 0-d operands written straight into one device vector (one host-to-device transfer)."""
+    t = torch.empty((len(vs),), dtype=torch.float32, device=device)
+    _C._alias_as_cpu(t).copy_(torch.stack(vs))
     return t

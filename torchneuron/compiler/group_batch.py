@@ -29,6 +29,7 @@ from torchneuron.kernels._common import PMAX, alternating_elementwise, check_sbu
 from torchneuron.kernels.elementwise import NBUF, _widen
 
 ROW_BYTES = 2048      # fp32 row of a packed tile: 512 elements, 2 KiB DMA descriptors (~89 % of an engine's peak)
+MAX_TABLE_BYTES = 16384   # per partition: a larger vector of scalars is read column by column instead
 MIN_TILES = 2         # rows narrowed (to 256 elements at least) until the tensors fill this many tiles, so one
                       # tile's loads overlap another's math
 
@@ -101,12 +102,15 @@ def layout(sizes: list[int], f: int) -> list[list[Piece]]:
 
 
 def packed_stream(fn: Callable, operands: list[list], kinds: list[str], dtypes: tuple, dests: list[tuple],
-                  compute=nl.float32) -> list[tuple]:
+                  compute=nl.float32, table: tuple | None = None) -> list[tuple]:
     """``fn`` (tiles in operand order -> a tuple of result tiles) over every group's operands in one pass.
 
     ``operands[j]``: group j's tensor operands, each a flat HBM tensor: [n_j] where ``kinds`` says "full",
     [1, 1] where "scalar". ``dests[j]``: per result, an [n_j] HBM tensor to store it in, or None (a new
-    buffer of that result's dtype). Returns per group its result tensors."""
+    buffer of that result's dtype). ``table``: (an fp32 HBM vector, per group the offset of each of its
+    "scalar" operands in it) when all of them lie in that one vector: it is loaded once on every partition and
+    each column is copied from it (ScalarE, otherwise idle here) instead of loaded by a DMA per tensor and tile.
+    Returns per group its result tensors."""
     full = [i for i, k in enumerate(kinds) if k == "full"]
     sizes = [ops[full[0]].shape[0] for ops in operands]
     f = row_width(sizes)
@@ -114,6 +118,13 @@ def packed_stream(fn: Callable, operands: list[list], kinds: list[str], dtypes: 
     outs = [tuple(d if d is not None else nl.ndarray((n,), dt, buffer=nl.shared_hbm) for d, dt in zip(ds, dtypes))
             for ds, n in zip(dests, sizes)]
     ring = collections.deque(maxlen=NBUF)         # NBUF tiles' buffers alive: loads of one overlap another's math
+    if table is not None and table[0].shape[0] * 4 <= MAX_TABLE_BYTES:
+        vec, offsets = table
+        n = vec.shape[0]
+        everywhere = nl.ndarray((PMAX, n), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=everywhere, src=vec.reshape((1, n)).broadcast_to((PMAX, n)))
+    else:
+        everywhere = None
     for pieces in layout(sizes, f):
         P = pieces[-1].p0 + pieces[-1].rows
         tiles = []
@@ -125,8 +136,13 @@ def packed_stream(fn: Callable, operands: list[list], kinds: list[str], dtypes: 
                     nisa.dma_copy(dst=x[pc.p0:pc.p0 + pc.rows, 0:pc.width], src=src)
             else:   # one column: each tensor's value on its partitions (its pieces in a tile are adjacent)
                 x = nl.ndarray((P, 1), compute, buffer=nl.sbuf)
+                s = kinds[:i].count("scalar")
                 for j, p0, p1 in _spans(pieces):
-                    nisa.dma_copy(dst=x[p0:p1, :], src=operands[j][i].broadcast_to((p1 - p0, 1)))
+                    if everywhere is None:
+                        nisa.dma_copy(dst=x[p0:p1, :], src=operands[j][i].broadcast_to((p1 - p0, 1)))
+                    else:
+                        k = offsets[j][s]
+                        nisa.tensor_copy(dst=x[p0:p1, :], src=everywhere[p0:p1, k:k + 1], engine=nisa.scalar_engine)
             tiles.append(x)
         ring.append(tiles)
         with alternating_elementwise():

@@ -165,8 +165,11 @@ register_pointwise(aten.sigmoid_backward.default, _binary(tm.sigmoid_backward))
 register_pointwise(aten.tanh_backward.default, _binary(tm.tanh_backward))
 register_pointwise(aten.threshold_backward.default, lambda g, x, t: (tm.threshold_backward, [g, x, t]))
 register_pointwise(aten.leaky_relu.default, lambda x, slope=0.01: (tm.leaky_relu, [x, slope]))
-register_pointwise(aten.addcmul.default, lambda s, a, b, value=1: (tm.addcmul, [s, a, b, value]))
-register_pointwise(aten.addcdiv.default, lambda s, a, b, value=1: (tm.addcdiv, [s, a, b, value]))
+# (value 1: a * 1 is a, bit for bit, so no instruction multiplies by it; an optimizer step's addcmul/addcdiv)
+register_pointwise(aten.addcmul.default, lambda s, a, b, value=1: (
+    (tm.addcmul, [s, a, b, value]) if value != 1 else (lambda s, a, b: nl.add(s, nl.multiply(a, b)), [s, a, b])))
+register_pointwise(aten.addcdiv.default, lambda s, a, b, value=1: (
+    (tm.addcdiv, [s, a, b, value]) if value != 1 else (lambda s, a, b: nl.add(s, nl.divide(a, b)), [s, a, b])))
 register_pointwise(aten.lerp.Scalar, lambda s, e, w: (tm.lerp, [s, e, w]))
 register_pointwise(aten.lerp.Tensor, lambda s, e, w: (tm.lerp, [s, e, w]))
 def _full_like(x: Any, fill_value: Any, **_: Any) -> tuple[Callable, list]:
