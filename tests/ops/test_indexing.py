@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.ops.conftest import to_n
+from torchneuron.runtime import profiler
 
 torch.manual_seed(0)
 W = torch.randn(11, 6)
@@ -250,6 +251,40 @@ def test_a_repeated_cat_launches_its_traced_program(strict):
     assert got.dtype == torch.float64 and torch.equal(got.cpu(), torch.cat(halves, 0).double())
     with pytest.raises(RuntimeError, match="zero-dimensional"):    # the CPU's checks still run for new shapes
         torch.cat([to_n(torch.randn(())), to_n(torch.randn(()))])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.bool,
+                                   torch.int64])
+def test_select_and_slice_backward_embed_the_gradient_in_one_launch(dtype, strict):
+    # zeros of the input's shape with the gradient in the slice, as the CPU's composite writes them (+0.0 around
+    # it; inf/NaN/-0.0/65504 carried exactly); a device dtype in one launch, int64 by ATen's own two steps
+    aten = torch.ops.aten
+    cases = [("select", (3, 128, 32), (0, 1)), ("select", (4, 5), (1, -1)), ("select", (5, 4), (0, 4)),
+             ("select", (0, 3), (1, 2)), ("slice", (4, 6, 3), (1, 2, 5, 1)), ("slice", (70, 64), (0, 0, 67, 1)),
+             ("slice", (8, 3), (1, 0, 0, 1)), ("slice", (6,), (0, -100, 100, 1)), ("slice", (6,), (0, -4, 2**63 - 1, 1)),
+             ("slice", (4, 6, 3), (1, 1, 6, 2)), ("slice", (7, 5), (-2, 4, 2, 1))]
+    for kind, sizes, args in cases:
+        x = torch.zeros(sizes)
+        view = x.select(args[0], args[1]) if kind == "select" else \
+            x[(slice(None),) * (args[0] % x.dim()) + (slice(*args[1:]),)]
+        g = torch.randn(view.shape) * 300
+        if g.numel() >= 4:
+            g.view(-1)[:4] = torch.tensor([float("inf"), float("nan"), -0.0, 65504.0])
+        g = g.to(dtype)
+        op = aten.select_backward if kind == "select" else aten.slice_backward
+        want = op(g, list(sizes), *args)
+        with profiler.record() as records:
+            got = op(to_n(g), list(sizes), *args)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.cpu().view(torch.uint8) if dtype != torch.bool else got.cpu(),
+                           want.view(torch.uint8) if dtype != torch.bool else want)
+        if dtype != torch.int64 and (kind == "select" or args[-1] == 1) and got.numel():
+            assert len(records) == 1
+    w = torch.randn(4, 5, requires_grad=True)           # through autograd: out[:, -1] of a model's output
+    wn = to_n(w.detach()).requires_grad_()
+    (w[:, -1] * torch.arange(4.0)).sum().backward()
+    (wn[:, -1] * to_n(torch.arange(4.0))).sum().backward()
+    assert torch.equal(wn.grad.cpu(), w.grad)
 
 
 def test_embedding_backward_reads_the_row_numbers_table(strict):

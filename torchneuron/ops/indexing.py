@@ -6,8 +6,11 @@
 - ``embedding_dense_backward`` sums gradient rows per index as a one-hot matrix product on
   TensorE: ``onehot(indices)^T @ grad`` (fp32 accumulation, rows summed in index order, as the
   CPU kernel does); the one-hot matrix is built from the row numbers (a table uploaded once) and a comparison.
-- ``arange`` is GpSimd's iota then ``start + i * step`` element-wise (int64 results widened).
-- ``tril``/``triu`` keep elements by comparing column - row with the diagonal (iota-built).
+- ``arange`` is ``start + i * step`` element-wise over the row numbers (a table uploaded once per length, GpSimd's
+  iota beyond 65536), or for 0, 1, ... their copy (int64 results widened).
+- ``tril``/``triu`` keep elements by comparing column - row with the diagonal (from the row numbers).
+- ``select_backward``/``slice_backward`` (the gradient of ``x[:, -1]``, of a fused projection's q/k/v): zeros with
+  the gradient in its slice, as one launch copying the gradient and zero-filling the rest around it.
 - ``cat`` copies each input into its slice of the output with the strided DMA kernel.
 - ``flip`` gathers rows in reversed order along each flipped dim.
 - ``index_rows_launch``: the one-launch core of advanced indexing by integer index tensors
@@ -31,7 +34,7 @@ import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, DEVICE_DTYPES, device_table, FLOATS, raise_like_cpu, type_name, Unsupported
 from torchneuron.ops.elementwise import can_copy, copy_parts, dense, device_copy, run_pointwise
-from torchneuron.ops.kernel_call import call_kernel
+from torchneuron.ops.kernel_call import call_kernel, scalar_operand
 from torchneuron.ops.registry import lowering, register_out
 from torchneuron.runtime.launch import launch_slots
 
@@ -159,6 +162,21 @@ def arange_values(n: int, device: torch.device) -> torch.Tensor:
     return values
 
 
+NUMBERS_TABLE_MAX = 1 << 16   # longest run of row numbers kept as a device table (256 KiB of int32)
+
+
+def _host_numbers(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int32)
+
+
+def row_numbers(n: int, device: torch.device) -> torch.Tensor:
+    """int32 [0, 1, ..., n - 1] on the device, to be read only: a table uploaded once per (device, n) for n up to
+    NUMBERS_TABLE_MAX (no iota launch each call), else ``arange_values``."""
+    if n <= NUMBERS_TABLE_MAX:
+        return device_table(device, _host_numbers, n)
+    return arange_values(n, device)
+
+
 @lowering("arange.start_out")
 def arange_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> torch.Tensor:
     """``torch.arange(start, end, step, out=out)``: iota, then ``start + i * step``."""
@@ -188,7 +206,7 @@ def arange_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> tor
         out.resize_(n)
     if n == 0:
         return out
-    i = arange_values(n, out.device)
+    i = row_numbers(n, out.device)
     if not out.dtype.is_floating_point:
         vals = run_pointwise(tm.add_scaled, [start, i, step], KIND.DEFAULT, op="aten::arange") \
             if (start, step) != (0, 1) else i
@@ -208,8 +226,8 @@ def _triangle(name: str, lower: bool) -> None:
         if self.dtype not in DEVICE_DTYPES or self.numel() == 0:
             raise Unsupported("a dtype the device lacks, or an empty input")
         M, N = self.shape[-2], self.shape[-1]
-        rows = arange_values(M, self.device).reshape(M, 1)
-        cols = arange_values(N, self.device).reshape(1, N)
+        rows = row_numbers(M, self.device).reshape(M, 1)
+        cols = row_numbers(N, self.device).reshape(1, N)
         keep = run_pointwise(tm.tri_keep_lower if lower else tm.tri_keep_upper, [cols, rows, diagonal],
                              KIND.ALWAYS_BOOL, result_dtype=torch.bool, op=f"aten::{packet}")
         zero = False if self.dtype == torch.bool else 0
@@ -225,11 +243,6 @@ for _name, _lower in (("tril", True), ("tril_", True), ("triu", False), ("triu_"
     _triangle(_name, _lower)
 
 
-def _row_ids(n: int) -> torch.Tensor:
-    """int32 [[0], [1], ..., [n - 1]]: the weight rows a one-hot matrix compares indices with."""
-    return torch.arange(n, dtype=torch.int32).reshape(n, 1)
-
-
 @lowering("embedding_dense_backward")
 def embedding_dense_backward(grad_output: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int,
                              scale_grad_by_freq: bool) -> torch.Tensor:
@@ -241,7 +254,7 @@ def embedding_dense_backward(grad_output: torch.Tensor, indices: torch.Tensor, n
         raise Unsupported
     words, stride = index_words(indices)
     idx = words if stride == 1 else words.view(n, 2)[:, 0]
-    ids = device_table(grad_output.device, _row_ids, num_weights)   # uploaded once, not an iota launch each call
+    ids = row_numbers(num_weights, grad_output.device).reshape(num_weights, 1)
     onehot = run_pointwise(tm.onehot_rows, [ids, idx.reshape(1, n), padding_idx], KIND.DEFAULT,
                            result_dtype=grad_output.dtype, op="aten::embedding_dense_backward")
     return onehot @ grad_output.reshape(n, D)
@@ -339,6 +352,49 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, dtype: torch.dtype | N
 
 # the CPU writes each input into the out= tensor cast to its dtype: the functional kernel makes the result in it
 register_out("cat.out", cat, dtype_from_out=True)
+
+
+def _zeros_around(grad: torch.Tensor, sizes: Sequence[int], d: int, start: int, end: int) -> torch.Tensor:
+    """Zeros of ``sizes`` holding ``grad`` at [start, end) of dim ``d``: one multi_copy launch writing the gradient
+    and zeros into the parts before and after it (what ``zeros`` then ``copy_`` into the slice write, in two)."""
+    out = torch.empty(sizes, dtype=grad.dtype, device=grad.device)
+    zero = scalar_operand(False if grad.dtype == torch.bool else 0, grad.dtype, grad.device).view(())
+    parts = [(out.narrow(d, 0, start), zero), (out.narrow(d, start, end - start), grad.expand(
+        out.narrow(d, start, end - start).shape)), (out.narrow(d, end, sizes[d] - end), zero)]
+    copy_parts([(dst, src) for dst, src in parts if dst.numel()])
+    return out
+
+
+def _one_launch_embedding(grad: torch.Tensor, sizes: Sequence[int]) -> bool:
+    """Whether ``_zeros_around`` can embed ``grad`` (a device dtype the copies move as they are)."""
+    return grad.device.type == "neuron" and grad.dtype in DEVICE_DTYPES and len(sizes) > 0
+
+
+@lowering("select_backward")
+def select_backward(grad_output: torch.Tensor, input_sizes: Sequence[int], dim: int, index: int) -> torch.Tensor:
+    """The gradient of ``x.select(dim, index)``: zeros of ``x``'s shape with ``grad_output`` at ``index``."""
+    sizes = [int(n) for n in input_sizes]
+    d = canonicalize_dim(len(sizes), dim)
+    i = index + sizes[d] if index < 0 else index
+    if not _one_launch_embedding(grad_output, sizes) or not 0 <= i < sizes[d]:
+        out = torch.zeros(sizes, dtype=grad_output.dtype, device=grad_output.device)   # ATen's own steps
+        out.select(d, index).copy_(grad_output)
+        return out
+    return _zeros_around(grad_output.unsqueeze(d), sizes, d, i, i + 1)
+
+
+@lowering("slice_backward")
+def slice_backward(grad_output: torch.Tensor, input_sizes: Sequence[int], dim: int, start: int, end: int,
+                   step: int) -> torch.Tensor:
+    """The gradient of ``x[..., start:end:step, ...]``: zeros of ``x``'s shape with ``grad_output`` in the slice."""
+    sizes = [int(n) for n in input_sizes]
+    d = canonicalize_dim(len(sizes), dim)
+    if step != 1 or not _one_launch_embedding(grad_output, sizes):
+        out = torch.zeros(sizes, dtype=grad_output.dtype, device=grad_output.device)   # ATen's own steps
+        out[(slice(None),) * d + (slice(start, end, step),)].copy_(grad_output)
+        return out
+    span = range(sizes[d])[start:end]   # the slice's bounds as ATen's slice wraps and clamps them
+    return _zeros_around(grad_output, sizes, d, span.start, max(span.start, span.stop))
 
 
 @lowering("flip")
