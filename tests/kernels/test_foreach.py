@@ -1,8 +1,10 @@
 """kernels/foreach.py: one launch over a list of tensors gives each tensor's element-wise result."""
+import pytest
 import torch
 
 import torchneuron.nki.language as nl
-from torchneuron.kernels.foreach import foreach_kernel, foreach_sum_kernel, operand_name
+
+from torchneuron.kernels.foreach import foreach_kernel, foreach_norm_kernel, operand_name
 
 
 def test_a_binary_op_over_a_list_of_tensors():
@@ -16,8 +18,15 @@ def test_a_binary_op_over_a_list_of_tensors():
         assert torch.equal(out, x * y)          # one fp32 rounding, as the CPU's
 
 
-def test_sums_of_a_list_of_tensors():
-    xs = [torch.randn(1, n) for n in (1, 200, 10000)]
-    sums = foreach_sum_kernel(3)(**{operand_name(i, 0): x for i, x in enumerate(xs)})
-    for s, x in zip(sums, xs):
-        torch.testing.assert_close(s.reshape(()), x.sum(), rtol=1e-5, atol=1e-5 * x.numel() ** 0.5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_norms_of_a_list_of_tensors(dtype):
+    # squares and sums in fp32 (fp16 squares of 40000 do not overflow), each norm rounded once to the dtype: within
+    # n fp32 roundings of the float64 norm, plus the final rounding to the dtype
+    xs = [torch.randn(1, n).to(dtype) for n in (1, 200, 10000)]
+    xs[1][0, :3] = torch.tensor([40000.0, -30000.0, 0.0]).to(dtype) if dtype == torch.float16 else xs[1][0, :3]
+    norms = foreach_norm_kernel(3)(**{operand_name(i, 0): x for i, x in enumerate(xs)}, out_dtype=dtype)
+    eps = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    for got, x in zip(norms, xs):
+        exact = torch.linalg.vector_norm(x.double())
+        assert got.shape == (1, 1) and got.dtype == dtype
+        assert abs(got.double().reshape(()) - exact) <= (x.numel() * 2.0**-24 + eps) * exact

@@ -85,7 +85,7 @@ def test_foreach_norm_is_the_per_tensor_norm(dtype, strict):
     x = [torch.randn(s, device="neuron").to(dtype) for s in [(3, 4), (17,), (2, 300, 5), (1,)]]
     with profiler.record() as records:
         got = torch._foreach_norm(x)
-    assert len(records) == 3
+    assert len(records) == 1                    # squares, sums and square roots in one launch
     for g, t in zip(got, x):
         want = torch.linalg.vector_norm(t)
         # both sum squares in fp32, in their own orders: each within n * u of the float64 norm (as rounding to

@@ -112,21 +112,29 @@ def foreach_kernel(count: int, arity: int, kinds: tuple[str, ...]) -> nki.Kernel
 
 
 @functools.cache
-def foreach_sum_kernel(count: int) -> nki.Kernel:
-    """The kernel summing each of ``count`` flat tensors (arguments ``a0, a1, ...``, each (1, n_i)): one
-    (1, 1) output per tensor, each reduced exactly as ``reduce_kernel`` reduces a whole tensor."""
+def foreach_norm_kernel(count: int) -> nki.Kernel:
+    """The 2-norm of each of ``count`` flat float tensors (arguments ``a0, a1, ...``, each (1, n_i); ``out_dtype``:
+    the norms' dtype), in one launch of the three passes ``_foreach_norm`` would launch one by one: the squares
+    in fp32 as ``foreach_kernel`` packs them (an fp16 sum of squares overflows past 65504), each tensor's sum of
+    its squares as ``reduce_kernel`` sums a whole tensor (both through HBM scratch, the same instructions), and
+    the square roots rounded once to ``out_dtype``. One (1, 1) output per tensor."""
+    from torchneuron.kernels import tilemath as tm
     from torchneuron.kernels.reduction import _reduce_rows
 
     def body(**kw):
-        outs = []
-        for i in range(count):
-            x = kw[operand_name(i, 0)]
-            out = nl.ndarray((1, 1), x.dtype, buffer=nl.shared_hbm)
-            _reduce_rows(x, out, "sum", 1, x.shape[1])
-            outs.append(out)
-        return tuple(outs)
+        xs = [kw[operand_name(i, 0)] for i in range(count)]
+        # VectorE: x * x of every tensor, packed into shared tiles, stored to per-tensor fp32 scratch
+        squares = _packed([[x, x] for x in xs], ("full", "full"), tm.mul, nl.float32)
+        sums = []
+        for sq in squares:   # VectorE: each tensor's sum of squares, reduced as a whole-tensor sum is
+            out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
+            _reduce_rows(sq, out, "sum", 1, sq.shape[1])
+            sums.append(out)
+        # ScalarE: the square roots of the packed sums, rounded to the norms' dtype
+        return _packed([[t] for t in sums], ("full",), tm.sqrt, kw["out_dtype"])
 
     kind = inspect.Parameter.KEYWORD_ONLY
-    body.__signature__ = inspect.Signature([inspect.Parameter(operand_name(i, 0), kind) for i in range(count)])
-    body.__name__ = body.__qualname__ = f"foreach_sum_x{count}"
+    body.__signature__ = inspect.Signature([inspect.Parameter(operand_name(i, 0), kind) for i in range(count)] +
+                                           [inspect.Parameter("out_dtype", kind, default=nl.float32)])
+    body.__name__ = body.__qualname__ = f"foreach_norm_x{count}"
     return nki.jit(body)

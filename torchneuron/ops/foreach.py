@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from torchneuron.kernels.foreach import foreach_kernel, foreach_sum_kernel, operand_name
+from torchneuron.kernels.foreach import foreach_kernel, foreach_norm_kernel, operand_name
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import aten, FLOATS, HALF_FLOATS, rounded_scalar
 from torchneuron.ops.kernel_call import (call_kernel, host_operand, launch_traced, scalar_operand,
@@ -253,16 +253,14 @@ for _packet in ("lerp", "lerp_"):
 
 @lowering("_foreach_norm.Scalar", complex_operands=True)
 def foreach_norm(self: list, ord: Any = 2, dtype: torch.dtype | None = None) -> list:
-    """``_foreach_norm`` (``clip_grad_norm_``): for the 2-norm, three multi-tensor launches (squares,
-    sums, square roots) computing what ``linalg_vector_norm`` computes per tensor, bit for bit."""
+    """``_foreach_norm`` (``clip_grad_norm_``): for the 2-norm, one launch per MAX_GROUPS tensors (squares, sums,
+    square roots: ``kernels.foreach.foreach_norm_kernel``)."""
     if ord != 2 or dtype is not None or not _fusable([self]) or any(t.numel() == 0 for t in self):
         return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in self]
-    # squares and sums in fp32 (an fp16 sum of squares overflows past 65504), the norms rounded once
-    squares = _launch(tm.mul, self, [list(self)], False, "aten::_foreach_norm", torch.float32)
-    sums: list[torch.Tensor] = []
+    norms: list[torch.Tensor] = []
     for lo in range(0, len(self), MAX_GROUPS):
-        chunk = squares[lo:lo + MAX_GROUPS]
-        sums += call_kernel(foreach_sum_kernel(len(chunk)), {operand_name(k, 0): t.view(1, -1)
-                                                              for k, t in enumerate(chunk)},
-                            op="aten::_foreach_norm")
-    return [n.view(()) for n in _launch(tm.sqrt, sums, [], False, "aten::_foreach_norm", self[0].dtype)]
+        chunk = self[lo:lo + MAX_GROUPS]
+        norms += call_kernel(foreach_norm_kernel(len(chunk)), {operand_name(k, 0): t.view(1, -1)
+                                                               for k, t in enumerate(chunk)},
+                             {"out_dtype": self[0].dtype}, op="aten::_foreach_norm")
+    return [n.view(()) for n in norms]
