@@ -257,13 +257,14 @@ def test_a_repeated_cat_launches_its_traced_program(strict):
                                    torch.int64])
 def test_select_and_slice_backward_embed_the_gradient_in_one_launch(dtype, strict):
     # zeros of the input's shape with the gradient in the slice, as the CPU's composite writes them (+0.0 around
-    # it; inf/NaN/-0.0/65504 carried exactly); a device dtype in one launch, int64 by ATen's own two steps
+    # it; inf/NaN/-0.0/65504 carried exactly); a device dtype in one launch, int64 by ATen's own two steps; a
+    # non-contiguous gradient at planned sizes takes the checked path
     aten = torch.ops.aten
     cases = [("select", (3, 128, 32), (0, 1)), ("select", (4, 5), (1, -1)), ("select", (5, 4), (0, 4)),
              ("select", (0, 3), (1, 2)), ("slice", (4, 6, 3), (1, 2, 5, 1)), ("slice", (70, 64), (0, 0, 67, 1)),
              ("slice", (8, 3), (1, 0, 0, 1)), ("slice", (6,), (0, -100, 100, 1)), ("slice", (6,), (0, -4, 2**63 - 1, 1)),
              ("slice", (4, 6, 3), (1, 1, 6, 2)), ("slice", (7, 5), (-2, 4, 2, 1))]
-    for kind, sizes, args in cases:
+    for kind, sizes, args in cases * 2:     # the second time: the traced program launched directly, new values
         x = torch.zeros(sizes)
         view = x.select(args[0], args[1]) if kind == "select" else \
             x[(slice(None),) * (args[0] % x.dim()) + (slice(*args[1:]),)]
@@ -280,6 +281,11 @@ def test_select_and_slice_backward_embed_the_gradient_in_one_launch(dtype, stric
                            want.view(torch.uint8) if dtype != torch.bool else want)
         if dtype != torch.int64 and (kind == "select" or args[-1] == 1) and got.numel():
             assert len(records) == 1
+    g = torch.randn(5, 7)
+    got = aten.slice_backward(to_n(g).t(), [9, 5], 0, 1, 8, 1)
+    assert torch.equal(got.cpu(), aten.slice_backward(g.t(), [9, 5], 0, 1, 8, 1))
+    got = aten.slice_backward(to_n(g.t().contiguous()), [9, 5], 0, 1, 8, 1)
+    assert torch.equal(got.cpu(), aten.slice_backward(g.t(), [9, 5], 0, 1, 8, 1))
     w = torch.randn(4, 5, requires_grad=True)           # through autograd: out[:, -1] of a model's output
     wn = to_n(w.detach()).requires_grad_()
     (w[:, -1] * torch.arange(4.0)).sum().backward()

@@ -156,7 +156,7 @@ def device_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
                 {"dst_view": (0, sizes, dstr), "src_view": (0, sizes, sstr)}, op="aten::copy_")
 
 
-def copy_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple | None:
+def copy_parts(parts: list[tuple[torch.Tensor, torch.Tensor]], op: str = "aten::cat") -> tuple | None:
     """``dst[...] = src`` for each (dst, src) pair, the dsts being non-overlapping views of one tensor and
     every src of the dsts' dtype: one ``multi_copy`` launch (``torch.cat`` of many inputs). Returns the launch's
     ``traced_kernel`` and its inputs by slot name (``dst``: the dsts' span, ``src<i>``: pair i's source span),
@@ -184,7 +184,7 @@ def copy_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple | None:
         inputs[f"src{i}"] = sspan
         views.append(((scale * (d.storage_offset() - start), sizes, dstr), (0, sizes, sstr)))
     traced = traced_kernel(multi_copy(len(parts)), inputs, {"views": tuple(views)})
-    launch_traced(traced, inputs, op="aten::cat")
+    launch_traced(traced, inputs, op=op)
     return traced, inputs
 
 

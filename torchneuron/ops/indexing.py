@@ -354,14 +354,35 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, dtype: torch.dtype | N
 register_out("cat.out", cat, dtype_from_out=True)
 
 
-def _zeros_around(grad: torch.Tensor, sizes: Sequence[int], d: int, start: int, end: int) -> torch.Tensor:
+# (device, dtype, sizes, dim, start, end) -> (program, per slot: 0 the result, 1 the gradient, 2 the zero), for a
+# contiguous gradient: a repeated select/slice backward launches its traced program without the views and spans
+_around_plans: dict[tuple, tuple[Any, tuple[int, ...]]] = {}
+_AROUND_PLAN_LIMIT = 1024   # plans kept before the cache starts over
+
+
+def _zeros_around(grad: torch.Tensor, sizes: Sequence[int], d: int, start: int, end: int, op: str) -> torch.Tensor:
     """Zeros of ``sizes`` holding ``grad`` at [start, end) of dim ``d``: one multi_copy launch writing the gradient
     and zeros into the parts before and after it (what ``zeros`` then ``copy_`` into the slice write, in two)."""
     out = torch.empty(sizes, dtype=grad.dtype, device=grad.device)
     zero = scalar_operand(False if grad.dtype == torch.bool else 0, grad.dtype, grad.device).view(())
-    parts = [(out.narrow(d, 0, start), zero), (out.narrow(d, start, end - start), grad.expand(
-        out.narrow(d, start, end - start).shape)), (out.narrow(d, end, sizes[d] - end), zero)]
-    copy_parts([(dst, src) for dst, src in parts if dst.numel()])
+    key = (grad.device.index, grad.dtype, tuple(sizes), d, start, end) if grad.is_contiguous() else None
+    plan = _around_plans.get(key) if key is not None else None
+    if plan is not None:
+        program, roles = plan
+        tensors = (out, grad, zero)
+        launch_slots(program, [tensors[r] for r in roles], key[0], op)
+        return out
+    parts = [(out.narrow(d, 0, start), 2), (out.narrow(d, start, end - start), 1),
+             (out.narrow(d, end, sizes[d] - end), 2)]
+    parts = [(dst, role) for dst, role in parts if dst.numel()]
+    copied = copy_parts([(dst, grad.expand(dst.shape) if role == 1 else zero) for dst, role in parts], op)
+    if copied is not None and key is not None and tuple(grad.shape) == tuple(out.narrow(d, start, end - start).shape):
+        # the result bound whole (its span starts at element 0 and covers it), the gradient as it is
+        (program, _, names), inputs = copied
+        if inputs["dst"].numel() == out.numel() and inputs["dst"].storage_offset() == out.storage_offset():
+            if len(_around_plans) > _AROUND_PLAN_LIMIT:
+                _around_plans.clear()
+            _around_plans[key] = (program, tuple(0 if n == "dst" else parts[int(n[3:])][1] for n in names))
     return out
 
 
@@ -380,7 +401,7 @@ def select_backward(grad_output: torch.Tensor, input_sizes: Sequence[int], dim: 
         out = torch.zeros(sizes, dtype=grad_output.dtype, device=grad_output.device)   # ATen's own steps
         out.select(d, index).copy_(grad_output)
         return out
-    return _zeros_around(grad_output.unsqueeze(d), sizes, d, i, i + 1)
+    return _zeros_around(grad_output.unsqueeze(d), sizes, d, i, i + 1, "aten::select_backward")
 
 
 @lowering("slice_backward")
@@ -394,7 +415,7 @@ def slice_backward(grad_output: torch.Tensor, input_sizes: Sequence[int], dim: i
         out[(slice(None),) * d + (slice(start, end, step),)].copy_(grad_output)
         return out
     span = range(sizes[d])[start:end]   # the slice's bounds as ATen's slice wraps and clamps them
-    return _zeros_around(grad_output, sizes, d, span.start, max(span.start, span.stop))
+    return _zeros_around(grad_output, sizes, d, span.start, max(span.start, span.stop), "aten::slice_backward")
 
 
 @lowering("flip")
