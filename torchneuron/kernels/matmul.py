@@ -250,8 +250,11 @@ def _store_block(out, res, p: int, f: int, at: Callable, epilogue: Epilogue | No
     if epilogue is None:
         nisa.dma_copy(dst=at(out), src=res)
         return
-    x = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=x, src=res, engine=nisa.gpsimd_engine)   # exact: the rounded product, widened
+    if res.dtype == nl.float32:   # staged in fp32 already (K chunks, addmm): fn works on it in place
+        x = res
+    else:
+        x = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=x, src=res, engine=nisa.gpsimd_engine)   # exact: the rounded product, widened
     tiles = [x]
     for e in epilogue.extras:
         tiles.append(_load_widened(at(e), e.dtype, p, f))
@@ -594,6 +597,15 @@ def _matmul_k_chunks(a, b, out, transpose_a=False, transpose_b=False, bias=None,
         nisa.tensor_tensor(dst=prod, data1=prod, data2=partial, op=nl.add)
         return prod
 
+    def add_rounded(prod, partial):
+        """The last pass's total in out's dtype, rounded once as VectorE writes it: the store then moves out's
+        bytes, not fp32's (a DMA that casts is priced by its wider side)."""
+        if out.dtype == nl.float32:
+            return add(prod, partial)
+        total = nl.ndarray(tuple(prod.shape), out.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=total, data1=prod, data2=partial, op=nl.add)
+        return total
+
     def total(prod, partial, *rest):
         """The last pass's block, in place: the total, rounded to the operands' dtype as a stored product is
         (then the caller's epilogue)."""
@@ -614,7 +626,7 @@ def _matmul_k_chunks(a, b, out, transpose_a=False, transpose_b=False, bias=None,
             _matmul_pass(ac, bc, part, transpose_a, transpose_b, epilogue=Epilogue(add, (part,), nl.float32),
                          stage_dtype=nl.float32, narrow_first=True)
         else:
-            last = (Epilogue(add, (part,), out.dtype) if epilogue is None
+            last = (Epilogue(add_rounded, (part,), out.dtype) if epilogue is None
                     else replace(epilogue, fn=lambda prod, partial, *rest: epilogue.fn(prod, *rest),
                                  extras=(part, *epilogue.extras), finish=total))
             _matmul_pass(ac, bc, out, transpose_a, transpose_b, bias, last, stage_dtype=nl.float32, narrow_first=True)
