@@ -1,6 +1,7 @@
 """Every instruction against a PyTorch reference on random data, for the dtypes it supports."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 
@@ -153,7 +154,18 @@ def test_nc_matmul_multi_dim_operands(core):
          rtol=1e-5, atol=1e-5)
 
 
-def test_nc_matmul_accumulation_modes(core):
+def below_inplace_or_view(inside: bool):
+    """As inside a device op's kernel (in-place ops then bump no tensor version counter), or not."""
+    return torch._C._AutoDispatchBelowADInplaceOrView() if inside else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("in_op_kernel", [False, True], ids=["python", "in-op-kernel"])
+def test_nc_matmul_accumulation_modes(core, in_op_kernel):
+    with below_inplace_or_view(in_op_kernel):
+        _accumulation_modes(core)
+
+
+def _accumulation_modes(core):
     k, m, n = 64, 32, 128
     ops = [(put(core, rand((k, m), BF16, seed=20 + i)), put(core, rand((k, n), BF16, seed=30 + i))) for i in range(5)]
     prods = [s.read(core).float().T @ mv.read(core).float() for s, mv in ops]

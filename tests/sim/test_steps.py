@@ -10,6 +10,8 @@ import torch
 from torchneuron.sim import AP, ArgSlot, Engine, NeuronCore, Program, SimulatorError, isa, tile
 from torchneuron.sim.isa.common import int32_exact
 
+from .test_isa import below_inplace_or_view
+
 F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
 P, F = 16, 24
 
@@ -196,7 +198,7 @@ def _reference(core: NeuronCore, prog: Program, bindings: dict[str, torch.Tensor
     """The program run one ``execute`` at a time (no steps)."""
     for name, t in bindings.items():
         core.bind(name, t)
-    core.psum.group_closed.fill_(True)
+    core.psum.close_groups()
     for instr in prog.instructions:
         core.execute(instr)
 
@@ -238,21 +240,36 @@ def test_psum_flags_reset_only_where_groups_opened():
     assert core.psum.group_closed._version == version
 
 
-def test_accumulate_none_overwrites_at_the_start_of_every_run():
-    # a matmul with accumulate=None in a later run must not add to the previous run's PSUM
+@pytest.mark.parametrize("in_op_kernel", [False, True], ids=["python", "in-op-kernel"])
+def test_accumulate_none_overwrites_at_the_start_of_every_run(in_op_kernel):
+    # a matmul with accumulate=None in a later run must not add to the previous run's PSUM, also when the run
+    # happens inside a device op's kernel, where in-place ops bump no tensor version counter
+    with below_inplace_or_view(in_op_kernel):
+        _overwrites_at_the_start_of_every_run()
+
+
+def _overwrites_at_the_start_of_every_run():
     core = NeuronCore("trn2")
     acc = _ps(0, (8,), 4)
     body = [isa.dma_copy(dst=_sb(0, F32, (4,), 4), src=tile("hbm:s", F32, (4, 4))),
             isa.dma_copy(dst=_sb(1, F32, (8,), 4), src=tile("hbm:m", F32, (4, 8))),
             isa.nc_matmul(dst=acc, stationary=_sb(0, F32, (4,), 4), moving=_sb(1, F32, (8,), 4)),
             isa.tensor_copy(dst=_sb(2, F32, (8,), 4), src=acc),
-            isa.dma_copy(dst=tile("hbm:o", F32, (4, 8)), src=_sb(2, F32, (8,), 4))]
-    prog = Program(body, [ArgSlot("s", (4, 4), F32), ArgSlot("m", (4, 8), F32), ArgSlot("o", (4, 8), F32, "output")])
+            isa.dma_copy(dst=tile("hbm:o", F32, (4, 8)), src=_sb(2, F32, (8,), 4)),
+            # a VectorE write closes the group: the next matmul overwrites the 7s
+            isa.memset(dst=acc, value=7.0),
+            isa.nc_matmul(dst=acc, stationary=_sb(0, F32, (4,), 4), moving=_sb(1, F32, (8,), 4)),
+            isa.tensor_copy(dst=_sb(3, F32, (8,), 4), src=acc),
+            isa.dma_copy(dst=tile("hbm:o2", F32, (4, 8)), src=_sb(3, F32, (8,), 4))]
+    prog = Program(body, [ArgSlot("s", (4, 4), F32), ArgSlot("m", (4, 8), F32), ArgSlot("o", (4, 8), F32, "output"),
+                          ArgSlot("o2", (4, 8), F32, "output")])
     s, m = torch.randn(4, 4), torch.randn(4, 8)
-    first = core.run(prog, {"s": s, "m": m}).outputs["o"]
-    second = core.run(prog, {"s": s, "m": m}).outputs["o"]
-    assert torch.equal(first, second)
-    torch.testing.assert_close(first, s.T @ m)
+    first = core.run(prog, {"s": s, "m": m}).outputs
+    second = core.run(prog, {"s": s, "m": m}).outputs
+    for out in ("o", "o2"):
+        assert torch.equal(first[out], second[out])
+        assert torch.equal(first[out], first["o"])
+    torch.testing.assert_close(first["o"], s.T @ m)
 
 
 def test_run_bound_takes_slot_order_and_allocates_unbound():

@@ -151,9 +151,9 @@ class NeuronCore:
         if instr.engine is not Engine.TENSOR and instr.psum_writes and self.psum.opened:
             # a non-matmul write ends the accumulation group there (nc_matmul accumulate=None);
             # with no group open anywhere every flag is already set
-            for f in instr.psum_writes:
-                (p0, p1), (b0, b1) = f.partitions, f.byte_range
-                self.psum.group_closed[p0:p1, b0 // 4:-(-b1 // 4)] = True
+            flags = self.psum.group_closed
+            self.psum.close([flags[p0:p1, b0 // 4:-(-b1 // 4)]
+                             for (p0, p1), (b0, b1) in ((f.partitions, f.byte_range) for f in instr.psum_writes)])
 
     def _locate(self, instr: Instr, error: SimulatorError) -> SimulatorError:
         # name the instruction and the operand behind an out-of-bounds or unbound access
@@ -229,8 +229,7 @@ class NeuronCore:
                         continue
                     step(tensors)
                     if closes is not None and psum.opened:
-                        for view in closes:
-                            view.fill_(True)
+                        psum.close(closes)
         except SimulatorError as e:
             if instr is None:  # raised by the run itself (a dynamic loop's step limit), not an instruction
                 raise
@@ -268,8 +267,7 @@ class NeuronCore:
             except SimulatorError as e:
                 raise self._locate(instr, e) from None
             if step is not None and closes is not None and psum.opened:
-                for view in closes:
-                    view.fill_(True)
+                psum.close(closes)
             pc += 1
         program.record_run(executed)
         return instr

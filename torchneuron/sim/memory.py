@@ -131,6 +131,11 @@ class Memory:
         # these can hold False, so closing every group resets them instead of the whole 512 KiB
         # flag tensor, and an empty dict means every flag is True.
         self.opened: dict = {}
+        # PSUM only: the boxes known open (all their flags False), so that a TensorE write there skips
+        # re-opening its group. Every write setting flags True forgets them all (close_groups, close,
+        # allocate): the flags' torch version counter cannot tell, since in-place ops inside a device
+        # op's kernel run below autograd's ADInplaceOrView key, which is what bumps it.
+        self.open_boxes: set = set()
 
     def close_groups(self) -> None:
         """Close every PSUM accumulation group (set every group-closed flag True)."""
@@ -143,6 +148,13 @@ class Memory:
             for view in opened.values():
                 view.fill_(True)
         opened.clear()
+        self.open_boxes.clear()
+
+    def close(self, views: Sequence[torch.Tensor]) -> None:
+        """Close the accumulation groups under these views of ``group_closed`` (a non-TensorE write to PSUM)."""
+        for view in views:
+            view.fill_(True)
+        self.open_boxes.clear()
 
     @classmethod
     def hbm(cls, name: str, tensor: torch.Tensor) -> "Memory":
@@ -203,7 +215,7 @@ class Memory:
                 if self.nan_fill:
                     box.fill_(NAN_BYTE)
                 if self.group_closed is not None:
-                    self.group_closed[start_partition:end_p, cand // 4:_align_up(cand + nbytes, 4) // 4] = True
+                    self.close([self.group_closed[start_partition:end_p, cand // 4:_align_up(cand + nbytes, 4) // 4]])
                 return region
         in_use = sum(r.nbytes for r in others)
         raise SimulatorError(f"{self.name} overflow: cannot allocate {request} at partitions "

@@ -1,7 +1,6 @@
 """TensorE instructions: ``nc_matmul`` (also with PE tiling or the FP8 double-row mode) and ``nc_transpose``."""
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
@@ -9,7 +8,7 @@ from typing import Callable
 import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine
-from torchneuron.sim.memory import PMAX, AP, SimulatorError, store
+from torchneuron.sim.memory import PMAX, AP, Memory, SimulatorError, store
 from torchneuron.sim.numerics import dtype_name
 from torchneuron.sim.isa.common import (GEMM_MOVING_FMAX, GEMM_STATIONARY_FMAX, Instr, MATMUL_DTYPES, PSUM_BANK_BYTES,
                                         Step, TENSOR_TRANSPOSE_MAX, VECTOR_TRANSPOSE_MAX)
@@ -31,26 +30,6 @@ def _psum_closed(instr: Instr, core, ap: AP) -> torch.Tensor:
     return view
 
 
-# Per PSUM group_closed tensor (by id, checked through a weakref): [version, keys], meaning that as of
-# ``flags._version`` == version, every PSUM box named in keys has all its flags False (its group open).
-# Every write to the flags is a torch in-place op, which bumps the version, so a stale record never
-# matches; an unchanged version lets a TensorE write skip re-opening a group that is already open.
-_OPEN_GROUPS: dict[int, list] = {}
-
-
-def _open_record(flags: torch.Tensor) -> list | None:
-    """The shared open-group record of a PSUM flags tensor (None where torch tracks no version)."""
-    try:
-        flags._version
-    except RuntimeError:  # an inference-mode tensor: no version counter, so no record
-        return None
-    key = id(flags)
-    entry = _OPEN_GROUPS.get(key)
-    if entry is None or entry[0]() is not flags:  # (the callback runs before the id can be reused)
-        entry = _OPEN_GROUPS[key] = (weakref.ref(flags, lambda _r: _OPEN_GROUPS.pop(key, None)), [-1, set()])
-    return entry[1]
-
-
 def _view2(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor | None:
     """``t`` as a [rows, cols] view sharing its memory, or None where its strides do not allow one."""
     if t.shape == (rows, cols):
@@ -70,39 +49,27 @@ def _box(ap: AP) -> int:
     return _BOXES.setdefault((ap.start_partition, ap.partitions, ap._geometry), len(_BOXES))
 
 
-def _group_open(rec: list | None, flags: torch.Tensor, box) -> bool:
-    """Whether ``box``'s flags are known all False (its accumulation group open) without reading them."""
-    return rec is not None and rec[0] == flags._version and box in rec[1]
-
-
-def _open_group(rec: list | None, flags: torch.Tensor, closed: torch.Tensor, box, opened: dict) -> None:
-    """Open the accumulation group under ``closed`` (clear its flags) and remember it in ``rec`` and in
-    the PSUM memory's ``opened`` (so that closing every group resets only the flags cleared)."""
-    opened[box] = closed
-    if rec is None:
-        closed.fill_(False)
+def _open_group(psum: Memory, closed: torch.Tensor, box: int) -> None:
+    """Open the accumulation group under ``closed`` (clear its flags) unless ``psum`` knows it open, and remember
+    it (in ``opened``, so that closing every group resets only the flags cleared)."""
+    if box in psum.open_boxes:
         return
-    before = flags._version
     closed.fill_(False)
-    if rec[0] != before:
-        rec[1] = set()
-    rec[1].add(box)
-    rec[0] = flags._version
+    psum.opened[box] = closed
+    psum.open_boxes.add(box)
 
 
 def _accumulate(out: torch.Tensor, r: torch.Tensor, closed: torch.Tensor, accumulate: bool | None,
-                rec: list | None, flags: torch.Tensor, box, opened: dict) -> None:
+                psum: Memory, box: int) -> None:
     """PSUM's fp32 accumulation of a product ``r`` into ``out`` (accumulate: False overwrites, True adds, None
     adds inside an open group and overwrites where none is open), opening the group it writes."""
-    is_open = _group_open(rec, flags, box)
     if accumulate is False:
         out.copy_(r)
-    elif accumulate or is_open:  # (an open group has no closed flag to clear)
+    elif accumulate or box in psum.open_boxes:  # (an open group has no closed flag to clear)
         out.add_(r)
     else:
         out.masked_fill_(closed, 0.0).add_(r)  # overwrite where no group is open (NaN-safe)
-    if not is_open:
-        _open_group(rec, flags, closed, box, opened)
+    _open_group(psum, closed, box)
 
 
 def _one_bank(instr: Instr, name: str) -> None:
@@ -172,22 +139,19 @@ class NcMatmul(Instr):
         """Per-core constants of execute (cached): [K, M] / [K, N] views of the operands (None where
         their strides allow no view), fp32 scratch they are converted into (None for fp32 operands),
         the fp32 [K, M] operand transposed as the array reads it, the product buffer, [M, N] views of
-        dst and of its group flags (None where dst's free dims do not flatten) and the open-group record."""
+        dst and of its group flags (None where dst's free dims do not flatten) and dst's box key."""
         k, m, n = self.kmn
         s, mv = _view2(self.stationary.view(sbuf), k, m), _view2(self.moving.view(sbuf), k, n)
         s_f = torch.empty(k, m) if self.stationary.dtype != torch.float32 else None
         mv_f = torch.empty(k, n) if self.moving.dtype != torch.float32 else None
         s_t = s_f.T if s_f is not None else (s.T if s is not None else None)
         mv_use = mv_f if mv_f is not None else mv
-        out2 = closed2 = flags = rec = None
+        out2 = closed2 = None
         if self.dst.dtype == torch.float32:
             out2, closed2 = _view2(self.dst.view(psum), m, n), _view2(_psum_closed(self, core, self.dst), m, n)
             if out2 is None or closed2 is None:
                 out2 = closed2 = None
-            flags = psum.group_closed
-            rec = _open_record(flags)
-        box = _box(self.dst)
-        state = (sbuf, psum, s, s_f, s_t, mv, mv_f, mv_use, torch.empty(m, n), out2, closed2, flags, rec, box)
+        state = (sbuf, psum, s, s_f, s_t, mv, mv_f, mv_use, torch.empty(m, n), out2, closed2, _box(self.dst))
         self.__dict__["_mm"] = state
         return state
 
@@ -200,23 +164,23 @@ class NcMatmul(Instr):
 
     def step(self, core, slots) -> Step | None:
         st = self._state(core, core.memory("sbuf"), core.memory("psum"))
-        _, psum, s, s_f, s_t, mv, mv_f, mv_use, r, out, closed, flags, rec, box = st
+        _, psum, s, s_f, s_t, mv, mv_f, mv_use, r, out, closed, box = st
         if self.is_transpose or s is None or mv is None or out is None:
             return lambda h: self._multiply(core, st)
         # the common case (views of operands and of an fp32 dst): _multiply's torch calls in its order,
         # without its per-run unpacking and branches (a matmul of a small tile costs little more than these)
         converts = tuple((f, v) for f, v in ((s_f, s), (mv_f, mv)) if f is not None)
-        accumulate, opened = self.accumulate, psum.opened
+        accumulate = self.accumulate
 
         def step(h):
             for scratch, values in converts:
                 scratch.copy_(values)
             torch.mm(s_t, mv_use, out=r)
-            _accumulate(out, r, closed, accumulate, rec, flags, box, opened)
+            _accumulate(out, r, closed, accumulate, psum, box)
         return step
 
     def _multiply(self, core, st: tuple) -> None:
-        sbuf, psum, s, s_f, s_t, mv, mv_f, mv_use, r, out, closed, flags, rec, box = st
+        sbuf, psum, s, s_f, s_t, mv, mv_f, mv_use, r, out, closed, box = st
         # the array multiplies in fp32 (bf16/fp16/fp8 -> fp32 is exact)
         if s is None:  # operand strides allow no [K, M] view: read a fresh copy
             k, m, _ = self.kmn
@@ -247,7 +211,7 @@ class NcMatmul(Instr):
             closed = _psum_closed(self, core, dst)
             r = r.view(dst.shape)
         # PSUM accumulates in place, in fp32, after the array's fp32 dot products
-        _accumulate(out, r, closed, self.accumulate, rec, flags, box, psum.opened)
+        _accumulate(out, r, closed, self.accumulate, psum, box)
 
     def price(self) -> CostInputs:
         k, m, n = self.kmn
@@ -287,13 +251,7 @@ class NcTranspose(Instr):
         x = self.data.view(core).reshape(self.data.partitions, self.data.free_elems)
         self.dst.write(core, x.T)
         if self.engine == Engine.TENSOR and self.dst.dtype == torch.float32:
-            flags = core.memory("psum").group_closed
-            rec = self.__dict__.get("_open")
-            if rec is None or rec[0] is not flags:
-                box = _box(self.dst)
-                rec = self.__dict__["_open"] = (flags, _open_record(flags), box)
-            if not _group_open(rec[1], flags, rec[2]):
-                _open_group(rec[1], flags, _psum_closed(self, core, self.dst), rec[2], core.memory("psum").opened)
+            _open_group(core.memory("psum"), _psum_closed(self, core, self.dst), _box(self.dst))
 
     def transposed_view(self, core) -> torch.Tensor | None:
         """execute's reshapes as a view of data's memory in dst's shape (a copy here would freeze the tile's
@@ -316,14 +274,11 @@ class NcTranspose(Instr):
         dst = self.dst
         if self.engine != Engine.TENSOR or dst.dtype != torch.float32:
             return None
-        psum = core.memory("psum")
-        flags, opened = psum.group_closed, psum.opened
-        rec, box = _open_record(flags), _box(dst)
+        psum, box = core.memory("psum"), _box(dst)
         closed = _psum_closed(self, core, dst)
 
         def open_group() -> None:
-            if not _group_open(rec, flags, box):
-                _open_group(rec, flags, closed, box, opened)
+            _open_group(psum, closed, box)
         return open_group
 
     def step(self, core, slots) -> Step | None:
