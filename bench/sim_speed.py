@@ -86,6 +86,10 @@ def small_tiles(core: NeuronCore) -> dict[str, isa.Instr]:
                                                  stationary=alloc(core, (p, 16), BF16),
                                                  moving=alloc(core, (p, 16), BF16)),
         "nc_transpose (TensorE)": isa.nc_transpose(dst=alloc(core, (f, p), F32, "psum"), data=a),
+        # the demo's attention tile: its step writes PSUM with one torch.mm (execute: into a buffer, then copied)
+        "nc_matmul 64x64x16 fp32 (no acc)": isa.nc_matmul(dst=alloc(core, (64, 16), F32, "psum"),
+                                                           stationary=alloc(core, (64, 64), F32),
+                                                           moving=alloc(core, (64, 16), F32), accumulate=False),
     }
 
 

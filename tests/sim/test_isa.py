@@ -8,7 +8,8 @@ import operator
 import pytest
 import torch
 
-from torchneuron.sim import AP, Engine, IndexOutOfRange, SimulatorError, isa, tile
+from torchneuron.sim import AP, Engine, IndexOutOfRange, NeuronCore, SimulatorError, isa, tile
+from torchneuron.sim.isa import tensor_engine
 from torchneuron.sim.instruction import CostInputs
 
 from .conftest import empty, hbm, put, rand
@@ -192,6 +193,79 @@ def _accumulation_modes(core):
     fresh = empty(core, (m, n), F32, "psum")  # a new allocation starts closed too
     core.execute(isa.nc_matmul(dst=fresh, stationary=ops[1][0], moving=ops[1][1]))
     same(fresh.read(core), prods[1], rtol=1e-6, atol=1e-5)
+
+
+def _matmul_operand(shape, dtype, seed: int) -> torch.Tensor:
+    """Values over many binades with -0.0, infinities and NaNs of distinct payloads (fp16: also +-65504)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-8, 9, shape, generator=g).float())
+    pick = torch.rand(shape, generator=g)
+    nan = torch.randint(0x7FC00001, 0x7FFFFFFF, shape, generator=g, dtype=torch.int32).view(F32)
+    x = torch.where(pick < 0.03, -0.0, torch.where(pick > 0.995, float("inf"), torch.where(pick > 0.99, nan, x)))
+    if dtype == F16:
+        x = torch.where((pick > 0.5) & (pick < 0.51), 65504.0, torch.where((pick > 0.51) & (pick < 0.52), -65504.0, x))
+    return x.to(dtype)
+
+
+# shapes around the layouts where torch.mm into the strided PSUM view and into a dense buffer differ (with MKL:
+# M <= 3 or N <= 11), and the demo's
+MATMUL_STEP_SHAPES = [(1, 1, 1), (2, 3, 64), (16, 2, 16), (64, 4, 8), (64, 4, 12), (128, 1, 128), (128, 128, 8),
+                      (3, 128, 11), (64, 64, 16), (16, 64, 64), (128, 128, 64), (64, 128, 256), (128, 65, 512)]
+
+
+@pytest.mark.parametrize("kmn,dtype", [(kmn, F32) for kmn in MATMUL_STEP_SHAPES]
+                         + [(kmn, dt) for kmn in ((2, 3, 64), (64, 4, 12), (128, 128, 64)) for dt in (BF16, F16, E4)],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v).removeprefix("torch."))
+def test_nc_matmul_steps_are_bit_identical_to_execute(kmn, dtype):
+    # a step may write an overwrite straight into PSUM (tensor_engine.mm_into_agrees): every accumulate mode's
+    # result must keep execute's bits (NaN payloads included) and leave the same group flags
+    k, m, n = kmn
+    cores = [NeuronCore("trn2", nan_fill=False, seed=0) for _ in range(2)]
+
+    def at(c, memory: str, x: torch.Tensor, offset: int) -> AP:  # tiles at odd 4-byte offsets: BLAS alignment varies
+        ap = tile(memory, x.dtype, tuple(x.shape), offset=offset * x.dtype.itemsize)
+        ap.write(c, x)
+        return ap
+    ops = [[(at(c, "sbuf", _matmul_operand((k, m), dtype, 3 * i), 1000 * i + 4 * i + 1),
+             at(c, "sbuf", _matmul_operand((k, n), dtype, 3 * i + 1), 1000 * i + 500 + 8 * i + 3)) for i in range(4)]
+           for c in cores]
+    dsts = [at(c, "psum", _matmul_operand((m, n), F32, 99), 0 if n == 512 else 2) for c in cores]
+    plan = [False, True, None, False]  # overwrite, accumulate, add into the open group, overwrite again
+    instrs = [isa.nc_matmul(dst=dsts[0], stationary=s, moving=mv, accumulate=acc) for (s, mv), acc in zip(ops[0], plan)]
+    fast, slow = cores
+    steps = [instr.step(fast, {}) for instr in instrs]
+    assert all(step is not None for step in steps)
+    for c in cores:
+        c.begin_run()
+    for i, (instr, step) in enumerate(zip(instrs, steps)):
+        step([])
+        slow.execute(instr)
+        assert torch.equal(dsts[0].view(fast).view(torch.int32), dsts[1].view(slow).view(torch.int32)), plan[i]
+        assert torch.equal(fast.psum.group_closed, slow.psum.group_closed)
+    # the last product, overwritten: within fp32 accumulation's bound of a float64 reference where that is finite
+    a, b = ops[1][3][0].read(slow).double(), ops[1][3][1].read(slow).double()
+    want, got = a.T @ b, dsts[1].read(slow).double()
+    finite = want.isfinite()
+    bound = k * 2.0 ** -24 * (a.abs().T @ b.abs())
+    assert ((got - want).abs() <= bound)[finite].all()
+    assert torch.equal(got[~finite].isnan(), want[~finite].isnan())
+    assert torch.equal(got[~finite].nan_to_num(0.0), want[~finite].nan_to_num(0.0))
+
+
+def test_mm_into_agrees_is_kept_per_layout_and_touches_nothing(core):
+    s, mv, dst = put(core, rand((64, 32), F32, seed=1)), put(core, rand((64, 48), F32, seed=2)), empty(core, (32, 48), F32, "psum")
+    a, b, out = s.view(core).T, mv.view(core), dst.view(core)
+    before = [t.clone() for t in (a, b, out)]
+    first = tensor_engine.mm_into_agrees(a, b, out)
+    assert all(torch.equal(t, u) or (t.isnan() == u.isnan()).all() for t, u in zip((a, b, out), before))
+    assert tensor_engine.mm_into_agrees(a, b, out) is first
+    assert tensor_engine._layout(a, b, out) in tensor_engine._MM_INTO
+    if first:  # the contract, on fresh data: the one call gives the dense call's bits
+        for seed in range(5):
+            a.copy_(_matmul_operand((32, 64), F32, seed)), b.copy_(_matmul_operand((64, 48), F32, seed + 50))
+            dense = torch.mm(a, b)
+            torch.mm(a, b, out=out)
+            assert torch.equal(out.view(torch.int32), dense.view(torch.int32))
 
 
 @pytest.mark.parametrize("out_dt", [BF16, F32])

@@ -72,6 +72,78 @@ def _accumulate(out: torch.Tensor, r: torch.Tensor, closed: torch.Tensor, accumu
     _open_group(psum, closed, box)
 
 
+# ---- one-call PSUM overwrite ---------------------------------------------------------------------
+# A matmul's result is defined as torch.mm of its fp32 operands into a dense [M, N] buffer, then copied into
+# PSUM (overwrite) or added onto it (accumulate). For an overwrite, torch.mm straight into the strided PSUM view
+# saves a call and a pass over the tile (about a quarter of a small matmul's host time), but the BLAS may pick
+# another kernel for another output layout (with MKL, M <= 3 or N <= 11 give other bits). So each layout
+# (shapes, strides, alignment) is tried once, on data that exposes any change of summation order, rounding or
+# NaN propagation, against the two-call form; the one call runs only where every trial gave the same bits.
+# (addmm_ onto PSUM for an accumulate gives other bits where a NaN product meets a NaN in PSUM: MKL keeps the
+# product's payload, torch's add the PSUM one's; so accumulation keeps its two calls.)
+
+PROBE_OUTPUTS = 256  # output elements compared per layout at least (trials x M x N)
+PROBE_TRIALS = 4     # random trials per layout at least, the last with infinities and NaNs
+_MM_INTO: dict[tuple, bool] = {}  # layout -> whether torch.mm into it gives the dense call's bits
+
+
+def _layout(*ts: torch.Tensor) -> tuple:
+    """What a BLAS call can see of these tensors: shapes, strides and address alignment."""
+    return tuple((tuple(t.shape), t.stride(), t.data_ptr() % 64) for t in ts)
+
+
+def _like(t: torch.Tensor) -> torch.Tensor:
+    """Scratch with ``t``'s shape, strides and 64-byte address alignment (its untouched pages cost nothing)."""
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    shift = t.data_ptr() % 64 // t.element_size()
+    base = torch.empty(span + shift, dtype=t.dtype)  # (a CPU allocation: 64-byte aligned)
+    return base.as_strided(t.shape, t.stride(), shift)
+
+
+def _probe_data(shape: tuple[int, int], gen: torch.Generator, specials: bool) -> torch.Tensor:
+    """fp32 values of both signs over a few binades (a sum of them rounds differently in another order), some
+    signed zeros, and with ``specials`` infinities and NaNs of distinct payloads (NaN propagation must match)."""
+    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-6, 7, shape, generator=gen).float())
+    pick = torch.rand(shape, generator=gen)
+    x = torch.where(pick < 0.04, -0.0, x)
+    if specials:
+        x = torch.where(pick > 0.98, float("inf"), torch.where(pick > 0.96, -float("inf"), x))
+        nan = torch.randint(0x7FC00001, 0x7FFFFFFF, shape, generator=gen, dtype=torch.int32).view(torch.float32)
+        x = torch.where((pick > 0.04) & (pick < 0.07), nan, x)
+    return x
+
+
+def mm_into_agrees(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``torch.mm(a, b, out=out)`` gives the bits of ``torch.mm`` into a dense buffer copied into ``out``,
+    for tensors laid out like these (tried once per layout with one torch thread, as the simulator runs;
+    the tensors themselves are not touched)."""
+    key = _layout(a, b, out)
+    known = _MM_INTO.get(key)
+    if known is not None:
+        return known
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(len(_MM_INTO))
+        pa, pb, pout = _like(a), _like(b), _like(out)
+        dense = torch.empty(out.shape)
+        trials = max(PROBE_TRIALS, -(-PROBE_OUTPUTS // out.numel()))
+        agrees = True
+        for trial in range(trials):
+            specials = trial == trials - 1
+            pa.copy_(_probe_data(tuple(a.shape), gen, specials))
+            pb.copy_(_probe_data(tuple(b.shape), gen, specials))
+            torch.mm(pa, pb, out=dense)
+            torch.mm(pa, pb, out=pout)
+            if not torch.equal(pout.view(torch.int32), dense.view(torch.int32)):
+                agrees = False
+                break
+    finally:
+        torch.set_num_threads(threads)
+    _MM_INTO[key] = agrees
+    return agrees
+
+
 def _one_bank(instr: Instr, name: str) -> None:
     lo, hi = getattr(instr, name).byte_range
     if lo // PSUM_BANK_BYTES != (hi - 1) // PSUM_BANK_BYTES:
@@ -169,14 +241,37 @@ class NcMatmul(Instr):
             return lambda h: self._multiply(core, st)
         # the common case (views of operands and of an fp32 dst): _multiply's torch calls in its order,
         # without its per-run unpacking and branches (a matmul of a small tile costs little more than these)
+        accumulate, open_boxes, mm = self.accumulate, psum.open_boxes, torch.mm
+        if accumulate is None:
+            def step(h):
+                mm(s_t, mv_use, out=r)
+                _accumulate(out, r, closed, None, psum, box)
+        elif accumulate:
+            def step(h):
+                mm(s_t, mv_use, out=r)
+                out.add_(r)
+                if box not in open_boxes:
+                    _open_group(psum, closed, box)
+        elif mm_into_agrees(s_t, mv_use, out):
+            def step(h):  # the overwrite in one call (see mm_into_agrees)
+                mm(s_t, mv_use, out=out)
+                if box not in open_boxes:
+                    _open_group(psum, closed, box)
+        else:
+            def step(h):
+                mm(s_t, mv_use, out=r)
+                out.copy_(r)
+                if box not in open_boxes:
+                    _open_group(psum, closed, box)
         converts = tuple((f, v) for f, v in ((s_f, s), (mv_f, mv)) if f is not None)
-        accumulate = self.accumulate
+        if not converts:
+            return step
+        multiply = step
 
-        def step(h):
+        def step(h):  # bf16/fp16/fp8 operands: converted to fp32 first (exact)
             for scratch, values in converts:
                 scratch.copy_(values)
-            torch.mm(s_t, mv_use, out=r)
-            _accumulate(out, r, closed, accumulate, psum, box)
+            multiply(h)
         return step
 
     def _multiply(self, core, st: tuple) -> None:
