@@ -407,6 +407,23 @@ def test_tensor_scalar_two_ops_tile_and_scalar_operands(core, dtype):
     same(dst.read(core), (2.0 / (col - x.float())).to(dtype))
 
 
+@pytest.mark.parametrize("op", ["add", "subtract", "multiply"])  # (torch's maximum of -0.0 and 0.0 depends on the
+def test_tensor_scalar_signed_zero_operands_keep_their_sign(core, op):  # element's position in its vector loop)
+    # +0.0 and -0.0 compare (and hash) equal: a scalar cache keyed by value alone gave the second the first's sign,
+    # and a -0.0 operand was read as "no operand" (0)
+    x = torch.tensor([-0.0, 0.0, -1.5, 2.0, float("inf"), -float("inf")]).repeat(4, 1)
+    data = put(core, x)
+    for zero in (0.0, -0.0, 0.0):
+        dst = empty(core, (4, 6), F32)
+        instr = isa.tensor_scalar(dst=dst, data=data, op0=op, operand0=zero)
+        want = {"add": torch.add, "subtract": torch.sub, "multiply": torch.mul}[op](x, torch.tensor(zero))
+        core.execute(instr)
+        assert torch.equal(dst.read(core).view(torch.int32), want.view(torch.int32)), zero
+        dst.write(core, 7.0)
+        instr.step(core, {})([])
+        assert torch.equal(dst.read(core).view(torch.int32), want.view(torch.int32)), zero
+
+
 def test_tensor_scalar_engines_and_ops(core):
     x = rand((32, 48), F32, seed=26)
     dst = empty(core, (32, 48), F32)

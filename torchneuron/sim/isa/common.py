@@ -289,9 +289,16 @@ def fused_into(out: torch.Tensor, fn, lhs: torch.Tensor, rhs) -> None:
     fn(lhs, rhs if isinstance(rhs, torch.Tensor) else _f32(rhs), out=out)
 
 
-@functools.lru_cache(maxsize=4096)
 def _f32(value: float) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float32)  # shared and never written: safe to cache
+    """``value`` as a shared (never written) fp32 0-d tensor."""
+    # keyed by the sign too: -0.0 == 0.0 with equal hashes, so a cache by value alone would hand x + -0.0 the
+    # +0.0 tensor (and -0.0 + -0.0 would give +0.0)
+    return _f32_signed(value, math.copysign(1.0, value) < 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _f32_signed(value: float, negative: bool) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32)
 
 
 def apply_ordered(op: str, x, operand, reverse: bool):

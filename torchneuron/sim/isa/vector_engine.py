@@ -154,7 +154,7 @@ class TensorScalar(Instr):
         # compute dtype and engine-rounded scalar operands: fixed per instruction, so computed once
         fractional = bool(FRACTIONAL_OPS & {self.op0, self.op1}) or has_fractional(self.operand0, self.operand1)
         c = compute_dtype(self.data.dtype, *operand_dtypes(self.operand0, self.operand1), fractional=fractional)
-        scalar = lambda v: v if isinstance(v, AP) else as_scalar(v or 0, c)  # noqa: E731
+        scalar = lambda v: v if isinstance(v, AP) else as_scalar(0 if v is None else v, c)  # noqa: E731
         return c, scalar(self.operand0), scalar(self.operand1)
 
     @cached_property
