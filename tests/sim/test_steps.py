@@ -228,6 +228,47 @@ def test_steps_are_bit_identical_to_execute(specials):
         assert torch.equal(fast.regs[Engine.SCALAR].view(torch.int32), slow.regs[Engine.SCALAR].view(torch.int32))
 
 
+def _special_tile(shape, seed: int) -> torch.Tensor:
+    """fp32 values with +-0.0, +-inf and NaNs of distinct payloads among them."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    pick = torch.rand(shape, generator=g)
+    nan = torch.randint(0x7FC00001, 0x7FFFFFFF, shape, generator=g, dtype=torch.int32).view(F32)
+    x = torch.where(pick < 0.05, -0.0, torch.where(pick < 0.1, 0.0, x))
+    return torch.where(pick > 0.95, nan, torch.where(pick > 0.92, float("inf"), torch.where(pick > 0.89, -float("inf"), x)))
+
+
+def _in_place_cases():
+    """Unfused fp32 element-wise instructions a planned step computes in place in dst, and ones it must not
+    (dst read again after the first op wrote it: the fallback keeps the temporaries)."""
+    i, col = isa, _sb(9, F32, (1,))
+    for op0, op1 in (("multiply", "multiply"), ("subtract", "multiply"), ("multiply", "subtract"),
+                     ("divide", "add"), ("add", "divide")):
+        for rev0, rev1 in ((False, False), (True, False), (False, True), (True, True)):
+            yield i.scalar_tensor_tensor(dst=_sb(3), data=_sb(0), op0=op0, operand0=col if rev1 else -0.0,
+                                         op1=op1, operand1=_sb(1), reverse0=rev0, reverse1=rev1)
+    yield i.scalar_tensor_tensor(dst=_sb(0), data=_sb(0), op0="multiply", operand0=col, op1="add", operand1=_sb(1))
+    yield i.scalar_tensor_tensor(dst=_sb(1), data=_sb(0), op0="multiply", operand0=1.5, op1="add", operand1=_sb(1))
+    yield i.scalar_tensor_tensor(dst=_sb(3), data=_sb(0), op0="multiply", operand0=1.5, op1="maximum",
+                                 operand1=_sb(1))
+    yield i.tensor_scalar(dst=_sb(3), data=_sb(0), op0="subtract", operand0=col, reverse0=True, op1="divide",
+                          operand1=-0.0, reverse1=True)
+    yield i.tensor_scalar(dst=_sb(0), data=_sb(0), op0="divide", operand0=3.0, reverse0=True)
+
+
+@pytest.mark.parametrize("instr", list(_in_place_cases()), ids=lambda ins: f"{ins.opcode}")
+def test_in_place_alu_steps_are_bit_identical_to_execute(instr):
+    fast, slow = NeuronCore("trn2", seed=0), NeuronCore("trn2", seed=0)
+    for core in (fast, slow):
+        for k, ap in enumerate((_sb(0), _sb(1), _sb(3), _sb(9, F32, (1,)))):
+            ap.write(core, _special_tile(ap.shape, k))
+    step = instr.step(fast, {})
+    assert step is not None
+    step([])
+    slow.execute(instr)
+    assert torch.equal(fast.sbuf.data, slow.sbuf.data)
+
+
 def test_psum_flags_reset_only_where_groups_opened():
     core = NeuronCore("trn2")
     prog = mixed_program()

@@ -424,6 +424,17 @@ def planned_alu_step(core, dst: AP, data: AP, ops: list, c: torch.dtype) -> Step
         else:
             planned.append((op, operand, False, reverse))
     convert = xv.dtype != c
+    chain = _in_place_chain(dst, data, ops, planned, c) if dv.shape == xv.shape else None
+    if chain is not None:
+        def step(h):  # each op written into dst, the next reading it there: the same values, no temporaries
+            cur = xv
+            for fn, v, reverse in chain:
+                if reverse:
+                    fn(v, cur, out=dv)
+                else:
+                    fn(cur, v, out=dv)
+                cur = dv
+        return step
 
     def step(h):
         r = xv.to(c) if convert else xv
@@ -432,6 +443,29 @@ def planned_alu_step(core, dst: AP, data: AP, ops: list, c: torch.dtype) -> Step
             r = apply_alu(op, v, r) if reverse else apply_alu(op, r, v)
         store(dst, dv, r)
     return step
+
+
+# the ops an all-fp32 planned step may compute in place in its destination: IEEE operations whose result bits
+# (NaN payloads included) do not depend on the memory layout torch's loop runs over (its maximum/minimum
+# choose a NaN by code path, so they keep the temporaries)
+IN_PLACE_OPS = frozenset({"add", "subtract", "multiply", "divide"})
+
+
+def _in_place_chain(dst: AP, data: AP, ops: list, planned: list, c: torch.dtype) -> list | None:
+    """planned_alu_step's ops as (torch function, operand, reverse) writing each result into ``dst`` (``fn(a, b,
+    out=dst)``), or None where that could change a bit: any dtype but fp32, an op outside IN_PLACE_OPS, or
+    ``dst`` sharing memory with what is read after the first op wrote it (data and the first operand may
+    be dst itself: each element is read before it is written)."""
+    if c != torch.float32 or dst.dtype != c or data.dtype != c:
+        return None
+    tiles = [operand for _, operand, _, _ in ops if isinstance(operand, AP)]
+    if any(t.dtype != c for t in tiles) or any(op not in IN_PLACE_OPS for op, _, _, _ in ops):
+        return None
+    later = [operand for _, operand, _, _ in ops[1:] if isinstance(operand, AP)]
+    if not disjoint_or_same(dst, data, *tiles) or any(t == dst for t in later):
+        return None
+    return [(FUSED_ALU_FN[op], v if isinstance(v, torch.Tensor) else _f32(v), reverse)
+            for (op, _, _, _), (_, v, _, reverse) in zip(ops, planned)]
 
 
 def copy_step(core, dst: AP, src: AP, slots) -> Step | None:
