@@ -130,3 +130,45 @@ def test_writes_once(sizes, strides, once):
     offsets = [sum(i * s for i, s in zip(idx, strides)) for idx in itertools.product(*map(range, sizes))]
     assert (len(set(offsets)) == len(offsets)) == once
     assert _writes_once(sizes, strides) == once
+
+
+def test_copies_through_a_byte_buffer_and_reshaped_destinations_match_execute():
+    # a compiled program's arena: one uint8 slot its fp32/bf16 patterns reinterpret; and a source whose pattern
+    # cannot be read in dst's shape as a view ((P, 2, 3, 4) with strides (4, 8, 1): the 2 and 3 dims do not
+    # merge), so dst is viewed in the source's shape instead (the same row-major pairing of elements)
+    arena = ArgSlot("arena", (4 * P * F + 2 * P * 2,), torch.uint8)
+    x = tile("hbm:x", F32, (P, F))
+    arena32, arena16 = AP("hbm:arena", F32, ((F, P), (1, F))), AP("hbm:arena", BF16, ((2, P), (1, 2)), offset=4 * P * F)
+    body = [
+        isa.dma_copy(dst=_sb(0), src=x),
+        isa.dma_copy(dst=arena32, src=_sb(0)),                                    # SBUF into the arena, fp32
+        isa.dma_copy(dst=_sb(1), src=arena32),                                    # and back
+        isa.dma_copy(dst=_sb(2, F32, (6, 4)), src=AP("hbm:x", F32, ((F, P), (4, 2), (8, 3), (1, 4)))),
+        isa.dma_copy(dst=arena16, src=_sb(3, BF16, (2,))),
+        isa.dma_copy(dst=_sb(4, F32, (2,)), src=arena16),                         # a cast: its step
+        isa.dma_copy(dst=tile("hbm:o", F32, (P, F)), src=_sb(1)),
+        isa.dma_copy(dst=tile("hbm:o2", F32, (P, 6, 4)), src=_sb(2, F32, (6, 4))),
+        isa.dma_copy(dst=tile("hbm:o3", F32, (P, 2)), src=_sb(4, F32, (2,))),
+    ]
+    outs_ = [ArgSlot("o", (P, F), F32, "output"), ArgSlot("o2", (P, 6, 4), F32, "output"),
+             ArgSlot("o3", (P, 2), F32, "output")]
+    prog = Program(body, [ArgSlot("x", (P, F), F32), arena, *outs_])
+    fast, slow = NeuronCore("trn2"), NeuronCore("trn2")
+    for seed in (1, 2):
+        for core in (fast, slow):
+            core.sbuf.data.copy_(torch.randint(0, 256, core.sbuf.data.shape, dtype=torch.uint8,
+                                               generator=torch.Generator().manual_seed(seed)))
+        a = _inputs(seed)["x"]
+        buf = torch.randint(0, 256, arena.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        rep = fast.run(prog, {"x": a, "arena": buf.clone()})
+        ref = {"x": a.clone(), "arena": buf.clone(), **{o.name: torch.zeros(o.shape) for o in outs_}}
+        _reference(slow, prog, ref)
+        for o in outs_:
+            assert torch.equal(rep.outputs[o.name].view(torch.uint8), ref[o.name].view(torch.uint8)), o.name
+        assert torch.equal(rep.bindings["arena"], ref["arena"])
+        assert torch.equal(fast.sbuf.data, slow.sbuf.data)
+    plan = fast._plan(prog)
+    # the first five copies in one batch, then the cast (its step, reading the arena's bytes as bf16), then the
+    # last three copies
+    assert [e[0] for e in plan.batched] == [prog.instructions[i] for i in (0, 5, 6)]
+    assert plan.batched[1][1] is plan.entries[5][1] is not None

@@ -40,12 +40,13 @@ def _writes_once(sizes: Sequence[int], strides: Sequence[int]) -> bool:
 
 def _side(core, ap: AP, slots: Mapping[str, tuple[int, Any]]) -> tuple[Any, tuple[int, ...]] | None:
     """A copy side as ``_CopyBatch`` takes it, with its element shape: an on-chip view, or (slot, byte offset,
-    byte strides) of an HBM slot of ``ap``'s dtype; None where neither applies."""
+    byte strides) of an HBM slot (of any dtype: the batch moves the bytes ``ap`` names, as its view of the slot's
+    bytes does); None where neither applies."""
     if ap.on_chip:
         view = ap.view(core)
         return view, tuple(view.shape)
     entry = slots.get(ap.memory)
-    if entry is None or entry[1].dtype != ap.dtype:
+    if entry is None:
         return None
     sizes, strides, offset = ap._geometry
     size = ap.dtype.itemsize
@@ -72,7 +73,10 @@ def _plain(core, instr: Instr, slots: Mapping[str, tuple[int, Any]]) -> tuple | 
         return None
     d, s = _side(core, dst, slots), _side(core, src, slots)
     if d is not None and s is not None and d[1] != s[1]:
-        s = _reshaped(s, d[1], src.dtype)   # the step's store reads the source in dst's shape
+        # the step's store reads the source in dst's shape; where that is no view, dst in the source's shape pairs
+        # the same elements (both in row-major order)
+        reshaped = _reshaped(s, d[1], src.dtype)
+        d, s = (d, reshaped) if reshaped is not None else (_reshaped(d, s[1], dst.dtype), s)
     if d is None or s is None:
         return None
     return _checked(dst, src, d[0], s[0], d[1])
@@ -101,7 +105,7 @@ def _checked(dst: AP, src: AP, d: Any, s: Any, sizes: tuple[int, ...], after: Ca
     patterns share memory."""
     if dst.memory == src.memory and dst.footprint().overlaps(src.footprint()):
         return None
-    dst_strides = d.stride() if isinstance(d, torch.Tensor) else dst._geometry[1]
+    dst_strides = d.stride() if isinstance(d, torch.Tensor) else tuple(st // dst.dtype.itemsize for st in d[2])
     if not _writes_once(sizes, dst_strides):
         return None
     return (list(sizes), dst.dtype.itemsize, d, s), after

@@ -343,14 +343,22 @@ def _dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _hbm_getter(ap: AP, slots: Mapping[str, tuple[int, "ArgSlot"]]) -> Callable | None:
     """A function of the run's bound tensors that returns ``ap``'s view of its buffer (what
-    ``ap.view(core)`` returns), or None where ``ap`` reinterprets the buffer's dtype."""
+    ``ap.view(core)`` returns), or None where ``ap`` names no slot."""
     entry = slots.get(ap.memory)
     if entry is None:
         return None
     k, slot = entry
-    if ap.dtype != slot.dtype:
-        return None
     sizes, strides, offset = ap._geometry
+    if ap.dtype != slot.dtype:
+        # another dtype over the buffer's bytes (a compiled program's arena): ``Memory.hbm`` and ``typed``'s view
+        dtype, size = ap.dtype, ap.dtype.itemsize
+
+        def get_typed(h: Sequence[torch.Tensor]) -> torch.Tensor:
+            t = h[k]
+            flat = t.reshape(-1).view(torch.uint8)
+            typed = flat[: flat.numel() - flat.numel() % size].view(dtype)
+            return typed.as_strided(sizes, strides, typed.storage_offset() + offset)
+        return get_typed
     if offset == 0 and sizes == slot.shape and strides == _dense_strides(slot.shape):
         return operator.itemgetter(k)  # the whole buffer as bound: no view to build
 
