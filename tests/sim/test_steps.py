@@ -164,6 +164,15 @@ def mixed_program() -> Program:
                                  reverse_pred=True),
         i.tensor_copy_predicated(dst=_sb(6, BF16), src=_sb(20, BF16), predicate=_sb(78, torch.uint8)),
         i.tensor_copy_predicated(dst=_sb(82, F32, (2, F // 2)), src=_sb(12), predicate=_sb(78, torch.uint8)),
+        # statistics: fp32, bf16 and 2-D data, one element per lane (an empty odd half), aggregated; in place (execute)
+        i.bn_stats(dst=_sb(83, F32, (6,)), data=_sb(12)),
+        i.bn_stats(dst=AP("sbuf", F32, ((1, 6),), partitions=P, offset=512 * 83 + 24), data=_sb(6, BF16)),
+        i.bn_stats(dst=_sb(84, F32, (6,)), data=_sb(8, F32, (1,))),
+        i.bn_stats(dst=_sb(85, F32, (6,)), data=_sb(4, F32, (2, F // 2))),
+        i.bn_aggr(dst=_sb(86, F32, (2,)), data=AP("sbuf", F32, ((1, 12),), partitions=P, offset=512 * 83)),
+        i.bn_aggr(dst=_sb(87, F32, (2,)), data=_sb(84, F32, (6,))),
+        i.bn_aggr(dst=_sb(85, F32, (2,)), data=_sb(85, F32, (6,))),
+        i.bn_stats(dst=_sb(12, F32, (6,)), data=_sb(12)),
     ]
     args = [ArgSlot("x", (P, F), F32), ArgSlot("y", (P, F), BF16), ArgSlot("c", (P, 1), F32),
             ArgSlot("out", (P, F), F32, "output"), ArgSlot("out2", (P, F), BF16, "output"),

@@ -501,6 +501,32 @@ class BnStats(Instr):
             stats += [torch.full_like(mean, float(n)), mean, m2]
         self.dst.write(core, torch.stack(stats, 1))
 
+    def step(self, core, slots) -> Step | None:
+        """execute's torch calls on its tiles, with the views resolved once and each statistic written straight
+        into its dst column (no stack); None where dst overlaps data (execute reads all of data first)."""
+        p, f = self.data.partitions, self.data.free_elems
+        xv, dv = _matrix_view(core, self.data, (p, f)), _matrix_view(core, self.dst, (p, 6))
+        if xv is None or dv is None or _overlap(self.dst, self.data):
+            return None
+        convert = xv.dtype != torch.float32
+        halves = (xv[:, 0::2], xv[:, 1::2])
+        counts = (float(halves[0].shape[1]), float(halves[1].shape[1]))
+        cols = tuple(dv[:, i] for i in range(6))
+
+        def step(h):
+            x = xv.to(torch.float32) if convert else None
+            for k, half in enumerate(halves if x is None else (x[:, 0::2], x[:, 1::2])):
+                n, mean_col, m2_col = cols[3 * k:3 * k + 3]
+                n.fill_(counts[k])
+                if counts[k]:
+                    mean = half.mean(1)
+                    mean_col.copy_(mean)
+                    m2_col.copy_(((half - mean[:, None]) ** 2).sum(1))
+                else:  # an empty half: mean and m2 are zeros
+                    mean_col.fill_(0.0)
+                    m2_col.fill_(0.0)
+        return step
+
     def price(self) -> CostInputs:
         return self._cost([self.data], self.dst, flops=3 * self.data.numel)
 
@@ -532,8 +558,45 @@ class BnAggr(Instr):
         var = (m2.sum(1) + (n * (mean - mu[:, None]) ** 2).sum(1)) / total
         self.dst.write(core, torch.stack([mu, var], 1))
 
+    def step(self, core, slots) -> Step | None:
+        """execute's torch calls on its tiles, with the views resolved once and mean and variance written straight
+        into their dst columns (no stack); None where dst overlaps data."""
+        p = self.data.partitions
+        xv, dv = _matrix_view(core, self.data, (p, self.data.free_elems)), _matrix_view(core, self.dst, (p, 2))
+        if xv is None or dv is None or _overlap(self.dst, self.data):
+            return None
+        convert = xv.dtype != torch.float32
+        mu_col, var_col = dv[:, 0], dv[:, 1]
+
+        def step(h):
+            g = (xv.to(torch.float32) if convert else xv).reshape(p, -1, 3)
+            n, mean, m2 = g[..., 0], g[..., 1], g[..., 2]
+            total = n.sum(1)
+            mu = (n * mean).sum(1) / total
+            var = (m2.sum(1) + (n * (mean - mu[:, None]) ** 2).sum(1)) / total
+            mu_col.copy_(mu)
+            var_col.copy_(var)
+        return step
+
     def price(self) -> CostInputs:
         return self._cost([self.data], self.dst, flops=4 * self.data.numel)
+
+
+def _matrix_view(core, ap: AP, shape: tuple[int, int]) -> torch.Tensor | None:
+    """``ap``'s view as the [partitions, free] matrix execute loads (load_tile's reshape), or None where that
+    reshape would copy."""
+    v = ap.view(core)
+    if tuple(v.shape) == shape:
+        return v
+    try:
+        return v.view(shape)
+    except RuntimeError:
+        return None
+
+
+def _overlap(dst: AP, src: AP) -> bool:
+    """Whether two tiles may share a byte."""
+    return dst.memory == src.memory and dst.footprint().overlaps(src.footprint())
 
 
 def _max8_sizes(instr: Instr, name: str) -> None:
