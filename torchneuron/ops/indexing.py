@@ -6,8 +6,8 @@
 - ``embedding_dense_backward`` sums gradient rows per index as a one-hot matrix product on
   TensorE: ``onehot(indices)^T @ grad`` (fp32 accumulation, rows summed in index order, as the
   CPU kernel does); the one-hot matrix is built from the row numbers (a table uploaded once) and a comparison.
-- ``arange`` is ``start + i * step`` element-wise over the row numbers (a table uploaded once per length, GpSimd's
-  iota beyond 65536), or for 0, 1, ... their copy (int64 results widened).
+- ``arange`` is GpSimd's iota then ``start + i * step`` element-wise (int64 results widened); not the row-number
+  table: a user's ``arange`` allocates its result and nothing kept (``memory_allocated`` counts only what they made).
 - ``tril``/``triu`` keep elements by comparing column - row with the diagonal (from the row numbers).
 - ``select_backward``/``slice_backward`` (the gradient of ``x[:, -1]``, of a fused projection's q/k/v): zeros with
   the gradient in its slice, as one launch copying the gradient and zero-filling the rest around it.
@@ -206,7 +206,7 @@ def arange_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> tor
         out.resize_(n)
     if n == 0:
         return out
-    i = row_numbers(n, out.device)
+    i = arange_values(n, out.device)
     if not out.dtype.is_floating_point:
         vals = run_pointwise(tm.add_scaled, [start, i, step], KIND.DEFAULT, op="aten::arange") \
             if (start, step) != (0, 1) else i
