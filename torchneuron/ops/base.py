@@ -229,6 +229,17 @@ def checked(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
         raise_like_cpu(op, *args, **kwargs)
 
 
+# ---- bounded memos ------------------------------------------------------------------------------------
+
+def remember(memo: dict, key: Any, value: Any, limit: int) -> Any:
+    """Store ``value`` under ``key`` and return it; a memo past ``limit`` entries starts over first (a program
+    that keeps changing shapes must not grow it without bound)."""
+    if len(memo) > limit:
+        memo.clear()
+    memo[key] = value
+    return value
+
+
 # ---- constant tables ---------------------------------------------------------------------------------
 
 _DEVICE_TABLES: dict[tuple, torch.Tensor] = {}
@@ -241,9 +252,7 @@ def device_table(device: torch.device, builder: Callable[..., torch.Tensor], *ar
     key = (device.index, builder, args)
     t = _DEVICE_TABLES.get(key)
     if t is None:
-        if len(_DEVICE_TABLES) > _TABLE_LIMIT:
-            _DEVICE_TABLES.clear()
-        t = _DEVICE_TABLES[key] = builder(*args).to(device)
+        t = remember(_DEVICE_TABLES, key, builder(*args).to(device), _TABLE_LIMIT)
     return t
 
 

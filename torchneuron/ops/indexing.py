@@ -32,7 +32,8 @@ from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows, index_rows, 
 from torchneuron.kernels.scan import scan_rows
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import aten, DEVICE_DTYPES, device_table, FLOATS, raise_like_cpu, type_name, Unsupported
+from torchneuron.ops.base import (aten, DEVICE_DTYPES, device_table, FLOATS, raise_like_cpu, remember, type_name,
+                                   Unsupported)
 from torchneuron.ops.elementwise import can_copy, copy_parts, dense, device_copy, run_pointwise
 from torchneuron.ops.kernel_call import call_kernel, scalar_operand
 from torchneuron.ops.registry import lowering, register_out
@@ -341,9 +342,8 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, dtype: torch.dtype | N
             traced, _ = copied
             # the result and every input are bound whole (contiguous, each part non-empty): keep the plan
             program, _, names = traced
-            if len(_cat_plans) > _CAT_PLAN_LIMIT:
-                _cat_plans.clear()
-            _cat_plans[key] = (program, tuple(0 if n == "dst" else int(n[3:]) + 1 for n in names), tuple(shape))
+            remember(_cat_plans, key, (program, tuple(0 if n == "dst" else int(n[3:]) + 1 for n in names),
+                                       tuple(shape)), _CAT_PLAN_LIMIT)
     else:
         for dst, t in parts:
             device_copy(dst, t)
@@ -380,9 +380,8 @@ def _zeros_around(grad: torch.Tensor, sizes: Sequence[int], d: int, start: int, 
         # the result bound whole (its span starts at element 0 and covers it), the gradient as it is
         (program, _, names), inputs = copied
         if inputs["dst"].numel() == out.numel() and inputs["dst"].storage_offset() == out.storage_offset():
-            if len(_around_plans) > _AROUND_PLAN_LIMIT:
-                _around_plans.clear()
-            _around_plans[key] = (program, tuple(0 if n == "dst" else parts[int(n[3:])][1] for n in names))
+            remember(_around_plans, key, (program, tuple(0 if n == "dst" else parts[int(n[3:])][1] for n in names)),
+                     _AROUND_PLAN_LIMIT)
     return out
 
 
