@@ -814,3 +814,58 @@ def test_elementwise_in_place_and_overlapping(core, dtype):
     a.write(core, x)
     core.execute(isa.activation(dst=a, op="tanh", data=a, bias=put(core, torch.ones(8, 1))))
     same(a.read(core), torch.tanh(x.float() + 1).to(dtype))
+
+
+# ---- a destination that is also an input: every input is read as it was before the instruction ----------
+
+def _aliased_cases():
+    """(name, instruction on column tiles c, b and registers readout r, reference of (dst, r) from c, b)."""
+    yield ("tensor_scalar operand1 is dst",
+           lambda c, b, r: isa.tensor_scalar(dst=c, data=c, op0="add", operand0=1.5, op1="multiply", operand1=c),
+           lambda c, b: ((c + 1.5) * c, None))
+    yield ("tensor_scalar operand0 and operand1 are dst",
+           lambda c, b, r: isa.tensor_scalar(dst=c, data=b, op0="subtract", operand0=c, op1="multiply", operand1=c),
+           lambda c, b: ((b - c) * c, None))
+    yield ("activation bias is dst after a scale",
+           lambda c, b, r: isa.activation(dst=c, op="identity", data=b, scale=2.0, bias=c),
+           lambda c, b: (b * 2.0 + c, None))
+    yield ("tensor_scalar_reduce reduce_init is dst",
+           lambda c, b, r: isa.tensor_scalar_reduce(dst=c, data=c, op0="multiply", operand0=3.0, reduce_op="add",
+                                                    reduce_res=r, reduce_cmd="load_reduce", reduce_init=c),
+           lambda c, b: (c * 3.0, c + c * 3.0))
+    yield ("exponential reduce_init is dst",
+           lambda c, b, r: isa.exponential(dst=c, src=c, reduce_res=r, reduce_cmd="load_reduce", reduce_init=c),
+           lambda c, b: (torch.exp(c), c + torch.exp(c)))
+
+
+# the instructions with a per-core step run both ways
+_ALIASED = [(case, path) for case in _aliased_cases() for path in ("execute", "step")
+            if path == "execute" or not case[0].startswith(("tensor_scalar_reduce", "exponential"))]
+
+
+@pytest.mark.parametrize("case,path", _ALIASED, ids=lambda v: v if isinstance(v, str) else v[0])
+def test_destination_aliasing_an_input_reads_the_input_before_the_write(core, case, path):
+    _, build, reference = case
+    c0 = torch.tensor([[1.0], [-2.5], [0.0], [-0.0], [3.0e38], [float("inf")], [float("nan")], [7.0]])
+    b0 = rand((8, 1), F32, seed=81)
+    c, b, r = put(core, c0), put(core, b0), empty(core, (8, 1), F32)
+    instr = build(c, b, r)
+    if path == "step":
+        instr.step(core, {})([])
+    else:
+        core.execute(instr)
+    want_dst, want_res = reference(c0, b0)
+    same(c.read(core), want_dst)
+    if want_res is not None:
+        same(r.read(core), want_res)
+
+
+def test_nc_match_replace8_leaves_data_and_overlapping_vals_unchanged(core):
+    x = torch.arange(64, dtype=F32).reshape(4, 16) % 5  # repeated values: each of vals matches several
+    data = put(core, x)
+    out = empty(core, (4, 16), F32)
+    core.execute(isa.nc_match_replace8(dst=out, data=data, vals=data[:, :8], imm=-1.0))  # vals inside data
+    assert torch.equal(data.read(core), x)
+    apart = empty(core, (4, 16), F32)
+    core.execute(isa.nc_match_replace8(dst=apart, data=data, vals=put(core, x[:, :8].clone()), imm=-1.0))
+    same(out.read(core), apart.read(core))

@@ -51,6 +51,12 @@ def reduce_into_registers(instr: Instr, core, engine: Engine, op: str, values: t
         instr.reduce_res.write(core, regs)
 
 
+def register_init(core, value: Operand | None):
+    """A load_reduce initial value as read now: a (P,1) tile copied out in fp32 (an instruction may overwrite
+    its memory before the registers load it), or the scalar itself."""
+    return value.view(core).to(torch.float32, copy=True) if isinstance(value, AP) else value
+
+
 def accumulate_registers(regs: torch.Tensor, op: str, cmd: str, values: torch.Tensor | None, init=None) -> None:
     """Apply reduce command ``cmd`` of ``op`` to the registers: reset or load them, then fold ``values`` in."""
     if cmd in ("reset", "reset_reduce"):
@@ -104,8 +110,10 @@ class Activation(Instr):
     def _fused(self):
         # all fp32 and a function torch can write into dst: scale, bias and function in place there
         tiles = [v for v in (self.data, self.dst, self.scale, self.bias) if isinstance(v, AP)]
+        # (bias is read after the scale was written into dst, so it must not be dst then)
         ok = (all(t.dtype == torch.float32 for t in tiles) and self.data.shape == self.dst.shape
-              and disjoint_or_same(self.dst, self.data, self.scale, self.bias))
+              and disjoint_or_same(self.dst, self.data, self.scale, self.bias)
+              and not (self._plan[1] is not None and self.bias == self.dst))
         if ok and self.op in ("identity", "copy"):
             # execute reduces its own result's layout: only a run without a reduction takes the copy
             reduce = self.reduce_cmd != "idle" or self.reduce_res is not None

@@ -319,8 +319,9 @@ class NcMatchReplace8(Instr):
                 raise self._fail("dst_idx", f"is {dtype_name(self.dst_idx.dtype)}; indices need an integer dtype")
 
     def execute(self, core) -> None:
-        x = _flat(core, self.data)
-        v = _flat(core, self.vals)
+        # copies: x is rewritten below, and neither data nor vals (which may share its memory) may change
+        x = _flat(core, self.data).clone()
+        v = _flat(core, self.vals).clone()
         p, f = x.shape
         imm = as_scalar(self.imm, torch.float32)
         idx = torch.zeros(p, 8, dtype=torch.int64)

@@ -18,7 +18,8 @@ from torchneuron.sim.isa.common import (BN_STATS_FMAX, FUSED_ALU_FN, FUSED_DTYPE
                                         Instr, Operand, Step, apply_ordered, checked_reduce_cmd, copy_step,
                                         disjoint_or_same, fused_into, fused_rhs, has_fractional, load_column, load_tile,
                                         operand_dtypes, planned_alu_step, planned_operand, prepare_cast)
-from torchneuron.sim.isa.scalar_engine import accumulate_registers, engine_registers, reduce_into_registers
+from torchneuron.sim.isa.scalar_engine import (accumulate_registers, engine_registers, reduce_into_registers,
+                                               register_init)
 
 
 # ---- elementwise (Vector / Scalar / GpSimd) -----------------------------------------------------
@@ -159,11 +160,13 @@ class TensorScalar(Instr):
 
     @cached_property
     def _fused(self) -> bool:
-        # all-fp32 with plain (not reversed) arithmetic: op0 straight into dst, op1 in place there
+        # all-fp32 with plain (not reversed) arithmetic: op0 straight into dst, op1 in place there; so operand1
+        # must not be dst, which op0 has overwritten by the time op1 reads it
         tiles = [v for v in (self.data, self.dst, self.operand0, self.operand1) if isinstance(v, AP)]
         return (all(t.dtype == torch.float32 for t in tiles) and self.data.shape == self.dst.shape
                 and {self.op0, self.op1} <= FUSED_OPS | {None} and not self.reverse0 and not self.reverse1
-                and disjoint_or_same(self.dst, self.data, self.operand0, self.operand1))
+                and disjoint_or_same(self.dst, self.data, self.operand0, self.operand1)
+                and not (self.op1 is not None and self.operand1 == self.dst))
 
     def execute(self, core) -> None:
         c, operand0, operand1 = self._plan
@@ -409,9 +412,9 @@ class TensorScalarReduce(Instr):
                           fractional=self.op0 in FRACTIONAL_OPS or has_fractional(self.operand0))
         x = load_tile(core, self.data, c)
         r = apply_ordered(self.op0, x, load_column(core, self.operand0, c, x.dim()), self.reverse0)
+        init = register_init(core, self.reduce_init)  # read before dst is written: the two may share memory
         self.dst.write(core, r)
         regs = engine_registers(core, Engine.VECTOR, self.data)
-        init = self.reduce_init.view(core).float() if isinstance(self.reduce_init, AP) else self.reduce_init
         accumulate_registers(regs, self.reduce_op, self.reduce_cmd, r, init)
         if self.reduce_res is not None:  # None keeps the result in the registers only
             self.reduce_res.write(core, -regs if self.reduce_res_negate else regs)
@@ -756,9 +759,9 @@ class Exponential(Instr):
     def execute(self, core) -> None:
         x = load_tile(core, self.src, torch.float32)
         y = torch.exp(x - load_column(core, self.max_value, torch.float32, x.dim()))
+        init = register_init(core, self.reduce_init)  # read before dst is written: the two may share memory
         self.dst.write(core, y)
         if self.reduce_cmd != "idle" or self.reduce_res is not None:
-            init = self.reduce_init.view(core).float() if isinstance(self.reduce_init, AP) else self.reduce_init
             reduce_into_registers(self, core, Engine.VECTOR, "add", y, self.src, init)
 
     def price(self) -> CostInputs:
