@@ -169,3 +169,41 @@ def test_one_element_fills_write_the_value_without_a_kernel(dtype, strict):
     assert len(records) == 1
     ref[1].fill_(value)
     assert torch.equal(t.cpu(), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.float64])
+def test_a_repeated_copy_reuses_its_plan_at_any_offset(dtype, strict, monkeypatch):
+    """A copy of a signature met before (dtypes, sizes, strides) launches its traced program on the spans of the
+    new views: other storage offsets and values give the CPU's result, and nothing is traced again; another
+    dtype, shape or stride at the same call site is a new signature (int64 and float64 move as int32 words)."""
+    from torchneuron.ops import elementwise
+    base = (torch.randn(8, 9, 6) * 1e6).to(dtype)
+    if dtype == torch.int64:
+        base = base + (2 ** 40) * torch.sign(base).to(dtype)   # high words that an int32 copy would lose
+    src, dst = to_n(base), to_n(torch.zeros(8, 9, 6, dtype=dtype))
+    ref = torch.zeros(8, 9, 6, dtype=dtype)
+    dst[0, 1:4].copy_(src[0, 2:5].t().t())       # the first copy of this signature traces its program
+    ref[0, 1:4].copy_(base[0, 2:5])
+    monkeypatch.setattr(elementwise, "traced_kernel", None)    # a second trace would fail
+    for i in range(1, 4):                       # the same signature at other offsets of both storages
+        dst[i, 5 - i:8 - i].copy_(src[7 - i, i:i + 3])
+        ref[i, 5 - i:8 - i].copy_(base[7 - i, i:i + 3])
+    assert torch.equal(dst.cpu(), ref)
+    monkeypatch.undo()
+    dst[4, 1:4].copy_(src[5, :6, :3].t())       # the first signature's sizes and dtypes, the source transposed
+    ref[4, 1:4].copy_(base[5, :6, :3].t())
+    for view in (lambda t: t[0, 1:5], lambda t: t[1, 1:4, ::2], lambda t: t[2].t()[:, 1:4]):
+        view(dst).copy_(view(src) if dtype != torch.bfloat16 else view(src).float())   # new signatures
+        view(ref).copy_(view(base) if dtype != torch.bfloat16 else view(base).float())
+    assert torch.equal(dst.cpu(), ref)
+
+
+def test_a_planned_copy_still_refuses_bad_shapes():
+    x, y = to_n(torch.zeros(3, 4)), to_n(torch.ones(3, 4))
+    x.copy_(y)
+    x.copy_(y)                                   # a planned signature
+    with pytest.raises(RuntimeError) as cpu:
+        torch.zeros(3, 4).copy_(torch.zeros(5))
+    with pytest.raises(RuntimeError) as dev:
+        x.copy_(to_n(torch.zeros(5)))
+    assert type(dev.value) is type(cpu.value) and torch.equal(x.cpu(), torch.ones(3, 4))

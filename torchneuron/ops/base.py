@@ -50,10 +50,8 @@ def rounded_scalar(v: int | float, dtype: torch.dtype) -> int | float:
     key = (type(v), v, dtype)
     hit = _ROUNDED_SCALARS.get(key)
     if hit is None:
-        if len(_ROUNDED_SCALARS) > _ROUNDED_SCALARS_LIMIT:
-            _ROUNDED_SCALARS.clear()
         wrapped = torch.tensor(v, dtype=torch.float64 if isinstance(v, float) else torch.int64)
-        hit = _ROUNDED_SCALARS[key] = wrapped.to(dtype).item()
+        hit = remember(_ROUNDED_SCALARS, key, wrapped.to(dtype).item(), _ROUNDED_SCALARS_LIMIT)
     return hit
 
 

@@ -29,8 +29,8 @@ from torchneuron.kernels.copy import multi_copy, strided_copy, widen_int64
 from torchneuron.kernels.elementwise import KERNELS, NAMES, fold_broadcast
 from torchneuron.kernels.transpose import permute_kernel
 from torchneuron.kernels import tilemath
-from torchneuron.ops.base import (DEVICE_DTYPES, HALF_FLOATS, resize_out, rounded_scalar, storage_span, type_name,
-                                  Unsupported)
+from torchneuron.ops.base import (DEVICE_DTYPES, HALF_FLOATS, remember, resize_out, rounded_scalar, storage_span,
+                                  type_name, Unsupported)
 from torchneuron.ops.kernel_call import call_kernel, launch_traced, scalar_operand, traced_kernel
 from torchneuron.runtime.launch import launch_slots, slot_layout
 
@@ -146,14 +146,41 @@ def device_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.dtype != src.dtype and torch.float64 in (dst.dtype, src.dtype):
         _float64_convert(dst, src)
         return
+    index = dst.get_device()
+    key = (index, dst.dtype, src.dtype, dst.shape, dst.stride(), src.stride())
+    plan = _COPY_PLANS.get(key)
+    if plan is not None:
+        # the traced program of this signature: only the spans' starts (storage offsets) differ between calls
+        program, roles, dlen, slen, words = plan
+        spans = (_span(dst, dlen, words), _span(src, slen, words))
+        launch_slots(program, [spans[r] for r in roles], index, "aten::copy_")
+        return
     dspan, sspan = storage_span(dst), storage_span(src)
+    dlen, slen = dspan.numel(), sspan.numel()
     sizes, dstr, sstr = list(dst.shape), list(dst.stride()), list(src.stride())
-    if dst.dtype not in DEVICE_DTYPES:  # same dtype (can_copy): move the bytes as int32 words
+    words = dst.dtype not in DEVICE_DTYPES
+    if words:  # same dtype (can_copy): move the bytes as int32 words
         dspan, dsizes, dstr = _words(dspan, sizes, dstr)
         sspan, sizes, sstr = _words(sspan, sizes, sstr)
     sizes, dstr, sstr = coalesce(sizes, dstr, sstr)
-    call_kernel(strided_copy, {"dst": dspan, "src": sspan},
-                {"dst_view": (0, sizes, dstr), "src_view": (0, sizes, sstr)}, op="aten::copy_")
+    inputs = {"dst": dspan, "src": sspan}
+    traced = traced_kernel(strided_copy, inputs, {"dst_view": (0, sizes, dstr), "src_view": (0, sizes, sstr)})
+    launch_traced(traced, inputs, op="aten::copy_", index=index)
+    program, _, names = traced
+    remember(_COPY_PLANS, key, (program, tuple(_COPY_ROLES[n] for n in names), dlen, slen, words), _MEMO_LIMIT)
+
+
+# (device, dst dtype, src dtype, sizes, dst strides, src strides) -> (program, per slot 0: the destination's span or
+# 1: the source's, the spans' element counts, whether they move as int32 words): what ``device_copy`` traced once
+_COPY_PLANS: dict[tuple, tuple] = {}
+_COPY_ROLES = {"dst": 0, "src": 1}
+
+
+def _span(t: torch.Tensor, n: int, words: bool) -> torch.Tensor:
+    """The ``n``-element storage run from ``t``'s first element (``storage_span`` with its length known), as int32
+    words when ``words``."""
+    span = t.as_strided((n,), (1,), t.storage_offset())
+    return span.view(torch.int32) if words else span
 
 
 def copy_parts(parts: list[tuple[torch.Tensor, torch.Tensor]], op: str = "aten::cat") -> tuple | None:
@@ -329,9 +356,7 @@ def promote(operands: list, kind: KIND) -> tuple[torch.dtype, torch.dtype]:
     key = (kind, *((o.dtype, o.dim() == 0) if isinstance(o, torch.Tensor) else type(o) for o in operands))
     hit = _PROMOTIONS.get(key)
     if hit is None:
-        if len(_PROMOTIONS) > _MEMO_LIMIT:
-            _PROMOTIONS.clear()
-        hit = _PROMOTIONS[key] = elementwise_dtypes(*operands, type_promotion_kind=kind)
+        hit = remember(_PROMOTIONS, key, elementwise_dtypes(*operands, type_promotion_kind=kind), _MEMO_LIMIT)
     return hit
 
 
@@ -375,8 +400,6 @@ def _fold(shape: tuple, shapes: tuple) -> tuple[bool, list, int, int]:
     key = (shape, shapes)
     hit = _FOLDS.get(key)
     if hit is None:
-        if len(_FOLDS) > _MEMO_LIMIT:
-            _FOLDS.clear()
         # shapes: a tensor's shape, None for a Python scalar (a (1, 1) operand either way)
         fold = fold_broadcast(shape, [() if s is None else s for s in shapes])
         materialise = fold is None
@@ -388,7 +411,7 @@ def _fold(shape: tuple, shapes: tuple) -> tuple[bool, list, int, int]:
             R *= n
         for n in shape[k:]:
             C *= n
-        hit = _FOLDS[key] = (materialise, kinds, R, C)
+        hit = remember(_FOLDS, key, (materialise, kinds, R, C), _MEMO_LIMIT)
     return hit
 
 
@@ -429,9 +452,7 @@ def run_pointwise(fn: Callable, operands: list, kind: KIND, target: torch.Tensor
     shapes = tuple(t.shape for t in tensors)
     shape = _SHAPES.get(shapes)
     if shape is None:
-        if len(_SHAPES) > _MEMO_LIMIT:
-            _SHAPES.clear()
-        shape = _SHAPES[shapes] = broadcast_shape(list(shapes))
+        shape = remember(_SHAPES, shapes, broadcast_shape(list(shapes)), _MEMO_LIMIT)
     if len(shape) > 64:
         raise RuntimeError("only tensors with up to 64 dims are supported")
     if target is not None:
@@ -460,10 +481,8 @@ def run_pointwise(fn: Callable, operands: list, kind: KIND, target: torch.Tensor
                  shape=shape, R=R, C=C, tile_dtype=tile_dtype, materialise=materialise,
                  views=[two_d[kd] if isinstance(a, torch.Tensor) else None for a, kd in zip(args, kinds)],
                  direct=target is not None and target.is_contiguous(), out_dtype=out_dtype, device=device)
-    if len(_PLANS) > _MEMO_LIMIT:
-        _PLANS.clear()
     if target is None or tuple(target.shape) == tuple(key[4][1]):  # not when an out= target was resized
-        _PLANS[key] = plan
+        remember(_PLANS, key, plan, _MEMO_LIMIT)
     return _run_plan(plan, operands, target, op, checked=True)
 
 
