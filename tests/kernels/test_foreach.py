@@ -30,3 +30,20 @@ def test_norms_of_a_list_of_tensors(dtype):
         exact = torch.linalg.vector_norm(x.double())
         assert got.shape == (1, 1) and got.dtype == dtype
         assert abs(got.double().reshape(()) - exact) <= (x.numel() * 2.0**-24 + eps) * exact
+
+
+def test_scalar_operands_are_one_argument_each():
+    # a shared scalar is one (1, 1) argument and per-group scalars one (count, 1) argument: row i is group i's
+    xs = [torch.randn(1, n) for n in (5, 300, 129)]
+    ys = [torch.randn(1, n) for n in (5, 300, 129)]
+    alpha = torch.tensor([[0.5]])
+    weights = torch.tensor([[1.5], [-2.0], [0.25]])
+    args = {operand_name(0, 2): alpha, operand_name(0, 3): weights}
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        args[operand_name(i, 0)], args[operand_name(i, 1)] = x, y
+    kernel = foreach_kernel(3, 4, ("full", "full", "shared", "each"))
+    outs = kernel(**args, fn=lambda x, y, a, w: nl.multiply(nl.add(x, nl.multiply(y, a)), w), out_dtype=nl.float32)
+    for i, (out, x, y) in enumerate(zip(outs, xs, ys)):
+        assert torch.equal(out, (x + y * 0.5) * weights[i, 0])   # each step one fp32 rounding, as the CPU's
+    with pytest.raises(AssertionError, match="each operand 3"):   # one scalar per group, not one for all
+        kernel(**{**args, operand_name(0, 3): alpha}, fn=lambda x, y, a, w: x, out_dtype=nl.float32)

@@ -168,3 +168,37 @@ def test_packed_tiles_span_segments_and_tiles(case, strict):
     for g, d, c in zip(got, per_tensor(*dev), fused(*cpu)):
         assert torch.equal(g.cpu(), d.cpu())
         torch.testing.assert_close(g.cpu(), c)
+
+
+@pytest.mark.parametrize("case", ["add_scalar", "sub_scalarlist", "addcmul_tensor", "lerp_scalar"])
+def test_a_scalar_operand_binds_one_slot(case, strict):
+    # a scalar shared by the list and the per-tensor scalars are one kernel argument each, not one per tensor:
+    # the launch binds the four live tensors of each list, one slot per scalar position and the four results
+    fused, _ = CASES[case]
+    dev = [[to_n(t) for t in lst] for lst in _lists()]
+    with profiler.record() as records:
+        fused(*dev)
+    lists = {"add_scalar": 1, "sub_scalarlist": 1, "addcmul_tensor": 3, "lerp_scalar": 2}[case]
+    assert len(records) == 1 and len(records[0].program.args) == 4 * lists + 1 + 4
+
+
+def test_per_tensor_scalars_past_one_launch(strict):
+    # more tensors than one launch takes, empty ones among them: each launch's (n, 1) scalars are the values of
+    # its own tensors, in order, on the first call and on the planned ones
+    n = foreach_ops.MAX_GROUPS + 9
+    shapes = [(0,) if i % 17 == 5 else (i % 7 + 1, 3) for i in range(n)]
+    for seed in (4, 5):
+        torch.manual_seed(seed)
+        cpu = [torch.randn(s) for s in shapes]
+        scalars = [float(v) for v in torch.randn(n)]
+        den = [t.abs() + 1 for t in cpu]
+        dev, dev_den = [to_n(t) for t in cpu], [to_n(t) for t in den]
+        with profiler.record() as records:
+            torch._foreach_mul_(dev, scalars)
+            got = torch._foreach_addcdiv(dev, dev, dev_den, scalars)
+        torch._foreach_mul_(cpu, scalars)
+        want = torch._foreach_addcdiv(cpu, cpu, den, scalars)
+        assert len(records) == 4                   # two launches per op
+        for d, c, g, w in zip(dev, cpu, got, want):
+            assert torch.equal(d.cpu(), c)         # an IEEE fp32 multiply, as the CPU's
+            torch.testing.assert_close(g.cpu(), w)

@@ -2,9 +2,11 @@
 (what ``torch._foreach_*`` ops and the optimizers built on them do), instead of one launch each.
 
 ``foreach_kernel(count, arity, kinds)`` is the kernel for ``count`` groups of ``arity`` operands: group
-i is the i-th tensor of each list (same shape, given flat as (1, n_i)) or a (1, 1) scalar operand.
-``kinds`` says per operand position whether it is a tensor list ("full"), one scalar shared by every
-group ("shared": group 0's argument is loaded once), or one scalar per group ("each").
+i is the i-th tensor of each list (same shape, given flat as (1, n_i)) or a scalar operand.
+``kinds`` says per operand position whether it is a tensor list ("full": one argument per group), one
+scalar shared by every group ("shared": one (1, 1) argument, loaded once), or one scalar per group
+("each": one (count, 1) argument, row i group i's). A scalar position is one argument so that a launch
+binds one slot for it, not one per group.
 
 The groups are packed side by side into [128, W] tiles (W <= 2048 columns): a tensor of n elements
 takes n // 128 full columns (partition r holding a contiguous run, as the element-wise template lays
@@ -97,10 +99,20 @@ def foreach_kernel(count: int, arity: int, kinds: tuple[str, ...]) -> nki.Kernel
     ...``, plus ``fn``, the tile function, and ``out_dtype``); it returns one output per group."""
     assert 1 <= arity <= len(NAMES), f"foreach_kernel: {arity} operands per group (at most {len(NAMES)})"
     assert len(kinds) == arity and kinds[0] == "full" and set(kinds) <= {"full", "shared", "each"}, kinds
-    names = [operand_name(i, j) for i in range(count) for j in range(arity)]
+    # a scalar position is one argument (named as group 0's), bound once per launch instead of once per group
+    names = [operand_name(i, j) for i in range(count) for j in range(arity) if i == 0 or kinds[j] == "full"]
+
+    def operand(kw: dict, i: int, j: int):
+        """Group ``i``'s operand ``j``: its tensor, the shared (1, 1) scalar, or row i of the (count, 1) scalars."""
+        kind = kinds[j]
+        if kind == "full":
+            return kw[operand_name(i, j)]
+        arg = kw[operand_name(0, j)]
+        assert arg.shape == ((1, 1) if kind == "shared" else (count, 1)), f"foreach: {kind} operand {j} is {arg.shape}"
+        return arg if kind == "shared" else arg[i:i + 1, :]
 
     def body(**kw):
-        groups = [[kw[operand_name(i, j)] for j in range(arity)] for i in range(count)]
+        groups = [[operand(kw, i, j) for j in range(arity)] for i in range(count)]
         return _packed(groups, kinds, kw["fn"], kw["out_dtype"])
 
     kind = inspect.Parameter.KEYWORD_ONLY

@@ -3,9 +3,10 @@ every tensor of the lists (the default ``foreach`` optimizers, ``clip_grad_norm_
 instead of PyTorch's composite loop of one launch per tensor.
 
 Each op applies the tile function its single-tensor lowering uses (``kernels/tilemath.py``), so the
-results are bit-identical to the per-tensor ops. Scalars (one, or one per tensor) reach the kernel
-as (1, 1) device operands written in one host-to-device transfer, so a new learning rate or bias
-correction does not mean a new Program. Lists that are not all contiguous float tensors of one
+results are bit-identical to the per-tensor ops. Scalars reach the kernel as device operands, so a
+new learning rate or bias correction does not mean a new Program: one shared by every tensor as one
+(1, 1) operand, one per tensor as one (n, 1) operand written in one host-to-device transfer (a launch
+binds one slot for either, not one per tensor). Lists that are not all contiguous float tensors of one
 dtype on one neuron device, whose tensors differ in shape at one index, or with a scalar that is
 not a real number, take the per-tensor loop (each op then lowers, or falls back, on its own).
 """
@@ -17,7 +18,7 @@ import torch
 
 from torchneuron.kernels.foreach import foreach_kernel, foreach_norm_kernel, operand_name
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import aten, FLOATS, HALF_FLOATS, rounded_scalar
+from torchneuron.ops.base import aten, FLOATS, HALF_FLOATS, remember, rounded_scalar
 from torchneuron.ops.kernel_call import (call_kernel, host_operand, launch_traced, scalar_operand,
                                          traced_kernel)
 from torchneuron.ops.pointwise import UNARY_FLOAT, UNARY_SAME
@@ -30,6 +31,7 @@ MAX_GROUPS = 64  # tensors per launch: longer lists are cut into launches of thi
 # (program, per slot the (operand position, group) it binds (position 1 + arity: the group's result; None: a
 # result the launch allocates), the launch's slot layout (None in place), the result slots in group order)
 _plans: dict[tuple, tuple] = {}
+_PLAN_LIMIT = 1024   # plans kept before the cache starts over
 
 
 class _Loop(Exception):
@@ -49,10 +51,10 @@ def _fusable(lists: Sequence[Sequence[torch.Tensor]]) -> bool:
     index = device.index
     shapes = [t.shape for t in first]
     for lst in lists:
-        if len(lst) != len(shapes):
+        if len(lst) != len(shapes) or (lst is not first and [t.shape for t in lst] != shapes):
             return False
-        for t, shape in zip(lst, shapes):
-            if t.dtype != dtype or not t.is_contiguous() or t.get_device() != index or t.shape != shape:
+        for t in lst:
+            if t.dtype != dtype or t.get_device() != index or not t.is_contiguous():
                 return False
     return True
 
@@ -63,14 +65,13 @@ def _real(v: Any) -> float:
     return float(v)
 
 
-def _scalars(values: Sequence[Any], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """One (1, 1) fp32 device operand per value, from one device buffer written in one transfer."""
-    buf = host_operand(torch.tensor([[_real(v)] for v in values], dtype=torch.float32), torch.float32, device)
-    return buf.split(1)
+def _scalar_rows(values: list[float], device: torch.device) -> torch.Tensor:
+    """The per-tensor scalars of one launch as a (len(values), 1) fp32 device operand, written in one transfer."""
+    return host_operand(torch.tensor([[v] for v in values], dtype=torch.float32), torch.float32, device)
 
 
 def _shared_scalar(value: Any, device: torch.device) -> torch.Tensor:
-    """A number as a (1, 1) fp32 device operand (rounded to fp32 as ``_scalars`` rounds it)."""
+    """A number as a (1, 1) fp32 device operand (rounded to fp32 as ``_scalar_rows`` rounds it)."""
     return scalar_operand(_real(value), torch.float32, device)
 
 
@@ -110,39 +111,41 @@ def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inp
     device, dtype = self[0].device, result_dtype or self[0].dtype
     if not _fusable([self] + [o for o in operands if isinstance(o, list)]):
         raise _Loop
-    # per operand position, the tensors of every group (a scalar operand is one (1, 1) tensor per group)
-    columns: list[Sequence[torch.Tensor]] = [self]
+    # per operand position: a tensor list, the per-tensor scalars as floats, or the shared (1, 1) operand (every
+    # scalar read before anything runs: one the kernel cannot take sends the whole call to the per-tensor loop)
+    columns: list[Any] = [self]
     kinds = ["full"]
     for o in operands:
         if isinstance(o, tuple):
-            columns.append(_scalars(o, device))
+            columns.append(tuple(_real(v) for v in o))
             kinds.append("each")
         elif not isinstance(o, list):
             o = _operand(o, device)
-            columns.append([o if isinstance(o, torch.Tensor) else _shared_scalar(o, device)] * len(self))
+            columns.append(o if isinstance(o, torch.Tensor) else _shared_scalar(o, device))
             kinds.append("shared")
         else:
             columns.append(o)
             kinds.append("full")
     # in place the results are self; else each group's is allocated by its launch (a list's empty tensors here)
     results = list(self) if inplace else [torch.empty_like(t, dtype=dtype) if not t.numel() else None for t in self]
-    columns.append(results)
     live = [i for i, t in enumerate(self) if t.numel()]
     index = device.index
-    scalar_dtypes = tuple(c[0].dtype for c, k in zip(columns, kinds) if k != "full")
+    scalar_dtypes = tuple(torch.float32 if k == "each" else c.dtype for c, k in zip(columns, kinds) if k != "full")
     for lo in range(0, len(live), MAX_GROUPS):
         chunk = live[lo:lo + MAX_GROUPS]
         kernel = foreach_kernel(len(chunk), 1 + len(operands), tuple(kinds))
-        # what the trace depends on (the lists share self's shapes and dtype; scalars are (1, 1) operands)
+        # what the trace depends on (the lists share self's shapes and dtype; scalars are fp32 or the tensor's)
         key = (kernel, index, fn, dtype, self[0].dtype, tuple(self[i].shape for i in chunk), scalar_dtypes, inplace)
+        args = _chunk_arguments(columns, kinds, chunk, device)
         plan = _plans.get(key)
         if plan is not None:
             # a traced program: each slot filled from its (operand position, group) in one pass, each tensor
             # bound as it is (contiguous, the slot's element count), without the views and name lookups of
             # call_kernel; unbound results are allocated by the launch in their tensors' shapes
             program, slot_sources, layout, result_slots = plan
-            tensors = launch_slots(program, [None if src is None else columns[src[0]][chunk[src[1]]]
-                                             for src in slot_sources], index, op, layout)
+            args.append(args[0] if inplace else None)   # in place, the results are self
+            tensors = launch_slots(program, [None if src is None else args[src[0]][src[1]] for src in slot_sources],
+                                   index, op, layout)
             if not inplace:
                 for k, at in enumerate(result_slots):
                     results[chunk[k]] = tensors[at]
@@ -150,22 +153,30 @@ def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inp
         if not inplace:
             for i in chunk:
                 results[i] = torch.empty_like(self[i], dtype=dtype)
-        inputs = {}
-        for k, i in enumerate(chunk):
-            for j, kind in enumerate(kinds):
-                t = columns[j][i]
-                inputs[operand_name(k, j)] = t.view(1, -1) if kind == "full" else t
-        meta = {"fn": fn, "out_dtype": dtype}
-        traced = traced_kernel(kernel, inputs, meta)
+        inputs = {operand_name(k, j): t.view(1, -1) if kind == "full" else t
+                  for j, kind in enumerate(kinds) for k, t in enumerate(args[j])}
+        traced = traced_kernel(kernel, inputs, {"fn": fn, "out_dtype": dtype})
         launch_traced(traced, inputs, [results[i].view(1, -1) for i in chunk], op, index)
         program, out_slots, order = traced
-        where = {operand_name(k, j): (j, k) for k in range(len(chunk)) for j in range(len(kinds))}
+        where = {operand_name(k, j): (j, k) for j in range(len(kinds)) for k in range(len(args[j]))}
         where.update({s: (len(kinds), k) for k, s in enumerate(out_slots)})
         # in place each result slot binds its self tensor; else the launch allocates it in its tensor's shape
         sources = tuple(None if not inplace and n in out_slots else where[n] for n in order)
         layout = None if inplace else slot_layout(program, {s: tuple(self[i].shape) for s, i in zip(out_slots, chunk)})
-        _plans[key] = (program, sources, layout, tuple(order.index(s) for s in out_slots))
+        remember(_plans, key, (program, sources, layout, tuple(order.index(s) for s in out_slots)), _PLAN_LIMIT)
     return None if inplace else results
+
+
+def _chunk_arguments(columns: list[Any], kinds: list[str], chunk: list[int], device: torch.device) -> list[list]:
+    """Per operand position, the kernel arguments of one launch over the tensors ``chunk``: group k's tensor at
+    [k] for a list, else the position's one scalar argument at [0] (see ``kernels.foreach``)."""
+    args = []
+    for c, kind in zip(columns, kinds):
+        if kind == "full":
+            args.append([c[i] for i in chunk])
+        else:
+            args.append([c if kind == "shared" else _scalar_rows([c[i] for i in chunk], device)])
+    return args
 
 
 def _register(overload: str, build: Callable, each: Callable, at_dtype: bool = False) -> None:
