@@ -18,6 +18,7 @@ tensors, with the layout each value has over its buffer (``OutputLayout``) for t
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import operator
 from dataclasses import dataclass
@@ -53,13 +54,26 @@ class InputSig:
     stride: tuple | None = None
     dtype: torch.dtype | None = None
     scalar: Any = None
+    # inputs sharing one storage are bound as one slot (a fused projection's q, k and v, which kernels then see
+    # as views of one tensor): (the first such input, this input's offset in the slot, the slot's length)
+    shared: tuple[int, int, int] | None = None
 
     @property
     def span(self) -> int:
-        """Elements of the storage the tensor reaches from its offset (its flat slot's length)."""
+        """Elements of the storage the tensor reaches from its offset."""
         if any(n == 0 for n in self.shape):
             return 0
         return 1 + sum((n - 1) * st for n, st in zip(self.shape, self.stride))
+
+    @property
+    def slot_offset(self) -> int:
+        """Elements from the start of the input's slot to its storage offset."""
+        return self.shared[1] if self.shared else 0
+
+    @property
+    def slot_span(self) -> int:
+        """Elements of the input's slot: its own span, or that of the inputs sharing its storage."""
+        return self.shared[2] if self.shared else self.span
 
 
 def signature(v: Any) -> InputSig:
@@ -67,6 +81,25 @@ def signature(v: Any) -> InputSig:
     if isinstance(v, torch.Tensor):
         return InputSig(tuple(v.shape), tuple(v.stride()), v.dtype)
     return InputSig(scalar=v)
+
+
+def signatures(values: list) -> list[InputSig]:
+    """The InputSigs of a segment's input values, device tensors of one dtype that share a storage marked
+    ``shared``: they are bound as one slot spanning all of them (``InputSig.shared``)."""
+    sigs = [signature(v) for v in values]
+    groups: dict[tuple, list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor) and not v.is_cpu:
+            groups.setdefault((v.untyped_storage().data_ptr(), v.dtype), []).append(i)
+    for members in groups.values():
+        if len(members) > 1:
+            members = [i for i in members if bindable(sigs[i])]
+        if len(members) > 1:
+            start = min(values[i].storage_offset() for i in members)
+            span = max(values[i].storage_offset() + sigs[i].span for i in members) - start
+            for i in members:
+                sigs[i] = dataclasses.replace(sigs[i], shared=(members[0], values[i].storage_offset() - start, span))
+    return sigs
 
 
 @dataclass(frozen=True)
@@ -141,7 +174,8 @@ class _Body:
             elif i in self.host_scalars:   # one element of the slot all such scalars share
                 env[node] = strided_value(self.scalar_slot, (), offset=self.host_scalars.index(i))
             else:
-                env[node] = strided_value(slots[f"in{i}"], sig.shape, sig.stride, dtype=sig.dtype)
+                slot = slots[f"in{sig.shared[0] if sig.shared else i}"]
+                env[node] = strided_value(slot, sig.shape, sig.stride, sig.slot_offset, sig.dtype)
         self.env = env
         self.early_values = self._early_values()
         packed: set[int] = set()   # ids of the groups a packed pass already computed
@@ -353,7 +387,7 @@ class _Body:
         parameters and moments), when the group can store ``out`` there itself instead of into a buffer the
         copy then reads: the copy is ``out``'s only reader outside the group, and nothing but this group (where each tile is read
         before the same tile is written) and the copy reads the input, which is a contiguous tensor of the
-        group's shape and ``out``'s dtype."""
+        group's shape and ``out``'s dtype, whose storage no other input shares."""
         members = set(g.nodes)
         copies = [u for u in out.users if u not in members]
         if len(copies) != 1:
@@ -365,6 +399,8 @@ class _Body:
         dst = copy.args[0]
         if dst.op != "placeholder" or any(u is not copy and u not in members for u in dst.users):
             return None
+        if dst in self.seg.inputs and self.sigs[self.seg.inputs.index(dst)].shared:
+            return None   # other inputs view its storage: their readers are not this group's
         v = self.value(dst)
         val = out.meta["val"]
         if (not isinstance(v, Value) or v.dtype != val.dtype or tuple(v.shape) != tuple(g.shape)
@@ -426,13 +462,14 @@ def trace_segment(plan: Plan, seg: Segment, sigs: list[InputSig], spec: ChipSpec
     body = _Body(plan, seg, sigs)
     params, kwargs, slots = [], {}, []
     for i, sig in enumerate(sigs):
-        if sig.shape is None or not bindable(sig) or i in body.host_scalars:
+        if (sig.shape is None or not bindable(sig) or i in body.host_scalars
+                or (sig.shared and sig.shared[0] != i)):   # (an input sharing another's slot binds none)
             slots.append(None)
             continue
         n = f"in{i}"
         params.append(inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY))
         words = 2 if sig.dtype == torch.int64 else 1     # an int64 input is bound as its int32 words
-        kwargs[n] = torch.empty((words * max(sig.span, 1),), dtype=torch.int32 if words == 2 else sig.dtype,
+        kwargs[n] = torch.empty((words * max(sig.slot_span, 1),), dtype=torch.int32 if words == 2 else sig.dtype,
                                 device="meta")
         slots.append(n)
     if body.host_scalars:

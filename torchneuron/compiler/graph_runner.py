@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from torchneuron import _C, runtime
 from torchneuron.compiler import cache
-from torchneuron.compiler.codegen import HOST_SCALARS, SegmentProgram, signature, trace_segment
+from torchneuron.compiler.codegen import HOST_SCALARS, SegmentProgram, signatures, trace_segment
 from torchneuron.compiler.memory_plan import ARENA
 from torchneuron.compiler.partition import Plan, Segment, partition, tensor_values
 from torchneuron.compiler.report import GraphReport, dump_graph, dump_segment
@@ -113,7 +113,7 @@ class CompiledGraph:
 
     def _segment(self, seg: Segment, env: dict) -> None:
         values = [self._host(n, env) for n in seg.inputs]
-        sigs = [signature(v) for v in values]
+        sigs = signatures(values)
         device = next((v.device for v in values if isinstance(v, torch.Tensor) and v.device.type == "neuron"), None)
         if device is None:   # a segment reading no device tensor (an ``arange``): the device its results are on
             device = next(t.device for n in seg.outputs for t in tensor_values(n) if t.device.type == "neuron")
@@ -129,7 +129,8 @@ class CompiledGraph:
         for v, sig, slot in zip(values, sigs, prog.input_slots):
             if slot is not None:
                 t = v if v.device.type == "neuron" else _scalar_to_device(v, device)
-                t = t.as_strided((max(sig.span, 1),), (1,), t.storage_offset())   # its storage span
+                # the span of its storage it reaches, or that of the inputs sharing the storage (one slot)
+                t = t.as_strided((max(sig.slot_span, 1),), (1,), t.storage_offset() - sig.slot_offset)
                 tensors[index[slot]] = t.view(torch.int32) if t.dtype == torch.int64 else t   # int64: its words
         if prog.host_scalars:   # CPU 0-d operands, written to the device together
             tensors[index[HOST_SCALARS]] = _scalars_to_device([values[i] for i in prog.host_scalars], device)
