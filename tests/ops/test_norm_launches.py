@@ -26,3 +26,55 @@ def test_layer_norm_is_one_launch_with_statistics_like_cpu(D, dtype, strict):
     for t, ref in ((got[1], mean), (got[2], rstd)):
         assert t.dtype == dtype and t.shape == (300, 1)
         assert bool(((t.cpu().double() - ref).abs() <= bound * ref.abs()).all())
+
+
+def _composed_norm(x: torch.Tensor) -> torch.Tensor:
+    """The 2-norm as the separate launches compute it: |x| (in fp32 for 2-byte floats), its square, the whole sum,
+    the square root, rounded to x's dtype."""
+    a = x.abs().float()
+    return (a * a).sum().sqrt().to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(), (1,), (129,), (128 * 40 + 3,), (7, 300), (2, 3, 64)])
+def test_whole_tensor_two_norm_is_one_launch(shape, dtype, strict):
+    # gradient clipping's total norm: squares, sum and square root in one launch, bit for bit what the separate
+    # launches give (the same fp32 arithmetic in the same order), and within the float64 norm's bound: n fp32
+    # roundings of the sum of squares (a relative n * u) plus the rounding to the dtype
+    torch.manual_seed(1)
+    x = (torch.randn(shape) * 3).to(dtype)
+    xn = to_n(x)
+    with profiler.record() as recs:
+        got = torch.linalg.vector_norm(xn)
+        kept = torch.linalg.vector_norm(xn, 2, keepdim=True)
+    assert [r.name for r in recs] == ["norm2_kernel"] * 2
+    assert got.shape == () and kept.shape == (1,) * x.dim() and got.dtype == kept.dtype == dtype
+    assert torch.equal(got.cpu(), _composed_norm(xn).cpu()) and torch.equal(kept.cpu().reshape(()), got.cpu())
+    exact = torch.linalg.vector_norm(x.double())
+    bound = (x.numel() * 2.0 ** -24 + torch.finfo(dtype).eps / 2) * exact
+    assert abs(got.cpu().double() - exact) <= bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_whole_tensor_two_norm_edges_match_cpu(dtype, strict):
+    # zeros of both signs, infinities, NaN beside -inf, squares past fp16's 65504 (the CPU's fp32 sum, then inf on
+    # the rounding to fp16), squares under fp32's smallest normal; a transposed view is made dense first
+    cases = [[0.0, -0.0], [-float("inf"), 1.0], [-float("inf"), float("nan")], [65504.0, 65504.0], [1e-30, -1e-30]]
+    for values in cases:
+        x = torch.tensor(values).to(dtype)
+        got, want = torch.linalg.vector_norm(to_n(x)).cpu(), torch.linalg.vector_norm(x)
+        assert (got.isnan() and want.isnan()) or torch.equal(got, want), (values, got, want)
+    x = torch.randn(40, 33).to(dtype)
+    with profiler.record() as recs:
+        got = torch.linalg.vector_norm(to_n(x).t())
+    assert [r.name for r in recs][-1] == "norm2_kernel" and torch.equal(got.cpu(), _composed_norm(to_n(x)).cpu())
+
+
+def test_other_two_norms_and_bad_input_match_cpu(strict):
+    # a norm over some dims keeps the reduction launches; an integer input raises the CPU's error
+    x = torch.randn(6, 50)
+    torch.testing.assert_close(torch.linalg.vector_norm(to_n(x), 2, -1).cpu(), torch.linalg.vector_norm(x, 2, -1))
+    with pytest.raises(RuntimeError) as cpu:
+        torch.linalg.vector_norm(torch.ones(3, dtype=torch.int32))
+    with pytest.raises(type(cpu.value), match="floating point"):
+        torch.linalg.vector_norm(to_n(torch.ones(3, dtype=torch.int32)))

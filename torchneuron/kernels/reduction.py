@@ -226,11 +226,13 @@ def _reduce_inner(x, out, op, O, R, I):
 IDENTITY = {"sum": 0.0, "mean": 0.0, "prod": 1.0, "max": float("-inf"), "min": float("inf")}
 
 
-def _reduce_leading(x, out, op, R, I):
+def _reduce_leading(x, out, op, R, I, pre=None, post=None):
     """outer == 1, inner <= 512 (a bias gradient: sum over the rows of [R, I]): rows grouped G per
     partition ([128, G, I] tiles, one DMA each), each tile reduced over its G rows into a running
     [128, I] (the op's identity where a partition has no rows); at the end the 128 partials of each
-    column are brought to the free axis by one TensorE transpose per 128 columns and reduced there."""
+    column are brought to the free axis by one TensorE transpose per 128 columns and reduced there.
+    ``pre``: a tile function applied to each loaded tile first; ``post``: one applied to each column of
+    results before its store (``norm2_kernel``'s squares and square root)."""
     flat = x.reshape((R, I))
     blocks, G = row_blocks(R, I)
     acc = _col(PMAX, I)
@@ -238,10 +240,11 @@ def _reduce_leading(x, out, op, R, I):
     ring = collections.deque(maxlen=NBUF)
     for r0, p, g in blocks:
         t = load_grouped(flat, r0, p, g)
+        rows = t[:p] if pre is None else pre(t[:p])
         part = _col(PMAX, I)
-        nisa.tensor_reduce(dst=part[:p], op=OPS[op], data=t[:p].ap([[g * I, p], [1, I], [I, g]]), axis=(2,))
+        nisa.tensor_reduce(dst=part[:p], op=OPS[op], data=rows.ap([[g * I, p], [1, I], [I, g]]), axis=(2,))
         nisa.tensor_tensor(dst=acc[:p], data1=acc[:p], data2=part[:p], op=OPS[op])
-        ring.append((t, part))
+        ring.append((t, rows, part))
     for i0 in range(0, I, PMAX):
         w = min(PMAX, I - i0)
         tp = nl.ndarray((PMAX, PMAX), nl.float32, buffer=nl.psum)
@@ -250,8 +253,9 @@ def _reduce_leading(x, out, op, R, I):
         nisa.tensor_reduce(dst=res[:w], op=OPS[op], data=tp[:w, :], axis=(1,))
         if op == "mean":
             nisa.tensor_scalar(dst=res[:w], data=res[:w], op0=nl.multiply, operand0=1.0 / R)
-        nisa.dma_copy(dst=out.ap([[1, w], [1, 1]], offset=i0), src=res[:w])
-        ring.append((tp, res))
+        col = res[:w] if post is None else post(res[:w])
+        nisa.dma_copy(dst=out.ap([[1, w], [1, 1]], offset=i0), src=col)
+        ring.append((tp, res, col))
 
 
 @nki.jit
@@ -270,6 +274,20 @@ def reduce_kernel(x, op="sum", out_dtype=None):
         _reduce_rows(x, out, op, O, R)
     else:
         _reduce_inner(x, out, op, O, R, I)
+    return out
+
+
+@nki.jit
+def norm2_kernel(x):
+    """The 2-norm of all of ``x`` ([N, 1], a float dtype) as (1, 1) of x's dtype, in one launch of what the
+    element-wise |x|, its square, the sum and the square root launch one by one, with the same arithmetic in
+    the same order (bit-identical): VectorE squares each loaded tile in fp32 (|x| squared is x squared), the
+    squares are summed as ``reduce_kernel`` sums a whole tensor, ScalarE takes the square root in fp32, and the
+    store rounds it once to x's dtype (an fp16 sum of squares would overflow past 65504; fp32 does not)."""
+    N = x.shape[0]
+    assert tuple(x.shape) == (N, 1) and N >= 1, f"norm2: x is {x.shape}, not [N >= 1, 1]"
+    out = nl.ndarray((1, 1), x.dtype, buffer=nl.shared_hbm)
+    _reduce_leading(x, out, "sum", N, 1, pre=lambda t: nl.multiply(t, t), post=nl.sqrt)
     return out
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch._prims_common import canonicalize_dim
 
-from torchneuron.kernels.reduction import reduce_kernel
+from torchneuron.kernels.reduction import norm2_kernel, reduce_kernel
 from torchneuron.ops.base import FLOATS, type_name, Unsupported
 from torchneuron.ops.elementwise import dense, to_int64
 from torchneuron.ops.int64_elementwise import int_reduce  # exact integer sums (fp32 is exact only below 2**24)
@@ -300,6 +300,8 @@ def linalg_vector_norm(self: torch.Tensor, ord: Any = 2, dim: Any = None, keepdi
     if x is None or x.dtype not in FLOATS or x.numel() == 0:
         raise Unsupported("a dtype the engines lack, or an empty input")
     dims = _dims(x, dim)
+    if float(ord) == 2 and len(dims) == x.dim():   # the whole tensor's 2-norm (gradient clipping's): one launch
+        return _whole_norm2(x, keepdim)
     # fp16/bf16 accumulate in fp32 and round once, as the CPU does (fp16 sums of squares overflow past 65504)
     a = x.abs().to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.abs()
     p = float(ord)
@@ -316,6 +318,13 @@ def linalg_vector_norm(self: torch.Tensor, ord: Any = 2, dim: Any = None, keepdi
     else:
         res = _reduce(a.pow(p), dims, "sum", keepdim).pow(1.0 / p)
     return res.to(x.dtype)
+
+
+def _whole_norm2(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
+    """The 2-norm of all of ``x`` (a float dtype, non-empty) by one ``norm2_kernel`` launch, in PyTorch's reduced
+    shape: the bits of the abs, square, sum and square root launches it replaces."""
+    (res,) = call_kernel(norm2_kernel, {"x": dense(x).reshape(-1, 1)}, op="aten::linalg_vector_norm")
+    return res.reshape([1] * x.dim() if keepdim else [])
 
 
 register_out("linalg_vector_norm.out", linalg_vector_norm)
