@@ -294,8 +294,8 @@ def test_select_and_slice_backward_embed_the_gradient_in_one_launch(dtype, stric
 
 
 def test_embedding_backward_reads_the_row_numbers_table(strict):
-    # the one-hot rows compare with a table of row numbers uploaded once per (device, rows): two calls, the
-    # CPU's gradients, no iota launch the second time
+    # the one-hot rows compare with the device's table of row numbers (a prefix of it): two calls, the CPU's
+    # gradients, no iota launch
     from torchneuron.runtime import profiler
     for idx in (torch.tensor([[3, 0, 3], [10, 2, 0]]), torch.tensor([1, 1, 10, 4], dtype=torch.int32)):
         w = W.clone().requires_grad_()
@@ -357,3 +357,21 @@ def test_float64_per_sample_weights_gradient_keeps_float64_precision():
         (g,) = torch.autograd.grad(out, p, conv(torch.ones(2, 5, dtype=torch.float64)))
         grads.append(g.cpu())
     torch.testing.assert_close(grads[1], grads[0], atol=0, rtol=4 * torch.finfo(torch.float64).eps)
+
+
+def test_row_numbers_are_prefixes_of_one_table_per_device(strict):
+    # one table per device, grown to the next power of two when a longer run is asked: a shorter run reads its
+    # prefix (no new table), so the tables held stay within twice the longest run (not one table per length)
+    from torchneuron.ops import indexing
+    device = torch.device("neuron", 0)
+    indexing._NUMBER_TABLES.pop(0, None)
+    first = indexing.row_numbers(100, device)
+    table = indexing._NUMBER_TABLES[0]
+    assert table.numel() == 128 and torch.equal(first.cpu(), torch.arange(100, dtype=torch.int32))
+    for n in (1, 7, 128):
+        assert indexing.row_numbers(n, device).data_ptr() == table.data_ptr()
+    longer = indexing.row_numbers(129, device)
+    assert indexing._NUMBER_TABLES[0].numel() == 256 and torch.equal(longer.cpu(), torch.arange(129, dtype=torch.int32))
+    assert torch.equal(first.cpu(), torch.arange(100, dtype=torch.int32))   # a run read before stays valid
+    x = torch.randn(300, 200)                                   # tril's row numbers: a longer table again
+    assert torch.equal(to_n(x).tril(-3).cpu(), x.tril(-3)) and torch.equal(to_n(x).triu(5).cpu(), x.triu(5))

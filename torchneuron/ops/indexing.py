@@ -32,7 +32,7 @@ from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows, index_rows, 
 from torchneuron.kernels.scan import scan_rows
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import (aten, DEVICE_DTYPES, device_table, FLOATS, raise_like_cpu, remember, type_name,
+from torchneuron.ops.base import (aten, DEVICE_DTYPES, FLOATS, raise_like_cpu, remember, type_name,
                                    Unsupported)
 from torchneuron.ops.elementwise import can_copy, copy_parts, dense, device_copy, run_pointwise
 from torchneuron.ops.kernel_call import call_kernel, scalar_operand
@@ -164,18 +164,21 @@ def arange_values(n: int, device: torch.device) -> torch.Tensor:
 
 
 NUMBERS_TABLE_MAX = 1 << 16   # longest run of row numbers kept as a device table (256 KiB of int32)
-
-
-def _host_numbers(n: int) -> torch.Tensor:
-    return torch.arange(n, dtype=torch.int32)
+# device index -> int32 [0, 1, ..., m - 1] (m a power of two): the row numbers every length up to m reads a prefix of
+_NUMBER_TABLES: dict[int, torch.Tensor] = {}
 
 
 def row_numbers(n: int, device: torch.device) -> torch.Tensor:
-    """int32 [0, 1, ..., n - 1] on the device, to be read only: a table uploaded once per (device, n) for n up to
-    NUMBERS_TABLE_MAX (no iota launch each call), else ``arange_values``."""
-    if n <= NUMBERS_TABLE_MAX:
-        return device_table(device, _host_numbers, n)
-    return arange_values(n, device)
+    """int32 [0, 1, ..., n - 1] on the device, to be read only: for n up to NUMBERS_TABLE_MAX the first n entries
+    of the device's one table (no iota launch each call; the table, uploaded when a length first exceeds it, holds
+    the next power of two: at most twice the longest run used, 256 KiB), else ``arange_values``."""
+    if n > NUMBERS_TABLE_MAX:
+        return arange_values(n, device)
+    table = _NUMBER_TABLES.get(device.index)
+    if table is None or table.numel() < n:
+        rows = 1 << max(n - 1, 0).bit_length()
+        table = _NUMBER_TABLES[device.index] = torch.arange(rows, dtype=torch.int32).to(device)
+    return table[:n]
 
 
 @lowering("arange.start_out")
