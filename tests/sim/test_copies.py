@@ -2,6 +2,8 @@
 ``execute`` does, only the copies the batch can do exactly are batched, and a short HBM binding raises."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -172,3 +174,95 @@ def test_copies_through_a_byte_buffer_and_reshaped_destinations_match_execute():
     # last three copies
     assert [e[0] for e in plan.batched] == [prog.instructions[i] for i in (0, 5, 6)]
     assert plan.batched[1][1] is plan.entries[5][1] is not None
+
+
+# ---- transposed copies (register tiles of 2- and 4-byte elements in _CopyBatch) ------------------------------
+
+def _bits(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random bytes as ``dtype`` (NaNs of many payloads, signed zeros, subnormals among them for floats)."""
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(shape) * dtype.itemsize
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _copy_batch_of(copies):
+    from torchneuron import _C
+    return _C._CopyBatch([(list(dst.shape), dst.element_size(), dst, src) for dst, src in copies])
+
+
+TRANSPOSE_DTYPES = [torch.uint8, torch.int16, torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", TRANSPOSE_DTYPES, ids=str)
+@pytest.mark.parametrize("rows, cols", [(128, 128), (64, 128), (128, 64), (37, 61), (8, 8), (4, 9), (9, 4), (3, 128),
+                                        (128, 1), (17, 16)])
+def test_transposed_copies_match_torch_bit_for_bit(dtype, rows, cols):
+    # dst dense along its rows reading a transposed source, and the mirror (a transposed destination); sources
+    # and destinations inside larger buffers with padded row strides, as SBUF and PSUM tiles are
+    src_buf, dst_buf = _bits((cols + 3, rows * 2 + 5), dtype, 1), _bits((rows + 2, cols + 7), dtype, 2)
+    src = src_buf[1:cols + 1, 3:3 + rows].T                     # [rows, cols], dense along rows
+    dst = dst_buf[2:2 + rows, 5:5 + cols]                       # dense along cols
+    want = dst_buf.clone()
+    want[2:2 + rows, 5:5 + cols] = src
+    _copy_batch_of([(dst, src)]).run([])
+    assert _same_bits(dst_buf, want)
+    back_buf = _bits((cols + 1, rows + 3), dtype, 3)
+    back = back_buf[:cols, 2:2 + rows].T                         # a transposed destination
+    want = back_buf.clone()
+    want[:cols, 2:2 + rows] = dst.T
+    _copy_batch_of([(back, dst)]).run([])
+    assert _same_bits(back_buf, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_transposed_copies_of_strided_and_batched_views_match_torch(dtype):
+    # a step in the source's rows (every other column read), a leading batch dim, and a 3-d source whose two
+    # free dims merge into the transposed one
+    buf = _bits((40, 300), dtype, 4)
+    src = buf[::2, 1:281:2].T                                   # [140, 20] with column stride 2
+    out = _bits((140, 20), dtype, 5)
+    batched_src = buf[:32, :96].reshape(32, 2, 48).permute(1, 2, 0)   # [2, 48, 32]: dims 1, 2 transposed
+    batched_out = _bits((2, 48, 32), dtype, 6)
+    want, want_batched = src.clone(), batched_src.clone()
+    _copy_batch_of([(out, src), (batched_out, batched_src)]).run([])
+    assert _same_bits(out, want)
+    assert _same_bits(batched_out, want_batched)
+
+
+def test_a_copy_of_16_byte_elements_is_refused():
+    # complex128 items are not two 8-byte words to the batch: it refuses them instead of splitting them
+    src = torch.randn(8, 8, dtype=torch.complex128)
+    with pytest.raises(RuntimeError, match="16-byte"):
+        _copy_batch_of([(torch.empty(8, 8, dtype=torch.complex128), src.T)])
+
+
+def test_transposes_of_unflattened_sources_are_batched_and_match_execute():
+    # data's free dims (2, 8) cut out of (2, 16) do not flatten into one: the batch pairs the elements with the
+    # partition dim moved last instead; fp32 into PSUM (opening its group), bf16 into PSUM, and on VectorE
+    cut32 = tile("sbuf", F32, (P, 2, 16))[:, :, 4:12]
+    cut16 = tile("sbuf", BF16, (P, 2, 16), offset=512)[:, :, :8]
+    body = [isa.dma_copy(dst=tile("sbuf", F32, (P, 2, 16)), src=tile("hbm:x", F32, (P, 2, 16))),
+            isa.nc_transpose(dst=tile("psum", F32, (16, P)), data=cut32),
+            isa.nc_transpose(dst=tile("psum", BF16, (16, P), offset=2048), data=cut16),
+            isa.nc_transpose(dst=_sb(4, F32, (P,), parts=16), data=cut32, engine="vector"),
+            isa.nc_matmul(dst=tile("psum", F32, (16, P)), stationary=_sb(5, F32, (16,)), moving=_sb(6, F32, (P,))),
+            isa.dma_copy(dst=tile("hbm:o", F32, (16, P)), src=_sb(4, F32, (P,), parts=16))]
+    prog = Program(body, [ArgSlot("x", (P, 2, 16), F32), ArgSlot("o", (16, P), F32, "output")])
+    fast, slow = NeuronCore("trn2"), NeuronCore("trn2")
+    for seed in (1, 2):
+        for core in (fast, slow):
+            core.sbuf.data.copy_(torch.randint(0, 256, core.sbuf.data.shape, dtype=torch.uint8,
+                                               generator=torch.Generator().manual_seed(seed)))
+        x = _bits((P, 2, 16), F32, seed)
+        out = fast.run(prog, {"x": x}).outputs["o"]
+        ref = {"x": x.clone(), "o": torch.zeros(16, P)}
+        _reference(slow, prog, ref)
+        assert _same_bits(out, ref["o"])
+        assert torch.equal(fast.sbuf.data, slow.sbuf.data) and torch.equal(fast.psum.data, slow.psum.data)
+        assert torch.equal(fast.psum.group_closed, slow.psum.group_closed)
+    plan = fast._plan(prog)
+    assert [e[0] for e in plan.batched] == [prog.instructions[i] for i in (0, 4, 5)]  # the transposes batched
