@@ -45,13 +45,13 @@ def call_kernel(kernel: Any, inputs: dict[str, torch.Tensor], meta: dict[str, An
     outputs into, in return order (``None`` or a short list: allocate the rest); ``device``: the
     device of a kernel without inputs (else the inputs')."""
     index = _device_index(inputs, device)
-    return launch_traced(traced_kernel(kernel, inputs, meta, device), inputs, outputs, op, index)
+    return launch_traced(_traced_on(kernel, inputs, meta, index), inputs, outputs, op, index)
 
 
 def _device_index(inputs: dict[str, torch.Tensor], device: torch.device | None) -> int:
     if device is not None:
         return runtime.device_index(device)
-    return next(iter(inputs.values())).device.index
+    return next(iter(inputs.values())).get_device()   # (a neuron tensor's index, without making its torch.device)
 
 
 def traced_kernel(kernel: Any, inputs: dict[str, torch.Tensor], meta: dict[str, Any] | None = None,
@@ -59,9 +59,14 @@ def traced_kernel(kernel: Any, inputs: dict[str, torch.Tensor], meta: dict[str, 
     """``call_kernel``'s (Program, output slot names, slot order) for these inputs and meta (traced once)."""
     # a caller that knows the device, shapes, dtypes and meta stay the same (an element-wise plan)
     # may keep the result and skip this key-building lookup with ``launch_traced``
+    return _traced_on(kernel, inputs, meta, _device_index(inputs, device))
+
+
+def _traced_on(kernel: Any, inputs: dict[str, torch.Tensor], meta: dict[str, Any] | None, index: int) -> tuple:
+    """``traced_kernel`` on device ``index``."""
     meta = meta or {}
-    index = _device_index(inputs, device)
-    key = (kernel, index, tuple((n, tuple(t.shape), t.dtype) for n, t in inputs.items()), tuple(meta.items()))
+    # (a torch.Size hashes and compares as the tuple of its sizes)
+    key = (kernel, index, tuple([(n, t.shape, t.dtype) for n, t in inputs.items()]), tuple(meta.items()))
     hit = _programs.get(key)
     if hit is None:
         traced = kernel.trace((), {**inputs, **meta}, runtime.core(index).spec)
@@ -75,7 +80,7 @@ def launch_traced(traced: tuple, inputs: dict[str, torch.Tensor], outputs: Seque
     """Launch a ``traced_kernel`` result on inputs of the device (``index``), shapes and dtypes it was traced for."""
     program, slots, order = traced
     if index is None:
-        index = next(iter(inputs.values())).device.index
+        index = next(iter(inputs.values())).get_device()
     args = dict(inputs)
     for slot, t in zip(slots, outputs):
         if t is not None:
