@@ -282,9 +282,9 @@ def test_psum_flags_reset_only_where_groups_opened():
     core = NeuronCore("trn2")
     prog = mixed_program()
     core.run(prog, _inputs(1))
-    assert core.psum.opened and not core.psum.group_closed.all()  # the last matmuls left groups open
+    assert core.psum.groups_open and not core.psum.group_closed.all()  # the last matmuls left groups open
     core.begin_run()
-    assert not core.psum.opened and core.psum.group_closed.all()
+    assert not core.psum.groups_open and core.psum.group_closed.all()
     version = core.psum.group_closed._version
     core.begin_run()  # nothing open: no fill at all
     assert core.psum.group_closed._version == version
@@ -421,3 +421,37 @@ def test_chained_copies_match_execute():
         for name in bound[0]:
             assert torch.equal(bound[0][name].view(torch.int32), bound[1][name].view(torch.int32)), name
         assert torch.equal(fast.sbuf.data, slow.sbuf.data)
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["execute", "steps"])
+def test_accumulation_groups_through_partial_closes_and_runs(stepped):
+    # a group opened by a matmul, added to, closed under its left half by a VectorE write, then written by a
+    # matmul with accumulate=None: the left half overwritten, the right half added to; every run starts with
+    # all groups closed. Small integers: every product and sum is exact, whatever the order of the sums.
+    g = torch.Generator().manual_seed(5)
+    s = torch.randint(-2, 3, (P, P), generator=g).float()
+    m = torch.randint(-2, 3, (P, F), generator=g).float()
+    z = torch.randint(-9, 10, (P, F // 2), generator=g).float()
+    acc = tile("psum", F32, (P, F))
+    mm = isa.nc_matmul(dst=acc, stationary=_sb(0, F32, (P,)), moving=_sb(1))
+    body = [mm, mm, isa.tensor_copy(dst=acc[:, : F // 2], src=_sb(2, F32, (F // 2,))), mm,
+            isa.tensor_copy(dst=_sb(3), src=acc)]
+    prog = Program(body, [])
+    core = NeuronCore("trn2")
+    product = s.T @ m
+    want = torch.cat([product[:, : F // 2], 3 * product[:, F // 2:]], 1)
+    for _ in range(2):
+        for ap, v in ((_sb(0, F32, (P,)), s), (_sb(1), m), (_sb(2, F32, (F // 2,)), z)):
+            ap.write(core, v)
+        acc.write(core, torch.full((P, F), 1e30))  # overwritten by the first matmul of each run
+        if stepped:
+            core.run_bound(prog, [])
+        else:
+            core.begin_run()
+            for instr in body:
+                core.execute(instr)
+        assert torch.equal(_sb(3).read(core), want)
+        flags = core.psum.group_closed[:P, : F]
+        assert not flags.any()  # the last matmul opened the whole group again
+    core.begin_run()
+    assert core.psum.group_closed.all() and not core.psum.groups_open

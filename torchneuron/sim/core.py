@@ -148,7 +148,7 @@ class NeuronCore:
             instr.execute(self)
         except SimulatorError as e:
             raise self._locate(instr, e) from None
-        if instr.engine is not Engine.TENSOR and instr.psum_writes and self.psum.opened:
+        if instr.engine is not Engine.TENSOR and instr.psum_writes and self.psum.groups_open:
             # a non-matmul write ends the accumulation group there (nc_matmul accumulate=None);
             # with no group open anywhere every flag is already set
             flags = self.psum.group_closed
@@ -228,7 +228,7 @@ class NeuronCore:
                         self.execute(instr)
                         continue
                     step(tensors)
-                    if closes is not None and psum.opened:
+                    if closes is not None and psum.groups_open:
                         psum.close(closes)
         except SimulatorError as e:
             if instr is None:  # raised by the run itself (a dynamic loop's step limit), not an instruction
@@ -266,7 +266,7 @@ class NeuronCore:
                     step(tensors)
             except SimulatorError as e:
                 raise self._locate(instr, e) from None
-            if step is not None and closes is not None and psum.opened:
+            if step is not None and closes is not None and psum.groups_open:
                 psum.close(closes)
             pc += 1
         program.record_run(executed)

@@ -124,34 +124,63 @@ class Memory:
         self._cursor = 0
         # PSUM only: per 4-byte word, True where no matmul accumulation group is open, so the next
         # nc_matmul with accumulate=None overwrites instead of adding (not kept by an allocation-only
-        # memory, ``group_flags=False``: a trace tracks groups itself)
-        self.group_closed = torch.ones(partitions, bytes_per_partition // 4, dtype=torch.bool) \
+        # memory, ``group_flags=False``: a trace tracks groups itself; the groups in ``pending`` are open
+        # without their flags cleared in this
+        # memory; read through ``group_closed``, which first writes the pending openings below)
+        self._flags = torch.ones(partitions, bytes_per_partition // 4, dtype=torch.bool) \
             if bank_bytes and group_flags else None
         # PSUM only: the flag views TensorE instructions cleared (opened a group in), by box. Only
         # these can hold False, so closing every group resets them instead of the whole 512 KiB
-        # flag tensor, and an empty dict means every flag is True.
+        # flag tensor.
         self.opened: dict = {}
+        # PSUM only: the groups opened (by box, their flag views) whose flags are not cleared yet. Most are
+        # closed again, at the next run's start, before anything reads their flags (only an nc_matmul with
+        # accumulate=None outside an open box does): so opening a group records it here, and its flags are
+        # cleared only when read (materialize), saving the clearing and the resetting fill of each.
+        self.pending: dict = {}
         # PSUM only: the boxes known open (all their flags False), so that a TensorE write there skips
         # re-opening its group. Every write setting flags True forgets them all (close_groups, close,
         # allocate): the flags' torch version counter cannot tell, since in-place ops inside a device
         # op's kernel run below autograd's ADInplaceOrView key, which is what bumps it.
         self.open_boxes: set = set()
 
+    @property
+    def group_closed(self) -> torch.Tensor | None:
+        """PSUM's group-closed flags (one per 4-byte word; None in other memories), every open group's cleared."""
+        self.materialize()
+        return self._flags
+
+    @property
+    def groups_open(self) -> bool:
+        """Whether any accumulation group may be open (else every group-closed flag is True)."""
+        return bool(self.opened or self.pending)
+
+    def materialize(self) -> None:
+        """Clear the flags of the groups opened since they were last read (see ``pending``)."""
+        pending = self.pending
+        if pending:
+            for box, view in pending.items():
+                view.fill_(False)
+                self.opened[box] = view
+            pending.clear()
+
     def close_groups(self) -> None:
         """Close every PSUM accumulation group (set every group-closed flag True)."""
+        self.pending.clear()  # (their flags were never cleared)
+        self.open_boxes.clear()
         opened = self.opened
         if not opened:
             return
         if len(opened) > 32:  # many small boxes: one fill of the whole tensor is cheaper
-            self.group_closed.fill_(True)
+            self._flags.fill_(True)
         else:
             for view in opened.values():
                 view.fill_(True)
         opened.clear()
-        self.open_boxes.clear()
 
     def close(self, views: Sequence[torch.Tensor]) -> None:
         """Close the accumulation groups under these views of ``group_closed`` (a non-TensorE write to PSUM)."""
+        self.materialize()  # a pending group keeps its flags outside these views cleared
         for view in views:
             view.fill_(True)
         self.open_boxes.clear()
@@ -214,8 +243,8 @@ class Memory:
                 box = self.data[start_partition:end_p, cand:cand + nbytes]
                 if self.nan_fill:
                     box.fill_(NAN_BYTE)
-                if self.group_closed is not None:
-                    self.close([self.group_closed[start_partition:end_p, cand // 4:_align_up(cand + nbytes, 4) // 4]])
+                if self._flags is not None:
+                    self.close([self._flags[start_partition:end_p, cand // 4:_align_up(cand + nbytes, 4) // 4]])
                 return region
         in_use = sum(r.nbytes for r in others)
         raise SimulatorError(f"{self.name} overflow: cannot allocate {request} at partitions "

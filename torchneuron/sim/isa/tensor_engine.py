@@ -22,7 +22,7 @@ def _psum_closed(instr: Instr, core, ap: AP) -> torch.Tensor:
     cached = instr.__dict__.get("_closed")
     if cached is not None and cached[0] is psum:
         return cached[1]
-    flags = psum.group_closed
+    flags = psum._flags  # a view of the flags, read only where _accumulate materializes them first
     sizes, strides, elem_offset = ap._geometry
     row = flags.stride(0)
     view = flags.as_strided((ap.partitions, *sizes), (row, *strides), ap.start_partition * row + elem_offset)
@@ -50,12 +50,11 @@ def _box(ap: AP) -> int:
 
 
 def _open_group(psum: Memory, closed: torch.Tensor, box: int) -> None:
-    """Open the accumulation group under ``closed`` (clear its flags) unless ``psum`` knows it open, and remember
-    it (in ``opened``, so that closing every group resets only the flags cleared)."""
+    """Open the accumulation group under ``closed`` unless ``psum`` knows it open: its flags are cleared when
+    next read (``Memory.pending``)."""
     if box in psum.open_boxes:
         return
-    closed.fill_(False)
-    psum.opened[box] = closed
+    psum.pending[box] = closed
     psum.open_boxes.add(box)
 
 
@@ -68,6 +67,7 @@ def _accumulate(out: torch.Tensor, r: torch.Tensor, closed: torch.Tensor, accumu
     elif accumulate or box in psum.open_boxes:  # (an open group has no closed flag to clear)
         out.add_(r)
     else:
+        psum.materialize()  # the flags of the groups opened since they were last read
         out.masked_fill_(closed, 0.0).add_(r)  # overwrite where no group is open (NaN-safe)
     _open_group(psum, closed, box)
 
