@@ -1,6 +1,8 @@
 """``torch._foreach_*`` ops run as multi-tensor launches (strict mode): bit-identical to the per-tensor
 ops on the device, close to the CPU, one launch per op, and the per-tensor loop for lists that mix
 devices, dtypes or layouts."""
+import math
+
 import pytest
 import torch
 
@@ -202,3 +204,27 @@ def test_per_tensor_scalars_past_one_launch(strict):
         for d, c, g, w in zip(dev, cpu, got, want):
             assert torch.equal(d.cpu(), c)         # an IEEE fp32 multiply, as the CPU's
             torch.testing.assert_close(g.cpu(), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lerp_by_one_number_computes_its_branch_only(dtype, strict):
+    # the branch lerp takes for a scalar weight (|w| < 0.5 or not, on the weight rounded to fp32) is chosen when
+    # tracing: bit for bit the per-tensor lerp (which computes both and selects), the CPU's values, on both sides
+    # of 0.5, at it, for a weight that rounds to 0.5 in fp32, for negative, infinite and NaN weights
+    torch.manual_seed(6)
+    cpu = [[(torch.randn(s) * 4).to(dtype) for s in [(3, 4), (17,), (130,)]] for _ in range(2)]
+    for w in (0.1, -0.3, 0.49999999, 0.5, -0.5, 0.9, -2.0, float("inf"), float("nan")):
+        dev = [[to_n(t) for t in lst] for lst in cpu]
+        with profiler.record() as records:
+            got = torch._foreach_lerp(*dev, w)
+        assert len(records) == 1
+        for g, s, e, (cs, ce) in zip(got, *dev, zip(*cpu)):
+            assert torch.equal(g.cpu(), s.lerp(e, w).cpu()) or math.isnan(w)
+            assert torch.equal(g.cpu().isnan(), s.lerp(e, w).cpu().isnan())
+            torch.testing.assert_close(g.cpu(), cs.lerp(ce, w), equal_nan=True)
+    lists = [[to_n(t) for t in lst] for lst in cpu]
+    with profiler.record() as small:
+        torch._foreach_lerp(*lists, 0.1)
+    with profiler.record() as both:
+        torch._foreach_lerp(*lists, lists[1])      # tensor weights: both branches and the select
+    assert len(small[0].program.instructions) < len(both[0].program.instructions)

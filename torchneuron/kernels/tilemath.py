@@ -652,8 +652,23 @@ def lerp(s, e, w):
     """ATen's lerp: ``s + w * (e - s)`` for ``|w| < 0.5``, else ``e - (e - s) * (1 - w)``."""
     d = nl.subtract(e, s)
     lo = nl.add(s, nl.multiply(w, d))
-    hi = nl.subtract(e, nl.multiply(d, nl.subtract(1.0, w)))
+    hi = _lerp_from_end(e, d, w)
     return where(nl.less(abs_(w), 0.5), lo, hi)
+
+
+def _lerp_from_end(e, d, w):
+    return nl.subtract(e, nl.multiply(d, nl.subtract(1.0, w)))
+
+
+def lerp_small_weight(s, e, w):
+    """``lerp`` for a weight known (when tracing) to be under 0.5 in magnitude: its first branch alone, the same
+    instructions (bit-identical), without the other branch and the select."""
+    return nl.add(s, nl.multiply(w, nl.subtract(e, s)))
+
+
+def lerp_large_weight(s, e, w):
+    """``lerp`` for a weight known (when tracing) to be 0.5 or more in magnitude (or NaN): its second branch alone."""
+    return _lerp_from_end(e, nl.subtract(e, s), w)
 
 
 # ---- activations and their gradients -----------------------------------------------------------

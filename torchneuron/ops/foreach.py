@@ -254,8 +254,15 @@ for _name, _fn in (("addcmul", tm.addcmul), ("addcdiv", tm.addcdiv)):
             _register(f"{_packet}.{_ov}", lambda a, b, scalars, _fn=_fn: (_fn, [list(a), list(b), _value_list(scalars)]),
                       lambda call, i, t, a, b, scalars: call(t, a[i], b[i], value=_value_list(scalars)[i]))
 
+def _lerp_branch(weight: Any) -> Callable:
+    """The tile function of a lerp by one number (Adam's first moment): the branch ``tm.lerp`` selects for it,
+    decided on the weight as the kernel reads it (rounded to fp32), so the kernel computes that branch only."""
+    w = torch.tensor(_real(weight), dtype=torch.float32).item()
+    return tm.lerp_small_weight if abs(w) < 0.5 else tm.lerp_large_weight
+
+
 for _packet in ("lerp", "lerp_"):
-    _register(f"{_packet}.Scalar", lambda e, w: (tm.lerp, [list(e), w]), lambda call, i, t, e, w: call(t, e[i], w))
+    _register(f"{_packet}.Scalar", lambda e, w: (_lerp_branch(w), [list(e), w]), lambda call, i, t, e, w: call(t, e[i], w))
     _register(f"{_packet}.ScalarList", lambda e, ws: (tm.lerp, [list(e), tuple(ws)]),
               lambda call, i, t, e, ws: call(t, e[i], ws[i]))
     _register(f"{_packet}.List", lambda e, w: (tm.lerp, [list(e), list(w)]),
