@@ -17,7 +17,8 @@ One row per partition, blocks of 128 rows, the whole row [128, D] in SBUF (fp32)
                      dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * w   (layer norm)
                      dx = rstd * (g - xhat * mean(g * xhat))                           (rms norm)
                      dw = sum_rows(dy * xhat), db = sum_rows(dy): cross-partition sums on TensorE
-                     (ones[rows, 1]^T @ tile, 512 columns per PSUM bank), accumulated in SBUF fp32.
+                     (ones[rows, 1]^T @ tile, 512 columns per PSUM bank), accumulated in PSUM over
+                     the row blocks (no VectorE add per block)
 
 Weight and bias rows are DMA-broadcast to all 128 partitions once. The tiles of the last NBUF
 blocks stay alive so DMA and the three engines overlap. The single pass holds whole rows: D fp32 x
@@ -347,13 +348,20 @@ def layer_norm_kernel(x, weight, bias, eps=1e-5, rms=False, stats=False, stats_d
     return result
 
 
-def _col_sum(acc, src, p, D, ones):
-    """acc[0, :] += sum over partitions of src[:p, :], on TensorE (ones^T @ src), 512 columns per bank."""
+def _col_sums(D: int) -> dict:
+    """PSUM accumulators [1, D] fp32 for the column sums of dw and db, each whole banks (so that every 512-column
+    matmul of ``_col_sum`` stays in one bank; D <= 2048: together at most the 8 banks)."""
+    assert D <= 4 * PSUM_FP32, f"layer_norm backward: column sums of {D} > {4 * PSUM_FP32} do not fit PSUM"
+    return {k: nl.ndarray((1, cdiv(D, PSUM_FP32) * PSUM_FP32), nl.float32, buffer=nl.psum) for k in ("dw", "db")}
+
+
+def _col_sum(acc, src, p, D, ones, first: bool) -> None:
+    """acc[0, :D] (PSUM) (+)= sum over partitions of src[:p, :D] on TensorE (ones^T @ src, 512 columns per matmul):
+    the row blocks' sums accumulate in PSUM in block order (``first``: the first block's overwrites), the same fp32
+    additions a VectorE add per block made, without its pass."""
     for c0 in range(0, D, PSUM_FP32):
         w = min(PSUM_FP32, D - c0)
-        ps = nl.ndarray((1, PSUM_FP32), nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=ps[:, :w], stationary=ones[:p, :], moving=src[:p, c0:c0 + w], accumulate=False)
-        nisa.tensor_tensor(dst=acc[:, c0:c0 + w], data1=acc[:, c0:c0 + w], data2=ps[:, :w], op=nl.add)
+        nisa.nc_matmul(dst=acc[:, c0:c0 + w], stationary=ones[:p, :], moving=src[:p, c0:c0 + w], accumulate=not first)
 
 
 def _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved):
@@ -453,11 +461,9 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved, epil
     w = _row(weight, D)
     ones = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
-    acc = {k: nl.ndarray((1, G, D), nl.float32, buffer=nl.sbuf) for k in ("dw", "db")}
-    for a in acc.values():
-        nisa.memset(dst=a, value=0.0, engine=nisa.gpsimd_engine)
+    acc = _col_sums(G * D)
     ring = collections.deque(maxlen=NBUF)
-    for r0, p, g in blocks:
+    for b, (r0, p, g) in enumerate(blocks):
         t, gr = load_grouped(x, r0, p, g), load_grouped(dy, r0, p, g)
         if saved:   # xhat = x * rstd - mean * rstd: one ScalarE pass per row slot (its statistics are columns)
             rstd = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
@@ -482,9 +488,9 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved, epil
         # weight/bias gradients: column sums of dy * xhat and dy over this block's rows
         prod = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=prod[:p], data1=gr[:p], data2=xh[:p], op=nl.multiply, engine=nisa.gpsimd_engine)
-        _col_sum(acc["dw"].reshape((1, G * D)), prod.reshape((PMAX, g * D)), p, g * D, ones)
+        _col_sum(acc["dw"], prod.reshape((PMAX, g * D)), p, g * D, ones, first=b == 0)
         if not rms:
-            _col_sum(acc["db"].reshape((1, G * D)), gr.reshape((PMAX, g * D)), p, g * D, ones)
+            _col_sum(acc["db"], gr.reshape((PMAX, g * D)), p, g * D, ones, first=b == 0)
         # dx = rstd * gw - u,  u = (rstd * c2) * xhat + rstd * c1,  gw = dy * w, c1 = mean(gw), c2 = mean(gw * xhat):
         # the passes spread over VectorE (gw, c2, dx), GpSimdE (products) and ScalarE (c1, u)
         gw = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
@@ -493,7 +499,9 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved, epil
         gx = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=gx[:p], data1=gw[:p], data2=xh[:p], op=nl.multiply, engine=nisa.gpsimd_engine)
         c2 = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=c2[:p], op=nl.add, data=gx[:p], axis=(2,))
+        for k in range(g):   # the row sums of gx ride on a ScalarE copy in place (VectorE has the most passes)
+            nisa.activation(dst=gx[:p, k, :], op=nl.identity, data=gx[:p, k, :], reduce_op=nl.add,
+                            reduce_res=c2[:p, k:k + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
         nisa.scalar_tensor_tensor(dst=c2[:p], data=c2[:p], op0=nl.multiply, operand0=1.0 / D, op1=nl.multiply,
                                   operand1=rstd[:p])
         c1 = None
@@ -515,7 +523,11 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved, epil
         ring.append((t, gr, xh, prod, gw, gx))
     for key, dst in (("dw", dw_out), ("db", db_out)):   # sum the G row slots of each column
         col = nl.ndarray((1, D), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=col, op=nl.add, data=acc[key].ap([[G * D, 1], [1, D], [D, G]]), axis=(2,))
+        if rms and key == "db":
+            nisa.memset(dst=col, value=0.0)
+        else:
+            nisa.tensor_reduce(dst=col, op=nl.add, data=acc[key].ap([[acc[key].shape[1], 1], [1, D], [D, G]]),
+                               axis=(2,))
         nisa.dma_copy(dst=dst, src=col)
 
 
@@ -632,10 +644,7 @@ def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=No
     w = _row(weight, D)
     ones = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
-    dw = nl.ndarray((1, D), nl.float32, buffer=nl.sbuf)
-    db = nl.ndarray((1, D), nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=dw, value=0.0)
-    nisa.memset(dst=db, value=0.0)
+    acc = _col_sums(D)
     ring = collections.deque(maxlen=NBUF)
     for r0 in range(0, N, PMAX):
         p = min(PMAX, N - r0)
@@ -658,9 +667,9 @@ def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=No
         # weight/bias gradients: column sums of dy * xhat and dy over the rows of this block
         prod = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=prod[:p], data1=g[:p], data2=xh[:p], op=nl.multiply, engine=nisa.gpsimd_engine)
-        _col_sum(dw, prod, p, D, ones)
+        _col_sum(acc["dw"], prod, p, D, ones, first=r0 == 0)
         if not rms:
-            _col_sum(db, g, p, D, ones)
+            _col_sum(acc["db"], g, p, D, ones, first=r0 == 0)
         # dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)),  gw = dy * w
         gw = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=gw[:p], data1=g[:p], data2=w[:p], op=nl.multiply)
@@ -681,8 +690,13 @@ def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=No
         nisa.activation(dst=corr[:p], op=nl.identity, data=gw[:p], scale=rs[:p])
         _store_dx(dx_out, corr[:p], x.dtype, lambda t, r0=r0, p=p: t[r0:r0 + p, :], epilogue)
         ring.append((t, g, xh, prod, gw, corr, junk))
-    nisa.dma_copy(dst=dw_out, src=dw)
-    nisa.dma_copy(dst=db_out, src=db)
+    for key, dst in (("dw", dw_out), ("db", db_out)):
+        col = nl.ndarray((1, D), nl.float32, buffer=nl.sbuf)
+        if rms and key == "db":
+            nisa.memset(dst=col, value=0.0)
+        else:
+            nisa.tensor_copy(dst=col, src=acc[key][:, :D])
+        nisa.dma_copy(dst=dst, src=col)
     return dx_out, dw_out, db_out
 
 
