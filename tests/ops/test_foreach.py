@@ -228,3 +228,32 @@ def test_lerp_by_one_number_computes_its_branch_only(dtype, strict):
     with profiler.record() as both:
         torch._foreach_lerp(*lists, lists[1])      # tensor weights: both branches and the select
     assert len(small[0].program.instructions) < len(both[0].program.instructions)
+
+
+def test_equal_per_tensor_scalars_are_one_shared_operand(strict):
+    # a scalar list of one number (Adam's bias corrections) is one shared (1, 1) operand: the same bits as the
+    # per-tensor ops; zeros of both signs, or a NaN among equal numbers, stay one scalar per tensor (-0.0 == 0.0)
+    cpu = _lists()
+    dev = [[to_n(t) for t in lst] for lst in cpu]
+    for scalars in ([0.3] * 5, [0.0, -0.0, 0.0, 0.0, 0.0], [2.0, 2.0, float("nan"), 2.0, 2.0]):
+        with profiler.record() as records:
+            got = torch._foreach_div(dev[0], scalars)
+        per_tensor = sum(1 for a in records[0].program.args if tuple(a.shape) == (4, 1))   # (live tensors, 1)
+        assert per_tensor == (0 if scalars[0] == 0.3 else 1)
+        for g, d, c in zip(got, (a.div(s) for a, s in zip(dev[0], scalars)), torch._foreach_div(cpu[0], scalars)):
+            g, d = g.cpu(), d.cpu()
+            assert torch.equal(g.isnan(), d.isnan()) and torch.equal(g[~g.isnan()], d[~d.isnan()])
+            torch.testing.assert_close(g, c, equal_nan=True)
+
+
+def test_a_scalar_list_of_another_length_raises_like_cpu(strict):
+    cpu = _lists()
+    dev = [[to_n(t) for t in lst] for lst in cpu]
+    for scalars in ([2.0] * 4, [2.0] * 6):
+        with pytest.raises(RuntimeError) as want:
+            torch._foreach_mul_(cpu[0], scalars)
+        with pytest.raises(type(want.value), match="same number of elements"):
+            torch._foreach_mul_(dev[0], scalars)
+        with pytest.raises(type(want.value), match="same number of elements"):
+            torch._foreach_addcdiv_(dev[0], dev[1], dev[2], scalars)
+    assert all(torch.equal(d.cpu(), c) for d, c in zip(dev[0], cpu[0]))   # nothing written

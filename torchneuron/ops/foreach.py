@@ -12,6 +12,7 @@ not a real number, take the per-tensor loop (each op then lowers, or falls back,
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -70,6 +71,14 @@ def _scalar_rows(values: list[float], device: torch.device) -> torch.Tensor:
     return host_operand(torch.tensor([[v] for v in values], dtype=torch.float32), torch.float32, device)
 
 
+def _one_number(values: tuple[float, ...]) -> bool:
+    """Whether ``values`` are all one number, sign of zero included (NaN never is: a list holding one stays per
+    tensor)."""
+    first = values[0]
+    sign = math.copysign(1.0, first)
+    return all(v == first and math.copysign(1.0, v) == sign for v in values)
+
+
 def _shared_scalar(value: Any, device: torch.device) -> torch.Tensor:
     """A number as a (1, 1) fp32 device operand (rounded to fp32 as ``_scalar_rows`` rounds it)."""
     return scalar_operand(_real(value), torch.float32, device)
@@ -117,8 +126,13 @@ def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inp
     kinds = ["full"]
     for o in operands:
         if isinstance(o, tuple):
-            columns.append(tuple(_real(v) for v in o))
-            kinds.append("each")
+            values = tuple(_real(v) for v in o)
+            if _one_number(values):   # every tensor's the same (Adam's bias corrections): one shared operand
+                columns.append(_shared_scalar(values[0], device))
+                kinds.append("shared")
+            else:
+                columns.append(values)
+                kinds.append("each")
         elif not isinstance(o, list):
             o = _operand(o, device)
             columns.append(o if isinstance(o, torch.Tensor) else _shared_scalar(o, device))
@@ -194,6 +208,8 @@ def _register(overload: str, build: Callable, each: Callable, at_dtype: bool = F
             if not self:
                 raise _Loop
             fn, operands = build(*args, **kwargs)
+            if any(isinstance(o, tuple) and len(o) != len(self) for o in operands):
+                raise RuntimeError("Tensor list must have same number of elements as scalar list.")  # (the CPU's)
             if at_dtype:
                 operands = _at_dtype(operands, self[0].dtype)
             return _launch(fn, self, operands, inplace, op)
