@@ -9,6 +9,8 @@
   program run uses. Measured, not asserted.
 * Programs: a traced program of many small instructions run functionally, then with the
   timing model (the first timed run schedules; later runs reuse the cached schedule).
+* Transposes: host microseconds of a TensorE transpose (SBUF tile into PSUM) in a copy batch, against
+  torch's ``copy_`` of the transposed view (what the transpose's own step calls).
 * Large tiles: host time of one instruction divided by the time of the equivalent torch
   call on ordinary contiguous tensors (1.0 = no simulator overhead).
 * Tutorials (``--tutorials``): host seconds to trace and functionally simulate each public NKI tutorial
@@ -220,6 +222,22 @@ class Tutorial:
     atol: float                                 # the tutorial's own tolerance (np.allclose)
     rtol: float
     needs: tuple[str, ...] = ()                 # sibling modules the kernel file imports by name
+
+
+def transposes_in_a_batch() -> list[tuple[str, float, float]]:
+    """(tile, host us of one transpose in a copy batch, host us of copy_ of the transposed view) for SBUF tiles
+    transposed into PSUM, as a TensorE transpose moves them."""
+    from torchneuron import _C  # the runtime's batch runner (the simulator alone has none)
+    core, rows = NeuronCore("trn2"), []
+    for dtype in (F32, BF16):
+        for p, f in ((128, 128), (64, 128), (128, 64)):
+            data = core.sbuf.data.view(dtype)[:p, :f]
+            data.copy_(torch.randn(p, f).to(dtype))
+            dst = core.psum.data.view(dtype)[:f, :p]
+            batch = _C._CopyBatch([([f, p], dtype.itemsize, dst, data.T)])
+            rows.append((f"{str(dtype)[6:]} [{p}, {f}]", best_us(lambda: batch.run([]), 300),
+                         best_us(lambda: dst.copy_(data.T), 300)))
+    return rows
 
 
 def _bf16(*shape: int, rng: np.random.Generator) -> torch.Tensor:
@@ -475,6 +493,12 @@ def simulator_speed() -> None:
     data = prog.to_bytes()
     print(f"  serialize / deserialize          {best_us(prog.to_bytes, 3, 3) / n:7.1f} us / "
           f"{best_us(lambda: Program.from_bytes(data), 3, 3) / n:.1f} us ({len(data) / n:.0f} bytes)")
+
+    print("\nTensorE transposes out of SBUF into PSUM in a copy batch (_C._CopyBatch) vs torch's copy_ of the "
+          "transposed view (each transpose's own step)")
+    print(f"  {'tile':24s} {'batch us':>9s} {'copy_ us':>9s} {'ratio':>6s}")
+    for name, batch_us, copy_us in transposes_in_a_batch():
+        print(f"  {name:24s} {batch_us:9.2f} {copy_us:9.2f} {batch_us / copy_us:6.2f}")
 
     core = NeuronCore("trn2")
     print("\nLarge tiles ([128, 2048] unless named): simulator host time vs the same torch op")
