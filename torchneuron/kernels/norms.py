@@ -492,10 +492,11 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved, epil
         if not rms:
             _col_sum(acc["db"], gr.reshape((PMAX, g * D)), p, g * D, ones, first=b == 0)
         # dx = rstd * gw - u,  u = (rstd * c2) * xhat + rstd * c1,  gw = dy * w, c1 = mean(gw), c2 = mean(gw * xhat):
-        # the passes spread over VectorE (gw, c2, dx), GpSimdE (products) and ScalarE (c1, u)
+        # the passes spread over VectorE (dx; gw unless it has the statistics' passes or an epilogue's), GpSimdE
+        # (products) and ScalarE (xhat, c1, c2, u)
         gw = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=gw[:p], data1=gr[:p], data2=spread_row(w, p, g, D), op=nl.multiply,
-                           engine=nisa.gpsimd_engine if saved else None)
+                           engine=nisa.gpsimd_engine if saved and epilogue is not None else None)
         gx = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=gx[:p], data1=gw[:p], data2=xh[:p], op=nl.multiply, engine=nisa.gpsimd_engine)
         c2 = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
