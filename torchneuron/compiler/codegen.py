@@ -8,7 +8,9 @@ The segment becomes a kernel of our NKI language whose body walks the segment's 
                   members used outside the group; casts to bf16/fp16 inside it round the tile
     kernel node   its library kernel, called inline (``kernel_lowerings``)
 
-then its HBM intermediates are packed into one arena by liveness (``memory_plan``).
+then its HBM intermediates are packed into one arena by liveness (``memory_plan``), its transfers queued and
+ordered (``dma_queues``, ``dma_order``) and its element-wise instructions spread over the engines that can run
+them (``engine_balance``).
 
 Library kernels called inside a trace add their instructions to it, so the whole segment is one
 instruction list: one Program, one launch, with the timing model free to overlap one kernel's
@@ -34,6 +36,7 @@ import torchneuron.nki.language as nl
 from torchneuron.compiler import group_batch, lowering
 from torchneuron.compiler.dma_order import order_dma
 from torchneuron.compiler.dma_queues import allocate_dma_queues
+from torchneuron.compiler.engine_balance import balance_engines
 from torchneuron.compiler.kernel_lowerings import dma_cast, embedding_onehot, pointwise
 from torchneuron.compiler.memory_plan import plan_memory
 from torchneuron.compiler.partition import DEVICE_DTYPES, FusionGroup, Plan, Segment
@@ -482,7 +485,7 @@ def trace_segment(plan: Plan, seg: Segment, sigs: list[InputSig], spec: ChipSpec
     kernel.__name__ = kernel.__qualname__ = name
     traced = nki.jit(kernel).trace((), kwargs, spec)
     program, memory = plan_memory(traced.program)
-    program = order_dma(allocate_dma_queues(program, spec), spec)
+    program = balance_engines(order_dma(allocate_dma_queues(program, spec), spec), spec)
     outs, returned = [], iter(traced.result)
     for node in seg.outputs:
         v = body.env[node]
