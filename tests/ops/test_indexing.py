@@ -175,6 +175,24 @@ def test_arange_out_integer_truncation(dtype, strict):
             torch.arange(0, 64, 0.5, out=to_n(torch.empty(0, dtype=dtype)))
 
 
+def test_int64_position_ids_are_one_launch(strict):
+    # arange(n) as int64 (a model's position ids) is one iota writing the word pairs: n across partial and several
+    # blocks; other starts and steps, another dtype and a non-contiguous out= keep the iota and element-wise path
+    from torchneuron.runtime import profiler
+    for n in (1, 5, 128, 129, 4097, 70000):
+        with profiler.record() as records:
+            got = torch.arange(n, device="neuron")
+        assert [r.name for r in records] == ["iota"] and got.dtype == torch.int64
+        assert torch.equal(got.cpu(), torch.arange(n))
+    for args, kw in (((3, 40), {}), ((0, 40, 2), {}), ((40,), {"dtype": torch.int32})):
+        assert torch.equal(torch.arange(*args, device="neuron", **kw).cpu(), torch.arange(*args, **kw))
+    out = to_n(torch.full((20, 2), -7, dtype=torch.int64))
+    torch.arange(20, out=out[:, 1])
+    want = torch.full((20, 2), -7, dtype=torch.int64)
+    torch.arange(20, out=want[:, 1])
+    assert torch.equal(out.cpu(), want)
+
+
 def test_cat_rank_and_overlap_errors_match_cpu(strict):
     for ts in ([torch.randn(5), torch.randn(2, 5, 1, 1)], [torch.randn(4, 0), torch.randn(5, 0, 3)],
                [torch.tensor(1.0), torch.tensor(2.0)]):
