@@ -10,7 +10,7 @@ Forward, per head (its K^T [E, S] and V [S, Ev] loaded once and kept in SBUF; K^
 transposes), per tile of 128 queries, per group of up to 1024 visible keys (two PSUM banks):
 
     s = Q K^T  [128, w] fp32                 nc_matmul per 512 keys                  TensorE -> PSUM
-    s += mask (keys near the diagonal only)  tensor_tensor with the -inf bias tile   VectorE
+    s += mask (keys near the diagonal only)  identity x -inf bias tile, accumulated  TensorE -> PSUM
     m = max(s) (online across groups)        tensor_reduce from PSUM                 VectorE
     p = exp(scale*s - scale*m), l = sum(p)   one activation with its reduce          ScalarE
     p^T per 128 keys                         nc_transpose, evicted by VectorE        TensorE, VectorE
@@ -183,21 +183,37 @@ def causal_bias():
     return bias
 
 
+def _causal_mask():
+    """(the identity, the causal bias) in bf16 (which holds NEG_BIG), the operands of ``_mask_diagonal``'s matmul."""
+    ident = nl.shared_identity_matrix(PMAX, nl.bfloat16)
+    bias = nl.ndarray((PMAX, PMAX), nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=bias, src=causal_bias(), engine=nisa.gpsimd_engine)
+    return ident, bias
+
+
 def _visible(q0: int, p: int, S: int, causal: bool) -> int:
     """Keys [0, n) some query of the tile [q0, q0 + p) sees."""
     return min(S, q0 + p) if causal else S
 
 
-def _mask_diagonal(sc, c0: int, w: int, q0: int, p: int, bias, causal: bool) -> None:
+def _mask_diagonal(sc, c0: int, w: int, q0: int, p: int, mask, causal: bool) -> None:
     """Add the causal bias to the columns of the score group [c0, c0 + w) that only some of the tile's
-    queries see (keys q0 .. q0 + p - 1) and set those none sees to NEG_BIG, in place in PSUM."""
+    queries see (keys q0 .. q0 + p - 1) and set those none sees to NEG_BIG, in place in PSUM. ``mask``:
+    ``_causal_mask``'s pair, the bias accumulated onto the scores by TensorE (the identity against it:
+    1 * bias, exact; an unmasked score gains 0, a masked one gives exp() 0 either way), for a kernel whose
+    VectorE is busier than its TensorE (the forward); else ``causal_bias``' tile, added by VectorE."""
     if not causal:
         return
     lo, hi = max(c0, q0), min(c0 + w, q0 + p)
     if lo < hi:   # key j = lo + t is seen by query q0 + r iff lo - q0 + t <= r
         t0 = lo - q0
-        nisa.tensor_tensor(dst=sc[:p, lo - c0:hi - c0], data1=sc[:p, lo - c0:hi - c0],
-                           data2=bias[:p, t0:t0 + hi - lo], op=nl.add)
+        if isinstance(mask, tuple):
+            ident, bias = mask
+            nisa.nc_matmul(dst=sc[:p, lo - c0:hi - c0], stationary=ident[:p, :p], moving=bias[:p, t0:t0 + hi - lo],
+                           accumulate=True)
+        else:
+            nisa.tensor_tensor(dst=sc[:p, lo - c0:hi - c0], data1=sc[:p, lo - c0:hi - c0],
+                               data2=mask[:p, t0:t0 + hi - lo], op=nl.add)
     if c0 + w > q0 + p:   # keys after the tile's last query (a backward key block past the diagonal): none sees them
         nisa.memset(dst=sc[:p, max(c0, q0 + p) - c0:w], value=NEG_BIG)
 
@@ -226,7 +242,8 @@ def flash_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=No
     out = nl.ndarray(out_shape, dt, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, H, L), nl.float32, buffer=nl.shared_hbm)
     lv = (0, (H * L, L, 1, 1))
-    evict, bias, ring, pipe = _emitters(causal, itemsize(dt) * (S + 2 * PMAX + cdiv(S, PMAX) * (Ev + PMAX)))
+    evict, mask, ring, pipe = _emitters(causal, itemsize(dt) * (S + 2 * PMAX + cdiv(S, PMAX) * (Ev + PMAX)),
+                                        mask_on_tensor=True)
     operands = ((k, kv, S, E), (v, vv, S, Ev), (q, qv, L, E))
     for b in range(B):
         for h, (kr, vr, qr) in _heads_rows(operands, b, H, dt, ring):
@@ -240,16 +257,18 @@ def flash_attention_fwd(q, k, v, scale=1.0, causal=False, q_view=None, k_view=No
                 last = q0 + p == L
                 store = (lambda b=b, h=h, res=res, ls=ls: (_store_head_rows(out, ov, b, h, res, L, Ev),
                                                           _store_head_rows(lse, lv, b, h, ls, L, 1))) if last else None
-                pipe.push(_fwd_tile(qT, kT, vr, q0, p, _visible(q0, p, S, causal), E, Ev, float(scale), bias,
+                pipe.push(_fwd_tile(qT, kT, vr, q0, p, _visible(q0, p, S, causal), E, Ev, float(scale), mask,
                                     causal, evict, res[:, i, :], ls[:, i, :], ring, store))
     pipe.drain()
     return out, lse
 
 
-def _emitters(causal: bool, tile_bytes: int):
-    """(PSUM eviction alternating Scalar/Vector, the causal bias tile or None, the tiles kept allocated, the
-    software pipeline) of one kernel whose query tiles use ``tile_bytes`` of SBUF per partition."""
-    return alternating_evict(), causal_bias() if causal else None, _Keep(tile_bytes), _Pipeline()
+def _emitters(causal: bool, tile_bytes: int, mask_on_tensor: bool = False):
+    """(PSUM eviction alternating Scalar/Vector, the causal mask's operands or None, the tiles kept allocated, the
+    software pipeline) of one kernel whose query tiles use ``tile_bytes`` of SBUF per partition (the mask as
+    ``_mask_diagonal`` takes it: added by TensorE with ``mask_on_tensor``, else by VectorE)."""
+    mask = (_causal_mask() if mask_on_tensor else causal_bias()) if causal else None
+    return alternating_evict(), mask, _Keep(tile_bytes), _Pipeline()
 
 
 class _Keep:
@@ -293,7 +312,7 @@ class _Pipeline:
             self.pending = None
 
 
-def _fwd_tile(qT, kT, vr, q0, p, n, E, Ev, scale, bias, causal, evict, res, ls, ring, store):
+def _fwd_tile(qT, kT, vr, q0, p, n, E, Ev, scale, mask, causal, evict, res, ls, ring, store):
     """One tile of p queries against keys [0, n), as pipeline steps: online softmax over groups of GROUP keys."""
     dt = qT.dtype
     m = lsum = acc = nb = None      # running raw-score max, sum of exp(scale * (s - m)), unnormalized output
@@ -304,7 +323,7 @@ def _fwd_tile(qT, kT, vr, q0, p, n, E, Ev, scale, bias, causal, evict, res, ls, 
             cw = min(PSUM_FP32, w - c0)
             nisa.nc_matmul(dst=sc[:p, c0:c0 + cw], stationary=qT[:E, q0:q0 + p], moving=kT[:E, g0 + c0:g0 + c0 + cw],
                            accumulate=False)
-        _mask_diagonal(sc, g0, w, q0, p, bias, causal)
+        _mask_diagonal(sc, g0, w, q0, p, mask, causal)
         gm = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=gm[:p], op=nl.maximum, data=sc[:p, :w], axis=(1,))
         alpha = None
@@ -408,7 +427,7 @@ def flash_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=Non
     Lc, Sc = cdiv(L, PMAX), cdiv(S, PMAX)
     epad = 1 << (E - 1).bit_length()                 # dQ columns per tile, a power of two: no tile crosses a bank
     dq_in_psum = Lc * epad * 4 <= DQ_PSUM_BYTES
-    evict, bias, ring, pipe = _emitters(causal, itemsize(dt) * (3 * PMAX + 2 * (L + S) + (Lc + Sc) * (E + Ev)))
+    evict, mask, ring, pipe = _emitters(causal, itemsize(dt) * (3 * PMAX + 2 * (L + S) + (Lc + Sc) * (E + Ev)))
     operands = ((q, qv, L, E), (k, kv, S, E), (do, dov, L, Ev), (v, vv, S, Ev), (o, ov, L, Ev))
     offload = itertools.cycle(DS_OFFLOAD)
     for b in range(B):
@@ -440,7 +459,7 @@ def flash_attention_bwd(q, k, v, o, do, lse, scale=1.0, causal=False, q_view=Non
                             evict(dvh[:kb, j, :], dvj[:kb, :Ev]),
                             nisa.activation(dst=dkh[:kb, j, :], op=nl.copy, data=dkj[:kb, :E], scale=float(scale))))
                     pipe.push(_bwd_pair(qT, kT, vT, doT, qr, kr, dor, nd, nlse, dqacc, dvj, dkj, i, q0, p, j, s0, kb,
-                                        E, Ev, float(scale), bias, causal, evict, dq_in_psum, first=n == 0,
+                                        E, Ev, float(scale), mask, causal, evict, dq_in_psum, first=n == 0,
                                         ring=ring, last=last, offload=next(offload)))
             pipe.push(_bwd_head_end(dq, dk, dv, views, dqacc, dkh, dvh, b, h, L, S, E, Ev, float(scale)))
     pipe.drain()
@@ -470,7 +489,7 @@ def _row_stats(orows, dor, lse, b: int, h: int, L: int, Ev: int):
     return d, nlse
 
 
-def _bwd_pair(qT, kT, vT, doT, qr, kr, dor, nd, nlse, dqacc, dvj, dkj, i, q0, p, j, s0, kb, E, Ev, scale, bias,
+def _bwd_pair(qT, kT, vT, doT, qr, kr, dor, nd, nlse, dqacc, dvj, dkj, i, q0, p, j, s0, kb, E, Ev, scale, mask,
               causal, evict, dq_in_psum, first, ring, last, offload=False):
     """Pipeline steps of one (query tile i, key block j) pair of the backward (``nd``: -D per query; ``offload``:
     dS formed by ScalarE and GpSimd instead of VectorE)."""
@@ -479,7 +498,7 @@ def _bwd_pair(qT, kT, vT, doT, qr, kr, dor, nd, nlse, dqacc, dvj, dkj, i, q0, p,
     nisa.nc_matmul(dst=sp[:p, :kb], stationary=qT[:E, q0:q0 + p], moving=kT[:E, s0:s0 + kb], accumulate=False)
     nisa.nc_matmul(dst=sp[:p, PMAX:PMAX + kb], stationary=doT[:Ev, q0:q0 + p], moving=vT[:Ev, s0:s0 + kb],
                    accumulate=False)
-    _mask_diagonal(sp, s0, kb, q0, p, bias, causal)
+    _mask_diagonal(sp, s0, kb, q0, p, mask, causal)
     pr = nl.ndarray((PMAX, PMAX), dt, buffer=nl.sbuf)                  # P = exp(scale * s - lse)
     nisa.activation(dst=pr[:p, :kb], op=nl.exp, data=sp[:p, :kb], bias=nlse[:p, i:i + 1], scale=scale)
     ds = nl.ndarray((PMAX, PMAX), dt, buffer=nl.sbuf)                  # dS / scale = P * (dP - D)
