@@ -47,3 +47,15 @@ def test_scalar_operands_are_one_argument_each():
         assert torch.equal(out, (x + y * 0.5) * weights[i, 0])   # each step one fp32 rounding, as the CPU's
     with pytest.raises(AssertionError, match="each operand 3"):   # one scalar per group, not one for all
         kernel(**{**args, operand_name(0, 3): alpha}, fn=lambda x, y, a, w: x, out_dtype=nl.float32)
+
+
+def test_in_place_kernel_writes_over_the_first_operands():
+    xs = [torch.randn(1, n) for n in (5, 300, 4096)]
+    ys = [torch.randn(1, n) for n in (5, 300, 4096)]
+    want = [x * y for x, y in zip(xs, ys)]
+    args = {}
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        args[operand_name(i, 0)], args[operand_name(i, 1)] = x, y
+    assert foreach_kernel(3, 2, ("full", "full"), inplace=True)(**args, fn=nl.multiply, out_dtype=nl.float32) is None
+    for x, w in zip(xs, want):
+        assert torch.equal(x, w)

@@ -257,3 +257,23 @@ def test_a_scalar_list_of_another_length_raises_like_cpu(strict):
         with pytest.raises(type(want.value), match="same number of elements"):
             torch._foreach_addcdiv_(dev[0], dev[1], dev[2], scalars)
     assert all(torch.equal(d.cpu(), c) for d, c in zip(dev[0], cpu[0]))   # nothing written
+
+
+def test_in_place_foreach_writes_over_self_with_one_slot_each(strict):
+    # in place the kernel writes each result over its self tensor: one slot per tensor (not an input and an output),
+    # the per-tensor ops' bits and the CPU's values on the first and the planned calls, self also read as an operand
+    cpu = _lists()
+    dev = [[to_n(t) for t in lst] for lst in cpu]
+    each = [t.clone() for t in dev[0]]
+    for step in range(2):
+        with profiler.record() as records:
+            torch._foreach_add_(dev[0], 2.5)
+            torch._foreach_addcmul_(dev[0], dev[0], dev[1], 0.5)
+        for t, o in zip(each, dev[1]):
+            t.add_(2.5).addcmul_(t, o, value=0.5)
+        torch._foreach_add_(cpu[0], 2.5)
+        torch._foreach_addcmul_(cpu[0], cpu[0], cpu[1], 0.5)
+        assert [len(r.program.args) for r in records] == [4 + 1, 4 * 3 + 1]
+        for d, e, c in zip(dev[0], each, cpu[0]):
+            assert torch.equal(d.cpu(), e.cpu())
+            torch.testing.assert_close(d.cpu(), c)

@@ -62,11 +62,13 @@ def _region(flat, e0: int, p: int, f: int):
     return flat.reshape((flat.shape[1],))[e0:e0 + p * f].reshape((p, f))
 
 
-def _packed(groups: list[list], kinds: tuple[str, ...], fn, out_dtype, compute=nl.float32) -> tuple:
-    """Apply ``fn`` to every group's operands through packed tiles (see the module docstring)."""
+def _packed(groups: list[list], kinds: tuple[str, ...], fn, out_dtype, compute=nl.float32,
+            into_first: bool = False) -> tuple:
+    """Apply ``fn`` to every group's operands through packed tiles (see the module docstring); ``into_first``: write
+    each group's result over its first operand (in place: each segment is stored after it is loaded)."""
     n_in = sum(k != "shared" for k in kinds)
     check_sbuf((n_in + 2) * NBUF * FMAX * 4 + PMAX * 4 * len(kinds), "foreach")
-    outs = [nl.ndarray(g[0].shape, out_dtype, buffer=nl.shared_hbm) for g in groups]
+    outs = [g[0] if into_first else nl.ndarray(g[0].shape, out_dtype, buffer=nl.shared_hbm) for g in groups]
     shared = {}
     for j, kind in enumerate(kinds):
         if kind == "shared":   # one [128, 1] column for every group
@@ -94,9 +96,11 @@ def _packed(groups: list[list], kinds: tuple[str, ...], fn, out_dtype, compute=n
 
 
 @functools.cache
-def foreach_kernel(count: int, arity: int, kinds: tuple[str, ...]) -> nki.Kernel:
+def foreach_kernel(count: int, arity: int, kinds: tuple[str, ...], inplace: bool = False) -> nki.Kernel:
     """The kernel over ``count`` groups of ``arity`` operands of ``kinds`` (arguments ``a0, b0, ..., a1,
-    ...``, plus ``fn``, the tile function, and ``out_dtype``); it returns one output per group."""
+    ...``, plus ``fn``, the tile function, and ``out_dtype``); it returns one output per group, or with ``inplace``
+    writes each group's result over its first operand (of ``out_dtype``) and returns nothing: a launch binds each
+    such tensor once, not as an input and again as an output."""
     assert 1 <= arity <= len(NAMES), f"foreach_kernel: {arity} operands per group (at most {len(NAMES)})"
     assert len(kinds) == arity and kinds[0] == "full" and set(kinds) <= {"full", "shared", "each"}, kinds
     # a scalar position is one argument (named as group 0's), bound once per launch instead of once per group
@@ -113,13 +117,14 @@ def foreach_kernel(count: int, arity: int, kinds: tuple[str, ...]) -> nki.Kernel
 
     def body(**kw):
         groups = [[operand(kw, i, j) for j in range(arity)] for i in range(count)]
-        return _packed(groups, kinds, kw["fn"], kw["out_dtype"])
+        outs = _packed(groups, kinds, kw["fn"], kw["out_dtype"], into_first=inplace)
+        return None if inplace else outs
 
     kind = inspect.Parameter.KEYWORD_ONLY
     body.__signature__ = inspect.Signature(
         [inspect.Parameter(n, kind) for n in names] + [inspect.Parameter("fn", kind),
                                                        inspect.Parameter("out_dtype", kind, default=nl.float32)])
-    body.__name__ = body.__qualname__ = f"foreach{arity}_x{count}"
+    body.__name__ = body.__qualname__ = f"foreach{arity}_x{count}" + ("_inplace" if inplace else "")
     return nki.jit(body)
 
 

@@ -147,7 +147,7 @@ def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inp
     scalar_dtypes = tuple(torch.float32 if k == "each" else c.dtype for c, k in zip(columns, kinds) if k != "full")
     for lo in range(0, len(live), MAX_GROUPS):
         chunk = live[lo:lo + MAX_GROUPS]
-        kernel = foreach_kernel(len(chunk), 1 + len(operands), tuple(kinds))
+        kernel = foreach_kernel(len(chunk), 1 + len(operands), tuple(kinds), inplace)
         # what the trace depends on (the lists share self's shapes and dtype; scalars are fp32 or the tensor's)
         key = (kernel, index, fn, dtype, self[0].dtype, tuple(self[i].shape for i in chunk), scalar_dtypes, inplace)
         args = _chunk_arguments(columns, kinds, chunk, device)
@@ -157,7 +157,6 @@ def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inp
             # bound as it is (contiguous, the slot's element count), without the views and name lookups of
             # call_kernel; unbound results are allocated by the launch in their tensors' shapes
             program, slot_sources, layout, result_slots = plan
-            args.append(args[0] if inplace else None)   # in place, the results are self
             tensors = launch_slots(program, [None if src is None else args[src[0]][src[1]] for src in slot_sources],
                                    index, op, layout)
             if not inplace:
@@ -170,12 +169,11 @@ def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inp
         inputs = {operand_name(k, j): t.view(1, -1) if kind == "full" else t
                   for j, kind in enumerate(kinds) for k, t in enumerate(args[j])}
         traced = traced_kernel(kernel, inputs, {"fn": fn, "out_dtype": dtype})
-        launch_traced(traced, inputs, [results[i].view(1, -1) for i in chunk], op, index)
+        launch_traced(traced, inputs, [] if inplace else [results[i].view(1, -1) for i in chunk], op, index)
         program, out_slots, order = traced
         where = {operand_name(k, j): (j, k) for j in range(len(kinds)) for k in range(len(args[j]))}
-        where.update({s: (len(kinds), k) for k, s in enumerate(out_slots)})
-        # in place each result slot binds its self tensor; else the launch allocates it in its tensor's shape
-        sources = tuple(None if not inplace and n in out_slots else where[n] for n in order)
+        # the launch allocates each result in its tensor's shape (in place there is none: the kernel writes over self)
+        sources = tuple(None if n in out_slots else where[n] for n in order)
         layout = None if inplace else slot_layout(program, {s: tuple(self[i].shape) for s, i in zip(out_slots, chunk)})
         remember(_plans, key, (program, sources, layout, tuple(order.index(s) for s in out_slots)), _PLAN_LIMIT)
     return None if inplace else results
