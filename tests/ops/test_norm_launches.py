@@ -78,3 +78,43 @@ def test_other_two_norms_and_bad_input_match_cpu(strict):
         torch.linalg.vector_norm(torch.ones(3, dtype=torch.int32))
     with pytest.raises(type(cpu.value), match="floating point"):
         torch.linalg.vector_norm(to_n(torch.ones(3, dtype=torch.int32)))
+
+
+def test_a_repeated_layer_norm_launches_its_plan(strict, monkeypatch):
+    # the second forward and backward at one signature bind their tensors to the planned programs (no trace, no
+    # views): other values, the same bits as the first path computes for them, the CPU's values; another shape at the
+    # same call site, a two-dim normalized shape and a missing weight are signatures of their own
+    from torchneuron.ops import nn as nn_ops
+    torch.manual_seed(3)
+
+    def run(x, w, b, shape):
+        xn = to_n(x).requires_grad_()
+        y = torch.nn.functional.layer_norm(xn, shape, None if w is None else to_n(w), None if b is None else to_n(b))
+        y.backward(to_n(torch.ones_like(x) * 0.5 + x))
+        return y.detach().cpu(), xn.grad.cpu()
+
+    cases = [((6, 5, 16), (16,), True), ((3, 16), (16,), True), ((6, 4, 8), (4, 8), True), ((5, 16), (16,), False)]
+    first = {}
+    for shape, norm, affine in cases:
+        x = torch.randn(shape)
+        w, b = (torch.randn(norm), torch.randn(norm)) if affine else (None, None)
+        first[shape] = (x, w, b, run(x, w, b, norm))
+    monkeypatch.setattr(nn_ops, "traced_kernel", None)       # a second trace would fail
+    for shape, norm, affine in cases:
+        x, w, b, (y1, g1) = first[shape]
+        y2, g2 = run(x, w, b, norm)
+        assert torch.equal(y1, y2) and torch.equal(g1, g2)   # the planned launches give the first path's bits
+        xc = x.clone().requires_grad_()
+        yc = torch.nn.functional.layer_norm(xc, norm, w, b)
+        yc.backward(torch.ones_like(x) * 0.5 + x)
+        torch.testing.assert_close(y2, yc.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g2, xc.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_a_planned_layer_norm_refuses_a_wrong_weight_like_cpu(strict):
+    x, w = torch.randn(4, 16), torch.randn(16)
+    torch.native_layer_norm(to_n(x), [16], to_n(w), to_n(w), 1e-5)            # the plan of this signature
+    with pytest.raises(RuntimeError) as cpu:
+        torch.native_layer_norm(x, [16], torch.randn(15), w, 1e-5)
+    with pytest.raises(type(cpu.value)):
+        torch.native_layer_norm(to_n(x), [16], to_n(torch.randn(15)), to_n(w), 1e-5)

@@ -31,11 +31,12 @@ from torchneuron.kernels.cross_entropy import cross_entropy_bwd_kernel, cross_en
 from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.softmax import softmax_bwd_kernel, softmax_kernel
-from torchneuron.ops.base import aten, checked, FLOATS, on_one_device, resize_out, type_name, Unsupported
+from torchneuron.ops.base import aten, checked, FLOATS, on_one_device, remember, resize_out, type_name, Unsupported
 from torchneuron.ops.elementwise import dense, device_copy
 from torchneuron.ops.indexing import arange_values, index_words
-from torchneuron.ops.kernel_call import call_kernel
+from torchneuron.ops.kernel_call import call_kernel, traced_kernel
 from torchneuron.ops.registry import lowering, register_out
+from torchneuron.runtime.launch import launch_slots, slot_layout
 
 
 def _softmax(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
@@ -119,9 +120,33 @@ def _norm_shape(x: torch.Tensor, normalized_shape: Sequence[int]) -> tuple[int, 
 
 
 def _param(t: torch.Tensor | None, D: int, value: float, like: torch.Tensor) -> torch.Tensor:
+    """A norm's weight or bias as the kernels read it: contiguous [D], or ``value`` everywhere when it is None."""
     if t is None:
         return torch.full((D,), value, dtype=like.dtype, device=like.device)
-    return dense(t).reshape(D)
+    t = dense(t)
+    return t if t.shape == (D,) else t.reshape(D)   # (PyTorch's error for a parameter of another size)
+
+
+# (kernel, device, dtypes, input shape, normalized shape, what else the trace depends on) -> (program, its slot names
+# in order, the launch's layout, the results' slots): a repeated layer norm, forward or backward, binds its contiguous
+# tensors as they are and has the launch allocate its results in their final shapes, without the views, the trace key
+# and the results' reshapes of each call
+_NORM_PLANS: dict[tuple, tuple] = {}
+_NORM_PLAN_LIMIT = 1024   # plans kept before the cache starts over
+
+
+def _planned_launch(kernel, key: tuple, args: dict[str, torch.Tensor], views: dict[str, tuple], meta: dict,
+                    shapes: list[tuple], op: str) -> list[torch.Tensor]:
+    """``kernel``'s results on ``args`` (contiguous, on device ``key[1]``; the kernel reads each at its ``views``
+    shape) in the shapes ``shapes``, through the plan kept under ``key`` (traced by the first call)."""
+    plan = _NORM_PLANS.get(key)
+    if plan is None:
+        program, out_slots, order = traced_kernel(kernel, {n: t.view(views[n]) for n, t in args.items()}, meta)
+        plan = remember(_NORM_PLANS, key, (program, order, slot_layout(program, dict(zip(out_slots, shapes))),
+                                           tuple(order.index(s) for s in out_slots)), _NORM_PLAN_LIMIT)
+    program, order, layout, results = plan
+    tensors = launch_slots(program, [args.get(n) for n in order], key[1], op, layout)
+    return [tensors[i] for i in results]
 
 
 @lowering("native_layer_norm")
@@ -136,13 +161,15 @@ def native_layer_norm(input: torch.Tensor, normalized_shape: Sequence[int], weig
         return torch.empty_like(input), empty, empty.clone()
     if input.dtype not in FLOATS or N == 0 or D == 0 or any(t.dtype != input.dtype for t in params):
         raise Unsupported
-    rows = dense(input).reshape(N, D)
+    eps = float(eps)
+    key = (layer_norm_kernel, input.get_device(), input.dtype, input.shape, tuple(normalized_shape), eps,
+           weight is None, bias is None)
     # the statistics in the input's dtype, as the CPU returns them, rounded by the kernel's store
-    out, mean, rstd = call_kernel(layer_norm_kernel, {"x": rows, "weight": _param(weight, D, 1.0, input),
-                                                      "bias": _param(bias, D, 0.0, input)},
-                                  {"eps": float(eps), "stats": True, "stats_dtype": input.dtype},
-                                  op="aten::native_layer_norm")
-    return out.reshape(input.shape), mean.reshape(stat_shape), rstd.reshape(stat_shape)
+    return tuple(_planned_launch(layer_norm_kernel, key, {"x": dense(input), "weight": _param(weight, D, 1.0, input),
+                                                          "bias": _param(bias, D, 0.0, input)},
+                                 {"x": (N, D), "weight": (D,), "bias": (D,)},
+                                 {"eps": eps, "stats": True, "stats_dtype": input.dtype},
+                                 [tuple(input.shape), tuple(stat_shape), tuple(stat_shape)], "aten::native_layer_norm"))
 
 
 @lowering("native_layer_norm_backward")
@@ -162,12 +189,17 @@ def native_layer_norm_backward(grad_out: torch.Tensor, input: torch.Tensor, norm
         raise Unsupported
     # from the saved statistics, as the CPU kernel does: x^ = (x - mean) * rstd, g = dy * w,
     # dx = rstd * (g - mean(g) - x^ * mean(g * x^)), dw = sum(dy * x^), db = sum(dy) over rows
-    dx, dw, db = call_kernel(layer_norm_bwd_kernel, {
-        "dy": dense(grad_out).reshape(N, D), "x": dense(input).reshape(N, D), "weight": _param(weight, D, 1.0, input),
-        "mean": dense(mean).reshape(N, 1), "rstd": dense(rstd).reshape(N, 1)}, op="aten::native_layer_norm_backward")
-    dx = dx.reshape(input.shape) if output_mask[0] else None
-    dw = dw.reshape(normalized_shape) if output_mask[1] and weight is not None else None
-    db = db.to(bias.dtype).reshape(normalized_shape) if output_mask[2] and bias is not None else None
+    key = (layer_norm_bwd_kernel, input.get_device(), input.dtype, input.shape, tuple(normalized_shape),
+           weight is None, mean.dtype, rstd.dtype)
+    params = tuple(normalized_shape)
+    dx, dw, db = _planned_launch(
+        layer_norm_bwd_kernel, key, {"dy": dense(grad_out), "x": dense(input), "weight": _param(weight, D, 1.0, input),
+                                     "mean": dense(mean), "rstd": dense(rstd)},
+        {"dy": (N, D), "x": (N, D), "weight": (D,), "mean": (N, 1), "rstd": (N, 1)}, {},
+        [tuple(input.shape), params, params], "aten::native_layer_norm_backward")
+    dx = dx if output_mask[0] else None
+    dw = dw if output_mask[1] and weight is not None else None
+    db = db.to(bias.dtype) if output_mask[2] and bias is not None else None
     return dx, dw, db
 
 
