@@ -277,3 +277,29 @@ def test_in_place_foreach_writes_over_self_with_one_slot_each(strict):
         for d, e, c in zip(dev[0], each, cpu[0]):
             assert torch.equal(d.cpu(), e.cpu())
             torch.testing.assert_close(d.cpu(), c)
+
+
+@pytest.mark.parametrize("case", ["repeated self", "operands swapped", "addcmul reads a later self", "own elements"])
+def test_in_place_lists_sharing_memory_equal_the_cpu_loop(case, strict):
+    # the CPU runs an in-place foreach tensor by tensor, so a tensor written first is read written: a repeated self
+    # tensor is multiplied twice, a swapped operand reads the other's new value; one launch reading every input
+    # first would differ (a * 2 for a * 4). Only self[i] read at position i (a += a) keeps the one launch.
+    torch.manual_seed(5)
+    base = torch.randn(2, 8)
+    cpu, dev = base.clone(), to_n(base)
+    launches = []
+    for t in (cpu, dev):
+        a, b = t[0], t[1]
+        later = t.view(-1)[8:]                  # b's elements as another view
+        with profiler.record() as records:
+            if case == "repeated self":
+                torch._foreach_mul_([a, b, a], 1.5)
+            elif case == "operands swapped":
+                torch._foreach_add_([a, b], [b, a], alpha=0.5)
+            elif case == "addcmul reads a later self":
+                torch._foreach_addcmul_([a, b], [later, a], [b, b], 0.25)
+            else:
+                torch._foreach_add_([a, b], [a, b])
+        launches.append(len(records))
+    torch.testing.assert_close(dev.cpu(), cpu)   # (addcmul: the CPU may fuse its multiply-add; a stale read is off by O(1))
+    assert (launches[1] == 1) == (case == "own elements")

@@ -60,6 +60,26 @@ def _fusable(lists: Sequence[Sequence[torch.Tensor]]) -> bool:
     return True
 
 
+def _aliased_in_place(self: Sequence[torch.Tensor], lists: Sequence[Sequence[torch.Tensor]]) -> bool:
+    """Whether an in-place call's tensors share memory other than ``self[i]`` with itself at position i.
+
+    The per-tensor loop (what the CPU runs) writes tensor i before reading tensor i + 1, so a tensor repeated in
+    ``self`` (``_foreach_mul_([a, a], 2)``: a * 4) or another list reading a later-written ``self`` tensor
+    (``_foreach_add_([x, y], [y, x])``) sees the earlier writes; one launch would read every input first. Such
+    calls take the loop. (The tensors are contiguous here: each covers one byte range.)"""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in self if t.numel())
+    if any(end > start for (_, end), (start, _) in zip(spans, spans[1:])):
+        return True
+    for lst in lists:
+        for i, t in enumerate(lst):
+            if not t.numel() or (t.data_ptr() == self[i].data_ptr() and t.numel() == self[i].numel()):
+                continue   # nothing, or self[i]'s own elements (a += a): read and written in the same place
+            lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+            if any(start < hi and lo < end for start, end in spans):
+                return True
+    return False
+
+
 def _real(v: Any) -> float:
     if isinstance(v, torch.Tensor) or isinstance(v, complex):
         raise _Loop
@@ -118,7 +138,8 @@ def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inp
     ``operands``: per position, a tensor list (the shapes of ``self``), a tuple of per-tensor scalars,
     or one shared operand (a number, or a scalar tensor). The results have ``result_dtype`` (self's if None)."""
     device, dtype = self[0].device, result_dtype or self[0].dtype
-    if not _fusable([self] + [o for o in operands if isinstance(o, list)]):
+    lists = [o for o in operands if isinstance(o, list)]
+    if not _fusable([self] + lists) or (inplace and _aliased_in_place(self, lists)):
         raise _Loop
     # per operand position: a tensor list, the per-tensor scalars as floats, or the shared (1, 1) operand (every
     # scalar read before anything runs: one the kernel cannot take sends the whole call to the per-tensor loop)
