@@ -75,6 +75,8 @@ def small_tiles(core: NeuronCore) -> dict[str, isa.Instr]:
     core.bind("x", torch.zeros(p, f))
     return {
         "dma_copy (HBM->SBUF)": isa.dma_copy(dst=a, src=tile("hbm:x", F32, (p, f))),
+        "dma_copy gather (HBM rows->SBUF)": isa.dma_copy(dst=a, src=tile("hbm:x", F32, (p, f)),
+                                                         src_index=alloc(core, (p, 1), torch.int32)),
         "tensor_copy fp32->bf16": isa.tensor_copy(dst=h, src=a),
         "tensor_tensor add fp32": isa.tensor_tensor(dst=c, data1=a, data2=b, op="add"),
         "tensor_tensor mul bf16": isa.tensor_tensor(dst=h, data1=h, data2=a, op="multiply"),

@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from torchneuron.sim import AP, ArgSlot, Engine, NeuronCore, Program, SimulatorError, isa, tile
+from torchneuron.sim import AP, ArgSlot, Engine, IndexOutOfRange, NeuronCore, Program, SimulatorError, isa, tile
 from torchneuron.sim.isa.common import int32_exact
 
 from .test_isa import below_inplace_or_view
@@ -455,3 +455,74 @@ def test_accumulation_groups_through_partial_closes_and_runs(stepped):
         assert not flags.any()  # the last matmul opened the whole group again
     core.begin_run()
     assert core.psum.group_closed.all() and not core.psum.groups_open
+
+
+V = 10  # rows of the gathered table
+
+
+def _rows(n: int, cols=((1, F),), offset: int = 0, dtype=F32) -> AP:
+    """n rows of the [V, F] table "hbm:x" as an indirect pattern (dim 0 indexed; ``cols``: the columns)."""
+    return AP("hbm:x", dtype, ((F, n), *cols), offset=offset)
+
+
+def _gather_program(oob_mode: str = "skip") -> Program:
+    """Indirect row gathers (embedding lookups): whole rows, a strided column window of a partial tile, a cast
+    into bf16, duplicate and reversed indices, indices past either end (left out with ``skip``), and a gather
+    whose destination overwrites its own index tile."""
+    i = isa
+    idx = [_sb(k, I32, (1,)) for k in range(4)]
+    window = _rows(5, ((2, 4),), offset=4 * 3)   # rows of 4 columns 3, 5, 7, 9
+    body = [
+        i.iota(dst=idx[0], pattern=[[0, 1]], offset=V - 1, channel_multiplier=-1),   # V-1 .. V-P: past the start
+        i.iota(dst=idx[1], pattern=[[0, 1]], offset=2, channel_multiplier=0),        # one row, P times
+        i.iota(dst=idx[2], pattern=[[0, 1]], offset=V - 4, channel_multiplier=1),    # past the end
+        i.iota(dst=idx[3][:V], pattern=[[0, 1]], offset=0, channel_multiplier=1),
+        i.dma_copy(dst=_sb(10), src=_rows(P), src_index=idx[1], oob_mode=oob_mode),
+        i.dma_copy(dst=_sb(11, BF16), src=_rows(P), src_index=idx[1], oob_mode=oob_mode),
+        i.dma_copy(dst=_sb(12, F32, (4,), parts=5, start=3), src=window,
+                   src_index=_sb(1, I32, (1,), parts=5, start=3), oob_mode=oob_mode),
+        i.dma_copy(dst=_sb(13)[:V], src=_rows(V), src_index=idx[3][:V], oob_mode=oob_mode),
+        # the index tile overwritten by its own gather (the table's column 0)
+        i.dma_copy(dst=_sb(3, F32, (1,))[:V], src=_rows(V, ((1, 1),)), src_index=idx[3][:V],
+                   oob_mode=oob_mode),
+        i.dma_copy(dst=_sb(16, I32), src=_rows(P), src_index=idx[1], oob_mode=oob_mode),   # fp32 into int32
+        i.iota(dst=_sb(4, I32, (1,))[:V + 1], pattern=[[0, 1]], offset=0, channel_multiplier=1),
+        i.dma_copy(dst=_sb(17)[:V + 1], src=_rows(V + 1), src_index=_sb(4, I32, (1,))[:V + 1],  # the last: row V
+                   oob_mode=oob_mode),
+        i.dma_copy(dst=_sb(14), src=_rows(P), src_index=idx[0], oob_mode=oob_mode),
+        i.dma_copy(dst=_sb(15), src=_rows(P), src_index=idx[2], oob_mode=oob_mode),
+    ]
+    return Program(body, [ArgSlot("x", (V, F), F32)], "gathers")
+
+
+def test_gather_steps_are_bit_identical_to_execute():
+    prog = _gather_program()
+    probe = NeuronCore("trn2")
+    planned = [type(s) for s in (i.step(probe, {"hbm:x": (0, ArgSlot("x", (V, F), F32))})
+                                  for i in prog.instructions if getattr(i, "src_index", None) is not None)]
+    assert planned.count(type(None)) == 0
+    fast, slow = NeuronCore("trn2", seed=3), NeuronCore("trn2", seed=3)
+    for seed in (1, 2):
+        _fill(fast, seed, specials=True)
+        _fill(slow, seed, specials=True)
+        x = _special_tile((V, F), seed)
+        fast.run(prog, {"x": x.clone()})
+        _reference(slow, prog, {"x": x.clone()})
+        assert torch.equal(fast.sbuf.data, slow.sbuf.data)
+
+
+def test_gather_step_raises_out_of_range_like_execute():
+    prog = _gather_program("error")
+    with pytest.raises(IndexOutOfRange, match=r"dma_copy: src_index\[10\] = 10 is outside the 10 rows of hbm:x"):
+        NeuronCore("trn2").run(prog, {"x": torch.zeros(V, F)})
+    prog = Program(prog.instructions[3:4] + prog.instructions[7:8], prog.args, "gather")  # index in range
+    core = NeuronCore("trn2")
+    core.run(prog, {"x": torch.arange(V * F, dtype=F32).reshape(V, F)})
+    assert torch.equal(_sb(13)[:V].read(core), torch.arange(V * F, dtype=F32).reshape(V, F))
+
+
+def test_gathers_from_another_dtype_or_by_narrow_indices_execute():
+    i, slots = isa, {"hbm:x": (0, ArgSlot("x", (V, F), F32))}
+    other = i.dma_copy(dst=_sb(0, I32), src=_rows(P, dtype=I32), src_index=_sb(1, I32, (1,)))
+    narrow = i.dma_copy(dst=_sb(0), src=_rows(P), src_index=_sb(1, torch.int16, (1,)))
+    assert other.step(NeuronCore("trn2"), slots) is None and narrow.step(NeuronCore("trn2"), slots) is None

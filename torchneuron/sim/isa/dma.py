@@ -8,7 +8,7 @@ from functools import cached_property
 import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine, Footprint
-from torchneuron.sim.memory import AP, IndexOutOfRange, contiguous_run
+from torchneuron.sim.memory import AP, IndexOutOfRange, contiguous_run, store
 from torchneuron.sim.numerics import dtype_name, torch_name
 from torchneuron.sim.isa.common import (DGE_MODES, Instr, OOB_MODES, Step, ap_dims, copy_step, descriptor_count,
                                         prepare_cast)
@@ -24,17 +24,27 @@ def _dge(instr: Instr) -> None:
         raise instr._fail("queue", f"is {instr.queue}; DMA queues are numbered from 0")
 
 
-def _rows_view(core, ap: AP) -> torch.Tensor:
-    """The HBM buffer as rows of an indirect pattern: dim 0 is indexed, its stride is the row pitch."""
-    mem = core.memory(ap.memory)
-    typed = mem.typed(ap.dtype)
-    total = typed.shape[1]
+def _rows_geometry(ap: AP, total: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(sizes, strides, element offset) of an indirect pattern's rows over a buffer of ``total`` elements of
+    ``ap.dtype``: dim 0 is indexed, its stride is the row pitch; only whole rows inside the buffer count."""
     (pitch, _), inner = ap.pattern[0], ap.pattern[1:]
     start = ap.offset // ap.dtype.itemsize
     extent = sum((sz - 1) * st for st, sz in inner) + 1
     rows = 0 if total - start < extent else (total - start - extent) // pitch + 1
-    return typed.as_strided((rows, *(sz for _, sz in inner)), (pitch, *(st for st, _ in inner)),
-                            typed.storage_offset() + start)
+    return (rows, *(sz for _, sz in inner)), (pitch, *(st for st, _ in inner)), start
+
+
+def _rows_view(core, ap: AP) -> torch.Tensor:
+    """The HBM buffer as rows of an indirect pattern (``_rows_geometry``)."""
+    typed = core.memory(ap.memory).typed(ap.dtype)
+    sizes, strides, start = _rows_geometry(ap, typed.shape[1])
+    return typed.as_strided(sizes, strides, typed.storage_offset() + start)
+
+
+def _in_range(idx: torch.Tensor, rows: int) -> bool:
+    """Whether every index of ``idx`` (non-empty) is a row of ``rows``: one min/max pass, no masks."""
+    lo, hi = torch.aminmax(idx)
+    return int(lo) >= 0 and int(hi) < rows
 
 
 def _indices(core, instr: "DmaCopy", index: AP, rows: int, side: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -131,9 +141,34 @@ class DmaCopy(Instr):
             self.dst.write(core, prepare_cast(self.src.view(core), self.dst.dtype))
 
     def step(self, core, slots) -> Step | None:
-        if self.src_index is not None or self.dst_index is not None:
-            return None  # gathers and scatters index at run time: execute
+        if self.src_index is not None:
+            return self._gather_step(core, slots)
+        if self.dst_index is not None:
+            return None  # scatters index at run time: execute
         return copy_step(core, self.dst, self.src, slots)
+
+    def _gather_step(self, core, slots) -> Step | None:
+        """The step of a gather from an HBM slot of the same dtype into an on-chip tile: the table's rows and
+        the index and destination views resolved once; a run with an index outside the table executes (it
+        raises, or skips those rows)."""
+        entry = slots.get(self.src.memory)
+        if (entry is None or not self.dst.on_chip or entry[1].dtype != self.src.dtype
+                or self.src_index.dtype not in (torch.int32, torch.int64)):  # index_select's index dtypes
+            return None
+        k, slot = entry
+        sizes, strides, start = _rows_geometry(self.src, slot.nbytes // slot.dtype.itemsize)
+        rows, iv, dv, dst, dtype = sizes[0], self.src_index.view(core), self.dst.view(core), self.dst, self.dst.dtype
+
+        def step(h):
+            idx = iv.reshape(-1)
+            if not _in_range(idx, rows):
+                self.execute(core)
+                return
+            t = h[k]
+            table = t.as_strided(sizes, strides, t.storage_offset() + start)
+            # index_select returns new memory: no overlap with dst to look for
+            store(dst, dv, prepare_cast(torch.index_select(table, 0, idx), dtype), may_alias=False)
+        return step
 
     def price(self) -> CostInputs:
         onchip = [a for a in (self.dst, self.src) if a.on_chip]
