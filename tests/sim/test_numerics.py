@@ -304,3 +304,17 @@ def test_exp_route_taken_only_where_exact():
     assert nx._exp_keep(_exp_tile([-1e30, NAN])) is None
     assert nx._exp_keep(_exp_tile([1.0])) is None
     assert nx._exp_keep(_exp_tile([-1e30]).double()) is None
+
+
+@pytest.mark.filterwarnings("error")
+def test_comparisons_broadcast_through_the_shape_cache():
+    """The cached result shapes: right on a repeated pair and on new ones (an ``out`` of another shape would be
+    resized with a warning, an error here), incompatible shapes still refused."""
+    a, col = torch.tensor([[1, 5, 3], [4, 4, 0]]), torch.tensor([[3], [4]])
+    for _ in range(2):  # the second call finds the pair cached
+        assert torch.equal(nx.apply_alu("greater_equal", a, col), (a >= col).to(a.dtype))
+        assert torch.equal(nx.apply_alu("equal", col, a), (col == a).to(a.dtype))
+    row = torch.tensor([[0, 5, 3]])
+    assert torch.equal(nx.apply_alu("not_equal", a, row), (a != row).to(a.dtype))
+    with pytest.raises(RuntimeError):
+        nx.apply_alu("less", a, torch.tensor([[1, 2]]))

@@ -9,6 +9,7 @@ does not lose bits above 2**24 the way an fp32 detour would.
 """
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from typing import Callable
@@ -103,12 +104,18 @@ def as_scalar(value: float | int, compute: torch.dtype) -> float | int:
 # dtype. Comparisons and logical ops return 1/0 in the compute dtype, as the ALU does, so
 # they chain into a second op.
 
+@functools.lru_cache(maxsize=1024)
+def _broadcast_shape(a: torch.Size, b: torch.Size) -> torch.Size:
+    # torch.broadcast_shapes costs ~15 us a call; a run meets the same few shape pairs again and again
+    return torch.broadcast_shapes(a, b)
+
+
 def _cmp(fn: Callable) -> Callable:
     def op(a, b):
         if not isinstance(a, torch.Tensor):
             a = torch.tensor(a, dtype=b.dtype)
         same = not isinstance(b, torch.Tensor) or b.shape == a.shape
-        shape = a.shape if same else torch.broadcast_shapes(a.shape, b.shape)
+        shape = a.shape if same else _broadcast_shape(a.shape, b.shape)
         # Written straight into the compute dtype: a bool result converted afterwards costs ~10x more.
         return fn(a, b, out=torch.empty(shape, dtype=a.dtype))
     return op
