@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.testing._internal.common_methods_invocations import op_db
 
 from torchneuron.compiler import lowering, reports
+from torchneuron.runtime import profiler
 from tests.opinfo.harness import _tensors
 
 # OpInfo name for each lowered ATen op (several overloads share one); the tables must be covered
@@ -111,6 +112,29 @@ def test_cast_to_bfloat16_rounds_inside_a_fused_group():
     got = torch.compile(fn, backend="neuron")(x.to("neuron")).cpu()
     torch.testing.assert_close(got, fn(x), rtol=0, atol=0)
     assert any(r.fused_nodes >= 3 for r in reports())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_fused_groups_cast_result_is_rounded_once_by_its_store(dtype):
+    """``(a + b).to(dtype)``, the cast a result only: the store rounds it (to nearest even, as eager's cast), so the
+    group spends no engine copy on it; bit for bit with the CPU on ties, overflow, infinities, NaN, zeros and
+    subnormals."""
+    edges = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0, 65519.0, 65520.0, -65520.0,
+                          1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-11, 1 + 3 * 2**-11, 2.0**24 + 1, 3.39e38,
+                          torch.finfo(torch.float32).max, 1e-40, -1e-40, 6e-8, 2**-25])
+    a = torch.cat([edges, torch.randn(128 * 64 - edges.numel()) * 100]).reshape(128, 64)
+    b = torch.cat([torch.zeros(edges.numel()), torch.randn(128 * 64 - edges.numel())]).reshape(128, 64)
+    fn = lambda x, y: (x + y).to(dtype)  # noqa: E731
+    run = torch.compile(fn, backend="neuron")
+    x, y = a.to("neuron"), b.to("neuron")
+    run(x, y)   # (compiles)
+    with profiler.record() as records:
+        got = run(x, y).cpu()
+    want = fn(a, b)
+    assert got.dtype == dtype
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    (launch,) = records
+    assert not any(i.opcode == "tensor_copy" for i in launch.program.instructions)
 
 
 def test_views_move_no_data_and_transposed_matmul_operands_are_taken_as_they_lie():

@@ -425,6 +425,8 @@ class _Body:
                 consts[key] = col
             return consts[key]
 
+        read_inside = {a for node in g.nodes for a in node.all_input_nodes}
+
         def fn(*tiles):
             env = dict(zip(operands, tiles))
             like = tiles[0]
@@ -436,7 +438,10 @@ class _Body:
                 ops = [const(o, like) if isinstance(o, (int, float, bool)) else o for o in tile_args]
                 out = tile_fn(*ops)
                 dtype = node.meta["val"].dtype
-                if node.target in CASTS and dtype in ROUNDED and g.kind == "float":
+                # a cast no member reads is a result only, and every store of a result rounds it to its dtype (a
+                # DMA or the epilogue's copy, both to nearest even as this round does): rounding here too is a
+                # no-op on the value, two VectorE passes spent
+                if node.target in CASTS and dtype in ROUNDED and g.kind == "float" and node in read_inside:
                     out = _round(out, dtype)
                 env[node] = out
             return tuple(env[o] for o in g.outputs)
