@@ -116,9 +116,9 @@ def test_cast_to_bfloat16_rounds_inside_a_fused_group():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_fused_groups_cast_result_is_rounded_once_by_its_store(dtype):
-    """``(a + b).to(dtype)``, the cast a result only: the store rounds it (to nearest even, as eager's cast), so the
-    group spends no engine copy on it; bit for bit with the CPU on ties, overflow, infinities, NaN, zeros and
-    subnormals."""
+    """``(a + b).to(dtype)``, the cast a result only: rounded once (to nearest even, as eager's cast) into a tile of
+    its dtype by one GpSimd copy per tile, no VectorE round trip; bit for bit with the CPU on ties, overflow,
+    infinities, NaN, zeros and subnormals."""
     edges = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0, 65519.0, 65520.0, -65520.0,
                           1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-11, 1 + 3 * 2**-11, 2.0**24 + 1, 3.39e38,
                           torch.finfo(torch.float32).max, 1e-40, -1e-40, 6e-8, 2**-25])
@@ -134,7 +134,8 @@ def test_a_fused_groups_cast_result_is_rounded_once_by_its_store(dtype):
     assert got.dtype == dtype
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     (launch,) = records
-    assert not any(i.opcode == "tensor_copy" for i in launch.program.instructions)
+    copies = [i for i in launch.program.instructions if i.opcode == "tensor_copy"]
+    assert [str(i.engine) for i in copies] == ["Engine.GPSIMD"] and copies[0].dst.dtype == dtype   # (one tile)
 
 
 def test_views_move_no_data_and_transposed_matmul_operands_are_taken_as_they_lie():

@@ -293,12 +293,10 @@ class _Body:
 
         def result(*tiles):
             out = fn(*tiles)[0]
-            if dtype not in ROUNDED:
+            if dtype not in ROUNDED or out.dtype == dtype:   # (a cast result comes rounded already)
                 return out
             # rounded on chip, so the store moves 2-byte elements (a DMA that casts moves the wider side's bytes)
-            low = nl.ndarray(out.shape, dtype, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=low, src=out, engine=nisa.gpsimd_engine)
-            return low
+            return _rounded_on_gpsimd(out, dtype)
         return Epilogue(result, tuple(dense(v, (M, N)) for v in extras), dtype, keep_product=keep)
 
     def _group(self, g: FusionGroup) -> None:
@@ -438,11 +436,10 @@ class _Body:
                 ops = [const(o, like) if isinstance(o, (int, float, bool)) else o for o in tile_args]
                 out = tile_fn(*ops)
                 dtype = node.meta["val"].dtype
-                # a cast no member reads is a result only, and every store of a result rounds it to its dtype (a
-                # DMA or the epilogue's copy, both to nearest even as this round does): rounding here too is a
-                # no-op on the value, two VectorE passes spent
-                if node.target in CASTS and dtype in ROUNDED and g.kind == "float" and node in read_inside:
-                    out = _round(out, dtype)
+                if node.target in CASTS and dtype in ROUNDED and g.kind == "float":
+                    # a cast no member reads is a result only: rounded once, into a tile of its dtype, on GpSimd
+                    # (VectorE carries the arithmetic), so its store moves 2-byte elements and needs no second round
+                    out = _round(out, dtype) if node in read_inside else _rounded_on_gpsimd(out, dtype)
                 env[node] = out
             return tuple(env[o] for o in g.outputs)
         return fn
@@ -454,6 +451,13 @@ _MISSING = object()
 def _copied_into(out: fx.Node) -> fx.Node:
     """The graph input a group result is copied into (its ``copy_`` user), which the group stored it in."""
     return next(u for u in out.users if u.target is torch.ops.aten.copy_.default and u.args[1] is out).args[0]
+
+
+def _rounded_on_gpsimd(tile, dtype: torch.dtype):
+    """An fp32 tile rounded to ``dtype`` (nearest even) into a new tile of that dtype, on GpSimd."""
+    low = nl.ndarray(tile.shape, dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=low, src=tile, engine=nisa.gpsimd_engine)
+    return low
 
 
 def _round(tile, dtype: torch.dtype):
