@@ -44,8 +44,8 @@ from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.kernels._common import PMAX, PSUM_FP32, spread
-from torchneuron.kernels.attention import (NEG_BIG, causal_bias, flash_attention_bwd, flash_attention_fwd, flash_preferred,
-                                           result_views)
+from torchneuron.kernels.attention import (NEG_BIG, _vector_copy, causal_bias, flash_attention_bwd, flash_attention_fwd,
+                                           flash_preferred, result_views)
 from torchneuron.kernels.matmul import alternating_evict
 
 MIN_GROUP = 2             # fewer heads per instruction than this: the flash kernels are as good
@@ -261,11 +261,6 @@ def _scalar_copy(dst, src) -> None:
     """A PSUM -> SBUF eviction on ScalarE (the forward's P^T and logsumexp: VectorE has the softmax's mask, max
     and sums, and alternating put the evictions behind them; the demo's compiled forward 122.3 -> 121.5 us)."""
     nisa.activation(dst=dst, op=nl.identity, data=src)
-
-
-def _vector_copy(dst, src) -> None:
-    """A PSUM -> SBUF eviction on VectorE."""
-    nisa.tensor_copy(dst=dst, src=src, engine=nisa.vector_engine)
 
 
 def _row_tile(k0: int, k: int, c0: int = 0, m: int = PMAX) -> dict:

@@ -125,8 +125,8 @@ class Memory:
         # PSUM only: per 4-byte word, True where no matmul accumulation group is open, so the next
         # nc_matmul with accumulate=None overwrites instead of adding (not kept by an allocation-only
         # memory, ``group_flags=False``: a trace tracks groups itself; the groups in ``pending`` are open
-        # without their flags cleared in this
-        # memory; read through ``group_closed``, which first writes the pending openings below)
+        # without their flags cleared in this memory; read through ``group_closed``, which first writes the
+        # pending openings below)
         self._flags = torch.ones(partitions, bytes_per_partition // 4, dtype=torch.bool) \
             if bank_bytes and group_flags else None
         # PSUM only: the flag views TensorE instructions cleared (opened a group in), by box. Only

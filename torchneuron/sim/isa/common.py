@@ -375,6 +375,16 @@ def fused_rhs(core, value, nd: int) -> torch.Tensor | None:
     return column_view(core, value, nd) if isinstance(value, AP) else _f32(value)
 
 
+def matrix_view(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor | None:
+    """``t`` as a [rows, cols] view sharing its memory, or None where its strides do not allow one."""
+    if t.shape == (rows, cols):
+        return t
+    try:
+        return t.view(rows, cols)
+    except RuntimeError:
+        return None
+
+
 def column_view(core, ap: AP, nd: int) -> torch.Tensor | None:
     """A (P,1) tile's view shaped to broadcast over ``nd`` dims (what ``load_column`` reads), or None where
     that needs a copy."""

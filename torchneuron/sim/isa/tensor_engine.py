@@ -11,7 +11,7 @@ from torchneuron.sim.instruction import CostInputs, Engine
 from torchneuron.sim.memory import PMAX, AP, Memory, SimulatorError, store
 from torchneuron.sim.numerics import dtype_name
 from torchneuron.sim.isa.common import (GEMM_MOVING_FMAX, GEMM_STATIONARY_FMAX, Instr, MATMUL_DTYPES, PSUM_BANK_BYTES,
-                                        Step, TENSOR_TRANSPOSE_MAX, VECTOR_TRANSPOSE_MAX)
+                                        Step, TENSOR_TRANSPOSE_MAX, VECTOR_TRANSPOSE_MAX, matrix_view)
 
 
 # ---- TensorE --------------------------------------------------------------------------------
@@ -28,16 +28,6 @@ def _psum_closed(instr: Instr, core, ap: AP) -> torch.Tensor:
     view = flags.as_strided((ap.partitions, *sizes), (row, *strides), ap.start_partition * row + elem_offset)
     instr.__dict__["_closed"] = (psum, view)
     return view
-
-
-def _view2(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor | None:
-    """``t`` as a [rows, cols] view sharing its memory, or None where its strides do not allow one."""
-    if t.shape == (rows, cols):
-        return t
-    try:
-        return t.view(rows, cols)
-    except RuntimeError:
-        return None
 
 
 _BOXES: dict[tuple, int] = {}  # a PSUM box (start partition, partitions, geometry) -> its small-integer key
@@ -213,14 +203,14 @@ class NcMatmul(Instr):
         the fp32 [K, M] operand transposed as the array reads it, the product buffer, [M, N] views of
         dst and of its group flags (None where dst's free dims do not flatten) and dst's box key."""
         k, m, n = self.kmn
-        s, mv = _view2(self.stationary.view(sbuf), k, m), _view2(self.moving.view(sbuf), k, n)
+        s, mv = matrix_view(self.stationary.view(sbuf), k, m), matrix_view(self.moving.view(sbuf), k, n)
         s_f = torch.empty(k, m) if self.stationary.dtype != torch.float32 else None
         mv_f = torch.empty(k, n) if self.moving.dtype != torch.float32 else None
         s_t = s_f.T if s_f is not None else (s.T if s is not None else None)
         mv_use = mv_f if mv_f is not None else mv
         out2 = closed2 = None
         if self.dst.dtype == torch.float32:
-            out2, closed2 = _view2(self.dst.view(psum), m, n), _view2(_psum_closed(self, core, self.dst), m, n)
+            out2, closed2 = matrix_view(self.dst.view(psum), m, n), matrix_view(_psum_closed(self, core, self.dst), m, n)
             if out2 is None or closed2 is None:
                 out2 = closed2 = None
         state = (sbuf, psum, s, s_f, s_t, mv, mv_f, mv_use, torch.empty(m, n), out2, closed2, _box(self.dst))
@@ -352,7 +342,7 @@ class NcTranspose(Instr):
         """execute's reshapes as a view of data's memory in dst's shape (a copy here would freeze the tile's
         values), or None where data's free dims do not flatten into one (a permuted pattern)."""
         dv, data = self.dst.view(core), self.data
-        values = _view2(data.view(core), data.partitions, data.free_elems)
+        values = matrix_view(data.view(core), data.partitions, data.free_elems)
         if values is None:
             return None
         values = values.T

@@ -17,7 +17,7 @@ from torchneuron.sim.numerics import (BITVEC_OPS, FRACTIONAL_OPS, REDUCE_OPS, UN
 from torchneuron.sim.isa.common import (BN_STATS_FMAX, FUSED_ALU_FN, FUSED_DTYPES, FUSED_OPS, MAX8_FMAX, MAX8_FMIN,
                                         Instr, Operand, Step, apply_ordered, checked_reduce_cmd, copy_step,
                                         disjoint_or_same, fused_into, fused_rhs, has_fractional, load_column, load_tile,
-                                        operand_dtypes, planned_alu_step, planned_operand, prepare_cast)
+                                        matrix_view, operand_dtypes, planned_alu_step, planned_operand, prepare_cast)
 from torchneuron.sim.isa.scalar_engine import (accumulate_registers, engine_registers, reduce_into_registers,
                                                register_init)
 
@@ -508,7 +508,7 @@ class BnStats(Instr):
         """execute's torch calls on its tiles, with the views resolved once and each statistic written straight
         into its dst column (no stack); None where dst overlaps data (execute reads all of data first)."""
         p, f = self.data.partitions, self.data.free_elems
-        xv, dv = _matrix_view(core, self.data, (p, f)), _matrix_view(core, self.dst, (p, 6))
+        xv, dv = matrix_view(self.data.view(core), p, f), matrix_view(self.dst.view(core), p, 6)
         if xv is None or dv is None or _overlap(self.dst, self.data):
             return None
         convert = xv.dtype != torch.float32
@@ -565,7 +565,7 @@ class BnAggr(Instr):
         """execute's torch calls on its tiles, with the views resolved once and mean and variance written straight
         into their dst columns (no stack); None where dst overlaps data."""
         p = self.data.partitions
-        xv, dv = _matrix_view(core, self.data, (p, self.data.free_elems)), _matrix_view(core, self.dst, (p, 2))
+        xv, dv = matrix_view(self.data.view(core), p, self.data.free_elems), matrix_view(self.dst.view(core), p, 2)
         if xv is None or dv is None or _overlap(self.dst, self.data):
             return None
         convert = xv.dtype != torch.float32
@@ -583,18 +583,6 @@ class BnAggr(Instr):
 
     def price(self) -> CostInputs:
         return self._cost([self.data], self.dst, flops=4 * self.data.numel)
-
-
-def _matrix_view(core, ap: AP, shape: tuple[int, int]) -> torch.Tensor | None:
-    """``ap``'s view as the [partitions, free] matrix execute loads (load_tile's reshape), or None where that
-    reshape would copy."""
-    v = ap.view(core)
-    if tuple(v.shape) == shape:
-        return v
-    try:
-        return v.view(shape)
-    except RuntimeError:
-        return None
 
 
 def _overlap(dst: AP, src: AP) -> bool:
