@@ -12,6 +12,7 @@ not a real number, take the per-tensor loop (each op then lowers, or falls back,
 """
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Any, Callable, Sequence
 
@@ -70,12 +71,16 @@ def _aliased_in_place(self: Sequence[torch.Tensor], lists: Sequence[Sequence[tor
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in self if t.numel())
     if any(end > start for (_, end), (start, _) in zip(spans, spans[1:])):
         return True
+    # self's ranges are disjoint and sorted, so their ends are too: a range [lo, hi) meets one of them exactly
+    # when the last range starting before hi ends after lo
+    starts = [start for start, _ in spans]
     for lst in lists:
         for i, t in enumerate(lst):
             if not t.numel() or (t.data_ptr() == self[i].data_ptr() and t.numel() == self[i].numel()):
                 continue   # nothing, or self[i]'s own elements (a += a): read and written in the same place
-            lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-            if any(start < hi and lo < end for start, end in spans):
+            lo = t.data_ptr()
+            k = bisect.bisect_left(starts, lo + t.numel() * t.element_size())
+            if k and spans[k - 1][1] > lo:
                 return True
     return False
 
