@@ -133,8 +133,10 @@ def foreach_norm_kernel(count: int) -> nki.Kernel:
     """The 2-norm of each of ``count`` flat float tensors (arguments ``a0, a1, ...``, each (1, n_i); ``out_dtype``:
     the norms' dtype), in one launch of the three passes ``_foreach_norm`` would launch one by one: the squares
     in fp32 as ``foreach_kernel`` packs them (an fp16 sum of squares overflows past 65504), each tensor's sum of
-    its squares as ``reduce_kernel`` sums a whole tensor (both through HBM scratch, the same instructions), and
-    the square roots rounded once to ``out_dtype``. One (1, 1) output per tensor."""
+    its squares along its one row (through HBM scratch; not the 128-partition order in which ``reduce_kernel``
+    and ``norm2_kernel`` sum a whole tensor, so a norm agrees with ``linalg_vector_norm``'s within the fp32
+    summation bound, not bit for bit), and the square roots rounded once to ``out_dtype``. One (1, 1) output per
+    tensor."""
     from torchneuron.kernels import tilemath as tm
     from torchneuron.kernels.reduction import _reduce_rows
 
@@ -143,7 +145,7 @@ def foreach_norm_kernel(count: int) -> nki.Kernel:
         # VectorE: x * x of every tensor, packed into shared tiles, stored to per-tensor fp32 scratch
         squares = _packed([[x, x] for x in xs], ("full", "full"), tm.mul, nl.float32)
         sums = []
-        for sq in squares:   # VectorE: each tensor's sum of squares, reduced as a whole-tensor sum is
+        for sq in squares:   # VectorE: each tensor's sum of squares along its row
             out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
             _reduce_rows(sq, out, "sum", 1, sq.shape[1])
             sums.append(out)
