@@ -49,9 +49,9 @@ def _in_range(idx: torch.Tensor, rows: int) -> bool:
 
 def _indices(core, instr: "DmaCopy", index: AP, rows: int, side: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     idx = index.view(core).reshape(-1).to(torch.int64)
-    ok = (idx >= 0) & (idx < rows)
-    if bool(ok.all()):
+    if not idx.numel() or _in_range(idx, rows):
         return idx, None
+    ok = (idx >= 0) & (idx < rows)
     if instr.oob_mode == "error":
         p = int((~ok).nonzero()[0])
         raise instr._fail(f"{side}_index[{p}]", f"= {int(idx[p])} is outside the {rows} rows of "
