@@ -184,9 +184,12 @@ def test_a_scalar_operand_binds_one_slot(case, strict):
     assert len(records) == 1 and len(records[0].program.args) == 4 * lists + 1 + 4
 
 
-def test_per_tensor_scalars_past_one_launch(strict):
+def test_per_tensor_scalars_past_one_launch(strict, monkeypatch):
     # more tensors than one launch takes, empty ones among them: each launch's (n, 1) scalars are the values of
-    # its own tensors, in order, on the first call and on the planned ones
+    # its own tensors, in order, on the first call and on the planned ones, written to the device once per call
+    writes = []
+    write = foreach_ops.host_operand
+    monkeypatch.setattr(foreach_ops, "host_operand", lambda values, *a: writes.append(values.shape) or write(values, *a))
     n = foreach_ops.MAX_GROUPS + 9
     shapes = [(0,) if i % 17 == 5 else (i % 7 + 1, 3) for i in range(n)]
     for seed in (4, 5):
@@ -201,6 +204,9 @@ def test_per_tensor_scalars_past_one_launch(strict):
         torch._foreach_mul_(cpu, scalars)
         want = torch._foreach_addcdiv(cpu, cpu, den, scalars)
         assert len(records) == 4                   # two launches per op
+        live = sum(1 for s in shapes if s != (0,))
+        assert writes == [(live, 1)] * 2           # one transfer of every live tensor's scalar per op
+        writes.clear()
         for d, c, g, w in zip(dev, cpu, got, want):
             assert torch.equal(d.cpu(), c)         # an IEEE fp32 multiply, as the CPU's
             torch.testing.assert_close(g.cpu(), w)

@@ -304,3 +304,27 @@ def test_shapes_that_do_not_broadcast_raise_the_cpus_error(sa, sb, strict):
     assert_raises_like_cpu(lambda conv: torch.where(conv(a > 0), conv(a), conv(b)))
     assert_raises_like_cpu(lambda conv: conv(a).masked_fill(conv(b > 0), 1.0))
     assert_raises_like_cpu(lambda conv: torch.masked_select(conv(a), conv(b > 0)))   # the mask is tensor "a"
+
+
+def test_a_plan_binds_operands_by_role_and_allocates_its_results_in_the_shapes_given(strict):
+    # ``PlanCache``: the plan traced for (a - b) replays on operands in the caller's order (the roles map slot
+    # names to operand indices), allocating the result in the shape kept; past its limit the cache starts over
+    import torchneuron.nki.language as nl
+    from torchneuron.kernels import tilemath as tm
+    from torchneuron.kernels.elementwise import KERNELS, NAMES
+    from torchneuron.ops.kernel_call import PlanCache, traced_kernel
+    torch.manual_seed(3)
+    a, b = torch.randn(6, 4), torch.randn(6, 4)
+    da, db = to_n(a), to_n(b)
+    cache = PlanCache(limit=1)
+    traced = traced_kernel(KERNELS[2], {NAMES[0]: da, NAMES[1]: db},
+                           {"fn": tm.sub, "out_dtype": torch.float32, "compute": nl.float32})
+    plan = cache.keep(("sub",), traced, {NAMES[0]: 1, NAMES[1]: 0}, [(2, 12)], extra="kept")
+    assert cache.get(("sub",)) is plan and cache.get(None) is None and plan.extra == "kept"
+    (got,) = plan.launch((db, da), 0, "test::sub")         # operand 1 binds the first slot
+    assert got.shape == (2, 12) and torch.equal(got.cpu(), (a - b).reshape(2, 12))
+    cache.keep(("other",), traced, {NAMES[0]: 0, NAMES[1]: 1})
+    cache.keep(("third",), traced, {NAMES[0]: 0, NAMES[1]: 1})
+    assert cache.keys() == [("third",)]                    # two past the limit of one: started over
+    (got,) = cache.get(("third",)).launch((da, db), 0, None)
+    assert got.shape == (6, 4) and torch.equal(got.cpu(), a - b)

@@ -254,7 +254,7 @@ def test_a_repeated_cat_launches_its_traced_program(strict):
                 got = torch.stack([to_n(t) for t in cpu]) if dim is None else torch.cat([to_n(t) for t in cpu], dim)
             want = torch.stack(cpu) if dim is None else torch.cat(cpu, dim)
             assert len(records) == 1 and got.shape == want.shape and torch.equal(got.cpu(), want)
-    assert any(key[3] == ((2, 3), (2, 3)) for key in indexing._cat_plans)
+    assert any(key[3] == ((2, 3), (2, 3)) for key in indexing._CAT_PLANS.keys())
     for _ in range(2):     # inputs without elements: nothing to copy, no plan
         got = torch.cat([to_n(torch.randn(0, 3)), to_n(torch.randn(0, 2))], 1)
         assert got.shape == (0, 5) and got.device.type == "neuron"

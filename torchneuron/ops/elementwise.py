@@ -31,10 +31,11 @@ from torchneuron.kernels.transpose import permute_kernel
 from torchneuron.kernels import tilemath
 from torchneuron.ops.base import (DEVICE_DTYPES, HALF_FLOATS, remember, resize_out, rounded_scalar, storage_span,
                                   type_name, Unsupported)
-from torchneuron.ops.kernel_call import call_kernel, launch_traced, scalar_operand, traced_kernel
+from torchneuron.ops.kernel_call import call_kernel, launch_traced, PlanCache, scalar_operand, traced_kernel
 from torchneuron.runtime.launch import launch_slots, slot_layout
 
 Number = (int, float, bool)
+_MEMO_LIMIT = 4096     # entries per memo before it starts over (a program that keeps changing shapes)
 
 
 # ---- copies -------------------------------------------------------------------------------------------
@@ -151,9 +152,8 @@ def device_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     plan = _COPY_PLANS.get(key)
     if plan is not None:
         # the traced program of this signature: only the spans' starts (storage offsets) differ between calls
-        program, roles, dlen, slen, words = plan
-        spans = (_span(dst, dlen, words), _span(src, slen, words))
-        launch_slots(program, [spans[r] for r in roles], index, "aten::copy_")
+        dlen, slen, words = plan.extra
+        plan.launch((_span(dst, dlen, words), _span(src, slen, words)), index, "aten::copy_")
         return
     dspan, sspan = storage_span(dst), storage_span(src)
     dlen, slen = dspan.numel(), sspan.numel()
@@ -166,13 +166,13 @@ def device_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     inputs = {"dst": dspan, "src": sspan}
     traced = traced_kernel(strided_copy, inputs, {"dst_view": (0, sizes, dstr), "src_view": (0, sizes, sstr)})
     launch_traced(traced, inputs, op="aten::copy_", index=index)
-    program, _, names = traced
-    remember(_COPY_PLANS, key, (program, tuple(_COPY_ROLES[n] for n in names), dlen, slen, words), _MEMO_LIMIT)
+    _COPY_PLANS.keep(key, traced, _COPY_ROLES, extra=(dlen, slen, words))
 
 
-# (device, dst dtype, src dtype, sizes, dst strides, src strides) -> (program, per slot 0: the destination's span or
-# 1: the source's, the spans' element counts, whether they move as int32 words): what ``device_copy`` traced once
-_COPY_PLANS: dict[tuple, tuple] = {}
+# (device, dst dtype, src dtype, sizes, dst strides, src strides) -> what ``device_copy`` traced once: the plan of
+# operand 0, the destination's span, and 1, the source's; extra: the spans' element counts and whether they move as
+# int32 words
+_COPY_PLANS = PlanCache(_MEMO_LIMIT)
 _COPY_ROLES = {"dst": 0, "src": 1}
 
 
@@ -347,7 +347,6 @@ def check_overlap(target: torch.Tensor, inputs: list) -> None:
 _PROMOTIONS: dict = {}
 _PLANS: dict = {}      # call signature -> _Plan
 _SHAPES: dict = {}     # operand shapes -> their broadcast shape (errors are raised, never cached)
-_MEMO_LIMIT = 4096     # entries per memo before it starts over (a program that keeps changing shapes)
 _FOLDS: dict = {}
 
 

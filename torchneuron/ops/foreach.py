@@ -5,8 +5,8 @@ instead of PyTorch's composite loop of one launch per tensor.
 Each op applies the tile function its single-tensor lowering uses (``kernels/tilemath.py``), so the
 results are bit-identical to the per-tensor ops. Scalars reach the kernel as device operands, so a
 new learning rate or bias correction does not mean a new Program: one shared by every tensor as one
-(1, 1) operand, one per tensor as one (n, 1) operand written in one host-to-device transfer (a launch
-binds one slot for either, not one per tensor). Lists that are not all contiguous float tensors of one
+(1, 1) operand, one per tensor as one (n, 1) operand written in one host-to-device transfer for the whole
+list (a launch binds one slot for either, its rows of it for the latter, not one per tensor). Lists that are not all contiguous float tensors of one
 dtype on one neuron device, whose tensors differ in shape at one index, or with a scalar that is
 not a real number, take the per-tensor loop (each op then lowers, or falls back, on its own).
 """
@@ -20,20 +20,18 @@ import torch
 
 from torchneuron.kernels.foreach import foreach_kernel, foreach_norm_kernel, operand_name
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import aten, FLOATS, HALF_FLOATS, remember, rounded_scalar
-from torchneuron.ops.kernel_call import (call_kernel, host_operand, launch_traced, scalar_operand,
+from torchneuron.ops.base import aten, FLOATS, HALF_FLOATS, rounded_scalar
+from torchneuron.ops.kernel_call import (call_kernel, host_operand, launch_traced, PlanCache, scalar_operand,
                                          traced_kernel)
 from torchneuron.ops.pointwise import UNARY_FLOAT, UNARY_SAME
 from torchneuron.ops.registry import lowering
-from torchneuron.runtime.launch import launch_slots, slot_layout
 
 MAX_GROUPS = 64  # tensors per launch: longer lists are cut into launches of this many
 
 # (kernel, device index, tile function, result dtype, lists' dtype, shapes, scalar operands' dtypes, in place) ->
-# (program, per slot the (operand position, group) it binds (position 1 + arity: the group's result; None: a
-# result the launch allocates), the launch's slot layout (None in place), the result slots in group order)
-_plans: dict[tuple, tuple] = {}
-_PLAN_LIMIT = 1024   # plans kept before the cache starts over
+# the plan of one launch (its operands: ``_launch``'s per-position arguments, flattened; the results allocated in
+# their tensors' shapes)
+_PLANS = PlanCache()
 
 
 class _Loop(Exception):
@@ -169,6 +167,8 @@ def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inp
     # in place the results are self; else each group's is allocated by its launch (a list's empty tensors here)
     results = list(self) if inplace else [torch.empty_like(t, dtype=dtype) if not t.numel() else None for t in self]
     live = [i for i, t in enumerate(self) if t.numel()]
+    # the per-tensor scalars of every launch written to the device at once: each launch binds its rows
+    columns = [_scalar_rows([c[i] for i in live], device) if k == "each" else c for c, k in zip(columns, kinds)]
     index = device.index
     scalar_dtypes = tuple(torch.float32 if k == "each" else c.dtype for c, k in zip(columns, kinds) if k != "full")
     for lo in range(0, len(live), MAX_GROUPS):
@@ -176,45 +176,50 @@ def _launch(fn: Callable, self: Sequence[torch.Tensor], operands: list[Any], inp
         kernel = foreach_kernel(len(chunk), 1 + len(operands), tuple(kinds), inplace)
         # what the trace depends on (the lists share self's shapes and dtype; scalars are fp32 or the tensor's)
         key = (kernel, index, fn, dtype, self[0].dtype, tuple(self[i].shape for i in chunk), scalar_dtypes, inplace)
-        args = _chunk_arguments(columns, kinds, chunk, device)
-        plan = _plans.get(key)
-        if plan is not None:
-            # a traced program: each slot filled from its (operand position, group) in one pass, each tensor
-            # bound as it is (contiguous, the slot's element count), without the views and name lookups of
-            # call_kernel; unbound results are allocated by the launch in their tensors' shapes
-            program, slot_sources, layout, result_slots = plan
-            tensors = launch_slots(program, [None if src is None else args[src[0]][src[1]] for src in slot_sources],
-                                   index, op, layout)
-            if not inplace:
-                for k, at in enumerate(result_slots):
-                    results[chunk[k]] = tensors[at]
-            continue
-        if not inplace:
-            for i in chunk:
-                results[i] = torch.empty_like(self[i], dtype=dtype)
-        inputs = {operand_name(k, j): t.view(1, -1) if kind == "full" else t
-                  for j, kind in enumerate(kinds) for k, t in enumerate(args[j])}
-        traced = traced_kernel(kernel, inputs, {"fn": fn, "out_dtype": dtype})
-        launch_traced(traced, inputs, [] if inplace else [results[i].view(1, -1) for i in chunk], op, index)
-        program, out_slots, order = traced
-        where = {operand_name(k, j): (j, k) for j in range(len(kinds)) for k in range(len(args[j]))}
-        # the launch allocates each result in its tensor's shape (in place there is none: the kernel writes over self)
-        sources = tuple(None if n in out_slots else where[n] for n in order)
-        layout = None if inplace else slot_layout(program, {s: tuple(self[i].shape) for s, i in zip(out_slots, chunk)})
-        remember(_plans, key, (program, sources, layout, tuple(order.index(s) for s in out_slots)), _PLAN_LIMIT)
+        # (one launch binds the per-tensor scalars whole: a slice costs a view)
+        rows = slice(lo, lo + len(chunk)) if len(live) > MAX_GROUPS else None
+        chunk_operands = _chunk_operands(columns, kinds, chunk, rows)
+        plan = _PLANS.get(key)
+        if plan is None:
+            _first_launch(key, kernel, fn, self, chunk_operands, kinds, chunk, results, inplace, op)
+        else:
+            # a traced program: each tensor bound as it is (contiguous, the slot's element count), without the
+            # views and name lookups of call_kernel; unbound results are allocated by the launch in their tensors'
+            # shapes
+            for i, t in zip(chunk, plan.launch(chunk_operands, index, op)):
+                results[i] = t
     return None if inplace else results
 
 
-def _chunk_arguments(columns: list[Any], kinds: list[str], chunk: list[int], device: torch.device) -> list[list]:
-    """Per operand position, the kernel arguments of one launch over the tensors ``chunk``: group k's tensor at
-    [k] for a list, else the position's one scalar argument at [0] (see ``kernels.foreach``)."""
-    args = []
+def _first_launch(key: tuple, kernel: Any, fn: Callable, self: Sequence[torch.Tensor], operands: list,
+                  kinds: list[str], chunk: list[int], results: list, inplace: bool, op: str) -> None:
+    """Trace and launch the kernel of one chunk's first call (on ``_chunk_operands``), writing its results into
+    ``results`` (in place: over self), and keep its plan under ``key``."""
+    if not inplace:
+        for i in chunk:
+            results[i] = torch.empty_like(self[i], dtype=key[3])
+    roles, inputs = {}, {}
+    for j, kind in enumerate(kinds):   # (the kernel reads a list's tensors as rows)
+        for k in range(len(chunk) if kind == "full" else 1):
+            name, t = operand_name(k, j), operands[len(roles)]
+            roles[name], inputs[name] = len(roles), t.view(1, -1) if kind == "full" else t
+    traced = traced_kernel(kernel, inputs, {"fn": fn, "out_dtype": key[3]})
+    launch_traced(traced, inputs, [] if inplace else [results[i].view(1, -1) for i in chunk], op, key[1])
+    # the launch allocates each result in its tensor's shape (in place there is none: the kernel writes over self)
+    _PLANS.keep(key, traced, roles, None if inplace else [tuple(self[i].shape) for i in chunk])
+
+
+def _chunk_operands(columns: list[Any], kinds: list[str], chunk: list[int], rows: slice | None) -> list:
+    """The kernel operands of one launch over the tensors ``chunk``, position by position: a list's tensors in
+    group order, else the position's one scalar operand (see ``kernels.foreach``): a shared operand, or the
+    ``rows`` of the per-tensor scalars (None: all of them)."""
+    operands = []
     for c, kind in zip(columns, kinds):
         if kind == "full":
-            args.append([c[i] for i in chunk])
+            operands += [c[i] for i in chunk]
         else:
-            args.append([c if kind == "shared" else _scalar_rows([c[i] for i in chunk], device)])
-    return args
+            operands.append(c if kind == "shared" or rows is None else c[rows])
+    return operands
 
 
 def _register(overload: str, build: Callable, each: Callable, at_dtype: bool = False) -> None:

@@ -32,12 +32,11 @@ from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows, index_rows, 
 from torchneuron.kernels.scan import scan_rows
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import (aten, DEVICE_DTYPES, FLOATS, raise_like_cpu, remember, type_name,
+from torchneuron.ops.base import (aten, DEVICE_DTYPES, FLOATS, raise_like_cpu, type_name,
                                    Unsupported)
 from torchneuron.ops.elementwise import can_copy, copy_parts, dense, device_copy, run_pointwise
-from torchneuron.ops.kernel_call import call_kernel, scalar_operand
+from torchneuron.ops.kernel_call import call_kernel, PlanCache, scalar_operand
 from torchneuron.ops.registry import lowering, register_out
-from torchneuron.runtime.launch import launch_slots
 
 
 def index_words(index: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -268,16 +267,15 @@ def embedding_dense_backward(grad_output: torch.Tensor, indices: torch.Tensor, n
     return onehot @ grad_output.reshape(n, D)
 
 
-# (device, dtype, dim, the inputs' shapes) -> (program, per slot: 0 for the result, i + 1 for input i, the result's
-# shape), for inputs that are contiguous, non-empty and of one dtype: a repeated cat (``torch.stack`` of the
+# (device, dtype, dim, the inputs' shapes) -> the plan of a call whose inputs are contiguous, non-empty and of one
+# dtype (operand 0: the result, i + 1: input i; extra: the result's shape): a repeated cat (``torch.stack`` of the
 # per-tensor norms in ``clip_grad_norm_``) launches its traced program without the checks, views and spans
 # (~12 us an input)
-_cat_plans: dict[tuple, tuple[Any, tuple[int, ...], tuple[int, ...]]] = {}
-_CAT_PLAN_LIMIT = 1024   # plans kept before the cache starts over
+_CAT_PLANS = PlanCache()
 
 
 def _cat_key(ts: list, dim: int) -> tuple | None:
-    """``_cat_plans``' key of a call, or None where its inputs are not all contiguous, non-empty neuron tensors of
+    """``_CAT_PLANS``' key of a call, or None where its inputs are not all contiguous, non-empty neuron tensors of
     one device dtype (another, int64, moves as int32 words: its slots do not bind the tensors) on one device."""
     first = ts[0]
     device, dtype = first.device, first.dtype
@@ -298,12 +296,10 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, dtype: torch.dtype | N
     is cast into it directly, as the CPU casts it, refused where the promoted dtype cannot be cast to it)."""
     ts = list(tensors)
     key = _cat_key(ts, dim) if ts and dtype in (None, ts[0].dtype) else None
-    plan = _cat_plans.get(key) if key is not None else None
+    plan = _CAT_PLANS.get(key)
     if plan is not None:   # these shapes passed the checks below before, and ran as one multi_copy launch
-        program, order, shape = plan
-        out = torch.empty(shape, dtype=key[1], device=ts[0].device)
-        args = [out, *ts]
-        launch_slots(program, [args[k] for k in order], key[0], "aten::cat")
+        out = torch.empty(plan.extra, dtype=key[1], device=ts[0].device)
+        plan.launch([out, *ts], key[0], "aten::cat")
         return out
     dev = ts[0].device if ts else None
     live = [t for t in ts if not (t.dim() == 1 and t.numel() == 0)]   # legacy empty inputs are skipped
@@ -346,11 +342,9 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, dtype: torch.dtype | N
     if len(parts) > 1 and all(t.dtype == out.dtype for _, t in parts):
         copied = copy_parts(parts)      # one launch for all the inputs (none when every part is empty)
         if copied is not None and key is not None and len(parts) == len(ts):
-            traced, _ = copied
             # the result and every input are bound whole (contiguous, each part non-empty): keep the plan
-            program, _, names = traced
-            remember(_cat_plans, key, (program, tuple(0 if n == "dst" else int(n[3:]) + 1 for n in names),
-                                       tuple(shape)), _CAT_PLAN_LIMIT)
+            _CAT_PLANS.keep(key, copied[0], {"dst": 0, **{f"src{i}": i + 1 for i in range(len(ts))}},
+                            extra=tuple(shape))
     else:
         for dst, t in parts:
             device_copy(dst, t)
@@ -361,10 +355,9 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0, *, dtype: torch.dtype | N
 register_out("cat.out", cat, dtype_from_out=True)
 
 
-# (device, dtype, sizes, dim, start, end) -> (program, per slot: 0 the result, 1 the gradient, 2 the zero), for a
+# (device, dtype, sizes, dim, start, end) -> the plan (operand 0: the result, 1: the gradient, 2: the zero) of a
 # contiguous gradient: a repeated select/slice backward launches its traced program without the views and spans
-_around_plans: dict[tuple, tuple[Any, tuple[int, ...]]] = {}
-_AROUND_PLAN_LIMIT = 1024   # plans kept before the cache starts over
+_AROUND_PLANS = PlanCache()
 
 
 def _zeros_around(grad: torch.Tensor, sizes: Sequence[int], d: int, start: int, end: int, op: str) -> torch.Tensor:
@@ -373,11 +366,9 @@ def _zeros_around(grad: torch.Tensor, sizes: Sequence[int], d: int, start: int, 
     out = torch.empty(sizes, dtype=grad.dtype, device=grad.device)
     zero = scalar_operand(False if grad.dtype == torch.bool else 0, grad.dtype, grad.device).view(())
     key = (grad.device.index, grad.dtype, tuple(sizes), d, start, end) if grad.is_contiguous() else None
-    plan = _around_plans.get(key) if key is not None else None
+    plan = _AROUND_PLANS.get(key)
     if plan is not None:
-        program, roles = plan
-        tensors = (out, grad, zero)
-        launch_slots(program, [tensors[r] for r in roles], key[0], op)
+        plan.launch((out, grad, zero), key[0], op)
         return out
     parts = [(out.narrow(d, 0, start), 2), (out.narrow(d, start, end - start), 1),
              (out.narrow(d, end, sizes[d] - end), 2)]
@@ -385,10 +376,9 @@ def _zeros_around(grad: torch.Tensor, sizes: Sequence[int], d: int, start: int, 
     copied = copy_parts([(dst, grad.expand(dst.shape) if role == 1 else zero) for dst, role in parts], op)
     if copied is not None and key is not None and tuple(grad.shape) == tuple(out.narrow(d, start, end - start).shape):
         # the result bound whole (its span starts at element 0 and covers it), the gradient as it is
-        (program, _, names), inputs = copied
+        traced, inputs = copied
         if inputs["dst"].numel() == out.numel() and inputs["dst"].storage_offset() == out.storage_offset():
-            remember(_around_plans, key, (program, tuple(0 if n == "dst" else parts[int(n[3:])][1] for n in names)),
-                     _AROUND_PLAN_LIMIT)
+            _AROUND_PLANS.keep(key, traced, {"dst": 0, **{f"src{i}": role for i, (_, role) in enumerate(parts)}})
     return out
 
 

@@ -31,12 +31,11 @@ from torchneuron.kernels.cross_entropy import cross_entropy_bwd_kernel, cross_en
 from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.softmax import softmax_bwd_kernel, softmax_kernel
-from torchneuron.ops.base import aten, checked, FLOATS, on_one_device, remember, resize_out, type_name, Unsupported
+from torchneuron.ops.base import aten, checked, FLOATS, on_one_device, resize_out, type_name, Unsupported
 from torchneuron.ops.elementwise import dense, device_copy
 from torchneuron.ops.indexing import arange_values, index_words
-from torchneuron.ops.kernel_call import call_kernel, traced_kernel
+from torchneuron.ops.kernel_call import call_kernel, PlanCache, traced_kernel
 from torchneuron.ops.registry import lowering, register_out
-from torchneuron.runtime.launch import launch_slots, slot_layout
 
 
 def _softmax(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
@@ -127,12 +126,10 @@ def _param(t: torch.Tensor | None, D: int, value: float, like: torch.Tensor) -> 
     return t if t.shape == (D,) else t.reshape(D)   # (PyTorch's error for a parameter of another size)
 
 
-# (kernel, device, dtypes, input shape, normalized shape, what else the trace depends on) -> (program, its slot names
-# in order, the launch's layout, the results' slots): a repeated layer norm, forward or backward, binds its contiguous
-# tensors as they are and has the launch allocate its results in their final shapes, without the views, the trace key
-# and the results' reshapes of each call
-_NORM_PLANS: dict[tuple, tuple] = {}
-_NORM_PLAN_LIMIT = 1024   # plans kept before the cache starts over
+# (kernel, device, dtypes, input shape, normalized shape, what else the trace depends on) -> the plan of a layer norm,
+# forward or backward (operand i: argument i; the results allocated in their final shapes): a repeated call binds
+# its contiguous tensors as they are, without the views, the trace key and the results' reshapes of each call
+_NORM_PLANS = PlanCache()
 
 
 def _planned_launch(kernel, key: tuple, args: dict[str, torch.Tensor], views: dict[str, tuple], meta: dict,
@@ -141,12 +138,9 @@ def _planned_launch(kernel, key: tuple, args: dict[str, torch.Tensor], views: di
     shape) in the shapes ``shapes``, through the plan kept under ``key`` (traced by the first call)."""
     plan = _NORM_PLANS.get(key)
     if plan is None:
-        program, out_slots, order = traced_kernel(kernel, {n: t.view(views[n]) for n, t in args.items()}, meta)
-        plan = remember(_NORM_PLANS, key, (program, order, slot_layout(program, dict(zip(out_slots, shapes))),
-                                           tuple(order.index(s) for s in out_slots)), _NORM_PLAN_LIMIT)
-    program, order, layout, results = plan
-    tensors = launch_slots(program, [args.get(n) for n in order], key[1], op, layout)
-    return [tensors[i] for i in results]
+        traced = traced_kernel(kernel, {n: t.view(views[n]) for n, t in args.items()}, meta)
+        plan = _NORM_PLANS.keep(key, traced, {n: i for i, n in enumerate(args)}, shapes)
+    return plan.launch(list(args.values()), key[1], op)
 
 
 @lowering("native_layer_norm")
