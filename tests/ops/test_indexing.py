@@ -177,20 +177,42 @@ def test_arange_out_integer_truncation(dtype, strict):
 
 def test_int64_position_ids_are_one_launch(strict):
     # arange(n) as int64 (a model's position ids) is one iota writing the word pairs: n across partial and several
-    # blocks; other starts and steps, another dtype and a non-contiguous out= keep the iota and element-wise path
+    # blocks; a non-contiguous out= keeps the iota and element-wise path
     from torchneuron.runtime import profiler
     for n in (1, 5, 128, 129, 4097, 70000):
         with profiler.record() as records:
             got = torch.arange(n, device="neuron")
         assert [r.name for r in records] == ["iota"] and got.dtype == torch.int64
         assert torch.equal(got.cpu(), torch.arange(n))
-    for args, kw in (((3, 40), {}), ((0, 40, 2), {}), ((40,), {"dtype": torch.int32})):
-        assert torch.equal(torch.arange(*args, device="neuron", **kw).cpu(), torch.arange(*args, **kw))
     out = to_n(torch.full((20, 2), -7, dtype=torch.int64))
     torch.arange(20, out=out[:, 1])
     want = torch.full((20, 2), -7, dtype=torch.int64)
     torch.arange(20, out=want[:, 1])
     assert torch.equal(out.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_integer_arange_of_any_start_and_step_is_one_launch(dtype, strict):
+    # any start and step (truncated as the CPU truncates them) into a contiguous int32 result, or int64 of values
+    # none negative, is one iota of that start and step: across partial and several blocks, stepping down, at the
+    # exact-integer bound 2**24 of the element-wise path; int64 reaching below 0 keeps iota and the element-wise step
+    from torchneuron.runtime import profiler
+    cases = [(3, 40), (0, 40, 2), (7, 7 + 3 * 4097, 3), (129, 0, -1), (2 ** 24 - 300, 2 ** 24, 7), (5.9, 300.2, 2.7),
+             (1000, -1000, -17), (-5, 20, 4), (0, 2 ** 24, 2 ** 23)]
+    for args in cases:
+        want = torch.arange(*args, dtype=dtype)
+        with profiler.record() as records:
+            got = torch.arange(*args, dtype=dtype, device="neuron")
+        assert got.dtype == dtype and torch.equal(got.cpu(), want), args
+        one = dtype == torch.int32 or want.min() >= 0
+        assert (len(records) == 1) == one and records[0].name == "iota", (args, [r.name for r in records])
+    for bad in ((0, 10, 0), (10, 0, 1)):    # the CPU's errors, the out= tensor left as it was
+        out = to_n(torch.full((3,), 9, dtype=dtype))
+        with pytest.raises(RuntimeError) as cpu:
+            torch.arange(*bad, out=torch.full((3,), 9, dtype=dtype))
+        with pytest.raises(type(cpu.value), match=str(cpu.value)):
+            torch.arange(*bad, out=out)
+        assert torch.equal(out.cpu(), torch.full((3,), 9, dtype=dtype))
 
 
 def test_cat_rank_and_overlap_errors_match_cpu(strict):

@@ -6,8 +6,10 @@
 - ``embedding_dense_backward`` sums gradient rows per index as a one-hot matrix product on
   TensorE: ``onehot(indices)^T @ grad`` (fp32 accumulation, rows summed in index order, as the
   CPU kernel does); the one-hot matrix is built from the row numbers (a table uploaded once) and a comparison.
-- ``arange`` is GpSimd's iota then ``start + i * step`` element-wise (int64 results widened; ``arange(n)`` into a
-  contiguous int64 result, position ids, is one iota writing the int64 word pairs); not the row-number table: a user's ``arange`` allocates its result and nothing kept (``memory_allocated`` counts only what they made).
+- ``arange`` is GpSimd's iota then ``start + i * step`` element-wise (int64 results widened); into a contiguous
+  int32 result, or an int64 one of non-negative values (position ids), it is one iota of that start and step (int64:
+  writing the word pairs); not the row-number table: a user's ``arange`` allocates its result and nothing kept
+  (``memory_allocated`` counts only what they made).
 - ``tril``/``triu`` keep elements by comparing column - row with the diagonal (from the row numbers).
 - ``select_backward``/``slice_backward`` (the gradient of ``x[:, -1]``, of a fused projection's q/k/v): zeros with
   the gradient in its slice, as one launch copying the gradient and zero-filling the rest around it.
@@ -180,6 +182,14 @@ def row_numbers(n: int, device: torch.device) -> torch.Tensor:
     return table[:n]
 
 
+def _one_iota(out: torch.Tensor, first: Any, last: Any) -> bool:
+    """Whether iota alone writes an integer arange from ``first`` to ``last`` into ``out``: a contiguous int32
+    result, or an int64 one of values none negative (iota writes their word pairs, the high word 0)."""
+    if not out.is_contiguous():
+        return False
+    return out.dtype == torch.int32 or (out.dtype == torch.int64 and min(first, last) >= 0)
+
+
 @lowering("arange.start_out")
 def arange_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> torch.Tensor:
     """``torch.arange(start, end, step, out=out)``: iota, then ``start + i * step``."""
@@ -209,9 +219,12 @@ def arange_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> tor
         out.resize_(n)
     if n == 0:
         return out
-    if out.dtype == torch.int64 and (start, step) == (0, 1) and out.is_contiguous():
-        # 0, 1, ... n - 1 as int64 (position ids): iota writes the word pairs itself, one launch, no widening
-        call_kernel(iota, {}, {"n": n, "wide": True}, [out.view(torch.int32)], op="aten::arange", device=out.device)
+    if _one_iota(out, start, start + (n - 1) * step):
+        # start, start + step, ... as int32, or as int64 (position ids) when none is negative: iota writes them
+        # (int64: the word pairs) itself, one launch, no element-wise step nor widening
+        wide = out.dtype == torch.int64
+        call_kernel(iota, {}, {"n": n, "start": start, "step": step, "wide": wide},
+                    [out.view(torch.int32) if wide else out], op="aten::arange", device=out.device)
         return out
     i = arange_values(n, out.device)
     if not out.dtype.is_floating_point:
