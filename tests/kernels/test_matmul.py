@@ -7,7 +7,8 @@ from torchneuron import runtime
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.kernels.matmul import (MAX_K_PASSES, Epilogue, addmm_kernel, bmm_group_size, bmm_kernel,
-                                         epilogue_reserve, matmul_kernel, max_contraction, panel_width)
+                                         epilogue_reserve, fuses_row_sums, matmul_kernel, max_contraction,
+                                         panel_width)
 from tests.kernels.conftest import DTYPES, close
 
 
@@ -232,6 +233,42 @@ def _accumulation_close(out, a, b, dtype):
     tol = 4 * K ** 0.5 * torch.finfo(torch.float32).eps * mag + torch.finfo(dtype).eps * ref.abs()
     err = (out.double() - ref).abs()
     assert bool((err <= tol + 1e-30).all()), f"max error {float((err - tol).max()):.3g} beyond the bound"
+
+
+SPEC = runtime.core(0).spec
+
+
+# a weight gradient dY^T @ X: K = tokens (partial last K tile), M = dY's columns (a partial strip), N = X's
+# columns (N > 512 with K <= 512: one pass of the loop nest, not the grouped path)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mkn", [(256, 1024, 64), (64, 1000, 257), (130, 300, 600)])
+def test_matmul_row_sums_are_a_column_of_the_same_product(mkn, dtype):
+    M, K, N = mkn
+    assert fuses_row_sums(M, K, N, dtype, True, False, SPEC)
+    a, b = torch.randn(M, K).to(dtype), torch.randn(K, N).to(dtype)
+    a[0, 5], a[1, 7], a[2, 3], a[2, 9] = float("inf"), float("nan"), float("inf"), float("-inf")
+    a[3] = -0.0   # a row of negative zeros sums to -0.0, as the CPU's sum does
+    out, sums = matmul_kernel(a.T.contiguous(), b, transpose_a=True, row_sums=True)
+    assert sums.dtype == dtype and sums.shape == (M,)
+    # the product is the one the kernel computes without the column of ones, bit for bit
+    torch.testing.assert_close(out, matmul_kernel(a.T.contiguous(), b, transpose_a=True), rtol=0, atol=0,
+                               equal_nan=True)
+    want = a.double().sum(1)
+    assert torch.isposinf(sums[0]) and torch.isnan(sums[1]) and torch.isnan(sums[2])
+    assert sums[3].item() == 0.0 and torch.signbit(sums[3]) == torch.signbit(a[3].sum())
+    finite = torch.isfinite(want)
+    _accumulation_close(sums[finite][:, None], a[finite], torch.ones(K, 1, dtype=dtype), dtype)
+
+
+def test_row_sums_only_where_a_column_fits_beside_one_pass():
+    # A as [M, K] or B as [N, K]: no column of ones to append; N a multiple of 512: no room in the last bank;
+    # K <= 512 and N <= 512: the grouped path
+    assert not fuses_row_sums(256, 1024, 64, torch.float32, False, False, SPEC)
+    assert not fuses_row_sums(256, 1024, 64, torch.float32, True, True, SPEC)
+    assert not fuses_row_sums(256, 1024, 512, torch.float32, True, False, SPEC)
+    assert not fuses_row_sums(256, 300, 64, torch.float32, True, False, SPEC)
+    with pytest.raises(AssertionError, match="row sums"):
+        matmul_kernel(torch.zeros(300, 256), torch.zeros(300, 64), transpose_a=True, row_sums=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

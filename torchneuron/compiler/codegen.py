@@ -243,6 +243,8 @@ class _Body:
     # items -------------------------------------------------------------------------------------
 
     def _node(self, node: fx.Node) -> None:
+        if node in self.env:   # computed by an earlier kernel (a bias gradient by its weight gradient's product)
+            return
         role = self.roles[node]
         if node.target is torch.ops.aten.copy_.default and self.written_in_place.get(node.args[1]) is node.args[0]:
             self.env[node] = self.value(node.args[0])   # its group already stored the new value there

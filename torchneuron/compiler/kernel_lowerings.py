@@ -28,7 +28,7 @@ from torchneuron.kernels.attention import result_views
 from torchneuron.kernels.elementwise import fold_broadcast, stream
 from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows, iota, low_words
 from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
-from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, matmul_kernel
+from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, fuses_row_sums, matmul_kernel
 from torchneuron.kernels.packed_attention import attention_kernels, packed_attention_bwd, packed_attention_fwd
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.reduction import reduce_kernel
@@ -127,8 +127,35 @@ for _op in (aten.mm.default, aten.bmm.default):
 
 @register_kernel(aten.mm.default)
 def lower_mm(ctx, node, a: Value, b: Value) -> Value:
-    """``a @ b`` (2-D) on TensorE (stored widened when the partition folded a cast into it)."""
-    return _product(matmul_kernel, a, b, out_dtype=ctx.seg.widened.get(node), epilogue=ctx.epilogue(node))
+    """``a @ b`` (2-D) on TensorE (stored widened when the partition folded a cast into it); a weight gradient
+    ``dY^T @ X`` whose segment also sums dY over its rows (the bias gradient) computes that sum too."""
+    wide, epi = ctx.seg.widened.get(node), ctx.epilogue(node)
+    summed = _bias_gradient_of(ctx, node) if wide is None and epi is None else None
+    if summed is not None:
+        A, ta = _matmul_operand(a)
+        B, tb = _matmul_operand(b)
+        (K, M), N = A.shape, B.shape[-1]
+        if ta and not tb and fuses_row_sums(M, K, N, A.dtype, ta, tb):
+            out, sums = matmul_kernel(A, B, transpose_a=True, row_sums=True)
+            ctx.env[summed] = hbm_value(sums).reshape(tuple(summed.meta["val"].shape))
+            return hbm_value(out)
+    return _product(matmul_kernel, a, b, out_dtype=wide, epilogue=epi)
+
+
+def _bias_gradient_of(ctx, node) -> Any:
+    """The fp32 ``dY.sum(0)`` node of ``node``'s segment not computed yet, when ``node`` is ``mm(dY.t(), X)``
+    (``dY`` 2-D): the bias gradient beside a linear layer's weight gradient, or None."""
+    a = node.args[0]
+    if not (isinstance(a, torch.fx.Node) and a.target is aten.permute.default and list(a.args[1]) == [1, 0]):
+        return None
+    dy = a.args[0]
+    for u in dy.users:
+        if (u.target is aten.sum.dim_IntList and u.args[0] is dy and list(u.args[1]) in ([0], [-2])
+                and u.kwargs.get("dtype") is None and u.meta["val"].dtype == torch.float32
+                and ctx.roles.get(u) == "kernel" and u in ctx.seg.items and u not in ctx.seg.epilogues
+                and u not in ctx.env):
+            return u
+    return None
 
 
 @register_kernel(aten.bmm.default)

@@ -76,9 +76,14 @@ TM, TK, TN = 128, 128, 512     # stationary M, contraction K, moving N (one fp32
 
 
 @nki.jit
-def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None, out_dtype=None, epilogue=None):
+def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None, out_dtype=None, epilogue=None,
+                  row_sums=False):
     """``A @ B`` (A [M, K], or [K, M] with ``transpose_a``; B [K, N], or [N, K] with ``transpose_b``),
     output in A's dtype; plus a [1, N] ``bias`` row added at the PSUM eviction (``linear``).
+
+    ``row_sums`` (where ``fuses_row_sums`` says so): also A's sums over K, [M] in A's dtype, A's product with a
+    column of ones (``(product, sums)`` come back): a linear layer's bias gradient ``dY.sum(0)`` from the load of
+    dY its weight gradient ``dY^T @ X`` makes anyway, instead of a reduction pass reading dY again.
 
     ``out_dtype`` (float32, for 2-byte operands): the product rounded to A's dtype as always, then widened
     exactly by the store's DMA, so the result equals the matmul followed by a cast (autocast's fp32
@@ -101,11 +106,31 @@ def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None, out_dty
     Kb = b.shape[1] if transpose_b else b.shape[0]
     assert K == Kb, f"matmul: contraction dims differ ({K} vs {Kb})"
     assert a.dtype == b.dtype, f"matmul: operand dtypes differ ({a.dtype} vs {b.dtype})"
+    if row_sums:
+        assert (fuses_row_sums(M, K, N, a.dtype, transpose_a, transpose_b) and bias is None
+                and epilogue is None and out_dtype is None), \
+            f"matmul: no row sums for A [{M}, {K}] x B [{K}, {N}] in this layout (see fuses_row_sums)"
+        sums = nl.ndarray((M,), a.dtype, buffer=nl.shared_hbm)
+        _matmul_pass(a, b, out, transpose_a, transpose_b, row_sums=sums)
+        return out, sums
     if K <= KMAX_GROUPED and N <= TN:
         mm_rows_grouped_into(a, b, out, transpose_a, transpose_b, bias, epilogue)
     else:
         matmul_into(a, b, out, transpose_a, transpose_b, bias, epilogue)
     return (out, epilogue.product) if epilogue is not None and epilogue.keep_product else out
+
+
+def fuses_row_sums(M: int, K: int, N: int, dt, transpose_a: bool, transpose_b: bool, spec=None) -> bool:
+    """Whether ``matmul_kernel(row_sums=True)`` can add A's sums over K as one more output column: A given as
+    [K, M] and B as [K, N] (a weight gradient ``dY^T @ X``), a product ``matmul_into`` runs as one pass (not
+    the K <= 512 grouped path, nor K chunks) over one B panel with a column to spare in its last PSUM bank
+    (``spec``: the chip, default the one being traced for)."""
+    if not transpose_a or transpose_b or (K <= KMAX_GROUPED and N <= TN) or N % TN == 0:
+        return False
+    isz = itemsize(dt)
+    if k_passes(M, K, N, isz, isz, True, False, False, isz, None, spec) != 1:
+        return False
+    return panel_width(K, N + 1, isz, True, False, _pass_budget(None), False, isz) > N
 
 
 @nki.jit
@@ -543,11 +568,12 @@ def _pass_bytes(M: int, K: int, N: int, NW: int, isz: int, osz: int, transpose_a
 
 
 def k_passes(M: int, K: int, N: int, isz: int, osz: int, transpose_a: bool, transpose_b: bool, bias: bool,
-             stage_isz: int, extras: int | None) -> int:
+             stage_isz: int, extras: int | None, spec=None) -> int:
     """Passes over equal K chunks of ``matmul_into``'s loop nest: the fewest whose HBM bytes (A re-read once per
     panel, the widest panel each chunk's SBUF budget allows; fp32 partial sums written and read back between
-    passes) the DMAs move well within TensorE's time (``DMA_HEADROOM``), else the fewest bytes."""
-    spec = current().spec
+    passes) the DMAs move well within TensorE's time (``DMA_HEADROOM``), else the fewest bytes (``spec``: the
+    chip, default the one being traced for)."""
+    spec = spec or current().spec
     peak = spec.tensor.fp32_flops if isz == 4 else spec.tensor.bf16_flops
     bw = min(spec.hbm_bytes_per_second_per_core, spec.dma_bytes_per_second_per_core)
     tensor_s = 2 * M * K * N / peak
@@ -633,12 +659,15 @@ def _matmul_k_chunks(a, b, out, transpose_a=False, transpose_b=False, bias=None,
 
 
 def _matmul_pass(a, b, out, transpose_a=False, transpose_b=False, bias=None, epilogue: Epilogue | None = None,
-                 stage_dtype=None, narrow_first: bool = False):
+                 stage_dtype=None, narrow_first: bool = False, row_sums=None):
     """The matmul loop nest, one pass over K: ``out[M, N] = A @ B`` (plus a [1, N] ``bias`` row) into an HBM
     view, the PSUM accumulators evicted to ``stage_dtype`` (default the operands'); ``narrow_first``: a first
-    B panel one PSUM bank wide in every layout with B as [N, K] (the K-chunked passes)."""
+    B panel one PSUM bank wide in every layout with B as [N, K] (the K-chunked passes); ``row_sums``: an HBM
+    [M] tensor that receives A's sums over K, the product of each stationary tile with a column of ones into
+    the column after the product's last one (``fuses_row_sums`` says where it fits)."""
     K, M = a.shape if transpose_a else (a.shape[1], a.shape[0])
     N, Kb = b.shape if transpose_b else (b.shape[1], b.shape[0])
+    ones = int(row_sums is not None)           # the extra moving column of the row sums
     assert K == Kb, f"matmul: contraction dims differ ({K} vs {Kb})"
     assert a.dtype == b.dtype, f"matmul: operand dtypes differ ({a.dtype} vs {b.dtype})"
     dt, isz = a.dtype, itemsize(a.dtype)
@@ -646,8 +675,10 @@ def _matmul_pass(a, b, out, transpose_a=False, transpose_b=False, bias=None, epi
     KT, MT = cdiv(K, TK), cdiv(M, TM)
     full, kr = K // TK, K % TK                 # whole K tiles, rows of the partial last one
     budget = _pass_budget(epilogue)
-    NW = panel_width(K, N, isz, transpose_a, transpose_b, budget, bias is not None, itemsize(sdt))
+    NW = panel_width(K, N + ones, isz, transpose_a, transpose_b, budget, bias is not None, itemsize(sdt))
     assert NW, f"matmul: a contraction of K={K} does not fit SBUF (see max_contraction)"
+    assert not ones or (transpose_a and not transpose_b and N < NW and N % TN), \
+        f"matmul: no room for the row sums' column beside N={N} (panel {NW})"
     GT = max(1, 2048 // (TM * isz))            # A transposes per PSUM bank (8 bf16, 4 fp32)
     NG = cdiv(KT, GT)                          # transpose groups (PSUM banks) per strip
     # [M, K] with several N panels: the first panel transposes each strip once and also stores it
@@ -680,6 +711,10 @@ def _matmul_pass(a, b, out, transpose_a=False, transpose_b=False, bias=None, epi
     # read the previous row when the next is loaded); the evictions add it, so the sum is rounded once
     brows = [nl.ndarray((TM, NW), nl.float32, buffer=nl.sbuf) for _ in range(2)] if bias is not None else None
     step = 0                                   # strips processed so far (ring index), across panels
+    ones_col = None
+    if ones:   # the moving column of ones the row sums are the product with (GpSimd: off the evictions' engines)
+        ones_col = nl.ndarray((TK, 1), dt, buffer=nl.sbuf)
+        nisa.memset(dst=ones_col, value=1.0, engine=nisa.gpsimd_engine)
 
     def load_rows(m0, src=a, rows_total=M):
         """DMA the [mm, K] row block of A (the [M, K] layout), or of B ([N, K]), into SBUF."""
@@ -803,13 +838,18 @@ def _matmul_pass(a, b, out, transpose_a=False, transpose_b=False, bias=None, epi
             else:
                 aT = strips[step % 2]
                 load_strip(aT, scratch, mt, mm, kt_major=False)
-            accs = [nl.ndarray((TM, TN), nl.float32, buffer=nl.psum) for _ in range(cdiv(nw, TN))]
+            nwx = nw + ones                         # (the row sums' column shares the last bank: N % 512 != 0)
+            accs = [nl.ndarray((TM, TN), nl.float32, buffer=nl.psum) for _ in range(cdiv(nwx, TN))]
             for kt in range(KT):
                 kk = min(TK, K - kt * TK)
                 for j, acc in enumerate(accs):      # the stationary tile serves every moving tile
                     w = min(TN, nw - j * TN)
                     nisa.nc_matmul(dst=acc[:mm, :w], stationary=aT[:kk, kt, :mm],
                                    moving=panel[:kk, kt, j * TN:j * TN + w], accumulate=kt > 0)
+                if ones:   # the row sums: a matmul of its own, so the product's columns are the ones without it
+                    w = nw - (len(accs) - 1) * TN
+                    nisa.nc_matmul(dst=accs[-1][:mm, w:w + 1], stationary=aT[:kk, kt, :mm], moving=ones_col[:kk, :],
+                                   accumulate=kt > 0)
                 if transposing and more and kt in at_kt:
                     transpose_group(rows_cur, aT_next, mm1, at_kt[kt])
                 if builder is not None:        # next B panel's transpose groups due by this step
@@ -824,7 +864,7 @@ def _matmul_pass(a, b, out, transpose_a=False, transpose_b=False, bias=None, epi
             res = stage[step % 2]
             step += 1
             for j, acc in enumerate(accs):          # PSUM -> SBUF eviction with the cast to the output dtype
-                w = min(TN, nw - j * TN)
+                w = min(TN, nwx - j * TN)
                 if brows is not None:               # (plus the bias: VectorE, the engine that adds rows from PSUM)
                     nisa.tensor_tensor(dst=res[:mm, j * TN:j * TN + w], data1=acc[:mm, :w],
                                        data2=brow[:mm, j * TN:j * TN + w], op=nl.add)
@@ -832,6 +872,8 @@ def _matmul_pass(a, b, out, transpose_a=False, transpose_b=False, bias=None, epi
                     nisa.tensor_copy(dst=res[:mm, j * TN:j * TN + w], src=acc[:mm, :w], engine=nisa.vector_engine)
                 else:
                     nisa.activation(dst=res[:mm, j * TN:j * TN + w], op=nl.identity, data=acc[:mm, :w])
+            if ones:
+                nisa.dma_copy(dst=row_sums.reshape((M, 1))[m0:m0 + mm, :], src=res[:mm, nw:nw + 1])
             if epilogue is None:
                 nisa.dma_copy(dst=out[m0:m0 + mm, n0:n0 + nw], src=res[:mm, :nw])
             else:                                   # one PSUM bank's width at a time (bounded fp32 tiles)
