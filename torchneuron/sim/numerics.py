@@ -252,17 +252,22 @@ _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
-def _gelu_dx(x: torch.Tensor) -> torch.Tensor:
-    # d/dx [x * Phi(x)] = Phi(x) + x * phi(x), i.e.
-    # 0.5 * (1.0 + erf(x * _INV_SQRT_2)) + x * exp(-0.5 * x * x) * _INV_SQRT_2PI, with the same
-    # operations in the same order but in place on two temporaries (a large tile made ten of them)
-    cdf = torch.mul(x, _INV_SQRT_2)
+def _gelu_dx_into(x: torch.Tensor, cdf: torch.Tensor, pdf: torch.Tensor) -> torch.Tensor:
+    """d/dx [x * Phi(x)] = Phi(x) + x * phi(x) into ``cdf`` (returned), ``pdf`` a scratch of x's shape: the
+    formula 0.5 * (1.0 + erf(x * _INV_SQRT_2)) + x * exp(-0.5 * x * x) * _INV_SQRT_2PI with its operations in
+    its order, in place on the two buffers (a large tile made ten temporaries). ``x`` is neither buffer: it is
+    read until the last operation."""
+    torch.mul(x, _INV_SQRT_2, out=cdf)
     torch.erf(cdf, out=cdf)
     cdf.add_(1.0).mul_(0.5)
-    pdf = torch.mul(x, -0.5)
+    torch.mul(x, -0.5, out=pdf)
     pdf.mul_(x)
     torch.exp(pdf, out=pdf)
     return cdf.add_(pdf.mul_(x).mul_(_INV_SQRT_2PI))
+
+
+def _gelu_dx(x: torch.Tensor) -> torch.Tensor:
+    return _gelu_dx_into(x, torch.empty_like(x), torch.empty_like(x))
 
 
 def _gelu_tanh_dx(x: torch.Tensor) -> torch.Tensor:
@@ -385,15 +390,41 @@ def activation_fn(op: str | Callable) -> str:
 _VECTOR_BLOCK = 64
 
 
+def _in_place(op: str, n: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function computing activation ``op`` of a contiguous buffer of n values in place (returning the buffer,
+    or for gelu_dx a scratch it owns): the torch calls of ``ACTIVATIONS[op]``, written into the buffer."""
+    if op in ("identity", "copy"):
+        return lambda buf: buf
+    fn_out = ACTIVATIONS_OUT.get(op)
+    if fn_out is not None:
+        return lambda buf: fn_out(buf, out=buf)
+    if op in ("gelu", "gelu_apprx_tanh"):  # F.gelu is torch._C._nn.gelu: the same kernel writes into out=
+        approximate = "none" if op == "gelu" else "tanh"
+        return lambda buf: torch._C._nn.gelu(buf, approximate=approximate, out=buf)
+    if op == "gelu_dx":
+        cdf, pdf = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+        return lambda buf: _gelu_dx_into(buf, cdf, pdf)
+    fn = ACTIVATIONS[op]
+    return lambda buf: buf.copy_(fn(buf))
+
+
+def activation_buffer(op: str, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    """A buffer for ``n`` values of ``dtype`` (its first n elements: the caller fills them) and a function
+    returning activation ``op`` of them, as ``apply_activation`` computes it, bit for bit: on whole vector
+    blocks of a contiguous buffer, in place (no temporaries where torch has an out= form). The padding past n
+    starts as zeros and then holds what the function made of it: each element's result depends on its value
+    alone, so what the padding holds changes no bit of the n values."""
+    m = -(-n // _VECTOR_BLOCK) * _VECTOR_BLOCK
+    buf = torch.zeros(m, dtype=dtype)
+    fn = _in_place(op, m, dtype)
+    return buf, (lambda: fn(buf)) if m == n else (lambda: fn(buf)[:n])
+
+
 def apply_activation(op: str, x: torch.Tensor) -> torch.Tensor:
     """Apply a canonical activation function to a floating-point tensor, element by element."""
-    fn = ACTIVATIONS[op]
     n = x.numel()
     if n == 0:
-        return fn(x)
-    if n % _VECTOR_BLOCK == 0 and op not in ("identity", "copy"):
-        # whole blocks already: the same blocks without a padded copy (identity would return x itself)
-        return fn(x.contiguous().view(-1)).view(x.shape)
-    flat = torch.zeros(-(-n // _VECTOR_BLOCK) * _VECTOR_BLOCK, dtype=x.dtype)
-    flat[:n] = x.reshape(-1)
-    return fn(flat)[:n].reshape(x.shape)
+        return ACTIVATIONS[op](x)
+    buf, run = activation_buffer(op, n, x.dtype)
+    buf[:n].view(x.shape).copy_(x)
+    return run().view(x.shape)

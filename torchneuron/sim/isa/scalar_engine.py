@@ -9,10 +9,11 @@ import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine
 from torchneuron.sim.memory import AP, store
-from torchneuron.sim.numerics import (ACTIVATIONS_OUT, REDUCE_IDENTITY, activation_fn, alu_op, apply_activation,
-                                      apply_alu, apply_reduce, as_scalar, compute_dtype, dtype_name, reduce_op)
-from torchneuron.sim.isa.common import (Instr, Operand, Step, checked_reduce_cmd, column_view, disjoint_or_same,
-                                        fused_into, fused_rhs, load_tile, planned_operand)
+from torchneuron.sim.numerics import (ACTIVATIONS_OUT, REDUCE_IDENTITY, activation_buffer, activation_fn, alu_op,
+                                      apply_activation, apply_alu, apply_reduce, as_scalar, compute_dtype, dtype_name,
+                                      reduce_op)
+from torchneuron.sim.isa.common import (FUSED_ALU_FN, Instr, Operand, Step, checked_reduce_cmd, column_view,
+                                        disjoint_or_same, fused_into, fused_rhs, load_tile, planned_operand)
 
 
 # ---- ScalarE activation ------------------------------------------------------------------------
@@ -66,7 +67,11 @@ def accumulate_registers(regs: torch.Tensor, op: str, cmd: str, values: torch.Te
     if cmd in ("reduce", "reset_reduce", "load_reduce") and values is not None:
         dims = tuple(range(1, values.dim()))
         part = apply_reduce(op, values, dims).float() if dims else values.float()
-        regs.copy_(apply_alu(op, regs, part))
+        into = FUSED_ALU_FN.get(op)
+        if into is not None:  # the same operation written into the registers, without a temporary
+            into(regs, part.reshape(-1), out=regs)
+        else:
+            regs.copy_(apply_alu(op, regs, part))
 
 
 @dataclass(frozen=True)
@@ -135,10 +140,13 @@ class Activation(Instr):
         self._reduce(core, y)
 
     def _planned_step(self, core) -> Step | None:
-        """execute's unfused route (load, scale, bias, function, store, reduction) with its views resolved once."""
+        """execute's unfused route (load, scale, bias, function, store, reduction) with its views resolved once,
+        computed in a buffer the step owns (``activation_buffer``: apply_activation's evaluation, in place)."""
         c, scale, bias = self._plan
-        xv, dv, dst, op = self.data.view(core), self.dst.view(core), self.dst, self.op
-        nd = xv.dim()
+        xv, dv, dst = self.data.view(core), self.dst.view(core), self.dst
+        n, nd = xv.numel(), xv.dim()
+        if n == 0:
+            return None
         columns = []
         for value in (scale, bias):
             if isinstance(value, AP):  # load_column's view, converted per run where its dtype is not c's
@@ -149,22 +157,25 @@ class Activation(Instr):
             else:
                 columns.append((value, False))
         (s, s_conv), (b, b_conv) = columns
-        convert = xv.dtype != c
-        # apply_activation's identity returns a contiguous copy of its input (the reduction below reads that layout)
-        identity = op in ("identity", "copy")
+        buf, activate = activation_buffer(self.op, n, c)
+        x = buf[:n].view(xv.shape)  # the loaded tile, contiguous: the layout apply_activation computes in
+        # the identity of a tile into itself in its own dtype writes back the bits it read: no store
+        store_y = not (self.op in ("identity", "copy") and scale is None and bias is None and dst == self.data
+                       and dst.dtype == c)
         reduce = self.reduce_cmd != "idle" or self.reduce_res is not None
         regs = engine_registers(core, Engine.SCALAR, self.data)
         red_op, cmd, res = self.reduce_op or "add", self.reduce_cmd, self.reduce_res
         rv = res.view(core) if res is not None else None
 
         def step(h):
-            x = xv.to(c) if convert else xv
+            x.copy_(xv)  # (converting to c: exact, as xv.to(c))
             if scale is not None:
-                x = x * (s.to(c) if s_conv else s)
+                torch.mul(x, s.to(c) if s_conv else s, out=x)
             if bias is not None:
-                x = x + (b.to(c) if b_conv else b)
-            y = x.clone(memory_format=torch.contiguous_format) if identity else apply_activation(op, x)
-            store(dst, dv, y)
+                torch.add(x, b.to(c) if b_conv else b, out=x)
+            y = activate().view(xv.shape)
+            if store_y:
+                store(dst, dv, y, may_alias=False)
             if reduce:
                 accumulate_registers(regs, red_op, cmd, y)
                 if res is not None:
@@ -185,6 +196,9 @@ class Activation(Instr):
         reduce = self.reduce_cmd != "idle" or self.reduce_res is not None
         if s is None and b is None and not reduce:
             return lambda h: fn(x, out=out)
+        regs = engine_registers(core, Engine.SCALAR, self.data)
+        red_op, cmd, res = self.reduce_op or "add", self.reduce_cmd, self.reduce_res
+        rv = res.view(core) if res is not None else None
 
         def step(h):
             y = x
@@ -195,8 +209,10 @@ class Activation(Instr):
                 torch.add(y, b, out=out)
                 y = out
             fn(y, out=out)
-            if reduce:
-                self._reduce(core, out)
+            if reduce:  # execute's _reduce (reduce_into_registers) with its lookups done once
+                accumulate_registers(regs, red_op, cmd, out)
+                if res is not None:
+                    store(res, rv, regs)
         return step
 
     def _execute_in_place(self, core, scale, bias) -> None:

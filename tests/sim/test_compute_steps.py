@@ -1,0 +1,150 @@
+"""Planned steps of the compute engines' instructions (ScalarE activation, VectorE statistics and reductions):
+bit-identical to the instruction's ``execute`` over partial tiles, special values, aliasing and strided views, and
+close to float64 references."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchneuron.sim import Engine, NeuronCore, isa, numerics as nx, tile
+
+F32, BF16 = torch.float32, torch.bfloat16
+TINY = 1.1754943508222875e-38  # the smallest normal fp32
+# +-0, +-inf, NaN, large |x|, fp32 subnormals, values at the edges of exp's fast range
+SPECIALS = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3e38, -3e38, 1e30, -1e30,
+                         1e-40, -1e-40, TINY, -TINY, -87.0, -88.0, -104.0, -103.97208, 88.7, 89.0, 8.5, -8.5])
+
+
+def _values(shape, seed: int, specials: bool = True) -> torch.Tensor:
+    """Normal fp32 values scaled over a few binades, with about one in six a special value."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-3, 4, shape, generator=g).float())
+    if specials:
+        pick = torch.randint(0, 6 * len(SPECIALS), shape, generator=g)
+        hit = pick < len(SPECIALS)
+        x[hit] = SPECIALS[pick[hit]]
+    return x
+
+
+def _sb(offset: int, dtype=F32, free=(64,), parts: int = 128, start: int = 0):
+    """A tile at a byte offset of SBUF."""
+    return tile("sbuf", dtype, (parts, *free), start_partition=start, offset=offset)
+
+
+def _cores(seed: int, specials: bool = True) -> tuple[NeuronCore, NeuronCore]:
+    """Two cores with the same random SBUF/PSUM contents and registers."""
+    cores = NeuronCore("trn2", nan_fill=False), NeuronCore("trn2", nan_fill=False)
+    for k, core in enumerate(cores):
+        for mem in (core.sbuf, core.psum):
+            words = mem.data.view(F32)[:, :4096]  # the first 16 KiB of each partition: where the tests' tiles lie
+            words.copy_(_values(words.shape, seed + (mem is core.psum), specials))
+        for regs in core.regs.values():
+            regs.copy_(_values(regs.shape, seed + 7, specials=False))
+    return cores
+
+
+def _same_state(a: NeuronCore, b: NeuronCore) -> bool:
+    return (torch.equal(a.sbuf.data, b.sbuf.data) and torch.equal(a.psum.data, b.psum.data)
+            and all(torch.equal(a.regs[e].view(torch.int32), b.regs[e].view(torch.int32)) for e in a.regs))
+
+
+def _check_step_matches_execute(instr, seed: int = 0, specials: bool = True, runs: int = 2) -> None:
+    """The instruction's planned step leaves SBUF, PSUM and the registers as ``execute`` does, run after run."""
+    fast, slow = _cores(seed, specials)
+    step = instr.step(fast, {})
+    assert step is not None, "no planned step: the core would take execute"
+    for _ in range(runs):  # again: a step reuses its buffers
+        step([])
+        slow.execute(instr)
+        assert _same_state(fast, slow)
+
+
+# ---- activation ---------------------------------------------------------------------------------
+
+ALL_OPS = sorted(nx.ACTIVATIONS)
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 200, 4096])
+def test_activation_buffer_is_apply_activations_evaluation(op, n):
+    # apply_activation's definition before buffers: the function of a zero-padded contiguous copy
+    x = _values((n,), n)
+    padded = torch.zeros(-(-n // 64) * 64)
+    padded[:n] = x
+    want = nx.ACTIVATIONS[op](padded)[:n]
+    buf, run = nx.activation_buffer(op, n, F32)
+    for _ in range(2):  # the second run starts from what the first left in the buffer and its padding
+        buf[:n].copy_(x)
+        got = run()
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(nx.apply_activation(op, x.view(1, n)).view(torch.int32), want.view(1, n).view(torch.int32))
+
+
+def test_gelu_dx_is_close_to_float64():
+    # the formula evaluated in place against the derivative of x * Phi(x) in float64
+    x = torch.cat([torch.linspace(-12, 12, 4801), torch.tensor([0.0, -0.0, 1e-40, -1e-40, 30.0, -30.0])])
+    got = nx.apply_activation("gelu_dx", x)
+    xd = x.double()
+    want = 0.5 * (1 + torch.erf(xd / 2 ** 0.5)) + xd * torch.exp(-0.5 * xd * xd) / (2 * torch.pi) ** 0.5
+    # each of the ~10 fp32 operations rounds once (a few eps relative), erf/exp within 1-2 ulp of their values;
+    # near the zero of the derivative (x ~ -0.75) the sum cancels, hence an absolute term of a few eps
+    torch.testing.assert_close(got.double(), want, rtol=8 * 2 ** -23, atol=8 * 2 ** -23)
+    assert torch.isnan(nx.apply_activation("gelu_dx", torch.tensor([float("nan")]))).all()
+
+
+def _activation_cases():
+    i = isa
+    col = _sb(4096, F32, (1,))
+    bcol = _sb(4100, BF16, (1,))
+    yield "gelu", i.activation(dst=_sb(0), op="gelu", data=_sb(512))
+    yield "gelu_dx", i.activation(dst=_sb(0, free=(2, 64)), op="gelu_dx", data=_sb(1024, free=(2, 64)))
+    yield "gelu_dx in place", i.activation(dst=_sb(512), op="gelu_dx", data=_sb(512))
+    yield "gelu partial", i.activation(dst=_sb(0, free=(37,), parts=45, start=3), op="gelu",
+                                       data=_sb(512, free=(37,), parts=45, start=3))
+    yield "gelu_dx scale bias", i.activation(dst=_sb(0, free=(65,)), op="gelu_dx", data=_sb(512, free=(65,)),
+                                             scale=col, bias=-0.75)
+    yield "gelu bf16", i.activation(dst=_sb(0, BF16), op="gelu", data=_sb(512, BF16), bias=bcol)
+    yield "gelu into bf16", i.activation(dst=_sb(0, BF16), op="gelu_apprx_tanh", data=_sb(512), scale=1.7)
+    yield "silu", i.activation(dst=_sb(0, free=(4, 17)), op="silu", data=_sb(512, free=(4, 17)))
+    for cmd in ("reset_reduce", "reduce", "reset"):
+        yield f"identity {cmd} in place", i.activation(
+            dst=_sb(512), op="identity", data=_sb(512), reduce_op="add", reduce_res=_sb(4104, F32, (1,)),
+            reduce_cmd=cmd)
+    yield "identity reduce max", i.activation(dst=_sb(0, free=(3, 64)), op="copy", data=_sb(1024, free=(3, 64)),
+                                              reduce_op="maximum", reduce_cmd="reset_reduce")
+    yield "identity scale reduce", i.activation(dst=_sb(0), op="identity", data=_sb(0), scale=col,
+                                                reduce_res=_sb(4104, F32, (1,)), reduce_cmd="reduce")
+    yield "identity bf16 in place", i.activation(dst=_sb(0, BF16), op="identity", data=_sb(0, BF16),
+                                                 reduce_res=_sb(4104, F32, (1,)), reduce_cmd="reset_reduce")
+    yield "exp reduce", i.activation(dst=_sb(0, free=(65,)), op="exp", data=_sb(512, free=(65,)), bias=col,
+                                     reduce_op="add", reduce_res=_sb(4104, F32, (1,)), reduce_cmd="reset_reduce")
+    yield "exp reduce in place", i.activation(dst=_sb(512), op="exp", data=_sb(512), scale=0.25,
+                                              reduce_cmd="reset_reduce")
+    yield "tanh psum", i.activation(dst=_sb(0), op="tanh", data=tile("psum", F32, (128, 64), offset=2048),
+                                    reduce_res=_sb(4104, F32, (1,)), reduce_cmd="reset_reduce")
+    yield "gelu from psum strided", i.activation(
+        dst=_sb(0, free=(32,)), op="gelu", data=tile("psum", F32, (128, 64), offset=0)[:, ::2])
+
+
+@pytest.mark.parametrize("specials", [False, True], ids=["normal", "specials"])
+@pytest.mark.parametrize("case", list(_activation_cases()), ids=lambda c: c[0])
+def test_activation_steps_match_execute(case, specials):
+    _check_step_matches_execute(case[1], specials=specials)
+
+
+def test_activation_reduction_is_close_to_float64():
+    fast, _ = _cores(3, specials=False)
+    data, res = _sb(512), _sb(4104, F32, (1,))
+    instr = isa.activation(dst=_sb(0), op="gelu", data=data, scale=0.5, reduce_res=res, reduce_cmd="reset_reduce")
+    x = data.view(fast).double()
+    instr.step(fast, {})([])
+    want = torch.nn.functional.gelu(0.5 * x)
+    # gelu = x * 0.5 * (1 + erf(x / sqrt2)) in fp32: a few roundings relative to the result, and the error of
+    # 1 + erf (torch's vectorised fp32 erf: a few eps absolute near 1, where 1 + erf cancels for negative x) times
+    # x / 2, so 8 eps of |gelu| + |x / 2|; the fp32 sum of 64 terms within 64 eps of the sum of their magnitudes
+    eps = 2 ** -23
+    err = (_sb(0).view(fast).double() - want).abs()
+    assert (err <= 8 * eps * (want.abs() + (0.5 * x).abs())).all()
+    bound = 64 * 2 ** -23 * want.abs().sum(1, keepdim=True) + 1e-30
+    assert ((res.view(fast).double() - want.sum(1, keepdim=True)).abs() <= bound).all()
+    assert torch.equal(fast.regs[Engine.SCALAR][:128], res.view(fast).reshape(-1))
