@@ -287,8 +287,9 @@ class CopyBatch {
         }
       }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = r < rows_k ? cols_k : 0; c < cols; ++c) std::memcpy(dst + r * dr + c * w, src + r * w + c * sc, w);
+    for (int64_t r = 0; r < rows; ++r) {  // the ragged edges: the last columns of tiled rows, whole untiled rows
+      const int64_t c0 = r < rows_k ? cols_k : 0;
+      copy_elems<T>(dst + r * dr + c0 * w, src + r * w + c0 * sc, cols - c0, w, sc);
     }
   }
 #endif

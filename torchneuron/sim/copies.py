@@ -112,17 +112,12 @@ def _checked(dst: AP, src: AP, d: Any, s: Any, sizes: tuple[int, ...], after: Ca
 
 
 def _transpose(core, instr: NcTranspose) -> tuple | None:
-    """A transpose (the bits move unchanged), with TensorE's group opening after it: its source's view in dst's
-    shape, or where data's free dims do not flatten into one (a permuted or sliced pattern), the same pairing of
-    elements with data's partition dim moved last and dst viewed in that shape."""
-    values, dv = instr.transposed_view(core), instr.dst.view(core)
-    if values is None:
-        data = instr.data.view(core)
-        values = data.permute(*range(1, data.dim()), 0)   # [*free, partitions]: execute's x.T, not flattened
-        try:
-            dv = dv.view(values.shape)
-        except RuntimeError:
-            return None
+    """A transpose (the bits move unchanged), with TensorE's group opening after it: dst and its source as views
+    in one shape (``NcTranspose.transposed_views``)."""
+    views = instr.transposed_views(core)
+    if views is None:
+        return None
+    dv, values = views
     return _checked(instr.dst, instr.data, dv, values, tuple(dv.shape), instr.group_opener(core))
 
 

@@ -23,12 +23,12 @@ from torchneuron.sim.copies import batch_copies
 from torchneuron.sim.instruction import Engine
 from torchneuron.sim.isa import Instr
 from torchneuron.sim.isa.control import REGISTERS
-from torchneuron.sim.memory import Memory, SimulatorError, check_host_binding, nan_fill_enabled, NAN_BYTE
+from torchneuron.sim.memory import (Memory, SimulatorError, SIM_THREADS, check_host_binding, nan_fill_enabled,
+                                    NAN_BYTE)
 from torchneuron.sim.program import Program
 from torchneuron.sim.specs import ChipSpec, chip_spec
 from torchneuron.sim.timing import Roofline
 
-SIM_THREADS = 1  # torch intra-op threads the simulator executes instructions with (see run_bound)
 MAX_DYNAMIC_STEPS = 1 << 24  # instructions one run of a program with dynamic loops may execute
 
 

@@ -40,6 +40,9 @@ MAX_FREE_DIMS = 4   # free-dim access pattern entries of an engine operand (A-v2
 MAX_HBM_DIMS = 5    # an HBM (DMA) pattern also carries the dimension that maps to partitions
 NAN_BYTE = 0xFF     # 0xFF.. is NaN in fp32/bf16/fp16/fp8 e4m3fn/e5m2 and -1 in signed ints
 ROW_PAD = 64        # host bytes between the end of one on-chip partition row and the next (cache sets)
+# torch intra-op threads the simulator executes instructions with (core.run_bound): tiles are at most [128, 2048],
+# too small for torch's threads to pay for their wake-ups; and a BLAS call's bits can depend on its thread count
+SIM_THREADS = 1
 
 
 class SimulatorError(ValueError):

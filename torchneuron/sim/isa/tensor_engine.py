@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine
-from torchneuron.sim.memory import PMAX, AP, Memory, SimulatorError, store
+from torchneuron.sim.memory import PMAX, AP, Memory, SIM_THREADS, SimulatorError, store
 from torchneuron.sim.numerics import dtype_name
 from torchneuron.sim.isa.common import (GEMM_MOVING_FMAX, GEMM_STATIONARY_FMAX, Instr, MATMUL_DTYPES, PSUM_BANK_BYTES,
                                         Step, TENSOR_TRANSPOSE_MAX, VECTOR_TRANSPOSE_MAX, matrix_view)
@@ -72,8 +72,9 @@ def _accumulate(out: torch.Tensor, r: torch.Tensor, closed: torch.Tensor, accumu
 # (addmm_ onto PSUM for an accumulate gives other bits where a NaN product meets a NaN in PSUM: MKL keeps the
 # product's payload, torch's add the PSUM one's; so accumulation keeps its two calls.)
 
-PROBE_OUTPUTS = 256  # output elements compared per layout at least (trials x M x N)
-PROBE_TRIALS = 4     # random trials per layout at least, the last with infinities and NaNs
+PROBE_OUTPUTS = 256     # output elements compared per layout at least (trials x M x N) ...
+PROBE_TRIALS = 4        # in at least this many random trials, the last with infinities and NaNs,
+PROBE_MAX_TRIALS = 32   # and at most this many (a [1, 1] output: each trial differs in its K-long sum)
 _MM_INTO: dict[tuple, bool] = {}  # layout -> whether torch.mm into it gives the dense call's bits
 
 
@@ -103,35 +104,39 @@ def _probe_data(shape: tuple[int, int], gen: torch.Generator, specials: bool) ->
     return x
 
 
-def mm_into_agrees(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether ``torch.mm(a, b, out=out)`` gives the bits of ``torch.mm`` into a dense buffer copied into ``out``,
-    for tensors laid out like these (tried once per layout with one torch thread, as the simulator runs;
-    the tensors themselves are not touched)."""
-    key = _layout(a, b, out)
-    known = _MM_INTO.get(key)
-    if known is not None:
-        return known
+def _agrees(a: torch.Tensor, b: torch.Tensor, outputs: int,
+            results: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether ``results`` gives two tensors of the same bits on every trial, called on scratch operands laid out
+    like ``a`` and ``b`` (``_like``; the tensors themselves are not touched) holding probe data (``_probe_data``);
+    ``outputs`` elements are compared per trial. Runs with the simulator's torch threads (SIM_THREADS)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(SIM_THREADS)
     try:
         gen = torch.Generator().manual_seed(len(_MM_INTO))
-        pa, pb, pout = _like(a), _like(b), _like(out)
-        dense = torch.empty(out.shape)
-        trials = max(PROBE_TRIALS, -(-PROBE_OUTPUTS // out.numel()))
-        agrees = True
+        pa, pb = _like(a), _like(b)
+        trials = min(PROBE_MAX_TRIALS, max(PROBE_TRIALS, -(-PROBE_OUTPUTS // outputs)))
         for trial in range(trials):
             specials = trial == trials - 1
             pa.copy_(_probe_data(tuple(a.shape), gen, specials))
             pb.copy_(_probe_data(tuple(b.shape), gen, specials))
-            torch.mm(pa, pb, out=dense)
-            torch.mm(pa, pb, out=pout)
-            if not torch.equal(pout.view(torch.int32), dense.view(torch.int32)):
-                agrees = False
-                break
+            x, y = results(pa, pb)
+            if not torch.equal(x.view(torch.int32), y.view(torch.int32)):
+                return False
+        return True
     finally:
         torch.set_num_threads(threads)
-    _MM_INTO[key] = agrees
-    return agrees
+
+
+def mm_into_agrees(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``torch.mm(a, b, out=out)`` gives the bits of ``torch.mm`` into a dense buffer copied into ``out``,
+    for tensors laid out like these (tried once per layout; see ``_agrees``)."""
+    key = _layout(a, b, out)
+    known = _MM_INTO.get(key)
+    if known is None:
+        pout, dense = _like(out), torch.empty(out.shape)
+        known = _MM_INTO[key] = _agrees(a, b, out.numel(), lambda pa, pb: (torch.mm(pa, pb, out=dense),
+                                                                         torch.mm(pa, pb, out=pout)))
+    return known
 
 
 def _one_bank(instr: Instr, name: str) -> None:
@@ -338,20 +343,28 @@ class NcTranspose(Instr):
         if self.engine == Engine.TENSOR and self.dst.dtype == torch.float32:
             _open_group(core.memory("psum"), _psum_closed(self, core, self.dst), _box(self.dst))
 
-    def transposed_view(self, core) -> torch.Tensor | None:
-        """execute's reshapes as a view of data's memory in dst's shape (a copy here would freeze the tile's
-        values), or None where data's free dims do not flatten into one (a permuted pattern)."""
+    def transposed_views(self, core) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(dst, values): views of dst's and data's memory in one shape pairing the elements execute's reshape
+        and transpose pair (a copy here would freeze the tile's values): data in dst's shape, or, where data's
+        free dims do not flatten into one (a permuted or sliced pattern), data with its partition dim moved
+        last ([*free, partitions], execute's x.T unflattened) and dst viewed in that shape (both row-major);
+        None where neither is a view."""
         dv, data = self.dst.view(core), self.data
-        values = matrix_view(data.view(core), data.partitions, data.free_elems)
-        if values is None:
-            return None
-        values = values.T
-        if values.shape != dv.shape:
+        source = data.view(core)
+        values = matrix_view(source, data.partitions, data.free_elems)
+        if values is not None:
+            values = values.T
+            if values.shape == dv.shape:
+                return dv, values
             try:
-                values = values.view(dv.shape)
+                return dv, values.view(dv.shape)
             except RuntimeError:
-                return None
-        return values
+                pass
+        values = source.permute(*range(1, source.dim()), 0)
+        try:
+            return dv.view(values.shape), values
+        except RuntimeError:
+            return None
 
     def group_opener(self, core) -> Callable[[], None] | None:
         """What TensorE does after the write: open the accumulation group at dst (as execute); None where it
@@ -370,17 +383,19 @@ class NcTranspose(Instr):
         dst, data = self.dst, self.data
         if dst.memory == data.memory and dst.footprint().overlaps(data.footprint()):
             return None  # in place or overlapping: write's alias check decides on a clone
-        dv, values = dst.view(core), self.transposed_view(core)
-        if values is not None:
+        views = self.transposed_views(core)
+        if views is not None:
+            dv, values = views
+
             def copy(h):
                 try:
                     dv.copy_(values)
                 except RuntimeError as e:
                     raise SimulatorError(f"{dst!r}: cannot write through this pattern: {e}") from None
         else:
-            # data's free dims do not flatten into one (a permuted pattern): execute's reshape copies the tile
-            # each run; the transposed copy then lands in dst (copies move bits: the same values either way)
-            rows, cols, source = data.partitions, data.free_elems, data.view(core)
+            # neither side is a view in the other's element order: execute's reshape copies the tile each run;
+            # the transposed copy then lands in dst (copies move bits: the same values either way)
+            rows, cols, source, dv = data.partitions, data.free_elems, data.view(core), dst.view(core)
 
             def copy(h):
                 store(dst, dv, source.reshape(rows, cols).T, may_alias=False)
@@ -511,3 +526,4 @@ class NcMatmulTiled(Instr):
         return self._cost([self.stationary, self.moving], self.dst, main=self.moving,
                           op="transpose" if self.is_transpose else None, matmul_kmn=(k, m, n),
                           flops=2 * k * m * n, pe_fraction=self.pe_fraction)
+

@@ -1,0 +1,184 @@
+"""TensorE transposes and matmul probing, and the C++ copy batch's walk over a copy's outer dims: each step or
+batch bit for bit what the unplanned ``execute`` does, and what torch computes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchneuron.sim import ArgSlot, NeuronCore, Program, copies, isa, tile
+from torchneuron.sim.isa import tensor_engine
+from torchneuron.sim.memory import SIM_THREADS
+from tests.sim.test_copies import _bits, _copy_batch_of, _same_bits
+from tests.sim.test_isa import _matmul_operand
+from tests.sim.test_steps import _reference
+
+F32, BF16 = torch.float32, torch.bfloat16
+P = 32   # partitions of the transposed tiles (VectorE transposes at most [32, 32])
+
+
+# ---- nc_transpose: sources whose free dims do not flatten into one --------------------------------------------
+
+def _transposes() -> Program:
+    """Transposes of [P, 2, 8] cuts of [P, 2, 16] tiles (free dims that do not flatten): into a PSUM tile (fp32,
+    opening its group, which the matmul after it then adds into), bf16 into PSUM, on VectorE, and into a PSUM tile
+    whose own free dims do not merge (neither side a view in the other's element order)."""
+    cut32 = tile("sbuf", F32, (P, 2, 16))[:, :, 4:12]
+    cut16 = tile("sbuf", BF16, (P, 2, 16), offset=512)[:, :, :8]
+    split_dst = tile("psum", F32, (16, 2, 32), offset=4096)[:, :, :16]       # [16, P] as (2, 16) of (2, 32)
+    body = [isa.dma_copy(dst=tile("sbuf", F32, (P, 2, 16)), src=tile("hbm:x", F32, (P, 2, 16))),
+            isa.dma_copy(dst=tile("sbuf", BF16, (P, 2, 16), offset=512), src=tile("hbm:y", BF16, (P, 2, 16))),
+            isa.nc_transpose(dst=tile("psum", F32, (16, P)), data=cut32),
+            isa.nc_transpose(dst=tile("psum", BF16, (16, P), offset=2048), data=cut16),
+            isa.nc_transpose(dst=tile("sbuf", F32, (16, P), offset=1024), data=cut32, engine="vector"),
+            isa.nc_transpose(dst=split_dst, data=cut32),
+            isa.nc_matmul(dst=tile("psum", F32, (16, P)), stationary=tile("sbuf", F32, (16, 16), offset=2048),
+                          moving=tile("sbuf", F32, (16, P), offset=1024)),
+            isa.dma_copy(dst=tile("hbm:o", F32, (16, P)), src=tile("sbuf", F32, (16, P), offset=1024))]
+    args = [ArgSlot("x", (P, 2, 16), F32), ArgSlot("y", (P, 2, 16), BF16), ArgSlot("o", (16, P), F32, "output")]
+    return Program(body, args, "transposes")
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["steps", "copy batch"])
+def test_transposes_of_unflattened_sources_match_execute_and_torch(batched, monkeypatch):
+    # each transpose's step (or the copy batch) reads views of the tile, not a copy made when it was planned: run
+    # twice on other values, it must keep execute's bits (NaN payloads, signed zeros, subnormals, infinities)
+    if not batched:
+        monkeypatch.setattr(copies, "_copy_batch", None)
+    prog = _transposes()
+    fast, slow = NeuronCore("trn2", nan_fill=False), NeuronCore("trn2", nan_fill=False)
+    for seed in (1, 2):
+        for core in (fast, slow):
+            core.sbuf.data.copy_(_bits(tuple(core.sbuf.data.shape), torch.uint8, seed))
+            core.psum.data.copy_(_bits(tuple(core.psum.data.shape), torch.uint8, seed + 10))
+        x, y = _bits((P, 2, 16), F32, seed), _bits((P, 2, 16), BF16, seed + 20)
+        out = fast.run(prog, {"x": x, "y": y}, timed=False).outputs["o"]
+        ref = {"x": x.clone(), "y": y.clone(), "o": torch.zeros(16, P)}
+        _reference(slow, prog, ref)
+        assert _same_bits(out, ref["o"])
+        assert torch.equal(fast.sbuf.data, slow.sbuf.data) and torch.equal(fast.psum.data, slow.psum.data)
+        assert torch.equal(fast.psum.group_closed, slow.psum.group_closed)
+        # and what a transpose is: torch's, of the cut's values flattened (bits moved unchanged)
+        want32 = x[:, :, 4:12].reshape(P, 16).T
+        assert _same_bits(out, want32)
+        assert _same_bits(tile("psum", BF16, (16, P), offset=2048).view(fast), y[:, :, :8].reshape(P, 16).T)
+        split = tile("psum", F32, (16, 2, 32), offset=4096)[:, :, :16].view(fast)
+        assert _same_bits(split.reshape(16, P), want32)
+    plan = fast._plan(prog)
+    assert all(step is not None for _, step, _ in plan.entries[2:6])
+
+
+def test_transposed_views_pair_execute_elements_as_views():
+    # flattening sources: data viewed in dst's shape; unflattened: the partition dim moved last, dst viewed so;
+    # neither a view: None (the step then copies per run)
+    core = NeuronCore("trn2", nan_fill=False)
+    flat = isa.nc_transpose(dst=tile("psum", F32, (32, P)), data=tile("sbuf", F32, (P, 32)))
+    cut = isa.nc_transpose(dst=tile("psum", F32, (16, P)), data=tile("sbuf", F32, (P, 2, 16))[:, :, 4:12])
+    neither = isa.nc_transpose(dst=tile("psum", F32, (16, 2, 32))[:, :, :16],
+                              data=tile("sbuf", F32, (P, 2, 16))[:, :, :8])
+    for instr in (flat, cut):
+        dv, values = instr.transposed_views(core)
+        assert dv.shape == values.shape
+        assert dv.untyped_storage().data_ptr() == core.psum.data.untyped_storage().data_ptr()
+        assert values.untyped_storage().data_ptr() == core.sbuf.data.untyped_storage().data_ptr()
+    dv, values = cut.transposed_views(core)
+    assert values.shape == (2, 8, P)
+    assert neither.transposed_views(core) is None
+
+
+# ---- nc_matmul: the one-call probe -----------------------------------------------------------------------------
+
+def test_mm_probe_runs_on_the_simulator_threads_and_bounds_its_trials(monkeypatch):
+    # a [1, 1] output: PROBE_OUTPUTS // 1 trials would be 256; the probe stops at PROBE_MAX_TRIALS, on SIM_THREADS
+    # threads, and restores the caller's thread count
+    seen = []
+    probe = tensor_engine._probe_data
+
+    def counted(shape, gen, specials):
+        seen.append((torch.get_num_threads(), specials))
+        return probe(shape, gen, specials)
+    monkeypatch.setattr(tensor_engine, "_probe_data", counted)
+    monkeypatch.setattr(tensor_engine, "_MM_INTO", {})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(SIM_THREADS + 1)
+    try:
+        a, b, out = torch.empty(96, 1).T, torch.empty(96, 1), torch.empty(4, 4)[1:2, 2:3]
+        agrees = tensor_engine.mm_into_agrees(a, b, out)
+        assert torch.get_num_threads() == SIM_THREADS + 1
+    finally:
+        torch.set_num_threads(threads)
+    assert all(t == SIM_THREADS for t, _ in seen)
+    trials = len(seen) // 2   # two operands per trial
+    assert 1 <= trials <= tensor_engine.PROBE_MAX_TRIALS
+    if agrees:  # every trial ran, the last with infinities and NaNs
+        assert trials == tensor_engine.PROBE_MAX_TRIALS
+        assert [sp for _, sp in seen] == [False] * (2 * trials - 2) + [True, True]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 96])
+def test_tiny_matmul_steps_match_execute_and_float64(k):
+    # [1, 1] and [1, 3] outputs (the layouts probed fewest times): overwrite, accumulate into the group, add where
+    # open; the step's bits are execute's, and within fp32 summation's bound of a float64 reference
+    cores = [NeuronCore("trn2", nan_fill=False) for _ in range(2)]
+    for m, n in ((1, 1), (1, 3)):
+        s = tile("sbuf", F32, (k, m), offset=4 + 64 * m)
+        mv = tile("sbuf", F32, (k, n), offset=1024 + 8 * n)
+        dst = tile("psum", F32, (m, n), offset=4 * n)
+        instrs = [isa.nc_matmul(dst=dst, stationary=s, moving=mv, accumulate=acc) for acc in (False, True, None)]
+        for seed, instr in enumerate(instrs):
+            values = [_matmul_operand((k, m), F32, seed), _matmul_operand((k, n), F32, seed + 7)]
+            for c in cores:
+                s.write(c, values[0])
+                mv.write(c, values[1])
+            before = dst.read(cores[1]).double()
+            instr.step(cores[0], {})([])
+            cores[1].execute(instr)
+            assert torch.equal(dst.view(cores[0]).view(torch.int32), dst.view(cores[1]).view(torch.int32))
+            a, b = values[0].double(), values[1].double()
+            adds = instr.accumulate is not False   # None adds too: the overwrite before opened the group
+            want = a.T @ b + (before if adds else 0.0)
+            got = dst.read(cores[1]).double()
+            bound = (k + 1) * 2.0 ** -24 * (a.abs().T @ b.abs() + (before.abs() if adds else 0.0))
+            finite = want.isfinite() & got.isfinite()
+            assert ((got - want).abs() <= bound)[finite].all()
+            assert torch.equal(got.isfinite(), want.isfinite())
+
+
+# ---- the copy batch's walk over outer dims (with cache hints ahead of each copy) ---------------------------------
+
+def _walk_cases():
+    """(dst's buffer, dst as a view of it, src): 3 to 5 dims, permuted and sliced, size-1 dims, a broadcast (stride 0)
+    source, transposes under two outer dims, sides inside padded buffers (as SBUF rows are)."""
+    buf = _bits((6, 5, 7, 40), F32, 1)
+    return [
+        (_bits((3, 5, 7, 11), F32, 2), lambda t: t[:, :, :, 1:10], buf[:3, :, :, 3:12]),        # 4-d, sliced rows
+        (_bits((7, 3, 5, 9), BF16, 3), lambda t: t, _bits((5, 9, 7, 3), BF16, 4).permute(2, 3, 0, 1)),  # permuted
+        (_bits((2, 1, 3, 1, 33), torch.uint8, 5), lambda t: t, _bits((2, 1, 3, 1, 33), torch.uint8, 6)),  # size 1
+        (_bits((4, 6, 10), F32, 7), lambda t: t, _bits((4, 1, 10), F32, 8).expand(4, 6, 10)),    # broadcast
+        (_bits((2, 3, 20, 24), F32, 9), lambda t: t,
+         _bits((2, 3, 24, 30), F32, 10)[:, :, :, 3:23].transpose(2, 3)),                         # transposes
+        (_bits((3, 2, 17, 9), BF16, 11), lambda t: t, _bits((3, 2, 9, 40), BF16, 12)[:, :, :, :17].transpose(2, 3)),
+        (_bits((5, 64, 48), torch.int16, 13), lambda t: t.transpose(1, 2), _bits((5, 48, 64), torch.int16, 14)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_batched_copies_over_outer_dims_match_torch(case):
+    base, view_of, src = _walk_cases()[case]
+    want = base.clone()
+    view_of(want).copy_(src)
+    _copy_batch_of([(view_of(base), src)]).run([])
+    assert _same_bits(base, want)
+
+
+def test_a_batch_of_copies_over_outer_dims_runs_in_order():
+    # the second copy reads what the first wrote (a 3-d transposed pattern), the third overwrites part of the first
+    a = _bits((4, 16, 24), F32, 20)
+    b = torch.zeros(4, 24, 16).transpose(1, 2)                  # [4, 16, 24], dense along dim 1
+    c = torch.zeros(4, 16, 24)
+    d = _bits((2, 16, 24), F32, 21)
+    _copy_batch_of([(b, a), (c, b), (b[1:3], d)]).run([])
+    assert _same_bits(c, a)
+    want = a.clone()
+    want[1:3] = d
+    assert _same_bits(b, want)
+
