@@ -1,12 +1,15 @@
 """Memories and access patterns: allocation, bounds, dtype views, strided tiles, HBM binding."""
 from __future__ import annotations
 
+import gc
+import mmap
 import pickle
 
 import pytest
 import torch
 
 from torchneuron.sim import AP, ArgSlot, Footprint, Memory, NeuronCore, Program, SimulatorError, tile
+from torchneuron.sim import memory
 from torchneuron.sim.specs import chip_spec
 
 from .conftest import FLOATS, INTS, rand
@@ -20,6 +23,25 @@ def test_core_memories_come_from_the_spec():
         assert tuple(core.psum.data.shape) == (128, 16 * 1024)
         assert core.psum.bank_bytes == 2048
         assert core.sbuf.data.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("nan_fill", [False, True])
+def test_on_chip_memories_are_filled_padded_rows_in_huge_page_aligned_bytes(nan_fill):
+    # SBUF/PSUM rows ROW_PAD bytes apart, every byte 0 (NaN fill: 0xFF), writable through to the memory's views; the
+    # host bytes start on a huge page (Linux), and stay valid once nothing but the tensor refers to their mapping
+    core = NeuronCore("trn2", nan_fill=nan_fill)
+    for mem in (core.sbuf, core.psum):
+        data = mem.data
+        assert data.stride() == (mem.bytes_per_partition + memory.ROW_PAD, 1)
+        assert int(data.min()) == int(data.max()) == (memory.NAN_BYTE if nan_fill else 0)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            assert data.data_ptr() % memory.HUGE_PAGE == 0
+        data[-1, -1] = 7
+        assert int(mem.typed(torch.uint8)[-1, -1]) == 7
+    block = memory._host_bytes(3 * memory.HUGE_PAGE + 5)
+    gc.collect()
+    block.fill_(3)
+    assert block.numel() == 3 * memory.HUGE_PAGE + 5 and int(block.sum()) == 3 * block.numel()
 
 
 def test_allocate_next_fit_free_and_reuse():

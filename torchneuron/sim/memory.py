@@ -13,6 +13,7 @@ resolves the name: a ``Memory`` or anything with ``memory(name) -> Memory`` (the
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -43,6 +44,29 @@ ROW_PAD = 64        # host bytes between the end of one on-chip partition row an
 # torch intra-op threads the simulator executes instructions with (core.run_bound): tiles are at most [128, 2048],
 # too small for torch's threads to pay for their wake-ups; and a BLAS call's bits can depend on its thread count
 SIM_THREADS = 1
+
+
+HUGE_PAGE = 2 << 20  # bytes of a host huge page (x86-64, arm64 with 4 KiB pages)
+
+
+def _host_bytes(n: int) -> torch.Tensor:
+    """``n`` uninitialized host bytes for an on-chip memory, in huge pages where the host grants them.
+
+    A tile reads each of its partitions' rows from another 4 KiB page (rows lie 192-256 KiB apart), so with
+    small pages every row of every access is a TLB miss (SBUF's 24+ MiB are far beyond the TLB's reach); in
+    2 MiB pages SBUF is a dozen pages. Anonymous private memory asked for huge pages (MADV_HUGEPAGE; the
+    kernel's transparent huge pages in "madvise" or "always" mode), aligned to a huge page; elsewhere (no
+    madvise, THP off) the same bytes in small pages."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):  # (Linux only)
+        return torch.empty(n, dtype=torch.uint8)
+    area = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        area.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pass  # THP unavailable: small pages
+    whole = torch.frombuffer(area, dtype=torch.uint8)  # (keeps the mapping alive)
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start:start + n]
 
 
 class SimulatorError(ValueError):
@@ -113,8 +137,8 @@ class Memory:
             # of 64 KiB) would otherwise put every partition's row of a tile into the same few host
             # cache sets, and copying a tile would miss the cache on nearly every row.
             pitch = bytes_per_partition + (ROW_PAD if partitions > 1 else 0)
-            data = torch.full((partitions, pitch), NAN_BYTE if self.nan_fill else 0,
-                              dtype=torch.uint8)[:, :bytes_per_partition]
+            data = _host_bytes(partitions * pitch).view(partitions, pitch)[:, :bytes_per_partition]
+            data.fill_(NAN_BYTE if self.nan_fill else 0)
         self.data = data
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._regions: list[Region] = []
