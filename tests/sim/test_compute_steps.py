@@ -148,3 +148,75 @@ def test_activation_reduction_is_close_to_float64():
     bound = 64 * 2 ** -23 * want.abs().sum(1, keepdim=True) + 1e-30
     assert ((res.view(fast).double() - want.sum(1, keepdim=True)).abs() <= bound).all()
     assert torch.equal(fast.regs[Engine.SCALAR][:128], res.view(fast).reshape(-1))
+
+
+# ---- bn_stats / bn_aggr -----------------------------------------------------------------------------
+
+def _bn_stats_formula(x: torch.Tensor) -> torch.Tensor:
+    """bn_stats as the plain expression: (count, mean, sum of squared deviations) of the even then odd elements."""
+    stats = []
+    for half in (x[:, 0::2], x[:, 1::2]):
+        n = half.shape[1]
+        mean = half.mean(1) if n else torch.zeros(x.shape[0])
+        stats += [torch.full_like(mean, float(n)), mean, ((half - mean[:, None]) ** 2).sum(1)]
+    return torch.stack(stats, 1)
+
+
+def _bn_aggr_formula(x: torch.Tensor) -> torch.Tensor:
+    g = x.reshape(x.shape[0], -1, 3)
+    n, mean, m2 = g[..., 0], g[..., 1], g[..., 2]
+    total = n.sum(1)
+    mu = (n * mean).sum(1) / total
+    return torch.stack([mu, (m2.sum(1) + (n * (mean - mu[:, None]) ** 2).sum(1)) / total], 1)
+
+
+@pytest.mark.parametrize("f", [1, 2, 3, 17, 64, 65, 512])
+def test_bn_statistics_match_their_formulas_bit_for_bit(f):
+    from torchneuron.sim.isa.vector_engine import bn_aggr_fn, bn_stats_fn
+    x = _values((128, f), f)
+    base = torch.empty(128, 1000)  # a strided view, as a tile in SBUF
+    xv = base[:, 7:7 + f]
+    xv.copy_(x)
+    out = torch.empty(128, 6)
+    bn_stats_fn(xv, out, (torch.empty(128, (f + 1) // 2), torch.empty(128, f // 2)))()
+    assert torch.equal(out.view(torch.int32), _bn_stats_formula(xv).view(torch.int32))
+    stats = torch.cat([_bn_stats_formula(_values((128, 64), s, specials=False)) for s in range(f % 5 + 1)], 1)
+    agg = torch.empty(128, 2)
+    bn_aggr_fn(stats, agg)()
+    assert torch.equal(agg.view(torch.int32), _bn_aggr_formula(stats).view(torch.int32))
+
+
+def test_bn_statistics_are_close_to_float64():
+    fast, _ = _cores(5, specials=False)
+    data, stats, agg = _sb(0, free=(4, 96)), _sb(2048, free=(24,)), _sb(2200, free=(2,))
+    for j in range(4):
+        isa.bn_stats(dst=stats[:, 6 * j:6 * j + 6], data=data[:, j]).step(fast, {})([])
+    isa.bn_aggr(dst=agg, data=stats).step(fast, {})([])
+    x = data.view(fast).reshape(128, -1).double()
+    mean, var = x.mean(1), x.var(1, unbiased=False)
+    # fp32 sums of at most 384 terms: within 384 eps of the sums of magnitudes
+    eps = 2 ** -23
+    got = agg.view(fast).double()
+    assert ((got[:, 0] - mean).abs() <= 384 * eps * x.abs().mean(1)).all()
+    assert ((got[:, 1] - var).abs() <= 384 * eps * (x - mean[:, None]).pow(2).mean(1) + 384 * eps * mean.abs() ** 2
+            ).all()
+
+
+def _statistics_cases():
+    i = isa
+    yield "bn_stats", i.bn_stats(dst=_sb(2048, free=(6,)), data=_sb(0))
+    yield "bn_stats odd", i.bn_stats(dst=_sb(2048, free=(6,)), data=_sb(0, free=(65,)))
+    yield "bn_stats one", i.bn_stats(dst=_sb(2048, free=(6,)), data=_sb(0, free=(1,)))
+    yield "bn_stats 3d partial", i.bn_stats(dst=_sb(2048, free=(6,), parts=37, start=50),
+                                            data=_sb(0, free=(4, 16), parts=37, start=50))
+    yield "bn_stats bf16", i.bn_stats(dst=_sb(2048, BF16, free=(6,)), data=_sb(0, BF16, free=(100,)))
+    yield "bn_stats psum", i.bn_stats(dst=_sb(2048, free=(6,)), data=tile("psum", F32, (128, 512), offset=0))
+    yield "bn_aggr", i.bn_aggr(dst=_sb(2048, free=(2,)), data=_sb(0, free=(6,)))
+    yield "bn_aggr groups", i.bn_aggr(dst=_sb(2048, free=(2,)), data=_sb(0, free=(4, 6)))
+    yield "bn_aggr bf16", i.bn_aggr(dst=_sb(2048, BF16, free=(2,)), data=_sb(0, BF16, free=(12,)))
+
+
+@pytest.mark.parametrize("specials", [False, True], ids=["normal", "specials"])
+@pytest.mark.parametrize("case", list(_statistics_cases()), ids=lambda c: c[0])
+def test_statistics_steps_match_execute(case, specials):
+    _check_step_matches_execute(case[1], specials=specials)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -475,6 +475,49 @@ class TensorTensorScan(Instr):
 
 # ---- statistics, top-8 -------------------------------------------------------------------------
 
+def bn_stats_fn(x: torch.Tensor, out: torch.Tensor,
+                devs: tuple[torch.Tensor, torch.Tensor] | None = None) -> Callable[[], None]:
+    """A function writing bn_stats of fp32 ``x`` [P, F] into ``out`` [P, 6] (its views made now, once): per
+    partition the count, the mean and the sum of squared deviations from it of the even, then of the odd elements.
+    ``devs``: [P, ceil(F/2)] and [P, F//2] buffers for the deviations (else temporaries). ``out`` must not overlap
+    ``x``: each mean is read back from it."""
+    halves = []
+    for k, half in enumerate((x[:, 0::2], x[:, 1::2])):
+        mean = out[:, 3 * k + 1]
+        halves.append((half, float(half.shape[1]), out[:, 3 * k], mean, mean[:, None], out[:, 3 * k + 2],
+                       None if devs is None else devs[k]))
+
+    def run() -> None:
+        for half, n, count_col, mean_col, mean, m2_col, dev in halves:
+            count_col.fill_(n)
+            if not n:  # an empty half (one element per partition): mean and m2 are zeros
+                mean_col.fill_(0.0)
+                m2_col.fill_(0.0)
+                continue
+            torch.mean(half, 1, out=mean_col)
+            d = half - mean if dev is None else torch.sub(half, mean, out=dev)
+            torch.sum(d.pow_(2), 1, out=m2_col)
+    return run
+
+
+def bn_aggr_fn(x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+    """A function writing bn_aggr of fp32 ``x`` [P, 3G] ((count, mean, m2) triples) into ``out`` [P, 2] (its views
+    made now, once): per partition the mean of the groups and their pooled variance (within-group m2 plus the
+    groups' spread about the mean, over the total count). ``out`` must not overlap ``x``: the mean is read back
+    from it."""
+    g = x.reshape(x.shape[0], -1, 3)
+    n, mean, m2 = g[..., 0], g[..., 1], g[..., 2]
+    mu_col, var_col = out[:, 0], out[:, 1]
+    mu = mu_col[:, None]
+
+    def run() -> None:
+        total = n.sum(1)
+        torch.div((n * mean).sum(1), total, out=mu_col)
+        spread = (mean - mu).pow_(2).mul_(n).sum(1)
+        torch.div(m2.sum(1).add_(spread), total, out=var_col)
+    return run
+
+
 @dataclass(frozen=True)
 class BnStats(Instr):
     """``nisa.bn_stats``: per partition (count, mean, variance*count) of the even and then the odd
@@ -495,40 +538,20 @@ class BnStats(Instr):
         self._free("dst", 6, "bn_stats writes 6 (count, mean, var*count for even and odd elements)")
 
     def execute(self, core) -> None:
-        x = load_tile(core, self.data, torch.float32, (self.data.partitions, self.data.free_elems))
-        stats = []
-        for half in (x[:, 0::2], x[:, 1::2]):
-            n = half.shape[1]
-            mean = half.mean(1) if n else torch.zeros(x.shape[0])
-            m2 = ((half - mean[:, None]) ** 2).sum(1)
-            stats += [torch.full_like(mean, float(n)), mean, m2]
-        self.dst.write(core, torch.stack(stats, 1))
+        p = self.data.partitions
+        out = torch.empty(p, 6)
+        bn_stats_fn(load_tile(core, self.data, torch.float32, (p, self.data.free_elems)), out)()
+        self.dst.write(core, out)
 
     def step(self, core, slots) -> Step | None:
-        """execute's torch calls on its tiles, with the views resolved once and each statistic written straight
-        into its dst column (no stack); None where dst overlaps data (execute reads all of data first)."""
+        """execute's bn_stats_into on the tile's view, written straight into dst, with the views and the
+        deviations' buffers made once; None where dst overlaps data (execute reads all of data first)."""
         p, f = self.data.partitions, self.data.free_elems
         xv, dv = matrix_view(self.data.view(core), p, f), matrix_view(self.dst.view(core), p, 6)
         if xv is None or dv is None or _overlap(self.dst, self.data):
             return None
-        convert = xv.dtype != torch.float32
-        halves = (xv[:, 0::2], xv[:, 1::2])
-        counts = (float(halves[0].shape[1]), float(halves[1].shape[1]))
-        cols = tuple(dv[:, i] for i in range(6))
-
-        def step(h):
-            x = xv.to(torch.float32) if convert else None
-            for k, half in enumerate(halves if x is None else (x[:, 0::2], x[:, 1::2])):
-                n, mean_col, m2_col = cols[3 * k:3 * k + 3]
-                n.fill_(counts[k])
-                if counts[k]:
-                    mean = half.mean(1)
-                    mean_col.copy_(mean)
-                    m2_col.copy_(((half - mean[:, None]) ** 2).sum(1))
-                else:  # an empty half: mean and m2 are zeros
-                    mean_col.fill_(0.0)
-                    m2_col.fill_(0.0)
-        return step
+        devs = (torch.empty(p, (f + 1) // 2), torch.empty(p, f // 2))
+        return _statistics_step(bn_stats_fn, xv, dv, devs)
 
     def price(self) -> CostInputs:
         return self._cost([self.data], self.dst, flops=3 * self.data.numel)
@@ -554,35 +577,41 @@ class BnAggr(Instr):
 
     def execute(self, core) -> None:
         p = self.data.partitions
-        g = load_tile(core, self.data, torch.float32, (p, self.data.free_elems)).reshape(p, -1, 3)
-        n, mean, m2 = g[..., 0], g[..., 1], g[..., 2]
-        total = n.sum(1)
-        mu = (n * mean).sum(1) / total
-        var = (m2.sum(1) + (n * (mean - mu[:, None]) ** 2).sum(1)) / total
-        self.dst.write(core, torch.stack([mu, var], 1))
+        out = torch.empty(p, 2)
+        bn_aggr_fn(load_tile(core, self.data, torch.float32, (p, self.data.free_elems)), out)()
+        self.dst.write(core, out)
 
     def step(self, core, slots) -> Step | None:
-        """execute's torch calls on its tiles, with the views resolved once and mean and variance written straight
-        into their dst columns (no stack); None where dst overlaps data."""
+        """execute's bn_aggr_into on the tile's view, written straight into dst; None where dst overlaps data."""
         p = self.data.partitions
         xv, dv = matrix_view(self.data.view(core), p, self.data.free_elems), matrix_view(self.dst.view(core), p, 2)
         if xv is None or dv is None or _overlap(self.dst, self.data):
             return None
-        convert = xv.dtype != torch.float32
-        mu_col, var_col = dv[:, 0], dv[:, 1]
-
-        def step(h):
-            g = (xv.to(torch.float32) if convert else xv).reshape(p, -1, 3)
-            n, mean, m2 = g[..., 0], g[..., 1], g[..., 2]
-            total = n.sum(1)
-            mu = (n * mean).sum(1) / total
-            var = (m2.sum(1) + (n * (mean - mu[:, None]) ** 2).sum(1)) / total
-            mu_col.copy_(mu)
-            var_col.copy_(var)
-        return step
+        return _statistics_step(bn_aggr_fn, xv, dv)
 
     def price(self) -> CostInputs:
         return self._cost([self.data], self.dst, flops=4 * self.data.numel)
+
+
+def _statistics_step(make, xv: torch.Tensor, dv: torch.Tensor, *scratch) -> Step:
+    """The step of ``make(x, out, *scratch)`` (bn_stats_fn, bn_aggr_fn) from the data view ``xv`` to the dst view
+    ``dv``: data converted to fp32 in a buffer where it is not fp32; the statistics computed into a contiguous
+    fp32 buffer (torch's reductions write strided SBUF columns slowly, and the statistics read their means back in
+    fp32), then stored with dst's rounding, as execute's write does."""
+    x = xv if xv.dtype == torch.float32 else torch.empty(xv.shape)
+    out = torch.empty(dv.shape)
+    run = make(x, out, *scratch)
+    if x is xv:
+        def step(h):
+            run()
+            dv.copy_(out)
+        return step
+
+    def step(h):
+        x.copy_(xv)  # (exact, as xv.to(torch.float32))
+        run()
+        dv.copy_(out)
+    return step
 
 
 def _overlap(dst: AP, src: AP) -> bool:
