@@ -333,19 +333,50 @@ def test_select_and_slice_backward_embed_the_gradient_in_one_launch(dtype, stric
     assert torch.equal(wn.grad.cpu(), w.grad)
 
 
-def test_embedding_backward_reads_the_row_numbers_table(strict):
-    # the one-hot rows compare with the device's table of row numbers (a prefix of it): two calls, the CPU's
-    # gradients, no iota launch
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_embedding_backward_is_the_one_hot_kernel_and_a_product(dtype, strict):
+    # the one-hot matrix comes straight from the index words (int64: the low words of the pairs, read whole), then
+    # one product: two launches whatever the index dtype, no copy of the low words, no iota; the one-hot bit for bit
+    # the CPU's (several row and column blocks, the padding row, an index outside the rows: a zero column), the
+    # gradient the CPU's
+    from torchneuron.kernels.indexing import onehot_rows
+    from torchneuron.ops.kernel_call import call_kernel
     from torchneuron.runtime import profiler
-    for idx in (torch.tensor([[3, 0, 3], [10, 2, 0]]), torch.tensor([1, 1, 10, 4], dtype=torch.int32)):
-        w = W.clone().requires_grad_()
-        wn = to_n(W).requires_grad_()
-        g = torch.randn(*idx.shape, W.shape[1])
-        F.embedding(idx, w).backward(g)
-        with profiler.record() as records:
-            F.embedding(to_n(idx), wn).backward(to_n(g))
-        assert not any(r.name == "iota" for r in records)
-        torch.testing.assert_close(wn.grad.cpu(), w.grad)
+    gen = torch.Generator().manual_seed(7)
+    for rows, n, padding_idx in ((10, 6, -1), (300, 2500, 4), (129, 3, 128)):
+        for idx_dtype in (torch.int64, torch.int32):
+            idx = torch.randint(0, rows, (n,), generator=gen, dtype=idx_dtype)
+            idx[0] = padding_idx if padding_idx >= 0 else 0
+            g = (torch.randn(n, 5, generator=gen) * 4).to(dtype)
+            want = torch.ops.aten.embedding_dense_backward(g, idx, rows, padding_idx, False)
+            with profiler.record() as records:
+                got = torch.ops.aten.embedding_dense_backward(to_n(g), to_n(idx), rows, padding_idx, False)
+            assert [r.name for r in records] == ["onehot_rows", "matmul_kernel"], [r.name for r in records]
+            if dtype == torch.float32:
+                torch.testing.assert_close(got.cpu(), want)
+            else:   # (the CPU sums 2-byte rows in their dtype): the float64 sums, summed in fp32, rounded once
+                hot64 = (idx[None, :] == torch.arange(rows)[:, None]) & (torch.arange(rows)[:, None] != padding_idx)
+                exact = hot64.double() @ g.double()
+                bound = hot64.sum(1, keepdim=True) * 2.0 ** -24 * (hot64.double() @ g.double().abs())
+                err = (got.cpu().double() - exact).abs()
+                assert (err <= bound + torch.finfo(dtype).eps / 2 * (exact.abs() + bound)).all()
+            words = to_n(idx).view(torch.int32) if idx_dtype == torch.int64 else to_n(idx)
+            outside = words.clone()
+            outside[-2] = rows                     # (the low word of an int64: its index n - 1 reads row rows)
+            stride = 2 if idx_dtype == torch.int64 else 1
+            for w in (words, outside):
+                (hot,) = call_kernel(onehot_rows, {"index": w}, {"rows": rows, "stride": stride,
+                                                                 "padding_idx": padding_idx, "out_dtype": dtype})
+                low = w.cpu()[::stride].long()
+                ref = (low[None, :] == torch.arange(rows)[:, None]) & (torch.arange(rows)[:, None] != padding_idx)
+                assert torch.equal(hot.cpu(), ref.to(dtype))
+    w = W.clone().requires_grad_()                 # through autograd: a non-contiguous index (a copy first)
+    wn = to_n(W).requires_grad_()
+    idx = torch.tensor([[3, 0, 3, 1], [10, 2, 0, 5]])[:, :3]
+    g = torch.randn(2, 3, W.shape[1])
+    F.embedding(idx, w).backward(g)
+    F.embedding(to_n(idx), wn).backward(to_n(g))
+    torch.testing.assert_close(wn.grad.cpu(), w.grad)
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])

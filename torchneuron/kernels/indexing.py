@@ -1,4 +1,4 @@
-"""Index kernels: ``iota`` (0, 1, 2, ... for ``arange`` and masks) and ``gather_rows``.
+"""Index kernels: ``iota`` (0, 1, 2, ... for ``arange`` and masks), ``gather_rows`` and ``onehot_rows``.
 
 ``iota``: GpSimd's iota writes p * F + j into a [128, F] int32 tile per block; a store writes it out.
 
@@ -85,6 +85,44 @@ def iota(n, start=0, step=1, wide=False):
             nisa.memset(dst=t[:p, :, 1], value=0)
         nisa.iota(dst=t[:p, :, 0], pattern=[[step, w]], offset=start + s * step, channel_multiplier=w * step)
         nisa.dma_copy(dst=out[words * s:words * (s + p * w)].reshape((p, words * w)), src=t[:p].reshape((p, words * w)))
+    return out
+
+
+@nki.jit
+def onehot_rows(index, rows, stride=1, padding_idx=-1, out_dtype=nl.float32):
+    """The [rows, n] one-hot matrix of n indices (int32, or the low words of int64 word pairs with ``stride=2``):
+    1 at [v, j] where index j is v, unless v is ``padding_idx``, else 0 (an index outside [0, rows): a zero
+    column), for ``embedding_dense_backward``'s ``onehot^T @ grad``. The word pairs are read whole (contiguous)
+    and their low words compared in SBUF, so an int64 index needs no copy of its low words first."""
+    assert stride in (1, 2), f"onehot_rows: index words per index must be 1 or 2, not {stride}"
+    n = index.shape[0] // stride
+    blocks = -(-rows // PMAX)
+    out = nl.ndarray((rows, n), out_dtype, buffer=nl.shared_hbm)
+    # GpSimd: each row block's row numbers, v = 128 * block + partition, and (VectorE) 1 where the row is not the
+    # padding row, computed once for every column block
+    ids = nl.ndarray((PMAX, blocks), nl.int32, buffer=nl.sbuf)
+    nisa.iota(dst=ids, pattern=[[PMAX, blocks]], offset=0, channel_multiplier=1)
+    keep = None
+    if padding_idx >= 0:
+        keep = nl.ndarray((PMAX, blocks), nl.int32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=keep, data=ids, op0=nl.not_equal, operand0=padding_idx)
+    F = DMA_ROW_BYTES // (4 * stride)   # indices per column block: each partition's words one 8 KiB DMA row
+    for c0 in range(0, n, F):
+        w = min(F, n - c0)
+        # DMA: the block's index words, the same on every partition
+        words = nl.ndarray((PMAX, w, stride), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=words.reshape((PMAX, w * stride)),
+                      src=index[c0 * stride:(c0 + w) * stride].reshape((1, w * stride)).broadcast_to((PMAX, w * stride)))
+        for b in range(blocks):
+            p = min(PMAX, rows - b * PMAX)
+            # VectorE: (index == v) * keep[v], 1 or 0, in one instruction; the store casts it to out_dtype
+            hit = nl.ndarray((PMAX, w), nl.int32, buffer=nl.sbuf)
+            if keep is None:
+                nisa.tensor_scalar(dst=hit[:p], data=words[:p, :, 0], op0=nl.equal, operand0=ids[:p, b:b + 1])
+            else:
+                nisa.tensor_scalar(dst=hit[:p], data=words[:p, :, 0], op0=nl.equal, operand0=ids[:p, b:b + 1],
+                                   op1=nl.multiply, operand1=keep[:p, b:b + 1])
+            nisa.dma_copy(dst=out[b * PMAX:b * PMAX + p, c0:c0 + w], src=hit[:p])
     return out
 
 

@@ -30,7 +30,8 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torch._prims_common import canonicalize_dim
 
-from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows, index_rows, iota, mask_rows, MAX_INDEX_DIMS
+from torchneuron.kernels.indexing import (ONEHOT_LIMIT, gather_rows, index_rows, iota, mask_rows, MAX_INDEX_DIMS,
+                                         onehot_rows)
 from torchneuron.kernels.scan import scan_rows
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
@@ -273,10 +274,9 @@ def embedding_dense_backward(grad_output: torch.Tensor, indices: torch.Tensor, n
             or num_weights * n > ONEHOT_LIMIT or n == 0 or indices.dtype not in (torch.int32, torch.int64)):
         raise Unsupported
     words, stride = index_words(indices)
-    idx = words if stride == 1 else words.view(n, 2)[:, 0]
-    ids = row_numbers(num_weights, grad_output.device).reshape(num_weights, 1)
-    onehot = run_pointwise(tm.onehot_rows, [ids, idx.reshape(1, n), padding_idx], KIND.DEFAULT,
-                           result_dtype=grad_output.dtype, op="aten::embedding_dense_backward")
+    (onehot,) = call_kernel(onehot_rows, {"index": words}, {"rows": num_weights, "stride": stride,
+                                                            "padding_idx": padding_idx, "out_dtype": grad_output.dtype},
+                            op="aten::embedding_dense_backward")
     return onehot @ grad_output.reshape(n, D)
 
 
