@@ -110,6 +110,14 @@ def _activation_cases():
         yield f"identity {cmd} in place", i.activation(
             dst=_sb(512), op="identity", data=_sb(512), reduce_op="add", reduce_res=_sb(4104, F32, (1,)),
             reduce_cmd=cmd)
+    yield "identity reduce max in place 3d", i.activation(
+        dst=_sb(512, free=(4, 16)), op="identity", data=_sb(512, free=(4, 16)), reduce_op="maximum",
+        reduce_res=_sb(4104, F32, (1,)), reduce_cmd="reset_reduce")
+    strided = tile("sbuf", F32, (128, 64), offset=1024)[:, ::2]
+    yield "identity in place strided", i.activation(dst=strided, op="identity", data=strided,
+                                                    reduce_res=_sb(4104, F32, (1,)), reduce_cmd="reduce")
+    yield "identity reduce_res only", i.activation(dst=_sb(512, free=(1,)), op="identity", data=_sb(512, free=(1,)),
+                                                   reduce_res=_sb(4104, F32, (1,)))
     yield "identity reduce max", i.activation(dst=_sb(0, free=(3, 64)), op="copy", data=_sb(1024, free=(3, 64)),
                                               reduce_op="maximum", reduce_cmd="reset_reduce")
     yield "identity scale reduce", i.activation(dst=_sb(0), op="identity", data=_sb(0), scale=col,

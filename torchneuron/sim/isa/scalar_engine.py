@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Callable
 
 import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine
-from torchneuron.sim.memory import AP, store
+from torchneuron.sim.memory import AP, SimulatorError, store
 from torchneuron.sim.numerics import (ACTIVATIONS_OUT, REDUCE_IDENTITY, activation_buffer, activation_fn, alu_op,
                                       apply_activation, apply_alu, apply_reduce, as_scalar, compute_dtype, dtype_name,
                                       reduce_op)
 from torchneuron.sim.isa.common import (FUSED_ALU_FN, Instr, Operand, Step, checked_reduce_cmd, column_view,
-                                        disjoint_or_same, fused_into, fused_rhs, load_tile, planned_operand)
+                                        disjoint_or_same, fused_into, fused_rhs, load_tile, matrix_view,
+                                        planned_operand)
 
 
 # ---- ScalarE activation ------------------------------------------------------------------------
@@ -60,18 +62,40 @@ def register_init(core, value: Operand | None):
 
 def accumulate_registers(regs: torch.Tensor, op: str, cmd: str, values: torch.Tensor | None, init=None) -> None:
     """Apply reduce command ``cmd`` of ``op`` to the registers: reset or load them, then fold ``values`` in."""
-    if cmd in ("reset", "reset_reduce"):
-        regs.fill_(REDUCE_IDENTITY[op])
-    elif cmd == "load_reduce":
+    if cmd == "load_reduce":
         regs.copy_(init.reshape(-1) if isinstance(init, torch.Tensor) else torch.full_like(regs, init))
-    if cmd in ("reduce", "reset_reduce", "load_reduce") and values is not None:
-        dims = tuple(range(1, values.dim()))
-        part = apply_reduce(op, values, dims).float() if dims else values.float()
-        into = FUSED_ALU_FN.get(op)
-        if into is not None:  # the same operation written into the registers, without a temporary
-            into(regs, part.reshape(-1), out=regs)
-        else:
-            regs.copy_(apply_alu(op, regs, part))
+        cmd = "reduce"
+    register_accumulator(regs, op, cmd, 0 if values is None else values.dim())(values)
+
+
+def register_accumulator(regs: torch.Tensor, op: str, cmd: str, ndim: int) -> Callable[[torch.Tensor | None], None]:
+    """``accumulate_registers(regs, op, cmd, values)`` for ``values`` of ``ndim`` dims (not load_reduce), with its
+    choices made once: reset the registers to op's identity, then fold in op's reduction of values over their free
+    dims (written into the registers where torch has an out= form)."""
+    reset, fold = cmd in ("reset", "reset_reduce"), cmd in ("reduce", "reset_reduce")
+    identity, dims, into = REDUCE_IDENTITY[op], tuple(range(1, ndim)), FUSED_ALU_FN.get(op)
+
+    def accumulate(values: torch.Tensor | None) -> None:
+        if reset:
+            regs.fill_(identity)
+        if fold and values is not None:
+            part = apply_reduce(op, values, dims).float() if dims else values.float()
+            if into is not None:  # the operation written into the registers, without a temporary
+                into(regs, part.reshape(-1), out=regs)
+            else:
+                regs.copy_(apply_alu(op, regs, part))
+    return accumulate
+
+
+def register_store(regs: torch.Tensor, res: AP | None, rv: torch.Tensor | None) -> Callable[[], None] | None:
+    """A function writing the registers into ``res`` (its view ``rv``), as ``res.write(core, regs)`` does (the
+    registers share no memory with SBUF/PSUM), or None without ``res``."""
+    if res is None:
+        return None
+    if rv.numel() != regs.numel():
+        raise SimulatorError(f"{res!r}: cannot write {tuple(regs.shape)} values into shape {res.shape}")
+    src = regs.view(rv.shape)
+    return lambda: rv.copy_(src)
 
 
 @dataclass(frozen=True)
@@ -157,15 +181,21 @@ class Activation(Instr):
             else:
                 columns.append((value, False))
         (s, s_conv), (b, b_conv) = columns
+        accumulate, write_res = self._register_steps(core, xv.dim())
+        if self.op in ("identity", "copy") and scale is None and bias is None and dst == self.data and dst.dtype == c:
+            # the identity of a tile into itself in its own dtype writes back the bits it read: only the reduction
+            # runs, on the tile's rows (a sum along contiguous rows has the bits of the same sum on a contiguous copy)
+            rows = matrix_view(xv, xv.shape[0], n // xv.shape[0])
+            if accumulate is not None and rows is not None and (rows.stride(1) == 1 or rows.shape[1] == 1):
+                accumulate = self._register_steps(core, 2)[0]
+
+                def reduce_only(h):
+                    accumulate(rows)
+                    if write_res is not None:
+                        write_res()
+                return reduce_only
         buf, activate = activation_buffer(self.op, n, c)
         x = buf[:n].view(xv.shape)  # the loaded tile, contiguous: the layout apply_activation computes in
-        # the identity of a tile into itself in its own dtype writes back the bits it read: no store
-        store_y = not (self.op in ("identity", "copy") and scale is None and bias is None and dst == self.data
-                       and dst.dtype == c)
-        reduce = self.reduce_cmd != "idle" or self.reduce_res is not None
-        regs = engine_registers(core, Engine.SCALAR, self.data)
-        red_op, cmd, res = self.reduce_op or "add", self.reduce_cmd, self.reduce_res
-        rv = res.view(core) if res is not None else None
 
         def step(h):
             x.copy_(xv)  # (converting to c: exact, as xv.to(c))
@@ -174,13 +204,22 @@ class Activation(Instr):
             if bias is not None:
                 torch.add(x, b.to(c) if b_conv else b, out=x)
             y = activate().view(xv.shape)
-            if store_y:
-                store(dst, dv, y, may_alias=False)
-            if reduce:
-                accumulate_registers(regs, red_op, cmd, y)
-                if res is not None:
-                    store(res, rv, regs)
+            store(dst, dv, y, may_alias=False)
+            if accumulate is not None:
+                accumulate(y)
+            if write_res is not None:
+                write_res()
         return step
+
+    def _register_steps(self, core, ndim: int) -> tuple[Callable | None, Callable | None]:
+        """The register reduction of results of ``ndim`` dims (None without a reduce_cmd or reduce_res) and the
+        write of the registers into reduce_res (None without it), their lookups done once."""
+        if self.reduce_cmd == "idle" and self.reduce_res is None:
+            return None, None
+        regs = engine_registers(core, Engine.SCALAR, self.data)
+        res = self.reduce_res
+        return (register_accumulator(regs, self.reduce_op or "add", self.reduce_cmd, ndim),
+                register_store(regs, res, None if res is None else res.view(core)))
 
     def step(self, core, slots) -> Step | None:
         fn = self._fused
@@ -193,12 +232,9 @@ class Activation(Instr):
         b = None if bias is None else fused_rhs(core, bias, nd)
         if (scale is not None and s is None) or (bias is not None and b is None):
             return None
-        reduce = self.reduce_cmd != "idle" or self.reduce_res is not None
-        if s is None and b is None and not reduce:
+        accumulate, write_res = self._register_steps(core, nd)
+        if s is None and b is None and accumulate is None:
             return lambda h: fn(x, out=out)
-        regs = engine_registers(core, Engine.SCALAR, self.data)
-        red_op, cmd, res = self.reduce_op or "add", self.reduce_cmd, self.reduce_res
-        rv = res.view(core) if res is not None else None
 
         def step(h):
             y = x
@@ -209,10 +245,10 @@ class Activation(Instr):
                 torch.add(y, b, out=out)
                 y = out
             fn(y, out=out)
-            if reduce:  # execute's _reduce (reduce_into_registers) with its lookups done once
-                accumulate_registers(regs, red_op, cmd, out)
-                if res is not None:
-                    store(res, rv, regs)
+            if accumulate is not None:  # execute's _reduce (reduce_into_registers) with its lookups done once
+                accumulate(out)
+                if write_res is not None:
+                    write_res()
         return step
 
     def _execute_in_place(self, core, scale, bias) -> None:
