@@ -17,8 +17,8 @@ A simulator error raised while the kernel runs is mapped to PyTorch's exception 
 kernel that breaks a NeuronCore rule) stay ``SimulatorError``.
 
 The host cost of a launch is kept small because eager ops launch one cached Program per call:
-the program's per-core preparation (``NeuronCore.run_bound``), schedule and roofline are
-computed once, and ``record_function`` ranges are opened only while a profiler is active.
+the program's per-core preparation (``NeuronCore.run_bound``), schedule, roofline and the stream-clock
+duration of a launch are computed once (per run for a program with dynamic loops), and ``record_function`` ranges are opened only while a profiler is active.
 Callers that have already validated their tensors can pass ``check=False`` and the arguments
 as a list in slot order to skip the per-argument checks. The eager op layer takes the fast
 path ``launch_slots``: no checks, no ``LaunchRecord`` made unless something reads or collects
@@ -290,11 +290,23 @@ def _execute(program: Program, tensors: list[torch.Tensor | None], index: int, s
             if torch_error is None:
                 raise
             raise torch_error(str(e)) from e
-        schedule = program.schedule(spec)
-        device_time = schedule.device_time_ns
-        overhead = float(spec.runtime.kernel_launch_overhead_ns)
-        # the stream clock counts whole nanoseconds: the launch takes the nearest one
-        duration = max(0, round(overhead + device_time))
+        cost = program.__dict__.get("_launch_cost")
+        if cost is None or cost[0] is not spec:
+            cost = _launch_cost(program, spec)
+        _, schedule, device_time, overhead, duration = cost
         start = _C._stream_clock(index, stream_id)
         _C._advance_stream_clock(index, stream_id, duration)
     return start, start + duration, overhead, device_time, schedule, spec
+
+
+def _launch_cost(program: Program, spec: Any) -> tuple:
+    """(spec, schedule, device time ns, launch overhead ns, stream-clock duration ns) of a launch of ``program`` on
+    ``spec``, kept on the program for the next launch unless its schedule depends on each run (dynamic loops)."""
+    schedule = program.schedule(spec)
+    device_time = schedule.device_time_ns
+    overhead = float(spec.runtime.kernel_launch_overhead_ns)
+    # the stream clock counts whole nanoseconds: the launch takes the nearest one
+    cost = (spec, schedule, device_time, overhead, max(0, round(overhead + device_time)))
+    if not program.dynamic:
+        program.__dict__["_launch_cost"] = cost
+    return cost
