@@ -11,6 +11,9 @@
   timing model (the first timed run schedules; later runs reuse the cached schedule).
 * Transposes: host microseconds of a TensorE transpose (SBUF tile into PSUM) in a copy batch, against
   torch's ``copy_`` of the transposed view (what the transpose's own step calls).
+* Cold tiles: host microseconds of an instruction's step on one SBUF tile, and on tiles spread over all of SBUF
+  (a program whose tiles span SBUF, as the compiled demo's do, reads and writes bytes no longer in the host's
+  caches).
 * Large tiles: host time of one instruction divided by the time of the equivalent torch
   call on ordinary contiguous tensors (1.0 = no simulator overhead).
 * Tutorials (``--tutorials``): host seconds to trace and functionally simulate each public NKI tutorial
@@ -239,6 +242,39 @@ def transposes_in_a_batch() -> list[tuple[str, float, float]]:
             batch = _C._CopyBatch([([f, p], dtype.itemsize, dst, data.T)])
             rows.append((f"{str(dtype)[6:]} [{p}, {f}]", best_us(lambda: batch.run([]), 300),
                          best_us(lambda: dst.copy_(data.T), 300)))
+    return rows
+
+
+SLOT = 1024   # SBUF bytes per partition between the cold tiles' slots (a [128, 128] fp32 tile and a [128, 64] one)
+
+
+def cold_tiles() -> list[tuple[str, float, float]]:
+    """(instruction, host us per run of its step on tiles at one SBUF offset, host us per run when consecutive runs
+    take tiles from slots spread over all of SBUF): the second is what a program whose tiles span SBUF pays (the
+    compiled demo's forward and backward programs use 221-223 KiB of each partition's 224, eager kernels mostly
+    under 16 KiB), its tiles' host bytes no longer in the host's caches."""
+    core = NeuronCore("trn2")
+    values = core.sbuf.typed(F32)
+    values.copy_(torch.randn(values.shape))
+    slots = core.sbuf.bytes_per_partition // SLOT - 1
+    t = lambda dtype, free, slot, at=0: tile("sbuf", dtype, (128, *free), offset=SLOT * slot + at)  # noqa: E731
+    makers = {
+        "tensor_copy fp32 [128, 128]": lambda i: isa.tensor_copy(dst=t(F32, (128,), i + 1), src=t(F32, (128,), i)),
+        "nc_transpose fp32 [128, 128]": lambda i: isa.nc_transpose(dst=tile("psum", F32, (128, 128)),
+                                                                   data=t(F32, (128,), i)),
+        "nc_matmul fp32 K=M=128, N=64": lambda i: isa.nc_matmul(dst=tile("psum", F32, (128, 64)),
+                                                                stationary=t(F32, (128,), i),
+                                                                moving=t(F32, (64,), i, 512), accumulate=False),
+    }
+    rows = []
+    for name, make in makers.items():
+        steps = [make(i).step(core, {}) for i in range(slots)]
+        hot = best_us(lambda: steps[0]([]), 200)
+
+        def sweep() -> None:
+            for step in steps:
+                step([])
+        rows.append((name, hot, best_us(sweep, 1, 5) / len(steps)))
     return rows
 
 
@@ -501,6 +537,11 @@ def simulator_speed() -> None:
     print(f"  {'tile':24s} {'batch us':>9s} {'copy_ us':>9s} {'ratio':>6s}")
     for name, batch_us, copy_us in transposes_in_a_batch():
         print(f"  {name:24s} {batch_us:9.2f} {copy_us:9.2f} {batch_us / copy_us:6.2f}")
+
+    print("\nCold tiles: host us per instruction step on one SBUF tile, and on tiles spread over all of SBUF")
+    print(f"  {'instruction':32s} {'one tile':>9s} {'spread':>9s} {'ratio':>6s}")
+    for name, hot_us, spread_us in cold_tiles():
+        print(f"  {name:32s} {hot_us:9.2f} {spread_us:9.2f} {spread_us / hot_us:6.2f}")
 
     core = NeuronCore("trn2")
     print("\nLarge tiles ([128, 2048] unless named): simulator host time vs the same torch op")
