@@ -228,3 +228,25 @@ def _statistics_cases():
 @pytest.mark.parametrize("case", list(_statistics_cases()), ids=lambda c: c[0])
 def test_statistics_steps_match_execute(case, specials):
     _check_step_matches_execute(case[1], specials=specials)
+
+
+# ---- exp's clamped route with a step's buffers -------------------------------------------------------------
+
+@pytest.mark.parametrize("extra", [[], [float("nan")], [-87.5], [-100.0], [-103.9720764], [-87.00001]],
+                         ids=["masked", "nan", "denormal", "denormal2", "above-zero-bound", "below-fast-min"])
+def test_exp_with_buffers_matches_torch_bit_for_bit(extra):
+    # a causal softmax's masked scores (half the tile far below exp's range) in a strided view, in place, twice
+    # with the same buffers: torch.exp's bits, also where a value in the band makes the route step aside
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, 64, generator=g) * 4
+    x[:, :, 40:] = torch.tensor([-3e38, -float("inf"), -1e4, -104.0])[torch.randint(0, 4, (64, 8, 24), generator=g)]
+    x.view(-1)[torch.randperm(x.numel(), generator=g)[:len(extra)]] = torch.tensor(extra or [0.0])[:len(extra)]
+    want = torch.exp(x)
+    fn = nx.exp_buffers(tuple(x.shape))
+    sbuf = torch.full((64, 1000), float("nan"))
+    view = sbuf[:, 100:612].view(64, 8, 64)
+    for _ in range(2):
+        view.copy_(x)
+        assert torch.equal(fn(view, out=view).view(torch.int32), want.view(torch.int32))
+    ref = x.clone()
+    assert (nx._exp_keep(ref) is None) == bool(extra)  # the route is taken exactly where nothing is in the band

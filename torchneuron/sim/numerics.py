@@ -300,30 +300,42 @@ EXP_FAST_MIN = -87.0                # exp's result is a normal fp32 number from 
 _EXP_GAP = EXP_FAST_MIN - EXP_ZERO_AT  # exact (Sterbenz: the bounds are within a factor of 2)
 
 
-def _exp_keep(x: torch.Tensor) -> torch.Tensor | None:
-    """1.0 where ``x`` >= EXP_FAST_MIN and 0.0 where ``x`` <= EXP_ZERO_AT (fp32, contiguous), when the clamped route
-    gives torch.exp's bits for ``x``; None where it does not apply: fp32 values all >= EXP_FAST_MIN (nothing to
-    gain), NaN, or a value between the bounds (only torch's own evaluation gives its denormal or small result)."""
+def _exp_keep(x: torch.Tensor, keep: torch.Tensor | None = None, band: torch.Tensor | None = None
+              ) -> torch.Tensor | None:
+    """1.0 where ``x`` >= EXP_FAST_MIN and 0.0 where ``x`` <= EXP_ZERO_AT (fp32), when the clamped route gives
+    torch.exp's bits for ``x``; None where it does not apply: fp32 values all >= EXP_FAST_MIN (nothing to gain),
+    NaN, or a value between the bounds (only torch's own evaluation gives its denormal or small result).
+    ``keep``, ``band``: fp32 buffers of x's shape to compute in (else temporaries); the result is ``keep``."""
     if x.dtype != torch.float32 or x.numel() == 0 or not x.amin().item() < EXP_FAST_MIN:  # (NaN: not <)
         return None
-    # u = clamp(x, ZERO_AT, FAST_MIN) - ZERO_AT is exactly 0 (below), _EXP_GAP (kept) or strictly between (the
-    # band, where u * (_EXP_GAP - u) > 0: both factors are at least an ulp of 100, no underflow); all exact
-    u = torch.clamp(x, EXP_ZERO_AT, EXP_FAST_MIN).sub_(EXP_ZERO_AT)
-    if torch.rsub(u, _EXP_GAP).mul_(u).amax().item() > 0:
+    # a comparison written straight into fp32 gives 1.0 / 0.0 (a bool result converted costs far more)
+    keep = torch.ge(x, EXP_FAST_MIN, out=torch.empty(x.shape) if keep is None else keep)
+    # x clamped to [ZERO_AT, FAST_MIN], less the gap where kept: ZERO_AT for every value outside the band (FAST_MIN
+    # - _EXP_GAP is ZERO_AT exactly), the value itself inside it, so the band is empty iff the maximum is ZERO_AT
+    band = torch.clamp(x, EXP_ZERO_AT, EXP_FAST_MIN, out=torch.empty(x.shape) if band is None else band)
+    if band.sub_(keep, alpha=_EXP_GAP).amax().item() > EXP_ZERO_AT:
         return None
-    return u.div_(_EXP_GAP)
+    return keep
 
 
-def exp_out(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
-    """``torch.exp(x, out=out)``, bit for bit, without torch's slow path on large negative inputs."""
+def exp_out(x: torch.Tensor, *, out: torch.Tensor, buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> torch.Tensor:
+    """``torch.exp(x, out=out)``, bit for bit, without torch's slow path on large negative inputs. ``buffers``:
+    two fp32 tensors of x's shape for the route's masks (else temporaries)."""
     if x.shape == out.shape and x.stride() == out.stride():
-        keep = _exp_keep(x)
+        keep = _exp_keep(x, *(buffers or ()))
         if keep is not None:
             # out has x's shape and strides: the kept values' exp runs with the geometry exp(x, out=out) has
             torch.clamp_min(x, EXP_FAST_MIN, out=out)
             torch.exp(out, out=out)
             return out.mul_(keep)
     return torch.exp(x, out=out)
+
+
+def exp_buffers(shape: tuple[int, ...]) -> Callable[..., torch.Tensor]:
+    """``exp_out`` with its masks' buffers for inputs of ``shape`` made once (a step's exp)."""
+    buffers = (torch.empty(shape), torch.empty(shape))
+    return lambda x, *, out: exp_out(x, out=out, buffers=buffers)
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
@@ -395,7 +407,7 @@ def _in_place(op: str, n: int, dtype: torch.dtype) -> Callable[[torch.Tensor], t
     or for gelu_dx a scratch it owns): the torch calls of ``ACTIVATIONS[op]``, written into the buffer."""
     if op in ("identity", "copy"):
         return lambda buf: buf
-    fn_out = ACTIVATIONS_OUT.get(op)
+    fn_out = exp_buffers((n,)) if op == "exp" else ACTIVATIONS_OUT.get(op)
     if fn_out is not None:
         return lambda buf: fn_out(buf, out=buf)
     if op in ("gelu", "gelu_apprx_tanh"):  # F.gelu is torch._C._nn.gelu: the same kernel writes into out=

@@ -12,7 +12,7 @@ from torchneuron.sim.instruction import CostInputs, Engine
 from torchneuron.sim.memory import AP, SimulatorError, store
 from torchneuron.sim.numerics import (ACTIVATIONS_OUT, REDUCE_IDENTITY, activation_buffer, activation_fn, alu_op,
                                       apply_activation, apply_alu, apply_reduce, as_scalar, compute_dtype, dtype_name,
-                                      reduce_op)
+                                      exp_buffers, exp_out, reduce_op)
 from torchneuron.sim.isa.common import (FUSED_ALU_FN, Instr, Operand, Step, checked_reduce_cmd, column_view,
                                         disjoint_or_same, fused_into, fused_rhs, load_tile, matrix_view,
                                         planned_operand)
@@ -227,6 +227,8 @@ class Activation(Instr):
             return self._planned_step(core)
         _, scale, bias = self._plan
         out, x = self.dst.view(core), self.data.view(core)
+        if fn is exp_out:
+            fn = exp_buffers(tuple(out.shape))  # the same exp_out, its masks in buffers of the step
         nd = out.dim()
         s = None if scale is None else fused_rhs(core, scale, nd)
         b = None if bias is None else fused_rhs(core, bias, nd)
