@@ -314,7 +314,9 @@ def test_matmul_a_given_as_km_narrow_output_loads_several_strips_at_once(mkn, dt
 # (M, K, N), transpose_a, transpose_b, bias: the grouped path (K, N <= 512) and the tiled one, each layout
 FOLD_CASES = [((300, 200, 100), False, False, False), ((768, 1024, 640), True, False, False),
               ((130, 1030, 600), False, True, True), ((1024, 768, 768), False, True, True),
-              ((256, 64, 96), True, False, True)]
+              ((256, 64, 96), True, False, True),
+              # A's rows as row blocks (each partition's rows of a group one run): groups of 4 and of 2 chunks
+              ((1024, 64, 192), False, False, True), ((640, 96, 256), False, True, False)]
 
 
 def _fold_operands(mkn, transpose_a, transpose_b, bias, dtype):

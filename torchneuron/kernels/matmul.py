@@ -399,6 +399,20 @@ def _load_rows(src, r0: int, rows: int, K: int, dt):
     return chunks
 
 
+def _load_row_blocks(src, r0: int, nch: int, K: int, dt):
+    """Rows [r0, r0 + 128 * nch) of a row-major HBM matrix [R, K] as [128, nch, K] with row r0 + p * nch + c at
+    (p, c): each partition's rows are one contiguous run of nch * K elements (one DMA descriptor, not nch)."""
+    chunks = nl.ndarray((PMAX, nch, K), dt, buffer=nl.sbuf)
+    nisa.dma_copy(dst=chunks, src=src.ap([[nch * K, PMAX], [K, nch], [1, K]], offset=r0 * K))
+    return chunks
+
+
+def _row_blocks_ap(t, r0: int, nch: int, N: int):
+    """Rows [r0, r0 + 128 * nch) of a contiguous HBM matrix [R, N] as [128, nch * N], partition p holding rows
+    r0 + p * nch .. r0 + p * nch + nch - 1 (``_load_row_blocks``' layout)."""
+    return t.ap([[nch * N, PMAX], [1, nch * N]], offset=r0 * N)
+
+
 def _transpose_rows(chunks, rows: int, K: int, evict: Callable):
     """Loaded row chunks (``_load_rows``, rows <= 512 fp32) as K-major SBUF [128, KT, rows]: each (chunk,
     K tile) transposed on TensorE into one PSUM tile per K tile, each evicted once."""
@@ -444,9 +458,18 @@ def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool
             nisa.tensor_tensor(dst=dst.reshape((p, nch, N)), data1=src.reshape((p, nch, N)),
                                data2=spread_row(brow, p, nch, N), op=nl.add)
 
+    def blocked(rows):
+        """Whether a group of A's rows goes as row blocks (``_load_row_blocks``: chunk c holds rows p * nch + c,
+        each partition's rows one run of nch * K elements), not as 128-row chunks (nch runs of K): A as [M, K]
+        filling every partition. Its output rows are then stored the same way (runs of nch * N)."""
+        return not transpose_a and rows % PMAX == 0
+
     def load(m0, rows):
-        """The group's A loads (DMAs only, issued a group ahead): K-major [128, KT, rows] or row chunks."""
-        return _load_k_major(a, m0, rows, K, dt) if transpose_a else _load_rows(a, m0, rows, K, dt)
+        """The group's A loads (DMAs only, issued a group ahead): K-major [128, KT, rows], row blocks or row
+        chunks."""
+        if transpose_a:
+            return _load_k_major(a, m0, rows, K, dt)
+        return _load_row_blocks(a, m0, rows // PMAX, K, dt) if blocked(rows) else _load_rows(a, m0, rows, K, dt)
 
     sdt = product_stage_dtype(epilogue, dt)
     stage = [nl.ndarray((PMAX, chunks_per_group * N), sdt, buffer=nl.sbuf) for _ in range(2)]
@@ -463,6 +486,11 @@ def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool
                 nisa.nc_matmul(dst=acc[:n, c * N:(c + 1) * N], stationary=aT[:kk, kt, c * PMAX:c * PMAX + n],
                                moving=bK[:kk, kt, :], accumulate=kt > 0)
         res = stage[i % 2]
+        if blocked(rows):   # partition p holds output rows m0 + p * nch .. + nch - 1: one run of nch * N each
+            finish(res[:, :nch * N], acc[:, :nch * N], PMAX, nch)
+            _store_block(out, res[:, :nch * N], PMAX, nch * N, lambda t, m0=m0, nch=nch: _row_blocks_ap(t, m0, nch, N),
+                         epilogue)
+            continue
         full = nch if last == PMAX else nch - 1
         if epilogue is not None:   # chunk by chunk: [128, N] fp32 blocks of the product and the extras
             if full:
