@@ -250,3 +250,54 @@ def test_exp_with_buffers_matches_torch_bit_for_bit(extra):
         assert torch.equal(fn(view, out=view).view(torch.int32), want.view(torch.int32))
     ref = x.clone()
     assert (nx._exp_keep(ref) is None) == bool(extra)  # the route is taken exactly where nothing is in the band
+
+
+# ---- affine_select ----------------------------------------------------------------------------------------
+
+def _affine_cases():
+    i = isa
+    causal = dict(pattern=[[0, 8], [-1, 64]], channel_multiplier=1, cmp_op="greater_equal")
+    yield "in place 3d", i.affine_select(dst=_sb(0, free=(8, 64)), on_true_tile=_sb(0, free=(8, 64)),
+                                         on_false_value=0.0, **causal)
+    yield "disjoint", i.affine_select(dst=_sb(4096, free=(64,), parts=64), pattern=[[-1, 64]], channel_multiplier=1,
+                                      on_true_tile=_sb(0, free=(64,), parts=64), on_false_value=-3e38,
+                                      cmp_op="greater_equal")
+    yield "shifted overlap", i.affine_select(dst=_sb(8, free=(8, 64)), on_true_tile=_sb(0, free=(8, 64)),
+                                             on_false_value=-float("inf"), **causal)
+    yield "partial partitions", i.affine_select(dst=_sb(0, free=(40,), parts=30, start=90), pattern=[[2, 40]],
+                                                channel_multiplier=-3, offset=7, cmp_op="not_equal",
+                                                on_true_tile=_sb(0, free=(40,), parts=30, start=90),
+                                                on_false_value=float("nan"))
+    yield "into bf16", i.affine_select(dst=_sb(4096, BF16, free=(8, 64)), on_true_tile=_sb(0, free=(8, 64)),
+                                       on_false_value=-1e30, **causal)
+    yield "int32 in place", i.affine_select(dst=_sb(0, torch.int32, free=(64,)), pattern=[[-1, 64]],
+                                            channel_multiplier=1, on_true_tile=_sb(0, torch.int32, free=(64,)),
+                                            on_false_value=-5, cmp_op="less")
+
+
+@pytest.mark.parametrize("case", list(_affine_cases()), ids=lambda c: c[0])
+def test_affine_select_steps_match_execute(case):
+    # NaNs of distinct payloads among the values: a selection copies elements, payloads included
+    fast, slow = _cores(9)
+    for core in (fast, slow):
+        words = core.sbuf.data.view(torch.int32)[:, :4096]
+        g = torch.Generator().manual_seed(3)
+        nan = torch.randint(0x7FC00001, 0x7FFFFFFF, words.shape, generator=g, dtype=torch.int32)
+        pick = torch.rand(words.shape, generator=g) < 0.1
+        words[pick] = nan[pick]
+    step = case[1].step(fast, {})
+    for _ in range(2):
+        step([])
+        slow.execute(case[1])
+        assert _same_state(fast, slow)
+
+
+def test_causal_affine_select_against_a_mask():
+    fast, _ = _cores(4)
+    tile_ = _sb(0, free=(8, 64))
+    x = tile_.view(fast).clone()
+    isa.affine_select(dst=tile_, on_true_tile=tile_, on_false_value=-3e38, pattern=[[0, 8], [-1, 64]],
+                      channel_multiplier=1, cmp_op="greater_equal").step(fast, {})([])
+    keep = torch.arange(128)[:, None, None] >= torch.arange(64)[None, None, :]  # p - i >= 0
+    want = torch.where(keep, x, torch.tensor(-3e38))
+    assert torch.equal(tile_.view(fast).view(torch.int32), want.view(torch.int32))

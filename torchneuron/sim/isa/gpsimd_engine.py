@@ -138,6 +138,13 @@ class AffineSelect(Instr):
         to_float = prepare_cast(torch.empty(0, dtype=tv.dtype), dst.dtype).dtype != tv.dtype
         compute = torch.float32 if to_float else tv.dtype
         fill = torch.tensor(as_scalar(self.on_false_value, torch.float32), dtype=torch.float32).to(compute)
+        if compute == tv.dtype == dv.dtype and tv.shape == dv.shape:
+            # no cast: where's result is the tile where the predicate holds and the fill elsewhere, written into dst
+            # (elements copied, not computed: the same bits); dst may be the tile itself (each element is read before
+            # it is written), not a shifted view of its memory
+            shaped = predicate.view(dv.shape)
+            if self.on_true_tile == dst or not self.on_true_tile.footprint().overlaps(dst.footprint()):
+                return lambda h: torch.where(shaped, tv, fill, out=dv)
 
         def step(h):  # execute's calls, the predicate and the fill value made once
             x = tv.reshape(p, f)
