@@ -111,8 +111,8 @@ def onehot_rows(index, rows, stride=1, padding_idx=-1, out_dtype=nl.float32):
         w = min(F, n - c0)
         # DMA: the block's index words, the same on every partition
         words = nl.ndarray((PMAX, w, stride), nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=words.reshape((PMAX, w * stride)),
-                      src=index[c0 * stride:(c0 + w) * stride].reshape((1, w * stride)).broadcast_to((PMAX, w * stride)))
+        row = index[c0 * stride:(c0 + w) * stride].reshape((1, w * stride))
+        nisa.dma_copy(dst=words.reshape((PMAX, w * stride)), src=row.broadcast_to((PMAX, w * stride)))
         for b in range(blocks):
             p = min(PMAX, rows - b * PMAX)
             # VectorE: (index == v) * keep[v], 1 or 0, in one instruction; the store casts it to out_dtype

@@ -6,9 +6,10 @@ Each op applies the tile function its single-tensor lowering uses (``kernels/til
 results are bit-identical to the per-tensor ops. Scalars reach the kernel as device operands, so a
 new learning rate or bias correction does not mean a new Program: one shared by every tensor as one
 (1, 1) operand, one per tensor as one (n, 1) operand written in one host-to-device transfer for the whole
-list (a launch binds one slot for either, its rows of it for the latter, not one per tensor). Lists that are not all contiguous float tensors of one
-dtype on one neuron device, whose tensors differ in shape at one index, or with a scalar that is
-not a real number, take the per-tensor loop (each op then lowers, or falls back, on its own).
+list (a launch binds one slot for either, its rows of it for the latter, not one per tensor). Lists that
+are not all contiguous float tensors of one dtype on one neuron device, whose tensors differ in shape at
+one index, or with a scalar that is not a real number, take the per-tensor loop (each op then lowers, or
+falls back, on its own).
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ kernel that breaks a NeuronCore rule) stay ``SimulatorError``.
 
 The host cost of a launch is kept small because eager ops launch one cached Program per call:
 the program's per-core preparation (``NeuronCore.run_bound``), schedule, roofline and the stream-clock
-duration of a launch are computed once (per run for a program with dynamic loops), and ``record_function`` ranges are opened only while a profiler is active.
+duration of a launch are computed once (per run for a program with dynamic loops), and
+``record_function`` ranges are opened only while a profiler is active.
 Callers that have already validated their tensors can pass ``check=False`` and the arguments
 as a list in slot order to skip the per-argument checks. The eager op layer takes the fast
 path ``launch_slots``: no checks, no ``LaunchRecord`` made unless something reads or collects
