@@ -301,3 +301,33 @@ def test_causal_affine_select_against_a_mask():
     keep = torch.arange(128)[:, None, None] >= torch.arange(64)[None, None, :]  # p - i >= 0
     want = torch.where(keep, x, torch.tensor(-3e38))
     assert torch.equal(tile_.view(fast).view(torch.int32), want.view(torch.int32))
+
+
+# ---- tensor_scalar powers in place ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("exponent", [2.0, 0.5, -0.5, -1.0, 0.3, 3.0])
+@pytest.mark.parametrize("free", [(1,), (100,), (3, 64)], ids=["column", "row", "3d"])
+def test_tensor_scalar_powers_match_execute(exponent, free):
+    # a layer norm's rstd: (var + eps) ** -0.5 written into dst, against execute's temporaries (contiguous: the
+    # vector path) over negative, zero, subnormal, huge, infinite and NaN-payload values
+    g = torch.Generator().manual_seed(0)
+    for dst, data in ((_sb(2048, free=free), _sb(0, free=free)), (_sb(0, free=free), _sb(0, free=free))):
+        instr = isa.tensor_scalar(dst=dst, data=data, op0="add", operand0=1e-5, op1="power", operand1=exponent)
+        fast, slow = _cores(int(torch.randint(0, 100, (1,), generator=g)))
+        for core in (fast, slow):
+            words = core.sbuf.data.view(torch.int32)[:, :2048]
+            nan = torch.randint(0x7FC00001, 0x7FFFFFFF, words.shape, generator=torch.Generator().manual_seed(1),
+                                dtype=torch.int32)
+            words[::7] = (nan | (torch.arange(words.shape[1]) % 2 << 31).to(torch.int32))[::7]
+        step = instr.step(fast, {})
+        step([])
+        slow.execute(instr)
+        assert _same_state(fast, slow)
+    # the step's results against the float64 power of the fp32 sum: x * x, sqrt and 1 / x round once, 1 / sqrt
+    # twice, torch's general pow is within an ulp: 2 ulp (relative 2 ** -22) covers each
+    fast, _ = _cores(3, specials=False)
+    data, dst = _sb(0, free=free), _sb(2048, free=free)
+    data.view(fast).abs_()
+    isa.tensor_scalar(dst=dst, data=data, op0="add", operand0=1e-5, op1="power", operand1=exponent).step(fast, {})([])
+    want = (data.view(fast) + 1e-5).double() ** exponent
+    assert torch.isclose(dst.view(fast).double(), want, rtol=2 ** -22, atol=0).all()

@@ -467,22 +467,34 @@ def planned_alu_step(core, dst: AP, data: AP, ops: list, c: torch.dtype) -> Step
 # (NaN payloads included) do not depend on the memory layout torch's loop runs over (its maximum/minimum
 # choose a NaN by code path, so they keep the temporaries)
 IN_PLACE_OPS = frozenset({"add", "subtract", "multiply", "divide"})
+# powers by these scalar exponents, which torch computes by correctly rounded operations on its vector and
+# element-by-element paths alike (x * x, sqrt, 1 / sqrt, 1 / x), so their bits do not depend on the layout either
+# (a layer norm's (var + eps) ** -0.5)
+EXACT_POWERS = frozenset({2.0, 0.5, -0.5, -1.0})
+
+
+def _in_place_op(op: str, operand, reverse: bool) -> bool:
+    """Whether op with this operand computes the same bits written into dst as into a temporary."""
+    return op in IN_PLACE_OPS or (op == "power" and not reverse and not isinstance(operand, AP)
+                                  and operand in EXACT_POWERS)
 
 
 def _in_place_chain(dst: AP, data: AP, ops: list, planned: list, c: torch.dtype) -> list | None:
     """planned_alu_step's ops as (torch function, operand, reverse) writing each result into ``dst`` (``fn(a, b,
-    out=dst)``), or None where that could change a bit: any dtype but fp32, an op outside IN_PLACE_OPS, or
-    ``dst`` sharing memory with what is read after the first op wrote it (data and the first operand may
-    be dst itself: each element is read before it is written)."""
+    out=dst)``), or None where that could change a bit: any dtype but fp32, an op outside IN_PLACE_OPS (or a
+    power but by EXACT_POWERS), or ``dst`` sharing memory with what is read after the first op wrote it (data and
+    the first operand may be dst itself: each element is read before it is written)."""
     if c != torch.float32 or dst.dtype != c or data.dtype != c:
         return None
     tiles = [operand for _, operand, _, _ in ops if isinstance(operand, AP)]
-    if any(t.dtype != c for t in tiles) or any(op not in IN_PLACE_OPS for op, _, _, _ in ops):
+    if any(t.dtype != c for t in tiles) or not all(_in_place_op(op, v, rev) for op, v, rev, _ in ops):
         return None
     later = [operand for _, operand, _, _ in ops[1:] if isinstance(operand, AP)]
     if not disjoint_or_same(dst, data, *tiles) or any(t == dst for t in later):
         return None
-    return [(FUSED_ALU_FN[op], v if isinstance(v, torch.Tensor) else _f32(v), reverse)
+    # a power takes its exponent as the Python number apply_alu passes (torch's scalar-exponent kernel)
+    return [(torch.pow, v, reverse) if op == "power" else
+            (FUSED_ALU_FN[op], v if isinstance(v, torch.Tensor) else _f32(v), reverse)
             for (op, _, _, _), (_, v, _, reverse) in zip(ops, planned)]
 
 
