@@ -331,3 +331,37 @@ def test_tensor_scalar_powers_match_execute(exponent, free):
     isa.tensor_scalar(dst=dst, data=data, op0="add", operand0=1e-5, op1="power", operand1=exponent).step(fast, {})([])
     want = (data.view(fast) + 1e-5).double() ** exponent
     assert torch.isclose(dst.view(fast).double(), want, rtol=2 ** -22, atol=0).all()
+
+
+# ---- comparisons and logical operators written straight into dst ------------------------------------------
+
+def _truth_cases():
+    i, I32 = isa, torch.int32
+    for op in ("logical_and", "logical_or", "logical_xor", "equal", "greater"):
+        for dt in (F32, I32):
+            yield f"tt {op} {dt}", i.tensor_tensor(dst=_sb(4096, dt, free=(4, 16)), data1=_sb(0, dt, free=(4, 16)),
+                                                   data2=_sb(1024, dt, free=(4, 16)), op=op)
+    yield "tt in place", i.tensor_tensor(dst=_sb(0, I32), data1=_sb(0, I32), data2=_sb(1024, I32), op="logical_and")
+    yield "tt shifted overlap", i.tensor_tensor(dst=_sb(4), data1=_sb(0), data2=_sb(1024), op="greater")
+    yield "tt into bf16", i.tensor_tensor(dst=_sb(4096, BF16), data1=_sb(0), data2=_sb(1024), op="less_equal")
+    yield "tt mixed dtypes", i.tensor_tensor(dst=_sb(4096, I32), data1=_sb(0, I32), data2=_sb(1024), op="not_equal")
+    yield "ts equal 0", i.tensor_scalar(dst=_sb(4096, I32, free=(1,)), data=_sb(0, I32, free=(1,)), op0="equal",
+                                        operand0=0)
+    yield "ts reversed column", i.tensor_scalar(dst=_sb(4096, I32), data=_sb(0, I32), op0="greater",
+                                                operand0=_sb(2048, I32, free=(1,)), reverse0=True)
+    yield "ts logical scalar", i.tensor_scalar(dst=_sb(4096), data=_sb(0), op0="logical_xor", operand0=2.5)
+    yield "ts reversed scalar", i.tensor_scalar(dst=_sb(0), data=_sb(0), op0="less", operand0=-0.0, reverse0=True)
+
+
+@pytest.mark.parametrize("case", list(_truth_cases()), ids=lambda c: c[0])
+def test_comparison_and_logical_steps_match_execute(case):
+    # int32 tiles hold the fp32 specials' bit patterns (0, 0x80000000, NaN words...) and large integers
+    _check_step_matches_execute(case[1])
+
+
+def test_logical_and_against_truthiness():
+    fast, _ = _cores(2)
+    a, b, dst = _sb(0), _sb(1024), _sb(4096, torch.int32)
+    isa.tensor_tensor(dst=dst, data1=a, data2=b, op="logical_and").step(fast, {})([])
+    want = ((a.view(fast) != 0) & (b.view(fast) != 0)).to(torch.int32)  # NaN is true, -0.0 false
+    assert torch.equal(dst.view(fast), want)

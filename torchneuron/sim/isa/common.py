@@ -397,13 +397,18 @@ def column_view(core, ap: AP, nd: int) -> torch.Tensor | None:
     return v
 
 
-_INT32_EXACT_OPS = frozenset({"bitwise_and", "bitwise_or", "bitwise_xor", *COMPARE_OPS})
+LOGICAL_OPS = frozenset({"logical_and", "logical_or", "logical_xor"})
+_INT32_EXACT_OPS = frozenset({"bitwise_and", "bitwise_or", "bitwise_xor", *COMPARE_OPS, *LOGICAL_OPS})
+# comparisons and logical operators as torch functions writing 1 / 0 into a tensor of any dtype (out=)
+_TRUTH_FN = {"equal": torch.eq, "not_equal": torch.ne, "greater": torch.gt, "greater_equal": torch.ge,
+             "less": torch.lt, "less_equal": torch.le, "logical_and": torch.logical_and,
+             "logical_or": torch.logical_or, "logical_xor": torch.logical_xor}
 
 
 def int32_exact(data: AP, ops: list) -> bool:
     """Whether an int64 computation of ``ops`` on ``data`` gives the values int32 gives: int32 tiles,
-    int32-range scalars, and only bitwise and/or/xor and comparisons, whose int64 results on
-    sign-extended int32 inputs are the sign-extended int32 results (so any dst dtype stores the same)."""
+    int32-range scalars, and only bitwise and/or/xor, comparisons and logical operators, whose int64 results
+    on sign-extended int32 inputs are the sign-extended int32 results (so any dst dtype stores the same)."""
     if data.dtype != torch.int32:
         return False
     for op, operand, _, _ in ops:
@@ -442,6 +447,12 @@ def planned_alu_step(core, dst: AP, data: AP, ops: list, c: torch.dtype) -> Step
         else:
             planned.append((op, operand, False, reverse))
     convert = xv.dtype != c
+    truth = _truth_into(dst, data, ops, planned, c) if dv.shape == xv.shape else None
+    if truth is not None:
+        fn, v, reverse = truth
+        if reverse:
+            return lambda h: fn(v, xv, out=dv)
+        return lambda h: fn(xv, v, out=dv)
     chain = _in_place_chain(dst, data, ops, planned, c) if dv.shape == xv.shape else None
     if chain is not None:
         def step(h):  # each op written into dst, the next reading it there: the same values, no temporaries
@@ -461,6 +472,25 @@ def planned_alu_step(core, dst: AP, data: AP, ops: list, c: torch.dtype) -> Step
             r = apply_alu(op, v, r) if reverse else apply_alu(op, r, v)
         store(dst, dv, r)
     return step
+
+
+def _truth_into(dst: AP, data: AP, ops: list, planned: list, c: torch.dtype) -> tuple | None:
+    """A single comparison or logical operator of planned_alu_step as (torch function, operand, reverse) writing
+    its 1 / 0 straight into ``dst`` (``fn(a, b, out=dst)``: the values apply_alu makes in the compute dtype and the
+    store writes), or None: another op, operands not all in the compute dtype ``c`` (no conversion to do) or not
+    dst's dtype, or dst sharing memory with an input other than being it."""
+    if len(ops) != 1 or ops[0][0] not in _TRUTH_FN or dst.dtype != c or data.dtype != c:
+        return None
+    op, operand, _, _ = ops[0]
+    _, v, _, reverse = planned[0]
+    if isinstance(operand, AP):
+        if operand.dtype != c or not disjoint_or_same(dst, data, operand):
+            return None
+    elif not disjoint_or_same(dst, data):
+        return None
+    if not isinstance(v, torch.Tensor) and (reverse or op in LOGICAL_OPS):
+        v = torch.tensor(v, dtype=c)  # (as apply_alu: these take a Python number on the right only)
+    return _TRUTH_FN[op], v, reverse
 
 
 # the ops an all-fp32 planned step may compute in place in its destination: IEEE operations whose result bits
