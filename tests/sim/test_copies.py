@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torchneuron.sim import AP, ArgSlot, NeuronCore, Program, isa, tile
-from torchneuron.sim.copies import _writes_once
+from torchneuron.sim.memory import writes_once
 from tests.sim.test_steps import _reference
 
 F32, BF16, I8, I16 = torch.float32, torch.bfloat16, torch.int8, torch.int16
@@ -131,7 +131,7 @@ def test_writes_once(sizes, strides, once):
     import itertools
     offsets = [sum(i * s for i, s in zip(idx, strides)) for idx in itertools.product(*map(range, sizes))]
     assert (len(set(offsets)) == len(offsets)) == once
-    assert _writes_once(sizes, strides) == once
+    assert writes_once(sizes, strides) == once
 
 
 def test_copies_through_a_byte_buffer_and_reshaped_destinations_match_execute():

@@ -182,3 +182,86 @@ def test_a_batch_of_copies_over_outer_dims_runs_in_order():
     want[1:3] = d
     assert _same_bits(b, want)
 
+
+# ---- runs of independent matmuls as one bmm (tensor_engine.batch_matmuls) --------------------------------------
+
+K, M, N, RUN = 16, 24, 20, 6   # partial tiles: K rows of 128, M of 128 columns, N of 512
+
+
+def _operands(i: int, dtype=F32) -> tuple:
+    """The i-th matmul's operands of a run: each in its own 16-partition band of SBUF (as one PE row tile each)."""
+    return (tile("sbuf", dtype, (K, M), start_partition=K * i, offset=2560),
+            tile("sbuf", dtype, (K, N), start_partition=K * i, offset=3072))
+
+
+def _matmuls() -> tuple[Program, list[list[int]], list[list[int]]]:
+    """A run of overwrites stepping through SBUF bands and PSUM columns, then runs that must not be batched whole: a
+    result step that changes (its first two batch), two results in one box, a shared stationary, accumulations,
+    results stepping by less than their width; then matmuls with accumulate=None into a box the run opened (adds)
+    and into one it did not (overwrites). Runs apart by a copy between them. Also: per run, the indices of its
+    instructions that batch into the first of them, and of those that keep their own entries."""
+    box = lambda j: tile("psum", F32, (M, N), offset=2048 + 4 * N * j)                  # noqa: E731
+    irregular = [tile("psum", F32, (M, N), offset=o) for o in (8192, 8192 + 4 * N, 8192 + 12 * N)]
+    groups = [
+        [isa.nc_matmul_tiled(dst=box(j), stationary=_operands(j)[0], moving=_operands(j)[1], accumulate=False,
+                             tile_position=(K * j // 32 * 32, 0), tile_size=(32, 128)) for j in range(RUN)],
+        [isa.nc_matmul(dst=d, stationary=_operands(j)[0], moving=_operands(j)[1], accumulate=False)
+         for j, d in enumerate(irregular)],
+        [isa.nc_matmul(dst=box(0), stationary=_operands(j)[0], moving=_operands(j)[1], accumulate=False)
+         for j in (1, 2)],                                                                  # one box twice
+        [isa.nc_matmul(dst=box(j), stationary=_operands(0)[0], moving=_operands(j)[1], accumulate=False)
+         for j in (3, 4, 5)],                                                               # a shared stationary
+        [isa.nc_matmul(dst=box(j), stationary=_operands(j)[0], moving=_operands(j)[1], accumulate=True)
+         for j in (3, 4)],                                                                  # accumulations
+        [isa.nc_matmul(dst=tile("psum", F32, (M, N), offset=14336 + 2 * N * j), stationary=_operands(j)[0],
+                       moving=_operands(j)[1], accumulate=False) for j in range(3)],        # results overlap
+        [isa.nc_matmul(dst=box(1), stationary=_operands(6)[0], moving=_operands(6)[1]),
+         isa.nc_matmul(dst=tile("psum", F32, (M, N), offset=12288), stationary=_operands(7)[0],
+                       moving=_operands(7)[1])],
+    ]
+    batched = [list(range(1, RUN)), [1], [], [], [], [], []]
+    body = [isa.dma_copy(dst=tile("sbuf", F32, (128, 256), offset=2560), src=tile("hbm:x", F32, (128, 256)))]
+    spans = []
+    for group in groups:
+        spans.append(list(range(len(body), len(body) + len(group))))
+        body += [*group, isa.tensor_copy(dst=tile("sbuf", F32, (1, 4), offset=65536),
+                                         src=tile("sbuf", F32, (1, 4), offset=65600))]
+    merged = [[span[i] for i in b] for span, b in zip(spans, batched)]
+    own = [[i for i in span if i not in m] for span, m in zip(spans, merged)]
+    return Program(body, [ArgSlot("x", (128, 256), F32)], "matmuls"), merged, own
+
+
+def _matmul_input(seed: int) -> torch.Tensor:
+    """Matmul operand values (many binades, +-0, infinities, NaNs of distinct payloads) with subnormals among them."""
+    x = _matmul_operand((128, 256), F32, seed)
+    x.view(-1)[7::97] = torch.tensor([1e-40, -3e-42, 1e-45])[torch.arange(len(x.view(-1)[7::97])) % 3]
+    return x
+
+
+@pytest.mark.parametrize("agrees", [True, False], ids=["bmm", "bmm refused"])
+def test_runs_of_matmuls_match_execute_and_float64(agrees, monkeypatch):
+    if not agrees:
+        monkeypatch.setattr(tensor_engine, "bmm_agrees", lambda a, b: False)
+    prog, merged, own = _matmuls()
+    fast, slow = NeuronCore("trn2", nan_fill=False), NeuronCore("trn2", nan_fill=False)
+    for seed in (1, 2):
+        for core in (fast, slow):
+            core.psum.data.copy_(_bits(tuple(core.psum.data.shape), torch.uint8, seed))
+        x = _matmul_input(seed)
+        fast.run(prog, {"x": x}, timed=False)
+        _reference(slow, prog, {"x": x.clone()})
+        assert torch.equal(fast.psum.data, slow.psum.data) and torch.equal(fast.sbuf.data, slow.sbuf.data)
+        assert torch.equal(fast.psum.group_closed, slow.psum.group_closed)
+        # the run's results (those the later matmuls leave): within fp32 summation's bound of float64
+        for j in (2,):
+            a, b = (ap.read(slow).double() for ap in _operands(j))
+            want, got = a.T @ b, tile("psum", F32, (M, N), offset=2048 + 4 * N * j).read(slow).double()
+            finite = want.isfinite()
+            bound = K * 2.0 ** -24 * (a.abs().T @ b.abs())
+            assert ((got - want).abs() <= bound)[finite].all()
+            assert torch.equal(got[~finite].nan_to_num(0.0), want[~finite].nan_to_num(0.0))
+            assert torch.equal(got.isnan(), want.isnan())
+    firsts = {id(entry[0]) for entry in fast._plan(prog).batched}
+    ins = prog.instructions
+    assert all(id(ins[i]) in firsts for span in own for i in span)
+    assert all((id(ins[i]) in firsts) is not agrees for span in merged for i in span)

@@ -24,18 +24,7 @@ import torch
 from torchneuron.sim.isa import Activation, DmaCopy, Instr, NcTranspose
 from torchneuron.sim.isa.scalar_engine import _identity_out
 from torchneuron.sim.isa.vector_engine import TensorCopy
-from torchneuron.sim.memory import AP
-
-
-def _writes_once(sizes: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether a pattern reaches each element at most once (a sufficient test: sorted by stride, each dim's
-    stride clears the span of the dims inside it)."""
-    span = 1   # offsets [0, span) reached by the dims taken so far
-    for stride, size in sorted((st, s) for s, st in zip(sizes, strides) if s > 1):
-        if stride < span:
-            return False
-        span += stride * (size - 1)
-    return True
+from torchneuron.sim.memory import AP, writes_once
 
 
 def _side(core, ap: AP, slots: Mapping[str, tuple[int, Any]]) -> tuple[Any, tuple[int, ...]] | None:
@@ -106,7 +95,7 @@ def _checked(dst: AP, src: AP, d: Any, s: Any, sizes: tuple[int, ...], after: Ca
     if dst.memory == src.memory and dst.footprint().overlaps(src.footprint()):
         return None
     dst_strides = d.stride() if isinstance(d, torch.Tensor) else tuple(st // dst.dtype.itemsize for st in d[2])
-    if not _writes_once(sizes, dst_strides):
+    if not writes_once(sizes, dst_strides):
         return None
     return (list(sizes), dst.dtype.itemsize, d, s), after
 

@@ -23,6 +23,7 @@ from torchneuron.sim.copies import batch_copies
 from torchneuron.sim.instruction import Engine
 from torchneuron.sim.isa import Instr
 from torchneuron.sim.isa.control import REGISTERS
+from torchneuron.sim.isa.tensor_engine import batch_matmuls
 from torchneuron.sim.memory import (Memory, SimulatorError, SIM_THREADS, check_host_binding, nan_fill_enabled,
                                     NAN_BYTE)
 from torchneuron.sim.program import Program
@@ -89,9 +90,10 @@ class _Plan:
                                for f in instr.psum_writes)
             entries.append((instr, step, closes))
         self.entries = tuple(entries)
-        # what a run in program order executes: runs of plain copies as one call each (a dynamic program's
-        # control instructions jump between ``entries``, so it runs those)
-        self.batched = self.entries if program.dynamic else batch_copies(core, self.entries, slots)
+        # what a run in program order executes: runs of plain copies, and of independent matmuls of one layout,
+        # as one call each (a dynamic program's control instructions jump between ``entries``, so it runs those)
+        self.batched = (self.entries if program.dynamic
+                        else batch_copies(core, batch_matmuls(core, self.entries), slots))
         # scratch slots, and output slots a run may leave unbound: allocated per run
         self.fills = tuple(i for i, s in enumerate(program.args) if s.kind != "input")
 

@@ -36,6 +36,17 @@ def contiguous_run(dims: Sequence[tuple[int | None, int]]) -> int:
         run *= sz
     return run
 
+def writes_once(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether a pattern reaches each element at most once (a sufficient test: sorted by stride, each dim's
+    stride clears the span of the dims inside it)."""
+    span = 1   # offsets [0, span) reached by the dims taken so far
+    for stride, size in sorted((st, s) for s, st in zip(sizes, strides) if s > 1):
+        if stride < span:
+            return False
+        span += stride * (size - 1)
+    return True
+
+
 PMAX = 128          # partitions of SBUF/PSUM and of any engine instruction (nl.tile_size.pmax)
 MAX_FREE_DIMS = 4   # free-dim access pattern entries of an engine operand (A-v2)
 MAX_HBM_DIMS = 5    # an HBM (DMA) pattern also carries the dimension that maps to partitions

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine
-from torchneuron.sim.memory import PMAX, AP, Memory, SIM_THREADS, SimulatorError, store
+from torchneuron.sim.memory import PMAX, AP, Memory, SIM_THREADS, SimulatorError, store, writes_once
 from torchneuron.sim.numerics import dtype_name
 from torchneuron.sim.isa.common import (GEMM_MOVING_FMAX, GEMM_STATIONARY_FMAX, Instr, MATMUL_DTYPES, PSUM_BANK_BYTES,
                                         Step, TENSOR_TRANSPOSE_MAX, VECTOR_TRANSPOSE_MAX, matrix_view)
@@ -75,7 +75,7 @@ def _accumulate(out: torch.Tensor, r: torch.Tensor, closed: torch.Tensor, accumu
 PROBE_OUTPUTS = 256     # output elements compared per layout at least (trials x M x N) ...
 PROBE_TRIALS = 4        # in at least this many random trials, the last with infinities and NaNs,
 PROBE_MAX_TRIALS = 32   # and at most this many (a [1, 1] output: each trial differs in its K-long sum)
-_MM_INTO: dict[tuple, bool] = {}  # layout -> whether torch.mm into it gives the dense call's bits
+_MM_INTO: dict[tuple, bool] = {}  # layout -> whether the one call gives the dense calls' bits
 
 
 def _layout(*ts: torch.Tensor) -> tuple:
@@ -136,6 +136,22 @@ def mm_into_agrees(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
         pout, dense = _like(out), torch.empty(out.shape)
         known = _MM_INTO[key] = _agrees(a, b, out.numel(), lambda pa, pb: (torch.mm(pa, pb, out=dense),
                                                                          torch.mm(pa, pb, out=pout)))
+    return known
+
+
+def bmm_agrees(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``torch.bmm(a, b)`` gives each matrix the bits of its own ``torch.mm`` (a dense [M, N] result), for
+    [B, M, K] and [B, K, N] operands laid out like these (tried once per layout; see ``_agrees``)."""
+    key = ("bmm", *_layout(a, b))
+    known = _MM_INTO.get(key)
+    if known is None:
+        batched, each = torch.empty(a.shape[0], a.shape[1], b.shape[2]), torch.empty(a.shape[0], a.shape[1], b.shape[2])
+
+        def results(pa: torch.Tensor, pb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            for i in range(pa.shape[0]):
+                torch.mm(pa[i], pb[i], out=each[i])
+            return torch.bmm(pa, pb, out=batched), each
+        known = _MM_INTO[key] = _agrees(a, b, batched.numel(), results)
     return known
 
 
@@ -527,3 +543,93 @@ class NcMatmulTiled(Instr):
                           op="transpose" if self.is_transpose else None, matmul_kmn=(k, m, n),
                           flops=2 * k * m * n, pe_fraction=self.pe_fraction)
 
+
+# ---- runs of independent matmuls as one call -----------------------------------------------------------------
+# The attention kernels issue runs of overwriting matmuls of one shape whose operands and results step by a constant
+# offset (one per head, or per row tile of the PE array). Each reads SBUF only and writes its own PSUM box, so none
+# reads what another writes: torch.bmm computes a run in one call (a small matmul is mostly call overhead), where
+# the batched call was tried once per layout to give every matmul the bits of its own torch.mm (bmm_agrees). A
+# matmul's write opens its accumulation group; the run opens its matmuls' groups after the products, in order (an
+# overwrite does not read the flags, so they end as the steps one by one leave them).
+
+def _batchable(instr: Instr, core) -> tuple | None:
+    """(stationary.T, moving, dst, group flags, box): the views of a matmul that can join a batched run (an overwrite
+    of fp32 operands viewed in place, into an fp32 PSUM view; not transpose mode), from its step's state on
+    ``core``; None for any other instruction."""
+    kind = type(instr)
+    if kind is NcMatmulTiled and len(instr._parts) == 1:
+        instr = instr._parts[0]
+    elif kind is not NcMatmul:
+        return None
+    state = instr.__dict__.get("_mm")
+    if instr.accumulate is not False or instr.is_transpose or state is None or state[0] is not core.sbuf:
+        return None
+    _, _, s, s_f, s_t, mv, mv_f, mv_use, _, out, closed, box = state
+    if s is None or mv is None or out is None or s_f is not None or mv_f is not None:
+        return None
+    return s_t, mv_use, out, closed, box
+
+
+def _shape_key(views: tuple) -> tuple:
+    """What members of one run share: the operands' and the result's shapes and strides."""
+    return tuple((tuple(t.shape), t.stride()) for t in views[:3])
+
+
+def _steps(first: tuple, second: tuple) -> tuple[int, int, int]:
+    """The element offsets from one matmul's operand and result views to the next's."""
+    return tuple(b.storage_offset() - a.storage_offset() for a, b in zip(first[:3], second[:3]))
+
+
+def _run_step(core, run: list[tuple]) -> Step | None:
+    """The step of a run of batchable matmuls (their ``_batchable`` views, in program order): one bmm into a dense
+    buffer, copied into the results, then the groups opened; None where the run's views overlap (a result written
+    twice, or operands that scratch could not lay out) or the batched call would give other bits."""
+    steps = _steps(run[0], run[1])
+    if min(steps) <= 0:
+        return None
+    batch = [t.as_strided((len(run), *t.shape), (step, *t.stride()), t.storage_offset())
+             for t, step in zip(run[0][:3], steps)]
+    if not all(writes_once(view.shape, view.stride()) for view in batch):
+        return None
+    stationary, moving, out = batch
+    if not bmm_agrees(stationary, moving):
+        return None
+    product = torch.empty(out.shape)
+    psum, opens = core.memory("psum"), tuple((closed, box) for *_, closed, box in run)
+    open_boxes, bmm = psum.open_boxes, torch.bmm
+
+    def step(h):
+        bmm(stationary, moving, out=product)
+        out.copy_(product)
+        for closed, box in opens:
+            if box not in open_boxes:
+                _open_group(psum, closed, box)
+    return step
+
+
+def batch_matmuls(core, entries: Sequence[tuple]) -> tuple:
+    """``entries`` (instr, step, closes) with each run of consecutive batchable matmuls of one layout whose views
+    step by constant offsets replaced by one entry whose step runs them all (its instr: the run's first)."""
+    out: list[tuple] = []
+    run: list[tuple] = []   # (entry, views)
+
+    def flush() -> None:
+        step = _run_step(core, [views for _, views in run]) if len(run) > 1 else None
+        if step is None:
+            out.extend(entry for entry, _ in run)
+        else:
+            out.append((run[0][0][0], step, None))
+        run.clear()
+
+    for entry in entries:
+        views = _batchable(entry[0], core) if entry[1] is not None else None
+        if views is None:
+            flush()
+            out.append(entry)
+            continue
+        if run and (_shape_key(views) != _shape_key(run[0][1])
+                    or (len(run) > 1 and _steps(run[-1][1], views) != _steps(run[0][1], run[1][1]))):
+            flush()
+        run.append((entry, views))
+    flush()
+    return tuple(out)
