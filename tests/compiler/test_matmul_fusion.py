@@ -204,3 +204,29 @@ def test_bias_gradient_is_a_column_of_the_weight_gradients_product(monkeypatch):
     want = g.double().sum(0)
     bound = g.shape[0] * 2.0 ** -24 * g.double().abs().sum(0)   # a sum of n fp32 terms: n u sum |g|
     assert bool(((b.double() - want).abs() <= bound).all())
+
+
+def test_loss_backward_carried_through_the_log_softmax_backward(monkeypatch):
+    # cross entropy's backward: nll_loss_backward's dx read only by the log-softmax backward goes on through it on
+    # chip (no store and reload of dx); the same instructions as the two kernels, so the gradients equal eager's
+    torch.manual_seed(0)
+    head, x = nn.Linear(32, 65), torch.randn(300, 32)
+    target = torch.randint(0, 65, (300,))
+    target[::7] = -100
+    carried = []
+    nll_bwd = kernel_lowerings.nll_bwd_kernel
+    monkeypatch.setattr(kernel_lowerings, "nll_bwd_kernel",
+                        lambda *a, **k: carried.append(k.get("log_softmax") is not None) or nll_bwd(*a, **k))
+    monkeypatch.setenv("TORCHNEURON_CACHE_DIR", "0")
+
+    def grads(compiled: bool) -> list[torch.Tensor]:
+        m = copy.deepcopy(head).to("neuron")
+        run = torch.compile(lambda v, t: nn.functional.cross_entropy(m(v), t), backend="neuron") if compiled else (
+            lambda v, t: nn.functional.cross_entropy(m(v), t))
+        loss = run(x.to("neuron"), target.to("neuron"))
+        loss.backward()
+        return [loss.detach().cpu(), m.weight.grad.cpu(), m.bias.grad.cpu()]
+    eager, compiled = grads(False), grads(True)
+    assert carried == [True]
+    for e, c in zip(eager, compiled):
+        assert torch.equal(c, e)

@@ -66,3 +66,30 @@ def test_wide_rows_take_column_blocks(weighted):
     bad_target[3] = C                                        # out of range: counted, not read
     _, _, bad = nll_fwd_kernel(x, bad_target.view(torch.int32).view(N, 2), weight, -100, 2)
     assert bad.item() == 1
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("N", [1024, 300])
+def test_nll_backward_carried_through_log_softmax_backward_is_the_two_kernels(N, reduction):
+    # the loss gradient carried on through the log-softmax backward on chip equals the two kernels one after the
+    # other (dx stored, then read back), bit for bit: ignored rows, class weights, a partial last block
+    from torchneuron.kernels.losses import fuses_log_softmax_bwd
+    from torchneuron.kernels.softmax import softmax_bwd_kernel
+    C = 65
+    assert fuses_log_softmax_bwd(N, C, torch.float32, torch.float32)
+    y, target, weight = torch.randn(N, C).log_softmax(1), _targets(N, C), torch.rand(C)
+    y[1, 2], y[2, 0] = float("-inf"), float("nan")
+    words = target.view(torch.int32).view(N, 2)
+    _, total, _ = nll_fwd_kernel(y, words, weight, -100, reduction)
+    g = torch.rand(N, 1) if reduction == 0 else torch.full((1, 1), 0.7)
+    dx, _ = nll_bwd_kernel(g, words, total, weight, C, -100, reduction)
+    want = softmax_bwd_kernel(dx, y, log=True)
+    got, bad = nll_bwd_kernel(g, words, total, weight, C, -100, reduction, log_softmax=y)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert bad.item() == 0
+
+
+def test_nll_backward_through_log_softmax_only_fp32_rows_in_sbuf():
+    from torchneuron.kernels.losses import fuses_log_softmax_bwd
+    assert not fuses_log_softmax_bwd(1024, 65, torch.bfloat16, torch.bfloat16)
+    assert not fuses_log_softmax_bwd(130, 5000, torch.float32, torch.float32)   # wide rows: column blocks

@@ -27,7 +27,7 @@ from torchneuron.kernels.copy import strided_copy
 from torchneuron.kernels.attention import result_views
 from torchneuron.kernels.elementwise import fold_broadcast, stream
 from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows, iota, low_words
-from torchneuron.kernels.losses import EXACT, nll_bwd_kernel, nll_fwd_kernel
+from torchneuron.kernels.losses import EXACT, fuses_log_softmax_bwd, nll_bwd_kernel, nll_fwd_kernel
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, fuses_row_sums, matmul_kernel
 from torchneuron.kernels.packed_attention import attention_kernels, packed_attention_bwd, packed_attention_fwd
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
@@ -481,10 +481,31 @@ def lower_nll_loss_backward(ctx, node, g: Value, x: Value, target: Value, weight
     """d loss / d x: ``-w[t_n] * g`` (over the total weight for 'mean') at each row's target, zero elsewhere."""
     C = x.shape[1]
     words, w = _nll_operands(x, target, weight)
+    then = _log_softmax_backward_of(ctx, node)
+    if then is not None:   # dx goes on through the log-softmax backward on chip: that node's value is the result
+        y = ctx.value(then.args[1])
+        if fuses_log_softmax_bwd(x.shape[0], C, g.dtype, y.dtype):
+            res, bad = nll_bwd_kernel(dense(g, (1, 1)), words, dense(total, (1, 1)), num_classes=C,
+                                      ignore_index=int(ignore_index), reduction=reduction, log_softmax=_rows(y), **w)
+            _nll_checked(ctx, bad, C, ignore_index)
+            ctx.env[then] = hbm_value(res).reshape(tuple(then.meta["val"].shape))
+            return None
     dx, bad = nll_bwd_kernel(dense(g, (1, 1)), words, dense(total, (1, 1)), num_classes=C,
                              ignore_index=int(ignore_index), reduction=reduction, **w)
     _nll_checked(ctx, bad, C, ignore_index)
     return hbm_value(dx)
+
+
+def _log_softmax_backward_of(ctx, node) -> Any:
+    """The segment's ``_log_softmax_backward_data`` of [N, C] rows, not computed yet, that is the only reader of
+    ``node`` (a loss backward's dx [N, C]), or None."""
+    if len(node.users) != 1:
+        return None
+    u = next(iter(node.users))
+    ok = (u.target is aten._log_softmax_backward_data.default and u.args[0] is node and ctx.roles.get(u) == "kernel"
+          and u in ctx.seg.items and u not in ctx.seg.epilogues and u not in ctx.env
+          and tuple(u.args[1].meta["val"].shape) == tuple(node.meta["val"].shape))
+    return u if ok else None
 
 
 # ---- input mutation ---------------------------------------------------------------------------------

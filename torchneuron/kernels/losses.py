@@ -34,6 +34,7 @@ from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.kernels._common import PMAX, check_sbuf, grouped_rows, load_grouped, row_blocks, spread
+from torchneuron.kernels.softmax import log_softmax_bwd_block
 
 NBUF = 2
 EXACT = 2 ** 24   # fp32 holds every integer below this exactly
@@ -270,7 +271,7 @@ def _bwd_rows(words, weight, C, ignore_index, coefficient, spread_coef, dx):
         cols, wrow = _class_iota(G, C), _weight_row(weight, C)
         for r0, p, g in blocks:
             pick, w, bad = _targets(words, wrow, cols, r0, p, g, C, ignore_index)
-            spread_coef(coefficient(w, r0, p, g), pick, p, g, C, grouped_rows(dx, r0, p, g))
+            spread_coef(coefficient(w, r0, p, g), pick, p, g, C, grouped_rows(dx, r0, p, g), r0)
             yield r0, p, g, bad
         return
     pr = min(PMAX, EXACT // C)
@@ -291,6 +292,15 @@ def _bwd_rows(words, weight, C, ignore_index, coefficient, spread_coef, dx):
         yield r0, p, 1, bad
 
 
+def fuses_log_softmax_bwd(N: int, C: int, dt, y_dt) -> bool:
+    """Whether ``nll_bwd_kernel(log_softmax=...)`` can carry dx through the log-softmax backward on chip: fp32
+    (dx as the separate kernel would read it back), whole rows in SBUF with the backward's tiles beside."""
+    if dt != nl.float32 or y_dt != nl.float32 or wide(N, C):
+        return False
+    G = row_blocks(N, C)[1]
+    return nll_sbuf_bytes(N, C) + 3 * NBUF * G * C * 4 <= nl.tile_size.sbuf_fmax_bytes
+
+
 def gradient_scale(grad, total, reduction: int, sign: float):
     """fp32 [P, 1]: ``sign`` times the scalar incoming gradient [1, 1] on every partition, over the total weight
     [1, 1] for the mean; None for reduction 0 (a gradient per row)."""
@@ -309,11 +319,19 @@ def gradient_scale(grad, total, reduction: int, sign: float):
 
 
 @nki.jit
-def nll_bwd_kernel(grad, words, total, weight=None, num_classes=1, ignore_index=-100, reduction=1):
+def nll_bwd_kernel(grad, words, total, weight=None, num_classes=1, ignore_index=-100, reduction=1,
+                   log_softmax=None):
     """(d loss / d x [N, C] in grad's dtype, out-of-range target count [1, 1] fp32); ``grad`` is [N, 1] for
-    reduction 0, else [1, 1]; ``total`` the forward's total weight [1, 1]."""
+    reduction 0, else [1, 1]; ``total`` the forward's total weight [1, 1].
+
+    ``log_softmax`` (where ``fuses_log_softmax_bwd`` says so): the fp32 [N, C] log-softmax output x was; each
+    block of dx then goes on through its backward on chip (``log_softmax_bwd_block``, the eager kernel's
+    instructions) and the kernel returns that gradient instead of dx: no store of dx and no reload of it."""
     N, C = words.shape[0], num_classes
     assert C < EXACT and abs(ignore_index) < EXACT, "nll_loss: classes and ignore_index must be below 2**24"
+    if log_softmax is not None:
+        assert fuses_log_softmax_bwd(N, C, grad.dtype, log_softmax.dtype) and tuple(log_softmax.shape) == (N, C), \
+            f"nll_loss backward: no log-softmax backward of [{N}, {C}] {log_softmax.dtype} on chip"
     dx = nl.ndarray((N, C), grad.dtype, buffer=nl.shared_hbm)
     bad_count = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
     scale = gradient_scale(grad, total, reduction, -1.0)
@@ -332,10 +350,17 @@ def nll_bwd_kernel(grad, words, total, weight=None, num_classes=1, ignore_index=
             nisa.tensor_scalar(dst=coef[:p], data=w[:p], op0=nl.multiply, operand0=scale[:p])
         return coef
 
-    def spread_coef(coef, pick, p, g, W, dst):
-        """dst[:, :, :W] = coef at each row's target column, 0 elsewhere (a bitwise select), then store it."""
+    def spread_coef(coef, pick, p, g, W, dst, r0):
+        """dst[:, :, :W] = coef at each row's target column, 0 elsewhere (a bitwise select), then store it (or
+        its log-softmax backward)."""
         d = nl.ndarray((PMAX, g, W), nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=int_bits(d, p, g, W), data1=int_bits(coef, p, g, W), data2=pick[:p], op=nl.bitwise_and)
+        if log_softmax is not None:
+            t, s = load_grouped(log_softmax, r0, p, g), nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
+            w = nl.ndarray((PMAX, g, W), nl.float32, buffer=nl.sbuf)
+            log_softmax_bwd_block(d, t, s, w, p, g, W)
+            ring.append((t, s, w))
+            d = w
         nisa.dma_copy(dst=dst, src=d[:p])
         ring.append((pick, d))
 

@@ -289,10 +289,7 @@ def softmax_bwd_kernel(grad, y, log=False, scale=1.0):
         s = nl.ndarray((PMAX, g), nl.float32, buffer=nl.sbuf)
         w = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
         if log:   # dx = g - exp(y) * sum(g)
-            nisa.tensor_reduce(dst=s[:p], op=nl.add, data=gr[:p], axis=(2,))
-            nisa.activation(dst=w[:p], op=nl.exp, data=t[:p])
-            nisa.tensor_tensor(dst=w[:p], data1=w[:p], data2=spread(s, p, g, D), op=nl.multiply)
-            nisa.tensor_tensor(dst=w[:p], data1=gr[:p], data2=w[:p], op=nl.subtract)
+            log_softmax_bwd_block(gr, t, s, w, p, g, D)
         else:     # dx = (g - sum(g * y)) * y
             nisa.tensor_tensor(dst=w[:p], data1=gr[:p], data2=t[:p], op=nl.multiply)
             nisa.tensor_reduce(dst=s[:p], op=nl.add, data=w[:p], axis=(2,))
@@ -303,6 +300,15 @@ def softmax_bwd_kernel(grad, y, log=False, scale=1.0):
         nisa.dma_copy(dst=grouped_rows(out, r0, p, g), src=w[:p])
         ring.append((gr, t, w))
     return out
+
+
+def log_softmax_bwd_block(gr, t, s, w, p: int, g: int, D: int) -> None:
+    """w[:p] = gr - exp(t) * sum(gr) over each of the g rows of D per partition (a grouped block of the
+    log-softmax gradient ``gr`` and output ``t``), fp32; ``s`` [128, g] takes the row sums."""
+    nisa.tensor_reduce(dst=s[:p], op=nl.add, data=gr[:p], axis=(2,))     # VectorE: sum(g) per row
+    nisa.activation(dst=w[:p], op=nl.exp, data=t[:p])                    # ScalarE: exp(y)
+    nisa.tensor_tensor(dst=w[:p], data1=w[:p], data2=spread(s, p, g, D), op=nl.multiply)
+    nisa.tensor_tensor(dst=w[:p], data1=gr[:p], data2=w[:p], op=nl.subtract)
 
 
 def _softmax_bwd_long(grad, y, out, log: bool, scale: float) -> None:
