@@ -553,9 +553,9 @@ class NcMatmulTiled(Instr):
 # overwrite does not read the flags, so they end as the steps one by one leave them).
 
 def _batchable(instr: Instr, core) -> tuple | None:
-    """(stationary.T, moving, dst, group flags, box): the views of a matmul that can join a batched run (an overwrite
-    of fp32 operands viewed in place, into an fp32 PSUM view; not transpose mode), from its step's state on
-    ``core``; None for any other instruction."""
+    """(stationary [K, M], moving [K, N], dst [M, N], group flags, box): the views of a matmul that can join a batched
+    run (an overwrite of operands viewed in place, into an fp32 PSUM view; not transpose mode), from its step's state
+    on ``core``; None for any other instruction."""
     kind = type(instr)
     if kind is NcMatmulTiled and len(instr._parts) == 1:
         instr = instr._parts[0]
@@ -564,15 +564,15 @@ def _batchable(instr: Instr, core) -> tuple | None:
     state = instr.__dict__.get("_mm")
     if instr.accumulate is not False or instr.is_transpose or state is None or state[0] is not core.sbuf:
         return None
-    _, _, s, s_f, s_t, mv, mv_f, mv_use, _, out, closed, box = state
-    if s is None or mv is None or out is None or s_f is not None or mv_f is not None:
+    _, _, s, _, _, mv, _, _, _, out, closed, box = state
+    if s is None or mv is None or out is None:
         return None
-    return s_t, mv_use, out, closed, box
+    return s, mv, out, closed, box
 
 
 def _shape_key(views: tuple) -> tuple:
-    """What members of one run share: the operands' and the result's shapes and strides."""
-    return tuple((tuple(t.shape), t.stride()) for t in views[:3])
+    """What members of one run share: the operands' and the result's shapes, strides and dtypes."""
+    return tuple((tuple(t.shape), t.stride(), t.dtype) for t in views[:3])
 
 
 def _steps(first: tuple, second: tuple) -> tuple[int, int, int]:
@@ -581,7 +581,8 @@ def _steps(first: tuple, second: tuple) -> tuple[int, int, int]:
 
 
 def _run_step(core, run: list[tuple]) -> Step | None:
-    """The step of a run of batchable matmuls (their ``_batchable`` views, in program order): one bmm into a dense
+    """The step of a run of batchable matmuls (their ``_batchable`` views, in program order): bf16/fp16/fp8 operands
+    converted to fp32 scratch in one call per side (exact, as each matmul's own conversion), one bmm into a dense
     buffer, copied into the results, then the groups opened; None where the run's views overlap (a result written
     twice, or operands that scratch could not lay out) or the batched call would give other bits."""
     steps = _steps(run[0], run[1])
@@ -591,7 +592,11 @@ def _run_step(core, run: list[tuple]) -> Step | None:
              for t, step in zip(run[0][:3], steps)]
     if not all(writes_once(view.shape, view.stride()) for view in batch):
         return None
-    stationary, moving, out = batch
+    values, out = batch[:2], batch[2]
+    # each operand side as the array reads it: fp32 values in place, else fp32 scratch the step converts them into
+    stationary, moving = (v if v.dtype == torch.float32 else torch.empty(v.shape) for v in values)
+    converts = tuple((f, v) for f, v in zip((stationary, moving), values) if f is not v)
+    stationary = stationary.transpose(1, 2)
     if not bmm_agrees(stationary, moving):
         return None
     product = torch.empty(out.shape)
@@ -599,6 +604,8 @@ def _run_step(core, run: list[tuple]) -> Step | None:
     open_boxes, bmm = psum.open_boxes, torch.bmm
 
     def step(h):
+        for scratch, source in converts:
+            scratch.copy_(source)
         bmm(stationary, moving, out=product)
         out.copy_(product)
         for closed, box in opens:
