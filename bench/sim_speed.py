@@ -14,6 +14,9 @@
 * Cold tiles: host microseconds of an instruction's step on one SBUF tile, and on tiles spread over all of SBUF
   (a program whose tiles span SBUF, as the compiled demo's do, reads and writes bytes no longer in the host's
   caches).
+* Matmul runs: host microseconds per matmul of a run of small overwriting matmuls stepping through SBUF and PSUM
+  (attention's per-head products), run as one batched step (``tensor_engine.batch_matmuls``) against each
+  matmul's own step.
 * Large tiles: host time of one instruction divided by the time of the equivalent torch
   call on ordinary contiguous tensors (1.0 = no simulator overhead).
 * Tutorials (``--tutorials``): host seconds to trace and functionally simulate each public NKI tutorial
@@ -491,6 +494,32 @@ def main() -> None:
     simulator_speed()
 
 
+def matmul_runs() -> list[tuple[str, float, float]]:
+    """(run, host us per matmul as one batched step, host us per matmul through each one's own step) for runs of
+    overwriting matmuls whose operands and results step through SBUF and PSUM by a constant offset, at the small
+    attention shapes of bench/eager.py's models and the demo's."""
+    from torchneuron.sim.isa.tensor_engine import batch_matmuls
+    rows = []
+    for dtype, (k, m, n), count in ((F32, (16, 16, 8), 16), (BF16, (16, 16, 16), 8), (F32, (64, 64, 16), 4)):
+        core = NeuronCore("trn2")
+        core.sbuf.typed(dtype).copy_(torch.randn(core.sbuf.typed(dtype).shape).to(dtype))
+        size = dtype.itemsize
+        instrs = [isa.nc_matmul(dst=tile("psum", F32, (m, n), offset=4 * n * j),
+                                stationary=tile("sbuf", dtype, (k, m), offset=m * size * j),
+                                moving=tile("sbuf", dtype, (k, n), offset=8192 + n * size * j),
+                                accumulate=False) for j in range(count)]
+        entries = [(i, i.step(core, {}), None) for i in instrs]
+        batched = [step for _, step, _ in batch_matmuls(core, entries)]
+        each = [step for _, step, _ in entries]
+
+        def run(steps: list) -> None:
+            for step in steps:
+                step([])
+        rows.append((f"{count} x {str(dtype)[6:]} K={k} M={m} N={n} ({len(batched)} call(s))",
+                     best_us(lambda: run(batched), 200) / count, best_us(lambda: run(each), 200) / count))
+    return rows
+
+
 def simulator_speed() -> None:
     """The launch, per-instruction and large-tile host costs."""
     torch.set_num_threads(1)  # the simulator is single-threaded per core; compare like with like
@@ -542,6 +571,11 @@ def simulator_speed() -> None:
     print(f"  {'instruction':32s} {'one tile':>9s} {'spread':>9s} {'ratio':>6s}")
     for name, hot_us, spread_us in cold_tiles():
         print(f"  {name:32s} {hot_us:9.2f} {spread_us:9.2f} {spread_us / hot_us:6.2f}")
+
+    print("\nMatmul runs: host us per matmul, the run as one batched step vs each matmul's own step")
+    print(f"  {'run':44s} {'batched':>8s} {'each':>8s} {'ratio':>6s}")
+    for name, batched_us, each_us in matmul_runs():
+        print(f"  {name:44s} {batched_us:8.2f} {each_us:8.2f} {batched_us / each_us:6.2f}")
 
     core = NeuronCore("trn2")
     print("\nLarge tiles ([128, 2048] unless named): simulator host time vs the same torch op")
