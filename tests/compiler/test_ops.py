@@ -320,14 +320,20 @@ def test_cat_of_slices_lying_side_by_side_is_a_view():
     assert instructions[(0, 1, 2)] < instructions[(1, 0, 2)]
 
 
+@pytest.mark.parametrize("N", [96, 256])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_cross_entropy_runs_in_the_program_and_checks_its_targets(weighted, reduction):
+def test_cross_entropy_runs_in_the_program_and_checks_its_targets(weighted, reduction, N, monkeypatch):
     """log_softmax and nll (forward and backward) in the programs, equal to the CPU within fp32 summation order
     over the rows; a target outside the classes fails the program's device-side assertion with the eager op's
-    IndexError, and the next call with good targets runs as before."""
+    IndexError, and the next call with good targets runs as before. 256 rows (whole blocks of 128) take the
+    forward as one kernel (the loss picked from the log-softmax in SBUF), 96 rows the two kernels."""
+    from torchneuron.compiler import kernel_lowerings
+    fused = []
+    kernel = kernel_lowerings.log_softmax_nll_fwd_kernel
+    monkeypatch.setattr(kernel_lowerings, "log_softmax_nll_fwd_kernel", lambda *a, **k: fused.append(1) or kernel(*a, **k))
     torch.manual_seed(0)
-    x, t = torch.randn(96, 40), torch.randint(0, 40, (96,))
+    x, t = torch.randn(N, 40), torch.randint(0, 40, (N,))
     t[:5] = 7                                               # ignored rows
     w = torch.rand(40) if weighted else None
     fn = lambda a, b, c: F.cross_entropy(a, b, weight=c, ignore_index=7, reduction=reduction)  # noqa: E731
@@ -344,6 +350,7 @@ def test_cross_entropy_runs_in_the_program_and_checks_its_targets(weighted, redu
     new = reports()[-2:]
     assert all(not r.eager_nodes for r in new)
     assert {"aten.nll_loss_forward.default", "aten.nll_loss_backward.default"} <= {k for r in new for k in r.kernels}
+    assert bool(fused) == (N == 256)
     bad = t.clone()
     bad[50] = 40
     with pytest.raises(IndexError):

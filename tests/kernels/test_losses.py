@@ -93,3 +93,53 @@ def test_nll_backward_through_log_softmax_only_fp32_rows_in_sbuf():
     from torchneuron.kernels.losses import fuses_log_softmax_bwd
     assert not fuses_log_softmax_bwd(1024, 65, torch.bfloat16, torch.bfloat16)
     assert not fuses_log_softmax_bwd(130, 5000, torch.float32, torch.float32)   # wide rows: column blocks
+
+
+def _loss_bound(terms: torch.Tensor, n: int) -> float:
+    """|fp32 sum of n rounded products - exact sum| <= (n + 1) u sum|terms| (u = 2**-24: one rounding per product,
+    at most n - 1 additions, each off by u times a partial sum)."""
+    return (n + 1) * 2.0 ** -24 * terms.abs().sum().item()
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("reduction", [1, 2])
+@pytest.mark.parametrize("N", [1024, 256])
+def test_log_softmax_nll_forward_is_the_log_softmax_kernel_and_the_loss_within_its_sum_order(N, reduction, weighted):
+    # y bit for bit the log-softmax kernel's; the loss is the same row losses summed in another order (one row per
+    # partition, not grouped): against float64 within the fp32 sum's bound; -inf logits, ignored rows, weights
+    from torchneuron.kernels.losses import log_softmax_nll_fwd_kernel
+    from torchneuron.kernels.softmax import softmax_kernel
+    C = 65
+    torch.manual_seed(N + reduction)
+    x, target = torch.randn(N, C) * 4, _targets(N, C)
+    weight = torch.rand(C) if weighted else None
+    x[1, 2], x[3, :] = float("-inf"), 30.0                  # a masked logit; a row of equal large scores
+    words = target.view(torch.int32).view(N, 2)
+    y, loss, total, bad = log_softmax_nll_fwd_kernel(x, words, weight, -100, reduction)
+    torch.testing.assert_close(y, softmax_kernel(x, log=True), rtol=0, atol=0, equal_nan=True)
+    kept = target != -100
+    w = (weight.double() if weighted else torch.ones(C, dtype=torch.float64))[target.clamp(min=0)] * kept
+    terms = -w * y.double().gather(1, target.clamp(min=0)[:, None])[:, 0]
+    total64, sum64 = w.sum(), terms.sum()
+    if weighted:
+        assert abs(total.item() - total64.item()) <= _loss_bound(w, N)
+    else:
+        assert total.item() == kept.sum().item()               # counts: exact
+    if reduction == 2:
+        assert abs(loss.item() - sum64.item()) <= _loss_bound(terms, N)
+    else:   # the sum and the total each within their bound, then one division and one rounding
+        bound = (_loss_bound(terms, N) + abs(sum64.item()) * _loss_bound(w, N) / total64.item()) / total64.item()
+        assert abs(loss.item() - (sum64 / total64).item()) <= bound + 2 * 2.0 ** -24 * abs(loss.item())
+    assert bad.item() == 0
+    bad_target = target.clone()
+    bad_target[N - 3] = C                                    # out of range: counted
+    _, _, _, bad = log_softmax_nll_fwd_kernel(x, bad_target.view(torch.int32).view(N, 2), weight, -100, reduction)
+    assert bad.item() == 1
+
+
+def test_log_softmax_nll_forward_takes_fp32_blocks_of_128_rows_only():
+    from torchneuron.kernels.losses import fuses_log_softmax_fwd
+    assert fuses_log_softmax_fwd(1024, 65, torch.float32)
+    assert not fuses_log_softmax_fwd(300, 65, torch.float32)     # a partial block: the two kernels
+    assert not fuses_log_softmax_fwd(1024, 65, torch.bfloat16)
+    assert not fuses_log_softmax_fwd(128, 50257, torch.float32)  # rows the log-softmax does not hold whole

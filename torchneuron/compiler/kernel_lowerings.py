@@ -27,7 +27,8 @@ from torchneuron.kernels.copy import strided_copy
 from torchneuron.kernels.attention import result_views
 from torchneuron.kernels.elementwise import fold_broadcast, stream
 from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows, iota, low_words
-from torchneuron.kernels.losses import EXACT, fuses_log_softmax_bwd, nll_bwd_kernel, nll_fwd_kernel
+from torchneuron.kernels.losses import (EXACT, fuses_log_softmax_bwd, fuses_log_softmax_fwd, log_softmax_nll_fwd_kernel,
+                                        nll_bwd_kernel, nll_fwd_kernel)
 from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, fuses_row_sums, matmul_kernel
 from torchneuron.kernels.packed_attention import attention_kernels, packed_attention_bwd, packed_attention_fwd
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
@@ -207,8 +208,29 @@ def lower_softmax(ctx, node, x: Value, dim: int, half_to_float: bool) -> Value:
 
 @register_kernel(aten._log_softmax.default)
 def lower_log_softmax(ctx, node, x: Value, dim: int, half_to_float: bool) -> Value:
-    """Log-softmax over the last dim."""
+    """Log-softmax over the last dim; with the segment's nll loss of it, that loss too (its node's value)."""
+    loss = _nll_loss_of(ctx, node)
+    if loss is not None:
+        target, weight, reduction, ignore_index = map(ctx.value, loss.args[1:])
+        words, w = _nll_operands(x, target, weight)
+        y, out, total, bad = log_softmax_nll_fwd_kernel(dense(x), words, ignore_index=int(ignore_index),
+                                                        reduction=reduction, **w)
+        _nll_checked(ctx, bad, x.shape[1], ignore_index)
+        ctx.env[loss] = (hbm_value(out).reshape(()), hbm_value(total).reshape(()))
+        return hbm_value(y).reshape(x.shape)
     return hbm_value(softmax_kernel(_rows(x), log=True)).reshape(x.shape)
+
+
+def _nll_loss_of(ctx, node) -> Any:
+    """The segment's ``nll_loss_forward`` of the [N, C] log-softmax ``node``, not computed yet, when the fused
+    kernel takes them (its other readers load the stored log-softmax as before), or None."""
+    val = node.meta["val"]
+    for u in node.users:
+        if (u.target is aten.nll_loss_forward.default and u.args[0] is node and ctx.roles.get(u) == "kernel"
+                and u in ctx.seg.items and u not in ctx.seg.epilogues and u not in ctx.env and val.dim() == 2
+                and fuses_log_softmax_fwd(val.shape[0], val.shape[1], val.dtype)):
+            return u
+    return None
 
 
 for _op in (aten._softmax_backward_data.default, aten._log_softmax_backward_data.default):

@@ -34,7 +34,7 @@ from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.kernels._common import PMAX, check_sbuf, grouped_rows, load_grouped, row_blocks, spread
-from torchneuron.kernels.softmax import log_softmax_bwd_block
+from torchneuron.kernels.softmax import log_softmax_bwd_block, one_pass, softmax_rows
 
 NBUF = 2
 EXACT = 2 ** 24   # fp32 holds every integer below this exactly
@@ -73,18 +73,25 @@ def int_bits(t, p, g, C):
     return t[:p].ap([[g * C, p], [C, g], [1, C]], dtype=nl.int32)
 
 
-def _targets(words, weight, cols, r0, p, g, C, ignore_index):
+def _targets(words, weight, cols, r0, p, g, C, ignore_index, blocks=False):
     """(pick [P, g, C] int32 select mask, w_n [P, g], bad [P, g]) of the rows' targets (see the module
-    docstring)."""
-    tf, valid, bad = row_targets(words, r0, p, g, C, ignore_index)
+    docstring); ``blocks``: of all the rows, row k*128 + i at [i, k] (``row_targets``)."""
+    tf, valid, bad = row_targets(words, r0, p, g, C, ignore_index, blocks)
     pick, w = _pick(tf, valid, cols, weight, p, g, C)
     return pick, (valid if w is None else w), bad
 
 
-def row_targets(words, r0, p, g, C, ignore_index):
-    """(targets as fp32 [P, g, S] (the low word first), valid [P, g], bad [P, g]) of the rows' targets."""
+def row_targets(words, r0, p, g, C, ignore_index, blocks=False):
+    """(targets as fp32 [P, g, S] (the low word first), valid [P, g], bad [P, g]) of the rows' targets; ``blocks``:
+    of all g * 128 rows, row k*128 + i at [i, k] (the 128-row blocks side by side: one pass for every block of
+    a kernel that takes its rows one per partition)."""
     S = words.shape[1]
-    wd = load_grouped(words, r0, p, g, nl.int32)
+    if blocks:
+        assert r0 == 0 and p == PMAX and words.shape[0] == g * PMAX, "row_targets: blocks of 128 rows only"
+        wd = nl.ndarray((PMAX, g, S), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=wd, src=words.reshape((g * PMAX * S,)).ap([[S, PMAX], [PMAX * S, g], [1, S]], offset=0))
+    else:
+        wd = load_grouped(words, r0, p, g, nl.int32)
     tf = nl.ndarray((PMAX, g, S), nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=tf[:p], src=wd[:p])
     lo = tf[:p, :, 0]
@@ -251,14 +258,63 @@ def nll_fwd_kernel(x, words, weight=None, ignore_index=-100, reduction=1):
     ring = collections.deque(maxlen=NBUF)
     for r0, p, g, picked in _picked_rows(x, words, weight, ignore_index, ring):
         _, w, bad, picked_sum = picked
-        loss = _col(g)
-        nisa.scalar_tensor_tensor(dst=loss[:p], data=picked_sum[:p], op0=nl.multiply, operand0=-1.0,
-                                  op1=nl.multiply, operand1=w[:p])
-        if reduction == 0:
-            nisa.dma_copy(dst=losses[r0:r0 + p * g, :].reshape((p, g)), src=loss[:p])
-        accumulate_rows(acc, (loss, w, bad), p)
+        _add_losses(acc, losses if reduction == 0 else None, picked_sum, w, bad, r0, p, g)
     store_totals(acc, reduction, losses, total, bad_count)
     return losses, total, bad_count
+
+
+def _add_losses(acc, losses, picked_sum, w, bad, r0: int, p: int, g: int) -> None:
+    """loss_n = -w_n * (picked score) of a row block [p, g] (stored per row into ``losses`` unless None), its
+    per-partition sums of loss, weight and bad added to ``acc``."""
+    loss = _col(g)
+    nisa.scalar_tensor_tensor(dst=loss[:p], data=picked_sum[:p], op0=nl.multiply, operand0=-1.0,
+                              op1=nl.multiply, operand1=w[:p])
+    if losses is not None:
+        nisa.dma_copy(dst=losses[r0:r0 + p * g, :].reshape((p, g)), src=loss[:p])
+    accumulate_rows(acc, (loss, w, bad), p)
+
+
+def fuses_log_softmax_fwd(N: int, C: int, dt) -> bool:
+    """Whether ``log_softmax_nll_fwd_kernel`` takes these scores: fp32 rows the log-softmax holds whole in SBUF,
+    whole blocks of 128 rows whose targets' tiles fit beside it."""
+    return (dt == nl.float32 and N >= PMAX and N % PMAX == 0 and 0 < C < EXACT and one_pass(C)
+            and (NBUF + 1) * 3 * C * 4 + 4 * (N // PMAX) * C * 4 <= nl.tile_size.sbuf_fmax_bytes)
+
+
+@nki.jit
+def log_softmax_nll_fwd_kernel(x, words, weight=None, ignore_index=-100, reduction=1):
+    """(y = log_softmax(x) [N, C], then ``nll_fwd_kernel(y, ...)``'s three results) in one pass: each block of
+    rows is the log-softmax kernel's (one row per partition, the same instructions: y is bit-identical), stored,
+    and its targets' scores picked from SBUF, so the loss does not load y back. The rows sit one per partition
+    instead of nll_fwd_kernel's grouped rows, so the loss total adds the same row losses in another order."""
+    N, C = x.shape
+    assert fuses_log_softmax_fwd(N, C, x.dtype), f"log_softmax + nll_loss: fp32 blocks of 128 rows of C={C} only"
+    assert abs(ignore_index) < EXACT, "nll_loss: ignore_index must be below 2**24"
+    assert reduction in (1, 2), "log_softmax + nll_loss: a reduced loss (mean or sum) only"
+    nb = N // PMAX
+    y_out = nl.ndarray((N, C), x.dtype, buffer=nl.shared_hbm)
+    loss = nl.ndarray((1, 1), x.dtype, buffer=nl.shared_hbm)
+    total = nl.ndarray((1, 1), x.dtype, buffer=nl.shared_hbm)
+    bad_count = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
+    acc = nl.ndarray((PMAX, 3), nl.float32, buffer=nl.sbuf)    # per partition: sum loss, sum w, sum bad
+    nisa.memset(dst=acc, value=0.0)
+    # VectorE: every block's targets in one pass, block k's rows in column k (as softmax_rows lays them out)
+    pick, w, bad = _targets(words, _weight_row(weight, C), _class_iota(nb, C), 0, PMAX, nb, C, ignore_index, True)
+    picked = _col(nb)
+    ring = collections.deque(maxlen=NBUF)
+    for k in range(nb):
+        r0 = k * PMAX
+        y = softmax_rows(x, r0, PMAX, True, False, ring)           # ScalarE/VectorE/GpSimd: the rows' y
+        nisa.dma_copy(dst=y_out[r0:r0 + PMAX, :], src=y)           # SyncE: y stored (the backward reads it)
+        sel = nl.ndarray((PMAX, 1, C), nl.float32, buffer=nl.sbuf)
+        # VectorE: the target's score kept bit for bit (a select: an inf/NaN elsewhere in the row stays out)
+        nisa.tensor_tensor(dst=int_bits(sel, PMAX, 1, C), data1=y.ap([[C, PMAX], [C, 1], [1, C]], dtype=nl.int32),
+                           data2=pick[:, k:k + 1, :], op=nl.bitwise_and)
+        nisa.tensor_reduce(dst=picked[:, k:k + 1], op=nl.add, data=sel, axis=(2,))
+        ring.append(sel)
+    _add_losses(acc, None, picked, w, bad, 0, PMAX, nb)
+    store_totals(acc, reduction, loss, total, bad_count)        # TensorE: the totals over the partitions
+    return y_out, loss, total, bad_count
 
 
 def _bwd_rows(words, weight, C, ignore_index, coefficient, spread_coef, dx):

@@ -145,26 +145,34 @@ def softmax_kernel(x, log=False, half_logsum=False):
     ring = collections.deque(maxlen=NBUF)
     for r0 in range(0, N, PMAX):
         p = min(PMAX, N - r0)
-        t = nl.ndarray((PMAX, D), x.dtype, buffer=nl.sbuf)     # as stored: a casting DMA moves fp32 bytes
-        nisa.dma_copy(dst=t[:p], src=x[r0:r0 + p, :])
-        neg_max = nl.ndarray((PMAX, 1), _max_dtype(x.dtype), buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=neg_max[:p], op=nl.maximum, data=t[:p], axis=(1,), negate=True)
-        e = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
-        s = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=e[:p], op=nl.exp, data=t[:p], bias=neg_max[:p], reduce_op=nl.add, reduce_res=s[:p],
-                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        y = nl.ndarray((PMAX, D), x.dtype, buffer=nl.sbuf)     # the one rounding to the output dtype
-        if log:   # (x - max) - log s, as the CPU: x - (max + log s) rounds the sum at max's magnitude first
-            ls = _log_sum(s, p, x.dtype, half_logsum)
-            nisa.tensor_scalar(dst=y[:p], data=t[:p], op0=nl.add, operand0=neg_max[:p], op1=nl.subtract,
-                               operand1=ls[:p], engine=nisa.gpsimd_engine)
-        else:
-            rs = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
-            nisa.reciprocal(dst=rs[:p], data=s[:p])
-            nisa.tensor_scalar(dst=y[:p], data=e[:p], op0=nl.multiply, operand0=rs[:p], engine=nisa.gpsimd_engine)
+        y = softmax_rows(x, r0, p, log, half_logsum, ring)
         nisa.dma_copy(dst=out[r0:r0 + p, :], src=y[:p])
-        ring.append((t, e, y))
     return out
+
+
+def softmax_rows(x, r0: int, p: int, log: bool, half_logsum: bool, ring):
+    """The [128, D] SBUF tile of the softmax (or log-softmax) of rows [r0, r0 + p) of x [N, D], one row per
+    partition (``one_pass(D)``); its tiles go to ``ring``. ``softmax_kernel``'s block, and the fused loss's."""
+    D = x.shape[1]
+    t = nl.ndarray((PMAX, D), x.dtype, buffer=nl.sbuf)     # as stored: a casting DMA moves fp32 bytes
+    nisa.dma_copy(dst=t[:p], src=x[r0:r0 + p, :])           # SyncE: the block's rows
+    neg_max = nl.ndarray((PMAX, 1), _max_dtype(x.dtype), buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=neg_max[:p], op=nl.maximum, data=t[:p], axis=(1,), negate=True)   # VectorE
+    e = nl.ndarray((PMAX, D), nl.float32, buffer=nl.sbuf)
+    s = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=e[:p], op=nl.exp, data=t[:p], bias=neg_max[:p], reduce_op=nl.add, reduce_res=s[:p],
+                    reduce_cmd=nisa.reduce_cmd.reset_reduce)  # ScalarE: exp(x - max) and its row sums
+    y = nl.ndarray((PMAX, D), x.dtype, buffer=nl.sbuf)     # the one rounding to the output dtype
+    if log:   # (x - max) - log s, as the CPU: x - (max + log s) rounds the sum at max's magnitude first
+        ls = _log_sum(s, p, x.dtype, half_logsum)
+        nisa.tensor_scalar(dst=y[:p], data=t[:p], op0=nl.add, operand0=neg_max[:p], op1=nl.subtract,
+                           operand1=ls[:p], engine=nisa.gpsimd_engine)
+    else:
+        rs = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
+        nisa.reciprocal(dst=rs[:p], data=s[:p])
+        nisa.tensor_scalar(dst=y[:p], data=e[:p], op0=nl.multiply, operand0=rs[:p], engine=nisa.gpsimd_engine)
+    ring.append((t, e, y))
+    return y
 
 
 def softmax(x, dim: int = -1, log: bool = False):
