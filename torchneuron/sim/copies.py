@@ -92,7 +92,7 @@ def _reshaped(side: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> tuple 
 def _checked(dst: AP, src: AP, d: Any, s: Any, sizes: tuple[int, ...], after: Callable | None = None) -> tuple | None:
     """The copy of sides ``d`` and ``s`` (see ``_side``), or None where dst writes an element twice or the two
     patterns share memory."""
-    if dst.memory == src.memory and dst.footprint().overlaps(src.footprint()):
+    if dst.overlaps(src):
         return None
     dst_strides = d.stride() if isinstance(d, torch.Tensor) else tuple(st // dst.dtype.itemsize for st in d[2])
     if not writes_once(sizes, dst_strides):

@@ -421,6 +421,10 @@ class AP:
         """The box of memory this pattern touches, for dependency tracking."""
         return self._footprint
 
+    def overlaps(self, other: "AP") -> bool:
+        """Whether the two patterns may share a byte (their footprints overlap)."""
+        return self._footprint.overlaps(other._footprint)
+
     @cached_property
     def _footprint(self) -> Footprint:
         parts = (self.start_partition, self.start_partition + self.partitions) if self.on_chip else (0, 1)

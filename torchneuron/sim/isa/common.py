@@ -561,7 +561,7 @@ def copy_step(core, dst: AP, src: AP, slots) -> Step | None:
                 and not (src.dtype in INT_DTYPES and dst.dtype in INT_DTYPES))
     if src.on_chip and dst.on_chip:
         sv, dv = src.view(core), dst.view(core)
-        if src.memory == dst.memory and src.footprint().overlaps(dst.footprint()):
+        if src.overlaps(dst):
             def step(h):  # overlapping source and destination: write's checks decide on a clone
                 store(dst, dv, sv.float() if to_float else sv)
             return step

@@ -143,7 +143,7 @@ class AffineSelect(Instr):
             # (elements copied, not computed: the same bits); dst may be the tile itself (each element is read before
             # it is written), not a shifted view of its memory
             shaped = predicate.view(dv.shape)
-            if self.on_true_tile == dst or not self.on_true_tile.footprint().overlaps(dst.footprint()):
+            if self.on_true_tile == dst or not self.on_true_tile.overlaps(dst):
                 return lambda h: torch.where(shaped, tv, fill, out=dv)
 
         def step(h):  # execute's calls, the predicate and the fill value made once

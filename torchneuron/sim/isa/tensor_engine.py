@@ -397,7 +397,7 @@ class NcTranspose(Instr):
 
     def step(self, core, slots) -> Step | None:
         dst, data = self.dst, self.data
-        if dst.memory == data.memory and dst.footprint().overlaps(data.footprint()):
+        if dst.overlaps(data):
             return None  # in place or overlapping: write's alias check decides on a clone
         views = self.transposed_views(core)
         if views is not None:

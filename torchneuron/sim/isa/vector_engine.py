@@ -548,7 +548,7 @@ class BnStats(Instr):
         deviations' buffers made once; None where dst overlaps data (execute reads all of data first)."""
         p, f = self.data.partitions, self.data.free_elems
         xv, dv = matrix_view(self.data.view(core), p, f), matrix_view(self.dst.view(core), p, 6)
-        if xv is None or dv is None or _overlap(self.dst, self.data):
+        if xv is None or dv is None or self.dst.overlaps(self.data):
             return None
         devs = (torch.empty(p, (f + 1) // 2), torch.empty(p, f // 2))
         return _statistics_step(bn_stats_fn, xv, dv, devs)
@@ -585,7 +585,7 @@ class BnAggr(Instr):
         """execute's bn_aggr_into on the tile's view, written straight into dst; None where dst overlaps data."""
         p = self.data.partitions
         xv, dv = matrix_view(self.data.view(core), p, self.data.free_elems), matrix_view(self.dst.view(core), p, 2)
-        if xv is None or dv is None or _overlap(self.dst, self.data):
+        if xv is None or dv is None or self.dst.overlaps(self.data):
             return None
         return _statistics_step(bn_aggr_fn, xv, dv)
 
@@ -612,11 +612,6 @@ def _statistics_step(make, xv: torch.Tensor, dv: torch.Tensor, *scratch) -> Step
         run()
         dv.copy_(out)
     return step
-
-
-def _overlap(dst: AP, src: AP) -> bool:
-    """Whether two tiles may share a byte."""
-    return dst.memory == src.memory and dst.footprint().overlaps(src.footprint())
 
 
 def _max8_sizes(instr: Instr, name: str) -> None:
