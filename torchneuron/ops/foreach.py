@@ -3,7 +3,10 @@ every tensor of the lists (the default ``foreach`` optimizers, ``clip_grad_norm_
 instead of PyTorch's composite loop of one launch per tensor.
 
 Each op applies the tile function its single-tensor lowering uses (``kernels/tilemath.py``), so the
-results are bit-identical to the per-tensor ops. Scalars reach the kernel as device operands, so a
+element-wise results are bit-identical to the per-tensor ops, but for a NaN's payload in bf16/fp16 results
+(rounded as torch converts the tile: its vector and element-by-element paths give different payloads, on the
+CPU too); ``_foreach_norm`` sums each tensor in its own order, within the fp32 summation bound of
+``linalg_vector_norm``'s. Scalars reach the kernel as device operands, so a
 new learning rate or bias correction does not mean a new Program: one shared by every tensor as one
 (1, 1) operand, one per tensor as one (n, 1) operand written in one host-to-device transfer for the whole
 list (a launch binds one slot for either, its rows of it for the latter, not one per tensor). Lists that
