@@ -143,6 +143,12 @@ def lower_mm(ctx, node, a: Value, b: Value) -> Value:
     return _product(matmul_kernel, a, b, out_dtype=wide, epilogue=epi)
 
 
+def _pending_kernel(ctx, u) -> bool:
+    """Whether ``u`` is a kernel node of this segment (not an epilogue) that is not computed yet: a lowering may
+    compute it beside its own node."""
+    return ctx.roles.get(u) == "kernel" and u in ctx.seg.items and u not in ctx.seg.epilogues and u not in ctx.env
+
+
 def _bias_gradient_of(ctx, node) -> Any:
     """The fp32 ``dY.sum(0)`` node of ``node``'s segment not computed yet, when ``node`` is ``mm(dY.t(), X)``
     (``dY`` 2-D): the bias gradient beside a linear layer's weight gradient, or None."""
@@ -153,8 +159,7 @@ def _bias_gradient_of(ctx, node) -> Any:
     for u in dy.users:
         if (u.target is aten.sum.dim_IntList and u.args[0] is dy and list(u.args[1]) in ([0], [-2])
                 and u.kwargs.get("dtype") is None and u.meta["val"].dtype == torch.float32
-                and ctx.roles.get(u) == "kernel" and u in ctx.seg.items and u not in ctx.seg.epilogues
-                and u not in ctx.env):
+                and _pending_kernel(ctx, u)):
             return u
     return None
 
@@ -226,8 +231,8 @@ def _nll_loss_of(ctx, node) -> Any:
     kernel takes them (its other readers load the stored log-softmax as before), or None."""
     val = node.meta["val"]
     for u in node.users:
-        if (u.target is aten.nll_loss_forward.default and u.args[0] is node and ctx.roles.get(u) == "kernel"
-                and u in ctx.seg.items and u not in ctx.seg.epilogues and u not in ctx.env and val.dim() == 2
+        if (u.target is aten.nll_loss_forward.default and u.args[0] is node and _pending_kernel(ctx, u)
+                and val.dim() == 2
                 and fuses_log_softmax_fwd(val.shape[0], val.shape[1], val.dtype)):
             return u
     return None
@@ -524,8 +529,7 @@ def _log_softmax_backward_of(ctx, node) -> Any:
     if len(node.users) != 1:
         return None
     u = next(iter(node.users))
-    ok = (u.target is aten._log_softmax_backward_data.default and u.args[0] is node and ctx.roles.get(u) == "kernel"
-          and u in ctx.seg.items and u not in ctx.seg.epilogues and u not in ctx.env
+    ok = (u.target is aten._log_softmax_backward_data.default and u.args[0] is node and _pending_kernel(ctx, u)
           and tuple(u.args[1].meta["val"].shape) == tuple(node.meta["val"].shape))
     return u if ok else None
 
