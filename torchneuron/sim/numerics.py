@@ -300,30 +300,35 @@ EXP_FAST_MIN = -87.0                # exp's result is a normal fp32 number from 
 _EXP_GAP = EXP_FAST_MIN - EXP_ZERO_AT  # exact (Sterbenz: the bounds are within a factor of 2)
 
 
-def _exp_keep(x: torch.Tensor, keep: torch.Tensor | None = None, band: torch.Tensor | None = None
-              ) -> torch.Tensor | None:
+def _exp_keep(x: torch.Tensor, buffers: list[torch.Tensor] | None = None) -> torch.Tensor | None:
     """1.0 where ``x`` >= EXP_FAST_MIN and 0.0 where ``x`` <= EXP_ZERO_AT (fp32), when the clamped route gives
     torch.exp's bits for ``x``; None where it does not apply: fp32 values all >= EXP_FAST_MIN (nothing to gain),
     NaN, or a value between the bounds (only torch's own evaluation gives its denormal or small result).
-    ``keep``, ``band``: fp32 buffers of x's shape to compute in (else temporaries); the result is ``keep``."""
+    ``buffers``: a list keeping two fp32 buffers of x's shape to compute in, made on its first use here (else
+    temporaries); the result is the first."""
     if x.dtype != torch.float32 or x.numel() == 0 or not x.amin().item() < EXP_FAST_MIN:  # (NaN: not <)
         return None
+    if buffers is None:
+        buffers = []
+    if not buffers:
+        buffers += (torch.empty(x.shape), torch.empty(x.shape))
+    keep, band = buffers
     # a comparison written straight into fp32 gives 1.0 / 0.0 (a bool result converted costs far more)
-    keep = torch.ge(x, EXP_FAST_MIN, out=torch.empty(x.shape) if keep is None else keep)
+    torch.ge(x, EXP_FAST_MIN, out=keep)
     # x clamped to [ZERO_AT, FAST_MIN], less the gap where kept: ZERO_AT for every value outside the band (FAST_MIN
     # - _EXP_GAP is ZERO_AT exactly), the value itself inside it, so the band is empty iff the maximum is ZERO_AT
-    band = torch.clamp(x, EXP_ZERO_AT, EXP_FAST_MIN, out=torch.empty(x.shape) if band is None else band)
+    torch.clamp(x, EXP_ZERO_AT, EXP_FAST_MIN, out=band)
     if band.sub_(keep, alpha=_EXP_GAP).amax().item() > EXP_ZERO_AT:
         return None
     return keep
 
 
-def exp_out(x: torch.Tensor, *, out: torch.Tensor, buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-            ) -> torch.Tensor:
+def exp_out(x: torch.Tensor, *, out: torch.Tensor, buffers: list[torch.Tensor] | None = None) -> torch.Tensor:
     """``torch.exp(x, out=out)``, bit for bit, without torch's slow path on large negative inputs. ``buffers``:
-    two fp32 tensors of x's shape for the route's masks (else temporaries)."""
+    a list keeping the route's two fp32 mask buffers of x's shape, made when the route first applies (else
+    temporaries)."""
     if x.shape == out.shape and x.stride() == out.stride():
-        keep = _exp_keep(x, *(buffers or ()))
+        keep = _exp_keep(x, buffers)
         if keep is not None:
             # out has x's shape and strides: the kept values' exp runs with the geometry exp(x, out=out) has
             torch.clamp_min(x, EXP_FAST_MIN, out=out)
@@ -332,9 +337,10 @@ def exp_out(x: torch.Tensor, *, out: torch.Tensor, buffers: tuple[torch.Tensor, 
     return torch.exp(x, out=out)
 
 
-def exp_buffers(shape: tuple[int, ...]) -> Callable[..., torch.Tensor]:
-    """``exp_out`` with its masks' buffers for inputs of ``shape`` made once (a step's exp)."""
-    buffers = (torch.empty(shape), torch.empty(shape))
+def exp_buffers() -> Callable[..., torch.Tensor]:
+    """``exp_out`` with its masks' buffers made once, on the first input the clamped route applies to (a step's
+    exp: its inputs have one shape)."""
+    buffers: list[torch.Tensor] = []
     return lambda x, *, out: exp_out(x, out=out, buffers=buffers)
 
 
@@ -407,15 +413,20 @@ def _in_place(op: str, n: int, dtype: torch.dtype) -> Callable[[torch.Tensor], t
     or for gelu_dx a scratch it owns): the torch calls of ``ACTIVATIONS[op]``, written into the buffer."""
     if op in ("identity", "copy"):
         return lambda buf: buf
-    fn_out = exp_buffers((n,)) if op == "exp" else ACTIVATIONS_OUT.get(op)
+    fn_out = exp_buffers() if op == "exp" else ACTIVATIONS_OUT.get(op)
     if fn_out is not None:
         return lambda buf: fn_out(buf, out=buf)
     if op in ("gelu", "gelu_apprx_tanh"):  # F.gelu is torch._C._nn.gelu: the same kernel writes into out=
         approximate = "none" if op == "gelu" else "tanh"
         return lambda buf: torch._C._nn.gelu(buf, approximate=approximate, out=buf)
     if op == "gelu_dx":
-        cdf, pdf = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
-        return lambda buf: _gelu_dx_into(buf, cdf, pdf)
+        scratch: list[torch.Tensor] = []  # its two buffers, made on the first run
+
+        def gelu_dx(buf: torch.Tensor) -> torch.Tensor:
+            if not scratch:
+                scratch.extend((torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)))
+            return _gelu_dx_into(buf, *scratch)
+        return gelu_dx
     fn = ACTIVATIONS[op]
     return lambda buf: buf.copy_(fn(buf))
 
@@ -437,6 +448,10 @@ def apply_activation(op: str, x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     if n == 0:
         return ACTIVATIONS[op](x)
+    if n % _VECTOR_BLOCK == 0 and op not in ("identity", "copy"):
+        # whole blocks already: the same blocks, evaluated out of place without a padded copy (identity and copy
+        # would return x itself)
+        return ACTIVATIONS[op](x.contiguous().view(-1)).view(x.shape)
     buf, run = activation_buffer(op, n, x.dtype)
     buf[:n].view(x.shape).copy_(x)
     return run().view(x.shape)

@@ -228,7 +228,7 @@ class Activation(Instr):
         _, scale, bias = self._plan
         out, x = self.dst.view(core), self.data.view(core)
         if fn is exp_out:
-            fn = exp_buffers(tuple(out.shape))  # the same exp_out, its masks in buffers of the step
+            fn = exp_buffers()  # the same exp_out, its masks in buffers of the step
         nd = out.dim()
         s = None if scale is None else fused_rhs(core, scale, nd)
         b = None if bias is None else fused_rhs(core, bias, nd)
