@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from torchneuron.ops.kernel_call import PlanCache
 from torchneuron.runtime import profiler
 from tests.ops.bounds import assert_within, attention_bounds
 from tests.ops.conftest import to_n
@@ -162,6 +163,7 @@ def test_sequence_major_heads_take_the_layout_with_fewer_copies(strict, monkeypa
     forced = []
     for layout in ("rows", "heads"):
         monkeypatch.setattr(attention, "_layout", lambda t, layout=layout: layout)
+        monkeypatch.setattr(attention, "_PLANS", PlanCache())   # (the plans kept the chosen layout)
         forced.append(copies_and_grad()[0])
     assert chosen == min(forced) < max(forced), (chosen, forced)
     torch.testing.assert_close(grad, want, atol=64 * 2.0 ** -24 * (T + D) * want.abs().max().item(), rtol=0)
@@ -200,6 +202,33 @@ def test_packed_heads_launch_the_faster_stacking(strict):
         assert launched.program.schedule(spec).device_time_ns == min(times)
     q, k, v = heads(x)
     _within_bounds(q, k, v, {"device": (y.detach().cpu(), [t.cpu() for t in heads(xn.grad)])}, causal=True)
+
+
+def test_repeated_calls_replay_the_plan_of_their_own_geometry(strict, monkeypatch):
+    """The fused op keeps a plan per operand geometry (shapes, strides, dtypes): dense heads after heads viewed
+    from a fused projection (the same shapes, other strides and result layout) get their own program's results,
+    bit for bit as with no plan kept, and a repeated call its first call's, in both directions."""
+    import torchneuron.ops.attention as attention
+    B, H, T, E = 2, 4, 32, 16
+    x = torch.randn(B, T, 3 * H * E, generator=torch.Generator().manual_seed(5))
+    g = torch.randn(B, H, T, E, generator=torch.Generator().manual_seed(6))
+
+    def run(dense: bool) -> list[torch.Tensor]:
+        xn = to_n(x).requires_grad_()
+        q, k, v = (z.view(B, T, H, E).transpose(1, 2) for z in xn.split(H * E, dim=2))
+        if dense:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y.backward(to_n(g))
+        return [y.detach().cpu(), xn.grad.cpu()]
+
+    monkeypatch.setattr(attention, "_PLANS", PlanCache())
+    want_dense = run(dense=True)
+    monkeypatch.setattr(attention, "_PLANS", PlanCache())
+    first = run(dense=False)
+    got_dense, again = run(dense=True), run(dense=False)
+    assert len(attention._PLANS.keys()) == 4
+    assert all(torch.equal(a, b) for a, b in zip(got_dense + again, want_dense + first))
 
 
 def test_long_key_rows_take_the_unfused_softmax(strict):

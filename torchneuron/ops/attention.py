@@ -29,7 +29,7 @@ composed path makes strided query/key/value views dense on the device first).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -38,7 +38,7 @@ from torchneuron.kernels.packed_attention import (attention_kernels, packed_atte
                                                   stacked_groups)
 from torchneuron.kernels.softmax import attention_fits, attention_softmax_kernel
 from torchneuron.ops.base import storage_span
-from torchneuron.ops.kernel_call import call_kernel, launch_traced, traced_kernel
+from torchneuron.ops.kernel_call import call_kernel, PlanCache, traced_kernel
 from torchneuron.ops.nn import softmax_backward
 from torchneuron.ops.registry import lowering
 
@@ -75,6 +75,24 @@ def _kernels(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale:
     return attention_kernels(B, H, L, key.shape[2], E, value.shape[3], query.dtype)
 
 
+def _views(tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """Each [B, H, n, d] operand's (offset 0, strides) view over the flat span of memory it covers
+    (``storage_span``): the flash kernels read strided heads where they lie."""
+    return {f"{name}_view": (0, tuple(t.stride())) for name, t in tensors.items()}
+
+
+OP = "aten::_scaled_dot_product_fused_attention_overrideable"
+
+
+def _kernels(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> tuple | None:
+    """(forward, backward) kernels for these heads (``attention_kernels``: packed heads, flash, or None for the
+    composed path), for one dtype, a positive scale and at least one head."""
+    B, H, L, E = query.shape
+    if not (query.dtype == key.dtype == value.dtype and scale > 0 and B * H > 0):
+        return None
+    return attention_kernels(B, H, L, key.shape[2], E, value.shape[3], query.dtype)
+
+
 def _in_place(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """Each [B, H, n, d] operand as the flat span of memory it covers and its (offset 0, strides) view over
     that span: the flash kernels read strided heads where they lie."""
@@ -83,19 +101,43 @@ def _in_place(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     return flat, views
 
 
-def _launch(kernel, inputs: dict[str, torch.Tensor], meta: dict, op: str) -> list[torch.Tensor]:
-    """Launch an attention kernel; the packed-heads kernels with or without query groups stacked on the
-    partitions (``stack_queries``, with ``pass_dmas``: a lone launch has no other DMAs to share with), whichever the device's timing model prices faster for these operands (which
-    wins depends on the shape and on how the heads lie in memory: the demo's forward from a fused projection is
-    faster stacked, its backward not). Both programs are traced once per shape and kept, as every eager kernel."""
+# (direction, device index, dtype, scale, causal, each operand's shape and strides) -> the plan of a fused launch:
+# an attention called again with the same geometry (each layer of a training step, every step) launches its traced
+# program without choosing the kernel, the result layout and the stacking again (extra: the result layout)
+_PLANS = PlanCache()
+
+
+def _geometry(*ts: torch.Tensor) -> tuple:
+    """What a fused launch's trace depends on in its operands: their shapes, strides and dtypes."""
+    return tuple((t.shape, t.stride(), t.dtype) for t in ts)
+
+
+def _traced(kernel, inputs: dict[str, torch.Tensor], meta: dict, index: int) -> tuple:
+    """The traced program of an attention kernel; for the packed-heads kernels, with or without query groups
+    stacked on the partitions (``stack_queries``, with ``pass_dmas``: a lone launch has no other DMAs to share
+    with), whichever the device's timing model prices faster for these operands (which wins depends on the shape
+    and on how the heads lie in memory: the demo's forward from a fused projection is faster stacked, its
+    backward not)."""
     B, H, L, S = meta["shape"][:4]
     if kernel not in (packed_attention_fwd, packed_attention_bwd) or stacked_groups(L, S) == 1:
-        return call_kernel(kernel, inputs, meta, op=op)
-    index = next(iter(inputs.values())).device.index
+        return traced_kernel(kernel, inputs, meta)
     spec = runtime.core(index).spec
     traced = [traced_kernel(kernel, inputs, {**meta, "stack_queries": stack, "pass_dmas": stack})
               for stack in (False, True)]
-    return launch_traced(min(traced, key=lambda t: t[0].schedule(spec).device_time_ns), inputs, op=op, index=index)
+    return min(traced, key=lambda t: t[0].schedule(spec).device_time_ns)
+
+
+def _launch(plan_key: tuple, operands: list[torch.Tensor], build: Callable[[], tuple], op: str
+            ) -> tuple[tuple[torch.Tensor, ...], str]:
+    """Launch the fused kernel of ``plan_key`` (its second item the device index) on ``operands``; return its
+    results and their layout. On the first call with this key, ``build()`` gives (kernel, the operands' slot names,
+    meta, layout) for the trace; later calls replay the kept plan."""
+    plan = _PLANS.get(plan_key)
+    if plan is None:
+        kernel, names, meta, layout = build()
+        plan = _PLANS.keep(plan_key, _traced(kernel, dict(zip(names, operands)), meta, plan_key[1]),
+                           {n: i for i, n in enumerate(names)}, extra=layout)
+    return plan.launch(operands, plan_key[1], op), plan.extra
 
 
 def _layout(t: torch.Tensor) -> str:
@@ -185,12 +227,14 @@ def sdpa_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
     B, H, L, E = query.shape
     S, Ev = key.shape[2], value.shape[3]
     s = _scale(scale, E)
-    kernels = _kernels(query, key, value, s)
-    if kernels:
-        flat, views = _in_place({"q": query, "k": key, "v": value})
-        layout = _layout(query)
-        out, lse = _launch(kernels[0], flat, {"scale": s, "causal": bool(is_causal), **views,
-                                              "shape": (B, H, L, S, E, Ev), "out_layout": layout}, OP)
+    plan_key = ("fwd", query.get_device(), s, bool(is_causal), _geometry(query, key, value))
+    if _PLANS.get(plan_key) is not None or _kernels(query, key, value, s):
+        def build() -> tuple:
+            layout = _layout(query)
+            return (_kernels(query, key, value, s)[0], ("q", "k", "v"),
+                    {"scale": s, "causal": bool(is_causal), **_views({"q": query, "k": key, "v": value}),
+                     "shape": (B, H, L, S, E, Ev), "out_layout": layout}, layout)
+        (out, lse), layout = _launch(plan_key, [storage_span(t) for t in (query, key, value)], build, OP)
         if layout == "rows":
             out = out.transpose(1, 2)
     elif query.dtype in (torch.bfloat16, torch.float16):
@@ -215,14 +259,19 @@ def sdpa_fused_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.
     """Attention backward: (grad_query, grad_key, grad_value, grad_attn_bias = None)."""
     _check(query, key, value, attn_bias if attn_bias is not None and attn_bias.numel() else None, dropout_p)
     s = _scale(scale, query.shape[3])
-    kernels = _kernels(query, key, value, s)
-    if kernels and grad_out.dtype == out.dtype == query.dtype:
-        B, H, L, E = query.shape
-        flat, views = _in_place({"q": query, "k": key, "v": value, "o": out, "do": grad_out})
-        layout = _layout(query)
-        grads = _launch(kernels[1], {**flat, "lse": logsumexp.contiguous()},
-                        {"scale": s, "causal": bool(is_causal), **views, "out_layout": layout,
-                         "shape": (B, H, L, key.shape[2], E, value.shape[3])}, OP + "_backward")
+    lse = logsumexp.contiguous()
+    plan_key = ("bwd", query.get_device(), s, bool(is_causal), _geometry(query, key, value, out, grad_out, lse))
+    if grad_out.dtype == out.dtype == query.dtype and (_PLANS.get(plan_key) is not None
+                                                       or _kernels(query, key, value, s)):
+        def build() -> tuple:
+            B, H, L, E = query.shape
+            layout = _layout(query)
+            views = _views({"q": query, "k": key, "v": value, "o": out, "do": grad_out})
+            return (_kernels(query, key, value, s)[1], ("q", "k", "v", "o", "do", "lse"),
+                    {"scale": s, "causal": bool(is_causal), **views, "out_layout": layout,
+                     "shape": (B, H, L, key.shape[2], E, value.shape[3])}, layout)
+        grads, layout = _launch(plan_key, [*(storage_span(t) for t in (query, key, value, out, grad_out)), lse],
+                                build, OP + "_backward")
         dq, dk, dv = (g.transpose(1, 2) for g in grads) if layout == "rows" else grads
         return (dq if grad_input_mask[0] else None, dk if grad_input_mask[1] else None,
                 dv if grad_input_mask[2] else None, None)
