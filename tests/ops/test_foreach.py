@@ -98,6 +98,22 @@ def test_foreach_norm_is_the_per_tensor_norm(dtype, strict):
         assert abs(g.cpu().double() - exact) <= bound and abs(want.cpu().double() - exact) <= bound
 
 
+def test_a_repeated_foreach_norm_replays_the_plan_of_its_shapes(strict):
+    # norms keep a plan per list shapes: lists of other shapes in between get their own program, and a call on
+    # the first shapes again gives the first call's bits for the same values, one launch, 0-d norms
+    lists = [[torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+             for shapes in ([(3, 4), (17,), (1,)], [(4, 3), (5, 2), (9,)])]
+    first = [torch._foreach_norm([to_n(t) for t in lst]) for lst in lists]
+    for lst, want in zip(lists, first):
+        with profiler.record() as records:
+            got = torch._foreach_norm([to_n(t) for t in lst])
+        assert len(records) == 1
+        for g, w, t in zip(got, want, lst):
+            exact = torch.linalg.vector_norm(t.double())
+            assert g.shape == () and g.dtype == t.dtype and torch.equal(g.cpu(), w.cpu())
+            assert abs(g.cpu().double() - exact) <= t.numel() * 2.0**-24 * exact
+
+
 def test_lists_that_do_not_fuse_take_the_per_tensor_loop():
     a = [torch.randn(3), torch.randn(4)]
     mixed = [to_n(a[0]), to_n(a[1]).double()]               # two dtypes: the loop (float64 falls back)
@@ -309,3 +325,20 @@ def test_in_place_lists_sharing_memory_equal_the_cpu_loop(case, strict):
         launches.append(len(records))
     torch.testing.assert_close(dev.cpu(), cpu)   # (addcmul: the CPU may fuse its multiply-add; a stale read is off by O(1))
     assert (launches[1] == 1) == (case == "own elements")
+
+
+def test_aliasing_is_decided_for_every_lists_memory(strict):
+    # the aliasing decision is kept per the byte ranges of every list (an optimizer passes the same tensors every
+    # step): the same self tensors with an unrelated list, then with their own tensors swapped, then unrelated
+    # again, each equal the CPU loop, one launch only where nothing aliases
+    torch.manual_seed(6)
+    base, other = torch.randn(2, 8), torch.randn(2, 8)
+    cpu, dev, cpu_other, dev_other = base.clone(), to_n(base), other, to_n(other)
+    launches = []
+    for t, o in ((cpu, cpu_other), (dev, dev_other)):
+        for operands in ([o[0], o[1]], [t[1], t[0]], [o[0], o[1]]):
+            with profiler.record() as records:
+                torch._foreach_add_([t[0], t[1]], operands, alpha=0.5)
+            launches.append(len(records))
+    torch.testing.assert_close(dev.cpu(), cpu)   # a stale read of the swapped operand is off by O(1)
+    assert launches[3:] == [1, 2, 1]

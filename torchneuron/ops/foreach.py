@@ -25,9 +25,8 @@ import torch
 
 from torchneuron.kernels.foreach import foreach_kernel, foreach_norm_kernel, operand_name
 from torchneuron.kernels import tilemath as tm
-from torchneuron.ops.base import aten, FLOATS, HALF_FLOATS, rounded_scalar
-from torchneuron.ops.kernel_call import (call_kernel, host_operand, launch_traced, PlanCache, scalar_operand,
-                                         traced_kernel)
+from torchneuron.ops.base import aten, FLOATS, HALF_FLOATS, remember, rounded_scalar
+from torchneuron.ops.kernel_call import host_operand, launch_traced, PlanCache, scalar_operand, traced_kernel
 from torchneuron.ops.pointwise import UNARY_FLOAT, UNARY_SAME
 from torchneuron.ops.registry import lowering
 
@@ -75,6 +74,12 @@ def _fusable(lists: Sequence[Sequence[torch.Tensor]]) -> bool:
     return True
 
 
+# (each list's start addresses and byte sizes, self's first) -> whether an in-place call with tensors there aliases
+# (``_aliased_in_place``): an optimizer's step passes the same tensors every step, so the sort and searches over
+# their ranges run once
+_ALIASING: dict[tuple, bool] = {}
+
+
 def _aliased_in_place(self: Sequence[torch.Tensor], lists: Sequence[Sequence[torch.Tensor]]) -> bool:
     """Whether an in-place call's tensors share memory other than ``self[i]`` with itself at position i.
 
@@ -82,15 +87,25 @@ def _aliased_in_place(self: Sequence[torch.Tensor], lists: Sequence[Sequence[tor
     ``self`` (``_foreach_mul_([a, a], 2)``: a * 4) or another list reading a later-written ``self`` tensor
     (``_foreach_add_([x, y], [y, x])``) sees the earlier writes; one launch would read every input first. Such
     calls take the loop. (The tensors are contiguous here: each covers one byte range.)"""
-    starts, sizes = list(map(_data_ptr, self)), list(map(_nbytes_of, self))
+    ranges = tuple((tuple(map(_data_ptr, lst)), tuple(map(_nbytes_of, lst))) for lst in (self, *lists))
+    aliased = _ALIASING.get(ranges)
+    if aliased is None:
+        aliased = remember(_ALIASING, ranges, _ranges_alias(ranges[0], ranges[1:]), 256)
+    return aliased
+
+
+def _ranges_alias(own: tuple, others: Sequence[tuple]) -> bool:
+    """``_aliased_in_place`` on the lists' byte ranges, as (starts, sizes): ``own`` self's, ``others`` the other
+    lists'."""
+    starts, sizes = own
     spans = sorted((start, start + n) for start, n in zip(starts, sizes) if n)
     if any(end > start for (_, end), (start, _) in zip(spans, spans[1:])):
         return True
     # self's ranges are disjoint and sorted, so their ends are too: a range [lo, hi) meets one of them exactly
     # when the last range starting before hi ends after lo
     firsts = [start for start, _ in spans]
-    for lst in lists:
-        for i, (lo, n) in enumerate(zip(map(_data_ptr, lst), map(_nbytes_of, lst))):
+    for lows, lengths in others:
+        for i, (lo, n) in enumerate(zip(lows, lengths)):
             if not n or (lo == starts[i] and n == sizes[i]):
                 continue   # nothing, or self[i]'s own elements (a += a): read and written in the same place
             k = bisect.bisect_left(firsts, lo + n)
@@ -338,13 +353,19 @@ for _packet in ("lerp", "lerp_"):
 @lowering("_foreach_norm.Scalar", complex_operands=True)
 def foreach_norm(self: list, ord: Any = 2, dtype: torch.dtype | None = None) -> list:
     """``_foreach_norm`` (``clip_grad_norm_``): for the 2-norm, one launch per MAX_GROUPS tensors (squares, sums,
-    square roots: ``kernels.foreach.foreach_norm_kernel``)."""
-    if ord != 2 or dtype is not None or not _fusable([self]) or any(t.numel() == 0 for t in self):
+    square roots: ``kernels.foreach.foreach_norm_kernel``), each norm allocated 0-d by the launch."""
+    if ord != 2 or dtype is not None or not _fusable([self]) or 0 in map(_numel, self):
         return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in self]
+    index, op = self[0].get_device(), "aten::_foreach_norm"
     norms: list[torch.Tensor] = []
     for lo in range(0, len(self), MAX_GROUPS):
         chunk = self[lo:lo + MAX_GROUPS]
-        norms += call_kernel(foreach_norm_kernel(len(chunk)), {operand_name(k, 0): t.view(1, -1)
-                                                               for k, t in enumerate(chunk)},
-                             {"out_dtype": self[0].dtype}, op="aten::_foreach_norm")
-    return [n.view(()) for n in norms]
+        kernel = foreach_norm_kernel(len(chunk))
+        key = (kernel, index, self[0].dtype, tuple(map(_shape_of, chunk)))
+        plan = _PLANS.get(key)
+        if plan is None:   # traced on the tensors as rows; the plan binds them as they are (contiguous)
+            inputs = {operand_name(k, 0): t.view(1, -1) for k, t in enumerate(chunk)}
+            plan = _PLANS.keep(key, traced_kernel(kernel, inputs, {"out_dtype": self[0].dtype}),
+                               {name: k for k, name in enumerate(inputs)}, [()] * len(chunk))
+        norms += plan.launch(chunk, index, op)
+    return norms
