@@ -118,6 +118,14 @@ def _activation_cases():
                                                     reduce_res=_sb(4104, F32, (1,)), reduce_cmd="reduce")
     yield "identity reduce_res only", i.activation(dst=_sb(512, free=(1,)), op="identity", data=_sb(512, free=(1,)),
                                                    reduce_res=_sb(4104, F32, (1,)))
+    yield "identity reduce into another tile", i.activation(
+        dst=_sb(0, BF16, free=(2, 64)), op="identity", data=_sb(1024, free=(2, 64)), reduce_op="add",
+        reduce_res=_sb(4104, F32, (1,)), reduce_cmd="reset_reduce")
+    yield "identity reduce from strided rows", i.activation(
+        dst=_sb(0, free=(32,)), op="identity", data=tile("psum", F32, (128, 64), offset=0)[:, ::2],
+        reduce_op="add", reduce_res=_sb(4104, F32, (1,)), reduce_cmd="reset_reduce")
+    yield "identity reduce overlapping", i.activation(
+        dst=_sb(128, free=(64,)), op="identity", data=_sb(0, free=(64,)), reduce_op="maximum", reduce_cmd="reduce")
     yield "identity reduce max", i.activation(dst=_sb(0, free=(3, 64)), op="copy", data=_sb(1024, free=(3, 64)),
                                               reduce_op="maximum", reduce_cmd="reset_reduce")
     yield "identity scale reduce", i.activation(dst=_sb(0), op="identity", data=_sb(0), scale=col,

@@ -182,18 +182,11 @@ class Activation(Instr):
                 columns.append((value, False))
         (s, s_conv), (b, b_conv) = columns
         accumulate, write_res = self._register_steps(core, xv.dim())
-        if self.op in ("identity", "copy") and scale is None and bias is None and dst == self.data and dst.dtype == c:
-            # the identity of a tile into itself in its own dtype writes back the bits it read: only the reduction
-            # runs, on the tile's rows (a sum along contiguous rows has the bits of the same sum on a contiguous copy)
-            rows = matrix_view(xv, xv.shape[0], n // xv.shape[0])
-            if accumulate is not None and rows is not None and (rows.stride(1) == 1 or rows.shape[1] == 1):
-                accumulate = self._register_steps(core, 2)[0]
-
-                def reduce_only(h):
-                    accumulate(rows)
-                    if write_res is not None:
-                        write_res()
-                return reduce_only
+        if (self.op in ("identity", "copy") and scale is None and bias is None and self.data.dtype == c
+                and accumulate is not None):
+            identity = self._identity_step(core, xv, dv, write_res)
+            if identity is not None:
+                return identity
         buf, activate = activation_buffer(self.op, n, c)
         x = buf[:n].view(xv.shape)  # the loaded tile, contiguous: the layout apply_activation computes in
 
@@ -207,6 +200,27 @@ class Activation(Instr):
             store(dst, dv, y, may_alias=False)
             if accumulate is not None:
                 accumulate(y)
+            if write_res is not None:
+                write_res()
+        return step
+
+    def _identity_step(self, core, xv: torch.Tensor, dv: torch.Tensor, write_res: Callable | None) -> Step | None:
+        """The identity of a tile in its compute dtype with a register reduction, without the loaded copy: the tile
+        stored into dst (nothing where dst is the tile: that writes back the bits it read), then the reduction on
+        the tile's rows (a sum along contiguous rows has the bits of the same sum on a contiguous copy); None where
+        the rows are not contiguous or dst overlaps the tile otherwise."""
+        rows = matrix_view(xv, xv.shape[0], xv.numel() // xv.shape[0])
+        if rows is None or not (rows.stride(1) == 1 or rows.shape[1] == 1):
+            return None
+        dst, into_itself = self.dst, self.dst == self.data
+        if not into_itself and dst.overlaps(self.data):
+            return None
+        accumulate = self._register_steps(core, 2)[0]
+
+        def step(h):
+            if not into_itself:  # dst shares no memory with the tile: the reduction below reads what it read
+                store(dst, dv, xv, may_alias=False)
+            accumulate(rows)
             if write_res is not None:
                 write_res()
         return step
