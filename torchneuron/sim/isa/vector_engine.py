@@ -475,28 +475,42 @@ class TensorTensorScan(Instr):
 
 # ---- statistics, top-8 -------------------------------------------------------------------------
 
-def bn_stats_fn(x: torch.Tensor, out: torch.Tensor,
-                devs: tuple[torch.Tensor, torch.Tensor] | None = None) -> Callable[[], None]:
-    """A function writing bn_stats of fp32 ``x`` [P, F] into ``out`` [P, 6] (its views made now, once): per
-    partition the count, the mean and the sum of squared deviations from it of the even, then of the odd elements.
-    ``devs``: [P, ceil(F/2)] and [P, F//2] buffers for the deviations (else temporaries). ``out`` must not overlap
-    ``x``: each mean is read back from it."""
-    halves = []
-    for k, half in enumerate((x[:, 0::2], x[:, 1::2])):
-        mean = out[:, 3 * k + 1]
-        halves.append((half, float(half.shape[1]), out[:, 3 * k], mean, mean[:, None], out[:, 3 * k + 2],
-                       None if devs is None else devs[k]))
+def bn_stats_fn(x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+    """A function writing bn_stats of fp32 ``x`` [P, F] into ``out`` [P, 6] (its views and the deviations' buffer
+    made now, once): per partition the count, the mean and the sum of squared deviations from it of the even, then
+    of the odd elements. The counts (and an empty half's zeros) are written now: ``out`` stays the function's.
+    ``out`` must not overlap ``x``: each mean is read back from it."""
+    p, f = x.shape
+    sizes = ((f + 1) // 2, f // 2)
+    dev = torch.empty(p, 2, sizes[0])  # each half's deviations in contiguous rows, as a fresh [P, n] tensor has
+    for k, n in enumerate(sizes):
+        out[:, 3 * k].fill_(float(n))
+        if not n:  # an empty half (one element per partition): mean and m2 are zeros
+            out[:, 3 * k + 1:3 * k + 3].fill_(0.0)
+    if f % 2 == 0:
+        return _bn_stats_pairs(x, out, dev)
+    halves = [(x[:, k::2], out[:, 3 * k + 1], out[:, 3 * k + 1:3 * k + 2], out[:, 3 * k + 2], dev[:, k, :n])
+              for k, n in enumerate(sizes) if n]
 
     def run() -> None:
-        for half, n, count_col, mean_col, mean, m2_col, dev in halves:
-            count_col.fill_(n)
-            if not n:  # an empty half (one element per partition): mean and m2 are zeros
-                mean_col.fill_(0.0)
-                m2_col.fill_(0.0)
-                continue
+        for half, mean_col, mean, m2_col, d in halves:
             torch.mean(half, 1, out=mean_col)
-            d = half - mean if dev is None else torch.sub(half, mean, out=dev)
-            torch.sum(d.pow_(2), 1, out=m2_col)
+            torch.sum(torch.sub(half, mean, out=d).pow_(2), 1, out=m2_col)
+    return run
+
+
+def _bn_stats_pairs(x: torch.Tensor, out: torch.Tensor, dev: torch.Tensor) -> Callable[[], None]:
+    """bn_stats_fn's run for an even F: both halves at once, each torch call on (even, odd) pairs. The same bits as
+    one half at a time: a sum over the pairs' axis reduces each half's elements in the order it reduces them alone
+    (a strided row sum for the means, a contiguous one for the deviations), the subtraction and square are exact
+    element by element."""
+    pairs, means, m2s = x.unflatten(1, (-1, 2)), out[:, 1::3], out[:, 2::3]  # [P, F/2, 2], [P, 2], [P, 2]
+    dev_pairs, pair_means = dev.transpose(1, 2), means.unsqueeze(1)
+
+    def run() -> None:
+        torch.mean(pairs, 1, out=means)
+        torch.sub(pairs, pair_means, out=dev_pairs)
+        torch.sum(dev.pow_(2), 2, out=m2s)
     return run
 
 
@@ -544,14 +558,13 @@ class BnStats(Instr):
         self.dst.write(core, out)
 
     def step(self, core, slots) -> Step | None:
-        """execute's bn_stats_into on the tile's view, written straight into dst, with the views and the
-        deviations' buffers made once; None where dst overlaps data (execute reads all of data first)."""
+        """execute's bn_stats_fn on the tile's view, written straight into dst, with the views and the
+        deviations' buffer made once; None where dst overlaps data (execute reads all of data first)."""
         p, f = self.data.partitions, self.data.free_elems
         xv, dv = matrix_view(self.data.view(core), p, f), matrix_view(self.dst.view(core), p, 6)
         if xv is None or dv is None or self.dst.overlaps(self.data):
             return None
-        devs = (torch.empty(p, (f + 1) // 2), torch.empty(p, f // 2))
-        return _statistics_step(bn_stats_fn, xv, dv, devs)
+        return _statistics_step(bn_stats_fn, xv, dv)
 
     def price(self) -> CostInputs:
         return self._cost([self.data], self.dst, flops=3 * self.data.numel)
@@ -593,14 +606,14 @@ class BnAggr(Instr):
         return self._cost([self.data], self.dst, flops=4 * self.data.numel)
 
 
-def _statistics_step(make, xv: torch.Tensor, dv: torch.Tensor, *scratch) -> Step:
-    """The step of ``make(x, out, *scratch)`` (bn_stats_fn, bn_aggr_fn) from the data view ``xv`` to the dst view
+def _statistics_step(make, xv: torch.Tensor, dv: torch.Tensor) -> Step:
+    """The step of ``make(x, out)`` (bn_stats_fn, bn_aggr_fn) from the data view ``xv`` to the dst view
     ``dv``: data converted to fp32 in a buffer where it is not fp32; the statistics computed into a contiguous
     fp32 buffer (torch's reductions write strided SBUF columns slowly, and the statistics read their means back in
     fp32), then stored with dst's rounding, as execute's write does."""
     x = xv if xv.dtype == torch.float32 else torch.empty(xv.shape)
     out = torch.empty(dv.shape)
-    run = make(x, out, *scratch)
+    run = make(x, out)
     if x is xv:
         def step(h):
             run()
