@@ -5,6 +5,7 @@ import torch
 import torchneuron.nki.language as nl
 
 from torchneuron.kernels.foreach import foreach_kernel, foreach_norm_kernel, operand_name
+from torchneuron.kernels.reduction import norm2_kernel
 
 
 def test_a_binary_op_over_a_list_of_tensors():
@@ -21,7 +22,8 @@ def test_a_binary_op_over_a_list_of_tensors():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_norms_of_a_list_of_tensors(dtype):
     # squares and sums in fp32 (fp16 squares of 40000 do not overflow), each norm rounded once to the dtype: within
-    # n fp32 roundings of the float64 norm, plus the final rounding to the dtype
+    # n fp32 roundings of the float64 norm, plus the final rounding to the dtype; bit for bit norm2_kernel's (each
+    # tensor's norm by its instructions)
     xs = [torch.randn(1, n).to(dtype) for n in (1, 200, 10000)]
     xs[1][0, :3] = torch.tensor([40000.0, -30000.0, 0.0]).to(dtype) if dtype == torch.float16 else xs[1][0, :3]
     norms = foreach_norm_kernel(3)(**{operand_name(i, 0): x for i, x in enumerate(xs)}, out_dtype=dtype)
@@ -29,6 +31,7 @@ def test_norms_of_a_list_of_tensors(dtype):
     for got, x in zip(norms, xs):
         exact = torch.linalg.vector_norm(x.double())
         assert got.shape == (1, 1) and got.dtype == dtype
+        assert torch.equal(got, norm2_kernel(x.reshape(-1, 1)))
         assert abs(got.double().reshape(()) - exact) <= (x.numel() * 2.0**-24 + eps) * exact
 
 

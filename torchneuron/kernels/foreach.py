@@ -131,26 +131,20 @@ def foreach_kernel(count: int, arity: int, kinds: tuple[str, ...], inplace: bool
 @functools.cache
 def foreach_norm_kernel(count: int) -> nki.Kernel:
     """The 2-norm of each of ``count`` flat float tensors (arguments ``a0, a1, ...``, each (1, n_i); ``out_dtype``:
-    the norms' dtype), in one launch of the three passes ``_foreach_norm`` would launch one by one: the squares
-    in fp32 as ``foreach_kernel`` packs them (an fp16 sum of squares overflows past 65504), each tensor's sum of
-    its squares along its one row (through HBM scratch; not the 128-partition order in which ``reduce_kernel``
-    and ``norm2_kernel`` sum a whole tensor, so a norm agrees with ``linalg_vector_norm``'s within the fp32
-    summation bound, not bit for bit), and the square roots rounded once to ``out_dtype``. One (1, 1) output per
-    tensor."""
-    from torchneuron.kernels import tilemath as tm
-    from torchneuron.kernels.reduction import _reduce_rows
+    the norms' dtype), in one launch instead of ``_foreach_norm``'s one per tensor: each tensor's norm by the
+    instructions ``norm2_kernel`` runs for a whole tensor (``linalg_vector_norm``) on its [n_i, 1] view (VectorE
+    squares in fp32, the sum over 128 partitions, ScalarE's square root rounded once to ``out_dtype``), so each
+    norm is bit-identical to the per-tensor op's. One (1, 1) output per tensor."""
+    from torchneuron.kernels.reduction import norm2_into
 
     def body(**kw):
-        xs = [kw[operand_name(i, 0)] for i in range(count)]
-        # VectorE: x * x of every tensor, packed into shared tiles, stored to per-tensor fp32 scratch
-        squares = _packed([[x, x] for x in xs], ("full", "full"), tm.mul, nl.float32)
-        sums = []
-        for sq in squares:   # VectorE: each tensor's sum of squares along its row
-            out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
-            _reduce_rows(sq, out, "sum", 1, sq.shape[1])
-            sums.append(out)
-        # ScalarE: the square roots of the packed sums, rounded to the norms' dtype
-        return _packed([[t] for t in sums], ("full",), tm.sqrt, kw["out_dtype"])
+        norms = []
+        for i in range(count):
+            x = kw[operand_name(i, 0)]
+            out = nl.ndarray((1, 1), kw["out_dtype"], buffer=nl.shared_hbm)
+            norm2_into(x.reshape((x.shape[1], 1)), out)
+            norms.append(out)
+        return tuple(norms)
 
     kind = inspect.Parameter.KEYWORD_ONLY
     body.__signature__ = inspect.Signature([inspect.Parameter(operand_name(i, 0), kind) for i in range(count)] +

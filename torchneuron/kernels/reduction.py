@@ -284,11 +284,17 @@ def norm2_kernel(x):
     the same order (bit-identical): VectorE squares each loaded tile in fp32 (|x| squared is x squared), the
     squares are summed as ``reduce_kernel`` sums a whole tensor, ScalarE takes the square root in fp32, and the
     store rounds it once to x's dtype (an fp16 sum of squares would overflow past 65504; fp32 does not)."""
+    out = nl.ndarray((1, 1), x.dtype, buffer=nl.shared_hbm)
+    norm2_into(x, out)
+    return out
+
+
+def norm2_into(x, out) -> None:
+    """``norm2_kernel``'s instructions: the 2-norm of all of ``x`` ([N, 1]) stored into the (1, 1) ``out`` (its
+    dtype rounds the fp32 square root once); ``foreach_norm_kernel`` runs them for each tensor of a list."""
     N = x.shape[0]
     assert tuple(x.shape) == (N, 1) and N >= 1, f"norm2: x is {x.shape}, not [N >= 1, 1]"
-    out = nl.ndarray((1, 1), x.dtype, buffer=nl.shared_hbm)
     _reduce_leading(x, out, "sum", N, 1, pre=lambda t: nl.multiply(t, t), post=nl.sqrt)
-    return out
 
 
 def reduce(x, dim: int, op: str = "sum", keepdim: bool = False):

@@ -5,8 +5,8 @@ instead of PyTorch's composite loop of one launch per tensor.
 Each op applies the tile function its single-tensor lowering uses (``kernels/tilemath.py``), so the
 element-wise results are bit-identical to the per-tensor ops, but for a NaN's payload in bf16/fp16 results
 (rounded as torch converts the tile: its vector and element-by-element paths give different payloads, on the
-CPU too); ``_foreach_norm`` sums each tensor in its own order, within the fp32 summation bound of
-``linalg_vector_norm``'s. Scalars reach the kernel as device operands, so a
+CPU too); ``_foreach_norm`` computes each tensor's norm by ``linalg_vector_norm``'s instructions, bit for bit.
+Scalars reach the kernel as device operands, so a
 new learning rate or bias correction does not mean a new Program: one shared by every tensor as one
 (1, 1) operand, one per tensor as one (n, 1) operand written in one host-to-device transfer for the whole
 list (a launch binds one slot for either, its rows of it for the latter, not one per tensor). Lists that
@@ -352,8 +352,9 @@ for _packet in ("lerp", "lerp_"):
 
 @lowering("_foreach_norm.Scalar", complex_operands=True)
 def foreach_norm(self: list, ord: Any = 2, dtype: torch.dtype | None = None) -> list:
-    """``_foreach_norm`` (``clip_grad_norm_``): for the 2-norm, one launch per MAX_GROUPS tensors (squares, sums,
-    square roots: ``kernels.foreach.foreach_norm_kernel``), each norm allocated 0-d by the launch."""
+    """``_foreach_norm`` (``clip_grad_norm_``): for the 2-norm, one launch per MAX_GROUPS tensors
+    (``kernels.foreach.foreach_norm_kernel``: each norm as ``linalg_vector_norm`` computes it), each norm allocated
+    0-d by the launch."""
     if ord != 2 or dtype is not None or not _fusable([self]) or 0 in map(_numel, self):
         return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in self]
     index, op = self[0].get_device(), "aten::_foreach_norm"
