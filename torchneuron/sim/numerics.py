@@ -252,16 +252,21 @@ _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
+_HALF, _ZERO = torch.tensor(0.5), torch.tensor(0.0)  # 0-d: broadcast operands of the fused forms below
+
+
 def _gelu_dx_into(x: torch.Tensor, cdf: torch.Tensor, pdf: torch.Tensor) -> torch.Tensor:
     """d/dx [x * Phi(x)] = Phi(x) + x * phi(x) into ``cdf`` (returned), ``pdf`` a scratch of x's shape: the
-    formula 0.5 * (1.0 + erf(x * _INV_SQRT_2)) + x * exp(-0.5 * x * x) * _INV_SQRT_2PI with its operations in
-    its order, in place on the two buffers (a large tile made ten temporaries). ``x`` is neither buffer: it is
-    read until the last operation."""
+    formula 0.5 * (1.0 + erf(x * _INV_SQRT_2)) + x * exp(-0.5 * x * x) * _INV_SQRT_2PI with its roundings, in
+    place on the two buffers (a large tile made ten temporaries), in 8 passes over them. ``x`` is neither buffer:
+    it is read until the last operation."""
     torch.mul(x, _INV_SQRT_2, out=cdf)
     torch.erf(cdf, out=cdf)
-    cdf.add_(1.0).mul_(0.5)
-    torch.mul(x, -0.5, out=pdf)
-    pdf.mul_(x)
+    # 0.5 + 0.5 * erf in one pass: halving is exact and commutes with rounding (no result is subnormal), so this is
+    # 0.5 * (1 + erf) bit for bit, +0 where erf is -1
+    torch.add(_HALF, cdf, alpha=0.5, out=cdf)
+    # -0.5 * x * x in one pass (+ 0: exact, but for the sign of a zero, which exp maps to 1 either way)
+    torch.addcmul(_ZERO, x, x, value=-0.5, out=pdf)
     torch.exp(pdf, out=pdf)
     return cdf.add_(pdf.mul_(x).mul_(_INV_SQRT_2PI))
 
@@ -300,35 +305,51 @@ EXP_FAST_MIN = -87.0                # exp's result is a normal fp32 number from 
 _EXP_GAP = EXP_FAST_MIN - EXP_ZERO_AT  # exact (Sterbenz: the bounds are within a factor of 2)
 
 
-def _exp_keep(x: torch.Tensor, buffers: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+class ExpScratch:
+    """What a step's exp keeps between runs (its inputs have one shape): the clamped route's two fp32 mask buffers,
+    made when the route first applies, and whether it applied last run: its input then held masked values, as the
+    next one most likely does (a causal softmax's scores), so the test for a value below EXP_FAST_MIN is skipped
+    (the route gives torch.exp's bits without one too, only slower)."""
+
+    def __init__(self) -> None:
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.masked = False
+
+    def masks(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two buffers, made on the first call."""
+        if self.buffers is None:
+            self.buffers = (torch.empty(shape), torch.empty(shape))
+        return self.buffers
+
+
+def _exp_keep(x: torch.Tensor, scratch: ExpScratch | None = None) -> torch.Tensor | None:
     """1.0 where ``x`` >= EXP_FAST_MIN and 0.0 where ``x`` <= EXP_ZERO_AT (fp32), when the clamped route gives
-    torch.exp's bits for ``x``; None where it does not apply: fp32 values all >= EXP_FAST_MIN (nothing to gain),
-    NaN, or a value between the bounds (only torch's own evaluation gives its denormal or small result).
-    ``buffers``: a list keeping two fp32 buffers of x's shape to compute in, made on its first use here (else
-    temporaries); the result is the first."""
-    if x.dtype != torch.float32 or x.numel() == 0 or not x.amin().item() < EXP_FAST_MIN:  # (NaN: not <)
+    torch.exp's bits for ``x``; None where it does not apply: fp32 values all >= EXP_FAST_MIN (nothing to gain;
+    not tested where ``scratch`` saw masked values last run), NaN, or a value between the bounds (only torch's own
+    evaluation gives its denormal or small result). ``scratch``: the buffers to compute in (else temporaries); the
+    result is its first."""
+    if x.dtype != torch.float32 or x.numel() == 0:
         return None
-    if buffers is None:
-        buffers = []
-    if not buffers:
-        buffers += (torch.empty(x.shape), torch.empty(x.shape))
-    keep, band = buffers
+    if scratch is None:
+        scratch = ExpScratch()
+    if not scratch.masked and not x.amin().item() < EXP_FAST_MIN:  # (NaN: not <)
+        return None
+    keep, band = scratch.masks(x.shape)
     # a comparison written straight into fp32 gives 1.0 / 0.0 (a bool result converted costs far more)
     torch.ge(x, EXP_FAST_MIN, out=keep)
     # x clamped to [ZERO_AT, FAST_MIN], less the gap where kept: ZERO_AT for every value outside the band (FAST_MIN
     # - _EXP_GAP is ZERO_AT exactly), the value itself inside it, so the band is empty iff the maximum is ZERO_AT
+    # (and NaN, which the amin test above may not have seen, makes the maximum NaN: not <=)
     torch.clamp(x, EXP_ZERO_AT, EXP_FAST_MIN, out=band)
-    if band.sub_(keep, alpha=_EXP_GAP).amax().item() > EXP_ZERO_AT:
-        return None
-    return keep
+    scratch.masked = band.sub_(keep, alpha=_EXP_GAP).amax().item() <= EXP_ZERO_AT
+    return keep if scratch.masked else None
 
 
-def exp_out(x: torch.Tensor, *, out: torch.Tensor, buffers: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """``torch.exp(x, out=out)``, bit for bit, without torch's slow path on large negative inputs. ``buffers``:
-    a list keeping the route's two fp32 mask buffers of x's shape, made when the route first applies (else
-    temporaries)."""
+def exp_out(x: torch.Tensor, *, out: torch.Tensor, scratch: ExpScratch | None = None) -> torch.Tensor:
+    """``torch.exp(x, out=out)``, bit for bit, without torch's slow path on large negative inputs. ``scratch``: a
+    step's ExpScratch (else temporaries)."""
     if x.shape == out.shape and x.stride() == out.stride():
-        keep = _exp_keep(x, buffers)
+        keep = _exp_keep(x, scratch)
         if keep is not None:
             # out has x's shape and strides: the kept values' exp runs with the geometry exp(x, out=out) has
             torch.clamp_min(x, EXP_FAST_MIN, out=out)
@@ -338,10 +359,9 @@ def exp_out(x: torch.Tensor, *, out: torch.Tensor, buffers: list[torch.Tensor] |
 
 
 def exp_buffers() -> Callable[..., torch.Tensor]:
-    """``exp_out`` with its masks' buffers made once, on the first input the clamped route applies to (a step's
-    exp: its inputs have one shape)."""
-    buffers: list[torch.Tensor] = []
-    return lambda x, *, out: exp_out(x, out=out, buffers=buffers)
+    """``exp_out`` with an ExpScratch of its own (a step's exp)."""
+    scratch = ExpScratch()
+    return lambda x, *, out: exp_out(x, out=out, scratch=scratch)
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
