@@ -334,24 +334,30 @@ def test_select_and_slice_backward_embed_the_gradient_in_one_launch(dtype, stric
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_embedding_backward_is_the_one_hot_kernel_and_a_product(dtype, strict):
-    # the one-hot matrix comes straight from the index words (int64: the low words of the pairs, read whole), then
-    # one product: two launches whatever the index dtype, no copy of the low words, no iota; the one-hot bit for bit
-    # the CPU's (several row and column blocks, the padding row, an index outside the rows: a zero column), the
-    # gradient the CPU's
-    from torchneuron.kernels.indexing import onehot_rows
+@pytest.mark.parametrize("fused", [True, False])
+def test_embedding_backward_is_the_one_hot_product(dtype, fused, strict, monkeypatch):
+    # the one-hot matrix comes straight from the index words (int64: the low words of the pairs, read whole): up to
+    # ONEHOT_PRODUCT_ROWS rows built block by block in SBUF and multiplied there (one launch), else built in HBM
+    # (onehot_rows) for a product launch; either way no copy of the low words, no iota. The one-hot bit for bit the
+    # CPU's (several row and column blocks, the padding row, an index outside the rows: a zero column), the fused
+    # product bit for bit the two launches', the gradient the CPU's
+    import torchneuron.ops.indexing as indexing
+    from torchneuron.kernels.indexing import onehot_product, onehot_rows
     from torchneuron.ops.kernel_call import call_kernel
     from torchneuron.runtime import profiler
+    if not fused:
+        monkeypatch.setattr(indexing, "ONEHOT_PRODUCT_ROWS", 0)
     gen = torch.Generator().manual_seed(7)
-    for rows, n, padding_idx in ((10, 6, -1), (300, 2500, 4), (129, 3, 128)):
+    for rows, n, D, padding_idx in ((10, 6, 5, -1), (300, 2500, 5, 4), (129, 3, 600, 128)):
         for idx_dtype in (torch.int64, torch.int32):
             idx = torch.randint(0, rows, (n,), generator=gen, dtype=idx_dtype)
             idx[0] = padding_idx if padding_idx >= 0 else 0
-            g = (torch.randn(n, 5, generator=gen) * 4).to(dtype)
+            g = (torch.randn(n, D, generator=gen) * 4).to(dtype)
             want = torch.ops.aten.embedding_dense_backward(g, idx, rows, padding_idx, False)
             with profiler.record() as records:
                 got = torch.ops.aten.embedding_dense_backward(to_n(g), to_n(idx), rows, padding_idx, False)
-            assert [r.name for r in records] == ["onehot_rows", "matmul_kernel"], [r.name for r in records]
+            names = [r.name for r in records]
+            assert names == (["onehot_product"] if fused else ["onehot_rows", "matmul_kernel"]), names
             if dtype == torch.float32:
                 torch.testing.assert_close(got.cpu(), want)
             else:   # (the CPU sums 2-byte rows in their dtype): the float64 sums, summed in fp32, rounded once
@@ -364,12 +370,14 @@ def test_embedding_backward_is_the_one_hot_kernel_and_a_product(dtype, strict):
             outside = words.clone()
             outside[-2] = rows                     # (the low word of an int64: its index n - 1 reads row rows)
             stride = 2 if idx_dtype == torch.int64 else 1
+            meta = {"rows": rows, "stride": stride, "padding_idx": padding_idx}
             for w in (words, outside):
-                (hot,) = call_kernel(onehot_rows, {"index": w}, {"rows": rows, "stride": stride,
-                                                                 "padding_idx": padding_idx, "out_dtype": dtype})
+                (hot,) = call_kernel(onehot_rows, {"index": w}, {**meta, "out_dtype": dtype})
                 low = w.cpu()[::stride].long()
                 ref = (low[None, :] == torch.arange(rows)[:, None]) & (torch.arange(rows)[:, None] != padding_idx)
                 assert torch.equal(hot.cpu(), ref.to(dtype))
+                (product,) = call_kernel(onehot_product, {"index": w, "grad": to_n(g)}, meta)
+                assert torch.equal(product.cpu(), (hot @ to_n(g)).cpu())
     w = W.clone().requires_grad_()                 # through autograd: a non-contiguous index (a copy first)
     wn = to_n(W).requires_grad_()
     idx = torch.tensor([[3, 0, 3, 1], [10, 2, 0, 5]])[:, :3]

@@ -1,4 +1,5 @@
-"""Index kernels: ``iota`` (0, 1, 2, ... for ``arange`` and masks), ``gather_rows`` and ``onehot_rows``.
+"""Index kernels: ``iota`` (0, 1, 2, ... for ``arange`` and masks), ``gather_rows``, ``onehot_rows`` and
+``onehot_product`` (the one-hot matrix's product with gradient rows, built and multiplied in SBUF).
 
 ``iota``: GpSimd's iota writes p * F + j into a [128, F] int32 tile per block; a store writes it out.
 
@@ -21,12 +22,14 @@ with a bad row). Either way a bad row fails an indirect DMA, before anything is 
 """
 from __future__ import annotations
 
+import collections
 import math
 
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels._common import DMA_ROW_BYTES, PMAX, flat_blocks, itemsize
+from torchneuron.kernels._common import DMA_ROW_BYTES, PMAX, PSUM_FP32, flat_blocks, itemsize
+from torchneuron.kernels.elementwise import NBUF
 
 
 def row_blocks(index, N: int, D: int, dtype, stride: int = 1):
@@ -123,6 +126,64 @@ def onehot_rows(index, rows, stride=1, padding_idx=-1, out_dtype=nl.float32):
                 nisa.tensor_scalar(dst=hit[:p], data=words[:p, :, 0], op0=nl.equal, operand0=ids[:p, b:b + 1],
                                    op1=nl.multiply, operand1=keep[:p, b:b + 1])
             nisa.dma_copy(dst=out[b * PMAX:b * PMAX + p, c0:c0 + w], src=hit[:p])
+    return out
+
+
+# Rows of the one-hot product ``onehot_product`` takes (its [128, rows] row numbers and one-hot block in SBUF,
+# 16 KiB a partition each at most); larger tables build the one-hot matrix in HBM (``onehot_rows``) for the
+# matmul kernel.
+ONEHOT_PRODUCT_ROWS = 4096
+
+
+@nki.jit
+def onehot_product(index, grad, rows, stride=1, padding_idx=-1):
+    """``onehot_rows(index)^T``'s product with the [n, D] ``grad``: the [rows, D] sums of grad's rows by index
+    (``embedding_dense_backward``) in one launch, the one-hot matrix never in HBM. Per block of 128 indices (on
+    the partitions, as the product contracts them), VectorE builds the block of the one-hot's transpose, 1 at
+    [j, v] where index j is v unless v is ``padding_idx``, else 0 (an index outside [0, rows): a zero row), and
+    TensorE accumulates its product with the block's gradient rows in fp32 PSUM, the blocks in index order: each
+    output element is the sum of its rows, as ``matmul_kernel`` sums the one-hot matrix's product."""
+    n = index.shape[0] // stride
+    D = grad.shape[1]
+    assert tuple(grad.shape) == (n, D) and n >= 1, f"onehot_product: grad is {grad.shape}, not [{n}, D]"
+    assert stride in (1, 2), f"onehot_product: index words per index must be 1 or 2, not {stride}"
+    assert 1 <= rows <= ONEHOT_PRODUCT_ROWS, f"onehot_product: {rows} rows (at most {ONEHOT_PRODUCT_ROWS})"
+    out = nl.ndarray((rows, D), grad.dtype, buffer=nl.shared_hbm)
+    # GpSimd: the row numbers 0 .. rows - 1 along the free axis, the same on every partition
+    ids = nl.ndarray((PMAX, rows), nl.int32, buffer=nl.sbuf)
+    nisa.iota(dst=ids, pattern=[[1, rows]], offset=0, channel_multiplier=0)
+    ring = collections.deque(maxlen=NBUF)
+    for v0 in range(0, rows, PMAX):             # output row blocks: PSUM partitions
+        vb = min(PMAX, rows - v0)
+        for d0 in range(0, D, PSUM_FP32):       # output column blocks: one PSUM bank each
+            db = min(PSUM_FP32, D - d0)
+            acc = nl.ndarray((PMAX, PSUM_FP32), nl.float32, buffer=nl.psum)
+            for kt, k0 in enumerate(range(0, n, PMAX)):
+                kk = min(PMAX, n - k0)
+                # DMA: the block's index words, one index per partition
+                words = nl.ndarray((PMAX, stride), nl.int32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=words[:kk], src=index.ap([[stride, kk], [1, stride]], offset=k0 * stride))
+                # VectorE: hit[j, v] = (index j == v) (* (index j != padding_idx)), in grad's dtype
+                hit = nl.ndarray((PMAX, PMAX), grad.dtype, buffer=nl.sbuf)
+                if padding_idx < 0:
+                    nisa.tensor_scalar(dst=hit[:kk, :vb], data=ids[:kk, v0:v0 + vb], op0=nl.equal,
+                                       operand0=words[:kk, 0:1])
+                else:
+                    keep = nl.ndarray((PMAX, 1), nl.int32, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=keep[:kk], data=words[:kk, 0:1], op0=nl.not_equal, operand0=padding_idx)
+                    nisa.tensor_scalar(dst=hit[:kk, :vb], data=ids[:kk, v0:v0 + vb], op0=nl.equal,
+                                       operand0=words[:kk, 0:1], op1=nl.multiply, operand1=keep[:kk])
+                # DMA: the block's gradient rows
+                g = nl.ndarray((PMAX, PSUM_FP32), grad.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=g[:kk, :db], src=grad[k0:k0 + kk, d0:d0 + db])
+                # TensorE: acc[v, d] (+)= sum over the block's j of hit[j, v] * g[j, d]
+                nisa.nc_matmul(dst=acc[:vb, :db], stationary=hit[:kk, :vb], moving=g[:kk, :db], accumulate=kt > 0)
+                ring.append((words, hit, g))
+            # VectorE: the sums out of PSUM, rounded to grad's dtype; DMA: stored
+            res = nl.ndarray((PMAX, PSUM_FP32), grad.dtype, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=res[:vb, :db], src=acc[:vb, :db])
+            nisa.dma_copy(dst=out[v0:v0 + vb, d0:d0 + db], src=res[:vb, :db])
+            ring.append((acc, res))
     return out
 
 

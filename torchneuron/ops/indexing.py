@@ -30,8 +30,8 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torch._prims_common import canonicalize_dim
 
-from torchneuron.kernels.indexing import (ONEHOT_LIMIT, gather_rows, index_rows, iota, mask_rows, MAX_INDEX_DIMS,
-                                         onehot_rows)
+from torchneuron.kernels.indexing import (ONEHOT_LIMIT, ONEHOT_PRODUCT_ROWS, gather_rows, index_rows, iota, mask_rows,
+                                         MAX_INDEX_DIMS, onehot_product, onehot_rows)
 from torchneuron.kernels.scan import scan_rows
 import torchneuron.nki.language as nl
 from torchneuron.kernels import tilemath as tm
@@ -267,15 +267,20 @@ for _name, _lower in (("tril", True), ("tril_", True), ("triu", False), ("triu_"
 @lowering("embedding_dense_backward")
 def embedding_dense_backward(grad_output: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int,
                              scale_grad_by_freq: bool) -> torch.Tensor:
-    """Per-row sums of ``grad_output`` by index: ``onehot(indices)^T @ grad`` on TensorE."""
+    """Per-row sums of ``grad_output`` by index: ``onehot(indices)^T @ grad`` on TensorE, in one launch for tables
+    of up to ONEHOT_PRODUCT_ROWS rows (the one-hot blocks never in HBM; bit for bit the two launches' product)."""
     D = grad_output.shape[-1]
     n = indices.numel()
     if (scale_grad_by_freq or grad_output.dtype not in (torch.float32, torch.bfloat16, torch.float16)
             or num_weights * n > ONEHOT_LIMIT or n == 0 or indices.dtype not in (torch.int32, torch.int64)):
         raise Unsupported
     words, stride = index_words(indices)
-    (onehot,) = call_kernel(onehot_rows, {"index": words}, {"rows": num_weights, "stride": stride,
-                                                            "padding_idx": padding_idx, "out_dtype": grad_output.dtype},
+    meta = {"rows": num_weights, "stride": stride, "padding_idx": padding_idx}
+    if num_weights <= ONEHOT_PRODUCT_ROWS:   # one launch: the one-hot blocks built in SBUF, multiplied there
+        (grad,) = call_kernel(onehot_product, {"index": words, "grad": dense(grad_output.reshape(n, D))}, meta,
+                              op="aten::embedding_dense_backward")
+        return grad
+    (onehot,) = call_kernel(onehot_rows, {"index": words}, {**meta, "out_dtype": grad_output.dtype},
                             op="aten::embedding_dense_backward")
     return onehot @ grad_output.reshape(n, D)
 
