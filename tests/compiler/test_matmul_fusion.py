@@ -81,6 +81,37 @@ def test_epilogues_equal_eager_bit_for_bit(bias, autocast, tmp_path, monkeypatch
     assert "runs as eager ops" not in "".join(fusion.values())
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_of_an_epilogues_result_chain_on_chip(bias, monkeypatch):
+    # 256 rows (whole 128-row chunks), fp32: the forward's GELU result goes on into the second linear layer (with
+    # its bias and its residual add) and the backward's GELU gradient dH into dH @ W1 in the kernel that computes
+    # them, never loaded back; the same instructions per row, so the values equal eager's bit for bit
+    torch.manual_seed(0)
+    model, x = _Block(bias=bias), torch.randn(2, 128, 96)
+    chained = []
+    matmul_kernel = kernel_lowerings.matmul_kernel
+    monkeypatch.setattr(kernel_lowerings, "matmul_kernel",
+                        lambda *a, **k: chained.append(k.get("then") is not None) or matmul_kernel(*a, **k))
+    monkeypatch.setenv("TORCHNEURON_CACHE_DIR", "0")
+    for e, c in zip(_grads(model, x, False, autocast=False), _grads(model, x, True, autocast=False)):
+        assert torch.equal(c, e)
+    assert chained.count(True) == 2   # one chain in the forward, one in the backward
+
+
+def test_a_chained_product_takes_its_operand_as_it_lies(monkeypatch):
+    def f(a, b, c):
+        return nn.functional.gelu(a @ b) @ c   # B2 [N, N2] as it is, not a weight's transpose
+    torch.manual_seed(0)
+    chained = []
+    matmul_kernel = kernel_lowerings.matmul_kernel
+    monkeypatch.setattr(kernel_lowerings, "matmul_kernel",
+                        lambda *a, **k: chained.append(k.get("then") is not None) or matmul_kernel(*a, **k))
+    monkeypatch.setenv("TORCHNEURON_CACHE_DIR", "0")
+    args = [t.to("neuron") for t in (torch.randn(128, 64), torch.randn(64, 200), torch.randn(200, 48))]
+    assert torch.equal(torch.compile(f, backend="neuron")(*args).cpu(), f(*args).cpu())
+    assert chained == [True]
+
+
 def test_a_product_two_groups_read_keeps_its_own_store(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHNEURON_DUMP_DIR", str(tmp_path / "dump"))
 

@@ -6,9 +6,9 @@ from torchneuron.kernels import matmul
 from torchneuron import runtime
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels.matmul import (MAX_K_PASSES, Epilogue, addmm_kernel, bmm_group_size, bmm_kernel,
-                                         epilogue_reserve, fuses_row_sums, matmul_kernel, max_contraction,
-                                         panel_width)
+from torchneuron.kernels.matmul import (MAX_K_PASSES, Epilogue, Then, addmm_kernel, bmm_group_size, bmm_kernel,
+                                         chains_product, epilogue_reserve, fuses_row_sums, matmul_kernel,
+                                         max_contraction, panel_width)
 from tests.kernels.conftest import DTYPES, close
 
 
@@ -426,6 +426,65 @@ def test_matmul_epilogue_moves_two_byte_blocks_as_two_bytes(case, dtype):
     assert moved and all(i.src.dtype == i.dst.dtype for i in moved if i.src.memory == "hbm:r")
     if case < len(FOLD_CASES):   # (the K-chunked nest's product is its fp32 total, rounded: stored from fp32)
         assert all(i.src.dtype == i.dst.dtype for i in moved)
+
+
+@nki.jit
+def _chained(a, b, r, b2, r2=None, bias=None, transpose_b=False, bias2=None, transpose_b2=False, keep=False):
+    """(A @ B + bias + r, [the product], (that) @ B2 + bias2 [+ r2]) by one kernel: the second product chained."""
+    second = None if r2 is None else Epilogue(_add_tiles, (r2,), r2.dtype)
+    return matmul_kernel(a, b, transpose_b=transpose_b, bias=bias,
+                         epilogue=Epilogue(_add_tiles, (r,), r.dtype, keep_product=keep),
+                         then=Then(b2, transpose_b2, bias2, second))
+
+
+CHAIN_CASES = [(1024, 64, 256, 64),    # the demo's MLP: 4 row blocks of 2 chunks, 2 K tiles of the result
+               (640, 300, 100, 128),   # 4-chunk blocks and a 1-chunk tail block, a partial K tile (100 columns)
+               (384, 96, 512, 200)]    # 1-chunk blocks, the result's 512 columns as 4 K tiles
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("transpose_b2", [False, True])
+@pytest.mark.parametrize("second", ["mm", "addmm", "addmm+epilogue"])
+@pytest.mark.parametrize("mkn2", CHAIN_CASES)
+def test_chained_product_equals_the_two_kernels(mkn2, second, transpose_b2, keep):
+    # the epilogue's result Y goes on from SBUF into Y @ B2 (+ its bias, its own epilogue): every result equals the
+    # first kernel's and then a second kernel's over the stored Y, bit for bit, infinities and NaNs in Y too
+    M, K, N, N2 = mkn2
+    a, b, bias = torch.randn(M, K), torch.randn(N, K), torch.randn(1, N)
+    r = torch.randn(M, N)
+    r.view(-1)[:7] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 3.0e38, 2.0**-149])
+    b2 = torch.randn((N2, N) if transpose_b2 else (N, N2))
+    bias2 = torch.randn(1, N2) if second != "mm" else None
+    r2 = torch.randn(M, N2) if second == "addmm+epilogue" else None
+    *first, got = (torch.as_tensor(t) for t in _chained(a, b, r, b2, r2, bias=bias, transpose_b=True, bias2=bias2,
+                                                        transpose_b2=transpose_b2, keep=keep))
+    want_first = _matmul_plus_kept(a, b, r, bias=bias, transpose_b=True)
+    y = torch.as_tensor(want_first[0])
+    want = (_matmul_plus(y, b2, r2, bias=bias2, transpose_b=transpose_b2) if r2 is not None
+            else matmul_kernel(y, b2, transpose_b=transpose_b2, bias=bias2))
+    for g, w in zip(first + [got], list(want_first[:1 + keep]) + [want]):
+        torch.testing.assert_close(g, torch.as_tensor(w), rtol=0, atol=0, equal_nan=True)
+    assert got.isnan().any()   # (the NaN of Y reached its row of the second product)
+
+
+def test_chained_product_only_where_the_kernel_can_chain():
+    # fp32 throughout (a 2-byte result is rounded by its store), A as [M, K] in whole 128-row chunks, the grouped
+    # path's K and N, each row block's second product in one PSUM bank
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert chains_product(1024, 64, 256, 64, False, f32, f32, f32)
+    assert chains_product(512, 512, 512, 512, False, f32, f32, f32)
+    assert not chains_product(1024, 64, 256, 64, False, bf16, f32, f32)
+    assert not chains_product(1024, 64, 256, 64, False, f32, bf16, bf16)
+    assert not chains_product(1000, 64, 256, 64, False, f32, f32, f32)
+    assert not chains_product(1024, 64, 256, 64, True, f32, f32, f32)
+    assert not chains_product(1024, 513, 256, 64, False, f32, f32, f32)
+    assert not chains_product(1024, 64, 513, 64, False, f32, f32, f32)
+    assert not chains_product(1024, 64, 256, 257, False, f32, f32, f32)   # 2 chunks of 257 fp32: two banks
+    a, b, r = torch.randn(200, 64), torch.randn(64, 256), torch.randn(200, 256)
+    with pytest.raises(AssertionError, match="no chained product"):
+        _chained(a, b, r, torch.randn(256, 64))
+    with pytest.raises(AssertionError, match="contracts the result's 256 columns"):
+        _chained(a[:128], b, r[:128], torch.randn(200, 64))
 
 
 def test_matmul_epilogue_operands_must_span_the_output():

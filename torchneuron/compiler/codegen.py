@@ -264,7 +264,12 @@ class _Body:
             self.env[node] = v
             return
         lower = lowering.KERNELS[node.target]
-        res = lower(self, node, *args, **kwargs)
+        self.bind(node, lower(self, node, *args, **kwargs))
+
+    def bind(self, node: fx.Node, res: Any) -> None:
+        """Record kernel node ``node``'s result ``res`` (a lowering may bind a later node it computed beside its
+        own): with an epilogue, the group's result, and the product where it is kept (else None: only the group
+        read it, and the node counts as computed)."""
         if node not in self.seg.epilogues:
             self.env[node] = res
             return
@@ -273,7 +278,7 @@ class _Body:
             res, self.env[node] = res[0], (None, *res[1:])
         out, product = res if keep else (res, None)
         self.env[g.outputs[0]] = out.reshape(g.shape)
-        if keep:
+        if keep or node not in self.env:
             self.env[node] = product
 
     def epilogue(self, node: fx.Node) -> Epilogue | None:

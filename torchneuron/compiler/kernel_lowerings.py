@@ -29,7 +29,8 @@ from torchneuron.kernels.elementwise import fold_broadcast, stream
 from torchneuron.kernels.indexing import ONEHOT_LIMIT, gather_rows, iota, low_words
 from torchneuron.kernels.losses import (EXACT, fuses_log_softmax_bwd, fuses_log_softmax_fwd, log_softmax_nll_fwd_kernel,
                                         nll_bwd_kernel, nll_fwd_kernel)
-from torchneuron.kernels.matmul import bmm_kernel, fuses_bias, fuses_row_sums, matmul_kernel
+from torchneuron.kernels.matmul import (Then, bmm_kernel, chains_product, fuses_bias, fuses_row_sums,
+                                        matmul_kernel)
 from torchneuron.kernels.packed_attention import attention_kernels, packed_attention_bwd, packed_attention_fwd
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.reduction import reduce_kernel
@@ -129,8 +130,13 @@ for _op in (aten.mm.default, aten.bmm.default):
 @register_kernel(aten.mm.default)
 def lower_mm(ctx, node, a: Value, b: Value) -> Value:
     """``a @ b`` (2-D) on TensorE (stored widened when the partition folded a cast into it); a weight gradient
-    ``dY^T @ X`` whose segment also sums dY over its rows (the bias gradient) computes that sum too."""
+    ``dY^T @ X`` whose segment also sums dY over its rows (the bias gradient) computes that sum too; a product
+    whose epilogue's result is the A operand of a later ``mm`` computes that product too."""
     wide, epi = ctx.seg.widened.get(node), ctx.epilogue(node)
+    if epi is not None:
+        chained = _chained_product(ctx, node, a, b, epi)
+        if chained is not None:
+            return chained
     summed = _bias_gradient_of(ctx, node) if wide is None and epi is None else None
     if summed is not None:
         A, ta = _matmul_operand(a)
@@ -141,6 +147,68 @@ def lower_mm(ctx, node, a: Value, b: Value) -> Value:
             ctx.env[summed] = hbm_value(sums).reshape(tuple(summed.meta["val"].shape))
             return hbm_value(out)
     return _product(matmul_kernel, a, b, out_dtype=wide, epilogue=epi)
+
+
+_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _chained_product(ctx, node, a: Value, b: Value, epi, **kw: Any) -> Value | tuple | None:
+    """``node``'s product with its epilogue (``kw``: its bias row), and the later product (``mm``, or ``addmm`` with
+    its bias row) that reads the epilogue's result Y as its A operand, in one kernel (``matmul_kernel(then=...)``:
+    Y's blocks go on from SBUF instead of being loaded back); None where there is no such product or the kernel
+    cannot chain it."""
+    later = _product_of_result(ctx, node)
+    if later is None:
+        return None
+    if later.target is aten.addmm.default:
+        bias, b2 = ctx.value(later.args[0]), ctx.value(later.args[2])
+    else:
+        bias, b2 = None, ctx.value(later.args[1])
+    epi2 = ctx.epilogue(later)
+    if not isinstance(b2, Value) or (epi2 is not None and epi2.keep_product):
+        return None
+    A, ta = _matmul_operand(a)
+    B, tb = _matmul_operand(b)
+    B2, tb2 = _matmul_operand(b2)
+    (M, K), N = (A.shape[::-1] if ta else A.shape), (B.shape[0] if tb else B.shape[1])
+    N2 = B2.shape[0] if tb2 else B2.shape[1]
+    row = None if bias is None else unexpanded(bias)
+    if (row is not None and (numel(row.shape) != N2 or row.shape[-1] != N2 or row.dtype != B2.dtype)
+            or not chains_product(M, K, N, N2, ta, A.dtype, epi.out_dtype, B2.dtype)):
+        return None
+    then = Then(B2, tb2, None if row is None else dense(row, (1, N2)), epi2)
+    *res, chained = matmul_kernel(A, B, transpose_a=ta, transpose_b=tb, epilogue=epi, then=then, **kw)
+    ctx.bind(later, hbm_value(chained))
+    return tuple(map(hbm_value, res)) if len(res) > 1 else hbm_value(res[0])
+
+
+def _product_of_result(ctx, node) -> Any:
+    """The pending ``mm`` or ``addmm`` (alpha = beta = 1) of ``node``'s segment whose A operand is ``node``'s
+    epilogue result as [M, N] rows (itself or a 2-D reshape of it), its other operands and its own epilogue's
+    computed already and its result not widened, or None."""
+    y = ctx.seg.epilogues[node][0].outputs[0]
+    rows = [y] + [r for r in y.users if r.target in _RESHAPES and r.args[0] is y and len(r.meta["val"].shape) == 2]
+    for r in rows:
+        for u in r.users:
+            a_at = {aten.mm.default: 0, aten.addmm.default: 1}.get(u.target)
+            if (a_at is None or u.args[a_at] is not r or len(u.args) != a_at + 2 or u.kwargs
+                    or ctx.roles.get(u) != "kernel" or u not in ctx.seg.items or u in ctx.env
+                    or ctx.seg.widened.get(u) is not None):
+                continue
+            others = [x for i, x in enumerate(u.args) if i != a_at]
+            if u in ctx.seg.epilogues:
+                g, src, _, _ = ctx.seg.epilogues[u]
+                others += [x for x in g.inputs if x is not src]
+            if all(_computed(ctx, x) for x in others):
+                return u
+    return None
+
+
+def _computed(ctx, n) -> bool:
+    """Whether node ``n``'s value exists now (it, or what its chain of views reads, is in the environment)."""
+    while n not in ctx.env and ctx.roles.get(n) == "view":
+        n = n.args[0]
+    return n in ctx.env
 
 
 def _pending_kernel(ctx, u) -> bool:
@@ -182,6 +250,9 @@ def lower_addmm(ctx, node, bias: Value, a: Value, b: Value, beta=1, alpha=1) -> 
     row = unexpanded(bias)
     wide, epi = ctx.seg.widened.get(node), ctx.epilogue(node)
     if fuses_bias(K, N) and numel(row.shape) == N and row.shape[-1] == N:
+        chained = None if epi is None else _chained_product(ctx, node, a, b, epi, bias=dense(row, (1, N)))
+        if chained is not None:
+            return chained
         return _product(matmul_kernel, a, b, bias=dense(row, (1, N)), out_dtype=wide, epilogue=epi)
     if epi is not None:
         raise NotLowerable("addmm: an epilogue needs the bias added at the eviction")

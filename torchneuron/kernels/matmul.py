@@ -77,7 +77,7 @@ TM, TK, TN = 128, 128, 512     # stationary M, contraction K, moving N (one fp32
 
 @nki.jit
 def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None, out_dtype=None, epilogue=None,
-                  row_sums=False):
+                  row_sums=False, then=None):
     """``A @ B`` (A [M, K], or [K, M] with ``transpose_a``; B [K, N], or [N, K] with ``transpose_b``),
     output in A's dtype; plus a [1, N] ``bias`` row added at the PSUM eviction (``linear``).
 
@@ -88,7 +88,12 @@ def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None, out_dty
     ``out_dtype`` (float32, for 2-byte operands): the product rounded to A's dtype as always, then widened
     exactly by the store's DMA, so the result equals the matmul followed by a cast (autocast's fp32
     gradient of a bf16 weight) without that pass's HBM round trip. ``epilogue`` (an ``Epilogue``): element-wise
-    work on each block of the product before it is stored (a residual add, an activation's gradient)."""
+    work on each block of the product before it is stored (a residual add, an activation's gradient).
+
+    ``then`` (a ``Then``, where ``chains_product`` says so): also the epilogue's result times a B2 [N, N2] (with
+    its own bias and epilogue), from the result's blocks in SBUF (transposed on TensorE) instead of a second
+    kernel loading the stored result back (an MLP's second product of its activation, the backward's hidden
+    gradient dH times the first weight); its [M, N2] result comes back last in the result tuple."""
     M = a.shape[1] if transpose_a else a.shape[0]
     N = b.shape[0] if transpose_b else b.shape[1]
     if out_dtype is not None:
@@ -113,11 +118,22 @@ def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None, out_dty
         sums = nl.ndarray((M,), a.dtype, buffer=nl.shared_hbm)
         _matmul_pass(a, b, out, transpose_a, transpose_b, row_sums=sums)
         return out, sums
+    chained = None
+    if then is not None:
+        K2, N2 = then.b.shape[::-1] if then.transpose_b else then.b.shape
+        assert K2 == N, f"matmul: the chained product contracts the result's {N} columns, not {K2}"
+        assert epilogue is not None and chains_product(M, K, N, N2, transpose_a, a.dtype, epilogue.out_dtype,
+                                                       then.b.dtype), \
+            f"matmul: no chained product for [{M}, {K}] x [{K}, {N}] then {tuple(then.b.shape)} (see chains_product)"
+        assert then.epilogue is None or not then.epilogue.keep_product, "matmul: a chained product is not kept"
+        chained = _Chained(then, K2, M)
     if K <= KMAX_GROUPED and N <= TN:
-        mm_rows_grouped_into(a, b, out, transpose_a, transpose_b, bias, epilogue)
+        mm_rows_grouped_into(a, b, out, transpose_a, transpose_b, bias, epilogue, chained)
     else:
         matmul_into(a, b, out, transpose_a, transpose_b, bias, epilogue)
-    return (out, epilogue.product) if epilogue is not None and epilogue.keep_product else out
+    res = (out, epilogue.product) if epilogue is not None and epilogue.keep_product else (out,)
+    res += () if chained is None else (chained.out,)
+    return res if len(res) > 1 else out
 
 
 def fuses_row_sums(M: int, K: int, N: int, dt, transpose_a: bool, transpose_b: bool, spec=None) -> bool:
@@ -131,6 +147,16 @@ def fuses_row_sums(M: int, K: int, N: int, dt, transpose_a: bool, transpose_b: b
     if k_passes(M, K, N, isz, isz, True, False, False, isz, None, spec) != 1:
         return False
     return panel_width(K, N + 1, isz, True, False, _pass_budget(None), False, isz) > N
+
+
+def chains_product(M: int, K: int, N: int, N2: int, transpose_a: bool, *dtypes) -> bool:
+    """Whether ``matmul_kernel(then=B2)`` can multiply its epilogue's result [M, N] by a B2 [N, N2] on chip: the
+    grouped path (K, N <= 512) with A as [M, K] in whole 128-row chunks (its row blocks), each row block's
+    N2-wide product in one PSUM bank, and ``dtypes`` (the operands', the result's, B2's) all fp32 (a 2-byte result
+    is rounded by its store, so its tile is not what a second kernel would load)."""
+    if transpose_a or K > KMAX_GROUPED or N > TN or M % PMAX:
+        return False
+    return all(dt == nl.float32 for dt in dtypes) and _grouped_chunks(N, 4) * N2 <= PSUM_FP32
 
 
 @nki.jit
@@ -269,12 +295,12 @@ def product_stage_dtype(epilogue: Epilogue | None, dt):
     return nl.float32 if epilogue is not None and not epilogue.rounds_product else dt
 
 
-def _store_block(out, res, p: int, f: int, at: Callable, epilogue: Epilogue | None) -> None:
+def _store_block(out, res, p: int, f: int, at: Callable, epilogue: Epilogue | None):
     """Store an evicted block ``res`` [p, f] at ``at(out)`` (``at`` maps an [M, N] HBM tensor to the block's
-    access), through the epilogue when there is one."""
+    access), through the epilogue when there is one; returns the SBUF tile stored."""
     if epilogue is None:
         nisa.dma_copy(dst=at(out), src=res)
-        return
+        return res
     if res.dtype == nl.float32:   # staged in fp32 already (K chunks, addmm): fn works on it in place
         x = res
     else:
@@ -289,7 +315,9 @@ def _store_block(out, res, p: int, f: int, at: Callable, epilogue: Epilogue | No
         # the product as evicted where that is what is kept (a DMA that casts moves the wider side's bytes)
         kept = res if epilogue.finish is None and res.dtype == epilogue.product.dtype else x
         nisa.dma_copy(dst=at(epilogue.product), src=kept)
-    nisa.dma_copy(dst=at(out), src=epilogue.fn(*tiles))
+    result = epilogue.fn(*tiles)
+    nisa.dma_copy(dst=at(out), src=result)
+    return result
 
 
 def _load_widened(src, dtype, p: int, f: int):
@@ -426,37 +454,111 @@ def _transpose_rows(chunks, rows: int, K: int, evict: Callable):
     return kT
 
 
+def _grouped_chunks(N: int, isz: int) -> int:
+    """128-row chunks per group of ``mm_rows_grouped_into`` (N columns of the fp32 accumulator per chunk in one
+    PSUM bank, and the transposed A rows [K, chunks * 128] of ``isz``-byte elements in one bank)."""
+    return max(1, min(PSUM_FP32 // N, PSUM_FP32 * 4 // isz // PMAX))
+
+
+def _load_k_major_b(b, K: int, N: int, transpose_b: bool, evict: Callable):
+    """The whole B of a K <= 512 product as SBUF [128, KT, N]: loaded K-major, or as [N, K] rows transposed on
+    TensorE."""
+    if transpose_b:
+        return _transpose_rows(_load_rows(b, 0, N, K, b.dtype), N, K, evict)
+    return _load_k_major(b, 0, N, K, b.dtype)
+
+
+@dataclass(frozen=True)
+class Then:
+    """A second product ``Y @ B2 (+ bias)`` of a grouped product's epilogue result Y [M, K2] (``matmul_kernel(then=
+    ...)``): B2 [K2, N2], or [N2, K2] with ``transpose_b``; an optional [1, N2] ``bias`` row added at its eviction
+    and its own ``epilogue`` (not keeping its product), as a separate kernel of Y would apply them."""
+
+    b: object
+    transpose_b: bool = False
+    bias: object = None
+    epilogue: Epilogue | None = None
+
+
+class _Chained:
+    """``Then``'s product, row block by row block from Y's SBUF tiles: each block transposed on TensorE as
+    ``_transpose_rows`` does a loaded one, then the matmuls, eviction and store of ``mm_rows_grouped_into``
+    over the block's chunks, so each row's sums are the ones a separate kernel computes from the stored Y."""
+
+    def __init__(self, then: Then, K2: int, M: int):
+        self.then, self.K2 = then, K2
+        self.N2 = then.b.shape[0] if then.transpose_b else then.b.shape[1]
+        epi = then.epilogue
+        self.out = nl.ndarray((M, self.N2), epi.out_dtype if epi is not None else then.b.dtype, buffer=nl.shared_hbm)
+        self.evict = alternating_evict()
+        self.bK = self.brow = self.stage = None
+
+    def load(self, chunks: int) -> None:
+        """B2 [128, KT2, N2], the bias row and the staging ring, before the first block."""
+        then = self.then
+        self.bK = _load_k_major_b(then.b, self.K2, self.N2, then.transpose_b, self.evict)
+        self.brow = None if then.bias is None else _bias_rows(then.bias, self.N2)
+        sdt = product_stage_dtype(then.epilogue, then.b.dtype)
+        self.stage = [nl.ndarray((PMAX, chunks * self.N2), sdt, buffer=nl.sbuf) for _ in range(2)]
+
+    def block(self, i: int, y, m0: int, nch: int) -> None:
+        """Rows m0 + p * nch + c of the product from Y's row block ``y`` [128, nch * K2] (row m0 + p * nch + c at
+        partition p, columns c * K2..), stored in the same row-block layout."""
+        N2, rows = self.N2, nch * PMAX
+        assert y.dtype == self.then.b.dtype, f"matmul: chained operand dtypes differ ({y.dtype} vs {self.then.b.dtype})"
+        yT = _transpose_rows(y.reshape((PMAX, nch, self.K2)), rows, self.K2, self.evict)   # TensorE, [128, KT2, rows]
+        acc = nl.ndarray((PMAX, nch * N2), nl.float32, buffer=nl.psum)
+        for c in range(nch):   # TensorE: each chunk's K2 tiles accumulated in its columns of one bank
+            for kt, (_, kk) in enumerate(tiles(self.K2, TK)):
+                nisa.nc_matmul(dst=acc[:, c * N2:(c + 1) * N2], stationary=yT[:kk, kt, c * PMAX:(c + 1) * PMAX],
+                               moving=self.bK[:kk, kt, :], accumulate=kt > 0)
+        res = self.stage[i % 2][:, :nch * N2]
+        _evict_rows(self.evict, self.brow, res, acc, PMAX, nch, N2)   # ScalarE or VectorE
+        _store_block(self.out, res, PMAX, nch * N2, lambda t: _row_blocks_ap(t, m0, nch, N2), self.then.epilogue)
+
+
+def _bias_rows(bias, N: int):
+    """A [1, N] bias row on every partition (SBUF [128, N] fp32), for the evictions to add."""
+    brow = nl.ndarray((PMAX, N), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=brow, src=bias.broadcast_to((PMAX, N)))
+    return brow
+
+
+def _evict_rows(evict: Callable, brow, dst, src, p: int, nch: int, N: int) -> None:
+    """PSUM [p, nch * N] -> SBUF with the cast, plus the bias row ``brow`` (``_bias_rows``, or None) of each chunk
+    (VectorE)."""
+    if brow is None:
+        evict(dst, src)
+    else:
+        nisa.tensor_tensor(dst=dst.reshape((p, nch, N)), data1=src.reshape((p, nch, N)),
+                           data2=spread_row(brow, p, nch, N), op=nl.add)
+
+
 def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool = False, bias=None,
-                         epilogue: Epilogue | None = None) -> None:
+                         epilogue: Epilogue | None = None,
+                         chained: _Chained | None = None) -> None:
     """``out[M, N] = A @ B`` for up to 4 K tiles (K <= 512) and one PSUM bank of N (N <= 512), any M:
     B is loaded once as [128, KT, N]; A's rows go in groups of up to 4 (fp32; 8 bf16) 128-row chunks,
     each group one DMA whose (chunk, K tile) blocks are transposed on TensorE into one PSUM tile per K
     tile, evicted once (or, A given as [K, M], one DMA per K tile), the K tiles of every chunk
     accumulated by TensorE into one PSUM bank [128, chunks * N], then one eviction (adding the ``bias``
-    row when given) and one store."""
+    row when given) and one store. ``chained``: the epilogue's result blocks go on into a second product
+    (``matmul_kernel(then=...)``)."""
     K, M = a.shape if transpose_a else (a.shape[1], a.shape[0])
     N = out.shape[1]
     assert K <= KMAX_GROUPED and N <= TN, f"mm_rows_grouped_into: K={K} > {KMAX_GROUPED} or N={N} > {TN}"
     dt, isz = a.dtype, itemsize(a.dtype)
     evict = alternating_evict()
-    chunks_per_group = max(1, min(PSUM_FP32 // N, PSUM_FP32 * 4 // isz // PMAX))
+    chunks_per_group = _grouped_chunks(N, isz)
     step = chunks_per_group * PMAX
     groups = [(m0, min(step, M - m0)) for m0 in range(0, M, step)]
-    bK = _transpose_rows(_load_rows(b, 0, N, K, dt), N, K, evict) if transpose_b else _load_k_major(b, 0, N, K, dt)
+    bK = _load_k_major_b(b, K, N, transpose_b, evict)
     ktiles = tiles(K, TK)
 
-    brow = None
-    if bias is not None:   # the bias row on every partition, added by the evictions
-        brow = nl.ndarray((PMAX, N), nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=brow, src=bias.broadcast_to((PMAX, N)))
+    brow = None if bias is None else _bias_rows(bias, N)   # added by the evictions
 
     def finish(dst, src, p, nch):
-        """PSUM [p, nch * N] -> SBUF with the cast, plus the bias row of each chunk."""
-        if brow is None:
-            evict(dst, src)
-        else:
-            nisa.tensor_tensor(dst=dst.reshape((p, nch, N)), data1=src.reshape((p, nch, N)),
-                               data2=spread_row(brow, p, nch, N), op=nl.add)
+        _evict_rows(evict, brow, dst, src, p, nch, N)
 
     def blocked(rows):
         """Whether a group of A's rows goes as row blocks (``_load_row_blocks``: chunk c holds rows p * nch + c,
@@ -473,6 +575,10 @@ def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool
 
     sdt = product_stage_dtype(epilogue, dt)
     stage = [nl.ndarray((PMAX, chunks_per_group * N), sdt, buffer=nl.sbuf) for _ in range(2)]
+    if chained is not None:
+        assert epilogue is not None and not transpose_a and M % PMAX == 0, \
+            "mm_rows_grouped_into: a chained product reads the epilogue's result in whole row blocks"
+        chained.load(chunks_per_group)
     nxt = load(*groups[0])
     for i, (m0, rows) in enumerate(groups):
         cur = nxt
@@ -488,8 +594,10 @@ def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool
         res = stage[i % 2]
         if blocked(rows):   # partition p holds output rows m0 + p * nch .. + nch - 1: one run of nch * N each
             finish(res[:, :nch * N], acc[:, :nch * N], PMAX, nch)
-            _store_block(out, res[:, :nch * N], PMAX, nch * N, lambda t, m0=m0, nch=nch: _row_blocks_ap(t, m0, nch, N),
-                         epilogue)
+            y = _store_block(out, res[:, :nch * N], PMAX, nch * N,
+                             lambda t, m0=m0, nch=nch: _row_blocks_ap(t, m0, nch, N), epilogue)
+            if chained is not None:
+                chained.block(i, y, m0, nch)
             continue
         full = nch if last == PMAX else nch - 1
         if epilogue is not None:   # chunk by chunk: [128, N] fp32 blocks of the product and the extras
