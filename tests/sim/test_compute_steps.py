@@ -148,6 +148,24 @@ def test_activation_steps_match_execute(case, specials):
     _check_step_matches_execute(case[1], specials=specials)
 
 
+@pytest.mark.parametrize("op", ["add", "maximum", "minimum"])
+@pytest.mark.parametrize("shape", [(128, 1), (128, 2), (128, 65), (64, 8, 64), (32, 3, 5)])
+def test_reset_reduce_into_registers_is_the_identity_then_the_reduction(op, shape):
+    # written straight into the registers: the bits of resetting them to op's identity and folding the reduction
+    # in, over special values, rows of -0.0 and strided values
+    from torchneuron.sim.isa.scalar_engine import register_accumulator
+    x = _values(shape, sum(shape))
+    x[:4] = torch.tensor([-0.0, 0.0, float("nan"), -float("inf")]).view(4, *[1] * (len(shape) - 1))
+    xv = torch.empty(shape[0], 2 * shape[1] + 3)[:, 3::2][:, :shape[1]] if len(shape) == 2 else x  # strided rows
+    xv.copy_(x)
+    regs = _values((shape[0],), 9, specials=False)
+    register_accumulator(regs, op, "reset_reduce", len(shape))(xv)
+    fold = {"add": torch.add, "maximum": torch.maximum, "minimum": torch.minimum}[op]
+    part = nx.apply_reduce(op, xv, tuple(range(1, len(shape))))
+    want = fold(torch.full((shape[0],), nx.REDUCE_IDENTITY[op]), part)
+    assert torch.equal(regs.view(torch.int32), want.view(torch.int32))
+
+
 def test_activation_reduction_is_close_to_float64():
     fast, _ = _cores(3, specials=False)
     data, res = _sb(512), _sb(4104, F32, (1,))

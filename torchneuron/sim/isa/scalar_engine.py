@@ -68,14 +68,25 @@ def accumulate_registers(regs: torch.Tensor, op: str, cmd: str, values: torch.Te
     register_accumulator(regs, op, cmd, 0 if values is None else values.dim())(values)
 
 
+# the fp32 reductions a reset_reduce writes into the registers (apply_reduce's, with out=); not maximum/minimum:
+# torch.maximum(-inf, NaN) is a NaN of another payload than amax's
+_REDUCE_INTO: dict[str, Callable] = {"add": torch.sum}
+
+
 def register_accumulator(regs: torch.Tensor, op: str, cmd: str, ndim: int) -> Callable[[torch.Tensor | None], None]:
     """``accumulate_registers(regs, op, cmd, values)`` for ``values`` of ``ndim`` dims (not load_reduce), with its
     choices made once: reset the registers to op's identity, then fold in op's reduction of values over their free
     dims (written into the registers where torch has an out= form)."""
     reset, fold = cmd in ("reset", "reset_reduce"), cmd in ("reduce", "reset_reduce")
     identity, dims, into = REDUCE_IDENTITY[op], tuple(range(1, ndim)), FUSED_ALU_FN.get(op)
+    reduce_into = _REDUCE_INTO.get(op) if reset and fold and dims else None
 
     def accumulate(values: torch.Tensor | None) -> None:
+        if reduce_into is not None and values is not None and values.dtype == torch.float32:
+            # 0.0 + the sum is the sum, bit for bit (never -0.0: torch adds the values to a +0.0; a NaN keeps its
+            # payload): written straight into the registers
+            reduce_into(values.flatten(1) if len(dims) > 1 else values, 1, out=regs)
+            return
         if reset:
             regs.fill_(identity)
         if fold and values is not None:
