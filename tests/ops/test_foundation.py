@@ -328,3 +328,20 @@ def test_a_plan_binds_operands_by_role_and_allocates_its_results_in_the_shapes_g
     assert cache.keys() == [("third",)]                    # two past the limit of one: started over
     (got,) = cache.get(("third",)).launch((da, db), 0, None)
     assert got.shape == (6, 4) and torch.equal(got.cpu(), a - b)
+
+
+def test_call_kernel_writes_bound_outputs_and_allocates_the_rest(strict):
+    # a kernel of two results, called with its second bound to a tensor: that tensor is returned and written, the
+    # first allocated; both in the kernel's return order, bit for bit a call that binds none (a trace kept per
+    # key returns each output from its slot)
+    from torchneuron.kernels.softmax import attention_softmax_kernel
+    from torchneuron.ops.kernel_call import call_kernel
+    x = to_n(torch.randn(6, 8, generator=torch.Generator().manual_seed(9)))
+    meta = {"scale": 0.5, "causal_len": 0}
+    probs, lse = call_kernel(attention_softmax_kernel, {"x": x}, meta)
+    into = to_n(torch.full((6, 1), 7.0))
+    for _ in range(2):                      # the first call with these outputs, and a repeated one
+        got = call_kernel(attention_softmax_kernel, {"x": x}, meta, [None, into])
+        assert got[1] is into and got[0].shape == probs.shape and got[0] is not probs
+        assert torch.equal(got[0].cpu(), probs.cpu()) and torch.equal(into.cpu(), lse.cpu())
+        assert not torch.equal(probs.cpu()[:, :1], lse.cpu())

@@ -516,7 +516,7 @@ def _bind(plan: _Plan, inputs: list[torch.Tensor]) -> tuple:
     """``plan.bound`` from the first call's kernel inputs (traced once: the plan fixes the kernel's device, shapes,
     dtypes and meta)."""
     views = [t.view(v) if v is not None else t for t, v in zip(inputs, plan.views)]
-    program, outputs, order = traced_kernel(plan.kernel, dict(zip(NAMES, views)), plan.meta)
+    program, outputs, order, _ = traced_kernel(plan.kernel, dict(zip(NAMES, views)), plan.meta)
     assert len(outputs) == 1, f"an element-wise kernel writes one result, not {outputs}"
     layout = slot_layout(program, {outputs[0]: plan.shape})
     return program, [order.index(n) for n in NAMES[:len(inputs)]], order.index(outputs[0]), len(order), layout

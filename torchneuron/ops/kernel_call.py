@@ -25,8 +25,8 @@ from torchneuron import _C, runtime
 from torchneuron.ops.base import remember
 from torchneuron.runtime.launch import launch_slots, slot_layout
 
-# cache key -> (Program, output slot names, the program's slot names in order)
-_programs: dict[tuple, tuple[Any, tuple[str, ...], tuple[str, ...]]] = {}
+# cache key -> (Program, output slot names, the program's slot names in order, each output's slot index)
+_programs: dict[tuple, tuple[Any, tuple[str, ...], tuple[str, ...], tuple[int, ...]]] = {}
 
 
 def cache_size() -> int:
@@ -62,7 +62,8 @@ def _device_index(inputs: dict[str, torch.Tensor], device: torch.device | None) 
 
 def traced_kernel(kernel: Any, inputs: dict[str, torch.Tensor], meta: dict[str, Any] | None = None,
                   device: torch.device | None = None) -> tuple:
-    """``call_kernel``'s (Program, output slot names, slot order) for these inputs and meta (traced once)."""
+    """``call_kernel``'s (Program, output slot names, slot order, each output's slot index) for these inputs and
+    meta (traced once)."""
     # a caller that knows the device, shapes, dtypes and meta stay the same (an element-wise plan)
     # may keep the result and skip this key-building lookup with ``launch_traced``
     return _traced_on(kernel, inputs, meta, _device_index(inputs, device))
@@ -76,24 +77,27 @@ def _traced_on(kernel: Any, inputs: dict[str, torch.Tensor], meta: dict[str, Any
     hit = _programs.get(key)
     if hit is None:
         traced = kernel.trace((), {**inputs, **meta}, runtime.core(index).spec)
-        hit = _programs[key] = (traced.program, _output_slots(traced.result),
-                                tuple(s.name for s in traced.program.args))
+        slots, order = _output_slots(traced.result), tuple(s.name for s in traced.program.args)
+        hit = _programs[key] = (traced.program, slots, order, tuple(order.index(s) for s in slots))
     return hit
 
 
 def launch_traced(traced: tuple, inputs: dict[str, torch.Tensor], outputs: Sequence[torch.Tensor | None] = (),
                   op: str | None = None, index: int | None = None) -> list[torch.Tensor]:
     """Launch a ``traced_kernel`` result on inputs of the device (``index``), shapes and dtypes it was traced for."""
-    program, slots, order = traced
+    program, slots, order, at = traced
     if index is None:
         index = next(iter(inputs.values())).get_device()
-    args = dict(inputs)
-    for slot, t in zip(slots, outputs):
-        if t is not None:
-            args[slot] = t
-    # the arguments are what the trace saw (contiguous, one device): the unchecked fast path
+    args = inputs
+    if outputs:
+        args = dict(inputs)
+        for slot, t in zip(slots, outputs):
+            if t is not None:
+                args[slot] = t
+    # the arguments are what the trace saw (contiguous, one device): the unchecked fast path; the launch returns
+    # the slots' tensors, the outputs bound or allocated
     tensors = launch_slots(program, [args.get(n) for n in order], index, op)
-    return [tensors[order.index(s)] if s not in args else args[s] for s in slots]
+    return [tensors[i] for i in at]
 
 
 class Plan:
@@ -147,10 +151,9 @@ class PlanCache:
         """Keep and return the plan of ``traced`` (a ``traced_kernel`` result) under ``key``: ``roles`` gives the
         operand index of each bound slot by name (a slot it leaves out is an output the launch allocates);
         ``output_shapes``: the shapes the launch allocates the outputs in, in return order (default: the slots')."""
-        program, out_slots, order = traced
+        program, out_slots, order, at = traced
         layout = None if output_shapes is None else slot_layout(program, dict(zip(out_slots, output_shapes)))
-        plan = Plan(program, tuple(roles.get(n) for n in order), layout, tuple(order.index(s) for s in out_slots),
-                    extra)
+        plan = Plan(program, tuple(roles.get(n) for n in order), layout, at, extra)
         return remember(self._plans, key, plan, self._limit)
 
     def keys(self) -> list[tuple]:
