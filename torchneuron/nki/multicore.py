@@ -385,7 +385,8 @@ def chip_cores(spec: ChipSpec, count: int) -> list[NeuronCore]:
     later launches."""
     cores = _cores(spec)
     while len(cores) < count:
-        cores.append(NeuronCore(spec, nan_fill=False))
+        # (tiles not packed on the host: exchanges read SBUF at the programs' addresses between segments)
+        cores.append(NeuronCore(spec, nan_fill=False, pack_tiles=False))
     return cores
 
 

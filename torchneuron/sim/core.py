@@ -10,6 +10,10 @@ functions) already made, so running a cached kernel again costs little more than
 calls. HBM buffers are the run's bound tensors, passed to the steps in slot order; a
 ``Memory`` is made for one only when an instruction without a step asks for it. PSUM
 accumulation-group flags are reset at the start of a run only where groups were opened.
+
+A long static program runs as an equivalent copy whose SBUF tiles are packed into few host bytes
+(``host_layout``): its tiles stay in the CPU's caches between the instructions that use them. Its simulated
+addresses, schedule and results are the program's; only the host bytes SBUF's values sit in differ.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from torchneuron.sim import host_layout
 from torchneuron.sim.copies import batch_copies
 from torchneuron.sim.instruction import Engine
 from torchneuron.sim.isa import Instr
@@ -67,17 +72,22 @@ class RunReport:
 
 class _Plan:
     """A program prepared for one core: per instruction its step (None: ``execute``) and, for a
-    non-TensorE instruction writing PSUM, the group-closed flag views it closes."""
+    non-TensorE instruction writing PSUM, the group-closed flag views it closes. With ``pack``, the
+    instructions are those of ``host_layout.packed`` where it gives them (``originals`` maps each moved
+    instruction back to the program's, which errors name)."""
 
-    __slots__ = ("program", "sbuf", "psum", "keys", "entries", "batched", "fills")
+    __slots__ = ("program", "sbuf", "psum", "keys", "entries", "batched", "fills", "originals")
 
-    def __init__(self, core: "NeuronCore", program: Program):
+    def __init__(self, core: "NeuronCore", program: Program, pack: bool = False):
         self.program = weakref.ref(program)
         self.sbuf, self.psum = core.sbuf, core.psum
         self.keys = tuple(f"hbm:{s.name}" for s in program.args)
         slots = {k: (i, s) for i, (k, s) in enumerate(zip(self.keys, program.args))}
+        instructions = (host_layout.packed(program, core.sbuf.bytes_per_partition) if pack else None)
+        self.originals = ({id(new): old for new, old in zip(instructions, program.instructions) if new is not old}
+                          if instructions is not None else {})
         entries = []
-        for instr in program.instructions:
+        for instr in instructions or program.instructions:
             make = getattr(instr, "step", None)
             try:
                 step = make(core, slots) if make is not None else None
@@ -99,11 +109,17 @@ class _Plan:
 
 
 class NeuronCore:
-    """One NeuronCore: SBUF, PSUM, bound HBM buffers, per-engine accumulation registers and a PRNG."""
+    """One NeuronCore: SBUF, PSUM, bound HBM buffers, per-engine accumulation registers and a PRNG.
 
-    def __init__(self, spec: ChipSpec | str, *, nan_fill: bool | None = None, seed: int = 0):
+    ``pack_tiles``: run long static programs with their SBUF tiles packed on the host (``host_layout``); off
+    where SBUF's bytes are read after a run at the program's addresses (a multi-core launch's exchanges between
+    segments) and with NaN fill (a debugging run shows the program's own layout)."""
+
+    def __init__(self, spec: ChipSpec | str, *, nan_fill: bool | None = None, seed: int = 0,
+                 pack_tiles: bool = True):
         self.spec = chip_spec(spec) if isinstance(spec, str) else spec
         self.nan_fill = nan_fill_enabled(nan_fill)
+        self.pack_tiles = pack_tiles and not self.nan_fill
         parts = self.spec.sbuf_partitions
         self.sbuf = Memory("sbuf", parts, self.spec.sbuf_bytes_per_partition, nan_fill=self.nan_fill)
         self.psum = Memory("psum", parts, self.spec.psum_bytes_per_partition, nan_fill=self.nan_fill,
@@ -117,7 +133,7 @@ class NeuronCore:
         # the HBM tensors of the run in progress, by memory name; their Memory objects are made
         # only when an instruction without a step asks for one (most never do)
         self._run_hbm: dict[str, torch.Tensor] = {}
-        self._plans: dict[int, _Plan] = {}  # by id(program); entries leave with their program
+        self._plans: dict[tuple[int, bool], _Plan] = {}  # by (id(program), packed); entries leave with it
 
     # ---- memories -----------------------------------------------------------------
 
@@ -175,12 +191,13 @@ class NeuronCore:
             self.sbuf.data.fill_(NAN_BYTE)
             self.psum.data.fill_(NAN_BYTE)
 
-    def _plan(self, program: Program) -> _Plan:
-        """``program`` prepared for this core (cached while the program lives)."""
-        key = id(program)
+    def _plan(self, program: Program, pack: bool = False) -> _Plan:
+        """``program`` prepared for this core, its tiles packed on the host with ``pack`` where that is
+        equivalent (cached while the program lives)."""
+        key = (id(program), pack)
         plan = self._plans.get(key)
         if plan is None or plan.program() is not program or plan.sbuf is not self.sbuf or plan.psum is not self.psum:
-            plan = _Plan(self, program)
+            plan = _Plan(self, program, pack)
             plans = self._plans
             # forget the plan when the program goes (its id may then be reused)
             plan.program = weakref.ref(program, lambda _r, key=key, plans=plans: plans.pop(key, None))
@@ -201,7 +218,8 @@ class NeuronCore:
             ran = program.run_on(self, tensors)  # a launch over several cores runs on its own cores
             if ran is not None:
                 return ran
-        plan = self._plan(program)
+        # a continued kernel reads the on-chip state at the program's own addresses: never packed
+        plan = self._plan(program, fresh and self.pack_tiles)
         for i in plan.fills:
             if tensors[i] is None:
                 if not isinstance(tensors, list):
@@ -235,7 +253,7 @@ class NeuronCore:
         except SimulatorError as e:
             if instr is None:  # raised by the run itself (a dynamic loop's step limit), not an instruction
                 raise
-            raise self._locate(instr, e) from None
+            raise self._locate(plan.originals.get(id(instr), instr), e) from None
         finally:
             if threads != SIM_THREADS:
                 torch.set_num_threads(threads)
