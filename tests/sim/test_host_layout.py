@@ -287,3 +287,31 @@ def test_a_compiled_training_step_packed_gives_the_same_bits(monkeypatch):
         for a, b in zip(*outs):
             assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), program.name
     assert packed >= 2
+
+
+def test_a_run_of_matmuls_stays_one_batched_product():
+    """Consecutive overwriting matmuls whose operands step by constant offsets run as one product: packing keeps
+    their operands' distances, so the packed plan batches them too (with the same bits)."""
+    base = host_layout.MIN_SPAN + 4096
+    lhs = [tile("sbuf", F32, (128, 64), offset=base + 2048 * i) for i in range(4)]
+    rhs = [tile("sbuf", F32, (128, 128), offset=base + 1024 + 2048 * i) for i in range(4)]
+    acc = [tile("psum", F32, (64, 128), offset=512 * i) for i in range(4)]
+    res = tile("sbuf", F32, (64, 512), offset=0)
+    x = tile("hbm:x", F32, (128, 1024))
+    # loaded out of order: first fit alone would place them by their loads, not at constant steps
+    order = [2, 0, 3, 1]
+    prog = [isa.dma_copy(dst=t[i], src=x[:, 64 * i:64 * i + t[i].shape[1]]) for i in order for t in (lhs, rhs)]
+    prog += [isa.nc_matmul(dst=a, stationary=s, moving=m, accumulate=False) for s, m, a in zip(lhs, rhs, acc)]
+    prog += [isa.tensor_copy(dst=res[:, 128 * i:128 * (i + 1)], src=a) for i, a in enumerate(acc)]
+    prog.append(isa.dma_copy(dst=tile("hbm:out", F32, (64, 512)), src=res))
+    program = Program(prog, [ArgSlot("x", (128, 1024), F32), ArgSlot("out", (64, 512), F32, "output")], "mm_run")
+    assert host_layout.packed(program, 1 << 20) is not None
+    lengths = []
+    for pack in (False, True):
+        core = NeuronCore("trn2", pack_tiles=pack)
+        plan = core._plan(program, pack)
+        assert bool(plan.originals) == pack
+        lengths.append(len(plan.batched))
+    assert lengths[0] == lengths[1] <= len(prog) - 3  # (the four products: one entry)
+    plain, packed = _plain_and_packed(program, {"x": torch.randn(128, 1024)})
+    assert _same_bits(plain, packed)

@@ -10,7 +10,8 @@ Equivalence. Each SBUF access (an operand of an instruction) belongs to a *unit*
 (every access by one byte shift), so addresses inside it keep their distances. Accesses join one unit when
 
 - a read may see bytes a live write left (their boxes overlap: the value flows from the write to the read);
-- two operands of one instruction overlap on chip (in-place and aliasing behaviour stays as it was).
+- two operands of one instruction overlap on chip (in-place and aliasing behaviour stays as it was);
+- they are the same operand of consecutive matmuls the core runs as one batched product (constant steps).
 
 A write that stores every byte of its box (a dense pattern of an instruction that always writes its whole
 destination) ends what earlier writes left there: later reads of those bytes join only the new write. A unit's
@@ -63,7 +64,7 @@ def packed(program: Program, capacity: int) -> tuple[Instr, ...] | None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (the written-bytes mask's tiles are too small for threads to pay)
     try:
-        units = _units(accesses, span)
+        units = _units(accesses, span, program.instructions)
     finally:
         torch.set_num_threads(threads)
     if units is None:
@@ -230,7 +231,7 @@ class _Written:
         return typed.as_strided((ap.partitions, *sizes), (row, *strides), offset + ap.start_partition * row)
 
 
-def _units(accesses: list, span: int) -> list[tuple] | None:
+def _units(accesses: list, span: int, instructions) -> list[tuple] | None:
     """Per unit (see the module docstring): (first, last instruction, p0, p1, b0, b1, member access indices);
     None where a read finds bytes no earlier instruction wrote."""
     sets = _Sets(len(accesses))
@@ -261,6 +262,7 @@ def _units(accesses: list, span: int) -> list[tuple] | None:
                     sets.union(k, live.boxes[key][4])
             live.add((*box, k, whole))
             written.add(ap)
+    _keep_matmul_runs(sets, accesses, by_instr, instructions)
     groups: dict[int, list[int]] = {}
     for k in range(len(accesses)):
         groups.setdefault(sets.find(k), []).append(k)
@@ -271,6 +273,53 @@ def _units(accesses: list, span: int) -> list[tuple] | None:
         units.append((min(times), max(times), min(b[0] for b in boxes), max(b[1] for b in boxes),
                       min(b[2] for b in boxes), max(b[3] for b in boxes), members))
     return units
+
+
+def _keep_matmul_runs(sets: _Sets, accesses: list, by_instr: dict[int, list[int]], instructions) -> None:
+    """Join the SBUF operands of the matmuls the core runs as one batched product (``tensor_engine.batch_matmuls``:
+    consecutive overwrites of one layout whose operands step by constant positive offsets), side by side: moving
+    them apart would break the run into single products."""
+    run: list[int] = []
+    for t, instr in enumerate(instructions):
+        if not _batchable_matmul(instr):
+            run = []
+            continue
+        if run:
+            steps = _matmul_steps(instructions[run[-1]], instr)
+            if (_matmul_key(instructions[run[0]]) != _matmul_key(instr) or min(steps) <= (0, 0)
+                    or (len(run) > 1 and steps != _matmul_steps(instructions[run[0]], instructions[run[1]]))):
+                run = []
+        if run:
+            before = {accesses[k][1]: k for k in by_instr.get(run[-1], ())}
+            for k in by_instr.get(t, ()):
+                if accesses[k][1] in before:
+                    sets.union(k, before[accesses[k][1]])
+        run.append(t)
+
+
+def _batchable_matmul(instr: Instr) -> bool:
+    """Whether ``instr`` is a matmul overwriting its result, of one part (what a batched run takes)."""
+    if isinstance(instr, NcMatmulTiled) and len(instr._parts) == 1:
+        instr = instr._parts[0]
+    return type(instr) is NcMatmul and instr.accumulate is False and not instr.is_transpose
+
+
+def _matmul_operands(instr: Instr) -> tuple[AP, AP, AP]:
+    if isinstance(instr, NcMatmulTiled):
+        instr = instr._parts[0]
+    return instr.stationary, instr.moving, instr.dst
+
+
+def _matmul_key(instr: Instr) -> tuple:
+    """What the members of a batched run share: their operands' memories, layouts and partition counts."""
+    return tuple((ap.memory, ap.dtype, ap.pattern, ap.partitions) for ap in _matmul_operands(instr))
+
+
+def _matmul_steps(a: Instr, b: Instr) -> tuple[tuple[int, int], ...]:
+    """(partitions, bytes) from each of ``a``'s operands to ``b``'s (a step the core's views take as positive where
+    it is above (0, 0): a partition weighs more than a row's bytes)."""
+    return tuple((y.start_partition - x.start_partition, y.offset - x.offset)
+                 for x, y in zip(_matmul_operands(a), _matmul_operands(b)))
 
 
 def _read_from_live(sets: _Sets, live: _Live, k: int, ap: AP, written: _Written) -> bool:
