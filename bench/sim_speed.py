@@ -14,6 +14,8 @@
 * Cold tiles: host microseconds of an instruction's step on one SBUF tile, and on tiles spread over all of SBUF
   (a program whose tiles span SBUF, as the compiled demo's do, reads and writes bytes no longer in the host's
   caches).
+* Packed tiles: host microseconds per instruction of a program whose tiles spread over all of SBUF, run as it is
+  and with its tiles packed into few host bytes (``sim.host_layout``, what a core does with such a program).
 * Matmul runs: host microseconds per matmul of a run of small overwriting matmuls stepping through SBUF and PSUM
   (attention's per-head products), run as one batched step (``tensor_engine.batch_matmuls``) against each
   matmul's own step.
@@ -279,6 +281,24 @@ def cold_tiles() -> list[tuple[str, float, float]]:
                 step([])
         rows.append((name, hot, best_us(sweep, 1, 5) / len(steps)))
     return rows
+
+
+def packed_program() -> tuple[str, float, float]:
+    """(program, host us per instruction run as it is, packed on the host): a chain of [128, 256] fp32 tiles, each
+    loaded, added to the one before and stored, allocated next fit so they spread over all of SBUF (as a compiled
+    program's do); packed (``sim.host_layout``), the live tiles share a few KiB of host bytes."""
+    slots = NeuronCore("trn2").sbuf.bytes_per_partition // SLOT - 1
+    x, out = tile("hbm:x", F32, (128, 256)), tile("hbm:out", F32, (slots * 128, 256))
+    t = lambda slot: tile("sbuf", F32, (128, 256), offset=SLOT * slot)  # noqa: E731
+    prog = [isa.dma_copy(dst=t(0), src=x)]
+    for i in range(1, slots):
+        prog += [isa.dma_copy(dst=t(i), src=x), isa.tensor_tensor(dst=t(i), data1=t(i), data2=t(i - 1), op="add"),
+                 isa.dma_copy(dst=out[128 * i:128 * (i + 1)], src=t(i))]
+    program = Program(prog, [ArgSlot("x", (128, 256), F32), ArgSlot("out", (slots * 128, 256), F32, "output")])
+    bound = [torch.randn(128, 256), torch.empty(slots * 128, 256)]
+    us = [best_us(lambda: NeuronCore.run_bound(core, program, bound), 3, repeat=5) / len(prog)
+          for core in (NeuronCore("trn2", pack_tiles=False), NeuronCore("trn2"))]
+    return f"{len(prog)} instructions, {slots} [128, 256] fp32 tiles", us[0], us[1]
 
 
 def _bf16(*shape: int, rng: np.random.Generator) -> torch.Tensor:
@@ -571,6 +591,11 @@ def simulator_speed() -> None:
     print(f"  {'instruction':32s} {'one tile':>9s} {'spread':>9s} {'ratio':>6s}")
     for name, hot_us, spread_us in cold_tiles():
         print(f"  {name:32s} {hot_us:9.2f} {spread_us:9.2f} {spread_us / hot_us:6.2f}")
+
+    name, plain_us, packed_us = packed_program()
+    print("\nPacked tiles: host us per instruction of a program whose tiles spread over SBUF, run as it is vs with its")
+    print("tiles packed on the host (sim.host_layout)")
+    print(f"  {name:44s} {plain_us:8.2f} {packed_us:8.2f} {packed_us / plain_us:6.2f}")
 
     print("\nMatmul runs: host us per matmul, the run as one batched step vs each matmul's own step")
     print(f"  {'run':44s} {'batched':>8s} {'each':>8s} {'ratio':>6s}")
