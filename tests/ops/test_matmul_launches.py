@@ -155,3 +155,36 @@ def test_scaled_sum_keeps_its_second_launch_where_the_input_broadcasts_or_beta_i
     col = torch.randn(130, 1)
     res, names = _launches(lambda: torch.addmm(to_n(col), to_n(a), to_n(b), beta=0.5, alpha=2))
     torch.testing.assert_close(res.cpu(), torch.addmm(col, a, b, beta=0.5, alpha=2), rtol=1e-5, atol=1e-4)
+
+
+def test_repeated_products_replay_the_plan_of_their_own_operands(strict, monkeypatch):
+    # an mm keeps a plan per operand signature (device, shape, strides, dtype): operands of the same shapes in
+    # other layouts (transposed, strided, bf16) called between repeats each get their own program's result, bit for
+    # bit the unplanned path's, one launch each (a strided operand made dense first: its copy and the product); the
+    # repeats replay the first call's; bad operands still raise PyTorch's errors and leave the plans as they were
+    import torchneuron.ops.matmul as matmul
+    g = torch.Generator().manual_seed(11)
+    a, b = torch.randn(48, 40, generator=g), torch.randn(40, 24, generator=g)
+    calls = {"plain": lambda: (to_n(a), to_n(b)),
+             "a_t": lambda: (to_n(a.t().contiguous()).t(), to_n(b)),
+             "b_t": lambda: (to_n(a), to_n(b.t().contiguous()).t()),
+             "strided": lambda: (to_n(torch.cat([a, a], 1))[:, ::2], to_n(b)),
+             "bf16": lambda: (to_n(a).bfloat16(), to_n(b).bfloat16())}
+    monkeypatch.setattr(matmul, "_MM_PLANS", matmul.PlanCache())
+    want = {}
+    for name, make in calls.items():        # the unplanned path: a destination given (into=) takes no plan
+        x, y = make()
+        want[name] = torch.mm(x, y, out=torch.empty(48, 24, dtype=x.dtype, device="neuron")).cpu()
+    for _ in range(2):
+        for name, make in calls.items():
+            x, y = make()
+            got, names = _launches(lambda: torch.mm(x, y))
+            assert torch.equal(got.cpu(), want[name]), name
+            assert names == (["strided_copy", "matmul_kernel"] if name == "strided" else ["matmul_kernel"]), names
+    assert len(matmul._MM_PLANS.keys()) == 4   # (the strided operand's product takes no plan)
+    kept = matmul._MM_PLANS.keys()
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        torch.mm(to_n(a), to_n(a))
+    with pytest.raises(RuntimeError, match="same dtype"):
+        torch.mm(to_n(a), to_n(b).bfloat16())
+    assert matmul._MM_PLANS.keys() == kept

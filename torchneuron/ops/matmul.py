@@ -23,19 +23,28 @@ from torchneuron.kernels.matmul import addmm_kernel, bmm_kernel, fuses_bias, mat
 from torchneuron.kernels import tilemath as tm
 from torchneuron.ops.base import FLOATS, on_one_device, type_name, Unsupported
 from torchneuron.ops.elementwise import dense, KIND, run_pointwise
-from torchneuron.ops.kernel_call import call_kernel
+from torchneuron.ops.kernel_call import call_kernel, PlanCache, traced_kernel
 from torchneuron.ops.registry import LOWERED, lowering, refuse_other_out_dtypes, register_out
 
 MATMUL_DTYPES = FLOATS
 
 
+def _given_transposed(t: torch.Tensor) -> bool | None:
+    """Whether the kernel reads a 2-D operand in its stored layout transposed (``w.t()``), not as it is; None where
+    neither layout is contiguous (the operand is made dense first)."""
+    if t.is_contiguous():
+        return False
+    if t.t().is_contiguous():
+        return True
+    return None
+
+
 def _operand(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """A 2-D operand as the kernel reads it: (tensor, given transposed)."""
-    if t.is_contiguous():
-        return t, False
-    if t.t().is_contiguous():
-        return t.t(), True
-    return dense(t), False
+    transposed = _given_transposed(t)
+    if transposed is None:
+        return dense(t), False
+    return (t.t() if transposed else t), transposed
 
 
 def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None,
@@ -81,13 +90,38 @@ def _on_device(*ts: torch.Tensor) -> bool:
     return on_one_device(*ts) and all(t.dtype in MATMUL_DTYPES for t in ts)
 
 
+# (each operand's device index, shape, strides and dtype) -> the plan of an ``mm`` of such operands that passed the
+# checks and launched the matmul kernel (extra: whether each operand is given transposed): a training step's
+# products repeat their signatures, and a replay binds the operands without the checks, the layout tests and the
+# trace key (~4 us of ~15 a call)
+_MM_PLANS = PlanCache()
+
+
+def _mm_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """What an ``mm``'s checks and trace depend on in its operands (a CPU tensor's device index is -1)."""
+    return (a.get_device(), a.shape, a.stride(), a.dtype, b.get_device(), b.shape, b.stride(), b.dtype)
+
+
 @lowering("mm")
 def mm(self: torch.Tensor, mat2: torch.Tensor, *, into: torch.Tensor | None = None) -> torch.Tensor:
     """``self @ mat2`` for matrices (written into ``into``, ``register_out``'s destination, when given)."""
+    key = _mm_key(self, mat2) if into is None else None
+    plan = _MM_PLANS.get(key)
+    if plan is not None:
+        ta, tb = plan.extra
+        (res,) = plan.launch((self.t() if ta else self, mat2.t() if tb else mat2), key[0], "aten::mm")
+        return res
     if not _on_device(self, mat2):
         raise Unsupported("operands are not matmul dtypes on one neuron device")
     _check_mm(self, mat2)
-    return mm_into(self, mat2, into)
+    ta, tb = _given_transposed(self), _given_transposed(mat2)
+    if key is None or ta is None or tb is None or 0 in self.shape or 0 in mat2.shape:
+        return mm_into(self, mat2, into)      # (an empty product, or an operand the kernel needs made dense)
+    ka, kb = self.t() if ta else self, mat2.t() if tb else mat2
+    traced = traced_kernel(matmul_kernel, {"a": ka, "b": kb}, {"transpose_a": ta, "transpose_b": tb})
+    plan = _MM_PLANS.keep(key, traced, {"a": 0, "b": 1}, extra=(ta, tb))
+    (res,) = plan.launch((ka, kb), key[0], "aten::mm")
+    return res
 
 
 def _result_of(batched: bool, first: int):
