@@ -188,3 +188,37 @@ def test_repeated_products_replay_the_plan_of_their_own_operands(strict, monkeyp
     with pytest.raises(RuntimeError, match="same dtype"):
         torch.mm(to_n(a), to_n(b).bfloat16())
     assert matmul._MM_PLANS.keys() == kept
+
+
+def test_repeated_linear_products_replay_the_plan_of_their_own_operands(strict, monkeypatch):
+    # addmm with linear's bias row keeps a plan per signature (operands, input, beta, alpha): transposed and bf16
+    # operands, a strided bias and scaled terms interleaved with repeats each give the unplanned path's bits (its
+    # launches: the bias in the matmul launch, or its own element-wise launch when scaled); bad inputs still raise
+    import torchneuron.ops.matmul as matmul
+    g = torch.Generator().manual_seed(12)
+    x, w, bias = torch.randn(48, 40, generator=g), torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+    calls = {"linear": lambda: (to_n(bias), to_n(x), to_n(w).t(), {}),
+             "x_t": lambda: (to_n(bias), to_n(x.t().contiguous()).t(), to_n(w).t(), {}),
+             "bf16": lambda: (to_n(bias).bfloat16(), to_n(x).bfloat16(), to_n(w).bfloat16().t(), {}),
+             "strided bias": lambda: (to_n(torch.stack([bias, bias], 1))[:, 0], to_n(x), to_n(w).t(), {}),
+             "scaled": lambda: (to_n(bias), to_n(x), to_n(w).t(), {"beta": 0.5, "alpha": 2.0})}
+    monkeypatch.setattr(matmul, "_BIAS_PLANS", matmul.PlanCache())
+    want = {}
+    for name, make in calls.items():        # the unplanned path: a destination given (into=) takes no plan
+        inp, a, b, kw = make()
+        want[name] = torch.addmm(inp, a, b, **kw, out=torch.empty(48, 24, dtype=a.dtype, device="neuron")).cpu()
+    for _ in range(2):
+        for name, make in calls.items():
+            inp, a, b, kw = make()
+            got, names = _launches(lambda: torch.addmm(inp, a, b, **kw))
+            assert torch.equal(got.cpu(), want[name]), name
+            assert names == {"strided bias": ["strided_copy", "matmul_kernel"],
+                             "scaled": ["matmul_kernel", "elementwise4"]}.get(name, ["matmul_kernel"]), names
+    assert len(matmul._BIAS_PLANS.keys()) == 3   # (the strided bias and the scaled terms take no plan)
+    _check(torch.addmm(to_n(bias), to_n(x), to_n(w).t()), x, w.t(), bias)
+    kept = matmul._BIAS_PLANS.keys()
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        torch.addmm(to_n(bias), to_n(x), to_n(w))
+    with pytest.raises(RuntimeError):
+        torch.addmm(to_n(torch.randn(5)), to_n(x), to_n(w).t())
+    assert matmul._BIAS_PLANS.keys() == kept

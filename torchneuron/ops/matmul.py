@@ -250,15 +250,50 @@ def _addmm(inp, a, b, beta, alpha, out, batched: bool):
     return add_scaled(prod, inp, beta, alpha, out)
 
 
+# (the operands' ``_mm_key``, the input's device, shape, strides and dtype, beta, alpha) -> the plan of an ``addmm``
+# whose input is ``linear``'s bias row, added in the matmul launch (extra: whether each operand is given transposed)
+_BIAS_PLANS = PlanCache()
+
+
+def _bias_product_planned(key: tuple, inp: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: Any,
+                          alpha: Any) -> torch.Tensor | None:
+    """``addmm``'s first call of signature ``key`` (operands on one device, checked): launch and keep its plan when
+    the input is a contiguous bias row the matmul launch adds and neither operand needs a dense copy; else None."""
+    _check_mm(a, b)
+    ta, tb = _given_transposed(a), _given_transposed(b)
+    if not inp.is_contiguous() or ta is None or tb is None:   # (before _bias_row, which would copy a strided input)
+        return None
+    bias = _bias_row(inp, a, b, beta, alpha)
+    if bias is None:
+        return None
+    ka, kb = a.t() if ta else a, b.t() if tb else b
+    traced = traced_kernel(matmul_kernel, {"a": ka, "b": kb, "bias": bias}, {"transpose_a": ta, "transpose_b": tb})
+    plan = _BIAS_PLANS.keep(key, traced, {"a": 0, "b": 1, "bias": 2}, extra=(ta, tb))
+    return plan.launch((ka, kb, inp), key[0][0], "aten::addmm")[0]
+
+
 def _addmm_kernel(op_name: str, batched: bool):
     inplace = op_name.endswith("_")
+    planned = not inplace and not batched
 
     def kernel(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1,
                into: torch.Tensor | None = None) -> torch.Tensor:
+        key = None
+        if planned and into is None:   # a repeated linear layer's product and bias: the plan of its signature
+            key = (_mm_key(mat1, mat2), input.get_device(), input.shape, input.stride(), input.dtype, beta, alpha)
+            plan = _BIAS_PLANS.get(key)
+            if plan is not None:
+                ta, tb = plan.extra
+                return plan.launch((mat1.t() if ta else mat1, mat2.t() if tb else mat2, input), key[0][0],
+                                   "aten::addmm")[0]
         if not _on_device(input, mat1, mat2):
             raise Unsupported("operands are not matmul dtypes on one neuron device")
         if inplace:
             return input.copy_(_addmm(input, mat1, mat2, beta, alpha, None, batched))
+        if key is not None:
+            res = _bias_product_planned(key, input, mat1, mat2, beta, alpha)
+            if res is not None:
+                return res
         res = _addmm(input, mat1, mat2, beta, alpha, into, batched)
         return res if into is None else into
     kernel.__name__ = kernel.__qualname__ = op_name
