@@ -218,6 +218,10 @@ def test_bn_statistics_match_their_formulas_bit_for_bit(f):
     agg = torch.empty(128, 2)
     bn_aggr_fn(stats, agg)()
     assert torch.equal(agg.view(torch.int32), _bn_aggr_formula(stats).view(torch.int32))
+    triples = base[:, 11:11 + 3 * (f % 7 + 1)]  # any values (special ones too), in a strided view
+    triples.copy_(_values(triples.shape, f + 1))
+    bn_aggr_fn(triples, agg)()
+    assert torch.equal(agg.view(torch.int32), _bn_aggr_formula(triples).view(torch.int32))
 
 
 def test_bn_statistics_are_close_to_float64():
