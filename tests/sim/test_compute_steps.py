@@ -99,6 +99,9 @@ def _activation_cases():
     yield "gelu", i.activation(dst=_sb(0), op="gelu", data=_sb(512))
     yield "gelu_dx", i.activation(dst=_sb(0, free=(2, 64)), op="gelu_dx", data=_sb(1024, free=(2, 64)))
     yield "gelu_dx in place", i.activation(dst=_sb(512), op="gelu_dx", data=_sb(512))
+    yield "gelu_dx from psum strided", i.activation(
+        dst=_sb(0, free=(2, 32)), op="gelu_dx", data=tile("psum", F32, (128, 2, 64), offset=0)[:, :, ::2],
+        reduce_res=_sb(4104, F32, (1,)), reduce_cmd="reset_reduce")
     yield "gelu partial", i.activation(dst=_sb(0, free=(37,), parts=45, start=3), op="gelu",
                                        data=_sb(512, free=(37,), parts=45, start=3))
     yield "gelu_dx scale bias", i.activation(dst=_sb(0, free=(65,)), op="gelu_dx", data=_sb(512, free=(65,)),

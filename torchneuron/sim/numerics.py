@@ -463,6 +463,18 @@ def activation_buffer(op: str, n: int, dtype: torch.dtype) -> tuple[torch.Tensor
     return buf, (lambda: fn(buf)) if m == n else (lambda: fn(buf)[:n])
 
 
+def activation_reader(op: str, n: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A function computing activation ``op`` of a tile of ``n`` values of ``dtype`` read straight from its view
+    (any strides), into buffers of its own (the result: contiguous, in the tile's shape), with the bits of
+    ``activation_buffer``'s evaluation without loading the tile first; None for the functions where that does not
+    hold. gelu_dx of whole vector blocks: its formula reads x only in exact element-wise products, and its erf and
+    exp run on contiguous buffers of the n values, as on the loaded buffer."""
+    if op != "gelu_dx" or n % _VECTOR_BLOCK:
+        return None
+    cdf, pdf = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+    return lambda x: _gelu_dx_into(x, cdf.view(x.shape), pdf.view(x.shape))
+
+
 def apply_activation(op: str, x: torch.Tensor) -> torch.Tensor:
     """Apply a canonical activation function to a floating-point tensor, element by element."""
     n = x.numel()

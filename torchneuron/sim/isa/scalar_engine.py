@@ -10,9 +10,9 @@ import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine
 from torchneuron.sim.memory import AP, SimulatorError, store
-from torchneuron.sim.numerics import (ACTIVATIONS_OUT, REDUCE_IDENTITY, activation_buffer, activation_fn, alu_op,
-                                      apply_activation, apply_alu, apply_reduce, as_scalar, compute_dtype, dtype_name,
-                                      exp_buffers, exp_out, reduce_op)
+from torchneuron.sim.numerics import (ACTIVATIONS_OUT, REDUCE_IDENTITY, activation_buffer, activation_fn,
+                                      activation_reader, alu_op, apply_activation, apply_alu, apply_reduce, as_scalar,
+                                      compute_dtype, dtype_name, exp_buffers, exp_out, reduce_op)
 from torchneuron.sim.isa.common import (FUSED_ALU_FN, Instr, Operand, Step, checked_reduce_cmd, column_view,
                                         disjoint_or_same, fused_into, fused_rhs, load_tile, matrix_view,
                                         planned_operand)
@@ -198,6 +198,16 @@ class Activation(Instr):
             identity = self._identity_step(core, xv, dv, write_res)
             if identity is not None:
                 return identity
+        reader = activation_reader(self.op, n, c) if scale is None and bias is None and xv.dtype == c else None
+        if reader is not None:
+            def read_step(h):  # the function of the tile's view, into buffers of the step's
+                y = reader(xv)
+                store(dst, dv, y, may_alias=False)
+                if accumulate is not None:
+                    accumulate(y)
+                if write_res is not None:
+                    write_res()
+            return read_step
         buf, activate = activation_buffer(self.op, n, c)
         x = buf[:n].view(xv.shape)  # the loaded tile, contiguous: the layout apply_activation computes in
 
