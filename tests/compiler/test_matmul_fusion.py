@@ -81,6 +81,16 @@ def test_epilogues_equal_eager_bit_for_bit(bias, autocast, tmp_path, monkeypatch
     assert "runs as eager ops" not in "".join(fusion.values())
 
 
+def _chains_recorded(monkeypatch, kernel: str) -> list[bool]:
+    """Whether each call of the lowerings' ``kernel`` chained a product (``then=``), in call order (the program
+    cache off, so every program is traced)."""
+    chained = []
+    fn = getattr(kernel_lowerings, kernel)
+    monkeypatch.setattr(kernel_lowerings, kernel, lambda *a, **k: chained.append(k.get("then") is not None) or fn(*a, **k))
+    monkeypatch.setenv("TORCHNEURON_CACHE_DIR", "0")
+    return chained
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_products_of_an_epilogues_result_chain_on_chip(bias, monkeypatch):
     # 256 rows (whole 128-row chunks), fp32: the forward's GELU result goes on into the second linear layer (with
@@ -88,11 +98,7 @@ def test_products_of_an_epilogues_result_chain_on_chip(bias, monkeypatch):
     # them, never loaded back; the same instructions per row, so the values equal eager's bit for bit
     torch.manual_seed(0)
     model, x = _Block(bias=bias), torch.randn(2, 128, 96)
-    chained = []
-    matmul_kernel = kernel_lowerings.matmul_kernel
-    monkeypatch.setattr(kernel_lowerings, "matmul_kernel",
-                        lambda *a, **k: chained.append(k.get("then") is not None) or matmul_kernel(*a, **k))
-    monkeypatch.setenv("TORCHNEURON_CACHE_DIR", "0")
+    chained = _chains_recorded(monkeypatch, "matmul_kernel")
     for e, c in zip(_grads(model, x, False, autocast=False), _grads(model, x, True, autocast=False)):
         assert torch.equal(c, e)
     assert chained.count(True) == 2   # one chain in the forward, one in the backward
@@ -102,13 +108,20 @@ def test_a_chained_product_takes_its_operand_as_it_lies(monkeypatch):
     def f(a, b, c):
         return nn.functional.gelu(a @ b) @ c   # B2 [N, N2] as it is, not a weight's transpose
     torch.manual_seed(0)
-    chained = []
-    matmul_kernel = kernel_lowerings.matmul_kernel
-    monkeypatch.setattr(kernel_lowerings, "matmul_kernel",
-                        lambda *a, **k: chained.append(k.get("then") is not None) or matmul_kernel(*a, **k))
-    monkeypatch.setenv("TORCHNEURON_CACHE_DIR", "0")
+    chained = _chains_recorded(monkeypatch, "matmul_kernel")
     args = [t.to("neuron") for t in (torch.randn(128, 64), torch.randn(64, 200), torch.randn(200, 48))]
     assert torch.equal(torch.compile(f, backend="neuron")(*args).cpu(), f(*args).cpu())
+    assert chained == [True]
+
+
+def test_a_layer_norms_output_chains_into_the_next_linear_layer(monkeypatch):
+    # 256 rows of 96 (whole [128, G, D] blocks), fp32: the norm's output goes on from SBUF into the linear layer
+    # after it (its bias added at the eviction), equal to eager bit for bit, gradients too
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.LayerNorm(96), nn.Linear(96, 200)), torch.randn(2, 128, 96)
+    chained = _chains_recorded(monkeypatch, "layer_norm_kernel")
+    for e, c in zip(_grads(model, x, False, autocast=False), _grads(model, x, True, autocast=False)):
+        assert torch.equal(c, e)
     assert chained == [True]
 
 

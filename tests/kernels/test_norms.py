@@ -2,7 +2,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchneuron.kernels import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
+from torchneuron import nki
+import torchneuron.nki.isa as nisa
+import torchneuron.nki.language as nl
+from torchneuron.kernels import layer_norm, layer_norm_backward, layer_norm_kernel, norms, rms_norm, rms_norm_backward
+from torchneuron.kernels.matmul import Epilogue, Then, matmul_kernel
 from tests.kernels.conftest import DTYPES, close
 
 SHAPES = [(1, 1), (127, 129), (300, 513), (2, 3, 300), (1030, 64)]   # (1030, 64): 8 rows per partition + a tail
@@ -150,3 +154,60 @@ def test_row_blocks_leave_several_blocks_in_flight(N, D):
     assert rows == list(range(N)) and G * D <= max(D, ROW_ELEMS)
     full = sum(1 for _, p, g in blocks if g == G and p == 128)
     assert full >= min(PIPELINE_BLOCKS, N // 128)
+
+
+def _add_tiles(x, r):
+    """An epilogue's tile function: the product plus r, in fp32."""
+    y = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=y, data1=x, data2=r, op=nl.add)
+    return y
+
+
+@nki.jit
+def _norm_then(x, w, b, b2, bias2=None, r2=None, transpose_b2=False, rms=False):
+    """layer_norm_kernel's (out, statistics..., out @ B2 + bias2 [+ r2]) with the product chained."""
+    second = None if r2 is None else Epilogue(_add_tiles, (r2,), r2.dtype)
+    return layer_norm_kernel(x, w, b, eps=1e-5, rms=rms, stats=True, then=Then(b2, transpose_b2, bias2, second))
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("transpose_b2", [False, True])
+@pytest.mark.parametrize("second", ["mm", "addmm", "addmm+epilogue"])
+@pytest.mark.parametrize("nd2", [(1024, 64, 192), (256, 96, 200), (2048, 32, 100)])   # 2, 1 and 4 rows a partition
+def test_chained_product_equals_the_norm_then_the_matmul(nd2, second, transpose_b2, rms):
+    # the output's [128, G, D] blocks go on from SBUF into out @ B2 (+ its bias, its own epilogue): the norm's
+    # results and the product equal the norm kernel's and then the matmul kernel's over the stored output, bit for
+    # bit, infinities and NaNs in a row too
+    N, D, N2 = nd2
+    x, w, b, _ = _inputs((N, D), torch.float32)
+    x[3, 5], x[7, 0] = float("inf"), float("nan")
+    b2 = torch.randn((N2, D) if transpose_b2 else (D, N2))
+    bias2 = torch.randn(1, N2) if second != "mm" else None
+    r2 = torch.randn(N, N2) if second == "addmm+epilogue" else None
+    *got, chained = (torch.as_tensor(t) for t in _norm_then(x, w, b, b2, bias2, r2, transpose_b2=transpose_b2,
+                                                            rms=rms))
+    want = [torch.as_tensor(t) for t in layer_norm_kernel(x, w, b, eps=1e-5, rms=rms, stats=True)]
+    if r2 is None:
+        want_chained = matmul_kernel(want[0], b2, transpose_b=transpose_b2, bias=bias2)
+    else:
+        want_chained = _matmul_plus(want[0], b2, r2, bias=bias2, transpose_b=transpose_b2)
+    for g, w_ in zip(got + [chained], want + [torch.as_tensor(want_chained)]):
+        torch.testing.assert_close(g, w_, rtol=0, atol=0, equal_nan=True)
+    assert chained[3].isnan().all() and not chained[8].isnan().any()
+
+
+@nki.jit
+def _matmul_plus(a, b, r, bias=None, transpose_b=False):
+    return matmul_kernel(a, b, transpose_b=transpose_b, bias=bias, epilogue=Epilogue(_add_tiles, (r,), r.dtype))
+
+
+def test_norm_chains_a_product_only_in_whole_grouped_blocks():
+    f32 = torch.float32
+    assert norms.chains_product(1024, 64, 192, f32, f32)
+    assert not norms.chains_product(1000, 64, 192, f32, f32)           # a partial block
+    assert not norms.chains_product(1024, 64, 192, torch.bfloat16, f32)  # the output rounded by its store
+    assert not norms.chains_product(1024, 2048, 64, f32, f32)          # one row a partition (not grouped)
+    assert not norms.chains_product(4096, 32, 64, f32, f32)            # 8 rows a partition: 1024 columns
+    x, w, b, _ = _inputs((1000, 64), f32)
+    with pytest.raises(AssertionError, match="no chained product"):
+        _norm_then(x, w, b, torch.randn(64, 32))

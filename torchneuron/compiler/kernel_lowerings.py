@@ -13,6 +13,7 @@ contiguous tensor is handed to the matmul kernel with its ``transpose_a``/``tran
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Callable
 
 import torch
@@ -32,6 +33,7 @@ from torchneuron.kernels.losses import (EXACT, fuses_log_softmax_bwd, fuses_log_
 from torchneuron.kernels.matmul import (Then, bmm_kernel, chains_product, fuses_bias, fuses_row_sums,
                                         matmul_kernel)
 from torchneuron.kernels.packed_attention import attention_kernels, packed_attention_bwd, packed_attention_fwd
+from torchneuron.kernels.norms import chains_product as ln_chains_product
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.reduction import reduce_kernel
 from torchneuron.kernels.softmax import attention_fits, attention_softmax_kernel, softmax_bwd_kernel, softmax_kernel
@@ -153,11 +155,25 @@ _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def _chained_product(ctx, node, a: Value, b: Value, epi, **kw: Any) -> Value | tuple | None:
-    """``node``'s product with its epilogue (``kw``: its bias row), and the later product (``mm``, or ``addmm`` with
-    its bias row) that reads the epilogue's result Y as its A operand, in one kernel (``matmul_kernel(then=...)``:
-    Y's blocks go on from SBUF instead of being loaded back); None where there is no such product or the kernel
-    cannot chain it."""
-    later = _product_of_result(ctx, node)
+    """``node``'s product with its epilogue (``kw``: its bias row), and the later product that reads the epilogue's
+    result as its A operand, in one kernel (``matmul_kernel(then=...)``: the result's blocks go on from SBUF
+    instead of being loaded back); None where there is no such product or the kernel cannot chain it."""
+    A, ta = _matmul_operand(a)
+    B, tb = _matmul_operand(b)
+    (M, K), N = (A.shape[::-1] if ta else A.shape), (B.shape[0] if tb else B.shape[1])
+    hit = _chain_of(ctx, ctx.seg.epilogues[node][0].outputs[0],
+                    lambda N2, dt: chains_product(M, K, N, N2, ta, A.dtype, epi.out_dtype, dt))
+    if hit is None:
+        return None
+    *res, chained = matmul_kernel(A, B, transpose_a=ta, transpose_b=tb, epilogue=epi, then=hit[1], **kw)
+    ctx.bind(hit[0], hbm_value(chained))
+    return tuple(map(hbm_value, res)) if len(res) > 1 else hbm_value(res[0])
+
+
+def _chain_of(ctx, y, fits: Callable[[int, Any], bool]) -> tuple[Any, Then] | None:
+    """(the later ``mm`` or ``addmm`` reading node ``y`` as its A operand, its ``Then``: B2, its bias row, its
+    epilogue) where ``fits(N2, B2's dtype)`` says the kernel computing y can chain it, else None."""
+    later = _product_of_result(ctx, y)
     if later is None:
         return None
     if later.target is aten.addmm.default:
@@ -167,26 +183,19 @@ def _chained_product(ctx, node, a: Value, b: Value, epi, **kw: Any) -> Value | t
     epi2 = ctx.epilogue(later)
     if not isinstance(b2, Value) or (epi2 is not None and epi2.keep_product):
         return None
-    A, ta = _matmul_operand(a)
-    B, tb = _matmul_operand(b)
     B2, tb2 = _matmul_operand(b2)
-    (M, K), N = (A.shape[::-1] if ta else A.shape), (B.shape[0] if tb else B.shape[1])
     N2 = B2.shape[0] if tb2 else B2.shape[1]
     row = None if bias is None else unexpanded(bias)
     if (row is not None and (numel(row.shape) != N2 or row.shape[-1] != N2 or row.dtype != B2.dtype)
-            or not chains_product(M, K, N, N2, ta, A.dtype, epi.out_dtype, B2.dtype)):
+            or not fits(N2, B2.dtype)):
         return None
-    then = Then(B2, tb2, None if row is None else dense(row, (1, N2)), epi2)
-    *res, chained = matmul_kernel(A, B, transpose_a=ta, transpose_b=tb, epilogue=epi, then=then, **kw)
-    ctx.bind(later, hbm_value(chained))
-    return tuple(map(hbm_value, res)) if len(res) > 1 else hbm_value(res[0])
+    return later, Then(B2, tb2, None if row is None else dense(row, (1, N2)), epi2)
 
 
-def _product_of_result(ctx, node) -> Any:
-    """The pending ``mm`` or ``addmm`` (alpha = beta = 1) of ``node``'s segment whose A operand is ``node``'s
-    epilogue result as [M, N] rows (itself or a 2-D reshape of it), its other operands and its own epilogue's
-    computed already and its result not widened, or None."""
-    y = ctx.seg.epilogues[node][0].outputs[0]
+def _product_of_result(ctx, y) -> Any:
+    """The pending ``mm`` or ``addmm`` (alpha = beta = 1) of the segment whose A operand is node ``y`` as [M, N]
+    rows (itself or a 2-D reshape of it), its other operands and its own epilogue's computed already and its
+    result not widened, or None."""
     rows = [y] + [r for r in y.users if r.target in _RESHAPES and r.args[0] is y and len(r.meta["val"].shape) == 2]
     for r in rows:
         for u in r.users:
@@ -342,10 +351,17 @@ def _ln_ok(node, x, shape, w, b, eps) -> bool:
 
 @register_kernel(aten.native_layer_norm.default)
 def lower_layer_norm(ctx, node, x: Value, shape, w: Value, b: Value, eps: float) -> tuple[Value, Value, Value]:
-    """Layer norm over the trailing ``shape``, with the row mean and rstd the backward takes."""
+    """Layer norm over the trailing ``shape``, with the row mean and rstd the backward takes; a later product
+    of the output (the next linear layer) computed by the same kernel where it can (``layer_norm_kernel(then=)``)."""
     D = numel(tuple(shape))
     N = numel(x.shape) // D
-    out, mean, rstd = layer_norm_kernel(dense(x, (N, D)), dense(w, (1, D)), dense(b, (1, D)), eps=eps, stats=True)
+    X = dense(x, (N, D))
+    y = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 0), None)
+    hit = None if y is None else _chain_of(ctx, y, lambda N2, dt: ln_chains_product(N, D, N2, X.dtype, dt))
+    out, mean, rstd, *chained = layer_norm_kernel(X, dense(w, (1, D)), dense(b, (1, D)), eps=eps, stats=True,
+                                                  then=None if hit is None else hit[1])
+    if chained:   # the next linear layer of the output, computed from its blocks on chip
+        ctx.bind(hit[0], hbm_value(chained[0]))
     stat_shape = tuple(_stats_meta(node)[1].shape)
     return hbm_value(out).reshape(x.shape), hbm_value(mean).reshape(stat_shape), hbm_value(rstd).reshape(stat_shape)
 

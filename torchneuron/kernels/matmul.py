@@ -125,8 +125,7 @@ def matmul_kernel(a, b, transpose_a=False, transpose_b=False, bias=None, out_dty
         assert epilogue is not None and chains_product(M, K, N, N2, transpose_a, a.dtype, epilogue.out_dtype,
                                                        then.b.dtype), \
             f"matmul: no chained product for [{M}, {K}] x [{K}, {N}] then {tuple(then.b.shape)} (see chains_product)"
-        assert then.epilogue is None or not then.epilogue.keep_product, "matmul: a chained product is not kept"
-        chained = _Chained(then, K2, M)
+        chained = ChainedProduct(then, K2, M)
     if K <= KMAX_GROUPED and N <= TN:
         mm_rows_grouped_into(a, b, out, transpose_a, transpose_b, bias, epilogue, chained)
     else:
@@ -151,12 +150,20 @@ def fuses_row_sums(M: int, K: int, N: int, dt, transpose_a: bool, transpose_b: b
 
 def chains_product(M: int, K: int, N: int, N2: int, transpose_a: bool, *dtypes) -> bool:
     """Whether ``matmul_kernel(then=B2)`` can multiply its epilogue's result [M, N] by a B2 [N, N2] on chip: the
-    grouped path (K, N <= 512) with A as [M, K] in whole 128-row chunks (its row blocks), each row block's
-    N2-wide product in one PSUM bank, and ``dtypes`` (the operands', the result's, B2's) all fp32 (a 2-byte result
-    is rounded by its store, so its tile is not what a second kernel would load)."""
+    grouped path (K, N <= 512) with A as [M, K] in whole 128-row chunks (its row blocks) and ``chain_fits`` for
+    its row blocks (``dtypes``: the operands', the result's, B2's)."""
     if transpose_a or K > KMAX_GROUPED or N > TN or M % PMAX:
         return False
-    return all(dt == nl.float32 for dt in dtypes) and _grouped_chunks(N, 4) * N2 <= PSUM_FP32
+    return chain_fits(_grouped_chunks(N, 4), N, N2, *dtypes)
+
+
+def chain_fits(nch: int, K2: int, N2: int, *dtypes) -> bool:
+    """Whether ``ChainedProduct`` takes row blocks of ``nch`` 128-row chunks of a result [M, K2] into a product of
+    N2 columns: the block's transpose [K2, nch * 128] and its product [128, nch * N2] each in one PSUM bank, K2 <=
+    512, and ``dtypes`` all fp32 (a 2-byte result is rounded by its store, so its tile is not what a second kernel
+    would load)."""
+    return (all(dt == nl.float32 for dt in dtypes) and K2 <= KMAX_GROUPED and nch * PMAX <= PSUM_FP32
+            and nch * N2 <= PSUM_FP32)
 
 
 @nki.jit
@@ -480,12 +487,14 @@ class Then:
     epilogue: Epilogue | None = None
 
 
-class _Chained:
-    """``Then``'s product, row block by row block from Y's SBUF tiles: each block transposed on TensorE as
+class ChainedProduct:
+    """``Then``'s product, row block by row block from Y's SBUF tiles (the grouped product's, or a layer norm's:
+    ``load`` before the first block, then ``block`` per row block): each block transposed on TensorE as
     ``_transpose_rows`` does a loaded one, then the matmuls, eviction and store of ``mm_rows_grouped_into``
     over the block's chunks, so each row's sums are the ones a separate kernel computes from the stored Y."""
 
     def __init__(self, then: Then, K2: int, M: int):
+        assert then.epilogue is None or not then.epilogue.keep_product, "matmul: a chained product is not kept"
         self.then, self.K2 = then, K2
         self.N2 = then.b.shape[0] if then.transpose_b else then.b.shape[1]
         epi = then.epilogue
@@ -536,7 +545,7 @@ def _evict_rows(evict: Callable, brow, dst, src, p: int, nch: int, N: int) -> No
 
 def mm_rows_grouped_into(a, b, out, transpose_a: bool = False, transpose_b: bool = False, bias=None,
                          epilogue: Epilogue | None = None,
-                         chained: _Chained | None = None) -> None:
+                         chained: ChainedProduct | None = None) -> None:
     """``out[M, N] = A @ B`` for up to 4 K tiles (K <= 512) and one PSUM bank of N (N <= 512), any M:
     B is loaded once as [128, KT, N]; A's rows go in groups of up to 4 (fp32; 8 bf16) 128-row chunks,
     each group one DMA whose (chunk, K tile) blocks are transposed on TensorE into one PSUM tile per K

@@ -48,7 +48,7 @@ import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.kernels._common import (PMAX, PSUM_FP32, ROW_ELEMS, as_tensor, cdiv, check_sbuf, grouped_rows, itemsize,
                                          load_grouped, row_blocks, spread, spread_row, tiles)
-from torchneuron.kernels.matmul import Epilogue, _store_block
+from torchneuron.kernels.matmul import ChainedProduct, Epilogue, Then, _store_block, chain_fits
 
 NBUF = 3
 PIPELINE_BLOCKS = 4   # the grouped paths' chains of ~10 dependent passes: at least 4 row blocks in flight
@@ -244,15 +244,28 @@ def _grouped_stats(t, p, g, D, eps, rms):
     return mean, xc, rstd
 
 
-def _ln_fwd_grouped(x, weight, bias, out, eps, rms, stats):
-    """Short rows (``grouped(D)``): G rows per partition, y = (x - mean) * rstd * w + b per [128, G, D] tile."""
+def chains_product(N: int, D: int, N2: int, *dtypes) -> bool:
+    """Whether ``layer_norm_kernel(then=...)`` can multiply its output [N, D] by a B2 [D, N2] on chip: the grouped
+    path in whole [128, G, D] blocks (row r0 + p * G + j at (p, j): the row blocks ``ChainedProduct`` takes)
+    that ``chain_fits`` (``dtypes``: the input's, B2's)."""
+    if not (fwd_fits(D) and grouped(D)):
+        return False
+    G = row_blocks(N, D, PIPELINE_BLOCKS)[1]
+    return N % (PMAX * G) == 0 and chain_fits(G, D, N2, *dtypes)
+
+
+def _ln_fwd_grouped(x, weight, bias, out, eps, rms, stats, chained: ChainedProduct | None = None):
+    """Short rows (``grouped(D)``): G rows per partition, y = (x - mean) * rstd * w + b per [128, G, D] tile;
+    ``chained``: each block's y goes on into that product."""
     N, D = x.shape
     blocks, G = row_blocks(N, D, PIPELINE_BLOCKS)
     check_sbuf((2 + (NBUF + 1) * 3 * G) * D * 4 + 8 * G, f"layer_norm D={D}")
     w = _row(weight, D)
     b = None if rms else _row(bias, D)
+    if chained is not None:
+        chained.load(G)
     ring = collections.deque(maxlen=NBUF)
-    for r0, p, g in blocks:
+    for i, (r0, p, g) in enumerate(blocks):
         t = load_grouped(x, r0, p, g)
         y = nl.ndarray((PMAX, g, D), nl.float32, buffer=nl.sbuf)
         if rms:
@@ -278,6 +291,8 @@ def _ln_fwd_grouped(x, weight, bias, out, eps, rms, stats):
             nisa.tensor_tensor(dst=y[:p], data1=y[:p], data2=spread_row(b, p, g, D), op=nl.add,
                                engine=nisa.gpsimd_engine)
         nisa.dma_copy(dst=grouped_rows(out, r0, p, g), src=y[:p])
+        if chained is not None:
+            chained.block(i, y, r0, g)
         if stats:
             mean_out, rstd_out = stats
             if mean_out is not None:
@@ -296,17 +311,26 @@ def _store_stats(stats, r0, p, mean, rstd):
 
 
 @nki.jit
-def layer_norm_kernel(x, weight, bias, eps=1e-5, rms=False, stats=False, stats_dtype=None):
+def layer_norm_kernel(x, weight, bias, eps=1e-5, rms=False, stats=False, stats_dtype=None, then: Then | None = None):
     """Forward layer norm (``rms``: RMS norm, ``bias`` ignored) of the rows of [N, D]. With ``stats`` it
     returns (out, mean, rstd) (RMS norm: (out, rstd)), the row statistics as (N, 1) fp32 (or rounded to
     ``stats_dtype`` by their store, as ``native_layer_norm`` returns them for half inputs), which the
-    backward takes (``layer_norm_bwd_kernel(..., mean=, rstd=)``)."""
+    backward takes (``layer_norm_bwd_kernel(..., mean=, rstd=)``). ``then`` (a ``Then``, where
+    ``chains_product`` says so): also the output times a B2 [D, N2] (the next linear layer), from the output's
+    blocks in SBUF instead of a product kernel loading the stored output back; its [N, N2] result comes last."""
     N, D = x.shape
     out = nl.ndarray((N, D), x.dtype, buffer=nl.shared_hbm)
     sdt = stats_dtype or nl.float32
     saved = (None if rms else nl.ndarray((N, 1), sdt, buffer=nl.shared_hbm),
              nl.ndarray((N, 1), sdt, buffer=nl.shared_hbm)) if stats else None
     result = (out, *[t for t in saved if t is not None]) if stats else out
+    if then is not None:
+        K2, N2 = then.b.shape[::-1] if then.transpose_b else then.b.shape
+        assert K2 == D and chains_product(N, D, N2, x.dtype, then.b.dtype), \
+            f"layer_norm: no chained product for [{N}, {D}] rows then {tuple(then.b.shape)} (see chains_product)"
+        chained = ChainedProduct(then, D, N)
+        _ln_fwd_grouped(x, weight, bias, out, eps, rms, saved, chained)
+        return (*result, chained.out) if stats else (out, chained.out)
     if not fwd_fits(D):
         _ln_fwd_long(x, weight, bias, out, eps, rms, saved)
         return result
