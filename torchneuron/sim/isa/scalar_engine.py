@@ -198,16 +198,16 @@ class Activation(Instr):
             identity = self._identity_step(core, xv, dv, write_res)
             if identity is not None:
                 return identity
+
+        def finish(y: torch.Tensor) -> None:  # the result (in a buffer of the step's) stored, then reduced
+            store(dst, dv, y, may_alias=False)
+            if accumulate is not None:
+                accumulate(y)
+            if write_res is not None:
+                write_res()
         reader = activation_reader(self.op, n, c) if scale is None and bias is None and xv.dtype == c else None
         if reader is not None:
-            def read_step(h):  # the function of the tile's view, into buffers of the step's
-                y = reader(xv)
-                store(dst, dv, y, may_alias=False)
-                if accumulate is not None:
-                    accumulate(y)
-                if write_res is not None:
-                    write_res()
-            return read_step
+            return lambda h: finish(reader(xv))  # the function of the tile's view, without loading it
         buf, activate = activation_buffer(self.op, n, c)
         x = buf[:n].view(xv.shape)  # the loaded tile, contiguous: the layout apply_activation computes in
 
@@ -217,12 +217,7 @@ class Activation(Instr):
                 torch.mul(x, s.to(c) if s_conv else s, out=x)
             if bias is not None:
                 torch.add(x, b.to(c) if b_conv else b, out=x)
-            y = activate().view(xv.shape)
-            store(dst, dv, y, may_alias=False)
-            if accumulate is not None:
-                accumulate(y)
-            if write_res is not None:
-                write_res()
+            finish(activate().view(xv.shape))
         return step
 
     def _identity_step(self, core, xv: torch.Tensor, dv: torch.Tensor, write_res: Callable | None) -> Step | None:
