@@ -263,3 +263,37 @@ def test_weight_norm_parametrization(dim, conv, strict):
     b.backward(to_n(g))
     for (name, p), q in zip(m.named_parameters(), mn.parameters()):
         torch.testing.assert_close(q.grad.cpu(), p.grad, atol=1e-5, rtol=1e-5, msg=lambda s: f"{name}: {s}")
+
+
+def test_repeated_reductions_replay_the_plan_of_their_own_signature(strict):
+    # a reduction keeps a plan per signature (device, shape, strides, dtype, dims, keepdim, dtype=): calls of one
+    # input shape over other dims, with keepdim, in another layout (a copy first: unplanned), in bf16, as a mean, an amax
+    # and a whole-tensor sum, interleaved and repeated, each give the unplanned path's bits, shape and launches;
+    # a bad dim still raises PyTorch's error
+    from torchneuron.ops import reduction
+    from torchneuron.runtime import profiler
+    x = torch.randn(6, 5, 7, generator=torch.Generator().manual_seed(13))
+    calls = {"sum0": lambda t: (t, "sum", [0], False), "sum12 keep": lambda t: (t, "sum", [1, 2], True),
+             "sum -1": lambda t: (t, "sum", [-1], False),
+             "sum transposed": lambda t: (t.transpose(0, 2).contiguous().transpose(0, 2), "sum", [0], False),
+             "bf16": lambda t: (t.bfloat16(), "sum", [0], False), "mean": lambda t: (t, "mean", [1], False),
+             "amax": lambda t: (t, "max", [2], True), "all": lambda t: (t, "sum", [0, 1, 2], False)}
+    ops = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax}
+    xn = to_n(x)
+    want = {}
+    for name, make in calls.items():    # the unplanned path: reduction._reduce on canonical dims
+        t, op, dims, keep = make(xn)
+        with profiler.record() as records:
+            out = reduction._reduce(t, sorted(d % 3 for d in dims), op, keep)
+        want[name] = out.cpu(), len(records)
+    for _ in range(2):
+        for name, make in calls.items():
+            t, op, dims, keep = make(xn)
+            with profiler.record() as records:
+                got = ops[op](t, dims, keepdim=keep)
+            assert got.shape == want[name][0].shape and torch.equal(got.cpu(), want[name][0]), name
+            assert len(records) == want[name][1], name
+            torch.testing.assert_close(got.cpu().float(), ops[op](make(x)[0], dims, keepdim=keep).float(),
+                                       rtol=0.02 if name == "bf16" else 1e-5, atol=0.05 if name == "bf16" else 1e-5)
+    with pytest.raises(IndexError):
+        torch.sum(xn, [3])

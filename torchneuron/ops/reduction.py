@@ -20,7 +20,7 @@ from torchneuron.kernels.reduction import norm2_kernel, reduce_kernel
 from torchneuron.ops.base import FLOATS, type_name, Unsupported
 from torchneuron.ops.elementwise import dense, to_int64
 from torchneuron.ops.int64_elementwise import int_reduce  # exact integer sums (fp32 is exact only below 2**24)
-from torchneuron.ops.kernel_call import call_kernel
+from torchneuron.ops.kernel_call import call_kernel, PlanCache, traced_kernel
 from torchneuron.ops.registry import LOWERED, lowering, out_dtype_error, register_out
 
 INT_SUM = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -111,12 +111,40 @@ def _reduction_args(args: tuple, kwargs: dict, has_dtype: bool, default_dims: bo
     return dim, keepdim, dtype
 
 
+def _planned_reduce(plans: PlanCache, key: tuple, x: torch.Tensor, dims: list[int], op: str,
+                    keepdim: bool) -> torch.Tensor | None:
+    """The first call of signature ``key``: when ``reduce_kernel`` reads the input as it is (a non-empty contiguous
+    float tensor whose reduced dims are adjacent), launch it and keep its plan, the launch allocating the result in
+    its final shape; else None (``_reduce`` takes the call)."""
+    if x.dtype not in FLOATS or not x.numel() or not 0 < x.dim() <= 64 or not dims or not x.is_contiguous() or \
+            dims != list(range(dims[0], dims[-1] + 1)):
+        return None
+    shape = x.shape
+    R = _prod(shape[d] for d in dims)
+    view = x.reshape(_prod(shape[:dims[0]]), R, _prod(shape[dims[-1] + 1:]))
+    out_shape = tuple(1 if d in dims else n for d, n in enumerate(shape)) if keepdim else \
+        tuple(n for d, n in enumerate(shape) if d not in dims)
+    plan = plans.keep(key, traced_kernel(reduce_kernel, {"x": view}, {"op": op}), {"x": 0}, [out_shape])
+    return plan.launch((x,), key[0], f"aten::{op}")[0]
+
+
 def _lower(name: str, op: str, *, has_dtype: bool = True, default_dims: bool = False) -> Callable:
+    # (device index, shape, strides, dtype, dims as given, keepdim, dtype=) -> the plan of a call that launched
+    # reduce_kernel on the input as it is (``_planned_reduce``): a training step's bias gradients repeat their sums
+    plans = PlanCache()
+    planned = op in ("sum", "mean", "prod", "max", "min")
 
     def kernel(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.device.type != "neuron":
             raise Unsupported
         dim, keepdim, dtype = _reduction_args(args, kwargs, has_dtype, default_dims)
+        key = None
+        if planned and (dtype is None or dtype == self.dtype):
+            key = (self.get_device(), self.shape, self.stride(), self.dtype,
+                   tuple(dim) if isinstance(dim, list) else dim, bool(keepdim), dtype)
+            plan = plans.get(key)
+            if plan is not None:
+                return plan.launch((self,), key[0], f"aten::{op}")[0]
         if op == "mean":
             _mean_dtype_check(self, dtype)
         x = _cast_input(self, dtype)
@@ -125,6 +153,10 @@ def _lower(name: str, op: str, *, has_dtype: bool = True, default_dims: bool = F
             _check_empty_extreme(name.partition(".")[0], x, dim, dims)
         if op == "mean" and not x.is_floating_point():
             raise Unsupported
+        if key is not None:
+            res = _planned_reduce(plans, key, x, dims, op, bool(keepdim))
+            if res is not None:
+                return res
         res = _reduce(x, dims, op, bool(keepdim))
         if dtype is not None and res.dtype != dtype:  # an integer sum in another int dtype: wraps like the CPU
             res = res.to(dtype)
