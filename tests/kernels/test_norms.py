@@ -5,7 +5,8 @@ import torch.nn.functional as F
 from torchneuron import nki
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.kernels import layer_norm, layer_norm_backward, layer_norm_kernel, norms, rms_norm, rms_norm_backward
+from torchneuron.kernels import (layer_norm, layer_norm_backward, layer_norm_bwd_kernel, layer_norm_kernel, norms,
+                                 rms_norm, rms_norm_backward)
 from torchneuron.kernels.matmul import Epilogue, Then, matmul_kernel
 from tests.kernels.conftest import DTYPES, close
 
@@ -211,3 +212,18 @@ def test_norm_chains_a_product_only_in_whole_grouped_blocks():
     x, w, b, _ = _inputs((1000, 64), f32)
     with pytest.raises(AssertionError, match="no chained product"):
         _norm_then(x, w, b, torch.randn(64, 32))
+
+
+@pytest.mark.parametrize("D", [96, 1100])   # grouped rows; one row a partition
+def test_rms_backward_accumulates_no_bias_gradient(D, monkeypatch):
+    # RMS norm has no bias: its backward keeps dw's column sums alone in PSUM and returns a db of +0.0; layer norm
+    # keeps both (its dw and db as the CPU's within the fp32 sums' bound: test_backward)
+    accumulators = []
+    col_sums = norms._col_sums
+    monkeypatch.setattr(norms, "_col_sums", lambda *a: accumulators.append(col_sums(*a)) or accumulators[-1])
+    x, w, _, dy = _inputs((260, D), torch.float32)
+    *_, db = layer_norm_bwd_kernel(dy, x, w, rms=True)
+    db = torch.as_tensor(db)
+    assert torch.equal(db, torch.zeros(1, D)) and not db.signbit().any()
+    layer_norm_bwd_kernel(dy, x, w)
+    assert [sorted(acc) for acc in accumulators] == [["dw"], ["db", "dw"]]

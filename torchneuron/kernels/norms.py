@@ -372,11 +372,28 @@ def layer_norm_kernel(x, weight, bias, eps=1e-5, rms=False, stats=False, stats_d
     return result
 
 
-def _col_sums(D: int) -> dict:
-    """PSUM accumulators [1, D] fp32 for the column sums of dw and db, each whole banks (so that every 512-column
-    matmul of ``_col_sum`` stays in one bank; D <= 2048: together at most the 8 banks)."""
+def _col_sums(D: int, rms: bool) -> dict:
+    """PSUM accumulators [1, D] fp32 for the column sums of dw and (layer norm: RMS norm has no bias) db, each whole
+    banks (so that every 512-column matmul of ``_col_sum`` stays in one bank; D <= 2048: together at most the 8
+    banks)."""
     assert D <= 4 * PSUM_FP32, f"layer_norm backward: column sums of {D} > {4 * PSUM_FP32} do not fit PSUM"
-    return {k: nl.ndarray((1, cdiv(D, PSUM_FP32) * PSUM_FP32), nl.float32, buffer=nl.psum) for k in ("dw", "db")}
+    return {k: nl.ndarray((1, cdiv(D, PSUM_FP32) * PSUM_FP32), nl.float32, buffer=nl.psum)
+            for k in (("dw",) if rms else ("dw", "db"))}
+
+
+def _store_col_sums(acc: dict, dw_out, db_out, D: int, slots: int | None = None) -> None:
+    """Store dw and db from ``_col_sums``' accumulators: each one's ``slots`` row slots of D columns summed by
+    VectorE (the grouped path's [1, slots * D]), or (None) its D columns copied; db zero where there is none."""
+    for key, dst in (("dw", dw_out), ("db", db_out)):
+        col = nl.ndarray((1, D), nl.float32, buffer=nl.sbuf)
+        if key not in acc:
+            nisa.memset(dst=col, value=0.0)
+        elif slots is None:
+            nisa.tensor_copy(dst=col, src=acc[key][:, :D])
+        else:
+            nisa.tensor_reduce(dst=col, op=nl.add, data=acc[key].ap([[acc[key].shape[1], 1], [1, D], [D, slots]]),
+                               axis=(2,))
+        nisa.dma_copy(dst=dst, src=col)
 
 
 def _col_sum(acc, src, p, D, ones, first: bool) -> None:
@@ -485,7 +502,7 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved, epil
     w = _row(weight, D)
     ones = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
-    acc = _col_sums(G * D)
+    acc = _col_sums(G * D, rms)
     ring = collections.deque(maxlen=NBUF)
     for b, (r0, p, g) in enumerate(blocks):
         t, gr = load_grouped(x, r0, p, g), load_grouped(dy, r0, p, g)
@@ -546,14 +563,7 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved, epil
         _store_dx(dx_out, gw.reshape((PMAX, g * D))[:p], x.dtype, lambda t, r0=r0, p=p, g=g: t[r0:r0 + p * g, :].reshape((p, g * D)),
                   epilogue)
         ring.append((t, gr, xh, prod, gw, gx))
-    for key, dst in (("dw", dw_out), ("db", db_out)):   # sum the G row slots of each column
-        col = nl.ndarray((1, D), nl.float32, buffer=nl.sbuf)
-        if rms and key == "db":
-            nisa.memset(dst=col, value=0.0)
-        else:
-            nisa.tensor_reduce(dst=col, op=nl.add, data=acc[key].ap([[acc[key].shape[1], 1], [1, D], [D, G]]),
-                               axis=(2,))
-        nisa.dma_copy(dst=dst, src=col)
+    _store_col_sums(acc, dw_out, db_out, D, slots=G)   # the G row slots of each column summed
 
 
 RMS_RING = 1       # earlier row blocks whose tiles stay live in the RMS backward from saved statistics
@@ -669,7 +679,7 @@ def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=No
     w = _row(weight, D)
     ones = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
-    acc = _col_sums(D)
+    acc = _col_sums(D, rms)
     ring = collections.deque(maxlen=NBUF)
     for r0 in range(0, N, PMAX):
         p = min(PMAX, N - r0)
@@ -715,13 +725,7 @@ def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=No
         nisa.activation(dst=corr[:p], op=nl.identity, data=gw[:p], scale=rs[:p])
         _store_dx(dx_out, corr[:p], x.dtype, lambda t, r0=r0, p=p: t[r0:r0 + p, :], epilogue)
         ring.append((t, g, xh, prod, gw, corr, junk))
-    for key, dst in (("dw", dw_out), ("db", db_out)):
-        col = nl.ndarray((1, D), nl.float32, buffer=nl.sbuf)
-        if rms and key == "db":
-            nisa.memset(dst=col, value=0.0)
-        else:
-            nisa.tensor_copy(dst=col, src=acc[key][:, :D])
-        nisa.dma_copy(dst=dst, src=col)
+    _store_col_sums(acc, dw_out, db_out, D)
     return dx_out, dw_out, db_out
 
 
