@@ -38,7 +38,7 @@ def test_on_chip_memories_are_filled_padded_rows_in_huge_page_aligned_bytes(nan_
             assert data.data_ptr() % memory.HUGE_PAGE == 0
         data[-1, -1] = 7
         assert int(mem.typed(torch.uint8)[-1, -1]) == 7
-    block = memory._host_bytes(3 * memory.HUGE_PAGE + 5)
+    block = memory.host_bytes(3 * memory.HUGE_PAGE + 5)
     gc.collect()
     block.fill_(3)
     assert block.numel() == 3 * memory.HUGE_PAGE + 5 and int(block.sum()) == 3 * block.numel()

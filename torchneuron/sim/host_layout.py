@@ -35,7 +35,7 @@ import torch
 from torchneuron.sim.isa import (Activation, AffineSelect, BnAggr, BnStats, DmaCopy, DmaTranspose, Instr, Iota,
                                  Memset, NcMatmul, NcMatmulTiled, NcTranspose, Reciprocal, ScalarTensorTensor,
                                  TensorCopy, TensorReduce, TensorScalar, TensorTensor)
-from torchneuron.sim.memory import AP, PMAX, _host_bytes, writes_once
+from torchneuron.sim.memory import AP, PMAX, host_bytes, writes_once
 from torchneuron.sim.program import Program
 
 MIN_SPAN = 64 * 1024  # bytes per partition a program's SBUF accesses must reach beyond for packing to pay
@@ -211,9 +211,8 @@ class _Written:
     def holds(self, ap: AP) -> bool:
         """Whether every byte ``ap`` reads was written."""
         if self.mask is None:
-            # (fresh anonymous memory reads as zeros; in huge pages, marking the bytes faults a dozen pages in, not
-            # thousands)
-            self.mask = _host_bytes(PMAX * self.span).view(PMAX, self.span)
+            # (in huge pages: zeroing faults a dozen pages in, not thousands)
+            self.mask = host_bytes(PMAX * self.span).view(PMAX, self.span).zero_()
             for w in self.patterns:
                 self._mark(w)
         view = self._view(ap)

@@ -60,7 +60,7 @@ SIM_THREADS = 1
 HUGE_PAGE = 2 << 20  # bytes of a host huge page (x86-64, arm64 with 4 KiB pages)
 
 
-def _host_bytes(n: int) -> torch.Tensor:
+def host_bytes(n: int) -> torch.Tensor:
     """``n`` uninitialized host bytes for an on-chip memory, in huge pages where the host grants them.
 
     A tile reads each of its partitions' rows from another 4 KiB page (rows lie 192-256 KiB apart), so with
@@ -148,7 +148,7 @@ class Memory:
             # of 64 KiB) would otherwise put every partition's row of a tile into the same few host
             # cache sets, and copying a tile would miss the cache on nearly every row.
             pitch = bytes_per_partition + (ROW_PAD if partitions > 1 else 0)
-            data = _host_bytes(partitions * pitch).view(partitions, pitch)[:, :bytes_per_partition]
+            data = host_bytes(partitions * pitch).view(partitions, pitch)[:, :bytes_per_partition]
             data.fill_(NAN_BYTE if self.nan_fill else 0)
         self.data = data
         self._typed: dict[torch.dtype, torch.Tensor] = {}
