@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from torchneuron.sim import Engine, NeuronCore, isa, numerics as nx, tile
+from torchneuron.sim.memory import AP
 
 F32, BF16 = torch.float32, torch.bfloat16
 TINY = 1.1754943508222875e-38  # the smallest normal fp32
@@ -260,6 +261,38 @@ def _statistics_cases():
 @pytest.mark.parametrize("specials", [False, True], ids=["normal", "specials"])
 @pytest.mark.parametrize("case", list(_statistics_cases()), ids=lambda c: c[0])
 def test_statistics_steps_match_execute(case, specials):
+    _check_step_matches_execute(case[1], specials=specials)
+
+
+# ---- tensor_reduce written into dst --------------------------------------------------------------------------
+
+def _reduce_cases():
+    i = isa
+    for op in ("add", "maximum", "minimum"):
+        yield f"{op} rows", i.tensor_reduce(dst=_sb(4096, free=(8,)), op=op, data=_sb(0, free=(8, 64)), axis=2)
+    yield "add negate", i.tensor_reduce(dst=_sb(4096, free=(1,)), op="add", data=_sb(0, free=(65,)), negate=True)
+    yield "max negate", i.tensor_reduce(dst=_sb(4096, free=(1,)), op="maximum", data=_sb(0, free=(65,)), axis=1,
+                                        negate=True)
+    yield "add two axes", i.tensor_reduce(dst=_sb(4096, free=(4,)), op="add", data=_sb(0, free=(4, 8, 16)),
+                                          axis=(2, 3))
+    yield "add keepdims", i.tensor_reduce(dst=_sb(4096, free=(4, 1)), op="add", data=_sb(0, free=(4, 1, 16)),
+                                          axis=3, keepdims=True)
+    yield "add short rows", i.tensor_reduce(dst=_sb(4096, free=(64,)), op="add", data=_sb(0, free=(64, 8)), axis=2)
+    yield "add strided data", i.tensor_reduce(dst=_sb(4096, free=(8,)), op="add", axis=2,
+                                              data=tile("psum", F32, (128, 8, 64), offset=0)[:, :, ::2])
+    yield "add dst columns", i.tensor_reduce(dst=tile("sbuf", F32, (128, 2, 8), offset=4096)[:, 1], op="add",
+                                             data=_sb(0, free=(8, 64)), axis=2)
+    transposed = AP("sbuf", F32, ((1, 4), (4, 8)), partitions=128, offset=4096)  # (128, 4, 8), the 4 innermost
+    yield "add dst transposed", i.tensor_reduce(dst=transposed, op="add", data=_sb(0, free=(4, 8, 32)), axis=3)
+    yield "add bf16 data", i.tensor_reduce(dst=_sb(4096, free=(8,)), op="add", data=_sb(0, BF16, (8, 64)), axis=2)
+    yield "add into bf16", i.tensor_reduce(dst=_sb(4096, BF16, (8,)), op="add", data=_sb(0, free=(8, 64)), axis=2)
+    yield "add partial", i.tensor_reduce(dst=_sb(4096, free=(8,), parts=45, start=3), op="add",
+                                         data=_sb(0, free=(8, 64), parts=45, start=3), axis=2)
+
+
+@pytest.mark.parametrize("specials", [False, True], ids=["normal", "specials"])
+@pytest.mark.parametrize("case", list(_reduce_cases()), ids=lambda c: c[0])
+def test_reduce_steps_match_execute(case, specials):
     _check_step_matches_execute(case[1], specials=specials)
 
 

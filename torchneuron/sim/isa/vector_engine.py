@@ -327,6 +327,9 @@ class TensorReduce(Instr):
 
     def step(self, core, slots) -> Step | None:
         c, xv, dv, dst = compute_dtype(self.data.dtype), self.data.view(core), self.dst.view(core), self.dst
+        into = self._reduce_into(xv, dv)
+        if into is not None:
+            return into
         fn, axis, negate, convert = REDUCE_OPS[self.op], self.axis, self.negate, self.data.dtype != c
 
         # the result is a new tensor unless a bitwise fold of one element returns a view of the data
@@ -337,8 +340,38 @@ class TensorReduce(Instr):
             store(dst, dv, -r if negate else r, may_alias=alias)
         return step
 
+    def _reduce_into(self, xv: torch.Tensor, dv: torch.Tensor) -> Step | None:
+        """The fp32 sum/max/min over contiguous trailing elements written straight into dst (negated there), without
+        the result's temporary and its copy; None where that is not the step's. The same bits: torch reduces each
+        output's contiguous run by itself (the kernel's inner reduction) whatever the output's layout, here one
+        ordered like the temporary's."""
+        fn = _REDUCE_INTO.get(self.op)
+        if fn is None or xv.dtype != torch.float32 or dv.dtype != torch.float32 or self.dst.overlaps(self.data):
+            return None
+        first = self.axis[0]
+        x = xv.flatten(first) if xv.dim() > first + 1 else xv  # the reduced dims merged, as apply_reduce does
+        if x.stride(-1) != 1 and x.shape[-1] > 1:
+            return None
+        try:
+            out = dv.view(x.shape[:-1])
+        except RuntimeError:
+            return None
+        big = [st for st, size in zip(out.stride(), out.shape) if size > 1]
+        if x.data_ptr() != xv.data_ptr() or any(a <= b for a, b in zip(big, big[1:])):
+            return None  # a copy of the data (not a view), or an output ordered unlike a contiguous temporary
+        if self.negate:
+            def negated(h):
+                fn(x, -1, out=out)
+                out.neg_()
+            return negated
+        return lambda h: fn(x, -1, out=out)
+
     def price(self) -> CostInputs:
         return self._cost([self.data], self.dst, op=self.op)
+
+
+# the fp32 reductions TensorReduce writes straight into dst (REDUCE_OPS' with out=)
+_REDUCE_INTO: dict[str, Callable] = {"add": torch.sum, "maximum": torch.amax, "minimum": torch.amin}
 
 
 @dataclass(frozen=True)
