@@ -335,12 +335,14 @@ def _exp_keep(x: torch.Tensor, scratch: ExpScratch | None = None) -> torch.Tenso
     if not scratch.masked and not x.amin().item() < EXP_FAST_MIN:  # (NaN: not <)
         return None
     keep, band = scratch.masks(x.shape)
-    # a comparison written straight into fp32 gives 1.0 / 0.0 (a bool result converted costs far more)
-    torch.ge(x, EXP_FAST_MIN, out=keep)
-    # x clamped to [ZERO_AT, FAST_MIN], less the gap where kept: ZERO_AT for every value outside the band (FAST_MIN
-    # - _EXP_GAP is ZERO_AT exactly), the value itself inside it, so the band is empty iff the maximum is ZERO_AT
-    # (and NaN, which the amin test above may not have seen, makes the maximum NaN: not <=)
+    # x clamped to [ZERO_AT, FAST_MIN] into a contiguous buffer, and from it (cheaper than from a strided tile) the
+    # mask: a value is >= FAST_MIN iff its clamp is (NaN: neither). A comparison written straight into fp32 gives
+    # 1.0 / 0.0 (a bool result converted costs far more)
     torch.clamp(x, EXP_ZERO_AT, EXP_FAST_MIN, out=band)
+    torch.ge(band, EXP_FAST_MIN, out=keep)
+    # the clamp less the gap where kept: ZERO_AT for every value outside the band (FAST_MIN - _EXP_GAP is ZERO_AT
+    # exactly), the value itself inside it, so the band is empty iff the maximum is ZERO_AT (and NaN, which the
+    # amin test above may not have seen, makes the maximum NaN: not <=)
     scratch.masked = band.sub_(keep, alpha=_EXP_GAP).amax().item() <= EXP_ZERO_AT
     return keep if scratch.masked else None
 
