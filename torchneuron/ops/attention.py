@@ -81,27 +81,7 @@ def _views(tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
     return {f"{name}_view": (0, tuple(t.stride())) for name, t in tensors.items()}
 
 
-OP = "aten::_scaled_dot_product_fused_attention_overrideable"
-
-
-def _kernels(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> tuple | None:
-    """(forward, backward) kernels for these heads (``attention_kernels``: packed heads, flash, or None for the
-    composed path), for one dtype, a positive scale and at least one head."""
-    B, H, L, E = query.shape
-    if not (query.dtype == key.dtype == value.dtype and scale > 0 and B * H > 0):
-        return None
-    return attention_kernels(B, H, L, key.shape[2], E, value.shape[3], query.dtype)
-
-
-def _in_place(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
-    """Each [B, H, n, d] operand as the flat span of memory it covers and its (offset 0, strides) view over
-    that span: the flash kernels read strided heads where they lie."""
-    flat = {name: storage_span(t) for name, t in tensors.items()}
-    views = {f"{name}_view": (0, tuple(t.stride())) for name, t in tensors.items()}
-    return flat, views
-
-
-# (direction, device index, dtype, scale, causal, each operand's shape and strides) -> the plan of a fused launch:
+# (direction, device index, scale, causal, each operand's shape, strides and dtype) -> the plan of a fused launch:
 # an attention called again with the same geometry (each layer of a training step, every step) launches its traced
 # program without choosing the kernel, the result layout and the stacking again (extra: the result layout)
 _PLANS = PlanCache()
