@@ -125,6 +125,31 @@ def test_a_layer_norms_output_chains_into_the_next_linear_layer(monkeypatch):
     assert chained == [True]
 
 
+class _ProjectedPreNorm(nn.Module):
+    """Two projections, then a pre-norm residual layer: the norm's output feeds a linear layer, and in the backward
+    the norm's dx (with the residual gradient added) feeds the second projection's dX product (the first one's
+    input needs no gradient)."""
+
+    def __init__(self, d: int = 96) -> None:
+        super().__init__()
+        self.pre, self.inp, self.norm, self.fc = nn.Linear(d, d), nn.Linear(d, d), nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(self.pre(x))
+        return h + self.fc(self.norm(h))
+
+
+def test_a_layer_norm_backwards_dx_chains_into_the_product_before_it(monkeypatch):
+    # 256 rows of 96, fp32: the backward's dx, its residual gradient added by the epilogue, goes on from SBUF into
+    # the projection's dX = dx @ W; the forward's norm output into the linear layer after it; equal to eager
+    torch.manual_seed(0)
+    model, x = _ProjectedPreNorm(), torch.randn(2, 128, 96)
+    forward, backward = (_chains_recorded(monkeypatch, k) for k in ("layer_norm_kernel", "layer_norm_bwd_kernel"))
+    for e, c in zip(_grads(model, x, False, autocast=False), _grads(model, x, True, autocast=False)):
+        assert torch.equal(c, e)
+    assert forward == [True] and backward == [True]
+
+
 def test_a_product_two_groups_read_keeps_its_own_store(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHNEURON_DUMP_DIR", str(tmp_path / "dump"))
 

@@ -171,6 +171,18 @@ def _norm_then(x, w, b, b2, bias2=None, r2=None, transpose_b2=False, rms=False):
     return layer_norm_kernel(x, w, b, eps=1e-5, rms=rms, stats=True, then=Then(b2, transpose_b2, bias2, second))
 
 
+def _assert_chained_as_two_kernels(got, chained, want, b2, bias2, r2, transpose_b2) -> None:
+    """The chained kernel's results ``got`` + [``chained``] equal the norm kernel's ``want`` and the matmul kernel's
+    over want[0] (B2, its bias, r2 added by its epilogue) bit for bit; row 3 of the input had an inf (a NaN row)."""
+    if r2 is None:
+        want_chained = matmul_kernel(want[0], b2, transpose_b=transpose_b2, bias=bias2)
+    else:
+        want_chained = _matmul_plus(want[0], b2, r2, bias=bias2, transpose_b=transpose_b2)
+    for g, w_ in zip(got + [chained], want + [torch.as_tensor(want_chained)]):
+        torch.testing.assert_close(g, w_, rtol=0, atol=0, equal_nan=True)
+    assert chained[3].isnan().all() and not chained[8].isnan().any()
+
+
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("transpose_b2", [False, True])
 @pytest.mark.parametrize("second", ["mm", "addmm", "addmm+epilogue"])
@@ -188,13 +200,7 @@ def test_chained_product_equals_the_norm_then_the_matmul(nd2, second, transpose_
     *got, chained = (torch.as_tensor(t) for t in _norm_then(x, w, b, b2, bias2, r2, transpose_b2=transpose_b2,
                                                             rms=rms))
     want = [torch.as_tensor(t) for t in layer_norm_kernel(x, w, b, eps=1e-5, rms=rms, stats=True)]
-    if r2 is None:
-        want_chained = matmul_kernel(want[0], b2, transpose_b=transpose_b2, bias=bias2)
-    else:
-        want_chained = _matmul_plus(want[0], b2, r2, bias=bias2, transpose_b=transpose_b2)
-    for g, w_ in zip(got + [chained], want + [torch.as_tensor(want_chained)]):
-        torch.testing.assert_close(g, w_, rtol=0, atol=0, equal_nan=True)
-    assert chained[3].isnan().all() and not chained[8].isnan().any()
+    _assert_chained_as_two_kernels(got, chained, want, b2, bias2, r2, transpose_b2)
 
 
 @nki.jit
@@ -204,11 +210,11 @@ def _matmul_plus(a, b, r, bias=None, transpose_b=False):
 
 def test_norm_chains_a_product_only_in_whole_grouped_blocks():
     f32 = torch.float32
-    assert norms.chains_product(1024, 64, 192, f32, f32)
-    assert not norms.chains_product(1000, 64, 192, f32, f32)           # a partial block
-    assert not norms.chains_product(1024, 64, 192, torch.bfloat16, f32)  # the output rounded by its store
-    assert not norms.chains_product(1024, 2048, 64, f32, f32)          # one row a partition (not grouped)
-    assert not norms.chains_product(4096, 32, 64, f32, f32)            # 8 rows a partition: 1024 columns
+    assert norms.chains_product(1024, 64, 192, 0, f32, f32)
+    assert not norms.chains_product(1000, 64, 192, 0, f32, f32)           # a partial block
+    assert not norms.chains_product(1024, 64, 192, 0, torch.bfloat16, f32)  # the output rounded by its store
+    assert not norms.chains_product(1024, 2048, 64, 0, f32, f32)          # one row a partition (not grouped)
+    assert not norms.chains_product(4096, 32, 64, 0, f32, f32)            # 8 rows a partition: 1024 columns
     x, w, b, _ = _inputs((1000, 64), f32)
     with pytest.raises(AssertionError, match="no chained product"):
         _norm_then(x, w, b, torch.randn(64, 32))
@@ -227,3 +233,51 @@ def test_rms_backward_accumulates_no_bias_gradient(D, monkeypatch):
     assert torch.equal(db, torch.zeros(1, D)) and not db.signbit().any()
     layer_norm_bwd_kernel(dy, x, w)
     assert [sorted(acc) for acc in accumulators] == [["dw"], ["db", "dw"]]
+
+
+@nki.jit
+def _norm_bwd_then(dy, x, w, mean, rstd, b2, r=None, bias2=None, r2=None, transpose_b2=False):
+    """layer_norm_bwd_kernel's (dx [+ r], dw, db, that @ B2 + bias2 [+ r2]) with the product chained."""
+    first = None if r is None else Epilogue(_add_tiles, (r,), r.dtype)
+    second = None if r2 is None else Epilogue(_add_tiles, (r2,), r2.dtype)
+    return layer_norm_bwd_kernel(dy, x, w, mean=mean, rstd=rstd, epilogue=first,
+                                 then=Then(b2, transpose_b2, bias2, second))
+
+
+@nki.jit
+def _norm_bwd_plus(dy, x, w, mean, rstd, r):
+    return layer_norm_bwd_kernel(dy, x, w, mean=mean, rstd=rstd, epilogue=Epilogue(_add_tiles, (r,), r.dtype))
+
+
+@pytest.mark.parametrize("transpose_b2", [False, True])
+@pytest.mark.parametrize("second", ["mm", "addmm+epilogue"])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("nd2", [(1024, 64, 64), (256, 96, 200), (2048, 32, 100)])   # 2, 1 and 4 rows a partition
+def test_backward_chained_product_equals_the_backward_then_the_matmul(nd2, residual, second, transpose_b2):
+    # dx (through its epilogue, the residual add) goes on from SBUF into dx @ B2 (+ bias, its own epilogue): every
+    # result equals the backward kernel's and then the matmul kernel's over the stored dx, bit for bit, inf/NaN too
+    N, D, N2 = nd2
+    x, w, b, dy = _inputs((N, D), torch.float32)
+    _, mean, rstd = (torch.as_tensor(t) for t in layer_norm_kernel(x, w, b, eps=1e-5, stats=True))
+    dy[3, 5], dy[7, 0] = float("inf"), float("nan")
+    r = torch.randn(N, D) if residual else None
+    b2 = torch.randn((N2, D) if transpose_b2 else (D, N2))
+    bias2, r2 = (torch.randn(1, N2), torch.randn(N, N2)) if second != "mm" else (None, None)
+    *got, chained = (torch.as_tensor(t) for t in _norm_bwd_then(dy, x, w, mean, rstd, b2, r, bias2, r2,
+                                                                transpose_b2=transpose_b2))
+    want = [torch.as_tensor(t) for t in (_norm_bwd_plus(dy, x, w, mean, rstd, r) if residual else
+                                         layer_norm_bwd_kernel(dy, x, w, mean=mean, rstd=rstd))]
+    _assert_chained_as_two_kernels(got, chained, want, b2, bias2, r2, transpose_b2)
+
+
+def test_backward_chains_a_product_only_in_whole_grouped_blocks():
+    f32 = torch.float32
+    assert norms.bwd_chains_product(1024, 64, 64, 1, 0, f32, f32, f32)
+    assert not norms.bwd_chains_product(1000, 64, 64, 1, 0, f32, f32, f32)           # a partial block
+    assert not norms.bwd_chains_product(1024, 64, 64, 1, 0, f32, torch.bfloat16, f32)  # dx rounded by its store
+    assert not norms.bwd_chains_product(1024, 1500, 64, None, 0, f32, f32, f32)      # one row a partition
+    x, w, _, dy = _inputs((1000, 64), f32)
+    with pytest.raises(AssertionError, match="no chained product"):
+        layer_norm_bwd_kernel(dy, x, w, then=Then(torch.randn(64, 32)))
+    with pytest.raises(AssertionError, match="follows layer norm's dx only"):
+        layer_norm_bwd_kernel(dy[:1024], x[:1024], w, rms=True, then=Then(torch.randn(64, 32)))

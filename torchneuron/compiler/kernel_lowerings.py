@@ -33,6 +33,7 @@ from torchneuron.kernels.losses import (EXACT, fuses_log_softmax_bwd, fuses_log_
 from torchneuron.kernels.matmul import (Then, bmm_kernel, chains_product, fuses_bias, fuses_row_sums,
                                         matmul_kernel)
 from torchneuron.kernels.packed_attention import attention_kernels, packed_attention_bwd, packed_attention_fwd
+from torchneuron.kernels.norms import bwd_chains_product as ln_bwd_chains_product
 from torchneuron.kernels.norms import chains_product as ln_chains_product
 from torchneuron.kernels.norms import layer_norm_bwd_kernel, layer_norm_kernel
 from torchneuron.kernels.reduction import reduce_kernel
@@ -162,7 +163,7 @@ def _chained_product(ctx, node, a: Value, b: Value, epi, **kw: Any) -> Value | t
     B, tb = _matmul_operand(b)
     (M, K), N = (A.shape[::-1] if ta else A.shape), (B.shape[0] if tb else B.shape[1])
     hit = _chain_of(ctx, ctx.seg.epilogues[node][0].outputs[0],
-                    lambda N2, dt: chains_product(M, K, N, N2, ta, A.dtype, epi.out_dtype, dt))
+                    lambda N2, dt, _: chains_product(M, K, N, N2, ta, A.dtype, epi.out_dtype, dt))
     if hit is None:
         return None
     *res, chained = matmul_kernel(A, B, transpose_a=ta, transpose_b=tb, epilogue=epi, then=hit[1], **kw)
@@ -170,9 +171,10 @@ def _chained_product(ctx, node, a: Value, b: Value, epi, **kw: Any) -> Value | t
     return tuple(map(hbm_value, res)) if len(res) > 1 else hbm_value(res[0])
 
 
-def _chain_of(ctx, y, fits: Callable[[int, Any], bool]) -> tuple[Any, Then] | None:
+def _chain_of(ctx, y, fits: Callable[[int, Any, int], bool]) -> tuple[Any, Then] | None:
     """(the later ``mm`` or ``addmm`` reading node ``y`` as its A operand, its ``Then``: B2, its bias row, its
-    epilogue) where ``fits(N2, B2's dtype)`` says the kernel computing y can chain it, else None."""
+    epilogue) where ``fits(N2, B2's dtype, its epilogue's operand count)`` says the kernel computing y can chain
+    it, else None."""
     later = _product_of_result(ctx, y)
     if later is None:
         return None
@@ -183,11 +185,13 @@ def _chain_of(ctx, y, fits: Callable[[int, Any], bool]) -> tuple[Any, Then] | No
     epi2 = ctx.epilogue(later)
     if not isinstance(b2, Value) or (epi2 is not None and epi2.keep_product):
         return None
+    if epi2 is not None and _product_of_result(ctx, ctx.seg.epilogues[later][0].outputs[0]) is not None:
+        return None   # its own kernel chains the product of its result (an MLP's: a wider result kept on chip)
     B2, tb2 = _matmul_operand(b2)
     N2 = B2.shape[0] if tb2 else B2.shape[1]
     row = None if bias is None else unexpanded(bias)
     if (row is not None and (numel(row.shape) != N2 or row.shape[-1] != N2 or row.dtype != B2.dtype)
-            or not fits(N2, B2.dtype)):
+            or not fits(N2, B2.dtype, 0 if epi2 is None else len(epi2.extras))):
         return None
     return later, Then(B2, tb2, None if row is None else dense(row, (1, N2)), epi2)
 
@@ -357,7 +361,7 @@ def lower_layer_norm(ctx, node, x: Value, shape, w: Value, b: Value, eps: float)
     N = numel(x.shape) // D
     X = dense(x, (N, D))
     y = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 0), None)
-    hit = None if y is None else _chain_of(ctx, y, lambda N2, dt: ln_chains_product(N, D, N2, X.dtype, dt))
+    hit = None if y is None else _chain_of(ctx, y, lambda N2, dt, e2: ln_chains_product(N, D, N2, e2, X.dtype, dt))
     out, mean, rstd, *chained = layer_norm_kernel(X, dense(w, (1, D)), dense(b, (1, D)), eps=eps, stats=True,
                                                   then=None if hit is None else hit[1])
     if chained:   # the next linear layer of the output, computed from its blocks on chip
@@ -380,8 +384,20 @@ def lower_layer_norm_backward(ctx, node, dy: Value, x: Value, shape, mean: Value
     (the residual add of the gradient) the first result is the epilogue's."""
     D = numel(tuple(shape))
     N = numel(x.shape) // D
-    dx, dw, db = layer_norm_bwd_kernel(dense(dy, (N, D)), dense(x, (N, D)), dense(w, (1, D)),
-                                       mean=dense(mean, (N, 1)), rstd=dense(rstd, (N, 1)), epilogue=ctx.epilogue(node))
+    epi = ctx.epilogue(node)
+    hit = None
+    if mask[0]:   # the gradient through the linear layer before the norm: from dx's blocks on chip where it can
+        y = (ctx.seg.epilogues[node][0].outputs[0] if epi is not None else
+             next((u for u in node.users if u.target is operator.getitem and u.args[1] == 0), None))
+        extras = None if epi is None else len(epi.extras)
+        dtype = x.dtype if epi is None else epi.out_dtype
+        hit = None if y is None else _chain_of(
+            ctx, y, lambda N2, dt, e2: ln_bwd_chains_product(N, D, N2, extras, e2, x.dtype, dtype, dt))
+    dx, dw, db, *chained = layer_norm_bwd_kernel(dense(dy, (N, D)), dense(x, (N, D)), dense(w, (1, D)),
+                                                 mean=dense(mean, (N, 1)), rstd=dense(rstd, (N, 1)), epilogue=epi,
+                                                 then=None if hit is None else hit[1])
+    if chained:
+        ctx.bind(hit[0], hbm_value(chained[0]))
     grads = hbm_value(dx).reshape(x.shape), hbm_value(dw).reshape(w.shape), hbm_value(db).reshape(w.shape)
     return tuple(g if wanted else None for g, wanted in zip(grads, mask))
 

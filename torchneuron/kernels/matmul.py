@@ -157,6 +157,14 @@ def chains_product(M: int, K: int, N: int, N2: int, transpose_a: bool, *dtypes) 
     return chain_fits(_grouped_chunks(N, 4), N, N2, *dtypes)
 
 
+def chain_bytes(nch: int, K2: int, N2: int, extras: int = 0) -> int:
+    """SBUF bytes per partition of a ``ChainedProduct`` over row blocks of ``nch`` chunks (B2, a block's
+    transpose, the staging ring, and ``_store_block``'s fp32 tiles of an epilogue with ``extras`` operands), for
+    a kernel that chains one to count beside its own tiles."""
+    kt2 = cdiv(K2, TK)
+    return (kt2 * N2 + kt2 * nch * PMAX + (2 + 2 + extras) * nch * N2) * 4
+
+
 def chain_fits(nch: int, K2: int, N2: int, *dtypes) -> bool:
     """Whether ``ChainedProduct`` takes row blocks of ``nch`` 128-row chunks of a result [M, K2] into a product of
     N2 columns: the block's transpose [K2, nch * 128] and its product [128, nch * N2] each in one PSUM bank, K2 <=

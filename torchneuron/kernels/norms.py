@@ -48,7 +48,7 @@ import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
 from torchneuron.kernels._common import (PMAX, PSUM_FP32, ROW_ELEMS, as_tensor, cdiv, check_sbuf, grouped_rows, itemsize,
                                          load_grouped, row_blocks, spread, spread_row, tiles)
-from torchneuron.kernels.matmul import ChainedProduct, Epilogue, Then, _store_block, chain_fits
+from torchneuron.kernels.matmul import ChainedProduct, Epilogue, Then, _store_block, chain_bytes, chain_fits
 
 NBUF = 3
 PIPELINE_BLOCKS = 4   # the grouped paths' chains of ~10 dependent passes: at least 4 row blocks in flight
@@ -244,14 +244,20 @@ def _grouped_stats(t, p, g, D, eps, rms):
     return mean, xc, rstd
 
 
-def chains_product(N: int, D: int, N2: int, *dtypes) -> bool:
-    """Whether ``layer_norm_kernel(then=...)`` can multiply its output [N, D] by a B2 [D, N2] on chip: the grouped
-    path in whole [128, G, D] blocks (row r0 + p * G + j at (p, j): the row blocks ``ChainedProduct`` takes)
-    that ``chain_fits`` (``dtypes``: the input's, B2's)."""
+def chains_product(N: int, D: int, N2: int, extras2: int, *dtypes) -> bool:
+    """Whether ``layer_norm_kernel(then=...)`` can multiply its output [N, D] by a B2 [D, N2] with an epilogue of
+    ``extras2`` operands on chip: the grouped path in whole [128, G, D] blocks (row r0 + p * G + j at (p, j): the
+    row blocks ``ChainedProduct`` takes) that ``chain_fits`` (``dtypes``: the input's, B2's), its tiles beside."""
     if not (fwd_fits(D) and grouped(D)):
         return False
     G = row_blocks(N, D, PIPELINE_BLOCKS)[1]
-    return N % (PMAX * G) == 0 and chain_fits(G, D, N2, *dtypes)
+    return (N % (PMAX * G) == 0 and chain_fits(G, D, N2, *dtypes)
+            and _fwd_grouped_bytes(D, G) + chain_bytes(G, D, N2, extras2) <= nl.tile_size.sbuf_fmax_bytes)
+
+
+def _fwd_grouped_bytes(D: int, G: int) -> int:
+    """SBUF per partition of the grouped forward: w, b, and 3 tiles [G, D] per block in flight."""
+    return (2 + (NBUF + 1) * 3 * G) * D * 4 + 8 * G
 
 
 def _ln_fwd_grouped(x, weight, bias, out, eps, rms, stats, chained: ChainedProduct | None = None):
@@ -259,7 +265,7 @@ def _ln_fwd_grouped(x, weight, bias, out, eps, rms, stats, chained: ChainedProdu
     ``chained``: each block's y goes on into that product."""
     N, D = x.shape
     blocks, G = row_blocks(N, D, PIPELINE_BLOCKS)
-    check_sbuf((2 + (NBUF + 1) * 3 * G) * D * 4 + 8 * G, f"layer_norm D={D}")
+    check_sbuf(_fwd_grouped_bytes(D, G), f"layer_norm D={D}")
     w = _row(weight, D)
     b = None if rms else _row(bias, D)
     if chained is not None:
@@ -326,7 +332,8 @@ def layer_norm_kernel(x, weight, bias, eps=1e-5, rms=False, stats=False, stats_d
     result = (out, *[t for t in saved if t is not None]) if stats else out
     if then is not None:
         K2, N2 = then.b.shape[::-1] if then.transpose_b else then.b.shape
-        assert K2 == D and chains_product(N, D, N2, x.dtype, then.b.dtype), \
+        extras2 = 0 if then.epilogue is None else len(then.epilogue.extras)
+        assert K2 == D and chains_product(N, D, N2, extras2, x.dtype, then.b.dtype), \
             f"layer_norm: no chained product for [{N}, {D}] rows then {tuple(then.b.shape)} (see chains_product)"
         chained = ChainedProduct(then, D, N)
         _ln_fwd_grouped(x, weight, bias, out, eps, rms, saved, chained)
@@ -493,12 +500,33 @@ def _bwd_grouped_bytes(D: int, G: int) -> int:
     return (3 + (NBUF + 1) * 6 * G) * D * 4 + 16 * G
 
 
-def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved, epilogue=None):
+def _bwd_takes_grouped(N: int, D: int, extras: int | None, chained: int = 0) -> bool:
+    """Whether the backward takes the grouped path for [N, D] (with an epilogue of ``extras`` operands, None: none,
+    and ``chained`` bytes per partition of a chained product's tiles)."""
+    G = row_blocks(N, D, PIPELINE_BLOCKS)[1]
+    return (bwd_fits(D) and grouped(D)
+            and _bwd_grouped_bytes(D, G) + _epilogue_bytes(extras, G * D) + chained <= nl.tile_size.sbuf_fmax_bytes)
+
+
+def bwd_chains_product(N: int, D: int, N2: int, extras: int | None, extras2: int, *dtypes) -> bool:
+    """Whether ``layer_norm_bwd_kernel(then=...)`` (layer norm, its dx epilogue of ``extras`` operands or None) can
+    multiply dx (the epilogue's result) by a B2 [D, N2] with an epilogue of ``extras2`` operands on chip: the grouped
+    path in whole [128, G, D] blocks that ``chain_fits`` (``dtypes``: the input's, dx's, B2's), its tiles beside."""
+    G = row_blocks(N, D, PIPELINE_BLOCKS)[1]
+    return (N % (PMAX * G) == 0 and chain_fits(G, D, N2, *dtypes)
+            and _bwd_takes_grouped(N, D, extras, chain_bytes(G, D, N2, extras2)))
+
+
+def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved, epilogue=None,
+                    chained: ChainedProduct | None = None):
     """Short rows (``grouped(D)``): G rows per partition. dw/db column sums run on TensorE over the
-    [p, G*D] tiles into a [1, G, D] accumulator, summed over G at the end."""
+    [p, G*D] tiles into a [1, G, D] accumulator, summed over G at the end. ``chained``: each block's dx (the
+    epilogue's result) goes on into that product."""
     N, D = x.shape
     blocks, G = row_blocks(N, D, PIPELINE_BLOCKS)
     check_sbuf(_bwd_grouped_bytes(D, G), f"layer_norm backward D={D}")
+    if chained is not None:
+        chained.load(G)
     w = _row(weight, D)
     ones = nl.ndarray((PMAX, 1), nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
@@ -560,8 +588,10 @@ def _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved, epil
                             bias=None if rms else c1[:p, k:k + 1])
             nisa.scalar_tensor_tensor(dst=gw[:p, k, :], data=gw[:p, k, :], op0=nl.multiply, operand0=rstd[:p, k:k + 1],
                                       op1=nl.subtract, operand1=u[:p, k, :])
-        _store_dx(dx_out, gw.reshape((PMAX, g * D))[:p], x.dtype, lambda t, r0=r0, p=p, g=g: t[r0:r0 + p * g, :].reshape((p, g * D)),
-                  epilogue)
+        y = _store_dx(dx_out, gw.reshape((PMAX, g * D))[:p], x.dtype,
+                      lambda t, r0=r0, p=p, g=g: t[r0:r0 + p * g, :].reshape((p, g * D)), epilogue)
+        if chained is not None:
+            chained.block(b, y, r0, g)
         ring.append((t, gr, xh, prod, gw, gx))
     _store_col_sums(acc, dw_out, db_out, D, slots=G)   # the G row slots of each column summed
 
@@ -644,17 +674,21 @@ def _rms_bwd_saved(dy, x, weight, dx_out, dw_out, db_out, rstd_in):
 
 
 @nki.jit
-def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=None, epilogue=None):
+def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=None, epilogue=None,
+                          then: Then | None = None):
     """Backward of layer norm (``rms``: RMS norm): returns (dx, dweight, dbias) (dbias zero for RMS).
     Given the forward's saved ``mean`` and ``rstd`` (N, 1) (RMS norm: ``rstd`` only), it uses them instead
     of recomputing the row statistics. ``epilogue`` (a matmul ``Epilogue`` over [N, D], single-pass layer norm
     only): dx goes through it block by block before its store and the first result is the epilogue's (the
-    graph compiler's residual add of the gradient: no round trip of dx through HBM)."""
+    graph compiler's residual add of the gradient: no round trip of dx through HBM). ``then`` (a ``Then``, layer
+    norm, where ``bwd_chains_product`` says so): also dx times a B2 [D, N2] (the gradient through the linear
+    layer before the norm), from dx's blocks in SBUF; its [N, N2] result comes last."""
     N, D = x.shape
     extras = None if epilogue is None else len(epilogue.extras)
     assert epilogue is None or (not rms and bwd_fits(D, extras) and not epilogue.keep_product
                                 and all(tuple(e.shape) == (N, D) for e in epilogue.extras)), \
         "layer_norm backward: an epilogue needs the single-pass layer norm and operands of dx's [N, D] shape"
+    assert then is None or not rms, "layer_norm backward: a chained product follows layer norm's dx only"
     saved = None
     if mean is not None or rstd is not None:
         assert rstd is not None and (mean is None) == rms, \
@@ -671,8 +705,16 @@ def layer_norm_bwd_kernel(dy, x, weight, eps=1e-5, rms=False, mean=None, rstd=No
     if not bwd_fits(D):
         _ln_bwd_long(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved)
         return dx_out, dw_out, db_out
-    G = row_blocks(N, D, PIPELINE_BLOCKS)[1]
-    if grouped(D) and _bwd_grouped_bytes(D, G) + _epilogue_bytes(extras, G * D) <= nl.tile_size.sbuf_fmax_bytes:
+    if then is not None:
+        K2, N2 = then.b.shape[::-1] if then.transpose_b else then.b.shape
+        extras2 = 0 if then.epilogue is None else len(then.epilogue.extras)
+        assert K2 == D and bwd_chains_product(N, D, N2, extras, extras2, x.dtype, dx_out.dtype,
+                                                          then.b.dtype), \
+            f"layer_norm backward: no chained product for [{N}, {D}] rows then {tuple(then.b.shape)}"
+        chained = ChainedProduct(then, D, N)
+        _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved, epilogue, chained)
+        return dx_out, dw_out, db_out, chained.out
+    if _bwd_takes_grouped(N, D, extras):
         _ln_bwd_grouped(dy, x, weight, dx_out, dw_out, db_out, eps, rms, saved, epilogue)
         return dx_out, dw_out, db_out
     check_sbuf((1 + (NBUF + 1) * 7) * D * 4 + 16 * D + _epilogue_bytes(extras, D), f"layer_norm backward D={D}")
@@ -736,18 +778,19 @@ def _epilogue_bytes(extras: int | None, f: int) -> int:
     return 0 if extras is None else (3 + extras) * f * 4
 
 
-def _store_dx(dx_out, dx, dtype, at, epilogue: Epilogue | None) -> None:
+def _store_dx(dx_out, dx, dtype, at, epilogue: Epilogue | None):
     """Store a block ``dx`` [p, f] (fp32) of the input gradient at ``at(dx_out)``, or through ``epilogue``: dx is
-    rounded to ``dtype`` first, as the separate pass the epilogue replaces would read it from HBM."""
+    rounded to ``dtype`` first, as the separate pass the epilogue replaces would read it from HBM; returns the
+    SBUF tile stored."""
     if epilogue is None:
         nisa.dma_copy(dst=at(dx_out), src=dx)
-        return
+        return dx
     p, f = dx.shape
     if dtype != nl.float32:
         low = nl.ndarray((p, f), dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=low, src=dx)
         dx = low
-    _store_block(dx_out, dx, p, f, at, epilogue)
+    return _store_block(dx_out, dx, p, f, at, epilogue)
 
 
 def _rows(x):
