@@ -38,7 +38,7 @@ from torchneuron.sim.isa import (Activation, AffineSelect, BnAggr, BnStats, DmaC
 from torchneuron.sim.memory import AP, PMAX, host_bytes, writes_once
 from torchneuron.sim.program import Program
 
-MIN_SPAN = 64 * 1024  # bytes per partition a program's SBUF accesses must reach beyond for packing to pay
+MIN_SPAN = 16 * 1024  # bytes per partition a program's SBUF accesses must reach beyond for packing to pay
 HOST_ALIGN = 64       # a host offset equals its simulated offset modulo this (a cache line)
 
 # instructions that write every element of their destination patterns, whatever the data (an indirect DMA
