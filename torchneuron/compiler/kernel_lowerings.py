@@ -225,8 +225,8 @@ def _computed(ctx, n) -> bool:
 
 
 def _pending_kernel(ctx, u) -> bool:
-    """Whether ``u`` is a kernel node of this segment (not an epilogue) that is not computed yet: a lowering may
-    compute it beside its own node."""
+    """Whether ``u`` is a kernel node of this segment without an epilogue group of its own, not computed yet: a
+    lowering may compute it beside its own node."""
     return ctx.roles.get(u) == "kernel" and u in ctx.seg.items and u not in ctx.seg.epilogues and u not in ctx.env
 
 
