@@ -21,6 +21,7 @@ tensors, with the layout each value has over its buffer (``OutputLayout``) for t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import operator
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ class InputSig:
     # as views of one tensor): (the first such input, this input's offset in the slot, the slot's length)
     shared: tuple[int, int, int] | None = None
 
-    @property
+    @cached_property
     def span(self) -> int:
         """Elements of the storage the tensor reaches from its offset."""
         if any(n == 0 for n in self.shape):
@@ -82,8 +83,15 @@ class InputSig:
 def signature(v: Any) -> InputSig:
     """The InputSig of a host value."""
     if isinstance(v, torch.Tensor):
-        return InputSig(tuple(v.shape), tuple(v.stride()), v.dtype)
+        return _tensor_signature(v.shape, v.stride(), v.dtype)
     return InputSig(scalar=v)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_signature(shape: torch.Size, stride: tuple, dtype: torch.dtype) -> InputSig:
+    """The InputSig of a tensor layout, made once per layout: a compiled graph's calls see the same layouts
+    again, and each InputSig computes its ``span`` once."""
+    return InputSig(tuple(shape), tuple(stride), dtype)
 
 
 def signatures(values: list) -> list[InputSig]:

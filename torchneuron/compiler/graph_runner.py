@@ -19,16 +19,18 @@ never adds it). A variant whose zero tangent has other uses gets the zeros after
 """
 from __future__ import annotations
 
+import keyword
 import time
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
 from torchneuron import _C, runtime
 from torchneuron.compiler import cache
-from torchneuron.compiler.codegen import HOST_SCALARS, SegmentProgram, signatures, trace_segment
+from torchneuron.compiler.codegen import HOST_SCALARS, OutputLayout, SegmentProgram, signatures, trace_segment
 from torchneuron.compiler.memory_plan import ARENA
 from torchneuron.compiler.partition import Plan, Segment, partition, tensor_values
 from torchneuron.compiler.report import GraphReport, dump_graph, dump_segment
@@ -48,27 +50,24 @@ class CompiledGraph:
         self.plan: Plan = partition(gm.graph)
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.output_node = next(n for n in gm.graph.nodes if n.op == "output")
-        self.programs: dict[tuple, SegmentProgram | str] = {}
+        self.programs: dict[tuple, _Binding | str] = {}   # per input signature: its bound program, or EAGER
         self.report = GraphReport.of(name, self.plan, time.perf_counter() - t0)
         self.fingerprints = [cache.segment_fingerprint(self.plan, s) for s in self.plan.segments]
         self.zero_variants: dict[tuple[int, ...], CompiledGraph | None] = {}
+        # the inputs that may be None (an undefined gradient): tensors something reads
+        self.optional_inputs = [i for i, p in enumerate(self.placeholders)
+                                if p.users and isinstance(p.meta.get("val"), torch.Tensor)]
+        self.run_steps = _StepsSource(self).function()
         dump_graph(self)
 
     def __call__(self, args: list) -> list:
         """Run the graph on ``args`` (cleared, as the boxed convention asks); return its outputs."""
-        absent = tuple(i for i, (a, p) in enumerate(zip(args, self.placeholders))
-                       if a is None and p.users and isinstance(p.meta.get("val"), torch.Tensor))
+        absent = tuple(i for i in self.optional_inputs if i < len(args) and args[i] is None)
         if absent:
             return self._with_zero_inputs(absent, args)
         env: dict[fx.Node, Any] = dict(zip(self.placeholders, args))
         args.clear()
-        for step in self.plan.steps:
-            if isinstance(step, Segment):
-                self._segment(step, env)
-            else:
-                env[step] = self._run_eager(step, env)
-        out = fx.node.map_arg(self.output_node.args[0], lambda n: self._host(n, env))
-        return list(out)
+        return self.run_steps(env)
 
     def _with_zero_inputs(self, absent: tuple[int, ...], args: list) -> list:
         """A call whose tensor inputs ``absent`` are ``None`` (undefined gradients: zeros)."""
@@ -111,40 +110,40 @@ class CompiledGraph:
         env[node] = v
         return v
 
-    def _segment(self, seg: Segment, env: dict) -> None:
-        values = [self._host(n, env) for n in seg.inputs]
+    def _segment(self, seg: Segment, values: list, env: dict) -> None:
+        """Run ``seg`` on its input values: launch its program for their signatures (or run its nodes eagerly)."""
         sigs = signatures(values)
         device = next((v.device for v in values if isinstance(v, torch.Tensor) and v.device.type == "neuron"), None)
         if device is None:   # a segment reading no device tensor (an ``arange``): the device its results are on
             device = next(t.device for n in seg.outputs for t in tensor_values(n) if t.device.type == "neuron")
         key = (seg.index, device.index if device is not None else None, *sigs)
-        prog = self.programs.get(key)
-        if prog is None:
-            prog = self.programs[key] = self._compile(seg, sigs, device)
-        if prog == EAGER:
+        bound = self.programs.get(key)
+        if bound is None:
+            prog = self._compile(seg, sigs, device)
+            bound = self.programs[key] = prog if prog is EAGER else _Binding.of(prog, sigs, seg)
+        if bound is EAGER:
             self._eager(seg, env)
             return
-        index = prog.slot_index
-        tensors: list = [None] * len(index)
-        for v, sig, slot in zip(values, sigs, prog.input_slots):
-            if slot is not None:
-                t = v if v.device.type == "neuron" else _scalar_to_device(v, device)
-                # the span of its storage it reaches, or that of the inputs sharing the storage (one slot)
-                t = t.as_strided((max(sig.slot_span, 1),), (1,), t.storage_offset() - sig.slot_offset)
-                tensors[index[slot]] = t.view(torch.int32) if t.dtype == torch.int64 else t   # int64: its words
+        prog = bound.prog
+        tensors: list = [None] * len(prog.program.args)
+        for i, pos, length, offset, words in bound.inputs:
+            v = values[i]
+            t = v if v.device.type == "neuron" else _scalar_to_device(v, device)
+            # the span of its storage it reaches, or that of the inputs sharing the storage (one slot)
+            t = t.as_strided((length,), (1,), t.storage_offset() - offset)
+            tensors[pos] = t.view(torch.int32) if words else t   # int64: its words
         if prog.host_scalars:   # CPU 0-d operands, written to the device together
-            tensors[index[HOST_SCALARS]] = _scalars_to_device([values[i] for i in prog.host_scalars], device)
-        arena = index.get(ARENA)
-        if arena is not None:   # the planned intermediates: one device allocation per call
-            slot = prog.program.args[arena]
-            tensors[arena] = torch.empty(slot.shape, dtype=slot.dtype, device=device)
-        bound = launch_slots(prog.program, tensors, device.index, f"compiled::{self.name}")
-        for check in prog.checks:   # device-side assertions (one host read each, as the eager ops read them)
-            if bound[index[check.slot]].reshape(-1)[0].item():
+            tensors[bound.host_scalars] = _scalars_to_device([values[i] for i in prog.host_scalars], device)
+        if bound.arena is not None:   # the planned intermediates: one device allocation per call
+            slot = prog.program.args[bound.arena]
+            tensors[bound.arena] = torch.empty(slot.shape, dtype=slot.dtype, device=device)
+        out = launch_slots(prog.program, tensors, device.index, f"compiled::{self.name}")
+        for check, pos in zip(prog.checks, bound.checks):   # device-side assertions (one host read each, as the
+            if out[pos].reshape(-1)[0].item():                # eager ops read them)
                 raise _ERRORS[check.error](check.message)
-        for node, lay in zip(seg.outputs, prog.outputs):
-            if lay.slot is not None:
-                t = bound[index[lay.slot]].reshape(-1)
+        for node, lay, pos in bound.outputs:
+            if pos is not None:
+                t = out[pos].reshape(-1)
                 t = t.view(lay.dtype) if lay.dtype is not None else t    # int32 words of int64 values
                 env[node] = t.as_strided(lay.shape, lay.stride, lay.offset)
             elif lay.dtype is not None:   # a placeholder the program does not compute (never read)
@@ -176,6 +175,103 @@ class CompiledGraph:
     def _eager(self, seg: Segment, env: dict) -> None:
         for node in seg.nodes:
             env[node] = self._run_eager(node, env)
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """A segment's program for one input signature, with where each argument goes in its launch's slot order
+    worked out once: per bound input (its position among the segment's inputs, its slot's position, the slot's
+    length, the input's offset in the slot, whether it is int64 bound as int32 words), the host scalars' slot,
+    the arena's, each check's, and per output (its node, its layout, its slot's position or None)."""
+
+    prog: SegmentProgram
+    inputs: list[tuple[int, int, int, int, bool]]
+    host_scalars: int | None
+    arena: int | None
+    checks: list[int]
+    outputs: list[tuple[fx.Node, OutputLayout, int | None]]
+
+    @staticmethod
+    def of(prog: SegmentProgram, sigs: list, seg: Segment) -> _Binding:
+        """The binding of ``prog``, traced for inputs of signatures ``sigs``."""
+        index = prog.slot_index
+        inputs = [(i, index[slot], max(sig.slot_span, 1), sig.slot_offset, sig.dtype == torch.int64)
+                  for i, (sig, slot) in enumerate(zip(sigs, prog.input_slots)) if slot is not None]
+        outputs = [(node, lay, None if lay.slot is None else index[lay.slot]) for node, lay in zip(seg.outputs,
+                                                                                                 prog.outputs)]
+        return _Binding(prog, inputs, index.get(HOST_SCALARS), index.get(ARENA),
+                        [index[c.slot] for c in prog.checks], outputs)
+
+
+class _StepsSource:
+    """A compiled graph's steps as one generated Python function of the host values ``env`` (placeholders
+    filled) returning the graph's outputs: each eager node's op called with its operands' lookups resolved
+    once, here (an operand computed by an earlier step is read from ``env``, a view through ``_host``, on
+    demand), each segment run by ``_segment``. Per call this costs the ops, not an fx interpretation
+    (``map_arg`` and a role lookup per operand of each node); the ops, their order and their arguments are
+    the same."""
+
+    def __init__(self, graph: CompiledGraph):
+        self.graph, self.roles = graph, graph.plan.roles
+        self.scope: dict[str, Any] = {"host": graph._host, "map_arg": fx.node.map_arg, "segment": graph._segment,
+                                      "run_eager": graph._run_eager}
+        self.names: dict[int, str] = {}
+        self.defined: set[fx.Node] = set(graph.placeholders)   # in ``env`` whenever a later step runs
+        self.lines: list[str] = []
+
+    def function(self) -> Callable[[dict], list]:
+        """The generated function."""
+        for step in self.graph.plan.steps:
+            if isinstance(step, Segment):
+                self.lines.append(f"segment({self.ref(step)}, [{', '.join(map(self.operand, step.inputs))}], env)")
+                self.defined.update(step.outputs)
+            else:
+                self.lines.append(f"env[{self.ref(step)}] = {self.call(step)}")
+                self.defined.add(step)
+        outputs = self.graph.output_node.args[0]
+        if isinstance(outputs, (tuple, list)):
+            self.lines.append(f"return [{', '.join(map(self.operand, outputs))}]")
+        else:
+            self.lines.append(f"return list(map_arg({self.ref(outputs)}, lambda n: host(n, env)))")
+        source = "def run_steps(env):\n" + "".join(f"    {line}\n" for line in self.lines)
+        exec(compile(source, f"<compiled graph {self.graph.name}>", "exec"), self.scope)
+        return self.scope["run_steps"]
+
+    def ref(self, obj: Any) -> str:
+        """A name in the function's scope bound to ``obj``."""
+        name = self.names.get(id(obj))
+        if name is None:
+            name = self.names[id(obj)] = f"v{len(self.names)}"
+            self.scope[name] = obj
+        return name
+
+    def operand(self, a: Any) -> str:
+        """The expression of one argument: a node's host value, a structure holding nodes, or a constant."""
+        if isinstance(a, fx.Node):
+            if a in self.defined and self.roles.get(a) != "view":
+                return f"env[{self.ref(a)}]"
+            return f"host({self.ref(a)}, env)"   # a view (applied on demand), or a partition bug (raised there)
+        if isinstance(a, (tuple, list, dict, slice)) and _holds_node(a):
+            return f"map_arg({self.ref(a)}, lambda n: host(n, env))"
+        return self.ref(a)
+
+    def call(self, node: fx.Node) -> str:
+        """The expression of an eager node's value (what ``_run_eager`` computes)."""
+        if node.op == "get_attr" or not all(k.isidentifier() and not keyword.iskeyword(k) for k in node.kwargs):
+            return f"run_eager({self.ref(node)}, env)"
+        args = [self.operand(a) for a in node.args] + [f"{k}={self.operand(v)}" for k, v in node.kwargs.items()]
+        if node.op == "call_method":
+            return f"getattr({args[0]}, {self.ref(node.target)})({', '.join(args[1:])})"
+        # an OpOverload's call is its ``_op``'s (the same ATen operator, one Python frame less)
+        fn = node.target._op if type(node.target) is torch._ops.OpOverload else node.target
+        return f"{self.ref(fn)}({', '.join(args)})"
+
+
+def _holds_node(a: Any) -> bool:
+    """Whether an argument structure contains an fx node."""
+    found = []
+    fx.node.map_arg(a, found.append)
+    return bool(found)
 
 
 def without_zero_inputs(gm: fx.GraphModule, zeros: list[fx.Node]) -> fx.GraphModule | None:

@@ -1,0 +1,207 @@
+"""The graph runner's per-call paths: the generated step function against an fx interpretation of the same plan,
+programs selected per input signature after earlier calls (layouts, offsets, shared storage), one InputSig per
+tensor layout, and an eager node's error."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+from torchneuron.compiler import graph_runner
+from torchneuron.compiler.codegen import InputSig, signature, signatures
+from torchneuron.compiler.graph_runner import CompiledGraph
+from torchneuron.compiler.partition import Segment
+
+
+@pytest.fixture
+def graphs(monkeypatch) -> list[CompiledGraph]:
+    """The CompiledGraphs the backend makes while the test runs, in order."""
+    made: list[CompiledGraph] = []
+    init = CompiledGraph.__init__
+
+    def recording_init(self, gm, name):
+        init(self, gm, name)
+        made.append(self)
+    monkeypatch.setattr(graph_runner.CompiledGraph, "__init__", recording_init)
+    return made
+
+
+def _interpreted(graph: CompiledGraph, env: dict) -> list:
+    """The graph's outputs from host values ``env`` by walking its plan node by node (an fx interpretation, no
+    generated code)."""
+    for step in graph.plan.steps:
+        if isinstance(step, Segment):
+            graph._segment(step, [graph._host(n, env) for n in step.inputs], env)
+        else:
+            env[step] = graph._run_eager(step, env)
+    return list(fx.node.map_arg(graph.output_node.args[0], lambda n: graph._host(n, env)))
+
+
+def _twin(v):
+    """A tensor of ``v``'s layout, dtype, device and values in new memory (other values as they are)."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+    with torch.no_grad():
+        t.copy_(v)
+    return t
+
+
+def _assert_identical(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if isinstance(w, torch.Tensor):
+            assert (g.dtype, g.shape, g.stride(), g.device) == (w.dtype, w.shape, w.stride(), w.device)
+            assert torch.equal(g.cpu(), w.cpu())
+        else:
+            assert g == w
+
+
+def _checked_against_interpretation(graph: CompiledGraph) -> list[int]:
+    """Make each call of ``graph`` also run its plan interpreted on twins of its inputs, and assert the outputs
+    and the inputs after the call (an optimizer step updates them in place) are identical. Returns the list
+    the count of checked calls is appended to."""
+    generated, calls = graph.run_steps, []
+
+    def both(env: dict) -> list:
+        twins = {n: _twin(v) for n, v in env.items()}
+        with torch.no_grad():
+            want = _interpreted(graph, dict(twins))
+        got = generated(env)
+        _assert_identical(got, want)
+        _assert_identical([env[n] for n in graph.placeholders], [twins[n] for n in graph.placeholders])
+        calls.append(len(calls))
+        return got
+    graph.run_steps = both
+    return calls
+
+
+def test_generated_steps_equal_the_interpreted_plan_with_constants_kwargs_lists_and_host_views(graphs):
+    """Eager nodes with a lifted constant (``get_attr``), keyword arguments, a list operand and views of host
+    values between two programs: the generated function gives the interpreted plan's outputs bit for bit
+    (values, dtypes, layouts)."""
+    def f(x, y):
+        h = (x * 3 + y).sum(0)                                   # a program
+        d = h.double()                                           # float64: eager ops from here
+        e = torch.add(d, torch.tensor([0.5, -2.0, 4.0, 1.0], dtype=torch.float64, device=d.device), alpha=-3)
+        c = torch.cat([e, d.flip(0), e[1:3]])                    # a list operand, views of host values
+        return (c.float() * y[0, :1]).exp(), e.t(), d.view(2, 2)[1]
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(5, 4, generator=gen).to("neuron") for _ in range(2))
+    torch.compile(f, backend="neuron", dynamic=False)(x, y)
+    (graph,) = graphs
+    eager = [s for s in graph.plan.steps if not isinstance(s, Segment)]
+    assert any(s.op == "get_attr" for s in eager) and any(s.kwargs for s in eager)
+    assert len(graph.plan.steps) - len(eager) == 2
+    calls = _checked_against_interpretation(graph)
+    for _ in range(2):   # (the programs traced by the first call)
+        graph([x, y])
+    assert len(calls) == 2
+    got = graph([x, y])
+    for g, w in zip(got, f(x.cpu(), y.cpu())):   # and the eager CPU values (float64 math: rounding aside)
+        torch.testing.assert_close(g.cpu(), w)
+
+
+def test_generated_optimizer_step_equals_the_interpreted_plan(graphs):
+    """A compiled AdamW step (its bias corrections: eager ops on CPU 0-d ``step`` tensors, bound as host
+    scalars) updates parameters, moments and steps bit for bit as the interpreted plan does."""
+    def states():
+        gen = torch.Generator().manual_seed(1)
+        params = [torch.randn(shape, generator=gen).to("neuron").requires_grad_() for shape in ((6, 5), (7,))]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to("neuron")
+        return params, torch.optim.AdamW(params, lr=1e-2)
+
+    params, opt = states()
+    step = torch.compile(opt.step, backend="neuron")
+    step()
+    (graph,) = graphs
+    assert sum(not isinstance(s, Segment) for s in graph.plan.steps) > 10
+    calls = _checked_against_interpretation(graph)
+    for _ in range(3):
+        step()
+    assert len(calls) == 3
+    want_params, want_opt = states()
+    for _ in range(4):
+        want_opt.step()
+    for p, w in zip(params, want_params):   # and the eager step's values (rounding aside: other roundings)
+        torch.testing.assert_close(p.detach().cpu(), w.detach().cpu())
+
+
+def test_programs_are_selected_per_layout_offset_and_shared_storage_after_repeated_calls(graphs):
+    """After calls that reuse one program, inputs with other strides, another storage offset, or views of one
+    storage (bound as one slot) get their own program, and an earlier layout its earlier one: each call's values
+    equal the CPU's bit for bit (a multiply by 2 and one fp32 add)."""
+    def f(a, b):
+        return a * 2 + b
+
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(64, generator=gen)
+    dense_a, dense_b = base[:24].view(4, 6).clone(), base[24:48].view(4, 6).clone()
+    torch.compile(f, backend="neuron", dynamic=False)(dense_a.to("neuron"), dense_b.to("neuron"))
+    (graph,) = graphs
+
+    def check(a: torch.Tensor, b: torch.Tensor) -> int:
+        """The call's programs so far, after checking its value."""
+        dev = base.to("neuron")
+        da = dev.as_strided(a.shape, a.stride(), a.storage_offset()) if a.untyped_storage() is base.untyped_storage() \
+            else a.to("neuron")
+        db = dev.as_strided(b.shape, b.stride(), b.storage_offset()) if b.untyped_storage() is base.untyped_storage() \
+            else b.to("neuron")
+        (got,) = graph([da, db])
+        assert torch.equal(got.cpu(), f(a, b))
+        return len(graph.programs)
+
+    n = check(dense_a, dense_b)
+    assert check(dense_a * 3, dense_b - 1) == n                                    # same signatures: no new program
+    transposed = base[:24].view(6, 4).t()
+    assert check(transposed, dense_b) == n + 1                                     # other strides
+    assert check(base[5:29].view(4, 6), dense_b) == n + 1                          # shared? no: b is another storage
+    shared = (base[:24].view(4, 6), base[30:54].view(4, 6))
+    assert check(*shared) == n + 2                                                 # one storage: one slot
+    assert check(base[10:34].view(4, 6), base[40:64].view(4, 6)) == n + 2          # same shape of sharing
+    assert check(base[1:25].view(4, 6), base[0:24].view(4, 6)) == n + 3            # overlapping, the first later
+    assert check(base[8:32].view(4, 6), base[8:32].view(4, 6)) == n + 4            # one tensor twice
+    assert check(transposed, base[40:64].view(4, 6)) == n + 5                      # transposed and sharing
+    assert check(dense_a, dense_b) == n + 5                                        # the first layout: its program
+
+
+def test_one_input_sig_per_layout_and_spans_as_computed():
+    """Tensors of one layout (any storage, offset, values) get one InputSig; another dtype, shape or stride gets
+    another; spans follow the strides; a shared signature is a new InputSig with its own span."""
+    a = torch.zeros(4, 6, device="neuron")
+    b = torch.ones(30, device="neuron")[3:27].view(4, 6)
+    assert signature(a) is signature(b)
+    assert signature(a) == InputSig((4, 6), (6, 1), torch.float32)
+    t = b.view(6, 4).t()
+    others = [a.to(torch.bfloat16), a.view(6, 4), t, torch.zeros(4, 6, dtype=torch.float32)[:, :5]]
+    assert len({signature(v) for v in [a, *others]}) == 5
+    assert [signature(v).span for v in [a, t, others[3], a[:0]]] == [24, 24, 23, 0]
+    sigs = signatures([a[1:], a[:2]])
+    assert [s.shared for s in sigs] == [(0, 6, 24), (0, 0, 24)]
+    assert [s.span for s in sigs] == [18, 12] and [s.slot_span for s in sigs] == [24, 24]
+    assert signature(a[1:]).shared is None
+
+
+def test_an_eager_node_raising_raises_the_cpu_error_and_the_next_call_runs(graphs):
+    """An out-of-range index read by an eager node raises the error type the CPU raises; the same graph then runs
+    good calls with the CPU's values."""
+    def f(x, idx, y):
+        return y * 2 + 1, x.double()[idx] * 3
+
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(4, generator=gen), torch.randn(3, 5, generator=gen)
+    good, bad = torch.tensor([3, 0, 1]), torch.tensor([1, 9, 0])
+    with pytest.raises(Exception) as cpu_error:
+        f(x, bad, y)
+    assert cpu_error.type is IndexError
+    compiled = torch.compile(f, backend="neuron", dynamic=False)
+    compiled(x, good, y.to("neuron"))
+    with pytest.raises(cpu_error.type):
+        compiled(x, bad, y.to("neuron"))
+    for _ in range(2):
+        got = compiled(x, good, y.to("neuron"))
+        for g, w in zip(got, f(x, good, y)):
+            assert torch.equal(g.cpu(), w)
+    assert len(graphs) == 1
