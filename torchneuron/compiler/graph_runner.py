@@ -1,6 +1,7 @@
 """Running a compiled graph: its steps in order, each segment's Program launched once per call.
 
-``CompiledGraph(gm, name)`` partitions the graph once. A call walks the plan's steps:
+``CompiledGraph(gm, name)`` partitions the graph once, and writes the plan's steps as one Python
+function (operand lookups resolved once, not interpreted per call). A call runs the steps:
 
     eager node   the ATen op on the host values (it dispatches to the eager neuron kernel, or the
                  counted CPU fallback; strict mode holds)
