@@ -3,6 +3,8 @@ programs selected per input signature after earlier calls (layouts, offsets, sha
 tensor layout, and an eager node's error."""
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 import torch.fx as fx
@@ -182,6 +184,20 @@ def test_one_input_sig_per_layout_and_spans_as_computed():
     assert [s.shared for s in sigs] == [(0, 6, 24), (0, 0, 24)]
     assert [s.span for s in sigs] == [18, 12] and [s.slot_span for s in sigs] == [24, 24]
     assert signature(a[1:]).shared is None
+    again = signatures([a[1:], a[:2]])
+    assert all(x is y for x, y in zip(sigs, again)) and sigs[0] != sigs[1]
+
+
+def test_input_sig_hash_is_the_fields_and_stays_in_its_process():
+    """An InputSig hashes as its fields do (equal InputSigs: equal hashes, whether made by ``signature`` or not);
+    a pickled one leaves its cached hash behind."""
+    t = torch.zeros(3, 5, device="neuron")[:, 1:]
+    made = signature(t)
+    fresh = InputSig((3, 4), (5, 1), torch.float32)
+    assert hash(made) == hash(fresh) == hash(((3, 4), (5, 1), torch.float32, None, None)) and made == fresh
+    assert {made: 1}[fresh] == 1
+    assert hash(InputSig(scalar=2.5)) == hash(InputSig(scalar=2.5)) != hash(InputSig(scalar=3.5))
+    assert "_hash" not in pickle.loads(pickle.dumps(made)).__dict__ and pickle.loads(pickle.dumps(made)) == made
 
 
 def test_an_eager_node_raising_raises_the_cpu_error_and_the_next_call_runs(graphs):
@@ -205,3 +221,24 @@ def test_an_eager_node_raising_raises_the_cpu_error_and_the_next_call_runs(graph
         for g, w in zip(got, f(x, good, y)):
             assert torch.equal(g.cpu(), w)
     assert len(graphs) == 1
+
+
+def test_a_view_its_operand_layout_does_not_allow_is_of_a_contiguous_copy(graphs):
+    """A ``view`` of an input traced contiguous, called with a transposed input: the view the layout does not
+    allow is taken of a contiguous copy (as ``reshape`` would), as the interpreted plan does, with the CPU's
+    values."""
+    def f(x):
+        return x.view(-1).double() * 3, x * 2
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 6, generator=gen)
+    torch.compile(f, backend="neuron", dynamic=False)(x.to("neuron"))
+    (graph,) = graphs
+    calls = _checked_against_interpretation(graph)
+    transposed = torch.randn(6, 4, generator=gen).t()
+    with pytest.raises(RuntimeError):
+        transposed.view(-1)
+    got = graph([transposed.to("neuron").t().contiguous().t()])
+    assert len(calls) == 1
+    assert torch.equal(got[0].cpu(), transposed.reshape(-1).double() * 3)
+    assert torch.equal(got[1].cpu(), transposed * 2)

@@ -62,6 +62,17 @@ class InputSig:
     # as views of one tensor): (the first such input, this input's offset in the slot, the slot's length)
     shared: tuple[int, int, int] | None = None
 
+    def __hash__(self) -> int:
+        # computed once (the fields' hash): a call's program is looked up by all its inputs' InputSigs
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash((self.shape, self.stride, self.dtype, self.scalar, self.shared))
+        return h
+
+    def __getstate__(self) -> dict:
+        # the cached hash is this process's (a dtype hashes by identity): a pickled InputSig does not carry it
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @cached_property
     def span(self) -> int:
         """Elements of the storage the tensor reaches from its offset."""
@@ -94,6 +105,12 @@ def _tensor_signature(shape: torch.Size, stride: tuple, dtype: torch.dtype) -> I
     return InputSig(tuple(shape), tuple(stride), dtype)
 
 
+@functools.lru_cache(maxsize=4096)
+def _shared_signature(sig: InputSig, shared: tuple[int, int, int]) -> InputSig:
+    """``sig`` of an input sharing its storage as ``shared`` says, made once per layout and sharing."""
+    return dataclasses.replace(sig, shared=shared)
+
+
 def signatures(values: list) -> list[InputSig]:
     """The InputSigs of a segment's input values, device tensors of one dtype that share a storage marked
     ``shared``: they are bound as one slot spanning all of them (``InputSig.shared``)."""
@@ -109,7 +126,7 @@ def signatures(values: list) -> list[InputSig]:
             start = min(values[i].storage_offset() for i in members)
             span = max(values[i].storage_offset() + sigs[i].span for i in members) - start
             for i in members:
-                sigs[i] = dataclasses.replace(sigs[i], shared=(members[0], values[i].storage_offset() - start, span))
+                sigs[i] = _shared_signature(sigs[i], (members[0], values[i].storage_offset() - start, span))
     return sigs
 
 

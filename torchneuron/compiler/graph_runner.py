@@ -207,34 +207,38 @@ class _Binding:
 class _StepsSource:
     """A compiled graph's steps as one generated Python function of the host values ``env`` (placeholders
     filled) returning the graph's outputs: each eager node's op called with its operands' lookups resolved
-    once, here (an operand computed by an earlier step is read from ``env``, a view through ``_host``, on
-    demand), each segment run by ``_segment``. Per call this costs the ops, not an fx interpretation
-    (``map_arg`` and a role lookup per operand of each node); the ops, their order and their arguments are
-    the same."""
+    once, here (an operand computed by an earlier step is read from ``env``, a view made on first use by a
+    generated function of its own, as ``_host`` does), each segment run by ``_segment``. Per call this costs the
+    ops, not an fx interpretation (``map_arg`` and a role lookup per operand of each node); the ops, their order
+    and their arguments are the same."""
 
     def __init__(self, graph: CompiledGraph):
         self.graph, self.roles = graph, graph.plan.roles
         self.scope: dict[str, Any] = {"host": graph._host, "map_arg": fx.node.map_arg, "segment": graph._segment,
                                       "run_eager": graph._run_eager}
         self.names: dict[int, str] = {}
-        self.defined: set[fx.Node] = set(graph.placeholders)   # in ``env`` whenever a later step runs
-        self.lines: list[str] = []
+        self.inputs: set[fx.Node] = set(graph.placeholders)   # in ``env`` from the start
+        self.defined = set(self.inputs)                        # in ``env`` when the next step runs
+        self.views: dict[fx.Node, str] = {}                    # view node -> its function's name
+        self.functions: list[str] = []
 
     def function(self) -> Callable[[dict], list]:
         """The generated function."""
+        lines = []
         for step in self.graph.plan.steps:
             if isinstance(step, Segment):
-                self.lines.append(f"segment({self.ref(step)}, [{', '.join(map(self.operand, step.inputs))}], env)")
+                values = ", ".join(self.operand(n, self.defined) for n in step.inputs)
+                lines.append(f"segment({self.ref(step)}, [{values}], env)")
                 self.defined.update(step.outputs)
             else:
-                self.lines.append(f"env[{self.ref(step)}] = {self.call(step)}")
+                lines.append(f"env[{self.ref(step)}] = {self.call(step)}")
                 self.defined.add(step)
         outputs = self.graph.output_node.args[0]
         if isinstance(outputs, (tuple, list)):
-            self.lines.append(f"return [{', '.join(map(self.operand, outputs))}]")
+            lines.append(f"return [{', '.join(self.operand(n, self.defined) for n in outputs)}]")
         else:
-            self.lines.append(f"return list(map_arg({self.ref(outputs)}, lambda n: host(n, env)))")
-        source = "def run_steps(env):\n" + "".join(f"    {line}\n" for line in self.lines)
+            lines.append(f"return list(map_arg({self.ref(outputs)}, lambda n: host(n, env)))")
+        source = "".join(self.functions) + _function_source("run_steps", lines)
         exec(compile(source, f"<compiled graph {self.graph.name}>", "exec"), self.scope)
         return self.scope["run_steps"]
 
@@ -246,26 +250,63 @@ class _StepsSource:
             self.scope[name] = obj
         return name
 
-    def operand(self, a: Any) -> str:
-        """The expression of one argument: a node's host value, a structure holding nodes, or a constant."""
+    def operand(self, a: Any, defined: set[fx.Node]) -> str:
+        """The expression of one argument (where the nodes ``defined`` are in ``env``): a node's host value, a
+        structure holding nodes, or a constant."""
         if isinstance(a, fx.Node):
-            if a in self.defined and self.roles.get(a) != "view":
+            if self.roles.get(a) == "view":
+                return f"{self.view(a)}(env)"
+            if a in defined:
                 return f"env[{self.ref(a)}]"
-            return f"host({self.ref(a)}, env)"   # a view (applied on demand), or a partition bug (raised there)
+            return f"host({self.ref(a)}, env)"   # (not computed yet: a partition bug, which ``_host`` reports)
         if isinstance(a, (tuple, list, dict, slice)) and _holds_node(a):
             return f"map_arg({self.ref(a)}, lambda n: host(n, env))"
         return self.ref(a)
 
+    def arguments(self, node: fx.Node, defined: set[fx.Node]) -> list[str] | None:
+        """The expressions of a node's arguments, keywords as ``name=``; None if a keyword is no identifier."""
+        if not all(k.isidentifier() and not keyword.iskeyword(k) for k in node.kwargs):
+            return None
+        return ([self.operand(a, defined) for a in node.args]
+                + [f"{k}={self.operand(v, defined)}" for k, v in node.kwargs.items()])
+
+    def target(self, node: fx.Node) -> str:
+        """The name of a call_function node's callable: an OpOverload's ``_op`` (the same ATen operator its call
+        runs, one Python frame less)."""
+        fn = node.target
+        return self.ref(fn._op if type(fn) is torch._ops.OpOverload else fn)
+
     def call(self, node: fx.Node) -> str:
         """The expression of an eager node's value (what ``_run_eager`` computes)."""
-        if node.op == "get_attr" or not all(k.isidentifier() and not keyword.iskeyword(k) for k in node.kwargs):
+        args = None if node.op == "get_attr" else self.arguments(node, self.defined)
+        if args is None:
             return f"run_eager({self.ref(node)}, env)"
-        args = [self.operand(a) for a in node.args] + [f"{k}={self.operand(v)}" for k, v in node.kwargs.items()]
         if node.op == "call_method":
             return f"getattr({args[0]}, {self.ref(node.target)})({', '.join(args[1:])})"
-        # an OpOverload's call is its ``_op``'s (the same ATen operator, one Python frame less)
-        fn = node.target._op if type(node.target) is torch._ops.OpOverload else node.target
-        return f"{self.ref(fn)}({', '.join(args)})"
+        return f"{self.target(node)}({', '.join(args)})"
+
+    def view(self, node: fx.Node) -> str:
+        """The name of a function of ``env`` returning view node ``node``'s host value: kept in ``env`` when first
+        made; a view its operand's layout does not allow is of a contiguous copy (what ``_host`` does)."""
+        name = self.views.get(node)
+        if name is not None:
+            return name
+        name = self.views[node] = f"view{len(self.views)}"
+        n = self.ref(node)
+        args = self.arguments(node, self.inputs) if node.args else None
+        if args is None:
+            self.functions.append(_function_source(name, [f"return host({n}, env)"]))
+            return name
+        call, rest = self.target(node), "".join(f", {a}" for a in args[1:])
+        self.functions.append(_function_source(name, [
+            f"if {n} in env:", f"    return env[{n}]", f"a = {args[0]}", "try:", f"    v = {call}(a{rest})",
+            "except RuntimeError:", f"    v = {call}(a.contiguous(){rest})", f"env[{n}] = v", "return v"]))
+        return name
+
+
+def _function_source(name: str, lines: list[str]) -> str:
+    """The source of ``def name(env)`` with body ``lines``."""
+    return f"def {name}(env):\n" + "".join(f"    {line}\n" for line in lines)
 
 
 def _holds_node(a: Any) -> bool:
