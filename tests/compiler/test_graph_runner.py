@@ -242,3 +242,15 @@ def test_a_view_its_operand_layout_does_not_allow_is_of_a_contiguous_copy(graphs
     assert len(calls) == 1
     assert torch.equal(got[0].cpu(), transposed.reshape(-1).double() * 3)
     assert torch.equal(got[1].cpu(), transposed * 2)
+
+
+def test_an_input_is_bound_as_it_is_only_when_contiguous_over_a_slot_of_its_own():
+    """``_whole_slot``: contiguous layouts (a size-1 dim's stride aside, a 0-d tensor) are; transposed, strided or
+    int64 inputs, or inputs sharing a slot, are not (they are bound as the 1-D view of their span)."""
+    base = torch.zeros(8, 6, device="neuron")
+    cases = {base: True, base[2:5]: True, base[:, :1]: False, base[:1]: True, base[3, :]: True, base[0, 0]: True,
+             base.t(): False, base[::2]: False, base.as_strided((4, 1, 6), (6, 99, 1)): True,
+             base.long(): False, base[:, 2]: False}
+    for t, whole in cases.items():
+        assert graph_runner._whole_slot(signature(t)) is whole, (t.shape, t.stride())
+    assert not any(graph_runner._whole_slot(s) for s in signatures([base[:2], base[4:]]))

@@ -31,7 +31,8 @@ import torch.fx as fx
 
 from torchneuron import _C, runtime
 from torchneuron.compiler import cache
-from torchneuron.compiler.codegen import HOST_SCALARS, OutputLayout, SegmentProgram, signatures, trace_segment
+from torchneuron.compiler.codegen import (HOST_SCALARS, InputSig, OutputLayout, SegmentProgram, signatures,
+                                         trace_segment)
 from torchneuron.compiler.memory_plan import ARENA
 from torchneuron.compiler.partition import Plan, Segment, partition, tensor_values
 from torchneuron.compiler.report import GraphReport, dump_graph, dump_segment
@@ -127,9 +128,12 @@ class CompiledGraph:
             return
         prog = bound.prog
         tensors: list = [None] * len(prog.program.args)
-        for i, pos, length, offset, words in bound.inputs:
+        for i, pos, length, offset, words, whole in bound.inputs:
             v = values[i]
-            t = v if v.device.type == "neuron" else _scalar_to_device(v, device)
+            if whole and not v.is_cpu:   # contiguous over its own slot: bound as it is (the launch sees its span)
+                tensors[pos] = v
+                continue
+            t = _scalar_to_device(v, device) if v.is_cpu else v
             # the span of its storage it reaches, or that of the inputs sharing the storage (one slot)
             t = t.as_strided((length,), (1,), t.storage_offset() - offset)
             tensors[pos] = t.view(torch.int32) if words else t   # int64: its words
@@ -143,9 +147,8 @@ class CompiledGraph:
             if out[pos].reshape(-1)[0].item():                # eager ops read them)
                 raise _ERRORS[check.error](check.message)
         for node, lay, pos in bound.outputs:
-            if pos is not None:
-                t = out[pos].reshape(-1)
-                t = t.view(lay.dtype) if lay.dtype is not None else t    # int32 words of int64 values
+            if pos is not None:   # (as_strided places a view in the slot's storage, whatever the slot's shape)
+                t = out[pos] if lay.dtype is None else out[pos].reshape(-1).view(lay.dtype)   # int32 words of int64
                 env[node] = t.as_strided(lay.shape, lay.stride, lay.offset)
             elif lay.dtype is not None:   # a placeholder the program does not compute (never read)
                 env[node] = torch.empty(lay.shape, dtype=lay.dtype, device=device)
@@ -182,11 +185,12 @@ class CompiledGraph:
 class _Binding:
     """A segment's program for one input signature, with where each argument goes in its launch's slot order
     worked out once: per bound input (its position among the segment's inputs, its slot's position, the slot's
-    length, the input's offset in the slot, whether it is int64 bound as int32 words), the host scalars' slot,
+    length, the input's offset in the slot, whether it is int64 bound as int32 words, whether it is its whole
+    slot as it is: ``_whole_slot``), the host scalars' slot,
     the arena's, each check's, and per output (its node, its layout, its slot's position or None)."""
 
     prog: SegmentProgram
-    inputs: list[tuple[int, int, int, int, bool]]
+    inputs: list[tuple[int, int, int, int, bool, bool]]
     host_scalars: int | None
     arena: int | None
     checks: list[int]
@@ -196,12 +200,26 @@ class _Binding:
     def of(prog: SegmentProgram, sigs: list, seg: Segment) -> _Binding:
         """The binding of ``prog``, traced for inputs of signatures ``sigs``."""
         index = prog.slot_index
-        inputs = [(i, index[slot], max(sig.slot_span, 1), sig.slot_offset, sig.dtype == torch.int64)
+        inputs = [(i, index[slot], max(sig.slot_span, 1), sig.slot_offset, sig.dtype == torch.int64, _whole_slot(sig))
                   for i, (sig, slot) in enumerate(zip(sigs, prog.input_slots)) if slot is not None]
         outputs = [(node, lay, None if lay.slot is None else index[lay.slot]) for node, lay in zip(seg.outputs,
                                                                                                  prog.outputs)]
         return _Binding(prog, inputs, index.get(HOST_SCALARS), index.get(ARENA),
                         [index[c.slot] for c in prog.checks], outputs)
+
+
+def _whole_slot(sig: InputSig) -> bool:
+    """Whether an input of signature ``sig`` is its slot's span as it is: contiguous (a size-1 dim's stride aside),
+    its slot its own, not int64 (bound as int32 words). A launch binds such a tensor at its slot's shape, as it
+    does the 1-D view of its span."""
+    if sig.shared or sig.dtype == torch.int64:
+        return False
+    expected = 1
+    for n, st in zip(reversed(sig.shape), reversed(sig.stride)):
+        if n != 1 and st != expected:
+            return False
+        expected *= n
+    return True
 
 
 class _StepsSource:
