@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from torchneuron.sim import AP, NeuronCore, tile
+from torchneuron.sim import AP, NeuronCore, Program, tile
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
 INTS = [torch.int8, torch.int16, torch.int32, torch.uint8]
@@ -49,3 +49,30 @@ def rand(shape, dtype: torch.dtype, seed: int = 0, low: float = -3.0, high: floa
         lo, hi = max(info.min, -1000), min(info.max, 1000)
         return torch.randint(lo, hi + 1, shape, generator=g).to(dtype)
     return (torch.rand(shape, generator=g) * (high - low) + low).to(dtype)
+
+
+@pytest.fixture
+def compiled_step_runs(monkeypatch) -> list[tuple[Program, list]]:
+    """Every program of a small compiled model's forward, backward and AdamW step (two steps), once each, with clones
+    of the tensors its first launch was given."""
+    runs = []
+    run_bound = NeuronCore.run_bound
+
+    def recording(core, program, tensors, fresh=True):
+        runs.append((program, [None if t is None else t.clone() for t in tensors]))
+        return run_bound(core, program, tensors, fresh)
+
+    monkeypatch.setattr(NeuronCore, "run_bound", recording)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.LayerNorm(256),
+                                torch.nn.Linear(256, 64)).to("neuron")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    forward, step = torch.compile(model, backend="neuron"), torch.compile(opt.step, backend="neuron")
+    x, y = torch.randn(256, 64).to("neuron"), torch.randn(256, 64).to("neuron")
+    for _ in range(2):
+        loss = torch.nn.functional.mse_loss(forward(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        step()
+    monkeypatch.setattr(NeuronCore, "run_bound", run_bound)
+    return list({id(p): (p, t) for p, t in runs if isinstance(p, Program)}.values())

@@ -75,7 +75,7 @@ def _inputs(seed: int) -> dict[str, torch.Tensor]:
 
 def test_batched_copies_are_bit_identical_to_execute():
     prog = _program()
-    fast, slow = NeuronCore("trn2"), NeuronCore("trn2")
+    fast, slow = NeuronCore("trn2", host_order=False), NeuronCore("trn2")  # (the batches below: in program order)
     for seed in (1, 2):   # the second run reuses the prepared batches with new tensors
         for core in (fast, slow):
             core.sbuf.data.copy_(torch.randint(0, 256, core.sbuf.data.shape, dtype=torch.uint8,
@@ -107,7 +107,7 @@ def test_copies_that_could_differ_are_not_batched():
             isa.tensor_copy(dst=tile("psum", F32, (P, F)), src=_sb(1)),          # writes PSUM
             isa.dma_copy(dst=_sb(2), src=x)]                                      # plain: batched
     prog = Program(body, [ArgSlot("x", (P, F), F32), ArgSlot("o", (P, F), F32, "output")])
-    core = NeuronCore("trn2")
+    core = NeuronCore("trn2", host_order=False)  # (the entries below: in program order)
     core.run(prog, {"x": torch.randn(P, F)})
     plan = core._plan(prog)
     assert [e[0] for e in plan.batched] == list(prog.instructions)          # one entry each
@@ -252,7 +252,7 @@ def test_transposes_of_unflattened_sources_are_batched_and_match_execute():
             isa.nc_matmul(dst=tile("psum", F32, (16, P)), stationary=_sb(5, F32, (16,)), moving=_sb(6, F32, (P,))),
             isa.dma_copy(dst=tile("hbm:o", F32, (16, P)), src=_sb(4, F32, (P,), parts=16))]
     prog = Program(body, [ArgSlot("x", (P, 2, 16), F32), ArgSlot("o", (16, P), F32, "output")])
-    fast, slow = NeuronCore("trn2"), NeuronCore("trn2")
+    fast, slow = NeuronCore("trn2", host_order=False), NeuronCore("trn2")  # (the batches below: in program order)
     for seed in (1, 2):
         for core in (fast, slow):
             core.sbuf.data.copy_(torch.randint(0, 256, core.sbuf.data.shape, dtype=torch.uint8,

@@ -253,33 +253,13 @@ def test_sbuf_overflow_is_still_reported():
         NeuronCore("trn2").run(program, {"x": torch.randn(128, 64)}, timed=False)
 
 
-def test_a_compiled_training_step_packed_gives_the_same_bits(monkeypatch):
+def test_a_compiled_training_step_packed_gives_the_same_bits(monkeypatch, compiled_step_runs):
     """Every program of a compiled model's forward, backward and optimizer step, replayed as it is and packed (all
     sizes packed here: this model's programs are shorter than MIN_SPAN)."""
     monkeypatch.setattr(host_layout, "MIN_SPAN", 0)
-    runs = []
-    run_bound = NeuronCore.run_bound
-
-    def recording(core, program, tensors, fresh=True):
-        runs.append((program, [None if t is None else t.clone() for t in tensors]))
-        return run_bound(core, program, tensors, fresh)
-
-    monkeypatch.setattr(NeuronCore, "run_bound", recording)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.LayerNorm(256),
-                                torch.nn.Linear(256, 64)).to("neuron")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    forward, step = torch.compile(model, backend="neuron"), torch.compile(opt.step, backend="neuron")
-    x, y = torch.randn(256, 64).to("neuron"), torch.randn(256, 64).to("neuron")
-    for _ in range(2):
-        loss = torch.nn.functional.mse_loss(forward(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        step()
-    monkeypatch.setattr(NeuronCore, "run_bound", run_bound)
     spec = NeuronCore("trn2").spec
     packed = 0
-    for program, tensors in {id(p): (p, t) for p, t in runs if isinstance(p, Program)}.values():
+    for program, tensors in compiled_step_runs:
         packed += host_layout.packed(program, spec.sbuf_bytes_per_partition) is not None
         outs = [NeuronCore(spec, pack_tiles=pack).run_bound(program, [None if t is None else t.clone()
                                                                        for t in tensors])

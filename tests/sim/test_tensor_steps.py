@@ -246,7 +246,7 @@ def test_runs_of_matmuls_match_execute_and_float64(agrees, monkeypatch):
     if not agrees:
         monkeypatch.setattr(tensor_engine, "bmm_agrees", lambda a, b: False)
     prog, merged, own = _matmuls()
-    fast, slow = NeuronCore("trn2", nan_fill=False), NeuronCore("trn2", nan_fill=False)
+    fast, slow = NeuronCore("trn2", nan_fill=False, host_order=False), NeuronCore("trn2", nan_fill=False)
     for seed in (1, 2):
         for core in (fast, slow):
             core.psum.data.copy_(_bits(tuple(core.psum.data.shape), torch.uint8, seed))

@@ -1,7 +1,7 @@
 """A simulated NeuronCore: its memories and engine state, executing programs in order.
 
-Execution is functional and sequential in program order (an in-order core with perfect
-dependency tracking produces the same values); the timing model then schedules the same
+Execution is functional and sequential (an in-order core with perfect dependency tracking produces the
+same values); the timing model then schedules the same
 instruction list onto the engine queues to say how long it took on the modelled chip.
 
 A program is prepared once per core (``_Plan``): each instruction's step (``Instr.step``) does
@@ -11,9 +11,11 @@ calls. HBM buffers are the run's bound tensors, passed to the steps in slot orde
 ``Memory`` is made for one only when an instruction without a step asks for it. PSUM
 accumulation-group flags are reset at the start of a run only where groups were opened.
 
-A long static program runs as an equivalent copy whose SBUF tiles are packed into few host bytes
-(``host_layout``): its tiles stay in the CPU's caches between the instructions that use them. Its simulated
-addresses, schedule and results are the program's; only the host bytes SBUF's values sit in differ.
+A static program's instructions run in demand order (``host_order``: each just before the first instruction that
+needs it, every dependency kept), and a long one as an equivalent copy whose SBUF tiles are packed into few host
+bytes (``host_layout``): its tiles stay in the CPU's caches between the instructions that use them. Its simulated
+addresses, schedule and results are the program's; only the order the host computes them in and the host bytes
+SBUF's values sit in differ.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from torchneuron.sim import host_layout
+from torchneuron.sim import host_layout, host_order
 from torchneuron.sim.copies import batch_copies
 from torchneuron.sim.instruction import Engine
 from torchneuron.sim.isa import Instr
@@ -72,22 +74,25 @@ class RunReport:
 
 class _Plan:
     """A program prepared for one core: per instruction its step (None: ``execute``) and, for a
-    non-TensorE instruction writing PSUM, the group-closed flag views it closes. With ``pack``, the
-    instructions are those of ``host_layout.packed`` where it gives them (``originals`` maps each moved
-    instruction back to the program's, which errors name)."""
+    non-TensorE instruction writing PSUM, the group-closed flag views it closes. A static program's
+    instructions run in ``host_order.demand_order`` where ``order``; with ``pack``, they are those of
+    ``host_layout.packed`` where it gives them (``originals`` maps each moved instruction back to the
+    program's, which errors name)."""
 
     __slots__ = ("program", "sbuf", "psum", "keys", "entries", "batched", "fills", "originals")
 
-    def __init__(self, core: "NeuronCore", program: Program, pack: bool = False):
+    def __init__(self, core: "NeuronCore", program: Program, pack: bool = False, order: bool = False):
         self.program = weakref.ref(program)
         self.sbuf, self.psum = core.sbuf, core.psum
         self.keys = tuple(f"hbm:{s.name}" for s in program.args)
         slots = {k: (i, s) for i, (k, s) in enumerate(zip(self.keys, program.args))}
-        instructions = (host_layout.packed(program, core.sbuf.bytes_per_partition) if pack else None)
-        self.originals = ({id(new): old for new, old in zip(instructions, program.instructions) if new is not old}
+        ordered = (host_order.demand_order(program.instructions) if order and not program.dynamic
+                   else program.instructions)
+        instructions = host_layout.packed(program, core.sbuf.bytes_per_partition, ordered) if pack else None
+        self.originals = ({id(new): old for new, old in zip(instructions, ordered) if new is not old}
                           if instructions is not None else {})
         entries = []
-        for instr in instructions or program.instructions:
+        for instr in instructions or ordered:
             make = getattr(instr, "step", None)
             try:
                 step = make(core, slots) if make is not None else None
@@ -113,13 +118,16 @@ class NeuronCore:
 
     ``pack_tiles``: run long static programs with their SBUF tiles packed on the host (``host_layout``); off
     where SBUF's bytes are read after a run at the program's addresses (a multi-core launch's exchanges between
-    segments) and with NaN fill (a debugging run shows the program's own layout)."""
+    segments) and with NaN fill (a debugging run shows the program's own layout). ``host_order``: run static
+    programs' instructions in demand order (``host_order``: every dependency kept, so every byte ends as in
+    program order)."""
 
     def __init__(self, spec: ChipSpec | str, *, nan_fill: bool | None = None, seed: int = 0,
-                 pack_tiles: bool = True):
+                 pack_tiles: bool = True, host_order: bool = True):
         self.spec = chip_spec(spec) if isinstance(spec, str) else spec
         self.nan_fill = nan_fill_enabled(nan_fill)
         self.pack_tiles = pack_tiles and not self.nan_fill
+        self.host_order = host_order
         parts = self.spec.sbuf_partitions
         self.sbuf = Memory("sbuf", parts, self.spec.sbuf_bytes_per_partition, nan_fill=self.nan_fill)
         self.psum = Memory("psum", parts, self.spec.psum_bytes_per_partition, nan_fill=self.nan_fill,
@@ -197,7 +205,7 @@ class NeuronCore:
         key = (id(program), pack)
         plan = self._plans.get(key)
         if plan is None or plan.program() is not program or plan.sbuf is not self.sbuf or plan.psum is not self.psum:
-            plan = _Plan(self, program, pack)
+            plan = _Plan(self, program, pack, self.host_order)
             plans = self._plans
             # forget the plan when the program goes (its id may then be reused)
             plan.program = weakref.ref(program, lambda _r, key=key, plans=plans: plans.pop(key, None))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from bisect import insort
 from dataclasses import replace
+from typing import Sequence
 
 import torch
 
@@ -50,12 +51,14 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _WRITTEN = {torch.uint8: 255, torch.int16: -1, torch.int32: -1, torch.int64: -1}  # every byte 0xFF
 
 
-def packed(program: Program, capacity: int) -> tuple[Instr, ...] | None:
-    """``program``'s instructions with their SBUF tiles packed on the host (see the module docstring), or None
-    where the program is not eligible or the packing changes nothing."""
+def packed(program: Program, capacity: int, instructions: Sequence[Instr] | None = None) -> tuple[Instr, ...] | None:
+    """``program``'s instructions (or ``instructions``: them in the order the core runs them, ``host_order``) with
+    their SBUF tiles packed on the host (see the module docstring), or None where the program is not eligible or the
+    packing changes nothing."""
     if program.dynamic:
         return None
-    accesses = _sbuf_accesses(program.instructions)
+    instructions = program.instructions if instructions is None else instructions
+    accesses = _sbuf_accesses(instructions)
     if accesses is None:
         return None
     span = max((ap.byte_range[1] for _, _, ap, _ in accesses), default=0)
@@ -64,7 +67,7 @@ def packed(program: Program, capacity: int) -> tuple[Instr, ...] | None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (the written-bytes mask's tiles are too small for threads to pay)
     try:
-        units = _units(accesses, span, program.instructions)
+        units = _units(accesses, span, instructions)
     finally:
         torch.set_num_threads(threads)
     if units is None:
@@ -72,7 +75,7 @@ def packed(program: Program, capacity: int) -> tuple[Instr, ...] | None:
     shifts = _host_shifts(units, len(accesses), capacity)
     if shifts is None or not any(shifts):
         return None
-    return _shifted(program.instructions, accesses, shifts)
+    return _shifted(instructions, accesses, shifts)
 
 
 def _sbuf_accesses(instructions) -> list[tuple[int, str, AP, str]] | None:
