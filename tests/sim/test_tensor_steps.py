@@ -274,3 +274,20 @@ def test_runs_of_matmuls_match_execute_and_float64(agrees, monkeypatch):
     ins = prog.instructions
     assert all(id(ins[i]) in firsts for span in own for i in span)
     assert all((id(ins[i]) in firsts) is not agrees for span in merged for i in span)
+
+
+def test_which_matmuls_continue_a_run():
+    """The rule batched runs follow (``extends_matmul_run``, shared by ``batch_matmuls`` and the packed host layout):
+    the first's layouts, each operand a positive step from the last, the step between the first two."""
+    def mm(i, step=2048, parts=128, accumulate=False, dst_step=512):
+        return isa.nc_matmul(dst=tile("psum", F32, (64, 128), offset=dst_step * i),
+                             stationary=tile("sbuf", F32, (parts, 64), offset=step * i),
+                             moving=tile("sbuf", F32, (parts, 128), offset=1024 + step * i), accumulate=accumulate)
+    run = [mm(0), mm(1)]
+    assert tensor_engine.extends_matmul_run(run[:1], run[1]) and tensor_engine.extends_matmul_run(run, mm(2))
+    assert not tensor_engine.extends_matmul_run(run, mm(3))                      # another step than the run's
+    assert not tensor_engine.extends_matmul_run(run[:1], mm(0))                  # no step
+    assert not tensor_engine.extends_matmul_run([mm(1)], mm(0))                  # a step back
+    assert not tensor_engine.extends_matmul_run(run[:1], mm(1, parts=64))        # another partition count
+    assert not tensor_engine.extends_matmul_run(run[:1], mm(1, accumulate=True))  # an accumulation reads PSUM
+    assert tensor_engine.run_operands(mm(0, accumulate=None)) is None

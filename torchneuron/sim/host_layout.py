@@ -36,6 +36,7 @@ import torch
 from torchneuron.sim.isa import (Activation, AffineSelect, BnAggr, BnStats, DmaCopy, DmaTranspose, Instr, Iota,
                                  Memset, NcMatmul, NcMatmulTiled, NcTranspose, Reciprocal, ScalarTensorTensor,
                                  TensorCopy, TensorReduce, TensorScalar, TensorTensor)
+from torchneuron.sim.isa.tensor_engine import extends_matmul_run, run_operands
 from torchneuron.sim.memory import AP, PMAX, host_bytes, writes_once
 from torchneuron.sim.program import Program
 
@@ -279,49 +280,21 @@ def _units(accesses: list, span: int, instructions) -> list[tuple] | None:
 
 def _keep_matmul_runs(sets: _Sets, accesses: list, by_instr: dict[int, list[int]], instructions) -> None:
     """Join the SBUF operands of the matmuls the core runs as one batched product (``tensor_engine.batch_matmuls``:
-    consecutive overwrites of one layout whose operands step by constant positive offsets), side by side: moving
-    them apart would break the run into single products."""
+    consecutive matmuls continuing a run, ``extends_matmul_run``), side by side: moving them apart would break the run
+    into single products."""
     run: list[int] = []
     for t, instr in enumerate(instructions):
-        if not _batchable_matmul(instr):
+        if run_operands(instr) is None:
             run = []
             continue
-        if run:
-            steps = _matmul_steps(instructions[run[-1]], instr)
-            if (_matmul_key(instructions[run[0]]) != _matmul_key(instr) or min(steps) <= (0, 0)
-                    or (len(run) > 1 and steps != _matmul_steps(instructions[run[0]], instructions[run[1]]))):
-                run = []
+        if run and not extends_matmul_run([instructions[i] for i in run], instr):
+            run = []
         if run:
             before = {accesses[k][1]: k for k in by_instr.get(run[-1], ())}
             for k in by_instr.get(t, ()):
                 if accesses[k][1] in before:
                     sets.union(k, before[accesses[k][1]])
         run.append(t)
-
-
-def _batchable_matmul(instr: Instr) -> bool:
-    """Whether ``instr`` is a matmul overwriting its result, of one part (what a batched run takes)."""
-    if isinstance(instr, NcMatmulTiled) and len(instr._parts) == 1:
-        instr = instr._parts[0]
-    return type(instr) is NcMatmul and instr.accumulate is False and not instr.is_transpose
-
-
-def _matmul_operands(instr: Instr) -> tuple[AP, AP, AP]:
-    if isinstance(instr, NcMatmulTiled):
-        instr = instr._parts[0]
-    return instr.stationary, instr.moving, instr.dst
-
-
-def _matmul_key(instr: Instr) -> tuple:
-    """What the members of a batched run share: their operands' memories, layouts and partition counts."""
-    return tuple((ap.memory, ap.dtype, ap.pattern, ap.partitions) for ap in _matmul_operands(instr))
-
-
-def _matmul_steps(a: Instr, b: Instr) -> tuple[tuple[int, int], ...]:
-    """(partitions, bytes) from each of ``a``'s operands to ``b``'s (a step the core's views take as positive where
-    it is above (0, 0): a partition weighs more than a row's bytes)."""
-    return tuple((y.start_partition - x.start_partition, y.offset - x.offset)
-                 for x, y in zip(_matmul_operands(a), _matmul_operands(b)))
 
 
 def _read_from_live(sets: _Sets, live: _Live, k: int, ap: AP, written: _Written) -> bool:

@@ -552,27 +552,50 @@ class NcMatmulTiled(Instr):
 # matmul's write opens its accumulation group; the run opens its matmuls' groups after the products, in order (an
 # overwrite does not read the flags, so they end as the steps one by one leave them).
 
+def run_operands(instr: Instr) -> tuple[AP, AP, AP] | None:
+    """(stationary, moving, dst) of a matmul that can join a batched run (an overwrite of one part, not transpose
+    mode); None for any other instruction."""
+    if type(instr) is NcMatmulTiled and len(instr._parts) == 1:
+        instr = instr._parts[0]
+    if type(instr) is not NcMatmul or instr.accumulate is not False or instr.is_transpose:
+        return None
+    return instr.stationary, instr.moving, instr.dst
+
+
+def _operand_steps(a: tuple[AP, ...], b: tuple[AP, ...]) -> tuple[tuple[int, int], ...]:
+    """(partitions, bytes) from each of ``a``'s operands to ``b``'s: positive where above (0, 0) (a partition weighs
+    more than a row's bytes, so the core's views step forward there)."""
+    return tuple((y.start_partition - x.start_partition, y.offset - x.offset) for x, y in zip(a, b))
+
+
+def extends_matmul_run(run: Sequence[Instr], instr: Instr) -> bool:
+    """Whether ``instr`` continues ``run`` (matmuls that can join a run, consecutive as the core executes them):
+    operands of the first's memories, dtypes, patterns and partition counts, each a positive step from the last's,
+    the step from the first to the second (the rule ``batch_matmuls`` runs by; ``host_layout`` keeps such runs'
+    operands side by side)."""
+    ops, first = run_operands(instr), run_operands(run[0])
+    if ops is None or first is None:
+        return False
+    if any((x.memory, x.dtype, x.pattern, x.partitions) != (y.memory, y.dtype, y.pattern, y.partitions)
+           for x, y in zip(first, ops)):
+        return False
+    steps = _operand_steps(run_operands(run[-1]), ops)
+    return min(steps) > (0, 0) and (len(run) == 1 or steps == _operand_steps(first, run_operands(run[1])))
+
+
 def _batchable(instr: Instr, core) -> tuple | None:
     """(stationary [K, M], moving [K, N], dst [M, N], group flags, box): the views of a matmul that can join a batched
-    run (an overwrite of operands viewed in place, into an fp32 PSUM view; not transpose mode), from its step's state
-    on ``core``; None for any other instruction."""
-    kind = type(instr)
-    if kind is NcMatmulTiled and len(instr._parts) == 1:
-        instr = instr._parts[0]
-    elif kind is not NcMatmul:
+    run (``run_operands``; operands viewed in place, into an fp32 PSUM view), from its step's state on ``core``; None
+    for any other instruction."""
+    if run_operands(instr) is None:
         return None
-    state = instr.__dict__.get("_mm")
-    if instr.accumulate is not False or instr.is_transpose or state is None or state[0] is not core.sbuf:
+    state = (instr._parts[0] if type(instr) is NcMatmulTiled else instr).__dict__.get("_mm")
+    if state is None or state[0] is not core.sbuf:
         return None
     _, _, s, _, _, mv, _, _, _, out, closed, box = state
     if s is None or mv is None or out is None:
         return None
     return s, mv, out, closed, box
-
-
-def _shape_key(views: tuple) -> tuple:
-    """What members of one run share: the operands' and the result's shapes, strides and dtypes."""
-    return tuple((tuple(t.shape), t.stride(), t.dtype) for t in views[:3])
 
 
 def _steps(first: tuple, second: tuple) -> tuple[int, int, int]:
@@ -615,8 +638,8 @@ def _run_step(core, run: list[tuple]) -> Step | None:
 
 
 def batch_matmuls(core, entries: Sequence[tuple]) -> tuple:
-    """``entries`` (instr, step, closes) with each run of consecutive batchable matmuls of one layout whose views
-    step by constant offsets replaced by one entry whose step runs them all (its instr: the run's first)."""
+    """``entries`` (instr, step, closes) with each run of consecutive batchable matmuls (``extends_matmul_run``)
+    replaced by one entry whose step runs them all (its instr: the run's first)."""
     out: list[tuple] = []
     run: list[tuple] = []   # (entry, views)
 
@@ -634,8 +657,7 @@ def batch_matmuls(core, entries: Sequence[tuple]) -> tuple:
             flush()
             out.append(entry)
             continue
-        if run and (_shape_key(views) != _shape_key(run[0][1])
-                    or (len(run) > 1 and _steps(run[-1][1], views) != _steps(run[0][1], run[1][1]))):
+        if run and not extends_matmul_run([e[0] for e, _ in run], entry[0]):
             flush()
         run.append((entry, views))
     flush()
