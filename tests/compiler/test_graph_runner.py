@@ -8,6 +8,7 @@ import pickle
 import pytest
 import torch
 import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from torchneuron.compiler import graph_runner
 from torchneuron.compiler.codegen import InputSig, signature, signatures
@@ -105,21 +106,30 @@ def test_generated_steps_equal_the_interpreted_plan_with_constants_kwargs_lists_
         torch.testing.assert_close(g.cpu(), w)
 
 
-def test_generated_optimizer_step_equals_the_interpreted_plan(graphs):
-    """A compiled AdamW step (its bias corrections: eager ops on CPU 0-d ``step`` tensors, bound as host
-    scalars) updates parameters, moments and steps bit for bit as the interpreted plan does."""
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.Adam])
+def test_generated_optimizer_step_equals_the_interpreted_plan(graphs, optimizer):
+    """A compiled Adam(W) step (its bias corrections: eager ops on CPU 0-d ``step`` tensors, bound as host
+    scalars, run as one foreach call per op: a run of one node per parameter) updates parameters, moments and
+    steps bit for bit as the interpreted plan (one call per node) does."""
+    shapes = ((6, 5), (7,), (3, 2))
+
     def states():
         gen = torch.Generator().manual_seed(1)
-        params = [torch.randn(shape, generator=gen).to("neuron").requires_grad_() for shape in ((6, 5), (7,))]
+        params = [torch.randn(shape, generator=gen).to("neuron").requires_grad_() for shape in shapes]
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen).to("neuron")
-        return params, torch.optim.AdamW(params, lr=1e-2)
+        return params, optimizer(params, lr=1e-2)
 
     params, opt = states()
     step = torch.compile(opt.step, backend="neuron")
     step()
     (graph,) = graphs
-    assert sum(not isinstance(s, Segment) for s in graph.plan.steps) > 10
+    eager = [s for s in graph.plan.steps if not isinstance(s, Segment)]
+    assert len(eager) > 10
+    batched = [n for _, nodes in graph.foreach_runs for n in nodes]
+    assert sorted(map(str, batched)) == sorted(map(str, eager))   # every eager node, in runs of one per parameter
+    assert {len(nodes) for _, nodes in graph.foreach_runs} == {len(shapes), 2 * len(shapes)}
+    assert {str(op) for op, _ in graph.foreach_runs} >= {"aten.add.Tensor", "aten.pow.Scalar", "aten.copy_.default"}
     calls = _checked_against_interpretation(graph)
     for _ in range(3):
         step()
@@ -129,6 +139,88 @@ def test_generated_optimizer_step_equals_the_interpreted_plan(graphs):
         want_opt.step()
     for p, w in zip(params, want_params):   # and the eager step's values (rounding aside: other roundings)
         torch.testing.assert_close(p.detach().cpu(), w.detach().cpu())
+    for state, want in zip(opt.state.values(), want_opt.state.values()):
+        assert torch.equal(state["step"], want["step"]) and state["step"].device.type == "cpu"
+
+
+def _bits(t: torch.Tensor) -> tuple:
+    """A tensor's dtype, shape and bytes (NaN payloads and zero signs included)."""
+    return t.dtype, t.shape, t.contiguous().reshape(-1).view(torch.uint8).tolist()
+
+
+@pytest.mark.parametrize("aten_op", list(graph_runner._FOREACH), ids=str)
+def test_each_foreach_op_gives_its_aten_op_per_tensor_bit_for_bit(aten_op):
+    """On CPU, each table entry's foreach op gives, per tensor, the bits its aten op gives (a returned result, or
+    an in-place op's first operand): fp32 0-d and 1-D, fp64 and int64 tensors holding +-0, +-inf, NaN, 65504,
+    ints above 2**24, subnormals; int, float and negative-zero numbers."""
+    op, pattern = graph_runner._FOREACH[aten_op]
+    edges = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0, 2.0**24 + 1, 1e-40, -3.5, 0.9, 1.0]
+    gen = torch.Generator().manual_seed(5)
+
+    def tensors() -> list[torch.Tensor]:
+        return [torch.tensor(0.999), torch.tensor(-0.0), torch.tensor(edges), torch.tensor(edges, dtype=torch.float64),
+                torch.randn(9, generator=gen) * 100, torch.tensor([3, -7, 2**25 + 1, 0])]
+    for number in (1, 0.01, -0.0, 0.9, 2):
+        firsts, seconds = tensors(), [t.flip(0) * 0.5 for t in tensors()]
+        lists = iter([firsts, seconds])
+        args = [next(lists) if kind == "t" else number for kind in pattern]
+        try:
+            want = [aten_op(*[a[i] if kind == "t" else a for a, kind in zip(args, pattern)]).clone()
+                    for i in range(len(firsts))]
+        except RuntimeError:   # an op the int64 tensor does not have (sqrt, reciprocal: float results are fine)
+            continue
+        args = [[t.clone() for t in a] if kind == "t" else a for a, kind in zip(args, pattern)]
+        got = op(*args)
+        if aten_op in graph_runner._IN_PLACE:
+            assert got is None or got == []
+            got = args[0]
+        assert [_bits(g) for g in got] == [_bits(w) for w in want]
+
+
+def test_a_run_is_one_foreach_call_only_of_independent_cpu_nodes_with_the_same_numbers(graphs):
+    """Consecutive eager CPU ops are one foreach call only when none reads another's result, their numbers are the
+    same (type, value, a zero's sign) and their tensors are on the CPU (not float64 neuron tensors: eager neuron
+    ops); the outputs are the eager CPU values bit for bit, and the interpreted plan's."""
+    def f(a, b, c, x, y):
+        a1 = a + 1
+        a2 = a1 + 1                              # reads a1
+        s1, s2 = a - 0.0, b - -0.0               # another zero
+        m1, m2 = a * 5, b * 5.0                  # int and float
+        d1, d2, d3 = a * 3, b * 3, c * 3         # one run
+        xs, ys = x.double(), y.double()
+        return a2, s1, s2, m1, m2, d1, d2, d3, xs.sqrt(), ys.sqrt()
+
+    a, b, c = torch.tensor(-0.0), torch.tensor(2.5), torch.tensor(-7.0)
+    gen = torch.Generator().manual_seed(6)
+    x, y = torch.rand(3, generator=gen).to("neuron"), torch.rand(4, generator=gen).to("neuron")
+    compiled = torch.compile(f, backend="neuron", dynamic=False)
+    compiled(a, b, c, x, y)
+    (graph,) = graphs
+    eager = [s for s in graph.plan.steps if not isinstance(s, Segment)]
+    assert [str(s.target) for s in eager].count("aten.add.Tensor") == 2
+    assert sum(str(s.target) == "aten.sqrt.default" and not graph_runner._on_cpu(s) for s in eager) == 2
+    assert [(str(op), [n.args for n in nodes]) for op, nodes in graph.foreach_runs] == [
+        ("aten.mul.Tensor", [(p, 3) for p in graph.placeholders[:3]])]
+    calls = _checked_against_interpretation(graph)
+    got = compiled(a, b, c, x, y)
+    assert len(calls) == 1
+    want = f(a, b, c, x.cpu(), y.cpu())
+    assert [_bits(g) for g in got[:8]] == [_bits(w) for w in want[:8]]
+
+
+def test_a_run_of_in_place_copies_gives_each_node_its_destination():
+    """A run of ``copy_`` nodes (one foreach call, which returns nothing) gives each node its destination: the
+    input tensor itself, holding the float64 source rounded to float32 (1e300: inf)."""
+    def f(a, b, c, d):
+        return torch.ops.aten.copy_.default(a, c), torch.ops.aten.copy_.default(b, d)
+
+    a, b = torch.zeros(3), torch.zeros(())
+    c, d = torch.tensor([0.1, -0.0, 1e300], dtype=torch.float64), torch.tensor(1 / 3, dtype=torch.float64)
+    graph = CompiledGraph(make_fx(f, tracing_mode="fake")(a, b, c, d), "copies")
+    assert [(str(op), len(nodes)) for op, nodes in graph.foreach_runs] == [("aten.copy_.default", 2)]
+    got = graph([a, b, c, d])
+    assert got[0] is a and got[1] is b
+    assert _bits(a) == _bits(c.float()) and _bits(b) == _bits(d.float())
 
 
 def test_programs_are_selected_per_layout_offset_and_shared_storage_after_repeated_calls(graphs):

@@ -4,7 +4,8 @@
 function (operand lookups resolved once, not interpreted per call). A call runs the steps:
 
     eager node   the ATen op on the host values (it dispatches to the eager neuron kernel, or the
-                 counted CPU fallback; strict mode holds)
+                 counted CPU fallback; strict mode holds); a run of like ops on CPU tensors as one
+                 foreach call
     segment      its Program for the inputs' signature (traced on the first call with that
                  signature, or read from the cache), launched once: inputs bound as the flat span
                  of their storage, outputs viewed with the layout the trace gave them
@@ -21,6 +22,7 @@ never adds it). A variant whose zero tangent has other uses gets the zeros after
 from __future__ import annotations
 
 import keyword
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -59,7 +61,9 @@ class CompiledGraph:
         # the inputs that may be None (an undefined gradient): tensors something reads
         self.optional_inputs = [i for i, p in enumerate(self.placeholders)
                                 if p.users and isinstance(p.meta.get("val"), torch.Tensor)]
-        self.run_steps = _StepsSource(self).function()
+        steps = _StepsSource(self)
+        self.run_steps = steps.function()
+        self.foreach_runs = steps.foreach_runs   # (aten op, nodes) per run of eager ops called as one foreach op
         dump_graph(self)
 
     def __call__(self, args: list) -> list:
@@ -228,7 +232,9 @@ class _StepsSource:
     once, here (an operand computed by an earlier step is read from ``env``, a view made on first use by a
     generated function of its own, as ``_host`` does), each segment run by ``_segment``. Per call this costs the
     ops, not an fx interpretation (``map_arg`` and a role lookup per operand of each node); the ops, their order
-    and their arguments are the same."""
+    and their arguments are the same. A run of like ops on CPU tensors (an optimizer's per-parameter ``step``
+    arithmetic) is one call of their foreach op, which runs the same per-tensor kernels in order with one
+    dispatch (``_FOREACH``)."""
 
     def __init__(self, graph: CompiledGraph):
         self.graph, self.roles = graph, graph.plan.roles
@@ -239,18 +245,23 @@ class _StepsSource:
         self.defined = set(self.inputs)                        # in ``env`` when the next step runs
         self.views: dict[fx.Node, str] = {}                    # view node -> its function's name
         self.functions: list[str] = []
+        self.foreach_runs: list[tuple[Any, list[fx.Node]]] = []   # (aten op, its nodes) per foreach call
 
     def function(self) -> Callable[[dict], list]:
         """The generated function."""
-        lines = []
-        for step in self.graph.plan.steps:
+        lines, steps, i = [], self.graph.plan.steps, 0
+        while i < len(steps):
+            step = steps[i]
             if isinstance(step, Segment):
                 values = ", ".join(self.operand(n, self.defined) for n in step.inputs)
                 lines.append(f"segment({self.ref(step)}, [{values}], env)")
                 self.defined.update(step.outputs)
-            else:
-                lines.append(f"env[{self.ref(step)}] = {self.call(step)}")
-                self.defined.add(step)
+                i += 1
+                continue
+            run = self.foreach_run(steps, i)
+            lines.extend(self.foreach_call(run) if len(run) > 1 else [f"env[{self.ref(step)}] = {self.call(step)}"])
+            self.defined.update(run)
+            i += len(run)
         outputs = self.graph.output_node.args[0]
         if isinstance(outputs, (tuple, list)):
             lines.append(f"return [{', '.join(self.operand(n, self.defined) for n in outputs)}]")
@@ -259,6 +270,43 @@ class _StepsSource:
         source = "".join(self.functions) + _function_source("run_steps", lines)
         exec(compile(source, f"<compiled graph {self.graph.name}>", "exec"), self.scope)
         return self.scope["run_steps"]
+
+    def foreach_run(self, steps: list, i: int) -> list[fx.Node]:
+        """The eager nodes from ``steps[i]`` on that run as one foreach call: consecutive, of one ``_FOREACH`` op
+        with the same numbers, and CPU tensor operands in ``env`` before the run (none another node's result: the
+        foreach op computes them in order, as the separate calls do, from operands all looked up before). Just
+        ``steps[i]`` if none."""
+        first = steps[i]
+        if not self.batchable(first):
+            return [first]
+        run = [first]
+        for node in steps[i + 1:]:
+            if (isinstance(node, Segment) or node.target is not first.target or not self.batchable(node)
+                    or not _same_numbers(first, node)):
+                break
+            run.append(node)
+        return run
+
+    def batchable(self, node: fx.Node) -> bool:
+        """Whether ``node`` may be one of a foreach call's: a ``_FOREACH`` op on CPU tensors already in ``env``
+        (not views: made on first use) and numbers, as its entry's pattern says, without keywords."""
+        entry = _FOREACH.get(node.target) if node.op == "call_function" and not node.kwargs else None
+        if entry is None or len(node.args) != len(entry[1]) or not _on_cpu(node):
+            return False
+        return all(isinstance(a, fx.Node) and a in self.defined and self.roles.get(a) != "view" and _on_cpu(a)
+                   if kind == "t" else type(a) in (int, float, bool) for a, kind in zip(node.args, entry[1]))
+
+    def foreach_call(self, run: list[fx.Node]) -> list[str]:
+        """The lines running the nodes ``run`` as one call of their foreach op, each result put in ``env``
+        (an in-place op's: its first operand)."""
+        op, pattern = _FOREACH[run[0].target]
+        args = [f"[{', '.join(self.operand(n.args[pos], self.defined) for n in run)}]" if kind == "t"
+                else self.ref(run[0].args[pos]) for pos, kind in enumerate(pattern)]
+        call, results = f"{self.ref(op._op)}({', '.join(args)})", ", ".join(f"env[{self.ref(n)}]" for n in run)
+        self.foreach_runs.append((run[0].target, list(run)))
+        if run[0].target in _IN_PLACE:
+            return [call, f"{results} = {', '.join(self.operand(n.args[0], self.defined) for n in run)}"]
+        return [f"{results} = {call}"]
 
     def ref(self, obj: Any) -> str:
         """A name in the function's scope bound to ``obj``."""
@@ -320,6 +368,33 @@ class _StepsSource:
             f"if {n} in env:", f"    return env[{n}]", f"a = {args[0]}", "try:", f"    v = {call}(a{rest})",
             "except RuntimeError:", f"    v = {call}(a.contiguous(){rest})", f"env[{n}] = v", "return v"]))
         return name
+
+
+aten = torch.ops.aten
+# aten op -> its foreach op, and per positional argument: "t" a tensor (a list of one per node), "n" a number (the
+# run's). On CPU each foreach op runs the aten op per tensor, in order (bit for bit the separate calls: tested).
+_FOREACH = {aten.add.Tensor: (aten._foreach_add.Scalar, "tn"), aten.sub.Tensor: (aten._foreach_sub.Scalar, "tn"),
+            aten.mul.Tensor: (aten._foreach_mul.Scalar, "tn"), aten.div.Tensor: (aten._foreach_div.Scalar, "tn"),
+            aten.pow.Scalar: (aten._foreach_pow.ScalarAndTensor, "nt"), aten.neg.default: (aten._foreach_neg.default, "t"),
+            aten.reciprocal.default: (aten._foreach_reciprocal.default, "t"),
+            aten.sqrt.default: (aten._foreach_sqrt.default, "t"), aten.copy_.default: (aten._foreach_copy_.default, "tt")}
+_IN_PLACE = {aten.copy_.default}   # their foreach op returns nothing; each node's value is its first operand
+
+
+def _on_cpu(node: fx.Node) -> bool:
+    """Whether a node's value (as traced) is a CPU tensor."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.device.type == "cpu"
+
+
+def _same_numbers(a: fx.Node, b: fx.Node) -> bool:
+    """Whether two nodes' number arguments are the same: type, value and a zero's sign (``x - 0.0`` differs from
+    ``x - -0.0`` at ``x = -0.0``; ``1`` and ``1.0`` promote differently); NaN never is."""
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, fx.Node):
+            return True
+        return type(x) is type(y) and x == y and (type(x) is not float or math.copysign(1.0, x) == math.copysign(1.0, y))
+    return all(same(x, y) for x, y in zip(a.args, b.args))
 
 
 def _function_source(name: str, lines: list[str]) -> str:
