@@ -6,7 +6,8 @@ Prints, in one run:
   step): simulated device time
   per step (torch.neuron.Event, launch overheads included), its model FLOPs utilization of one core's
   fp32 TensorE peak, kernel launches per step, host time per step (wall, and the process's CPU time, which
-  a shared machine's load moves less), and the compiled/eager ratios;
+  a shared machine's load moves less; the two steps alternate, so both meet the same conditions), and the
+  compiled/eager ratios;
 - a GPT-2-small-shaped transformer block (d=768, 12 heads, sequence 1024, bf16 autocast), one compiled
   training step: simulated time and MFU of one core's bf16 TensorE peak, launches, HBM bytes moved
   compiled vs eager;
@@ -38,15 +39,16 @@ sys.path.insert(0, str(ROOT / "examples"))
 import shakespeare_gpt as demo  # noqa: E402
 
 STEPS = 8
+ROUNDS = 3   # host time: rounds over the batches, the eager and the compiled step alternating
 
 
-def _step_stats(model, batches, device, compiled: bool = False) -> dict:
-    """Median simulated ms, host wall and CPU ms per training step, launches and HBM bytes of one step (compiled: the
-    model and the optimizer step both under torch.compile)."""
+def _stepper(model, device, compiled: bool):
+    """A training step of ``model`` (compiled: the model and the AdamW step both under torch.compile) returning its
+    simulated ms, host wall and CPU ms, launches and HBM bytes."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = torch.compile(opt.step, backend="neuron") if compiled else opt.step
-    sim, host, cpu = [], [], []
-    for i, (x, y) in enumerate(batches):
+
+    def run(x, y) -> dict:
         t0, c0 = time.perf_counter(), time.process_time()
         start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
         start.record()
@@ -57,17 +59,15 @@ def _step_stats(model, batches, device, compiled: bool = False) -> dict:
             step()
             loss.item()
         end.record()
-        if i:  # the first step compiles
-            sim.append(start.elapsed_time(end))
-            host.append((time.perf_counter() - t0) * 1e3)
-            cpu.append((time.process_time() - c0) * 1e3)
-    return {"sim_ms": statistics.median(sim), "host_ms": statistics.median(host), "cpu_ms": statistics.median(cpu),
-            "launches": len(records),
-            "hbm": sum(r.program.hbm_bytes_read + r.program.hbm_bytes_written for r in records)}
+        return {"sim_ms": start.elapsed_time(end), "host_ms": (time.perf_counter() - t0) * 1e3,
+                "cpu_ms": (time.process_time() - c0) * 1e3, "launches": len(records),
+                "hbm": sum(r.program.hbm_bytes_read + r.program.hbm_bytes_written for r in records)}
+    return run
 
 
 def demo_step() -> None:
-    """The demo model, eager vs compiled."""
+    """The demo model, eager vs compiled: their steps alternate (one process, the same batches), so that the host
+    times compare under the same conditions; medians of each, and the median of the paired ratios."""
     text = demo.load_text()
     chars = sorted(set(text))
     data = torch.tensor([{c: i for i, c in enumerate(chars)}[c] for c in text])
@@ -76,20 +76,28 @@ def demo_step() -> None:
     n_params = sum(p.numel() for p in demo.build_model(cfg, 0).parameters())
     peak = torchneuron.runtime.core(0).spec.tensor_peak_flops("float32")
     flops = demo.step_flops(cfg, n_params)
-    rows = {}
+    steps = {}
     for name in ("eager", "compiled"):
         model = demo.build_model(cfg, 0).to("neuron")
-        run = torch.compile(model, backend="neuron") if name == "compiled" else model
-        rows[name] = _step_stats(run, batches, "neuron", compiled=name == "compiled")
+        steps[name] = _stepper(torch.compile(model, backend="neuron") if name == "compiled" else model, "neuron",
+                               compiled=name == "compiled")
+        steps[name](*batches[0])   # the first step compiles
+    samples: dict[str, list[dict]] = {name: [] for name in steps}
+    for i in range(ROUNDS * (STEPS - 1)):
+        for name in (("eager", "compiled") if i % 2 == 0 else ("compiled", "eager")):
+            samples[name].append(steps[name](*batches[1 + i % (STEPS - 1)]))
+    rows = {name: {k: statistics.median(s[k] for s in runs) for k in runs[0]} for name, runs in samples.items()}
     print(f"demo GPT ({n_params:,} parameters), training step on {torchneuron.runtime.core(0).spec.name}:")
     for name, r in rows.items():
         mfu = flops / (r["sim_ms"] * 1e-3) / peak
-        print(f"  {name:>8}: simulated {r['sim_ms']:.3f} ms/step (MFU {mfu:.2%}), {r['launches']} launches, "
+        print(f"  {name:>8}: simulated {r['sim_ms']:.3f} ms/step (MFU {mfu:.2%}), {r['launches']:.0f} launches, "
               f"HBM {r['hbm'] / 2**20:.1f} MiB, host {r['host_ms']:.0f} ms/step (CPU {r['cpu_ms']:.0f} ms)")
     e, c = rows["eager"], rows["compiled"]
+    paired = statistics.median(b["cpu_ms"] / a["cpu_ms"] for a, b in zip(samples["eager"], samples["compiled"]))
     print(f"  compiled vs eager: simulated step {e['sim_ms'] / c['sim_ms']:.2f}x faster (target 5x), launches "
-          f"{e['launches']} -> {c['launches']}, host time {c['host_ms'] / e['host_ms']:.2f}x of eager (CPU time "
-          f"{c['cpu_ms'] / e['cpu_ms']:.2f}x; target <= 1)")
+          f"{e['launches']:.0f} -> {c['launches']:.0f}, host time {c['host_ms'] / e['host_ms']:.2f}x of eager (CPU "
+          f"time {c['cpu_ms'] / e['cpu_ms']:.2f}x, paired {paired:.3f}x; {len(samples['eager'])} steps each, "
+          f"alternating; target <= 1)")
 
 
 class Block(nn.Module):
