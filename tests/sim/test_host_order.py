@@ -223,3 +223,25 @@ def test_a_compiled_training_step_in_demand_order_gives_the_same_bits(compiled_s
         moved += host_order.demand_order(program.instructions) != program.instructions
         _assert_same_runs(program, tensors)
     assert moved >= 2
+
+
+def test_a_program_with_an_instruction_that_will_raise_runs_in_program_order():
+    """A tile beyond this core's SBUF (its step cannot be made: execute raises it): the run keeps program order, so
+    it stops before the store that follows in the program, which demand order would have run first (the input
+    updated in place would be changed by a run that raised)."""
+    t0, copy = tile("sbuf", F32, (128, 64), offset=0), tile("sbuf", F32, (128, 64), offset=256)
+    beyond = tile("sbuf", F32, (128, 64), offset=NeuronCore("trn2").sbuf.bytes_per_partition)
+    prog = [isa.dma_copy(dst=t0, src=tile("hbm:x", F32, (128, 64))),
+            isa.activation(dst=t0, op="exp", data=t0),
+            isa.memset(dst=beyond, value=1.0),
+            isa.dma_copy(dst=tile("hbm:x", F32, (128, 64)), src=t0),
+            isa.tensor_copy(dst=copy, src=beyond),
+            isa.dma_copy(dst=tile("hbm:out", F32, (128, 64)), src=copy)]
+    assert host_order.demand_order(prog).index(prog[3]) < host_order.demand_order(prog).index(prog[2])
+    program = Program(prog, [ArgSlot("x", (128, 64), F32), ArgSlot("out", (128, 64), F32, "output")], "raises")
+    x = torch.randn(128, 64)
+    for order in (False, True):
+        bound = x.clone()
+        with pytest.raises(SimulatorError, match="memset: dst"):
+            NeuronCore("trn2", host_order=order).run_bound(program, [bound, None])
+        assert torch.equal(bound, x)

@@ -75,7 +75,8 @@ class RunReport:
 class _Plan:
     """A program prepared for one core: per instruction its step (None: ``execute``) and, for a
     non-TensorE instruction writing PSUM, the group-closed flag views it closes. A static program's
-    instructions run in ``host_order.demand_order`` where ``order``; with ``pack``, they are those of
+    instructions run in ``host_order.demand_order`` where ``order`` (in program order where one of them will raise:
+    the run then stops where it did, with the same instructions done); with ``pack``, they are those of
     ``host_layout.packed`` where it gives them (``originals`` maps each moved instruction back to the
     program's, which errors name)."""
 
@@ -88,29 +89,38 @@ class _Plan:
         slots = {k: (i, s) for i, (k, s) in enumerate(zip(self.keys, program.args))}
         ordered = (host_order.demand_order(program.instructions) if order and not program.dynamic
                    else program.instructions)
+        entries, raises = self._prepare(core, program, ordered, pack, slots)
+        if raises and ordered is not program.instructions:
+            entries, _ = self._prepare(core, program, program.instructions, pack, slots)
+        self.entries = entries
+        # what a run executes: runs of plain copies, and of independent matmuls of one layout,
+        # as one call each (a dynamic program's control instructions jump between ``entries``, so it runs those)
+        self.batched = (self.entries if program.dynamic
+                        else batch_copies(core, batch_matmuls(core, self.entries), slots))
+        # scratch slots, and output slots a run may leave unbound: allocated per run
+        self.fills = tuple(i for i, s in enumerate(program.args) if s.kind != "input")
+
+    def _prepare(self, core: "NeuronCore", program: Program, ordered: Sequence[Instr], pack: bool,
+                 slots: dict) -> tuple[tuple, bool]:
+        """The entries (instr, step, closes) of ``ordered`` (packed with ``pack`` where ``host_layout`` gives a
+        packing; ``originals`` set), and whether an instruction failed to prepare (its ``execute`` will raise)."""
         instructions = host_layout.packed(program, core.sbuf.bytes_per_partition, ordered) if pack else None
         self.originals = ({id(new): old for new, old in zip(instructions, ordered) if new is not old}
                           if instructions is not None else {})
-        entries = []
+        entries, raises = [], False
         for instr in instructions or ordered:
             make = getattr(instr, "step", None)
             try:
                 step = make(core, slots) if make is not None else None
             except (SimulatorError, RuntimeError):
-                step = None  # e.g. a tile beyond this core's SBUF: execute raises it, in program order
+                step, raises = None, True  # e.g. a tile beyond this core's SBUF: execute raises it
             closes = None
             if step is not None and instr.engine is not Engine.TENSOR and instr.psum_writes:
                 flags = core.psum.group_closed
                 closes = tuple(flags[f.partitions[0]:f.partitions[1], f.byte_range[0] // 4:-(-f.byte_range[1] // 4)]
                                for f in instr.psum_writes)
             entries.append((instr, step, closes))
-        self.entries = tuple(entries)
-        # what a run in program order executes: runs of plain copies, and of independent matmuls of one layout,
-        # as one call each (a dynamic program's control instructions jump between ``entries``, so it runs those)
-        self.batched = (self.entries if program.dynamic
-                        else batch_copies(core, batch_matmuls(core, self.entries), slots))
-        # scratch slots, and output slots a run may leave unbound: allocated per run
-        self.fills = tuple(i for i, s in enumerate(program.args) if s.kind != "input")
+        return tuple(entries), raises
 
 
 class NeuronCore:

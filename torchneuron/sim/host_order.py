@@ -21,8 +21,9 @@ and what footprints cannot tell:
 - barriers: an instruction outside ``REORDERABLE`` (random numbers, the sequencer's registers, a DMA whose indices
   decide what it touches and whether it raises) keeps everything before it before it and everything after after.
 
-A run that raises stops at the same instruction either way, but with another set of the instructions around it
-done: only instructions whose errors depend on no value are reordered (tile bounds and layouts).
+Errors: an instruction whose error depends on values is a barrier, so a run raising there has done what program
+order had done; one whose error does not (a tile beyond the core's SBUF, a layout a step cannot take) is known when
+the core prepares the program, which then keeps program order (``core._Plan``).
 """
 from __future__ import annotations
 
