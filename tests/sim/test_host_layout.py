@@ -295,3 +295,110 @@ def test_a_run_of_matmuls_stays_one_batched_product():
     assert lengths[0] == lengths[1] <= len(prog) - 3  # (the four products: one entry)
     plain, packed = _plain_and_packed(program, {"x": torch.randn(128, 1024)})
     assert _same_bits(plain, packed)
+
+
+PSUM = NeuronCore("trn2").psum
+PSUM_LAYOUT = (PSUM.bytes_per_partition, PSUM.bank_bytes)
+
+
+def _banks(instructions) -> set[int]:
+    """The PSUM banks the instructions' PSUM operands start in."""
+    return {ap.byte_range[0] // PSUM.bank_bytes for i in instructions for _, ap in i.operands() if ap.memory == "psum"}
+
+
+def _psum_program(seed: int, steps: int = 160) -> tuple[Program, dict[str, torch.Tensor]]:
+    """Products accumulated in PSUM tiles allocated next fit over the banks: groups opened by an overwriting matmul or
+    a transpose, or a tile written by a copy (no group open); matmuls adding (accumulate=True) and adding where a
+    group is open (None) onto them, an activation rewriting part of a tile (closing the group there), tiles read out
+    whole and freed (later tiles take their bytes)."""
+    rnd = random.Random(seed)
+    core = NeuronCore("trn2")
+    x = tile("hbm:x", F32, (128, 1024))
+    operands = [core.sbuf.allocate(128, 512 * 4).tile(F32, (512,)) for _ in range(3)]
+    stage = core.sbuf.allocate(128, 512 * 4).tile(F32, (512,))
+    prog: list = [isa.dma_copy(dst=t, src=x[:, 128 * i:128 * i + 512]) for i, t in enumerate(operands)]
+    live: list = []  # (region, PSUM tile)
+    stores = 0
+
+    def product(acc, accumulate):
+        a, b = rnd.choice(operands), rnd.choice(operands)
+        c0 = rnd.randrange(0, 512 - acc.shape[1] + 1, 64)
+        prog.append(isa.nc_matmul(dst=acc, stationary=a[:, :128], moving=b[:, c0:c0 + acc.shape[1]],
+                                  accumulate=accumulate))
+
+    for _ in range(steps):
+        kind = rnd.randrange(7)
+        if len(live) < 2 or kind == 0:
+            if len(live) == 5:  # (PSUM holds 8 banks)
+                core.psum.free(live.pop(rnd.randrange(5))[0])
+            n = rnd.choice((64, 128, 256, 512))
+            region = core.psum.allocate(128, n * 4)
+            acc = region.tile(F32, (n,))
+            first = rnd.randrange(3)
+            if first == 0:
+                product(acc, False)
+            elif first == 1 and n == 128:
+                prog.append(isa.nc_transpose(dst=acc, data=rnd.choice(operands)[:, :128]))
+            else:
+                prog.append(isa.tensor_copy(dst=acc, src=rnd.choice(operands)[:, :n]))
+            live.append((region, acc))
+            continue
+        region, acc = rnd.choice(live)
+        if kind in (1, 2):
+            product(acc, True if kind == 1 else None)
+        elif kind == 3:  # part of the tile rewritten by ScalarE: its group closes there
+            half = acc[:, :acc.shape[1] // 2]
+            prog.append(isa.activation(dst=half, op="tanh", data=rnd.choice(operands)[:, :half.shape[1]]))
+        elif kind == 4 and stores < 63:  # read out and stored
+            n = acc.shape[1]
+            prog.append(isa.tensor_copy(dst=stage[:, :n], src=acc))
+            prog.append(isa.dma_copy(dst=tile("hbm:out", F32, (64 * 128, 512))[stores * 128:][:128, :n], src=stage[:, :n]))
+            stores += 1
+        elif kind == 5:
+            live.remove((region, acc))
+            core.psum.free(region)
+    args = [ArgSlot("x", (128, 1024), F32), ArgSlot("out", (64 * 128, 512), F32, "output")]
+    x = torch.randn(128, 1024, generator=torch.Generator().manual_seed(seed)) / 8
+    return Program(prog, args, f"psum{seed}"), {"x": x}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_psum_programs_packed_give_the_same_bits(seed):
+    """PSUM is packed whole banks at a time: its accumulation groups' flags move with their tiles."""
+    program, inputs = _psum_program(seed)
+    instructions = host_layout.packed(program, 1 << 20, psum=PSUM_LAYOUT)
+    assert instructions is not None, "the program's PSUM should be packed"
+    assert len(_banks(instructions)) < len(_banks(program.instructions))
+    assert all(new.dst.byte_range[0] % PSUM.bank_bytes == old.dst.byte_range[0] % PSUM.bank_bytes
+               for old, new in zip(program.instructions, instructions) if new.dst.memory == "psum")
+    assert host_layout.packed(program, 1 << 20) is None  # (SBUF alone: its tiles are too few to pack)
+    plain, packed = _plain_and_packed(program, inputs)
+    assert _same_bits(plain, packed)
+
+
+def test_a_product_added_onto_psum_never_written_runs_as_it_is():
+    """An accumulating matmul onto PSUM the program never wrote adds onto what the previous kernel left there (and
+    accumulate=None looks at the group flags it left): such a program keeps its PSUM layout."""
+    operand = tile("sbuf", F32, (128, 128), offset=0)
+    far = tile("psum", F32, (128, 128), offset=3 * PSUM.bank_bytes)
+    near = tile("psum", F32, (128, 128), offset=0)
+    stage = tile("sbuf", F32, (128, 128), offset=1024)
+
+    def program(accumulate):
+        prog = [isa.dma_copy(dst=operand, src=tile("hbm:x", F32, (128, 128))),
+                isa.nc_matmul(dst=near, stationary=operand, moving=operand, accumulate=False),
+                isa.nc_matmul(dst=far, stationary=operand, moving=operand, accumulate=accumulate),
+                isa.tensor_copy(dst=stage, src=far), isa.dma_copy(dst=tile("hbm:out", F32, (128, 128)), src=stage),
+                isa.tensor_copy(dst=stage, src=near), isa.dma_copy(dst=tile("hbm:out2", F32, (128, 128)), src=stage)]
+        return Program(prog, [ArgSlot("x", (128, 128), F32), ArgSlot("out", (128, 128), F32, "output"),
+                              ArgSlot("out2", (128, 128), F32, "output")], "onto_unwritten")
+
+    assert host_layout.packed(program(False), 1 << 20, psum=PSUM_LAYOUT) is not None
+    for accumulate in (True, None):
+        assert host_layout.packed(program(accumulate), 1 << 20, psum=PSUM_LAYOUT) is None
+    # the run adds onto what the core's PSUM holds there, packing or not
+    core = NeuronCore("trn2")
+    core.psum.data[:, far.offset:far.offset + 512].view(F32).fill_(2.0)
+    x = torch.randn(128, 128)
+    out = core.run(program(True), {"x": x}, timed=False).outputs
+    assert torch.allclose(out["out"], x.T @ x + 2.0, rtol=1e-5, atol=1e-4)

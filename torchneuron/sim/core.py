@@ -12,10 +12,10 @@ calls. HBM buffers are the run's bound tensors, passed to the steps in slot orde
 accumulation-group flags are reset at the start of a run only where groups were opened.
 
 A static program's instructions run in demand order (``host_order``: each just before the first instruction that
-needs it, every dependency kept), and a long one as an equivalent copy whose SBUF tiles are packed into few host
-bytes (``host_layout``): its tiles stay in the CPU's caches between the instructions that use them. Its simulated
-addresses, schedule and results are the program's; only the order the host computes them in and the host bytes
-SBUF's values sit in differ.
+needs it, every dependency kept), and a long one as an equivalent copy whose SBUF and PSUM tiles are packed into few
+host bytes (``host_layout``): its tiles stay in the CPU's caches between the instructions that use them. Its
+simulated addresses, schedule and results are the program's; only the order the host computes them in and the host
+bytes on-chip values sit in differ.
 """
 from __future__ import annotations
 
@@ -104,7 +104,9 @@ class _Plan:
                  slots: dict) -> tuple[tuple, bool]:
         """The entries (instr, step, closes) of ``ordered`` (packed with ``pack`` where ``host_layout`` gives a
         packing; ``originals`` set), and whether an instruction failed to prepare (its ``execute`` will raise)."""
-        instructions = host_layout.packed(program, core.sbuf.bytes_per_partition, ordered) if pack else None
+        instructions = (host_layout.packed(program, core.sbuf.bytes_per_partition, ordered,
+                                           psum=(core.psum.bytes_per_partition, core.psum.bank_bytes))
+                        if pack else None)
         self.originals = ({id(new): old for new, old in zip(instructions, ordered) if new is not old}
                           if instructions is not None else {})
         entries, raises = [], False
@@ -126,8 +128,8 @@ class _Plan:
 class NeuronCore:
     """One NeuronCore: SBUF, PSUM, bound HBM buffers, per-engine accumulation registers and a PRNG.
 
-    ``pack_tiles``: run long static programs with their SBUF tiles packed on the host (``host_layout``); off
-    where SBUF's bytes are read after a run at the program's addresses (a multi-core launch's exchanges between
+    ``pack_tiles``: run long static programs with their SBUF and PSUM tiles packed on the host (``host_layout``);
+    off where on-chip bytes are read after a run at the program's addresses (a multi-core launch's exchanges between
     segments) and with NaN fill (a debugging run shows the program's own layout). ``host_order``: run static
     programs' instructions in demand order (``host_order``: every dependency kept, so every byte ends as in
     program order)."""

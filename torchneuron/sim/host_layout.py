@@ -1,9 +1,9 @@
-"""A host layout for a static program's SBUF tiles: the same program with its tiles packed into few host bytes.
+"""A host layout for a static program's SBUF and PSUM tiles: the same program, its tiles packed into few host bytes.
 
-Next-fit allocation spreads a long program's tiles over nearly all of each SBUF partition (no false
-write-after-read waits on chip), so on the host its instructions read bytes that left the CPU's caches long
+Next-fit allocation spreads a long program's tiles over nearly all of each SBUF partition and every PSUM bank (no
+false write-after-read waits on chip), so on the host its instructions read bytes that left the CPU's caches long
 ago. Execution is functional and sequential in program order, and the program's timing comes from its own
-instructions (``Program.schedule``), so a core may execute an equivalent copy whose SBUF operands sit at other
+instructions (``Program.schedule``), so a core may execute an equivalent copy whose on-chip operands sit at other
 host offsets: ``packed`` builds it, or returns None where it cannot prove the copy equivalent.
 
 Equivalence. Each SBUF access (an operand of an instruction) belongs to a *unit*; a unit is moved as a whole
@@ -19,11 +19,17 @@ life runs from its first to its last access; units whose lives and partitions ov
 (first fit), so no other unit's write lands between a write and its reads. A host offset keeps the simulated
 offset modulo a cache line (vectorized host code meets the same alignment).
 
-Refused (None): programs with dynamic loops, an instruction outside ``WHOLE_WRITES``' classes touching SBUF,
-an SBUF pattern outside SBUF, a read of SBUF bytes no earlier instruction of the program wrote (their value is
-whatever the previous kernel left at those addresses), or a packing that would not fit. PSUM keeps its layout.
-The packed copy leaves SBUF's bytes elsewhere than the program's addresses: a run whose on-chip state is read
-afterwards (a multi-core segment, NaN-fill debugging) runs the program as it is (``NeuronCore.run_bound``).
+PSUM is packed the same way, each memory on its own, with shifts of whole banks (a TensorE write stays inside one
+bank, at its offset there). A matmul accumulating onto its destination (accumulate True, or None: it adds where an
+accumulation group is open) reads it: its group flags, one per word, are set by the last write of that word (a
+TensorE write opens, any other closes), so they move with the data.
+
+Refused (None) for a memory: programs with dynamic loops, an instruction outside ``WHOLE_WRITES``' classes touching
+it, a pattern outside its partitions, a read of bytes no earlier instruction of the program wrote (their value, and
+in PSUM their group flags, are whatever the previous kernel left at those addresses), or a packing that would not
+fit. The packed copy leaves SBUF's and PSUM's bytes elsewhere than the program's addresses: a run whose on-chip
+state is read afterwards (a multi-core segment, NaN-fill debugging) runs the program as it is
+(``NeuronCore.run_bound``).
 """
 from __future__ import annotations
 
@@ -52,49 +58,64 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _WRITTEN = {torch.uint8: 255, torch.int16: -1, torch.int32: -1, torch.int64: -1}  # every byte 0xFF
 
 
-def packed(program: Program, capacity: int, instructions: Sequence[Instr] | None = None) -> tuple[Instr, ...] | None:
+def packed(program: Program, capacity: int, instructions: Sequence[Instr] | None = None, *,
+           psum: tuple[int, int] | None = None) -> tuple[Instr, ...] | None:
     """``program``'s instructions (or ``instructions``: them in the order the core runs them, ``host_order``) with
-    their SBUF tiles packed on the host (see the module docstring), or None where the program is not eligible or the
-    packing changes nothing."""
+    their SBUF tiles packed on the host (see the module docstring) into ``capacity`` bytes a partition, and with
+    ``psum`` = (bytes a partition, bank bytes) their PSUM tiles too, whole banks at a time; None where the program is
+    not eligible or the packing changes nothing."""
     if program.dynamic:
         return None
     instructions = program.instructions if instructions is None else instructions
-    accesses = _sbuf_accesses(instructions)
-    if accesses is None:
-        return None
-    span = max((ap.byte_range[1] for _, _, ap, _ in accesses), default=0)
-    if span <= MIN_SPAN or span > capacity:
-        return None
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # (the written-bytes mask's tiles are too small for threads to pay)
-    try:
-        units = _units(accesses, span, instructions)
-    finally:
-        torch.set_num_threads(threads)
-    if units is None:
-        return None
-    shifts = _host_shifts(units, len(accesses), capacity)
-    if shifts is None or not any(shifts):
-        return None
-    return _shifted(instructions, accesses, shifts)
+    spaces = [("sbuf", capacity, HOST_ALIGN, MIN_SPAN)]
+    if psum is not None:
+        spaces.append(("psum", psum[0], psum[1], psum[1]))  # (pays where a program's tiles reach a second bank)
+    moves = []
+    for memory, room, align, min_span in spaces:
+        accesses = _accesses(instructions, memory)
+        if accesses is None:
+            continue
+        span = max((ap.byte_range[1] for _, _, ap, _ in accesses), default=0)
+        if span <= min_span or span > room:
+            continue
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # (the written-bytes mask's tiles are too small for threads to pay)
+        try:
+            units = _units(accesses, span, instructions)
+        finally:
+            torch.set_num_threads(threads)
+        if units is None:
+            continue
+        shifts = _host_shifts(units, len(accesses), room, align)
+        if shifts is not None and any(shifts):
+            moves.extend(zip(accesses, shifts))
+    return _shifted(instructions, moves) if moves else None
 
 
-def _sbuf_accesses(instructions) -> list[tuple[int, str, AP, str]] | None:
-    """(instruction index, operand name, pattern, how) of every SBUF operand, ``how`` one of "read", "write" and
-    "update" (a write that may leave elements as they were); None where an instruction touching SBUF is not
-    one ``packed`` knows or a pattern leaves the partitions."""
+def _accesses(instructions, memory: str) -> list[tuple[int, str, AP, str]] | None:
+    """(instruction index, operand name, pattern, how) of every operand in ``memory`` ("sbuf" or "psum"), ``how``
+    one of "read", "write" and "update" (a write that may leave elements as they were); a destination the
+    instruction also reads (a matmul accumulating in PSUM, whose group flags say where it adds) is a read and an
+    update. None where an instruction touching ``memory`` is not one ``packed`` knows or a pattern leaves the
+    partitions."""
     out = []
     for t, instr in enumerate(instructions):
-        ops = [(name, ap) for name, ap in instr.operands() if ap.memory == "sbuf"]
+        ops = [(name, ap) for name, ap in instr.operands() if ap.memory == memory]
         if not ops:
             continue
         if not isinstance(instr, WHOLE_WRITES):
             return None
         write = "update" if _keeps_old(instr) else "write"
+        reads = instr._read_names()
         for name, ap in ops:
             if ap.start_partition + ap.partitions > PMAX:
                 return None
-            out.append((t, name, ap, write if name in instr.WRITES else "read"))
+            if name not in instr.WRITES:
+                out.append((t, name, ap, "read"))
+            elif name in reads:
+                out.extend(((t, name, ap, "read"), (t, name, ap, "update")))
+            else:
+                out.append((t, name, ap, write))
     return out
 
 
@@ -307,21 +328,21 @@ def _read_from_live(sets: _Sets, live: _Live, k: int, ap: AP, written: _Written)
     return _covered(box, [rec for rec in found if rec[5]]) or written.holds(ap)
 
 
-def _host_shifts(units: list[tuple], n: int, capacity: int) -> list[int] | None:
+def _host_shifts(units: list[tuple], n: int, capacity: int, align: int) -> list[int] | None:
     """Per access, the bytes its unit moves by on the host: units by first use, each at the lowest host offset
-    (congruent to its own modulo HOST_ALIGN) clear of the units placed before whose lives and partitions overlap
+    (congruent to its own modulo ``align``) clear of the units placed before whose lives and partitions overlap
     its own; None where one would end beyond ``capacity``."""
     shifts = [0] * n
     placed: list[tuple] = []  # (host b0, host b1, p0, p1, last), by host offset
     for first, last, p0, p1, b0, b1, members in sorted(units, key=lambda u: u[0]):
         placed = [u for u in placed if u[4] >= first]
-        at = b0 % HOST_ALIGN
+        at = b0 % align
         for h0, h1, q0, q1, _ in placed:
             if q0 >= p1 or p0 >= q1 or h1 <= at:
                 continue
             if at + (b1 - b0) <= h0:
                 break
-            at = h1 + (b0 - h1) % HOST_ALIGN
+            at = h1 + (b0 - h1) % align
         if at + (b1 - b0) > capacity:
             return None
         insort(placed, (at, at + b1 - b0, p0, p1, last))
@@ -330,11 +351,12 @@ def _host_shifts(units: list[tuple], n: int, capacity: int) -> list[int] | None:
     return shifts
 
 
-def _shifted(instructions, accesses: list, shifts: list[int]) -> tuple[Instr, ...]:
-    """``instructions`` with each SBUF operand moved by its shift (unchanged instructions stay the same objects)."""
+def _shifted(instructions, moves: list[tuple[tuple, int]]) -> tuple[Instr, ...]:
+    """``instructions`` with each operand of ``moves`` (access, shift) moved by its shift (unchanged instructions
+    stay the same objects)."""
     changes: dict[int, dict[str, AP]] = {}
     made: dict[tuple[AP, int], AP] = {}  # one object per moved pattern: its views are made once
-    for (t, name, ap, _), shift in zip(accesses, shifts):
+    for (t, name, ap, _), shift in moves:
         if shift:
             key = (ap, shift)
             if key not in made:
