@@ -3,6 +3,7 @@ programs selected per input signature after earlier calls (layouts, offsets, sha
 tensor layout, and an eager node's error."""
 from __future__ import annotations
 
+import math
 import pickle
 
 import pytest
@@ -288,8 +289,21 @@ def test_input_sig_hash_is_the_fields_and_stays_in_its_process():
     fresh = InputSig((3, 4), (5, 1), torch.float32)
     assert hash(made) == hash(fresh) == hash(((3, 4), (5, 1), torch.float32, None, None)) and made == fresh
     assert {made: 1}[fresh] == 1
-    assert hash(InputSig(scalar=2.5)) == hash(InputSig(scalar=2.5)) != hash(InputSig(scalar=3.5))
+    assert hash(signature(2.5)) == hash(signature(2.5)) != hash(signature(3.5))
     assert "_hash" not in pickle.loads(pickle.dumps(made)).__dict__ and pickle.loads(pickle.dumps(made)) == made
+
+
+def test_host_scalars_of_other_bits_or_types_get_other_input_sigs():
+    """A program traced for a host scalar is reused only for that scalar: 0.0 and -0.0 (x * s differs in the sign
+    of a zero), 1, 1.0 and True are different inputs, a NaN is the same NaN again (not a new program per call)."""
+    nan = float("nan")
+    distinct = [0.0, -0.0, 1, 1.0, True, nan, float("inf"), -float("inf"), 2.5, complex(0.0, -0.0), 0j]
+    sigs = [signature(v) for v in distinct]
+    assert len(set(sigs)) == len(distinct)
+    assert all(a != b for i, a in enumerate(sigs) for b in sigs[i + 1:])
+    assert signature(nan) == signature(float("nan")) and {signature(nan): 1}[signature(float("nan"))] == 1
+    assert signature(-0.0) == signature(-0.0) and signature(True) == signature(True)
+    assert math.copysign(1.0, signature(-0.0).scalar) == -1.0   # (the value the program is traced with)
 
 
 def test_an_eager_node_raising_raises_the_cpu_error_and_the_next_call_runs(graphs):

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import inspect
 import operator
+import struct
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -57,7 +58,10 @@ class InputSig:
     shape: tuple | None = None
     stride: tuple | None = None
     dtype: torch.dtype | None = None
-    scalar: Any = None
+    scalar: Any = dataclasses.field(default=None, compare=False)
+    # what tells host scalars apart (``scalar_key``): compared instead of the value, which == would not (0.0 and
+    # -0.0, 1 and True are ==, a NaN is not == itself)
+    key: Any = None
     # inputs sharing one storage are bound as one slot (a fused projection's q, k and v, which kernels then see
     # as views of one tensor): (the first such input, this input's offset in the slot, the slot's length)
     shared: tuple[int, int, int] | None = None
@@ -66,7 +70,7 @@ class InputSig:
         # computed once (the fields' hash): a call's program is looked up by all its inputs' InputSigs
         h = self.__dict__.get("_hash")
         if h is None:
-            h = self.__dict__["_hash"] = hash((self.shape, self.stride, self.dtype, self.scalar, self.shared))
+            h = self.__dict__["_hash"] = hash((self.shape, self.stride, self.dtype, self.key, self.shared))
         return h
 
     def __getstate__(self) -> dict:
@@ -95,7 +99,14 @@ def signature(v: Any) -> InputSig:
     """The InputSig of a host value."""
     if isinstance(v, torch.Tensor):
         return _tensor_signature(v.shape, v.stride(), v.dtype)
-    return InputSig(scalar=v)
+    return InputSig(scalar=v, key=scalar_key(v))
+
+
+def scalar_key(v: Any) -> tuple:
+    """A host scalar's type and, for a float (or complex), its bits: equal keys give equal programs."""
+    if isinstance(v, (float, complex)):
+        return type(v).__name__, struct.pack("<dd", v.real, v.imag)
+    return type(v).__name__, v
 
 
 @functools.lru_cache(maxsize=4096)
