@@ -154,6 +154,7 @@ class NeuronCore:
         # only when an instruction without a step asks for one (most never do)
         self._run_hbm: dict[str, torch.Tensor] = {}
         self._plans: dict[tuple[int, bool], _Plan] = {}  # by (id(program), packed); entries leave with it
+        self._scratch: dict[tuple, torch.Tensor] = {}
 
     # ---- memories -----------------------------------------------------------------
 
@@ -177,6 +178,17 @@ class NeuronCore:
     def unbind(self, name: str) -> None:
         """Forget HBM buffer ``hbm:<name>``."""
         self._memories.pop(f"hbm:{name}", None)
+
+    def scratch(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32, tag: str = "") -> torch.Tensor:
+        """A host buffer of ``shape`` for the steps of every program this core runs, one per (shape, dtype, tag): a
+        step uses its scratch only within its own call and steps run one at a time (under the device's lock), so
+        instructions of one shape share a buffer, which stays in the CPU's caches between them (a buffer of each
+        instruction's own had left them by its next run). ``tag`` tells apart buffers one step uses together."""
+        key = (tuple(shape), dtype, tag)
+        buf = self._scratch.get(key)
+        if buf is None:
+            buf = self._scratch[key] = torch.empty(shape, dtype=dtype)
+        return buf
 
     # ---- execution ----------------------------------------------------------------
 

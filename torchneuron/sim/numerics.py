@@ -430,9 +430,14 @@ def activation_fn(op: str | Callable) -> str:
 _VECTOR_BLOCK = 64
 
 
-def _in_place(op: str, n: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+Scratch = Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor]  # NeuronCore.scratch: shared step buffers
+
+
+def _in_place(op: str, n: int, dtype: torch.dtype, scratch: Scratch | None = None) -> Callable[[torch.Tensor],
+                                                                                                torch.Tensor]:
     """A function computing activation ``op`` of a contiguous buffer of n values in place (returning the buffer,
-    or for gelu_dx a scratch it owns): the torch calls of ``ACTIVATIONS[op]``, written into the buffer."""
+    or for gelu_dx a scratch it owns, or ``scratch``'s): the torch calls of ``ACTIVATIONS[op]``, written into the
+    buffer."""
     if op in ("identity", "copy"):
         return lambda buf: buf
     fn_out = exp_buffers() if op == "exp" else ACTIVATIONS_OUT.get(op)
@@ -442,30 +447,42 @@ def _in_place(op: str, n: int, dtype: torch.dtype) -> Callable[[torch.Tensor], t
         approximate = "none" if op == "gelu" else "tanh"
         return lambda buf: torch._C._nn.gelu(buf, approximate=approximate, out=buf)
     if op == "gelu_dx":
-        scratch: list[torch.Tensor] = []  # its two buffers, made on the first run
+        buffers: list[torch.Tensor] = []  # its two buffers, made on the first run
 
         def gelu_dx(buf: torch.Tensor) -> torch.Tensor:
-            if not scratch:
-                scratch.extend((torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)))
-            return _gelu_dx_into(buf, *scratch)
+            if not buffers:
+                buffers.extend(_gelu_dx_buffers(n, dtype, scratch))
+            return _gelu_dx_into(buf, *buffers)
         return gelu_dx
     fn = ACTIVATIONS[op]
     return lambda buf: buf.copy_(fn(buf))
 
 
-def activation_buffer(op: str, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+def _gelu_dx_buffers(n: int, dtype: torch.dtype, scratch: Scratch | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """gelu_dx's two buffers of n values: ``scratch``'s (shared by the steps of one core), else its own."""
+    if scratch is None:
+        return torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+    return scratch((n,), dtype, "gelu_dx cdf"), scratch((n,), dtype, "gelu_dx pdf")
+
+
+def activation_buffer(op: str, n: int, dtype: torch.dtype,
+                      scratch: Scratch | None = None) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
     """A buffer for ``n`` values of ``dtype`` (its first n elements: the caller fills them) and a function
     returning activation ``op`` of them, as ``apply_activation`` computes it, bit for bit: on whole vector
     blocks of a contiguous buffer, in place (no temporaries where torch has an out= form). The padding past n
     starts as zeros and then holds what the function made of it: each element's result depends on its value
-    alone, so what the padding holds changes no bit of the n values."""
+    alone, so what the padding holds changes no bit of the n values. ``scratch``: the buffers are a core's shared
+    step scratch where n fills whole blocks (a padded buffer stays the step's own: its padding then holds only
+    what this function left there, which keeps exp's choice of path)."""
     m = -(-n // _VECTOR_BLOCK) * _VECTOR_BLOCK
-    buf = torch.zeros(m, dtype=dtype)
-    fn = _in_place(op, m, dtype)
+    shared = scratch if m == n else None
+    buf = shared((m,), dtype, "activation") if shared is not None else torch.zeros(m, dtype=dtype)
+    fn = _in_place(op, m, dtype, shared)
     return buf, (lambda: fn(buf)) if m == n else (lambda: fn(buf)[:n])
 
 
-def activation_reader(op: str, n: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def activation_reader(op: str, n: int, dtype: torch.dtype,
+                      scratch: Scratch | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A function computing activation ``op`` of a tile of ``n`` values of ``dtype`` read straight from its view
     (any strides), into buffers of its own (the result: contiguous, in the tile's shape), with the bits of
     ``activation_buffer``'s evaluation without loading the tile first; None for the functions where that does not
@@ -473,7 +490,7 @@ def activation_reader(op: str, n: int, dtype: torch.dtype) -> Callable[[torch.Te
     exp run on contiguous buffers of the n values, as on the loaded buffer."""
     if op != "gelu_dx" or n % _VECTOR_BLOCK:
         return None
-    cdf, pdf = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+    cdf, pdf = _gelu_dx_buffers(n, dtype, scratch)
     return lambda x: _gelu_dx_into(x, cdf.view(x.shape), pdf.view(x.shape))
 
 

@@ -205,10 +205,12 @@ class Activation(Instr):
                 accumulate(y)
             if write_res is not None:
                 write_res()
-        reader = activation_reader(self.op, n, c) if scale is None and bias is None and xv.dtype == c else None
+        scratch = getattr(core, "scratch", None)  # (buffers shared by the core's steps stay in the CPU's caches)
+        reader = (activation_reader(self.op, n, c, scratch) if scale is None and bias is None and xv.dtype == c
+                  else None)
         if reader is not None:
             return lambda h: finish(reader(xv))  # the function of the tile's view, without loading it
-        buf, activate = activation_buffer(self.op, n, c)
+        buf, activate = activation_buffer(self.op, n, c, scratch)
         x = buf[:n].view(xv.shape)  # the loaded tile, contiguous: the layout apply_activation computes in
 
         def step(h):

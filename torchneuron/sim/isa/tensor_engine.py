@@ -155,6 +155,11 @@ def bmm_agrees(a: torch.Tensor, b: torch.Tensor) -> bool:
     return known
 
 
+def _scratch(core) -> Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor]:
+    """``core``'s shared step scratch (``NeuronCore.scratch``), or fresh buffers for an object without one."""
+    return getattr(core, "scratch", None) or (lambda shape, dtype, tag: torch.empty(shape, dtype=dtype))
+
+
 def _one_bank(instr: Instr, name: str) -> None:
     lo, hi = getattr(instr, name).byte_range
     if lo // PSUM_BANK_BYTES != (hi - 1) // PSUM_BANK_BYTES:
@@ -225,8 +230,9 @@ class NcMatmul(Instr):
         dst and of its group flags (None where dst's free dims do not flatten) and dst's box key."""
         k, m, n = self.kmn
         s, mv = matrix_view(self.stationary.view(sbuf), k, m), matrix_view(self.moving.view(sbuf), k, n)
-        s_f = torch.empty(k, m) if self.stationary.dtype != torch.float32 else None
-        mv_f = torch.empty(k, n) if self.moving.dtype != torch.float32 else None
+        scratch = _scratch(core)
+        s_f = scratch((k, m), torch.float32, "stationary") if self.stationary.dtype != torch.float32 else None
+        mv_f = scratch((k, n), torch.float32, "moving") if self.moving.dtype != torch.float32 else None
         s_t = s_f.T if s_f is not None else (s.T if s is not None else None)
         mv_use = mv_f if mv_f is not None else mv
         out2 = closed2 = None
@@ -234,7 +240,8 @@ class NcMatmul(Instr):
             out2, closed2 = matrix_view(self.dst.view(psum), m, n), matrix_view(_psum_closed(self, core, self.dst), m, n)
             if out2 is None or closed2 is None:
                 out2 = closed2 = None
-        state = (sbuf, psum, s, s_f, s_t, mv, mv_f, mv_use, torch.empty(m, n), out2, closed2, _box(self.dst))
+        state = (sbuf, psum, s, s_f, s_t, mv, mv_f, mv_use, scratch((m, n), torch.float32, "product"), out2, closed2,
+                 _box(self.dst))
         self.__dict__["_mm"] = state
         return state
 
@@ -616,13 +623,15 @@ def _run_step(core, run: list[tuple]) -> Step | None:
     if not all(writes_once(view.shape, view.stride()) for view in batch):
         return None
     values, out = batch[:2], batch[2]
+    scratch = _scratch(core)
     # each operand side as the array reads it: fp32 values in place, else fp32 scratch the step converts them into
-    stationary, moving = (v if v.dtype == torch.float32 else torch.empty(v.shape) for v in values)
+    stationary, moving = (v if v.dtype == torch.float32 else scratch(tuple(v.shape), torch.float32, f"run {side}")
+                          for v, side in zip(values, ("stationary", "moving")))
     converts = tuple((f, v) for f, v in zip((stationary, moving), values) if f is not v)
     stationary = stationary.transpose(1, 2)
     if not bmm_agrees(stationary, moving):
         return None
-    product = torch.empty(out.shape)
+    product = scratch(tuple(out.shape), torch.float32, "run product")
     psum, opens = core.memory("psum"), tuple((closed, box) for *_, closed, box in run)
     open_boxes, bmm = psum.open_boxes, torch.bmm
 
