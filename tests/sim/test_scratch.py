@@ -24,12 +24,15 @@ def _interleaved() -> Program:
     """Like instructions interleaved: two accumulation chains of bf16 products (conversion and product scratch) into
     two PSUM tiles taking turns, GELU and its derivative of two tiles each, read straight from SBUF and loaded first
     (a scale), all stored."""
-    x, out = tile("hbm:x", F32, (128, 1024)), tile("hbm:out", F32, (8 * 128, 256))
+    x, out = tile("hbm:x", F32, (128, 1024)), tile("hbm:out", F32, (10 * 128, 256))
+    y = tile("hbm:y", F32, (128, 512))
     xs = [tile("sbuf", F32, (128, 256), offset=1024 * i) for i in range(4)]
     ws = [tile("sbuf", BF16, (128, 128), offset=8192 + 256 * i) for i in range(4)]
     acc = [tile("psum", F32, (128, 128), offset=2048 * i) for i in range(2)]
-    res = [tile("sbuf", F32, (128, 256), offset=16384 + 1024 * i) for i in range(8)]
+    res = [tile("sbuf", F32, (128, 256), offset=16384 + 1024 * i) for i in range(10)]
+    ys = [tile("sbuf", F32, (128, 256), offset=28672 + 1024 * i) for i in range(2)]
     prog = [isa.dma_copy(dst=t, src=x[:, 256 * i:256 * (i + 1)]) for i, t in enumerate(xs)]
+    prog += [isa.dma_copy(dst=t, src=y[:, 256 * i:256 * (i + 1)]) for i, t in enumerate(ys)]
     prog += [isa.tensor_copy(dst=w, src=xs[i][:, :128]) for i, w in enumerate(ws)]
     for k in range(4):   # chain 0 takes ws[k] x ws[k+1], chain 1 ws[k+1] x ws[k]: each step between the other's
         for c in range(2):
@@ -40,8 +43,13 @@ def _interleaved() -> Program:
     for i, op in enumerate(("gelu_dx", "gelu", "gelu_dx", "gelu")):
         prog.append(isa.activation(dst=res[2 + i], op=op, data=xs[i]))
     prog += [isa.activation(dst=res[6 + i], op="gelu_dx", data=xs[i], scale=0.5) for i in range(2)]
+    # exp of masked scores (its clamped route, with mask buffers) taking turns with GELU's
+    for i in range(2):
+        prog += [isa.activation(dst=res[8 + i], op="exp", data=ys[i]),
+                 isa.activation(dst=res[2 + i], op="gelu_dx" if i == 0 else "gelu", data=xs[i])]
     prog += [isa.dma_copy(dst=out[128 * i:128 * (i + 1)], src=r) for i, r in enumerate(res)]
-    return Program(prog, [ArgSlot("x", (128, 1024), F32), ArgSlot("out", (8 * 128, 256), F32, "output")])
+    return Program(prog, [ArgSlot("x", (128, 1024), F32), ArgSlot("y", (128, 512), F32),
+                          ArgSlot("out", (10 * 128, 256), F32, "output")])
 
 
 def test_interleaved_like_instructions_give_the_bits_of_their_own_buffers(monkeypatch):
@@ -50,11 +58,16 @@ def test_interleaved_like_instructions_give_the_bits_of_their_own_buffers(monkey
     special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0, 1e-40, -30.0])
     for i in range(4):   # in each tile's columns the products do not read
         x[i, 256 * i + 128:256 * i + 136] = special
-    shared = NeuronCore("trn2", pack_tiles=False).run(program, {"x": x.clone()}, timed=False).outputs["out"]
+    y = torch.randn(128, 512, generator=torch.Generator().manual_seed(1))
+    y[:, 100:] = torch.where(torch.rand(128, 412, generator=torch.Generator().manual_seed(2)) < 0.5, -1e30, y[:, 100:])
+    inputs = {"x": x, "y": y}
+    shared = NeuronCore("trn2", pack_tiles=False).run(program, {k: v.clone() for k, v in inputs.items()},
+                                                      timed=False).outputs["out"]
     monkeypatch.setattr(NeuronCore, "scratch", lambda self, shape, dtype=F32, tag="": torch.empty(shape, dtype=dtype))
     for instr in program.instructions:   # (a matmul keeps its views and buffers per core)
         instr.__dict__.pop("_mm", None)
-    own = NeuronCore("trn2", pack_tiles=False).run(program, {"x": x.clone()}, timed=False).outputs["out"]
+    own = NeuronCore("trn2", pack_tiles=False).run(program, {k: v.clone() for k, v in inputs.items()},
+                                                   timed=False).outputs["out"]
     assert torch.equal(shared.view(torch.int32), own.view(torch.int32))
     # and what they compute (fp32 products of bf16-rounded values; PyTorch's GELU)
     w = [x[:, 256 * i:256 * i + 128].to(BF16).float() for i in range(4)]
@@ -63,3 +76,4 @@ def test_interleaved_like_instructions_give_the_bits_of_their_own_buffers(monkey
     gelu, ref = shared[3 * 128:4 * 128], torch.nn.functional.gelu(x[:, 256:512].contiguous())
     assert torch.equal(gelu[1, 128:136].isnan(), ref[1, 128:136].isnan())   # (PyTorch's CPU GELU of +-inf: NaN)
     assert torch.allclose(gelu, ref, rtol=1e-6, atol=1e-7, equal_nan=True)
+    assert torch.equal(shared[8 * 128:], torch.cat([torch.exp(y[:, :256]), torch.exp(y[:, 256:])]))
