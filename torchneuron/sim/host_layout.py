@@ -300,9 +300,9 @@ def _units(accesses: list, span: int, instructions) -> list[tuple] | None:
 
 
 def _keep_matmul_runs(sets: _Sets, accesses: list, by_instr: dict[int, list[int]], instructions) -> None:
-    """Join the SBUF operands of the matmuls the core runs as one batched product (``tensor_engine.batch_matmuls``:
-    consecutive matmuls continuing a run, ``extends_matmul_run``), side by side: moving them apart would break the run
-    into single products."""
+    """Join the operands (in the memory ``accesses`` are of: SBUF, or PSUM's results) of the matmuls the core runs as
+    one batched product (``tensor_engine.batch_matmuls``: consecutive matmuls continuing a run, ``extends_matmul_run``),
+    side by side: moving them apart would break the run into single products."""
     run: list[int] = []
     for t, instr in enumerate(instructions):
         if run_operands(instr) is None:

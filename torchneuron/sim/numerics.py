@@ -433,6 +433,11 @@ _VECTOR_BLOCK = 64
 Scratch = Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor]  # NeuronCore.scratch: shared step buffers
 
 
+def fresh_scratch(shape: tuple[int, ...], dtype: torch.dtype, tag: str) -> torch.Tensor:
+    """A ``Scratch`` of a step's own (where no core shares its buffers): a new buffer per call."""
+    return torch.empty(shape, dtype=dtype)
+
+
 def _in_place(op: str, n: int, dtype: torch.dtype, scratch: Scratch | None = None) -> Callable[[torch.Tensor],
                                                                                                 torch.Tensor]:
     """A function computing activation ``op`` of a contiguous buffer of n values in place (returning the buffer,
@@ -460,8 +465,7 @@ def _in_place(op: str, n: int, dtype: torch.dtype, scratch: Scratch | None = Non
 
 def _gelu_dx_buffers(n: int, dtype: torch.dtype, scratch: Scratch | None) -> tuple[torch.Tensor, torch.Tensor]:
     """gelu_dx's two buffers of n values: ``scratch``'s (shared by the steps of one core), else its own."""
-    if scratch is None:
-        return torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+    scratch = scratch or fresh_scratch
     return scratch((n,), dtype, "gelu_dx cdf"), scratch((n,), dtype, "gelu_dx pdf")
 
 

@@ -13,7 +13,8 @@ import torch
 
 from torchneuron.sim.instruction import CostInputs, Engine, Footprint
 from torchneuron.sim.memory import PMAX, AP, SimulatorError, store
-from torchneuron.sim.numerics import INT_DTYPES, apply_alu, as_scalar, dtype_name, torch_name
+from torchneuron.sim.numerics import (INT_DTYPES, Scratch, apply_alu, as_scalar, dtype_name, fresh_scratch,
+                                      torch_name)
 
 
 if TYPE_CHECKING:
@@ -373,6 +374,11 @@ def fused_rhs(core, value, nd: int) -> torch.Tensor | None:
     dims, or a planned scalar as its cached 0-d tensor (what ``fused_into`` passes); None where
     the tile's view cannot be reshaped without a copy."""
     return column_view(core, value, nd) if isinstance(value, AP) else _f32(value)
+
+
+def step_scratch(core) -> Scratch:
+    """``core``'s shared step scratch (``NeuronCore.scratch``), or fresh buffers for an object without one."""
+    return getattr(core, "scratch", None) or fresh_scratch
 
 
 def matrix_view(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ from torchneuron.sim.numerics import (ACTIVATIONS_OUT, REDUCE_IDENTITY, activati
                                       compute_dtype, dtype_name, exp_buffers, exp_out, reduce_op)
 from torchneuron.sim.isa.common import (FUSED_ALU_FN, Instr, Operand, Step, checked_reduce_cmd, column_view,
                                         disjoint_or_same, fused_into, fused_rhs, load_tile, matrix_view,
-                                        planned_operand)
+                                        planned_operand, step_scratch)
 
 
 # ---- ScalarE activation ------------------------------------------------------------------------
@@ -205,7 +205,7 @@ class Activation(Instr):
                 accumulate(y)
             if write_res is not None:
                 write_res()
-        scratch = getattr(core, "scratch", None)  # (buffers shared by the core's steps stay in the CPU's caches)
+        scratch = step_scratch(core)  # (buffers shared by the core's steps stay in the CPU's caches)
         reader = (activation_reader(self.op, n, c, scratch) if scale is None and bias is None and xv.dtype == c
                   else None)
         if reader is not None:

@@ -11,7 +11,7 @@ from torchneuron.sim.instruction import CostInputs, Engine
 from torchneuron.sim.memory import PMAX, AP, Memory, SIM_THREADS, SimulatorError, store, writes_once
 from torchneuron.sim.numerics import dtype_name
 from torchneuron.sim.isa.common import (GEMM_MOVING_FMAX, GEMM_STATIONARY_FMAX, Instr, MATMUL_DTYPES, PSUM_BANK_BYTES,
-                                        Step, TENSOR_TRANSPOSE_MAX, VECTOR_TRANSPOSE_MAX, matrix_view)
+                                        Step, TENSOR_TRANSPOSE_MAX, VECTOR_TRANSPOSE_MAX, matrix_view, step_scratch)
 
 
 # ---- TensorE --------------------------------------------------------------------------------
@@ -155,11 +155,6 @@ def bmm_agrees(a: torch.Tensor, b: torch.Tensor) -> bool:
     return known
 
 
-def _scratch(core) -> Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor]:
-    """``core``'s shared step scratch (``NeuronCore.scratch``), or fresh buffers for an object without one."""
-    return getattr(core, "scratch", None) or (lambda shape, dtype, tag: torch.empty(shape, dtype=dtype))
-
-
 def _one_bank(instr: Instr, name: str) -> None:
     lo, hi = getattr(instr, name).byte_range
     if lo // PSUM_BANK_BYTES != (hi - 1) // PSUM_BANK_BYTES:
@@ -230,7 +225,7 @@ class NcMatmul(Instr):
         dst and of its group flags (None where dst's free dims do not flatten) and dst's box key."""
         k, m, n = self.kmn
         s, mv = matrix_view(self.stationary.view(sbuf), k, m), matrix_view(self.moving.view(sbuf), k, n)
-        scratch = _scratch(core)
+        scratch = step_scratch(core)
         s_f = scratch((k, m), torch.float32, "stationary") if self.stationary.dtype != torch.float32 else None
         mv_f = scratch((k, n), torch.float32, "moving") if self.moving.dtype != torch.float32 else None
         s_t = s_f.T if s_f is not None else (s.T if s is not None else None)
@@ -623,7 +618,7 @@ def _run_step(core, run: list[tuple]) -> Step | None:
     if not all(writes_once(view.shape, view.stride()) for view in batch):
         return None
     values, out = batch[:2], batch[2]
-    scratch = _scratch(core)
+    scratch = step_scratch(core)
     # each operand side as the array reads it: fp32 values in place, else fp32 scratch the step converts them into
     stationary, moving = (v if v.dtype == torch.float32 else scratch(tuple(v.shape), torch.float32, f"run {side}")
                           for v, side in zip(values, ("stationary", "moving")))
