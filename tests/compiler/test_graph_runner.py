@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from torchneuron import _C
 from torchneuron.compiler import graph_runner
 from torchneuron.compiler.codegen import InputSig, signature, signatures
 from torchneuron.compiler.graph_runner import CompiledGraph
@@ -304,6 +305,82 @@ def test_host_scalars_of_other_bits_or_types_get_other_input_sigs():
     assert signature(nan) == signature(float("nan")) and {signature(nan): 1}[signature(float("nan"))] == 1
     assert signature(-0.0) == signature(-0.0) and signature(True) == signature(True)
     assert math.copysign(1.0, signature(-0.0).scalar) == -1.0   # (the value the program is traced with)
+
+
+def _value_pool(seed: int) -> list[list]:
+    """Random segment input lists: device tensors of a few layouts and dtypes (fresh, or views of one storage at
+    various offsets, one of them twice), CPU tensors, and host scalars."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.zeros(64, device="neuron")
+    ints = torch.zeros(64, dtype=torch.int32, device="neuron")
+
+    def tensor() -> torch.Tensor:
+        kind = int(torch.randint(6, (1,), generator=gen))
+        off = int(torch.randint(0, 8, (1,), generator=gen))
+        if kind == 0:
+            return torch.zeros(4, 6, device="neuron")
+        if kind == 1:
+            return base[off:off + 24].view(4, 6)
+        if kind == 2:
+            return base[off:off + 24].view(6, 4).t()
+        if kind == 3:
+            return ints[off:off + 24].view(4, 6)
+        if kind == 4:
+            return base.view(torch.int32)[off:off + 24].view(4, 6)    # the float storage as int32: another group
+        return torch.zeros(4, 6)
+    scalars = [0.0, -0.0, 1, 1.0, True, False, None, float("nan"), 2.5]
+    pool = []
+    for _ in range(300):
+        values = [tensor() if torch.rand(1, generator=gen) < 0.7
+                  else scalars[int(torch.randint(len(scalars), (1,), generator=gen))] for _ in range(3)]
+        if torch.rand(1, generator=gen) < 0.2 and isinstance(values[0], torch.Tensor):
+            values[2] = values[0]                                          # one tensor twice
+        pool.append(values)
+    return pool
+
+
+def test_equal_layout_keys_give_equal_signatures():
+    """``_C._layout_key`` (the graph runner's per-call lookup of a bound program) holds what the inputs' signatures
+    are made from: of 300 random input lists, two with equal keys have equal signatures (layouts, scalars' bits and
+    types, which inputs share a storage and where), and two with equal signatures and no shared storage have equal
+    keys where no two device tensors share a storage (fresh tensors of a layout seen before find its program)."""
+    pool = _value_pool(0)
+    keys = [_C._layout_key(v) for v in pool]
+    sigs = [signatures(v) for v in pool]
+    assert all(k is not None for k in keys)
+    by_key: dict = {}
+    for k, s in zip(keys, sigs):
+        assert by_key.setdefault(k, s) == s
+    assert len(by_key) > 50                              # (the pool is varied)
+    def shares(values: list) -> bool:
+        groups = [(v.untyped_storage().data_ptr(), v.dtype) for v in values
+                  if isinstance(v, torch.Tensor) and not v.is_cpu]
+        return len(set(groups)) < len(groups)
+    unshared = [(k, s, v) for k, s, v in zip(keys, sigs, pool) if not shares(v)]
+    assert len(unshared) > 100
+    by_sig: dict = {}
+    for k, s, v in unshared:   # (the key also tells a CPU tensor from a device one: they are bound differently)
+        by_sig.setdefault((*s, *(str(x.device) for x in v if isinstance(x, torch.Tensor))), set()).add(k)
+    assert all(len(ks) == 1 for ks in by_sig.values())
+
+
+def test_layout_keys_tell_scalars_and_sharing_apart_and_leave_other_values_to_signatures():
+    """Scalars as ``scalar_key`` tells them apart (0.0 / -0.0, 1 / 1.0 / True, a NaN equal to itself); views of one
+    storage differ from two storages and from other offsets in it; a value the key does not describe (a complex,
+    a NumPy scalar, an int beyond 64 bits, a list) gives None: that call computes its signatures."""
+    scalars = [0.0, -0.0, 1, 1.0, True, float("nan"), float("inf"), None]
+    keys = [_C._layout_key([s]) for s in scalars]
+    assert len(set(keys)) == len(scalars) and _C._layout_key([float("nan")]) == keys[5]
+    base = torch.zeros(48, device="neuron")
+    two = _C._layout_key([base[:24].view(4, 6), torch.zeros(4, 6, device="neuron")])
+    one = _C._layout_key([base[:24].view(4, 6), base[24:].view(4, 6)])
+    moved = _C._layout_key([base[:24].view(4, 6), base[20:44].view(4, 6)])
+    assert len({two, one, moved}) == 3
+    wide = torch.zeros(100, device="neuron")                 # the same sharing elsewhere in a storage: the same key
+    assert _C._layout_key([wide[30:54].view(4, 6), wide[54:78].view(4, 6)]) == one
+    import numpy as np
+    for odd in (1j, np.float64(1.0), 2 ** 70, [1.0]):
+        assert _C._layout_key([base, odd]) is None
 
 
 def test_an_eager_node_raising_raises_the_cpu_error_and_the_next_call_runs(graphs):

@@ -55,6 +55,9 @@ class CompiledGraph:
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.output_node = next(n for n in gm.graph.nodes if n.op == "output")
         self.programs: dict[tuple, _Binding | str] = {}   # per input signature: its bound program, or EAGER
+        # per segment: (bound program, device) by the inputs' layout key (``_C._layout_key``: what their signatures
+        # are made from), so that a call with inputs laid out as before computes no signatures
+        self.by_layout: list[dict[bytes, tuple]] = [{} for _ in self.plan.segments]
         self.report = GraphReport.of(name, self.plan, time.perf_counter() - t0)
         self.fingerprints = [cache.segment_fingerprint(self.plan, s) for s in self.plan.segments]
         self.zero_variants: dict[tuple[int, ...], CompiledGraph | None] = {}
@@ -118,15 +121,15 @@ class CompiledGraph:
 
     def _segment(self, seg: Segment, values: list, env: dict) -> None:
         """Run ``seg`` on its input values: launch its program for their signatures (or run its nodes eagerly)."""
-        sigs = signatures(values)
-        device = next((v.device for v in values if isinstance(v, torch.Tensor) and v.device.type == "neuron"), None)
-        if device is None:   # a segment reading no device tensor (an ``arange``): the device its results are on
-            device = next(t.device for n in seg.outputs for t in tensor_values(n) if t.device.type == "neuron")
-        key = (seg.index, device.index if device is not None else None, *sigs)
-        bound = self.programs.get(key)
-        if bound is None:
-            prog = self._compile(seg, sigs, device)
-            bound = self.programs[key] = prog if prog is EAGER else _Binding.of(prog, sigs, seg)
+        # fast path: the inputs' layout key (``_C._layout_key``) seen before gives the bound program and device
+        layout = _C._layout_key(values)
+        known = self.by_layout[seg.index]
+        found = known.get(layout) if layout is not None else None
+        if found is None:
+            found = self._bound(seg, values)
+            if layout is not None:
+                known[layout] = found
+        bound, device = found
         if bound is EAGER:
             self._eager(seg, env)
             return
@@ -158,6 +161,20 @@ class CompiledGraph:
                 env[node] = torch.empty(lay.shape, dtype=lay.dtype, device=device)
             else:
                 env[node] = lay.scalar
+
+    def _bound(self, seg: Segment, values: list) -> tuple[_Binding | str, torch.device]:
+        """(``seg``'s bound program for its input values' signatures, traced or loaded on first use, or EAGER; the
+        device it runs on)."""
+        sigs = signatures(values)
+        device = next((v.device for v in values if isinstance(v, torch.Tensor) and v.device.type == "neuron"), None)
+        if device is None:   # a segment reading no device tensor (an ``arange``): the device its results are on
+            device = next(t.device for n in seg.outputs for t in tensor_values(n) if t.device.type == "neuron")
+        key = (seg.index, device.index, *sigs)
+        bound = self.programs.get(key)
+        if bound is None:
+            prog = self._compile(seg, sigs, device)
+            bound = self.programs[key] = prog if prog is EAGER else _Binding.of(prog, sigs, seg)
+        return bound, device
 
     def _compile(self, seg: Segment, sigs: list, device: torch.device | None) -> SegmentProgram | str:
         """The segment's program for these signatures: from the cache, else traced (and stored)."""
