@@ -12,7 +12,7 @@ void bind_process_group(py::module_& m);  // process_group.cpp: the `neuron` c10
 void bind_profiler(py::module_& m);       // profiler.cpp: kernel launches in torch.profiler
 void bind_memory_history(py::module_& m); // memory_snapshot.cpp: allocator history and snapshots
 void bind_launch(py::module_& m);         // launch.cpp: a launch's slot tensors and their host aliases
-void bind_layout_key(py::module_& m);     // layout_key.cpp: a compiled segment's inputs as one lookup key
+void bind_segment_call(py::module_& m);   // segment_call.cpp: a compiled segment's input key and output views
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -54,5 +54,5 @@ PYBIND11_MODULE(_C, m) {
   torchneuron::bind_profiler(m);
   torchneuron::bind_memory_history(m);
   torchneuron::bind_launch(m);
-  torchneuron::bind_layout_key(m);
+  torchneuron::bind_segment_call(m);
 }

@@ -153,11 +153,9 @@ class CompiledGraph:
         for check, pos in zip(prog.checks, bound.checks):   # device-side assertions (one host read each, as the
             if out[pos].reshape(-1)[0].item():                # eager ops read them)
                 raise _ERRORS[check.error](check.message)
-        for node, lay, pos in bound.outputs:
-            if pos is not None:   # (as_strided places a view in the slot's storage, whatever the slot's shape)
-                t = out[pos] if lay.dtype is None else out[pos].reshape(-1).view(lay.dtype)   # int32 words of int64
-                env[node] = t.as_strided(lay.shape, lay.stride, lay.offset)
-            elif lay.dtype is not None:   # a placeholder the program does not compute (never read)
+        env.update(zip(bound.slot_outputs, bound.slot_views(out)))
+        for node, lay in bound.host_outputs:
+            if lay.dtype is not None:   # a placeholder the program does not compute (never read)
                 env[node] = torch.empty(lay.shape, dtype=lay.dtype, device=device)
             else:
                 env[node] = lay.scalar
@@ -207,15 +205,18 @@ class _Binding:
     """A segment's program for one input signature, with where each argument goes in its launch's slot order
     worked out once: per bound input (its position among the segment's inputs, its slot's position, the slot's
     length, the input's offset in the slot, whether it is int64 bound as int32 words, whether it is its whole
-    slot as it is: ``_whole_slot``), the host scalars' slot,
-    the arena's, each check's, and per output (its node, its layout, its slot's position or None)."""
+    slot as it is: ``_whole_slot``), the host scalars' slot, the arena's, each check's, the outputs in slots
+    (their nodes, and ``_C._SlotViews`` making their views of the launch's slots: as_strided in the slot's
+    storage, whatever the slot's shape; an int64 output as its slot's int32 words) and the others (node, layout)."""
 
     prog: SegmentProgram
     inputs: list[tuple[int, int, int, int, bool, bool]]
     host_scalars: int | None
     arena: int | None
     checks: list[int]
-    outputs: list[tuple[fx.Node, OutputLayout, int | None]]
+    slot_outputs: list[fx.Node]
+    slot_views: Any
+    host_outputs: list[tuple[fx.Node, OutputLayout]]
 
     @staticmethod
     def of(prog: SegmentProgram, sigs: list, seg: Segment) -> _Binding:
@@ -223,10 +224,13 @@ class _Binding:
         index = prog.slot_index
         inputs = [(i, index[slot], max(sig.slot_span, 1), sig.slot_offset, sig.dtype == torch.int64, _whole_slot(sig))
                   for i, (sig, slot) in enumerate(zip(sigs, prog.input_slots)) if slot is not None]
-        outputs = [(node, lay, None if lay.slot is None else index[lay.slot]) for node, lay in zip(seg.outputs,
-                                                                                                 prog.outputs)]
-        return _Binding(prog, inputs, index.get(HOST_SCALARS), index.get(ARENA),
-                        [index[c.slot] for c in prog.checks], outputs)
+        in_slots = [(node, lay) for node, lay in zip(seg.outputs, prog.outputs) if lay.slot is not None]
+        views = _C._SlotViews([index[lay.slot] for _, lay in in_slots], [list(lay.shape) for _, lay in in_slots],
+                              [list(lay.stride) for _, lay in in_slots], [lay.offset for _, lay in in_slots],
+                              [lay.dtype for _, lay in in_slots])
+        return _Binding(prog, inputs, index.get(HOST_SCALARS), index.get(ARENA), [index[c.slot] for c in prog.checks],
+                        [node for node, _ in in_slots], views,
+                        [(node, lay) for node, lay in zip(seg.outputs, prog.outputs) if lay.slot is None])
 
 
 def _whole_slot(sig: InputSig) -> bool:
