@@ -38,8 +38,9 @@ void put(std::string& out, int64_t v) { out.append(reinterpret_cast<const char*>
 // not describe (a scalar of another type, an int beyond 64 bits): the caller then takes the signatures' path.
 // Per tensor: its dtype, device, sizes and strides, the index of the first input sharing its storage and dtype
 // (device tensors only; itself if none), and where it shares, its storage offset from the lowest of the inputs it
-// shares with (the signatures' offsets in their slot; a buffer at another place in its storage gives the same key). Per scalar: its type and value
-// (a float's bits: 0.0 and -0.0 differ, a NaN equals itself).
+// shares with (what the signatures' offsets in their slot come from: the same buffer at another place in its
+// storage gives the same key). Per scalar: its type and value (a float's bits: 0.0 and -0.0 differ, a NaN
+// equals itself).
 py::object layout_key(const py::list& values) {
   const size_t n = values.size();
   std::vector<const at::Tensor*> tensors(n, nullptr);
@@ -136,7 +137,7 @@ class SlotViews {
 void bind_segment_call(py::module_& m) {
   m.def("_layout_key", &layout_key,
         "What a compiled segment's input signatures are made from, as bytes (None: a value it does not describe).");
-  py::class_<SlotViews>(m, "_SlotViews", "A segment program's outputs as views of its launch's slots (see segment_call.cpp).")
+  py::class_<SlotViews>(m, "_SlotViews", "A segment program's outputs as views of its launch's slots.")
       .def(py::init<std::vector<int64_t>, std::vector<std::vector<int64_t>>, std::vector<std::vector<int64_t>>,
                     std::vector<int64_t>, std::vector<std::optional<at::ScalarType>>>())
       .def("__call__", &SlotViews::operator(), "The outputs' views of the launch's slot tensors.");
