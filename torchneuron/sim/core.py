@@ -89,10 +89,10 @@ class _Plan:
         slots = {k: (i, s) for i, (k, s) in enumerate(zip(self.keys, program.args))}
         ordered = (host_order.demand_order(program.instructions) if order and not program.dynamic
                    else program.instructions)
-        entries, raises = self._prepare(core, program, ordered, pack, slots)
+        entries, raises, originals = self._prepare(core, program, ordered, pack, slots)
         if raises and ordered is not program.instructions:
-            entries, _ = self._prepare(core, program, program.instructions, pack, slots)
-        self.entries = entries
+            entries, _, originals = self._prepare(core, program, program.instructions, pack, slots)
+        self.entries, self.originals = entries, originals
         # what a run executes: runs of plain copies, and of independent matmuls of one layout,
         # as one call each (a dynamic program's control instructions jump between ``entries``, so it runs those)
         self.batched = (self.entries if program.dynamic
@@ -100,15 +100,17 @@ class _Plan:
         # scratch slots, and output slots a run may leave unbound: allocated per run
         self.fills = tuple(i for i, s in enumerate(program.args) if s.kind != "input")
 
-    def _prepare(self, core: "NeuronCore", program: Program, ordered: Sequence[Instr], pack: bool,
-                 slots: dict) -> tuple[tuple, bool]:
+    @staticmethod
+    def _prepare(core: "NeuronCore", program: Program, ordered: Sequence[Instr], pack: bool,
+                 slots: dict) -> tuple[tuple, bool, dict]:
         """The entries (instr, step, closes) of ``ordered`` (packed with ``pack`` where ``host_layout`` gives a
-        packing; ``originals`` set), and whether an instruction failed to prepare (its ``execute`` will raise)."""
+        packing), whether an instruction failed to prepare (its ``execute`` will raise), and each moved
+        instruction's original by id (``originals``)."""
         instructions = (host_layout.packed(program, core.sbuf.bytes_per_partition, ordered,
                                            psum=(core.psum.bytes_per_partition, core.psum.bank_bytes))
                         if pack else None)
-        self.originals = ({id(new): old for new, old in zip(instructions, ordered) if new is not old}
-                          if instructions is not None else {})
+        originals = ({id(new): old for new, old in zip(instructions, ordered) if new is not old}
+                     if instructions is not None else {})
         entries, raises = [], False
         for instr in instructions or ordered:
             make = getattr(instr, "step", None)
@@ -122,7 +124,7 @@ class _Plan:
                 closes = tuple(flags[f.partitions[0]:f.partitions[1], f.byte_range[0] // 4:-(-f.byte_range[1] // 4)]
                                for f in instr.psum_writes)
             entries.append((instr, step, closes))
-        return tuple(entries), raises
+        return tuple(entries), raises, originals
 
 
 class NeuronCore:

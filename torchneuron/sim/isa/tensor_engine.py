@@ -554,14 +554,21 @@ class NcMatmulTiled(Instr):
 # matmul's write opens its accumulation group; the run opens its matmuls' groups after the products, in order (an
 # overwrite does not read the flags, so they end as the steps one by one leave them).
 
-def run_operands(instr: Instr) -> tuple[AP, AP, AP] | None:
-    """(stationary, moving, dst) of a matmul that can join a batched run (an overwrite of one part, not transpose
-    mode); None for any other instruction."""
+def _run_matmul(instr: Instr) -> NcMatmul | None:
+    """The plain matmul ``instr`` runs as where it can join a batched run (an overwrite of one part, not transpose
+    mode: itself, or a tiled matmul's one part); None for any other instruction."""
     if type(instr) is NcMatmulTiled and len(instr._parts) == 1:
         instr = instr._parts[0]
     if type(instr) is not NcMatmul or instr.accumulate is not False or instr.is_transpose:
         return None
-    return instr.stationary, instr.moving, instr.dst
+    return instr
+
+
+def run_operands(instr: Instr) -> tuple[AP, AP, AP] | None:
+    """(stationary, moving, dst) of a matmul that can join a batched run (``_run_matmul``); None for any other
+    instruction."""
+    mm = _run_matmul(instr)
+    return None if mm is None else (mm.stationary, mm.moving, mm.dst)
 
 
 def _operand_steps(a: tuple[AP, ...], b: tuple[AP, ...]) -> tuple[tuple[int, int], ...]:
@@ -589,9 +596,10 @@ def _batchable(instr: Instr, core) -> tuple | None:
     """(stationary [K, M], moving [K, N], dst [M, N], group flags, box): the views of a matmul that can join a batched
     run (``run_operands``; operands viewed in place, into an fp32 PSUM view), from its step's state on ``core``; None
     for any other instruction."""
-    if run_operands(instr) is None:
+    mm = _run_matmul(instr)
+    if mm is None:
         return None
-    state = (instr._parts[0] if type(instr) is NcMatmulTiled else instr).__dict__.get("_mm")
+    state = mm.__dict__.get("_mm")
     if state is None or state[0] is not core.sbuf:
         return None
     _, _, s, _, _, mv, _, _, _, out, closed, box = state
