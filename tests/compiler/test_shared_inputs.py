@@ -90,3 +90,66 @@ def test_attention_backward_reads_q_k_v_of_one_projection_from_one_slot(tmp_path
     # q, k, v each span all rows but two heads' columns of the projection; the three together all of it
     qkv = [s for s in slots if f"[{B * T * 3 * H * E - 2 * H * E}]" in s or f"[{B * T * 3 * H * E}]" in s]
     assert len(qkv) == 1, slots
+
+
+def _flat_parameters(model: torch.nn.Module) -> torch.Tensor:
+    """Make ``model``'s parameters views of one device buffer, each at an offset past a gap (none at offset 0)."""
+    params = list(model.named_parameters())
+    buf = torch.zeros(sum(p.numel() + 3 for _, p in params) + 7, device="neuron")
+    off = 7
+    for name, p in params:
+        view = buf[off:off + p.numel()].view_as(p)
+        view.copy_(p.detach())
+        off += p.numel() + 3
+        *path, last = name.split(".")
+        owner = model
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, last, torch.nn.Parameter(view))
+    return buf
+
+
+def test_training_parameters_that_are_views_of_one_buffer_at_offsets():
+    """A compiled model and AdamW step whose parameters are views of one buffer at non-zero offsets (inputs of one
+    storage: one slot, bound from its lowest offset; the step's in-place updates there) give, bit for bit, the
+    losses, parameters and BatchNorm statistics of the same compiled training with a storage per parameter, and
+    the CPU's losses; the gaps between the parameters stay untouched."""
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    cpu = torch.nn.Sequential(torch.nn.Linear(6, 4, bias=False), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+    cpu_opt = torch.optim.AdamW(cpu.parameters(), lr=0.1)
+    cpu_losses = []
+    for _ in range(3):
+        loss = cpu(x).square().mean()
+        cpu_opt.zero_grad()
+        loss.backward()
+        cpu_opt.step()
+        cpu_losses.append(loss.detach())
+    runs = []
+    for flat in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 4, bias=False), torch.nn.BatchNorm1d(4),
+                                    torch.nn.Linear(4, 3)).to("neuron")
+        buf = _flat_parameters(model) if flat else None
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        fwd, step = torch.compile(model, backend="neuron"), torch.compile(opt.step, backend="neuron")
+        losses = []
+        for _ in range(3):
+            loss = fwd(x.to("neuron")).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            step()
+            losses.append(loss.detach().cpu())
+        runs.append((losses, [p.detach().cpu() for p in model.parameters()], model[1].running_var.cpu()))
+        if flat:
+            kept = torch.ones_like(buf, dtype=torch.bool)
+            for p in model.parameters():
+                start = p.storage_offset()
+                kept[start:start + p.numel()] = False
+            assert torch.equal(buf.cpu()[kept.cpu()], torch.zeros(int(kept.sum())))
+            assert all(p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for p in model.parameters())
+    (l0, p0, v0), (l1, p1, v1) = runs
+    assert all(torch.equal(a, b) for a, b in zip(l0 + p0 + [v0], l1 + p1 + [v1]))
+    # (the compiled step's bias corrections are fp32, eager AdamW's Python floats: 1e-4, the compiler's tolerance)
+    torch.testing.assert_close(torch.stack(l1), torch.stack(cpu_losses), rtol=1e-4, atol=0)
