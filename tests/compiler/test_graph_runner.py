@@ -367,7 +367,8 @@ def test_equal_layout_keys_give_equal_signatures():
 def test_layout_keys_tell_scalars_and_sharing_apart_and_leave_other_values_to_signatures():
     """Scalars as ``scalar_key`` tells them apart (0.0 / -0.0, 1 / 1.0 / True, a NaN equal to itself); views of one
     storage differ from two storages and from other offsets in it; a value the key does not describe (a complex,
-    a NumPy scalar, an int beyond 64 bits, a list) gives None: that call computes its signatures."""
+    a NumPy scalar, an int beyond 64 bits, a list, a tensor without storage) gives None: that call computes its
+    signatures."""
     scalars = [0.0, -0.0, 1, 1.0, True, float("nan"), float("inf"), None]
     keys = [_C._layout_key([s]) for s in scalars]
     assert len(set(keys)) == len(scalars) and _C._layout_key([float("nan")]) == keys[5]
@@ -379,7 +380,8 @@ def test_layout_keys_tell_scalars_and_sharing_apart_and_leave_other_values_to_si
     wide = torch.zeros(100, device="neuron")                 # the same sharing elsewhere in a storage: the same key
     assert _C._layout_key([wide[30:54].view(4, 6), wide[54:78].view(4, 6)]) == one
     import numpy as np
-    for odd in (1j, np.float64(1.0), 2 ** 70, [1.0]):
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (3,), check_invariants=True)
+    for odd in (1j, np.float64(1.0), 2 ** 70, [1.0], sparse):
         assert _C._layout_key([base, odd]) is None
 
 

@@ -35,7 +35,8 @@ struct PairHash {
 void put(std::string& out, int64_t v) { out.append(reinterpret_cast<const char*>(&v), sizeof v); }
 
 // The key of `values` (a segment's input values in order), or None where one of them is something the key does
-// not describe (a scalar of another type, an int beyond 64 bits): the caller then takes the signatures' path.
+// not describe (a scalar of another type, an int beyond 64 bits, a tensor without storage): the caller then takes
+// the signatures' path.
 // Per tensor: its dtype, device, sizes and strides, the index of the first input sharing its storage and dtype
 // (device tensors only; itself if none), and where it shares, its storage offset from the lowest of the inputs it
 // shares with (what the signatures' offsets in their slot come from: the same buffer at another place in its
@@ -50,6 +51,7 @@ py::object layout_key(const py::list& values) {
     PyObject* obj = values[i].ptr();
     if (!THPVariable_Check(obj)) continue;
     const at::Tensor& t = THPVariable_Unpack(obj);
+    if (!t.has_storage()) return py::none();  // (a sparse or nested tensor: the signatures' path says what it does)
     tensors[i] = &t;
     if (t.is_cpu()) continue;
     auto key = std::make_pair(static_cast<const void*>(t.storage().data()), static_cast<int64_t>(t.scalar_type()));
