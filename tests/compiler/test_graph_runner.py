@@ -179,6 +179,29 @@ def test_each_foreach_op_gives_its_aten_op_per_tensor_bit_for_bit(aten_op):
         assert [_bits(g) for g in got] == [_bits(w) for w in want]
 
 
+@pytest.mark.parametrize("aten_op", list(graph_runner._NUMBER_AS_TENSOR), ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_a_number_as_a_0d_tensor_of_the_op_dtype_gives_the_number_form_bits(aten_op, dtype):
+    """The tensor-list foreach form the graph runner calls for a number op on fp32 or fp64 tensors (the number as a
+    0-d tensor of that dtype) gives, per tensor, the bits of the aten op with the number: 0-d and 1-D tensors
+    holding +-0, +-inf, NaN, 65504, ints above 2**24, subnormals, a tenth; int, float, bool and negative-zero
+    numbers, including ones fp32 rounds (0.1, 1e-40)."""
+    op = graph_runner._NUMBER_AS_TENSOR[aten_op]
+    pattern = graph_runner._FOREACH[aten_op][1]
+    edges = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0, 2.0**24 + 1, 1e-40, -3.5, 0.9, 1.0, 0.1]
+    gen = torch.Generator().manual_seed(7)
+    for number in (1, 0.1, -0.0, 0.9, 2, 1e-40, True, 2.0**24 + 1):
+        tensors = [torch.tensor(0.999, dtype=dtype), torch.tensor(-0.0, dtype=dtype), torch.tensor(edges, dtype=dtype),
+                   (torch.randn(9, generator=gen) * 100).to(dtype), torch.tensor(3.0, dtype=dtype)]
+        try:
+            want = [aten_op(*[t if kind == "t" else number for kind in pattern]) for t in tensors]
+        except RuntimeError:   # (subtracting a bool: no graph holds it)
+            continue
+        const = torch.tensor(number, dtype=dtype)
+        got = op(*[[t.clone() for t in tensors] if kind == "t" else [const] * len(tensors) for kind in pattern])
+        assert [_bits(g) for g in got] == [_bits(w) for w in want]
+
+
 def test_a_run_is_one_foreach_call_only_of_independent_cpu_nodes_with_the_same_numbers(graphs):
     """Consecutive eager CPU ops are one foreach call only when none reads another's result, their numbers are the
     same (type, value, a zero's sign) and their tensors are on the CPU (not float64 neuron tensors: eager neuron

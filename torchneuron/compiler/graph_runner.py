@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from torchneuron import _C, runtime
 from torchneuron.compiler import cache
@@ -319,9 +320,20 @@ class _StepsSource:
 
     def foreach_call(self, run: list[fx.Node]) -> list[str]:
         """The lines running the nodes ``run`` as one call of their foreach op, each result put in ``env``
-        (an in-place op's: its first operand)."""
+        (an in-place op's: its first operand); the number as one 0-d tensor per node where ``_NUMBER_AS_TENSOR``
+        allows (each node's tensor fp32 or fp64, its result of that dtype: the same bits, in the foreach op's
+        tensor-list form, which is ~2.5x faster on the CPU than its number form)."""
         op, pattern = _FOREACH[run[0].target]
+        dtypes = {n.meta["val"].dtype for n in run} | {a.meta["val"].dtype for n in run for a in n.args
+                                                      if isinstance(a, fx.Node)}
+        as_tensor = _NUMBER_AS_TENSOR.get(run[0].target) if len(dtypes) == 1 else None
+        if as_tensor is not None and dtypes <= {torch.float32, torch.float64}:
+            number = next(a for a, kind in zip(run[0].args, pattern) if kind == "n")
+            with unset_fake_temporarily():   # (the graph is compiled under fake tensors; the constant is real)
+                const = self.ref(torch.tensor(number, dtype=dtypes.pop(), device="cpu"))
+            op, pattern = as_tensor, pattern.replace("n", "c")
         args = [f"[{', '.join(self.operand(n.args[pos], self.defined) for n in run)}]" if kind == "t"
+                else f"[{', '.join([const] * len(run))}]" if kind == "c"
                 else self.ref(run[0].args[pos]) for pos, kind in enumerate(pattern)]
         call, results = f"{self.ref(op._op)}({', '.join(args)})", ", ".join(f"env[{self.ref(n)}]" for n in run)
         self.foreach_runs.append((run[0].target, list(run)))
@@ -400,6 +412,12 @@ _FOREACH = {aten.add.Tensor: (aten._foreach_add.Scalar, "tn"), aten.sub.Tensor: 
             aten.reciprocal.default: (aten._foreach_reciprocal.default, "t"),
             aten.sqrt.default: (aten._foreach_sqrt.default, "t"), aten.copy_.default: (aten._foreach_copy_.default, "tt")}
 _IN_PLACE = {aten.copy_.default}   # their foreach op returns nothing; each node's value is its first operand
+# the tensor-list form of a number op's foreach op: the number as a 0-d tensor of the op's fp32 or fp64 dtype gives
+# the same bits (the CPU kernels read a scalar operand in that dtype; fp16/bf16 kernels would read the number in
+# fp32, which a 0-d tensor of their dtype cannot hold)
+_NUMBER_AS_TENSOR = {aten.add.Tensor: aten._foreach_add.List, aten.sub.Tensor: aten._foreach_sub.List,
+                     aten.mul.Tensor: aten._foreach_mul.List, aten.div.Tensor: aten._foreach_div.List,
+                     aten.pow.Scalar: aten._foreach_pow.List}
 
 
 def _on_cpu(node: fx.Node) -> bool:
