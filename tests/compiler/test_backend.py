@@ -101,6 +101,58 @@ def test_second_run_compiles_nothing_and_a_corrupt_entry_is_rebuilt(tmp_path):
     assert int(corrupt3) == 1 and int(misses3) == 1 and third == first
 
 
+def test_two_processes_compiling_at_once_share_the_cache_safely(tmp_path):
+    """Two processes compiling the same graphs at once into one empty cache directory: both get the values of a
+    run alone, neither reads a corrupt entry, no temporary file is left, and a third run reads every program from
+    disk (atomic writes: each entry is renamed into place whole)."""
+    alone = _run(SCRIPT, {"TORCHNEURON_CACHE_DIR": str(tmp_path / "alone")}).split()
+    shared = tmp_path / "shared"
+    env = {**os.environ, "TORCHNEURON_CACHE_DIR": str(shared)}
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(SCRIPT)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-3000:] for _, err in outs]
+    for out, _ in outs:
+        misses, hits, corrupt, value = out.split()
+        assert int(corrupt) == 0 and value == alone[3]
+    assert not list(shared.glob(".tmp-*")) and len(list(shared.glob("*.tnp"))) == int(alone[0])
+    misses, hits, corrupt, value = _run(SCRIPT, {"TORCHNEURON_CACHE_DIR": str(shared)}).split()
+    assert (int(misses), int(hits), int(corrupt), value) == (0, int(alone[0]), 0, alone[3])
+
+
+def test_a_reader_never_sees_a_partly_written_entry(tmp_path):
+    """One process rewriting a cache entry 300 times while another reads it 300 times: every read finds the whole
+    program (an entry is written to a temporary file and renamed into place)."""
+    writer = """
+        import torch, torchneuron
+        from torchneuron.compiler import cache
+        torch.compile(lambda x: torch.tanh(x) * 3 + 1, backend="neuron")(torch.ones(64, 96, device="neuron"))
+        (key, prog), = cache._memory.items()
+        print(key, flush=True)
+        for _ in range(300):
+            cache.store(key, prog)
+    """
+    reader = """
+        import sys, time, torchneuron
+        from torchneuron.compiler import cache
+        path = cache._path(sys.stdin.readline().strip())
+        while not path.exists():
+            time.sleep(0.01)
+        print(sum(cache._read(path) is None for _ in range(300)))
+    """
+    env = {**os.environ, "TORCHNEURON_CACHE_DIR": str(tmp_path)}
+    w = subprocess.Popen([sys.executable, "-c", textwrap.dedent(writer)], env=env, stdout=subprocess.PIPE, text=True)
+    r = subprocess.Popen([sys.executable, "-c", textwrap.dedent(reader)], env=env, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    key = w.stdout.readline()
+    r.stdin.write(key)
+    r.stdin.flush()
+    bad, _ = r.communicate(timeout=300)
+    w.communicate(timeout=300)
+    assert w.returncode == 0 and r.returncode == 0 and key.strip()
+    assert int(bad) == 0
+
+
 def test_in_memory_cache_serves_a_recompiled_graph():
     x = torch.randn(20, 30, device="neuron")
     fn = lambda t: torch.sin(t) * torch.cos(t)  # noqa: E731
