@@ -18,11 +18,18 @@ from torchneuron.compiler import cache_stats, clear_cache, reports
 from torchneuron.runtime import profiler
 
 
+def _start(code: str, env: dict, **pipes) -> subprocess.Popen:
+    """A Python process running ``code`` (dedented) with ``env`` added to this one's environment; text pipes as
+    ``pipes`` asks (stdout=subprocess.PIPE, ...)."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, **env}, text=True,
+                            **pipes)
+
+
 def _run(code: str, env: dict) -> str:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, **env},
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    proc = _start(code, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return out
 
 
 def test_backend_is_registered_by_import_torch_alone(tmp_path):
@@ -107,9 +114,8 @@ def test_two_processes_compiling_at_once_share_the_cache_safely(tmp_path):
     disk (atomic writes: each entry is renamed into place whole)."""
     alone = _run(SCRIPT, {"TORCHNEURON_CACHE_DIR": str(tmp_path / "alone")}).split()
     shared = tmp_path / "shared"
-    env = {**os.environ, "TORCHNEURON_CACHE_DIR": str(shared)}
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(SCRIPT)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [_start(SCRIPT, {"TORCHNEURON_CACHE_DIR": str(shared)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-3000:] for _, err in outs]
     for out, _ in outs:
@@ -140,10 +146,9 @@ def test_a_reader_never_sees_a_partly_written_entry(tmp_path):
             time.sleep(0.01)
         print(sum(cache._read(path) is None for _ in range(300)))
     """
-    env = {**os.environ, "TORCHNEURON_CACHE_DIR": str(tmp_path)}
-    w = subprocess.Popen([sys.executable, "-c", textwrap.dedent(writer)], env=env, stdout=subprocess.PIPE, text=True)
-    r = subprocess.Popen([sys.executable, "-c", textwrap.dedent(reader)], env=env, stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    env = {"TORCHNEURON_CACHE_DIR": str(tmp_path)}
+    w = _start(writer, env, stdout=subprocess.PIPE)
+    r = _start(reader, env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     key = w.stdout.readline()
     r.stdin.write(key)
     r.stdin.flush()
